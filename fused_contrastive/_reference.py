@@ -1,0 +1,138 @@
+"""The reference backend: every loss written naively from its definition.
+
+It materialises the full logits matrix and uses ``F.cross_entropy`` / ``logsumexp``; O(N*M) memory.
+It shares no code with the other backends and is the oracle of the test-suite. Arguments arrive
+validated from ``losses.py`` / ``cosent.py``; ``s`` is the 0-dim scale (1 / temperature).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_EPS = 1e-12
+
+
+def _dt(*xs) -> torch.dtype:
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def _unit(x: Tensor, normalize: bool, dt) -> Tensor:
+    x = x.to(dt)
+    return F.normalize(x, dim=-1, eps=_EPS) if normalize else x
+
+
+def _self_mask(n: int, m: int, offset: int, device) -> Tensor:
+    """[n, m] bool, True at (i, offset + i)."""
+    return torch.arange(m, device=device)[None, :] == (torch.arange(n, device=device) + offset)[:, None]
+
+
+def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index):
+    dt = _dt(query, keys)
+    q = _unit(query, normalize, dt)
+    k = q if keys is None else _unit(keys, normalize, dt)
+    logits = (q @ k.T) * s.to(dt)
+    if exclude_self:
+        logits = logits.masked_fill(_self_mask(q.shape[0], k.shape[0], 0, q.device), float("-inf"))
+    if symmetric:
+        rows = F.cross_entropy(logits, target, reduction="none")
+        cols = F.cross_entropy(logits.T, target, reduction="none")
+        per = (rows + cols) / 2
+        return per if reduction == "none" else (per.sum() if reduction == "sum" else per.mean())
+    return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index)
+
+
+def simcse_sup(anchor, positive, negative, s, hard_negative_weight, normalize, reduction):
+    dt = _dt(anchor, positive, negative)
+    a, p, n = (_unit(x, normalize, dt) for x in (anchor, positive, negative))
+    sd = s.to(dt)
+    neg = (a @ n.T) * sd + hard_negative_weight * torch.eye(a.shape[0], dtype=dt, device=a.device)
+    logits = torch.cat([(a @ p.T) * sd, neg], dim=1)
+    return F.cross_entropy(logits, torch.arange(a.shape[0], device=a.device), reduction=reduction)
+
+
+def _reduce(per: Tensor, reduction: str) -> Tensor:
+    return per if reduction == "none" else (per.sum() if reduction == "sum" else per.mean())
+
+
+def supcon(features, labels, mask, s, t, base_temperature, contrast_mode, variant, queue, queue_labels,
+           normalize, reduction):
+    """SupContrast's algorithm, without its max shift and 1e-30 fudge (exact), plus queue columns."""
+    dt = _dt(features, queue)
+    bsz, n_views, _ = features.shape
+    dev = features.device
+    f = _unit(features, normalize, dt)
+    contrast = torch.cat(torch.unbind(f, dim=1), dim=0)
+    anchors = contrast if contrast_mode == "all" else f[:, 0]
+    n_anchor_views = n_views if contrast_mode == "all" else 1
+    if mask is None:
+        lab = labels if labels is not None else torch.arange(bsz, device=dev)
+        mask = (lab[:, None] == lab[None, :]).to(dt)
+    else:
+        mask = mask.to(dt)
+    pos = mask.repeat(n_anchor_views, n_views)
+    if queue is not None:
+        q = _unit(queue.detach(), normalize, dt)
+        contrast = torch.cat([contrast, q])
+        if queue_labels is not None:
+            lab_rows = labels.repeat(n_anchor_views)
+            qpos = (lab_rows[:, None] == queue_labels[None, :]).to(dt)
+        else:
+            qpos = torch.zeros(pos.shape[0], q.shape[0], dtype=dt, device=dev)
+        pos = torch.cat([pos, qpos], dim=1)
+    logits = (anchors @ contrast.T) * s.to(dt)
+    self_m = _self_mask(anchors.shape[0], contrast.shape[0], 0, dev)
+    pos = pos.masked_fill(self_m, 0)
+    logits = logits.masked_fill(self_m, float("-inf"))
+    log_prob = logits - torch.logsumexp(logits, dim=1, keepdim=True)
+    n_pos = pos.sum(dim=1)
+    has = n_pos > 0
+    safe = torch.where(has, n_pos, torch.ones_like(n_pos))
+    if variant == "out":
+        # 0 * (-inf) at the excluded self column must read as 0
+        term = torch.where(pos != 0, pos * log_prob, torch.zeros_like(log_prob)).sum(dim=1) / safe
+    else:
+        lp = log_prob + torch.log(pos)  # log(w_ij p_ij), -inf off the positives
+        term = torch.logsumexp(lp, dim=1) - torch.log(safe)
+    per = torch.where(has, -term, torch.zeros_like(term))
+    return (t / base_temperature).to(dt) * _reduce(per, reduction)
+
+
+def dscl(features, labels, s, t, base_temperature, beta, queue, queue_labels, normalize, reduction):
+    """DSCL by its definition: an explicit [bsz, 2*bsz + K] weight matrix over the contrast set."""
+    dt = _dt(features, queue)
+    bsz = features.shape[0]
+    dev = features.device
+    f = _unit(features, normalize, dt)
+    anchors = f[:, 0]
+    contrast = torch.cat([f[:, 0], f[:, 1]])
+    col_lab = labels.repeat(2)
+    if queue is not None:
+        contrast = torch.cat([contrast, _unit(queue.detach(), normalize, dt)])
+        col_lab = torch.cat([col_lab, queue_labels])
+    logits = (anchors @ contrast.T) * s.to(dt)
+    self_m = _self_mask(bsz, contrast.shape[0], 0, dev)
+    logits = logits.masked_fill(self_m, float("-inf"))
+    log_prob = logits - torch.logsumexp(logits, dim=1, keepdim=True)
+    pos = (labels[:, None] == col_lab[None, :]) & ~self_m
+    own = _self_mask(bsz, contrast.shape[0], bsz, dev)
+    n_pos = pos.sum(dim=1, keepdim=True).to(dt)
+    others = n_pos - 1
+    w = torch.where(pos, beta / others.clamp_min(1), torch.zeros_like(log_prob))
+    w = torch.where(own, torch.ones_like(w), w)
+    mean = torch.where(w != 0, w * log_prob, torch.zeros_like(log_prob)).sum(dim=1) / w.sum(dim=1)
+    tb = t if base_temperature is None else base_temperature
+    return (t / tb).to(dt) * _reduce(-mean, reduction)
+
+
+def cosent(scores: Tensor, labels: Tensor, scale) -> Tensor:
+    """CoSENT with the B x B pair matrix: log(1 + sum_{y_a > y_b} exp(scale * (s_b - s_a)))."""
+    dt = _dt(scores)
+    u = scores.to(dt) * (scale.to(dt) if isinstance(scale, Tensor) else scale)
+    diff = u[None, :] - u[:, None]  # [a, b] -> u_b - u_a
+    pairs = labels[:, None] > labels[None, :]
+    terms = torch.cat([torch.zeros(1, dtype=dt, device=u.device), diff[pairs]])
+    return torch.logsumexp(terms, dim=0)

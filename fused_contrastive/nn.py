@@ -1,0 +1,94 @@
+"""``torch.nn.Module`` wrappers of the losses: hold the options, call the functional form."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .cosent import cosent_loss
+from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, supcon_loss
+
+__all__ = ["InfoNCELoss", "SimCSELoss", "SupConLoss", "DSCLLoss", "CoSENTLoss", "CLIPLoss"]
+
+
+class InfoNCELoss(nn.Module):
+    """Module form of :func:`fused_contrastive.info_nce`; ``forward(query, keys=None, target=None)``."""
+
+    def __init__(self, temperature: Optional[float] = None, *, scale: Optional[float] = None,
+                 exclude_self: Optional[bool] = None, symmetric: bool = False, normalize: bool = True,
+                 reduction: str = "mean", ignore_index: int = -100, backend: str = "auto"):
+        super().__init__()
+        self.kw = dict(temperature=temperature, scale=scale, exclude_self=exclude_self, symmetric=symmetric,
+                       normalize=normalize, reduction=reduction, ignore_index=ignore_index, backend=backend)
+
+    def forward(self, query: Tensor, keys: Optional[Tensor] = None, target: Optional[Tensor] = None) -> Tensor:
+        return info_nce(query, keys, target, **self.kw)
+
+
+class SimCSELoss(nn.Module):
+    """Module form of :func:`fused_contrastive.simcse_loss`; ``forward(z1, z2=None)``."""
+
+    def __init__(self, temperature: float = 0.05, *, normalize: bool = True, reduction: str = "mean",
+                 backend: str = "auto"):
+        super().__init__()
+        self.kw = dict(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend)
+
+    def forward(self, z1: Tensor, z2: Optional[Tensor] = None) -> Tensor:
+        return simcse_loss(z1, z2, **self.kw)
+
+
+class SupConLoss(nn.Module):
+    """Module form of :func:`fused_contrastive.supcon_loss`;
+    ``forward(features, labels=None, mask=None, queue=None, queue_labels=None)``."""
+
+    def __init__(self, temperature: float = 0.07, base_temperature: float = 0.07, *, contrast_mode: str = "all",
+                 variant: str = "out", normalize: bool = True, reduction: str = "mean", backend: str = "auto"):
+        super().__init__()
+        self.kw = dict(temperature=temperature, base_temperature=base_temperature, contrast_mode=contrast_mode,
+                       variant=variant, normalize=normalize, reduction=reduction, backend=backend)
+
+    def forward(self, features: Tensor, labels: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                queue: Optional[Tensor] = None, queue_labels: Optional[Tensor] = None) -> Tensor:
+        return supcon_loss(features, labels, mask, queue=queue, queue_labels=queue_labels, **self.kw)
+
+
+class DSCLLoss(nn.Module):
+    """Module form of :func:`fused_contrastive.dscl_loss`; ``forward(features, labels, queue=None, queue_labels=None)``."""
+
+    def __init__(self, beta: float = 8.0, temperature: float = 0.07, base_temperature: Optional[float] = None, *,
+                 normalize: bool = True, reduction: str = "mean", backend: str = "auto"):
+        super().__init__()
+        self.kw = dict(beta=beta, temperature=temperature, base_temperature=base_temperature, normalize=normalize,
+                       reduction=reduction, backend=backend)
+
+    def forward(self, features: Tensor, labels: Tensor, queue: Optional[Tensor] = None,
+                queue_labels: Optional[Tensor] = None) -> Tensor:
+        return dscl_loss(features, labels, queue=queue, queue_labels=queue_labels, **self.kw)
+
+
+class CoSENTLoss(nn.Module):
+    """Module form of :func:`fused_contrastive.cosent_loss`; ``forward(u, v, labels)``."""
+
+    def __init__(self, scale: float = 20.0, *, backend: str = "auto"):
+        super().__init__()
+        self.scale, self.backend = scale, backend
+
+    def forward(self, u: Tensor, v: Tensor, labels: Tensor) -> Tensor:
+        return cosent_loss(u, v, labels, scale=self.scale, backend=self.backend)
+
+
+class CLIPLoss(nn.Module):
+    """CLIP loss with a learnable temperature: ``logit_scale`` (a parameter, initialised to
+    ``log(1 / 0.07)``) is used as ``exp(logit_scale)``; ``forward(a, b)`` with a, b [N, D]."""
+
+    def __init__(self, init_temperature: float = 0.07, *, normalize: bool = True, reduction: str = "mean",
+                 backend: str = "auto"):
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)))
+        self.kw = dict(normalize=normalize, reduction=reduction, backend=backend)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return clip_loss(a, b, self.logit_scale.exp(), **self.kw)
