@@ -65,25 +65,43 @@ def _prep(x: Tensor, spec: CoreSpec, dtype: torch.dtype) -> Tuple[Tensor, Option
 
 
 def _norm_bwd(d_hat: Tensor, x_hat: Tensor, norm: Optional[Tensor], eps: float) -> Tensor:
-    """Backward of x -> x / max(||x||, eps): (g - x_hat <g, x_hat>) / ||x||, or g / eps if clamped."""
+    """Backward of x -> x / max(||x||, eps): (g - x_hat <g, x_hat>) / ||x||, or g / eps if clamped.
+
+    Works in place on ``d_hat`` (a buffer this module owns) to keep the peak memory at O(N*D) with
+    a small constant.
+    """
     if norm is None:
         return d_hat
-    proj = (d_hat * x_hat).sum(dim=1)
+    proj = torch.linalg.vecdot(d_hat, x_hat, dim=1)
     proj = torch.where(norm > eps, proj, torch.zeros_like(proj))
-    return (d_hat - x_hat * proj[:, None]) / norm[:, None]
+    d_hat.addcmul_(x_hat, proj[:, None], value=-1.0)
+    return d_hat.div_(norm[:, None])
 
 
 class _Tiles:
     """Builds masked logit tiles of the core op for a row range and a column range."""
 
-    def __init__(self, a: Tensor, b: Tensor, s: Tensor, spec: CoreSpec, t: CoreTensors):
-        self.a, self.b, self.s, self.spec, self.t = a, b, s, spec, t
+    def __init__(self, a: Tensor, a_norm: Optional[Tensor], b: Tensor, s: Tensor, spec: CoreSpec,
+                 t: CoreTensors, a_is_hat: bool):
+        """``a``: anchors, already normalised (``a_is_hat``) or raw with clamped norms ``a_norm``
+        (rows are then normalised one chunk at a time: no full normalised copy of A)."""
+        self.a, self.a_norm, self.a_is_hat = a, a_norm, a_is_hat
+        self.b, self.s, self.spec, self.t = b, s, spec, t
         self.m = b.shape[0]
+        self.dtype = b.dtype
+
+    def arows(self, r0: int, r1: int) -> Tensor:
+        """Normalised anchor rows [r0, r1) in the compute dtype."""
+        x = self.a[r0:r1]
+        if self.a_is_hat:
+            return x
+        x = x.to(self.dtype)
+        return x / self.a_norm[r0:r1, None] if self.a_norm is not None else x
 
     def logits(self, r0: int, r1: int, c0: int, c1: int) -> Tuple[Tensor, Tensor]:
         """(cosine tile, masked logit tile) for rows [r0, r1) and columns [c0, c1)."""
         spec, t = self.spec, self.t
-        c = self.a[r0:r1] @ self.b[c0:c1].T
+        c = self.arows(r0, r1) @ self.b[c0:c1].T
         l = c * self.s
         if t.bias_col is not None:
             bc = t.bias_col[r0:r1] - c0
@@ -126,7 +144,7 @@ def _softmax_grad(l: Tensor, lse: Tensor, g: Tensor, dim: int) -> Tensor:
 def _stats_rows(tiles: _Tiles, n: int, spec: CoreSpec):
     """Forward stats pass, non-symmetric: row chunks spanning all columns."""
     m = tiles.m
-    dev, dt = tiles.a.device, tiles.a.dtype
+    dev, dt = tiles.b.device, tiles.dtype
     lse = torch.empty(n, device=dev, dtype=dt)
     lse_pos = torch.empty(n, device=dev, dtype=dt) if spec.want_pos else None
     lse_col = torch.full((m,), _NEG_INF, device=dev, dtype=dt) if spec.want_col else None
@@ -146,15 +164,18 @@ def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, 
                 eager_w: Optional[Tuple[Tensor, Optional[Tensor]]] = None):
     """Gradient pass, non-symmetric: d l_ij = g_i p_ij + gc_j pc_ij + gp_i q_ij per row chunk.
 
+    Returns ``da`` already through the normalisation backward (input space, one chunk at a time),
+    ``db`` in normalised space (its rows collect contributions from every chunk), and ``ds``.
     With ``eager_w = (w_row, w_pos)`` the pass also produces LSE / LSEpos (each row chunk spans all
     columns, so its LSE is final) and uses the weights as the upstream gradient: one pass, 3 units.
     """
     m = tiles.m
-    a, b, s = tiles.a, tiles.b, tiles.s
-    dev, dt = a.device, a.dtype
+    b, s = tiles.b, tiles.s
+    dev, dt = b.device, tiles.dtype
+    d = b.shape[1]
     gcols = m if spec.grad_cols is None else spec.grad_cols
-    da = torch.empty_like(a) if need_a else None
-    db = torch.zeros(gcols, a.shape[1], device=dev, dtype=dt) if need_b else None
+    da = torch.empty(n, d, device=dev, dtype=dt) if need_a else None
+    db = torch.zeros(gcols, d, device=dev, dtype=dt) if need_b else None
     ds = torch.zeros((), device=dev, dtype=dt)
     if eager_w is not None:
         g, g_pos = eager_w
@@ -186,16 +207,17 @@ def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, 
         if need_s:
             ds += torch.vdot(dl.reshape(-1), c.reshape(-1))
         del c
+        ar = tiles.arows(r0, r1) if (need_a or need_b) else None
         if need_a:
-            torch.matmul(dl, b, out=da[r0:r1])
+            dar = torch.matmul(dl, b).mul_(s)
+            na = tiles.a_norm[r0:r1] if tiles.a_norm is not None else None
+            da[r0:r1] = _norm_bwd(dar, ar, na, spec.eps)
         if need_b:
-            db.addmm_(dl[:, :gcols].T, a[r0:r1])
-    if need_a:
-        da.mul_(s)
+            db.addmm_(dl[:, :gcols].T, ar)
     if need_b:
         db.mul_(s)
         if gcols < m:
-            db = torch.cat([db, torch.zeros(m - gcols, a.shape[1], device=dev, dtype=dt)])
+            db = torch.cat([db, torch.zeros(m - gcols, d, device=dev, dtype=dt)])
     if eager_w is not None:
         return da, db, ds, lse, lse_pos
     return da, db, ds
@@ -211,7 +233,7 @@ def _sym_pairs(n: int):
 
 def _stats_sym(tiles: _Tiles, n: int, spec: CoreSpec):
     """Forward stats pass over blocks I <= J of the symmetric S = A_hat A_hat^T (1/2 unit)."""
-    dev, dt = tiles.a.device, tiles.a.dtype
+    dev, dt = tiles.b.device, tiles.dtype
     lse = torch.full((n,), _NEG_INF, device=dev, dtype=dt)
     lse_pos = torch.full((n,), _NEG_INF, device=dev, dtype=dt) if spec.want_pos else None
     for i0, i1, j0, j1 in _sym_pairs(n):
@@ -229,8 +251,9 @@ def _stats_sym(tiles: _Tiles, n: int, spec: CoreSpec):
 
 
 def _grads_sym(tiles, n, spec, lse, lse_pos, g, g_pos, need_s):
-    """Symmetric backward: per block pair H = G_IJ + G_JI^T, dA_I += s H A_J, dA_J += s H^T A_I."""
-    a, s = tiles.a, tiles.s
+    """Symmetric backward: per block pair H = G_IJ + G_JI^T, dA_I += s H A_J, dA_J += s H^T A_I.
+    Returns dA in normalised space."""
+    a, s = tiles.b, tiles.s
     da = torch.zeros_like(a)
     ds = torch.zeros((), device=a.device, dtype=a.dtype)
     for i0, i1, j0, j1 in _sym_pairs(n):
@@ -274,6 +297,39 @@ def _compute_dtype(*xs: Optional[Tensor]) -> torch.dtype:
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
+def _norms(x: Tensor, spec: CoreSpec, dtype: torch.dtype) -> Optional[Tensor]:
+    if not spec.normalize:
+        return None
+    return torch.linalg.vector_norm(x, dim=1, dtype=dtype).clamp_min(spec.eps)
+
+
+def _setup(a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: CoreTensors, dt: torch.dtype):
+    """Tiles of the problem plus the normalised contrast set (the only full normalised copy:
+    anchor rows are normalised chunk by chunk unless A is B)."""
+    s = scale.detach().to(dt)
+    if b is None:
+        bh, nb = _prep(a, spec, dt)
+        return _Tiles(bh, nb, bh, s, spec, t, a_is_hat=True), bh, nb
+    bh, nb = _prep(b, spec, dt)
+    return _Tiles(a, _norms(a, spec, dt), bh, s, spec, t, a_is_hat=False), bh, nb
+
+
+def _input_grads(tiles, bh, nb, same, sym, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+                 need_a, need_b, need_s, eager_w=None):
+    """(grad A, grad B, grad s[, LSE, LSEpos]) in the compute dtype, through the normalisation."""
+    if sym:
+        da_hat, ds = _grads_sym(tiles, n, spec, lse, lse_pos, g, g_pos, need_s)
+        return _norm_bwd(da_hat, bh, nb, spec.eps), None, ds
+    res = _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+                      need_a, need_b or (same and need_a), need_s, eager_w=eager_w)
+    ga, db_hat, ds = res[:3]
+    gb = _norm_bwd(db_hat, bh, nb, spec.eps) if db_hat is not None else None
+    if same:
+        ga = ga.add_(gb) if ga is not None else None
+        gb = None
+    return (ga, gb, ds) + tuple(res[3:])
+
+
 class TorchCoreFn(torch.autograd.Function):
     """Core op (see ``_spec.py``) with a chunked forward and an O(N*D)-memory backward.
 
@@ -287,28 +343,21 @@ class TorchCoreFn(torch.autograd.Function):
     def forward(ctx, a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: CoreTensors):
         dt = _compute_dtype(a, b)
         same = b is None
-        ah, na = _prep(a, spec, dt)
-        bh, nb = (ah, na) if same else _prep(b, spec, dt)
-        s = scale.detach().to(dt)
-        tiles = _Tiles(ah, bh, s, spec, t)
+        tiles, bh, nb = _setup(a, b, scale, spec, t, dt)
         n = a.shape[0]
         sym = same and not spec.want_col and t.bias_col is None
         need_a, need_b, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         ctx.spec, ctx.t, ctx.sym, ctx.same = spec, t, sym, same
         ctx.dtypes = (a.dtype, None if same else b.dtype, scale.dtype)
-        empty = ah.new_empty(0)
 
-        eager = t.weighted and not sym and not spec.want_col and (need_a or need_b or need_s)
-        if eager:
-            da, db, ds, lse, lse_pos = _grads_rows(
-                tiles, n, spec, None, None, None, None, None, None,
-                need_a, need_b or (same and need_a), need_s, eager_w=(t.w_row.to(dt), _opt(t.w_pos, dt)))
-            if same:
-                da = da + db if db is not None else da
-                db = None
-            ga = _norm_bwd(da, ah, na, spec.eps) if da is not None else None
-            gb = _norm_bwd(db, bh, nb, spec.eps) if db is not None else None
+        if t.weighted and not sym and not spec.want_col and (need_a or need_b or need_s):
+            # eager: the upstream gradient of a weighted sum is a scalar, so form the gradients now
+            ga, gb, ds, lse, lse_pos = _input_grads(
+                tiles, bh, nb, same, sym, n, spec, None, None, None, None, None, None,
+                need_a, need_b, need_s, eager_w=(t.w_row.to(dt), _opt(t.w_pos, dt)))
             ctx.eager = (ga, gb, ds if need_s else None)
+            # keep what a recomputing backward needs, should backward run twice (retain_graph)
+            ctx.save_for_backward(a, b, scale, lse, None, lse_pos)
             return _weighted_total(lse, None, lse_pos, t)
 
         ctx.eager = None
@@ -319,21 +368,30 @@ class TorchCoreFn(torch.autograd.Function):
         ctx.save_for_backward(a, b, scale, lse, lse_col, lse_pos)
         if t.weighted:
             return _weighted_total(lse, lse_col, lse_pos, t)
+        empty = lse.new_empty(0)
         return lse, (lse_col if lse_col is not None else empty), (lse_pos if lse_pos is not None else empty)
 
     @staticmethod
     def backward(ctx, *grads):
         spec, t = ctx.spec, ctx.t
         need_a, need_b, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if ctx.eager is not None:
-            ga, gb, ds = ctx.eager
-            go = grads[0]
+
+        def out(ga, gb, ds):
             return (
-                (ga * go).to(ctx.dtypes[0]) if need_a else None,
-                (gb * go).to(ctx.dtypes[1]) if need_b and gb is not None else None,
-                (ds * go).to(ctx.dtypes[2]).reshape(()) if need_s else None,
+                ga.to(ctx.dtypes[0]) if need_a else None,
+                gb.to(ctx.dtypes[1]) if need_b and gb is not None else None,
+                ds.to(ctx.dtypes[2]).reshape(()) if need_s else None,
                 None, None,
             )
+
+        if ctx.eager is not None:
+            # gradients computed in the forward: scale them in place (the buffers are ours, and are
+            # dropped here; a second backward through a retained graph takes the recompute path)
+            ga, gb, ds = ctx.eager
+            ctx.eager = None
+            go = grads[0]
+            return out(ga.mul_(go) if ga is not None else None, gb.mul_(go) if gb is not None else None,
+                       ds * go if ds is not None else None)
         a, b, scale, lse, lse_col, lse_pos = ctx.saved_tensors
         dt = lse.dtype
         if t.weighted:
@@ -350,24 +408,10 @@ class TorchCoreFn(torch.autograd.Function):
         if g_pos is not None:
             # zero-positive rows (LSEpos = -inf) carry no softmax over positives
             g_pos = torch.where(lse_pos == _NEG_INF, torch.zeros_like(g_pos), g_pos)
-        same = ctx.same
-        ah, na = _prep(a, spec, dt)
-        bh, nb = (ah, na) if same else _prep(b, spec, dt)
-        s = scale.detach().to(dt)
-        tiles = _Tiles(ah, bh, s, spec, t)
-        n = a.shape[0]
-        if ctx.sym:
-            da, ds = _grads_sym(tiles, n, spec, lse, lse_pos, g, g_pos, need_s)
-            db = None
-        else:
-            da, db, ds = _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
-                                     need_a, need_b or (same and need_a), need_s)
-            if same:
-                da = da + db
-                db = None
-        ga = _norm_bwd(da, ah, na, spec.eps).to(ctx.dtypes[0]) if need_a else None
-        gb = _norm_bwd(db, bh, nb, spec.eps).to(ctx.dtypes[1]) if need_b and db is not None else None
-        return ga, gb, (ds.to(ctx.dtypes[2]).reshape(()) if need_s else None), None, None
+        tiles, bh, nb = _setup(a, b, scale, spec, t, dt)
+        ga, gb, ds = _input_grads(tiles, bh, nb, ctx.same, ctx.sym, a.shape[0], spec, lse, lse_col, lse_pos,
+                                  g, g_col, g_pos, need_a, need_b, need_s)
+        return out(ga, gb, ds)
 
 
 def _opt(x: Optional[Tensor], dt) -> Optional[Tensor]:

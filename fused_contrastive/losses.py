@@ -68,6 +68,69 @@ def _times(c: Tensor, x: Tensor) -> Tensor:
     return torch.where(c != 0, c * x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+class _PairCos(torch.autograd.Function):
+    """``out_i = <x_hat_i, y_hat_{idx_i}>`` (cosine of row i of x with row idx_i of y).
+
+    The positive logit of the CE-shaped losses. Written as a Function so that it saves only its
+    inputs (no normalised or gathered [N, D] copies) and works in row chunks: the O(N*D) memory of
+    the losses stays a small multiple of the inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, y: Tensor, idx: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
+        ctx.save_for_backward(x, y, idx)
+        ctx.normalize, ctx.dt = normalize, dt
+        out = torch.empty(x.shape[0], dtype=dt, device=x.device)
+        for r0, r1 in _chunks(x.shape[0], x.shape[1]):
+            xr, yr = x[r0:r1].to(dt), y[idx[r0:r1]].to(dt)
+            dot = torch.linalg.vecdot(xr, yr, dim=1)
+            if normalize:
+                dot = dot / (_norm(xr) * _norm(yr))
+            out[r0:r1] = dot
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, y, idx = ctx.saved_tensors
+        dt = ctx.dt
+        need_x, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gx = torch.empty_like(x) if need_x else None
+        gy = torch.zeros(y.shape, dtype=dt, device=y.device) if need_y else None
+        for r0, r1 in _chunks(x.shape[0], x.shape[1]):
+            xr, yr, gr = x[r0:r1].to(dt), y[idx[r0:r1]].to(dt), g[r0:r1].to(dt)[:, None]
+            if ctx.normalize:
+                nx, ny = _norm(xr)[:, None], _norm(yr)[:, None]
+                xh, yh = xr / nx, yr / ny
+                c = torch.linalg.vecdot(xh, yh, dim=1)[:, None]
+                # d<x/|x|, y/|y|>/dx = (y_hat - x_hat c) / |x| (the projection vanishes when |x| < eps)
+                cx = torch.where(nx > _EPS, c, torch.zeros_like(c))
+                cy = torch.where(ny > _EPS, c, torch.zeros_like(c))
+                if need_x:
+                    gx[r0:r1] = (gr * (yh - xh * cx) / nx).to(x.dtype)
+                if need_y:
+                    gy.index_add_(0, idx[r0:r1], gr * (xh - yh * cy) / ny)
+            else:
+                if need_x:
+                    gx[r0:r1] = (gr * yr).to(x.dtype)
+                if need_y:
+                    gy.index_add_(0, idx[r0:r1], gr * xr)
+        return gx, (gy.to(y.dtype) if need_y else None), None, None, None
+
+
+def _norm(x: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(x, dim=1).clamp_min(_EPS)
+
+
+def _chunks(n: int, d: int, elems: int = 1 << 20):
+    step = max(1, elems // max(d, 1))
+    for r0 in range(0, n, step):
+        yield r0, min(n, r0 + step)
+
+
+def _pair_cos(x: Tensor, y: Tensor, idx: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
+    return _PairCos.apply(x, y, idx, normalize, dt)
+
+
 def _scale_of(temperature, scale, default_t: float, device) -> Tuple[Tensor, Tensor]:
     """(s, t): both 0-dim tensors, s = 1 / t, keeping the autograd link to the given one."""
     if temperature is not None and scale is not None:
@@ -215,10 +278,7 @@ def info_nce(
     dt = _compute_dtype(query, keys)
     valid = target != ignore_index
     tgt = torch.where(valid, target, torch.zeros_like(target))
-    a_hat = _unit(query, normalize, dt)
-    b_hat = a_hat if keys is None else _unit(keys, normalize, dt)
-    s_dt = s.to(dt)
-    pos = s_dt * _rowdot(a_hat, b_hat[tgt])
+    pos = s.to(dt) * _pair_cos(query, query if keys is None else keys, tgt, normalize, dt)
     if exclude_self:
         # the target column is the excluded self column: its logit is -inf, so the loss is +inf
         pos = torch.where(tgt == torch.arange(n, device=dev), torch.full_like(pos, float("-inf")), pos)
@@ -320,7 +380,7 @@ def simcse_sup_loss(anchor: Tensor, positive: Optional[Tensor] = None, negative:
     n = anchor.shape[0]
     dt = _compute_dtype(anchor, positive, negative)
     keys = torch.cat([positive, negative.to(positive.dtype)], dim=0)
-    pos = s.to(dt) * _rowdot(_unit(anchor, normalize, dt), _unit(positive, normalize, dt))
+    pos = s.to(dt) * _pair_cos(anchor, positive, torch.arange(n, device=dev), normalize, dt)
     spec = CoreSpec(normalize=normalize, eps=_EPS, bias=float(hard_negative_weight))
     t = CoreTensors(bias_col=torch.arange(n, 2 * n, device=dev))
     ones = torch.ones(n, dtype=dt, device=dev)
