@@ -96,6 +96,9 @@ def supcon(features, labels, mask, s, t, base_temperature, contrast_mode, varian
         term = torch.where(pos != 0, pos * log_prob, torch.zeros_like(log_prob)).sum(dim=1) / safe
     else:
         lp = log_prob + torch.log(pos)  # log(w_ij p_ij), -inf off the positives
+        # rows without a positive are all -inf: give them finite logits so that their (discarded)
+        # logsumexp has a finite gradient instead of 0 * nan
+        lp = torch.where(has[:, None], lp, torch.zeros_like(lp))
         term = torch.logsumexp(lp, dim=1) - torch.log(safe)
     per = torch.where(has, -term, torch.zeros_like(term))
     return (t / base_temperature).to(dt) * _reduce(per, reduction)

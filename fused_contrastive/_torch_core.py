@@ -124,7 +124,7 @@ class _Tiles:
             n0, m0 = t.pos_mask.shape
             ri = torch.arange(r0, r1, device=l.device) % n0
             ci = torch.arange(c0, c1, device=l.device) % m0
-            w = t.pos_mask[ri][:, ci].to(l.dtype)
+            w = t.pos_mask[ri[:, None], ci[None, :]].to(l.dtype)
             return l + torch.log(w)
         eq = t.row_labels[r0:r1, None] == t.col_labels[None, c0:c1]
         return l.masked_fill(~eq, _NEG_INF)

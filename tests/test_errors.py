@@ -1,0 +1,73 @@
+"""Bad input raises ValueError / TypeError whose message names the offending argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fused_contrastive as fc
+
+X = torch.randn(6, 4)
+Y = torch.randn(6, 4)
+F3 = torch.randn(6, 2, 4)
+LAB = torch.tensor([0, 0, 1, 1, 2, 2])
+
+CASES = [
+    ("mismatched D", lambda: fc.info_nce(X, torch.randn(6, 5)), ValueError, "keys"),
+    ("target float", lambda: fc.info_nce(X, Y, torch.zeros(6)), TypeError, "target"),
+    ("target range", lambda: fc.info_nce(X, Y, torch.tensor([0, 1, 2, 3, 4, 6])), ValueError, "target"),
+    ("target negative", lambda: fc.info_nce(X, Y, torch.tensor([0, 1, 2, 3, 4, -3])), ValueError, "target"),
+    ("target length", lambda: fc.info_nce(X, Y, torch.arange(5)), ValueError, "target"),
+    ("target self", lambda: fc.info_nce(X), ValueError, "target"),
+    ("labels length", lambda: fc.supcon_loss(F3, torch.arange(5)), ValueError, "labels"),
+    ("labels float", lambda: fc.supcon_loss(F3, torch.zeros(6)), TypeError, "labels"),
+    ("labels and mask", lambda: fc.supcon_loss(F3, LAB, torch.eye(6)), ValueError, "mask"),
+    ("mask shape", lambda: fc.supcon_loss(F3, mask=torch.eye(5)), ValueError, "mask"),
+    ("temperature 0", lambda: fc.info_nce(X, Y, temperature=0.0), ValueError, "temperature"),
+    ("temperature < 0", lambda: fc.supcon_loss(F3, LAB, temperature=-1.0), ValueError, "temperature"),
+    ("temperature nan", lambda: fc.simcse_loss(X, temperature=float("nan")), ValueError, "temperature"),
+    ("temperature inf", lambda: fc.dscl_loss(F3, LAB, temperature=float("inf")), ValueError, "temperature"),
+    ("temperature tensor 0", lambda: fc.info_nce(X, Y, temperature=torch.tensor(0.0)), ValueError, "temperature"),
+    ("temperature str", lambda: fc.info_nce(X, Y, temperature="0.1"), TypeError, "temperature"),
+    ("scale and temperature", lambda: fc.info_nce(X, Y, temperature=0.1, scale=10.0), ValueError, "scale"),
+    ("scale <= 0", lambda: fc.clip_loss(X, Y, -1.0), ValueError, "scale"),
+    ("cosent scale", lambda: fc.cosent_loss(X, Y, torch.arange(6).float(), scale=0.0), ValueError, "scale"),
+    ("empty batch", lambda: fc.info_nce(torch.randn(0, 4), Y), ValueError, "query"),
+    ("empty keys", lambda: fc.info_nce(X, torch.randn(0, 4)), ValueError, "keys"),
+    ("empty features", lambda: fc.supcon_loss(torch.randn(0, 2, 4)), ValueError, "features"),
+    ("empty D", lambda: fc.info_nce(torch.randn(6, 0), torch.randn(6, 0)), ValueError, "query"),
+    ("integer embeddings", lambda: fc.info_nce(torch.ones(6, 4, dtype=torch.long), Y), TypeError, "query"),
+    ("integer cosent u", lambda: fc.cosent_loss(torch.ones(6, 4, dtype=torch.int32), Y, LAB), TypeError, "u"),
+    ("1-d query", lambda: fc.info_nce(torch.randn(6), Y), ValueError, "query"),
+    ("not a tensor", lambda: fc.info_nce([[1.0]], Y), TypeError, "query"),
+    ("different devices", lambda: fc.info_nce(X, torch.randn(6, 4, device="meta")), ValueError, "keys"),
+    ("target other device", lambda: fc.info_nce(X, Y, torch.arange(6, device="meta")), ValueError, "target"),
+    ("labels other device", lambda: fc.supcon_loss(F3, torch.arange(6, device="meta")), ValueError, "labels"),
+    ("bad reduction", lambda: fc.info_nce(X, Y, reduction="avg"), ValueError, "reduction"),
+    ("bad backend", lambda: fc.info_nce(X, Y, backend="cuda"), ValueError, "backend"),
+    ("symmetric target", lambda: fc.info_nce(X, Y, torch.arange(6), symmetric=True), ValueError, "target"),
+    ("symmetric N != M", lambda: fc.info_nce(X, torch.randn(5, 4), symmetric=True), ValueError, "symmetric"),
+    ("simcse odd", lambda: fc.simcse_loss(torch.randn(5, 4)), ValueError, "z1"),
+    ("simcse z2 shape", lambda: fc.simcse_loss(X, torch.randn(5, 4)), ValueError, "z2"),
+    ("simcse_sup triplets", lambda: fc.simcse_sup_loss(torch.randn(7, 4)), ValueError, "anchor"),
+    ("simcse_sup negative shape", lambda: fc.simcse_sup_loss(X, Y, torch.randn(5, 4)), ValueError, "negative"),
+    ("contrast_mode", lambda: fc.supcon_loss(F3, LAB, contrast_mode="two"), ValueError, "contrast_mode"),
+    ("variant", lambda: fc.supcon_loss(F3, LAB, variant="mid"), ValueError, "variant"),
+    ("queue labels missing", lambda: fc.supcon_loss(F3, LAB, queue=torch.randn(3, 4)), ValueError, "queue_labels"),
+    ("queue D", lambda: fc.supcon_loss(F3, LAB, queue=torch.randn(3, 5), queue_labels=torch.arange(3)),
+     ValueError, "queue"),
+    ("queue with mask", lambda: fc.supcon_loss(F3, mask=torch.eye(6), queue=torch.randn(3, 4)), ValueError, "queue"),
+    ("dscl views", lambda: fc.dscl_loss(torch.randn(6, 3, 4), LAB), ValueError, "features"),
+    ("dscl beta", lambda: fc.dscl_loss(F3, LAB, beta=-1.0), ValueError, "beta"),
+    ("dscl labels None", lambda: fc.dscl_loss(F3, None), ValueError, "labels"),
+    ("cosent labels length", lambda: fc.cosent_loss(X, Y, torch.arange(5)), ValueError, "labels"),
+    ("cosent v shape", lambda: fc.cosent_loss(X, torch.randn(6, 3), LAB), ValueError, "v"),
+    ("cosent triton", lambda: fc.cosent_loss(X, Y, LAB, backend="triton"), ValueError, "backend"),
+]
+
+
+@pytest.mark.parametrize("what,call,exc,arg", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(what, call, exc, arg):
+    with pytest.raises(exc) as info:
+        call()
+    assert arg in str(info.value), f"message does not name {arg!r}: {info.value}"
