@@ -248,6 +248,8 @@ def info_nce(
         V.same_dim("query", query, "keys", keys)
         V.same_device(query=query, keys=keys)
     reduction = V.reduction(reduction)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if exclude_self is None:
         exclude_self = keys is None
     n = query.shape[0]
@@ -269,8 +271,6 @@ def info_nce(
         target = torch.arange(n, device=dev)
     else:
         target = V.target(target, n, m, ignore_index, dev)
-    if not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     be = V.backend(backend, query, *([keys] if keys is not None else []))
     if be == "reference":
         return ref.info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index)
