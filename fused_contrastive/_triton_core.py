@@ -16,6 +16,10 @@ Work per call in units of one N x M x D matmul (2 N M D FLOPs):
 * backward, B is A (``spec.same``): one kernel, recompute 1 + ``H @ A`` 1 = 2 (see the kernel
   docstring for why the half-triangle scheme is not used).
 
+The same launch plumbing records launches on the meta device instead of running them
+(:func:`record_core`): tests/test_triton_compile.py and bench/kernel_report.py compile exactly the
+runtime argument lists for sm_80 / sm_90 on a machine without a GPU (:func:`aot_jobs`).
+
 Nothing touches the GPU driver at import time. On CPU tensors the kernels run only under the Triton
 interpreter (``TRITON_INTERPRET=1`` before triton is imported); ``_dispatch.check_triton`` says so.
 """
@@ -23,7 +27,6 @@ interpreter (``TRITON_INTERPRET=1`` before triton is imported); ``_dispatch.chec
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -35,9 +38,8 @@ from torch import Tensor
 from ._spec import CoreSpec, CoreTensors
 from .kernels import lse as K
 
-__all__ = ["core", "TritonCoreFn", "CONFIGS", "LaunchConfig"]
+__all__ = ["CONFIGS", "LaunchConfig", "TritonCoreFn", "core"]
 
-_NEG_INF = float("-inf")
 
 #: Debug hook for the tests: fill every kernel output with NaN before the launch, so an element a
 #: kernel forgets to write shows up. Also settable with FUSED_CONTRASTIVE_TRITON_POISON=1.
@@ -73,37 +75,43 @@ class LaunchConfig:
 #: Largest padded D kept resident (whole rows in registers) by the backward kernels.
 RESIDENT_MAX_D = 128
 
-# Why these numbers (fixed, checked for 0 spills by tests/test_triton_compile.py on sm_80/sm_90):
+# Why these numbers (fixed; tests/test_triton_compile.py checks 0 spill bytes for every entry on
+# sm_80 and sm_90 with every optional term switched on):
 # * forward, 16-bit: 128 x 64 tiles, 8 warps (two warpgroups on sm_90: wgmma M = 64 each); the
-#   fp32 logit tile and its exp temporaries are 32 registers per thread each. D chunks of 64
-#   (128 B rows: one cp.async / TMA-friendly line per row); D <= 128 in one chunk.
-# * fp32 inputs use tf32x3 dots (3 tensor-core passes): half the D chunk, 64 x 64 tiles, 4 warps.
-# * backward: 64 x 64 tiles; resident D <= 128: the [64, 128] fp32 accumulator is 32 registers per
-#   thread at 8 warps. Larger D: 64-wide chunks, the accumulator lives in an fp32 scratch row block.
-# sm_90 uses the sm_80 table (wgmma is chosen by the compiler for the same tiles); a measured
-# retune belongs here, per family.
+#   fp32 logit tile and each of its exp temporaries is 32 registers per thread. D chunks of 64
+#   (128-byte rows); D <= 64 in one chunk of D_PAD. A 128-wide chunk spilled with every term on.
+# * backward, 16-bit: 64 x 64 tiles at 8 warps. The backward holds more live tiles than the
+#   forward (l, the positive logits, dl and for A-is-B the transposed dl^T) plus the accumulator:
+#   4 warps spilled. D_PAD <= 128 keeps the [64, D_PAD] fp32 accumulator in registers (resident);
+#   larger D streams 64-wide chunks through the fp32 scratch.
+# * fp32 inputs use tf32x3 dots (each operand split in a high and a low tf32 part: 3 MMAs and about
+#   twice the operand registers): 16- or 32-wide D chunks, never resident, 8 warps, and every dot
+#   with M >= 64 (wgmma needs M = 64 per warpgroup on sm_90). 64-wide chunks or a resident
+#   [64, 128] accumulator spilled kilobytes; 64 x 64 x 32 forward tiles spilled 8 bytes on sm_80.
+# sm_90 uses the same numbers (the compiler picks wgmma for the same tiles); a measured retune
+# belongs here, per family.
 _T16 = {
     # (kernel, D bucket): config  (D buckets: "d64" D_PAD <= 64, "d128" <= 128, "big" > 128)
     ("fwd", "d64"): LaunchConfig(128, 64, 0, 8, 3),
-    ("fwd", "d128"): LaunchConfig(128, 64, 0, 8, 3),
+    ("fwd", "d128"): LaunchConfig(128, 64, 64, 8, 3),
     ("fwd", "big"): LaunchConfig(128, 64, 64, 8, 3),
-    ("bwd_rows", "d64"): LaunchConfig(64, 64, 0, 4, 2),
+    ("bwd_rows", "d64"): LaunchConfig(64, 64, 0, 8, 2),
     ("bwd_rows", "d128"): LaunchConfig(64, 64, 0, 8, 2),
-    ("bwd_rows", "big"): LaunchConfig(64, 64, 64, 4, 2),
-    ("bwd_cols", "d64"): LaunchConfig(64, 64, 0, 4, 2),
+    ("bwd_rows", "big"): LaunchConfig(64, 64, 64, 8, 2),
+    ("bwd_cols", "d64"): LaunchConfig(64, 64, 0, 8, 2),
     ("bwd_cols", "d128"): LaunchConfig(64, 64, 0, 8, 2),
-    ("bwd_cols", "big"): LaunchConfig(64, 64, 64, 4, 2),
+    ("bwd_cols", "big"): LaunchConfig(64, 64, 64, 8, 2),
 }
 _T32 = {
-    ("fwd", "d64"): LaunchConfig(64, 64, 0, 4, 3),
-    ("fwd", "d128"): LaunchConfig(64, 64, 32, 4, 3),
-    ("fwd", "big"): LaunchConfig(64, 64, 32, 4, 3),
-    ("bwd_rows", "d64"): LaunchConfig(64, 32, 0, 4, 2),
-    ("bwd_rows", "d128"): LaunchConfig(64, 32, 0, 8, 2),
-    ("bwd_rows", "big"): LaunchConfig(64, 32, 32, 4, 2),
-    ("bwd_cols", "d64"): LaunchConfig(32, 64, 0, 4, 2),
-    ("bwd_cols", "d128"): LaunchConfig(32, 64, 0, 8, 2),
-    ("bwd_cols", "big"): LaunchConfig(32, 64, 32, 4, 2),
+    ("fwd", "d64"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd", "d128"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd", "big"): LaunchConfig(64, 64, 16, 8, 3),
+    ("bwd_rows", "d64"): LaunchConfig(64, 32, 32, 8, 2),
+    ("bwd_rows", "d128"): LaunchConfig(64, 32, 32, 8, 2),
+    ("bwd_rows", "big"): LaunchConfig(64, 32, 32, 8, 2),
+    ("bwd_cols", "d64"): LaunchConfig(64, 64, 16, 8, 2),
+    ("bwd_cols", "d128"): LaunchConfig(64, 64, 16, 8, 2),
+    ("bwd_cols", "big"): LaunchConfig(64, 64, 16, 8, 2),
 }
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 ARCH_FAMILIES = ("sm80", "sm90")
@@ -126,7 +134,7 @@ def _d_bucket(d: int) -> str:
     return "d64" if p <= 64 else ("d128" if p <= RESIDENT_MAX_D else "big")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_props(index: int) -> Tuple[str, int]:
     major, _ = torch.cuda.get_device_capability(index)
     sms = torch.cuda.get_device_properties(index).multi_processor_count
@@ -157,13 +165,21 @@ class Launch(NamedTuple):
     name: str
     fn: object
     grid: Tuple[int, ...]
-    args: Dict[str, object]  # runtime arguments, in the kernel's order
+    args: Dict[str, object]  # runtime arguments by parameter name
     constexprs: Dict[str, object]
     num_warps: int
     num_stages: int
 
+    def check(self) -> "Launch":
+        """Every kernel parameter given exactly once (runtime args or constexprs)."""
+        names = list(self.args) + list(self.constexprs)
+        if sorted(names) != sorted(self.fn.arg_names):
+            raise TypeError(f"{self.name}: launch arguments {sorted(names)} != kernel parameters "
+                            f"{sorted(self.fn.arg_names)}")
+        return self
+
     def run(self):
-        self.fn[self.grid](*self.args.values(), **self.constexprs, num_warps=self.num_warps,
+        self.fn[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps,
                            num_stages=self.num_stages)
 
 
@@ -176,6 +192,7 @@ class _Runner:
         self.launches: List[Launch] = []
 
     def __call__(self, launch: Launch):
+        launch.check()
         if self.record:
             self.launches.append(launch)
         else:
@@ -211,7 +228,7 @@ def _row_norms(x: Tensor, eps: float, run: _Runner) -> Tuple[Tensor, Tensor]:
     n, d = x.shape
     norm = _alloc((n,), torch.float32, x.device)
     rnorm = _alloc((n,), torch.float32, x.device)
-    block_r, block_d = 16, min(_d_pad(d), 128)
+    block_r, block_d = 32, min(_d_pad(d), 128)  # memory-bound: 32 x 128 fp32 = 32 regs at 4 warps
     run(Launch("row_norm", K.row_norm_kernel, (triton.cdiv(n, block_r),),
                dict(X=x, NORM=norm, RNORM=rnorm, N=n, D=d, stride_x=x.stride(0), eps=float(eps)),
                dict(BLOCK_R=block_r, BLOCK_D=block_d), 4, 1))
@@ -334,7 +351,7 @@ def _lse_fwd(a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: C
     if spec.want_col:
         progs = _col_programs(n_rb, dev)
         col_part = _alloc((progs, m), torch.float32, dev)  # every element is written by the kernel
-    na, ra, nb, rb = p.norms
+    _, ra, _, rb = p.norms
     run(Launch(
         "lse_fwd", K.lse_fwd_kernel, (progs,),
         dict(A=p.a, B=p.b, RA=ra, RB=rb, SCALE=_scale32(scale), **_problem_args(p, spec),
@@ -510,3 +527,156 @@ def core(a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: CoreT
     if not t.weighted:
         return lse, lse_col, lse_pos
     return _weighted_total(lse, lse_col if spec.want_col else None, lse_pos if spec.want_pos else None, t)
+
+
+# ------------------------------------------------------------------------------------------------
+# ahead-of-time compilation (tests/test_triton_compile.py, bench/kernel_report.py)
+# ------------------------------------------------------------------------------------------------
+
+#: Feature sets of the ahead-of-time checks: "plain" is InfoNCE with keys (the common case; the
+#: kernel report's FLOP counts), "full" switches on every optional term of the non-symmetric kernels
+#: (the most registers: every shipped config is compiled with it), "sym" is A-is-B with every term of
+#: the symmetric backward (compiled for the row kernel's SYM path).
+AOT_VARIANTS = ("plain", "full", "sym")
+
+#: The D of each bucket compiled ahead of time: the largest D_PAD of the bucket (its worst case).
+AOT_D = {"d64": 64, "d128": 128, "big": 768}
+
+#: (compute capability, arch family) pairs of the AOT checks.
+AOT_TARGETS = ((80, "sm80"), (90, "sm90"))
+
+
+def variant_problem(variant: str, n: int, m: int, device="meta"):
+    """(spec, tensors, b is given) of an AOT feature set, with meta (or given device) tensors."""
+    dev = torch.device(device)
+    if variant == "plain":
+        return CoreSpec(), CoreTensors(), True
+    if variant == "full":
+        spec = CoreSpec(exclude_self=True, offset=3, want_col=True, want_pos=True, bias=0.5, grad_cols=m // 2)
+        return spec, CoreTensors(pos_mask=torch.empty((max(1, n // 2), max(1, m // 2)), device=dev),
+                                 bias_col=torch.empty(n, dtype=torch.int64, device=dev)), True
+    if variant == "sym":
+        spec = CoreSpec(exclude_self=True, same=True, want_col=True, want_pos=True)
+        return spec, CoreTensors(pos_mask=torch.empty((max(1, n // 2), max(1, n // 2)), device=dev)), False
+    raise ValueError(f"unknown AOT variant {variant!r}")
+
+
+def record_core(spec: CoreSpec, t: CoreTensors, has_b: bool, dtype: torch.dtype, n: int, m: int, d: int,
+                arch: str, need_a: bool = True, need_b: bool = True, need_s: bool = True) -> List[Launch]:
+    """The launches of one forward + backward of the core op, recorded on the meta device (nothing
+    runs, no GPU needed): exactly the argument lists of the runtime launches. The backward gets an
+    upstream gradient for every output the spec produces."""
+    meta = torch.device("meta")
+    a = torch.empty((n, d), dtype=dtype, device=meta)
+    b = torch.empty((m, d), dtype=dtype, device=meta) if has_b else None
+    scale = torch.empty((), dtype=torch.float32, device=meta)
+    run = _Runner(record=True, arch=arch)
+    lse, lse_col, lse_pos, p = _lse_fwd(a, b, scale, spec, t, run=run)
+    g = torch.empty(n, device=meta)
+    g_col = None if lse_col is None else torch.empty(lse_col.shape, device=meta)
+    _lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
+             need_a, need_b and has_b, need_s, run=run)
+    return run.launches
+
+
+def record_launches(variant: str, dtype: torch.dtype, n: int, m: int, d: int, arch: str) -> List[Launch]:
+    """:func:`record_core` of an AOT feature set (see :data:`AOT_VARIANTS`)."""
+    spec, t, has_b = variant_problem(variant, n, m)
+    return record_core(spec, t, has_b, dtype, n, m if has_b else n, d, arch)
+
+
+def aot_jobs() -> List[Tuple[int, str, str, int, int, Tuple[str, ...]]]:
+    """Every distinct kernel compile behind the shipped table: ``(cc, variant, dtype, D, launch
+    index, D buckets covered)`` for each kernel x config x dtype x arch, with the heaviest feature
+    set of each kernel ("full"; and "sym" for the symmetric backward) at the worst-case D of each
+    D bucket. Compiles that would be identical (same constexprs and options, e.g. two D buckets
+    sharing a config) are listed once, with every bucket they cover."""
+    jobs: Dict[tuple, list] = {}
+    for cc, fam in AOT_TARGETS:
+        for dt, dname in _DTYPES.items():
+            for bucket, d in AOT_D.items():
+                for variant in ("full", "sym"):
+                    for i, launch in enumerate(record_launches(variant, dt, 4096, 4096, d, fam)):
+                        if variant == "sym" and launch.name != "lse_bwd_rows":
+                            continue
+                        key = (cc, launch.name, dname, variant if launch.name == "lse_bwd_rows" else "",
+                               tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages)
+                        if key not in jobs:
+                            jobs[key] = [cc, variant, dname, d, i, []]
+                        if bucket not in jobs[key][5]:
+                            jobs[key][5].append(bucket)
+    return [(cc, v, dn, d, i, tuple(cov)) for cc, v, dn, d, i, cov in jobs.values()]
+
+
+def aot_run_job(job) -> Dict[str, object]:
+    """Compile one :func:`aot_jobs` entry; the :func:`compile_launch` report plus the job fields."""
+    cc, variant, dname, d, i, covers = job
+    dt = {v: k for k, v in _DTYPES.items()}[dname]
+    fam = dict(AOT_TARGETS)[cc]
+    launch = record_launches(variant, dt, 4096, 4096, d, fam)[i]
+    out = compile_launch(launch, cc)
+    out.update(variant=variant, dtype=dname, d=d, buckets=list(covers))
+    return out
+
+
+def _sig_type(v) -> str:
+    if isinstance(v, Tensor):
+        return "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                      torch.int64: "i64", torch.int32: "i32"}[v.dtype]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -(2**31) <= v < 2**31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(f"no triton signature type for {type(v).__name__}")
+
+
+def aot_source(launch: Launch):
+    """An ASTSource for ``launch`` (pointer args 16-byte aligned and ints divisible by 16 marked as
+    such, as the JIT specialises a real launch on aligned tensors)."""
+    from triton.compiler import ASTSource
+
+    fn = launch.fn
+    sig = {k: (_sig_type(launch.args[k]) if k in launch.args else "constexpr") for k in fn.arg_names}
+    attrs = {}
+    for k, v in launch.args.items():
+        if isinstance(v, Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0 and v != 0):
+            attrs[(fn.arg_names.index(k),)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
+
+
+def _ptxas_stats(ptx: str, cc: int) -> Dict[str, int]:
+    """Registers and spill bytes: re-runs the ptxas triton used, with triton's flags plus -v."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(cc).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={sm_arch_from_capability(cc)}", src, "-o", os.path.join(tmp, "k.o")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(regs=int(regs[1]), spill_stores=int(spill[1]), spill_loads=int(spill[2]))
+
+
+def compile_launch(launch: Launch, cc: int) -> Dict[str, object]:
+    """Compile ``launch`` for GPUTarget("cuda", cc, 32) on the host (ptxas, no driver) and report
+    registers, spill bytes, shared memory and the tensor-core instruction kind of its PTX."""
+    from triton.backends.compiler import GPUTarget
+
+    ck = triton.compile(aot_source(launch), target=GPUTarget("cuda", cc, 32),
+                        options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    ptx = ck.asm["ptx"]
+    n_wgmma = ptx.count("wgmma.mma_async")
+    n_mma = ptx.count("mma.sync")
+    tc = "wgmma" if n_wgmma else ("mma" if n_mma else "none")
+    return dict(kernel=launch.name, cc=cc, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                block=" ".join(f"{k[6:]}{v}" for k, v in launch.constexprs.items() if k.startswith("BLOCK_")),
+                shared=ck.metadata.shared, tc=tc, n_mma=n_mma, n_wgmma=n_wgmma, **_ptxas_stats(ptx, cc))

@@ -1,0 +1,135 @@
+"""Static report of the Triton kernels: resources per kernel and launch config, and a FLOP model.
+
+Runs on a machine without a GPU: every kernel of ``fused_contrastive.kernels.lse`` is compiled ahead
+of time for sm_80 (A100) and sm_90 (H100) with each shipped launch config
+(``fused_contrastive._triton_core.CONFIGS``; the same compiles as tests/test_triton_compile.py),
+and ptxas reports registers and spills. Printed per kernel and config: registers per thread, spill
+bytes (stores + loads), shared memory, the tensor-core instruction kind in the PTX, and the
+tensor-core FLOPs of one launch at the given N, M, D. "blocks" are the block sizes (M rows, N
+columns, D chunk; R rows of the norm prologue); "variant" is the feature set compiled ("full":
+every optional term of the kernel on; "sym": the A-is-B backward).
+
+FLOP model (matmul FLOPs only, 2 per multiply-add; exp / masks / norms are O(N*M) or O(N*D)):
+
+    unit            = 2 N M D                    one N x M x D matmul
+    lse_fwd         = 1 unit                     cosine tiles (row, positive and column LSE share them)
+    lse_bwd_rows    = 2 units                    recompute + dl @ B_hat   (1 unit when only ds is needed)
+    lse_bwd_cols    = 2 units * grad_cols / M    recompute + dl^T @ A_hat (only columns with a gradient)
+    row_norm        = 2 N D                      (not a matmul; listed for completeness)
+
+Per loss (forward + backward, gradients for every embedding): info_nce with keys and CLIP
+= 1 + 2 + 2 = 5 units, symmetric SimCSE (A is B) = 1 + 2 = 3 units. Time floor = FLOPs / peak
+(default 790 TFLOP/s, dense bf16 on H100 SXM as this project models it).
+
+Usage: python bench/kernel_report.py [--n 65536] [--m 65536] [--d 768] [--peak-tflops 790] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: compile, do not interpret
+
+import argparse
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from fused_contrastive import _triton_core as T
+from fused_contrastive._spec import CoreSpec, CoreTensors
+
+
+def launch_flops(launch: T.Launch) -> int:
+    """Tensor-core FLOPs of one recorded launch (see the module docstring)."""
+    a = launch.args
+    if launch.name == "row_norm":
+        return 2 * a["N"] * a["D"]
+    unit = 2 * a["N"] * a["M"] * a["D"]
+    if launch.name == "lse_fwd":
+        return unit
+    if launch.name == "lse_bwd_rows":
+        return unit * (2 if launch.constexprs["NEED_DX"] else 1)
+    if launch.name == "lse_bwd_cols":
+        return 2 * unit * a["grad_cols"] // a["M"]
+    raise ValueError(launch.name)
+
+
+def _si(x: float) -> str:
+    for unit, f in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if abs(x) >= f:
+            return f"{x / f:.2f} {unit}"
+    return f"{x:.0f} "
+
+
+def resource_table(jobs: int, n: int, m: int, d: int):
+    todo = T.aot_jobs()
+    with ProcessPoolExecutor(max_workers=jobs) as ex:
+        results = list(ex.map(T.aot_run_job, todo))
+    # FLOPs of one launch of each kernel at (n, m, d), from a recorded "full"/"sym" problem with
+    # all columns needing a gradient (the kernel's cost does not depend on the config)
+    flops = {}
+    for variant in ("plain", "sym"):
+        spec, t, has_b = T.variant_problem(variant, n, m)
+        for launch in T.record_core(spec, t, has_b, torch.float16, n, m if has_b else n, d, "sm90"):
+            flops.setdefault((launch.name, variant == "sym"), launch_flops(launch))
+    hdr = (f"{'kernel':13s} {'arch':5s} {'dtype':5s} {'D buckets':14s} {'variant':7s} {'blocks':14s} "
+           f"{'warps':>5s} {'stages':>6s} {'regs':>4s} {'spill B':>7s} {'smem B':>7s} {'tensor core':11s} "
+           f"{'FLOPs/launch':>13s}")
+    print(hdr)
+    print("-" * len(hdr))
+    results.sort(key=lambda r: (r["kernel"], r["cc"], r["dtype"], r["buckets"], r["variant"]))
+    for r in results:
+        fl = flops.get((r["kernel"], r["variant"] == "sym"), flops.get((r["kernel"], False)))
+        tc = {"mma": "mma.sync", "wgmma": "wgmma", "none": "-"}[r["tc"]]
+        print(f"{r['kernel']:13s} sm_{r['cc']:<2d} {r['dtype']:5s} {','.join(r['buckets']):14s} "
+              f"{r['variant'] if r['kernel'] != 'row_norm' else '-':7s} {r['block']:14s} "
+              f"{r['num_warps']:5d} {r['num_stages']:6d} "
+              f"{r['regs']:4d} {r['spill_stores'] + r['spill_loads']:7d} {r['shared']:7d} {tc:11s} "
+              f"{_si(fl) + 'FLOP':>13s}")
+    return results
+
+
+LOSSES = {
+    # name: (spec, tensors, B given, what the loss is)
+    "info_nce": (CoreSpec(), CoreTensors(), True, "InfoNCE / MNRL with keys, grads to query and keys"),
+    "simcse_sym": (CoreSpec(exclude_self=True, same=True), CoreTensors(), False,
+                   "unsupervised SimCSE, interleaved batch (A is B, self excluded)"),
+    "clip": (CoreSpec(want_col=True), CoreTensors(), True, "CLIP: row + column CE, grads to both towers"),
+}
+
+
+def loss_totals(n: int, m: int, d: int, peak_tflops: float):
+    unit = 2 * n * m * d
+    print(f"\nForward + backward FLOPs at N = {n}, M = {m}, D = {d} "
+          f"(unit = 2 N M D = {_si(unit)}FLOP), time floor at {peak_tflops:g} TFLOP/s:")
+    print(f"{'loss':11s} {'launches (FLOPs)':64s} {'total':>12s} {'units':>6s} {'floor':>10s}")
+    for name, (spec, t, has_b, what) in LOSSES.items():
+        launches = T.record_core(spec, t, has_b, torch.bfloat16, n, m if has_b else n, d, "sm90")
+        parts = [(lz.name, launch_flops(lz)) for lz in launches]
+        total = sum(f for _, f in parts)
+        mm = [f"{k}={_si(f)}" for k, f in parts if k != "row_norm"]
+        floor_ms = total / (peak_tflops * 1e12) * 1e3
+        print(f"{name:11s} {' + '.join(mm):64s} {_si(total) + 'FLOP':>12s} {total / unit:6.2f} {floor_ms:8.2f} ms")
+        print(f"{'':11s} ({what})")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=65536)
+    ap.add_argument("--m", type=int, default=65536)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--peak-tflops", type=float, default=790.0)
+    ap.add_argument("--jobs", type=int, default=2, help="parallel compile processes")
+    args = ap.parse_args(argv)
+    print(f"fused-contrastive Triton kernels, triton {__import__('triton').__version__}, "
+          f"torch {torch.__version__}; AOT targets sm_80 and sm_90 (no GPU needed)\n")
+    results = resource_table(args.jobs, args.n, args.m, args.d)
+    loss_totals(args.n, args.m, args.d, args.peak_tflops)
+    spills = [r for r in results if r["spill_stores"] or r["spill_loads"]]
+    print(f"\n{len(results)} compiles, {len(spills)} with spills.")
+    return 1 if spills else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

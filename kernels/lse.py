@@ -1,0 +1,608 @@
+"""Triton device code of the core op: masked row log-sum-exp over scaled cosines, forward and backward.
+
+The core op (see ``fused_contrastive/_spec.py``), with ``a_i = A_i r_i``, ``r_i = 1 / max(||A_i||, eps)``
+(``b_j`` likewise) and the runtime scale ``s``::
+
+    l_ij     = s <a_i, b_j> + bias [j == bias_col_i],   -inf at j == offset + i (exclude_self)
+    LSE_i    = log sum_j exp(l_ij)
+    LSEcol_j = log sum_i exp(l_ij)                       (WANT_COL, CLIP)
+    LSEpos_i = log sum_j w_ij exp(l_ij)                  (POS_KIND: 1 label equality, 2 dense mask)
+
+Kernels (launchers, configs and the autograd Function are in ``fused_contrastive/_triton_core.py``):
+
+* ``row_norm_kernel``      prologue: clamped norms ``max(||x||, eps)`` and their inverses ``r`` (O(N*D)).
+* ``lse_fwd_kernel``       one program per block of anchor rows streams over all column blocks:
+                           LSE, LSEpos and (WANT_COL) per-program partial column LSEs.
+* ``lse_bwd_rows_kernel``  dA (and the temperature gradient), one program per row block.
+* ``lse_bwd_cols_kernel``  dB, one program per column block (only columns < grad_cols).
+
+Supported: any N, M, D (D is streamed in BLOCK_D chunks; every load is masked with its loop offset),
+fp32 / fp16 / bf16 embeddings (fp32 accumulation; fp32 tiles use ``input_precision="tf32x3"`` on the
+GPU, i.e. tensor cores at ~fp32 accuracy), int64 pointer offsets (N*D and n0*m0 may exceed 2^31),
+row strides (the inner dimension must be contiguous), a runtime scale (a pointer, never a constexpr).
+Nothing N x M is ever written.
+
+Not supported / limits:
+* float64 (rejected by the launcher: use the torch backend).
+* The bf16 ``tl.dot`` of the Triton CPU interpreter is wrong; ``UPCAST=True`` up-casts both tiles to
+  fp32 before every dot (after rounding them to the input dtype, so the numerics still match the GPU's
+  bf16 operands). The launcher turns it on for bf16 under ``TRITON_INTERPRET=1`` only.
+* Logits of +inf (an infinite scale or bias) give NaN, like ``exp(inf - inf)``; the reference gives inf.
+* Tested under the CPU interpreter and by ahead-of-time compilation for sm_80 / sm_90 only; no run on
+  a GPU yet (launch configs are not tuned by measurement, and the streaming accumulator's barrier
+  ordering needs a GPU run to be confirmed).
+* The default backward is deterministic and atomic-free, which costs 4 matmul units for A != B
+  (dA and dB kernels each recompute the tiles); an atomics-based single pass would cost 3.
+
+Numerics
+--------
+* Online LSE: running max ``m`` and sum ``z``: ``z <- z exp(m - m') + sum_j exp(l_j - m')``. A row whose
+  columns are all excluded keeps ``m = -inf``; ``m'`` is replaced by 0 inside the exponentials so
+  ``exp(-inf - -inf)`` never happens, and the row's LSE stays ``-inf + log 0 = -inf``.
+* NaN: ``tl.max`` ignores NaN (``maxnum`` on the GPU, ``nanmax`` in the interpreter), but the NaN still
+  reaches the sum through ``exp(NaN - m')``, so a NaN input gives a NaN LSE. Masks only ever replace
+  logits that the definition excludes (padding, the self column, non-positives), never by a max.
+* Backward: the upstream gradients are divided by one global ``gscale = max |g|`` before the
+  softmax-weighted tile is cast to the (fp16) operand dtype of the gradient matmul and multiplied back
+  after it, so small ``g`` (a mean over many rows) does not underflow fp16.
+
+Symmetric case (``SYM``: B is A, no bias)
+-----------------------------------------
+A is both the anchor and the contrast set, so ``dA_k = s (sum_j dl_kj a_j + sum_i dl_ik a_i)
+= s sum_j H_kj a_j`` with ``H = dl + dl^T``. Because the logits are symmetric (``l_kj = l_jk``: the
+cosine is, the self column is the diagonal, there is no bias), ``dl_jk`` is computed from the *same*
+tile ``l_kj`` with the other side's statistics (``g_j``, ``LSE_j``, ``LSEcol_k``, ``w_jk``). So one
+kernel over row blocks produces the whole gradient from one recomputed tile per (K, J), deterministic.
+Work in units of one N x N x D matmul (2 N^2 D FLOPs):
+
+* shipped (full rows): forward 1 + backward (recompute 1 + ``H @ A`` 1) = **3 units**;
+* the half-triangle scheme of DESIGN.md (visit only I <= J): forward 1/2 + backward (recompute 1/2
+  + ``H A_J`` and ``H^T A_I`` 1) = **2 units**, but tile (I, J) must add into ``dA_J`` owned by
+  another program: that needs atomics (run-to-run nondeterministic sums) or per-row-block partial
+  gradients of O(N^2 D / BLOCK) memory (100 GB at N = 65536, D = 768), against the deterministic,
+  O(N*D), no-atomics backward the project requires by default. A plain recomputing backward that
+  treats B as a separate input would cost 1 + 2 + 2 = 5 units.
+The forward alone could use the half triangle with O(N^2 / BLOCK) partial buffers like the column
+LSE below (saving 1/2 unit of 3); it is not done, to keep one forward code path.
+
+Column LSE (``WANT_COL``, CLIP)
+-------------------------------
+Row and column statistics come from the same tiles in one pass: each program keeps, for every
+column, the LSE of the rows it has visited in its own row of ``COL_PART`` [P, M] (read-modify-write,
+only by that program), and the launcher merges the P partials with ``logsumexp(dim=0)``
+(deterministic). The launcher caps P (a persistent loop over row blocks), so the buffer is
+``P * M`` floats, not N x M.
+
+Backward
+--------
+Gradient derivation. With upstream gradients ``g_i = dL/dLSE_i``, ``gc_j = dL/dLSEcol_j`` and
+``gp_i = dL/dLSEpos_i``, and ``p_ij = exp(l_ij - LSE_i)``, ``pc_ij = exp(l_ij - LSEcol_j)``,
+``q_ij = w_ij exp(l_ij - LSEpos_i)``::
+
+    dL/dl_ij = dl_ij = g_i p_ij + gc_j pc_ij + gp_i q_ij    (gp_i := 0 where LSEpos_i = -inf)
+    dL/da_i  = s sum_j dl_ij b_j        dL/db_j = s sum_i dl_ij a_i      dL/ds = sum_ij dl_ij cos_ij
+    dL/dA_i  = (da_i - a_i <da_i, a_i>) r_i     if ||A_i|| > eps, else da_i r_i   (normalisation)
+
+The tiles are recomputed from the saved LSEs (O(N + M) saved state). dA: one program per row block
+accumulates ``dl @ B_hat`` over all column blocks; dB: one program per column block accumulates
+``dl^T @ A_hat`` over all row blocks. No atomics: every output row has one owner and a fixed summation
+order, so the backward is bitwise deterministic. The temperature gradient is accumulated per row
+block and summed by the launcher.
+
+Two accumulator placements (constexpr ``RESIDENT``):
+
+* resident (16-bit inputs with ``D_PAD = next_pow2(D) <= 128``): the [BLOCK, D_PAD] fp32 accumulator
+  lives in registers for the whole loop (like FlashAttention's dQ); D is one chunk.
+* streaming (larger D, and fp32 inputs): the accumulator does not fit in registers, so each tile's
+  contribution is added, chunk by chunk, into an fp32 scratch row block owned by the program
+  (``ACC``, O(N*D), L2-resident; the first tile stores without loading, so no memset). A
+  ``tl.debug_barrier`` (CTA barrier) after each tile's read-modify-write orders one thread's stores
+  before another thread's loads of the same rows in the next tile (the load and the store may use
+  different register layouts). The epilogue reads the scratch twice (the ``<g, x_hat>`` projection,
+  then the normalisation backward). Extra traffic per tile: 8 bytes per accumulator element, i.e.
+  BLOCK_N / 4 FLOP per byte for the gradient matmul; the recompute matmul has none.
+
+Launch configs (block sizes, warps, stages) are chosen by the host code from a fixed table
+(``_triton_core.CONFIGS``); tests/test_triton_compile.py compiles every entry for sm_80 and sm_90
+and checks 0 spill bytes and tensor-core instructions (``mma.sync`` / ``wgmma``).
+"""
+
+import triton
+import triton.language as tl
+
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+# ------------------------------------------------------------------------------------------------
+# prologue
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def row_norm_kernel(X, NORM, RNORM, N, D, stride_x, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """NORM_i = max(||X_i||, eps), RNORM_i = 1 / NORM_i in fp32 (NaN rows stay NaN)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    base = X + rows.to(tl.int64)[:, None] * stride_x
+    ss = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(base + dd[None, :], mask=rmask[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    norm = tl.sqrt(ss)
+    # clamp written as "norm < eps ? eps : norm" so that a NaN norm stays NaN
+    norm = tl.where(norm < eps, eps, norm)
+    tl.store(NORM + rows, norm, mask=rmask)
+    tl.store(RNORM + rows, 1.0 / norm, mask=rmask)
+
+
+# ------------------------------------------------------------------------------------------------
+# tile helpers (shared by the forward and both backward kernels, so recomputed tiles match)
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _inv_norms(RN, idx, mask, NORMALIZE: tl.constexpr):
+    """Per-row inverse norms r (1 without normalisation; 0 on padding)."""
+    if NORMALIZE:
+        r = tl.load(RN + idx, mask=mask, other=0.0)
+    else:
+        r = tl.where(mask, 1.0, 0.0)
+    return r
+
+
+@triton.jit
+def _cos_tile(A, B, stride_a, stride_b, rows, cols, N, M, D, ra, rb,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """cos_ij = <A_i, B_j> r_i r_j on a BLOCK_M x BLOCK_N tile, fp32, 0 outside [0, N) x [0, M).
+
+    The raw (unnormalised) tiles go into the dot: fp16/bf16 products are exact in the fp32
+    accumulator, and the two inverse norms are applied once to the finished tile.
+    """
+    a_base = A + rows.to(tl.int64)[:, None] * stride_a  # int64: N * stride may exceed 2^31
+    b_base = B + cols.to(tl.int64)[:, None] * stride_b
+    rmask = rows < N
+    cmask = cols < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        dmask = (dd < D)[None, :]
+        a = tl.load(a_base + dd[None, :], mask=rmask[:, None] & dmask, other=0.0)
+        b = tl.load(b_base + dd[None, :], mask=cmask[:, None] & dmask, other=0.0)
+        if UPCAST:  # interpreter only: its bf16 tl.dot is wrong (the values are bf16 either way)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    return acc * ra[:, None] * rb[None, :]
+
+
+@triton.jit
+def _logits(cos, s, rows, cols, N, M, offset, bias_c, bias,
+            EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """l = s cos (+ bias at column bias_c[i]); -inf at the self column offset + i and on padding."""
+    l = cos * s
+    if HAS_BIAS:
+        l = tl.where(cols[None, :] == bias_c[:, None], l + bias, l)
+    if EXCLUDE_SELF:
+        l = tl.where(cols[None, :] == rows[:, None] + offset, NEG_INF, l)
+    valid = (rows < N)[:, None] & (cols < M)[None, :]
+    return tl.where(valid, l, NEG_INF)
+
+
+@triton.jit
+def _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
+                POS_KIND: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """Logits restricted to positives: l + log w_ij (w = [lab_i == lab_j] or pos_mask[i % n0, j % m0]).
+
+    TRANSPOSE reads w_ji instead (the symmetric backward's transposed term; labels are symmetric).
+    """
+    if POS_KIND == 1:
+        lp = tl.where(lab_r[:, None] == lab_c[None, :], l, NEG_INF)
+    else:
+        valid = (rows < N)[:, None] & (cols < M)[None, :]
+        if TRANSPOSE:
+            off = (cols % n0).to(tl.int64)[None, :] * stride_pm + (rows % m0)[:, None]
+        else:
+            off = (rows % n0).to(tl.int64)[:, None] * stride_pm + (cols % m0)[None, :]
+        w = tl.load(POS_MASK + off, mask=valid, other=0.0).to(tl.float32)
+        lp = l + tl.log(w)  # log 0 = -inf removes non-positives (padding is -inf already)
+    return lp
+
+
+@triton.jit
+def _online_rows(m_i, z_i, l):
+    """One online LSE step over the columns of a tile: running max m, running sum z (per row)."""
+    m_new = tl.maximum(m_i, tl.max(l, axis=1))
+    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # guard exp(-inf - -inf)
+    z_i = z_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(l - m_safe[:, None]), axis=1)
+    return m_new, z_i
+
+
+@triton.jit
+def _lse_add(x, y):
+    """log(exp x + exp y) elementwise, -inf safe, NaN propagating."""
+    mx = tl.maximum(x, y)
+    ms = tl.where(mx == NEG_INF, 0.0, mx)
+    return ms + tl.log(tl.exp(x - ms) + tl.exp(y - ms))
+
+
+@triton.jit
+def _stat(PTR, idx, mask):
+    """A saved LSE with -inf replaced by 0 (then exp(l - LSE) = exp(-inf) = 0 on such a row)."""
+    x = tl.load(PTR + idx, mask=mask, other=0.0)
+    return tl.where(x == NEG_INF, 0.0, x)
+
+
+@triton.jit
+def _grad_vec(G, LSE_PTR, idx, mask, inv_gs, ZERO_ON_NEG_INF: tl.constexpr):
+    """Upstream gradient / gscale; 0 where the LSE is -inf when asked (zero-positive rows)."""
+    g = tl.load(G + idx, mask=mask, other=0.0) * inv_gs
+    if ZERO_ON_NEG_INF:
+        g = tl.where(tl.load(LSE_PTR + idx, mask=mask, other=0.0) == NEG_INF, 0.0, g)
+    return g
+
+
+@triton.jit
+def _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r,
+             HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr):
+    """dl_ij = g_i p_ij + gc_j pc_ij + gp_i q_ij (all /gscale) on a tile."""
+    dl = tl.zeros_like(l)
+    if HAS_G:
+        dl += g_r[:, None] * tl.exp(l - lse_r[:, None])
+    if HAS_GCOL:
+        dl += gc_c[None, :] * tl.exp(l - lsec_c[None, :])
+    if HAS_GPOS:
+        dl += gp_r[:, None] * tl.exp(lp - lsep_r[:, None])
+    return dl
+
+
+# ------------------------------------------------------------------------------------------------
+# forward
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def lse_fwd_kernel(
+    A, B, RA, RB, SCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    LSE, LSE_POS, COL_PART,
+    N, M, D, stride_a, stride_b, offset, bias, n0, m0, stride_pm, n_row_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr,
+    POS_KIND: tl.constexpr, WANT_COL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Row LSE (+ LSEpos, + this program's partial column LSE) for row blocks pid, pid + P, ...
+
+    Grid: (P,), P <= n_row_blocks. Without WANT_COL the launcher uses P = n_row_blocks (one row block
+    per program); with it P is capped and COL_PART is [P, M] (row pid belongs to this program).
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    s = tl.load(SCALE).to(tl.float32)  # runtime scale: a learnable temperature never recompiles
+    for rblk in range(pid, n_row_blocks, nprog):
+        # 1. this program's anchor rows and their per-row data (inverse norms, bias column, label)
+        rows = rblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < N
+        ra = _inv_norms(RA, rows, rmask, NORMALIZE)
+        bias_c = rows  # placeholder when there is no bias
+        if HAS_BIAS:
+            bias_c = tl.load(BIAS_COL + rows, mask=rmask, other=-1)
+        lab_r = rows
+        if POS_KIND == 1:
+            lab_r = tl.load(ROW_LAB + rows, mask=rmask, other=0)
+        m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+        z_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        mp_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+        zp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for j0 in range(0, M, BLOCK_N):
+            # 2. column block: raw tiles -> cosines (D streamed in chunks, fp32 accumulation)
+            cols = j0 + tl.arange(0, BLOCK_N)
+            cmask = cols < M
+            rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+            cos = _cos_tile(A, B, stride_a, stride_b, rows, cols, N, M, D, ra, rb,
+                            BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+            # 3. scale, bias, self / padding masks
+            l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+            # 4. online row max / sum
+            m_i, z_i = _online_rows(m_i, z_i, l)
+            # 5. the same over positives only (SupCon L_in)
+            if POS_KIND != 0:
+                lab_c = cols
+                if POS_KIND == 1:
+                    lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
+                lp = _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
+                                 POS_KIND, False)
+                mp_i, zp_i = _online_rows(mp_i, zp_i, lp)
+            # 6. column statistics of this tile, merged into this program's partial row
+            if WANT_COL:
+                cmax = tl.max(l, axis=0)
+                cms = tl.where(cmax == NEG_INF, 0.0, cmax)
+                tile_lse = cms + tl.log(tl.sum(tl.exp(l - cms[None, :]), axis=0))
+                cp = COL_PART + pid.to(tl.int64) * M + cols
+                # the first row block of this program starts from -inf (no memset needed)
+                old = tl.load(cp, mask=cmask & (tl.full([BLOCK_N], rblk, tl.int32) > pid), other=NEG_INF)
+                tl.store(cp, _lse_add(old, tile_lse), mask=cmask)
+                tl.debug_barrier()  # this row of COL_PART is re-read by other threads next time
+        # 7. LSE = m + log z (-inf for a row whose columns are all excluded)
+        tl.store(LSE + rows, m_i + tl.log(z_i), mask=rmask)
+        if POS_KIND != 0:
+            tl.store(LSE_POS + rows, mp_i + tl.log(zp_i), mask=rmask)
+
+
+# ------------------------------------------------------------------------------------------------
+# backward
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_bwd_epilogue(X, OUT, ACC, NORM, RN, rows, N, D, stride_x, stride_o, acc, mult, eps,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                       NORMALIZE: tl.constexpr, RESIDENT: tl.constexpr):
+    """OUT_i = (g_i - x_i <g_i, x_i>) r_i (or g_i r_i when ||X_i|| <= eps), g = mult * (dl @ other).
+
+    ``acc`` holds the [BLOCK_R, BLOCK_D] accumulator when RESIDENT; otherwise it is in ACC (fp32,
+    row stride D). ``x`` = X r is the normalised row; without NORMALIZE OUT = g.
+    """
+    rmask = rows < N
+    x_base = X + rows.to(tl.int64)[:, None] * stride_x
+    o_base = OUT + rows.to(tl.int64)[:, None] * stride_o
+    a_base = ACC + rows.to(tl.int64)[:, None] * D
+    if NORMALIZE:
+        r = tl.load(RN + rows, mask=rmask, other=0.0)
+        nrm = tl.load(NORM + rows, mask=rmask, other=1.0)
+        keep = nrm > eps  # clamped rows: x / eps is linear, no projection
+    if RESIDENT:
+        dd = tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (dd < D)[None, :]
+        g = acc * mult
+        if NORMALIZE:
+            xh = tl.load(x_base + dd[None, :], mask=m2, other=0.0).to(tl.float32) * r[:, None]
+            proj = tl.where(keep, tl.sum(g * xh, axis=1), 0.0)
+            g = (g - xh * proj[:, None]) * r[:, None]
+        tl.store(o_base + dd[None, :], g.to(OUT.dtype.element_ty), mask=m2)
+    else:
+        proj = tl.zeros([BLOCK_R], dtype=tl.float32)
+        if NORMALIZE:
+            # pass 1: <g, x_hat> over all of D
+            for d0 in range(0, D, BLOCK_D):
+                dd = d0 + tl.arange(0, BLOCK_D)
+                m2 = rmask[:, None] & (dd < D)[None, :]
+                g = tl.load(a_base + dd[None, :], mask=m2, other=0.0) * mult
+                xh = tl.load(x_base + dd[None, :], mask=m2, other=0.0).to(tl.float32) * r[:, None]
+                proj += tl.sum(g * xh, axis=1)
+            proj = tl.where(keep, proj, 0.0)
+        # pass 2: write the input gradient in the input's dtype
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            m2 = rmask[:, None] & (dd < D)[None, :]
+            g = tl.load(a_base + dd[None, :], mask=m2, other=0.0) * mult
+            if NORMALIZE:
+                xh = tl.load(x_base + dd[None, :], mask=m2, other=0.0).to(tl.float32) * r[:, None]
+                g = (g - xh * proj[:, None]) * r[:, None]
+            tl.store(o_base + dd[None, :], g.to(OUT.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _accumulate(acc, ACC, dl, Y, stride_y, rows_o, ry, idx_y, n_out, n_y, D, first,
+                BLOCK_D: tl.constexpr, RESIDENT: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """acc (or ACC[rows_o]) += dl @ Y_hat[idx_y], Y_hat = Y r_y; dl is [len(rows_o), len(idx_y)].
+
+    dl is cast to Y's dtype first (fp16/bf16 tensor-core operands, fp32 accumulation).
+    """
+    dlo = dl.to(Y.dtype.element_ty)  # rounded to the operand dtype, as on the GPU
+    if UPCAST:
+        dlo = dlo.to(tl.float32)
+    y_base = Y + idx_y.to(tl.int64)[:, None] * stride_y
+    ymask = idx_y < n_y
+    if RESIDENT:
+        dd = tl.arange(0, BLOCK_D)
+        y = tl.load(y_base + dd[None, :], mask=ymask[:, None] & (dd < D)[None, :], other=0.0)
+        yh = (y.to(tl.float32) * ry[:, None]).to(Y.dtype.element_ty)
+        if UPCAST:
+            yh = yh.to(tl.float32)
+        acc = tl.dot(dlo, yh, acc, input_precision=DOT_PREC)
+    else:
+        a_base = ACC + rows_o.to(tl.int64)[:, None] * D
+        omask = rows_o < n_out
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            dmask = (dd < D)[None, :]
+            y = tl.load(y_base + dd[None, :], mask=ymask[:, None] & dmask, other=0.0)
+            yh = (y.to(tl.float32) * ry[:, None]).to(Y.dtype.element_ty)
+            if UPCAST:
+                yh = yh.to(tl.float32)
+            # the scratch rows are this program's own; the first tile starts from 0 (no memset)
+            prev = tl.load(a_base + dd[None, :], mask=omask[:, None] & dmask & (first > 0), other=0.0)
+            part = tl.dot(dlo, yh, prev, input_precision=DOT_PREC)
+            tl.store(a_base + dd[None, :], part, mask=omask[:, None] & dmask)
+        tl.debug_barrier()  # order these stores before other threads' loads of the same rows
+    return acc
+
+
+@triton.jit
+def lse_bwd_rows_kernel(
+    A, B, RA, RB, NA, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+    DA, ACC, DS_PART,
+    N, M, D, stride_a, stride_b, stride_da, offset, bias, n0, m0, stride_pm, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
+    NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, RESIDENT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dA for one block of rows (grid: cdiv(N, BLOCK_M)), plus its share of dL/ds.
+
+    For each column block J:
+      1. recompute the cosine tile and the masked logits exactly as the forward does;
+      2. dl = g_i p_ij + gc_j pc_ij + gp_i q_ij from the saved LSEs (divided by gscale);
+      3. ds_i += sum_j dl_ij cos_ij (temperature gradient, per row);
+      4. SYM (B is A): H = dl + dl^T from the same tile (see the module docstring), else H = dl;
+      5. dA_I += H @ B_hat_J (registers, or this program's scratch rows when D is large).
+    Epilogue: dA = s gscale dA, then the normalisation backward, stored in A's dtype.
+    """
+    pid = tl.program_id(0)
+    s = tl.load(SCALE).to(tl.float32)
+    gs = tl.load(GSCALE)
+    inv_gs = 1.0 / gs
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < N
+    ra = _inv_norms(RA, rows, rmask, NORMALIZE)
+    bias_c = rows
+    if HAS_BIAS:
+        bias_c = tl.load(BIAS_COL + rows, mask=rmask, other=-1)
+    lab_r = rows
+    if POS_KIND == 1:
+        lab_r = tl.load(ROW_LAB + rows, mask=rmask, other=0)
+    # per-row statistics of this block (and, for SYM, the column-role ones of the same rows)
+    lse_r = _stat(LSE, rows, rmask)
+    g_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_G:
+        g_r = _grad_vec(G, LSE, rows, rmask, inv_gs, False)
+    lsep_r = lse_r
+    gp_r = g_r
+    if HAS_GPOS:
+        lsep_r = _stat(LSE_POS, rows, rmask)
+        gp_r = _grad_vec(G_POS, LSE_POS, rows, rmask, inv_gs, True)
+    lsec_r = lse_r
+    gc_r = g_r
+    if SYM and HAS_GCOL:
+        lsec_r = _stat(LSE_COL, rows, rmask)
+        gc_r = _grad_vec(G_COL, LSE_COL, rows, rmask, inv_gs, False)
+
+    if RESIDENT:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    else:
+        acc = tl.zeros([1, 1], dtype=tl.float32)  # unused: the accumulator is the ACC scratch
+    ds_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for j0 in range(0, M, BLOCK_N):
+        cols = j0 + tl.arange(0, BLOCK_N)
+        cmask = cols < M
+        rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+        # 1. recompute the tile
+        cos = _cos_tile(A, B, stride_a, stride_b, rows, cols, N, M, D, ra, rb,
+                        BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+        l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+        lab_c = cols
+        if POS_KIND == 1:
+            lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
+        lp = l
+        if HAS_GPOS:
+            lp = _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND, False)
+        lsec_c = lse_r  # placeholders when the column term is absent
+        gc_c = g_r
+        if HAS_GCOL:
+            lsec_c = _stat(LSE_COL, cols, cmask)
+            gc_c = _grad_vec(G_COL, LSE_COL, cols, cmask, inv_gs, False)
+        # 2. dl of this tile
+        dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+        # 3. temperature gradient
+        if NEED_DS:
+            ds_acc += tl.sum(dl * cos, axis=1)
+        if NEED_DX:
+            # 4. transposed term dl_jk (k = this block's rows) from the same symmetric tile
+            if SYM:
+                lse_c = _stat(LSE, cols, cmask)
+                g_c = tl.zeros([BLOCK_N], dtype=tl.float32)
+                if HAS_G:
+                    g_c = _grad_vec(G, LSE, cols, cmask, inv_gs, False)
+                lsep_c = lse_c
+                gp_c = g_c
+                lpt = l
+                if HAS_GPOS:
+                    lsep_c = _stat(LSE_POS, cols, cmask)
+                    gp_c = _grad_vec(G_POS, LSE_POS, cols, cmask, inv_gs, True)
+                    lpt = _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
+                                      POS_KIND, True)
+                # dl^T_kj = g_j p_jk + gc_k pc_jk + gp_j q_jk: the column vectors play the row role
+                dlt = tl.zeros_like(l)
+                if HAS_G:
+                    dlt += g_c[None, :] * tl.exp(l - lse_c[None, :])
+                if HAS_GCOL:
+                    dlt += gc_r[:, None] * tl.exp(l - lsec_r[:, None])
+                if HAS_GPOS:
+                    dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
+                h = dl + dlt
+            else:
+                h = dl
+            # 5. dA_I += H @ B_hat_J
+            acc = _accumulate(acc, ACC, h, B, stride_b, rows, rb, cols, N, M, D, j0,
+                              BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
+    if NEED_DS:
+        tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
+    if NEED_DX:
+        _norm_bwd_epilogue(A, DA, ACC, NA, RA, rows, N, D, stride_a, stride_da, acc, s * gs, eps,
+                           BLOCK_M, BLOCK_D, NORMALIZE, RESIDENT)
+
+
+@triton.jit
+def lse_bwd_cols_kernel(
+    A, B, RA, RB, NB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+    DB, ACC,
+    N, M, D, stride_a, stride_b, stride_db, offset, bias, n0, m0, stride_pm, eps, grad_cols,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr,
+    RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dB for one block of columns < grad_cols (grid: cdiv(grad_cols, BLOCK_N)).
+
+    For each row block I: recompute the tile (same code as the forward), dl as in the row kernel,
+    dB_J += dl^T @ A_hat_I. Epilogue: dB = s gscale dB, normalisation backward, stored in B's dtype
+    (only rows j < grad_cols; the launcher zeroes the queue rows after them).
+    """
+    pid = tl.program_id(0)
+    s = tl.load(SCALE).to(tl.float32)
+    gs = tl.load(GSCALE)
+    inv_gs = 1.0 / gs
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < M
+    rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+    lab_c = cols
+    if POS_KIND == 1:
+        lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
+    lsec_c = tl.zeros([BLOCK_N], dtype=tl.float32)
+    gc_c = lsec_c
+    if HAS_GCOL:
+        lsec_c = _stat(LSE_COL, cols, cmask)
+        gc_c = _grad_vec(G_COL, LSE_COL, cols, cmask, inv_gs, False)
+
+    if RESIDENT:
+        acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    else:
+        acc = tl.zeros([1, 1], dtype=tl.float32)  # unused: the accumulator is the ACC scratch
+    for i0 in range(0, N, BLOCK_M):
+        rows = i0 + tl.arange(0, BLOCK_M)
+        rmask = rows < N
+        ra = _inv_norms(RA, rows, rmask, NORMALIZE)
+        bias_c = rows
+        if HAS_BIAS:
+            bias_c = tl.load(BIAS_COL + rows, mask=rmask, other=-1)
+        # 1. recompute the tile
+        cos = _cos_tile(A, B, stride_a, stride_b, rows, cols, N, M, D, ra, rb,
+                        BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+        l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+        # 2. the row statistics of this row block
+        lse_r = _stat(LSE, rows, rmask)
+        g_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_G:
+            g_r = _grad_vec(G, LSE, rows, rmask, inv_gs, False)
+        lsep_r = lse_r
+        gp_r = g_r
+        lp = l
+        if HAS_GPOS:
+            lsep_r = _stat(LSE_POS, rows, rmask)
+            gp_r = _grad_vec(G_POS, LSE_POS, rows, rmask, inv_gs, True)
+            lab_r = rows
+            if POS_KIND == 1:
+                lab_r = tl.load(ROW_LAB + rows, mask=rmask, other=0)
+            lp = _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND, False)
+        # 3. dl, then dB_J += dl^T @ A_hat_I
+        dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+        acc = _accumulate(acc, ACC, tl.trans(dl), A, stride_a, cols, ra, rows, grad_cols, N, D, i0,
+                          BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
+    _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, grad_cols, D, stride_b, stride_db, acc, s * gs, eps,
+                       BLOCK_N, BLOCK_D, NORMALIZE, RESIDENT)
