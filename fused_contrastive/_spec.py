@@ -60,3 +60,23 @@ class CoreTensors:
     @property
     def weighted(self) -> bool:
         return self.w_row is not None
+
+
+def weighted_total(lse: torch.Tensor, lse_col: Optional[torch.Tensor], lse_pos: Optional[torch.Tensor],
+                   t: CoreTensors) -> torch.Tensor:
+    """The weighted-mode output ``sum_i wr_i LSE_i + sum_j wc_j LSEcol_j + sum_i wp_i LSEpos_i``.
+
+    Terms with weight 0 are dropped (``where``, not ``0 * x``), so the ``-inf`` LSEpos of a row with no
+    positive contributes 0 instead of NaN. Differentiable in the statistics.
+    """
+
+    def term(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        w = w.to(v.dtype)
+        return torch.where(w != 0, w * v, torch.zeros_like(v)).sum()
+
+    total = term(t.w_row, lse)
+    if lse_col is not None and t.w_col is not None:
+        total = total + term(t.w_col, lse_col)
+    if lse_pos is not None and t.w_pos is not None:
+        total = total + term(t.w_pos, lse_pos)
+    return total

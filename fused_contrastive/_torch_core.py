@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._spec import CoreSpec, CoreTensors
+from ._spec import CoreSpec, CoreTensors, weighted_total
 
 _NEG_INF = float("-inf")
 _DEFAULT_TILE_ELEMENTS = 1 << 21  # 8 MiB of float32 per tile
@@ -281,18 +281,6 @@ def _grads_sym(tiles, n, spec, lse, lse_pos, g, g_pos, need_s):
     return da, ds
 
 
-def _weighted_total(lse, lse_col, lse_pos, t: CoreTensors) -> Tensor:
-    def term(w, v):
-        return torch.where(w != 0, w * v, torch.zeros_like(v)).sum()
-
-    total = term(t.w_row.to(lse.dtype), lse)
-    if lse_col is not None and t.w_col is not None:
-        total = total + term(t.w_col.to(lse.dtype), lse_col)
-    if lse_pos is not None and t.w_pos is not None:
-        total = total + term(t.w_pos.to(lse.dtype), lse_pos)
-    return total
-
-
 def _compute_dtype(*xs: Optional[Tensor]) -> torch.dtype:
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
@@ -358,7 +346,7 @@ class TorchCoreFn(torch.autograd.Function):
             ctx.eager = (ga, gb, ds if need_s else None)
             # keep what a recomputing backward needs, should backward run twice (retain_graph)
             ctx.save_for_backward(a, b, scale, lse, None, lse_pos)
-            return _weighted_total(lse, None, lse_pos, t)
+            return weighted_total(lse, None, lse_pos, t)
 
         ctx.eager = None
         if sym:
@@ -367,7 +355,7 @@ class TorchCoreFn(torch.autograd.Function):
             lse, lse_col, lse_pos = _stats_rows(tiles, n, spec)
         ctx.save_for_backward(a, b, scale, lse, lse_col, lse_pos)
         if t.weighted:
-            return _weighted_total(lse, lse_col, lse_pos, t)
+            return weighted_total(lse, lse_col, lse_pos, t)
         empty = lse.new_empty(0)
         return lse, (lse_col if lse_col is not None else empty), (lse_pos if lse_pos is not None else empty)
 

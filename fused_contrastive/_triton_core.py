@@ -35,7 +35,7 @@ import torch
 import triton
 from torch import Tensor
 
-from ._spec import CoreSpec, CoreTensors
+from ._spec import CoreSpec, CoreTensors, weighted_total
 from .kernels import lse as K
 
 __all__ = ["CONFIGS", "LaunchConfig", "TritonCoreFn", "core"]
@@ -493,22 +493,6 @@ class TritonCoreFn(torch.autograd.Function):
         return ga, gb, gs, None, None
 
 
-def _weighted_total(lse: Tensor, lse_col: Optional[Tensor], lse_pos: Optional[Tensor], t: CoreTensors) -> Tensor:
-    """sum_i wr_i LSE_i + sum_j wc_j LSEcol_j + sum_i wp_i LSEpos_i, terms with weight 0 dropped
-    (as ``_torch_core._weighted_total``; differentiable, so autograd feeds the vector backward)."""
-
-    def term(w, v):
-        w = w.to(v.dtype)
-        return torch.where(w != 0, w * v, torch.zeros_like(v)).sum()
-
-    total = term(t.w_row, lse)
-    if lse_col is not None and t.w_col is not None:
-        total = total + term(t.w_col, lse_col)
-    if lse_pos is not None and t.w_pos is not None:
-        total = total + term(t.w_pos, lse_pos)
-    return total
-
-
 def core(a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: CoreTensors):
     """Core op on the Triton kernels, with the semantics of ``_torch_core.core``.
 
@@ -526,7 +510,7 @@ def core(a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: CoreT
     lse, lse_col, lse_pos = TritonCoreFn.apply(a, b, scale, spec, t)
     if not t.weighted:
         return lse, lse_col, lse_pos
-    return _weighted_total(lse, lse_col if spec.want_col else None, lse_pos if spec.want_pos else None, t)
+    return weighted_total(lse, lse_col if spec.want_col else None, lse_pos if spec.want_pos else None, t)
 
 
 # ------------------------------------------------------------------------------------------------
