@@ -136,10 +136,19 @@ def backend(name: str, *tensors: Tensor) -> str:
         else:
             from . import _dispatch
 
-            on_cuda = any(t.is_cuda for t in tensors)
-            name = "triton" if on_cuda and _dispatch.triton_available() else "torch"
+            name = auto_backend(
+                on_cuda=any(t.is_cuda for t in tensors),
+                has_float64=any(t.dtype == torch.float64 for t in tensors),
+                triton_ok=_dispatch.triton_available(),
+            )
     if name == "triton":
         from . import _dispatch
 
         _dispatch.check_triton(*tensors)
     return name
+
+
+def auto_backend(*, on_cuda: bool, has_float64: bool, triton_ok: bool) -> str:
+    """What "auto" means: triton for CUDA tensors when it imports (and the inputs are not float64,
+    which the kernels do not take), torch otherwise."""
+    return "triton" if on_cuda and triton_ok and not has_float64 else "torch"

@@ -37,10 +37,12 @@ def _check_labels(labels, b: int, device) -> Tensor:
 
 
 def _backend(backend: str, *tensors: Tensor) -> str:
-    be = V.backend(backend, *tensors) if backend != "triton" else "triton"
-    if be == "triton":
+    """CoSENT has no kernel: asking for "triton" is an error, while "auto" (which picks triton for
+    CUDA tensors) runs the O(B log B) torch path."""
+    if backend == "triton":
         raise ValueError('CoSENT has no triton kernel: it is O(B log B) already; use backend="torch" or "auto"')
-    return be
+    be = V.backend(backend, *tensors)
+    return "torch" if be == "triton" else be
 
 
 def _cosent_sorted(u: Tensor, labels: Tensor) -> Tensor:

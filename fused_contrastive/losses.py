@@ -7,7 +7,7 @@ Common keyword arguments:
   ``F.normalize``). With False the raw dot products are used.
 * ``reduction``: ``"mean"`` (default), ``"sum"`` or ``"none"`` (per-anchor losses).
 * ``backend``: ``"auto"`` (default; env ``FUSED_CONTRASTIVE_BACKEND`` overrides it, then triton
-  for CUDA tensors when available, else torch), ``"torch"`` (chunked, O(N*D) memory, any device),
+  for CUDA tensors that are not float64 when triton imports, else torch), ``"torch"`` (chunked, O(N*D) memory, any device),
   ``"triton"`` (fused kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"reference"``
   (materialises the logits; the test oracle).
 

@@ -187,3 +187,23 @@ def test_backend_env_overrides_auto(monkeypatch):
     monkeypatch.setenv("FUSED_CONTRASTIVE_BACKEND", "nope")
     with pytest.raises(ValueError, match="FUSED_CONTRASTIVE_BACKEND"):
         fc.info_nce(q, torch.randn(6, 4))
+
+
+def test_auto_backend_rule():
+    from fused_contrastive._validate import auto_backend
+
+    assert auto_backend(on_cuda=True, has_float64=False, triton_ok=True) == "triton"
+    assert auto_backend(on_cuda=True, has_float64=True, triton_ok=True) == "torch"  # kernels take no float64
+    assert auto_backend(on_cuda=True, has_float64=False, triton_ok=False) == "torch"
+    assert auto_backend(on_cuda=False, has_float64=False, triton_ok=True) == "torch"
+
+
+def test_cosent_auto_never_routes_to_triton(monkeypatch):
+    """On CUDA "auto" resolves to triton; CoSENT (no kernel) must then run its torch path."""
+    from fused_contrastive import _validate
+
+    monkeypatch.setattr(_validate, "backend", lambda name, *t: "triton")
+    s, y = torch.randn(20), torch.randint(0, 3, (20,)).float()
+    got = fc.cosent_loss_from_scores(s, y)
+    want = fc.cosent_loss_from_scores(s, y, backend="reference")
+    assert_close(got, want, atol=1e-5)
