@@ -30,6 +30,12 @@ from typing import Optional
 import torch
 
 
+def compute_dtype(*xs: Optional[torch.Tensor]) -> torch.dtype:
+    """The accumulation dtype of every backend and positive term: float64 if any input is float64,
+    else float32 (half inputs are accumulated in float32)."""
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
 @dataclass(frozen=True)
 class CoreSpec:
     """Non-tensor options of the core op (hashable, carried through the autograd Function)."""

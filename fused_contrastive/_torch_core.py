@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._spec import CoreSpec, CoreTensors, weighted_total
+from ._spec import CoreSpec, CoreTensors, compute_dtype, weighted_total
 
 _NEG_INF = float("-inf")
 _DEFAULT_TILE_ELEMENTS = 1 << 21  # 8 MiB of float32 per tile
@@ -281,10 +281,6 @@ def _grads_sym(tiles, n, spec, lse, lse_pos, g, g_pos, need_s):
     return da, ds
 
 
-def _compute_dtype(*xs: Optional[Tensor]) -> torch.dtype:
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
-
-
 def _norms(x: Tensor, spec: CoreSpec, dtype: torch.dtype) -> Optional[Tensor]:
     if not spec.normalize:
         return None
@@ -329,7 +325,7 @@ class TorchCoreFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: CoreTensors):
-        dt = _compute_dtype(a, b)
+        dt = compute_dtype(a, b)
         same = b is None
         tiles, bh, nb = _setup(a, b, scale, spec, t, dt)
         n = a.shape[0]

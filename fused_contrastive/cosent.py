@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import _reference as ref
 from . import _validate as V
+from ._spec import compute_dtype
 
 __all__ = ["cosent_loss", "cosent_loss_from_scores"]
 
@@ -79,7 +80,7 @@ def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backe
     be = _backend(backend, scores)
     if be == "reference":
         return ref.cosent(scores, labels, sc)
-    dt = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    dt = compute_dtype(scores)
     return _cosent_sorted(scores.to(dt) * sc.to(dt), labels)
 
 
@@ -99,6 +100,6 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, backend: st
     if u.shape != v.shape:
         raise ValueError(f"v must have the shape of u {tuple(u.shape)}, got {tuple(v.shape)}")
     V.same_device(u=u, v=v)
-    dt = torch.float64 if torch.float64 in (u.dtype, v.dtype) else torch.float32
+    dt = compute_dtype(u, v)
     cos = (F.normalize(u.to(dt), dim=1, eps=1e-12) * F.normalize(v.to(dt), dim=1, eps=1e-12)).sum(dim=1)
     return cosent_loss_from_scores(cos, labels, scale=scale, backend=backend)

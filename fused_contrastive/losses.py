@@ -29,7 +29,7 @@ from torch import Tensor
 from . import _reference as ref
 from . import _validate as V
 from ._dispatch import run_core
-from ._spec import CoreSpec, CoreTensors
+from ._spec import CoreSpec, CoreTensors, compute_dtype
 
 __all__ = [
     "info_nce",
@@ -47,10 +47,6 @@ _DEFAULT_TEMPERATURE = 0.05
 # ----------------------------------------------------------------------------------------------
 # shared plumbing
 # ----------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(*xs: Optional[Tensor]) -> torch.dtype:
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
 def _unit(x: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
@@ -275,7 +271,7 @@ def info_nce(
     if be == "reference":
         return ref.info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index)
 
-    dt = _compute_dtype(query, keys)
+    dt = compute_dtype(query, keys)
     valid = target != ignore_index
     tgt = torch.where(valid, target, torch.zeros_like(target))
     pos = s.to(dt) * _pair_cos(query, query if keys is None else keys, tgt, normalize, dt)
@@ -378,7 +374,7 @@ def simcse_sup_loss(anchor: Tensor, positive: Optional[Tensor] = None, negative:
     if be == "reference":
         return ref.simcse_sup(anchor, positive, negative, s, float(hard_negative_weight), normalize, reduction)
     n = anchor.shape[0]
-    dt = _compute_dtype(anchor, positive, negative)
+    dt = compute_dtype(anchor, positive, negative)
     keys = torch.cat([positive, negative.to(positive.dtype)], dim=0)
     pos = s.to(dt) * _pair_cos(anchor, positive, torch.arange(n, device=dev), normalize, dt)
     spec = CoreSpec(normalize=normalize, eps=_EPS, bias=float(hard_negative_weight))
@@ -477,7 +473,7 @@ def supcon_loss(
         return ref.supcon(features, labels, mask, s, t, float(base_temperature), contrast_mode, variant,
                           queue, queue_labels, normalize, reduction)
 
-    dt = _compute_dtype(features, queue)
+    dt = compute_dtype(features, queue)
     contrast = torch.cat(torch.unbind(features, dim=1), dim=0)  # [V*bsz, D], view-major
     n_contrast = contrast.shape[0]
     n = n_contrast if contrast_mode == "all" else bsz
@@ -577,7 +573,7 @@ def dscl_loss(
         return ref.dscl(features, labels, s, t, base_temperature, float(beta), queue, queue_labels,
                         normalize, reduction)
 
-    dt = _compute_dtype(features, queue)
+    dt = compute_dtype(features, queue)
     contrast = torch.cat([features[:, 0], features[:, 1]], dim=0)  # [2*bsz, D]
     col_lab = labels.repeat(2)
     c_hat = _unit(contrast, normalize, dt)
