@@ -1,6 +1,6 @@
 """Triton device code of the core op: masked row log-sum-exp over scaled cosines, forward and backward.
 
-The core op (see ``fused_contrastive/_spec.py``), with ``a_i = A_i r_i``, ``r_i = 1 / max(||A_i||, eps)``
+The core op (see ``fused_contrastive/core/spec.py``), with ``a_i = A_i r_i``, ``r_i = 1 / max(||A_i||, eps)``
 (``b_j`` likewise) and the runtime scale ``s``::
 
     l_ij     = s <a_i, b_j> + bias [j == bias_col_i],   -inf at j == offset + i (exclude_self)
@@ -8,9 +8,16 @@ The core op (see ``fused_contrastive/_spec.py``), with ``a_i = A_i r_i``, ``r_i 
     LSEcol_j = log sum_i exp(l_ij)                       (WANT_COL, CLIP)
     LSEpos_i = log sum_j w_ij exp(l_ij)                  (POS_KIND: 1 label equality, 2 dense mask)
 
-Kernels (launchers, configs and the autograd Function are in ``fused_contrastive/_triton_core.py``):
+The linear positive terms of the contract (``TGT``, ``SET``) are O(N*D) and computed in PyTorch
+(``core/positives.py``); these kernels compute the log-sum-exp terms and their backward.
 
-* ``row_norm_kernel``      prologue: clamped norms ``max(||x||, eps)`` and their inverses ``r`` (O(N*D)).
+Kernels (launchers and the autograd Function are in ``fused_contrastive/core/triton_backend.py``,
+launch configs in ``fused_contrastive/core/triton_configs.py``):
+
+* ``row_norm_kernel``      prologue: clamped norms ``max(||x||, eps)`` (overflow-free scaled sum of
+                           squares), their inverses ``r``, and a copy scaled by an exact power of two
+                           (every tile reads it: raw values, bounded products) with its inverse
+                           norms (O(N*D)).
 * ``lse_fwd_kernel``       one program per block of anchor rows streams over all column blocks:
                            LSE, LSEpos and (WANT_COL) per-program partial column LSEs.
 * ``lse_bwd_rows_kernel``  dA (and the temperature gradient), one program per row block.
@@ -103,7 +110,7 @@ Two accumulator placements (constexpr ``RESIDENT``):
   BLOCK_N / 4 FLOP per byte for the gradient matmul; the recompute matmul has none.
 
 Launch configs (block sizes, warps, stages) are chosen by the host code from a fixed table
-(``_triton_core.CONFIGS``); tests/test_triton_compile.py compiles every entry for sm_80 and sm_90
+(``core/triton_configs.CONFIGS``); tests/test_triton_compile.py compiles every entry for sm_80 and sm_90
 and checks 0 spill bytes and tensor-core instructions (``mma.sync`` / ``wgmma``).
 """
 
@@ -119,22 +126,52 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def row_norm_kernel(X, NORM, RNORM, N, D, stride_x, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """NORM_i = max(||X_i||, eps), RNORM_i = 1 / NORM_i in fp32 (NaN rows stay NaN)."""
+def row_norm_kernel(X, XS, NORM, RNORM, RS, N, D, stride_x, stride_xs, eps,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """NORM_i = max(||X_i||, eps), RNORM_i = 1 / NORM_i, the scaled copy XS_i = X_i p_i and RS_i, the
+    inverse clamped norm of XS_i (fp32 statistics; XS in X's dtype).
+
+    The norm is a one-pass scaled sum of squares (as BLAS nrm2): with the running row maximum ``big``
+    of |x|, ``ssq = sum (x / big)^2`` is rescaled by ``(big_old / big_new)^2`` when a chunk raises the
+    maximum, and ``||x|| = big sqrt(ssq)``; a plain ``sum x^2`` in fp32 overflows for rows of norm above
+    ~1.8e19. ``p_i`` is the power of two with ``p big`` in [1, 2): multiplying by it is exact (no
+    rounding), so the tiles read the same values as the raw rows, with every product bounded (no
+    overflow in the dot). NaN or inf in a row gives NaN statistics.
+    """
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     base = X + rows.to(tl.int64)[:, None] * stride_x
-    ss = tl.zeros([BLOCK_R], dtype=tl.float32)
+    big = tl.zeros([BLOCK_R], dtype=tl.float32)
+    ssq = tl.zeros([BLOCK_R], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
         x = tl.load(base + dd[None, :], mask=rmask[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
-    norm = tl.sqrt(ss)
-    # clamp written as "norm < eps ? eps : norm" so that a NaN norm stays NaN
+        new = tl.maximum(big, tl.max(tl.abs(x), axis=1))
+        safe = tl.where(new > 0, new, 1.0)
+        ratio = big / safe
+        xs = x / safe[:, None]
+        ssq = ssq * ratio * ratio + tl.sum(xs * xs, axis=1)
+        big = new
+    # p = 2^-e with big = 1.f 2^e: built from big's exponent bits (exact), kept a normal float
+    e_bits = (big.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    p = (tl.minimum(tl.maximum(254 - e_bits, 1), 253) << 23).to(tl.float32, bitcast=True)
+    p = tl.where(big > 0, p, 1.0)
+    root = tl.sqrt(ssq)
+    norm = big * root
+    # clamps written as "norm < eps ? eps : norm" so that a NaN norm stays NaN
     norm = tl.where(norm < eps, eps, norm)
+    snorm = (p * big) * root  # the norm of the scaled row: p big is in [1, 2), no overflow
+    snorm = tl.where(snorm < p * eps, p * eps, snorm)
     tl.store(NORM + rows, norm, mask=rmask)
     tl.store(RNORM + rows, 1.0 / norm, mask=rmask)
+    tl.store(RS + rows, 1.0 / snorm, mask=rmask)
+    out = XS + rows.to(tl.int64)[:, None] * stride_xs
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (dd < D)[None, :]
+        x = tl.load(base + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        tl.store(out + dd[None, :], (x * p[:, None]).to(XS.dtype.element_ty), mask=m2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,16 +190,17 @@ def _inv_norms(RN, idx, mask, NORMALIZE: tl.constexpr):
 
 
 @triton.jit
-def _cos_tile(A, B, stride_a, stride_b, rows, cols, N, M, D, ra, rb,
+def _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    """cos_ij = <A_i, B_j> r_i r_j on a BLOCK_M x BLOCK_N tile, fp32, 0 outside [0, N) x [0, M).
+    """cos_ij = <SA_i, SB_j> rsa_i rsb_j on a BLOCK_M x BLOCK_N tile, fp32, 0 outside [0, N) x [0, M).
 
-    The raw (unnormalised) tiles go into the dot: fp16/bf16 products are exact in the fp32
-    accumulator, and the two inverse norms are applied once to the finished tile.
+    SA and SB are the prologue's power-of-two scaled copies (the raw rows when NORMALIZE is off):
+    the dot runs on the raw values (fp16/bf16 products are exact in the fp32 accumulator) without
+    overflow, and the two inverse norms of the scaled rows are applied once to the finished tile.
     """
-    a_base = A + rows.to(tl.int64)[:, None] * stride_a  # int64: N * stride may exceed 2^31
-    b_base = B + cols.to(tl.int64)[:, None] * stride_b
+    a_base = SA + rows.to(tl.int64)[:, None] * stride_sa  # int64: N * stride may exceed 2^31
+    b_base = SB + cols.to(tl.int64)[:, None] * stride_sb
     rmask = rows < N
     cmask = cols < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -175,7 +213,7 @@ def _cos_tile(A, B, stride_a, stride_b, rows, cols, N, M, D, ra, rb,
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
-    return acc * ra[:, None] * rb[None, :]
+    return acc * rsa[:, None] * rsb[None, :]
 
 
 @triton.jit
@@ -265,9 +303,9 @@ def _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r,
 
 @triton.jit
 def lse_fwd_kernel(
-    A, B, RA, RB, SCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    SA, SB, RSA, RSB, SCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
     LSE, LSE_POS, COL_PART,
-    N, M, D, stride_a, stride_b, offset, bias, n0, m0, stride_pm, n_row_blocks,
+    N, M, D, stride_sa, stride_sb, offset, bias, n0, m0, stride_pm, n_row_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr,
     POS_KIND: tl.constexpr, WANT_COL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -284,7 +322,7 @@ def lse_fwd_kernel(
         # 1. this program's anchor rows and their per-row data (inverse norms, bias column, label)
         rows = rblk * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < N
-        ra = _inv_norms(RA, rows, rmask, NORMALIZE)
+        rsa = _inv_norms(RSA, rows, rmask, NORMALIZE)
         bias_c = rows  # placeholder when there is no bias
         if HAS_BIAS:
             bias_c = tl.load(BIAS_COL + rows, mask=rmask, other=-1)
@@ -296,11 +334,11 @@ def lse_fwd_kernel(
         mp_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
         zp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         for j0 in range(0, M, BLOCK_N):
-            # 2. column block: raw tiles -> cosines (D streamed in chunks, fp32 accumulation)
+            # 2. column block: scaled raw tiles -> cosines (D streamed in chunks, fp32 accumulation)
             cols = j0 + tl.arange(0, BLOCK_N)
             cmask = cols < M
-            rb = _inv_norms(RB, cols, cmask, NORMALIZE)
-            cos = _cos_tile(A, B, stride_a, stride_b, rows, cols, N, M, D, ra, rb,
+            rsb = _inv_norms(RSB, cols, cmask, NORMALIZE)
+            cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                             BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
             # 3. scale, bias, self / padding masks
             l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
@@ -384,22 +422,23 @@ def _norm_bwd_epilogue(X, OUT, ACC, NORM, RN, rows, N, D, stride_x, stride_o, ac
 
 
 @triton.jit
-def _accumulate(acc, ACC, dl, Y, stride_y, rows_o, ry, idx_y, n_out, n_y, D, first,
+def _accumulate(acc, ACC, dl, SY, stride_sy, rows_o, rsy, idx_y, n_out, n_y, D, first,
                 BLOCK_D: tl.constexpr, RESIDENT: tl.constexpr, UPCAST: tl.constexpr,
                 DOT_PREC: tl.constexpr):
-    """acc (or ACC[rows_o]) += dl @ Y_hat[idx_y], Y_hat = Y r_y; dl is [len(rows_o), len(idx_y)].
+    """acc (or ACC[rows_o]) += dl @ Y_hat[idx_y], Y_hat = SY rsy (the scaled copy times its inverse
+    norm); dl is [len(rows_o), len(idx_y)].
 
-    dl is cast to Y's dtype first (fp16/bf16 tensor-core operands, fp32 accumulation).
+    dl and Y_hat are cast to SY's dtype first (fp16/bf16 tensor-core operands, fp32 accumulation).
     """
-    dlo = dl.to(Y.dtype.element_ty)  # rounded to the operand dtype, as on the GPU
+    dlo = dl.to(SY.dtype.element_ty)  # rounded to the operand dtype, as on the GPU
     if UPCAST:
         dlo = dlo.to(tl.float32)
-    y_base = Y + idx_y.to(tl.int64)[:, None] * stride_y
+    y_base = SY + idx_y.to(tl.int64)[:, None] * stride_sy
     ymask = idx_y < n_y
     if RESIDENT:
         dd = tl.arange(0, BLOCK_D)
         y = tl.load(y_base + dd[None, :], mask=ymask[:, None] & (dd < D)[None, :], other=0.0)
-        yh = (y.to(tl.float32) * ry[:, None]).to(Y.dtype.element_ty)
+        yh = (y.to(tl.float32) * rsy[:, None]).to(SY.dtype.element_ty)
         if UPCAST:
             yh = yh.to(tl.float32)
         acc = tl.dot(dlo, yh, acc, input_precision=DOT_PREC)
@@ -410,7 +449,7 @@ def _accumulate(acc, ACC, dl, Y, stride_y, rows_o, ry, idx_y, n_out, n_y, D, fir
             dd = d0 + tl.arange(0, BLOCK_D)
             dmask = (dd < D)[None, :]
             y = tl.load(y_base + dd[None, :], mask=ymask[:, None] & dmask, other=0.0)
-            yh = (y.to(tl.float32) * ry[:, None]).to(Y.dtype.element_ty)
+            yh = (y.to(tl.float32) * rsy[:, None]).to(SY.dtype.element_ty)
             if UPCAST:
                 yh = yh.to(tl.float32)
             # the scratch rows are this program's own; the first tile starts from 0 (no memset)
@@ -423,10 +462,10 @@ def _accumulate(acc, ACC, dl, Y, stride_y, rows_o, ry, idx_y, n_out, n_y, D, fir
 
 @triton.jit
 def lse_bwd_rows_kernel(
-    A, B, RA, RB, NA, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    A, SA, SB, RA, NA, RSA, RSB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
     LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
     DA, ACC, DS_PART,
-    N, M, D, stride_a, stride_b, stride_da, offset, bias, n0, m0, stride_pm, eps,
+    N, M, D, stride_a, stride_sa, stride_sb, stride_da, offset, bias, n0, m0, stride_pm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
@@ -449,7 +488,7 @@ def lse_bwd_rows_kernel(
     inv_gs = 1.0 / gs
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
-    ra = _inv_norms(RA, rows, rmask, NORMALIZE)
+    rsa = _inv_norms(RSA, rows, rmask, NORMALIZE)
     bias_c = rows
     if HAS_BIAS:
         bias_c = tl.load(BIAS_COL + rows, mask=rmask, other=-1)
@@ -480,9 +519,9 @@ def lse_bwd_rows_kernel(
     for j0 in range(0, M, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
         cmask = cols < M
-        rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+        rsb = _inv_norms(RSB, cols, cmask, NORMALIZE)
         # 1. recompute the tile
-        cos = _cos_tile(A, B, stride_a, stride_b, rows, cols, N, M, D, ra, rb,
+        cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
         l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
         lab_c = cols
@@ -528,7 +567,7 @@ def lse_bwd_rows_kernel(
             else:
                 h = dl
             # 5. dA_I += H @ B_hat_J
-            acc = _accumulate(acc, ACC, h, B, stride_b, rows, rb, cols, N, M, D, j0,
+            acc = _accumulate(acc, ACC, h, SB, stride_sb, rows, rsb, cols, N, M, D, j0,
                               BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
@@ -539,10 +578,10 @@ def lse_bwd_rows_kernel(
 
 @triton.jit
 def lse_bwd_cols_kernel(
-    A, B, RA, RB, NB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    B, SA, SB, RB, NB, RSA, RSB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
     LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
     DB, ACC,
-    N, M, D, stride_a, stride_b, stride_db, offset, bias, n0, m0, stride_pm, eps, grad_cols,
+    N, M, D, stride_b, stride_sa, stride_sb, stride_db, offset, bias, n0, m0, stride_pm, eps, grad_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr,
@@ -560,7 +599,7 @@ def lse_bwd_cols_kernel(
     inv_gs = 1.0 / gs
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < M
-    rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+    rsb = _inv_norms(RSB, cols, cmask, NORMALIZE)
     lab_c = cols
     if POS_KIND == 1:
         lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
@@ -577,12 +616,12 @@ def lse_bwd_cols_kernel(
     for i0 in range(0, N, BLOCK_M):
         rows = i0 + tl.arange(0, BLOCK_M)
         rmask = rows < N
-        ra = _inv_norms(RA, rows, rmask, NORMALIZE)
+        rsa = _inv_norms(RSA, rows, rmask, NORMALIZE)
         bias_c = rows
         if HAS_BIAS:
             bias_c = tl.load(BIAS_COL + rows, mask=rmask, other=-1)
         # 1. recompute the tile
-        cos = _cos_tile(A, B, stride_a, stride_b, rows, cols, N, M, D, ra, rb,
+        cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
         l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
         # 2. the row statistics of this row block
@@ -602,7 +641,7 @@ def lse_bwd_cols_kernel(
             lp = _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND, False)
         # 3. dl, then dB_J += dl^T @ A_hat_I
         dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
-        acc = _accumulate(acc, ACC, tl.trans(dl), A, stride_a, cols, ra, rows, grad_cols, N, D, i0,
+        acc = _accumulate(acc, ACC, tl.trans(dl), SA, stride_sa, cols, rsa, rows, grad_cols, N, D, i0,
                           BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
     _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, grad_cols, D, stride_b, stride_db, acc, s * gs, eps,
                        BLOCK_N, BLOCK_D, NORMALIZE, RESIDENT)

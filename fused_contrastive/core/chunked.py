@@ -1,18 +1,20 @@
-"""Pure-PyTorch backend of the core op: chunked, O(N*D) memory, runs on any device.
+"""The chunked PyTorch path of the core op's log-sum-exp terms: O(N*D) memory, any device.
 
-The N x M logits are never allocated. Rows are processed in chunks (a ``rows x M`` tile whose
-size comes from :func:`tile_elements`), with an online log-sum-exp across chunks where a statistic
-spans chunks (column LSE, symmetric blocks).
+It computes ``c.lse LSE + c.col LSEcol + c.pos LSEpos`` (per row, or summed); the linear positive
+terms (``TGT``, ``SET``) are O(N*D) and come from ``positives.py``. The N x M logits are never
+allocated: rows are processed in chunks of a ``rows x M`` tile whose size comes from
+:func:`tile_elements`, with an online log-sum-exp where a statistic spans chunks (column LSE,
+symmetric blocks).
 
 Work, in units of one N x M x D matmul (the naive autograd graph costs 3):
 
-* weighted mode, A != B, no column LSE: each row chunk spans all M columns, so its LSE is final
+* summed output, A != B, no column term: each row chunk spans all M columns, so its LSE is final
   inside the chunk and the gradient is formed right away from the same tile ("eager" gradients,
   scaled by the scalar upstream gradient in backward): 1 (S) + 2 (dA, dB) = **3 units**, one exp
   per logit, no recompute.
-* A is B (symmetric): only blocks (I, J) with I <= J are visited. Forward 1/2; backward recomputes
+* B is A (symmetric): only blocks (I, J) with I <= J are visited. Forward 1/2; backward recomputes
   the tile (1/2) and applies ``H = G_IJ + G_JI^T`` to both sides (1): **2 units**.
-* vector mode (``reduction="none"``) or a column LSE (CLIP): a stats pass (1) and a recomputing
+* per-row output (``reduction="none"``) or a column term (CLIP): a stats pass (1) and a recomputing
   gradient pass (3): 4 units.
 """
 
@@ -20,19 +22,19 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ._spec import CoreSpec, CoreTensors, compute_dtype, weighted_total
+from .norms import clamped_norms, normalize_backward_, normalize_rows
+from .spec import Coef, Coeffs, CoreData, CoreSpec, combine, compute_dtype
 
 _NEG_INF = float("-inf")
 _DEFAULT_TILE_ELEMENTS = 1 << 21  # 8 MiB of float32 per tile
 
 
 def tile_elements() -> int:
-    """Elements of one transient tile (env ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` overrides)."""
+    """Elements of one transient logit tile (env ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` overrides)."""
     env = os.environ.get("FUSED_CONTRASTIVE_TILE_ELEMENTS")
     if env:
         return max(1, int(env))
@@ -55,38 +57,24 @@ def _safe(lse: Tensor) -> Tensor:
     return torch.where(lse == _NEG_INF, torch.zeros_like(lse), lse)
 
 
-def _prep(x: Tensor, spec: CoreSpec, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
-    """Cast to the compute dtype and normalise rows. Returns (x_hat, clamped norms or None)."""
-    xf = x.to(dtype)
-    if not spec.normalize:
-        return xf, None
-    norm = torch.linalg.vector_norm(xf, dim=1).clamp_min(spec.eps)
-    return xf / norm[:, None], norm
-
-
-def _norm_bwd(d_hat: Tensor, x_hat: Tensor, norm: Optional[Tensor], eps: float) -> Tensor:
-    """Backward of x -> x / max(||x||, eps): (g - x_hat <g, x_hat>) / ||x||, or g / eps if clamped.
-
-    Works in place on ``d_hat`` (a buffer this module owns) to keep the peak memory at O(N*D) with
-    a small constant.
-    """
-    if norm is None:
-        return d_hat
-    proj = torch.linalg.vecdot(d_hat, x_hat, dim=1)
-    proj = torch.where(norm > eps, proj, torch.zeros_like(proj))
-    d_hat.addcmul_(x_hat, proj[:, None], value=-1.0)
-    return d_hat.div_(norm[:, None])
+def _vec(c: Coef | None, n: int, like: Tensor) -> Tensor | None:
+    """A coefficient as an [n] tensor of ``like``'s dtype and device (None stays None)."""
+    if c is None:
+        return None
+    if isinstance(c, Tensor):
+        return c.to(like.dtype)
+    return torch.full((n,), float(c), dtype=like.dtype, device=like.device)
 
 
 class _Tiles:
     """Builds masked logit tiles of the core op for a row range and a column range."""
 
-    def __init__(self, a: Tensor, a_norm: Optional[Tensor], b: Tensor, s: Tensor, spec: CoreSpec,
-                 t: CoreTensors, a_is_hat: bool):
+    def __init__(self, a: Tensor, a_norm: Tensor | None, b: Tensor, s, spec: CoreSpec,
+                 data: CoreData, a_is_hat: bool):
         """``a``: anchors, already normalised (``a_is_hat``) or raw with clamped norms ``a_norm``
         (rows are then normalised one chunk at a time: no full normalised copy of A)."""
         self.a, self.a_norm, self.a_is_hat = a, a_norm, a_is_hat
-        self.b, self.s, self.spec, self.t = b, s, spec, t
+        self.b, self.s, self.spec, self.data = b, s, spec, data
         self.m = b.shape[0]
         self.dtype = b.dtype
 
@@ -98,13 +86,13 @@ class _Tiles:
         x = x.to(self.dtype)
         return x / self.a_norm[r0:r1, None] if self.a_norm is not None else x
 
-    def logits(self, r0: int, r1: int, c0: int, c1: int) -> Tuple[Tensor, Tensor]:
+    def logits(self, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor]:
         """(cosine tile, masked logit tile) for rows [r0, r1) and columns [c0, c1)."""
-        spec, t = self.spec, self.t
+        spec, data = self.spec, self.data
         c = self.arows(r0, r1) @ self.b[c0:c1].T
         l = c * self.s
-        if t.bias_col is not None:
-            bc = t.bias_col[r0:r1] - c0
+        if data.bias_col is not None and spec.bias != 0.0:
+            bc = data.bias_col[r0:r1] - c0
             inside = (bc >= 0) & (bc < c1 - c0)
             bias = torch.where(inside, torch.full_like(c[:, 0], spec.bias), torch.zeros_like(c[:, 0]))
             l.scatter_add_(1, bc.clamp(0, c1 - c0 - 1)[:, None], bias[:, None])
@@ -119,14 +107,14 @@ class _Tiles:
 
     def pos_logits(self, l: Tensor, r0: int, r1: int, c0: int, c1: int) -> Tensor:
         """Logits restricted to positives: l + log w (w = label equality or the dense mask)."""
-        t = self.t
-        if t.pos_mask is not None:
-            n0, m0 = t.pos_mask.shape
+        data = self.data
+        if data.pos_mask is not None:
+            n0, m0 = data.pos_mask.shape
             ri = torch.arange(r0, r1, device=l.device) % n0
             ci = torch.arange(c0, c1, device=l.device) % m0
-            w = t.pos_mask[ri[:, None], ci[None, :]].to(l.dtype)
+            w = data.pos_mask[ri[:, None], ci[None, :]].to(l.dtype)
             return l + torch.log(w)
-        eq = t.row_labels[r0:r1, None] == t.col_labels[None, c0:c1]
+        eq = data.row_labels[r0:r1, None] == data.col_labels[None, c0:c1]
         return l.masked_fill(~eq, _NEG_INF)
 
 
@@ -141,13 +129,13 @@ def _softmax_grad(l: Tensor, lse: Tensor, g: Tensor, dim: int) -> Tensor:
     return torch.exp(l - _safe(lse)[None, :]).mul_(g[None, :])
 
 
-def _stats_rows(tiles: _Tiles, n: int, spec: CoreSpec):
+def _stats_rows(tiles: _Tiles, n: int, want_col: bool, want_pos: bool):
     """Forward stats pass, non-symmetric: row chunks spanning all columns."""
     m = tiles.m
     dev, dt = tiles.b.device, tiles.dtype
     lse = torch.empty(n, device=dev, dtype=dt)
-    lse_pos = torch.empty(n, device=dev, dtype=dt) if spec.want_pos else None
-    lse_col = torch.full((m,), _NEG_INF, device=dev, dtype=dt) if spec.want_col else None
+    lse_pos = torch.empty(n, device=dev, dtype=dt) if want_pos else None
+    lse_col = torch.full((m,), _NEG_INF, device=dev, dtype=dt) if want_col else None
     step = _row_chunk(n, m)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -161,7 +149,7 @@ def _stats_rows(tiles: _Tiles, n: int, spec: CoreSpec):
 
 
 def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_b, need_s,
-                eager_w: Optional[Tuple[Tensor, Optional[Tensor]]] = None):
+                eager_w: tuple[Tensor, Tensor | None] | None = None):
     """Gradient pass, non-symmetric: d l_ij = g_i p_ij + gc_j pc_ij + gp_i q_ij per row chunk.
 
     Returns ``da`` already through the normalisation backward (input space, one chunk at a time),
@@ -177,19 +165,24 @@ def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, 
     da = torch.empty(n, d, device=dev, dtype=dt) if need_a else None
     db = torch.zeros(gcols, d, device=dev, dtype=dt) if need_b else None
     ds = torch.zeros((), device=dev, dtype=dt)
+    want_pos = g_pos is not None or (eager_w is not None and eager_w[1] is not None)
     if eager_w is not None:
         g, g_pos = eager_w
         lse = torch.empty(n, device=dev, dtype=dt)
-        lse_pos = torch.empty(n, device=dev, dtype=dt) if spec.want_pos else None
+        lse_pos = torch.empty(n, device=dev, dtype=dt) if want_pos else None
     step = _row_chunk(n, m)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         c, l = tiles.logits(r0, r1, 0, m)
-        lp = tiles.pos_logits(l, r0, r1, 0, m) if spec.want_pos else None
+        lp = tiles.pos_logits(l, r0, r1, 0, m) if want_pos else None
         if eager_w is not None:
             lse[r0:r1] = _lse_rows(l)
             if lp is not None:
                 lse_pos[r0:r1] = _lse_rows(lp)
+                # zero-positive rows (LSEpos = -inf) carry no softmax over positives
+                g_pos_r = torch.where(lse_pos[r0:r1] == _NEG_INF, torch.zeros_like(g_pos[r0:r1]), g_pos[r0:r1])
+        elif g_pos is not None:
+            g_pos_r = g_pos[r0:r1]
         dl = None
         if g is not None:
             dl = _softmax_grad(l, lse[r0:r1], g[r0:r1], 1)
@@ -197,7 +190,7 @@ def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, 
             part = _softmax_grad(l, lse_col, g_col, 0)
             dl = part if dl is None else dl.add_(part)
         if g_pos is not None and lp is not None:
-            part = _softmax_grad(lp, lse_pos[r0:r1], g_pos[r0:r1], 1)
+            part = _softmax_grad(lp, lse_pos[r0:r1], g_pos_r, 1)
             dl = part if dl is None else dl.add_(part)
         del l, lp
         if dl is None:
@@ -211,7 +204,7 @@ def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, 
         if need_a:
             dar = torch.matmul(dl, b).mul_(s)
             na = tiles.a_norm[r0:r1] if tiles.a_norm is not None else None
-            da[r0:r1] = _norm_bwd(dar, ar, na, spec.eps)
+            da[r0:r1] = normalize_backward_(dar, ar, na, spec.eps)
         if need_b:
             db.addmm_(dl[:, :gcols].T, ar)
     if need_b:
@@ -231,11 +224,11 @@ def _sym_pairs(n: int):
             yield i0, min(n, i0 + step), j0, min(n, j0 + step)
 
 
-def _stats_sym(tiles: _Tiles, n: int, spec: CoreSpec):
+def _stats_sym(tiles: _Tiles, n: int, want_pos: bool):
     """Forward stats pass over blocks I <= J of the symmetric S = A_hat A_hat^T (1/2 unit)."""
     dev, dt = tiles.b.device, tiles.dtype
     lse = torch.full((n,), _NEG_INF, device=dev, dtype=dt)
-    lse_pos = torch.full((n,), _NEG_INF, device=dev, dtype=dt) if spec.want_pos else None
+    lse_pos = torch.full((n,), _NEG_INF, device=dev, dtype=dt) if want_pos else None
     for i0, i1, j0, j1 in _sym_pairs(n):
         _, l = tiles.logits(i0, i1, j0, j1)
         lse[i0:i1] = torch.logaddexp(lse[i0:i1], _lse_rows(l))
@@ -250,7 +243,7 @@ def _stats_sym(tiles: _Tiles, n: int, spec: CoreSpec):
     return lse, None, lse_pos
 
 
-def _grads_sym(tiles, n, spec, lse, lse_pos, g, g_pos, need_s):
+def _grads_sym(tiles, n, lse, lse_pos, g, g_pos, need_s):
     """Symmetric backward: per block pair H = G_IJ + G_JI^T, dA_I += s H A_J, dA_J += s H^T A_I.
     Returns dA in normalised space."""
     a, s = tiles.b, tiles.s
@@ -281,91 +274,91 @@ def _grads_sym(tiles, n, spec, lse, lse_pos, g, g_pos, need_s):
     return da, ds
 
 
-def _norms(x: Tensor, spec: CoreSpec, dtype: torch.dtype) -> Optional[Tensor]:
-    if not spec.normalize:
-        return None
-    return torch.linalg.vector_norm(x, dim=1, dtype=dtype).clamp_min(spec.eps)
-
-
-def _setup(a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: CoreTensors, dt: torch.dtype):
+def _setup(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, dt: torch.dtype):
     """Tiles of the problem plus the normalised contrast set (the only full normalised copy:
     anchor rows are normalised chunk by chunk unless A is B)."""
-    s = scale.detach().to(dt)
+    s = scale.detach().to(dt) if isinstance(scale, Tensor) else float(scale)
     if b is None:
-        bh, nb = _prep(a, spec, dt)
-        return _Tiles(bh, nb, bh, s, spec, t, a_is_hat=True), bh, nb
-    bh, nb = _prep(b, spec, dt)
-    return _Tiles(a, _norms(a, spec, dt), bh, s, spec, t, a_is_hat=False), bh, nb
+        bh, nb = normalize_rows(a, spec.eps, dt, spec.normalize)
+        return _Tiles(bh, nb, bh, s, spec, data, a_is_hat=True), bh, nb
+    bh, nb = normalize_rows(b, spec.eps, dt, spec.normalize)
+    na = clamped_norms(a, spec.eps, dt) if spec.normalize else None
+    return _Tiles(a, na, bh, s, spec, data, a_is_hat=False), bh, nb
 
 
 def _input_grads(tiles, bh, nb, same, sym, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
                  need_a, need_b, need_s, eager_w=None):
     """(grad A, grad B, grad s[, LSE, LSEpos]) in the compute dtype, through the normalisation."""
     if sym:
-        da_hat, ds = _grads_sym(tiles, n, spec, lse, lse_pos, g, g_pos, need_s)
-        return _norm_bwd(da_hat, bh, nb, spec.eps), None, ds
+        da_hat, ds = _grads_sym(tiles, n, lse, lse_pos, g, g_pos, need_s)
+        return normalize_backward_(da_hat, bh, nb, spec.eps), None, ds
     res = _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
                       need_a, need_b or (same and need_a), need_s, eager_w=eager_w)
     ga, db_hat, ds = res[:3]
-    gb = _norm_bwd(db_hat, bh, nb, spec.eps) if db_hat is not None else None
+    gb = normalize_backward_(db_hat, bh, nb, spec.eps) if db_hat is not None else None
     if same:
         ga = ga.add_(gb) if ga is not None else None
         gb = None
     return (ga, gb, ds) + tuple(res[3:])
 
 
-class TorchCoreFn(torch.autograd.Function):
-    """Core op (see ``_spec.py``) with a chunked forward and an O(N*D)-memory backward.
+class ChunkedCoreFn(torch.autograd.Function):
+    """``c.lse LSE + c.col LSEcol + c.pos LSEpos`` per row (or summed) with a chunked forward and an
+    O(N*D)-memory backward.
 
-    Inputs: ``a`` [N, D] raw anchors, ``b`` [M, D] raw contrast set or None (``spec.same``: B is A),
-    ``scale`` 0-dim tensor (s = 1/temperature). Outputs: vector mode ``(LSE [N], LSEcol [M] or [0],
-    LSEpos [N] or [0])``; weighted mode a 0-dim tensor. All in the compute dtype (float32, or float64
-    for float64 inputs); gradients are returned in each input's dtype.
+    Inputs: ``a`` [N, D] raw anchors, ``b`` [M, D] raw contrast set or None (B is A), ``scale`` a number
+    or a 0-dim tensor (s = 1/temperature). Output in the compute dtype (float32, or float64 for
+    float64 inputs); gradients come back in each input's dtype.
     """
 
     @staticmethod
-    def forward(ctx, a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: CoreTensors):
+    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+                reduce: bool):
         dt = compute_dtype(a, b)
+        coef = coef.to(dt)
         same = b is None
-        tiles, bh, nb = _setup(a, b, scale, spec, t, dt)
+        want_col, want_pos = coef.col is not None, coef.pos is not None
+        tiles, bh, nb = _setup(a, b, scale, spec, data, dt)
         n = a.shape[0]
-        sym = same and not spec.want_col and t.bias_col is None
-        need_a, need_b, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        ctx.spec, ctx.t, ctx.sym, ctx.same = spec, t, sym, same
-        ctx.dtypes = (a.dtype, None if same else b.dtype, scale.dtype)
+        sym = same and not want_col and (data.bias_col is None or spec.bias == 0.0)
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[2]
+        ctx.spec, ctx.data, ctx.coef, ctx.reduce, ctx.sym, ctx.same = spec, data, coef, reduce, sym, same
+        ctx.dtypes = (a.dtype, None if same else b.dtype,
+                      scale.dtype if isinstance(scale, Tensor) else None,
+                      scale.shape if isinstance(scale, Tensor) else None)
+        ctx.scale = None if isinstance(scale, Tensor) else scale
 
-        if t.weighted and not sym and not spec.want_col and (need_a or need_b or need_s):
-            # eager: the upstream gradient of a weighted sum is a scalar, so form the gradients now
+        if reduce and not sym and not want_col and (need_a or need_b or need_s):
+            # eager: the upstream gradient of a sum is a scalar, so form the gradients now
             ga, gb, ds, lse, lse_pos = _input_grads(
                 tiles, bh, nb, same, sym, n, spec, None, None, None, None, None, None,
-                need_a, need_b, need_s, eager_w=(t.w_row.to(dt), _opt(t.w_pos, dt)))
+                need_a, need_b, need_s, eager_w=(_vec(coef.lse, n, bh), _vec(coef.pos, n, bh)))
             ctx.eager = (ga, gb, ds if need_s else None)
             # keep what a recomputing backward needs, should backward run twice (retain_graph)
-            ctx.save_for_backward(a, b, scale, lse, None, lse_pos)
-            return weighted_total(lse, None, lse_pos, t)
+            ctx.save_for_backward(a, b, scale if isinstance(scale, Tensor) else None, lse, None, lse_pos)
+            return combine(coef, True, lse, None, lse_pos)
 
         ctx.eager = None
         if sym:
-            lse, lse_col, lse_pos = _stats_sym(tiles, n, spec)
+            lse, lse_col, lse_pos = _stats_sym(tiles, n, want_pos)
         else:
-            lse, lse_col, lse_pos = _stats_rows(tiles, n, spec)
-        ctx.save_for_backward(a, b, scale, lse, lse_col, lse_pos)
-        if t.weighted:
-            return weighted_total(lse, lse_col, lse_pos, t)
-        empty = lse.new_empty(0)
-        return lse, (lse_col if lse_col is not None else empty), (lse_pos if lse_pos is not None else empty)
+            lse, lse_col, lse_pos = _stats_rows(tiles, n, want_col, want_pos)
+        ctx.save_for_backward(a, b, scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos)
+        return combine(coef, reduce, lse, lse_col, lse_pos)
 
     @staticmethod
-    def backward(ctx, *grads):
-        spec, t = ctx.spec, ctx.t
+    def backward(ctx, go: Tensor):
+        spec, data, coef = ctx.spec, ctx.data, ctx.coef
         need_a, need_b, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
 
         def out(ga, gb, ds):
+            adt, bdt, sdt, sshape = ctx.dtypes
             return (
-                ga.to(ctx.dtypes[0]) if need_a else None,
-                gb.to(ctx.dtypes[1]) if need_b and gb is not None else None,
-                ds.to(ctx.dtypes[2]).reshape(()) if need_s else None,
-                None, None,
+                ga.to(adt) if need_a and ga is not None else None,
+                gb.to(bdt) if need_b and gb is not None else None,
+                ds.to(sdt).reshape(sshape) if need_s and ds is not None else None,
+                None, None, None, None,
             )
 
         if ctx.eager is not None:
@@ -373,35 +366,28 @@ class TorchCoreFn(torch.autograd.Function):
             # dropped here; a second backward through a retained graph takes the recompute path)
             ga, gb, ds = ctx.eager
             ctx.eager = None
-            go = grads[0]
             return out(ga.mul_(go) if ga is not None else None, gb.mul_(go) if gb is not None else None,
                        ds * go if ds is not None else None)
         a, b, scale, lse, lse_col, lse_pos = ctx.saved_tensors
+        if scale is None:
+            scale = ctx.scale
         dt = lse.dtype
-        if t.weighted:
-            go = grads[0].to(dt)
-            g = t.w_row.to(dt) * go
-            g_col = t.w_col.to(dt) * go if (lse_col is not None and t.w_col is not None) else None
-            g_pos = t.w_pos.to(dt) * go if (lse_pos is not None and t.w_pos is not None) else None
-        else:
-            g, g_col, g_pos = (x.to(dt) if x is not None and x.numel() else None for x in grads)
-            if lse_col is None:
-                g_col = None
-            if lse_pos is None:
-                g_pos = None
-        if g_pos is not None:
+        n = a.shape[0]
+        go = go.to(dt)
+        g = _vec(coef.lse, n, lse) * go
+        g_col = _vec(coef.col, lse_col.shape[0], lse) * go if lse_col is not None else None
+        g_pos = None
+        if lse_pos is not None:
             # zero-positive rows (LSEpos = -inf) carry no softmax over positives
+            g_pos = _vec(coef.pos, n, lse) * go
             g_pos = torch.where(lse_pos == _NEG_INF, torch.zeros_like(g_pos), g_pos)
-        tiles, bh, nb = _setup(a, b, scale, spec, t, dt)
-        ga, gb, ds = _input_grads(tiles, bh, nb, ctx.same, ctx.sym, a.shape[0], spec, lse, lse_col, lse_pos,
+        tiles, bh, nb = _setup(a, b, scale, spec, data, dt)
+        ga, gb, ds = _input_grads(tiles, bh, nb, ctx.same, ctx.sym, n, spec, lse, lse_col, lse_pos,
                                   g, g_col, g_pos, need_a, need_b, need_s)
         return out(ga, gb, ds)
 
 
-def _opt(x: Optional[Tensor], dt) -> Optional[Tensor]:
-    return None if x is None else x.to(dt)
-
-
-def core(a: Tensor, b: Optional[Tensor], scale: Tensor, spec: CoreSpec, t: CoreTensors):
-    """Run the core op on the torch backend (see :class:`TorchCoreFn`)."""
-    return TorchCoreFn.apply(a, b, scale, spec, t)
+def core(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+         reduce: bool) -> Tensor:
+    """The log-sum-exp terms of the core op on the chunked path (see :class:`ChunkedCoreFn`)."""
+    return ChunkedCoreFn.apply(a, b, scale, spec, data, coef, reduce)

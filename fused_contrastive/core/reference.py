@@ -2,27 +2,63 @@
 
 It materialises the full logits matrix and uses ``F.cross_entropy`` / ``logsumexp``; O(N*M) memory.
 It shares no code with the other backends and is the oracle of the test-suite. Arguments arrive
-validated from ``losses.py`` / ``cosent.py``; ``s`` is the 0-dim scale (1 / temperature).
+validated from ``losses.py`` / ``cosent.py``; ``s`` is the scale (1 / temperature), a number or a
+0-dim tensor.
+
+Rows are normalised as ``x / max(||x||, eps)`` with the norm taken as ``m * ||x / m||`` (``m`` the row's
+largest magnitude), so a finite row never overflows when squared (``F.normalize`` squares in the input
+dtype and maps rows with norms above ~1.8e19 in float32 to 0).
+
+:func:`computing_in` makes every function here compute in a given dtype instead of float32 /
+float64: the test-suite's accuracy rule uses it to measure PyTorch's own error in a half dtype.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 _EPS = 1e-12
+_FORCED: torch.dtype | None = None
+
+
+@contextlib.contextmanager
+def computing_in(dtype: torch.dtype) -> Iterator[None]:
+    """Within the block, the reference computes in ``dtype`` (e.g. bfloat16: PyTorch's same-dtype
+    error) instead of float32 (float64 for float64 inputs)."""
+    global _FORCED
+    prev, _FORCED = _FORCED, dtype
+    try:
+        yield
+    finally:
+        _FORCED = prev
 
 
 def _dt(*xs) -> torch.dtype:
+    if _FORCED is not None:
+        return _FORCED
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
+def _scalar(s, dt):
+    return s.to(dt) if isinstance(s, Tensor) else s
+
+
 def _unit(x: Tensor, normalize: bool, dt) -> Tensor:
+    """x / max(||x||, eps) along the last dim, the norm computed as m * ||x / m|| (no overflow)."""
     x = x.to(dt)
-    return F.normalize(x, dim=-1, eps=_EPS) if normalize else x
+    if not normalize:
+        return x
+    m = x.detach().abs().amax(dim=-1, keepdim=True)
+    m = torch.where(m > 0, m, torch.ones_like(m))
+    xs = x / m
+    r = torch.linalg.vector_norm(xs, dim=-1, keepdim=True)
+    keep = r * m > _EPS
+    return torch.where(keep, xs / torch.where(keep, r, torch.ones_like(r)), x / _EPS)
 
 
 def _self_mask(n: int, m: int, offset: int, device) -> Tensor:
@@ -34,7 +70,7 @@ def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reducti
     dt = _dt(query, keys)
     q = _unit(query, normalize, dt)
     k = q if keys is None else _unit(keys, normalize, dt)
-    logits = (q @ k.T) * s.to(dt)
+    logits = (q @ k.T) * _scalar(s, dt)
     if exclude_self:
         logits = logits.masked_fill(_self_mask(q.shape[0], k.shape[0], 0, q.device), float("-inf"))
     if symmetric:
@@ -48,7 +84,7 @@ def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reducti
 def simcse_sup(anchor, positive, negative, s, hard_negative_weight, normalize, reduction):
     dt = _dt(anchor, positive, negative)
     a, p, n = (_unit(x, normalize, dt) for x in (anchor, positive, negative))
-    sd = s.to(dt)
+    sd = _scalar(s, dt)
     neg = (a @ n.T) * sd + hard_negative_weight * torch.eye(a.shape[0], dtype=dt, device=a.device)
     logits = torch.cat([(a @ p.T) * sd, neg], dim=1)
     return F.cross_entropy(logits, torch.arange(a.shape[0], device=a.device), reduction=reduction)
@@ -83,7 +119,7 @@ def supcon(features, labels, mask, s, t, base_temperature, contrast_mode, varian
         else:
             qpos = torch.zeros(pos.shape[0], q.shape[0], dtype=dt, device=dev)
         pos = torch.cat([pos, qpos], dim=1)
-    logits = (anchors @ contrast.T) * s.to(dt)
+    logits = (anchors @ contrast.T) * _scalar(s, dt)
     self_m = _self_mask(anchors.shape[0], contrast.shape[0], 0, dev)
     pos = pos.masked_fill(self_m, 0)
     logits = logits.masked_fill(self_m, float("-inf"))
@@ -101,7 +137,7 @@ def supcon(features, labels, mask, s, t, base_temperature, contrast_mode, varian
         lp = torch.where(has[:, None], lp, torch.zeros_like(lp))
         term = torch.logsumexp(lp, dim=1) - torch.log(safe)
     per = torch.where(has, -term, torch.zeros_like(term))
-    return (t / base_temperature).to(dt) * _reduce(per, reduction)
+    return _scalar(t / base_temperature, dt) * _reduce(per, reduction)
 
 
 def dscl(features, labels, s, t, base_temperature, beta, queue, queue_labels, normalize, reduction):
@@ -116,7 +152,7 @@ def dscl(features, labels, s, t, base_temperature, beta, queue, queue_labels, no
     if queue is not None:
         contrast = torch.cat([contrast, _unit(queue.detach(), normalize, dt)])
         col_lab = torch.cat([col_lab, queue_labels])
-    logits = (anchors @ contrast.T) * s.to(dt)
+    logits = (anchors @ contrast.T) * _scalar(s, dt)
     self_m = _self_mask(bsz, contrast.shape[0], 0, dev)
     logits = logits.masked_fill(self_m, float("-inf"))
     log_prob = logits - torch.logsumexp(logits, dim=1, keepdim=True)
@@ -128,7 +164,13 @@ def dscl(features, labels, s, t, base_temperature, beta, queue, queue_labels, no
     w = torch.where(own, torch.ones_like(w), w)
     mean = torch.where(w != 0, w * log_prob, torch.zeros_like(log_prob)).sum(dim=1) / w.sum(dim=1)
     tb = t if base_temperature is None else base_temperature
-    return (t / tb).to(dt) * _reduce(-mean, reduction)
+    return _scalar(t / tb, dt) * _reduce(-mean, reduction)
+
+
+def pair_cosines(u: Tensor, v: Tensor, normalize: bool) -> Tensor:
+    """cos(u_i, v_i) per pair (the raw dot product without normalisation)."""
+    dt = _dt(u, v)
+    return (_unit(u, normalize, dt) * _unit(v, normalize, dt)).sum(dim=-1)
 
 
 def cosent(scores: Tensor, labels: Tensor, scale) -> Tensor:

@@ -1,0 +1,61 @@
+"""The core op of every InfoNCE-family loss (contract in ``spec.py``) and its implementations:
+
+* ``dense.py``: one materialised tile, for problems that fit the tile budget (any device);
+* ``chunked.py`` + ``positives.py``: the O(N*D)-memory PyTorch path;
+* ``triton_backend.py`` (+ ``triton_configs.py``, device code in ``fused_contrastive.kernels``) +
+  ``positives.py``: the fused kernels;
+* ``reference.py``: every loss written naively from its definition, the test oracle (it does not go
+  through :func:`run`).
+
+:func:`run` is the only entry the losses call; the backend name comes resolved from
+``fused_contrastive._backend.resolve``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+from . import chunked, dense, positives
+from .chunked import tile_elements
+from .spec import Coeffs, CoreData, CoreSpec, check_problem, compute_dtype
+
+__all__ = ["Coeffs", "CoreData", "CoreSpec", "dense_path", "run", "tile_elements"]
+
+
+def dense_path(n: int, m: int) -> bool:
+    """Whether an N x M problem takes the one-tile path: the whole logit tile fits the tile budget
+    (``N * M <= tile_elements()``), unless ``FUSED_CONTRASTIVE_DENSE=0`` turns the path off."""
+    return os.environ.get("FUSED_CONTRASTIVE_DENSE", "1") != "0" and n * m <= tile_elements()
+
+
+def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+        reduce: bool) -> Tensor:
+    """The core op on ``backend`` ("torch" or "triton"): the per-row loss [N] or its sum (0-dim).
+
+    ``a`` [N, D] anchors, ``b`` [M, D] contrast set or None (B is A), ``scale`` a number or a 0-dim
+    tensor (gradients flow to tensors that require them). Both backends take the dense one-tile path
+    when it fits (:func:`dense_path`).
+    """
+    n = a.shape[0]
+    m = n if b is None else b.shape[0]
+    check_problem(n, m, spec, data, coef, reduce)
+    if dense_path(n, m):
+        return dense.core(a, b, scale, spec, data, coef, reduce)
+    lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
+    if backend == "triton":
+        from . import triton_backend
+
+        out = triton_backend.core(a, b, scale, spec, data, lse_terms, reduce)
+    elif backend == "torch":
+        out = chunked.core(a, b, scale, spec, data, lse_terms, reduce)
+    else:
+        raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
+    lin = positives.linear_terms(a, b, scale, spec, data, coef, reduce, out.dtype)
+    return out if lin is None else out - lin.to(out.dtype)
+
+
+def positive_counts(spec: CoreSpec, data: CoreData, n: int, m: int, like: Tensor) -> Tensor:
+    """``|P_i|`` per row in the compute dtype of ``like`` (see ``positives.positive_counts``)."""
+    return positives.positive_counts(spec, data, n, m, compute_dtype(like))

@@ -1,0 +1,241 @@
+"""The small-problem path of the core op: one materialised N x M tile, for problems that fit the tile
+budget (``N * M <= tile_elements()``).
+
+When the whole logit matrix fits the transient tile the chunked path would allocate anyway, chunking
+buys nothing and its bookkeeping (and the separate O(N*D) positive terms) only adds small ops. Here
+the whole loss is one autograd Function: the forward is the textbook formula's work (normalise, one
+matmul, scale, masks, ``logsumexp``, a gather) and the hand-written backward forms ``dl`` once and
+applies it with one matmul per input (one in all when B is A: ``(dl + dl^T) @ A``), followed by the
+normalisation backward in closed form. That is about half the ATen ops of the autograd graph of
+``F.cross_entropy(F.normalize(q) @ F.normalize(k).T / t, target)`` (whose ``F.normalize`` backward
+alone is about ten nodes per input), so this path is never slower than the formula it replaces; the
+small-batch table of ``python -m fused_contrastive bench`` measures it.
+
+Memory: the tiles ``l``, the cosines (only when the scale needs a gradient) and the positive weights
+(only when the loss has positives) are each N x M <= the tile budget; O(N*D) otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .norms import clamped_norms
+from .spec import Coeffs, CoreData, CoreSpec, drop_zero
+
+_NEG_INF = float("-inf")
+
+
+def _unit(x: Tensor, spec: CoreSpec, dt: torch.dtype):
+    """(rows in ``dt`` divided by their clamped norms, the norms) or (raw rows, None)."""
+    xf = x if x.dtype == dt else x.to(dt)
+    if not spec.normalize:
+        return xf, None
+    norm = clamped_norms(x, spec.eps, dt)
+    return xf / norm[:, None], norm
+
+
+def _unit_backward(g: Tensor, xh: Tensor, norm: Tensor | None, proj: Tensor, eps: float) -> Tensor:
+    """``(g - x_hat <g, x_hat>) / ||x||`` in place on ``g`` (``g / eps`` for a clamped row); ``proj`` is
+    ``<g, x_hat>`` (the caller computes it on the tile or as a row dot, whichever is less work)."""
+    if norm is None:
+        return g
+    proj = proj.masked_fill_(norm <= eps, 0.0)
+    return g.addcmul_(xh, proj[:, None], value=-1.0).div_(norm[:, None])
+
+
+def _rowdot(x: Tensor, y: Tensor) -> Tensor:
+    return torch.linalg.vecdot(x, y, dim=1)
+
+
+def _per_row(c, g: Tensor) -> Tensor:
+    """Upstream gradient times a coefficient, shaped to scale the rows of a tile."""
+    x = c * g
+    return x[:, None] if x.dim() == 1 else x
+
+
+def _row_slice(a: Tensor, b: Tensor | None) -> int | None:
+    """``r`` when ``a`` is the view ``b[r : r + N]`` (the anchors are rows of the contrast set, as in
+    SupCon "one", DSCL and queues), else None. Then the anchors' normalised rows are ``b``'s, and their
+    gradient is folded into ``b``'s rows (autograd adds a view's gradient into its base)."""
+    if b is None or a.dtype != b.dtype or a.device != b.device or a.stride() != b.stride() or b.stride(0) == 0:
+        return None
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.shape[1] != b.shape[1]:
+        return None
+    r, rem = divmod(a.storage_offset() - b.storage_offset(), b.stride(0))
+    return r if rem == 0 and 0 <= r and r + a.shape[0] <= b.shape[0] else None
+
+
+def _cross_entropy_form(coef: Coeffs) -> bool:
+    """``loss_i = c_i (LSE_i - l_{i, t_i})``: the same coefficient on LSE and on the target logit and no
+    other term. Then ``log_softmax`` (one fused kernel) gives the loss and, exponentiated, the softmax."""
+    if coef.tgt is None or coef.col is not None or coef.pos is not None or coef.set is not None:
+        return False
+    if isinstance(coef.lse, Tensor) or isinstance(coef.tgt, Tensor):
+        return coef.lse is coef.tgt
+    return coef.lse == coef.tgt
+
+
+def _positive_weights(data: CoreData, spec: CoreSpec, n: int, m: int, dt: torch.dtype, dev) -> Tensor:
+    """w_ij as a dense [N, M] tile, 0 at the excluded own column: a bool tile for label positives
+    (weights 0 / 1), a ``dt`` tile for a dense mask (real weights)."""
+    if data.pos_mask is not None:
+        n0, m0 = data.pos_mask.shape
+        w = data.pos_mask.to(dt)
+        if (n0, m0) != (n, m):
+            w = w[torch.arange(n, device=dev) % n0][:, torch.arange(m, device=dev) % m0]
+        elif w is data.pos_mask:
+            w = w.clone()
+    else:
+        w = data.row_labels[:, None] == data.col_labels[None, :]
+    if spec.exclude_self:
+        w.diagonal(spec.offset).zero_()
+    return w
+
+
+def _positive_logits(l: Tensor, w: Tensor) -> Tensor:
+    """``l + log w``: -inf off the positives (a ``where`` for 0 / 1 weights, no logarithm)."""
+    if w.dtype == torch.bool:
+        return torch.where(w, l, _NEG_INF)
+    return l + w.log()
+
+
+class DenseCoreFn(torch.autograd.Function):
+    """The core op (``spec.py``) on one materialised tile; returns the per-row loss [N] or its sum."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+                reduce: bool):
+        dt = torch.float64 if a.dtype == torch.float64 or (b is not None and b.dtype == torch.float64) \
+            else torch.float32
+        r0 = _row_slice(a, b)
+        if r0 is None:
+            ah, na = _unit(a, spec, dt)
+            bh, nb = (ah, na) if b is None else _unit(b, spec, dt)
+        else:
+            bh, nb = _unit(b, spec, dt)
+            ah, na = bh[r0:r0 + a.shape[0]], None if nb is None else nb[r0:r0 + a.shape[0]]
+        n, m = ah.shape[0], bh.shape[0]
+        s = scale.detach().to(dt) if isinstance(scale, Tensor) else scale
+        need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[2]
+        cos = ah @ bh.T
+        l = cos * s
+        has_bias = data.bias_col is not None and spec.bias != 0.0
+        if has_bias:
+            l.scatter_add_(1, data.bias_col[:, None], l.new_full((n, 1), spec.bias))
+        if spec.exclude_self:
+            l.diagonal(spec.offset).fill_(_NEG_INF)
+        # log_softmax is one fused kernel: the loss reads it, and exp of it is the backward's softmax
+        # (a row or column with every entry excluded, possible only when N or M is 1, is -inf, not NaN)
+        empty = spec.exclude_self and (n == 1 or m == 1)
+        lsm = torch.log_softmax(l, dim=1)
+        if empty:
+            lsm = torch.nan_to_num(lsm, nan=_NEG_INF)
+        ce = _cross_entropy_form(coef)
+        w = lsmc = lpp = None
+        if ce:
+            # loss_i = c_i (LSE_i - l_{i, t_i}) = -c_i log_softmax(l)_{i, t_i}
+            out = drop_zero(coef.tgt, lsm.gather(1, data.target[:, None])[:, 0], spec.exclude_self).neg_()
+        else:
+            # loss_i = c.lse LSE_i + c.col LSEcol_i + c.pos LSEpos_i - c.tgt TGT_i - c.set SET_i, with
+            # LSE = max(l) - max(log_softmax(l)) and LSEpos = LSE + LPP, LPP = log sum_j w_ij softmax_ij
+            lse = torch.logsumexp(l, dim=1) if empty else l.amax(dim=1) - lsm.amax(dim=1)
+            c_lse = coef.lse
+            if coef.pos is not None:
+                w = _positive_weights(data, spec, n, m, dt, a.device)
+                lpp = torch.logsumexp(_positive_logits(lsm, w), dim=1)  # -inf for a row without positives
+                c_lse = c_lse + coef.pos  # L_in: c.pos = -c.lse, the LSE terms cancel exactly
+                out = drop_zero(coef.pos, lpp)
+            out = drop_zero(c_lse, lse, empty) if lpp is None else out + drop_zero(c_lse, lse, empty)
+            if coef.col is not None:
+                lsmc = torch.log_softmax(l, dim=0)
+                if empty:
+                    lsmc = torch.nan_to_num(lsmc, nan=_NEG_INF)
+                lse_col = torch.logsumexp(l, dim=0) if empty else l.amax(dim=0) - lsmc.amax(dim=0)
+                col = drop_zero(coef.col, lse_col, empty)
+                out = out + col if not reduce else out  # a summed column term is added below
+            if coef.set is not None and w is None:
+                w = _positive_weights(data, spec, n, m, dt, a.device)
+            if coef.tgt is not None:
+                out = out - drop_zero(coef.tgt, l.gather(1, data.target[:, None])[:, 0], spec.exclude_self)
+            if coef.set is not None:
+                set_ = (cos * w).sum(dim=1) * s
+                if has_bias:
+                    set_ = set_ + spec.bias * w.gather(1, data.bias_col[:, None])[:, 0].to(cos.dtype)
+                out = out - drop_zero(coef.set, set_, False)  # w is 0 at the excluded column: finite
+        if reduce:
+            out = out.sum() if coef.col is None else out.sum() + col.sum()
+
+        ctx.spec, ctx.data, ctx.coef, ctx.s, ctx.ce, ctx.r0 = spec, data, coef, s, ce, r0
+        ctx.dtypes = (a.dtype, None if b is None else b.dtype,
+                      scale.dtype if need_s else None, scale.shape if need_s else None)
+        ctx.save_for_backward(ah, None if b is None else bh, na, nb, lsm, lsmc, lpp, cos, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        ah, bh, na, nb, lsm, lsmc, lpp, cos, w = ctx.saved_tensors
+        spec, data, coef, s = ctx.spec, ctx.data, ctx.coef, ctx.s
+        need_a, need_b, need_s = ctx.needs_input_grad[:3]
+        if g.dtype != cos.dtype:
+            g = g.to(cos.dtype)
+        # dL/dl = g_i (c.lse p + c.pos q - c.tgt onehot - c.set w) + g_j c.col pc, with p = exp(lsm),
+        # pc = exp(log_softmax over columns), q = w exp(lsm - LPP) (the softmax restricted to positives)
+        dl = lsm.exp().mul_(_per_row(coef.lse, g))
+        if coef.col is not None:
+            dl.add_(lsmc.exp().mul_(coef.col * g))
+        if coef.pos is not None:
+            safe = torch.where(lpp == _NEG_INF, 0.0, lpp)  # a row without positives: exp(-inf) = 0 below
+            dl.add_(torch.exp(_positive_logits(lsm, w) - safe[:, None]).mul_(_per_row(coef.pos, g)))
+        if coef.set is not None:
+            dl.sub_(w * _per_row(coef.set, g))
+        if coef.tgt is not None:
+            dl.scatter_add_(1, data.target[:, None], _per_row(coef.tgt, g).neg().expand(cos.shape[0], 1))
+            if spec.exclude_self:
+                dl.diagonal(spec.offset).zero_()  # a target on the excluded column carries no gradient
+        gs = (dl * cos).sum() if need_s else None
+        dcos = dl.mul_(s)  # dL/dcos
+        # The normalisation backward needs <g_i, x_hat_i> for g = dcos @ B_hat (and its transpose).
+        # Read off the tile it is sum_j dcos_ij cos_ij (N x M work), as a row dot N x D work: the tile
+        # when it is smaller (M < D), else the row dot, which also cancels exactly when D is tiny.
+        tile = cos.shape[1] < ah.shape[1] and cos.shape[0] < ah.shape[1]
+        ga = gb = None
+        if bh is None:  # B is A: both roles of every row in one matmul
+            if need_a:
+                h = dcos + dcos.T
+                gah = h @ ah
+                proj = None if na is None else ((h * cos).sum(dim=1) if tile else _rowdot(gah, ah))
+                ga = _unit_backward(gah, ah, na, proj, spec.eps)
+        elif ctx.r0 is not None and need_b:  # A = B[r0 : r0 + N]: one gradient, into B's rows
+            r0, n = ctx.r0, cos.shape[0]
+            gbh = dcos.T @ ah
+            gbh[r0:r0 + n] += dcos @ bh
+            proj = None
+            if nb is None:
+                pass
+            elif tile:  # the column role of every row, plus the row role of the anchor rows
+                dc = dcos * cos
+                proj = dc.sum(dim=0)
+                proj[r0:r0 + n] += dc.sum(dim=1)
+            else:
+                proj = _rowdot(gbh, bh)
+            gb = _unit_backward(gbh, bh, nb, proj, spec.eps)
+        else:
+            dc = dcos * cos if tile and ((na is not None and need_a) or (nb is not None and need_b)) else None
+            if need_a:
+                gah = dcos @ bh
+                proj = None if na is None else (dc.sum(dim=1) if tile else _rowdot(gah, ah))
+                ga = _unit_backward(gah, ah, na, proj, spec.eps)
+            if need_b:
+                gbh = dcos.T @ ah
+                proj = None if nb is None else (dc.sum(dim=0) if tile else _rowdot(gbh, bh))
+                gb = _unit_backward(gbh, bh, nb, proj, spec.eps)
+        adt, bdt, sdt, sshape = ctx.dtypes
+        return (None if ga is None else ga.to(adt), None if gb is None else gb.to(bdt),
+                None if gs is None else gs.to(sdt).reshape(sshape), None, None, None, None)
+
+
+def core(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+         reduce: bool) -> Tensor:
+    """Per-row loss [N] (``reduce=False``) or its sum (0-dim) on one materialised tile."""
+    return DenseCoreFn.apply(a, b, scale, spec, data, coef, reduce)

@@ -1,0 +1,421 @@
+"""Triton path of the core op's log-sum-exp terms: launchers and one autograd Function.
+
+The device code is in ``fused_contrastive.kernels.lse`` (the ``kernels/`` directory); its module
+docstring has the math, the gradient derivation and the limits. Launch configs come from the fixed
+table of ``triton_configs.py``. This module
+
+* launches the kernels (``_lse_fwd``, ``_lse_bwd``: tensors in, tensors out),
+* wraps them in :class:`TritonCoreFn` (``LSE``, ``LSEcol``, ``LSEpos`` vectors) and :func:`core`
+  (the coefficients of ``spec.py`` applied in PyTorch; the linear positive terms come from
+  ``positives.py``, called by ``core.run``).
+
+Work per call in units of one N x M x D matmul (2 N M D FLOPs):
+
+* forward: 1 (row LSE, LSEpos and the column LSE all come from the same tiles);
+* backward, A != B: dA kernel (recompute 1 + ``dl @ B`` 1) + dB kernel (recompute 1 + ``dl^T @ A`` 1)
+  = 4; without a gradient for B (a queue, a frozen tower) 2;
+* backward, B is A: one kernel, recompute 1 + ``H @ A`` 1 = 2 (see the kernel docstring for why the
+  half-triangle scheme is not used).
+
+Every launch goes through :func:`_launch`, which ``fused_contrastive.tools.aot`` can switch to
+recording (:data:`_RECORDER`): the ahead-of-time compiles then see exactly the runtime argument lists.
+Nothing touches the GPU driver at import time. On CPU tensors the kernels run only under the Triton
+interpreter (``TRITON_INTERPRET=1`` before triton is imported); backend resolution checks that.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+from torch import Tensor
+
+from ..kernels import lse as K
+from .spec import Coeffs, CoreData, CoreSpec, combine
+from .triton_configs import DTYPE_NAMES, ROW_NORM_BLOCK_R, ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS, config_for, d_pad
+
+__all__ = ["TritonCoreFn", "core", "interpreted"]
+
+#: Debug hook for the tests: fill every kernel output with NaN before the launch, so an element a
+#: kernel forgets to write shows up. Also settable with FUSED_CONTRASTIVE_TRITON_POISON=1.
+POISON_OUTPUTS = os.environ.get("FUSED_CONTRASTIVE_TRITON_POISON", "0") not in ("", "0")
+
+#: Programs of the forward kernel when a column LSE is wanted (each owns one row of the [P, M]
+#: partial buffer). None: 2 x the number of SMs on a GPU; 2 under the interpreter (so the
+#: multi-row-block path of a program is exercised by small test shapes).
+COL_PARTIAL_PROGRAMS: int | None = None
+
+
+def interpreted() -> bool:
+    """True when triton was imported in interpreter mode (its jit functions are interpreted)."""
+    return type(K.lse_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+# ------------------------------------------------------------------------------------------------
+# launches
+# ------------------------------------------------------------------------------------------------
+
+
+class Launch(NamedTuple):
+    """One kernel launch: also the unit the ahead-of-time compiles and the kernel report compile."""
+
+    name: str
+    fn: object
+    grid: tuple[int, ...]
+    args: dict[str, object]  # runtime arguments by parameter name
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int
+
+    def check(self) -> Launch:
+        """Every kernel parameter given exactly once (runtime args or constexprs)."""
+        names = list(self.args) + list(self.constexprs)
+        if sorted(names) != sorted(self.fn.arg_names):
+            raise TypeError(f"{self.name}: launch arguments {sorted(names)} != kernel parameters "
+                            f"{sorted(self.fn.arg_names)}")
+        return self
+
+    def run(self) -> None:
+        self.fn[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps,
+                           num_stages=self.num_stages)
+
+
+class Recorder(NamedTuple):
+    """Where launches go instead of running (set by ``tools.aot.recording``), and the arch family
+    whose configs to use (the tensors are on the meta device, which has none)."""
+
+    arch: str
+    launches: list[Launch]
+
+
+_RECORDER: Recorder | None = None
+
+
+def _launch(launch: Launch) -> None:
+    launch.check()
+    if _RECORDER is not None:
+        _RECORDER.launches.append(launch)
+    else:
+        launch.run()
+
+
+@functools.cache
+def _cuda_props(index: int) -> tuple[str, int]:
+    major, _ = torch.cuda.get_device_capability(index)
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return ("sm90" if major >= 9 else "sm80"), sms
+
+
+def _arch(device: torch.device) -> str:
+    if _RECORDER is not None:
+        return _RECORDER.arch
+    if device.type == "cuda":
+        return _cuda_props(device.index if device.index is not None else torch.cuda.current_device())[0]
+    return "sm80"  # the interpreter runs the sm_80 table
+
+
+def _alloc(shape, dtype, device) -> Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    # fp32 tiles: 3-pass tf32 on tensor cores (~fp32 accuracy); 16-bit tiles ignore the setting
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    # the interpreter's bf16 tl.dot is wrong: up-cast bf16 tiles to fp32 there (GPU: native bf16)
+    return dtype == torch.bfloat16 and interpreted()
+
+
+def _rows_ok(x: Tensor) -> Tensor:
+    """Rows with a contiguous inner dimension (any row stride is fine)."""
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+
+
+def _row_norms(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(copy of x scaled by a power of two per row, in x's dtype; max(||x_i||, eps); 1 / that; the
+    inverse clamped norm of the scaled row) by the prologue kernel."""
+    n, d = x.shape
+    xs = _alloc((n, d), x.dtype, x.device)
+    norm = _alloc((n,), torch.float32, x.device)
+    rnorm = _alloc((n,), torch.float32, x.device)
+    rs = _alloc((n,), torch.float32, x.device)
+    _launch(Launch("row_norm", K.row_norm_kernel, (triton.cdiv(n, ROW_NORM_BLOCK_R),),
+                   dict(X=x, XS=xs, NORM=norm, RNORM=rnorm, RS=rs, N=n, D=d, stride_x=x.stride(0),
+                        stride_xs=xs.stride(0), eps=float(eps)),
+                   dict(BLOCK_R=ROW_NORM_BLOCK_R, BLOCK_D=min(d_pad(d), ROW_NORM_MAX_BLOCK_D)),
+                   ROW_NORM_WARPS, 1))
+    return xs, norm, rnorm, rs
+
+
+class _Prepared(NamedTuple):
+    """Kernel-ready inputs of one core-op call (built once in forward, reused by backward)."""
+
+    a: Tensor  # raw rows (the normalisation backward reads them)
+    b: Tensor  # a itself when B is A
+    sa: Tensor  # the rows scaled by a power of two (the raw rows without normalisation): the tiles'
+    sb: Tensor
+    sym: bool  # symmetric backward (B is A and no bias: the logits are symmetric)
+    norms: tuple[Tensor, ...]  # na, ra, nb, rb, rsa, rsb (dummies without normalisation)
+    pos_kind: int  # 0 no positives, 1 label equality, 2 dense mask
+    row_lab: Tensor
+    col_lab: Tensor
+    pos_mask: Tensor
+    bias_col: Tensor | None
+    dummy: Tensor  # stands in for every absent pointer argument (never dereferenced)
+
+
+def _prepare(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, want_pos: bool) -> _Prepared:
+    same = b is None
+    if same and spec.offset != 0:
+        raise ValueError("core: B is A needs offset 0")
+    dummy = torch.empty(1, dtype=torch.float32, device=a.device)
+    a = _rows_ok(a)
+    bb = a if same else _rows_ok(b)
+    if spec.normalize:
+        sa, na, ra, rsa = _row_norms(a, spec.eps)
+        sb, nb, rb, rsb = (sa, na, ra, rsa) if same else _row_norms(bb, spec.eps)
+    else:
+        sa, sb = a, bb
+        na = ra = nb = rb = rsa = rsb = dummy
+    pos_kind, row_lab, col_lab, pos_mask = 0, dummy, dummy, dummy
+    if want_pos:
+        if data.pos_mask is not None:
+            pos_kind, pos_mask = 2, data.pos_mask.to(torch.float32).contiguous()
+        else:
+            pos_kind, row_lab, col_lab = 1, data.row_labels.contiguous(), data.col_labels.contiguous()
+    bias_col = data.bias_col.contiguous() if data.bias_col is not None and spec.bias != 0.0 else None
+    return _Prepared(a, bb, sa, sb, same and bias_col is None, (na, ra, nb, rb, rsa, rsb), pos_kind, row_lab,
+                     col_lab, pos_mask, bias_col, dummy)
+
+
+def _problem_args(p: _Prepared) -> dict[str, object]:
+    """Pointer arguments shared by the three main kernels."""
+    return dict(BIAS_COL=p.bias_col if p.bias_col is not None else p.dummy, ROW_LAB=p.row_lab,
+                COL_LAB=p.col_lab, POS_MASK=p.pos_mask)
+
+
+def _sizes(p: _Prepared) -> dict[str, object]:
+    return dict(N=p.a.shape[0], M=p.b.shape[0], D=p.a.shape[1], stride_sa=p.sa.stride(0),
+                stride_sb=p.sb.stride(0))
+
+
+def _mask_args(p: _Prepared, spec: CoreSpec) -> dict[str, object]:
+    two = p.pos_kind == 2
+    return dict(offset=int(spec.offset), bias=float(spec.bias),
+                n0=p.pos_mask.shape[0] if two else 1, m0=p.pos_mask.shape[1] if two else 1,
+                stride_pm=p.pos_mask.stride(0) if two else 1)
+
+
+def _flags(p: _Prepared, spec: CoreSpec) -> dict[str, object]:
+    dt = p.a.dtype
+    return dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
+                HAS_BIAS=p.bias_col is not None, POS_KIND=p.pos_kind, UPCAST=_upcast(dt), DOT_PREC=_dot_prec(dt))
+
+
+def kernel_dtype(a: Tensor, b: Tensor | None) -> torch.dtype:
+    """The kernels' input dtype (both inputs are cast to it); TypeError for float64 and others."""
+    for x in (a, b):
+        if x is not None and x.dtype not in DTYPE_NAMES:
+            raise TypeError(f'backend="triton" takes float32, float16 or bfloat16 embeddings, got {x.dtype}; '
+                            'use backend="torch" (or "reference") for float64')
+    return a.dtype if b is None else torch.promote_types(a.dtype, b.dtype)
+
+
+def _scale32(scale, device) -> Tensor:
+    """The scale as a 1-element fp32 device tensor: the kernels load it (a runtime value)."""
+    if isinstance(scale, Tensor):
+        return scale.detach().to(device=device, dtype=torch.float32).reshape(1)
+    return torch.full((1,), float(scale), dtype=torch.float32, device=device)
+
+
+def _col_programs(n_rb: int, dev: torch.device) -> int:
+    """Programs of a forward with a column LSE: at most the cap, balanced (same row blocks each)."""
+    if COL_PARTIAL_PROGRAMS is not None:
+        cap = COL_PARTIAL_PROGRAMS
+    elif dev.type == "cuda":
+        cap = 2 * _cuda_props(dev.index if dev.index is not None else torch.cuda.current_device())[1]
+    else:
+        cap = 2
+    per = triton.cdiv(n_rb, max(1, cap))
+    return triton.cdiv(n_rb, per)
+
+
+def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, want_col: bool,
+             want_pos: bool):
+    """Forward launcher. ``a`` [N, D], ``b`` [M, D] or None (B is A), one dtype (fp32/fp16/bf16).
+
+    Returns ``(lse [N], lse_col [M] or None, lse_pos [N] or None, prepared inputs)``, all fp32.
+    """
+    dev = a.device
+    n, d = a.shape
+    p = _prepare(a, b, spec, data, want_pos)
+    m = p.b.shape[0]
+    cfg, block_d, _ = config_for("fwd", _arch(dev), p.a.dtype, d)
+    lse = _alloc((n,), torch.float32, dev)
+    lse_pos = _alloc((n,), torch.float32, dev) if p.pos_kind else None
+    n_rb = triton.cdiv(n, cfg.block_m)
+    progs, col_part = n_rb, p.dummy
+    if want_col:
+        progs = _col_programs(n_rb, dev)
+        col_part = _alloc((progs, m), torch.float32, dev)  # every element is written by the kernel
+    _launch(Launch(
+        "lse_fwd", K.lse_fwd_kernel, (progs,),
+        dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=_scale32(scale, dev), **_problem_args(p),
+             LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy, COL_PART=col_part,
+             **_sizes(p), **_mask_args(p, spec), n_row_blocks=n_rb),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p, spec),
+             WANT_COL=bool(want_col)),
+        cfg.num_warps, cfg.num_stages))
+    # merge the per-program partial column LSEs (fixed order: deterministic)
+    lse_col = torch.logsumexp(col_part, dim=0) if want_col else None
+    return lse, lse_col, lse_pos, p
+
+
+def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor | None,
+             lse_pos: Tensor | None, g: Tensor | None, g_col: Tensor | None,
+             g_pos: Tensor | None, need_a: bool, need_b: bool, need_s: bool):
+    """Backward launcher: ``(dA, dB, ds)`` (None where not needed); dA, dB in the kernels' input dtype.
+
+    ``p`` comes from :func:`_lse_fwd`; ``g*`` are fp32 upstream gradients of LSE, LSEcol, LSEpos
+    (None when absent). With ``p.sym`` dA holds both roles of A and dB is None. ``ds`` is a 0-dim
+    fp32 tensor (no host sync anywhere).
+    """
+    a, b = p.a, p.b
+    dev = a.device
+    n, d = a.shape
+    m = b.shape[0]
+    need_b = need_b and not p.sym
+    present = [x for x in (g, g_col, g_pos) if x is not None]
+    if not present:
+        return (torch.zeros_like(a) if need_a else None, torch.zeros_like(b) if need_b else None,
+                torch.zeros((), device=dev) if need_s else None)
+    # one global scale of the upstream gradients, so the fp16 operand dl / gscale cannot underflow
+    gs = torch.stack([x.abs().amax() for x in present]).amax()
+    gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
+    na, ra, nb, rb, rsa, rsb = p.norms
+    dm = p.dummy
+    common = dict(SCALE=_scale32(scale, dev), GSCALE=gs, **_problem_args(p),
+                  LSE=lse, G=g if g is not None else dm,
+                  LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
+                  LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm)
+    flags = dict(**_flags(p, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None)
+    arch = _arch(dev)
+    da = db = ds = None
+
+    if need_a or need_s:
+        cfg, block_d, resident = config_for("bwd_rows", arch, a.dtype, d)
+        n_rb = triton.cdiv(n, cfg.block_m)
+        da = _alloc((n, d), a.dtype, dev) if need_a else dm
+        acc = dm if (resident or not need_a) else torch.empty((n, d), dtype=torch.float32, device=dev)
+        ds_part = _alloc((n_rb,), torch.float32, dev) if need_s else dm
+        _launch(Launch(
+            "lse_bwd_rows", K.lse_bwd_rows_kernel, (n_rb,),
+            dict(A=a, SA=p.sa, SB=p.sb, RA=ra, NA=na, RSA=rsa, RSB=rsb, **common, DA=da, ACC=acc, DS_PART=ds_part,
+                 **_sizes(p), stride_a=a.stride(0), stride_da=da.stride(0) if need_a else 0,
+                 **_mask_args(p, spec), eps=float(spec.eps)),
+            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, SYM=p.sym,
+                 NEED_DX=bool(need_a), NEED_DS=bool(need_s), RESIDENT=resident),
+            cfg.num_warps, cfg.num_stages))
+        ds = ds_part.sum() * gs.reshape(()) if need_s else None
+        da = da if need_a else None
+
+    if need_b:
+        gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
+        cfg, block_d, resident = config_for("bwd_cols", arch, b.dtype, d)
+        db = _alloc((m, d), b.dtype, dev)
+        if gcols < m:
+            db[gcols:].zero_()  # queue columns get no gradient
+        if gcols > 0:
+            acc = dm if resident else torch.empty((gcols, d), dtype=torch.float32, device=dev)
+            _launch(Launch(
+                "lse_bwd_cols", K.lse_bwd_cols_kernel, (triton.cdiv(gcols, cfg.block_n),),
+                dict(B=b, SA=p.sa, SB=p.sb, RB=rb, NB=nb, RSA=rsa, RSB=rsb, **common, DB=db, ACC=acc, **_sizes(p),
+                     stride_b=b.stride(0), stride_db=db.stride(0), **_mask_args(p, spec), eps=float(spec.eps),
+                     grad_cols=gcols),
+                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, RESIDENT=resident),
+                cfg.num_warps, cfg.num_stages))
+    return da, db, ds
+
+
+# ------------------------------------------------------------------------------------------------
+# autograd Function and the core op
+# ------------------------------------------------------------------------------------------------
+
+
+def _present(x: Tensor | None) -> Tensor | None:
+    """An upstream gradient as fp32, or None when absent (None or an empty placeholder)."""
+    return None if x is None or x.numel() == 0 else x.to(torch.float32).contiguous()
+
+
+class TritonCoreFn(torch.autograd.Function):
+    """``(LSE [N], LSEcol [M] or [0], LSEpos [N] or [0])`` in float32 on the Triton kernels.
+
+    Saved for backward: the inputs (alive anyway), the scaled copies and norms (O(N*D)) and the LSEs;
+    backward recomputes the tiles. Gradients come back in each input's dtype (the scale's in the
+    scale's dtype), None for inputs that do not require grad.
+    """
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, want_col: bool,
+                want_pos: bool):
+        dt = kernel_dtype(a, b)
+        ak = a.to(dt)
+        bk = None if b is None else b.to(dt)
+        lse, lse_col, lse_pos, p = _lse_fwd(ak, bk, scale, spec, data, want_col, want_pos)
+        ctx.set_materialize_grads(False)
+        ctx.spec = spec
+        # the tensors go through save_for_backward (in-place edits of the inputs are caught); the rest
+        # of the prepared inputs (labels, masks, norms: O(N + M)) rides on ctx
+        ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
+        ctx.scale = None if isinstance(scale, Tensor) else scale
+        ctx.dtypes = (a.dtype, None if b is None else b.dtype,
+                      scale.dtype if isinstance(scale, Tensor) else None,
+                      scale.shape if isinstance(scale, Tensor) else None)
+        same = b is None
+        ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
+                              None if same else p.b, p.sa, None if same else p.sb)
+        empty = lse.new_empty(0)
+        return lse, (lse_col if lse_col is not None else empty), (lse_pos if lse_pos is not None else empty)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, g, g_col, g_pos):
+        need_a, need_b, need_s = ctx.needs_input_grad[:3]
+        scale, lse, lse_col, lse_pos, a, b, sa, sb = ctx.saved_tensors
+        if scale is None:
+            scale = ctx.scale
+        spec = ctx.spec
+        same = ctx.dtypes[1] is None
+        p = ctx.prep._replace(a=a, b=a if same else b, sa=sa, sb=sa if same else sb)
+        g, g_col, g_pos = _present(g), _present(g_col) if lse_col is not None else None, \
+            _present(g_pos) if lse_pos is not None else None
+        if same and not p.sym:
+            # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
+            da, db, ds = _lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+                                  need_a, need_a, need_s)
+            da = None if da is None else da + db
+        else:
+            da, db, ds = _lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+                                  need_a, need_b and not same, need_s)
+        adt, bdt, sdt, sshape = ctx.dtypes
+        ga = da.to(adt) if need_a and da is not None else None
+        gb = db.to(bdt) if need_b and not same and db is not None else None
+        gs = ds.to(sdt).reshape(sshape) if need_s and ds is not None else None
+        return ga, gb, gs, None, None, None, None
+
+
+def core(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+         reduce: bool) -> Tensor:
+    """``c.lse LSE + c.col LSEcol + c.pos LSEpos`` per row (or summed) on the Triton kernels (float32)."""
+    want_col, want_pos = coef.col is not None, coef.pos is not None
+    lse, lse_col, lse_pos = TritonCoreFn.apply(a, b, scale, spec, data, want_col, want_pos)
+    return combine(coef.to(torch.float32), reduce, lse, lse_col if want_col else None,
+                   lse_pos if want_pos else None)

@@ -1,0 +1,101 @@
+"""Launch configurations of the Triton kernels: one fixed, documented table, no autotuning by default
+(``@triton.autotune`` cannot run under the interpreter). Pure Python (no triton import), so the
+tooling that reads the table (ahead-of-time compiles, the kernel report) and the launcher agree.
+
+Why these numbers (fixed; tests/test_triton_compile.py checks 0 spill bytes for every entry on
+sm_80 and sm_90 with every optional term switched on):
+
+* forward, 16-bit: 128 x 64 tiles, 8 warps (two warpgroups on sm_90: wgmma M = 64 each); the
+  fp32 logit tile and each of its exp temporaries is 32 registers per thread. D chunks of 64
+  (128-byte rows); D <= 64 in one chunk of D_PAD. A 128-wide chunk spilled with every term on.
+* backward, 16-bit: 64 x 64 tiles at 8 warps. The backward holds more live tiles than the
+  forward (l, the positive logits, dl and for A-is-B the transposed dl^T) plus the accumulator:
+  4 warps spilled. D_PAD <= 128 keeps the [64, D_PAD] fp32 accumulator in registers (resident);
+  larger D streams 64-wide chunks through the fp32 scratch.
+* fp32 inputs use tf32x3 dots (each operand split in a high and a low tf32 part: 3 MMAs and about
+  twice the operand registers): 16- or 32-wide D chunks, never resident, 8 warps, and every dot
+  with M >= 64 (wgmma needs M = 64 per warpgroup on sm_90). 64-wide chunks or a resident
+  [64, 128] accumulator spilled kilobytes; 64 x 64 x 32 forward tiles spilled 8 bytes on sm_80.
+
+sm_90 uses the same numbers (the compiler picks wgmma for the same tiles); a measured retune
+belongs here, per family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Block sizes and launch options of one kernel. ``block_d`` 0 means D_PAD (resident)."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+
+#: Largest padded D kept resident (whole rows in registers) by the backward kernels.
+RESIDENT_MAX_D = 128
+
+_T16 = {
+    # (kernel, D bucket): config  (D buckets: "d64" D_PAD <= 64, "d128" <= 128, "big" > 128)
+    ("fwd", "d64"): LaunchConfig(128, 64, 0, 8, 3),
+    ("fwd", "d128"): LaunchConfig(128, 64, 64, 8, 3),
+    ("fwd", "big"): LaunchConfig(128, 64, 64, 8, 3),
+    ("bwd_rows", "d64"): LaunchConfig(64, 64, 0, 8, 2),
+    ("bwd_rows", "d128"): LaunchConfig(64, 64, 0, 8, 2),
+    ("bwd_rows", "big"): LaunchConfig(64, 64, 64, 8, 2),
+    ("bwd_cols", "d64"): LaunchConfig(64, 64, 0, 8, 2),
+    ("bwd_cols", "d128"): LaunchConfig(64, 64, 0, 8, 2),
+    ("bwd_cols", "big"): LaunchConfig(64, 64, 64, 8, 2),
+}
+_T32 = {
+    ("fwd", "d64"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd", "d128"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd", "big"): LaunchConfig(64, 64, 16, 8, 3),
+    ("bwd_rows", "d64"): LaunchConfig(64, 32, 32, 8, 2),
+    ("bwd_rows", "d128"): LaunchConfig(64, 32, 32, 8, 2),
+    ("bwd_rows", "big"): LaunchConfig(64, 32, 32, 8, 2),
+    ("bwd_cols", "d64"): LaunchConfig(64, 64, 16, 8, 2),
+    ("bwd_cols", "d128"): LaunchConfig(64, 64, 16, 8, 2),
+    ("bwd_cols", "big"): LaunchConfig(64, 64, 16, 8, 2),
+}
+
+#: Input dtypes the kernels take, by their short name.
+DTYPE_NAMES: dict[torch.dtype, str] = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+ARCH_FAMILIES = ("sm80", "sm90")
+D_BUCKETS = ("d64", "d128", "big")
+KERNELS = ("fwd", "bwd_rows", "bwd_cols")
+
+#: The shipped table: (kernel, arch family, dtype name, D bucket) -> LaunchConfig.
+CONFIGS: dict[tuple[str, str, str, str], LaunchConfig] = {
+    (k, arch, dt, db): (_T32 if dt == "fp32" else _T16)[(k, db)]
+    for k in KERNELS for arch in ARCH_FAMILIES for dt in ("fp16", "bf16", "fp32") for db in D_BUCKETS
+}
+
+#: The row-norm prologue (memory-bound): 32 rows x up to 128 columns of fp32 = 32 registers at 4 warps.
+ROW_NORM_BLOCK_R = 32
+ROW_NORM_MAX_BLOCK_D = 128
+ROW_NORM_WARPS = 4
+
+
+def d_pad(d: int) -> int:
+    """D rounded up to a power of two, at least 16 (``tl.dot`` needs K >= 16)."""
+    return max(16, 1 << max(d - 1, 0).bit_length())
+
+
+def d_bucket(d: int) -> str:
+    p = d_pad(d)
+    return "d64" if p <= 64 else ("d128" if p <= RESIDENT_MAX_D else "big")
+
+
+def config_for(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tuple[LaunchConfig, int, bool]:
+    """(config, BLOCK_D, resident) of ``kernel`` for D-dimensional rows of ``dtype`` on ``arch``."""
+    cfg = CONFIGS[(kernel, arch, DTYPE_NAMES[dtype], d_bucket(d))]
+    resident = cfg.block_d == 0
+    return cfg, (d_pad(d) if resident else cfg.block_d), resident

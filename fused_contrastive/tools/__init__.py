@@ -1,0 +1,1 @@
+"""Developer tooling that the runtime never imports (ahead-of-time compilation of the kernels)."""

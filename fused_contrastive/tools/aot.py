@@ -1,0 +1,190 @@
+"""Ahead-of-time compilation of the Triton kernels for GPUs that are not here.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` lowers a kernel to PTX and runs
+the ptxas bundled with triton on the host: no GPU and no driver needed. This module records the
+launches of one forward + backward of the core op exactly as the runtime builds them (on the meta
+device, through ``triton_backend``'s launch recorder), and compiles each one for sm_80 / sm_90,
+reporting registers, spill bytes, shared memory and the tensor-core instructions of the PTX.
+
+Used by tests/test_triton_compile.py and bench/kernel_report.py; the runtime never imports it.
+Triton must be imported with ``TRITON_INTERPRET=0`` (interpreted jit functions cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from ..core import triton_backend as TB
+from ..core.spec import CoreData, CoreSpec
+from ..core.triton_configs import DTYPE_NAMES
+
+#: Feature sets of the ahead-of-time checks: "plain" is InfoNCE with keys (the common case; the
+#: kernel report's FLOP counts), "full" switches on every optional term of the non-symmetric kernels
+#: (the most registers: every shipped config is compiled with it), "sym" is A-is-B with every term of
+#: the symmetric backward (compiled for the row kernel's SYM path).
+VARIANTS = ("plain", "full", "sym")
+
+#: The D of each bucket compiled ahead of time: the largest D_PAD of the bucket (its worst case).
+BUCKET_D = {"d64": 64, "d128": 128, "big": 768}
+
+#: (compute capability, arch family) pairs of the AOT checks.
+TARGETS = ((80, "sm80"), (90, "sm90"))
+
+
+@contextlib.contextmanager
+def recording(arch: str) -> Iterator[list[TB.Launch]]:
+    """Within the block, kernel launches are recorded (with ``arch``'s configs), not run."""
+    prev = TB._RECORDER
+    TB._RECORDER = TB.Recorder(arch, [])
+    try:
+        yield TB._RECORDER.launches
+    finally:
+        TB._RECORDER = prev
+
+
+def variant_problem(variant: str, n: int, m: int, device="meta") -> tuple[CoreSpec, CoreData, bool, bool, bool]:
+    """(spec, data, B given, want_col, want_pos) of an AOT feature set, with meta (or given) tensors."""
+    dev = torch.device(device)
+    if variant == "plain":
+        return CoreSpec(), CoreData(), True, False, False
+    if variant == "full":
+        spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
+        data = CoreData(pos_mask=torch.empty((max(1, n // 2), max(1, m // 2)), device=dev),
+                        bias_col=torch.empty(n, dtype=torch.int64, device=dev))
+        return spec, data, True, True, True
+    if variant == "sym":
+        data = CoreData(pos_mask=torch.empty((max(1, n // 2), max(1, n // 2)), device=dev))
+        return CoreSpec(exclude_self=True), data, False, True, True
+    raise ValueError(f"unknown AOT variant {variant!r}; valid: {VARIANTS}")
+
+
+def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, want_pos: bool,
+                dtype: torch.dtype, n: int, m: int, d: int, arch: str, need_a: bool = True, need_b: bool = True,
+                need_s: bool = True) -> list[TB.Launch]:
+    """The launches of one forward + backward of the core op's kernels, recorded on the meta device:
+    exactly the argument lists of the runtime launches. The backward gets an upstream gradient for
+    every statistic the forward produces."""
+    meta = torch.device("meta")
+    a = torch.empty((n, d), dtype=dtype, device=meta)
+    b = torch.empty((m, d), dtype=dtype, device=meta) if has_b else None
+    scale = torch.empty((), dtype=torch.float32, device=meta)
+    with recording(arch) as launches:
+        lse, lse_col, lse_pos, p = TB._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
+        g = torch.empty(n, device=meta)
+        g_col = None if lse_col is None else torch.empty(lse_col.shape, device=meta)
+        TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
+                    need_a, need_b and has_b, need_s)
+    return launches
+
+
+def record_variant(variant: str, dtype: torch.dtype, n: int, m: int, d: int, arch: str) -> list[TB.Launch]:
+    """:func:`record_core` of an AOT feature set (see :data:`VARIANTS`)."""
+    spec, data, has_b, want_col, want_pos = variant_problem(variant, n, m)
+    return record_core(spec, data, has_b, want_col, want_pos, dtype, n, m if has_b else n, d, arch)
+
+
+Job = tuple[int, str, str, int, int, tuple[str, ...]]
+
+
+def jobs() -> list[Job]:
+    """Every distinct kernel compile behind the shipped table: ``(cc, variant, dtype, D, launch index,
+    D buckets covered)`` for each kernel x config x dtype x arch, with the heaviest feature set of each
+    kernel ("full"; and "sym" for the symmetric backward) at the worst-case D of each D bucket.
+    Compiles that would be identical (same constexprs and options, e.g. two D buckets sharing a
+    config) are listed once, with every bucket they cover."""
+    found: dict[tuple, list] = {}
+    for cc, fam in TARGETS:
+        for dt, dname in DTYPE_NAMES.items():
+            for bucket, d in BUCKET_D.items():
+                for variant in ("full", "sym"):
+                    for i, launch in enumerate(record_variant(variant, dt, 4096, 4096, d, fam)):
+                        if variant == "sym" and launch.name != "lse_bwd_rows":
+                            continue
+                        key = (cc, launch.name, dname, variant if launch.name == "lse_bwd_rows" else "",
+                               tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages)
+                        if key not in found:
+                            found[key] = [cc, variant, dname, d, i, []]
+                        if bucket not in found[key][5]:
+                            found[key][5].append(bucket)
+    return [(cc, v, dn, d, i, tuple(cov)) for cc, v, dn, d, i, cov in found.values()]
+
+
+def run_job(job: Job) -> dict[str, object]:
+    """Compile one :func:`jobs` entry; the :func:`compile_launch` report plus the job's fields."""
+    cc, variant, dname, d, i, covers = job
+    dt = {v: k for k, v in DTYPE_NAMES.items()}[dname]
+    fam = dict(TARGETS)[cc]
+    out = compile_launch(record_variant(variant, dt, 4096, 4096, d, fam)[i], cc)
+    out.update(variant=variant, dtype=dname, d=d, buckets=list(covers))
+    return out
+
+
+def _sig_type(v) -> str:
+    if isinstance(v, Tensor):
+        return "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                      torch.int64: "i64", torch.int32: "i32"}[v.dtype]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -(2**31) <= v < 2**31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(f"no triton signature type for {type(v).__name__}")
+
+
+def source(launch: TB.Launch):
+    """An ASTSource for ``launch`` (pointer args 16-byte aligned and ints divisible by 16 marked as
+    such, as the JIT specialises a real launch on aligned tensors)."""
+    from triton.compiler import ASTSource
+
+    fn = launch.fn
+    sig = {k: (_sig_type(launch.args[k]) if k in launch.args else "constexpr") for k in fn.arg_names}
+    attrs = {}
+    for k, v in launch.args.items():
+        if isinstance(v, Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0 and v != 0):
+            attrs[(fn.arg_names.index(k),)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
+
+
+def ptxas_stats(ptx: str, cc: int) -> dict[str, int]:
+    """Registers and spill bytes: re-runs the ptxas triton used, with triton's flags plus -v."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(cc).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={sm_arch_from_capability(cc)}", src, "-o", os.path.join(tmp, "k.o")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(regs=int(regs[1]), spill_stores=int(spill[1]), spill_loads=int(spill[2]))
+
+
+def compile_launch(launch: TB.Launch, cc: int, keep: dict[str, object] | None = None) -> dict[str, object]:
+    """Compile ``launch`` for GPUTarget("cuda", cc, 32) on the host (ptxas, no driver) and report
+    registers, spill bytes, shared memory and the tensor-core instruction kind of its PTX. ``keep``
+    receives the compiled kernel (its ``asm`` dict has ttgir, ptx and cubin) when given."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    ck = triton.compile(source(launch), target=GPUTarget("cuda", cc, 32),
+                        options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    if keep is not None:
+        keep["kernel"] = ck
+    ptx = ck.asm["ptx"]
+    n_wgmma = ptx.count("wgmma.mma_async")
+    n_mma = ptx.count("mma.sync")
+    tc = "wgmma" if n_wgmma else ("mma" if n_mma else "none")
+    return dict(kernel=launch.name, cc=cc, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                block=" ".join(f"{k[6:]}{v}" for k, v in launch.constexprs.items() if k.startswith("BLOCK_")),
+                shared=ck.metadata.shared, tc=tc, n_mma=n_mma, n_wgmma=n_wgmma, **ptxas_stats(ptx, cc))
