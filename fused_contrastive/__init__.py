@@ -5,17 +5,17 @@ from . import nn
 from .cosent import cosent_loss, cosent_loss_from_scores
 from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, simcse_sup_loss, supcon_loss
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "__version__",
+    "clip_loss",
+    "cosent_loss",
+    "cosent_loss_from_scores",
+    "dscl_loss",
     "info_nce",
+    "nn",
     "simcse_loss",
     "simcse_sup_loss",
     "supcon_loss",
-    "dscl_loss",
-    "cosent_loss",
-    "cosent_loss_from_scores",
-    "clip_loss",
-    "nn",
-    "__version__",
 ]

@@ -1,35 +1,50 @@
-"""Input checks shared by every loss: each error names the offending argument."""
+"""Input checks of every public function: each error names the offending argument.
+
+Tensor *values* (a target's range, a tensor temperature's sign) are checked for CPU tensors only:
+reading a CUDA value is a host sync on every training step.
+"""
 
 from __future__ import annotations
 
 import math
-import os
-from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-BACKENDS = ("auto", "torch", "reference", "triton")
 REDUCTIONS = ("mean", "sum", "none")
 
-Number = Union[float, int, Tensor]
+#: A scalar option: a Python number or a 0-dim tensor (differentiable when it requires grad).
+Number = float | int | Tensor
 
 
-def embeddings(name: str, x, *, ndim: int = 2) -> Tensor:
+def embeddings(name: str, x, *, ndim: int = 2, shape_hint: str | None = None) -> Tensor:
     """A floating tensor of ``ndim`` dims with no empty dimension."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
     if x.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+        want = shape_hint or f"{ndim} dimensions"
+        raise ValueError(f"{name} must have {want}, got shape {tuple(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     return x
 
 
-def same_device(**tensors: Optional[Tensor]) -> None:
+def views(name: str, features) -> Tensor:
+    """SupContrast's features: [bsz, n_views, D] (trailing dims flattened into D) or [bsz, D] (one view)."""
+    if not isinstance(features, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(features).__name__}")
+    if features.dim() == 2:
+        features = features.unsqueeze(1)
+    elif features.dim() > 3:
+        features = features.reshape(features.shape[0], features.shape[1], -1)
+    hint = "shape [bsz, n_views, D] or [bsz, D]"
+    return embeddings(name, features, ndim=3, shape_hint=hint)
+
+
+def same_device(**tensors: Tensor | None) -> None:
     items = [(k, v) for k, v in tensors.items() if isinstance(v, Tensor)]
     if not items:
         return
@@ -41,42 +56,58 @@ def same_device(**tensors: Optional[Tensor]) -> None:
 
 def same_dim(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
     if a.shape[-1] != b.shape[-1]:
-        raise ValueError(
-            f"{name_b} has embedding dimension {b.shape[-1]} but {name_a} has {a.shape[-1]}"
-        )
+        raise ValueError(f"{name_b} has embedding dimension {b.shape[-1]} but {name_a} has {a.shape[-1]}")
 
 
-def positive_number(name: str, v: Number, *, device: torch.device) -> None:
-    """``v`` is a finite number > 0, or a 0-dim floating tensor on ``device`` (value checked on CPU).
-
-    The value of a CUDA tensor is not read (that would be a host sync every training step).
-    """
+def number(name: str, v, *, low: float, strict: bool, allow_tensor: bool = False) -> Number:
+    """A finite number ``> low`` (``>= low`` when not ``strict``); a 0-dim floating tensor when
+    ``allow_tensor`` (its value is checked when it is on the CPU). Returns the value unchanged
+    (a float for Python numbers)."""
+    rel = ">" if strict else ">="
     if isinstance(v, Tensor):
+        if not allow_tensor:
+            raise TypeError(f"{name} must be a float, got a tensor")
         if v.numel() != 1 or v.dim() > 1:
             raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape {tuple(v.shape)}")
         if not v.is_floating_point():
             raise TypeError(f"{name} must be a floating tensor, got {v.dtype}")
-        if v.device != device and v.device.type != "cpu":
-            raise ValueError(f"{name} is on {v.device} but the embeddings are on {device}")
         if v.device.type == "cpu":
             val = float(v.detach())
-            if not (math.isfinite(val) and val > 0):
-                raise ValueError(f"{name} must be finite and > 0, got {val}")
-        return
+            if not (math.isfinite(val) and (val > low if strict else val >= low)):
+                raise ValueError(f"{name} must be finite and {rel} {low:g}, got {val}")
+        return v.reshape(())
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a float or a 0-dim tensor, got {type(v).__name__}")
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {v}")
+        kind = "a float or a 0-dim tensor" if allow_tensor else "a float"
+        raise TypeError(f"{name} must be {kind}, got {type(v).__name__}")
+    if not (math.isfinite(v) and (v > low if strict else v >= low)):
+        raise ValueError(f"{name} must be finite and {rel} {low:g}, got {v}")
+    return float(v)
 
 
-def as_scalar_tensor(v: Number, device: torch.device) -> Tensor:
-    """A 0-dim float tensor on ``device`` (gradient kept if ``v`` is a tensor that requires it)."""
-    if isinstance(v, Tensor):
-        t = v.reshape(())
-        if t.device != device:
-            t = t.to(device)
-        return t if t.dtype in (torch.float32, torch.float64) else t.float()
-    return torch.tensor(float(v), dtype=torch.float32, device=device)
+def positive_number(name: str, v, *, device: torch.device) -> Number:
+    """A finite number > 0 or a 0-dim floating tensor (on ``device`` or the CPU; value checked on CPU)."""
+    out = number(name, v, low=0.0, strict=True, allow_tensor=True)
+    if isinstance(out, Tensor) and out.device != device and out.device.type != "cpu":
+        raise ValueError(f"{name} is on {out.device} but the embeddings are on {device}")
+    return out
+
+
+def scale_of(temperature, scale, default_temperature: float, dtype: torch.dtype, device: torch.device, *,
+             t_name: str = "temperature", s_name: str = "scale") -> tuple[Number, Number]:
+    """``(s, t)`` with ``s = 1 / t`` from whichever of temperature / scale is given (neither: the
+    default temperature). Python numbers stay Python floats (exact in float64); a tensor is moved to
+    ``device`` and ``dtype`` (the compute dtype) before the reciprocal, keeping its autograd link."""
+    if temperature is not None and scale is not None:
+        raise ValueError(f"give at most one of {t_name} and {s_name} ({s_name} = 1 / {t_name})")
+    if scale is not None:
+        s = positive_number(s_name, scale, device=device)
+        if isinstance(s, Tensor):
+            s = s.to(device=device, dtype=dtype)
+        return s, 1.0 / s
+    t = positive_number(t_name, default_temperature if temperature is None else temperature, device=device)
+    if isinstance(t, Tensor):
+        t = t.to(device=device, dtype=dtype)
+    return 1.0 / t, t
 
 
 def labels(name: str, y, n: int, device: torch.device) -> Tensor:
@@ -91,16 +122,27 @@ def labels(name: str, y, n: int, device: torch.device) -> Tensor:
     return y.long()
 
 
+def real_labels(name: str, y, n: int, device: torch.device) -> Tensor:
+    """Order-comparable labels (CoSENT's similarity grades): any real or integer dtype, [n]."""
+    if not isinstance(y, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
+    if y.is_complex() or y.dtype == torch.bool:
+        raise TypeError(f"{name} must be real, got {y.dtype}")
+    if y.dim() != 1 or y.shape[0] != n:
+        raise ValueError(f"{name} must have shape [{n}], got {tuple(y.shape)}")
+    if y.device != device:
+        raise ValueError(f"{name} is on {y.device} but the scores are on {device}")
+    return y
+
+
 def target(y, n: int, m: int, ignore_index: int, device: torch.device) -> Tensor:
     """Class-index target in [0, m) or ``ignore_index``. The range is checked for CPU tensors;
     on CUDA an out-of-range index trips the gather's device-side assert instead of a host sync."""
     if not isinstance(y, Tensor):
         raise TypeError(f"target must be a torch.Tensor of class indices, got {type(y).__name__}")
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise TypeError(
-            f"target must hold integer class indices (int64), got {y.dtype}; "
-            "class probabilities are not supported"
-        )
+        raise TypeError(f"target must hold integer class indices (int64), got {y.dtype}; "
+                        "class probabilities are not supported")
     if y.dim() != 1 or y.shape[0] != n:
         raise ValueError(f"target must have shape [{n}] (one index per query row), got {tuple(y.shape)}")
     if y.device != device:
@@ -110,45 +152,68 @@ def target(y, n: int, m: int, ignore_index: int, device: torch.device) -> Tensor
         bad = (y != ignore_index) & ((y < 0) | (y >= m))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"target[{i}] = {int(y[i])} is out of range: must be in [0, {m}) or ignore_index={ignore_index}"
-            )
+            raise ValueError(f"target[{i}] = {int(y[i])} is out of range: must be in [0, {m}) or "
+                             f"ignore_index={ignore_index}")
     return y
 
 
-def reduction(r: str) -> str:
+def reduction(r) -> str:
     if r not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {r!r}")
     return r
 
 
-def backend(name: str, *tensors: Tensor) -> str:
-    """Resolve ``backend``: "auto" reads ``FUSED_CONTRASTIVE_BACKEND``, then picks triton for CUDA
-    tensors when the triton backend is importable, else torch."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        env = os.environ.get("FUSED_CONTRASTIVE_BACKEND", "").strip()
-        if env and env != "auto":
-            if env not in BACKENDS:
-                raise ValueError(f"FUSED_CONTRASTIVE_BACKEND must be one of {BACKENDS}, got {env!r}")
-            name = env
-        else:
-            from . import _dispatch
-
-            name = auto_backend(
-                on_cuda=any(t.is_cuda for t in tensors),
-                has_float64=any(t.dtype == torch.float64 for t in tensors),
-                triton_ok=_dispatch.triton_available(),
-            )
-    if name == "triton":
-        from . import _dispatch
-
-        _dispatch.check_triton(*tensors)
-    return name
+def ignore_index(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"ignore_index must be an int, got {type(v).__name__}")
+    return v
 
 
-def auto_backend(*, on_cuda: bool, has_float64: bool, triton_ok: bool) -> str:
-    """What "auto" means: triton for CUDA tensors when it imports (and the inputs are not float64,
-    which the kernels do not take), torch otherwise."""
-    return "triton" if on_cuda and triton_ok and not has_float64 else "torch"
+def flag(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def choice(name: str, v, options: tuple[str, ...]) -> str:
+    if v not in options:
+        raise ValueError(f"{name} must be one of {options}, got {v!r}")
+    return v
+
+
+def mask(m, bsz: int, device: torch.device) -> Tensor:
+    """SupContrast's [bsz, bsz] positive mask: bool or real, non-negative weights."""
+    if not isinstance(m, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(m).__name__}")
+    if m.is_complex():
+        raise TypeError(f"mask must be bool or real, got {m.dtype}")
+    if m.shape != (bsz, bsz):
+        raise ValueError(f"mask must have shape [{bsz}, {bsz}] (bsz = features.shape[0]), got {tuple(m.shape)}")
+    if m.device != device:
+        raise ValueError(f"mask is on {m.device} but features are on {device}")
+    if m.device.type == "cpu" and m.dtype != torch.bool and m.numel() and float(m.amin()) < 0:
+        raise ValueError("mask must be non-negative (weights of the positives)")
+    return m
+
+
+def queue(q, queue_labels, labels_: Tensor | None, d: int, device: torch.device, has_mask: bool
+          ) -> tuple[Tensor | None, Tensor | None]:
+    """A memory bank [K, D] and its labels [K]: labels are needed exactly when the loss has labels."""
+    if q is None:
+        if queue_labels is not None:
+            raise ValueError("queue_labels given without queue")
+        return None, None
+    q = embeddings("queue", q)
+    if q.shape[1] != d:
+        raise ValueError(f"queue has embedding dimension {q.shape[1]} but features have {d}")
+    if q.device != device:
+        raise ValueError(f"queue is on {q.device} but features are on {device}")
+    if has_mask:
+        raise ValueError("queue needs labels (with queue_labels), not mask")
+    if queue_labels is None:
+        if labels_ is not None:
+            raise ValueError("queue_labels is required when labels are given with a queue")
+        return q, None
+    if labels_ is None:
+        raise ValueError("queue_labels given but labels is None")
+    return q, labels(name="queue_labels", y=queue_labels, n=q.shape[0], device=device)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -11,20 +10,20 @@ from torch import Tensor, nn
 from .cosent import cosent_loss
 from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, supcon_loss
 
-__all__ = ["InfoNCELoss", "SimCSELoss", "SupConLoss", "DSCLLoss", "CoSENTLoss", "CLIPLoss"]
+__all__ = ["CLIPLoss", "CoSENTLoss", "DSCLLoss", "InfoNCELoss", "SimCSELoss", "SupConLoss"]
 
 
 class InfoNCELoss(nn.Module):
     """Module form of :func:`fused_contrastive.info_nce`; ``forward(query, keys=None, target=None)``."""
 
-    def __init__(self, temperature: Optional[float] = None, *, scale: Optional[float] = None,
-                 exclude_self: Optional[bool] = None, symmetric: bool = False, normalize: bool = True,
+    def __init__(self, temperature: float | None = None, *, scale: float | None = None,
+                 exclude_self: bool | None = None, symmetric: bool = False, normalize: bool = True,
                  reduction: str = "mean", ignore_index: int = -100, backend: str = "auto"):
         super().__init__()
         self.kw = dict(temperature=temperature, scale=scale, exclude_self=exclude_self, symmetric=symmetric,
                        normalize=normalize, reduction=reduction, ignore_index=ignore_index, backend=backend)
 
-    def forward(self, query: Tensor, keys: Optional[Tensor] = None, target: Optional[Tensor] = None) -> Tensor:
+    def forward(self, query: Tensor, keys: Tensor | None = None, target: Tensor | None = None) -> Tensor:
         return info_nce(query, keys, target, **self.kw)
 
 
@@ -36,7 +35,7 @@ class SimCSELoss(nn.Module):
         super().__init__()
         self.kw = dict(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend)
 
-    def forward(self, z1: Tensor, z2: Optional[Tensor] = None) -> Tensor:
+    def forward(self, z1: Tensor, z2: Tensor | None = None) -> Tensor:
         return simcse_loss(z1, z2, **self.kw)
 
 
@@ -44,40 +43,40 @@ class SupConLoss(nn.Module):
     """Module form of :func:`fused_contrastive.supcon_loss`;
     ``forward(features, labels=None, mask=None, queue=None, queue_labels=None)``."""
 
-    def __init__(self, temperature: float = 0.07, base_temperature: float = 0.07, *, contrast_mode: str = "all",
+    def __init__(self, temperature=0.07, base_temperature=0.07, *, contrast_mode: str = "all",
                  variant: str = "out", normalize: bool = True, reduction: str = "mean", backend: str = "auto"):
         super().__init__()
         self.kw = dict(temperature=temperature, base_temperature=base_temperature, contrast_mode=contrast_mode,
                        variant=variant, normalize=normalize, reduction=reduction, backend=backend)
 
-    def forward(self, features: Tensor, labels: Optional[Tensor] = None, mask: Optional[Tensor] = None,
-                queue: Optional[Tensor] = None, queue_labels: Optional[Tensor] = None) -> Tensor:
+    def forward(self, features: Tensor, labels: Tensor | None = None, mask: Tensor | None = None,
+                queue: Tensor | None = None, queue_labels: Tensor | None = None) -> Tensor:
         return supcon_loss(features, labels, mask, queue=queue, queue_labels=queue_labels, **self.kw)
 
 
 class DSCLLoss(nn.Module):
     """Module form of :func:`fused_contrastive.dscl_loss`; ``forward(features, labels, queue=None, queue_labels=None)``."""
 
-    def __init__(self, beta: float = 8.0, temperature: float = 0.07, base_temperature: Optional[float] = None, *,
+    def __init__(self, beta: float = 8.0, temperature: float = 0.07, base_temperature: float | None = None, *,
                  normalize: bool = True, reduction: str = "mean", backend: str = "auto"):
         super().__init__()
         self.kw = dict(beta=beta, temperature=temperature, base_temperature=base_temperature, normalize=normalize,
                        reduction=reduction, backend=backend)
 
-    def forward(self, features: Tensor, labels: Tensor, queue: Optional[Tensor] = None,
-                queue_labels: Optional[Tensor] = None) -> Tensor:
+    def forward(self, features: Tensor, labels: Tensor, queue: Tensor | None = None,
+                queue_labels: Tensor | None = None) -> Tensor:
         return dscl_loss(features, labels, queue=queue, queue_labels=queue_labels, **self.kw)
 
 
 class CoSENTLoss(nn.Module):
     """Module form of :func:`fused_contrastive.cosent_loss`; ``forward(u, v, labels)``."""
 
-    def __init__(self, scale: float = 20.0, *, backend: str = "auto"):
+    def __init__(self, scale: float = 20.0, *, normalize: bool = True, backend: str = "auto"):
         super().__init__()
-        self.scale, self.backend = scale, backend
+        self.kw = dict(scale=scale, normalize=normalize, backend=backend)
 
     def forward(self, u: Tensor, v: Tensor, labels: Tensor) -> Tensor:
-        return cosent_loss(u, v, labels, scale=self.scale, backend=self.backend)
+        return cosent_loss(u, v, labels, **self.kw)
 
 
 class CLIPLoss(nn.Module):
