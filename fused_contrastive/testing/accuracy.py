@@ -1,0 +1,208 @@
+"""THE accuracy rule of the project (``check``, the test-suite and the benchmark's difference column
+all use it).
+
+A backend computing in ``dtype`` is compared with the **float64 ground truth** (the reference backend
+run in float64 on the same, dtype-rounded inputs). For every output (the loss and the gradient of
+every differentiable input, a tensor temperature included), elementwise::
+
+    |got - truth| <= 2 * e_same + slack[dtype] * max(1, max |truth|, amp)
+
+where ``e_same`` is PyTorch's own error in that dtype: the largest error of the reference backend
+computing *in* ``dtype`` (``reference.computing_in``) against the same truth. So a fused backend may be
+about as inaccurate as PyTorch is in the dtype asked for, not more; ``slack`` covers the rounding that
+both have anyway (its values are in :data:`SLACK`). Matching infinities count as equal; NaN in the
+result where the truth is finite fails. A failure names the output, the worst index, both values, the
+error and the tolerance. ``amp`` is 1 except for the gradient of a 0-dim input ``x`` (a temperature or
+a scale): ``dL/dt = -dL/ds / t^2`` amplifies the rounding of an O(1) ``dL/ds`` by ``1 / t^2``, so
+``amp = 1 / min(|x|, 1)^2`` there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..core import reference
+from .cases import Case, Inputs, make_inputs
+
+#: Relative slack per dtype (times max(1, max |truth|) of the output).
+SLACK: dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3,
+                                   torch.bfloat16: 1e-2}
+
+
+def _leaf(v: Tensor, dtype: torch.dtype, device, canary: bool) -> Tensor:
+    """A differentiable input in ``dtype`` (0-dim tensors: float32, or float64 with float64), optionally
+    as a view into a NaN-padded buffer (5 extra rows, 7 extra columns) to catch out-of-bounds reads."""
+    if v.dim() == 0:
+        return v.detach().to(device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32) \
+            .clone().requires_grad_(True)
+    x = v.detach().to(device=device, dtype=dtype)
+    if canary and x.dim() >= 2:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        buf = torch.full((flat.shape[0] + 5, flat.shape[1] + 7), float("nan"), dtype=dtype, device=device)
+        buf[: flat.shape[0], : flat.shape[1]] = flat
+        x = buf[: flat.shape[0], : flat.shape[1]].unflatten(0, lead)  # row stride D + 7
+    else:
+        x = x.clone()
+    return x.requires_grad_(True)
+
+
+def run(case: Case, inputs: Inputs, backend: str, dtype: torch.dtype, device="cpu", *, canary: bool = False,
+        upstream_seed: int = 1) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """Loss and gradients of ``case`` on ``backend`` with the embeddings in ``dtype``. A per-row loss is
+    reduced with random upstream weights, so that every row's gradient is checked."""
+    tensors, kwargs = inputs
+    leaves = {k: _leaf(v, dtype, device, canary) for k, v in tensors.items()}
+    kw = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
+    loss = case.fn(**leaves, **kw, backend=backend)
+    total = loss
+    if loss.dim() > 0:
+        w = torch.rand(loss.shape, generator=torch.Generator().manual_seed(upstream_seed)).to(loss)
+        total = (loss * w).sum()
+    total.backward()
+    return loss.detach(), {k: (v.grad.detach() if v.grad is not None else None) for k, v in leaves.items()}
+
+
+@dataclass
+class Worst:
+    """The output and index closest to (or furthest past) its tolerance."""
+
+    output: str
+    index: tuple[int, ...]
+    got: float
+    want: float
+    err: float
+    tol: float
+
+    def __str__(self) -> str:
+        return (f"{self.output}{list(self.index)}: got {self.got:.8g}, want {self.want:.8g}, "
+                f"|err| {self.err:.3g} vs tol {self.tol:.3g}")
+
+
+@dataclass
+class Comparison:
+    """Errors of one backend run against the truth (see the module docstring)."""
+
+    loss_err: float
+    loss_tol: float
+    grad_err: float  # at the gradient closest to its tolerance
+    grad_tol: float
+    worst: Worst | None  # None when every output is within tolerance by construction (no outputs)
+    problems: tuple[str, ...] = ()  # structural mismatches (a gradient present in one run only)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and (self.worst is None or self.worst.err <= self.worst.tol)
+
+    def __str__(self) -> str:
+        head = "ok" if self.ok else "FAIL"
+        detail = "; ".join(self.problems) if self.problems else str(self.worst)
+        return f"{head}: {detail}"
+
+
+def _finite_max(x: Tensor) -> float:
+    fin = x[torch.isfinite(x)]
+    return float(fin.abs().max()) if fin.numel() else 0.0
+
+
+def _error(got: Tensor, want: Tensor) -> Tensor:
+    """Elementwise |got - want| in float64: matching infinities 0, NaN (anywhere the truth is not NaN)
+    infinite."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    same_inf = torch.isinf(got) & torch.isinf(want) & (torch.sign(got) == torch.sign(want))
+    both_nan = torch.isnan(got) & torch.isnan(want)
+    err = torch.where(same_inf | both_nan, torch.zeros_like(got), (got - want).abs())
+    return torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
+
+
+def same_dtype_error(same: Tensor, truth: Tensor) -> float:
+    """PyTorch's own error in the dtype: the largest error over entries where both are finite."""
+    e = _error(same, truth)
+    fin = torch.isfinite(e)
+    return float(e[fin].max()) if fin.any() else 0.0
+
+
+def check_output(name: str, got: Tensor, truth: Tensor, same: Tensor | None, dtype: torch.dtype,
+                 amp: float = 1.0) -> tuple[Worst, float, float]:
+    """(worst element, its error, the tolerance) of one output under THE rule."""
+    if got.shape != truth.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(truth.shape)}")
+    err = _error(got, truth)
+    e_same = same_dtype_error(same, truth) if same is not None else 0.0
+    tol = 2 * e_same + SLACK[dtype] * max(1.0, _finite_max(truth.detach().double().cpu()), amp)
+    if err.numel() == 0:
+        return Worst(name, (), 0.0, 0.0, 0.0, tol), 0.0, tol
+    flat = int(err.flatten().argmax())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.dim() else ()
+    g, t = got.detach().double().cpu().flatten()[flat], truth.detach().double().cpu().flatten()[flat]
+    e = float(err.flatten()[flat])
+    return Worst(name, idx, float(g), float(t), e, tol), e, tol
+
+
+def compare(case: Case, n: int, d: int, dtype: torch.dtype, backend: str, device="cpu", *, seed: int = 0,
+            canary: bool = False, inputs: Inputs | None = None) -> Comparison:
+    """``backend`` on ``case`` at (N, D) in ``dtype`` under THE rule (module docstring)."""
+    tensors, kwargs = inputs if inputs is not None else make_inputs(case, n, d, seed)
+    rounded = {k: (v.to(dtype).double() if v.dim() > 0 else v.double()) for k, v in tensors.items()}
+    truth_loss, truth_grads = run(case, (rounded, kwargs), "reference", torch.float64)
+    got_loss, got_grads = run(case, (tensors, kwargs), backend, dtype, device, canary=canary)
+    if dtype == torch.float64:
+        same_loss, same_grads = truth_loss, truth_grads
+    else:
+        with reference.computing_in(dtype):
+            same_loss, same_grads = run(case, (tensors, kwargs), "reference", dtype)
+    problems = []
+    worst: Worst | None = None
+    loss_w, loss_err, loss_tol = check_output("loss", got_loss, truth_loss, same_loss, dtype)
+    worst = loss_w
+    grad_err, grad_tol, ratio = 0.0, 0.0, -1.0
+    for k, tg in truth_grads.items():
+        gg = got_grads.get(k)
+        if (tg is None) != (gg is None):
+            problems.append(f"gradient of {k}: {'missing' if gg is None else 'unexpected'}")
+            continue
+        if tg is None:
+            continue
+        if gg.dtype != (dtype if tensors[k].dim() > 0 else gg.dtype):
+            problems.append(f"gradient of {k} has dtype {gg.dtype}, want {dtype}")
+        amp = 1.0 / min(abs(float(tensors[k])), 1.0) ** 2 if tensors[k].dim() == 0 else 1.0
+        w, e, t = check_output(f"grad {k}", gg, tg, same_grads.get(k), dtype, amp)
+        if e / t > ratio:
+            ratio, grad_err, grad_tol = e / t, e, t
+        if e / t > worst.err / worst.tol:
+            worst = w
+    return Comparison(loss_err, loss_tol, grad_err, grad_tol, worst, tuple(problems))
+
+
+def assert_close(got: Tensor, want: Tensor, *, atol: float, rtol: float = 0.0, what: str = "") -> None:
+    """Elementwise ``|got - want| <= atol + rtol * |want|`` (matching infinities and NaNs equal); on
+    failure the message names the worst index, both values and the error. For tests that compare with
+    an independent computation of their own (hand-derived values, peer formulas)."""
+    got_d, want_d = got.detach().double().cpu(), want.detach().double().cpu()
+    if got_d.shape != want_d.shape:
+        raise AssertionError(f"{what}: shape {tuple(got_d.shape)} != {tuple(want_d.shape)}")
+    err = _error(got_d, want_d)
+    bound = atol + rtol * want_d.abs().nan_to_num(posinf=0.0, neginf=0.0)
+    excess = err - bound
+    if excess.numel() and float(excess.max()) > 0:
+        flat = int(excess.flatten().argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), got_d.shape)) if got_d.dim() else ()
+        raise AssertionError(f"{what}: worst at {idx}: got {float(got_d.flatten()[flat]):.8g}, want "
+                             f"{float(want_d.flatten()[flat]):.8g}, |err| {float(err.flatten()[flat]):.3g} > "
+                             f"{float(bound.flatten()[flat]):.3g}")
+
+
+def loss_and_grads(fn, tensors: dict[str, Tensor], backend: str, upstream: Tensor | None = None, **kwargs):
+    """``fn(**tensors, **kwargs, backend=backend)`` on fresh leaves (floating tensors require grad); a
+    per-row loss is reduced with ``upstream`` weights (ones by default). Returns (loss, {name: grad})."""
+    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
+    loss = fn(**leaves, **kwargs, backend=backend)
+    total = loss if loss.dim() == 0 else (loss * (upstream if upstream is not None else 1.0)).sum()
+    total.backward()
+    return loss.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+__all__ = ["SLACK", "Comparison", "Worst", "assert_close", "check_output", "compare", "loss_and_grads", "run"]

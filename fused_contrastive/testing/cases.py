@@ -1,0 +1,307 @@
+"""THE case registry: every loss configuration that ``python -m fused_contrastive check``, the
+test-suite and the benchmark run, in one list.
+
+A case builds its inputs at N **anchors** (the rows of the similarity matrix) and dimension D on the
+CPU from a seeded generator, in float32: ``build(n, d, gen) -> (tensors, kwargs)``. ``tensors`` are the
+differentiable inputs (embeddings, and temperature-like 0-dim tensors whose gradient is checked too),
+``kwargs`` everything else (labels, targets, options). Cases marked ``bench`` are the benchmark's
+losses: square or textbook-shaped problems whose options match the formulas of
+``testing.baselines`` (a Python-number temperature, ``arange`` targets), so those run side by side.
+
+Adding a loss: write its function (``losses.py``), its reference (``core/reference.py``) and add its
+cases here (and, for the benchmark, its textbook formula in ``baselines.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import losses as L
+from ..cosent import cosent_loss, cosent_loss_from_scores
+
+Inputs = tuple[dict[str, Tensor], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One loss configuration.
+
+    Attributes:
+        name: unique; what ``check --losses`` and ``bench --losses`` accept.
+        fn: the public loss function called as ``fn(**tensors, **kwargs, backend=...)``.
+        build: ``(n, d, gen) -> (tensors, kwargs)`` at N anchors, float32 CPU.
+        op: "core" (InfoNCE family: the Triton kernels run it) or "cosent".
+        covers: what the case exercises (shown by ``check --list``).
+        bench: one of the benchmark's losses.
+        inputs: what the inputs are at N (benchmark tables).
+        logits: ``n -> (rows, cols)`` of the logits the textbook formula materialises (the FLOPs every
+            benchmark contender is credited with); None when there is no matmul (CoSENT).
+    """
+
+    name: str
+    fn: Callable[..., Tensor]
+    build: Callable[[int, int, torch.Generator], Inputs]
+    op: str = "core"
+    covers: str = ""
+    bench: bool = False
+    inputs: str = ""
+    logits: Callable[[int], tuple[int, int]] | None = None
+
+    def flops(self, n: int, d: int, mode: str) -> float | None:
+        """Matmul FLOPs of the textbook formula at N: forward ``2 R C D`` (the logits), backward
+        ``4 R C D`` (the gradients of both sides), forward+backward ``6 R C D``."""
+        if self.logits is None:
+            return None
+        r, c = self.logits(n)
+        return float({"forward": 2, "backward": 4, "forward+backward": 6}[mode]) * r * c * d
+
+
+def _randn(g: torch.Generator, *shape: int) -> Tensor:
+    return torch.randn(*shape, generator=g)
+
+
+def _classes(bsz: int) -> int:
+    """Labels of the SupCon-style cases: up to 100 classes (CIFAR-100-like at benchmark sizes), about
+    three samples per class at test sizes, so most anchors have positives besides their own views."""
+    return max(1, min(100, bsz // 3))
+
+
+def _labels(g: torch.Generator, bsz: int) -> Tensor:
+    return torch.randint(0, _classes(bsz), (bsz,), generator=g)
+
+
+def _half(n: int) -> int:
+    return max(1, n // 2)
+
+
+# --- InfoNCE ----------------------------------------------------------------------------------
+
+
+def _info_nce(n, d, g):
+    return {"query": _randn(g, n, d), "keys": _randn(g, n, d)}, {"temperature": 0.05}
+
+
+def _info_nce_target(n, d, g):
+    m = n + 3  # M != N on purpose
+    return ({"query": _randn(g, n, d), "keys": _randn(g, m, d), "temperature": torch.tensor(0.07)},
+            {"target": torch.randint(0, m, (n,), generator=g)})
+
+
+def _info_nce_self(n, d, g):
+    if n == 1:  # a single row cannot exclude its only column
+        return {"query": _randn(g, n, d)}, {"target": torch.zeros(1, dtype=torch.long), "exclude_self": False}
+    tgt = (torch.arange(n) + torch.randint(1, max(n, 2), (n,), generator=g)) % n
+    return {"query": _randn(g, n, d), "temperature": torch.tensor(0.05)}, {"target": tgt}
+
+
+def _info_nce_self_none(n, d, g):
+    x, kw = _info_nce_self(n, d, g)
+    return x, {**kw, "reduction": "none"}
+
+
+def _info_nce_ignore(n, d, g):
+    tgt = torch.randint(0, n, (n,), generator=g)
+    tgt[::3] = -100
+    if n > 1:
+        tgt[1] = 0
+    return {"query": _randn(g, n, d), "keys": _randn(g, n, d)}, {"target": tgt, "reduction": "sum"}
+
+
+def _info_nce_none(n, d, g):
+    m = n + 29
+    return ({"query": _randn(g, n, d), "keys": _randn(g, m, d), "temperature": torch.tensor(0.1)},
+            {"target": torch.randint(0, m, (n,), generator=g), "reduction": "none"})
+
+
+# --- CLIP -------------------------------------------------------------------------------------
+
+
+def _clip(n, d, g):
+    return {"a": _randn(g, n, d), "b": _randn(g, n, d)}, {"logit_scale": 1 / 0.07}
+
+
+def _clip_scale(n, d, g):
+    return {"a": _randn(g, n, d), "b": _randn(g, n, d), "logit_scale": torch.tensor(14.3)}, {}
+
+
+def _clip_none(n, d, g):
+    return {"a": _randn(g, n, d), "b": _randn(g, n, d), "logit_scale": torch.tensor(10.0)}, {"reduction": "none"}
+
+
+def _clip_self(n, d, g):
+    # CLIP-style symmetric loss of A against itself (B is A with a column term). The diagonal (cosine 1)
+    # is every row's target; a temperature of 0.49 keeps the per-row losses O(1) (at 0.07 they are
+    # ~1e-4 = LSE - l_ii, pure cancellation, for every backend)
+    return ({"query": _randn(g, n, d), "temperature": torch.tensor(0.49)},
+            {"symmetric": True, "exclude_self": False, "reduction": "none"})
+
+
+# --- SimCSE -----------------------------------------------------------------------------------
+
+
+def _simcse(n, d, g):
+    return {"z1": _randn(g, 2 * _half(n), d)}, {"temperature": 0.05}
+
+
+def _simcse_2view(n, d, g):
+    return {"z1": _randn(g, n, d), "z2": _randn(g, n, d)}, {"temperature": 0.05}
+
+
+def _simcse_2view_none(n, d, g):
+    return {"z1": _randn(g, n, d), "z2": _randn(g, n, d), "temperature": torch.tensor(0.05)}, {"reduction": "none"}
+
+
+def _simcse_sup(n, d, g):
+    return {"anchor": _randn(g, 3 * n, d)}, {"temperature": 0.05}
+
+
+def _simcse_sup_hard(n, d, g):
+    return ({"anchor": _randn(g, n, d), "positive": _randn(g, n, d), "negative": _randn(g, n, d),
+             "temperature": torch.tensor(0.05)}, {"hard_negative_weight": 0.5})
+
+
+def _simcse_sup_none(n, d, g):
+    return {"anchor": _randn(g, 3 * n, d)}, {"hard_negative_weight": -0.3, "reduction": "none"}
+
+
+# --- SupCon / DSCL ----------------------------------------------------------------------------
+
+
+def _supcon(variant: str):
+    def build(n, d, g):
+        bsz = _half(n)
+        return {"features": _randn(g, bsz, 2, d)}, {"labels": _labels(g, bsz), "variant": variant,
+                                                     "temperature": 0.07}
+    return build
+
+
+def _supcon_temps(n, d, g):
+    bsz = _half(n)
+    return ({"features": _randn(g, bsz, 2, d), "temperature": torch.tensor(0.1),
+             "base_temperature": torch.tensor(0.2)}, {"labels": _labels(g, bsz), "variant": "in"})
+
+
+def _supcon_mask(variant: str, reduction: str):
+    def build(n, d, g):
+        bsz = _half(n)
+        mask = (torch.rand(bsz, bsz, generator=g) < 0.3).float()  # asymmetric on purpose
+        if bsz > 1 and variant == "out":
+            mask[0] = 0  # ... and one anchor whose only positive is its other view
+        return {"features": _randn(g, bsz, 2, d)}, {"mask": mask, "variant": variant, "reduction": reduction}
+    return build
+
+
+def _supcon_one(n, d, g):
+    bsz = max(1, n // 3)
+    return {"features": _randn(g, bsz, 3, d)}, {"labels": _labels(g, bsz), "contrast_mode": "one"}
+
+
+def _supcon_simclr_one(n, d, g):
+    bsz = max(1, n // 3)
+    return {"features": _randn(g, bsz, 3, d)}, {"contrast_mode": "one", "variant": "in"}
+
+
+def _supcon_queue(variant: str, reduction: str):
+    def build(n, d, g):
+        bsz, k = _half(n), 7
+        return ({"features": _randn(g, bsz, 2, d)},
+                {"labels": _labels(g, bsz), "queue": _randn(g, k, d), "variant": variant, "reduction": reduction,
+                 "queue_labels": torch.randint(0, _classes(bsz), (k,), generator=g)})
+    return build
+
+
+def _dscl(queue: bool):
+    def build(n, d, g):
+        kw: dict[str, Any] = {"labels": _labels(g, n), "beta": 8.0, "temperature": 0.07}
+        x: dict[str, Tensor] = {"features": _randn(g, n, 2, d)}
+        if queue:
+            kw["queue"] = _randn(g, 5, d)
+            kw["queue_labels"] = torch.randint(0, _classes(n), (5,), generator=g)
+            x["temperature"] = torch.tensor(0.1)
+            del kw["temperature"]
+        return x, kw
+    return build
+
+
+# --- CoSENT -----------------------------------------------------------------------------------
+
+
+def _cosent(n, d, g):
+    return ({"u": _randn(g, n, d), "v": _randn(g, n, d)},
+            {"labels": torch.randint(0, 6, (n,), generator=g).float(), "scale": 20.0})
+
+
+def _cosent_scores(n, d, g):
+    return {"scores": _randn(g, n), "scale": torch.tensor(20.0)}, {"labels": torch.randn(n, generator=g)}
+
+
+def _sq(n: int) -> tuple[int, int]:
+    return n, n
+
+
+CASES: list[Case] = [
+    Case("info_nce", L.info_nce, _info_nce, bench=True, covers="queries vs keys, arange targets",
+         inputs="query [N, D], keys [N, D]; logits N x N", logits=_sq),
+    Case("info_nce_target", L.info_nce, _info_nce_target, covers="M = N + 3, random targets, tensor temperature"),
+    Case("info_nce_self", L.info_nce, _info_nce_self, covers="keys=None (B is A), own column excluded"),
+    Case("info_nce_self_none", L.info_nce, _info_nce_self_none, covers="B is A, per-row losses"),
+    Case("info_nce_ignore", L.info_nce, _info_nce_ignore, covers="ignore_index rows, sum"),
+    Case("info_nce_none", L.info_nce, _info_nce_none, covers="M = N + 29, per-row losses, tensor temperature"),
+    Case("clip", L.clip_loss, _clip, bench=True, covers="row + column cross-entropy",
+         inputs="a [N, D], b [N, D], logit_scale 1/0.07; logits N x N (rows and columns)", logits=_sq),
+    Case("clip_scale", L.clip_loss, _clip_scale, covers="learnable logit_scale"),
+    Case("clip_none", L.clip_loss, _clip_none, covers="per-pair losses"),
+    Case("clip_self", L.info_nce, _clip_self, covers="symmetric with B is A (column term, symmetric logits)"),
+    Case("simcse", L.simcse_loss, _simcse, bench=True, covers="interleaved views, partner i xor 1, self excluded",
+         inputs="interleaved z [N, D] (N/2 sentences x 2 views); logits N x N", logits=_sq),
+    Case("simcse_2view", L.simcse_loss, _simcse_2view, bench=True, covers="two views",
+         inputs="z1 [N, D], z2 [N, D]; logits N x N", logits=_sq),
+    Case("simcse_2view_none", L.simcse_loss, _simcse_2view_none, covers="two views, per-row, tensor temperature"),
+    Case("simcse_sup", L.simcse_sup_loss, _simcse_sup, bench=True, covers="interleaved NLI triplets",
+         inputs="interleaved triplets z [3N, D]; logits N x 2N", logits=lambda n: (n, 2 * n)),
+    Case("simcse_sup_hard", L.simcse_sup_loss, _simcse_sup_hard, covers="hard-negative weight (bias column)"),
+    Case("simcse_sup_none", L.simcse_sup_loss, _simcse_sup_none, covers="negative weight, per-row losses"),
+    Case("supcon_out", L.supcon_loss, _supcon("out"), bench=True, covers="labels, L_out, B is A",
+         inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq),
+    Case("supcon_in", L.supcon_loss, _supcon("in"), bench=True, covers="labels, L_in (LSE over positives)",
+         inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq),
+    Case("supcon_temps", L.supcon_loss, _supcon_temps, covers="tensor temperature and base_temperature"),
+    Case("supcon_mask_in", L.supcon_loss, _supcon_mask("in", "none"), covers="dense asymmetric mask, L_in, per-row"),
+    Case("supcon_mask_out", L.supcon_loss, _supcon_mask("out", "mean"), covers="dense mask, L_out"),
+    Case("supcon_one", L.supcon_loss, _supcon_one, covers="contrast_mode one, 3 views"),
+    Case("supcon_simclr_one", L.supcon_loss, _supcon_simclr_one, covers="no labels (SimCLR), mode one, L_in"),
+    Case("supcon_queue", L.supcon_loss, _supcon_queue("out", "mean"), covers="memory-bank queue columns"),
+    Case("supcon_queue_in", L.supcon_loss, _supcon_queue("in", "none"), covers="queue, L_in, per-row"),
+    Case("dscl", L.dscl_loss, _dscl(False), bench=True, covers="decoupled weights, own view 1",
+         inputs="features [N, 2, D], labels [N] (up to 100 classes); logits N x 2N", logits=lambda n: (n, 2 * n)),
+    Case("dscl_queue", L.dscl_loss, _dscl(True), covers="decoupled weights with a queue, tensor temperature"),
+    Case("cosent", cosent_loss, _cosent, op="cosent", bench=True, covers="pair cosines, grades 0..5",
+         inputs="u [N, D], v [N, D], labels [N] (grades 0..5); N x N label pairs"),
+    Case("cosent_scores", cosent_loss_from_scores, _cosent_scores, op="cosent",
+         covers="given scores, real labels, tensor scale"),
+]
+CASE_BY_NAME: dict[str, Case] = {c.name: c for c in CASES}
+BENCH_CASES: list[Case] = [c for c in CASES if c.bench]
+
+#: Ragged shapes (N anchors, D) of the correctness grid: N 1 (a single row: degenerate softmax), 2, 3
+#: (odd, smaller than any block), 97 (prime), 128 (a power of two), 257 (one past it); D 1 (every
+#: cosine is +-1), 3, 100 (not a multiple of 8), 768 (BERT).
+SHAPES: list[tuple[int, int]] = [(n, d) for n in (1, 2, 3, 97, 128, 257) for d in (1, 3, 100, 768)]
+
+
+def get(name: str) -> Case:
+    """The case called ``name``; ``KeyError`` listing the valid names otherwise."""
+    try:
+        return CASE_BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown case {name!r}; valid: {', '.join(CASE_BY_NAME)}") from None
+
+
+def make_inputs(case: Case, n: int, d: int, seed: int = 0) -> Inputs:
+    """The inputs of ``case`` at N anchors and dimension D (float32, CPU, seeded)."""
+    return case.build(n, d, torch.Generator().manual_seed(seed))
