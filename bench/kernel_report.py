@@ -2,7 +2,8 @@
 
 Runs on a machine without a GPU: every kernel of ``fused_contrastive.kernels.lse`` is compiled ahead
 of time for sm_80 (A100) and sm_90 (H100) with each shipped launch config
-(``fused_contrastive._triton_core.CONFIGS``; the same compiles as tests/test_triton_compile.py),
+(``fused_contrastive.core.triton_configs.CONFIGS``; the same compiles as tests/test_triton_compile.py,
+through ``fused_contrastive.tools.aot``),
 and ptxas reports registers and spills. Printed per kernel and config: registers per thread, spill
 bytes (stores + loads), shared memory, the tensor-core instruction kind in the PTX, and the
 tensor-core FLOPs of one launch at the given N, M, D. "blocks" are the block sizes (M rows, N
@@ -36,11 +37,11 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from fused_contrastive import _triton_core as T
-from fused_contrastive._spec import CoreSpec, CoreTensors
+from fused_contrastive.core.spec import CoreData, CoreSpec
+from fused_contrastive.tools import aot
 
 
-def launch_flops(launch: T.Launch) -> int:
+def launch_flops(launch) -> int:
     """Tensor-core FLOPs of one recorded launch (see the module docstring)."""
     a = launch.args
     if launch.name == "row_norm":
@@ -63,15 +64,16 @@ def _si(x: float) -> str:
 
 
 def resource_table(jobs: int, n: int, m: int, d: int):
-    todo = T.aot_jobs()
+    todo = aot.jobs()
     with ProcessPoolExecutor(max_workers=jobs) as ex:
-        results = list(ex.map(T.aot_run_job, todo))
+        results = list(ex.map(aot.run_job, todo))
     # FLOPs of one launch of each kernel at (n, m, d), from a recorded "full"/"sym" problem with
     # all columns needing a gradient (the kernel's cost does not depend on the config)
     flops = {}
     for variant in ("plain", "sym"):
-        spec, t, has_b = T.variant_problem(variant, n, m)
-        for launch in T.record_core(spec, t, has_b, torch.float16, n, m if has_b else n, d, "sm90"):
+        spec, data, has_b, want_col, want_pos = aot.variant_problem(variant, n, m)
+        for launch in aot.record_core(spec, data, has_b, want_col, want_pos, torch.float16, n, m if has_b else n, d,
+                                      "sm90"):
             flops.setdefault((launch.name, variant == "sym"), launch_flops(launch))
     hdr = (f"{'kernel':13s} {'arch':5s} {'dtype':5s} {'D buckets':14s} {'variant':7s} {'blocks':14s} "
            f"{'warps':>5s} {'stages':>6s} {'regs':>4s} {'spill B':>7s} {'smem B':>7s} {'tensor core':11s} "
@@ -91,11 +93,12 @@ def resource_table(jobs: int, n: int, m: int, d: int):
 
 
 LOSSES = {
-    # name: (spec, tensors, B given, what the loss is)
-    "info_nce": (CoreSpec(), CoreTensors(), True, "InfoNCE / MNRL with keys, grads to query and keys"),
-    "simcse_sym": (CoreSpec(exclude_self=True, same=True), CoreTensors(), False,
+    # name: (spec, data, B given, column LSE, what the loss is); the kernels' share of the registry's
+    # info_nce, simcse and clip cases
+    "info_nce": (CoreSpec(), CoreData(), True, False, "InfoNCE / MNRL with keys, grads to query and keys"),
+    "simcse_sym": (CoreSpec(exclude_self=True), CoreData(), False, False,
                    "unsupervised SimCSE, interleaved batch (A is B, self excluded)"),
-    "clip": (CoreSpec(want_col=True), CoreTensors(), True, "CLIP: row + column CE, grads to both towers"),
+    "clip": (CoreSpec(), CoreData(), True, True, "CLIP: row + column CE, grads to both towers"),
 }
 
 
@@ -104,8 +107,8 @@ def loss_totals(n: int, m: int, d: int, peak_tflops: float):
     print(f"\nForward + backward FLOPs at N = {n}, M = {m}, D = {d} "
           f"(unit = 2 N M D = {_si(unit)}FLOP), time floor at {peak_tflops:g} TFLOP/s:")
     print(f"{'loss':11s} {'launches (FLOPs)':64s} {'total':>12s} {'units':>6s} {'floor':>10s}")
-    for name, (spec, t, has_b, what) in LOSSES.items():
-        launches = T.record_core(spec, t, has_b, torch.bfloat16, n, m if has_b else n, d, "sm90")
+    for name, (spec, data, has_b, want_col, what) in LOSSES.items():
+        launches = aot.record_core(spec, data, has_b, want_col, False, torch.bfloat16, n, m if has_b else n, d, "sm90")
         parts = [(lz.name, launch_flops(lz)) for lz in launches]
         total = sum(f for _, f in parts)
         mm = [f"{k}={_si(f)}" for k, f in parts if k != "row_norm"]

@@ -1,0 +1,5 @@
+import sys
+
+from fused_contrastive.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""Peak memory of one benchmark case, measured in the process that runs it.
+
+* CPU: the case runs in a fresh process. Baseline = resident set (``VmRSS``) after a small warm-up
+  and after the inputs exist; the high-water mark (``VmHWM``) is reset by writing 5 to
+  ``/proc/self/clear_refs`` and peak = ``VmHWM`` after the phase - baseline. So peaks exclude the
+  inputs and include everything the loss allocates, input gradients included. The cap (the memory
+  budget, lowered to the memory available) is enforced as an address-space limit over the baseline,
+  so a case that exceeds it fails with an allocation error instead of meeting the OOM killer.
+* CUDA: ``torch.cuda.max_memory_allocated`` over ``memory_allocated`` after the inputs.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+
+import torch
+
+
+def proc_status() -> dict[str, int]:
+    """VmRSS, VmHWM and VmSize of this process in bytes (Linux ``/proc/self/status``)."""
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key, _, val = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "VmSize"):
+                out[key] = int(val.split()[0]) * 1024
+    return out
+
+
+def mem_available() -> float | None:
+    """MemAvailable of the machine in bytes (None where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024.0
+    except OSError:
+        pass
+    return None
+
+
+class CpuMeter:
+    """Peak RSS over a baseline in this (fresh) process; see the module docstring."""
+
+    method = ("CPU: fresh process per case; peak = VmHWM - VmRSS after inputs, VmHWM reset through "
+              "/proc/self/clear_refs; cap = address-space limit over the baseline")
+
+    def __init__(self, isolated: bool) -> None:
+        self.base = 0
+        self.isolated = isolated
+        if not isolated:
+            self.method = ("CPU inline (not isolated): VmHWM - VmRSS after inputs; memory freed and cached "
+                           "by earlier cases may hide allocations")
+
+    @staticmethod
+    def _reset() -> None:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+
+    def start(self, cap: float) -> None:
+        gc.collect()
+        st = proc_status()
+        self.base = st["VmRSS"]
+        self._reset()
+        if not self.isolated:
+            return
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        soft = int(st["VmSize"] + cap)
+        if hard != resource.RLIM_INFINITY:
+            soft = min(soft, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+    def peak(self) -> int:
+        return max(0, proc_status()["VmHWM"] - self.base)
+
+    def next_phase(self) -> None:
+        self._reset()
+
+    def sync(self) -> None:
+        pass
+
+
+class CudaMeter:
+    method = "CUDA: torch.cuda.max_memory_allocated - memory_allocated after the inputs"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.base = 0
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def start(self, cap: float) -> None:
+        gc.collect()
+        self.sync()
+        self.base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        self.sync()
+        return max(0, torch.cuda.max_memory_allocated(self.device) - self.base)
+
+    def next_phase(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def meter(device: torch.device, isolated: bool):
+    return CudaMeter(device) if device.type == "cuda" else CpuMeter(isolated)
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in msg for s in ("can't allocate memory", "out of memory", "not enough memory", "cannot allocate memory"))

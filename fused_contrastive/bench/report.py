@@ -1,0 +1,586 @@
+"""What a benchmark run reports: rows, ratios, the largest batch within a memory budget, the tables,
+the JSON and the plots.
+
+* **Ratios** are measured in the same run: contender / reference and contender / formula, time and
+  peak memory, same mode and N.
+* **Throughput**: every contender is credited with the FLOPs of the textbook formula's matmuls
+  (``Case.flops``: forward ``2 R C D``, backward ``4 R C D``, forward+backward ``6 R C D`` with R x C the
+  logits' shape); TFLOP/s = FLOPs / median time, and the fraction of the matmul peak measured at the
+  start and end of the run. It can exceed 100% where a backend does less work than the formula.
+* **Largest batch within a budget** (:func:`largest_batches`): total memory = inputs + peak over
+  the baseline. The peaks of the two largest sizes a contender ran are fitted by its declared model
+  (``a + bN`` for ours, ``bN + cN^2`` for quadratic contenders, ``bN^2 + cN^3`` for pml-ntxent) and
+  solved for the budget: these N are **extrapolated from measured points** and labelled so.
+* **Small-batch table**: N <= 1024, the torch backend's forward+backward time over the textbook
+  formula's (the ``formula`` contender), medians of >= 30 repeats measured side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..testing import CASE_BY_NAME
+from .contenders import MODES, GiB, MiB, Planned, get_contender
+
+SMALL_N = 1024  # the small-batch table: N <= this
+LARGE_N = 4096  # the large-N table: N >= this
+
+
+def loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} logical CPUs)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict[str, str | None]:
+    def ver(mod: str) -> str | None:
+        try:
+            m = __import__(mod)
+        except ImportError:
+            return None
+        return str(getattr(m, "__version__", "?"))
+
+    return {"fused_contrastive": __version__, "torch": torch.__version__, "triton": ver("triton"),
+            "numpy": ver("numpy"), "pytorch_metric_learning": ver("pytorch_metric_learning"),
+            "matplotlib": ver("matplotlib"), "python": platform.python_version()}
+
+
+def git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5, check=False)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def best_peak(*runs: dict[str, Any]) -> dict[str, Any]:
+    ok = [r for r in runs if "flops_per_s" in r]
+    if not ok:
+        return {"error": "; ".join(str(r.get("reason")) for r in runs)}
+    best = max(ok, key=lambda r: r["flops_per_s"])
+    return dict(best, runs_flops_per_s=[r.get("flops_per_s") for r in runs])
+
+
+def rows_of(p: Planned, cfg, res: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per mode for a (case, contender, N) result."""
+    case = CASE_BY_NAME[p.case]
+    con = get_contender(p.case, p.contender)
+    shape = case.logits(p.n) if case.logits is not None else (p.n, p.n)
+    rows = []
+    for mode in MODES:
+        row: dict[str, Any] = {
+            "loss": p.case, "inputs": case.inputs, "contender": p.contender, "kind": con.kind,
+            "source": con.source, "n": p.n, "rows": shape[0], "cols": shape[1], "dim": cfg.dim, "dtype": cfg.dtype,
+            "device": cfg.device, "version": __version__, "mode": mode, "status": res.get("status", "error"),
+            "reason": res.get("reason", ""), "repeats": res.get("repeats"), "time_ms": None, "time_ms_p25": None,
+            "time_ms_p75": None, "time_ms_min": None, "time_ms_max": None, "peak_bytes": None,
+            "input_bytes": res.get("input_bytes"), "time_ratio_vs_reference": None,
+            "memory_ratio_vs_reference": None, "time_ratio_vs_formula": None, "memory_ratio_vs_formula": None,
+            "loss_value": res.get("loss_value"), "max_abs_diff_loss": res.get("max_abs_diff_loss"),
+            "max_abs_diff_grad": res.get("max_abs_diff_grad"), "within_tolerance": res.get("within_tolerance"),
+            "worst": res.get("worst", ""), "flops": case.flops(p.n, cfg.dim, mode), "tflops": None,
+            "fraction_of_matmul_peak": None, "memory_order": con.memory_order, "time_order": con.time_order,
+            "memory_method": res.get("memory_method"), "memory_pass_seconds": res.get("memory_pass_seconds"),
+        }
+        if "peaks" in res:  # the memory pass ran (also for a seed or peer then left untimed)
+            row["peak_bytes"] = res["peaks"][mode]
+        if res.get("status") == "ok":
+            ms = [t * 1e3 for t in res["times"][mode]]
+            q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
+            row.update(time_ms=statistics.median(ms), time_ms_p25=q[0], time_ms_p75=q[2], time_ms_min=min(ms),
+                       time_ms_max=max(ms))
+            if row["flops"] is not None:
+                row["tflops"] = row["flops"] / (row["time_ms"] / 1e3) / 1e12
+        rows.append(row)
+    return rows
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Time and peak ratios of every row to the reference's and the formula's, same case, N and mode."""
+    for base in ("reference", "formula"):
+        by = {(r["loss"], r["n"], r["mode"]): r for r in rows if r["contender"] == base}
+        for r in rows:
+            b = by.get((r["loss"], r["n"], r["mode"]))
+            if b is None:
+                continue
+            if r["time_ms"] is not None and b["time_ms"]:
+                r[f"time_ratio_vs_{base}"] = r["time_ms"] / b["time_ms"]
+            if r["peak_bytes"] is not None and b["peak_bytes"]:
+                r[f"memory_ratio_vs_{base}"] = r["peak_bytes"] / b["peak_bytes"]
+
+
+# ------------------------------------------------------------------------------------------------
+# largest batch within a memory budget (extrapolated from the measured peaks)
+# ------------------------------------------------------------------------------------------------
+
+#: memory models by order, leading power last: a + bN (ours), bN + cN^2, bN^2 + cN^3
+POWERS = {1: [0, 1], 2: [1, 2], 3: [2, 3]}
+
+
+def fit_memory(points: Sequence[Sequence[float]], order: int):
+    """``(powers, coefficients)`` of the model of ``order`` through the two largest (N, bytes) points,
+    or ``(None, why)``. Two parameters through the two largest sizes: smaller sizes are not asymptotic
+    (glibc serves blocks under its 32 MiB mmap threshold from a reused heap). A negative lower
+    coefficient is dropped (the leading term alone through the largest point over- rather than
+    under-estimates the memory)."""
+    import numpy as np
+
+    pts = sorted(points)[-2:]
+    for powers in (POWERS[order], POWERS[order][-1:]):
+        use = pts[-len(powers):]
+        if len(use) < len(powers):
+            continue
+        a = np.array([[float(n) ** k for k in powers] for n, _ in use])
+        y = np.array([float(v) for _, v in use])
+        c = np.linalg.lstsq(a, y, rcond=None)[0]
+        if c[-1] <= 0:
+            return None, f"peaks did not grow like N^{powers[-1]} over N={','.join(str(int(n)) for n, _ in use)}"
+        if min(c) >= 0 or order == 1:  # ours: a negative constant is harmless
+            return (list(powers), [float(v) for v in c]), ""
+    return None, "no fit"
+
+
+def _solve(powers: list[int], coef: list[float], per_n: float, budget: float) -> float:
+    """The largest N with ``sum coef * N^powers + per_n * N <= budget`` (the polynomial's largest real root)."""
+    import numpy as np
+
+    deg = max(max(powers), 1)
+    poly = np.zeros(deg + 1)
+    for p, c in zip(powers, coef):
+        poly[deg - p] += c
+    poly[deg - 1] += per_n
+    poly[deg] -= budget
+    roots = [r.real for r in np.roots(poly) if abs(r.imag) < 1e-6 * max(1.0, abs(r)) and r.real > 0]
+    return max(roots) if roots else float("nan")
+
+
+def largest_batches(rows: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
+    """Per (case, contender): the largest N whose inputs + forward+backward peak fit in ``budget``,
+    EXTRAPOLATED (see the module docstring); the time there is the largest timed size's median scaled
+    by ``(N / N_timed)^time_order``."""
+    out = []
+    keys = sorted({(r["loss"], r["contender"]) for r in rows}, key=lambda k: (list(CASE_BY_NAME).index(k[0]), k[1]))
+    for case, cname in keys:
+        mine = [r for r in rows if r["loss"] == case and r["contender"] == cname and r["mode"] == "forward+backward"]
+        pts = sorted((r["n"], r["peak_bytes"], r["input_bytes"]) for r in mine if r["peak_bytes"] is not None)
+        timed = sorted((r["n"], r["time_ms"]) for r in mine if r["time_ms"] is not None)
+        con = get_contender(case, cname)
+        used = pts[-2:]
+        entry: dict[str, Any] = {"loss": case, "contender": cname, "budget_bytes": budget,
+                                 "measured_n": [p[0] for p in pts], "fit_n": [p[0] for p in used],
+                                 "memory_order": con.memory_order, "n_max": None,
+                                 "method": "extrapolated from measured points"}
+        out.append(entry)
+        if not used:
+            entry["reason"] = "no measured size"
+            continue
+        fit, why = fit_memory([(p[0], float(p[1])) for p in used], con.memory_order)
+        if fit is None:
+            entry["reason"] = why
+            continue
+        per_n = used[-1][2] / used[-1][0]
+        n_max = _solve(fit[0], fit[1], per_n, budget)
+        if not math.isfinite(n_max):
+            entry["reason"] = "no positive solution"
+            continue
+        entry.update(n_max=int(n_max), fit_powers=fit[0], fit_coefficients=fit[1], input_bytes_per_n=per_n)
+        if timed:
+            n_big, t_big = timed[-1]
+            entry.update(time_ms_at_n_max=t_big * (n_max / n_big) ** con.time_order,
+                         time_model=f"t({n_big}) * (N / {n_big})^{con.time_order}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# summaries
+# ------------------------------------------------------------------------------------------------
+
+
+def _fb(rows, case, contender, n) -> dict[str, Any] | None:
+    for r in rows:
+        if r["loss"] == case and r["contender"] == contender and r["n"] == n and r["mode"] == "forward+backward":
+            return r
+    return None
+
+
+def small_batch(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """torch / formula (and reference / formula) forward+backward time at every N <= SMALL_N."""
+    out = []
+    for case in dict.fromkeys(r["loss"] for r in rows):
+        for n in sorted({r["n"] for r in rows if r["loss"] == case and r["n"] <= SMALL_N}):
+            t, f, ref = (_fb(rows, case, c, n) for c in ("torch", "formula", "reference"))
+            if not (t and f and t["time_ms"] and f["time_ms"]):
+                continue
+            out.append({"loss": case, "n": n, "torch_ms": t["time_ms"], "formula_ms": f["time_ms"],
+                        "torch_vs_formula": t["time_ms"] / f["time_ms"], "repeats": min(t["repeats"], f["repeats"]),
+                        "reference_vs_formula": (ref["time_ms"] / f["time_ms"]) if ref and ref["time_ms"] else None})
+    return out
+
+
+def large_n(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """torch / formula time and peak memory (forward+backward) at every N >= LARGE_N."""
+    out = []
+    for case in dict.fromkeys(r["loss"] for r in rows):
+        for n in sorted({r["n"] for r in rows if r["loss"] == case and r["n"] >= LARGE_N}):
+            t, f = _fb(rows, case, "torch", n), _fb(rows, case, "formula", n)
+            if not (t and f and t["time_ms"] and f["time_ms"]):
+                continue
+            out.append({"loss": case, "n": n, "torch_vs_formula_time": t["time_ms"] / f["time_ms"],
+                        "torch_vs_formula_peak": (t["peak_bytes"] / f["peak_bytes"]) if f["peak_bytes"] else None,
+                        "torch_ms": t["time_ms"], "formula_ms": f["time_ms"], "torch_peak": t["peak_bytes"],
+                        "formula_peak": f["peak_bytes"]})
+    return out
+
+
+def headline(rows: list[dict[str, Any]], largest: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per case, at the largest N the reference ran: every contender's time and peak relative to the
+    reference, and its largest batch within the budget (extrapolated)."""
+    out = []
+    for case in dict.fromkeys(r["loss"] for r in rows):
+        ns = [r["n"] for r in rows if r["loss"] == case and r["contender"] == "reference" and r["time_ms"]]
+        if not ns:
+            continue
+        n = max(ns)
+        for r in rows:
+            if r["loss"] != case or r["n"] != n or r["mode"] != "forward+backward" or r["time_ms"] is None:
+                continue
+            lb = next((e for e in largest if e["loss"] == case and e["contender"] == r["contender"]), None)
+            out.append({"loss": case, "n": n, "contender": r["contender"], "kind": r["kind"],
+                        "time_vs_reference": r["time_ratio_vs_reference"],
+                        "memory_vs_reference": r["memory_ratio_vs_reference"],
+                        "largest_batch": lb["n_max"] if lb else None})
+    return out
+
+
+def assemble(cfg, rows: list[dict[str, Any]], peak: dict[str, Any], load_start: float | None,
+             wall: float) -> dict[str, Any]:
+    import time as _time
+
+    add_ratios(rows)
+    for r in rows:
+        if r["tflops"] is not None and peak.get("flops_per_s"):
+            r["fraction_of_matmul_peak"] = r["tflops"] * 1e12 / peak["flops_per_s"]
+    from .memory import CpuMeter, CudaMeter
+
+    meta = {
+        "device": cfg.device, "device_name": device_name(cfg.device), "dtype": cfg.dtype, "dim": cfg.dim,
+        "loadavg_1min": {"start": load_start, "end": loadavg()},
+        "sizes": sorted(set(cfg.sizes).union(*cfg.extra_sizes.values())), "extra_sizes": cfg.extra_sizes,
+        "losses": cfg.cases, "repeats": cfg.repeats, "min_repeats": cfg.min_repeats, "warmup": cfg.warmup,
+        "torch_threads": cfg.threads or torch.get_num_threads(), "versions": versions(), "git_commit": git_commit(),
+        "matmul_peak": peak, "mem_cap_bytes": cfg.mem_cap, "mem_budget_bytes": cfg.mem_budget,
+        "max_iter_seconds": cfg.max_iter_seconds, "max_case_seconds": cfg.max_case_seconds,
+        "isolated_processes": cfg.isolate,
+        "accuracy_rule": "|err| <= 2 x PyTorch's same-dtype error + slack x max(1, max|truth|) against the "
+                         "float64 truth (fused_contrastive.testing.accuracy)",
+        "flops_formula": "forward 2*R*C*D, backward 4*R*C*D, forward+backward 6*R*C*D (R x C = logits)",
+        "n_meaning": "N = anchors = rows of the similarity matrix (see 'inputs' of each row)",
+        "memory_method": CpuMeter(cfg.isolate).method if cfg.device == "cpu" else CudaMeter.method,
+        "wall_seconds": wall, "date_utc": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()),
+    }
+    largest = largest_batches(rows, cfg.mem_budget)
+    return {"meta": meta, "rows": rows, "largest_batch": largest,
+            "summary": {"small_batch": small_batch(rows), "large_n": large_n(rows),
+                        "headline": headline(rows, largest)}}
+
+
+# ------------------------------------------------------------------------------------------------
+# text
+# ------------------------------------------------------------------------------------------------
+
+
+def _bytes(b: float | None) -> str:
+    if b is None:
+        return "-"
+    return f"{b / GiB:.2f}G" if b >= 10 * GiB else f"{b / MiB:.1f}M"
+
+
+def _ms(ms: float | None) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.3f}"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else (f"{x:.2f}" if x < 10 else f"{x:.0f}")
+
+
+def _e(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _n(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k" if n >= 1e4 else f"{n:.0f}"
+
+
+def _dur(s: float) -> str:
+    if s >= 3600:
+        return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+    return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The terminal report: the headline and small-batch tables first, then one table per case, the
+    large-N table and the largest batches."""
+    from tabulate import tabulate
+
+    meta, rows = report["meta"], report["rows"]
+    out = [(f"fused_contrastive bench - {meta['device_name']} ({meta['device']}), dtype {meta['dtype']}, "
+            f"D={meta['dim']}, {meta['torch_threads']} threads, torch {meta['versions']['torch']}; medians of up to "
+            f"{meta['repeats']} repeats (at least {meta['min_repeats']}), contenders interleaved in one process")]
+    load = (meta.get("loadavg_1min") or {}).get("start")
+    if load is not None and load > 0.5 * (os.cpu_count() or 1):
+        out.append(f"WARNING: 1-min load average {load:.1f} on {os.cpu_count()} CPUs when the run started: absolute "
+                   "times are noisy (ratios less so: contenders are interleaved)")
+    pk = meta.get("matmul_peak") or {}
+    if pk.get("flops_per_s"):
+        out.append(f"matmul peak measured: {pk['flops_per_s'] / 1e9:.0f} GFLOP/s ({'x'.join(map(str, pk['shape']))} "
+                   f"{pk['dtype']}); eff% = textbook FLOPs (6*R*C*D) / median time / peak")
+    summ = report["summary"]
+    if summ["headline"]:
+        out += ["", ("HEADLINE: each contender relative to the reference at the largest N the reference ran "
+                     "(forward+backward); largest batch within "
+                     f"{meta['mem_budget_bytes'] / GiB:.0f} GiB EXTRAPOLATED from measured peaks")]
+        tab = [[h["loss"], h["n"], h["contender"], _x(h["time_vs_reference"]), _x(h["memory_vs_reference"]),
+                _n(h["largest_batch"]) if h["largest_batch"] else "-"] for h in summ["headline"]]
+        out.append(tabulate(tab, headers=["loss", "N", "contender", "time x ref", "peak x ref", "largest N"],
+                            tablefmt="simple", disable_numparse=True))
+    if summ["small_batch"]:
+        ns = sorted({s["n"] for s in summ["small_batch"]})
+        by = {(s["loss"], s["n"]): s for s in summ["small_batch"]}
+        tab = [[case] + [_x(by[(case, n)]["torch_vs_formula"]) if (case, n) in by else "-" for n in ns]
+               for case in dict.fromkeys(s["loss"] for s in summ["small_batch"])]
+        reps = min(s["repeats"] for s in summ["small_batch"])
+        out += ["", (f"SMALL BATCHES: torch backend / textbook formula, forward+backward time, D={meta['dim']}, "
+                     f"{meta['dtype']}, medians of >= {reps} repeats side by side (target <= 1.05)"),
+                tabulate(tab, headers=["loss"] + [f"N={n}" for n in ns], tablefmt="simple", disable_numparse=True)]
+    if summ["large_n"]:
+        tab = [[s["loss"], s["n"], _x(s["torch_vs_formula_time"]), _x(s["torch_vs_formula_peak"]), _ms(s["torch_ms"]),
+                _ms(s["formula_ms"]), _bytes(s["torch_peak"]), _bytes(s["formula_peak"])] for s in summ["large_n"]]
+        out += ["", f"LARGE N (>= {LARGE_N}): torch backend / textbook formula, forward+backward",
+                tabulate(tab, headers=["loss", "N", "time x", "peak x", "torch ms", "formula ms", "torch peak",
+                                       "formula peak"], tablefmt="simple", disable_numparse=True)]
+    skipped: dict[tuple, list[int]] = {}
+    for case in meta["losses"]:
+        lines = []
+        names = list(dict.fromkeys(r["contender"] for r in rows if r["loss"] == case))
+        for cname in names:
+            for n in meta["sizes"]:
+                fb = _fb(rows, case, cname, n)
+                if fb is None:
+                    continue
+                if fb["status"] == "skipped" and fb["reason"].startswith(("no GPU", "peer not", "no triton")):
+                    skipped.setdefault((cname, fb["reason"]), []).append(n)
+                    continue
+                if fb["peak_bytes"] is None:
+                    lines.append([cname, n, f"{fb['status']}: {fb['reason'][:100]}"] + [""] * 10)
+                    continue
+                f = next(r for r in rows if r["loss"] == case and r["contender"] == cname and r["n"] == n
+                         and r["mode"] == "forward")
+                b = next(r for r in rows if r["loss"] == case and r["contender"] == cname and r["n"] == n
+                         and r["mode"] == "backward")
+                spread = (f"{100 * (fb['time_ms_p75'] - fb['time_ms_p25']) / fb['time_ms']:.0f}"
+                          if fb["time_ms"] else "-")
+                eff = f"{100 * fb['fraction_of_matmul_peak']:.0f}" if fb["fraction_of_matmul_peak"] else "-"
+                tol = "" if fb["within_tolerance"] is None else ("ok" if fb["within_tolerance"] else "DIFF!")
+                status = fb["status"] if fb["status"] == "ok" else f"{fb['status']}: {fb['reason'][:50]}"
+                lines.append([cname, n, _ms(f["time_ms"]), _ms(b["time_ms"]), _ms(fb["time_ms"]), spread,
+                              _x(fb["time_ratio_vs_reference"]), eff, _bytes(fb["peak_bytes"]),
+                              _x(fb["memory_ratio_vs_reference"]), _e(fb["max_abs_diff_loss"]),
+                              _e(fb["max_abs_diff_grad"]), f"{status} {tol}".strip()])
+        out += ["", f"== {case}: {CASE_BY_NAME[case].inputs}",
+                tabulate(lines, headers=["contender", "N", "fwd ms", "bwd ms", "fwd+bwd", "±%", "x ref", "eff%",
+                                         "peak", "x ref", "|dloss|", "|dgrad|", "status"],
+                         tablefmt="simple", disable_numparse=True)]
+    if skipped:
+        out += ["", "not run:"] + [f"  {c} ({len(ns)} cases): {why}" for (c, why), ns in skipped.items()]
+    budget = meta["mem_budget_bytes"]
+    tab = []
+    for e in report["largest_batch"]:
+        if e["loss"] != "info_nce":
+            continue
+        if e["n_max"] is None:
+            tab.append([e["contender"], "-", "-", "-", e.get("reason", "")])
+            continue
+        model = " + ".join(f"{c:.3g}" + ("" if p == 0 else f" N^{p}" if p > 1 else " N")
+                           for p, c in zip(e["fit_powers"], e["fit_coefficients"]))
+        there = _dur(e["time_ms_at_n_max"] / 1e3) if e.get("time_ms_at_n_max") is not None else "(not timed)"
+        tab.append([e["contender"], _n(e["n_max"]), there, model, ",".join(map(str, e["fit_n"]))])
+    if tab:
+        out += ["", (f"largest info_nce batch within {budget / GiB:.0f} GiB at D={meta['dim']}: inputs + peak, "
+                     "EXTRAPOLATED by each contender's memory model through its two largest measured sizes"),
+                tabulate(tab, headers=["contender", "N max", "fwd+bwd there", "peak model (bytes)", "fitted on N"],
+                         tablefmt="simple", disable_numparse=True)]
+    out += ["", f"wall time {_dur(meta['wall_seconds'])}"]
+    return "\n".join(out)
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    with open(path, "w") as fh:
+        json.dump(clean(report), fh, indent=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# plots
+# ------------------------------------------------------------------------------------------------
+
+_STYLE = {  # contender -> (color, marker, linestyle); the reference is a black dashed line on top
+    "reference": ("black", "s", "--"), "formula": ("tab:gray", "D", "-"), "torch": ("tab:blue", "o", "-"),
+    "triton": ("tab:green", "^", "-"), "seed-broadcast": ("tab:red", "v", ":"), "pml-ntxent": ("tab:purple", "P", ":"),
+    "pml-supcon": ("tab:purple", "P", ":"),
+}
+
+
+def _style(name: str, i: int):
+    return _STYLE.get(name, (f"C{(i + 4) % 10}", "x", "-."))
+
+
+def plot_cases(report: dict[str, Any], out_dir: str) -> list[str]:
+    """One PNG per case: forward+backward time and peak memory against N (log-log), one line per
+    contender (distinct color, marker and dash; the reference on top); what did not run is listed by
+    contender and N under the plots, not drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta, rows = report["meta"], report["rows"]
+    paths = []
+    for case in meta["losses"]:
+        lrows = [r for r in rows if r["loss"] == case and r["mode"] == "forward+backward"]
+        names = list(dict.fromkeys(r["contender"] for r in lrows))
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5.4))
+        notes: dict[str, list[str]] = {}
+        for i, cname in enumerate(sorted(names, key=lambda c: c == "reference")):  # reference drawn last
+            color, marker, ls = _style(cname, i)
+            mine = sorted((r for r in lrows if r["contender"] == cname), key=lambda r: r["n"])
+            ok = [r for r in mine if r["time_ms"] is not None]
+            mem = [r for r in mine if r["peak_bytes"] is not None]
+            for r in mine:
+                if r["time_ms"] is None and not r["reason"].startswith(("no GPU", "no triton")):
+                    notes.setdefault(cname, []).append(f"N={r['n']} {r['status']}")
+            kw = dict(color=color, marker=marker, linestyle=ls, label=cname, markersize=5, linewidth=1.4,
+                      zorder=3 if cname == "reference" else 2)
+            if ok:
+                xs = [r["n"] for r in ok]
+                ys = [r["time_ms"] / 1e3 for r in ok]
+                err = [[(r["time_ms"] - r["time_ms_p25"]) / 1e3 for r in ok],
+                       [(r["time_ms_p75"] - r["time_ms"]) / 1e3 for r in ok]]
+                axes[0].errorbar(xs, ys, yerr=err, capsize=2, **kw)
+            if mem:
+                axes[1].plot([r["n"] for r in mem], [max(r["peak_bytes"] / MiB, 1e-2) for r in mem], **kw)
+        if case == "info_nce":
+            budget = meta["mem_budget_bytes"]
+            for i, cname in enumerate(names):
+                e = next((e for e in report["largest_batch"] if e["loss"] == case and e["contender"] == cname
+                          and e["n_max"]), None)
+                if e is None:
+                    continue
+                n0 = min(e["fit_n"])
+                xs = [n0 * (e["n_max"] / n0) ** (k / 40) for k in range(41)]
+                total = [(sum(c * x ** p for p, c in zip(e["fit_powers"], e["fit_coefficients"]))
+                          + e["input_bytes_per_n"] * x) / MiB for x in xs]
+                axes[1].plot(xs, total, color=_style(cname, i)[0], linestyle=":", linewidth=1)
+            axes[1].axhline(budget / MiB, color="0.4", linestyle="--", linewidth=0.8)
+            axes[1].text(0.01, budget / MiB, f" {budget / GiB:.0f} GiB budget; dotted: inputs + fitted peak, "
+                         "EXTRAPOLATED", transform=axes[1].get_yaxis_transform(), va="bottom", fontsize=8)
+        axes[0].set_ylabel("forward+backward time [s] (median, p25-p75)")
+        axes[1].set_ylabel("peak memory over baseline [MiB]")
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("N (anchors)")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].legend(fontsize=8, loc="upper left")
+        fig.suptitle(f"{case}: {CASE_BY_NAME[case].inputs}\n{meta['device_name']}, {meta['dtype']}, D={meta['dim']}",
+                     fontsize=9)
+        if notes:
+            text = "not timed: " + "; ".join(f"{c} at {', '.join(v)}" for c, v in notes.items())
+            fig.text(0.01, 0.01, text[:300], fontsize=7, wrap=True)
+        fig.tight_layout(rect=(0, 0.05 if notes else 0, 1, 1))
+        path = os.path.join(out_dir, f"bench_{case}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_summary(report: dict[str, Any], out_dir: str) -> str | None:
+    """The one-glance figure: for every case, each contender's time and peak memory relative to the
+    reference at the largest N, and its largest batch within the budget (extrapolated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    head = report["summary"]["headline"]
+    if not head:
+        return None
+    cases = list(dict.fromkeys(h["loss"] for h in head))
+    names = list(dict.fromkeys(h["contender"] for h in head))
+    by = {(h["loss"], h["contender"]): h for h in head}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 0.55 * len(cases) * max(1, len(names) / 2.5) + 2), sharey=True)
+    height = 0.8 / len(names)
+    for j, cname in enumerate(names):
+        color = _style(cname, j)[0]
+        ys = [i + (j - (len(names) - 1) / 2) * height for i in range(len(cases))]
+        for ax, key in zip(axes, ("time_vs_reference", "memory_vs_reference", "largest_batch")):
+            vals = [(by.get((c, cname)) or {}).get(key) for c in cases]
+            pts = [(y, v) for y, v in zip(ys, vals) if v]
+            if pts:
+                ax.barh([p[0] for p in pts], [p[1] for p in pts], height=height * 0.9, color=color, label=cname)
+    axes[0].set_yticks(range(len(cases)))
+    axes[0].set_yticklabels([f"{c} (N={by[(c, 'reference')]['n']})" if (c, "reference") in by else c for c in cases])
+    axes[0].invert_yaxis()
+    titles = ("time / reference (fwd+bwd, largest N)", "peak memory / reference",
+              f"largest N within {report['meta']['mem_budget_bytes'] / GiB:.0f} GiB (EXTRAPOLATED)")
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    for ax in axes[:2]:
+        ax.axvline(1.0, color="k", linewidth=0.8)
+    axes[2].legend(fontsize=8, loc="lower right")
+    meta = report["meta"]
+    fig.suptitle(f"fused-contrastive: every loss at a glance - {meta['device_name']}, {meta['dtype']}, D={meta['dim']}",
+                 fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "bench_summary.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
