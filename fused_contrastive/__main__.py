@@ -1,92 +1,181 @@
-"""Command line: ``python -m fused_contrastive [check|bench] ...`` (``check`` is the default).
+"""Command line of fused-contrastive: ``fused-contrastive`` or ``python -m fused_contrastive``.
 
-``check`` runs every loss on every backend available on this device against the reference backend
-(float64 ground truth) on random data and prints one row per (loss, backend, shape, dtype): the max
-abs error of the loss and of the gradients, the tolerance (twice PyTorch's own same-dtype error plus
-a small slack) and PASS/FAIL. It exits 1 if any row fails. ``bench`` runs the benchmark suite
-(see ``fused_contrastive.bench``).
+Sub-commands: ``check`` (the default) verifies every loss on every backend available here against
+the float64 ground truth; ``bench`` runs the benchmark suite. ``--help`` on either lists its options.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
-from typing import List, Optional
+from collections.abc import Iterator, Sequence
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+#: "dense": the one-tile path of problems that fit the tile budget; "tiled": the O(N*D) path (chunked
+#: PyTorch or the Triton kernels), forced with FUSED_CONTRASTIVE_DENSE=0.
+PATHS = ("dense", "tiled")
 
 
-def available_backends(device: str) -> List[str]:
-    """Backends to check besides the reference on ``device``."""
-    from . import _dispatch
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        n, d = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not NxD (e.g. 97x64)") from None
+    if n < 1 or d < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: N and D must be >= 1")
+    return n, d
+
+
+def _choices(kind: str, valid: Sequence[str]):
+    def parse(text: str) -> list[str]:
+        items = _csv(text)
+        bad = [x for x in items if x not in valid]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {kind} {bad or [text]}; valid: {', '.join(valid)}")
+        return items
+    return parse
+
+
+def available_backends(device: str) -> list[str]:
+    """Our backends that can run on ``device`` here (the reference is the oracle, not checked)."""
+    from ._backend import triton_usable_on
 
     out = ["torch"]
-    if _dispatch.triton_available() and (device.startswith("cuda") or _dispatch.interpreter_on()):
+    if triton_usable_on(torch.device(device)):
         out.append("triton")
     return out
 
 
-def check(argv: Optional[List[str]] = None) -> int:
-    from ._cases import CASES, compare
+@contextlib.contextmanager
+def _path(path: str) -> Iterator[None]:
+    old = os.environ.get("FUSED_CONTRASTIVE_DENSE")
+    os.environ["FUSED_CONTRASTIVE_DENSE"] = "1" if path == "dense" else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FUSED_CONTRASTIVE_DENSE"]
+        else:
+            os.environ["FUSED_CONTRASTIVE_DENSE"] = old
 
-    p = argparse.ArgumentParser(prog="python -m fused_contrastive check",
-                                description="Every loss on every available backend against the reference.")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shapes", default="1x3,97x64,256x768",
-                   help="comma-separated NxD (N rows of anchors, D dims); default %(default)s")
-    p.add_argument("--dtypes", default="float32,bfloat16,float16", help="default %(default)s")
-    p.add_argument("--backends", default=None, help="default: every backend available on the device")
-    p.add_argument("--losses", default=None, help="comma-separated case names; default all")
-    args = p.parse_args(argv)
 
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    dtypes = [_DTYPES[d] for d in args.dtypes.split(",")]
-    backends = args.backends.split(",") if args.backends else available_backends(args.device)
-    cases = [c for c in CASES if args.losses is None or c.name in args.losses.split(",")]
-    print(f"fused-contrastive check on {args.device} (torch {torch.__version__}); "
-          f"backends: {', '.join(backends)}; errors against float64 ground truth")
-    head = f"{'loss':17s} {'backend':8s} {'N x D':>9s} {'dtype':9s} {'loss err':>9s} {'tol':>8s} {'grad err':>9s} {'tol':>8s}  result"
+def _check_parser(sub) -> argparse.ArgumentParser:
+    from .testing import CASES
+
+    names = [c.name for c in CASES]
+    p = sub.add_parser(
+        "check", help="every loss on every available backend against the float64 ground truth (default)",
+        description="Run every case of the registry on every backend available on the device, on random "
+                    "data, against the float64 ground truth (the reference backend in float64). A row "
+                    "passes when each output's error is within twice PyTorch's own error in that dtype plus "
+                    "a small slack (fused_contrastive.testing.accuracy). Exit status 1 if any row fails.")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="default: cuda if available, else cpu")
+    p.add_argument("--shapes", type=lambda t: [_shape(s) for s in _csv(t)], default=[(1, 3), (97, 64), (256, 768)],
+                   metavar="NxD,...", help="N anchors x D dims (default 1x3,97x64,256x768)")
+    p.add_argument("--dtypes", type=_choices("dtype", list(DTYPES)), default=["float32", "bfloat16", "float16"],
+                   metavar="DTYPE,...", help=f"among {', '.join(DTYPES)} (default float32,bfloat16,float16)")
+    p.add_argument("--backends", type=_choices("backend", ["torch", "triton"]), default=None, metavar="BACKEND,...",
+                   help="torch and/or triton (default: those available on the device)")
+    p.add_argument("--paths", type=_choices("path", PATHS), default=list(PATHS), metavar="PATH,...",
+                   help="dense (one tile) and/or tiled (chunked / kernels) (default both)")
+    p.add_argument("--losses", type=_choices("case", names), default=names, metavar="CASE,...",
+                   help="registry case names (default all; --list shows them)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    return p
+
+
+def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .testing import CASE_BY_NAME, compare
+
+    if args.list:
+        for c in CASE_BY_NAME.values():
+            print(f"{c.name:22s} {c.fn.__name__:24s} {c.covers}")
+        return 0
+    here = available_backends(args.device)
+    backends = args.backends or here
+    missing = [b for b in backends if b not in here]
+    if missing:
+        parser.error(f"--backends {','.join(missing)}: not available on {args.device} here "
+                     f"(available: {', '.join(here)})")
+    dtypes = [DTYPES[d] for d in args.dtypes]
+    if "triton" in backends and torch.float64 in dtypes:
+        print("note: triton takes no float64; those rows are skipped")
+    print(f"fused-contrastive check on {args.device} (torch {torch.__version__}); backends: {', '.join(backends)}; "
+          "errors against the float64 ground truth, tolerance 2 x PyTorch's same-dtype error + slack")
+    head = (f"{'case':22s} {'backend':15s} {'N x D':>9s} {'dtype':9s} {'loss err':>9s} {'tol':>8s} "
+            f"{'grad err':>9s} {'tol':>8s}  result")
     print(head)
     print("-" * len(head))
-    failures = 0
+    failures = rows = 0
     t0 = time.perf_counter()
-    for case in cases:
+    for name in args.losses:
+        case = CASE_BY_NAME[name]
         for be in backends:
-            if be == "triton" and not case.infonce_family:
+            if be == "triton" and case.op != "core":
                 continue
-            for n, d in shapes:
-                for dt in dtypes:
-                    try:
-                        c = compare(case, n, d, dt, be, device=args.device)
-                        ok = c.ok
-                        cols = f"{c.loss_err:9.2e} {c.loss_tol:8.1e} {c.grad_err:9.2e} {c.grad_tol:8.1e}"
-                    except Exception as e:  # a crash is a failure, reported, not fatal to the table
-                        ok = False
-                        cols = f"error: {type(e).__name__}: {e}"[:38].ljust(38)
-                    failures += not ok
-                    name = str(dt).replace("torch.", "")
-                    print(f"{case.name:17s} {be:8s} {f'{n}x{d}':>9s} {name:9s} {cols}  {'PASS' if ok else 'FAIL'}",
-                          flush=True)
-    print(f"{'all passed' if not failures else f'{failures} FAILED'} in {time.perf_counter() - t0:.1f} s")
+            for path in args.paths:
+                label = f"{be}/{path if path == 'dense' else ('kernels' if be == 'triton' else 'chunked')}"
+                for n, d in args.shapes:
+                    for dt in dtypes:
+                        if be == "triton" and dt == torch.float64:
+                            continue
+                        rows += 1
+                        try:
+                            with _path(path):
+                                c = compare(case, n, d, dt, be, device=args.device)
+                            ok = c.ok
+                            cols = f"{c.loss_err:9.2e} {c.loss_tol:8.1e} {c.grad_err:9.2e} {c.grad_tol:8.1e}"
+                            detail = "" if ok else f"  {c}"
+                        except Exception as exc:  # noqa: BLE001 - a crash is a failure row, not fatal
+                            ok, cols, detail = False, "error".ljust(38), f"  {type(exc).__name__}: {exc}"[:200]
+                        failures += not ok
+                        dname = str(dt).replace("torch.", "")
+                        print(f"{name:22s} {label:15s} {f'{n}x{d}':>9s} {dname:9s} {cols}  "
+                              f"{'PASS' if ok else 'FAIL'}{detail}", flush=True)
+    if rows == 0:
+        print("nothing to check: no case runs on the selected backends")
+        return 1
+    print(f"{rows} rows, {'all passed' if not failures else f'{failures} FAILED'} in {time.perf_counter() - t0:.1f} s")
     return 1 if failures else 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    if argv and argv[0] == "bench":
-        from . import bench
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    from . import __version__
+    from .bench import cli as bench_cli
 
-        return bench.main(argv[1:])
-    if argv and argv[0] == "check":
-        argv = argv[1:]
-    return check(argv)
+    parser = argparse.ArgumentParser(
+        prog="fused-contrastive",
+        description="Fused, O(N*D)-memory contrastive losses for PyTorch. With no sub-command: check.")
+    parser.add_argument("--version", action="version", version=f"fused-contrastive {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{check,bench}")
+    check_p = _check_parser(sub)
+    bench_p = bench_cli.add_parser(sub)
+    return parser, check_p, bench_p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, check_p, bench_p = build_parser()
+    if not argv:
+        argv = ["check"]
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import cli as bench_cli
+
+        return bench_cli.run(args, bench_p)
+    if args.command is None:
+        parser.error("choose a sub-command: check or bench")
+    return check(args, check_p)
 
 
 if __name__ == "__main__":
