@@ -1,37 +1,90 @@
-"""`python -m fused_contrastive check`: the table, the exit code, and that it can fail."""
+"""The command line: `check` (its table, its exit code, that it can fail) and the traps of the first
+release (unknown names, malformed options, --version, --help)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
+import pytest
+
+import fused_contrastive as fc
 from fused_contrastive import __main__ as cli
-from fused_contrastive import _torch_core
+from fused_contrastive.testing import CASES
 
 
-def test_check_subprocess_passes_and_prints_a_row_per_case():
-    out = subprocess.run([sys.executable, "-m", "fused_contrastive", "check", "--shapes", "5x3",
-                          "--dtypes", "float32", "--backends", "torch"], capture_output=True, text=True, timeout=300)
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fused_contrastive", *args], capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def test_check_passes_and_prints_a_row_per_case_backend_path():
+    out = _cli("check", "--shapes", "5x3", "--dtypes", "float32", "--backends", "torch")
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if line.endswith("PASS")]
-    from fused_contrastive._cases import CASES
-
-    assert len(rows) == len(CASES)
+    assert len(rows) == 2 * len(CASES)  # dense and chunked
+    assert {r.split()[1] for r in rows} == {"torch/dense", "torch/chunked"}
     assert "all passed" in out.stdout
 
 
 def test_check_fails_on_a_wrong_backend(monkeypatch, capsys):
-    """Break the torch core's LSE guard (shift every LSE by 0.01): the check must exit 1."""
-    orig = _torch_core._lse_rows
-    monkeypatch.setattr(_torch_core, "_lse_rows", lambda x: orig(x) + 0.01)
+    """Shift every core-op result by 0.01: check must print FAIL and exit 1."""
+    from fused_contrastive import core
+
+    orig = core.run
+    monkeypatch.setattr(core, "run", lambda *a, **k: orig(*a, **k) + 0.01)
     code = cli.main(["check", "--shapes", "9x4", "--dtypes", "float32", "--backends", "torch",
                      "--losses", "info_nce,supcon_out"])
     out = capsys.readouterr().out
     assert code == 1
-    assert "FAIL" in out
+    assert "FAIL" in out and "PASS" not in out
 
 
 def test_default_command_is_check(monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "check", lambda argv: seen.append(argv) or 0)
-    assert cli.main([]) == 0 and seen == [[]]
+    monkeypatch.setattr(cli, "check", lambda args, parser: seen.append(args.command) or 0)
+    assert cli.main([]) == 0 and seen == ["check"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["check", "--losses", "simcse_2vew"], "valid: info_nce"),
+    (["check", "--losses", ""], "unknown case"),
+    (["check", "--dtypes", "fp32"], "valid: float32"),
+    (["check", "--shapes", "4by8"], "not NxD"),
+    (["check", "--shapes", "0x8"], ">= 1"),
+    (["check", "--backends", "cuda"], "valid: torch, triton"),
+    (["bench", "--losses", "supcon"], "valid: info_nce"),
+    (["bench", "--sizes", "3,5"], "even numbers"),
+    (["bench", "--repeats", "0"], "must be > 0"),
+    (["bench", "--dtype", "fp32"], "invalid choice"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_options_exit_2_with_a_message_and_no_traceback(args, needle):
+    out = _cli(*args)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert needle in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_version_and_help():
+    out = _cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"fused-contrastive {fc.__version__}"
+    out = _cli("--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage:") and "{check,bench}" in out.stdout
+    for sub in ("check", "bench"):
+        out = _cli(sub, "--help")
+        assert out.returncode == 0 and "--losses" in out.stdout and "``" not in out.stdout
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("fused-contrastive")
+    assert exe is not None, "pip install -e . installs the fused-contrastive command"
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and fc.__version__ in out.stdout
+
+
+def test_check_list_names_every_case(capsys):
+    assert cli.main(["check", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()] == [c.name for c in CASES]

@@ -1,6 +1,7 @@
-"""The core op itself (``_spec.py`` contract) on the torch backend against a naive materialised
-computation: anchors as a slice of the contrast set at an offset, bias columns, dense masks, and
-every output in vector mode with arbitrary upstream gradients."""
+"""The core op's contract (``core/spec.py``) on both torch paths against a naive materialised
+computation written here from the definitions, in float64: every statistic, per-row and summed
+output, tensor and number coefficients and scales, anchors as a slice of the contrast set, bias
+columns, label and tiled-mask positives, queue columns and raw (unnormalised) rows."""
 
 from __future__ import annotations
 
@@ -8,82 +9,171 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fused_contrastive import _torch_core
-from fused_contrastive._spec import CoreSpec, CoreTensors
-from helpers import assert_close
+from fused_contrastive import core
+from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+from fused_contrastive.testing import assert_close
 
 
-def naive(a, b, s, spec, t):
-    """Materialised logits -> (LSE, LSEcol, LSEpos), differentiable, float64."""
+def naive(a, b, s, spec, data, coef, reduce):
+    """Materialised logits -> the per-row loss of the contract (or its sum), differentiable."""
     ah = F.normalize(a, dim=1, eps=spec.eps) if spec.normalize else a
     bh = ah if b is None else (F.normalize(b, dim=1, eps=spec.eps) if spec.normalize else b)
     n, m = ah.shape[0], bh.shape[0]
     l = s * (ah @ bh.T)
-    if t.bias_col is not None:
-        l = l + spec.bias * F.one_hot(t.bias_col, m).to(l.dtype)
+    if data.bias_col is not None:
+        l = l + spec.bias * F.one_hot(data.bias_col, m).to(l.dtype)
+    own = torch.zeros(n, m, dtype=torch.bool)
     if spec.exclude_self:
         own = torch.arange(m)[None, :] == (torch.arange(n) + spec.offset)[:, None]
         l = l.masked_fill(own, float("-inf"))
-    lse = torch.logsumexp(l, dim=1)
-    lse_col = torch.logsumexp(l, dim=0) if spec.want_col else None
-    lse_pos = None
-    if spec.want_pos:
-        if t.pos_mask is not None:
-            n0, m0 = t.pos_mask.shape
-            w = t.pos_mask[torch.arange(n)[:, None] % n0, torch.arange(m)[None, :] % m0]
-        else:
-            w = (t.row_labels[:, None] == t.col_labels[None, :]).to(l.dtype)
-        lse_pos = torch.logsumexp(l + torch.log(w), dim=1)
-    return lse, lse_col, lse_pos
+    if data.pos_mask is not None:
+        n0, m0 = data.pos_mask.shape
+        w = data.pos_mask[torch.arange(n)[:, None] % n0, torch.arange(m)[None, :] % m0].to(l.dtype)
+    elif data.row_labels is not None:
+        w = (data.row_labels[:, None] == data.col_labels[None, :]).to(l.dtype)
+    else:
+        w = torch.zeros_like(l)
+    w = w.masked_fill(own, 0.0)
+
+    def term(c, v):
+        c = torch.as_tensor(c, dtype=v.dtype).expand_as(v)
+        return torch.where(c != 0, c * v, torch.zeros_like(v))
+
+    rows = term(coef.lse, torch.logsumexp(l, dim=1))
+    cols = term(coef.col, torch.logsumexp(l, dim=0)) if coef.col is not None else None
+    if coef.pos is not None:
+        rows = rows + term(coef.pos, torch.logsumexp(l + torch.log(w), dim=1))
+    if coef.tgt is not None:
+        rows = rows - term(coef.tgt, l.gather(1, data.target[:, None])[:, 0])
+    if coef.set is not None:
+        rows = rows - term(coef.set, (w * torch.where(w != 0, l, torch.zeros_like(l))).sum(dim=1))
+    if not reduce:
+        return rows + cols if cols is not None else rows
+    return rows.sum() + (cols.sum() if cols is not None else 0.0)
+
+
+def _grads(fn, leaves, out_args, upstream):
+    for x in leaves:
+        x.grad = None
+    out = fn(*out_args)
+    total = out if out.dim() == 0 else (out * upstream).sum()
+    total.backward()
+    return out.detach(), [x.grad.clone() if x.grad is not None else None for x in leaves]
+
+
+def _compare(make, upstream, path):
+    """Run the problem from ``make()`` through core.run and through the naive formula; compare."""
+    got_leaves, got_args = make()
+    want_leaves, want_args = make()
+    got = _grads(lambda *args: core.run("torch", *args), got_leaves, got_args, upstream)
+    want = _grads(naive, want_leaves, want_args, upstream)
+    assert_close(got[0], want[0], atol=1e-10, rtol=1e-10, what=f"{path}: output")
+    for i, (g, w) in enumerate(zip(got[1], want[1])):
+        assert (g is None) == (w is None), f"{path}: gradient {i} presence"
+        if g is not None:
+            assert_close(g, w, atol=1e-10, rtol=1e-9, what=f"{path}: gradient {i}")
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("tensor_coef", [True, False])
+def test_cross_entropy_with_ignored_rows(path, reduce, tensor_coef):
+    n, m, d = 13, 21, 6
+    target = torch.randint(0, m, (n,), generator=torch.Generator().manual_seed(1))
+
+    def make():
+        a, b = _rand(n, d, seed=2).requires_grad_(), _rand(m, d, seed=3).requires_grad_()
+        s = torch.tensor(4.0, dtype=torch.float64, requires_grad=True)
+        w = (torch.arange(n) % 4 != 0).double() * 0.7 if tensor_coef else 0.5
+        return [a, b, s], [a, b, s, CoreSpec(), CoreData(target=target), Coeffs(lse=w, tgt=w), reduce]
+
+    _compare(make, _rand(n, seed=4), path)
+
+
+@pytest.mark.parametrize("positives", ["labels", "mask"])
+def test_b_is_a_every_row_statistic(path, positives):
+    # B is A (the symmetric path), own column excluded, all row statistics with mixed-sign coefficients
+    n, d = 17, 5
+    g = torch.Generator().manual_seed(5)
+    labels = torch.randint(0, 4, (n,), generator=g)
+    data = CoreData(target=(torch.arange(n) + 1) % n, row_labels=labels, col_labels=labels) \
+        if positives == "labels" else CoreData(target=(torch.arange(n) + 1) % n,
+                                               pos_mask=torch.rand(6, 6, generator=g, dtype=torch.float64))
+
+    def make():
+        a = _rand(n, d, seed=6).requires_grad_()
+        coef = Coeffs(lse=_rand(n, seed=7).abs(), pos=-_rand(n, seed=8).abs(), tgt=0.3, set=_rand(n, seed=9))
+        return [a], [a, None, 3.0, CoreSpec(exclude_self=True), data, coef, False]
+
+    _compare(make, _rand(n, seed=10), path)
 
 
 @pytest.mark.parametrize("offset", [0, 5, 17])
-@pytest.mark.parametrize("pos", ["labels", "mask"])
-@pytest.mark.parametrize("tile", ["50", "1000000"])
-def test_slice_at_offset_vector_mode(offset, pos, tile, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", tile)
-    g = torch.Generator().manual_seed(offset)
+def test_anchors_a_slice_of_the_contrast_set(path, offset):
+    # A = B[offset : offset + N] as a view (the dense path shares B's rows), own column at offset + i,
+    # a column term, a bias column, label positives; summed output
     m, n, d = 30, 13, 6
-    b = torch.randn(m, d, generator=g, dtype=torch.float64)
-    spec = CoreSpec(exclude_self=True, offset=offset, want_pos=True, want_col=True)
+    g = torch.Generator().manual_seed(offset)
     labels = torch.randint(0, 3, (m,), generator=g)
-    t = CoreTensors(row_labels=labels[offset:offset + n], col_labels=labels) if pos == "labels" else \
-        CoreTensors(pos_mask=torch.rand(7, 10, generator=g, dtype=torch.float64))
+    bias_col = torch.randint(0, m, (n,), generator=g)
+
+    def make():
+        b = _rand(m, d, seed=11).requires_grad_()
+        s = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+        spec = CoreSpec(exclude_self=True, offset=offset, bias=0.7)
+        data = CoreData(target=(torch.arange(n) + offset + 1) % m, bias_col=bias_col,
+                        row_labels=labels[offset:offset + n], col_labels=labels)
+        coef = Coeffs(lse=1.0, col=_rand(m, seed=12).abs(), pos=-0.5, tgt=0.25, set=_rand(n, seed=13))
+        return [b, s], [b[offset:offset + n], b, s, spec, data, coef, True]
+
+    _compare(make, None, path)
+
+
+def test_queue_columns_get_no_gradient(path):
+    n, k, d = 9, 7, 5
+    g = torch.Generator().manual_seed(14)
+    labels = torch.randint(0, 3, (n + k,), generator=g)
+    queue = _rand(k, d, seed=15)
+
+    def make():
+        a = _rand(n, d, seed=16).requires_grad_()
+        b = torch.cat([a, queue])  # gradient flows to a only, through both roles
+        data = CoreData(row_labels=labels[:n], col_labels=labels)
+        coef = Coeffs(lse=1.0, set=_rand(n, seed=17))
+        return [a], [a, b, 6.0, CoreSpec(exclude_self=True, grad_cols=n), data, coef, True]
+
+    _compare(make, None, path)
+
+
+def test_raw_rows_and_zero_rows(path):
+    # normalize=False (raw dot products), and with normalisation a zero row and a tiny row whose
+    # norm is clamped to eps (its gradient is g / eps, without the projection)
+    n, d = 11, 4
+
+    def make_raw():
+        a, b = (_rand(n, d, seed=18) * 0.3).requires_grad_(), (_rand(n, d, seed=19) * 0.3).requires_grad_()
+        return [a, b], [a, b, 1.5, CoreSpec(normalize=False), CoreData(target=torch.arange(n)),
+                        Coeffs(lse=1.0, tgt=1.0), False]
+
+    _compare(make_raw, _rand(n, seed=20), path)
+
+    def make_tiny():
+        a0, b = _rand(n, d, seed=21), _rand(n, d, seed=22).requires_grad_()
+        a0[2], a0[3] = 0.0, 1e-14
+        a = a0.requires_grad_()
+        return [a, b], [a, b, 2.0, CoreSpec(), CoreData(target=torch.arange(n)), Coeffs(lse=1.0, tgt=1.0), True]
+
+    _compare(make_tiny, None, path)
+
+
+def test_a_row_with_every_column_excluded_is_minus_inf_without_nan(path):
+    # N = M = 1 with the own column excluded: LSE = -inf; a zero coefficient drops it, gradient 0
+    a = _rand(1, 5, seed=23).requires_grad_()
     s = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
-    bb = b.clone().requires_grad_()
-    upstream = [torch.randn(k, generator=g, dtype=torch.float64) for k in (n, m, n)]
-
-    def grads(fn):
-        for x in (bb, s):
-            x.grad = None
-        outs = fn(bb[offset:offset + n], bb, s, spec, t)
-        total = sum((o * u).nan_to_num(neginf=0.0).sum() for o, u in zip(outs, upstream))
-        total.backward()
-        return [o.detach() for o in outs], bb.grad.clone(), s.grad.clone()
-
-    got, gb, gs = grads(_torch_core.core)
-    want, wb, ws = grads(naive)
-    for x, y, name in zip(got, want, ["LSE", "LSEcol", "LSEpos"]):
-        assert_close(x, y, atol=1e-10, what=name)
-    assert_close(gb, wb, atol=1e-10, what="dB")
-    assert_close(gs, ws, atol=1e-10, what="ds")
-
-
-def test_bias_column_and_queue_grad_cols():
-    g = torch.Generator().manual_seed(1)
-    a = torch.randn(9, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(20, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    bias_col = torch.randint(0, 20, (9,), generator=g)
-    spec = CoreSpec(bias=0.7, grad_cols=12)
-    t = CoreTensors(bias_col=bias_col)
-    s = torch.tensor(5.0, dtype=torch.float64)
-    lse, _, _ = _torch_core.core(a, b, s, spec, t)
-    want, _, _ = naive(a, b, s, spec, t)
-    assert_close(lse, want, atol=1e-12, what="LSE")
-    lse.sum().backward()
-    ga, gb = a.grad.clone(), b.grad.clone()
-    a.grad = b.grad = None
-    want.sum().backward()
-    assert_close(ga, a.grad, atol=1e-12, what="dA")
-    assert_close(gb[:12], b.grad[:12], atol=1e-12, what="dB (grad columns)")
-    assert (gb[12:] == 0).all(), "columns past grad_cols get no gradient"
+    out = core.run("torch", a, None, s, CoreSpec(exclude_self=True), CoreData(), Coeffs(lse=0.0), False)
+    assert out.item() == 0.0
+    out.sum().backward()
+    assert torch.equal(a.grad, torch.zeros_like(a)) and s.grad.item() == 0.0

@@ -1,4 +1,5 @@
-"""Bad input raises ValueError / TypeError whose message names the offending argument."""
+"""Bad input raises ValueError / TypeError whose message names the offending argument (the argument
+the user passed: ``logit_scale`` for clip_loss, not an internal name)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,32 @@ CASES = [
     ("cosent labels length", lambda: fc.cosent_loss(X, Y, torch.arange(5)), ValueError, "labels"),
     ("cosent v shape", lambda: fc.cosent_loss(X, torch.randn(6, 3), LAB), ValueError, "v"),
     ("cosent triton", lambda: fc.cosent_loss(X, Y, LAB, backend="triton"), ValueError, "backend"),
+    ("cosent scores triton", lambda: fc.cosent_loss_from_scores(X[:, 0], LAB, backend="triton"), ValueError,
+     "backend"),
+    # traps of the first release: each error names the argument the user passed
+    ("clip logit_scale 0", lambda: fc.clip_loss(X, Y, 0.0), ValueError, "logit_scale"),
+    ("clip logit_scale str", lambda: fc.clip_loss(X, Y, "2"), TypeError, "logit_scale"),
+    ("clip row mismatch", lambda: fc.clip_loss(X, torch.randn(5, 4), 10.0), ValueError, "b must have as many rows"),
+    ("supcon 1-d features", lambda: fc.supcon_loss(torch.randn(8)), ValueError, "[bsz, n_views, D] or [bsz, D]"),
+    ("supcon one view no labels", lambda: fc.supcon_loss(torch.randn(8, 16)), ValueError, "labels or mask"),
+    ("supcon one view mode one", lambda: fc.supcon_loss(torch.randn(8, 1, 16), contrast_mode="one"), ValueError,
+     "features"),
+    ("supcon base_temperature 0", lambda: fc.supcon_loss(F3, LAB, base_temperature=0.0), ValueError,
+     "base_temperature"),
+    ("supcon base_temperature str", lambda: fc.supcon_loss(F3, LAB, base_temperature="a"), TypeError,
+     "base_temperature"),
+    ("supcon negative mask", lambda: fc.supcon_loss(F3, mask=-torch.eye(6)), ValueError, "mask"),
+    ("dscl base_temperature", lambda: fc.dscl_loss(F3, LAB, base_temperature=-1.0), ValueError, "base_temperature"),
+    ("hard_negative_weight nan", lambda: fc.simcse_sup_loss(X, Y, X, hard_negative_weight=float("nan")),
+     ValueError, "hard_negative_weight"),
+    ("exclude_self not bool", lambda: fc.info_nce(X, Y, exclude_self=1), TypeError, "exclude_self"),
+    ("normalize not bool", lambda: fc.simcse_loss(X, normalize="yes"), TypeError, "normalize"),
+    ("ignore_index float", lambda: fc.info_nce(X, Y, ignore_index=-1.0), TypeError, "ignore_index"),
+    ("backend not str", lambda: fc.info_nce(X, Y, backend=None), ValueError, "backend"),
+    ("temperature 2-d tensor", lambda: fc.info_nce(X, Y, temperature=torch.ones(2, 2)), ValueError, "temperature"),
+    ("temperature int tensor", lambda: fc.info_nce(X, Y, temperature=torch.tensor(1)), TypeError, "temperature"),
+    ("cosent complex labels", lambda: fc.cosent_loss(X, Y, torch.zeros(6, dtype=torch.complex64)), TypeError,
+     "labels"),
 ]
 
 
@@ -71,3 +98,9 @@ def test_bad_input(what, call, exc, arg):
     with pytest.raises(exc) as info:
         call()
     assert arg in str(info.value), f"message does not name {arg!r}: {info.value}"
+
+
+def test_tensor_base_temperature_is_accepted_and_differentiable():
+    bt = torch.tensor(0.2, requires_grad=True)
+    fc.supcon_loss(F3, LAB, base_temperature=bt, backend="torch").backward()
+    assert bt.grad is not None and torch.isfinite(bt.grad)

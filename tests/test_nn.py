@@ -8,7 +8,7 @@ import torch
 
 import fused_contrastive as fc
 from fused_contrastive import nn as fnn
-from helpers import assert_close
+from fused_contrastive.testing import assert_close
 
 G = torch.Generator().manual_seed(0)
 X, Y = torch.randn(8, 5, generator=G), torch.randn(8, 5, generator=G)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fused_contrastive as fc
-from helpers import assert_close, loss_and_grads
+from fused_contrastive.testing import assert_close, loss_and_grads
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 
@@ -31,8 +31,8 @@ def _both(fn, tensors, **kw):
 @SETTINGS
 @given(n=st.integers(1, 40), m=st.integers(1, 40), d=st.integers(1, 16), seed=st.integers(0, 2**16),
        reduction=st.sampled_from(["mean", "sum", "none"]), t=st.floats(0.02, 2.0),
-       tile=st.sampled_from(["7", "64", "1000000"]))
-def test_info_nce(n, m, d, seed, reduction, t, tile):
+       tile=st.sampled_from(["7", "64", "1000000"]), dense=st.sampled_from(["0", "1"]))
+def test_info_nce(n, m, d, seed, reduction, t, tile, dense):
     g = torch.Generator().manual_seed(seed)
     target = torch.randint(0, m, (n,), generator=g)
     target[torch.rand(n, generator=g) < 0.2] = -100
@@ -41,11 +41,12 @@ def test_info_nce(n, m, d, seed, reduction, t, tile):
     import os
 
     os.environ["FUSED_CONTRASTIVE_TILE_ELEMENTS"] = tile
+    os.environ["FUSED_CONTRASTIVE_DENSE"] = dense
     try:
         _both(fc.info_nce, {"query": torch.randn(n, d, generator=g), "keys": torch.randn(m, d, generator=g)},
               target=target, temperature=t, reduction=reduction)
     finally:
-        del os.environ["FUSED_CONTRASTIVE_TILE_ELEMENTS"]
+        del os.environ["FUSED_CONTRASTIVE_TILE_ELEMENTS"], os.environ["FUSED_CONTRASTIVE_DENSE"]
 
 
 @SETTINGS
