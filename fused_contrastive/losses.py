@@ -22,6 +22,8 @@ value would be a host sync).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -37,6 +39,12 @@ _EPS = 1e-12
 _DEFAULT_TEMPERATURE = 0.05
 
 
+@functools.lru_cache(maxsize=64)
+def _spec(normalize: bool, exclude_self: bool, bias: float) -> CoreSpec:
+    """CoreSpec objects are immutable: share them (constructing one per call costs microseconds)."""
+    return CoreSpec(normalize=normalize, eps=_EPS, exclude_self=exclude_self, bias=bias)
+
+
 def _reduced(out: Tensor, reduction: str, denom) -> Tensor:
     return out / denom if reduction == "mean" else out
 
@@ -47,7 +55,7 @@ def _cross_entropy(be: str, query: Tensor, keys: Tensor | None, s, target: Tenso
     """``CE(logits_i, target_i)`` of every row (mean over ``valid`` rows), or CLIP's (row + column) / 2
     when ``symmetric`` (then ``valid`` is None): the core op with coefficients 1 on LSE and on the
     target logit."""
-    spec = CoreSpec(normalize=normalize, eps=_EPS, exclude_self=exclude_self, bias=bias)
+    spec = _spec(normalize, exclude_self, bias)
     data = CoreData(target=target, bias_col=bias_col)
     n = query.shape[0]
     if valid is None:

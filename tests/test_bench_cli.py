@@ -62,3 +62,18 @@ def test_bench_quick_end_to_end(tmp_path):
     assert (tmp_path / "bench.txt").exists()
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert pngs == sorted(["bench_summary.png"] + [f"bench_{c}.png" for c in C.BENCH_NAMES])
+
+
+def test_williams_orders_balance_who_runs_before_whom():
+    """The timing pass's round orders: every contender appears once per round and, over the rows,
+    immediately follows every other contender equally often (a step after a memory-heavy one runs
+    cold, so an unbalanced order would bias the ratios)."""
+    from collections import Counter
+
+    from fused_contrastive.bench.harness import williams_orders
+
+    for k in range(1, 8):
+        rows = williams_orders(k)
+        assert all(sorted(r) == list(range(k)) for r in rows)
+        pairs = Counter((a, b) for r in rows for a, b in zip(r, r[1:]))
+        assert len(pairs) == k * (k - 1) and len(set(pairs.values())) <= 1, (k, pairs)

@@ -8,7 +8,11 @@
   other contenders through a file.
 * **Timing pass** (:func:`time_interleaved`, one process per (case, N)): every contender that passed
   its memory pass is built side by side and warmed up, then the repeats go round-robin, one step of
-  each contender per round, so the drift of a shared machine hits all of them alike. Forward (the loss
+  each contender per round, so the drift of a shared machine hits all of them alike; the order of
+  the rounds follows a Williams design (:func:`williams_orders`), because a step right after a
+  memory-heavy contender runs with cold caches (measured here: 25% slower, up to 3x), so every
+  contender must follow every other equally often; and the memory-bound contenders (the broadcast
+  seeds, pml-ntxent: 100 MB per step) are timed in a block of their own after the others. Forward (the loss
   call with inputs that require grad), backward and their sum come from the same repeats; host clock
   on CPU (CPU ops are synchronous), CUDA events on GPU.
 """
@@ -185,6 +189,24 @@ def _time_step(bound, device: torch.device) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
+def williams_orders(k: int) -> List[List[int]]:
+    """Orders of k contenders for consecutive rounds such that, over the rows, every contender runs
+    immediately after every other one equally often (a Williams design, balanced for first-order
+    carry-over: a step right after a memory-heavy contender runs with cold caches and a sleeping
+    thread pool, measured here 25% slower and up to 3x). k rows for even k, 2k for odd k."""
+    if k <= 1:
+        return [list(range(k))]
+    first, lo, hi = [0], 1, k - 1
+    while len(first) < k:
+        first.append(lo)
+        lo += 1
+        if len(first) < k:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % k for x in first] for i in range(k)]
+    return rows if k % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
 def time_interleaved(job: TimingJob) -> dict[str, dict[str, Any]]:
     """The timing pass of one (case, N) (module docstring). Returns {contender: {"times": {mode: [s]},
     "repeats": r}} or {contender: {"status", "reason"}} for one that failed here."""
@@ -206,18 +228,26 @@ def time_interleaved(job: TimingJob) -> dict[str, dict[str, Any]]:
             out[name] = _error(exc)
             bound.pop(name, None)
         fwd[name], bwd[name] = [], []
-    for r in range(max(job.repeats, default=0)):
-        for name, b in list(bound.items()):
-            if r >= todo[name]:
-                continue
-            try:
-                f, bk = _time_step(b, device)
-            except Exception as exc:  # noqa: BLE001
-                out[name] = _error(exc)
-                del bound[name]
-                continue
-            fwd[name].append(f)
-            bwd[name].append(bk)
+    # the memory-bound contenders (a memory estimate: broadcast seeds, pml-ntxent; 100 MB steps) are
+    # timed in a block of their own after the others, so their steps never precede a light one
+    blocks = [[n for n in bound if get_contender(job.case, n).estimate is None],
+              [n for n in bound if get_contender(job.case, n).estimate is not None]]
+    for names in blocks:
+        rows = williams_orders(len(names))
+        for r in range(max((todo[n] for n in names), default=0)):
+            for i in rows[r % len(rows)] if names else []:
+                name = names[i]
+                b = bound.get(name)
+                if b is None or r >= todo[name]:
+                    continue
+                try:
+                    f, bk = _time_step(b, device)
+                except Exception as exc:  # noqa: BLE001
+                    out[name] = _error(exc)
+                    del bound[name]
+                    continue
+                fwd[name].append(f)
+                bwd[name].append(bk)
     for name in bound:
         out[name] = {"repeats": len(fwd[name]), "times": {
             "forward": fwd[name], "backward": bwd[name],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import Tensor
 
 from . import chunked, dense, positives
@@ -43,17 +44,20 @@ def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: 
     check_problem(n, m, spec, data, coef, reduce)
     if dense_path(n, m):
         return dense.core(a, b, scale, spec, data, coef, reduce)
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
+    # The O(N*D) positive terms first: autograd runs backward nodes newest first, so their gradients
+    # are formed after the log-sum-exp backward has freed its tiles (not held beside them).
+    dt = torch.float32 if backend == "triton" else compute_dtype(a, b)
+    lin = positives.linear_terms(a, b, scale, spec, data, coef, reduce, dt)
     lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
     if backend == "triton":
         from . import triton_backend
 
         out = triton_backend.core(a, b, scale, spec, data, lse_terms, reduce)
-    elif backend == "torch":
-        out = chunked.core(a, b, scale, spec, data, lse_terms, reduce)
     else:
-        raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
-    lin = positives.linear_terms(a, b, scale, spec, data, coef, reduce, out.dtype)
-    return out if lin is None else out - lin.to(out.dtype)
+        out = chunked.core(a, b, scale, spec, data, lse_terms, reduce)
+    return out if lin is None else out - lin
 
 
 def positive_counts(spec: CoreSpec, data: CoreData, n: int, m: int, like: Tensor) -> Tensor:

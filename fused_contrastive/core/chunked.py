@@ -125,8 +125,8 @@ def _lse_rows(x: Tensor) -> Tensor:
 def _softmax_grad(l: Tensor, lse: Tensor, g: Tensor, dim: int) -> Tensor:
     """g * exp(l - lse) along rows (dim=1: lse, g per row) or columns (dim=0: per column)."""
     if dim == 1:
-        return torch.exp(l - _safe(lse)[:, None]).mul_(g[:, None])
-    return torch.exp(l - _safe(lse)[None, :]).mul_(g[None, :])
+        return (l - _safe(lse)[:, None]).exp_().mul_(g[:, None])
+    return (l - _safe(lse)[None, :]).exp_().mul_(g[None, :])
 
 
 def _stats_rows(tiles: _Tiles, n: int, want_col: bool, want_pos: bool):

@@ -135,7 +135,11 @@ class DenseCoreFn(torch.autograd.Function):
         w = lsmc = lpp = None
         if ce:
             # loss_i = c_i (LSE_i - l_{i, t_i}) = -c_i log_softmax(l)_{i, t_i}
-            out = drop_zero(coef.tgt, lsm.gather(1, data.target[:, None])[:, 0], spec.exclude_self).neg_()
+            picked = lsm.gather(1, data.target[:, None])[:, 0]
+            if reduce and not isinstance(coef.tgt, Tensor) and coef.tgt != 0:
+                out = picked.sum() * -coef.tgt  # one number for every row: sum, then scale
+            else:
+                out = drop_zero(coef.tgt, picked, spec.exclude_self).neg_()
         else:
             # loss_i = c.lse LSE_i + c.col LSEcol_i + c.pos LSEpos_i - c.tgt TGT_i - c.set SET_i, with
             # LSE = max(l) - max(log_softmax(l)) and LSEpos = LSE + LPP, LPP = log sum_j w_ij softmax_ij
@@ -163,7 +167,7 @@ class DenseCoreFn(torch.autograd.Function):
                 if has_bias:
                     set_ = set_ + spec.bias * w.gather(1, data.bias_col[:, None])[:, 0].to(cos.dtype)
                 out = out - drop_zero(coef.set, set_, False)  # w is 0 at the excluded column: finite
-        if reduce:
+        if reduce and out.dim():
             out = out.sum() if coef.col is None else out.sum() + col.sum()
 
         ctx.spec, ctx.data, ctx.coef, ctx.s, ctx.ce, ctx.r0 = spec, data, coef, s, ce, r0
@@ -186,7 +190,7 @@ class DenseCoreFn(torch.autograd.Function):
             dl.add_(lsmc.exp().mul_(coef.col * g))
         if coef.pos is not None:
             safe = torch.where(lpp == _NEG_INF, 0.0, lpp)  # a row without positives: exp(-inf) = 0 below
-            dl.add_(torch.exp(_positive_logits(lsm, w) - safe[:, None]).mul_(_per_row(coef.pos, g)))
+            dl.add_((_positive_logits(lsm, w) - safe[:, None]).exp_().mul_(_per_row(coef.pos, g)))
         if coef.set is not None:
             dl.sub_(w * _per_row(coef.set, g))
         if coef.tgt is not None:

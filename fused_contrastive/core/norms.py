@@ -7,6 +7,10 @@ float16 / bfloat16 / float32 rows are accumulated in float64 (whose range holds 
 float32), and float64 rows are scaled by their largest magnitude before squaring, as BLAS ``nrm2``
 does. Only NaN or infinite inputs give NaN. (A float32 row whose norm itself exceeds the float32
 range, elements of ~1e37, normalises with a subnormal inverse norm: imprecise, never NaN.)
+
+The float64 work runs on row blocks of at most :data:`CHUNK_ELEMENTS` elements, so its temporaries
+stay a few MiB whatever N x D is; on CPU tensors it runs only for inputs whose plain norm
+overflowed (see :func:`clamped_norms`).
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+CHUNK_ELEMENTS = 1 << 18  # elements of one float64 temporary (2 MiB)
 
-def clamped_norms(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
-    """``max(||x_i||, eps)`` per row of ``x`` [R, D], in ``dtype``, without overflow for finite ``x``."""
+
+def _block_norms(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
     if x.dtype != torch.float64:
         return torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).clamp_min_(eps).to(dtype)
     big = x.detach().abs().amax(dim=1)
@@ -24,11 +29,31 @@ def clamped_norms(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
     return (torch.linalg.vector_norm(x / big[:, None], dim=1) * big).clamp_min_(eps).to(dtype)
 
 
+def clamped_norms(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+    """``max(||x_i||, eps)`` per row of ``x`` [R, D], in ``dtype``, without overflow for finite ``x``.
+    Not differentiable (used inside autograd Functions and for saved statistics).
+
+    On the CPU the norms are first taken in ``dtype`` (no float64 temporary: 3x faster at 64 x 768),
+    and the float64 route runs only when one of them overflowed; reading a CPU tensor is not a
+    host-device synchronisation. On other devices the float64 route always runs (no read at all).
+    """
+    if x.device.type == "cpu" and x.dtype != torch.float64:
+        fast = torch.linalg.vector_norm(x, dim=1, dtype=dtype)
+        if not bool(torch.isinf(fast).any()):
+            return fast.clamp_min_(eps)
+    step = max(1, CHUNK_ELEMENTS // max(x.shape[1], 1))
+    if x.shape[0] <= step:
+        return _block_norms(x, eps, dtype)
+    out = torch.empty(x.shape[0], dtype=dtype, device=x.device)
+    for r0 in range(0, x.shape[0], step):
+        out[r0:r0 + step] = _block_norms(x[r0:r0 + step], eps, dtype)
+    return out
+
+
 def normalize_rows(x: Tensor, eps: float, dtype: torch.dtype, normalize: bool = True
                    ) -> tuple[Tensor, Tensor | None]:
     """``(x_hat, norms)``: ``x`` in ``dtype`` divided by its clamped row norms (``norms`` None and
-    ``x_hat`` the raw rows when ``normalize`` is False). Not differentiable (used inside autograd
-    Functions); see :func:`unit_rows` for the differentiable form."""
+    ``x_hat`` the raw rows when ``normalize`` is False). Not differentiable; see :func:`unit_rows`."""
     xf = x.to(dtype)
     if not normalize:
         return xf, None
@@ -47,19 +72,25 @@ def normalize_backward_(g_hat: Tensor, x_hat: Tensor, norm: Tensor | None, eps: 
     return g_hat.div_(norm[:, None])
 
 
+class UnitRows(torch.autograd.Function):
+    """Differentiable ``x / max(||x||, eps)`` in ``dtype`` with the overflow-free norms; saves the
+    normalised rows and the norms, the backward is :func:`normalize_backward_`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+        xh, norm = normalize_rows(x, eps, dtype)
+        ctx.eps, ctx.in_dtype = eps, x.dtype
+        ctx.save_for_backward(xh, norm)
+        return xh
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        xh, norm = ctx.saved_tensors
+        return normalize_backward_(g.to(xh.dtype).clone(), xh, norm, ctx.eps).to(ctx.in_dtype), None, None
+
+
 def unit_rows(x: Tensor, eps: float, dtype: torch.dtype, normalize: bool = True) -> Tensor:
     """Differentiable ``x / max(||x||, eps)`` in ``dtype`` (the raw rows when ``normalize`` is False)."""
-    xf = x.to(dtype)
     if not normalize:
-        return xf
-    if x.dtype != torch.float64:
-        norm = torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).clamp_min(eps).to(dtype)
-        return xf / norm[:, None]
-    # x / ||x|| does not depend on the scale: dividing by a detached row maximum first is exact
-    big = x.detach().abs().amax(dim=1, keepdim=True)
-    xs = x / torch.where(big > 0, big, torch.ones_like(big))
-    norm = torch.linalg.vector_norm(xs, dim=1, keepdim=True)
-    # the clamp compares the true norm (norm * big) with eps; a clamped row is x / eps. The unused
-    # branch divides by 1, not by a zero norm, so its (discarded) gradient is 0, not NaN.
-    keep = norm * big > eps
-    return torch.where(keep, xs / torch.where(keep, norm, torch.ones_like(norm)), x / eps)
+        return x.to(dtype)
+    return UnitRows.apply(x, eps, dtype)

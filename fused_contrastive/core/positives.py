@@ -24,7 +24,7 @@ from .chunked import tile_elements
 from .norms import clamped_norms, normalize_backward_, unit_rows
 from .spec import Coeffs, CoreData, CoreSpec, drop_zero
 
-_CHUNK_ELEMENTS = 1 << 20
+_CHUNK_ELEMENTS = 1 << 18  # rows per chunk x D: the float64 norm temporaries stay ~2 MiB
 
 
 def _chunks(n: int, d: int):
