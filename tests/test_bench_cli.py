@@ -69,11 +69,12 @@ def test_williams_orders_balance_who_runs_before_whom():
     immediately follows every other contender equally often (a step after a memory-heavy one runs
     cold, so an unbalanced order would bias the ratios)."""
     from collections import Counter
+    from itertools import pairwise
 
     from fused_contrastive.bench.harness import williams_orders
 
     for k in range(1, 8):
         rows = williams_orders(k)
         assert all(sorted(r) == list(range(k)) for r in rows)
-        pairs = Counter((a, b) for r in rows for a, b in zip(r, r[1:]))
+        pairs = Counter(p for r in rows for p in pairwise(r))
         assert len(pairs) == k * (k - 1) and len(set(pairs.values())) <= 1, (k, pairs)

@@ -121,6 +121,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=_positive(int), help="torch.set_num_threads in every case")
     ap.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    ap.add_argument("--from-json", metavar="DIR",
+                    help="measure nothing: re-render DIR/bench.txt and the plots from DIR/bench.json")
     return ap
 
 
@@ -162,22 +164,33 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
         import tqdm  # noqa: F401
     except ImportError as exc:
         ap.error(f"the benchmark needs the [bench] extra ({exc.name} is missing): pip install 'fused-contrastive[bench]'")
+    import json
+
     from . import report
     from .harness import run_suite
 
-    cfg = config(a, ap)
-    os.makedirs(cfg.out, exist_ok=True)
-    rep = run_suite(cfg)
-    json_path = os.path.join(cfg.out, "bench.json")
-    report.write_json(rep, json_path)  # first: the measurements survive a failure below
+    if a.from_json:
+        out, plots = a.from_json, not a.no_plots
+        json_path = os.path.join(out, "bench.json")
+        if not os.path.exists(json_path):
+            ap.error(f"--from-json: no {json_path}")
+        with open(json_path) as fh:
+            rep = json.load(fh)
+    else:
+        cfg = config(a, ap)
+        out, plots = cfg.out, cfg.plots
+        os.makedirs(out, exist_ok=True)
+        rep = run_suite(cfg)
+        json_path = os.path.join(out, "bench.json")
+        report.write_json(rep, json_path)  # first: the measurements survive a failure below
     text = report.format_report(rep)
     print(text)
-    with open(os.path.join(cfg.out, "bench.txt"), "w") as fh:
+    with open(os.path.join(out, "bench.txt"), "w") as fh:
         fh.write(text + "\n")
     print(f"\nJSON: {json_path}")
-    if cfg.plots:
+    if plots:
         try:
-            paths = [report.plot_summary(rep, cfg.out)] + report.plot_cases(rep, cfg.out)
+            paths = [report.plot_summary(rep, out)] + report.plot_cases(rep, out)
         except ImportError:
             print("matplotlib not installed: no plots (pip install matplotlib)")
         else:

@@ -189,7 +189,7 @@ def _time_step(bound, device: torch.device) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-def williams_orders(k: int) -> List[List[int]]:
+def williams_orders(k: int) -> list[list[int]]:
     """Orders of k contenders for consecutive rounds such that, over the rows, every contender runs
     immediately after every other one equally often (a Williams design, balanced for first-order
     carry-over: a step right after a memory-heavy contender runs with cold caches and a sleeping

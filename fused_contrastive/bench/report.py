@@ -399,7 +399,7 @@ def format_report(report: dict[str, Any]) -> str:
                     skipped.setdefault((cname, fb["reason"]), []).append(n)
                     continue
                 if fb["peak_bytes"] is None:
-                    lines.append([cname, n, f"{fb['status']}: {fb['reason'][:100]}"] + [""] * 10)
+                    lines.append([cname, n] + ["-"] * 10 + [f"{fb['status']}: {fb['reason'][:100]}"])
                     continue
                 f = next(r for r in rows if r["loss"] == case and r["contender"] == cname and r["n"] == n
                          and r["mode"] == "forward")
@@ -470,6 +470,16 @@ def _style(name: str, i: int):
     return _STYLE.get(name, (f"C{(i + 4) % 10}", "x", "-."))
 
 
+def _why(row: dict[str, Any]) -> str:
+    """A short reason why a case was not timed (the plots' footnote)."""
+    reason = row["reason"]
+    if reason.startswith("would need"):
+        return "memory estimate over the cap"
+    if reason.startswith(("predicted", "not timed")):
+        return "step predicted or measured over --max-iter-seconds"
+    return row["status"]
+
+
 def plot_cases(report: dict[str, Any], out_dir: str) -> list[str]:
     """One PNG per case: forward+backward time and peak memory against N (log-log), one line per
     contender (distinct color, marker and dash; the reference on top); what did not run is listed by
@@ -493,7 +503,7 @@ def plot_cases(report: dict[str, Any], out_dir: str) -> list[str]:
             mem = [r for r in mine if r["peak_bytes"] is not None]
             for r in mine:
                 if r["time_ms"] is None and not r["reason"].startswith(("no GPU", "no triton")):
-                    notes.setdefault(cname, []).append(f"N={r['n']} {r['status']}")
+                    notes.setdefault(cname, {}).setdefault(_why(r), []).append(r["n"])
             kw = dict(color=color, marker=marker, linestyle=ls, label=cname, markersize=5, linewidth=1.4,
                       zorder=3 if cname == "reference" else 2)
             if ok:
@@ -526,12 +536,13 @@ def plot_cases(report: dict[str, Any], out_dir: str) -> list[str]:
             ax.set_yscale("log")
             ax.set_xlabel("N (anchors)")
             ax.grid(True, which="both", alpha=0.3)
-        axes[0].legend(fontsize=8, loc="upper left")
+        axes[0].legend(fontsize=8, loc="lower right")
         fig.suptitle(f"{case}: {CASE_BY_NAME[case].inputs}\n{meta['device_name']}, {meta['dtype']}, D={meta['dim']}",
                      fontsize=9)
         if notes:
-            text = "not timed: " + "; ".join(f"{c} at {', '.join(v)}" for c, v in notes.items())
-            fig.text(0.01, 0.01, text[:300], fontsize=7, wrap=True)
+            text = "not timed: " + "; ".join(
+                f"{c} at N={','.join(map(str, ns))} ({why})" for c, d in notes.items() for why, ns in d.items())
+            fig.text(0.01, 0.01, text[:400], fontsize=7, wrap=True)
         fig.tight_layout(rect=(0, 0.05 if notes else 0, 1, 1))
         path = os.path.join(out_dir, f"bench_{case}.png")
         fig.savefig(path, dpi=110)
@@ -542,11 +553,13 @@ def plot_cases(report: dict[str, Any], out_dir: str) -> list[str]:
 
 def plot_summary(report: dict[str, Any], out_dir: str) -> str | None:
     """The one-glance figure: for every case, each contender's time and peak memory relative to the
-    reference at the largest N, and its largest batch within the budget (extrapolated)."""
+    reference at the largest N, and its largest batch within the budget (extrapolated); each bar
+    carries its value."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     head = report["summary"]["headline"]
     if not head:
@@ -554,32 +567,42 @@ def plot_summary(report: dict[str, Any], out_dir: str) -> str | None:
     cases = list(dict.fromkeys(h["loss"] for h in head))
     names = list(dict.fromkeys(h["contender"] for h in head))
     by = {(h["loss"], h["contender"]): h for h in head}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 0.55 * len(cases) * max(1, len(names) / 2.5) + 2), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 0.5 * len(cases) * max(1, len(names) / 2.5) + 2.2), sharey=True)
     height = 0.8 / len(names)
+    keys = ("time_vs_reference", "memory_vs_reference", "largest_batch")
+    fmt = (lambda v: f"{v:.2f}x", lambda v: f"{v:.2f}x", lambda v: _n(v))
     for j, cname in enumerate(names):
         color = _style(cname, j)[0]
         ys = [i + (j - (len(names) - 1) / 2) * height for i in range(len(cases))]
-        for ax, key in zip(axes, ("time_vs_reference", "memory_vs_reference", "largest_batch")):
-            vals = [(by.get((c, cname)) or {}).get(key) for c in cases]
-            pts = [(y, v) for y, v in zip(ys, vals) if v]
-            if pts:
-                ax.barh([p[0] for p in pts], [p[1] for p in pts], height=height * 0.9, color=color, label=cname)
+        for ax, key, f in zip(axes, keys, fmt):
+            pts = [(y, (by.get((c, cname)) or {}).get(key)) for y, c in zip(ys, cases)]
+            pts = [(y, v) for y, v in pts if v]
+            if not pts:
+                continue
+            ax.barh([p[0] for p in pts], [p[1] for p in pts], height=height * 0.9, color=color,
+                    label=cname if ax is axes[0] else None)
+            for y, v in pts:
+                ax.text(v, y, " " + f(v), va="center", fontsize=6.5)
     axes[0].set_yticks(range(len(cases)))
     axes[0].set_yticklabels([f"{c} (N={by[(c, 'reference')]['n']})" if (c, "reference") in by else c for c in cases])
     axes[0].invert_yaxis()
-    titles = ("time / reference (fwd+bwd, largest N)", "peak memory / reference",
+    titles = ("forward+backward time / reference (largest N)", "peak memory / reference",
               f"largest N within {report['meta']['mem_budget_bytes'] / GiB:.0f} GiB (EXTRAPOLATED)")
     for ax, title in zip(axes, titles):
         ax.set_xscale("log")
         ax.set_title(title, fontsize=9)
-        ax.grid(True, axis="x", which="both", alpha=0.3)
+        ax.grid(True, axis="x", which="major", alpha=0.3)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_major_formatter(FuncFormatter((lambda v, _: _n(v)) if ax is axes[2] else (lambda v, _: f"{v:g}")))
+        lo, hi = ax.get_xlim()
+        ax.set_xlim(lo, hi * 4)  # room for the value labels
     for ax in axes[:2]:
         ax.axvline(1.0, color="k", linewidth=0.8)
-    axes[2].legend(fontsize=8, loc="lower right")
     meta = report["meta"]
+    fig.legend(loc="upper center", ncol=len(names), fontsize=8, bbox_to_anchor=(0.5, 0.955), frameon=False)
     fig.suptitle(f"fused-contrastive: every loss at a glance - {meta['device_name']}, {meta['dtype']}, D={meta['dim']}",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     path = os.path.join(out_dir, "bench_summary.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
