@@ -18,11 +18,12 @@ FLOP model (matmul FLOPs only, 2 per multiply-add; exp / masks / norms are O(N*M
     lse_bwd_cols    = 2 units * grad_cols / M    recompute + dl^T @ A_hat (only columns with a gradient)
     row_norm        = 2 N D                      (not a matmul; listed for completeness)
 
-Per loss (forward + backward, gradients for every embedding): info_nce with keys and CLIP
-= 1 + 2 + 2 = 5 units, symmetric SimCSE (A is B) = 1 + 2 = 3 units. Time floor = FLOPs / peak
+Per loss (forward + backward, gradients for every embedding), for every benchmark loss of the case
+registry, recorded from the loss's own call: e.g. info_nce with keys and CLIP = 1 + 2 + 2 = 5 units,
+symmetric SimCSE (A is B) = 1 + 2 = 3 units. Time floor = FLOPs / peak
 (default 790 TFLOP/s, dense bf16 on H100 SXM as this project models it).
 
-Usage: python bench/kernel_report.py [--n 65536] [--m 65536] [--d 768] [--peak-tflops 790] [--jobs 2]
+Usage: python bench/kernel_report.py [--n 65536] [--d 768] [--peak-tflops 790] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from fused_contrastive.core.spec import CoreData, CoreSpec
 from fused_contrastive.tools import aot
 
 
@@ -92,43 +92,38 @@ def resource_table(jobs: int, n: int, m: int, d: int):
     return results
 
 
-LOSSES = {
-    # name: (spec, data, B given, column LSE, what the loss is); the kernels' share of the registry's
-    # info_nce, simcse and clip cases
-    "info_nce": (CoreSpec(), CoreData(), True, False, "InfoNCE / MNRL with keys, grads to query and keys"),
-    "simcse_sym": (CoreSpec(exclude_self=True), CoreData(), False, False,
-                   "unsupervised SimCSE, interleaved batch (A is B, self excluded)"),
-    "clip": (CoreSpec(), CoreData(), True, True, "CLIP: row + column CE, grads to both towers"),
-}
+def loss_totals(n: int, d: int, peak_tflops: float):
+    """FLOPs of every benchmark loss that runs on the kernels, from the registry (``tools.aot.record_case``:
+    the launches the loss itself makes), at N anchors."""
+    from fused_contrastive.testing import BENCH_CASES
 
-
-def loss_totals(n: int, m: int, d: int, peak_tflops: float):
-    unit = 2 * n * m * d
-    print(f"\nForward + backward FLOPs at N = {n}, M = {m}, D = {d} "
-          f"(unit = 2 N M D = {_si(unit)}FLOP), time floor at {peak_tflops:g} TFLOP/s:")
-    print(f"{'loss':11s} {'launches (FLOPs)':64s} {'total':>12s} {'units':>6s} {'floor':>10s}")
-    for name, (spec, data, has_b, want_col, what) in LOSSES.items():
-        launches = aot.record_core(spec, data, has_b, want_col, False, torch.bfloat16, n, m if has_b else n, d, "sm90")
+    unit = 2 * n * n * d
+    print(f"\nForward + backward FLOPs of the benchmark losses at N = {n} anchors, D = {d} (unit = 2 N N D = "
+          f"{_si(unit)}FLOP), time floor at {peak_tflops:g} TFLOP/s:")
+    print(f"{'loss':13s} {'launches (FLOPs)':64s} {'total':>12s} {'units':>6s} {'floor':>10s}")
+    for case in BENCH_CASES:
+        if case.op != "core":
+            continue
+        launches = aot.record_case(case.name, n, d, "sm90")
         parts = [(lz.name, launch_flops(lz)) for lz in launches]
         total = sum(f for _, f in parts)
         mm = [f"{k}={_si(f)}" for k, f in parts if k != "row_norm"]
         floor_ms = total / (peak_tflops * 1e12) * 1e3
-        print(f"{name:11s} {' + '.join(mm):64s} {_si(total) + 'FLOP':>12s} {total / unit:6.2f} {floor_ms:8.2f} ms")
-        print(f"{'':11s} ({what})")
+        print(f"{case.name:13s} {' + '.join(mm):64s} {_si(total) + 'FLOP':>12s} {total / unit:6.2f} {floor_ms:8.2f} ms")
+        print(f"{'':13s} ({case.inputs})")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=65536)
-    ap.add_argument("--m", type=int, default=65536)
     ap.add_argument("--d", type=int, default=768)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--jobs", type=int, default=2, help="parallel compile processes")
     args = ap.parse_args(argv)
     print(f"fused-contrastive Triton kernels, triton {__import__('triton').__version__}, "
           f"torch {torch.__version__}; AOT targets sm_80 and sm_90 (no GPU needed)\n")
-    results = resource_table(args.jobs, args.n, args.m, args.d)
-    loss_totals(args.n, args.m, args.d, args.peak_tflops)
+    results = resource_table(args.jobs, args.n, args.n, args.d)
+    loss_totals(args.n, args.d, args.peak_tflops)
     spills = [r for r in results if r["spill_stores"] or r["spill_loads"]]
     print(f"\n{len(results)} compiles, {len(spills)} with spills.")
     return 1 if spills else 0

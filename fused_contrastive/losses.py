@@ -22,8 +22,6 @@ value would be a host sync).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -39,10 +37,16 @@ _EPS = 1e-12
 _DEFAULT_TEMPERATURE = 0.05
 
 
-@functools.lru_cache(maxsize=64)
+_SPECS: dict = {}  # a plain dict, not functools.lru_cache (Dynamo warns when it traces through one)
+
+
 def _spec(normalize: bool, exclude_self: bool, bias: float) -> CoreSpec:
     """CoreSpec objects are immutable: share them (constructing one per call costs microseconds)."""
-    return CoreSpec(normalize=normalize, eps=_EPS, exclude_self=exclude_self, bias=bias)
+    key = (normalize, exclude_self, bias)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _SPECS[key] = CoreSpec(normalize=normalize, eps=_EPS, exclude_self=exclude_self, bias=bias)
+    return spec
 
 
 def _reduced(out: Tensor, reduction: str, denom) -> Tensor:

@@ -85,6 +85,59 @@ def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, wan
     return launches
 
 
+def core_problem(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bfloat16):
+    """What the registry case ``case_name`` hands to the core op at N anchors: ``(spec, data, coef, a, b)``
+    with meta tensors, captured by running the loss on meta inputs with ``core.run`` intercepted (so the
+    kernel report describes the losses exactly as they call the kernels, from the one registry)."""
+    from .. import core
+    from ..testing import CASE_BY_NAME
+
+    case = CASE_BY_NAME[case_name]
+    if case.op != "core":
+        raise ValueError(f"{case_name} does not run on the core op")
+    tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
+    meta = {k: torch.empty(v.shape, dtype=dtype if v.dim() else v.dtype, device="meta") for k, v in tensors.items()}
+    kw = {k: (v.to("meta") if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
+    seen = []
+
+    def capture(backend, a, b, scale, spec, data, coef, reduce):
+        seen.append((spec, data, coef, a, b))
+        return torch.zeros((), device="meta")
+
+    orig, core.run = core.run, capture
+    try:
+        case.fn(**meta, **kw, backend="torch")
+    finally:
+        core.run = orig
+    if len(seen) != 1:
+        raise RuntimeError(f"{case_name}: expected one core-op call, saw {len(seen)}")
+    return seen[0]
+
+
+def record_case(case_name: str, n: int, d: int, arch: str, dtype: torch.dtype = torch.bfloat16) -> list[TB.Launch]:
+    """The kernel launches of one forward + backward of a registry case at N anchors. The problem is
+    captured at a small N (:func:`core_problem`: the flags, and M as a multiple of N) and scaled to N
+    with meta tensors, so nothing of size N x D is allocated."""
+    small = 64
+    spec, data, coef, _, b = core_problem(case_name, small, d, dtype)
+    m_small = small if b is None else b.shape[0]
+    if m_small % small:
+        raise ValueError(f"{case_name}: M = {m_small} at N = {small} is not a multiple of N")
+    m = m_small // small * n
+    meta = torch.device("meta")
+
+    def scaled(t, rows):
+        return None if t is None else torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=meta)
+
+    big = CoreData(target=scaled(data.target, n), bias_col=scaled(data.bias_col, n),
+                   row_labels=scaled(data.row_labels, n), col_labels=scaled(data.col_labels, m),
+                   pos_mask=None if data.pos_mask is None else torch.empty((n, n), device=meta))
+    if spec.grad_cols is not None:
+        spec = CoreSpec(**{**spec.__dict__, "grad_cols": spec.grad_cols // small * n})
+    return record_core(spec, big, b is not None, coef.col is not None, coef.pos is not None, dtype, n,
+                       n if b is None else m, d, arch)
+
+
 def record_variant(variant: str, dtype: torch.dtype, n: int, m: int, d: int, arch: str) -> list[TB.Launch]:
     """:func:`record_core` of an AOT feature set (see :data:`VARIANTS`)."""
     spec, data, has_b, want_col, want_pos = variant_problem(variant, n, m)
