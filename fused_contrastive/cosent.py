@@ -12,9 +12,7 @@ from torch import Tensor
 from . import _validate as V
 from ._backend import resolve
 from .core import reference as ref
-from .core.chunked import tile_elements
-from .core.cosent import DensePairCosentFn, cosent
-from .core.norms import unit_rows
+from .core.cosent import PairCosentFn, ScoresCosentFn
 from .core.spec import compute_dtype
 
 __all__ = ["cosent_loss", "cosent_loss_from_scores"]
@@ -30,7 +28,7 @@ def _scores_loss(scores: Tensor, labels: Tensor, scale, backend: str) -> Tensor:
     be = resolve(backend, scores, op="cosent")
     if be == "reference":
         return ref.cosent(scores, labels, sc)
-    return cosent(scores.to(dt) * sc, labels)
+    return ScoresCosentFn.apply(scores, labels, sc)
 
 
 def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backend: str = "auto") -> Tensor:
@@ -76,7 +74,4 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: 
         sc = sc.to(device=u.device, dtype=dt)
     if resolve(backend, u, v, op="cosent") == "reference":
         return ref.cosent(ref.pair_cosines(u, v, normalize), labels, sc)
-    if u.shape[0] ** 2 <= tile_elements():
-        return DensePairCosentFn.apply(u, v, labels, sc, normalize, _EPS)
-    cos = (unit_rows(u, _EPS, dt, normalize) * unit_rows(v, _EPS, dt, normalize)).sum(dim=1)
-    return cosent(cos * sc, labels)
+    return PairCosentFn.apply(u, v, labels, sc, normalize, _EPS)

@@ -1,14 +1,26 @@
-"""CoSENT's PyTorch path: O(B log B) time, O(B) memory (the pair sum factored through a sort).
+"""CoSENT's PyTorch path: O(B log B) time, O(B) memory (the pair sum factored through a sort), with an
+explicit backward.
 
-    L = log(1 + sum_{(a, b): y_a > y_b} exp(u_b - u_a)),   u = scale * s
+    L = log(1 + sum_{(a, b): y_a > y_b} exp(x_b - x_a)),   x = scale * score
 
-Factor the double sum: ``sum_a exp(-u_a) * sum_{b: y_b < y_a} exp(u_b)``. With the pairs sorted by label
-ascending, the inner sum is an *exclusive* prefix over strictly smaller labels: ``logcumsumexp(u_sorted)``
+Factor the double sum: ``sum_a exp(-x_a) * sum_{b: y_b < y_a} exp(x_b)``. With the pairs sorted by label
+ascending, the inner sum is an *exclusive* prefix over strictly smaller labels: ``logcumsumexp(x_sorted)``
 read just before the start of a's tie group (-inf when the group is the first). Then
-``L = log(1 + sum_a exp(z_a))`` with ``z_a = prefix_a - u_a``, evaluated as
+``L = log(1 + sum_a exp(z_a))`` with ``z_a = prefix_a - x_a``, evaluated as
 ``m + log(exp(-m) + sum_a exp(z_a - m))``, ``m = max(0, max_a z_a)``: no log(0) even when there is no
-ordered pair (then L = 0 and every gradient is 0, not NaN). Autograd through sort / gather /
-logcumsumexp gives the exact gradient.
+ordered pair (then L = 0 and every gradient is 0, not NaN).
+
+The gradient is the same factoring run the other way: with ``W_ab = exp(x_b - x_a - L)`` (each <= 1),
+
+    dL/dx_c = sum_{a: y_a > y_c} W_ac - sum_{b: y_b < y_c} W_cb
+            = exp(x_c - L + suffix_c) - exp(z_c - L)
+
+where ``suffix_c = log sum_{a: y_a > y_c} exp(-x_a)`` is a reverse ``logcumsumexp`` of ``-x_sorted`` read
+just after the end of c's tie group. Both exponents are <= 0 up to rounding (each is the log of a
+partial sum of the terms of ``exp(L) - 1``), so nothing overflows.
+
+Batches whose B x B pair tile fits the tile budget use the tile instead (a few ops, fewer than the
+sort): ``logsumexp([0] ++ {x_b - x_a : y_a > y_b})`` and ``dL/dx = W.sum(0) - W.sum(1)``.
 """
 
 from __future__ import annotations
@@ -19,75 +31,125 @@ from torch import Tensor
 from .chunked import tile_elements
 from .norms import clamped_norms
 
-
-def cosent(u: Tensor, labels: Tensor) -> Tensor:
-    """The CoSENT loss of scaled scores ``u`` [B]: the B x B pair tile when it fits the tile budget (five
-    ops, fewer than the sort), else the sorted O(B log B) form."""
-    if u.shape[0] ** 2 <= tile_elements():
-        return cosent_pairs(u, labels)
-    return cosent_sorted(u, labels)
+_NEG_INF = float("-inf")
 
 
-def cosent_pairs(u: Tensor, labels: Tensor) -> Tensor:
-    """``logsumexp([0] ++ {u_b - u_a : y_a > y_b})`` on the B x B tile; pairs outside the order are -inf
-    (exactly absent), and the leading 0 keeps the result and its gradient finite when no pair is ordered."""
-    diff = u[None, :] - u[:, None]  # [a, b] = u_b - u_a
-    terms = torch.where(labels[:, None] > labels[None, :], diff, float("-inf")).flatten()
-    return torch.logsumexp(torch.cat([terms.new_zeros(1), terms]), dim=0)
+def _pair_tile(x: Tensor, labels: Tensor) -> Tensor:
+    """``x_b - x_a`` at ``[a, b]`` where ``y_a > y_b``, -inf elsewhere (exactly absent pairs)."""
+    return torch.where(labels[:, None] > labels[None, :], x[None, :] - x[:, None], _NEG_INF)
 
 
-def cosent_sorted(u: Tensor, labels: Tensor) -> Tensor:
-    """The CoSENT loss of scaled scores ``u`` [B] with labels [B] (differentiable in ``u``)."""
+def _groups_sorted(y: Tensor) -> tuple[Tensor, Tensor]:
+    """(start, end) index of the tie group of every position of the ascending labels ``y``."""
+    b = y.shape[0]
+    idx = torch.arange(b, device=y.device)
+    differs = y[1:] != y[:-1]
+    is_start = torch.cat([differs.new_ones(1), differs])
+    is_end = torch.cat([differs, differs.new_ones(1)])
+    start = torch.cummax(torch.where(is_start, idx, 0), dim=0).values
+    end = torch.cummin(torch.where(is_end, idx, b - 1).flip(0), dim=0).values.flip(0)
+    return start, end
+
+
+def cosent_forward(x: Tensor, labels: Tensor) -> tuple[Tensor, tuple]:
+    """(the CoSENT loss of the scaled scores ``x`` [B], what :func:`cosent_backward` needs)."""
+    if x.shape[0] ** 2 <= tile_elements():
+        terms = _pair_tile(x, labels)
+        loss = torch.logsumexp(torch.cat([terms.new_zeros(1), terms.flatten()]), dim=0)
+        return loss, ("tile", terms, loss)
     y, order = torch.sort(labels, stable=True)
-    us = u[order]
-    lcse = torch.logcumsumexp(us, dim=0)
-    idx = torch.arange(u.shape[0], device=u.device)
-    is_start = torch.ones_like(y, dtype=torch.bool)
-    is_start[1:] = y[1:] != y[:-1]
-    group_start = torch.cummax(torch.where(is_start, idx, torch.zeros_like(idx)), dim=0).values
-    prev = (group_start - 1).clamp_min(0)
-    prefix = torch.where(group_start > 0, lcse[prev], torch.full_like(us, float("-inf")))
-    z = prefix - us
-    m = torch.clamp_min(z.max().detach(), 0.0)
-    return m + torch.log(torch.exp(-m) + torch.exp(z - m).sum())
+    xs = x[order]
+    start, end = _groups_sorted(y)
+    lcse = torch.logcumsumexp(xs, dim=0)
+    prefix = torch.where(start > 0, lcse[(start - 1).clamp_min(0)], _NEG_INF)
+    z = prefix - xs
+    m = torch.clamp_min(z.max(), 0.0)
+    loss = m + torch.log(torch.exp(-m) + torch.exp(z - m).sum())
+    return loss, ("sorted", xs, z, order, end, loss)
 
 
-class DensePairCosentFn(torch.autograd.Function):
-    """CoSENT on the cosines of pairs (u_i, v_i), for batches whose B x B pair tile fits the tile budget:
-    one Function, so the backward is a handful of ops instead of the autograd graph of the
-    normalisation, the row dot and the pair tile.
+def cosent_backward(state: tuple, g: Tensor) -> Tensor:
+    """``g * dL/dx`` [B] from the state of :func:`cosent_forward`."""
+    if state[0] == "tile":
+        _, terms, loss = state
+        w = torch.exp(terms - loss).mul_(g)
+        return w.sum(dim=0) - w.sum(dim=1)
+    _, xs, z, order, end, loss = state
+    # suffix_c = log sum_{k > end_c} exp(-xs_k): reverse logcumsumexp, shifted by one past the group
+    rev = torch.logcumsumexp((-xs).flip(0), dim=0).flip(0)
+    rev = torch.cat([rev, rev.new_full((1,), _NEG_INF)])
+    suffix = rev[end + 1]
+    d_sorted = torch.exp(xs - loss + suffix) - torch.exp(z - loss)
+    dx = torch.empty_like(d_sorted).index_put_((order,), d_sorted)
+    return dx.mul_(g)
 
-    With ``x = s cos(u, v)`` and the pair weights ``W_ab = exp(x_b - x_a - L)`` (``y_a > y_b``, else 0):
-    ``dL/dx_b = sum_a W_ab``, ``dL/dx_a = -sum_b W_ab``; then ``dL/du_i = s dx_i (v_hat_i - u_hat_i c_i) /
-    ||u_i||`` (``/ eps`` without the projection for a clamped row) and symmetrically for v.
+
+def _compute_dtype(*xs: Tensor) -> torch.dtype:
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def _scale_grad(gs: Tensor | None, dtypes: tuple):
+    sdt, sshape = dtypes
+    return None if gs is None else gs.to(sdt).reshape(sshape)
+
+
+class ScoresCosentFn(torch.autograd.Function):
+    """CoSENT of given scores [B] with labels [B] and a scale (number or 0-dim tensor); 0-dim loss in
+    float32 (float64 for float64 scores)."""
+
+    @staticmethod
+    def forward(ctx, scores: Tensor, labels: Tensor, scale):
+        dt = _compute_dtype(scores)
+        sf = scores.to(dt)
+        s = scale.detach().to(dt) if isinstance(scale, Tensor) else scale
+        loss, state = cosent_forward(sf * s, labels)
+        ctx.state, ctx.s = state, s
+        ctx.dtypes = (scores.dtype, scale.dtype if isinstance(scale, Tensor) else None,
+                      scale.shape if isinstance(scale, Tensor) else None)
+        ctx.save_for_backward(sf)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (sf,) = ctx.saved_tensors
+        need_x, _, need_s = ctx.needs_input_grad[:3]
+        dx = cosent_backward(ctx.state, g.to(sf.dtype))
+        gs = (dx * sf).sum() if need_s else None
+        gx = (dx * ctx.s).to(ctx.dtypes[0]) if need_x else None
+        return gx, None, _scale_grad(gs, ctx.dtypes[1:])
+
+
+class PairCosentFn(torch.autograd.Function):
+    """CoSENT on the cosines of pairs (u_i, v_i) (raw dot products when ``normalize`` is False).
+
+    With ``x = s c``, ``c_i = <u_hat_i, v_hat_i>``: ``dL/du_i = s dx_i (v_hat_i - u_hat_i c_i) / ||u_i||``
+    (``/ eps`` without the projection for a clamped row) and symmetrically for v. Saves the unit rows
+    (O(B*D)) and the O(B) state of the scores (the B x B tile for small batches).
     """
 
     @staticmethod
     def forward(ctx, u: Tensor, v: Tensor, labels: Tensor, scale, normalize: bool, eps: float):
-        dt = torch.float64 if torch.float64 in (u.dtype, v.dtype) else torch.float32
+        dt = _compute_dtype(u, v)
         uh = u if u.dtype == dt else u.to(dt)
         vh = v if v.dtype == dt else v.to(dt)
         nu = nv = None
         if normalize:
             nu, nv = clamped_norms(u, eps, dt), clamped_norms(v, eps, dt)
             uh, vh = uh / nu[:, None], vh / nv[:, None]
-        c = (uh * vh).sum(dim=1)
+        c = torch.linalg.vecdot(uh, vh, dim=1)
         s = scale.detach().to(dt) if isinstance(scale, Tensor) else scale
-        x = c * s
-        terms = torch.where(labels[:, None] > labels[None, :], x[None, :] - x[:, None], float("-inf"))
-        loss = torch.logsumexp(torch.cat([terms.new_zeros(1), terms.flatten()]), dim=0)
-        ctx.s, ctx.eps = s, eps
+        loss, state = cosent_forward(c * s, labels)
+        ctx.state, ctx.s, ctx.eps = state, s, eps
         ctx.dtypes = (u.dtype, v.dtype, scale.dtype if isinstance(scale, Tensor) else None,
                       scale.shape if isinstance(scale, Tensor) else None)
-        ctx.save_for_backward(uh, vh, nu, nv, c, terms, loss)
+        ctx.save_for_backward(uh, vh, nu, nv, c)
         return loss
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        uh, vh, nu, nv, c, terms, loss = ctx.saved_tensors
+        uh, vh, nu, nv, c = ctx.saved_tensors
         need_u, need_v, _, need_s = ctx.needs_input_grad[:4]
-        w = torch.exp(terms - loss).mul_(g.to(terms.dtype))
-        dx = w.sum(dim=0) - w.sum(dim=1)
+        dx = cosent_backward(ctx.state, g.to(c.dtype))
         gs = (dx * c).sum() if need_s else None
         dc = (dx * ctx.s)[:, None]
 
@@ -100,5 +162,4 @@ class DensePairCosentFn(torch.autograd.Function):
 
         gu = through_norm(dc * vh, uh, nu).to(ctx.dtypes[0]) if need_u else None
         gv = through_norm(dc * uh, vh, nv).to(ctx.dtypes[1]) if need_v else None
-        sdt, sshape = ctx.dtypes[2:]
-        return gu, gv, None, (gs.to(sdt).reshape(sshape) if gs is not None else None), None, None
+        return gu, gv, None, _scale_grad(gs, ctx.dtypes[2:]), None, None

@@ -53,7 +53,7 @@ def clamped_norms(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
 def normalize_rows(x: Tensor, eps: float, dtype: torch.dtype, normalize: bool = True
                    ) -> tuple[Tensor, Tensor | None]:
     """``(x_hat, norms)``: ``x`` in ``dtype`` divided by its clamped row norms (``norms`` None and
-    ``x_hat`` the raw rows when ``normalize`` is False). Not differentiable; see :func:`unit_rows`."""
+    ``x_hat`` the raw rows when ``normalize`` is False). Not differentiable."""
     xf = x.to(dtype)
     if not normalize:
         return xf, None
@@ -70,27 +70,3 @@ def normalize_backward_(g_hat: Tensor, x_hat: Tensor, norm: Tensor | None, eps: 
     proj = torch.where(norm > eps, proj, torch.zeros_like(proj))
     g_hat.addcmul_(x_hat, proj[:, None], value=-1.0)
     return g_hat.div_(norm[:, None])
-
-
-class UnitRows(torch.autograd.Function):
-    """Differentiable ``x / max(||x||, eps)`` in ``dtype`` with the overflow-free norms; saves the
-    normalised rows and the norms, the backward is :func:`normalize_backward_`."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
-        xh, norm = normalize_rows(x, eps, dtype)
-        ctx.eps, ctx.in_dtype = eps, x.dtype
-        ctx.save_for_backward(xh, norm)
-        return xh
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        xh, norm = ctx.saved_tensors
-        return normalize_backward_(g.to(xh.dtype).clone(), xh, norm, ctx.eps).to(ctx.in_dtype), None, None
-
-
-def unit_rows(x: Tensor, eps: float, dtype: torch.dtype, normalize: bool = True) -> Tensor:
-    """Differentiable ``x / max(||x||, eps)`` in ``dtype`` (the raw rows when ``normalize`` is False)."""
-    if not normalize:
-        return x.to(dtype)
-    return UnitRows.apply(x, eps, dtype)

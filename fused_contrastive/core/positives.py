@@ -5,14 +5,19 @@ Used by the chunked PyTorch path and the Triton path (the dense path reads them 
 N x M work: with ``l_ij = s <a_i, b_j> + bias [j == bias_col_i]``,
 
 * ``TGT_i = s <a_i, b_{t_i}> + bias [t_i == bias_col_i]`` (``-inf`` when ``t_i`` is the excluded own
-  column), a gathered row dot (:class:`PairCos`, which saves only its inputs);
-* labels: ``sum_j w_ij b_j = C[y_i] - [y_i == y_self] b_self`` with class sums ``C`` over the contrast
-  rows (``index_add`` by group id; the groups come from a sort, not ``torch.unique``, so every shape is
-  known without reading the labels);
-* dense mask ``w_ij = mask[i % n0, j % m0]``: ``sum_j w_ij b_j = (mask @ V)[i % n0] - w_self b_self``
-  with ``V[c] = sum_{j % m0 = c} b_j`` (an [n0, m0] x [m0, D] matmul).
+  column): a gathered row dot;
+* labels: ``P_i = sum_j w_ij b_j = C[y_i] - [y_i == y_self] b_self`` with class sums ``C`` over the
+  contrast rows (``index_add`` by group id; the groups come from a sort, not ``torch.unique``, so every
+  shape is known without reading the labels: no host synchronisation);
+* dense mask ``w_ij = mask[i % n0, j % m0]``: ``P_i = (mask @ V)[i % n0] - w_self b_self`` with
+  ``V[c] = sum_{j % m0 = c} b_j`` (an [n0, m0] x [m0, D] matmul).
 
-Everything is plain differentiable PyTorch (autograd gives the gradients).
+The backward is explicit (:class:`LinearTermsFn`; no autograd graph inside, so the same code runs
+inside the registered custom ops of ``fused_contrastive.ops``). With ``h_i`` the upstream gradient
+times the coefficient: ``dA_hat_i = s h_i P_i`` and ``dB_hat_j = s sum_i h_i w_ij a_hat_i`` (the same
+class sums, over rows, read at each column's label; or ``mask^T`` applied to the rows folded by
+``i % n0``), the target logit adds ``s h_i`` at ``(i, t_i)``, then the normalisation backward. Only
+the inputs are saved; the unit rows are recomputed in backward (O(N*D)).
 """
 
 from __future__ import annotations
@@ -21,59 +26,8 @@ import torch
 from torch import Tensor
 
 from .chunked import tile_elements
-from .norms import clamped_norms, normalize_backward_, unit_rows
+from .norms import normalize_backward_, normalize_rows
 from .spec import Coeffs, CoreData, CoreSpec, drop_zero
-
-_CHUNK_ELEMENTS = 1 << 18  # rows per chunk x D: the float64 norm temporaries stay ~2 MiB
-
-
-def _chunks(n: int, d: int):
-    step = max(1, _CHUNK_ELEMENTS // max(d, 1))
-    for r0 in range(0, n, step):
-        yield r0, min(n, r0 + step)
-
-
-class PairCos(torch.autograd.Function):
-    """``out_i = <x_hat_i, y_hat_{idx_i}>``: the cosine of row i of x with row idx_i of y (raw dot
-    products when ``normalize`` is False), in row chunks, saving only the inputs."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, idx: Tensor, normalize: bool, eps: float, dt: torch.dtype) -> Tensor:
-        ctx.save_for_backward(x, y, idx)
-        ctx.normalize, ctx.eps, ctx.dt = normalize, eps, dt
-        out = torch.empty(x.shape[0], dtype=dt, device=x.device)
-        for r0, r1 in _chunks(x.shape[0], x.shape[1]):
-            xr, yr = x[r0:r1], y[idx[r0:r1]]
-            if normalize:
-                xh = xr.to(dt) / clamped_norms(xr, eps, dt)[:, None]
-                yh = yr.to(dt) / clamped_norms(yr, eps, dt)[:, None]
-            else:
-                xh, yh = xr.to(dt), yr.to(dt)
-            out[r0:r1] = torch.linalg.vecdot(xh, yh, dim=1)
-        return out
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        x, y, idx = ctx.saved_tensors
-        dt, eps = ctx.dt, ctx.eps
-        need_x, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gx = torch.empty_like(x) if need_x else None
-        gy = torch.zeros(y.shape, dtype=dt, device=y.device) if need_y else None
-        for r0, r1 in _chunks(x.shape[0], x.shape[1]):
-            xr, yr, gr = x[r0:r1], y[idx[r0:r1]], g[r0:r1].to(dt)[:, None]
-            if ctx.normalize:
-                nx, ny = clamped_norms(xr, eps, dt), clamped_norms(yr, eps, dt)
-                xh, yh = xr.to(dt) / nx[:, None], yr.to(dt) / ny[:, None]
-                if need_x:
-                    gx[r0:r1] = normalize_backward_(gr * yh, xh, nx, eps).to(x.dtype)
-                if need_y:
-                    gy.index_add_(0, idx[r0:r1], normalize_backward_(gr * xh, yh, ny, eps))
-            else:
-                if need_x:
-                    gx[r0:r1] = (gr * yr.to(dt)).to(x.dtype)
-                if need_y:
-                    gy.index_add_(0, idx[r0:r1], gr * xr.to(dt))
-        return gx, (gy.to(y.dtype) if need_y else None), None, None, None, None
 
 
 def _groups(col_labels: Tensor, row_labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -161,32 +115,120 @@ def _positive_weight_at(cols: Tensor, spec: CoreSpec, data: CoreData, n: int, dt
     return w
 
 
+
+
+def _positive_sums_by_column(x: Tensor, m: int, spec: CoreSpec, data: CoreData) -> Tensor:
+    """``sum_i w_ij x_i`` for every column j, [M, D] (the transpose of :func:`_positive_sums`)."""
+    n = x.shape[0]
+    dev, dt = x.device, x.dtype
+    if data.pos_mask is not None:
+        n0, m0 = data.pos_mask.shape
+        folded = x.new_zeros(n0, x.shape[1]).index_add(0, torch.arange(n, device=dev) % n0, x)
+        sums = (data.pos_mask.to(dt).T @ folded)[torch.arange(m, device=dev) % m0]
+    else:
+        row_gid, col_gid, found = _groups(data.row_labels, data.col_labels)
+        class_sums = x.new_zeros(n, x.shape[1]).index_add(0, row_gid, x)
+        sums = torch.where(found[:, None], class_sums[col_gid], torch.zeros((), dtype=dt, device=dev))
+    if spec.exclude_self:
+        own, _ = _self_columns(spec, n, m, dev)
+        # rows without an own column have weight 0: adding 0 at the clamped index is harmless
+        sums = sums.index_add(0, own, _self_weights(spec, data, n, m, dt, dev)[:, None] * x, alpha=-1)
+    return sums
+
+
+def _target_logits(ah: Tensor, bh: Tensor, s, spec: CoreSpec, data: CoreData) -> Tensor:
+    """``TGT`` per row: ``s <a_i, b_{t_i}> + bias [t_i == bias_col_i]``, -inf at an excluded own column."""
+    t = data.target
+    tgt = torch.linalg.vecdot(ah, bh[t], dim=1) * s
+    if data.bias_col is not None and spec.bias != 0.0:
+        tgt = tgt + spec.bias * (t == data.bias_col).to(tgt.dtype)
+    if not spec.exclude_self:
+        return tgt
+    return torch.where(t == torch.arange(ah.shape[0], device=t.device) + spec.offset, float("-inf"), tgt)
+
+
+def _weighted(c, v: Tensor, dt: torch.dtype) -> Tensor:
+    return drop_zero(c.to(dt) if isinstance(c, Tensor) else c, v)
+
+
+class LinearTermsFn(torch.autograd.Function):
+    """``c.tgt TGT + c.set SET`` per row ([N]) or summed (0-dim), in ``dt``, with an explicit backward.
+
+    ``a`` [N, D], ``b`` [M, D] or None (B is A), ``scale`` a number or a 0-dim tensor. Gradients come
+    back in each input's dtype; a row whose coefficient is 0 (or whose target is its excluded own
+    column) passes no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+                reduce: bool, dt: torch.dtype) -> Tensor:
+        ah, _ = normalize_rows(a, spec.eps, dt, spec.normalize)
+        bh = ah if b is None else normalize_rows(b, spec.eps, dt, spec.normalize)[0]
+        s = scale.detach().to(dt) if isinstance(scale, Tensor) else float(scale)
+        out = None
+        if coef.tgt is not None:
+            out = _weighted(coef.tgt, _target_logits(ah, bh, s, spec, data), dt)
+        if coef.set is not None:
+            set_ = torch.linalg.vecdot(ah, _positive_sums(ah, bh, spec, data), dim=1) * s
+            if data.bias_col is not None and spec.bias != 0.0:
+                set_ = set_ + spec.bias * _positive_weight_at(data.bias_col, spec, data, ah.shape[0], dt)
+            term = _weighted(coef.set, set_, dt)
+            out = term if out is None else out + term
+        ctx.spec, ctx.data, ctx.coef, ctx.dt = spec, data, coef, dt
+        ctx.scale = None if isinstance(scale, Tensor) else scale
+        ctx.save_for_backward(a, b, scale if isinstance(scale, Tensor) else None)
+        return out.sum() if reduce else out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        a, b, scale = ctx.saved_tensors
+        spec, data, coef, dt = ctx.spec, ctx.data, ctx.coef, ctx.dt
+        need_a, need_b, need_s = ctx.needs_input_grad[:3]
+        need_s = need_s and scale is not None
+        s = float(ctx.scale) if scale is None else scale.detach().to(dt)
+        n = a.shape[0]
+        ah, na = normalize_rows(a, spec.eps, dt, spec.normalize)
+        bh, nb = (ah, na) if b is None else normalize_rows(b, spec.eps, dt, spec.normalize)
+        g = g.to(dt).expand(n)
+        dah = torch.zeros_like(ah) if need_a else None
+        dbh = torch.zeros_like(bh) if need_b and b is not None else None
+        ds = torch.zeros((), dtype=dt, device=a.device) if need_s else None
+        if coef.tgt is not None:
+            t = data.target
+            h = _weighted(coef.tgt, g, dt)
+            if spec.exclude_self:  # a target on the excluded own column carries no gradient
+                h = torch.where(t == torch.arange(n, device=t.device) + spec.offset, 0.0, h)
+            bt = bh[t]
+            if need_s:
+                ds += torch.linalg.vecdot(ah, bt, dim=1).mul_(h).sum()
+            hs = (h * s)[:, None]
+            if dah is not None:
+                dah.addcmul_(bt, hs)
+            del bt
+            gb_t = dah if b is None else dbh
+            if gb_t is not None:
+                gb_t.index_add_(0, t, hs * ah)
+        if coef.set is not None:
+            h = _weighted(coef.set, g, dt)
+            if need_s or dah is not None:
+                sums = _positive_sums(ah, bh, spec, data)
+                if need_s:
+                    ds += (h * torch.linalg.vecdot(ah, sums, dim=1)).sum()
+                if dah is not None:
+                    dah.addcmul_(sums, (h * s)[:, None])
+                del sums
+            gb_s = dah if b is None else dbh
+            if gb_s is not None:
+                gb_s += _positive_sums_by_column((h * s)[:, None] * ah, bh.shape[0], spec, data)
+        ga = normalize_backward_(dah, ah, na, spec.eps).to(a.dtype) if dah is not None else None
+        gb = normalize_backward_(dbh, bh, nb, spec.eps).to(b.dtype) if dbh is not None else None
+        gs = ds.to(scale.dtype).reshape(scale.shape) if need_s else None
+        return ga, gb, gs, None, None, None, None, None
+
+
 def linear_terms(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
                  reduce: bool, dt: torch.dtype) -> Tensor | None:
     """``c.tgt TGT + c.set SET`` per row ([N]) or summed (0-dim); None when neither term is asked for."""
     if coef.tgt is None and coef.set is None:
         return None
-    n = a.shape[0]
-    bb = a if b is None else b
-    dev = a.device
-    s = scale.to(dt) if isinstance(scale, Tensor) else float(scale)
-    has_bias = data.bias_col is not None and spec.bias != 0.0
-    out = None
-    if coef.tgt is not None:
-        t = data.target
-        tgt = s * PairCos.apply(a, bb, t, spec.normalize, spec.eps, dt)
-        if has_bias:
-            tgt = tgt + spec.bias * (t == data.bias_col).to(dt)
-        if spec.exclude_self:
-            tgt = torch.where(t == torch.arange(n, device=dev) + spec.offset,
-                              torch.full((), float("-inf"), dtype=dt, device=dev), tgt)
-        out = drop_zero(coef.tgt.to(dt) if isinstance(coef.tgt, Tensor) else coef.tgt, tgt)
-    if coef.set is not None:
-        ah = unit_rows(a, spec.eps, dt, spec.normalize)
-        bh = ah if b is None else unit_rows(b, spec.eps, dt, spec.normalize)
-        set_ = s * torch.linalg.vecdot(ah, _positive_sums(ah, bh, spec, data), dim=1)
-        if has_bias:
-            set_ = set_ + spec.bias * _positive_weight_at(data.bias_col, spec, data, n, dt)
-        term = drop_zero(coef.set.to(dt) if isinstance(coef.set, Tensor) else coef.set, set_)
-        out = term if out is None else out + term
-    return out.sum() if reduce else out
+    return LinearTermsFn.apply(a, b, scale, spec, data, coef, reduce, dt)

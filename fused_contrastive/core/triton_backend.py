@@ -349,13 +349,19 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
 # ------------------------------------------------------------------------------------------------
 
 
-def _present(x: Tensor | None) -> Tensor | None:
-    """An upstream gradient as fp32, or None when absent (None or an empty placeholder)."""
-    return None if x is None or x.numel() == 0 else x.to(torch.float32).contiguous()
+def _coef_grad(c, go: Tensor, n: int, stat: Tensor | None) -> Tensor | None:
+    """The upstream gradient of one statistic: ``c * go`` per row as fp32 [n], 0 where the statistic is
+    -inf (a row without positives: its term is dropped, see ``spec.drop_zero``); None when absent."""
+    if c is None or stat is None:
+        return None
+    g = (c.to(torch.float32) if isinstance(c, Tensor) else float(c)) * go
+    g = g.expand(n) if g.dim() == 0 else g
+    return torch.where(stat == float("-inf"), 0.0, g).contiguous()
 
 
 class TritonCoreFn(torch.autograd.Function):
-    """``(LSE [N], LSEcol [M] or [0], LSEpos [N] or [0])`` in float32 on the Triton kernels.
+    """``c.lse LSE + c.col LSEcol + c.pos LSEpos`` per row ([N]) or summed (0-dim), float32, on the
+    Triton kernels.
 
     Saved for backward: the inputs (alive anyway), the scaled copies and norms (O(N*D)) and the LSEs;
     backward recomputes the tiles. Gradients come back in each input's dtype (the scale's in the
@@ -364,14 +370,13 @@ class TritonCoreFn(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, want_col: bool,
-                want_pos: bool):
+    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+                reduce: bool):
         dt = kernel_dtype(a, b)
         ak = a.to(dt)
         bk = None if b is None else b.to(dt)
-        lse, lse_col, lse_pos, p = _lse_fwd(ak, bk, scale, spec, data, want_col, want_pos)
-        ctx.set_materialize_grads(False)
-        ctx.spec = spec
+        lse, lse_col, lse_pos, p = _lse_fwd(ak, bk, scale, spec, data, coef.col is not None, coef.pos is not None)
+        ctx.spec, ctx.coef = spec, coef
         # the tensors go through save_for_backward (in-place edits of the inputs are caught); the rest
         # of the prepared inputs (labels, masks, norms: O(N + M)) rides on ctx
         ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
@@ -382,21 +387,23 @@ class TritonCoreFn(torch.autograd.Function):
         same = b is None
         ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                               None if same else p.b, p.sa, None if same else p.sb)
-        empty = lse.new_empty(0)
-        return lse, (lse_col if lse_col is not None else empty), (lse_pos if lse_pos is not None else empty)
+        return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, g, g_col, g_pos):
+    def backward(ctx, go: Tensor):
         need_a, need_b, need_s = ctx.needs_input_grad[:3]
         scale, lse, lse_col, lse_pos, a, b, sa, sb = ctx.saved_tensors
         if scale is None:
             scale = ctx.scale
-        spec = ctx.spec
+        spec, coef = ctx.spec, ctx.coef
         same = ctx.dtypes[1] is None
         p = ctx.prep._replace(a=a, b=a if same else b, sa=sa, sb=sa if same else sb)
-        g, g_col, g_pos = _present(g), _present(g_col) if lse_col is not None else None, \
-            _present(g_pos) if lse_pos is not None else None
+        go = go.to(torch.float32)
+        n = lse.shape[0]
+        g = _coef_grad(coef.lse, go, n, lse)
+        g_col = _coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
+        g_pos = _coef_grad(coef.pos, go, n, lse_pos)
         if same and not p.sym:
             # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
             da, db, ds = _lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
@@ -415,7 +422,4 @@ class TritonCoreFn(torch.autograd.Function):
 def core(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
          reduce: bool) -> Tensor:
     """``c.lse LSE + c.col LSEcol + c.pos LSEpos`` per row (or summed) on the Triton kernels (float32)."""
-    want_col, want_pos = coef.col is not None, coef.pos is not None
-    lse, lse_col, lse_pos = TritonCoreFn.apply(a, b, scale, spec, data, want_col, want_pos)
-    return combine(coef.to(torch.float32), reduce, lse, lse_col if want_col else None,
-                   lse_pos if want_pos else None)
+    return TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)
