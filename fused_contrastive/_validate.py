@@ -54,6 +54,13 @@ def same_device(**tensors: Tensor | None) -> None:
             raise ValueError(f"{k} is on {v.device} but {items[0][0]} is on {dev}; put them on one device")
 
 
+def readable(t: Tensor) -> bool:
+    """Whether a tensor's values may be read for validation: on the CPU (no host-device sync) and not
+    while ``torch.compile`` / ``torch.export`` trace the call (a read would break the graph; the
+    values are then not checked)."""
+    return t.device.type == "cpu" and not (torch.compiler.is_compiling() or torch.compiler.is_exporting())
+
+
 def same_dim(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"{name_b} has embedding dimension {b.shape[-1]} but {name_a} has {a.shape[-1]}")
@@ -71,7 +78,7 @@ def number(name: str, v, *, low: float, strict: bool, allow_tensor: bool = False
             raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape {tuple(v.shape)}")
         if not v.is_floating_point():
             raise TypeError(f"{name} must be a floating tensor, got {v.dtype}")
-        if v.device.type == "cpu":
+        if readable(v):
             val = float(v.detach())
             if not (math.isfinite(val) and (val > low if strict else val >= low)):
                 raise ValueError(f"{name} must be finite and {rel} {low:g}, got {val}")
@@ -79,9 +86,11 @@ def number(name: str, v, *, low: float, strict: bool, allow_tensor: bool = False
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         kind = "a float or a 0-dim tensor" if allow_tensor else "a float"
         raise TypeError(f"{name} must be {kind}, got {type(v).__name__}")
-    if not (math.isfinite(v) and (v > low if strict else v >= low)):
+    # comparisons, not math.isfinite: they also trace under torch.compile(dynamic=True), where a
+    # Python float argument arrives as a symbolic float (NaN fails both)
+    if not (v < math.inf and (v > low if strict else v >= low)):
         raise ValueError(f"{name} must be finite and {rel} {low:g}, got {v}")
-    return float(v)
+    return v if isinstance(v, float) else float(v)
 
 
 def positive_number(name: str, v, *, device: torch.device) -> Number:
@@ -148,7 +157,7 @@ def target(y, n: int, m: int, ignore_index: int, device: torch.device) -> Tensor
     if y.device != device:
         raise ValueError(f"target is on {y.device} but query is on {device}")
     y = y.long()
-    if y.device.type == "cpu":
+    if readable(y):
         bad = (y != ignore_index) & ((y < 0) | (y >= m))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -191,7 +200,7 @@ def mask(m, bsz: int, device: torch.device) -> Tensor:
         raise ValueError(f"mask must have shape [{bsz}, {bsz}] (bsz = features.shape[0]), got {tuple(m.shape)}")
     if m.device != device:
         raise ValueError(f"mask is on {m.device} but features are on {device}")
-    if m.device.type == "cpu" and m.dtype != torch.bool and m.numel() and float(m.amin()) < 0:
+    if readable(m) and m.dtype != torch.bool and m.numel() and float(m.amin()) < 0:
         raise ValueError("mask must be non-negative (weights of the positives)")
     return m
 

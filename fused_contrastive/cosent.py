@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import _validate as V
+from . import ops
 from ._backend import resolve
 from .core import reference as ref
 from .core.cosent import PairCosentFn, ScoresCosentFn
@@ -28,6 +29,8 @@ def _scores_loss(scores: Tensor, labels: Tensor, scale, backend: str) -> Tensor:
     be = resolve(backend, scores, op="cosent")
     if be == "reference":
         return ref.cosent(scores, labels, sc)
+    if ops.tracing_route():
+        return ops.cosent_scores(scores, labels, sc)
     return ScoresCosentFn.apply(scores, labels, sc)
 
 
@@ -74,4 +77,6 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: 
         sc = sc.to(device=u.device, dtype=dt)
     if resolve(backend, u, v, op="cosent") == "reference":
         return ref.cosent(ref.pair_cosines(u, v, normalize), labels, sc)
+    if ops.tracing_route():
+        return ops.cosent_pairs(u, v, labels, sc, normalize, _EPS)
     return PairCosentFn.apply(u, v, labels, sc, normalize, _EPS)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _validate as V
-from . import core
+from . import core, ops
 from ._backend import resolve
 from .core import reference as ref
 from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
@@ -42,6 +42,8 @@ _SPECS: dict = {}  # a plain dict, not functools.lru_cache (Dynamo warns when it
 
 def _spec(normalize: bool, exclude_self: bool, bias: float) -> CoreSpec:
     """CoreSpec objects are immutable: share them (constructing one per call costs microseconds)."""
+    if ops.tracing_route():  # no cache mutation inside a compiled graph (it would be guarded on)
+        return CoreSpec(normalize=normalize, eps=_EPS, exclude_self=exclude_self, bias=bias)
     key = (normalize, exclude_self, bias)
     spec = _SPECS.get(key)
     if spec is None:
@@ -64,9 +66,13 @@ def _cross_entropy(be: str, query: Tensor, keys: Tensor | None, s, target: Tenso
     n = query.shape[0]
     if valid is None:
         # the same weight on every row: a mean is the sum with weights 1/N (no division afterwards)
-        c = 1.0 / n if reduction == "mean" else 1.0
+        # (under compile the weights are 1 and the sum is divided afterwards: a weight 1/N would be
+        # a constant of the compiled graph, recompiled for every batch size)
+        per_n = reduction == "mean" and not ops.tracing_route()
+        c = 1.0 / n if per_n else 1.0
         coef = Coeffs(lse=0.5 * c, col=0.5 * c, tgt=c) if symmetric else Coeffs(lse=c, tgt=c)
-        return core.run(be, query, keys, s, spec, data, coef, reduce=reduction != "none")
+        out = core.run(be, query, keys, s, spec, data, coef, reduce=reduction != "none")
+        return out / n if reduction == "mean" and not per_n else out
     w = valid.to(compute_dtype(query, keys))
     out = core.run(be, query, keys, s, spec, data, Coeffs(lse=w, tgt=w), reduce=reduction != "none")
     return _reduced(out, reduction, w.sum())

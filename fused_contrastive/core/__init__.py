@@ -22,7 +22,7 @@ from . import chunked, dense, positives
 from .chunked import tile_elements
 from .spec import Coeffs, CoreData, CoreSpec, check_problem, compute_dtype
 
-__all__ = ["Coeffs", "CoreData", "CoreSpec", "dense_path", "run", "tile_elements"]
+__all__ = ["Coeffs", "CoreData", "CoreSpec", "dense_path", "pieces", "run", "tile_elements"]
 
 
 def dense_path(n: int, m: int) -> bool:
@@ -31,33 +31,60 @@ def dense_path(n: int, m: int) -> bool:
     return os.environ.get("FUSED_CONTRASTIVE_DENSE", "1") != "0" and n * m <= tile_elements()
 
 
+def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
+           coef: Coeffs, reduce: bool) -> list[tuple[type[torch.autograd.Function], tuple, float]]:
+    """The autograd Functions whose signed sum is the core op on ``backend``, as ``(Function, args,
+    sign)`` in the order they are to be applied: the dense one-tile Function when the problem fits
+    (:func:`dense_path`), else the O(N*D) linear positive terms (sign -1) and the log-sum-exp terms of
+    the chunked or Triton path (sign +1). The eager path (:func:`run`) applies them; the custom ops of
+    ``fused_contrastive.ops`` call their forward and backward directly."""
+    n = a.shape[0]
+    m = n if b is None else b.shape[0]
+    check_problem(n, m, spec, data, coef, reduce)
+    if dense_path(n, m):
+        return [(dense.DenseCoreFn, (a, b, scale, spec, data, coef, reduce), 1.0)]
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
+    # The O(N*D) positive terms first: autograd runs backward nodes newest first, so their gradients
+    # are formed after the log-sum-exp backward has freed its tiles (not held beside them).
+    out = []
+    if coef.tgt is not None or coef.set is not None:
+        dt = torch.float32 if backend == "triton" else compute_dtype(a, b)
+        out.append((positives.LinearTermsFn, (a, b, scale, spec, data, coef, reduce, dt), -1.0))
+    lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
+    if backend == "triton":
+        from .triton_backend import TritonCoreFn as lse_fn
+    else:
+        lse_fn = chunked.ChunkedCoreFn
+    out.append((lse_fn, (a, b, scale, spec, data, lse_terms, reduce), 1.0))
+    return out
+
+
 def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
         reduce: bool) -> Tensor:
     """The core op on ``backend`` ("torch" or "triton"): the per-row loss [N] or its sum (0-dim).
 
     ``a`` [N, D] anchors, ``b`` [M, D] contrast set or None (B is A), ``scale`` a number or a 0-dim
     tensor (gradients flow to tensors that require them). Both backends take the dense one-tile path
-    when it fits (:func:`dense_path`).
+    when it fits (:func:`dense_path`). Under ``torch.compile`` / ``torch.export`` the same work runs
+    as the registered custom op ``fused_contrastive::core`` (``fused_contrastive.ops``).
     """
-    n = a.shape[0]
-    m = n if b is None else b.shape[0]
-    check_problem(n, m, spec, data, coef, reduce)
-    if dense_path(n, m):
-        return dense.core(a, b, scale, spec, data, coef, reduce)
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
-    # The O(N*D) positive terms first: autograd runs backward nodes newest first, so their gradients
-    # are formed after the log-sum-exp backward has freed its tiles (not held beside them).
-    dt = torch.float32 if backend == "triton" else compute_dtype(a, b)
-    lin = positives.linear_terms(a, b, scale, spec, data, coef, reduce, dt)
-    lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
-    if backend == "triton":
-        from . import triton_backend
+    from .. import ops
 
-        out = triton_backend.core(a, b, scale, spec, data, lse_terms, reduce)
-    else:
-        out = chunked.core(a, b, scale, spec, data, lse_terms, reduce)
-    return out if lin is None else out - lin
+    if ops.tracing_route():
+        return ops.core(backend, a, b, scale, spec, data, coef, reduce)
+    out = None
+    for fn, args, sign in pieces(backend, a, b, scale, spec, data, coef, reduce):
+        y = fn.apply(*args)
+        out = signed_sum(out, y, sign)
+    return out
+
+
+def signed_sum(acc: Tensor | None, y: Tensor, sign: float) -> Tensor:
+    """``acc + sign * y`` (``sign * y`` when ``acc`` is None), sign +1 or -1."""
+    if acc is None:
+        return y if sign > 0 else -y
+    return acc + y if sign > 0 else acc - y
 
 
 def positive_counts(spec: CoreSpec, data: CoreData, n: int, m: int, like: Tensor) -> Tensor:

@@ -66,8 +66,11 @@ def positive_counts(spec: CoreSpec, data: CoreData, n: int, m: int, dt: torch.dt
     """``|P_i| = sum_j w_ij`` (the excluded own column not counted), [N] in ``dt``. O(N + M) for labels,
     O(n0 * m0) for a dense mask."""
     dev = (data.pos_mask if data.pos_mask is not None else data.row_labels).device
-    if data.pos_mask is None and n * m <= tile_elements():
-        # small problems: count on the label-equality tile (4 ops instead of a sort and its bookkeeping)
+    from ..ops import tracing_route
+
+    # small problems: count on the label-equality tile (4 ops instead of a sort and its bookkeeping);
+    # not in a compiled graph, where the size test would be a guard that recompiles when N crosses it
+    if data.pos_mask is None and not tracing_route() and n * m <= tile_elements():
         eq = data.row_labels[:, None] == data.col_labels[None, :]
         if spec.exclude_self:
             eq.diagonal(spec.offset).fill_(False)

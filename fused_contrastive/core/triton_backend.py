@@ -34,6 +34,7 @@ import triton
 from torch import Tensor
 
 from ..kernels import lse as K
+from ..ops import tensors_are_traced
 from .spec import Coeffs, CoreData, CoreSpec, combine
 from .triton_configs import DTYPE_NAMES, ROW_NORM_BLOCK_R, ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS, config_for, d_pad
 
@@ -98,22 +99,39 @@ def _launch(launch: Launch) -> None:
     launch.check()
     if _RECORDER is not None:
         _RECORDER.launches.append(launch)
+    elif tensors_are_traced():
+        # make_fx / Inductor tracing the host code (fake tensors): the launch becomes a
+        # triton_kernel_wrapper node of the graph. Eagerly the kernel is called directly (wrap_triton
+        # outside a trace costs a higher-order-op dispatch per launch).
+        from torch.library import wrap_triton
+
+        wrap_triton(launch.fn)[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps,
+                                            num_stages=launch.num_stages)
     else:
         launch.run()
 
 
 @functools.cache
 def _cuda_props(index: int) -> tuple[str, int]:
+    if not torch.cuda.is_available():
+        # fake CUDA tensors on a machine without a GPU (tracing the host code): the sm_80 table, A100
+        return "sm80", 108
     major, _ = torch.cuda.get_device_capability(index)
     sms = torch.cuda.get_device_properties(index).multi_processor_count
     return ("sm90" if major >= 9 else "sm80"), sms
+
+
+def _index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def _arch(device: torch.device) -> str:
     if _RECORDER is not None:
         return _RECORDER.arch
     if device.type == "cuda":
-        return _cuda_props(device.index if device.index is not None else torch.cuda.current_device())[0]
+        return _cuda_props(_index(device))[0]
     return "sm80"  # the interpreter runs the sm_80 table
 
 
@@ -240,7 +258,7 @@ def _col_programs(n_rb: int, dev: torch.device) -> int:
     if COL_PARTIAL_PROGRAMS is not None:
         cap = COL_PARTIAL_PROGRAMS
     elif dev.type == "cuda":
-        cap = 2 * _cuda_props(dev.index if dev.index is not None else torch.cuda.current_device())[1]
+        cap = 2 * _cuda_props(_index(dev))[1]
     else:
         cap = 2
     per = triton.cdiv(n_rb, max(1, cap))

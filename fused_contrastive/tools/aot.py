@@ -85,10 +85,12 @@ def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, wan
     return launches
 
 
-def core_problem(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bfloat16):
-    """What the registry case ``case_name`` hands to the core op at N anchors: ``(spec, data, coef, a, b)``
-    with meta tensors, captured by running the loss on meta inputs with ``core.run`` intercepted (so the
-    kernel report describes the losses exactly as they call the kernels, from the one registry)."""
+def core_call(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """The arguments the registry case ``case_name`` passes to ``core.run`` at N anchors, ``(a, b, scale,
+    spec, data, coef, reduce)`` with meta tensors (embeddings in ``dtype``; a tensor temperature requires
+    grad), captured by running the loss on meta inputs with ``core.run`` intercepted (so the kernel
+    report and the tracing tests describe the losses exactly as they call the core op, from the one
+    registry)."""
     from .. import core
     from ..testing import CASE_BY_NAME
 
@@ -96,12 +98,13 @@ def core_problem(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bflo
     if case.op != "core":
         raise ValueError(f"{case_name} does not run on the core op")
     tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
-    meta = {k: torch.empty(v.shape, dtype=dtype if v.dim() else v.dtype, device="meta") for k, v in tensors.items()}
+    meta = {k: torch.empty(v.shape, dtype=dtype if v.dim() else v.dtype, device="meta", requires_grad=True)
+            for k, v in tensors.items()}
     kw = {k: (v.to("meta") if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
     seen = []
 
     def capture(backend, a, b, scale, spec, data, coef, reduce):
-        seen.append((spec, data, coef, a, b))
+        seen.append((a, b, scale, spec, data, coef, reduce))
         return torch.zeros((), device="meta")
 
     orig, core.run = core.run, capture
@@ -112,6 +115,12 @@ def core_problem(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bflo
     if len(seen) != 1:
         raise RuntimeError(f"{case_name}: expected one core-op call, saw {len(seen)}")
     return seen[0]
+
+
+def core_problem(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bfloat16):
+    """``(spec, data, coef, a, b)`` of :func:`core_call` (what the kernels are compiled for)."""
+    a, b, _, spec, data, coef, _ = core_call(case_name, n, d, dtype)
+    return spec, data, coef, a, b
 
 
 def record_case(case_name: str, n: int, d: int, arch: str, dtype: torch.dtype = torch.bfloat16) -> list[TB.Launch]:

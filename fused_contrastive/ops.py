@@ -1,0 +1,365 @@
+"""The losses as registered PyTorch operators (``torch.ops.fused_contrastive.*``), for ``torch.compile``,
+``torch.export`` and CUDA graphs.
+
+Eagerly the losses run their autograd Functions directly (no dispatcher overhead). When Dynamo or
+export traces them (:func:`tracing_route`), the same work runs as opaque operators with fake
+(shape-only) implementations and registered autograd, so a compiled step has no graph break inside
+the loss, traces no Python chunk loop, and never specialises on the batch size:
+
+``fused_contrastive::core``
+    The core op of ``core/spec.py`` on the torch backend (dense tile or chunked + linear terms) or on
+    the Triton kernels under the interpreter. Returns ``(out, grad_a, grad_b, grad_scale)``: with a
+    summed output (``reduce``) the gradients for an upstream gradient of 1 are formed in the same
+    pass (as the eager Functions do) and the registered backward scales them; with per-row output
+    they are empty and the backward calls ``core_backward``, which recomputes the forward (one extra
+    pass over the tiles: the eager path keeps its saved statistics instead).
+``fused_contrastive::triton_core``
+    The same schema as a :func:`torch.library.triton_op`: on CUDA, Inductor traces its host code and
+    sees the Triton kernels (through ``wrap_triton``) instead of an opaque call.
+``fused_contrastive::cosent_scores``, ``fused_contrastive::cosent_pairs``
+    CoSENT from scores and from embedding pairs; ``(loss, grads...)`` likewise.
+
+The implementations call the forward and backward of the autograd Functions in ``core/`` directly
+(autograd does not record inside an operator), through :class:`_Ctx`. Arguments that could change
+with the batch size (the offset of the anchors, ``grad_cols``) are ``SymInt``; coefficients that are
+the same number for every row are ``float`` and must not depend on N (the losses pass weights 1 and
+divide outside the op under compile, or a tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from . import core as _core
+from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
+
+__all__ = ["core", "cosent_pairs", "cosent_scores", "forced", "tensors_are_traced", "tracing_route"]
+
+_FORCE = False
+_NAN = float("nan")
+_COEF_NAMES = ("lse", "col", "pos", "tgt", "set")
+
+
+def tracing_route() -> bool:
+    """Whether the losses call the registered operators: under ``torch.compile`` and
+    ``torch.export``, or inside :func:`forced`."""
+    return _FORCE or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+@contextlib.contextmanager
+def forced() -> Iterator[None]:
+    """Route the losses through the registered operators outside of compile too (tests, and
+    ``make_fx`` traces of a training step)."""
+    global _FORCE
+    old, _FORCE = _FORCE, True
+    try:
+        yield
+    finally:
+        _FORCE = old
+
+
+def tensors_are_traced() -> bool:
+    """True under a fake, proxy or functional dispatch mode (make_fx, Inductor's lowering, export):
+    tensors then have no data and no real storage, so host code must not read either."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
+
+
+class _Ctx:
+    """Stands in for ``ctx`` of an autograd Function whose forward and backward are called directly."""
+
+    def __init__(self, needs: Sequence[bool]):
+        self.needs_input_grad = tuple(needs)
+        self.saved_tensors: tuple = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+
+def _run(parts, need: Sequence[bool], go: Tensor | None):
+    """Forward of every ``(Function, args, sign)`` part, summed with its sign; with ``go``, also the
+    gradients of the first three arguments (a, b, scale) for the upstream gradient ``go``."""
+    out, ctxs = None, []
+    for fn, args, sign in parts:
+        ctx = _Ctx(tuple(need) + (False,) * (len(args) - 3))
+        out = _core.signed_sum(out, fn.forward(ctx, *args), sign)
+        ctxs.append((fn, ctx, sign))
+    grads = [None, None, None]
+    if go is not None:
+        for fn, ctx, sign in ctxs:
+            gs = fn.backward(ctx, go if sign > 0 else -go)
+            for i in range(3):
+                if gs[i] is not None:
+                    grads[i] = gs[i] if grads[i] is None else grads[i] + gs[i]
+    return out, grads
+
+
+def _empty(like: Tensor | None, device: torch.device) -> Tensor:
+    return torch.empty(0, dtype=torch.float32 if like is None else like.dtype, device=device)
+
+
+def _grad_or_empty(g: Tensor | None, like: Tensor | None, need: bool, device: torch.device) -> Tensor:
+    """The gradient as the operator returns it: contiguous, zeros when ``need`` but no part wrote one
+    (the dense path folds the anchors' gradient into B's rows when A is a slice of B), an empty
+    tensor on ``device`` when not needed."""
+    if like is None or not need:
+        return _empty(like, device)
+    if g is None:
+        return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    return g.contiguous()
+
+
+def _fake_grad(like: Tensor | None, need: bool, device: torch.device) -> Tensor:
+    return _empty(like, device) if like is None or not need else like.new_empty(like.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# the core op
+# ------------------------------------------------------------------------------------------------
+
+_CORE_ARGS = (
+    "Tensor a, Tensor? b, Tensor? scale_t, float scale_f, Tensor? target, Tensor? bias_col, "
+    "Tensor? row_labels, Tensor? col_labels, Tensor? pos_mask, Tensor?[] coef_t, float[] coef_v, "
+    "bool normalize, float eps, bool exclude_self, SymInt offset, float bias, SymInt? grad_cols, "
+    "bool reduce, str backend, bool[] need"
+)
+_N_CORE_ARGS = 20
+
+
+def _unflatten(args: tuple):
+    """The flat operator arguments back to ``(backend, a, b, scale, spec, data, coef, reduce, need)``."""
+    (a, b, scale_t, scale_f, target, bias_col, row_labels, col_labels, pos_mask, coef_t, coef_v,
+     normalize, eps, exclude_self, offset, bias, grad_cols, reduce, backend, need) = args
+    scale = scale_t if scale_t is not None else scale_f
+    spec = CoreSpec(normalize=normalize, eps=eps, exclude_self=exclude_self, offset=offset, bias=bias,
+                    grad_cols=grad_cols)
+    data = CoreData(target=target, bias_col=bias_col, row_labels=row_labels, col_labels=col_labels,
+                    pos_mask=pos_mask)
+    vals = {}
+    for name, t, v in zip(_COEF_NAMES, coef_t, coef_v):
+        vals[name] = t if t is not None else (None if math.isnan(v) else v)
+    return backend, a, b, scale, spec, data, Coeffs(**vals), reduce, need
+
+
+def _flatten(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
+             coef: Coeffs, reduce: bool, need: Sequence[bool]) -> tuple:
+    coefs = [getattr(coef, k) for k in _COEF_NAMES]
+    return (a, b, scale if isinstance(scale, Tensor) else None,
+            0.0 if isinstance(scale, Tensor) else float(scale),
+            data.target, data.bias_col, data.row_labels, data.col_labels, data.pos_mask,
+            [c if isinstance(c, Tensor) else None for c in coefs],
+            [_NAN if c is None or isinstance(c, Tensor) else float(c) for c in coefs],
+            spec.normalize, spec.eps, spec.exclude_self, spec.offset, spec.bias, spec.grad_cols,
+            reduce, backend, list(need))
+
+
+def _core_impl(*args):
+    backend, a, b, scale, spec, data, coef, reduce, need = _unflatten(args)
+    parts = _core.pieces(backend, a, b, scale, spec, data, coef, reduce)
+    grad = reduce and any(need)
+    out, (ga, gb, gs) = _run(parts, need, torch.ones((), dtype=compute_dtype(a, b), device=a.device)
+                             if grad else None)
+    scale_t = args[2]
+    dev = a.device
+    return (out, _grad_or_empty(ga, a, need[0] and grad, dev), _grad_or_empty(gb, b, need[1] and grad, dev),
+            _grad_or_empty(gs, scale_t, need[2] and grad, dev))
+
+
+def _core_fake(*args):
+    a, b, scale_t, reduce, need = args[0], args[1], args[2], args[17], args[19]
+    out = a.new_empty(() if reduce else (a.shape[0],), dtype=compute_dtype(a, b))
+    grad = reduce and any(need)
+    dev = a.device
+    return (out, _fake_grad(a, need[0] and grad, dev), _fake_grad(b, need[1] and grad, dev),
+            _fake_grad(scale_t, need[2] and grad, dev))
+
+
+def _core_backward_impl(*args):
+    *fwd, go = args
+    backend, a, b, scale, spec, data, coef, reduce, need = _unflatten(tuple(fwd))
+    parts = _core.pieces(backend, a, b, scale, spec, data, coef, reduce)
+    _, (ga, gb, gs) = _run(parts, need, go.to(compute_dtype(a, b)))
+    dev = a.device
+    return (_grad_or_empty(ga, a, need[0], dev), _grad_or_empty(gb, b, need[1], dev),
+            _grad_or_empty(gs, fwd[2], need[2], dev))
+
+
+def _core_backward_fake(*args):
+    a, b, scale_t, need = args[0], args[1], args[2], args[19]
+    dev = a.device
+    return _fake_grad(a, need[0], dev), _fake_grad(b, need[1], dev), _fake_grad(scale_t, need[2], dev)
+
+
+_TENSOR_ARGS = (0, 1, 2, 4, 5, 6, 7, 8)  # positions of the Tensor? arguments (coef_t is a list)
+
+
+def _core_setup(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.reduce = inputs[17]
+    if ctx.reduce:
+        ctx.save_for_backward(*output[1:])
+        return
+    # per-row output: the backward recomputes from the inputs
+    ctx.save_for_backward(*(inputs[i] for i in _TENSOR_ARGS), *inputs[9])
+    ctx.inputs = [None if i in _TENSOR_ARGS or i == 9 else v for i, v in enumerate(inputs)]
+
+
+def _core_backward(ctx, go, *_unused):
+    if ctx.reduce:
+        ga, gb, gs = ctx.saved_tensors
+        need = [x.numel() > 0 for x in (ga, gb, gs)]
+    else:
+        saved = ctx.saved_tensors
+        args = list(ctx.inputs)
+        for k, i in enumerate(_TENSOR_ARGS):
+            args[i] = saved[k]
+        args[9] = list(saved[len(_TENSOR_ARGS):])
+        need = args[19]
+        ga, gb, gs = torch.ops.fused_contrastive.core_backward(*args, go)
+        go = None
+    grads = [None] * _N_CORE_ARGS
+    for i, (g, nd) in enumerate(zip((ga, gb, gs), need)):
+        if nd and ctx.needs_input_grad[i]:
+            grads[i] = g if go is None else g * go.to(g.dtype)
+    return tuple(grads)
+
+
+_core_op = torch.library.custom_op("fused_contrastive::core", _core_impl, mutates_args=(),
+                                   schema=f"({_CORE_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+_core_op.register_fake(_core_fake)
+_core_bwd_op = torch.library.custom_op("fused_contrastive::core_backward", _core_backward_impl, mutates_args=(),
+                                       schema=f"({_CORE_ARGS}, Tensor go) -> (Tensor, Tensor, Tensor)")
+_core_bwd_op.register_fake(_core_backward_fake)
+_core_op.register_autograd(_core_backward, setup_context=_core_setup)
+
+
+def _needs(*xs) -> list[bool]:
+    grad = torch.is_grad_enabled()
+    return [grad and isinstance(x, Tensor) and x.requires_grad for x in xs]
+
+
+def core(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+         reduce: bool) -> Tensor:
+    """``core.run`` as the registered operator (``fused_contrastive::core``, or ``triton_core`` for the
+    Triton kernels on CUDA). Same arguments and result."""
+    need = _needs(a, b, scale)
+    op = torch.ops.fused_contrastive.core
+    if backend == "triton" and a.device.type == "cuda":
+        op = _triton_core_op()
+    return op(*_flatten(backend, a, b, scale, spec, data, coef, reduce, need))[0]
+
+
+_TRITON_OP = None
+
+
+def _triton_core_impl(a: Tensor, b: Tensor | None, scale_t: Tensor | None, scale_f: float, target: Tensor | None,
+                      bias_col: Tensor | None, row_labels: Tensor | None, col_labels: Tensor | None,
+                      pos_mask: Tensor | None, coef_t: list[Tensor | None], coef_v: list[float], normalize: bool,
+                      eps: float, exclude_self: bool, offset: int, bias: float, grad_cols: int | None,
+                      reduce: bool, backend: str, need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_core_impl`` with a typed signature (``triton_op`` infers its schema from it: the same as
+    ``fused_contrastive::core``'s, which a test checks)."""
+    return _core_impl(a, b, scale_t, scale_f, target, bias_col, row_labels, col_labels, pos_mask, coef_t, coef_v,
+                      normalize, eps, exclude_self, offset, bias, grad_cols, reduce, backend, need)
+
+
+def _triton_core_op():
+    """``fused_contrastive::triton_core``, registered on first use (importing triton is slow)."""
+    global _TRITON_OP
+    if _TRITON_OP is None:
+        op = torch.library.triton_op("fused_contrastive::triton_core", _triton_core_impl, mutates_args=())
+        op.register_autograd(_core_backward, setup_context=_core_setup)
+        _TRITON_OP = torch.ops.fused_contrastive.triton_core
+    return _TRITON_OP
+
+
+# ------------------------------------------------------------------------------------------------
+# CoSENT
+# ------------------------------------------------------------------------------------------------
+
+
+def _cosent_scores_impl(scores: Tensor, labels: Tensor, scale_t: Tensor | None, scale_f: float,
+                        need: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    from .core.cosent import ScoresCosentFn
+
+    scale = scale_t if scale_t is not None else scale_f
+    needs = (need[0], False, need[1])
+    out, (gx, _, gs) = _run([(ScoresCosentFn, (scores, labels, scale), 1.0)], needs,
+                            torch.ones((), dtype=compute_dtype(scores), device=scores.device)
+                            if any(need) else None)
+    dev = scores.device
+    return out, _grad_or_empty(gx, scores, need[0], dev), _grad_or_empty(gs, scale_t, need[1], dev)
+
+
+def _cosent_pairs_impl(u: Tensor, v: Tensor, labels: Tensor, scale_t: Tensor | None, scale_f: float,
+                       normalize: bool, eps: float, need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from .core.cosent import PairCosentFn
+
+    scale = scale_t if scale_t is not None else scale_f
+    ctx = _Ctx((need[0], need[1], False, need[2], False, False))
+    out = PairCosentFn.forward(ctx, u, v, labels, scale, normalize, eps)
+    gu = gv = gs = None
+    if any(need):
+        gu, gv, _, gs, _, _ = PairCosentFn.backward(ctx, torch.ones((), dtype=out.dtype, device=out.device))
+    dev = u.device
+    return (out, _grad_or_empty(gu, u, need[0], dev), _grad_or_empty(gv, v, need[1], dev),
+            _grad_or_empty(gs, scale_t, need[2], dev))
+
+
+_cosent_scores_op = torch.library.custom_op("fused_contrastive::cosent_scores", _cosent_scores_impl,
+                                            mutates_args=())
+_cosent_pairs_op = torch.library.custom_op("fused_contrastive::cosent_pairs", _cosent_pairs_impl,
+                                           mutates_args=())
+
+
+@_cosent_scores_op.register_fake
+def _(scores, labels, scale_t, scale_f, need):
+    dev = scores.device
+    return (scores.new_empty((), dtype=compute_dtype(scores)), _fake_grad(scores, need[0], dev),
+            _fake_grad(scale_t, need[1], dev))
+
+
+@_cosent_pairs_op.register_fake
+def _(u, v, labels, scale_t, scale_f, normalize, eps, need):
+    dev = u.device
+    return (u.new_empty((), dtype=compute_dtype(u, v)), _fake_grad(u, need[0], dev), _fake_grad(v, need[1], dev),
+            _fake_grad(scale_t, need[2], dev))
+
+
+def _scaled_grads_setup(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[1:])
+
+
+def _scaled_grads(positions: tuple[int, ...], n_args: int):
+    """Backward of an operator that returned its gradients for an upstream gradient of 1."""
+    def backward(ctx, go, *_unused):
+        grads = [None] * n_args
+        for i, g in zip(positions, ctx.saved_tensors):
+            if g.numel() and ctx.needs_input_grad[i]:
+                grads[i] = g * go.to(g.dtype)
+        return tuple(grads)
+    return backward
+
+
+_cosent_scores_op.register_autograd(_scaled_grads((0, 2), 5), setup_context=_scaled_grads_setup)
+_cosent_pairs_op.register_autograd(_scaled_grads((0, 1, 3), 8), setup_context=_scaled_grads_setup)
+
+
+def cosent_scores(scores: Tensor, labels: Tensor, scale) -> Tensor:
+    """CoSENT of ``scores`` [B] as ``fused_contrastive::cosent_scores`` (0-dim loss)."""
+    st = scale if isinstance(scale, Tensor) else None
+    return _cosent_scores_op(scores, labels, st, 0.0 if st is not None else float(scale),
+                             _needs(scores, st))[0]
+
+
+def cosent_pairs(u: Tensor, v: Tensor, labels: Tensor, scale, normalize: bool, eps: float) -> Tensor:
+    """CoSENT of the pair cosines of ``u``, ``v`` [B, D] as ``fused_contrastive::cosent_pairs``."""
+    st = scale if isinstance(scale, Tensor) else None
+    return _cosent_pairs_op(u, v, labels, st, 0.0 if st is not None else float(scale), normalize, eps,
+                            _needs(u, v, st))[0]

@@ -1,0 +1,328 @@
+"""torch.compile, torch.export and host-sync freedom: the losses through the registered operators of
+``fused_contrastive.ops``.
+
+* ``opcheck`` of every operator on the arguments the registry's cases hand it (dense and chunked
+  problems, the Triton backend under the interpreter);
+* every case and every ``nn`` module compiles with ``fullgraph=True`` (0 graph breaks), its compiled
+  loss and gradients equal eager ones (float64), and changing N does not recompile (``dynamic=True``);
+* ``torch.export`` of a module calling ``info_nce``;
+* the host code of both backends traced on data-less tensors (``tests/trace_host_code.py``): no host
+  read anywhere, and the Triton launches appear as ``triton_kernel_wrapper`` nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from conftest import set_path
+from torch.utils._pytree import tree_map
+
+import fused_contrastive as fc
+from fused_contrastive import nn as fnn
+from fused_contrastive import ops
+from fused_contrastive.testing import CASES, make_inputs
+
+CORE_CASES = [c for c in CASES if c.op == "core"]
+COSENT_CASES = [c for c in CASES if c.op == "cosent"]
+NAMES = [c.name for c in CASES]
+D = 5  # an odd D: no size of the inputs equals another by accident (dynamo's duck sizing would tie them)
+
+
+def _double(tensors: dict) -> dict:
+    return {k: v.double().requires_grad_() for k, v in tensors.items()}
+
+
+def _loss_and_grads(fn, tensors: dict, *args):
+    out = fn(tensors, *args)
+    return out, torch.autograd.grad(out.sum(), list(tensors.values()))
+
+
+def _assert_close(got, want, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------
+# opcheck
+# ------------------------------------------------------------------------------------------------
+
+
+def _captured_core_args(case, n: int, backend: str, dtype=torch.float64) -> list[tuple]:
+    """The flat arguments of ``fused_contrastive::core`` when ``case`` runs at N (inputs of ``dtype``
+    that require grad), captured from the loss itself."""
+    seen = []
+    flatten = ops._flatten
+
+    def record(*args):
+        seen.append(flatten(*args))
+        return seen[-1]
+
+    tensors, kw = make_inputs(case, n, D)
+    ops._flatten = record
+    try:
+        with ops.forced():
+            case.fn(**{k: v.to(dtype).requires_grad_() for k, v in tensors.items()}, **kw, backend=backend)
+    finally:
+        ops._flatten = flatten
+    assert len(seen) == 1, f"{case.name}: expected one core-op call, saw {len(seen)}"
+    return seen[0]
+
+
+@pytest.mark.parametrize("name", [c.name for c in CORE_CASES])
+def test_opcheck_core(name, path, monkeypatch):
+    case = next(c for c in CORE_CASES if c.name == name)
+    args = _captured_core_args(case, 13, "torch")
+    torch.library.opcheck(torch.ops.fused_contrastive.core.default, args)
+    if not args[17]:  # per-row output: its backward operator too (no double backward: inputs detached)
+        go = torch.randn(args[0].shape[0], dtype=torch.float64)
+        plain = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
+        torch.library.opcheck(torch.ops.fused_contrastive.core_backward.default, (*plain, go))
+
+
+@pytest.mark.parametrize("name", ["info_nce_none", "clip_scale", "supcon_in", "dscl_queue"])
+def test_opcheck_core_triton_interpreted(name, monkeypatch):
+    """The Triton kernels (interpreter, float32) inside the operator: the chunk-free kernel path."""
+    set_path(monkeypatch, "chunked")
+    case = next(c for c in CORE_CASES if c.name == name)
+    args = _captured_core_args(case, 9, "triton", torch.float32)
+    assert args[18] == "triton"
+    torch.library.opcheck(torch.ops.fused_contrastive.core.default, args, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", [c.name for c in COSENT_CASES])
+@pytest.mark.parametrize("n", [7, 600])  # the B x B pair tile and the sorted scan
+def test_opcheck_cosent(name, n):
+    case = next(c for c in COSENT_CASES if c.name == name)
+    t, kw = make_inputs(case, n, D)
+    t = _double(t)
+    if name == "cosent":
+        op = torch.ops.fused_contrastive.cosent_pairs.default
+        args = (t["u"], t["v"], kw["labels"], None, 20.0, True, 1e-12, [True, True, False])
+    else:
+        op = torch.ops.fused_contrastive.cosent_scores.default
+        args = (t["scores"], kw["labels"], t["scale"], 0.0, [True, True])
+    torch.library.opcheck(op, args)
+
+
+def test_triton_op_has_the_core_schema():
+    """``triton_core`` infers its schema from a typed signature; it must stay ``core``'s."""
+    pytest.importorskip("triton")
+    core = torch.ops.fused_contrastive.core.default._schema
+    tri = ops._triton_core_op().default._schema
+    assert [(a.name, str(a.type)) for a in tri.arguments] == [(a.name, str(a.type)) for a in core.arguments]
+    assert [str(r.type) for r in tri.returns] == [str(r.type) for r in core.returns]
+
+
+# ------------------------------------------------------------------------------------------------
+# compile: graph breaks, parity, recompiles
+# ------------------------------------------------------------------------------------------------
+
+
+def _case_fn(case, backend: str = "torch"):
+    def fn(tensors, kw):
+        return case.fn(**tensors, **kw, backend=backend)
+    return fn
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_graph_break(name):
+    case = CASES[NAMES.index(name)]
+    tensors, kw = make_inputs(case, 11, D)
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(_case_fn(case))(_double(tensors), kw)
+    assert ex.graph_break_count == 0, [str(r.reason) for r in ex.break_reasons]
+    assert ex.graph_count == 1
+
+
+def _compiled_parity(fn, build, backend: str, sizes=(24, 40, 57)) -> None:
+    """``fn(tensors, kw)`` compiled (fullgraph, dynamic) equals eager at every N, and only the first N
+    compiles."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for n in sizes:
+        tensors, kw = build(n)
+        want, want_g = _loss_and_grads(fn, tensors, kw)
+        got, got_g = _loss_and_grads(compiled, tensors, kw)
+        _assert_close(got, want, f"loss at N={n}")
+        for k, g, w in zip(tensors, got_g, want_g):
+            _assert_close(g, w, f"grad of {k} at N={n}")
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1
+    assert frames[1:] == [frames[0]] * (len(sizes) - 1), f"recompiled when N changed: frames {frames}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_matches_eager_aot_eager(name, path):
+    case = CASES[NAMES.index(name)]
+
+    def build(n):
+        tensors, kw = make_inputs(case, n, D)
+        return _double(tensors), kw
+
+    _compiled_parity(_case_fn(case), build, "aot_eager")
+
+
+# one case per public loss function under Inductor (its CPU C++ compile takes seconds per graph)
+_INDUCTOR = ["info_nce_none", "clip_scale", "simcse", "simcse_sup_hard", "supcon_queue_in", "dscl_queue",
+             "cosent", "cosent_scores"]
+
+
+@pytest.mark.parametrize("name", _INDUCTOR)
+def test_compiled_matches_eager_inductor(name):
+    case = CASES[NAMES.index(name)]
+    assert {c.fn for c in CASES} == {CASES[NAMES.index(n)].fn for n in _INDUCTOR}  # every public loss
+
+    def build(n):
+        tensors, kw = make_inputs(case, n, D)
+        return _double(tensors), kw
+
+    _compiled_parity(_case_fn(case), build, "inductor", sizes=(24, 40))
+
+
+@pytest.mark.parametrize("name", ["info_nce_self_none", "supcon_in", "clip_scale"])
+def test_compiled_triton_interpreted(name, monkeypatch):
+    """backend="triton" under compile on this CPU: the kernels run (interpreted) inside the opaque
+    ``core`` operator; equal to eager."""
+    set_path(monkeypatch, "chunked")
+    case = CASES[NAMES.index(name)]
+
+    def build(n):
+        tensors, kw = make_inputs(case, n, D)
+        return {k: v.requires_grad_() for k, v in tensors.items()}, kw
+
+    def close(got, want, what):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+    fn = _case_fn(case, "triton")
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    for n in (9, 14):
+        tensors, kw = build(n)
+        want, want_g = _loss_and_grads(fn, tensors, kw)
+        got, got_g = _loss_and_grads(compiled, tensors, kw)
+        close(got, want, "loss")
+        for k, g, w in zip(tensors, got_g, want_g):
+            close(g, w, f"grad of {k}")
+
+
+def _module_inputs(n: int, g: torch.Generator):
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 4, (n,), generator=g)
+    return {
+        "InfoNCELoss": (fnn.InfoNCELoss(0.05), (r(n, D), r(n + 2, D)), (torch.randint(0, n + 2, (n,), generator=g),)),
+        "SimCSELoss": (fnn.SimCSELoss(0.05), (r(2 * n, D),), ()),
+        "SupConLoss": (fnn.SupConLoss(0.1, variant="in"), (r(n, 2, D),), (labels,)),
+        "DSCLLoss": (fnn.DSCLLoss(), (r(n, 2, D),), (labels,)),
+        "CoSENTLoss": (fnn.CoSENTLoss(), (r(n, D), r(n, D)), (torch.rand(n, generator=g, dtype=torch.float64),)),
+        "CLIPLoss": (fnn.CLIPLoss().double(), (r(n, D), r(n, D)), ()),
+    }
+
+
+@pytest.mark.parametrize("module", ["InfoNCELoss", "SimCSELoss", "SupConLoss", "DSCLLoss", "CoSENTLoss", "CLIPLoss"])
+def test_nn_module_compiles(module):
+    assert set(_module_inputs(3, torch.Generator())) == set(fnn.__all__)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    frames = []
+    for n in (12, 20, 33):
+        mod, xs, rest = _module_inputs(n, torch.Generator().manual_seed(n))[module]
+        xs = [x.requires_grad_() for x in xs]
+        params = list(mod.parameters())
+        if n == 12:
+            ex = torch._dynamo.explain(mod)(*xs, *rest)
+            assert ex.graph_break_count == 0, [str(r.reason) for r in ex.break_reasons]
+            torch._dynamo.reset()
+        compiled = torch.compile(mod, backend=counter, fullgraph=True, dynamic=True)
+        want = mod(*xs, *rest)
+        want_g = torch.autograd.grad(want, xs + params)
+        got = compiled(*xs, *rest)
+        got_g = torch.autograd.grad(got, xs + params)
+        _assert_close(got, want, f"{module} loss")
+        for i, (a, b) in enumerate(zip(got_g, want_g)):
+            _assert_close(a, b, f"{module} grad {i}")
+        frames.append(counter.frame_count)
+    assert frames[1:] == [frames[0]] * 2, f"recompiled when N changed: frames {frames}"
+
+
+def test_no_grad_compiled_forward_matches():
+    """Under no_grad the operator forms no gradients (and returns the same loss)."""
+    q, k = torch.randn(30, D, dtype=torch.float64), torch.randn(30, D, dtype=torch.float64)
+    f = torch.compile(lambda q, k: fc.info_nce(q, k, reduction="sum"), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        _assert_close(f(q, k), fc.info_nce(q, k, reduction="sum"), "no_grad loss")
+
+
+# ------------------------------------------------------------------------------------------------
+# export
+# ------------------------------------------------------------------------------------------------
+
+
+class _Tower(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return fc.info_nce(self.proj(x), self.proj(y), temperature=0.05)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_info_nce(strict):
+    torch.manual_seed(0)
+    model = _Tower()
+    x, y = torch.randn(12, 16), torch.randn(12, 16)
+    n = torch.export.Dim("n", min=2)
+    ep = torch.export.export(model, (x, y), dynamic_shapes=({0: n}, {0: n}), strict=strict)
+    targets = [str(node.target) for node in ep.graph.nodes if node.op == "call_function"]
+    assert "fused_contrastive.core.default" in targets
+    for rows in (12, 31):  # a batch size other than the traced one
+        x, y = torch.randn(rows, 16), torch.randn(rows, 16)
+        torch.testing.assert_close(ep.module()(x, y), model(x, y), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# host code traced on data-less tensors
+# ------------------------------------------------------------------------------------------------
+
+
+def _trace_report(*flags: str) -> dict:
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("trace_host_code.py")
+    res = subprocess.run([sys.executable, str(script), *flags], check=False, capture_output=True, text=True,
+                         env=env, timeout=900, cwd=script.parent.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
+def test_host_code_never_reads_device_data():
+    report = _trace_report()
+    want = {f"{c.name}/{b}/{r}" for c in CORE_CASES for b in ("torch", "triton") for r in ("eager", "op")}
+    assert want <= set(report)
+    errors = {k: v["error"] for k, v in report.items() if "error" in v}
+    assert not errors, errors
+    for key, entry in report.items():
+        _case, backend, route = key.split("/")
+        if backend == "torch":
+            assert entry["kernels"] == 0, key
+        else:  # the launches are graph nodes: the row norms, the forward, at least one backward kernel
+            assert entry["kernels"] >= (2 if route in ("op", "triton_op") else 3), (key, entry)
+    assert {k.rsplit("/", 1)[0] for k in report if k.endswith("/triton_op")} == \
+        {f"{c.name}/triton" for c in CORE_CASES}
+
+
+def test_host_code_trace_catches_a_host_read():
+    """The same trace with an ``.item()``-like read planted in the row normalisation fails on every
+    route: the check above can fail."""
+    report = _trace_report("--plant")
+    assert report and all("error" in v for v in report.values()), report
+    assert all("data-dependent" in v["error"] or "DataDependent" in v["error"] for v in report.values()), report

@@ -1,0 +1,122 @@
+"""Traces the host code of the core op on data-less tensors and prints a JSON report (run as a script by
+``tests/test_compile.py``, in its own process: triton must be imported *without* the interpreter, so
+that ``wrap_triton`` turns the kernel launches into graph nodes).
+
+For every registry case of the core op, on both backends, ``make_fx(tracing_mode="symbolic")`` traces
+
+* ``eager``: ``core.run`` forward and its autograd backward (the path of an uncompiled training step);
+* ``op``: the implementation of ``fused_contrastive::core`` (forward + gradients in one call; for
+  per-row output also ``core_backward``), i.e. what runs inside a compiled graph;
+* ``triton_op`` (triton backend): the ``fused_contrastive::triton_core`` operator under
+  functionalization, as Inductor decomposes it (Triton's mutation analysis warns that it cannot
+  find a GPU driver and assumes every pointer argument is written: harmless for a trace).
+
+Any ``.item()``, ``bool(tensor)``, data-dependent shape or storage access raises during such a trace,
+so an entry without ``error`` is host code that never reads device data: the condition for CUDA
+graphs. The tensors are fake tensors over the ``meta`` device, which stands in for CUDA: this
+PyTorch build has no CUDA device guard, so fake ``cuda`` tensors cannot even be indexed here; every
+branch of the host code that is taken for CUDA tensors is taken for meta tensors too (both are "not
+the CPU"). ``--plant`` adds a ``.item()`` to the row normalisation (shared by both backends) to show
+that the trace catches one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["FUSED_CONTRASTIVE_DENSE"] = "0"  # the chunked and kernel paths, not the one-tile path
+
+import torch
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fused_contrastive import core, ops
+from fused_contrastive.core import norms
+from fused_contrastive.testing import CASES
+from fused_contrastive.tools.aot import core_call
+
+N, D = 96, 40
+
+
+def _leaf(x, grad: bool):
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device="meta", requires_grad=grad and x.is_floating_point())
+
+
+def _flat(case: str, backend: str, grad: bool) -> list:
+    a, b, scale, spec, data, coef, reduce = core_call(case, N, D)
+    need = [True, b is not None, isinstance(scale, torch.Tensor)]
+    flat = list(ops._flatten(backend, a, b, scale, spec, data, coef, reduce, need))
+    for i in (0, 1, 2):  # the differentiable inputs: fresh leaves (a may be a view of b)
+        flat[i] = _leaf(flat[i], grad)
+    for i in (4, 5, 6, 7, 8):
+        flat[i] = _leaf(flat[i], False)
+    flat[9] = [_leaf(c, False) for c in flat[9]]
+    return flat
+
+
+def _kernels(g) -> int:
+    return sum(1 for n in g.graph.nodes if "triton_kernel_wrapper" in str(n.target))
+
+
+def _trace(fn, *args) -> dict:
+    try:
+        g = make_fx(fn, tracing_mode="symbolic")(*args)
+    except Exception as e:  # noqa: BLE001 - the report carries the error
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"nodes": len(g.graph.nodes), "kernels": _kernels(g)}
+
+
+def _functional_triton_op(*flat):
+    """``triton_core`` as Inductor lowers it: under functionalization the operator decomposes into its
+    host code, and each launch becomes a ``triton_kernel_wrapper`` node (outside functionalization it
+    stays one opaque node)."""
+    with FunctionalTensorMode():
+        args = [FunctionalTensor.to_functional(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        out = ops._triton_core_op()(*args)
+    return [torch._from_functional_tensor(o.elem) for o in out]
+
+
+def _eager_step(*flat):
+    backend, a, b, scale, spec, data, coef, reduce, _ = ops._unflatten(flat)
+    out = core.run(backend, a, b, scale, spec, data, coef, reduce)
+    xs = [x for x in (a, b, scale) if isinstance(x, torch.Tensor) and x.requires_grad]
+    return torch.autograd.grad(out.sum(), xs)
+
+
+def main(plant: bool) -> dict:
+    if plant:
+        orig = norms.normalize_rows
+
+        def planted(x, *args, **kwargs):
+            if float(x.float().sum()) > 1e300:  # a host read: what the trace must refuse
+                pass
+            return orig(x, *args, **kwargs)
+
+        norms.normalize_rows = planted
+        for mod in (core.chunked, core.positives):
+            mod.normalize_rows = planted
+
+    report = {}
+    for case in [c.name for c in CASES if c.op == "core"]:
+        for backend in ("torch", "triton"):
+            key = f"{case}/{backend}"
+            report[f"{key}/eager"] = _trace(_eager_step, *_flat(case, backend, grad=True))
+            flat = _flat(case, backend, grad=False)
+            report[f"{key}/op"] = _trace(lambda *f: ops._core_impl(*f), *flat)
+            if not flat[17]:  # per-row output: the recomputing backward operator
+                go = torch.empty(flat[0].shape[0], device="meta")
+                report[f"{key}/op_backward"] = _trace(lambda *f: ops._core_backward_impl(*f), *flat, go)
+            if backend == "triton":
+                report[f"{key}/triton_op"] = _trace(_functional_triton_op, *flat)
+        if plant:  # one case shows it
+            break
+    return report
+
+
+if __name__ == "__main__":
+    json.dump(main("--plant" in sys.argv), sys.stdout, indent=1)
