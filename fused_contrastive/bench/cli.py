@@ -95,6 +95,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     ap.add_argument("--backends", type=_backends, default=["torch", "triton"], metavar="BACKEND,...",
                     help="ours to run among torch, triton (default both; the reference always runs)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time torch.compile (Inductor) of the torch backend and of the textbook formula; "
+                         "the report gets a COMPILED table (compiled / eager, and the cold first step)")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                     help="pytorch-metric-learning when installed (default on)")
     ap.add_argument("--seeds", action=argparse.BooleanOptionalAction, default=True,
@@ -146,7 +149,8 @@ def config(a: argparse.Namespace, ap: argparse.ArgumentParser):
     repeats = a.repeats or dflt["repeats"]
     return Config(
         cases=cases, sizes=sorted(set(a.sizes or dflt["sizes"])), dim=a.dim, dtype=a.dtype, device=device,
-        backends=sorted(set(a.backends) | {"reference"}), seeds=a.seeds, peers=a.peers, repeats=repeats,
+        backends=sorted(set(a.backends) | {"reference"} | ({"torch-compiled", "formula-compiled"} if a.compile
+                                                           else set())), seeds=a.seeds, peers=a.peers, repeats=repeats,
         min_repeats=min(a.min_repeats or dflt["min_repeats"], repeats), warmup=a.warmup, out=a.out,
         mem_budget=budget, mem_cap=cap, max_iter_seconds=a.max_iter_seconds or dflt["max_iter_seconds"],
         max_case_seconds=a.max_case_seconds or dflt["max_case_seconds"], timeout=a.timeout,

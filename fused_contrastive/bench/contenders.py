@@ -72,7 +72,32 @@ def contenders(case: Case) -> list[Contender]:
                   time_order=2 if case.logits is not None else 1, backend="torch"),  # CoSENT: O(N log N)
         Contender("triton", "ours", _ours(case, "triton"),
                   'fused_contrastive backend="triton" (fused kernels, CUDA)', 1, backend="triton"),
-    ] + [_baseline(b) for b in BASELINES.get(case.name, [])]
+    ] + [_baseline(b) for b in BASELINES.get(case.name, [])] + _compiled_contenders(case)
+
+
+def _compiled(fn: Callable[[dict[str, Any]], Tensor]) -> Callable[[dict[str, Any]], Tensor]:
+    """``torch.compile(fn)`` (Inductor, default options), created on first call."""
+    compiled = None
+
+    def run(x: dict[str, Any]) -> Tensor:
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(x)
+    return run
+
+
+def _compiled_contenders(case: Case) -> list[Contender]:
+    """``bench --compile``: the torch backend and the textbook formula under ``torch.compile``."""
+    out = [Contender("torch-compiled", "compiled", _compiled(_ours(case, "torch")),
+                     'torch.compile of fused_contrastive backend="torch" (the registered custom ops)', 1,
+                     time_order=2 if case.logits is not None else 1, backend="torch")]
+    for b in BASELINES.get(case.name, []):
+        if b.kind == "formula":
+            out.append(Contender("formula-compiled", "compiled", _compiled(b.fn),
+                                 f"torch.compile of the textbook formula ({b.source})", b.memory_order, b.time_order,
+                                 note=b.note))
+    return out
 
 
 def get_contender(case: str, name: str) -> Contender:
@@ -204,7 +229,7 @@ def plan(cases: Sequence[str], sizes: Sequence[int], d: int, dtype: torch.dtype,
                 continue
             case = CASE_BY_NAME[name]
             for con in contenders(case):
-                if con.kind == "ours" and con.name not in backends:
+                if con.kind in ("ours", "compiled") and con.name not in backends:
                     continue
                 if (con.kind == "seed" and not seeds) or (con.kind == "peer" and not peers):
                     continue

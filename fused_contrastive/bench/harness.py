@@ -189,6 +189,11 @@ def _time_step(bound, device: torch.device) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def williams_orders(k: int) -> list[list[int]]:
     """Orders of k contenders for consecutive rounds such that, over the rows, every contender runs
     immediately after every other one equally often (a Williams design, balanced for first-order
@@ -219,11 +224,16 @@ def time_interleaved(job: TimingJob) -> dict[str, dict[str, Any]]:
     fwd: dict[str, list[float]] = {}
     bwd: dict[str, list[float]] = {}
     todo = dict(zip(job.contenders, job.repeats))
+    first: dict[str, float] = {}
     for name in job.contenders:
         try:
             bound[name] = bind(job.case, name, job.n, job.dim, dtype, device)
-            for _ in range(job.warmup):
+            for i in range(job.warmup):
+                t0 = time.perf_counter()
                 bound[name].step()
+                if i == 0:  # the cold step (for a compiled contender: dynamo + inductor compile)
+                    _sync(device)
+                    first[name] = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001
             out[name] = _error(exc)
             bound.pop(name, None)
@@ -249,7 +259,7 @@ def time_interleaved(job: TimingJob) -> dict[str, dict[str, Any]]:
                 fwd[name].append(f)
                 bwd[name].append(bk)
     for name in bound:
-        out[name] = {"repeats": len(fwd[name]), "times": {
+        out[name] = {"repeats": len(fwd[name]), "first_step_seconds": first.get(name), "times": {
             "forward": fwd[name], "backward": bwd[name],
             "forward+backward": [a + b for a, b in zip(fwd[name], bwd[name])]}}
     bound.clear()

@@ -107,6 +107,7 @@ def rows_of(p: Planned, cfg, res: dict[str, Any]) -> list[dict[str, Any]]:
             "worst": res.get("worst", ""), "flops": case.flops(p.n, cfg.dim, mode), "tflops": None,
             "fraction_of_matmul_peak": None, "memory_order": con.memory_order, "time_order": con.time_order,
             "memory_method": res.get("memory_method"), "memory_pass_seconds": res.get("memory_pass_seconds"),
+            "first_step_seconds": res.get("first_step_seconds"),
         }
         if "peaks" in res:  # the memory pass ran (also for a seed or peer then left untimed)
             row["peak_bytes"] = res["peaks"][mode]
@@ -187,6 +188,10 @@ def largest_batches(rows: list[dict[str, Any]], budget: float) -> list[dict[str,
     out = []
     keys = sorted({(r["loss"], r["contender"]) for r in rows}, key=lambda k: (list(CASE_BY_NAME).index(k[0]), k[1]))
     for case, cname in keys:
+        if get_contender(case, cname).kind == "compiled":
+            # their measured peak holds the compiler's own memory (the first step compiles): no model of
+            # the step's memory can be fitted through it
+            continue
         mine = [r for r in rows if r["loss"] == case and r["contender"] == cname and r["mode"] == "forward+backward"]
         pts = sorted((r["n"], r["peak_bytes"], r["input_bytes"]) for r in mine if r["peak_bytes"] is not None)
         timed = sorted((r["n"], r["time_ms"]) for r in mine if r["time_ms"] is not None)
@@ -258,6 +263,27 @@ def large_n(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def compiled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``bench --compile``: per case and N, compiled / eager forward+backward time of the torch backend
+    and of the formula, compiled torch / compiled formula, and the cold first step of each compiled
+    contender (compile included)."""
+    out = []
+    for case in dict.fromkeys(r["loss"] for r in rows):
+        for n in sorted({r["n"] for r in rows if r["loss"] == case}):
+            t, tc, f, fc = (_fb(rows, case, c, n) for c in ("torch", "torch-compiled", "formula", "formula-compiled"))
+            if not (tc and tc["time_ms"]):
+                continue
+
+            def ratio(x, y):
+                return x["time_ms"] / y["time_ms"] if x and y and x["time_ms"] and y["time_ms"] else None
+            out.append({"loss": case, "n": n, "torch_compiled_vs_eager": ratio(tc, t),
+                        "formula_compiled_vs_eager": ratio(fc, f), "torch_compiled_vs_formula_compiled": ratio(tc, fc),
+                        "torch_compiled_ms": tc["time_ms"], "formula_compiled_ms": fc["time_ms"] if fc else None,
+                        "torch_first_step_s": tc["first_step_seconds"],
+                        "formula_first_step_s": fc["first_step_seconds"] if fc else None})
+    return out
+
+
 def headline(rows: list[dict[str, Any]], largest: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per case, at the largest N the reference ran: every contender's time and peak relative to the
     reference, and its largest batch within the budget (extrapolated)."""
@@ -306,7 +332,7 @@ def assemble(cfg, rows: list[dict[str, Any]], peak: dict[str, Any], load_start: 
     }
     largest = largest_batches(rows, cfg.mem_budget)
     return {"meta": meta, "rows": rows, "largest_batch": largest,
-            "summary": {"small_batch": small_batch(rows), "large_n": large_n(rows),
+            "summary": {"small_batch": small_batch(rows), "large_n": large_n(rows), "compiled": compiled(rows),
                         "headline": headline(rows, largest)}}
 
 
@@ -386,6 +412,18 @@ def format_report(report: dict[str, Any]) -> str:
         out += ["", f"LARGE N (>= {LARGE_N}): torch backend / textbook formula, forward+backward",
                 tabulate(tab, headers=["loss", "N", "time x", "peak x", "torch ms", "formula ms", "torch peak",
                                        "formula peak"], tablefmt="simple", disable_numparse=True)]
+    if summ.get("compiled"):
+        def sec(v):
+            return f"{v:.1f} s" if v is not None else "-"
+        tab = [[s["loss"], s["n"], _x(s["torch_compiled_vs_eager"]), _x(s["formula_compiled_vs_eager"]),
+                _x(s["torch_compiled_vs_formula_compiled"]), _ms(s["torch_compiled_ms"]),
+                _ms(s["formula_compiled_ms"]), sec(s["torch_first_step_s"]), sec(s["formula_first_step_s"])]
+               for s in summ["compiled"]]
+        out += ["", ("COMPILED (torch.compile, Inductor defaults): forward+backward time ratios, medians side by "
+                     "side; first step = cold step incl. compile"),
+                tabulate(tab, headers=["loss", "N", "torch c/e", "formula c/e", "torch c / formula c", "torch c ms",
+                                       "formula c ms", "torch 1st", "formula 1st"], tablefmt="simple",
+                         disable_numparse=True)]
     skipped: dict[tuple, list[int]] = {}
     for case in meta["losses"]:
         lines = []
