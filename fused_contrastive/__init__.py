@@ -3,6 +3,7 @@ materialise the N x M similarity matrix. See README.md for the API table."""
 
 from . import nn
 from .cosent import cosent_loss, cosent_loss_from_scores
+from .encode import encode_in_chunks
 from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, simcse_sup_loss, supcon_loss
 
 __version__ = "0.2.0"
@@ -13,6 +14,7 @@ __all__ = [
     "cosent_loss",
     "cosent_loss_from_scores",
     "dscl_loss",
+    "encode_in_chunks",
     "info_nce",
     "nn",
     "simcse_loss",

@@ -1,7 +1,8 @@
 """Command line of fused-contrastive: ``fused-contrastive`` or ``python -m fused_contrastive``.
 
 Sub-commands: ``check`` (the default) verifies every loss on every backend available here against
-the float64 ground truth; ``bench`` runs the benchmark suite. ``--help`` on either lists its options.
+the float64 ground truth; ``bench`` runs the benchmark suite; ``bench-encode`` times
+``encode_in_chunks`` against a plain step. ``--help`` on either lists its options.
 """
 
 from __future__ import annotations
@@ -149,33 +150,39 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 1 if failures else 0
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and the parser of each sub-command by name."""
     from . import __version__
     from .bench import cli as bench_cli
+    from .bench import encode as bench_encode
 
     parser = argparse.ArgumentParser(
         prog="fused-contrastive",
         description="Fused, O(N*D)-memory contrastive losses for PyTorch. With no sub-command: check.")
     parser.add_argument("--version", action="version", version=f"fused-contrastive {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{check,bench}")
-    check_p = _check_parser(sub)
-    bench_p = bench_cli.add_parser(sub)
-    return parser, check_p, bench_p
+    sub = parser.add_subparsers(dest="command", metavar="{check,bench,bench-encode}")
+    subs = {"check": _check_parser(sub), "bench": bench_cli.add_parser(sub),
+            "bench-encode": bench_encode.add_parser(sub)}
+    return parser, subs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, check_p, bench_p = build_parser()
+    parser, subs = build_parser()
     if not argv:
         argv = ["check"]
     args = parser.parse_args(argv)
     if args.command == "bench":
         from .bench import cli as bench_cli
 
-        return bench_cli.run(args, bench_p)
+        return bench_cli.run(args, subs["bench"])
+    if args.command == "bench-encode":
+        from .bench import encode as bench_encode
+
+        return bench_encode.run(args, subs["bench-encode"])
     if args.command is None:
-        parser.error("choose a sub-command: check or bench")
-    return check(args, check_p)
+        parser.error("choose a sub-command: check, bench or bench-encode")
+    return check(args, subs["check"])
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ def test_default_command_is_check(monkeypatch):
     (["bench", "--sizes", "3,5"], "even numbers"),
     (["bench", "--repeats", "0"], "must be > 0"),
     (["bench", "--dtype", "fp32"], "invalid choice"),
+    (["bench-encode", "--chunk", "0"], "--chunk must be >= 1"),
+    (["bench-encode", "--batch", "33"], "must be even"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_options_exit_2_with_a_message_and_no_traceback(args, needle):
@@ -71,7 +73,7 @@ def test_version_and_help():
     out = _cli("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"fused-contrastive {fc.__version__}"
     out = _cli("--help")
-    assert out.returncode == 0 and out.stdout.startswith("usage:") and "{check,bench}" in out.stdout
+    assert out.returncode == 0 and out.stdout.startswith("usage:") and "{check,bench,bench-encode}" in out.stdout
     for sub in ("check", "bench"):
         out = _cli(sub, "--help")
         assert out.returncode == 0 and "--losses" in out.stdout and "``" not in out.stdout
@@ -88,3 +90,12 @@ def test_check_list_names_every_case(capsys):
     assert cli.main(["check", "--list"]) == 0
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines()] == [c.name for c in CASES]
+
+
+def test_bench_encode_end_to_end():
+    """bench-encode runs both steps and prints their times, peaks and the ratios."""
+    out = _cli("bench-encode", "--batch", "32", "--chunk", "8", "--seq", "4", "--repeats", "2")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.split()[:1] == ["plain"] for line in lines) and any(line.split()[:1] == ["cached"] for line in lines)
+    assert "cached / plain: time" in out.stdout and "peak memory" in out.stdout

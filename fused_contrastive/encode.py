@@ -1,0 +1,112 @@
+"""Batches beyond activation memory: :func:`encode_in_chunks`, exact gradient caching around any loss.
+
+With the loss at O(N*D) memory, the encoder's activations bound the batch. Gradient caching (GradCache,
+Gao et al. 2021) embeds the batch chunk by chunk without keeping activations, runs the loss on the
+embeddings, and backpropagates each chunk's embedding gradient through a re-run of that chunk. That
+is what PyTorch's non-reentrant activation checkpointing does when it wraps each chunk of the encoder
+(``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``): the forward keeps only the chunk's
+inputs and output; when autograd reaches a chunk's output in ``loss.backward()``, the chunk's forward
+is recomputed with the RNG state of its first run (``preserve_rng_state=True``: the same dropout masks,
+which SimCSE depends on) and under the same autocast state, and its backward runs at once, so at most
+one chunk's activations are alive. Parameters collect one gradient per step (autograd sums the chunks
+before a parameter's gradient is accumulated), so DDP all-reduces once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import checkpoint as _checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["encode_in_chunks"]
+
+Batch = Tensor | Mapping[str, Any] | tuple | list
+
+
+def _batch_size(leaves: list, what: str) -> int:
+    sizes = {x.shape[0] for x in leaves if isinstance(x, Tensor) and x.dim() > 0}
+    if not sizes:
+        raise ValueError(f"{what} holds no tensor with a batch dimension (dim 0) to split")
+    if len(sizes) > 1:
+        raise ValueError(f"every tensor of {what} must have the same size along dim 0 (the batch), got {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _extra_devices(encoder, leaves: list) -> list[Tensor]:
+    """One empty tensor per CUDA device the encoder's parameters use that no input tensor is on:
+    ``checkpoint`` replays the RNG of the devices of its tensor arguments, so these make it replay
+    every CUDA device the encoder runs dropout on."""
+    if not isinstance(encoder, nn.Module):
+        return []
+    have = {x.device for x in leaves if isinstance(x, Tensor)}
+    devs = {p.device for p in encoder.parameters() if p.device.type == "cuda"} - have
+    return [torch.empty(0, device=d) for d in sorted(devs, key=str)]
+
+
+def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size: int, *,
+                     preserve_rng_state: bool = True) -> Tensor:
+    """Embeddings of ``batch`` computed ``chunk_size`` examples at a time, with the activation memory of
+    one chunk, and exact gradients: ``loss(encode_in_chunks(encoder, batch, c)).backward()`` gives the
+    same parameter gradients as encoding the same chunks one after another with a full autograd graph
+    (the same RNG stream, so the same dropout masks), for any loss of this library or any function of
+    the embeddings.
+
+    Args:
+        encoder: an ``nn.Module`` or callable mapping one chunk of ``batch`` (the same structure, every
+            tensor sliced along dim 0) to its ``[n, D]`` embeddings tensor.
+        batch: a tensor ``[N, ...]``, or a dict / tuple / list of tensors that share the batch size N
+            along dim 0 (e.g. a tokenizer's output; non-tensor entries are passed to every chunk
+            unchanged).
+        chunk_size: examples per chunk (>= 1); the last chunk may be smaller.
+        preserve_rng_state: replay each chunk's RNG state (CPU, and the CUDA devices of the inputs and
+            of the encoder's parameters) when it is recomputed in the backward. Default True; False
+            only for encoders without randomness (saves the state capture).
+
+    Returns:
+        ``[N, D]`` embeddings, connected to autograd when grad mode is on. Under ``torch.no_grad()``
+        the chunks are simply encoded one after another.
+
+    Several inputs per example (anchor, positive and negative texts; two dropout views of the same
+    sentences) are several calls; the backward recomputes each call's chunks in reverse order. The
+    encoder's forward runs twice per chunk (once here, once in the backward), so a step costs about
+    one extra forward over a step without chunks.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not callable(encoder):
+        raise TypeError(f"encoder must be an nn.Module or a callable, got {type(encoder).__name__}")
+    leaves, spec = tree_flatten(batch)
+    n = _batch_size(leaves, "batch")
+
+    def chunk_of(start: int) -> list:
+        return [x[start:start + chunk_size] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves]
+
+    k = sum(1 for x in leaves if isinstance(x, Tensor) and x.dim() > 0)
+
+    def run(*tensors: Tensor) -> Tensor:
+        it = iter(tensors[:k])  # the rest are the device markers of _extra_devices
+        args = [next(it) if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves]
+        out = encoder(tree_unflatten(args, spec))
+        rows = tensors[0].shape[0]
+        if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != rows:
+            what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+            raise TypeError(f"encoder must return the [n, D] embeddings tensor of its chunk (n = {rows}), "
+                            f"got {what}")
+        return out
+
+    outs = []
+    extra = _extra_devices(encoder, leaves) if preserve_rng_state else []
+    for start in range(0, n, chunk_size):
+        tensors = [x for x in chunk_of(start) if isinstance(x, Tensor) and x.dim() > 0]
+        if torch.is_grad_enabled():
+            outs.append(_checkpoint.checkpoint(run, *tensors, *extra, use_reentrant=False,
+                                               preserve_rng_state=preserve_rng_state))
+        else:
+            outs.append(run(*tensors))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
