@@ -88,7 +88,7 @@ def resource_table(jobs: int, n: int, m: int, d: int):
               f"{r['variant'] if r['kernel'] != 'row_norm' else '-':7s} {r['block']:14s} "
               f"{r['num_warps']:5d} {r['num_stages']:6d} "
               f"{r['regs']:4d} {r['spill_stores'] + r['spill_loads']:7d} {r['shared']:7d} {tc:11s} "
-              f"{_si(fl) + 'FLOP':>13s}")
+              f"{(_si(fl) + 'FLOP') if fl is not None else '-':>13s}")
     return results
 
 

@@ -17,8 +17,8 @@ from torch import Tensor
 
 BACKENDS = ("auto", "torch", "triton", "reference")
 
-#: Ops with a Triton implementation (CoSENT's is O(B log B) PyTorch).
-_TRITON_OPS = ("core",)
+#: Ops with a Triton implementation.
+_TRITON_OPS = ("core", "cosent")
 
 _INSTALL_HINT = ("pip install 'fused-contrastive[triton]' (CUDA wheels of PyTorch already bring triton; "
                  "triton runs on Linux x86_64 / aarch64)")
@@ -43,7 +43,7 @@ def triton_status() -> TritonStatus:
             _STATUS = TritonStatus(False, None, False)
         else:
             try:
-                from .core import triton_backend
+                from .core import triton_backend, triton_cosent  # noqa: F401
             except Exception as exc:  # noqa: BLE001 - any failure here is a broken install
                 _STATUS = TritonStatus(True, f"{type(exc).__name__}: {exc}", False)
             else:

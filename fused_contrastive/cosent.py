@@ -1,8 +1,9 @@
 """CoSENT (``log(1 + sum_{y_a > y_b} exp(scale * (s_b - s_a)))``) on pair cosines or on given scores.
 
 The PyTorch path is O(B log B) time and O(B) memory (``core/cosent.py``; batches whose B x B pair tile
-fits the tile budget use that tile, fewer ops); ``backend="reference"`` is the B x B pair matrix. CoSENT has no Triton kernel: ``"auto"`` runs the PyTorch path on every device and
-an explicit ``"triton"`` is an error.
+fits the tile budget use that tile, fewer ops); ``backend="triton"`` (``"auto"`` on CUDA) is the same
+algorithm as Triton kernels (``core/triton_cosent.py``: fused pair cosines and one sorted-scan program
+each way, float32); ``backend="reference"`` is the B x B pair matrix.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def _scores_loss(scores: Tensor, labels: Tensor, scale, backend: str) -> Tensor:
     if be == "reference":
         return ref.cosent(scores, labels, sc)
     if ops.tracing_route():
-        return ops.cosent_scores(scores, labels, sc)
+        return ops.cosent_scores(scores, labels, sc, be)
+    if be == "triton":
+        from .core.triton_cosent import TritonScoresCosentFn
+
+        return TritonScoresCosentFn.apply(scores, labels, sc)
     return ScoresCosentFn.apply(scores, labels, sc)
 
 
@@ -75,8 +80,13 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: 
     dt = compute_dtype(u, v)
     if isinstance(sc, Tensor):
         sc = sc.to(device=u.device, dtype=dt)
-    if resolve(backend, u, v, op="cosent") == "reference":
+    be = resolve(backend, u, v, op="cosent")
+    if be == "reference":
         return ref.cosent(ref.pair_cosines(u, v, normalize), labels, sc)
     if ops.tracing_route():
-        return ops.cosent_pairs(u, v, labels, sc, normalize, _EPS)
+        return ops.cosent_pairs(u, v, labels, sc, normalize, _EPS, be)
+    if be == "triton":
+        from .core.triton_cosent import TritonPairCosentFn
+
+        return TritonPairCosentFn.apply(u, v, labels, sc, normalize, _EPS)
     return PairCosentFn.apply(u, v, labels, sc, normalize, _EPS)

@@ -283,13 +283,16 @@ def _triton_core_op():
 # ------------------------------------------------------------------------------------------------
 
 
-def _cosent_scores_impl(scores: Tensor, labels: Tensor, scale_t: Tensor | None, scale_f: float,
+def _cosent_scores_impl(scores: Tensor, labels: Tensor, scale_t: Tensor | None, scale_f: float, backend: str,
                         need: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     from .core.cosent import ScoresCosentFn
 
+    fn = ScoresCosentFn
+    if backend == "triton":
+        from .core.triton_cosent import TritonScoresCosentFn as fn
     scale = scale_t if scale_t is not None else scale_f
     needs = (need[0], False, need[1])
-    out, (gx, _, gs) = _run([(ScoresCosentFn, (scores, labels, scale), 1.0)], needs,
+    out, (gx, _, gs) = _run([(fn, (scores, labels, scale), 1.0)], needs,
                             torch.ones((), dtype=compute_dtype(scores), device=scores.device)
                             if any(need) else None)
     dev = scores.device
@@ -297,15 +300,19 @@ def _cosent_scores_impl(scores: Tensor, labels: Tensor, scale_t: Tensor | None, 
 
 
 def _cosent_pairs_impl(u: Tensor, v: Tensor, labels: Tensor, scale_t: Tensor | None, scale_f: float,
-                       normalize: bool, eps: float, need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       normalize: bool, eps: float, backend: str,
+                       need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from .core.cosent import PairCosentFn
 
+    fn = PairCosentFn
+    if backend == "triton":
+        from .core.triton_cosent import TritonPairCosentFn as fn
     scale = scale_t if scale_t is not None else scale_f
     ctx = _Ctx((need[0], need[1], False, need[2], False, False))
-    out = PairCosentFn.forward(ctx, u, v, labels, scale, normalize, eps)
+    out = fn.forward(ctx, u, v, labels, scale, normalize, eps)
     gu = gv = gs = None
     if any(need):
-        gu, gv, _, gs, _, _ = PairCosentFn.backward(ctx, torch.ones((), dtype=out.dtype, device=out.device))
+        gu, gv, _, gs, _, _ = fn.backward(ctx, torch.ones((), dtype=out.dtype, device=out.device))
     dev = u.device
     return (out, _grad_or_empty(gu, u, need[0], dev), _grad_or_empty(gv, v, need[1], dev),
             _grad_or_empty(gs, scale_t, need[2], dev))
@@ -318,14 +325,14 @@ _cosent_pairs_op = torch.library.custom_op("fused_contrastive::cosent_pairs", _c
 
 
 @_cosent_scores_op.register_fake
-def _(scores, labels, scale_t, scale_f, need):
+def _(scores, labels, scale_t, scale_f, backend, need):
     dev = scores.device
     return (scores.new_empty((), dtype=compute_dtype(scores)), _fake_grad(scores, need[0], dev),
             _fake_grad(scale_t, need[1], dev))
 
 
 @_cosent_pairs_op.register_fake
-def _(u, v, labels, scale_t, scale_f, normalize, eps, need):
+def _(u, v, labels, scale_t, scale_f, normalize, eps, backend, need):
     dev = u.device
     return (u.new_empty((), dtype=compute_dtype(u, v)), _fake_grad(u, need[0], dev), _fake_grad(v, need[1], dev),
             _fake_grad(scale_t, need[2], dev))
@@ -347,19 +354,20 @@ def _scaled_grads(positions: tuple[int, ...], n_args: int):
     return backward
 
 
-_cosent_scores_op.register_autograd(_scaled_grads((0, 2), 5), setup_context=_scaled_grads_setup)
-_cosent_pairs_op.register_autograd(_scaled_grads((0, 1, 3), 8), setup_context=_scaled_grads_setup)
+_cosent_scores_op.register_autograd(_scaled_grads((0, 2), 6), setup_context=_scaled_grads_setup)
+_cosent_pairs_op.register_autograd(_scaled_grads((0, 1, 3), 9), setup_context=_scaled_grads_setup)
 
 
-def cosent_scores(scores: Tensor, labels: Tensor, scale) -> Tensor:
+def cosent_scores(scores: Tensor, labels: Tensor, scale, backend: str = "torch") -> Tensor:
     """CoSENT of ``scores`` [B] as ``fused_contrastive::cosent_scores`` (0-dim loss)."""
     st = scale if isinstance(scale, Tensor) else None
-    return _cosent_scores_op(scores, labels, st, 0.0 if st is not None else float(scale),
+    return _cosent_scores_op(scores, labels, st, 0.0 if st is not None else float(scale), backend,
                              _needs(scores, st))[0]
 
 
-def cosent_pairs(u: Tensor, v: Tensor, labels: Tensor, scale, normalize: bool, eps: float) -> Tensor:
+def cosent_pairs(u: Tensor, v: Tensor, labels: Tensor, scale, normalize: bool, eps: float,
+                 backend: str = "torch") -> Tensor:
     """CoSENT of the pair cosines of ``u``, ``v`` [B, D] as ``fused_contrastive::cosent_pairs``."""
     st = scale if isinstance(scale, Tensor) else None
-    return _cosent_pairs_op(u, v, labels, st, 0.0 if st is not None else float(scale), normalize, eps,
+    return _cosent_pairs_op(u, v, labels, st, 0.0 if st is not None else float(scale), normalize, eps, backend,
                             _needs(u, v, st))[0]

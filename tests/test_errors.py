@@ -63,9 +63,10 @@ CASES = [
     ("dscl labels None", lambda: fc.dscl_loss(F3, None), ValueError, "labels"),
     ("cosent labels length", lambda: fc.cosent_loss(X, Y, torch.arange(5)), ValueError, "labels"),
     ("cosent v shape", lambda: fc.cosent_loss(X, torch.randn(6, 3), LAB), ValueError, "v"),
-    ("cosent triton", lambda: fc.cosent_loss(X, Y, LAB, backend="triton"), ValueError, "backend"),
-    ("cosent scores triton", lambda: fc.cosent_loss_from_scores(X[:, 0], LAB, backend="triton"), ValueError,
-     "backend"),
+    ("cosent triton float64", lambda: fc.cosent_loss(X.double(), Y.double(), LAB, backend="triton"), TypeError,
+     "float64"),
+    ("cosent scores triton float64",
+     lambda: fc.cosent_loss_from_scores(X[:, 0].double(), LAB, backend="triton"), TypeError, "float64"),
     # traps of the first release: each error names the argument the user passed
     ("clip logit_scale 0", lambda: fc.clip_loss(X, Y, 0.0), ValueError, "logit_scale"),
     ("clip logit_scale str", lambda: fc.clip_loss(X, Y, "2"), TypeError, "logit_scale"),

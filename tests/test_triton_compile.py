@@ -63,7 +63,13 @@ def test_every_shipped_config_was_compiled(compiled):
             for r in compiled["results"] for bucket in r["buckets"]}
     missing = [tuple(c) for c in compiled["configs"] if tuple(c) not in have]
     assert not missing, f"shipped configs never compiled: {missing}"
-    assert {r["kernel"] for r in compiled["results"]} == {"row_norm", "lse_fwd", "lse_bwd_rows", "lse_bwd_cols"}
+    assert {r["kernel"] for r in compiled["results"]} == {"row_norm", "lse_fwd", "lse_bwd_rows", "lse_bwd_cols",
+                                                          "pair_cos_fwd", "pair_cos_bwd", "cosent_scan_fwd",
+                                                          "cosent_scan_bwd"}
+    # CoSENT's kernels for every embedding dtype and arch
+    cos = {(r["kernel"], r["cc"], r["dtype"]) for r in compiled["results"] if r["variant"] == "cosent"}
+    assert {(k, cc, dt) for k in ("pair_cos_fwd", "pair_cos_bwd") for cc in (80, 90)
+            for dt in ("fp32", "fp16", "bf16")} <= cos
     assert {r["cc"] for r in compiled["results"]} == {80, 90}
 
 
@@ -80,7 +86,7 @@ def test_no_register_spills(compiled):
 def test_tensor_cores_for_the_matmuls(compiled):
     bad = []
     for r in compiled["results"]:
-        if r["kernel"] == "row_norm":  # the O(N*D) prologue has no matmul
+        if r["kernel"] == "row_norm" or r["variant"] == "cosent":  # O(N*D) and O(B) kernels: no matmul
             continue
         if r["cc"] == 80 and not r["n_mma"]:
             bad.append(f"{_label(r)}: no mma.sync")

@@ -2,7 +2,7 @@
 ``tests/test_compile.py``, in its own process: triton must be imported *without* the interpreter, so
 that ``wrap_triton`` turns the kernel launches into graph nodes).
 
-For every registry case of the core op, on both backends, ``make_fx(tracing_mode="symbolic")`` traces
+For every registry case of the core op (and CoSENT's two operators), on both backends, ``make_fx(tracing_mode="symbolic")`` traces
 
 * ``eager``: ``core.run`` forward and its autograd backward (the path of an uncompiled training step);
 * ``op``: the implementation of ``fused_contrastive::core`` (forward + gradients in one call; for
@@ -115,6 +115,14 @@ def main(plant: bool) -> dict:
                 report[f"{key}/triton_op"] = _trace(_functional_triton_op, *flat)
         if plant:  # one case shows it
             break
+    b = 3000  # above the pair-tile size: the sorted path of the torch backend
+    for backend in ("torch", "triton"):
+        args = (torch.empty(b, D, device="meta"), torch.empty(b, D, device="meta"), torch.empty(b, device="meta"),
+                torch.empty((), device="meta"), 0.0, True, 1e-12, backend, [True, True, True])
+        report[f"cosent/{backend}/op"] = _trace(lambda *a: ops._cosent_pairs_impl(*a), *args)
+        sargs = (torch.empty(b, device="meta"), torch.empty(b, device="meta"), torch.empty((), device="meta"), 0.0,
+                 backend, [True, True])
+        report[f"cosent_scores/{backend}/op"] = _trace(lambda *a: ops._cosent_scores_impl(*a), *sargs)
     return report
 
 

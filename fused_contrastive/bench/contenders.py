@@ -171,8 +171,6 @@ def bind(case: str, contender: str, n: int, d: int, dtype: torch.dtype, device: 
 def unavailable(case: Case, con: Contender, device: torch.device) -> str | None:
     """Why ``con`` cannot run on ``device`` (None when it can)."""
     if con.backend == "triton":
-        if case.op != "core":
-            return "no triton kernel for this loss (its torch path is O(B log B) already)"
         if device.type != "cuda":
             return "no GPU: the triton backend runs on CUDA (the CPU interpreter is for tests only)"
         if not triton_usable_on(device):

@@ -153,6 +153,20 @@ def record_variant(variant: str, dtype: torch.dtype, n: int, m: int, d: int, arc
     return record_core(spec, data, has_b, want_col, want_pos, dtype, n, m if has_b else n, d, arch)
 
 
+def record_cosent(dtype: torch.dtype, b: int, d: int, arch: str) -> list[TB.Launch]:
+    """The launches of one CoSENT forward + backward on the Triton path (pair form, tensor scale, float32
+    labels) with embeddings [B, D] in ``dtype``, recorded on meta tensors."""
+    from ..core.triton_cosent import TritonPairCosentFn
+
+    meta = torch.device("meta")
+    u = torch.empty(b, d, dtype=dtype, device=meta, requires_grad=True)
+    v = torch.empty(b, d, dtype=dtype, device=meta, requires_grad=True)
+    scale = torch.empty((), device=meta, requires_grad=True)
+    with recording(arch) as launches:
+        TritonPairCosentFn.apply(u, v, torch.empty(b, device=meta), scale, True, 1e-12).backward()
+    return list(launches)
+
+
 Job = tuple[int, str, str, int, int, tuple[str, ...]]
 
 
@@ -176,6 +190,10 @@ def jobs() -> list[Job]:
                             found[key] = [cc, variant, dname, d, i, []]
                         if bucket not in found[key][5]:
                             found[key][5].append(bucket)
+        for dt, dname in DTYPE_NAMES.items():  # CoSENT: one config per kernel, D chunks of 128
+            for i, launch in enumerate(record_cosent(dt, 4096, 768, fam)):
+                key = (cc, launch.name, dname if launch.name.startswith("pair") else "fp32")
+                found.setdefault(key, [cc, "cosent", key[2], 768, i, ["-"]])
     return [(cc, v, dn, d, i, tuple(cov)) for cc, v, dn, d, i, cov in found.values()]
 
 
@@ -184,6 +202,10 @@ def run_job(job: Job) -> dict[str, object]:
     cc, variant, dname, d, i, covers = job
     dt = {v: k for k, v in DTYPE_NAMES.items()}[dname]
     fam = dict(TARGETS)[cc]
+    if variant == "cosent":
+        out = compile_launch(record_cosent(dt, 4096, d, fam)[i], cc)
+        out.update(variant=variant, dtype=dname, d=d, buckets=list(covers))
+        return out
     out = compile_launch(record_variant(variant, dt, 4096, 4096, d, fam)[i], cc)
     out.update(variant=variant, dtype=dname, d=d, buckets=list(covers))
     return out
@@ -192,7 +214,7 @@ def run_job(job: Job) -> dict[str, object]:
 def _sig_type(v) -> str:
     if isinstance(v, Tensor):
         return "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                      torch.int64: "i64", torch.int32: "i32"}[v.dtype]
+                      torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32"}[v.dtype]
     if isinstance(v, bool):
         return "i1"
     if isinstance(v, int):
