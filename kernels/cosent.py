@@ -166,7 +166,7 @@ def _block_lse(x):
 
 
 @triton.jit
-def cosent_scan_fwd_kernel(X, ORDER, YS, S, Z, LOSS, B, BLOCK: tl.constexpr):
+def cosent_scan_fwd_kernel(X, ORDER, YS, S, Z, LOSS, B, BLOCK_B: tl.constexpr):
     """One program. The scaled scores in label order are ``x_j = S * X[ORDER_j]`` (X fp32 [B], ORDER the
     permutation of ``torch.sort`` of the labels, YS the sorted labels, ascending). Writes
     Z_j = log sum_{k: y_k < y_j} exp(x_k) - x_j (-inf without a smaller label) and LOSS = log(1 + sum exp Z)."""
@@ -175,8 +175,8 @@ def cosent_scan_fwd_kernel(X, ORDER, YS, S, Z, LOSS, B, BLOCK: tl.constexpr):
     best = tl.full([], NEG_INF, tl.float32)  # the largest prefix at a group start so far
     m_run = tl.full([], 0.0, tl.float32)  # online log(1 + sum exp z): the 1 is exp(0)
     s_run = tl.full([], 1.0, tl.float32)
-    for b0 in range(0, B, BLOCK):
-        k = b0 + tl.arange(0, BLOCK)
+    for b0 in range(0, B, BLOCK_B):
+        k = b0 + tl.arange(0, BLOCK_B)
         mask = k < B
         x = sc * tl.load(X + tl.load(ORDER + k, mask=mask, other=0), mask=mask, other=0.0)
         x = tl.where(mask, x, NEG_INF)
@@ -186,7 +186,7 @@ def cosent_scan_fwd_kernel(X, ORDER, YS, S, Z, LOSS, B, BLOCK: tl.constexpr):
         xp = tl.where(prev_in, xp, NEG_INF)
         yp = tl.load(YS + k - 1, mask=mask & (k >= 1))
         start = (k == 0) | (yp != y)
-        pm, ps = tl.associative_scan((xp, tl.full([BLOCK], 1.0, tl.float32)), 0, _lse_combine)
+        pm, ps = tl.associative_scan((xp, tl.full([BLOCK_B], 1.0, tl.float32)), 0, _lse_combine)
         within = pm + tl.log(ps)  # log sum_{b0 <= k' < k} exp(x_k')
         e = _logaddexp(carry, within)
         q = tl.where(start & mask, e, NEG_INF)
@@ -202,7 +202,7 @@ def cosent_scan_fwd_kernel(X, ORDER, YS, S, Z, LOSS, B, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def cosent_scan_bwd_kernel(X, ORDER, YS, S, Z, LOSS, G, DX, B, BLOCK: tl.constexpr):
+def cosent_scan_bwd_kernel(X, ORDER, YS, S, Z, LOSS, G, DX, B, BLOCK_B: tl.constexpr):
     """One program, blocks from the last. DX[ORDER_j] = G (exp(x_j - L + F_j) - exp(z_j - L)), the
     gradient with respect to x, with F_j = log sum_{k: y_k > y_j} exp(-x_k) (fp32)."""
     sc = tl.load(S)
@@ -210,20 +210,20 @@ def cosent_scan_bwd_kernel(X, ORDER, YS, S, Z, LOSS, G, DX, B, BLOCK: tl.constex
     g = tl.load(G)
     carry = tl.full([], NEG_INF, tl.float32)  # log sum exp(-x) of every score after the block
     best = tl.full([], NEG_INF, tl.float32)  # the largest suffix at a group end so far (to the right)
-    nblocks = tl.cdiv(B, BLOCK)
+    nblocks = tl.cdiv(B, BLOCK_B)
     for i in range(nblocks):
-        b0 = (nblocks - 1 - i) * BLOCK
-        k = b0 + tl.arange(0, BLOCK)
+        b0 = (nblocks - 1 - i) * BLOCK_B
+        k = b0 + tl.arange(0, BLOCK_B)
         mask = k < B
         dst = tl.load(ORDER + k, mask=mask, other=0)
         x = sc * tl.load(X + dst, mask=mask, other=0.0)
         y = tl.load(YS + k, mask=mask)
-        next_in = mask & (k + 1 < b0 + BLOCK) & (k + 1 < B)
+        next_in = mask & (k + 1 < b0 + BLOCK_B) & (k + 1 < B)
         xn = sc * tl.load(X + tl.load(ORDER + k + 1, mask=next_in, other=0), mask=next_in, other=0.0)
         vn = tl.where(next_in, -xn, NEG_INF)
         yn = tl.load(YS + k + 1, mask=mask & (k + 1 < B))
         end = (k == B - 1) | (yn != y)
-        sm, ss = tl.associative_scan((vn, tl.full([BLOCK], 1.0, tl.float32)), 0, _lse_combine, reverse=True)
+        sm, ss = tl.associative_scan((vn, tl.full([BLOCK_B], 1.0, tl.float32)), 0, _lse_combine, reverse=True)
         f = _logaddexp(carry, sm + tl.log(ss))  # log sum_{k' > k} exp(-x_k')
         q = tl.where(end & mask, f, NEG_INF)
         suffix = tl.maximum(best, tl.associative_scan(q, 0, _max2, reverse=True))

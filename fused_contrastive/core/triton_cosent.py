@@ -83,7 +83,7 @@ def scan_forward(x: Tensor, labels: Tensor, s: Tensor) -> tuple[Tensor, tuple]:
     loss = TB._alloc((), torch.float32, x.device)
     TB._launch(TB.Launch(
         "cosent_scan_fwd", K.cosent_scan_fwd_kernel, (1,),
-        dict(X=x, ORDER=order, YS=ys, S=s, Z=z, LOSS=loss, B=b), dict(BLOCK=_scan_block()), SCAN_WARPS, 1))
+        dict(X=x, ORDER=order, YS=ys, S=s, Z=z, LOSS=loss, B=b), dict(BLOCK_B=_scan_block()), SCAN_WARPS, 1))
     return loss, (order, ys, z, loss)
 
 
@@ -95,7 +95,7 @@ def scan_backward(x: Tensor, s: Tensor, state: tuple, g: Tensor) -> Tensor:
     TB._launch(TB.Launch(
         "cosent_scan_bwd", K.cosent_scan_bwd_kernel, (1,),
         dict(X=x, ORDER=order, YS=ys, S=s, Z=z, LOSS=loss, G=g.reshape(1).to(torch.float32), DX=dx, B=b),
-        dict(BLOCK=_scan_block()), SCAN_WARPS, 1))
+        dict(BLOCK_B=_scan_block()), SCAN_WARPS, 1))
     return dx
 
 
