@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .lse import _lse_add
+
 NEG_INF = tl.constexpr(float("-inf"))
 
 
@@ -152,13 +154,6 @@ def _max2(a, b):
 
 
 @triton.jit
-def _logaddexp(a, b):
-    m = tl.maximum(a, b)
-    safe = tl.where(m == NEG_INF, 0.0, m)
-    return safe + tl.log(tl.exp(a - safe) + tl.exp(b - safe))
-
-
-@triton.jit
 def _block_lse(x):
     m = tl.max(x, axis=0)
     safe = tl.where(m == NEG_INF, 0.0, m)
@@ -188,7 +183,7 @@ def cosent_scan_fwd_kernel(X, ORDER, YS, S, Z, LOSS, B, BLOCK_B: tl.constexpr):
         start = (k == 0) | (yp != y)
         pm, ps = tl.associative_scan((xp, tl.full([BLOCK_B], 1.0, tl.float32)), 0, _lse_combine)
         within = pm + tl.log(ps)  # log sum_{b0 <= k' < k} exp(x_k')
-        e = _logaddexp(carry, within)
+        e = _lse_add(carry, within)
         q = tl.where(start & mask, e, NEG_INF)
         prefix = tl.maximum(best, tl.associative_scan(q, 0, _max2))
         z = tl.where(mask, prefix - x, NEG_INF)
@@ -196,7 +191,7 @@ def cosent_scan_fwd_kernel(X, ORDER, YS, S, Z, LOSS, B, BLOCK_B: tl.constexpr):
         bm = tl.maximum(m_run, tl.max(z, axis=0))
         s_run = s_run * tl.exp(m_run - bm) + tl.sum(tl.exp(z - bm), axis=0)
         m_run = bm
-        carry = _logaddexp(carry, _block_lse(x))
+        carry = _lse_add(carry, _block_lse(x))
         best = tl.maximum(best, tl.max(q, axis=0))
     tl.store(LOSS, m_run + tl.log(s_run))
 
@@ -224,11 +219,11 @@ def cosent_scan_bwd_kernel(X, ORDER, YS, S, Z, LOSS, G, DX, B, BLOCK_B: tl.const
         yn = tl.load(YS + k + 1, mask=mask & (k + 1 < B))
         end = (k == B - 1) | (yn != y)
         sm, ss = tl.associative_scan((vn, tl.full([BLOCK_B], 1.0, tl.float32)), 0, _lse_combine, reverse=True)
-        f = _logaddexp(carry, sm + tl.log(ss))  # log sum_{k' > k} exp(-x_k')
+        f = _lse_add(carry, sm + tl.log(ss))  # log sum_{k' > k} exp(-x_k')
         q = tl.where(end & mask, f, NEG_INF)
         suffix = tl.maximum(best, tl.associative_scan(q, 0, _max2, reverse=True))
         z = tl.load(Z + k, mask=mask, other=NEG_INF)
         d = tl.exp(x - loss + suffix) - tl.exp(z - loss)
         tl.store(DX + dst, d * g, mask=mask)
-        carry = _logaddexp(carry, _block_lse(tl.where(mask, -x, NEG_INF)))
+        carry = _lse_add(carry, _block_lse(tl.where(mask, -x, NEG_INF)))
         best = tl.maximum(best, tl.max(q, axis=0))
