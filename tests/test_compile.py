@@ -329,3 +329,20 @@ def test_host_code_trace_catches_a_host_read():
     report = {k: v for k, v in report.items() if not k.startswith("cosent")}  # (no row normalisation there)
     assert report and all("error" in v for v in report.values()), report
     assert all("data-dependent" in v["error"] or "DataDependent" in v["error"] for v in report.values()), report
+
+
+def test_mark_dynamic_batch_does_not_recompile():
+    """The other way to ask for a dynamic batch: mark_dynamic on N, default compile options."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    f = torch.compile(lambda q, k: fc.info_nce(q, k, temperature=0.05), backend=counter, fullgraph=True)
+    frames = []
+    for n in (24, 40, 57):
+        q = torch.randn(n, D, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(n, D, dtype=torch.float64, requires_grad=True)
+        torch._dynamo.mark_dynamic(q, 0)
+        torch._dynamo.mark_dynamic(k, 0)
+        got = f(q, k)
+        _assert_close(got, fc.info_nce(q, k, temperature=0.05), f"loss at N={n}")
+        frames.append(counter.frame_count)
+    assert frames[1:] == [frames[0]] * 2, frames

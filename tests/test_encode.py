@@ -253,3 +253,23 @@ def test_no_grad_and_errors():
         encode_in_chunks(lambda b: b["a"], {"a": x, "b": x[:3]}, 4)
     with pytest.raises(TypeError, match="embeddings tensor"):
         encode_in_chunks(lambda b: (b.mean(1),), x, 64)
+
+
+def test_autocast_state_is_replayed():
+    """Under CPU autocast (bfloat16) the recomputed chunks run in the same autocast state as their
+    first run: the gradients equal the chunk-by-chunk oracle's under the same autocast."""
+    torch.manual_seed(0)
+    enc = Encoder()
+    x, _ = _data(torch.float32)
+    params = list(enc.parameters())
+
+    def fn(e):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = e(enc, x[:128].repeat_interleave(2, 0))
+        assert z.dtype == torch.bfloat16  # the encoder did run under autocast
+        return fc.simcse_loss(z)
+
+    _, want = _step(params, fn, lambda m, b: _by_chunks(m, b, 64))
+    _, got = _step(params, fn, lambda m, b: encode_in_chunks(m, b, 64))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
