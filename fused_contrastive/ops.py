@@ -17,7 +17,9 @@ the loss, traces no Python chunk loop, and never specialises on the batch size:
     The same schema as a :func:`torch.library.triton_op`: on CUDA, Inductor traces its host code and
     sees the Triton kernels (through ``wrap_triton``) instead of an opaque call.
 ``fused_contrastive::cosent_scores``, ``fused_contrastive::cosent_pairs``
-    CoSENT from scores and from embedding pairs; ``(loss, grads...)`` likewise.
+    CoSENT from scores and from embedding pairs, either backend; ``(loss, grads...)`` likewise (the
+    loss is a sum over pairs, so its gradients are always formed in the forward). On CUDA the Triton
+    path is ``triton_cosent_scores`` / ``triton_cosent_pairs``, the same as ``triton_op`` s.
 
 The implementations call the forward and backward of the autograd Functions in ``core/`` directly
 (autograd does not record inside an operator), through :class:`_Ctx`. Arguments that could change
@@ -358,16 +360,34 @@ _cosent_scores_op.register_autograd(_scaled_grads((0, 2), 6), setup_context=_sca
 _cosent_pairs_op.register_autograd(_scaled_grads((0, 1, 3), 9), setup_context=_scaled_grads_setup)
 
 
+_TRITON_COSENT: dict[str, object] = {}
+
+
+def _triton_cosent_op(name: str):
+    """``fused_contrastive::triton_cosent_scores`` / ``triton_cosent_pairs``: the CoSENT operators as
+    ``triton_op`` s for CUDA (Inductor sees their kernels), registered on first use."""
+    if name not in _TRITON_COSENT:
+        impl, positions, n = {"scores": (_cosent_scores_impl, (0, 2), 6),
+                              "pairs": (_cosent_pairs_impl, (0, 1, 3), 9)}[name]
+        op = torch.library.triton_op(f"fused_contrastive::triton_cosent_{name}", impl, mutates_args=())
+        op.register_autograd(_scaled_grads(positions, n), setup_context=_scaled_grads_setup)
+        _TRITON_COSENT[name] = getattr(torch.ops.fused_contrastive, f"triton_cosent_{name}")
+    return _TRITON_COSENT[name]
+
+
 def cosent_scores(scores: Tensor, labels: Tensor, scale, backend: str = "torch") -> Tensor:
-    """CoSENT of ``scores`` [B] as ``fused_contrastive::cosent_scores`` (0-dim loss)."""
+    """CoSENT of ``scores`` [B] as ``fused_contrastive::cosent_scores`` (``triton_cosent_scores`` for the
+    kernels on CUDA); 0-dim loss."""
     st = scale if isinstance(scale, Tensor) else None
-    return _cosent_scores_op(scores, labels, st, 0.0 if st is not None else float(scale), backend,
-                             _needs(scores, st))[0]
+    op = _triton_cosent_op("scores") if backend == "triton" and scores.device.type == "cuda" else _cosent_scores_op
+    return op(scores, labels, st, 0.0 if st is not None else float(scale), backend, _needs(scores, st))[0]
 
 
 def cosent_pairs(u: Tensor, v: Tensor, labels: Tensor, scale, normalize: bool, eps: float,
                  backend: str = "torch") -> Tensor:
-    """CoSENT of the pair cosines of ``u``, ``v`` [B, D] as ``fused_contrastive::cosent_pairs``."""
+    """CoSENT of the pair cosines of ``u``, ``v`` [B, D] as ``fused_contrastive::cosent_pairs``
+    (``triton_cosent_pairs`` for the kernels on CUDA)."""
     st = scale if isinstance(scale, Tensor) else None
-    return _cosent_pairs_op(u, v, labels, st, 0.0 if st is not None else float(scale), normalize, eps, backend,
-                            _needs(u, v, st))[0]
+    op = _triton_cosent_op("pairs") if backend == "triton" and u.device.type == "cuda" else _cosent_pairs_op
+    return op(u, v, labels, st, 0.0 if st is not None else float(scale), normalize, eps, backend,
+              _needs(u, v, st))[0]

@@ -118,6 +118,10 @@ def test_triton_op_has_the_core_schema():
     tri = ops._triton_core_op().default._schema
     assert [(a.name, str(a.type)) for a in tri.arguments] == [(a.name, str(a.type)) for a in core.arguments]
     assert [str(r.type) for r in tri.returns] == [str(r.type) for r in core.returns]
+    for name in ("scores", "pairs"):  # CoSENT's triton_ops: the schemas of the opaque operators
+        plain = getattr(torch.ops.fused_contrastive, f"cosent_{name}").default._schema
+        tri = ops._triton_cosent_op(name).default._schema
+        assert [(a.name, str(a.type)) for a in tri.arguments] == [(a.name, str(a.type)) for a in plain.arguments]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,7 +323,7 @@ def test_host_code_never_reads_device_data():
         else:  # the launches are graph nodes: the row norms, the forward, at least one backward kernel
             assert entry["kernels"] >= (2 if route in ("op", "triton_op") else 3), (key, entry)
     assert {k.rsplit("/", 1)[0] for k in report if k.endswith("/triton_op")} == \
-        {f"{c.name}/triton" for c in CORE_CASES}
+        {f"{c.name}/triton" for c in CORE_CASES} | {"cosent/triton", "cosent_scores/triton"}
 
 
 def test_host_code_trace_catches_a_host_read():

@@ -71,14 +71,20 @@ def _trace(fn, *args) -> dict:
     return {"nodes": len(g.graph.nodes), "kernels": _kernels(g)}
 
 
+def _functional(op):
+    """``op`` (a ``triton_op``) as Inductor lowers it: under functionalization the operator decomposes
+    into its host code, and each launch becomes a ``triton_kernel_wrapper`` node (outside
+    functionalization it stays one opaque node)."""
+    def run(*flat):
+        with FunctionalTensorMode():
+            args = [FunctionalTensor.to_functional(x) if isinstance(x, torch.Tensor) else x for x in flat]
+            out = op(*args)
+        return [torch._from_functional_tensor(o.elem) for o in out]
+    return run
+
+
 def _functional_triton_op(*flat):
-    """``triton_core`` as Inductor lowers it: under functionalization the operator decomposes into its
-    host code, and each launch becomes a ``triton_kernel_wrapper`` node (outside functionalization it
-    stays one opaque node)."""
-    with FunctionalTensorMode():
-        args = [FunctionalTensor.to_functional(x) if isinstance(x, torch.Tensor) else x for x in flat]
-        out = ops._triton_core_op()(*args)
-    return [torch._from_functional_tensor(o.elem) for o in out]
+    return _functional(ops._triton_core_op())(*flat)
 
 
 def _eager_step(*flat):
@@ -123,6 +129,9 @@ def main(plant: bool) -> dict:
         sargs = (torch.empty(b, device="meta"), torch.empty(b, device="meta"), torch.empty((), device="meta"), 0.0,
                  backend, [True, True])
         report[f"cosent_scores/{backend}/op"] = _trace(lambda *a: ops._cosent_scores_impl(*a), *sargs)
+        if backend == "triton":
+            report["cosent/triton/triton_op"] = _trace(_functional(ops._triton_cosent_op("pairs")), *args)
+            report["cosent_scores/triton/triton_op"] = _trace(_functional(ops._triton_cosent_op("scores")), *sargs)
     return report
 
 
