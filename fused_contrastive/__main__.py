@@ -2,7 +2,7 @@
 
 Sub-commands: ``check`` (the default) verifies every loss on every backend available here against
 the float64 ground truth; ``bench`` runs the benchmark suite; ``bench-encode`` times
-``encode_in_chunks`` against a plain step. ``--help`` on either lists its options.
+``encode_in_chunks`` against a plain step; ``bench-gather`` computes what ``gather=`` sends per rank. ``--help`` on either lists its options.
 """
 
 from __future__ import annotations
@@ -155,14 +155,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from . import __version__
     from .bench import cli as bench_cli
     from .bench import encode as bench_encode
+    from .bench import gather as bench_gather
 
     parser = argparse.ArgumentParser(
         prog="fused-contrastive",
         description="Fused, O(N*D)-memory contrastive losses for PyTorch. With no sub-command: check.")
     parser.add_argument("--version", action="version", version=f"fused-contrastive {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{check,bench,bench-encode}")
+    sub = parser.add_subparsers(dest="command", metavar="{check,bench,bench-encode,bench-gather}")
     subs = {"check": _check_parser(sub), "bench": bench_cli.add_parser(sub),
-            "bench-encode": bench_encode.add_parser(sub)}
+            "bench-encode": bench_encode.add_parser(sub), "bench-gather": bench_gather.add_parser(sub)}
     return parser, subs
 
 
@@ -180,8 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench import encode as bench_encode
 
         return bench_encode.run(args, subs["bench-encode"])
+    if args.command == "bench-gather":
+        from .bench import gather as bench_gather
+
+        return bench_gather.run(args, subs["bench-gather"])
     if args.command is None:
-        parser.error("choose a sub-command: check, bench or bench-encode")
+        parser.error("choose a sub-command: check, bench, bench-encode or bench-gather")
     return check(args, subs["check"])
 
 

@@ -190,13 +190,17 @@ def choice(name: str, v, options: tuple[str, ...]) -> str:
     return v
 
 
-def mask(m, bsz: int, device: torch.device) -> Tensor:
-    """SupContrast's [bsz, bsz] positive mask: bool or real, non-negative weights."""
+def mask(m, bsz: int, device: torch.device, cols: int | None = None) -> Tensor:
+    """SupContrast's [bsz, bsz] positive mask (``[bsz, cols]`` when given: this rank's rows of the
+    global mask under ``gather``): bool or real, non-negative weights."""
     if not isinstance(m, Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(m).__name__}")
     if m.is_complex():
         raise TypeError(f"mask must be bool or real, got {m.dtype}")
-    if m.shape != (bsz, bsz):
+    if cols is not None and m.shape != (bsz, cols):
+        raise ValueError(f"mask must have shape [{bsz}, {cols}] with gather (this rank's rows of the global "
+                         f"[global bsz, global bsz] mask), got {tuple(m.shape)}")
+    if cols is None and m.shape != (bsz, bsz):
         raise ValueError(f"mask must have shape [{bsz}, {bsz}] (bsz = features.shape[0]), got {tuple(m.shape)}")
     if m.device != device:
         raise ValueError(f"mask is on {m.device} but features are on {device}")

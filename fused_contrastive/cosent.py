@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import _validate as V
+from . import distributed as D
 from . import ops
 from ._backend import resolve
 from .core import reference as ref
@@ -39,25 +40,31 @@ def _scores_loss(scores: Tensor, labels: Tensor, scale, backend: str) -> Tensor:
     return ScoresCosentFn.apply(scores, labels, sc)
 
 
-def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backend: str = "auto") -> Tensor:
+def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backend: str = "auto",
+                            gather=False) -> Tensor:
     """CoSENT on given scores (e.g. a cross-encoder's logits).
 
     Args:
         scores: [B] floating scores ``s_i`` of the B pairs.
         labels: [B] real labels (any order-comparable values; ties add no term).
         scale: lambda, default 20.0 (float or 0-dim tensor, differentiable).
-        backend: "auto" / "torch" (sorted prefix, O(B log B)) or "reference" (B x B pair matrix).
+        backend: "auto" / "torch" (sorted prefix, O(B log B)), "triton" or "reference" (B x B pair matrix).
+        gather: False, True or a ProcessGroup: every rank gathers all pairs and returns the global loss.
 
     Returns:
         0-dim float32 loss (float64 for float64 scores).
     """
     scores = V.embeddings("scores", scores, ndim=1, shape_hint="shape [B]")
     labels = V.real_labels("labels", labels, scores.shape[0], scores.device)
+    grp = D.process_group(gather)
+    if grp is not None:  # the pair sum spans every rank: each rank computes the global loss
+        scores, _, _ = D.gather_rows(scores, grp, name="scores")
+        labels, _, _ = D.gather_rows(labels, grp, name="labels")
     return _scores_loss(scores, labels, scale, backend)
 
 
 def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: bool = True,
-                backend: str = "auto") -> Tensor:
+                backend: str = "auto", gather=False) -> Tensor:
     """CoSENT on sentence pairs: the score of pair i is ``cos(u_i, v_i)`` (``<u_i, v_i>`` when
     ``normalize`` is False).
 
@@ -65,6 +72,7 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: 
         u, v: [B, D] embeddings of the two sides of each pair (any float dtype).
         labels: [B] real labels (similarity grades; only their order matters).
         scale: lambda, default 20.0.
+        gather: False, True or a ProcessGroup: every rank gathers all pairs and returns the global loss.
 
     Returns:
         0-dim float32 loss (float64 for float64 inputs).
@@ -76,6 +84,11 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: 
     V.same_device(u=u, v=v)
     V.flag("normalize", normalize)
     labels = V.real_labels("labels", labels, u.shape[0], u.device)
+    grp = D.process_group(gather)
+    if grp is not None:  # the pair sum spans every rank: each rank computes the global loss, O(B log B)
+        u, _, _ = D.gather_rows(u, grp, name="u")
+        v, _, _ = D.gather_rows(v, grp, name="v")
+        labels, _, _ = D.gather_rows(labels, grp, name="labels")
     sc = V.positive_number("scale", scale, device=u.device)
     dt = compute_dtype(u, v)
     if isinstance(sc, Tensor):

@@ -1,8 +1,8 @@
 """Rows of every rank, with gradients that flow back to the rank that produced them: the primitive under
-the losses' ``gather=`` option (issue 10; the losses do not take ``gather=`` yet).
+the losses' ``gather=`` option (``losses.py`` places each rank's rows at its offset).
 
 :func:`gather_rows` is an all-gather along dim 0 on PyTorch's functional collectives
-(``all_gather_tensor_autograd``: its backward is a reduce-scatter, so each rank's rows receive the sum
+(``all_gather_single_autograd``: its backward is a reduce-scatter, so each rank's rows receive the sum
 over ranks of the gradients computed for them), for local batches of unequal size (the last batch of
 an epoch): every rank pads to the largest local size, and the padding is cut out of the result. A
 small collective of the shapes and dtypes runs first, so a rank whose embedding dimension or dtype
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["gather_rows", "process_group"]
+__all__ = ["all_sum", "gather_rows", "process_group", "row_offset", "world_size"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
 
@@ -79,9 +79,29 @@ def gather_rows(x: Tensor, group: dist.ProcessGroup | None = None, *, name: str 
     if world == 1:
         out = x
     else:
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed._functional_collectives import all_gather_single_autograd
 
-        out = all_gather_tensor_autograd(x.contiguous(), 0, group)
+        out = all_gather_single_autograd(x.contiguous(), 0, group)
     if any(s != top for s in sizes):
         out = torch.cat([out[r * top:r * top + s] for r, s in enumerate(sizes)])
     return out, sum(sizes[:rank]), sizes
+
+
+def world_size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def row_offset(n: int, device, group: dist.ProcessGroup) -> tuple[int, int]:
+    """(this rank's row offset, the total rows) when every rank holds ``n`` rows of a global batch."""
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    sizes = [int(t) for t in torch.cat(every).cpu()]
+    return sum(sizes[:dist.get_rank(group)]), sum(sizes)
+
+
+def all_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The sum over ranks of ``x`` (no gradient: counts and denominators)."""
+    x = x.detach().clone()
+    dist.all_reduce(x, group=group)
+    return x

@@ -13,6 +13,10 @@ Common keyword arguments:
   or ``"reference"`` (materialises the logits; the test oracle). Problems whose N x M logits fit the
   tile budget run one materialised tile on both torch and triton (see ``core.dense_path``).
 
+* ``gather`` (default False): True (the default process group) or a ``torch.distributed`` ProcessGroup:
+  the contrast set is gathered from every rank and each rank computes its own anchors' rows; the
+  returned value averages over ranks to the global-batch loss (README, "Negatives across ranks").
+
 Embeddings may be float16, bfloat16, float32 or float64, contiguous or not. Accumulation is in
 float32 (float64 for float64 inputs); the loss is float32 (float64 for float64 inputs) and gradients
 come back in each input's dtype. Temperatures / scales may be Python numbers (exact: kept in double
@@ -27,6 +31,7 @@ from torch import Tensor
 
 from . import _validate as V
 from . import core, ops
+from . import distributed as D
 from ._backend import resolve
 from .core import reference as ref
 from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
@@ -78,6 +83,49 @@ def _cross_entropy(be: str, query: Tensor, keys: Tensor | None, s, target: Tenso
     return _reduced(out, reduction, w.sum())
 
 
+def _per_rank(out: Tensor, reduction: str, denom, world: int) -> Tensor:
+    """The value a rank returns under ``gather``: with ``"mean"`` / ``"sum"`` the local sum scaled so that
+    the average over ranks is the global loss (``world / global denominator``, ``world``); with
+    ``"none"`` the local per-anchor losses."""
+    if reduction == "none":
+        return out
+    out = out.sum() if out.dim() else out
+    if reduction == "sum":
+        return out * world
+    if isinstance(denom, Tensor):  # a count summed over ranks (an integer tensor: no host read)
+        return out * world / denom.to(out.dtype)
+    return out * (world / denom)
+
+
+def _gathered_ce(be: str, grp, query: Tensor, keys: Tensor, s, target: Tensor, *, offset: int, exclude_self: bool,
+                 normalize: bool, reduction: str, n_total: int, valid: Tensor | None = None) -> Tensor:
+    """``CE`` of the local anchors ``query`` against the gathered contrast set ``keys`` (targets and the
+    own column already global), under the per-rank contract of :func:`_per_rank`."""
+    world = D.world_size(grp)
+    if be == "reference":
+        per = ref.info_nce(query, keys, target, s, exclude_self, False, normalize, "none", -100, offset=offset)
+        if valid is not None:
+            per = torch.where(valid, per, torch.zeros_like(per))
+        out = per
+    else:
+        spec = CoreSpec(normalize=normalize, eps=_EPS, exclude_self=exclude_self, offset=offset)
+        w = 1.0 if valid is None else valid.to(compute_dtype(query, keys))
+        out = core.run(be, query, keys, s, spec, CoreData(target=target), Coeffs(lse=w, tgt=w),
+                       reduce=reduction != "none")
+    denom = n_total if valid is None else D.all_sum(valid.sum(), grp)
+    return _per_rank(out, reduction, denom, world)
+
+
+def _gathered_clip(be: str, grp, a: Tensor, b: Tensor, s, normalize: bool, reduction: str) -> Tensor:
+    """CLIP under ``gather``: pair i's row term is ``CE(a_i, B_global)``, its column term ``CE(b_i, A_global)``."""
+    a_all, off, sizes = D.gather_rows(a, grp, name="a")
+    b_all, _, _ = D.gather_rows(b, grp, name="b")
+    t = torch.arange(a.shape[0], device=a.device) + off
+    kw = dict(offset=off, exclude_self=False, normalize=normalize, reduction="none", n_total=sum(sizes))
+    per = (_gathered_ce(be, grp, a, b_all, s, t, **kw) + _gathered_ce(be, grp, b, a_all, s, t, **kw)) / 2
+    return _per_rank(per, reduction, sum(sizes), D.world_size(grp))
+
+
 # ----------------------------------------------------------------------------------------------
 # InfoNCE / cross-entropy over cosine logits
 # ----------------------------------------------------------------------------------------------
@@ -96,6 +144,7 @@ def info_nce(
     reduction: str = "mean",
     ignore_index: int = -100,
     backend: str = "auto",
+    gather=False,
 ) -> Tensor:
     """InfoNCE / in-batch-negatives loss, the drop-in for
     ``F.cross_entropy(cos(query, keys) / temperature, target, reduction=..., ignore_index=...)``
@@ -145,6 +194,10 @@ def info_nce(
         raise ValueError("target=None with keys=None means every row's target is its own excluded column; "
                          "pass target (e.g. the index of each row's positive) or keys")
     be = resolve(backend, query, keys)
+    grp = D.process_group(gather)
+    if grp is not None:
+        return _info_nce_gathered(be, grp, query, keys, target, s, exclude_self, symmetric, normalize, reduction,
+                                  ignore_index)
     if be == "reference":
         tgt = target if given else torch.arange(n, device=dev)
         return ref.info_nce(query, keys, tgt, s, exclude_self, symmetric, normalize, reduction, ignore_index)
@@ -156,8 +209,32 @@ def info_nce(
                           exclude_self=exclude_self, normalize=normalize, reduction=reduction, valid=valid)
 
 
+def _info_nce_gathered(be, grp, query, keys, target, s, exclude_self, symmetric, normalize, reduction,
+                       ignore_index) -> Tensor:
+    """info_nce under ``gather``: the local rows against every rank's keys (or queries, keys=None)."""
+    n = query.shape[0]
+    if symmetric:
+        return _gathered_clip(be, grp, query, query if keys is None else keys, s, normalize, reduction)
+    if keys is None:
+        contrast, qoff, sizes = D.gather_rows(query, grp, name="query")
+        koff = qoff
+    else:
+        contrast, koff, _ = D.gather_rows(keys, grp, name="keys")
+        qoff, total = D.row_offset(n, query.device, grp)
+        sizes = [total]
+    n_total = sum(sizes)
+    valid = None
+    if target is None:  # arange over the global batch: global row qoff + i
+        t = torch.arange(n, device=query.device) + qoff
+    else:
+        valid = target != ignore_index
+        t = torch.where(valid, target + koff, torch.zeros_like(target))
+    return _gathered_ce(be, grp, query, contrast, s, t, offset=qoff, exclude_self=exclude_self, normalize=normalize,
+                        reduction=reduction, n_total=n_total, valid=valid)
+
+
 def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, reduction: str = "mean",
-              backend: str = "auto") -> Tensor:
+              backend: str = "auto", gather=False) -> Tensor:
     """CLIP loss: ``(CE(l, arange) + CE(l^T, arange)) / 2`` with ``l = logit_scale * cos(a, b)``, i.e.
     ``info_nce(a, b, symmetric=True, scale=logit_scale)``.
 
@@ -182,6 +259,9 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
     if isinstance(s, Tensor):
         s = s.to(device=a.device, dtype=compute_dtype(a, b))
     be = resolve(backend, a, b)
+    grp = D.process_group(gather)
+    if grp is not None:
+        return _gathered_clip(be, grp, a, b, s, normalize, reduction)
     target = torch.arange(a.shape[0], device=a.device)
     if be == "reference":
         return ref.info_nce(a, b, target, s, False, True, normalize, reduction, -100)
@@ -195,7 +275,7 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
 
 
 def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, normalize: bool = True,
-                reduction: str = "mean", backend: str = "auto") -> Tensor:
+                reduction: str = "mean", backend: str = "auto", gather=False) -> Tensor:
     """Unsupervised SimCSE.
 
     * ``z2=None``: ``z1`` is the interleaved batch [2B, D] (rows 2i and 2i+1 are two dropout views of
@@ -219,6 +299,13 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(z1, z2), dev)
     be = resolve(backend, z1, z2)
     n = z1.shape[0]
+    grp = D.process_group(gather)
+    if grp is not None:
+        contrast, off, sizes = D.gather_rows(z1 if z2 is None else z2, grp, name="z1" if z2 is None else "z2")
+        t = torch.arange(n, device=dev)
+        t = (t ^ 1) + off if z2 is None else t + off  # offsets are even: every rank holds whole pairs
+        return _gathered_ce(be, grp, z1, contrast, s, t, offset=off, exclude_self=z2 is None, normalize=normalize,
+                            reduction=reduction, n_total=sum(sizes))
     target = torch.arange(n, device=dev)
     if z2 is None:
         target = target ^ 1  # the other view of the same sentence
@@ -230,7 +317,7 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
 
 def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Tensor | None = None,
                     *, temperature=0.05, hard_negative_weight: float = 0.0, normalize: bool = True,
-                    reduction: str = "mean", backend: str = "auto") -> Tensor:
+                    reduction: str = "mean", backend: str = "auto", gather=False) -> Tensor:
     """Supervised SimCSE (NLI triplets).
 
     * ``positive=None``: ``anchor`` is the interleaved triplets [3B, D]: rows 3k, 3k+1, 3k+2 are
@@ -267,6 +354,9 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     n = anchor.shape[0]
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(anchor, positive, negative), dev)
     be = resolve(backend, anchor, positive, negative)
+    grp = D.process_group(gather)
+    if grp is not None:
+        return _simcse_sup_gathered(be, grp, anchor, positive, negative, s, hnw, normalize, reduction)
     if negative is None:
         if be == "reference":
             return ref.info_nce(anchor, positive, torch.arange(n, device=dev), s, False, False, normalize,
@@ -280,6 +370,29 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     bias_col = target + n if hnw != 0.0 else None
     return _cross_entropy(be, anchor, keys, s, target, exclude_self=False, normalize=normalize,
                           reduction=reduction, bias_col=bias_col, bias=hnw)
+
+
+def _simcse_sup_gathered(be, grp, anchor, positive, negative, s, hnw, normalize, reduction) -> Tensor:
+    """Supervised SimCSE under ``gather``: columns are every rank's positives, then every rank's
+    negatives (P P .. N N .., the single-process order), anchor i's target and hard negative at the
+    rank's offset."""
+    n = anchor.shape[0]
+    pos, off, sizes = D.gather_rows(positive, grp, name="positive")
+    n_total = sum(sizes)
+    t = torch.arange(n, device=anchor.device) + off
+    if negative is None:
+        return _gathered_ce(be, grp, anchor, pos, s, t, offset=off, exclude_self=False, normalize=normalize,
+                            reduction=reduction, n_total=n_total)
+    neg, _, _ = D.gather_rows(negative.to(positive.dtype), grp, name="negative")
+    world = D.world_size(grp)
+    if be == "reference":
+        out = ref.simcse_sup(anchor, pos, neg, s, hnw, normalize, "none", offset=off)
+    else:
+        spec = CoreSpec(normalize=normalize, eps=_EPS, bias=hnw)
+        data = CoreData(target=t, bias_col=t + n_total if hnw != 0.0 else None)
+        out = core.run(be, anchor, torch.cat([pos, neg]), s, spec, data, Coeffs(lse=1.0, tgt=1.0),
+                       reduce=reduction != "none")
+    return _per_rank(out, reduction, n_total, world)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,6 +429,7 @@ def supcon_loss(
     normalize: bool = True,
     reduction: str = "mean",
     backend: str = "auto",
+    gather=False,
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020) with SupContrast's semantics.
 
@@ -348,8 +462,10 @@ def supcon_loss(
         raise ValueError("give labels or mask, not both")
     if labels is not None:
         labels = V.labels("labels", labels, bsz, dev)
+    grp = D.process_group(gather)
+    off, bsz_g = D.row_offset(bsz, dev, grp) if grp is not None else (0, bsz)
     if mask is not None:
-        mask = V.mask(mask, bsz, dev)
+        mask = V.mask(mask, bsz, dev, cols=bsz_g if grp is not None else None)
     if labels is None and mask is None and n_views == 1:
         raise ValueError("features has one view and neither labels nor mask is given: every anchor's only "
                          "positive would be itself, which is excluded, so the loss would be 0 with zero "
@@ -359,6 +475,9 @@ def supcon_loss(
     s, t = V.scale_of(temperature, None, 0.07, dt, dev)
     bt = V.positive_number("base_temperature", base_temperature, device=dev)
     be = resolve(backend, features, queue)
+    if grp is not None:
+        return _supcon_gathered(be, grp, off, bsz_g, features, labels, mask, s, t, bt, contrast_mode, variant,
+                                queue, queue_labels, normalize, reduction)
     if be == "reference":
         return ref.supcon(features, labels, mask, s, t, bt, contrast_mode, variant, queue, queue_labels,
                           normalize, reduction)
@@ -406,6 +525,7 @@ def dscl_loss(
     normalize: bool = True,
     reduction: str = "mean",
     backend: str = "auto",
+    gather=False,
 ) -> Tensor:
     """Decoupled supervised contrastive loss (DSCL, Xuan et al., AAAI 2024).
 
@@ -437,6 +557,10 @@ def dscl_loss(
     s, t = V.scale_of(temperature, None, 0.07, dt, dev)
     bt = t if base_temperature is None else V.positive_number("base_temperature", base_temperature, device=dev)
     be = resolve(backend, features, queue)
+    grp = D.process_group(gather)
+    if grp is not None:
+        return _dscl_gathered(be, grp, features, labels, beta, s, t, bt, base_temperature is None, queue,
+                              queue_labels, normalize, reduction)
     if be == "reference":
         return ref.dscl(features, labels, s, t, base_temperature if base_temperature is None else bt, beta,
                         queue, queue_labels, normalize, reduction)
@@ -457,3 +581,106 @@ def dscl_loss(
     coef = Coeffs(lse=1.0, tgt=1.0 - k - c_set, set=c_set)
     out = core.run(be, a, contrast, s, spec, data, coef, reduce=reduction != "none")
     return out * _factor(t, bt, reduction, bsz, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# SupCon and DSCL under gather
+# ----------------------------------------------------------------------------------------------
+
+
+def _gathered_views(features: Tensor, grp) -> list[Tensor]:
+    """Every view of every rank's samples: [global bsz, D] per view (the contrast set, view-major)."""
+    return [D.gather_rows(features[:, v], grp, name="features")[0] for v in range(features.shape[1])]
+
+
+def _gathered_queue(queue: Tensor | None, queue_labels: Tensor | None, dtype, grp):
+    if queue is None:
+        return None, None
+    q, _, _ = D.gather_rows(queue.detach().to(dtype), grp, name="queue")
+    ql = D.gather_rows(queue_labels, grp, name="queue_labels")[0] if queue_labels is not None else None
+    return q, ql
+
+
+def _supcon_gathered(be, grp, off, bsz_g, features, labels, mask, s, t, bt, contrast_mode, variant, queue,
+                     queue_labels, normalize, reduction) -> Tensor:
+    """SupCon under ``gather``: each view's anchor block of this rank against the gathered view-major
+    contrast set (its own columns at ``v * global bsz + offset``), then the gathered queue."""
+    bsz, n_views, _ = features.shape
+    dev = features.device
+    world = D.world_size(grp)
+    blocks = range(n_views) if contrast_mode == "all" else range(1)
+    n_anchors = len(blocks) * bsz_g
+    factor = t / bt
+    if be == "reference":
+        feats, _, _ = D.gather_rows(features, grp, name="features")
+        lab = D.gather_rows(labels, grp, name="labels")[0] if labels is not None else None
+        full_mask = D.gather_rows(mask, grp, name="mask")[0] if mask is not None else None
+        q, ql = _gathered_queue(queue, queue_labels, feats.dtype, grp)
+        per = ref.supcon(feats, lab, full_mask, s, t, bt, contrast_mode, variant, q, ql, normalize, "none")
+        per = torch.cat([per[v * bsz_g + off:v * bsz_g + off + bsz] for v in blocks])
+        return _per_rank(per, reduction, n_anchors, world)
+    views = _gathered_views(features, grp)
+    contrast = torch.cat(views)
+    q, ql = _gathered_queue(queue, queue_labels, contrast.dtype, grp)
+    if q is not None:
+        contrast = torch.cat([contrast, q])
+    m = contrast.shape[0]
+    if mask is not None:
+        data = CoreData(pos_mask=mask)
+    else:
+        lab = labels if labels is not None else torch.arange(bsz, device=dev) + off  # SimCLR: global ids
+        lab_g, _, _ = D.gather_rows(lab, grp, name="labels")
+        col = lab_g.repeat(n_views)
+        if q is not None:
+            col = torch.cat([col, ql if ql is not None else torch.full((q.shape[0],), -1, device=dev)])
+        data = CoreData(row_labels=lab, col_labels=col)
+    keep = reduction != "none"
+    outs = []
+    for v in blocks:
+        spec = CoreSpec(normalize=normalize, eps=_EPS, exclude_self=True, offset=v * bsz_g + off,
+                        grad_cols=n_views * bsz_g if q is not None else None)
+        n_pos = core.positive_counts(spec, data, bsz, m, contrast)
+        has = n_pos > 0
+        hp = has.to(n_pos.dtype)
+        safe_n = torch.where(has, n_pos, torch.ones_like(n_pos))
+        if variant == "out":
+            out = core.run(be, features[:, v], contrast, s, spec, data, Coeffs(lse=hp, set=hp / safe_n), reduce=keep)
+        else:
+            const = hp * torch.log(safe_n)
+            out = core.run(be, features[:, v], contrast, s, spec, data, Coeffs(lse=hp, pos=-hp), reduce=keep)
+            out = out + (const.sum() if keep else const)
+        outs.append(out)
+    out = sum(outs[1:], outs[0]) if keep else torch.cat(outs)
+    out = _per_rank(out, reduction, n_anchors, world)
+    return out * (factor.to(out.dtype) if isinstance(factor, Tensor) else factor)
+
+
+def _dscl_gathered(be, grp, features, labels, beta, s, t, bt, bt_is_t, queue, queue_labels, normalize,
+                   reduction) -> Tensor:
+    """DSCL under ``gather``: this rank's view-0 anchors against [view 0; view 1; queue] of every rank."""
+    bsz = features.shape[0]
+    dev = features.device
+    world = D.world_size(grp)
+    lab_g, off, sizes = D.gather_rows(labels, grp, name="labels")
+    bsz_g = sum(sizes)
+    factor = t / bt
+    if be == "reference":
+        feats, _, _ = D.gather_rows(features, grp, name="features")
+        q, ql = _gathered_queue(queue, queue_labels, feats.dtype, grp)
+        per = ref.dscl(feats, lab_g, s, t, None if bt_is_t else bt, beta, q, ql, normalize, "none")
+        return _per_rank(per[off:off + bsz], reduction, bsz_g, world)
+    views = _gathered_views(features, grp)
+    q, ql = _gathered_queue(queue, queue_labels, views[0].dtype, grp)
+    contrast = torch.cat(views + ([q] if q is not None else []))
+    col = torch.cat([lab_g, lab_g] + ([ql] if q is not None else []))
+    spec = CoreSpec(normalize=normalize, eps=_EPS, exclude_self=True, offset=off,
+                    grad_cols=2 * bsz_g if q is not None else None)
+    own = torch.arange(bsz, device=dev) + bsz_g + off  # anchor i's own view 1
+    data = CoreData(target=own, row_labels=labels, col_labels=col)
+    n_pos = core.positive_counts(spec, data, bsz, contrast.shape[0], contrast)
+    k = (n_pos > 1).to(n_pos.dtype) * (beta / (1.0 + beta))
+    c_set = k / (n_pos - 1).clamp_min_(1)
+    out = core.run(be, features[:, 0], contrast, s, spec, data, Coeffs(lse=1.0, tgt=1.0 - k - c_set, set=c_set),
+                   reduce=reduction != "none")
+    out = _per_rank(out, reduction, bsz_g, world)
+    return out * (factor.to(out.dtype) if isinstance(factor, Tensor) else factor)

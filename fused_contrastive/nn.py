@@ -1,4 +1,5 @@
-"""``torch.nn.Module`` wrappers of the losses: hold the options, call the functional form."""
+"""``torch.nn.Module`` wrappers of the losses: hold the options (including ``gather``), call the functional
+form."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ class InfoNCELoss(nn.Module):
 
     def __init__(self, temperature: float | None = None, *, scale: float | None = None,
                  exclude_self: bool | None = None, symmetric: bool = False, normalize: bool = True,
-                 reduction: str = "mean", ignore_index: int = -100, backend: str = "auto"):
+                 reduction: str = "mean", ignore_index: int = -100, backend: str = "auto", gather=False):
         super().__init__()
         self.kw = dict(temperature=temperature, scale=scale, exclude_self=exclude_self, symmetric=symmetric,
-                       normalize=normalize, reduction=reduction, ignore_index=ignore_index, backend=backend)
+                       normalize=normalize, reduction=reduction, ignore_index=ignore_index, backend=backend,
+                       gather=gather)
 
     def forward(self, query: Tensor, keys: Tensor | None = None, target: Tensor | None = None) -> Tensor:
         return info_nce(query, keys, target, **self.kw)
@@ -31,9 +33,10 @@ class SimCSELoss(nn.Module):
     """Module form of :func:`fused_contrastive.simcse_loss`; ``forward(z1, z2=None)``."""
 
     def __init__(self, temperature: float = 0.05, *, normalize: bool = True, reduction: str = "mean",
-                 backend: str = "auto"):
+                 backend: str = "auto", gather=False):
         super().__init__()
-        self.kw = dict(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend)
+        self.kw = dict(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend,
+                       gather=gather)
 
     def forward(self, z1: Tensor, z2: Tensor | None = None) -> Tensor:
         return simcse_loss(z1, z2, **self.kw)
@@ -44,10 +47,11 @@ class SupConLoss(nn.Module):
     ``forward(features, labels=None, mask=None, queue=None, queue_labels=None)``."""
 
     def __init__(self, temperature=0.07, base_temperature=0.07, *, contrast_mode: str = "all",
-                 variant: str = "out", normalize: bool = True, reduction: str = "mean", backend: str = "auto"):
+                 variant: str = "out", normalize: bool = True, reduction: str = "mean", backend: str = "auto",
+                 gather=False):
         super().__init__()
         self.kw = dict(temperature=temperature, base_temperature=base_temperature, contrast_mode=contrast_mode,
-                       variant=variant, normalize=normalize, reduction=reduction, backend=backend)
+                       variant=variant, normalize=normalize, reduction=reduction, backend=backend, gather=gather)
 
     def forward(self, features: Tensor, labels: Tensor | None = None, mask: Tensor | None = None,
                 queue: Tensor | None = None, queue_labels: Tensor | None = None) -> Tensor:
@@ -58,10 +62,10 @@ class DSCLLoss(nn.Module):
     """Module form of :func:`fused_contrastive.dscl_loss`; ``forward(features, labels, queue=None, queue_labels=None)``."""
 
     def __init__(self, beta: float = 8.0, temperature: float = 0.07, base_temperature: float | None = None, *,
-                 normalize: bool = True, reduction: str = "mean", backend: str = "auto"):
+                 normalize: bool = True, reduction: str = "mean", backend: str = "auto", gather=False):
         super().__init__()
         self.kw = dict(beta=beta, temperature=temperature, base_temperature=base_temperature, normalize=normalize,
-                       reduction=reduction, backend=backend)
+                       reduction=reduction, backend=backend, gather=gather)
 
     def forward(self, features: Tensor, labels: Tensor, queue: Tensor | None = None,
                 queue_labels: Tensor | None = None) -> Tensor:
@@ -71,9 +75,9 @@ class DSCLLoss(nn.Module):
 class CoSENTLoss(nn.Module):
     """Module form of :func:`fused_contrastive.cosent_loss`; ``forward(u, v, labels)``."""
 
-    def __init__(self, scale: float = 20.0, *, normalize: bool = True, backend: str = "auto"):
+    def __init__(self, scale: float = 20.0, *, normalize: bool = True, backend: str = "auto", gather=False):
         super().__init__()
-        self.kw = dict(scale=scale, normalize=normalize, backend=backend)
+        self.kw = dict(scale=scale, normalize=normalize, backend=backend, gather=gather)
 
     def forward(self, u: Tensor, v: Tensor, labels: Tensor) -> Tensor:
         return cosent_loss(u, v, labels, **self.kw)
@@ -84,10 +88,10 @@ class CLIPLoss(nn.Module):
     ``log(1 / 0.07)``) is used as ``exp(logit_scale)``; ``forward(a, b)`` with a, b [N, D]."""
 
     def __init__(self, init_temperature: float = 0.07, *, normalize: bool = True, reduction: str = "mean",
-                 backend: str = "auto"):
+                 backend: str = "auto", gather=False):
         super().__init__()
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)))
-        self.kw = dict(normalize=normalize, reduction=reduction, backend=backend)
+        self.kw = dict(normalize=normalize, reduction=reduction, backend=backend, gather=gather)
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         return clip_loss(a, b, self.logit_scale.exp(), **self.kw)

@@ -73,7 +73,7 @@ def test_version_and_help():
     out = _cli("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"fused-contrastive {fc.__version__}"
     out = _cli("--help")
-    assert out.returncode == 0 and out.stdout.startswith("usage:") and "{check,bench,bench-encode}" in out.stdout
+    assert out.returncode == 0 and out.stdout.startswith("usage:") and "{check,bench,bench-encode,bench-gather}" in out.stdout
     for sub in ("check", "bench"):
         out = _cli(sub, "--help")
         assert out.returncode == 0 and "--losses" in out.stdout and "``" not in out.stdout
@@ -99,3 +99,13 @@ def test_bench_encode_end_to_end():
     lines = out.stdout.splitlines()
     assert any(line.split()[:1] == ["plain"] for line in lines) and any(line.split()[:1] == ["cached"] for line in lines)
     assert "cached / plain: time" in out.stdout and "peak memory" in out.stdout
+
+
+def test_bench_gather_computes_bytes_per_rank():
+    """bench-gather: info_nce at N = 65536, D = 768, bf16, 8 ranks gathers 96 MiB of keys; a ring sends
+    7/8 of it forward and backward (hand-derived: 65536 * 768 * 2 B = 96 MiB; 7/8 = 84 MiB)."""
+    out = _cli("bench-gather", "--n", "65536", "--d", "768", "--dtype", "bfloat16", "--world", "8")
+    assert out.returncode == 0, out.stderr
+    row = next(line.split() for line in out.stdout.splitlines() if line.startswith("info_nce"))
+    assert row[1:] == ["84", "84", "192"], row
+    assert "COMPUTED" in out.stdout

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue as queue_mod
+import traceback
+from datetime import timedelta
 
 import pytest
 import torch
@@ -82,3 +84,201 @@ def test_process_group_arguments():
         process_group(True)
     with pytest.raises(TypeError, match="gather"):
         process_group("yes")
+
+
+# ------------------------------------------------------------------------------------------------
+# the losses' gather= option: every rank's value and gradients against the single-process loss over
+# the concatenated global batch
+# ------------------------------------------------------------------------------------------------
+
+import fused_contrastive as fc
+
+
+def _split(x: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
+    off = sum(sizes[:rank])
+    return x[off:off + sizes[rank]]
+
+
+def _loss_inputs(sizes: list[int], g: torch.Generator):
+    """The global inputs of every configuration (float64), and the per-rank targets."""
+    d = D
+    n = sum(sizes)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    ksizes = [s + 1 for s in sizes]  # more keys than queries on every rank
+    q, k = r(n, d), r(sum(ksizes), d)
+    # targets: each rank's rows point into its own keys; some ignored
+    local_t = [torch.randint(0, ks, (s,), generator=g) for s, ks in zip(sizes, ksizes)]
+    for t in local_t:
+        t[::3] = -100
+    glob_t = torch.cat([torch.where(t >= 0, t + sum(ksizes[:i]), t) for i, t in enumerate(local_t)])
+    # keys=None: each row's target is another row of its own rank (local index; global = + offset)
+    local_self_t = [(torch.arange(s) + 1) % max(s, 1) for s in sizes]
+    self_t = torch.cat([t + sum(sizes[:i]) for i, t in enumerate(local_self_t)])
+    z = r(2 * n, d)  # interleaved pairs: rank i holds 2 * sizes[i] rows
+    zsizes = [2 * s for s in sizes]
+    a, p, ng = r(n, d), r(n, d), r(n, d)
+    temp = torch.tensor(0.1, dtype=torch.float64)
+    return q, k, local_t, glob_t, local_self_t, self_t, z, zsizes, a, p, ng, temp, ksizes
+
+
+def _cases(sizes, rank, g):
+    """(name, single-process loss (closure over global leaves), rank loss (closure over local leaves),
+    global leaves, local leaves, the leaf index of a learnable scale or None)."""
+    q, k, local_t, glob_t, local_self_t, self_t, z, zsizes, a, p, ng, temp, ksizes = _loss_inputs(sizes, g)
+    mine = lambda x, sz: _split(x, sz, rank)
+    out = []
+
+    def add(name, glob_fn, rank_fn, glob, local):
+        out.append((name, glob_fn, rank_fn, glob, local))
+
+    add("info_nce_mean", lambda q_, k_: fc.info_nce(q_, k_, temperature=0.05),
+        lambda q_, k_: fc.info_nce(q_, k_, temperature=0.05, gather=True),
+        [q, k], [mine(q, sizes), mine(k, ksizes)])
+    add("info_nce_target_ignore_sum",
+        lambda q_, k_: fc.info_nce(q_, k_, glob_t, temperature=0.05, reduction="sum"),
+        lambda q_, k_: fc.info_nce(q_, k_, local_t[rank], temperature=0.05, reduction="sum", gather=True),
+        [q, k], [mine(q, sizes), mine(k, ksizes)])
+    add("info_nce_ignore_mean",
+        lambda q_, k_: fc.info_nce(q_, k_, glob_t, temperature=0.05),
+        lambda q_, k_: fc.info_nce(q_, k_, local_t[rank], temperature=0.05, gather=True),
+        [q, k], [mine(q, sizes), mine(k, ksizes)])
+    add("info_nce_self_learnable_t",
+        lambda q_, t_: fc.info_nce(q_, None, self_t, temperature=t_),
+        lambda q_, t_: fc.info_nce(q_, None, local_self_t[rank], temperature=t_, gather=True),
+        [q, temp], [mine(q, sizes), temp])
+    add("clip_learnable_scale", lambda a_, p_, s_: fc.clip_loss(a_, p_, s_),
+        lambda a_, p_, s_: fc.clip_loss(a_, p_, s_, gather=True),
+        [a, p, temp * 100], [mine(a, sizes), mine(p, sizes), temp * 100])
+    add("simcse_interleaved", lambda z_: fc.simcse_loss(z_), lambda z_: fc.simcse_loss(z_, gather=True),
+        [z], [mine(z, zsizes)])
+    add("simcse_two_view", lambda a_, p_: fc.simcse_loss(a_, p_), lambda a_, p_: fc.simcse_loss(a_, p_, gather=True),
+        [a, p], [mine(a, sizes), mine(p, sizes)])
+    add("simcse_sup_hard_negatives",
+        lambda a_, p_, n_: fc.simcse_sup_loss(a_, p_, n_, hard_negative_weight=1.0),
+        lambda a_, p_, n_: fc.simcse_sup_loss(a_, p_, n_, hard_negative_weight=1.0, gather=True),
+        [a, p, ng], [mine(a, sizes), mine(p, sizes), mine(ng, sizes)])
+    nn_ = sum(sizes)
+    feats = torch.randn(nn_, 2, D, generator=g, dtype=torch.float64)
+    feats3 = torch.randn(nn_, 3, D, generator=g, dtype=torch.float64)
+    lab = torch.randint(0, 3, (nn_,), generator=g)
+    pmask = (torch.rand(nn_, nn_, generator=g) < 0.4).double() * torch.rand(nn_, nn_, generator=g, dtype=torch.float64)
+    qsizes = [2 + i for i in range(len(sizes))]
+    queue = torch.randn(sum(qsizes), D, generator=g, dtype=torch.float64)
+    qlab = torch.randint(0, 3, (sum(qsizes),), generator=g)
+    lab_r, mask_r, q_r, ql_r = mine(lab, sizes), mine(pmask, sizes), mine(queue, qsizes), mine(qlab, qsizes)
+    add("supcon_labels_out", lambda f_: fc.supcon_loss(f_, lab), lambda f_: fc.supcon_loss(f_, lab_r, gather=True),
+        [feats], [mine(feats, sizes)])
+    add("supcon_mask_in_none", lambda f_: fc.supcon_loss(f_, mask=pmask, variant="in", reduction="sum"),
+        lambda f_: fc.supcon_loss(f_, mask=mask_r, variant="in", reduction="sum", gather=True),
+        [feats], [mine(feats, sizes)])
+    add("supcon_one_3views_learnable_t", lambda f_, t_: fc.supcon_loss(f_, lab, contrast_mode="one", temperature=t_),
+        lambda f_, t_: fc.supcon_loss(f_, lab_r, contrast_mode="one", temperature=t_, gather=True),
+        [feats3, temp], [mine(feats3, sizes), temp])
+    add("supcon_simclr", lambda f_: fc.supcon_loss(f_), lambda f_: fc.supcon_loss(f_, gather=True),
+        [feats], [mine(feats, sizes)])
+    add("supcon_queue_in", lambda f_: fc.supcon_loss(f_, lab, queue=queue, queue_labels=qlab, variant="in"),
+        lambda f_: fc.supcon_loss(f_, lab_r, queue=q_r, queue_labels=ql_r, variant="in", gather=True),
+        [feats], [mine(feats, sizes)])
+    add("dscl", lambda f_: fc.dscl_loss(f_, lab), lambda f_: fc.dscl_loss(f_, lab_r, gather=True),
+        [feats], [mine(feats, sizes)])
+    add("dscl_queue_learnable_t", lambda f_, t_: fc.dscl_loss(f_, lab, queue=queue, queue_labels=qlab, temperature=t_),
+        lambda f_, t_: fc.dscl_loss(f_, lab_r, queue=q_r, queue_labels=ql_r, temperature=t_, gather=True),
+        [feats, temp], [mine(feats, sizes), temp])
+    torch.manual_seed(0)  # the same encoder weights on every rank (as DDP keeps them)
+    lin = torch.nn.Linear(D, D).double()
+    add("encode_in_chunks_then_gather",
+        lambda x_: fc.simcse_loss(lin(x_), lin(x_.flip(1))),
+        lambda x_: fc.simcse_loss(fc.encode_in_chunks(lin, x_, 2), fc.encode_in_chunks(lin, x_.flip(1), 2),
+                                  gather=True),
+        [a], [mine(a, sizes)])
+    y = torch.randint(0, 4, (sum(sizes),), generator=g).double()
+    add("cosent_learnable_scale", lambda a_, p_, s_: fc.cosent_loss(a_, p_, y, scale=s_),
+        lambda a_, p_, s_: fc.cosent_loss(a_, p_, mine(y, sizes), scale=s_, gather=True),
+        [a, p, temp * 200], [mine(a, sizes), mine(p, sizes), temp * 200])
+    add("cosent_scores", lambda x_: fc.cosent_loss_from_scores(x_, y),
+        lambda x_: fc.cosent_loss_from_scores(x_, mine(y, sizes), gather=True),
+        [a[:, 0]], [mine(a[:, 0], sizes)])
+    return out
+
+
+def _loss_worker(rank: int, world: int, init: str, sizes: list[int], backends: list[str], out) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        res = {"rank": rank, "cases": {}}
+        for be in backends:
+            for name, glob_fn, rank_fn, glob, local in _cases(sizes, rank, torch.Generator().manual_seed(0)):
+                gl = [x.clone().requires_grad_() for x in glob]
+                lo = [x.clone().requires_grad_() for x in local]
+                want = glob_fn(*gl)
+                want_g = torch.autograd.grad(want, gl)
+                got = rank_fn(*lo)
+                got_g = torch.autograd.grad(got, lo)
+                entry = {"loss": float(got.detach()), "want": float(want.detach()), "grads_ok": True, "scalar_grads": []}
+                for i, (x, gg, wg) in enumerate(zip(local, got_g, want_g)):
+                    if x.dim() == 0:  # a replicated (learnable) scalar: DDP averages it over ranks
+                        entry["scalar_grads"].append((float(gg), float(wg)))
+                        continue
+                    sl = next(s for s in (sizes, [2 * s for s in sizes], [s + 1 for s in sizes])
+                              if sum(s) == glob[i].shape[0])
+                    want_local = world * _split(wg, sl, rank)  # every rank backpropagates its own loss
+                    if not torch.allclose(gg, want_local, rtol=1e-9, atol=1e-11):
+                        entry["grads_ok"] = False
+                        entry["err"] = float((gg - want_local).abs().max())
+                res["cases"][f"{be}/{name}"] = entry
+        out.put(res)
+    except Exception:  # noqa: BLE001 - reported: the parent fails at once instead of waiting for a hang
+        out.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(target, world: int, args: tuple, tmp_path, timeout: float = 150) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, f"file://{tmp_path}/store", *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in range(world):
+            results.append(out.get(timeout=timeout))
+            if "error" in results[-1]:
+                pytest.fail(f"rank {results[-1]['rank']} failed:\n{results[-1]['error']}")
+    except queue_mod.Empty:
+        pytest.fail(f"a rank did not report within {timeout} s (hang)")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return sorted(results, key=lambda r: r["rank"])
+
+
+@pytest.mark.parametrize("sizes", [[5, 3], [4, 2, 7]], ids=["2ranks", "3ranks"])
+def test_losses_with_gather_match_the_global_batch(sizes, tmp_path):
+    world = len(sizes)
+    results = _spawn(_loss_worker, world, (sizes, ["torch", "reference"]), tmp_path)
+    names = results[0]["cases"].keys()
+    for name in names:
+        entries = [r["cases"][name] for r in results]
+        # the average over ranks of the returned values is the single-process loss
+        avg = sum(e["loss"] for e in entries) / world
+        assert abs(avg - entries[0]["want"]) <= 1e-9 * max(1.0, abs(entries[0]["want"])), (name, avg, entries)
+        for e in entries:
+            assert e["grads_ok"], (name, e)
+        # a replicated scalar's gradient, averaged over ranks (what DDP does), is the single-process one
+        for i in range(len(entries[0]["scalar_grads"])):
+            g_avg = sum(e["scalar_grads"][i][0] for e in entries) / world
+            want = entries[0]["scalar_grads"][i][1]
+            assert abs(g_avg - want) <= 1e-9 * max(1.0, abs(want)), (name, g_avg, want)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: fc.info_nce(torch.randn(4, 3), torch.randn(4, 3), gather=True),
+    lambda: fc.supcon_loss(torch.randn(4, 2, 3), torch.arange(4), gather=True),
+    lambda: fc.cosent_loss(torch.randn(4, 3), torch.randn(4, 3), torch.arange(4.0), gather=True),
+    lambda: fc.nn.CLIPLoss(gather=True)(torch.randn(4, 3), torch.randn(4, 3)),
+], ids=["info_nce", "supcon", "cosent", "CLIPLoss"])
+def test_gather_without_a_process_group_says_so(call):
+    with pytest.raises(ValueError, match="init_process_group"):
+        call()

@@ -66,13 +66,14 @@ def _self_mask(n: int, m: int, offset: int, device) -> Tensor:
     return torch.arange(m, device=device)[None, :] == (torch.arange(n, device=device) + offset)[:, None]
 
 
-def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index):
+def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index, offset=0):
+    """``offset``: the anchors' own columns are ``offset + i`` (anchors that are a slice of the keys)."""
     dt = _dt(query, keys)
     q = _unit(query, normalize, dt)
     k = q if keys is None else _unit(keys, normalize, dt)
     logits = (q @ k.T) * _scalar(s, dt)
     if exclude_self:
-        logits = logits.masked_fill(_self_mask(q.shape[0], k.shape[0], 0, q.device), float("-inf"))
+        logits = logits.masked_fill(_self_mask(q.shape[0], k.shape[0], offset, q.device), float("-inf"))
     if symmetric:
         rows = F.cross_entropy(logits, target, reduction="none")
         cols = F.cross_entropy(logits.T, target, reduction="none")
@@ -81,13 +82,16 @@ def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reducti
     return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index)
 
 
-def simcse_sup(anchor, positive, negative, s, hard_negative_weight, normalize, reduction):
+def simcse_sup(anchor, positive, negative, s, hard_negative_weight, normalize, reduction, offset=0):
+    """``offset``: anchor i's positive and negative are rows ``offset + i`` of ``positive`` / ``negative``
+    (which may hold more rows: other ranks' examples)."""
     dt = _dt(anchor, positive, negative)
     a, p, n = (_unit(x, normalize, dt) for x in (anchor, positive, negative))
     sd = _scalar(s, dt)
-    neg = (a @ n.T) * sd + hard_negative_weight * torch.eye(a.shape[0], dtype=dt, device=a.device)
+    own = _self_mask(a.shape[0], n.shape[0], offset, a.device).to(dt)
+    neg = (a @ n.T) * sd + hard_negative_weight * own
     logits = torch.cat([(a @ p.T) * sd, neg], dim=1)
-    return F.cross_entropy(logits, torch.arange(a.shape[0], device=a.device), reduction=reduction)
+    return F.cross_entropy(logits, torch.arange(a.shape[0], device=a.device) + offset, reduction=reduction)
 
 
 def _reduce(per: Tensor, reduction: str) -> Tensor:
