@@ -87,21 +87,28 @@ def positive_counts(spec: CoreSpec, data: CoreData, n: int, m: int, dt: torch.dt
     return total - _self_weights(spec, data, n, m, dt, dev)
 
 
+def _weighted_row_sums(x: Tensor, n_out: int, mask: Tensor | None, x_labels: Tensor | None,
+                       out_labels: Tensor | None) -> Tensor:
+    """``sum_k w_ok x_k`` for every output o, [n_out, D], with ``w_ok = mask[o % o0, k % k0]`` or
+    ``[out_labels_o == x_labels_k]``: the positive sums of the rows and, with the roles swapped (the mask
+    transposed), of the columns. O((n_out + K) D) for labels, O(o0 k0 D) for a mask."""
+    dev, dt = x.device, x.dtype
+    if mask is not None:
+        o0, k0 = mask.shape
+        folded = x.new_zeros(k0, x.shape[1]).index_add(0, torch.arange(x.shape[0], device=dev) % k0, x)
+        return (mask.to(dt) @ folded)[torch.arange(n_out, device=dev) % o0]
+    x_gid, out_gid, found = _groups(x_labels, out_labels)
+    class_sums = x.new_zeros(x.shape[0], x.shape[1]).index_add(0, x_gid, x)
+    return torch.where(found[:, None], class_sums[out_gid], torch.zeros((), dtype=dt, device=dev))
+
+
 def _positive_sums(ah: Tensor, bh: Tensor, spec: CoreSpec, data: CoreData) -> Tensor:
     """``sum_j w_ij b_hat_j`` for every row, [N, D], excluding the own column."""
     n, m = ah.shape[0], bh.shape[0]
-    dev, dt = ah.device, ah.dtype
-    if data.pos_mask is not None:
-        n0, m0 = data.pos_mask.shape
-        folded = bh.new_zeros(m0, bh.shape[1]).index_add(0, torch.arange(m, device=dev) % m0, bh)
-        sums = (data.pos_mask.to(dt) @ folded)[torch.arange(n, device=dev) % n0]
-    else:
-        col_gid, row_gid, found = _groups(data.col_labels, data.row_labels)
-        class_sums = bh.new_zeros(m, bh.shape[1]).index_add(0, col_gid, bh)
-        sums = torch.where(found[:, None], class_sums[row_gid], torch.zeros((), dtype=dt, device=dev))
+    sums = _weighted_row_sums(bh, n, data.pos_mask, data.col_labels, data.row_labels)
     if spec.exclude_self:
-        own, _ = _self_columns(spec, n, m, dev)
-        sums = sums - _self_weights(spec, data, n, m, dt, dev)[:, None] * bh[own]
+        own, _ = _self_columns(spec, n, m, ah.device)
+        sums = sums - _self_weights(spec, data, n, m, ah.dtype, ah.device)[:, None] * bh[own]
     return sums
 
 
@@ -118,24 +125,15 @@ def _positive_weight_at(cols: Tensor, spec: CoreSpec, data: CoreData, n: int, dt
     return w
 
 
-
-
 def _positive_sums_by_column(x: Tensor, m: int, spec: CoreSpec, data: CoreData) -> Tensor:
     """``sum_i w_ij x_i`` for every column j, [M, D] (the transpose of :func:`_positive_sums`)."""
     n = x.shape[0]
-    dev, dt = x.device, x.dtype
-    if data.pos_mask is not None:
-        n0, m0 = data.pos_mask.shape
-        folded = x.new_zeros(n0, x.shape[1]).index_add(0, torch.arange(n, device=dev) % n0, x)
-        sums = (data.pos_mask.to(dt).T @ folded)[torch.arange(m, device=dev) % m0]
-    else:
-        row_gid, col_gid, found = _groups(data.row_labels, data.col_labels)
-        class_sums = x.new_zeros(n, x.shape[1]).index_add(0, row_gid, x)
-        sums = torch.where(found[:, None], class_sums[col_gid], torch.zeros((), dtype=dt, device=dev))
+    mask = data.pos_mask.T if data.pos_mask is not None else None
+    sums = _weighted_row_sums(x, m, mask, data.row_labels, data.col_labels)
     if spec.exclude_self:
-        own, _ = _self_columns(spec, n, m, dev)
+        own, _ = _self_columns(spec, n, m, x.device)
         # rows without an own column have weight 0: adding 0 at the clamped index is harmless
-        sums = sums.index_add(0, own, _self_weights(spec, data, n, m, dt, dev)[:, None] * x, alpha=-1)
+        sums = sums.index_add(0, own, _self_weights(spec, data, n, m, x.dtype, x.device)[:, None] * x, alpha=-1)
     return sums
 
 
