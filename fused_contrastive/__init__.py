@@ -5,11 +5,13 @@ from . import nn
 from .cosent import cosent_loss, cosent_loss_from_scores
 from .encode import encode_in_chunks
 from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, simcse_sup_loss, supcon_loss
+from .metrics import alignment, uniformity
 
 __version__ = "0.2.0"
 
 __all__ = [
     "__version__",
+    "alignment",
     "clip_loss",
     "cosent_loss",
     "cosent_loss_from_scores",
@@ -20,4 +22,5 @@ __all__ = [
     "simcse_loss",
     "simcse_sup_loss",
     "supcon_loss",
+    "uniformity",
 ]

@@ -70,3 +70,15 @@ def normalize_backward_(g_hat: Tensor, x_hat: Tensor, norm: Tensor | None, eps: 
     proj = torch.where(norm > eps, proj, torch.zeros_like(proj))
     g_hat.addcmul_(x_hat, proj[:, None], value=-1.0)
     return g_hat.div_(norm[:, None])
+
+
+def unit_rows(x: Tensor, eps: float) -> Tensor:
+    """Differentiable ``x / max(||x||, eps)`` per row (autograd through PyTorch ops; for O(N*D) code
+    outside the backends' Functions), the norm taken as ``m ||x / m||`` with ``m`` the row's largest
+    magnitude so that no finite row overflows when squared."""
+    m = x.detach().abs().amax(dim=1, keepdim=True)
+    m = torch.where(m > 0, m, torch.ones_like(m))
+    xs = x / m
+    r = torch.linalg.vector_norm(xs, dim=1, keepdim=True)
+    keep = r * m > eps
+    return torch.where(keep, xs / torch.where(keep, r, torch.ones_like(r)), x / eps)

@@ -1,0 +1,126 @@
+"""Alignment and uniformity (Wang and Isola, 2020; seed 002), the two metrics SimCSE is evaluated by.
+
+* ``alignment(x, y, alpha)  = mean_i ||x_i - y_i||^alpha`` over positive pairs (x_i, y_i): O(N*D) as
+  written.
+* ``uniformity(x, t) = log mean_{i != j} exp(-t ||x_i - x_j||^2)``: the N x N distance matrix of the
+  textbook formula (``torch.pdist(x).pow(2).mul(-t).exp().mean().log()``) is never formed. For unit
+  rows ``||x_i - x_j||^2 = 2 - 2 <x_i, x_j>``, so
+
+      uniformity = logsumexp_i LSE_i - 2t - log(N (N - 1)),   LSE_i = log sum_{j != i} exp(2t <x_i, x_j>)
+
+  and the row log-sum-exps are the core op of every InfoNCE loss (B is A, scale ``2t``, the own
+  column excluded): O(N*D) memory, one pass, exact gradients, on any backend. Without normalisation
+  ``-t ||x_i - x_j||^2 = <u_i, v_j>`` with the augmented rows ``u_i = [2t x_i, -t ||x_i||^2, 1]`` and
+  ``v_j = [x_j, 1, -t ||x_j||^2]`` (D + 2 columns), the same op with scale 1.
+
+Both are differentiable (uniformity is also used as a training loss) and both return a 0-dim tensor in
+float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import _validate as V
+from . import core
+from ._backend import resolve
+from .core.norms import unit_rows
+from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
+
+__all__ = ["alignment", "uniformity"]
+
+_EPS = 1e-12
+
+
+def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, normalize: bool = True) -> Tensor:
+    """Alignment of positive pairs: ``mean_i ||x_i - y_i||_2 ^ alpha`` (Wang and Isola 2020).
+
+    Args:
+        x: [N, D] embeddings; y: [N, D] their positives (pair i is (x_i, y_i)). Any floating dtype.
+        alpha: the exponent, a float > 0 (default 2: the squared distance).
+        normalize: L2-normalise the rows first (default True: the metric is defined on the unit
+            sphere; already-normalised rows are unchanged by it).
+
+    Returns:
+        0-dim tensor, float32 (float64 for float64 inputs), differentiable. Lower is better
+        (0 when every pair coincides; at most ``2^alpha`` for unit rows).
+
+    The gradient at a pair with ``x_i == y_i`` is 0 (the subgradient; the distance is not
+    differentiable there for ``alpha <= 1``).
+    """
+    x = V.embeddings("x", x)
+    y = V.embeddings("y", y)
+    V.same_dim("x", x, "y", y)
+    V.same_device(x=x, y=y)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"y must have as many rows as x (pair i is (x_i, y_i)), got x {x.shape[0]} and "
+                         f"y {y.shape[0]}")
+    alpha = V.number("alpha", alpha, low=0.0, strict=True)
+    V.flag("normalize", normalize)
+    dt = compute_dtype(x, y)
+    xs, ys = x.to(dt), y.to(dt)
+    if normalize:
+        xs, ys = unit_rows(xs, _EPS), unit_rows(ys, _EPS)
+    diff = xs - ys
+    if alpha == 2.0:
+        return (diff * diff).sum(dim=1).mean()
+    dist = torch.linalg.vector_norm(diff, dim=1)
+    pos = dist > 0
+    # pow of a zero distance has an infinite or undefined slope for alpha <= 1: take the value 0 and
+    # a zero gradient there (the where keeps NaN/inf out of the backward)
+    safe = torch.where(pos, dist, torch.ones_like(dist))
+    return torch.where(pos, safe.pow(alpha), torch.zeros_like(dist)).mean()
+
+
+def uniformity(x: Tensor, t=2.0, *, normalize: bool = True, backend: str = "auto") -> Tensor:
+    """Uniformity: ``log mean_{i != j} exp(-t ||x_i - x_j||_2^2)`` over all ordered pairs of distinct
+    rows (Wang and Isola 2020), in O(N*D) memory: nothing N x N is allocated (module docstring).
+
+    Args:
+        x: [N, D] embeddings, N >= 2. Any floating dtype (the triton backend takes 16/32-bit).
+        t: the temperature of the Gaussian potential, a float > 0 or a 0-dim tensor (differentiable);
+            default 2.
+        normalize: L2-normalise the rows first (default True: the metric is defined on the unit
+            sphere). With False the raw Euclidean distances are used.
+        backend: "auto" (default), "torch", "triton" or "reference" (the textbook formula on the
+            materialised distance matrix; for tests), as for the losses (README, "Choosing a backend").
+
+    Returns:
+        0-dim tensor, float32 (float64 for float64 inputs), differentiable. Lower is more uniform;
+        for unit rows it lies in ``[-4t, 0]``.
+    """
+    x = V.embeddings("x", x)
+    n = x.shape[0]
+    if n < 2:
+        raise ValueError(f"uniformity needs at least 2 rows (it averages over pairs i != j), got {n}")
+    V.flag("normalize", normalize)
+    dt = compute_dtype(x)
+    t = V.positive_number("t", t, device=x.device)
+    if isinstance(t, Tensor):
+        t = t.to(device=x.device, dtype=dt)
+    be = resolve(backend, x)
+    log_pairs = math.log(n) + math.log(n - 1)
+    if be == "reference":
+        xs = x.to(dt)
+        if normalize:
+            xs = unit_rows(xs, _EPS)
+        sq = (xs[:, None, :] - xs[None, :, :]).pow(2).sum(-1)
+        off = ~torch.eye(n, dtype=torch.bool, device=x.device)
+        return torch.logsumexp((-t * sq)[off], dim=0) - log_pairs
+    if normalize:
+        spec = CoreSpec(normalize=True, eps=_EPS, exclude_self=True)
+        lse = core.run(be, x, None, 2 * t, spec, CoreData(), Coeffs(lse=1.0), reduce=False)
+        return torch.logsumexp(lse, dim=0) - 2 * t - log_pairs
+    xs = x.to(dt)
+    sq = (xs * xs).sum(dim=1, keepdim=True)
+    one = torch.ones_like(sq)
+    u = torch.cat([2 * t * xs, -t * sq, one], dim=1)
+    v = torch.cat([xs, one, -t * sq], dim=1)
+    # (u, v stay in the compute dtype: the distance is a difference of large terms, which 16-bit
+    # operands would round away)
+    spec = CoreSpec(normalize=False, eps=_EPS, exclude_self=True)
+    lse = core.run(be, u, v, 1.0, spec, CoreData(), Coeffs(lse=1.0), reduce=False)
+    return torch.logsumexp(lse, dim=0) - log_pairs

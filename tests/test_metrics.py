@@ -1,0 +1,154 @@
+"""alignment / uniformity (seed 002) against the textbook formulas in float64, written here directly:
+``(F.normalize(x) - F.normalize(y)).norm(dim=1).pow(alpha).mean()`` and
+``torch.pdist(F.normalize(x)).pow(2).mul(-t).exp().mean().log()`` (pdist lists the pairs i < j once;
+the mean over ordered pairs i != j is the same number)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_memory import LargestTensor
+
+import fused_contrastive as fc
+from fused_contrastive.core import triton_backend as TB
+
+
+def _x(n, d, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, d, generator=g, dtype=torch.float64) * 3).to(dtype)
+
+
+def _align_direct(x, y, alpha, normalize=True):
+    if normalize:
+        x, y = F.normalize(x, dim=1), F.normalize(y, dim=1)
+    return (x - y).norm(dim=1).pow(alpha).mean()
+
+
+def _unif_direct(x, t, normalize=True):
+    if normalize:
+        x = F.normalize(x, dim=1)
+    return torch.pdist(x).pow(2).mul(-t).exp().mean().log()
+
+
+def _grads(fn, *xs):
+    xs = [x.detach().clone().requires_grad_(True) for x in xs]
+    out = fn(*xs)
+    return out.detach(), torch.autograd.grad(out, xs)
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.0, 3.0, 0.5])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_alignment_matches_the_formula(alpha, normalize):
+    x, y = _x(37, 11, 1), _x(37, 11, 2)
+    got, (gx, gy) = _grads(lambda a, b: fc.alignment(a, b, alpha, normalize=normalize), x, y)
+    want, (wx, wy) = _grads(lambda a, b: _align_direct(a, b, alpha, normalize), x, y)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gx, wx, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(gy, wy, rtol=1e-10, atol=1e-14)
+
+
+def test_alignment_of_coinciding_pairs_is_zero_with_a_finite_gradient():
+    x = _x(5, 4)
+    for alpha in (0.5, 1.0, 2.0):
+        xr = x.clone().requires_grad_(True)
+        out = fc.alignment(xr, x.clone(), alpha)
+        out.backward()
+        assert out.item() == 0.0
+        assert torch.equal(xr.grad, torch.zeros_like(x))
+
+
+def test_alignment_of_antipodal_unit_pairs_is_two_to_the_alpha():
+    x = _x(6, 3)
+    for alpha in (1.0, 2.0, 3.0):  # ||u - (-u)|| = 2 for a unit u
+        assert fc.alignment(x, -x, alpha).item() == pytest.approx(2.0 ** alpha, rel=1e-14)
+
+
+def test_alignment_low_precision_inputs():
+    x, y = _x(64, 32, 1), _x(64, 32, 2)
+    want = _align_direct(x, y, 2.0)
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        got = fc.alignment(x.to(dt), y.to(dt))
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("n", [2, 3, 40, 97])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_uniformity_matches_the_formula_on_the_torch_backend(n, normalize, path):
+    d = 7
+    x = _x(n, d, n)
+    if not normalize:
+        x = x / 4  # distances of order 1, so that exp(-t d^2) stays well inside float64's range
+    t = torch.tensor(1.5, dtype=torch.float64)
+    for be in ("torch", "reference"):
+        got, g = _grads(lambda a, tt, be=be: fc.uniformity(a, tt, normalize=normalize, backend=be), x, t)
+        want, w = _grads(lambda a, tt: _unif_direct(a, tt, normalize), x, t)
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_uniformity_default_temperature_is_two():
+    x = _x(20, 5)
+    torch.testing.assert_close(fc.uniformity(x), _unif_direct(x, 2.0), rtol=1e-12, atol=1e-13)
+
+
+def test_uniformity_is_finite_where_the_direct_formula_underflows():
+    # 4 orthonormal rows: every squared distance is 2, so uniformity = -2t exactly (hand-derived);
+    # exp(-2000) is 0 in float64, so the textbook formula returns -inf
+    x = torch.eye(4, dtype=torch.float64) * 5
+    t = 1000.0
+    assert _unif_direct(x, t).item() == -math.inf
+    assert fc.uniformity(x, t).item() == pytest.approx(-2 * t, rel=1e-15)
+    assert fc.uniformity(x, t, normalize=False).item() == pytest.approx(-t * 50, rel=1e-15)
+
+
+@pytest.mark.skipif(not TB.interpreted(), reason="the triton kernels run on the CPU only under the interpreter")
+@pytest.mark.parametrize("normalize", [True, False])
+def test_uniformity_triton_backend(normalize):
+    x = _x(70, 20, 3)
+    if not normalize:
+        x = x / 8
+    want, (wx,) = _grads(lambda a: _unif_direct(a, 2.0, normalize), x)
+    got, (gx,) = _grads(lambda a: fc.uniformity(a, normalize=normalize, backend="triton"), x.float())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx.double(), wx, rtol=1e-4, atol=1e-6)
+
+
+def test_uniformity_low_precision_inputs():
+    x = _x(50, 16, 4)
+    want = _unif_direct(x, 2.0)
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        got = fc.uniformity(x.to(dt), backend="torch")
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_uniformity_allocates_nothing_n_by_n():
+    n = 4096
+    x = _x(n, 16, 5, torch.float32).requires_grad_(True)
+    with LargestTensor() as probe:
+        fc.uniformity(x, backend="torch").backward()
+    assert probe.largest <= n * n // 8, f"largest tensor {probe.largest} elements from {probe.op}"
+    with LargestTensor() as ref_probe:  # the probe does see the reference's N x N distances
+        fc.uniformity(x.detach()[:512], backend="reference")
+    assert ref_probe.largest >= 512 * 512
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: fc.uniformity(torch.randn(1, 3)), "at least 2 rows"),
+    (lambda: fc.uniformity(torch.randn(4, 3), t=0.0), "t must be"),
+    (lambda: fc.uniformity(torch.randn(4, 3), t=-1.0), "t must be"),
+    (lambda: fc.uniformity(torch.randn(4, 3), backend="fast"), "backend"),
+    (lambda: fc.uniformity(torch.randn(4, 3), normalize=1), "normalize"),
+    (lambda: fc.alignment(torch.randn(4, 3), torch.randn(5, 3)), "as many rows"),
+    (lambda: fc.alignment(torch.randn(4, 3), torch.randn(4, 2)), "dimension"),
+    (lambda: fc.alignment(torch.randn(4, 3), torch.randn(4, 3), alpha=0), "alpha must be"),
+    (lambda: fc.alignment(torch.randn(0, 3), torch.randn(0, 3)), "must not be empty"),
+])
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
