@@ -354,3 +354,112 @@ def test_gather_matches_the_global_batch(tmp_path):
             gb = sum(c["gb"] for c in got) / k
             assert_close(gs, ws, atol=1e-11, rtol=1e-10, what=f"{what} grad logit_scale")
             assert_close(gb, wb, atol=1e-11, rtol=1e-10, what=f"{what} grad logit_bias")
+
+
+# ------------------------------------------------------------------------------------------------
+# the offset of the positives (what gather passes): every backend's Function directly
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [0, 5, 19])
+def test_positive_offset_on_a_wider_text_set(offset, path):
+    """Images [N] against texts [M > N] with the positives at columns offset + i (this rank's rows of a
+    gathered batch), per-image losses and every gradient, torch Function against the definition."""
+    from fused_contrastive.core.siglip import SigLipFn
+
+    g = torch.Generator().manual_seed(offset)
+    x = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(26, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(4.0, dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(-1.0, dtype=torch.float64, requires_grad=True)
+    want = _value_and_grads(_truth(x, y, s, b, reduction="none", offset=offset), (x, y, s, b))
+    got = _value_and_grads(SigLipFn.apply(x, y, s, b, True, 1e-12, offset, False, 1.0), (x, y, s, b))
+    _check_all(got, want, 1e-11, f"offset {offset}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (conftest.py sets TRITON_INTERPRET=1): inputs are views into
+# NaN-padded buffers (canary) and every kernel output is pre-filled with NaN (poison)
+# ------------------------------------------------------------------------------------------------
+
+triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    from fused_contrastive.core import triton_backend as TB
+
+    monkeypatch.setattr(TB, "POISON_OUTPUTS", True)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", ["siglip", "siglip_learn", "siglip_raw_none"])
+def test_triton_parity_fp32(name, n, poison):
+    # D = 100: not a power of two, several D chunks of the fp32 tiles
+    c = compare(CASE_BY_NAME[name], n, 100 if n < 97 else 3, torch.float32, "triton", canary=True)
+    assert c.ok, c
+
+
+@pytest.mark.parametrize("n,d", [(97, 100), (70, 150)], ids=["resident", "streaming"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_triton_parity_half(dtype, n, d, poison):
+    """D = 100 keeps the backward accumulator in registers; D = 150 (> 128) streams it through the
+    fp32 scratch rows."""
+    for name in ("siglip", "siglip_learn"):
+        c = compare(CASE_BY_NAME[name], n, d, dtype, "triton", canary=True)
+        assert c.ok, f"{name}: {c}"
+
+
+@pytest.mark.parametrize("offset", [0, 19])
+def test_triton_positive_offset(offset, poison):
+    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+
+    g = torch.Generator().manual_seed(offset)
+    x64 = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    y64 = torch.randn(90, 5, generator=g, dtype=torch.float64)
+    leaves64 = [x64.requires_grad_(), y64.requires_grad_(), torch.tensor(4.0, dtype=torch.float64, requires_grad=True),
+                torch.tensor(-1.0, dtype=torch.float64, requires_grad=True)]
+    want = _value_and_grads(_truth(*leaves64, reduction="none", offset=offset), leaves64)
+    leaves = [t.detach().float().requires_grad_() for t in leaves64]
+    got = _value_and_grads(TritonSigLipFn.apply(*leaves, True, 1e-12, offset, False, 1.0), leaves)
+    _check_all(got, want, 2e-5, f"offset {offset}")
+
+
+def test_triton_huge_scale_and_open_clip(poison):
+    """s = 1e4 (logits of +-1e4) stays finite; and the value and all four gradients equal open_clip's
+    SigLipLoss (float64) to float32 accuracy."""
+    oc = _open_clip_loss_module().SigLipLoss()
+    for scale, bias, tol in ((1e4, -1e3, 2e-3), (10.0, -10.0, 2e-5)):
+        x, y, s, b = _leaves(45, 20, seed=6, scale=scale, bias=bias)
+        want_loss = oc(F.normalize(x, dim=1), F.normalize(y, dim=1), s, b)
+        want = [want_loss.detach()] + list(torch.autograd.grad(want_loss, (x, y, s, b)))
+        leaves = [t.detach().float().requires_grad_() for t in (x, y, s, b)]
+        got_loss = fc.siglip_loss(*leaves, backend="triton")
+        got = [got_loss.detach()] + list(torch.autograd.grad(got_loss, leaves))
+        assert all(torch.isfinite(t).all() for t in got)
+        _check_all(got, want, tol, f"scale {scale}")
+
+
+def test_triton_deterministic_bitwise(poison):
+    runs = []
+    for _ in range(2):
+        x, y, s, b = _leaves(150, 40, seed=9, dtype=torch.float32)
+        leaves = [x, y, s.float().detach().requires_grad_(), b.float().detach().requires_grad_()]
+        runs.append(_value_and_grads(fc.siglip_loss(*leaves, reduction="none", backend="triton"), leaves))
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
+
+
+def test_triton_grad_is_none_exactly_where_not_required(poison):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 5, generator=g)
+    y = torch.randn(20, 5, generator=g, requires_grad=True)
+    s = torch.tensor(3.0, requires_grad=True)
+    fc.siglip_loss(x, y, s, -1.0, backend="triton").backward()
+    assert x.grad is None and y.grad is not None and s.grad is not None
+
+
+def test_triton_rejects_float64():
+    with pytest.raises(TypeError, match="float64"):
+        fc.siglip_loss(torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64), 1.0, 0.0,
+                       backend="triton")
