@@ -289,6 +289,41 @@ def test_negative_bias_and_zero_bias_are_fine():
 
 
 # ------------------------------------------------------------------------------------------------
+# nn.SigLIPLoss
+# ------------------------------------------------------------------------------------------------
+
+
+def test_module_learns_scale_and_bias():
+    """Parameters initialised as the paper (scale 10 via log, bias -10); the loss equals the definition
+    with exp(log scale), and both parameters get the definition's gradients."""
+    m = fc.nn.SigLIPLoss()
+    assert math.isclose(float(m.logit_scale.detach().exp()), 10.0, rel_tol=1e-6) and float(m.logit_bias.detach()) == -10.0
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(33, 8, generator=g), torch.randn(33, 8, generator=g)
+    loss = m(x, y)
+    loss.backward()
+    t = torch.tensor(math.log(10.0), dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(-10.0, dtype=torch.float64, requires_grad=True)
+    want = _truth(x, y, t.exp(), b)
+    wt, wb = torch.autograd.grad(want, (t, b))
+    assert_close(loss, want, atol=1e-6, rtol=1e-6, what="loss")
+    assert_close(m.logit_scale.grad, wt, atol=1e-5, rtol=1e-5, what="grad log scale")
+    assert_close(m.logit_bias.grad, wb, atol=1e-5, rtol=1e-5, what="grad bias")
+    assert set(dict(m.named_parameters())) == {"logit_scale", "logit_bias"}
+
+
+def test_module_options_and_init_errors():
+    m = fc.nn.SigLIPLoss(init_scale=2.0, init_bias=0.5, reduction="none", normalize=False, backend="reference")
+    x, y = torch.randn(5, 3), torch.randn(5, 3)
+    assert_close(m(x, y), _truth(x, y, 2.0, 0.5, normalize=False, reduction="none"), atol=1e-5, rtol=1e-5,
+                 what="options")
+    with pytest.raises(ValueError, match="init_scale"):
+        fc.nn.SigLIPLoss(init_scale=0.0)
+    with pytest.raises(ValueError, match="init_bias"):
+        fc.nn.SigLIPLoss(init_bias=math.nan)
+
+
+# ------------------------------------------------------------------------------------------------
 # gather: a spawned gloo run (the helpers of test_distributed.py)
 # ------------------------------------------------------------------------------------------------
 

@@ -303,7 +303,7 @@ CASES: list[Case] = [
          inputs="u [N, D], v [N, D], labels [N] (grades 0..5); N x N label pairs"),
     Case("cosent_scores", cosent_loss_from_scores, _cosent_scores, op="cosent",
          covers="given scores, real labels, tensor scale"),
-    Case("siglip", siglip_loss, _siglip, op="siglip", covers="sigmoid loss, scale 10, bias -10",
+    Case("siglip", siglip_loss, _siglip, op="siglip", bench=True, covers="sigmoid loss, scale 10, bias -10",
          inputs="image [N, D], text [N, D]; logits N x N", logits=_sq),
     Case("siglip_learn", siglip_loss, _siglip_learn, op="siglip", covers="learnable scale and bias, sum"),
     Case("siglip_raw_none", siglip_loss, _siglip_raw_none, op="siglip",
