@@ -6,6 +6,7 @@ from .cosent import cosent_loss, cosent_loss_from_scores
 from .encode import encode_in_chunks
 from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, simcse_sup_loss, supcon_loss
 from .metrics import alignment, uniformity
+from .siglip import siglip_loss
 
 __version__ = "0.2.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "encode_in_chunks",
     "info_nce",
     "nn",
+    "siglip_loss",
     "simcse_loss",
     "simcse_sup_loss",
     "supcon_loss",

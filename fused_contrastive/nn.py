@@ -10,8 +10,9 @@ from torch import Tensor, nn
 
 from .cosent import cosent_loss
 from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, supcon_loss
+from .siglip import siglip_loss
 
-__all__ = ["CLIPLoss", "CoSENTLoss", "DSCLLoss", "InfoNCELoss", "SimCSELoss", "SupConLoss"]
+__all__ = ["CLIPLoss", "CoSENTLoss", "DSCLLoss", "InfoNCELoss", "SigLIPLoss", "SimCSELoss", "SupConLoss"]
 
 
 class InfoNCELoss(nn.Module):
@@ -95,3 +96,24 @@ class CLIPLoss(nn.Module):
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         return clip_loss(a, b, self.logit_scale.exp(), **self.kw)
+
+
+class SigLIPLoss(nn.Module):
+    """SigLIP loss with a learnable scale and bias (the paper's initialisation by default): ``logit_scale``
+    (a parameter, initialised to ``log(init_scale)``) is used as ``exp(logit_scale)`` and ``logit_bias``
+    (a parameter, initialised to ``init_bias``) as is; ``forward(image, text)`` with image, text [N, D]
+    calls :func:`fused_contrastive.siglip_loss`."""
+
+    def __init__(self, init_scale: float = 10.0, init_bias: float = -10.0, *, normalize: bool = True,
+                 reduction: str = "mean", backend: str = "auto", gather=False):
+        super().__init__()
+        if not (isinstance(init_scale, (int, float)) and 0 < init_scale < math.inf):
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+        if not (isinstance(init_bias, (int, float)) and -math.inf < init_bias < math.inf):
+            raise ValueError(f"init_bias must be a finite number, got {init_bias!r}")
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(init_scale)))
+        self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)))
+        self.kw = dict(normalize=normalize, reduction=reduction, backend=backend, gather=gather)
+
+    def forward(self, image: Tensor, text: Tensor) -> Tensor:
+        return siglip_loss(image, text, self.logit_scale.exp(), self.logit_bias, **self.kw)

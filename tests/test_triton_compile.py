@@ -65,12 +65,21 @@ def test_every_shipped_config_was_compiled(compiled):
     assert not missing, f"shipped configs never compiled: {missing}"
     assert {r["kernel"] for r in compiled["results"]} == {"row_norm", "lse_fwd", "lse_bwd_rows", "lse_bwd_cols",
                                                           "pair_cos_fwd", "pair_cos_bwd", "cosent_scan_fwd",
-                                                          "cosent_scan_bwd"}
+                                                          "cosent_scan_bwd", "siglip_fwd", "siglip_bwd_rows",
+                                                          "siglip_bwd_cols"}
     # CoSENT's kernels for every embedding dtype and arch
     cos = {(r["kernel"], r["cc"], r["dtype"]) for r in compiled["results"] if r["variant"] == "cosent"}
     assert {(k, cc, dt) for k in ("pair_cos_fwd", "pair_cos_bwd") for cc in (80, 90)
             for dt in ("fp32", "fp16", "bf16")} <= cos
     assert {r["cc"] for r in compiled["results"]} == {80, 90}
+
+
+def test_siglip_kernels_compiled_for_every_dtype_arch_and_d_bucket(compiled):
+    have = {(r["kernel"], r["cc"], r["dtype"], bucket) for r in compiled["results"] if r["variant"] == "siglip"
+            for bucket in r["buckets"]}
+    want = {(k, cc, dt, bucket) for k in ("siglip_fwd", "siglip_bwd_rows", "siglip_bwd_cols") for cc in (80, 90)
+            for dt in ("fp32", "fp16", "bf16") for bucket in ("d64", "d128", "big")}
+    assert not want - have, f"SigLIP compiles missing: {sorted(want - have)}"
 
 
 def _label(r):

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .. import losses as L
 from ..cosent import cosent_loss, cosent_loss_from_scores
+from ..siglip import siglip_loss
 
 Inputs = tuple[dict[str, Tensor], dict[str, Any]]
 
@@ -35,7 +36,7 @@ class Case:
         name: unique; what ``check --losses`` and ``bench --losses`` accept.
         fn: the public loss function called as ``fn(**tensors, **kwargs, backend=...)``.
         build: ``(n, d, gen) -> (tensors, kwargs)`` at N anchors, float32 CPU.
-        op: "core" (InfoNCE family: the Triton kernels run it) or "cosent".
+        op: "core" (InfoNCE family: the Triton kernels run it), "cosent" or "siglip".
         covers: what the case exercises (shown by ``check --list``).
         bench: one of the benchmark's losses.
         inputs: what the inputs are at N (benchmark tables).
@@ -240,6 +241,24 @@ def _cosent_scores(n, d, g):
     return {"scores": _randn(g, n), "scale": torch.tensor(20.0)}, {"labels": torch.randn(n, generator=g)}
 
 
+# --- SigLIP -----------------------------------------------------------------------------------
+
+
+def _siglip(n, d, g):
+    # SigLIP's initialisation: scale 10, bias -10
+    return {"image": _randn(g, n, d), "text": _randn(g, n, d)}, {"logit_scale": 10.0, "logit_bias": -10.0}
+
+
+def _siglip_learn(n, d, g):
+    return ({"image": _randn(g, n, d), "text": _randn(g, n, d), "logit_scale": torch.tensor(12.5),
+             "logit_bias": torch.tensor(-4.0)}, {"reduction": "sum"})
+
+
+def _siglip_raw_none(n, d, g):
+    return ({"image": _randn(g, n, d), "text": _randn(g, n, d), "logit_bias": torch.tensor(0.75)},
+            {"logit_scale": 0.5, "normalize": False, "reduction": "none"})
+
+
 def _sq(n: int) -> tuple[int, int]:
     return n, n
 
@@ -284,6 +303,11 @@ CASES: list[Case] = [
          inputs="u [N, D], v [N, D], labels [N] (grades 0..5); N x N label pairs"),
     Case("cosent_scores", cosent_loss_from_scores, _cosent_scores, op="cosent",
          covers="given scores, real labels, tensor scale"),
+    Case("siglip", siglip_loss, _siglip, op="siglip", bench=True, covers="sigmoid loss, scale 10, bias -10",
+         inputs="image [N, D], text [N, D]; logits N x N", logits=_sq),
+    Case("siglip_learn", siglip_loss, _siglip_learn, op="siglip", covers="learnable scale and bias, sum"),
+    Case("siglip_raw_none", siglip_loss, _siglip_raw_none, op="siglip",
+         covers="normalize=False, learnable bias, per-image losses"),
 ]
 CASE_BY_NAME: dict[str, Case] = {c.name: c for c in CASES}
 BENCH_CASES: list[Case] = [c for c in CASES if c.bench]

@@ -167,6 +167,26 @@ def record_cosent(dtype: torch.dtype, b: int, d: int, arch: str) -> list[TB.Laun
     return list(launches)
 
 
+def record_siglip(dtype: torch.dtype, n: int, d: int, arch: str) -> list[TB.Launch]:
+    """The launches of one SigLIP forward + backward on the Triton path (normalised rows, tensor scale and
+    bias, every gradient, a positive offset as under ``gather``) with images [N, D] and texts [2N, D] in
+    ``dtype``, recorded on meta tensors."""
+    from ..core.triton_siglip import TritonSigLipFn
+
+    meta = torch.device("meta")
+    x = torch.empty(n, d, dtype=dtype, device=meta, requires_grad=True)
+    y = torch.empty(2 * n, d, dtype=dtype, device=meta, requires_grad=True)
+    scale = torch.empty((), device=meta, requires_grad=True)
+    bias = torch.empty((), device=meta, requires_grad=True)
+    with recording(arch) as launches:
+        TritonSigLipFn.apply(x, y, scale, bias, True, 1e-12, n // 2, True, 1.0 / n).backward()
+    return list(launches)
+
+
+#: The SigLIP kernels (their row-norm prologue launches are the core op's, compiled there).
+SIGLIP_KERNELS = ("siglip_fwd", "siglip_bwd_rows", "siglip_bwd_cols")
+
+
 Job = tuple[int, str, str, int, int, tuple[str, ...]]
 
 
@@ -194,6 +214,17 @@ def jobs() -> list[Job]:
             for i, launch in enumerate(record_cosent(dt, 4096, 768, fam)):
                 key = (cc, launch.name, dname if launch.name.startswith("pair") else "fp32")
                 found.setdefault(key, [cc, "cosent", key[2], 768, i, ["-"]])
+        for dt, dname in DTYPE_NAMES.items():  # SigLIP: the core table's configs, every D bucket
+            for bucket, d in BUCKET_D.items():
+                for i, launch in enumerate(record_siglip(dt, 4096, d, fam)):
+                    if launch.name not in SIGLIP_KERNELS:
+                        continue
+                    key = (cc, launch.name, dname, "siglip", tuple(sorted(launch.constexprs.items())),
+                           launch.num_warps, launch.num_stages)
+                    if key not in found:
+                        found[key] = [cc, "siglip", dname, d, i, []]
+                    if bucket not in found[key][5]:
+                        found[key][5].append(bucket)
     return [(cc, v, dn, d, i, tuple(cov)) for cc, v, dn, d, i, cov in found.values()]
 
 
@@ -204,6 +235,10 @@ def run_job(job: Job) -> dict[str, object]:
     fam = dict(TARGETS)[cc]
     if variant == "cosent":
         out = compile_launch(record_cosent(dt, 4096, d, fam)[i], cc)
+        out.update(variant=variant, dtype=dname, d=d, buckets=list(covers))
+        return out
+    if variant == "siglip":
+        out = compile_launch(record_siglip(dt, 4096, d, fam)[i], cc)
         out.update(variant=variant, dtype=dname, d=d, buckets=list(covers))
         return out
     out = compile_launch(record_variant(variant, dt, 4096, 4096, d, fam)[i], cc)
