@@ -79,9 +79,13 @@ def gather_rows(x: Tensor, group: dist.ProcessGroup | None = None, *, name: str 
     if world == 1:
         out = x
     else:
-        from torch.distributed._functional_collectives import all_gather_single_autograd
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_gather_single_autograd
 
         out = all_gather_single_autograd(x.contiguous(), 0, group)
+        if isinstance(out, AsyncCollectiveTensor):
+            # a plain tensor (the wait keeps the autograd link): the backends inspect storages, which
+            # the asynchronous wrapper does not expose
+            out = out.wait()
     if any(s != top for s in sizes):
         out = torch.cat([out[r * top:r * top + s] for r, s in enumerate(sizes)])
     return out, sum(sizes[:rank]), sizes

@@ -254,7 +254,7 @@ def _spawn(target, world: int, args: tuple, tmp_path, timeout: float = 150) -> l
     return sorted(results, key=lambda r: r["rank"])
 
 
-@pytest.mark.parametrize("sizes", [[5, 3], [4, 2, 7]], ids=["2ranks", "3ranks"])
+@pytest.mark.parametrize("sizes", [[5, 3], [4, 2, 7], [4, 4]], ids=["2ranks", "3ranks", "2ranks_equal"])
 def test_losses_with_gather_match_the_global_batch(sizes, tmp_path):
     world = len(sizes)
     results = _spawn(_loss_worker, world, (sizes, ["torch", "reference"]), tmp_path)
