@@ -341,11 +341,8 @@ def _decode(hexs: str, typ: str):
 
 def check_scenario(sc: dict, man: dict, gen: str, fc_run: str, mock: str, work: str) -> tuple[list[str], list]:
     """Run ``fc_run`` on the mock driver for one problem and compare every driver call with the Python
-    launcher's launches for the same problem. Returns (errors, [(launch, module file), ...])."""
-    import struct
+    launcher's launches for the same problem (:func:`compare_calls`)."""
     import subprocess
-
-    from torch import Tensor
 
     os.makedirs(work, exist_ok=True)
     logf = os.path.join(work, "calls.jsonl")
@@ -358,12 +355,28 @@ def check_scenario(sc: dict, man: dict, gen: str, fc_run: str, mock: str, work: 
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if r.returncode:
         return [f"{' '.join(cmd[1:])}: fc_run failed: {r.stderr.strip()}"], []
-    info = json.loads(r.stdout)
     with open(logf) as f:
         calls = [json.loads(x) for x in f]
+    return compare_calls(sc, man, calls, 0, json.loads(r.stdout))
+
+
+def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict,
+                  internal: tuple[str, ...] = ()) -> tuple[list[str], list]:
+    """Compare the launches in ``calls[start:]`` (a mock-driver log; modules and functions may have been
+    loaded earlier in it) with the Python launcher's for problem ``sc``: kernel variant and its cubin,
+    grid, block, shared memory, the parameter count the cubin declares, every scalar argument, and the
+    pointer arguments (the caller's pointers where the caller passed them, the same buffer wherever
+    Python passes the same tensor, workspace buffers at least as large as Python's). ``info``: the
+    caller's pointers (``ptrs``), the workspace (``workspace``, ``workspace_bytes``), optionally
+    ``col_part``/``col_rows``/``ds_rows``; ``internal`` names pointer arguments the caller allocates
+    itself (not in ``ptrs``). Returns (errors, [(launch, module image file), ...])."""
+    import struct
+
+    from torch import Tensor
+
     funcs = {c["func"]: c for c in calls if c["call"] == "cuModuleGetFunction"}
     mods = {c["module"]: c for c in calls if c["call"] == "cuModuleLoadData"}
-    got = [c for c in calls if c["call"] == "cuLaunchKernel"]
+    got = [c for c in calls[start:] if c["call"] == "cuLaunchKernel"]
     gc = None if sc["grad_cols"] < 0 else sc["grad_cols"]
     exp = record(sc["mode"], sc["dtype"], sc["n"], sc["m"], sc["d"], _ARCH_FAMILY[sc["cc"]], eps=1e-12, offset=0,
                  need_b=sc["db"], grad_cols=gc, sms=sc["sms"])
@@ -412,7 +425,7 @@ def check_scenario(sc: dict, man: dict, gen: str, fc_run: str, mock: str, work: 
                 if ws0 <= val < ws1:
                     nbytes = want.numel() * want.element_size() if isinstance(want, Tensor) else 0
                     regions[val] = max(regions.get(val, 0), nbytes)
-                elif not info["ptrs"].get(nm) and nm != "X":
+                elif not info["ptrs"].get(nm) and nm != "X" and nm not in internal:
                     errs.append(f"{where}: {nm} = {val:#x} is neither a caller's pointer nor in the workspace")
             elif p["type"] == "fp32":
                 if struct.pack("<f", val) != struct.pack("<f", float(want)):
@@ -429,13 +442,13 @@ def check_scenario(sc: dict, man: dict, gen: str, fc_run: str, mock: str, work: 
             errs.append(f"{tag}: workspace buffer at +{a - ws0} has {b - a} bytes, the Python launcher's has "
                         f"{regions[a]} (or misaligned)")
     fwd = [ln for ln in exp if ln.name == "lse_fwd"]
-    if sc["mode"] == "clip":
+    if sc["mode"] == "clip" and "col_rows" in info:
         cp = fwd[0].args["COL_PART"]
         if info["col_rows"] != cp.shape[0] or info["col_part"] != _decode(got[exp.index(fwd[0])]["params"][
                 [p["name"] for p in man["layouts"]["lse_fwd"]].index("COL_PART")], "ptr"):
             errs.append(f"{tag}: fc_col_partials gives {info['col_rows']} rows, Python {cp.shape[0]}")
     rows = [ln for ln in exp if ln.name == "lse_bwd_rows"]
-    if rows and info["ds_rows"] != rows[0].args["DS_PART"].numel():
+    if rows and "ds_rows" in info and info["ds_rows"] != rows[0].args["DS_PART"].numel():
         errs.append(f"{tag}: fc_ds_rows {info['ds_rows']} != Python {rows[0].args['DS_PART'].numel()}")
     return errs, pairs
 
@@ -466,15 +479,66 @@ def check(gen: str, fc_run: str, mock: str, work: str, fresh: str = "per-kernel"
     return errs
 
 
+def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
+    """The torch operators of ``lib`` (``fused_contrastive_aot::lse`` / ``lse_backward``) on CPU tensors
+    whose data pointers stand in for device pointers (FUSED_CONTRASTIVE_AOT_FAKE_CPU=1), on the mock
+    driver: every launch compared with the Python launcher's (:func:`compare_calls`). Sets the process
+    environment; run it in its own process."""
+    import torch
+
+    with open(os.path.join(gen, "manifest.json")) as f:
+        man = json.load(f)
+    os.makedirs(work, exist_ok=True)
+    logf = os.path.join(work, "calls.jsonl")
+    if os.path.exists(logf):
+        os.remove(logf)
+    os.environ.update(FUSED_CONTRASTIVE_LIBCUDA=mock, FUSED_CONTRASTIVE_AOT_FAKE_CPU="1", FC_MOCK_LOG=logf,
+                      FC_MOCK_DIR=work)
+    torch.ops.load_library(lib)
+    op = torch.ops.fused_contrastive_aot
+    errs = []
+    scen = _scenarios(man)
+    start = 0  # calls of the earlier problems in the log
+    for sc in scen:
+        os.environ.update(FC_MOCK_CC=str(sc["cc"]), FC_MOCK_SMS=str(sc["sms"]))
+        dt = _torch_dtype(sc["dtype"])
+        n, m, d = sc["n"], (sc["n"] if sc["mode"] == "self" else sc["m"]), sc["d"]
+        a = torch.empty(n, d, dtype=dt)
+        b = None if sc["mode"] == "self" else torch.empty(m, d, dtype=dt)
+        scale = torch.tensor(20.0)
+        lse, lse_col, ws = op.lse(a, b, scale, sc["mode"], 1e-12)
+        g = torch.ones(n)
+        clip = sc["mode"] == "clip"
+        g_col = torch.ones(m) if clip else None
+        gcols = None if sc["grad_cols"] < 0 else sc["grad_cols"]
+        da, db, _ = op.lse_backward(a, b, scale, sc["mode"], 1e-12, ws, lse, lse_col if clip else None, g, g_col,
+                                    sc["db"], gcols)
+        with open(logf) as f:
+            calls = [json.loads(x) for x in f]
+        wsp = (ws.data_ptr() + 255) // 256 * 256
+        ptrs = dict(A=a.data_ptr(), B=b.data_ptr() if b is not None else 0, LSE=lse.data_ptr(),
+                    LSE_COL=lse_col.data_ptr() if clip else 0, G=g.data_ptr(),
+                    G_COL=g_col.data_ptr() if clip else 0, DA=da.data_ptr(),
+                    DB=db.data_ptr() if db.numel() else 0)
+        info = dict(ptrs=ptrs, workspace=wsp, workspace_bytes=ws.numel() - 256)
+        e, _ = compare_calls(sc, man, calls, start, info, internal=("GSCALE", "DS_PART", "SCALE"))
+        errs += [f"torch op: {x}" for x in e]
+        start = len(calls)
+    print(f"fused_contrastive.aot check-torch: {len(scen)} problems compared with the Python launcher")
+    return errs
+
+
 def check_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m fused_contrastive.aot check")
     ap.add_argument("--gen", required=True, help="the generator's output directory (manifest.json)")
-    ap.add_argument("--fc-run", required=True)
+    ap.add_argument("--fc-run")
     ap.add_argument("--mock", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--fresh", choices=("per-kernel", "all"), default="per-kernel")
+    ap.add_argument("--torch-lib", help="check libfused_contrastive_torch's operators instead of fc_run")
     a = ap.parse_args(argv)
-    errs = check(a.gen, a.fc_run, a.mock, a.work, a.fresh)
+    errs = (check_torch(a.gen, a.torch_lib, a.mock, a.work) if a.torch_lib
+            else check(a.gen, a.fc_run, a.mock, a.work, a.fresh))
     for e in errs:
         print("MISMATCH", e)
     print("OK" if not errs else f"{len(errs)} mismatches")
