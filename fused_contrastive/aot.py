@@ -14,6 +14,11 @@ covered feature set ("mode"), dtype and D class, compiles each distinct launch w
   (``triton_configs.CONFIGS`` for the compiled dtypes) and the launcher's constants;
 * ``DIR/manifest.json``: the same, for the tests.
 
+``python -m fused_contrastive.aot check --gen DIR --fc-run FC_RUN --mock LIBMOCK --work TMP`` (a ctest) runs the C
+API on the mock driver for a grid of problems and compares each launch with the Python launcher's (variant,
+cubin bytes, grid, block, shared memory, every argument), then byte-compares launched cubins with a fresh
+``triton.compile``; with ``--torch-lib LIB`` it does the same through the torch operators.
+
 Nothing in the C tables is typed by hand: a kernel change (a new parameter, a new constexpr, another
 config) flows through the recorder into the tables, and ``check`` (the launch comparison the ctest
 runs) fails if the hand-written C host logic no longer matches the Python launcher.
