@@ -331,6 +331,9 @@ def _scenarios(man: dict) -> list[dict]:
     return out
 
 
+_CU_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (cuda.h)
+
+
 def _decode(hexs: str, typ: str):
     import struct
 
@@ -404,6 +407,11 @@ def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict
             errs.append(f"{where}: block {c['block']} != 32 x {ln.num_warps} warps")
         if c["shared"] != v["shared"]:
             errs.append(f"{where}: shared {c['shared']} != compiled {v['shared']}")
+        if c["shared"] > 49152 and not any(
+                x["call"] == "cuFuncSetAttribute" and x["func"] == c["func"] and x["attr"] == _CU_MAX_DYNAMIC_SHARED
+                and x["value"] >= c["shared"] for x in calls):
+            errs.append(f"{where}: {c['shared']} bytes of shared memory without cuFuncSetAttribute("
+                        "MAX_DYNAMIC_SHARED_SIZE_BYTES) on the function")
         mfile = mods[c["module"]]["file"]
         with open(mfile, "rb") as f:
             image = f.read()
