@@ -1,0 +1,582 @@
+"""Generator of the ahead-of-time kernel library (``CMakeLists.txt`` runs it; see the README section
+"C++ / ahead-of-time kernels").
+
+``python -m fused_contrastive.aot --arch 80 --arch 90 --out DIR`` records the launches of one forward +
+backward of the core op through the Triton launcher's own launch recorder
+(``fused_contrastive.tools.aot.record_core``: meta tensors, exactly the runtime argument lists) for every
+covered feature set ("mode"), dtype and D class, compiles each distinct launch with
+``triton.compile(..., target=GPUTarget("cuda", cc, 32))`` (no GPU needed) and writes
+
+* ``DIR/cubin/<variant>.cubin``: the compiled kernels;
+* ``DIR/fc_kernels_gen.h`` / ``fc_kernels_gen.c``: per variant its cubin bytes, symbol name, warps,
+  shared memory and constexpr key; per kernel its argument layout (the non-constexpr parameters in
+  order, their C types, and which ones were compiled as divisible by 16); the launch-config table
+  (``triton_configs.CONFIGS`` for the compiled dtypes) and the launcher's constants;
+* ``DIR/manifest.json``: the same, for the tests.
+
+``python -m fused_contrastive.aot check --gen DIR --fc-run FC_RUN --mock LIBMOCK --work TMP`` (a ctest) runs the C
+API on the mock driver for a grid of problems and compares each launch with the Python launcher's (variant,
+cubin bytes, grid, block, shared memory, every argument), then byte-compares launched cubins with a fresh
+``triton.compile``; with ``--torch-lib LIB`` it does the same through the torch operators.
+
+Nothing in the C tables is typed by hand: a kernel change (a new parameter, a new constexpr, another
+config) flows through the recorder into the tables, and ``check`` (the launch comparison the ctest
+runs) fails if the hand-written C host logic no longer matches the Python launcher.
+
+Covered feature set (the C API's "modes"; positives by labels or masks, bias and queues with their own
+dense-mask kernels are not compiled): normalised rows, no bias, no positive term, with
+
+* ``info_nce``: B given, row LSE (InfoNCE / MNRL with keys, SimCSE supervised);
+* ``clip``: B given, row and column LSE (CLIP's two directions from one pass);
+* ``self``: B is A with the self column excluded (SimCSE unsupervised in-batch, symmetric backward).
+
+The backward always computes dA and the scale gradient partials (NEED_DX, NEED_DS), dB when asked
+(``info_nce``/``clip``). Triton must be imported with ``TRITON_INTERPRET=0`` (the ``main`` entry
+point sets it when unset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+#: mode -> (B given, column LSE, exclude_self); see the module docstring.
+MODES: dict[str, tuple[bool, bool, bool]] = {
+    "info_nce": (True, False, False),
+    "clip": (True, True, False),
+    "self": (False, False, True),
+}
+
+#: D classes: a padded D of a resident config ("16" .. "128": its own BLOCK_D) or "big" (D_PAD > 128,
+#: streamed in fixed chunks). Recorded at these D (the largest of each class).
+D_CLASSES = {"16": 16, "32": 32, "64": 64, "128": 128, "big": 768}
+
+#: Integer parameters compiled as divisible by 16 (and so required to be by the C API): the row width
+#: and every row stride (16-element rows give 16-byte aligned rows: vectorised loads).
+def _aligned_int(name: str) -> bool:
+    return name == "D" or name.startswith("stride_")
+
+
+#: Problem size recorded (any N, M > block sizes: the launch lists do not depend on it otherwise).
+REC_N, REC_M = 512, 384
+
+_DTYPES = ("fp32", "fp16", "bf16")  # C enum order: FC_FLOAT32, FC_FLOAT16, FC_BFLOAT16
+_ARCH_FAMILY = {80: "sm80", 90: "sm90"}
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float = 1e-12, offset: int = 0,
+           need_b: bool = True, grad_cols: int | None = None, sms: int | None = None):
+    """The launches of one forward + backward of ``mode`` through the Python launcher (meta tensors).
+    ``sms``: the device's SM count (the column-LSE forward uses 2 x SMs programs on a GPU)."""
+    from .core import triton_backend as TB
+    from .core.spec import CoreData, CoreSpec
+    from .tools.aot import record_core
+
+    has_b, want_col, excl = MODES[mode]
+    spec = CoreSpec(eps=eps, exclude_self=excl, offset=offset, grad_cols=grad_cols)
+    prev = TB.COL_PARTIAL_PROGRAMS
+    TB.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev
+    try:
+        return record_core(spec, CoreData(), has_b, want_col, False, _torch_dtype(dtype), n, m if has_b else n, d,
+                           arch, need_a=True, need_b=need_b and has_b, need_s=True)
+    finally:
+        TB.COL_PARTIAL_PROGRAMS = prev
+
+
+def _sig_type(v) -> str:
+    from .tools.aot import _sig_type as sig
+
+    return sig(v)
+
+
+def aot_source(launch):
+    """An ASTSource of ``launch`` for the C library: every pointer 16-byte aligned, D and the row strides
+    divisible by 16 (when the recorded value is), no other integer specialised (N, M, offsets: any value)."""
+    from torch import Tensor
+    from triton.compiler import ASTSource
+
+    fn = launch.fn
+    sig = {k: (_sig_type(launch.args[k]) if k in launch.args else "constexpr") for k in fn.arg_names}
+    attrs = {}
+    for k, v in launch.args.items():
+        if isinstance(v, Tensor) or (type(v) is int and _aligned_int(k) and v % 16 == 0 and v != 0):
+            attrs[(fn.arg_names.index(k),)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
+
+
+def compile_launch(launch, cc: int):
+    """``triton.compile`` of :func:`aot_source` for GPUTarget("cuda", cc, 32) (host ptxas, no driver)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    return triton.compile(aot_source(launch), target=GPUTarget("cuda", cc, 32),
+                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+
+
+def _layout(launch) -> list[dict]:
+    """The kernel's runtime parameters in order (what cuLaunchKernel receives, before triton's two
+    scratch pointers): name, signature type, compiled as divisible by 16."""
+    from torch import Tensor
+
+    out = []
+    for k in launch.fn.arg_names:
+        if k in launch.constexprs:
+            continue
+        v = launch.args[k]
+        div = isinstance(v, Tensor) or (type(v) is int and _aligned_int(k) and v % 16 == 0 and v != 0)
+        out.append(dict(name=k, type=_sig_type(v), div16=bool(div)))
+    return out
+
+
+def variant_key(launch) -> str:
+    """A stable name of one compiled kernel: kernel name + hash of its constexprs, warps, stages, layout."""
+    blob = json.dumps([launch.name, sorted((k, repr(v)) for k, v in launch.constexprs.items()), launch.num_warps,
+                       launch.num_stages, _layout(launch)])
+    return f"{launch.name}_{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
+
+
+def _flag_key(launch, mode: str, dclass: str) -> dict:
+    has_b, want_col, excl = MODES[mode]
+    return dict(kernel=launch.name, dclass=dclass, sym=not has_b, want_col=want_col, exclude_self=excl)
+
+
+def plan(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[str]) -> tuple[list, dict]:
+    """(variant table, compile jobs by (cc, variant key)) of a build."""
+    table, todo = [], {}
+    seen = set()
+    for cc in archs:
+        fam = _ARCH_FAMILY[cc]
+        for dt in dtypes:
+            for dc in dclasses:
+                for mode in modes:
+                    for i, launch in enumerate(record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam)):
+                        key = variant_key(launch)
+                        fk = dict(cc=cc, dtype=dt, **_flag_key(launch, mode, dc))
+                        if launch.name == "row_norm":
+                            fk.update(sym=False, want_col=False, exclude_self=False)  # flags do not apply
+                        ident = tuple(sorted(fk.items()))
+                        if ident in seen:
+                            continue
+                        seen.add(ident)
+                        table.append(dict(fk, variant=key))
+                        todo.setdefault((cc, key), (cc, key, mode, dt, dc, i, fam))
+    return table, todo
+
+
+def _compile_job(job):
+    cc, key, mode, dt, dc, idx, fam = job
+    t0 = time.perf_counter()
+    launch = record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam)[idx]
+    assert variant_key(launch) == key
+    ck = compile_launch(launch, cc)
+    md = ck.metadata
+    if md.num_ctas != 1 or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
+        raise RuntimeError(f"{key}: clusters / cooperative / PDL launches are not supported by the C launcher")
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        raise RuntimeError(f"{key}: kernels needing triton global/profile scratch are not supported")
+    return dict(cc=cc, variant=key, symbol=md.name, num_warps=md.num_warps, shared=md.shared,
+                cubin=ck.asm["cubin"], seconds=time.perf_counter() - t0, layout=_layout(launch))
+
+
+def _c_ident(s: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in s)
+
+
+def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[str], out: str,
+             jobs: int = 1) -> dict:
+    """Compile and write the tables (see the module docstring); returns the manifest."""
+    from .core import triton_configs as TC
+
+    t0 = time.perf_counter()
+    table, todo = plan(archs, dtypes, dclasses, modes)
+    job_list = list(todo.values())  # each worker records its launch again (launches do not pickle)
+    t_plan = time.perf_counter() - t0
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as ex:
+            results = list(ex.map(_compile_job, job_list))
+    else:
+        results = [_compile_job(j) for j in job_list]
+    os.makedirs(os.path.join(out, "cubin"), exist_ok=True)
+    compiled = {}
+    for r in results:
+        name = f"sm{r['cc']}_{r['variant']}"
+        with open(os.path.join(out, "cubin", name + ".cubin"), "wb") as f:
+            f.write(r["cubin"])
+        compiled[(r["cc"], r["variant"])] = dict(r, file=f"cubin/{name}.cubin",
+                                                 sha256=hashlib.sha256(r["cubin"]).hexdigest(), cubin=None)
+    layouts = {}
+    for r in results:
+        kname = r["variant"].rsplit("_", 1)[0]
+        lay = [dict(p, type="ptr" if p["type"].startswith("*") else p["type"]) for p in r["layout"]]
+        if layouts.setdefault(kname, lay) != lay:
+            raise RuntimeError(f"{kname}: variants with different argument layouts")
+    configs = {f"{k}/{a}/{dt}/{b}": c.__dict__ for (k, a, dt, b), c in TC.CONFIGS.items() if dt in dtypes}
+    manifest = dict(
+        archs=archs, dtypes=dtypes, dclasses=dclasses, modes=modes,
+        consts=dict(RESIDENT_MAX_D=TC.RESIDENT_MAX_D, ROW_NORM_BLOCK_R=TC.ROW_NORM_BLOCK_R,
+                    ROW_NORM_MAX_BLOCK_D=TC.ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS=TC.ROW_NORM_WARPS),
+        configs=configs, layouts=layouts,
+        variants=[dict(e, **{k: compiled[(e["cc"], e["variant"])][k]
+                             for k in ("symbol", "num_warps", "shared", "file", "sha256")}) for e in table],
+        compile_seconds={f"sm{r['cc']}_{r['variant']}": round(r["seconds"], 2) for r in results},
+        plan_seconds=round(t_plan, 2), total_seconds=None)
+    _write_c(manifest, compiled, out)
+    manifest["total_seconds"] = round(time.perf_counter() - t0, 2)
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def _write_c(man: dict, compiled: dict, out: str) -> None:
+    names = sorted({p["name"] for lay in man["layouts"].values() for p in lay})
+    kernels = sorted(man["layouts"])
+    ctype = {"i32": "FC_T_I32", "i64": "FC_T_I64", "fp32": "FC_T_F32", "i1": "FC_T_I1"}
+    h = ["/* generated by python -m fused_contrastive.aot: do not edit */", "#pragma once", "#include <stddef.h>",
+         "#include <stdint.h>", "",
+         "typedef enum { FC_T_PTR, FC_T_I32, FC_T_I64, FC_T_F32, FC_T_I1 } fc_argtype;", "",
+         "/* every runtime parameter name of the shipped kernels */", "typedef enum {"]
+    h += [f"  FC_ARG_{n}," for n in names] + ["  FC_ARG_COUNT", "} fc_argname;", ""]
+    h += ["typedef enum {"] + [f"  FC_K_{k}," for k in kernels] + ["  FC_K_COUNT", "} fc_kernel;", ""]
+    h += ["typedef struct { fc_argname name; fc_argtype type; int div16; } fc_param;",
+          "typedef struct { int n; const fc_param *params; } fc_layout;",
+          "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self;",
+          "  const char *variant, *symbol; int num_warps, shared; const unsigned char *cubin; size_t cubin_size;",
+          "} fc_variant;",
+          "typedef struct { fc_kernel kernel; int cc, dtype, bucket;",
+          "  int block_m, block_n, block_d, num_warps, num_stages; } fc_config;", "",
+          "extern const fc_layout fc_layouts[FC_K_COUNT];", "extern const char *const fc_kernel_names[FC_K_COUNT];",
+          "extern const char *const fc_arg_names[FC_ARG_COUNT];",
+          f"#define FC_N_VARIANTS {len(man['variants'])}", "extern const fc_variant fc_variants[FC_N_VARIANTS];",
+          f"#define FC_N_CONFIGS {len(man['configs'])}", "extern const fc_config fc_configs[FC_N_CONFIGS];"]
+    h += [f"#define FC_{k} {v}" for k, v in man["consts"].items()]
+    h += ["/* D buckets of triton_configs: 0 d64, 1 d128, 2 big */",
+          f"#define FC_ARCHS_BUILT \"{';'.join(map(str, man['archs']))}\"",
+          f"#define FC_DTYPES_BUILT \"{';'.join(man['dtypes'])}\"",
+          f"#define FC_DCLASSES_BUILT \"{';'.join(man['dclasses'])}\"",
+          f"#define FC_MODES_BUILT \"{';'.join(man['modes'])}\"", ""]
+    c = ["/* generated by python -m fused_contrastive.aot: do not edit */", '#include "fc_kernels_gen.h"', ""]
+    c += ["const char *const fc_arg_names[FC_ARG_COUNT] = {" + ", ".join(f'"{n}"' for n in names) + "};",
+          "const char *const fc_kernel_names[FC_K_COUNT] = {" + ", ".join(f'"{k}"' for k in kernels) + "};"]
+    for k in kernels:
+        ps = ", ".join(f"{{FC_ARG_{p['name']}, {'FC_T_PTR' if p['type'] == 'ptr' else ctype[p['type']]}, "
+                       f"{int(p['div16'])}}}" for p in man["layouts"][k])
+        c.append(f"static const fc_param params_{k}[] = {{{ps}}};")
+    c.append("const fc_layout fc_layouts[FC_K_COUNT] = {"
+             + ", ".join(f"{{{len(man['layouts'][k])}, params_{k}}}" for k in kernels) + "};")
+    asm = ["/* generated by python -m fused_contrastive.aot: the cubins, embedded */", ".section .rodata"]
+    for (cc, key), r in sorted(compiled.items()):
+        sym = f"fc_cubin_sm{cc}_{_c_ident(key)}"
+        path = os.path.abspath(os.path.join(out, r["file"]))
+        asm += [".balign 16", f".hidden {sym}", f".globl {sym}", f"{sym}:", f'.incbin "{path}"']
+        c.append(f"extern const unsigned char {sym}[{os.path.getsize(path)}];")
+    asm.append('.section .note.GNU-stack,"",@progbits')
+    with open(os.path.join(out, "fc_cubins.S"), "w") as f:
+        f.write("\n".join(asm) + "\n")
+    dt_idx = {d: i for i, d in enumerate(_DTYPES)}
+    rows = []
+    for v in man["variants"]:
+        dpad = 0 if v["dclass"] == "big" else int(v["dclass"])
+        sym = f"fc_cubin_sm{v['cc']}_{_c_ident(v['variant'])}"
+        rows.append(f"  {{{v['cc']}, {dt_idx[v['dtype']]}, FC_K_{v['kernel']}, {dpad}, {int(v['sym'])}, "
+                    f"{int(v['want_col'])}, {int(v['exclude_self'])}, \"{v['variant']}\", \"{v['symbol']}\", "
+                    f"{v['num_warps']}, {v['shared']}, {sym}, sizeof({sym})}},")
+    c += ["const fc_variant fc_variants[FC_N_VARIANTS] = {"] + rows + ["};"]
+    kmap = {"fwd": "lse_fwd", "bwd_rows": "lse_bwd_rows", "bwd_cols": "lse_bwd_cols"}
+    buckets = {"d64": 0, "d128": 1, "big": 2}
+    rows = []
+    for key, cfg in man["configs"].items():
+        k, arch, dt, b = key.split("/")
+        rows.append(f"  {{FC_K_{kmap[k]}, {arch[2:]}, {dt_idx[dt]}, {buckets[b]}, {cfg['block_m']}, "
+                    f"{cfg['block_n']}, {cfg['block_d']}, {cfg['num_warps']}, {cfg['num_stages']}}},")
+    c += ["const fc_config fc_configs[FC_N_CONFIGS] = {"] + rows + ["};", ""]
+    with open(os.path.join(out, "fc_kernels_gen.h"), "w") as f:
+        f.write("\n".join(h) + "\n")
+    with open(os.path.join(out, "fc_kernels_gen.c"), "w") as f:
+        f.write("\n".join(c) + "\n")
+
+
+#: D of the launch checks per D class (not powers of two where the class allows: ragged D chunks).
+CHECK_D = {"16": 16, "32": 32, "64": 48, "128": 112, "big": 784}
+
+
+def _scenarios(man: dict) -> list[dict]:
+    out = []
+    for cc in man["archs"]:
+        for dt in man["dtypes"]:
+            for dc in man["dclasses"]:
+                for mode in man["modes"]:
+                    # ragged N, M (not multiples of any block); CLIP on 3 SMs: 1000 rows = 8 row blocks of 128
+                    # -> 6 programs cap -> 4 programs of 2 row blocks (the persistent loop)
+                    n, m, sms = (1000, 200, 3) if mode == "clip" else (300, 200, 132)
+                    out.append(dict(cc=cc, dtype=dt, mode=mode, n=n, m=m, d=CHECK_D[dc], grad_cols=-1, db=mode != "self",
+                                    sms=sms))
+        if "info_nce" in man["modes"]:
+            d = CHECK_D[man["dclasses"][-1]]
+            dt = man["dtypes"][0]
+            out.append(dict(cc=cc, dtype=dt, mode="info_nce", n=100, m=300, d=d, grad_cols=100, db=True, sms=132))
+            out.append(dict(cc=cc, dtype=dt, mode="info_nce", n=100, m=300, d=d, grad_cols=-1, db=False, sms=132))
+            out.append(dict(cc=cc, dtype=dt, mode="info_nce", n=100, m=300, d=d, grad_cols=0, db=True, sms=132))
+    return out
+
+
+_CU_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (cuda.h)
+
+
+def _decode(hexs: str, typ: str):
+    import struct
+
+    raw = bytes.fromhex(hexs)
+    if typ == "ptr" or typ == "i64":
+        return struct.unpack("<Q" if typ == "ptr" else "<q", raw)[0]
+    if typ == "i32":
+        return struct.unpack("<i", raw)[0]
+    if typ == "fp32":
+        return struct.unpack("<f", raw)[0]
+    raise ValueError(typ)
+
+
+def check_scenario(sc: dict, man: dict, gen: str, fc_run: str, mock: str, work: str) -> tuple[list[str], list]:
+    """Run ``fc_run`` on the mock driver for one problem and compare every driver call with the Python
+    launcher's launches for the same problem (:func:`compare_calls`)."""
+    import subprocess
+
+    os.makedirs(work, exist_ok=True)
+    logf = os.path.join(work, "calls.jsonl")
+    if os.path.exists(logf):
+        os.remove(logf)
+    env = dict(os.environ, FUSED_CONTRASTIVE_LIBCUDA=mock, FC_MOCK_CC=str(sc["cc"]), FC_MOCK_SMS=str(sc["sms"]),
+               FC_MOCK_LOG=logf, FC_MOCK_DIR=work)
+    cmd = [fc_run, sc["mode"], sc["dtype"], str(sc["n"]), str(sc["m"]), str(sc["d"]), str(sc["grad_cols"]),
+           str(int(sc["db"]))]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if r.returncode:
+        return [f"{' '.join(cmd[1:])}: fc_run failed: {r.stderr.strip()}"], []
+    with open(logf) as f:
+        calls = [json.loads(x) for x in f]
+    return compare_calls(sc, man, calls, 0, json.loads(r.stdout))
+
+
+def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict,
+                  internal: tuple[str, ...] = ()) -> tuple[list[str], list]:
+    """Compare the launches in ``calls[start:]`` (a mock-driver log; modules and functions may have been
+    loaded earlier in it) with the Python launcher's for problem ``sc``: kernel variant and its cubin,
+    grid, block, shared memory, the parameter count the cubin declares, every scalar argument, and the
+    pointer arguments (the caller's pointers where the caller passed them, the same buffer wherever
+    Python passes the same tensor, workspace buffers at least as large as Python's). ``info``: the
+    caller's pointers (``ptrs``), the workspace (``workspace``, ``workspace_bytes``), optionally
+    ``col_part``/``col_rows``/``ds_rows``; ``internal`` names pointer arguments the caller allocates
+    itself (not in ``ptrs``). Returns (errors, [(launch, module image file), ...])."""
+    import struct
+
+    from torch import Tensor
+
+    funcs = {c["func"]: c for c in calls if c["call"] == "cuModuleGetFunction"}
+    mods = {c["module"]: c for c in calls if c["call"] == "cuModuleLoadData"}
+    got = [c for c in calls[start:] if c["call"] == "cuLaunchKernel"]
+    gc = None if sc["grad_cols"] < 0 else sc["grad_cols"]
+    exp = record(sc["mode"], sc["dtype"], sc["n"], sc["m"], sc["d"], _ARCH_FAMILY[sc["cc"]], eps=1e-12, offset=0,
+                 need_b=sc["db"], grad_cols=gc, sms=sc["sms"])
+    tag = f"sm{sc['cc']} {sc['dtype']} {sc['mode']} N={sc['n']} M={sc['m']} D={sc['d']} grad_cols={sc['grad_cols']}"
+    errs = []
+    variants = {(v["cc"], v["variant"]): v for v in man["variants"]}
+    want = [variants.get((sc["cc"], variant_key(ln)), {}).get("symbol", variant_key(ln) + " (not built)") for ln in exp]
+    if [c["name"] for c in got] != want:
+        return [f"{tag}: launched {[c['name'] for c in got]}, the Python launcher launches {want}"], []
+    py_label, c_label = {}, {}
+    ws0, ws1 = info["workspace"], info["workspace"] + info["workspace_bytes"]
+    regions = {}  # workspace pointer -> bytes the Python launcher allocates for that buffer
+    pairs = []
+    for i, (c, ln) in enumerate(zip(got, exp)):
+        v = variants[(sc["cc"], variant_key(ln))]
+        where = f"{tag}: launch {i} ({ln.name})"
+        if c["grid"] != [ln.grid[0], 1, 1] or len(ln.grid) != 1:
+            errs.append(f"{where}: grid {c['grid']} != Python {list(ln.grid)}")
+        if c["block"] != [32 * ln.num_warps, 1, 1]:
+            errs.append(f"{where}: block {c['block']} != 32 x {ln.num_warps} warps")
+        if c["shared"] != v["shared"]:
+            errs.append(f"{where}: shared {c['shared']} != compiled {v['shared']}")
+        if c["shared"] > 49152 and not any(
+                x["call"] == "cuFuncSetAttribute" and x["func"] == c["func"] and x["attr"] == _CU_MAX_DYNAMIC_SHARED
+                and x["value"] >= c["shared"] for x in calls):
+            errs.append(f"{where}: {c['shared']} bytes of shared memory without cuFuncSetAttribute("
+                        "MAX_DYNAMIC_SHARED_SIZE_BYTES) on the function")
+        mfile = mods[c["module"]]["file"]
+        with open(mfile, "rb") as f:
+            image = f.read()
+        if hashlib.sha256(image).hexdigest() != v["sha256"]:
+            errs.append(f"{where}: the module image is not the generated cubin {v['file']}")
+        lay = man["layouts"][ln.name]
+        if funcs[c["func"]]["nparams"] != len(lay) + 2 or len(c["params"]) != len(lay) + 2 or c["extra_param"]:
+            errs.append(f"{where}: {len(c['params'])} parameters (extra: {c['extra_param']}), the cubin declares "
+                        f"{funcs[c['func']]['nparams']}, the layout has {len(lay)} + 2 scratch")
+            continue
+        if any(p is None for p in c["params"]):
+            errs.append(f"{where}: missing parameters")
+            continue
+        for p, hx in zip(lay, c["params"]):
+            val, want = _decode(hx, p["type"]), ln.args[p["name"]]
+            nm = p["name"]
+            if p["type"] == "ptr":
+                if info["ptrs"].get(nm) and val != info["ptrs"][nm]:
+                    errs.append(f"{where}: {nm} = {val:#x}, the caller passed {info['ptrs'][nm]:#x}")
+                key_p = "SCALE" if nm == "SCALE" else py_label.setdefault(id(want), (i, nm))
+                key_c = "SCALE" if nm == "SCALE" else c_label.setdefault(val, (i, nm))
+                if key_p != key_c:
+                    errs.append(f"{where}: {nm} is the buffer first passed as {key_c} in C, as {key_p} in Python")
+                if ws0 <= val < ws1:
+                    nbytes = want.numel() * want.element_size() if isinstance(want, Tensor) else 0
+                    regions[val] = max(regions.get(val, 0), nbytes)
+                elif not info["ptrs"].get(nm) and nm != "X" and nm not in internal:
+                    errs.append(f"{where}: {nm} = {val:#x} is neither a caller's pointer nor in the workspace")
+            elif p["type"] == "fp32":
+                if struct.pack("<f", val) != struct.pack("<f", float(want)):
+                    errs.append(f"{where}: {nm} = {val!r} != Python {want!r}")
+            elif val != want:
+                errs.append(f"{where}: {nm} = {val} != Python {want}")
+        for hx in c["params"][len(lay):]:
+            if _decode(hx, "ptr") != 0:
+                errs.append(f"{where}: triton's scratch pointers must be NULL")
+        pairs.append((ln, mfile))
+    starts = sorted(regions) + [ws1]
+    for a, b in itertools.pairwise(starts):
+        if b - a < regions[a] or a % 256:
+            errs.append(f"{tag}: workspace buffer at +{a - ws0} has {b - a} bytes, the Python launcher's has "
+                        f"{regions[a]} (or misaligned)")
+    fwd = [ln for ln in exp if ln.name == "lse_fwd"]
+    if sc["mode"] == "clip" and "col_rows" in info:
+        cp = fwd[0].args["COL_PART"]
+        if info["col_rows"] != cp.shape[0] or info["col_part"] != _decode(got[exp.index(fwd[0])]["params"][
+                [p["name"] for p in man["layouts"]["lse_fwd"]].index("COL_PART")], "ptr"):
+            errs.append(f"{tag}: fc_col_partials gives {info['col_rows']} rows, Python {cp.shape[0]}")
+    rows = [ln for ln in exp if ln.name == "lse_bwd_rows"]
+    if rows and "ds_rows" in info and info["ds_rows"] != rows[0].args["DS_PART"].numel():
+        errs.append(f"{tag}: fc_ds_rows {info['ds_rows']} != Python {rows[0].args['DS_PART'].numel()}")
+    return errs, pairs
+
+
+def check(gen: str, fc_run: str, mock: str, work: str, fresh: str = "per-kernel") -> list[str]:
+    """Every scenario of the build (:func:`_scenarios`) through :func:`check_scenario`, then a fresh
+    ``triton.compile`` (empty cache) of launched kernels, byte-compared with the module images the mock
+    received: one per (arch, kernel) by default, every launched variant with ``fresh="all"``."""
+    import tempfile
+
+    with open(os.path.join(gen, "manifest.json")) as f:
+        man = json.load(f)
+    errs, fresh_todo = [], {}
+    for k, sc in enumerate(_scenarios(man)):
+        e, pairs = check_scenario(sc, man, gen, fc_run, mock, os.path.join(work, f"s{k}"))
+        errs += e
+        for ln, mfile in pairs:
+            key = (sc["cc"], ln.name) if fresh == "per-kernel" else (sc["cc"], variant_key(ln))
+            fresh_todo.setdefault(key, (sc["cc"], ln, mfile))
+    print(f"fused_contrastive.aot check: {len(_scenarios(man))} problems compared with the Python launcher")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        for cc, ln, mfile in fresh_todo.values():
+            with open(mfile, "rb") as f:
+                if compile_launch(ln, cc).asm["cubin"] != f.read():
+                    errs.append(f"sm{cc} {variant_key(ln)}: launched cubin differs from a fresh triton.compile")
+    print(f"fused_contrastive.aot check: {len(fresh_todo)} launched cubins recompiled from scratch")
+    return errs
+
+
+def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
+    """The torch operators of ``lib`` (``fused_contrastive_aot::lse`` / ``lse_backward``) on CPU tensors
+    whose data pointers stand in for device pointers (FUSED_CONTRASTIVE_AOT_FAKE_CPU=1), on the mock
+    driver: every launch compared with the Python launcher's (:func:`compare_calls`). Sets the process
+    environment; run it in its own process."""
+    import torch
+
+    with open(os.path.join(gen, "manifest.json")) as f:
+        man = json.load(f)
+    os.makedirs(work, exist_ok=True)
+    logf = os.path.join(work, "calls.jsonl")
+    if os.path.exists(logf):
+        os.remove(logf)
+    os.environ.update(FUSED_CONTRASTIVE_LIBCUDA=mock, FUSED_CONTRASTIVE_AOT_FAKE_CPU="1", FC_MOCK_LOG=logf,
+                      FC_MOCK_DIR=work)
+    torch.ops.load_library(lib)
+    op = torch.ops.fused_contrastive_aot
+    errs = []
+    scen = _scenarios(man)
+    start = 0  # calls of the earlier problems in the log
+    for sc in scen:
+        os.environ.update(FC_MOCK_CC=str(sc["cc"]), FC_MOCK_SMS=str(sc["sms"]))
+        dt = _torch_dtype(sc["dtype"])
+        n, m, d = sc["n"], (sc["n"] if sc["mode"] == "self" else sc["m"]), sc["d"]
+        a = torch.empty(n, d, dtype=dt)
+        b = None if sc["mode"] == "self" else torch.empty(m, d, dtype=dt)
+        scale = torch.tensor(20.0)
+        lse, lse_col, ws = op.lse(a, b, scale, sc["mode"], 1e-12)
+        g = torch.ones(n)
+        clip = sc["mode"] == "clip"
+        g_col = torch.ones(m) if clip else None
+        gcols = None if sc["grad_cols"] < 0 else sc["grad_cols"]
+        da, db, _ = op.lse_backward(a, b, scale, sc["mode"], 1e-12, ws, lse, lse_col if clip else None, g, g_col,
+                                    sc["db"], gcols)
+        with open(logf) as f:
+            calls = [json.loads(x) for x in f]
+        wsp = (ws.data_ptr() + 255) // 256 * 256
+        ptrs = dict(A=a.data_ptr(), B=b.data_ptr() if b is not None else 0, LSE=lse.data_ptr(),
+                    LSE_COL=lse_col.data_ptr() if clip else 0, G=g.data_ptr(),
+                    G_COL=g_col.data_ptr() if clip else 0, DA=da.data_ptr(),
+                    DB=db.data_ptr() if db.numel() else 0)
+        info = dict(ptrs=ptrs, workspace=wsp, workspace_bytes=ws.numel() - 256)
+        e, _ = compare_calls(sc, man, calls, start, info, internal=("GSCALE", "DS_PART", "SCALE"))
+        errs += [f"torch op: {x}" for x in e]
+        start = len(calls)
+    print(f"fused_contrastive.aot check-torch: {len(scen)} problems compared with the Python launcher")
+    return errs
+
+
+def check_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fused_contrastive.aot check")
+    ap.add_argument("--gen", required=True, help="the generator's output directory (manifest.json)")
+    ap.add_argument("--fc-run")
+    ap.add_argument("--mock", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--fresh", choices=("per-kernel", "all"), default="per-kernel")
+    ap.add_argument("--torch-lib", help="check libfused_contrastive_torch's operators instead of fc_run")
+    a = ap.parse_args(argv)
+    errs = (check_torch(a.gen, a.torch_lib, a.mock, a.work) if a.torch_lib
+            else check(a.gen, a.fc_run, a.mock, a.work, a.fresh))
+    for e in errs:
+        print("MISMATCH", e)
+    print("OK" if not errs else f"{len(errs)} mismatches")
+    return 1 if errs else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fused_contrastive.aot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, action="append", choices=sorted(_ARCH_FAMILY), help="compute capability")
+    ap.add_argument("--dtype", action="append", choices=_DTYPES)
+    ap.add_argument("--dclass", action="append", choices=list(D_CLASSES))
+    ap.add_argument("--mode", action="append", choices=list(MODES))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    man = generate(args.arch or [80, 90], args.dtype or list(_DTYPES), args.dclass or list(D_CLASSES),
+                   args.mode or list(MODES), args.out, args.jobs)
+    n = len({(v["cc"], v["variant"]) for v in man["variants"]})
+    print(f"fused_contrastive.aot: {n} kernels compiled in {man['total_seconds']} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("fused_contrastive.aot: needs TRITON_INTERPRET=0 (interpreted kernels cannot be compiled)",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(check_main(sys.argv[2:]) if sys.argv[1:2] == ["check"] else main())

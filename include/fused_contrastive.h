@@ -1,0 +1,118 @@
+/* fused_contrastive.h - C API of the ahead-of-time compiled core-op kernels (libfused_contrastive_kernels).
+ *
+ * The Triton kernels of fused_contrastive (kernels/lse.py), compiled at build time for sm_80 / sm_90 and
+ * launched through the CUDA driver API (libcuda.so.1 is dlopen'ed on first use: no link-time CUDA
+ * dependency; FUSED_CONTRASTIVE_LIBCUDA overrides the library path). The host logic mirrors the Python
+ * launcher (fused_contrastive/core/triton_backend.py: _lse_fwd, _lse_bwd): same configs, grids,
+ * scratch buffers and argument lists; a ctest compares both launch by launch.
+ *
+ * Math (normalised rows a_i = A_i / max(||A_i||, eps), b_j likewise, runtime scale s):
+ *   l_ij = s <a_i, b_j>        (-inf at j == offset + i in FC_MODE_SELF)
+ *   LSE_i = log sum_j exp(l_ij),   LSEcol_j = log sum_i exp(l_ij)  (FC_MODE_CLIP)
+ * A loss adds its linear positive term (e.g. -l_ii) itself; it is O(N*D).
+ *
+ * Modes (the compiled feature set; positives by labels / masks, bias and queue masks are not shipped):
+ *   FC_MODE_INFO_NCE  B given, row LSE                      (InfoNCE / MNRL with keys)
+ *   FC_MODE_CLIP      B given, row LSE and column LSE       (CLIP: both directions from one pass)
+ *   FC_MODE_SELF      B is A, the self column excluded     (SimCSE-style in-batch, symmetric backward)
+ *
+ * Conventions: every pointer is a CUDA device pointer (CUdeviceptr cast to void*), 16-byte aligned;
+ * rows have a contiguous inner dimension; D and every row stride must be multiples of 16 elements; N, M,
+ * D, strides < 2^31. The calls are asynchronous on `stream` (a CUstream, NULL = the legacy default
+ * stream) and use the calling thread's current CUDA context. All entry points are thread-safe. On error
+ * nothing is launched and fc_last_error() (thread-local) holds a message naming the argument.
+ */
+#ifndef FUSED_CONTRASTIVE_H
+#define FUSED_CONTRASTIVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define FC_API
+#else
+#define FC_API __attribute__((visibility("default")))
+#endif
+
+typedef enum fc_status {
+  FC_OK = 0,
+  FC_ERR_INVALID_ARGUMENT = 1,   /* NULL where a pointer is required, negative size, ... */
+  FC_ERR_NO_DRIVER = 2,          /* libcuda.so.1 (or FUSED_CONTRASTIVE_LIBCUDA) cannot be loaded */
+  FC_ERR_NO_DEVICE = 3,          /* cuInit failed: no GPU / no usable device */
+  FC_ERR_NO_CONTEXT = 4,         /* no current CUDA context on this thread */
+  FC_ERR_UNSUPPORTED_ARCH = 5,   /* no kernels built for this device's compute capability */
+  FC_ERR_UNSUPPORTED_DTYPE = 6,  /* dtype not built (CMake option FC_DTYPES) */
+  FC_ERR_UNSUPPORTED_SHAPE = 7,  /* D class not built (FC_DCLASSES), D or a stride not a multiple of 16, >= 2^31 */
+  FC_ERR_UNSUPPORTED_MODE = 8,   /* mode not built (FC_MODES) or not valid for this call */
+  FC_ERR_MISALIGNED = 9,         /* a pointer is not 16-byte aligned */
+  FC_ERR_WORKSPACE = 10,         /* workspace NULL or smaller than fc_workspace_size() */
+  FC_ERR_DRIVER = 11             /* a CUDA driver call failed (message has the call and its error) */
+} fc_status;
+
+typedef enum fc_dtype { FC_FLOAT32 = 0, FC_FLOAT16 = 1, FC_BFLOAT16 = 2 } fc_dtype;
+
+typedef enum fc_mode { FC_MODE_INFO_NCE = 0, FC_MODE_CLIP = 1, FC_MODE_SELF = 2 } fc_mode;
+
+/* One problem: the inputs shared by forward and backward. */
+typedef struct fc_problem {
+  fc_mode mode;
+  fc_dtype dtype;        /* of A, B, dA, dB */
+  int64_t n, m, d;       /* A [n, d], B [m, d]; m is ignored (= n) in FC_MODE_SELF */
+  const void *a;         /* [n, d], row stride stride_a (elements) */
+  int64_t stride_a;
+  const void *b;         /* [m, d] (NULL in FC_MODE_SELF) */
+  int64_t stride_b;
+  const float *scale;    /* 1 float on the device: s (1 / temperature); a runtime value, never recompiles */
+  float eps;             /* norm clamp, e.g. 1e-12 */
+  int64_t offset;        /* FC_MODE_SELF: row i's excluded column is offset + i (0 when B is A) */
+} fc_problem;
+
+typedef struct fc_backward_args {
+  const float *lse;      /* [n] from fc_forward */
+  const float *lse_col;  /* [m] merged column LSE (FC_MODE_CLIP; see fc_col_partials), else NULL */
+  const float *g;        /* [n] dL/dLSE (0 where LSE is -inf) */
+  const float *g_col;    /* [m] dL/dLSEcol (FC_MODE_CLIP), else NULL */
+  const float *gscale;   /* 1 float > 0 on the device: g, g_col are divided by it before the 16-bit cast of the
+                            gradient tile and multiplied back after (use max |g|, |g_col|; 1 is valid) */
+  void *da;              /* [n, d] in dtype (required): dL/dA (both roles of A in FC_MODE_SELF) */
+  int64_t stride_da;
+  void *db;              /* [m, d] in dtype, or NULL: no dB (must be NULL in FC_MODE_SELF) */
+  int64_t stride_db;
+  int64_t grad_cols;     /* only rows [0, grad_cols) of dB are written (a queue after them); -1: all m */
+  float *ds_part;        /* [fc_ds_rows()] partial sums: dL/ds = gscale * sum(ds_part) */
+} fc_backward_args;
+
+/* Name of a status ("FC_ERR_UNSUPPORTED_ARCH", ...). */
+FC_API const char *fc_status_name(fc_status s);
+/* Message of the last error on this thread ("" after success). */
+FC_API const char *fc_last_error(void);
+/* What this library was built with: "archs=80;90 dtypes=bf16 dclasses=128;big modes=info_nce;clip;self". */
+FC_API const char *fc_build_info(void);
+
+/* Bytes of device workspace one problem needs (the scaled row copies and norms the backward reuses, the
+   column-LSE partials, the streaming backward's fp32 scratch). The same workspace must be passed to
+   fc_forward and then fc_backward of that problem, unmodified in between. Queries the current device. */
+FC_API fc_status fc_workspace_size(const fc_problem *p, size_t *bytes);
+
+/* Forward: lse [n] fp32; in FC_MODE_CLIP also the column-LSE partials in the workspace. */
+FC_API fc_status fc_forward(const fc_problem *p, void *workspace, size_t workspace_bytes, float *lse, void *stream);
+
+/* FC_MODE_CLIP after fc_forward: where the [*rows, m] fp32 partial column LSEs are (inside the workspace):
+   LSEcol_j = logsumexp over r of part[r * m + j] (deterministic merge, left to the caller). */
+FC_API fc_status fc_col_partials(const fc_problem *p, void *workspace, float **part, int64_t *rows);
+
+/* Rows of fc_backward_args.ds_part for this problem on the current device. */
+FC_API fc_status fc_ds_rows(const fc_problem *p, int64_t *rows);
+
+/* Backward: dA, dB (optional) and the scale-gradient partials. */
+FC_API fc_status fc_backward(const fc_problem *p, const fc_backward_args *args, void *workspace,
+                             size_t workspace_bytes, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FUSED_CONTRASTIVE_H */
