@@ -116,10 +116,21 @@ def aot_source(launch):
     return ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
 
 
+def _path_free_compiles() -> None:
+    """Compile without line info: a cubin then does not embed the absolute path of ``kernels/*.py``, so
+    its bytes do not depend on where the checkout lies, and a cached compile from another checkout of
+    the same source (Triton's cache key ignores the path) is byte-identical to a fresh one. Set for
+    this process and the generator's workers (a build tool: the runtime never imports this module)."""
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
+
+
 def compile_launch(launch, cc: int):
-    """``triton.compile`` of :func:`aot_source` for GPUTarget("cuda", cc, 32) (host ptxas, no driver)."""
+    """``triton.compile`` of :func:`aot_source` for GPUTarget("cuda", cc, 32) (host ptxas, no driver),
+    without line info (:func:`_path_free_compiles`)."""
     import triton
     from triton.backends.compiler import GPUTarget
+
+    _path_free_compiles()
 
     return triton.compile(aot_source(launch), target=GPUTarget("cuda", cc, 32),
                           options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
@@ -202,6 +213,7 @@ def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: li
     t0 = time.perf_counter()
     table, todo = plan(archs, dtypes, dclasses, modes)
     job_list = list(todo.values())  # each worker records its launch again (launches do not pickle)
+    _path_free_compiles()  # before the workers start: they inherit it
     t_plan = time.perf_counter() - t0
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as ex:
