@@ -187,6 +187,14 @@ def _pair_sim(x: Tensor, y: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
     return (x * y).sum(-1)
 
 
+def _gathered(x: Tensor, group, name: str):
+    """``distributed.gather_rows``, its result made a plain tensor: with equal local sizes it is the
+    functional collective's ``AsyncCollectiveTensor``, whose storage the core op's dense path cannot
+    inspect (``untyped_storage().data_ptr()`` raises); ``clone`` waits for it (and copies B*D values)."""
+    rows, off, sizes = D.gather_rows(x, group, name=name)
+    return (rows if type(rows) is Tensor else rows.clone()), off, sizes
+
+
 def _lse_all(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.logsumexp(torch.stack(parts), dim=0)
 
@@ -229,8 +237,8 @@ def mnrl_from_embeddings(queries: Tensor, docs: Sequence[Tensor], *, scale=20.0,
         be = "torch"
     b, k_cols = queries.shape[0], len(docs)
     if group is not None:
-        q_all, off, sizes = D.gather_rows(queries, group, name="queries")
-        d_all = [D.gather_rows(d, group, name="docs")[0] for d in docs]
+        q_all, off, sizes = _gathered(queries, group, "queries")
+        d_all = [_gathered(d, group, "docs")[0] for d in docs]
         world, n_total = D.world_size(group), sum(sizes)
     else:
         q_all, off, d_all, world, n_total = queries, 0, docs, 1, b
