@@ -292,8 +292,6 @@ GATHER_CASES = {
     "default_triplets": (3, "MultipleNegativesRankingLoss", {}),
     "all_joint_hard": (3, "MultipleNegativesRankingLoss", dict(directions=ALL4, hardness_mode="in_batch_negatives",
                                                                hardness_strength=4.0)),
-    "symmetric": (2, "MultipleNegativesRankingLoss", dict(directions=("query_to_doc", "doc_to_query"),
-                                                         partition_mode="per_direction")),
     "cached": (3, "CachedMultipleNegativesRankingLoss", dict(mini_batch_size=2, directions=ALL4)),
 }
 
