@@ -2,7 +2,8 @@
 
 Sub-commands: ``check`` (the default) verifies every loss on every backend available here against
 the float64 ground truth; ``bench`` runs the benchmark suite; ``bench-encode`` times
-``encode_in_chunks`` against a plain step; ``bench-gather`` computes what ``gather=`` sends per rank. ``--help`` on either lists its options.
+``encode_in_chunks`` against a plain step; ``bench-gather`` computes what ``gather=`` sends per rank; ``bench-st-step`` times a
+sentence-transformers training step with their loss and the fused one. ``--help`` on either lists its options.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from .bench import cli as bench_cli
     from .bench import encode as bench_encode
     from .bench import gather as bench_gather
+    from .bench import st_step as bench_st_step
 
     parser = argparse.ArgumentParser(
         prog="fused-contrastive",
@@ -163,7 +165,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser.add_argument("--version", action="version", version=f"fused-contrastive {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{check,bench,bench-encode,bench-gather}")
     subs = {"check": _check_parser(sub), "bench": bench_cli.add_parser(sub),
-            "bench-encode": bench_encode.add_parser(sub), "bench-gather": bench_gather.add_parser(sub)}
+            "bench-encode": bench_encode.add_parser(sub), "bench-gather": bench_gather.add_parser(sub),
+            "bench-st-step": bench_st_step.add_parser(sub)}
     return parser, subs
 
 
@@ -185,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench import gather as bench_gather
 
         return bench_gather.run(args, subs["bench-gather"])
+    if args.command == "bench-st-step":
+        from .bench import st_step as bench_st_step
+
+        return bench_st_step.run(args, subs["bench-st-step"])
     if args.command is None:
         parser.error("choose a sub-command: check, bench, bench-encode or bench-gather")
     return check(args, subs["check"])

@@ -1,0 +1,200 @@
+"""``python -m fused_contrastive bench-st-step``: one sentence-transformers training step (forward, loss,
+backward) of a small BERT built offline, with sentence-transformers' ``MultipleNegativesRankingLoss``
+and with this library's drop-in of the same name, side by side at several batch sizes.
+
+Time: the two losses alternate in one process (ABBA rounds), medians over the repeats. Peak memory:
+each step in a fresh process, the resident-set high-water mark over the baseline after the model and
+the tokenized batch exist (``bench/memory.py``'s CPU meter; on CUDA ``max_memory_allocated``). The
+encoder's activations are the same for both; the difference is the loss's B x B similarity matrix
+(and its softmax and gradient) against the fused loss's O(B*D) working set. sentence-transformers is
+imported only when the sub-command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from .memory import meter
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def build_tiny_model(path: str, *, hidden: int = 32, layers: int = 2, heads: int = 2, words: int = 90,
+                     max_len: int = 64, dropout: float = 0.0, seed: int = 0) -> str:
+    """Save a randomly initialised BERT (``hidden`` wide, ``layers`` deep, FFN ``2 * hidden``) and a
+    whitespace WordLevel tokenizer over the words ``w0 .. w{words-1}`` to ``path``; no download.
+    Returns ``path`` (load it with :func:`load_model`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + [f"w{i}" for i in range(words)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_len)
+    cfg = BertConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=2 * hidden, max_position_embeddings=max_len, hidden_dropout_prob=dropout,
+                     attention_probs_dropout_prob=dropout)
+    torch.manual_seed(seed)
+    BertModel(cfg).save_pretrained(path)
+    fast.save_pretrained(path)
+    return path
+
+
+def load_model(path: str, device: str = "cpu"):
+    """The ``SentenceTransformer`` of :func:`build_tiny_model`'s files: Transformer + mean pooling."""
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers.models import Pooling, Transformer
+    enc = Transformer(path)
+    dim = enc.get_embedding_dimension() if hasattr(enc, "get_embedding_dimension") else enc.get_word_embedding_dimension()
+    return SentenceTransformer(modules=[enc, Pooling(dim, "mean")], device=device)
+
+
+def sentences(n: int, words: int, vocab: int = 90, seed: int = 0) -> list[str]:
+    """``n`` random sentences of ``words`` words ``w<k>`` each."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, words), generator=g).tolist()
+    return [" ".join(f"w{k}" for k in row) for row in ids]
+
+
+def _loss(model, which: str):
+    if which == "peer":
+        try:
+            from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+        except ImportError:  # sentence-transformers < 6
+            from sentence_transformers.losses import MultipleNegativesRankingLoss
+    else:
+        from ..integrations.sentence_transformers import MultipleNegativesRankingLoss
+    return MultipleNegativesRankingLoss(model)
+
+
+def _setup(a: dict[str, Any], batch: int):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = load_model(a["model_path"], a["device"])
+    model.train()
+    words = a["seq"] - 2  # [CLS] ... [SEP]
+    feats = [model.preprocess(sentences(batch, words, seed=s)) for s in (1, 2)]
+    feats = [{k: v.to(a["device"]) if isinstance(v, torch.Tensor) else v for k, v in f.items()} for f in feats]
+    return model, feats
+
+
+def _step(model, loss, feats) -> None:
+    model.zero_grad(set_to_none=True)
+    loss([dict(f) for f in feats], None).backward()
+
+
+def _peak(args: tuple[dict[str, Any], int, str]) -> int:
+    a, batch, which = args
+    if a["threads"]:
+        torch.set_num_threads(a["threads"])
+    model, feats = _setup(a, batch)
+    loss = _loss(model, which)
+    _step(model, loss, [{k: v[:8] if isinstance(v, torch.Tensor) else v for k, v in f.items()} for f in feats])
+    model.zero_grad(set_to_none=True)
+    m = meter(torch.device(a["device"]), isolated=True)
+    m.start(float("inf") if a["device"] != "cpu" else 64 * (1 << 30))
+    _step(model, loss, feats)
+    m.sync()
+    return m.peak()
+
+
+def measure(a: dict[str, Any]) -> dict[str, Any]:
+    """Per batch size: median step time and peak memory of each loss (see the module docstring)."""
+    if a["threads"]:
+        torch.set_num_threads(a["threads"])
+    sync = torch.cuda.synchronize if a["device"].startswith("cuda") else (lambda: None)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for batch in a["batches"]:
+        model, feats = _setup(a, batch)
+        losses = {w: _loss(model, w) for w in ("peer", "fused")}
+        times: dict[str, list[float]] = {w: [] for w in losses}
+        for loss in losses.values():  # warm-up
+            _step(model, loss, feats)
+        for r in range(a["repeats"]):
+            for w in (("peer", "fused") if r % 2 == 0 else ("fused", "peer")):
+                sync()
+                t0 = time.perf_counter()
+                _step(model, losses[w], feats)
+                sync()
+                times[w].append(time.perf_counter() - t0)
+        peaks = {}
+        for w in losses:
+            with cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as ex:
+                peaks[w] = ex.submit(_peak, (a, batch, w)).result()
+        rows.append({"batch": batch, "median_s": {w: statistics.median(v) for w, v in times.items()},
+                     "times_s": times, "peak_bytes": peaks})
+    return {"config": a, "rows": rows}
+
+
+def render(res: dict[str, Any]) -> str:
+    a = res["config"]
+    table = []
+    for r in res["rows"]:
+        t, p = r["median_s"], r["peak_bytes"]
+        table.append([r["batch"], f"{t['peer'] * 1e3:.0f}", f"{t['fused'] * 1e3:.0f}", f"{t['peer'] / t['fused']:.2f}x",
+                      f"{p['peer'] / (1 << 20):.0f}", f"{p['fused'] / (1 << 20):.0f}",
+                      f"{p['peer'] / max(p['fused'], 1):.2f}x"])
+    return "\n".join([
+        (f"sentence-transformers training step (anchor, positive) with MultipleNegativesRankingLoss, BERT "
+         f"hidden {a['hidden']}, {a['layers']} layers, {a['seq']} tokens per sentence, {a['device']}, medians of "
+         f"{a['repeats']} alternating repeats; peak = memory of the step over the model and inputs"),
+        tabulate(table, headers=["batch", "peer ms", "fused ms", "speed-up", "peer MiB", "fused MiB", "memory ratio"],
+                 tablefmt="simple", disable_numparse=True),
+    ])
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench-st-step", help="a sentence-transformers training step: their MNRL against the fused one",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="256,1024,4096", help="comma-separated batch sizes (default 256,1024,4096)")
+    p.add_argument("--hidden", type=int, default=128, help="BERT hidden size (default 128)")
+    p.add_argument("--layers", type=int, default=2, help="BERT layers (default 2)")
+    p.add_argument("--seq", type=int, default=8, help="tokens per sentence, [CLS] and [SEP] included (default 8)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps of each loss per batch size (default 5)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    return p
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        batches = [int(x) for x in args.batches.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+    if not batches or min(batches) < 2:
+        parser.error("--batches: every batch size must be >= 2")
+    for name in ("hidden", "layers", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if args.seq < 3:
+        parser.error("--seq must be >= 3 ([CLS], one word, [SEP])")
+    if args.hidden % 2:
+        parser.error("--hidden must be even (2 attention heads)")
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError:
+        parser.error("bench-st-step needs sentence-transformers: pip install 'fused-contrastive[sentence-transformers]'")
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_model(tmp, hidden=args.hidden, layers=args.layers, heads=2, max_len=max(64, args.seq), dropout=0.1)
+        a = {k: getattr(args, k) for k in ("hidden", "layers", "seq", "repeats", "device", "threads")}
+        a.update(batches=batches, model_path=tmp)
+        print(render(measure(a)))
+    return 0

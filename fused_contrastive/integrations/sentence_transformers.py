@@ -1,0 +1,632 @@
+"""Drop-in replacements for sentence-transformers' in-batch-negatives losses that never build the
+``B x B`` (or ``B x B(1 + n_neg)``) similarity matrix: swap one import line and keep the rest of a
+``SentenceTransformerTrainer`` script::
+
+    # from sentence_transformers.losses import MultipleNegativesRankingLoss
+    from fused_contrastive.integrations.sentence_transformers import MultipleNegativesRankingLoss
+
+Importing this module imports sentence-transformers (``pip install 'fused-contrastive[sentence-transformers]'``);
+importing ``fused_contrastive`` never does.
+
+Classes (the constructor signatures and the ``forward(sentence_features, labels)`` contract of
+sentence-transformers 6.x; tested against 6.2.0, loss and parameter gradients equal in float64):
+
+* :class:`MultipleNegativesRankingLoss` with every option: ``scale``, ``similarity_fct`` (``cos_sim`` or
+  ``dot_score``), ``gather_across_devices``, ``directions``, ``partition_mode``, ``hardness_mode``,
+  ``hardness_strength``.
+* :class:`MultipleNegativesSymmetricRankingLoss`: the above with ``directions=("query_to_doc",
+  "doc_to_query")``, ``partition_mode="per_direction"``.
+* :class:`CachedMultipleNegativesRankingLoss` (and the symmetric one): the same loss with the columns
+  embedded ``mini_batch_size`` rows (or ``mini_batch_num_tokens`` tokens) at a time through
+  :func:`fused_contrastive.encode_in_chunks` (gradient caching by activation checkpointing; the same
+  loss and gradients as their GradCache implementation, dropout masks included).
+* :class:`CoSENTLoss` (``similarity_fct`` ``pairwise_cos_sim`` or ``pairwise_dot_score``) on
+  :func:`fused_contrastive.cosent_loss` (O(B log B)).
+
+An option or input these classes cannot compute exactly raises (``ValueError`` /
+``NotImplementedError`` naming it): another ``similarity_fct``, and for the cached variant flattened
+(``cu_seq_lens_q``) or image inputs and ``StaticEmbedding`` models (which the original rejects too).
+
+The math of MultipleNegativesRankingLoss (sentence-transformers 6.x), for this rank's queries ``q_i``
+(global row ``o + i`` of the batch gathered over ranks, ``o = 0`` without gathering), the positive
+documents ``d^0`` and hard negatives ``d^1 .. d^{K-1}`` (all gathered), ``sim`` the cosine (or dot)::
+
+    query_to_doc   s sim(q_i, d^k_j) (+ a sim(q_i, d^k_j) with no gradient where hardness penalises it)
+    query_to_query s sim(q_i, q_j),    j != o + i
+    doc_to_query   s sim(d^0_i, q_j)
+    doc_to_doc     s sim(d^0_i, d^k_j), j != o + i (every k)
+    loss = mean_i (log Z_i - s sim(q_i, d^0_{o+i}))
+
+``log Z_i`` is one log-sum-exp over the union of the selected directions ("joint") or the mean of one
+log-sum-exp per direction ("per_direction"). Each log-sum-exp is a per-row output of the core op
+(``fused_contrastive.core.run``, O(N*D) memory): a block of columns with the row's own column
+``o + i`` excluded is ``exclude_self`` at ``offset=o``; the own columns that the hardness penalty
+treats differently are O(B) pair terms; a penalised block ``(s + a) sim`` whose ``a`` part carries no
+gradient runs at scale ``s + a`` on inputs whose gradient is scaled by ``s / (s + a)`` (exact: the
+logits are bilinear in the two inputs). The default (``query_to_doc`` only, no hardness) is one
+cross-entropy pass; the symmetric loss without gathering one pass with the column log-sum-exp.
+
+``gather_across_devices=True`` uses this library's gather (``fused_contrastive.distributed``): each rank
+computes its own queries against every rank's documents and returns its local loss scaled so that
+the average over ranks is the global-batch loss (equal to their per-rank value when the local batches
+have equal sizes; unequal sizes, which they do not handle, are handled). Without an initialised
+``torch.distributed`` it computes the local loss, as theirs does.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tqdm
+from sentence_transformers import util as _st_util
+from torch import Tensor, nn
+
+from .. import _validate as V
+from .. import core
+from .. import distributed as D
+from .._backend import resolve
+from ..core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
+from ..cosent import cosent_loss
+from ..encode import encode_in_chunks
+
+try:  # sentence-transformers >= 6: one merged forward for the candidate columns (what their losses call)
+    from sentence_transformers.base.losses.merged_forward import embed_columns as _embed_columns
+except ImportError:  # pragma: no cover - older releases embed each column on its own
+    def _embed_columns(model, features_list):
+        return [model(f)["sentence_embedding"] for f in features_list]
+
+__all__ = [
+    "CachedMultipleNegativesRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss",
+    "CoSENTLoss",
+    "MultipleNegativesRankingLoss",
+    "MultipleNegativesSymmetricRankingLoss",
+]
+
+_EPS = 1e-12
+_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+_HARDNESS = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+
+Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
+
+
+# ----------------------------------------------------------------------------------------------
+# options
+# ----------------------------------------------------------------------------------------------
+
+
+def _fct_name(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _normalize_of(similarity_fct, pairwise: bool) -> bool:
+    """True for the cosine, False for the dot product; anything else raises naming the option."""
+    if pairwise:
+        cos, dot, names = (_st_util.pairwise_cos_sim,), (_st_util.pairwise_dot_score,), "pairwise_cos_sim, pairwise_dot_score"
+    else:
+        cos, dot, names = (_st_util.cos_sim, _st_util.pytorch_cos_sim), (_st_util.dot_score,), "cos_sim, dot_score"
+    if any(similarity_fct is f for f in cos):
+        return True
+    if any(similarity_fct is f for f in dot):
+        return False
+    raise ValueError(f"similarity_fct={_fct_name(similarity_fct)!r} is not supported by the fused loss (it runs "
+                     f"the similarity inside its kernels); supported: sentence_transformers.util.{{{names}}}. Use "
+                     "the sentence-transformers class for other similarity functions")
+
+
+def _check_scale(scale) -> None:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, Tensor)):
+        raise TypeError(f"scale must be a number or a 0-dim tensor, got {type(scale).__name__}")
+    if isinstance(scale, Tensor) and scale.dim() != 0:
+        raise ValueError(f"scale must be a 0-dim tensor, got shape {tuple(scale.shape)}")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {float(scale)}")
+
+
+def _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength) -> tuple[str, ...]:
+    if isinstance(directions, str) or not isinstance(directions, Iterable):
+        raise TypeError(f"directions must be a tuple of direction names, got {directions!r}")
+    directions = tuple(directions)
+    if not directions:
+        raise ValueError("directions must name at least one direction")
+    bad = [d for d in directions if d not in _DIRECTIONS]
+    if bad:
+        raise ValueError(f"directions: unknown {bad}; valid: {_DIRECTIONS}")
+    if "query_to_doc" not in directions:
+        raise ValueError(f"directions must include 'query_to_doc' (it holds the positive pair), got {directions}")
+    if partition_mode not in ("joint", "per_direction"):
+        raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
+    if partition_mode == "per_direction" and set(directions) & {"query_to_query", "doc_to_doc"}:
+        raise ValueError("partition_mode='per_direction' needs every direction to contain the positive pair; "
+                         f"directions {directions} include 'query_to_query' / 'doc_to_doc': use partition_mode='joint'")
+    if hardness_mode not in _HARDNESS:
+        raise ValueError(f"hardness_mode must be one of {_HARDNESS}, got {hardness_mode!r}")
+    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
+        raise TypeError(f"hardness_strength must be a number, got {type(hardness_strength).__name__}")
+    if not hardness_strength >= 0.0:
+        raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    return directions
+
+
+def _group(gather_across_devices) -> dist.ProcessGroup | None:
+    """The default group when gathering and torch.distributed is initialised; else None (the local
+    batch, as sentence-transformers does without a process group)."""
+    if gather_across_devices and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# the loss on embeddings
+# ----------------------------------------------------------------------------------------------
+
+
+class _GradScale(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by a constant."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c) -> Tensor:
+        ctx.c = c
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g * ctx.c, None
+
+
+def _pair_sim(x: Tensor, y: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
+    """``sim(x_i, y_i)`` per row in ``dt`` ([n])."""
+    x, y = x.to(dt), y.to(dt)
+    if normalize:
+        x, y = F.normalize(x, dim=-1, eps=_EPS), F.normalize(y, dim=-1, eps=_EPS)
+    return (x * y).sum(-1)
+
+
+def _gathered(x: Tensor, group, name: str):
+    """``distributed.gather_rows``, its result made a plain tensor: with equal local sizes it is the
+    functional collective's ``AsyncCollectiveTensor``, whose storage the core op's dense path cannot
+    inspect (``untyped_storage().data_ptr()`` raises); ``clone`` waits for it (and copies B*D values)."""
+    rows, off, sizes = D.gather_rows(x, group, name=name)
+    return (rows if type(rows) is Tensor else rows.clone()), off, sizes
+
+
+def _lse_all(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.logsumexp(torch.stack(parts), dim=0)
+
+
+def mnrl_from_embeddings(queries: Tensor, docs: Sequence[Tensor], *, scale=20.0, normalize: bool = True,
+                         directions: Sequence[str] = ("query_to_doc",), partition_mode: str = "joint",
+                         hardness_mode: str | None = None, hardness_strength: float = 0.0,
+                         group: dist.ProcessGroup | None = None, backend: str = "auto") -> Tensor:
+    """MultipleNegativesRankingLoss on embeddings (the module docstring has the math).
+
+    Args:
+        queries: [B, D] this rank's anchors.
+        docs: K >= 1 tensors [B, D]: the positives, then the hard-negative columns.
+        scale: ``1 / temperature`` (a number or a 0-dim tensor).
+        normalize: cosine (True) or dot product (False).
+        group: a process group to gather over (None: the local batch).
+        backend: "auto" (torch on CPU and for float64, triton on CUDA), "torch" or "triton".
+
+    Returns:
+        0-dim loss in the compute dtype (float32, float64 for float64 inputs); under ``group`` the
+        local sum times ``world / global batch``.
+    """
+    queries = V.embeddings("queries", queries)
+    if len(docs) < 1:
+        raise ValueError("docs must hold at least the positives column")
+    docs = [V.embeddings("docs", d) for d in docs]
+    for d in docs:
+        if d.shape != queries.shape:
+            raise ValueError(f"every docs column must have the shape of queries {tuple(queries.shape)}, "
+                             f"got {tuple(d.shape)}")
+    V.same_device(queries=queries, docs=docs[0])
+    directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+    dev = queries.device
+    dt = compute_dtype(queries, *docs)
+    s = V.positive_number("scale", scale, device=dev)
+    if isinstance(s, Tensor):
+        s = s.to(device=dev, dtype=dt)
+    be = resolve(backend, queries, docs[0])
+    if be == "reference":  # the core op has no reference variant (the classes' tests use the original)
+        be = "torch"
+    b, k_cols = queries.shape[0], len(docs)
+    if group is not None:
+        q_all, off, sizes = _gathered(queries, group, "queries")
+        d_all = [_gathered(d, group, "docs")[0] for d in docs]
+        world, n_total = D.world_size(group), sum(sizes)
+    else:
+        q_all, off, d_all, world, n_total = queries, 0, docs, 1, b
+    per_rank = world / n_total  # the mean over the global batch, times world (see the module docstring)
+    dirs = set(directions)
+    hard = hardness_mode is not None and hardness_strength > 0.0
+    cat = torch.cat(d_all) if k_cols > 1 else d_all[0]
+    plain = CoreSpec(normalize=normalize, eps=_EPS)
+    if not hard and dirs == {"query_to_doc"}:  # cross-entropy with target o + i: one pass
+        tgt = torch.arange(b, device=dev) + off
+        return core.run(be, queries, cat, s, plain, CoreData(target=tgt), Coeffs(lse=1.0, tgt=1.0), True) * per_rank
+    if not hard and group is None and dirs == {"query_to_doc", "doc_to_query"} and partition_mode == "per_direction":
+        # (LSE_i + LSEcol_i) / 2 - TGT_i: the column log-sum-exp of the positives' columns, one pass
+        col = 0.5 if k_cols == 1 else torch.cat([torch.full((b,), 0.5, dtype=dt, device=dev),
+                                                 torch.zeros(b * (k_cols - 1), dtype=dt, device=dev)])
+        tgt = torch.arange(b, device=dev)
+        return core.run(be, queries, cat, s, plain, CoreData(target=tgt), Coeffs(lse=0.5, col=col, tgt=1.0), True) / b
+
+    excl = CoreSpec(normalize=normalize, eps=_EPS, exclude_self=True, offset=off)
+
+    def lse(a: Tensor, bm: Tensor, own_excluded: bool, sc) -> Tensor | None:
+        """Per-row log-sum-exp of ``sc * sim(a_i, bm_j)`` ([B]), column ``o + i`` left out if asked."""
+        if own_excluded and bm.shape[0] == 1:
+            return None  # nothing left in the block
+        return core.run(be, a, bm, sc, excl if own_excluded else plain, CoreData(), Coeffs(lse=1.0), False)
+
+    pos = _pair_sim(queries, docs[0], normalize, dt)
+    parts: dict[str, list[Tensor | None]] = {}
+    if not hard:
+        parts["query_to_doc"] = [lse(queries, cat, False, s)]
+    else:
+        a = float(hardness_strength)
+        sa = s + a
+        c = (s / sa).detach() if isinstance(sa, Tensor) else s / sa
+        others = hardness_mode in ("in_batch_negatives", "all_negatives")
+        q2d = []
+        for k in range(k_cols):
+            if others:  # (s + a) sim on every column but the own one, a without gradient
+                q2d.append(lse(_GradScale.apply(queries, c), _GradScale.apply(d_all[k], c), True, sa))
+            else:
+                q2d.append(lse(queries, d_all[k], True, s))
+            own = pos if k == 0 else _pair_sim(queries, docs[k], normalize, dt)
+            own_pen = k >= 1 and hardness_mode in ("hard_negatives", "all_negatives")
+            q2d.append(s * own + a * own.detach() if own_pen else s * own)
+        parts["query_to_doc"] = q2d
+    if "query_to_query" in dirs:
+        parts["query_to_query"] = [lse(queries, q_all, True, s)]
+    if "doc_to_query" in dirs:
+        parts["doc_to_query"] = [lse(docs[0], q_all, False, s)]
+    if "doc_to_doc" in dirs:
+        parts["doc_to_doc"] = [lse(docs[0], d_all[k], True, s) for k in range(k_cols)]
+    parts = {key: [p for p in v if p is not None] for key, v in parts.items()}
+    if partition_mode == "joint":
+        log_z = _lse_all([p for v in parts.values() for p in v])
+    else:
+        log_z = sum(_lse_all(v) for v in parts.values()) / len(parts)
+    return (log_z - s * pos).sum() * per_rank
+
+
+# ----------------------------------------------------------------------------------------------
+# the classes
+# ----------------------------------------------------------------------------------------------
+
+
+class MultipleNegativesRankingLoss(nn.Module):
+    """sentence-transformers' ``MultipleNegativesRankingLoss`` (InfoNCE with in-batch negatives) on
+    the fused core op: the same constructor and ``forward(sentence_features, labels)``, no B x B matrix.
+
+    Args:
+        model: the ``SentenceTransformer`` (``model(features)["sentence_embedding"]`` gives [B, D]).
+        scale: multiplier of the similarities (``1 / temperature``), default 20.0; > 0.
+        similarity_fct: ``sentence_transformers.util.cos_sim`` (default) or ``dot_score``; others raise.
+        gather_across_devices: gather queries and documents over ``torch.distributed`` ranks (this
+            library's ``gather``); without an initialised process group the local batch is used.
+        directions: tuple of "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc".
+        partition_mode: "joint" (one softmax over all directions) or "per_direction" (mean of one
+            log-partition per direction; not with "query_to_query" / "doc_to_doc").
+        hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives": adds
+            ``hardness_strength * sim`` (no gradient) to those negative logits.
+        hardness_strength: >= 0 (0 disables the penalty).
+
+    Inputs: (anchor, positive[, negative_1, ...]) columns, labels unused. Returns a 0-dim loss
+    (float32; float64 for a float64 model). The backend is "auto" (Triton on CUDA, PyTorch on CPU;
+    env ``FUSED_CONTRASTIVE_BACKEND`` overrides it).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
+        gather_across_devices: bool = False,
+        directions: tuple[Direction, ...] = ("query_to_doc",),
+        partition_mode: Literal["joint", "per_direction"] = "joint",
+        hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None,
+        hardness_strength: float = 0.0,
+    ) -> None:
+        super().__init__()
+        _check_scale(scale)
+        _normalize_of(similarity_fct, pairwise=False)
+        self.model = model
+        self.scale = scale
+        self.similarity_fct = similarity_fct
+        self.gather_across_devices = gather_across_devices
+        self.directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        self.partition_mode = partition_mode
+        self.hardness_mode = hardness_mode
+        self.hardness_strength = hardness_strength
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        return self.compute_loss_from_embeddings(_embed_columns(self.model, sentence_features), labels)
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+        """The loss of the column embeddings ``[anchors, positives, negatives...]`` (each [B, D])."""
+        if len(embeddings) < 2:
+            raise ValueError(f"{type(self).__name__} needs at least 2 input columns (anchor, positive), "
+                             f"got {len(embeddings)}")
+        return mnrl_from_embeddings(
+            embeddings[0], embeddings[1:], scale=self.scale, normalize=_normalize_of(self.similarity_fct, False),
+            directions=self.directions, partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
+            hardness_strength=self.hardness_strength, group=_group(self.gather_across_devices))
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "similarity_fct": _fct_name(self.similarity_fct),
+            "gather_across_devices": self.gather_across_devices,
+            "directions": self.directions,
+            "partition_mode": self.partition_mode,
+            "hardness_mode": self.hardness_mode,
+            "hardness_strength": self.hardness_strength,
+        }
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 / self.scale
+
+    @property
+    def citation(self) -> str:
+        return _CITE_INFONCE
+
+
+class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
+    """sentence-transformers' (deprecated) ``MultipleNegativesSymmetricRankingLoss``: the query-to-doc
+    and doc-to-query cross-entropies averaged (``directions=("query_to_doc", "doc_to_query")``,
+    ``partition_mode="per_direction"``); hard-negative columns are candidates of the first only."""
+
+    def __init__(self, model: nn.Module, scale: float = 20.0,
+                 similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
+                 gather_across_devices: bool = False) -> None:
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+                         gather_across_devices=gather_across_devices,
+                         directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
+
+
+def _is_static_embedding(model) -> bool:
+    model = getattr(model, "_orig_mod", model)
+    try:
+        first = model[0]
+    except (TypeError, IndexError, KeyError):
+        return False
+    return type(first).__name__ == "StaticEmbedding"
+
+
+def _batch_size(features: dict[str, Any]) -> int:
+    for key in ("input_ids", "attention_mask"):
+        v = features.get(key)
+        if isinstance(v, Tensor) and v.dim() > 0:
+            return v.shape[0]
+    for v in features.values():
+        if isinstance(v, Tensor) and v.dim() > 0:
+            return v.shape[0]
+    raise ValueError("sentence_features holds no tensor with a batch dimension")
+
+
+def _check_padded(features: dict[str, Any], n: int) -> None:
+    if "cu_seq_lens_q" in features:
+        raise NotImplementedError("the cached loss takes padded batches; flattened inputs (cu_seq_lens_q, "
+                                  "DataCollatorWithFlattening) are not supported")
+    odd = [k for k, v in features.items() if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] != n]
+    if odd:
+        raise NotImplementedError(f"the cached loss splits every input tensor along the batch (dim 0); "
+                                  f"{odd} are not indexed by example (e.g. image inputs)")
+
+
+def _ranges(features: dict[str, Any], n: int, size: int, num_tokens: int | None) -> list[tuple[int, int]]:
+    """Mini-batches of ``size`` rows, or packed to at most ``num_tokens`` non-padding tokens each (at
+    least one row each)."""
+    if num_tokens is None:
+        return [(i, min(i + size, n)) for i in range(0, n, size)]
+    mask = features.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        raise ValueError("mini_batch_num_tokens needs the attention_mask of each input column")
+    cum = mask.sum(dim=1).cumsum(dim=0).tolist()
+    out, begin = [], 0
+    while begin < n:
+        before = cum[begin - 1] if begin else 0
+        end = max(bisect.bisect_right(cum, before + num_tokens), begin + 1)
+        out.append((begin, end))
+        begin = end
+    return out
+
+
+def _minibatch(features: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
+    """Rows ``[begin, end)`` of every batched tensor, without the trailing padding columns that every
+    row of the mini-batch has."""
+    mask = features.get("attention_mask")
+    width = stop = None
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        width = mask.shape[1]
+        active = mask[begin:end].bool().any(dim=0).nonzero()
+        if active.numel():
+            stop = int(active.max()) + 1
+    out = {}
+    for key, v in features.items():
+        if not isinstance(v, Tensor) or v.dim() == 0:
+            out[key] = v
+        elif stop is not None and v.dim() >= 2 and v.shape[1] == width:
+            out[key] = v[begin:end, :stop]
+        else:
+            out[key] = v[begin:end]
+    return out
+
+
+class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
+    """sentence-transformers' ``CachedMultipleNegativesRankingLoss``: :class:`MultipleNegativesRankingLoss`
+    with each input column embedded ``mini_batch_size`` rows at a time through
+    :func:`fused_contrastive.encode_in_chunks`, so activation memory is one mini-batch's (the loss itself
+    is O(B*D)). The same loss and parameter gradients as their GradCache implementation (each
+    mini-batch's RNG state is replayed in the recompute, so dropout masks match); one extra encoder
+    forward per step, like theirs.
+
+    Args (beyond :class:`MultipleNegativesRankingLoss`'s):
+        mini_batch_size: rows per embedding mini-batch (default 32).
+        mini_batch_num_tokens: if set, mini-batches are packed to at most this many non-padding tokens
+            (at least one row each) instead of ``mini_batch_size`` rows.
+        show_progress_bar: a tqdm bar over the mini-batches of the forward.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
+        gather_across_devices: bool = False,
+        directions: tuple[Direction, ...] = ("query_to_doc",),
+        partition_mode: Literal["joint", "per_direction"] = "joint",
+        show_progress_bar: bool = False,
+        hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None,
+        hardness_strength: float = 0.0,
+    ) -> None:
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+                         gather_across_devices=gather_across_devices, directions=directions,
+                         partition_mode=partition_mode, hardness_mode=hardness_mode,
+                         hardness_strength=hardness_strength)
+        if _is_static_embedding(model):
+            raise ValueError(f"{type(self).__name__} cannot split the inputs of a StaticEmbedding model into "
+                             "mini-batches; use MultipleNegativesRankingLoss")
+        for name, v, optional in (("mini_batch_size", mini_batch_size, False),
+                                  ("mini_batch_num_tokens", mini_batch_num_tokens, True)):
+            if optional and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.mini_batch_size = mini_batch_size
+        self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.show_progress_bar = show_progress_bar
+
+    def _encode(self, features: dict[str, Any]) -> Tensor:
+        return self.model(features)["sentence_embedding"]
+
+    def embed_column(self, features: dict[str, Any]) -> Tensor:
+        """[B, D] embeddings of one input column, mini-batch by mini-batch (``encode_in_chunks``)."""
+        n = _batch_size(features)
+        _check_padded(features, n)
+        outs = []
+        ranges = _ranges(features, n, self.mini_batch_size, self.mini_batch_num_tokens)
+        for begin, end in tqdm.tqdm(ranges, desc="Embed mini-batches", disable=not self.show_progress_bar):
+            outs.append(encode_in_chunks(self._encode, _minibatch(features, begin, end), end - begin))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        features = list(sentence_features)
+        if len(features) < 2:
+            raise ValueError(f"{type(self).__name__} needs at least 2 input columns (anchor, positive), "
+                             f"got {len(features)}")
+        return self.compute_loss_from_embeddings([self.embed_column(f) for f in features], labels)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        out = super().get_config_dict()
+        out["mini_batch_size"] = self.mini_batch_size
+        out["mini_batch_num_tokens"] = self.mini_batch_num_tokens
+        return out
+
+    @property
+    def citation(self) -> str:
+        return _CITE_GRADCACHE
+
+
+class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRankingLoss):
+    """sentence-transformers' (deprecated) ``CachedMultipleNegativesSymmetricRankingLoss``: the cached loss
+    with ``directions=("query_to_doc", "doc_to_query")``, ``partition_mode="per_direction"``."""
+
+    def __init__(self, model: nn.Module, scale: float = 20.0,
+                 similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
+                 mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None,
+                 gather_across_devices: bool = False, show_progress_bar: bool = False) -> None:
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
+                         mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
+                         directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
+                         show_progress_bar=show_progress_bar)
+
+
+class CoSENTLoss(nn.Module):
+    """sentence-transformers' ``CoSENTLoss`` on :func:`fused_contrastive.cosent_loss`:
+    ``log(1 + sum_{y_a > y_b} exp(scale (sim_b - sim_a)))`` over the pairs of the batch, O(B log B).
+
+    Args:
+        model: the ``SentenceTransformer``.
+        scale: default 20.0; > 0.
+        similarity_fct: ``sentence_transformers.util.pairwise_cos_sim`` (default) or ``pairwise_dot_score``.
+
+    Inputs: (sentence_A, sentence_B) columns and [B] float similarity labels (only their order
+    matters). Returns a 0-dim loss (float32; float64 for a float64 model).
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0,
+                 similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.pairwise_cos_sim) -> None:
+        super().__init__()
+        _check_scale(scale)
+        _normalize_of(similarity_fct, pairwise=True)
+        self.model = model
+        self.scale = scale
+        self.similarity_fct = similarity_fct
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
+        return self.compute_loss_from_embeddings(_embed_columns(self.model, sentence_features), labels)
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        if len(embeddings) < 2:
+            raise ValueError(f"CoSENTLoss needs 2 input columns, got {len(embeddings)}")
+        b = embeddings[0].shape[0]
+        if not isinstance(labels, Tensor) or labels.numel() != b:
+            shape = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(f"CoSENTLoss expects {b} labels (one per pair), got {shape}")
+        labels = labels.reshape(-1)
+        if labels.dtype == torch.bool:
+            labels = labels.int()
+        return cosent_loss(embeddings[0], embeddings[1], labels, scale=self.scale,
+                           normalize=_normalize_of(self.similarity_fct, True))
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "similarity_fct": _fct_name(self.similarity_fct)}
+
+    @property
+    def citation(self) -> str:
+        return _CITE_COSENT
+
+
+_CITE_INFONCE = """
+@misc{oord2018cpc,
+    title={Representation Learning with Contrastive Predictive Coding},
+    author={Aaron van den Oord and Yazhe Li and Oriol Vinyals},
+    year={2018},
+    eprint={1807.03748},
+    archivePrefix={arXiv},
+}
+"""
+
+_CITE_GRADCACHE = """
+@misc{gao2021gradcache,
+    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
+    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
+    year={2021},
+    eprint={2101.06983},
+    archivePrefix={arXiv},
+}
+"""
+
+_CITE_COSENT = """
+@online{su2022cosent,
+    title={CoSENT: A more efficient sentence vector scheme than Sentence-BERT},
+    author={Jianlin Su},
+    year={2022},
+    url={https://kexue.fm/archives/8847},
+}
+"""
