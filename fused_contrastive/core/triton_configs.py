@@ -99,3 +99,11 @@ def config_for(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tuple[Laun
     cfg = CONFIGS[(kernel, arch, DTYPE_NAMES[dtype], d_bucket(d))]
     resident = cfg.block_d == 0
     return cfg, (d_pad(d) if resident else cfg.block_d), resident
+
+
+#: The panel kernel (kernels/panel.py, memory-bound elementwise work on a [P, M] panel): one program
+#: per 16 rows walks the columns in 128-wide chunks; 16 x 128 fp32 = 16 registers per thread per live
+#: tile at 4 warps (the symmetric path with every term holds ~6 such tiles).
+PANEL_BLOCK_R = 16
+PANEL_BLOCK_C = 128
+PANEL_WARPS = 4
