@@ -349,12 +349,13 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     grid = math.prod(launch.grid)
     n, d = a["N"], a["D"]
     m = a.get("M", n)
-    # the forward's row-block loop runs from pid to n_row_blocks in steps of P = grid: ceil(n_rb / P)
-    # iterations per program (exact when P divides n_rb, as the launcher balances it)
-    trips = dict(N=n, M=m, D=d, grad_cols=a.get("grad_cols", m),
-                 n_row_blocks=math.ceil(a.get("n_row_blocks", 1) / grid))
-    w = walk_ttgir(info["ttgir"], trips)
-    tot = {k: v * grid for k, v in w.items()}
+    # the forward's row-block loop runs from pid to n_row_blocks in steps of P = grid: n_rb % P programs
+    # make ceil(n_rb / P) iterations, the others floor(n_rb / P)
+    trips = dict(N=n, M=m, D=d, grad_cols=a.get("grad_cols", m))
+    q, rem = divmod(a.get("n_row_blocks", grid), grid)
+    lo = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q))
+    hi = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q + 1)) if rem else lo
+    tot = {k: rem * hi[k] + (grid - rem) * lo[k] for k in lo}
     ctas = ctas_per_sm(info["regs"], launch.num_warps, info["shared"], gpu)
     slots = max(1, ctas) * gpu.sms
     waves = grid / slots
