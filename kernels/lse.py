@@ -52,6 +52,13 @@ Numerics
 * Backward: the upstream gradients are divided by one global ``gscale = max |g|`` before the
   softmax-weighted tile is cast to the (fp16) operand dtype of the gradient matmul and multiplied back
   after it, so small ``g`` (a mean over many rows) does not underflow fp16.
+* fp16 pre-scale (constexpr ``PRESCALE``, 2^13 for fp16 operands, 1 otherwise): after the division by
+  gscale the softmax weights are still ~1/M, below fp16's smallest normal (6.1e-5) for most entries at
+  M = 65536. The tile is multiplied by 2^13 before the cast (exact: a power of two) and the epilogue
+  divides the fp32 accumulator by it. ``|dl / gscale| <= 3`` (``|H| <= 6`` on the symmetric path), and
+  ``6 * 2^13 = 49152 < 65504``: it cannot overflow. tests/test_triton_panel.py measures the gain.
+* The dense positive mask is read in its own dtype: bool / uint8 (0/1) masks at 1 byte per entry,
+  other dtypes (general non-negative weights) as float32 (the launcher decides by dtype).
 
 Symmetric case (``SYM``: B is A, no bias)
 -----------------------------------------
@@ -424,13 +431,15 @@ def _norm_bwd_epilogue(X, OUT, ACC, NORM, RN, rows, N, D, stride_x, stride_o, ac
 @triton.jit
 def _accumulate(acc, ACC, dl, SY, stride_sy, rows_o, rsy, idx_y, n_out, n_y, D, first,
                 BLOCK_D: tl.constexpr, RESIDENT: tl.constexpr, UPCAST: tl.constexpr,
-                DOT_PREC: tl.constexpr):
-    """acc (or ACC[rows_o]) += dl @ Y_hat[idx_y], Y_hat = SY rsy (the scaled copy times its inverse
-    norm); dl is [len(rows_o), len(idx_y)].
+                DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr):
+    """acc (or ACC[rows_o]) += PRESCALE dl @ Y_hat[idx_y], Y_hat = SY rsy (the scaled copy times its
+    inverse norm); dl is [len(rows_o), len(idx_y)].
 
-    dl and Y_hat are cast to SY's dtype first (fp16/bf16 tensor-core operands, fp32 accumulation).
+    dl and Y_hat are cast to SY's dtype first (fp16/bf16 tensor-core operands, fp32 accumulation);
+    dl is multiplied by the power of two PRESCALE before its cast (fp16: 2^13, so that softmax weights
+    ~1/M stay normal numbers; the epilogue divides it out in fp32).
     """
-    dlo = dl.to(SY.dtype.element_ty)  # rounded to the operand dtype, as on the GPU
+    dlo = (dl * PRESCALE).to(SY.dtype.element_ty)  # rounded to the operand dtype, as on the GPU
     if UPCAST:
         dlo = dlo.to(tl.float32)
     y_base = SY + idx_y.to(tl.int64)[:, None] * stride_sy
@@ -470,7 +479,7 @@ def lse_bwd_rows_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, RESIDENT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
 ):
     """dA for one block of rows (grid: cdiv(N, BLOCK_M)), plus its share of dL/ds.
 
@@ -568,11 +577,11 @@ def lse_bwd_rows_kernel(
                 h = dl
             # 5. dA_I += H @ B_hat_J
             acc = _accumulate(acc, ACC, h, SB, stride_sb, rows, rsb, cols, N, M, D, j0,
-                              BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
+                              BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
     if NEED_DX:
-        _norm_bwd_epilogue(A, DA, ACC, NA, RA, rows, N, D, stride_a, stride_da, acc, s * gs, eps,
+        _norm_bwd_epilogue(A, DA, ACC, NA, RA, rows, N, D, stride_a, stride_da, acc, s * gs / PRESCALE, eps,
                            BLOCK_M, BLOCK_D, NORMALIZE, RESIDENT)
 
 
@@ -585,7 +594,7 @@ def lse_bwd_cols_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr,
-    RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
 ):
     """dB for one block of columns < grad_cols (grid: cdiv(grad_cols, BLOCK_N)).
 
@@ -642,6 +651,6 @@ def lse_bwd_cols_kernel(
         # 3. dl, then dB_J += dl^T @ A_hat_I
         dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
         acc = _accumulate(acc, ACC, tl.trans(dl), SA, stride_sa, cols, rsa, rows, grad_cols, N, D, i0,
-                          BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
-    _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, grad_cols, D, stride_b, stride_db, acc, s * gs, eps,
+                          BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
+    _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, grad_cols, D, stride_b, stride_db, acc, s * gs / PRESCALE, eps,
                        BLOCK_N, BLOCK_D, NORMALIZE, RESIDENT)

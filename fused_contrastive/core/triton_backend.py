@@ -17,6 +17,16 @@ Work per call in units of one N x M x D matmul (2 N M D FLOPs):
 * backward, B is A: one kernel, recompute 1 + ``H @ A`` 1 = 2 (see the kernel docstring for why the
   half-triangle scheme is not used).
 
+Two paths (``triton_panel.use_panel``; env ``FUSED_CONTRASTIVE_TRITON_PATH`` = auto | panel | fused):
+
+* "fused" (the kernels above; the default on the CPU interpreter and for small problems): one
+  forward kernel, one or two backward kernels, nothing but O(N + M) between them;
+* "panel" (``triton_panel.py``; "auto" picks it for CUDA tensors with N * M >= 2^24): the matmuls in
+  cuBLAS GEMMs on row panels of a bounded height, the per-logit work in ``kernels/panel.py``; 3 units
+  for a summed loss without a column term (gradients formed in the forward's sweep), 4 with a column
+  term or a per-row output (fused forward + panel backward), 3 for B is A. Its docstring has the
+  memory formula and the per-panel FLOP / byte accounting.
+
 Every launch goes through :func:`_launch`, which ``fused_contrastive.tools.aot`` can switch to
 recording (:data:`_RECORDER`): the ahead-of-time compiles then see exactly the runtime argument lists.
 Nothing touches the GPU driver at import time. On CPU tensors the kernels run only under the Triton
@@ -35,6 +45,7 @@ from torch import Tensor
 
 from ..kernels import lse as K
 from ..ops import tensors_are_traced
+from . import triton_panel
 from .spec import Coeffs, CoreData, CoreSpec, combine
 from .triton_configs import DTYPE_NAMES, ROW_NORM_BLOCK_R, ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS, config_for, d_pad
 
@@ -189,28 +200,44 @@ class _Prepared(NamedTuple):
     dummy: Tensor  # stands in for every absent pointer argument (never dereferenced)
 
 
-def _prepare(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, want_pos: bool) -> _Prepared:
+def _compact_mask(mask: Tensor) -> Tensor:
+    """The dense positive mask as the kernels read it, chosen by dtype: bool / uint8 (0/1 weights) stay
+    1 byte per entry (bool viewed as uint8, no copy); any other dtype holds general non-negative
+    weights and is read as float32 (4 bytes per entry; no copy when it already is float32)."""
+    if mask.dtype == torch.bool:
+        return mask.contiguous().view(torch.uint8)
+    if mask.dtype == torch.uint8:
+        return mask.contiguous()
+    return mask.to(torch.float32).contiguous()
+
+
+def _prepare_data(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, want_pos: bool) -> _Prepared:
+    """The non-embedding inputs (labels, mask, bias columns) of :func:`_prepare`, without the row-norm
+    prologue (``sa``, ``sb`` None, norms dummies): what the panel path needs."""
     same = b is None
     if same and spec.offset != 0:
         raise ValueError("core: B is A needs offset 0")
     dummy = torch.empty(1, dtype=torch.float32, device=a.device)
     a = _rows_ok(a)
     bb = a if same else _rows_ok(b)
-    if spec.normalize:
-        sa, na, ra, rsa = _row_norms(a, spec.eps)
-        sb, nb, rb, rsb = (sa, na, ra, rsa) if same else _row_norms(bb, spec.eps)
-    else:
-        sa, sb = a, bb
-        na = ra = nb = rb = rsa = rsb = dummy
     pos_kind, row_lab, col_lab, pos_mask = 0, dummy, dummy, dummy
     if want_pos:
         if data.pos_mask is not None:
-            pos_kind, pos_mask = 2, data.pos_mask.to(torch.float32).contiguous()
+            pos_kind, pos_mask = 2, _compact_mask(data.pos_mask)
         else:
             pos_kind, row_lab, col_lab = 1, data.row_labels.contiguous(), data.col_labels.contiguous()
     bias_col = data.bias_col.contiguous() if data.bias_col is not None and spec.bias != 0.0 else None
-    return _Prepared(a, bb, sa, sb, same and bias_col is None, (na, ra, nb, rb, rsa, rsb), pos_kind, row_lab,
+    return _Prepared(a, bb, None, None, same and bias_col is None, (dummy,) * 6, pos_kind, row_lab,
                      col_lab, pos_mask, bias_col, dummy)
+
+
+def _prepare(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, want_pos: bool) -> _Prepared:
+    p = _prepare_data(a, b, spec, data, want_pos)
+    if spec.normalize:
+        sa, na, ra, rsa = _row_norms(p.a, spec.eps)
+        sb, nb, rb, rsb = (sa, na, ra, rsa) if b is None else _row_norms(p.b, spec.eps)
+        return p._replace(sa=sa, sb=sb, norms=(na, ra, nb, rb, rsa, rsb))
+    return p._replace(sa=p.a, sb=p.b)
 
 
 def _problem_args(p: _Prepared) -> dict[str, object]:
@@ -235,6 +262,12 @@ def _flags(p: _Prepared, spec: CoreSpec) -> dict[str, object]:
     dt = p.a.dtype
     return dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
                 HAS_BIAS=p.bias_col is not None, POS_KIND=p.pos_kind, UPCAST=_upcast(dt), DOT_PREC=_dot_prec(dt))
+
+
+def prescale(dtype: torch.dtype) -> float:
+    """The power of two the gradient tile is multiplied by before its cast to the operand dtype (see
+    kernels/lse.py, "Numerics"): 2^13 for fp16, 1 for bf16 / fp32 (their exponent range is fp32's)."""
+    return 8192.0 if dtype == torch.float16 else 1.0
 
 
 def kernel_dtype(a: Tensor, b: Tensor | None) -> torch.dtype:
@@ -323,7 +356,8 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
                   LSE=lse, G=g if g is not None else dm,
                   LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
                   LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm)
-    flags = dict(**_flags(p, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None)
+    flags = dict(**_flags(p, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
+                 PRESCALE=prescale(a.dtype))
     arch = _arch(dev)
     da = db = ds = None
 
@@ -393,6 +427,12 @@ class TritonCoreFn(torch.autograd.Function):
         dt = kernel_dtype(a, b)
         ak = a.to(dt)
         bk = None if b is None else b.to(dt)
+        n, m = a.shape[0], (a.shape[0] if b is None else b.shape[0])
+        if triton_panel.use_panel(ak, n, m):
+            dtypes = (a.dtype, None if b is None else b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
+                      scale.shape if isinstance(scale, Tensor) else None)
+            return triton_panel.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce)
+        ctx.path = "fused"
         lse, lse_col, lse_pos, p = _lse_fwd(ak, bk, scale, spec, data, coef.col is not None, coef.pos is not None)
         ctx.spec, ctx.coef = spec, coef
         # the tensors go through save_for_backward (in-place edits of the inputs are caught); the rest
@@ -410,6 +450,8 @@ class TritonCoreFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, go: Tensor):
+        if ctx.path == "panel":
+            return triton_panel.backward(ctx, go)
         need_a, need_b, need_s = ctx.needs_input_grad[:3]
         scale, lse, lse_col, lse_pos, a, b, sa, sb = ctx.saved_tensors
         if scale is None:

@@ -99,3 +99,14 @@ def config_for(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tuple[Laun
     cfg = CONFIGS[(kernel, arch, DTYPE_NAMES[dtype], d_bucket(d))]
     resident = cfg.block_d == 0
     return cfg, (d_pad(d) if resident else cfg.block_d), resident
+
+
+#: The panel kernel (kernels/panel.py, memory-bound elementwise work on a [P, M] panel): one program
+#: per 16 rows walks the columns in 128-wide chunks; 16 x 128 fp32 = 8 registers per thread per live
+#: tile at 8 warps. Compiled (bf16, every term on, tests/test_triton_panel.py): EAGER 64 / 75
+#: registers on sm_80 / sm_90, the symmetric path 121 / 80, 0 spills; at 4 warps the symmetric path
+#: took 188 registers (2 CTAs/SM: too few warps in flight for a memory-bound kernel); 32 x 128 at
+#: 8 warps 203-211.
+PANEL_BLOCK_R = 16
+PANEL_BLOCK_C = 128
+PANEL_WARPS = 8

@@ -1,0 +1,187 @@
+"""Triton device code of the panel backward: the per-logit work of a panel of whole rows, in one pass.
+
+The panel path (host code in ``fused_contrastive/core/triton_panel.py``) hands every matmul to cuBLAS
+and keeps only what cuBLAS cannot do in Triton. For a panel of rows ``[r0, r0 + P)`` (whole rows: all
+M columns) the host computes the raw dot products with one GEMM,
+``Lraw = (A_P diag(pw)) @ B^T`` (fp32 output; ``pw_i`` a power of two that puts the row's largest
+magnitude in [1, 2), so the products cannot overflow - exact, as in the fused kernels' prologue), and
+this kernel turns ``Lraw`` into the gradient tile ``DL`` in the operand dtype, which two more GEMMs
+consume (``dA_P = DL @ B_op``, ``dB += DL^T @ A_hat_P``). Math (``spec.py``, ``lse.py``'s docstring):
+
+    cos_ij = Lraw_ij rsp_i rb_j            rsp_i = r_i / pw_i (the scaled row's inverse norm)
+    l_ij   = s cos_ij (+ bias at bias_col_i; -inf at the own column offset + i)
+    dl_ij  = g_i p_ij + gc_j pc_ij + gp_i q_ij            (all / gscale, as the fused kernels)
+    SYM:   h_ij = dl_ij + dl_ji (B is A: dl_ji from the same l_ij with the column's statistics)
+    DL_ij  = h_ij * PRESCALE * (rb_j if FOLD_RB else 1)    cast to the operand dtype
+
+* ``FOLD_RB`` (16-bit bf16 / fp32 operands with normalisation): the column's inverse norm is folded
+  into DL so the dA GEMM reads the raw B (no normalised copy of B); the host divides dB's row j by
+  ``rb_j`` again (multiplies by the norm). fp16 operands do not fold (``rb_j`` can push DL out of the
+  fp16 range, e.g. ``1/eps`` of a zero row): the host passes a normalised fp16 copy of B instead.
+* ``PRESCALE`` (fp16 operands: 2^13, else 1): softmax weights ``p ~ 1/M`` are subnormal in fp16
+  (below 6.1e-5) for most entries at large M; scaling by 2^13 before the cast keeps them normal.
+  ``|h| <= 3`` (``<= 6`` on the symmetric path) after the division by gscale, so
+  ``6 * 2^13 = 49152 < 65504``: no overflow. The host divides the GEMM output by PRESCALE in fp32.
+* ``EAGER`` (a summed loss without a column term, A != B): the panel spans whole rows, so each row's
+  LSE (and LSEpos) is complete inside the panel. A first loop over the columns forms them (written to
+  ``LSE_OUT`` / ``LSE_POS_OUT``), a second forms DL with ``g`` = the coefficients (the upstream
+  gradient of a sum is a scalar, applied later): the forward's sweep produces the gradient.
+* Otherwise the statistics (``LSE``, ``LSE_COL``, ``LSE_POS``) come from the forward and one loop
+  forms DL.
+
+One program owns BLOCK_R rows of the panel and walks all M columns in BLOCK_C chunks (so EAGER can
+finish a row's LSE before its DL), writing each element of DL once: deterministic, no atomics. The
+temperature gradient ``sum_ij dl_ij cos_ij`` is summed per program into ``DS_PART`` (fixed order).
+
+Bytes per panel (P rows, M columns, operand element size e): reads ``4 P M`` (EAGER: ``8 P M``, two
+loops over Lraw) plus, with a dense positive mask, ``P M`` (uint8) or ``4 P M`` (float weights) per loop
+(L2-resident when the mask is periodic), writes ``e P M``; O(P + M) of vectors. FLOPs per logit: a
+few dozen, 1-6 exps (one per statistic with a gradient, doubled by SYM). The GEMMs and the workspace
+are accounted in ``triton_panel.py``'s docstring.
+"""
+
+import triton
+import triton.language as tl
+
+from .lse import NEG_INF, _dlogits, _grad_vec, _inv_norms, _logits, _online_rows, _pos_logits, _stat
+
+
+@triton.jit
+def _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l, offset, bias_c, bias,
+                  NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(cos, l, rb) of one [BLOCK_R, BLOCK_C] chunk of the panel from the GEMM's raw products."""
+    rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+    raw = tl.load(L + loc.to(tl.int64)[:, None] * stride_l + cols[None, :],
+                  mask=lmask[:, None] & cmask[None, :], other=0.0)
+    cos = raw * rsp[:, None] * rb[None, :]
+    l = _logits(cos, s, rows, cols, n_end, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+    return cos, l, rb
+
+
+@triton.jit
+def panel_dl_kernel(
+    L, DL, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART,
+    M, r0, P, stride_l, stride_dl, offset, bias, n0, m0, stride_pm,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
+    EAGER: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr,
+):
+    """DL (the gradient tile of panel rows [r0, r0 + P), operand dtype) from the raw products L [P, M].
+
+    Grid: cdiv(P, BLOCK_R). Row vectors (LSE, G, labels, bias columns) are indexed by the global row
+    r0 + i, RSP by the panel row i; column vectors by the column. With EAGER, G / G_POS are the
+    coefficients and LSE_OUT / LSE_POS_OUT receive the rows' statistics.
+    """
+    pid = tl.program_id(0)
+    s = tl.load(SCALE).to(tl.float32)
+    gs = tl.load(GSCALE)
+    inv_gs = 1.0 / gs
+    loc = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    lmask = loc < P
+    rows = r0 + loc
+    n_end = r0 + P  # rows past the panel are padding (-inf logits)
+    rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
+    bias_c = rows
+    if HAS_BIAS:
+        bias_c = tl.load(BIAS_COL + rows, mask=lmask, other=-1)
+    lab_r = rows
+    if POS_KIND == 1:
+        lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
+
+    # 1. row statistics: from the forward, or (EAGER) from a first loop over this panel's full rows
+    if EAGER:
+        m_i = tl.full([BLOCK_R], NEG_INF, dtype=tl.float32)
+        z_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        mp_i = tl.full([BLOCK_R], NEG_INF, dtype=tl.float32)
+        zp_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for j0 in range(0, M, BLOCK_C):
+            cols = j0 + tl.arange(0, BLOCK_C)
+            cmask = cols < M
+            cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
+                                       offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS)
+            m_i, z_i = _online_rows(m_i, z_i, l)
+            if HAS_GPOS:
+                lab_c = cols
+                if POS_KIND == 1:
+                    lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
+                lp = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
+                                 POS_KIND, False)
+                mp_i, zp_i = _online_rows(mp_i, zp_i, lp)
+        lse_full = m_i + tl.log(z_i)
+        tl.store(LSE_OUT + rows, lse_full, mask=lmask)
+        lse_r = tl.where(lse_full == NEG_INF, 0.0, lse_full)
+        g_r = tl.load(G + rows, mask=lmask, other=0.0) * inv_gs
+        lsep_r = lse_r
+        gp_r = g_r
+        if HAS_GPOS:
+            lsep_full = mp_i + tl.log(zp_i)
+            tl.store(LSE_POS_OUT + rows, lsep_full, mask=lmask)
+            lsep_r = tl.where(lsep_full == NEG_INF, 0.0, lsep_full)
+            # a row without positives carries no softmax over positives (its term is dropped)
+            gp_r = tl.where(lsep_full == NEG_INF, 0.0, tl.load(G_POS + rows, mask=lmask, other=0.0) * inv_gs)
+    else:
+        lse_r = _stat(LSE, rows, lmask)
+        g_r = tl.zeros([BLOCK_R], dtype=tl.float32)
+        if HAS_G:
+            g_r = _grad_vec(G, LSE, rows, lmask, inv_gs, False)
+        lsep_r = lse_r
+        gp_r = g_r
+        if HAS_GPOS:
+            lsep_r = _stat(LSE_POS, rows, lmask)
+            gp_r = _grad_vec(G_POS, LSE_POS, rows, lmask, inv_gs, True)
+    lsec_r = lse_r
+    gc_r = g_r
+    if SYM and HAS_GCOL:
+        lsec_r = _stat(LSE_COL, rows, lmask)
+        gc_r = _grad_vec(G_COL, LSE_COL, rows, lmask, inv_gs, False)
+
+    # 2. the gradient tile, chunk by chunk
+    ds_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    dl_base = DL + loc.to(tl.int64)[:, None] * stride_dl
+    for j0 in range(0, M, BLOCK_C):
+        cols = j0 + tl.arange(0, BLOCK_C)
+        cmask = cols < M
+        cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
+                                   offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS)
+        lab_c = cols
+        if POS_KIND == 1:
+            lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
+        lp = l
+        if HAS_GPOS:
+            lp = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND, False)
+        lsec_c = lse_r  # placeholders when the column term is absent
+        gc_c = g_r
+        if HAS_GCOL:
+            lsec_c = _stat(LSE_COL, cols, cmask)
+            gc_c = _grad_vec(G_COL, LSE_COL, cols, cmask, inv_gs, False)
+        dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+        if NEED_DS:
+            ds_acc += tl.sum(dl * cos, axis=1)
+        if SYM:
+            # dl_ji (j a column, i this panel's row) from the same symmetric logit: the column's
+            # statistics play the row role (see lse.py, "Symmetric case")
+            lse_c = _stat(LSE, cols, cmask)
+            g_c = tl.zeros([BLOCK_C], dtype=tl.float32)
+            if HAS_G:
+                g_c = _grad_vec(G, LSE, cols, cmask, inv_gs, False)
+            dlt = tl.zeros_like(l)
+            if HAS_G:
+                dlt += g_c[None, :] * tl.exp(l - lse_c[None, :])
+            if HAS_GCOL:
+                dlt += gc_r[:, None] * tl.exp(l - lsec_r[:, None])
+            if HAS_GPOS:
+                lsep_c = _stat(LSE_POS, cols, cmask)
+                gp_c = _grad_vec(G_POS, LSE_POS, cols, cmask, inv_gs, True)
+                lpt = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
+                                  POS_KIND, True)
+                dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
+            dl = dl + dlt
+        # 3. pre-scale (fp16), fold the column's inverse norm, cast, store
+        out = dl * PRESCALE
+        if FOLD_RB:
+            out = out * rb[None, :]
+        tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
+    if NEED_DS:
+        tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))

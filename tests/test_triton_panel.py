@@ -1,0 +1,423 @@
+"""The panel path of backend="triton" (``core/triton_panel.py`` + ``kernels/panel.py``), the fp16
+pre-scale of every gradient tile and the compact dense positive mask.
+
+Under the CPU interpreter (conftest.py) the panel path's GEMMs are ``torch.mm`` on CPU tensors and its
+Triton kernel runs interpreted; ``FUSED_CONTRASTIVE_TRITON_PATH=panel`` forces the path (on the CPU
+"auto" takes the fused kernels, which tests/test_triton.py covers) and ``triton_panel.PANEL_ROWS``
+forces small panels, so every test runs several panels with a ragged last one. Every kernel output is
+poisoned with NaN before its launch and the registry inputs are views into NaN-padded buffers, as in
+tests/test_triton.py. The compile tests lower the panel kernel (and the fused kernels with a 1-byte
+mask) for sm_80 / sm_90 in a subprocess with ``TRITON_INTERPRET=0``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - the test extra installs triton
+    pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
+
+from test_memory import LargestTensor  # tests/ is on sys.path (rootdir-relative imports, no package)
+
+import fused_contrastive as fc
+from fused_contrastive.core import chunked, triton_backend, triton_panel
+from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare
+from fused_contrastive.testing.accuracy import run
+
+CORE_CASES = [c for c in CASES if c.op == "core"]
+PANEL = 40  # rows per panel in the parity tests: 97 rows -> 40 + 40 + 17, 130 -> 4 panels
+
+
+@pytest.fixture(autouse=True)
+def _panel_path(monkeypatch):
+    """The panel path with small panels, kernels (not the dense path), outputs poisoned, quiet numpy."""
+    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
+    monkeypatch.setattr(triton_panel, "PANEL_ROWS", PANEL)
+    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+class _Launches:
+    """Records the names (and args) of the launches while still running them."""
+
+    def __init__(self, monkeypatch):
+        self.launches = []
+        orig = triton_backend._launch
+
+        def launch(x):
+            self.launches.append(x)
+            orig(x)
+
+        monkeypatch.setattr(triton_backend, "_launch", launch)
+
+    @property
+    def names(self) -> list[str]:
+        return [x.name for x in self.launches]
+
+
+# 1. Every InfoNCE-family case of the registry on the panel path, fp32, against the float64 reference
+# (THE accuracy rule of testing.accuracy). Shapes rotate: 97 x 100 (prime rows: panels 40 + 40 + 17,
+# D not a power of two), 130 x 300 (4 panels, D streamed), 100 x 3 (a tiny D).
+ROTATION = [(97, 100), (130, 300), (100, 3)]
+
+
+@pytest.mark.parametrize("case", CORE_CASES, ids=[c.name for c in CORE_CASES])
+def test_registry_case_fp32(case, monkeypatch):
+    n, d = ROTATION[CORE_CASES.index(case) % len(ROTATION)]
+    rec = _Launches(monkeypatch)
+    c = compare(case, n, d, torch.float32, "triton", canary=True)
+    assert c.ok, (n, d, c)
+    # the backward really ran on panels (several, unless the case has <= PANEL anchor rows, as
+    # supcon_one's N / 3), no fused backward kernel
+    panels = [x for x in rec.launches if x.name == "panel_dl"]
+    rows = max(x.args["r0"] + x.args["P"] for x in panels)
+    assert len(panels) >= min(2, -(-rows // PANEL)), rec.names
+    assert not {"lse_bwd_rows", "lse_bwd_cols"} & set(rec.names), rec.names
+
+
+# 16-bit operands on the cases that switch on each kernel branch: EAGER (info_nce, simcse_sup_hard with
+# a bias column, dscl_queue with label positives and grad_cols), a column term (clip_scale), the
+# symmetric path with a column term (clip_self) and with a dense mask (supcon_mask_in).
+LOWP = ["info_nce", "simcse_sup_hard", "dscl_queue", "clip_scale", "clip_self", "supcon_mask_in"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("name", LOWP)
+def test_registry_case_low_precision(name, dtype):
+    c = compare(CASE_BY_NAME[name], 97, 100, dtype, "triton", canary=True)
+    assert c.ok, c
+
+
+@pytest.mark.parametrize("mode", ["eager", "column", "per_row"])
+def test_core_every_term_against_the_chunked_path(mode):
+    """Mixed coefficients, exclude_self with an offset, a bias column, label positives, grad_cols, a
+    tensor temperature: the eager sweep (summed, no column term) and the recomputing backward (a column
+    term; a per-row output)."""
+    reduce = mode != "per_row"
+    a, b = torch.randn(100, 30), torch.randn(70, 30, generator=torch.Generator().manual_seed(1))
+    s = torch.tensor(10.0)
+    g = torch.Generator().manual_seed(2)
+    lab_a, lab_b = torch.randint(0, 3, (100,), generator=g), torch.randint(0, 3, (70,), generator=g)
+    spec = CoreSpec(exclude_self=True, offset=5, bias=0.3, grad_cols=50)
+    data = CoreData(row_labels=lab_a, col_labels=lab_b, bias_col=torch.randint(0, 70, (100,), generator=g))
+    coef = Coeffs(lse=torch.rand(100, generator=g), pos=-0.5,
+                  col=torch.rand(70, generator=g) if mode == "column" else None)
+    res = []
+    for impl, dt in ((triton_backend, torch.float32), (chunked, torch.float64)):
+        x = [v.to(dt).requires_grad_() for v in (a, b, s)]
+        out = impl.core(*x, spec, data, coef, reduce)
+        res.append((out, *torch.autograd.grad(out.sum(), x)))
+    for got, want, what in zip(res[0], res[1], ("loss", "dA", "dB", "ds")):
+        assert_close(got, want, atol=2e-5, rtol=2e-5, what=what)
+    assert torch.equal(res[0][2][50:], torch.zeros_like(res[0][2][50:]))  # queue rows: no gradient
+
+
+def test_normalize_false_and_clamped_rows():
+    # raw dot products, a zero row and a tiny row (clamped to eps: gradient g / eps, no projection), and
+    # rows of norm ~1e30 (the per-row power of two keeps the GEMM's products finite)
+    q, k = torch.randn(40, 20) * 0.2, torch.randn(50, 20, generator=torch.Generator().manual_seed(1)) * 0.2
+    tgt = torch.randint(0, 50, (40,), generator=torch.Generator().manual_seed(2))
+    got = fc.info_nce(q, k, tgt, temperature=0.5, normalize=False, backend="triton")
+    want = fc.info_nce(q.double(), k.double(), tgt, temperature=0.5, normalize=False, backend="reference")
+    assert_close(got, want, atol=1e-5, rtol=1e-5, what="normalize=False")
+    q2, k2 = torch.randn(40, 20), torch.randn(50, 20, generator=torch.Generator().manual_seed(1))
+    q2[7], q2[8], k2[9], k2[10] = 0, 4e-14, 4e-14, 0
+    grads = []
+    for be, dt in (("triton", torch.float32), ("reference", torch.float64)):
+        a, b = q2.to(dt).clone().requires_grad_(), k2.to(dt).clone().requires_grad_()
+        fc.info_nce(a, b, tgt, temperature=0.5, backend=be).backward()
+        grads.append((a.grad, b.grad))
+    for g, w in zip(*grads):
+        assert_close(g, w, atol=1e-5 * float(w.abs().max()), what="clamped rows")
+    big = fc.info_nce(q * 1e30, k * 1e30, backend="triton")
+    assert_close(big, fc.info_nce(q.double(), k.double(), backend="reference"), atol=1e-5, rtol=1e-5, what="1e30")
+
+
+@pytest.mark.parametrize("case", ["clip_scale", "info_nce_self_none", "supcon_mask_in", "dscl_queue"])
+def test_backward_is_bitwise_deterministic(case):
+    c = CASE_BY_NAME[case]
+    tensors, kwargs = c.build(100, 300, torch.Generator().manual_seed(0))
+    runs = []
+    for _ in range(2):
+        x = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+        out = c.fn(**x, **kwargs, backend="triton")
+        runs.append((out, torch.autograd.grad(out.sum(), list(x.values()))))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for g0, g1 in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(g0, g1)
+
+
+def test_second_backward_through_a_retained_graph():
+    # the eager sweep's gradients are used once; a second backward recomputes from the saved statistics
+    q = torch.randn(70, 24).requires_grad_()
+    k = torch.randn(90, 24, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    loss = fc.info_nce(q, k, torch.arange(70), temperature=0.1, backend="triton")
+    g1 = torch.autograd.grad(loss, (q, k), retain_graph=True)
+    g2 = torch.autograd.grad(loss, (q, k))
+    ref = torch.autograd.grad(fc.info_nce(q.double(), k.double(), torch.arange(70), temperature=0.1,
+                                          backend="reference"), (q, k))
+    for x, y, r in zip(g1, g2, ref):
+        assert_close(x, r, atol=1e-6, rtol=1e-5, what="first backward")
+        assert_close(y, r, atol=1e-6, rtol=1e-5, what="second backward")
+
+
+def test_frozen_keys_and_no_grad():
+    q, k = torch.randn(50, 16).requires_grad_(), torch.randn(60, 16, generator=torch.Generator().manual_seed(1))
+    t = torch.tensor(0.1)
+    fc.info_nce(q, k, torch.arange(50), temperature=t, backend="triton").backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and k.grad is None and t.grad is None
+    with torch.no_grad():  # nothing needs a gradient: the fused forward, no sweep
+        out = fc.info_nce(q, k, torch.arange(50), backend="triton")
+    assert_close(out, fc.info_nce(q.double(), k.double(), torch.arange(50), backend="reference"),
+                 atol=1e-5, rtol=1e-5, what="no_grad")
+
+
+def test_nan_input_gives_nan():
+    q, k = torch.randn(50, 40), torch.randn(60, 40, generator=torch.Generator().manual_seed(1))
+    k[7, 3] = float("nan")
+    out = fc.info_nce(q.requires_grad_(), k, torch.arange(50), reduction="sum", backend="triton")
+    assert torch.isnan(out)
+
+
+# 2. Which path runs
+
+
+def test_path_choice(monkeypatch):
+    x = torch.empty(4, 4)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "auto")
+    assert not triton_panel.use_panel(x, 1 << 20, 1 << 20)  # CPU: the fused kernels whatever the size
+    assert not triton_panel.use_panel(torch.empty(4, 4, device="meta"), 1 << 20, 1 << 20)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
+    assert not triton_panel.use_panel(x, 8, 8)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
+    assert triton_panel.use_panel(x, 8, 8)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "gemm")
+    with pytest.raises(ValueError, match="FUSED_CONTRASTIVE_TRITON_PATH"):
+        triton_panel.use_panel(x, 8, 8)
+
+
+def test_forced_fused_path_launches_no_panel(monkeypatch):
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
+    rec = _Launches(monkeypatch)
+    q = torch.randn(40, 16).requires_grad_()
+    fc.info_nce(q, torch.randn(50, 16), torch.arange(40), backend="triton").backward()
+    assert "panel_dl" not in rec.names and "lse_bwd_rows" in rec.names
+
+
+def test_panel_height_formula(monkeypatch):
+    """The documented budget: at N = M = 131072, D = 768, bf16 the whole extra memory < 0.72 GB."""
+    monkeypatch.setattr(triton_panel, "PANEL_ROWS", None)
+    n = m = 131072
+    d = 768
+    p = triton_panel.panel_rows(n, m, d, torch.bfloat16, True)
+    extra = 4 * m * d + p * ((4 + 2) * m + (12 + 2) * d) + 64 * (n + m)  # + O(N + M) fp32 vectors, generously
+    assert p == 320 and extra < 0.72e9, (p, extra)
+    assert triton_panel.panel_rows(65536, 65536, d, torch.bfloat16, True) == 1216
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_BUDGET", "1000")  # a budget too small: the floor
+    assert triton_panel.panel_rows(n, m, d, torch.bfloat16, True) == triton_panel.P_MIN
+
+
+# 3. Memory: no tensor larger than one panel (P x M), with D <= P so the O(M D) accumulator is smaller
+
+
+@pytest.mark.parametrize("name", ["info_nce", "clip", "simcse", "supcon_mask_in", "dscl_queue"])
+def test_no_tensor_larger_than_a_panel(name, monkeypatch):
+    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
+    p, n, d = 64, 384, 32
+    monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
+    # the O(N*D) positive terms (positives.py) take a one-tile shortcut within the tile budget: hold
+    # them to one panel's size as well
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
+    case = CASE_BY_NAME[name]
+    tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
+    rec = _Launches(monkeypatch)
+    with LargestTensor() as probe:
+        run(case, (tensors, kwargs), "triton", torch.float32)
+    panels = [x for x in rec.launches if x.name == "panel_dl"]
+    assert len(panels) >= 2 and all(x.args["P"] <= p for x in panels)
+    m = panels[0].args["M"]  # the contrast set's rows (a queue, views, ...)
+    assert m >= n
+    assert probe.largest <= p * m, f"largest tensor {probe.largest} > P x M = {p * m} ({probe.op})"
+
+
+# 4. fp16 pre-scale: p ~ 1/M is subnormal in fp16 for most entries at large M
+
+
+def _fp16_problem(m: int):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(16, 16, generator=g).half()
+    k = torch.randn(m, 16, generator=g).half()
+    w = torch.full((16,), 1e-3)  # per-row upstream weights: most rows 1e-3 of the largest (as in a
+    w[0] = 1.0                   # weighted mean), so dl / gscale ~ 1e-3 / M
+    return q, k, 20.0, w
+
+
+def _rows(q, k, s):
+    qd, kd = q.double(), k.double()
+    qh, kh = qd / qd.norm(dim=1, keepdim=True), kd / kd.norm(dim=1, keepdim=True)
+    return qd, qh, kh, torch.softmax(s * qh @ kh.T, dim=1)
+
+
+def _norm_bwd(da_hat, qd, qh):
+    return (da_hat - qh * (da_hat * qh).sum(1, keepdim=True)) / qd.norm(dim=1, keepdim=True)
+
+
+def _no_prescale_emulation(q, k, s, w):
+    """dL/dq of sum_i w_i LSE_i with the gradient tile cast to fp16 WITHOUT a pre-scale (dl / gscale
+    rounded through fp16, subnormals included, gscale = max w = 1), the normalised keys rounded to fp16
+    as the kernels' operand, float64 elsewhere. Written from the math, independently of the kernels."""
+    qd, qh, kh, p = _rows(q, k, s)
+    dl = w.double()[:, None] * p
+    return _norm_bwd(s * (dl.half().double() @ kh.half().double()), qd, qh)
+
+
+def _truth(q, k, s, w):
+    qd, qh, kh, p = _rows(q, k, s)
+    return _norm_bwd(s * ((w.double()[:, None] * p) @ kh), qd, qh)
+
+
+def _row_rel(x, y):
+    """The largest relative error of a row (every row's gradient counts, whatever its weight)."""
+    return float(((x.double() - y).norm(dim=1) / y.norm(dim=1)).max())
+
+
+@pytest.mark.parametrize("path", ["panel", "fused"])
+def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch):
+    m = 8192  # p ~ 1/8192 = 1.2e-4, and 1e-3 of it for the light rows: far below fp16's 6.1e-5
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", path)
+    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 8)  # two panels
+    q, k, s, w = _fp16_problem(m)
+    truth = _truth(q, k, s, w)
+    x = q.clone().requires_grad_()
+    out = triton_backend.core(x, k, s, CoreSpec(), CoreData(), Coeffs(lse=w), True)
+    got = torch.autograd.grad(out, x)[0]
+    plain = _no_prescale_emulation(q, k, s, w).half()  # returned in fp16, as the kernels' gradient
+    e_got, e_plain = _row_rel(got, truth), _row_rel(plain, truth)
+    # pre-scaled: the fp16 rounding of the operands and the result (2^-11 each); the plain cast loses
+    # the light rows' weights to fp16 subnormals
+    assert e_got < 3e-3 and e_plain > 5 * e_got, (e_got, e_plain)
+
+
+# 5. The compact dense mask
+
+
+@pytest.mark.parametrize("path", ["panel", "fused"])
+@pytest.mark.parametrize("kind", ["bool", "uint8", "weights"])
+def test_dense_mask_is_compact(kind, path, monkeypatch):
+    """A 0/1 mask reaches the kernels as 1 byte per entry (bool: the user's storage viewed as uint8, no
+    copy); general weights as float32. Values match the reference in every case."""
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", path)
+    g = torch.Generator().manual_seed(0)
+    bsz = 40
+    feats = torch.randn(bsz, 2, 24, generator=g)
+    m01 = torch.rand(bsz, bsz, generator=g) < 0.3
+    mask = {"bool": m01, "uint8": m01.to(torch.uint8),
+            "weights": m01.float() * torch.rand(bsz, bsz, generator=g) * 2}[kind]
+    rec = _Launches(monkeypatch)
+    res = []
+    for be, dt in (("triton", torch.float32), ("reference", torch.float64)):
+        x = feats.to(dt).requires_grad_()
+        loss = fc.supcon_loss(x, mask=mask, variant="in", backend=be)
+        res.append((loss, torch.autograd.grad(loss, x)[0]))
+    assert_close(res[0][0], res[1][0], atol=1e-5, rtol=1e-5, what="loss")
+    assert_close(res[0][1], res[1][1], atol=1e-5, rtol=1e-5, what="grad")
+    masks = [x.args["POS_MASK"] for x in rec.launches if x.constexprs.get("POS_KIND") == 2]
+    assert masks, rec.names
+    for pm in masks:
+        assert pm.dtype == (torch.float32 if kind == "weights" else torch.uint8) and pm.shape == (bsz, bsz)
+        if kind != "weights":
+            assert pm.data_ptr() == mask.data_ptr()  # the user's 1-byte storage itself: no copy
+            assert torch.equal(pm.bool(), m01)
+
+
+# 6. Compiles for sm_80 / sm_90 (no GPU: triton.compile + the bundled ptxas), in a subprocess
+
+
+_COMPILE = textwrap.dedent(
+    """
+    import json, os
+    os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
+    import torch
+    from fused_contrastive.core import triton_backend as TB
+    from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+    from fused_contrastive.tools import aot
+
+    sig = aot._sig_type  # tools/aot.py knows no 1-byte pointers yet: the compact mask is "*u8"
+    aot._sig_type = lambda v: "*u8" if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 else sig(v)
+    meta = torch.device("meta")
+    n = m = 4096
+
+    def record(arch, dtype, variant, d=768):
+        a = torch.empty(n, d, dtype=dtype, device=meta, requires_grad=True)
+        b = None if variant == "sym" else torch.empty(m, d, dtype=dtype, device=meta, requires_grad=True)
+        s = torch.empty((), device=meta, requires_grad=True)
+        mask = torch.empty(n // 2, m // 2, dtype=torch.uint8, device=meta)
+        if variant == "sym":  # every term of the symmetric path
+            spec, data, coef = CoreSpec(exclude_self=True), CoreData(pos_mask=mask), Coeffs(1.0, col=1.0, pos=1.0)
+        else:  # every term of the non-symmetric paths (EAGER: no column term)
+            spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
+            data = CoreData(pos_mask=mask, bias_col=torch.empty(n, dtype=torch.int64, device=meta))
+            coef = Coeffs(1.0, pos=1.0, col=1.0 if variant == "col" else None)
+        with aot.recording(arch) as launches:
+            TB.TritonCoreFn.apply(a, b, s, spec, data, coef, True).backward()
+        return launches
+
+    out = []
+    for cc, arch in aot.TARGETS:
+        for variant, dtypes in (("eager", (torch.bfloat16, torch.float16, torch.float32)),
+                                ("col", (torch.bfloat16,)), ("sym", (torch.bfloat16, torch.float16))):
+            for dt in dtypes:
+                for x in record(arch, dt, variant):
+                    # the panel kernel, and the fused forward with the 1-byte mask
+                    if x.name == "panel_dl" or (x.name == "lse_fwd" and variant == "col" ):
+                        r = aot.compile_launch(x, cc)
+                        r.update(variant=variant, dtype=str(dt))
+                        out.append(r)
+    os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "fused"
+    for cc, arch in aot.TARGETS:  # the fused backward kernels with the 1-byte mask
+        for x in record(arch, torch.bfloat16, "col"):
+            if x.name in ("lse_bwd_rows", "lse_bwd_cols"):
+                r = aot.compile_launch(x, cc)
+                r.update(variant="fused-u8", dtype="bf16")
+                out.append(r)
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ, TRITON_INTERPRET="0", FUSED_CONTRASTIVE_DENSE="0")
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_panel_kernel_compiles_without_spills(compiled):
+    panel = [r for r in compiled if r["kernel"] == "panel_dl"]
+    assert {(r["cc"], r["variant"]) for r in panel} == {(cc, v) for cc in (80, 90) for v in ("eager", "col", "sym")}
+    bad = [r for r in compiled if r["spill_stores"] or r["spill_loads"]]
+    assert not bad, bad
+    assert all(r["shared"] <= 163 * 1024 for r in compiled)
+
+
+def test_one_byte_mask_kernels_use_tensor_cores(compiled):
+    fused = [r for r in compiled if r["kernel"] != "panel_dl"]
+    assert {r["kernel"] for r in fused} == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols"}
+    for r in fused:
+        assert (r["n_wgmma"] and not r["n_mma"]) if r["cc"] == 90 else r["n_mma"], r
