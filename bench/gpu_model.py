@@ -21,6 +21,10 @@ kernels) and CLIP at N = M = 16384 and 65536, D = 768, bf16, on A100, H100 and H
   (pessimistic, cyclic LRU).
   Kernel time = max(tensor cores at peak, shared memory, L2, HBM) x wave-tail factor + the exp / log
   time not hidden (all of it with 1 CTA/SM, half with 2: no warp specialisation, no ping-pong).
+* **panel path** (``core/triton_panel.py``, the default of ``backend="triton"`` on CUDA for N M >= 2^24):
+  the same meta-device run with ``FUSED_CONTRASTIVE_TRITON_PATH=panel``: its ``panel_dl`` launches
+  modelled as above from their compile, its cuBLAS GEMMs and elementwise ops as below. Both Triton
+  paths are in the tables; ``fused`` is the old fused backward, kept for comparison.
 * **naive formula** (``F.normalize``, a bf16 cuBLAS GEMM, logits up-cast to fp32 as bf16 autocast does
   for ``cross_entropy``, ``cross_entropy``; CLIP adds the transposed CE; SimCSE masks the diagonal with
   an ``eye`` mask as the seeds do) and **torch backend** (``backend="torch"``: fp32 cuBLAS GEMMs on row
@@ -45,10 +49,12 @@ import os
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: compile, do not interpret
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
 import re
+import subprocess
 import sys
 import weakref
 from dataclasses import dataclass
@@ -127,12 +133,13 @@ ASSUMPTIONS = [
     (f"CTAs/SM = min(regs: {REGS_PER_SM} / (ceil(regs x 32 / {REG_ALLOC_UNIT}) x {REG_ALLOC_UNIT} x warps), "
     f"shared: SM capacity / (kernel shared + {SMEM_RESERVED_PER_CTA} B), {MAX_THREADS_PER_SM} threads, "
     f"{MAX_CTAS_PER_SM} CTAs)"),
-    ("kernel time = max(tensor cores at peak, shared-memory bytes, L2->SM bytes, HBM bytes) x wave tail "
-    "+ exp/log time x (1 / CTAs per SM) (no warp specialisation: the softmax of one CTA overlaps only "
+    ("kernel time = (max(tensor cores at peak, shared-memory bytes, L2->SM bytes, HBM bytes) "
+    "+ exp/log time x (1 / CTAs per SM)) x wave spread (no warp specialisation: the softmax of one CTA overlaps only "
     "another CTA's MMAs); latency (pipeline fill per column tile) is not modelled: an optimistic bound "
     "for the forward whose ring drains at every column tile"),
-    ("wave tail: a CTA gets 1 / (CTAs per SM) of its SM's rates, so a grid of G CTAs on S = SMs x CTAs/SM "
-    "slots takes ceil(G / S) / (G / S) times its full-machine time (small grids leave slots idle)"),
+    ("wave spread: a grid runs in waves of SMs x CTAs/SM CTAs; a wave's work is done by the SMs holding one of "
+     "its CTAs at their full rates (a grid smaller than the SM count leaves SMs idle; a lone CTA per SM is "
+     "assumed to reach its SM's rates: optimistic, latency not modelled)"),
     ("layout conversions (ttg.convert_layout) go through shared memory (a write and a read); reductions "
     "across warps are not counted"),
     ("HBM: inputs and outputs once, the streamed operand once per wave of resident CTAs (CTAs advance in "
@@ -332,14 +339,42 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def record_loss(loss: str, n: int, d: int, gpu: GPU) -> list[TB.Launch]:
-    """The launches of one forward + backward of ``loss`` as the runtime issues them on ``gpu``."""
-    prev = TB.COL_PARTIAL_PROGRAMS
+def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.Launch], list]:
+    """One forward + backward of ``loss``'s core op through ``TritonCoreFn`` on the meta device, as the
+    runtime would issue it on ``gpu`` (its arch's configs; the column-LSE program count of a CUDA device)
+    on ``path`` ("fused": the fused kernels; "panel": cuBLAS GEMMs on row panels + the panel kernel).
+    Returns the Triton launches (recorded, not run) and the ATen ops around them (:class:`OpCounter`).
+    The arguments are the loss's own core-op call (``tools.aot.core_call``); the O(N D) linear
+    positive terms the loss adds outside the core op are not included."""
+    a, b, scale, spec, data, coef, reduce = aot.core_call(loss, n, d, torch.bfloat16)
+    coef = dataclasses.replace(coef, tgt=None, set=None)
+    prev_env = os.environ.get("FUSED_CONTRASTIVE_TRITON_PATH")
+    prev_p = TB.COL_PARTIAL_PROGRAMS
+    os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path
     TB.COL_PARTIAL_PROGRAMS = 2 * gpu.sms  # what _col_programs uses on a CUDA device
     try:
-        return aot.record_case(loss, n, d, gpu.arch)
+        with aot.recording(gpu.arch) as launches, OpCounter() as ops:
+            out = TB.TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)
+            torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
+            del out
     finally:
-        TB.COL_PARTIAL_PROGRAMS = prev
+        TB.COL_PARTIAL_PROGRAMS = prev_p
+        if prev_env is None:
+            del os.environ["FUSED_CONTRASTIVE_TRITON_PATH"]
+        else:
+            os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = prev_env
+    return list(launches), ops.ops
+
+
+def wave_spread(grid: int, slots: int, sms: int) -> float:
+    """Time of a grid relative to the same work spread over every SM: waves of ``slots`` CTAs, each
+    wave's work done by the SMs that hold one of its CTAs (an SM with a resident CTA runs at its full
+    rates: optimistic for a lone CTA, whose latency is not modelled)."""
+    if grid <= 0:
+        return 1.0
+    full, last = divmod(grid, slots)
+    waves = [slots] * full + ([last] if last else [])
+    return sum(c / grid * sms / min(sms, c) for c in waves)
 
 
 def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
@@ -347,21 +382,22 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     info = compile_info(launch, gpu.cc)
     a, c = launch.args, launch.constexprs
     grid = math.prod(launch.grid)
-    n, d = a["N"], a["D"]
+    n, d = a.get("N", 0), a.get("D", 0)
     m = a.get("M", n)
-    # the forward's row-block loop runs from pid to n_row_blocks in steps of P = grid: n_rb % P programs
-    # make ceil(n_rb / P) iterations, the others floor(n_rb / P)
-    trips = dict(N=n, M=m, D=d, grad_cols=a.get("grad_cols", m))
+    # loop trip counts from the launch's integer arguments (N, M, D, grad_cols, P, ...); the forward's
+    # row-block loop runs from pid to n_row_blocks in steps of P = grid: n_rb % P programs make
+    # ceil(n_rb / P) iterations, the others floor(n_rb / P)
+    trips = {k: v for k, v in a.items() if isinstance(v, int) and not isinstance(v, bool)}
     q, rem = divmod(a.get("n_row_blocks", grid), grid)
     lo = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q))
     hi = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q + 1)) if rem else lo
     tot = {k: rem * hi[k] + (grid - rem) * lo[k] for k in lo}
     ctas = ctas_per_sm(info["regs"], launch.num_warps, info["shared"], gpu)
     slots = max(1, ctas) * gpu.sms
-    waves = grid / slots
-    tail = math.ceil(waves) / waves if waves > 0 else 1.0
+    tail = wave_spread(grid, slots, gpu.sms)
     clk = gpu.clock_ghz * 1e9
-    es = 2 if str(a.get("SA", a.get("X")).dtype) in ("torch.bfloat16", "torch.float16") else 4
+    operand = next(v for k, v in a.items() if k in ("SA", "X", "DL"))
+    es = operand.element_size()
     # HBM: every tensor argument once (inputs read, outputs written), the streamed operand per wave
     hbm = float(sum(_nbytes(v) for v in a.values() if isinstance(v, torch.Tensor) and v.numel() > 1))
     l2_b = gpu.l2_mb * 1e6
@@ -369,7 +405,7 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     ws = 0.0
     if launch.name in ("lse_fwd", "lse_bwd_rows", "lse_bwd_cols"):
         streamed = m if launch.name != "lse_bwd_cols" else n  # rows of the operand every program sweeps
-        hbm += max(0.0, math.ceil(waves) - 1) * streamed * d * es
+        hbm += max(0.0, math.ceil(grid / slots) - 1) * streamed * d * es
         hbm_pess = hbm
         if launch.name != "lse_fwd" and not c["RESIDENT"] and c.get("NEED_DX", True):
             bo = c["BLOCK_M"] if launch.name == "lse_bwd_rows" else c["BLOCK_N"]
@@ -381,30 +417,22 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
             hbm += (1.0 - hit) * reuse
             hbm_pess += reuse if ws > l2_b else 0.0
     l2 = tot["gload"] + tot["gstore"]
+    if launch.name == "panel_dl" and _nbytes(a["L"]) > l2_b:
+        hbm = hbm_pess = max(hbm, l2)  # the [P, M] panel does not fit the L2: every pass over it is HBM
     peak = gpu.bf16_tflops * 1e12 if es == 2 else gpu.tf32_tflops * 1e12 / 3  # tf32x3: 3 MMAs per product
     t = dict(tc=tot["flops"] / peak, smem=tot["smem"] / (SMEM_BYTES_PER_CLK * gpu.sms * clk),
              l2=l2 / (gpu.l2_tbs * 1e12), hbm=hbm / (gpu.hbm_tbs * 1e12))
     bound = max(t, key=t.get)
     mufu = (tot["exp"] + tot["log"]) / (MUFU_PER_CLK * gpu.sms * clk)
     exposed = mufu / max(1, ctas)
-    sec = max(t.values()) * tail + exposed + LAUNCH_US * 1e-6
-    sec_pess = max(t["tc"], t["smem"], t["l2"], hbm_pess / (gpu.hbm_tbs * 1e12)) * tail + exposed + LAUNCH_US * 1e-6
+    sec = (max(t.values()) + exposed) * tail + LAUNCH_US * 1e-6
+    sec_pess = (max(t["tc"], t["smem"], t["l2"], hbm_pess / (gpu.hbm_tbs * 1e12)) + exposed) * tail + LAUNCH_US * 1e-6
     return dict(kernel=launch.name, grid=grid, block=info["block"], warps=launch.num_warps,
                 stages=launch.num_stages, regs=info["regs"], spills=info["spill_stores"] + info["spill_loads"],
                 shared=info["shared"], ctas_sm=ctas, tc=info["tc"], flops=tot["flops"], l2_bytes=l2,
                 hbm_bytes=hbm, hbm_bytes_pess=hbm_pess, smem_bytes=tot["smem"], exps=tot["exp"] + tot["log"],
                 working_set=ws, t_tc=t["tc"], t_smem=t["smem"], t_l2=t["l2"], t_hbm=t["hbm"], t_mufu=mufu,
                 bound=bound if launch.name != "row_norm" else "hbm", ms=sec * 1e3, ms_pess=sec_pess * 1e3)
-
-
-def tail_ops_model(loss: str, n: int, gpu: GPU) -> list[dict]:
-    """The ATen ops around the kernels (column-LSE merge, gradient scale, casts): counted by the
-    dispatch mode on the triton path itself would need a CUDA device; their bytes are O(N * D) or
-    O(P * M) and are folded into one line: the merge of the [2 SMs, M] column partials for CLIP."""
-    if loss != "clip":
-        return []
-    b = 2 * gpu.sms * n * 4
-    return [dict(kernel="logsumexp(col_part)", ms=(b / (gpu.hbm_tbs * 1e12) + LAUNCH_US * 1e-6) * 1e3, bytes=b)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,7 +485,7 @@ class OpCounter(TorchDispatchMode):
         gemm = None
         if name in ("aten.mm", "aten.addmm"):
             x, y = (args[0], args[1]) if name == "aten.mm" else (args[1], args[2])
-            gemm = (x.shape[0], y.shape[1], x.shape[1], x.dtype, name == "aten.addmm")
+            gemm = (x.shape[0], y.shape[1], x.shape[1], x.dtype, name == "aten.addmm", outs[0].element_size())
         if name.endswith("_") or "out" in (kwargs or {}):  # in place: the output is one of the inputs
             moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         else:
@@ -514,7 +542,7 @@ def count_ops(path: str, loss: str, n: int, d: int) -> tuple[list, int]:
     return c.ops, c.peak
 
 
-def gemm_seconds(m: int, nn: int, k: int, dtype, acc: bool, gpu: GPU, tf32: bool = False) -> float:
+def gemm_seconds(m: int, nn: int, k: int, dtype, acc: bool, out_es: int, gpu: GPU, tf32: bool = False) -> float:
     if dtype in (torch.bfloat16, torch.float16):
         peak = gpu.bf16_tflops
     elif dtype == torch.float32:
@@ -523,7 +551,7 @@ def gemm_seconds(m: int, nn: int, k: int, dtype, acc: bool, gpu: GPU, tf32: bool
         peak = gpu.fp32_tflops / 2  # float64 (not used by these paths)
     eff = gpu.cublas_eff * min(1.0, m / GEMM_TILE) * min(1.0, nn / GEMM_TILE)
     es = torch.empty((), dtype=dtype).element_size()
-    moved = (m * k + k * nn + m * nn * (2 if acc else 1)) * es
+    moved = (m * k + k * nn) * es + m * nn * (2 if acc else 1) * out_es
     return max(2 * m * nn * k / (peak * 1e12 * eff), moved / (gpu.hbm_tbs * 1e12))
 
 
@@ -532,8 +560,8 @@ def aten_model(ops: list, gpu: GPU, tf32: bool = False) -> dict:
     flops = other_bytes = 0
     for name, moved, gemm in ops:
         if gemm is not None:
-            m, nn, k, dt, acc = gemm
-            gemm_s += gemm_seconds(m, nn, k, dt, acc, gpu, tf32)
+            m, nn, k, dt, acc, out_es = gemm
+            gemm_s += gemm_seconds(m, nn, k, dt, acc, out_es, gpu, tf32)
             flops += 2 * m * nn * k
         else:
             bw = gpu.l2_tbs if moved <= gpu.l2_mb * 1e6 / 2 else gpu.hbm_tbs
@@ -568,11 +596,44 @@ def _fmt_b(x: float) -> str:
     return f"{x:.0f} B"
 
 
+def triton_path(loss: str, n: int, d: int, gpu: GPU, path: str) -> dict:
+    """The triton backend on ``path``: its Triton launches (each modelled by :func:`kernel_model`) plus
+    the ATen ops around them (GEMMs and elementwise work, :func:`aten_model`)."""
+    launches, ops = run_triton(loss, n, d, gpu, path)
+    kernels = [kernel_model(lz, gpu) for lz in launches]
+    aten = aten_model(ops, gpu)
+    ms = sum(k["ms"] for k in kernels) + aten["ms"]
+    ms_pess = sum(k["ms_pess"] for k in kernels) + aten["ms"]
+    return dict(kernels=kernels, grouped=_group(kernels), aten=aten, ms=ms, ms_pess=ms_pess, ops=ops)
+
+
+def _group(kernels: list[dict]) -> list[dict]:
+    """Launches of the same kernel and config summed (the panel path launches its kernel per panel)."""
+    out: dict[tuple, dict] = {}
+    for k in kernels:
+        key = (k["kernel"], k["block"], k["regs"])
+        g = out.setdefault(key, dict(k, launches=0, ms=0.0, ms_pess=0.0, flops=0.0, l2_bytes=0.0, hbm_bytes=0.0,
+                                     smem_bytes=0.0, grid=0))
+        g["launches"] += 1
+        for f in ("ms", "ms_pess", "flops", "l2_bytes", "hbm_bytes", "smem_bytes", "grid"):
+            g[f] += k[f]
+    return list(out.values())
+
+
+def _kernel_json(k: dict) -> dict:
+    return dict(kernel=k["kernel"], launches=k["launches"], ms=round(k["ms"], 4), flops=k["flops"],
+                l2_bytes=k["l2_bytes"], hbm_bytes=k["hbm_bytes"], bound=k["bound"], regs=k["regs"],
+                ctas_sm=k["ctas_sm"], block=k["block"], grid=k["grid"])
+
+
 def model_loss(loss: str, n: int, d: int, gpu: GPU, with_torch: bool = True) -> dict:
-    launches = record_loss(loss, n, d, gpu)
-    kernels = [kernel_model(lz, gpu) for lz in launches] + tail_ops_model(loss, n, gpu)
-    ms = sum(k["ms"] for k in kernels)
-    ms_pess = sum(k.get("ms_pess", k["ms"]) for k in kernels)
+    from fused_contrastive.core import triton_panel
+
+    fused = triton_path(loss, n, d, gpu, "fused")
+    panel = triton_path(loss, n, d, gpu, "panel")
+    # what backend="triton" runs on a CUDA device ("auto" path of triton_panel.use_panel)
+    default = "panel" if n * n >= triton_panel.MIN_ELEMENTS else "fused"
+    cur = panel if default == "panel" else fused
     unit = 2 * n * n * d
     floor_ms = FLOOR_UNITS[loss] * unit / (gpu.bf16_tflops * 1e12) * 1e3
     nops, npeak = count_ops("naive", loss, n, d)
@@ -583,23 +644,56 @@ def model_loss(loss: str, n: int, d: int, gpu: GPU, with_torch: bool = True) -> 
     tb = aten_model(tops, gpu) if with_torch else dict(ms=math.inf, gemm_ms=math.inf, other_ms=math.inf, launches=0,
                                                         launch_ms=0.0)
     tb32 = aten_model(tops, gpu, tf32=True) if with_torch else tb
-    rec = dict(loss=loss, gpu=gpu.name, n=n, d=d, dtype="bf16", ms=round(ms, 3), ms_pessimistic=round(ms_pess, 3),
-               pct_peak=round(100 * floor_ms / ms, 2), floor_ms=round(floor_ms, 4), floor_units=FLOOR_UNITS[loss],
-               peak_tflops=gpu.bf16_tflops,
-               naive_ms=round(naive["ms"], 3) if fits else None, naive_fits=fits,
-               naive_ms_if_memory=round(naive["ms"], 3), naive_peak_bytes=npeak + inputs,
+    r3 = functools.partial(round, ndigits=3)
+    rec = dict(loss=loss, gpu=gpu.name, n=n, d=d, dtype="bf16", path=default, ms=r3(cur["ms"]),
+               ms_pessimistic=r3(cur["ms_pess"]), pct_peak=round(100 * floor_ms / cur["ms"], 2),
+               floor_ms=round(floor_ms, 4), floor_units=FLOOR_UNITS[loss], peak_tflops=gpu.bf16_tflops,
+               fused_ms=r3(fused["ms"]), fused_ms_pessimistic=r3(fused["ms_pess"]),
+               fused_pct_peak=round(100 * floor_ms / fused["ms"], 2),
+               panel_ms=r3(panel["ms"]), panel_ms_pessimistic=r3(panel["ms_pess"]),
+               panel_pct_peak=round(100 * floor_ms / panel["ms"], 2),
+               panel_gemm_ms=r3(panel["aten"]["gemm_ms"]), panel_gemm_flops=panel["aten"]["gemm_flops"],
+               panel_launches=panel["aten"]["launches"] + len(panel["kernels"]),
+               panel_norm_launches=norm_launches(panel["ops"]),
+               naive_ms=r3(naive["ms"]) if fits else None, naive_fits=fits,
+               naive_ms_if_memory=r3(naive["ms"]), naive_peak_bytes=npeak + inputs,
                naive_logits_bytes=n * n * 4, naive_launches=naive["launches"],
-               torch_ms=round(tb["ms"], 3) if with_torch else None,
-               torch_tf32_ms=round(tb32["ms"], 3) if with_torch else None, torch_launches=tb["launches"],
-               torch_norm_launches=norm_launches(tops), torch_gemm_ms=round(tb["gemm_ms"], 3) if with_torch else None,
                naive_gemm_ms=round(naive["gemm_ms"], 4), naive_gemm_flops=naive["gemm_flops"],
-               kernels=[dict(kernel=k["kernel"], ms=round(k["ms"], 4), flops=k.get("flops", 0),
-                             l2_bytes=k.get("l2_bytes", 0), bound=k.get("bound", "hbm"), regs=k.get("regs"),
-                             ctas_sm=k.get("ctas_sm"), block=k.get("block"), grid=k.get("grid")) for k in kernels],
-               triton_flops=sum(k.get("flops", 0) for k in kernels), model="MODEL, not a measurement")
-    best = min((("triton", ms), ("torch", tb["ms"])), key=lambda kv: kv[1])
-    rec["auto_should_prefer"] = best[0]
-    return dict(rec=rec, kernels=kernels, naive=naive, torch=tb, torch_tf32=tb32, naive_peak=npeak + inputs)
+               torch_ms=r3(tb["ms"]) if with_torch else None, torch_tf32_ms=r3(tb32["ms"]) if with_torch else None,
+               torch_launches=tb["launches"], torch_norm_launches=norm_launches(tops),
+               torch_gemm_ms=r3(tb["gemm_ms"]) if with_torch else None,
+               kernels=[_kernel_json(k) for k in cur["grouped"]], aten_ms=round(cur["aten"]["ms"], 4),
+               aten_launches=cur["aten"]["launches"],
+               fused_kernels=[_kernel_json(k) for k in fused["grouped"]],
+               model="MODEL, not a measurement")
+    paths = {"triton/fused": fused["ms"], "triton/panel": panel["ms"]}
+    if with_torch:
+        paths["torch"] = tb["ms"]
+    rec["triton_path_should_prefer"] = min(("fused", "panel"), key=lambda p: (fused if p == "fused" else panel)["ms"])
+    rec["auto_should_prefer"] = min(paths, key=paths.get)
+    return dict(rec=rec, fused=fused, panel=panel, naive=naive, torch=tb, torch_tf32=tb32, naive_peak=npeak + inputs)
+
+
+def _print_kernels(title: str, res: dict, gpu: GPU) -> None:
+    print(f"  {title}")
+    print(f"    {'kernel':14s} {'launch':>6s} {'grid':>6s} {'blocks':13s} {'regs':>4s} {'smem':>6s} {'CTA/SM':>6s} "
+          f"{'TFLOP':>7s} {'L2->SM':>9s} {'HBM':>9s} {'shared':>9s} {'FLOP/B L2':>9s} {'bound':6s} {'%peak':>6s} "
+          f"{'ms':>8s}")
+    for k in res["grouped"]:
+        fpb = k["flops"] / k["l2_bytes"] if k["l2_bytes"] else 0
+        pct = 100 * k["flops"] / (gpu.bf16_tflops * 1e12) / (k["ms"] * 1e-3) if k["flops"] else 0
+        print(f"    {k['kernel']:14s} {k['launches']:6d} {k['grid']:6d} {k['block']:13s} {k['regs']:4d} "
+              f"{k['shared']:6d} {k['ctas_sm']:6d} {k['flops'] / 1e12:7.2f} {_fmt_b(k['l2_bytes']):>9s} "
+              f"{_fmt_b(k['hbm_bytes']):>9s} {_fmt_b(k['smem_bytes']):>9s} {fpb:9.1f} {k['bound']:6s} {pct:6.1f} "
+              f"{k['ms']:8.2f}")
+        if k["working_set"]:
+            print(f"    {'':14s} streaming re-read working set {_fmt_b(k['working_set'])} per wave vs L2 "
+                  f"{gpu.l2_mb:g} MB; pessimistic (0 % hits) {k['ms_pess']:.2f} ms")
+    at = res["aten"]
+    print(f"    {'ATen ops':14s} {at['launches']:6d} launches: GEMMs {at['gemm_flops'] / 1e12:.2f} TFLOP in "
+          f"{at['gemm_ms']:.2f} ms, other {_fmt_b(at['other_bytes'])} in {at['other_ms']:.2f} ms, launches "
+          f"{at['launch_ms']:.2f} ms")
+    print(f"    total {res['ms']:.2f} ms (pessimistic {res['ms_pess']:.2f})")
 
 
 def print_report(results: list[dict], d: int, compare: bool) -> None:
@@ -607,12 +701,15 @@ def print_report(results: list[dict], d: int, compare: bool) -> None:
     print(f"MODEL - not a measurement. Predicted GPU times of the core-op losses, bf16, D = {d}, forward + "
           "backward with gradients to every embedding. No GPU was used.")
     print("=" * 100)
-    print(f"triton {__import__('triton').__version__}, torch {torch.__version__}\n")
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    print(f"triton {__import__('triton').__version__}, torch {torch.__version__}, kernels and host code at "
+          f"commit {rev} (fused kernels: kernels/lse.py; panel path: core/triton_panel.py + kernels/panel.py)\n")
     print("Assumptions:")
     for a in ASSUMPTIONS:
         print(f"  - {a}")
     print("GPUs:")
-    for g in {r['rec']['gpu'] for r in results}:
+    for g in dict.fromkeys(r["rec"]["gpu"] for r in results):
         gp = GPUS[g]
         print(f"  - {g}: sm_{gp.cc}, {gp.sms} SMs, clock {gp.clock_ghz:.2f} GHz, bf16 {gp.bf16_tflops:g} / tf32 "
               f"{gp.tf32_tflops:g} / fp32 {gp.fp32_tflops:g} TFLOP/s, HBM {gp.hbm_tbs:g} TB/s {gp.mem_gb:g} GB, "
@@ -621,58 +718,54 @@ def print_report(results: list[dict], d: int, compare: bool) -> None:
     print()
     for r in results:
         rec = r["rec"]
-        print(f"--- MODEL {rec['loss']} on {rec['gpu']}, N = M = {rec['n']}, D = {d} (triton backend, launch by launch)")
-        hdr = (f"  {'kernel':20s} {'grid':>6s} {'blocks':13s} {'regs':>4s} {'smem':>6s} {'CTA/SM':>6s} {'TFLOP':>7s} "
-               f"{'L2->SM':>9s} {'HBM':>9s} {'shared':>9s} {'FLOP/B L2':>9s} {'bound':6s} {'%peak':>6s} {'ms':>8s}")
-        print(hdr)
-        for k in r["kernels"]:
-            if "grid" not in k:
-                print(f"  {k['kernel']:20s} {'':>6s} {'':13s} {'':>4s} {'':>6s} {'':>6s} {'':>7s} {'':>9s} "
-                      f"{_fmt_b(k['bytes']):>9s} {'':>9s} {'':>9s} {'hbm':6s} {'':>6s} {k['ms']:8.2f}")
-                continue
-            fpb = k["flops"] / k["l2_bytes"] if k["l2_bytes"] else 0
-            pct = 100 * k["flops"] / (GPUS[rec["gpu"]].bf16_tflops * 1e12) / (k["ms"] * 1e-3) if k["flops"] else 0
-            print(f"  {k['kernel']:20s} {k['grid']:6d} {k['block']:13s} {k['regs']:4d} {k['shared']:6d} {k['ctas_sm']:6d} "
-                  f"{k['flops'] / 1e12:7.2f} {_fmt_b(k['l2_bytes']):>9s} {_fmt_b(k['hbm_bytes']):>9s} "
-                  f"{_fmt_b(k['smem_bytes']):>9s} {fpb:9.1f} {k['bound']:6s} {pct:6.1f} {k['ms']:8.2f}")
-            if k["working_set"]:
-                print(f"  {'':20s} streaming re-read working set {_fmt_b(k['working_set'])} vs L2 "
-                      f"{GPUS[rec['gpu']].l2_mb:g} MB; pessimistic (0 % hits) {k['ms_pess']:.2f} ms")
-        print(f"  total triton {rec['ms']:.2f} ms (pessimistic {rec['ms_pessimistic']:.2f}) = {rec['pct_peak']:.1f} % "
-              f"of peak by the floor's FLOPs; floor {rec['floor_ms']:.2f} ms ({rec['floor_units']:g} units at "
-              f"{rec['peak_tflops']:g} TFLOP/s)")
+        gpu = GPUS[rec["gpu"]]
+        print(f"--- MODEL {rec['loss']} on {rec['gpu']}, N = M = {rec['n']}, D = {d}; floor {rec['floor_ms']:.2f} ms "
+              f"({rec['floor_units']:g} units at {rec['peak_tflops']:g} TFLOP/s)")
+        _print_kernels(f"triton backend, fused kernels ({rec['fused_pct_peak']:.1f} % of peak):", r["fused"], gpu)
+        _print_kernels(f"triton backend, panel path ({rec['panel_pct_peak']:.1f} % of peak):", r["panel"], gpu)
         nv = r["naive"]
-        fit = "" if rec["naive_fits"] else f"  DOES NOT FIT ({_fmt_b(r['naive_peak'])} > {GPUS[rec['gpu']].mem_gb:g} GB)"
+        fit = "" if rec["naive_fits"] else f"  DOES NOT FIT ({_fmt_b(r['naive_peak'])} > {gpu.mem_gb:g} GB)"
         print(f"  naive formula {nv['ms']:.2f} ms (GEMMs {nv['gemm_ms']:.2f}, elementwise {nv['other_ms']:.2f}, "
               f"{nv['launches']} launches), peak live {_fmt_b(r['naive_peak'])}{fit}")
         tb = r["torch"]
-        print(f"  torch backend {tb['ms']:.2f} ms fp32 GEMMs (TF32 allowed: {r['torch_tf32']['ms']:.2f}); GEMMs "
-              f"{tb['gemm_ms']:.2f}, elementwise {tb['other_ms']:.2f}, {tb['launches']} launches "
-              f"({tb['launch_ms']:.1f} ms), of which {rec['torch_norm_launches']} in the overflow-safe norms")
-        print(f"  auto should prefer (model): {rec['auto_should_prefer']}\n")
-    print("--- MODEL summary (ms; % of peak = floor / ms)")
-    print(f"  {'loss':9s} {'gpu':5s} {'N':>6s} {'triton':>9s} {'pess.':>9s} {'%peak':>6s} {'floor':>7s} {'naive':>10s} "
-          f"{'torch':>9s} {'torch tf32':>10s} {'auto ->':8s}")
+        if tb["launches"]:
+            print(f"  torch backend {tb['ms']:.2f} ms with fp32 GEMMs (TF32 allowed: {r['torch_tf32']['ms']:.2f}); "
+                  f"GEMMs {tb['gemm_ms']:.2f}, elementwise {tb['other_ms']:.2f}, {tb['launches']} launches "
+                  f"({tb['launch_ms']:.1f} ms), of which {rec['torch_norm_launches']} in the overflow-safe norms")
+        print(f"  backend=\"triton\" runs the {rec['path']} path here; faster triton path: "
+              f"{rec['triton_path_should_prefer']}; fastest of all: {rec['auto_should_prefer']}\n")
+    print("--- MODEL summary (ms; % of peak = floor / ms; triton = the path backend=\"triton\" takes on CUDA)")
+    print(f"  {'loss':9s} {'gpu':5s} {'N':>6s} {'floor':>7s} {'fused':>8s} {'panel':>8s} {'triton':>8s} {'%peak':>6s} "
+          f"{'pess.':>8s} {'naive':>8s} {'torch':>8s} {'tf32':>8s} {'fastest':13s}")
     for r in results:
         rec = r["rec"]
         nv = f"{rec['naive_ms']:.1f}" if rec["naive_fits"] else "no fit"
-        print(f"  {rec['loss']:9s} {rec['gpu']:5s} {rec['n']:6d} {rec['ms']:9.2f} {rec['ms_pessimistic']:9.2f} "
-              f"{rec['pct_peak']:6.1f} {rec['floor_ms']:7.2f} {nv:>10s} {r['torch']['ms']:9.1f} {r['torch_tf32']['ms']:10.1f} "
-              f"{rec['auto_should_prefer']:8s}")
+        print(f"  {rec['loss']:9s} {rec['gpu']:5s} {rec['n']:6d} {rec['floor_ms']:7.2f} {rec['fused_ms']:8.2f} "
+              f"{rec['panel_ms']:8.2f} {rec['ms']:8.2f} {rec['pct_peak']:6.1f} {rec['ms_pessimistic']:8.2f} {nv:>8s} "
+              f"{r['torch']['ms']:8.1f} {r['torch_tf32']['ms']:8.1f} {rec['auto_should_prefer']:13s}")
+    prefs: dict[str, set] = {}
+    for r in results:
+        prefs.setdefault(r["rec"]["gpu"], set()).add(r["rec"]["triton_path_should_prefer"])
+    for g, p in prefs.items():
+        print(f"  {g}: the model prefers the {'/'.join(sorted(p))} path of the triton backend for these problems")
     if compare:
-        print("\n--- this model next to GPU_REVIEW.md's H100 table (N = M = 65536, D = 768, bf16; ms)")
+        print("\n--- this model next to GPU_REVIEW.md's H100 table (N = M = 65536, D = 768, bf16; ms; the fused kernels)")
         for r in results:
             rec = r["rec"]
             if rec["gpu"] != "H100" or rec["n"] != 65536:
                 continue
-            for k in r["kernels"]:
+            for k in r["fused"]["grouped"]:
                 rv = REVIEW.get((rec["loss"], k["kernel"]))
                 if rv:
-                    print(f"  {rec['loss']:9s} {k['kernel']:14s} model {k['ms']:7.2f}   review {rv}")
-            for key, val in (("total", rec["ms"]), ("naive", rec["naive_ms_if_memory"]), ("torch", rec["torch_ms"])):
+                    print(f"  {rec['loss']:9s} {k['kernel']:14s} model {k['ms']:8.2f}   review {rv}")
+            for key, val in (("total", rec["fused_ms"]), ("naive", rec["naive_ms_if_memory"]),
+                             ("torch", r["torch"]["ms"])):
                 rv = REVIEW.get((rec["loss"], key))
                 if rv:
-                    print(f"  {rec['loss']:9s} {key:14s} model {val:7.2f}   review {rv}")
+                    print(f"  {rec['loss']:9s} {key:14s} model {val:8.2f}   review {rv}")
+        print("  (the review's torch-backend figure assumes bf16 GEMMs; the torch backend computes bfloat16 inputs "
+              "in float32, see the assumptions. The naive formula here counts every N x M pass of its autograd "
+              "graph at HBM speed, fp32 logits as under bf16 autocast: about ten 17 GB passes at N = 65536)")
     print()
 
 
