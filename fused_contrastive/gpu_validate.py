@@ -1,6 +1,9 @@
 """First run on a GPU: ``python -m fused_contrastive check --gpu-validate``.
 
-Everything the Triton kernels still need a GPU to confirm, in one command, with a pass/fail verdict:
+Everything the Triton kernels still need a GPU to confirm, in one command, with a pass/fail verdict,
+on both paths of the triton backend ("fused": the fused kernels of ``kernels/lse.py``; "panel": cuBLAS
+GEMMs on row panels + ``kernels/panel.py``, which ``auto`` picks on CUDA for N M >= 2^24, so N = 4099
+alone would test only the panel path):
 
 * **parity**: the triton backend against the float64 oracle (the reference backend in float64 on the
   same dtype-rounded inputs, THE accuracy rule of ``testing.accuracy``) for info_nce, simcse (A is B:
@@ -11,7 +14,8 @@ Everything the Triton kernels still need a GPU to confirm, in one command, with 
 * **determinism**: 20 backward runs bitwise identical (bf16, D = 768);
 * **fp16 at M = 65536**: fp16 loss and gradients against the fp32 run of the same kernels (the subnormal
   softmax weights p ~ 1/M of the fp16 gradient tile);
-* **timings** (CUDA events, medians): triton vs torch backend vs the naive formula (the textbook
+* **timings** (CUDA events, medians): triton (its default path, and each path forced) vs torch backend
+  vs the naive formula (the textbook
   formula of ``testing.baselines``; "does not fit" on out-of-memory), and from them which backend
   ``auto`` should prefer on this device;
 * **ncu** (when ``ncu`` is on PATH): for each of the main kernels, a child process of this module runs
@@ -46,13 +50,18 @@ NCU_METRICS = ("lts__t_sector_hit_rate.pct", "dram__bytes_read.sum", "dram__byte
 #: The float64 oracle must agree with PyTorch computing in the dtype to this many times the dtype's
 #: slack of THE accuracy rule (a sanity bound on the oracle itself; see check_parity).
 ORACLE_SANITY = 10.0
-NCU_KERNELS = ("lse_fwd_kernel", "lse_bwd_rows_kernel", "lse_bwd_cols_kernel")
+NCU_KERNELS = {"lse_fwd_kernel": "fused", "lse_bwd_rows_kernel": "fused", "lse_bwd_cols_kernel": "fused",
+               "panel_dl_kernel": "panel"}
 
 #: Outputs of each kernel that it must write completely (filled with NaN before the launch): the
 #: scratch ACC and the column partials included. DB only when every column gets a gradient (the
 #: launcher zeroes queue rows before the launch).
 _OUTPUTS = {"row_norm": ("XS", "NORM", "RNORM", "RS"), "lse_fwd": ("LSE", "LSE_POS", "COL_PART"),
-            "lse_bwd_rows": ("DA", "ACC", "DS_PART"), "lse_bwd_cols": ("DB", "ACC")}
+            "lse_bwd_rows": ("DA", "ACC", "DS_PART"), "lse_bwd_cols": ("DB", "ACC"),
+            "panel_dl": ("DL", "DS_PART")}  # LSE_OUT is [N]: each panel writes its own rows only
+#: The two paths of the triton backend (``core/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
+#: the kernels each must launch.
+PATHS = {"fused": {"lse_fwd", "lse_bwd_rows"}, "panel": {"panel_dl"}}
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Plan:
     """What to check, and at which sizes (defaults: the first-GPU run)."""
 
     losses: tuple[str, ...] = LOSSES
+    paths: tuple[str, ...] = ("fused", "panel")
     parity_shapes: tuple[tuple[int, int], ...] = ((4099, 100), (4099, 768))
     dtypes: tuple[torch.dtype, ...] = DTYPES
     determinism_shape: tuple[int, int] = (4099, 768)
@@ -105,6 +115,24 @@ def float64_oracle(case, inputs, device) -> tuple[Tensor, dict[str, Tensor | Non
     from .testing import run
 
     return run(case, inputs, "reference", torch.float64, device)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def triton_path(path: str):
+    """Force the triton backend's path ("fused" kernels or "panel": cuBLAS GEMMs + the panel kernel)."""
+    return _env("FUSED_CONTRASTIVE_TRITON_PATH", path)
 
 
 @contextlib.contextmanager
@@ -164,7 +192,7 @@ def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> Non
     from .testing import CASE_BY_NAME, make_inputs, run
     from .testing.accuracy import SLACK, check_output, same_dtype_error
 
-    for loss in plan.losses:
+    for loss, path in ((lo, pa) for lo in plan.losses for pa in plan.paths):
         case = CASE_BY_NAME[loss]
         for n, d in plan.parity_shapes:
             tensors, kwargs = make_inputs(case, n, d, seed=0)
@@ -174,9 +202,9 @@ def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> Non
                 problems: list[str] = []
                 truth_loss, truth_grads = oracle(case, (rounded, kwargs), device)
                 seen: list[str] = []
-                with poisoned_launches(seen):
+                with poisoned_launches(seen), triton_path(path):
                     got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True)
-                if not {"lse_fwd", "lse_bwd_rows"} <= set(seen):
+                if not PATHS[path] <= set(seen):
                     problems.append(f"the kernels did not run (launches: {sorted(set(seen))})")
                 with reference.computing_in(dt):
                     same_loss, same_grads = run(case, (tensors, kwargs), "reference", dt, device)
@@ -204,7 +232,7 @@ def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> Non
                     if ratio >= worst_ratio:
                         worst_ratio, worst = ratio, str(w)
                 ok = not problems and worst_ratio <= 1.0
-                report.add(f"parity {loss} N={n} D={d} {_dname(dt)}", ok,
+                report.add(f"parity {loss} {path} N={n} D={d} {_dname(dt)}", ok,
                            "; ".join(problems) or f"err/tol {worst_ratio:.3f} ({worst})")
 
 
@@ -219,18 +247,19 @@ def check_determinism(report: Report, plan: Plan, device: str) -> None:
 
     n, d = plan.determinism_shape
     dt = plan.dtypes[0]
-    for loss in plan.losses:
+    for loss, path in ((lo, pa) for lo in plan.losses for pa in plan.paths):
         tensors, kwargs = make_inputs(CASE_BY_NAME[loss], n, d, seed=3)
         first = None
         same = True
         for _ in range(plan.determinism_runs):
-            lo, grads = _loss_and_grads(loss, tensors, kwargs, "triton", dt, device)
+            with triton_path(path):
+                lo, grads = _loss_and_grads(loss, tensors, kwargs, "triton", dt, device)
             cur = [lo] + [g for g in grads.values() if g is not None]
             if first is None:
                 first = cur
             elif not all(torch.equal(a, b) for a, b in zip(first, cur, strict=True)):
                 same = False
-        report.add(f"determinism {loss} N={n} D={d} {_dname(dt)}", same,
+        report.add(f"determinism {loss} {path} N={n} D={d} {_dname(dt)}", same,
                    f"{plan.determinism_runs} forward + backward runs "
                    + ("bitwise identical" if same else "DIFFER bitwise"))
 
@@ -245,12 +274,18 @@ def check_fp16_large_m(report: Report, plan: Plan, device: str) -> None:
     """info_nce with N anchors against M keys: fp16 against fp32 on the same kernels. Tolerances: the
     loss to 1e-3 relative, each gradient to 4e-3 relative (Frobenius): a few fp16 roundings (eps 4.9e-4)
     of a sum of M terms accumulated in fp32; the un-scaled subnormal tile measured 4.0e-3 in the review."""
-    from .losses import info_nce
-
     n, m, d = plan.fp16_shape
     g = torch.Generator().manual_seed(5)
     q = torch.randn(n, d, generator=g)
     k = torch.randn(m, d, generator=g)
+    for path in plan.paths:
+        with triton_path(path):
+            _fp16_one(report, path, q, k, n, m, d, device)
+
+
+def _fp16_one(report: Report, path: str, q: Tensor, k: Tensor, n: int, m: int, d: int, device: str) -> None:
+    from .losses import info_nce
+
     out = {}
     for dt in (torch.float32, torch.float16):
         qq = q.to(device=device, dtype=dt).clone().requires_grad_(True)
@@ -263,7 +298,7 @@ def check_fp16_large_m(report: Report, plan: Plan, device: str) -> None:
     ek = _rel(out[torch.float16][2], out[torch.float32][2])
     finite = all(bool(torch.isfinite(t).all()) for t in out[torch.float16])
     ok = finite and el <= 1e-3 and eq <= 4e-3 and ek <= 4e-3
-    report.add(f"fp16 vs fp32 info_nce N={n} M={m} D={d}", ok,
+    report.add(f"fp16 vs fp32 info_nce {path} N={n} M={m} D={d}", ok,
                f"rel err loss {el:.2e} (<= 1e-3), grad q {eq:.2e}, grad k {ek:.2e} (<= 4e-3)"
                + ("" if finite else "; NON-FINITE fp16 output"))
 
@@ -304,12 +339,17 @@ def check_timings(report: Report, plan: Plan, device: str) -> None:
             leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone().requires_grad_(v.dim() > 0)
                       for k, v in tensors.items()}
             row: dict[str, float | None] = {}
-            for name in ("triton", "torch", "naive"):
+            for name in ("triton", *(f"triton/{p}" for p in plan.paths), "torch", "naive"):
                 def step(name=name, leaves=leaves, kwargs=kwargs, case=case, formula=formula):
                     for v in leaves.values():
                         v.grad = None
                     if name == "naive":
                         out = formula.fn({**leaves, **kwargs})
+                    elif name.startswith("triton/"):
+                        with triton_path(name.split("/")[1]):
+                            out = case.fn(**leaves, **kwargs, backend="triton")
+                            out.backward()
+                        return
                     else:
                         out = case.fn(**leaves, **kwargs, backend=name)
                     out.backward()
@@ -328,7 +368,7 @@ def check_timings(report: Report, plan: Plan, device: str) -> None:
                        f"median of {plan.timing_repeats}: {cells}")
         largest = max(plan.timing_sizes)
         row = report.timings[(loss, largest)]
-        cands = {k: v for k, v in row.items() if k in ("triton", "torch") and v is not None}
+        cands = {k: v for k, v in row.items() if (k.startswith("triton/") or k == "torch") and v is not None}
         if cands:
             report.prefer[loss] = min(cands, key=cands.get)
 
@@ -350,10 +390,11 @@ def check_ncu(report: Report, plan: Plan, device: str) -> None:
         report.add("ncu metrics", None, "ncu not on PATH: skipped (install Nsight Compute to calibrate the model)")
         return
     n, d = plan.ncu_shape
-    for kernel in NCU_KERNELS:
+    for kernel, path in NCU_KERNELS.items():
+        env = dict(os.environ, FUSED_CONTRASTIVE_TRITON_PATH=path)
         cmd = [ncu, "--csv", "--kernel-name", kernel, "--launch-count", "1", "--metrics", ",".join(NCU_METRICS),
                sys.executable, "-m", "fused_contrastive.gpu_validate", "--ncu-child", "info_nce", str(n), str(d)]
-        r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800, env=env)
         vals = {}
         for line in r.stdout.splitlines():
             cells = [c.strip('"') for c in line.split('","')]
@@ -362,7 +403,7 @@ def check_ncu(report: Report, plan: Plan, device: str) -> None:
                     vals[metric] = cells[-1].strip('"')
         detail = ", ".join(f"{k} = {v}" for k, v in vals.items()) or f"no metrics (exit {r.returncode}): " \
             f"{(r.stderr or r.stdout)[-300:]!r}"
-        report.add(f"ncu {kernel} info_nce N={n} D={d}", None, detail)
+        report.add(f"ncu {kernel} ({path}) info_nce N={n} D={d}", None, detail)
 
 
 def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = float64_oracle,
