@@ -49,6 +49,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: compile, do not interpret
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -353,7 +354,7 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path
     TB.COL_PARTIAL_PROGRAMS = 2 * gpu.sms  # what _col_programs uses on a CUDA device
     try:
-        with aot.recording(gpu.arch) as launches, OpCounter() as ops:
+        with aot.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
             out = TB.TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)
             torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
             del out
@@ -456,6 +457,7 @@ class OpCounter(TorchDispatchMode):
         self.live: dict[int, int] = {}
         self.refs: dict[int, int] = {}
         self.now = self.peak = 0
+        self.in_norms = 0  # > 0 inside core/norms.py's clamped_norms (see norms_tagged)
 
     def _track(self, t: torch.Tensor) -> None:
         key = t.untyped_storage()._cdata
@@ -490,7 +492,7 @@ class OpCounter(TorchDispatchMode):
             moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         else:
             moved = sum(_nbytes(t) for t in ins + outs)
-        self.ops.append((name, moved, gemm))
+        self.ops.append((name, moved, gemm, self.in_norms > 0))
         return out
 
 
@@ -535,7 +537,7 @@ def torch_backend(loss: str, n: int, d: int):
 
 @functools.cache
 def count_ops(path: str, loss: str, n: int, d: int) -> tuple[list, int]:
-    with OpCounter() as c:
+    with OpCounter() as c, norms_tagged(c):
         out, leaves = (naive_formula if path == "naive" else torch_backend)(loss, n, d)
         torch.autograd.grad(out, leaves)
         del out
@@ -558,7 +560,7 @@ def gemm_seconds(m: int, nn: int, k: int, dtype, acc: bool, out_es: int, gpu: GP
 def aten_model(ops: list, gpu: GPU, tf32: bool = False) -> dict:
     gemm_s = other_s = 0.0
     flops = other_bytes = 0
-    for name, moved, gemm in ops:
+    for name, moved, gemm, _ in ops:
         if gemm is not None:
             m, nn, k, dt, acc, out_es = gemm
             gemm_s += gemm_seconds(m, nn, k, dt, acc, out_es, gpu, tf32)
@@ -574,8 +576,37 @@ def aten_model(ops: list, gpu: GPU, tf32: bool = False) -> dict:
 
 
 def norm_launches(ops: list) -> int:
-    """Launches of the float64 norm route (``vector_norm`` with a float64 dtype and what feeds it)."""
-    return sum(1 for name, _, _ in ops if name in ("aten.linalg_vector_norm", "aten.clamp_min", "aten.clamp_min_"))
+    """Launches issued inside ``core/norms.py``'s ``clamped_norms`` (its float64 route on CUDA: four ops
+    per block of 2^18 elements)."""
+    return sum(1 for op in ops if op[3])
+
+
+@contextlib.contextmanager
+def norms_tagged(counter: OpCounter):
+    """Within the block, the ops ``clamped_norms`` issues are tagged in ``counter`` (the function is
+    wrapped in every module that imported it)."""
+    import sys as _sys
+
+    from fused_contrastive.core import norms
+
+    orig = norms.clamped_norms
+
+    def wrapped(*args, **kwargs):
+        counter.in_norms += 1
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            counter.in_norms -= 1
+
+    mods = [m for m in list(_sys.modules.values())
+            if getattr(m, "__name__", "").startswith("fused_contrastive") and getattr(m, "clamped_norms", None) is orig]
+    for m in mods:
+        m.clamped_norms = wrapped
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.clamped_norms = orig
 
 
 # ------------------------------------------------------------------------------------------------

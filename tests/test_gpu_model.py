@@ -80,6 +80,10 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
         # the panel path's cuBLAS work (triton_panel.py's docstring): InfoNCE 3 units (eager sweep),
         # symmetric SimCSE 2 (logits + H @ A; the forward is the fused kernel's unit), CLIP 3 (+ the kernel's)
         assert r["panel_gemm_flops"] == {"info_nce": 3, "simcse": 2, "clip": 3}[r["loss"]] * 2 * n * n * D
+        # core/norms.py's float64 route on CUDA: 4 launches (norm, clamp, cast, copy) per block of
+        # floor(2^18 / D) rows, once per distinct embedding tensor (A and B; once when B is A)
+        calls = 1 if r["loss"] == "simcse" else 2
+        assert r["panel_norm_launches"] == calls * 4 * -(-n // ((1 << 18) // D))
         for k in r["kernels"] + r["fused_kernels"]:
             assert k["ms"] * 1e-3 >= k["flops"] / (peaks[r["gpu"]] * 1e12), k
             hand = {"lse_fwd": 2 * n * n * D, "lse_bwd_rows": 4 * n * n * D, "lse_bwd_cols": 4 * n * n * D}
