@@ -192,48 +192,49 @@ def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> Non
     from .testing import CASE_BY_NAME, make_inputs, run
     from .testing.accuracy import SLACK, check_output, same_dtype_error
 
-    for loss, path in ((lo, pa) for lo in plan.losses for pa in plan.paths):
+    for loss in plan.losses:
         case = CASE_BY_NAME[loss]
         for n, d in plan.parity_shapes:
             tensors, kwargs = make_inputs(case, n, d, seed=0)
             for dt in plan.dtypes:
                 rounded = {k: (v.to(dt).double() if v.dim() > 0 else v.double()) for k, v in tensors.items()}
-                worst_ratio, worst = 0.0, "no outputs"
-                problems: list[str] = []
                 truth_loss, truth_grads = oracle(case, (rounded, kwargs), device)
-                seen: list[str] = []
-                with poisoned_launches(seen), triton_path(path):
-                    got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True)
-                if not PATHS[path] <= set(seen):
-                    problems.append(f"the kernels did not run (launches: {sorted(set(seen))})")
                 with reference.computing_in(dt):
                     same_loss, same_grads = run(case, (tensors, kwargs), "reference", dt, device)
-                outs = [("loss", got_loss, truth_loss, same_loss, 1.0)]
-                for k, tg in truth_grads.items():
-                    gg = got_grads.get(k)
-                    if (tg is None) != (gg is None):
-                        problems.append(f"gradient of {k} {'missing' if gg is None else 'unexpected'}")
-                        continue
-                    if tg is not None:
-                        amp = 1.0 / min(abs(float(tensors[k])), 1.0) ** 2 if tensors[k].dim() == 0 else 1.0
-                        outs.append((f"grad {k}", gg, tg, same_grads.get(k), amp))
-                for name, got, truth, same, amp in outs:
-                    # THE rule's tolerance grows with PyTorch's own same-dtype error against the oracle,
-                    # so a wrong oracle would widen its own tolerance: the oracle must agree with the
-                    # same-dtype reference to 10 x the dtype's slack, or the row fails
-                    e_same = same_dtype_error(same, truth) if same is not None else 0.0
-                    bound = ORACLE_SANITY * SLACK[dt] * max(1.0, _finite_max(truth), amp)
-                    if not e_same <= bound:
-                        problems.append(f"oracle suspect: {_dname(dt)} reference differs from it by {e_same:.3g} "
-                                        f"on {name} (> {bound:.3g})")
-                    w, e, tol = check_output(name, got, truth, same, dt, amp)
-                    ratio = e / tol if tol > 0 else math.inf
-                    ratio = math.inf if math.isnan(ratio) else ratio
-                    if ratio >= worst_ratio:
-                        worst_ratio, worst = ratio, str(w)
-                ok = not problems and worst_ratio <= 1.0
-                report.add(f"parity {loss} {path} N={n} D={d} {_dname(dt)}", ok,
-                           "; ".join(problems) or f"err/tol {worst_ratio:.3f} ({worst})")
+                for path in plan.paths:
+                    worst_ratio, worst = 0.0, "no outputs"
+                    problems: list[str] = []
+                    seen: list[str] = []
+                    with poisoned_launches(seen), triton_path(path):
+                        got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True)
+                    if not PATHS[path] <= set(seen):
+                        problems.append(f"the kernels did not run (launches: {sorted(set(seen))})")
+                    outs = [("loss", got_loss, truth_loss, same_loss, 1.0)]
+                    for k, tg in truth_grads.items():
+                        gg = got_grads.get(k)
+                        if (tg is None) != (gg is None):
+                            problems.append(f"gradient of {k} {'missing' if gg is None else 'unexpected'}")
+                            continue
+                        if tg is not None:
+                            amp = 1.0 / min(abs(float(tensors[k])), 1.0) ** 2 if tensors[k].dim() == 0 else 1.0
+                            outs.append((f"grad {k}", gg, tg, same_grads.get(k), amp))
+                    for name, got, truth, same, amp in outs:
+                        # THE rule's tolerance grows with PyTorch's own same-dtype error against the
+                        # oracle, so a wrong oracle would widen its own tolerance: the oracle must agree
+                        # with the same-dtype reference to ORACLE_SANITY x the dtype's slack
+                        e_same = same_dtype_error(same, truth) if same is not None else 0.0
+                        bound = ORACLE_SANITY * SLACK[dt] * max(1.0, _finite_max(truth), amp)
+                        if not e_same <= bound:
+                            problems.append(f"oracle suspect: {_dname(dt)} reference differs from it by "
+                                            f"{e_same:.3g} on {name} (> {bound:.3g})")
+                        w, e, tol = check_output(name, got, truth, same, dt, amp)
+                        ratio = e / tol if tol > 0 else math.inf
+                        ratio = math.inf if math.isnan(ratio) else ratio
+                        if ratio >= worst_ratio:
+                            worst_ratio, worst = ratio, str(w)
+                    ok = not problems and worst_ratio <= 1.0
+                    report.add(f"parity {loss} {path} N={n} D={d} {_dname(dt)}", ok,
+                               "; ".join(problems) or f"err/tol {worst_ratio:.3f} ({worst})")
 
 
 def _loss_and_grads(loss: str, tensors, kwargs, backend: str, dtype, device, upstream_seed: int = 1):
