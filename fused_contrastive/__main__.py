@@ -93,12 +93,23 @@ def _check_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--losses", type=_choices("case", names), default=names, metavar="CASE,...",
                    help="registry case names (default all; --list shows them)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--gpu-validate", action="store_true",
+                   help="first run on a GPU instead (needs CUDA; exit 2 without): on both triton paths (fused "
+                        "kernels, panel), parity on ragged shapes (N = M = 4099, D = 100 and 768, bf16/fp16/fp32; "
+                        "info_nce, simcse, clip) against the float64 oracle with NaN-filled outputs and scratch, 20 "
+                        "bitwise-identical backward runs, fp16 at M = 65536 against fp32; timings of triton / torch "
+                        "/ the naive formula; ncu metrics when ncu is on PATH. Prints a verdict (exit 1 on a "
+                        "failure) and the backend auto should prefer (fused_contrastive/gpu_validate.py)")
     return p
 
 
 def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .testing import CASE_BY_NAME, compare
 
+    if args.gpu_validate:
+        from . import gpu_validate
+
+        return gpu_validate.main(args.device)
     if args.list:
         for c in CASE_BY_NAME.values():
             print(f"{c.name:22s} {c.fn.__name__:24s} {c.covers}")

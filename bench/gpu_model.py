@@ -1,0 +1,825 @@
+"""A MODEL (not a measurement) of the GPU time of the core-op losses: a roofline of every kernel launch
+from its compiled artefacts, next to the matmul floor, the naive formula and the torch backend.
+
+No GPU is used. For InfoNCE (keys, gradients to both), SimCSE (interleaved, B is A: the symmetric
+kernels) and CLIP at N = M = 16384 and 65536, D = 768, bf16, on A100, H100 and H200:
+
+* **triton backend.** The launches of one forward + backward are recorded exactly as the runtime
+  builds them (``fused_contrastive.tools.aot.record_case`` on the meta device; the column-LSE program
+  count set to 2 x the GPU's SMs, as the launcher does on CUDA) and each one is compiled for the GPU's
+  arch (sm_80 / sm_90) with ``triton.compile``. From the compile: registers (ptxas -v), shared memory
+  (the kernel metadata), hence CTAs per SM (register file and shared-memory limits); and from its
+  TTGIR, walked with the trip count of every ``scf.for`` (the loops over column tiles, row tiles and
+  D chunks, from the launch's N, M, D and block sizes): tensor-core FLOPs (``tt.dot`` /
+  ``warp_group_dot``), global loads and stores (L2 -> SM bytes), shared-memory bytes (async copies
+  into shared memory, ``local_alloc`` / ``local_load``, layout conversions, and the MMA's operand
+  reads from shared memory with the replication of its ``warpsPerCTA``), and exp / log elements
+  (the MUFU work of the softmax). HBM bytes: the compulsory traffic (every input once, every output
+  once) plus the streamed operand once per wave of CTAs plus, for the streaming backward, the misses
+  of the L2 re-read: its working set (resident CTAs x (fp32 scratch rows + anchor rows)) against the
+  L2 size, hit fraction ``min(1, L2 / working set)`` (central) or 0 once it exceeds the L2
+  (pessimistic, cyclic LRU).
+  Kernel time = max(tensor cores at peak, shared memory, L2, HBM) x wave-tail factor + the exp / log
+  time not hidden (all of it with 1 CTA/SM, half with 2: no warp specialisation, no ping-pong).
+* **panel path** (``core/triton_panel.py``, the default of ``backend="triton"`` on CUDA for N M >= 2^24):
+  the same meta-device run with ``FUSED_CONTRASTIVE_TRITON_PATH=panel``: its ``panel_dl`` launches
+  modelled as above from their compile, its cuBLAS GEMMs and elementwise ops as below. Both Triton
+  paths are in the tables; ``fused`` is the old fused backward, kept for comparison.
+* **naive formula** (``F.normalize``, a bf16 cuBLAS GEMM, logits up-cast to fp32 as bf16 autocast does
+  for ``cross_entropy``, ``cross_entropy``; CLIP adds the transposed CE; SimCSE masks the diagonal with
+  an ``eye`` mask as the seeds do) and **torch backend** (``backend="torch"``: fp32 cuBLAS GEMMs on row
+  chunks of ``tile_elements()`` plus elementwise passes, and the float64 overflow-safe norms of
+  ``core/norms.py``): forward + backward run on the meta device under a dispatch mode; every ATen
+  op is one launch; GEMMs at the assumed cuBLAS efficiency (times rows / 128 for a dimension under
+  128: tile quantisation) or at HBM speed for their operand + output bytes, whichever is slower;
+  other ops move their input + output bytes at L2 bandwidth when they fit in half the L2, else HBM;
+  plus a fixed cost per launch. Peak live bytes decide whether the naive formula fits the GPU memory.
+
+Every assumption is printed with the tables; this is a model, the numbers need a GPU to be checked
+(``python -m fused_contrastive check --gpu-validate`` prints the ncu metrics that would calibrate it).
+
+Usage: python bench/gpu_model.py [--sizes 16384,65536] [--d 768] [--gpus A100,H100,H200] [--no-compare]
+Output: the tables (labelled MODEL), then one JSON object per line for every (loss, gpu, n).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: compile, do not interpret
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import re
+import subprocess
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fused_contrastive.core import triton_backend as TB
+from fused_contrastive.tools import aot
+
+LOSSES = ("info_nce", "simcse", "clip")
+#: Matmul units (one unit = 2 N M D FLOPs) a loss cannot avoid with gradients to every input:
+#: the logits once, and one GEMM per gradient side (DESIGN.md); symmetric SimCSE (B is A) computes
+#: S = A A^T as half a product and both gradient roles from one H (DESIGN.md's symmetric blocks).
+FLOOR_UNITS = {"info_nce": 3.0, "simcse": 2.0, "clip": 3.0}
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    cc: int
+    sms: int
+    bf16_tflops: float  # dense tensor-core peak
+    tf32_tflops: float  # dense
+    fp32_tflops: float  # non-tensor FMA peak
+    hbm_tbs: float
+    mem_gb: float
+    l2_mb: float
+    l2_tbs: float  # L2 -> SM
+    smem_sm_kb: float  # shared memory per SM usable by CTAs
+    cublas_eff: float  # fraction of peak a large cuBLAS GEMM reaches (assumed)
+    source: str
+
+    @property
+    def arch(self) -> str:
+        return "sm90" if self.cc >= 90 else "sm80"
+
+    @property
+    def clock_ghz(self) -> float:
+        """The clock implied by the dense bf16 peak: 1024 FLOP/clk per tensor core on sm_80 (4 per SM)
+        and 2048 on sm_90 (4 per SM)."""
+        per_sm_clk = 4096 if self.cc >= 90 else 2048
+        return self.bf16_tflops * 1e12 / (self.sms * per_sm_clk) / 1e9
+
+
+GPUS = {
+    "A100": GPU("A100", 80, 108, 312.0, 156.0, 19.5, 2.039, 80.0, 40.0, 5.5, 164.0, 0.80,
+                "NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOP/s bf16 dense, 156 tf32, 19.5 fp32, 2.039 TB/s "
+                "HBM2e, 80 GB) and A100 whitepaper (108 SMs, 40 MB L2, 164 KB shared memory/SM); L2 -> SM "
+                "5.5 TB/s from GPU_REVIEW.md"),
+    "H100": GPU("H100", 90, 132, 989.4, 494.7, 66.9, 3.35, 80.0, 50.0, 10.0, 228.0, 0.72,
+                "NVIDIA H100 datasheet (SXM5 80GB: 989 TFLOP/s bf16 dense, 495 tf32, 67 fp32, 3.35 TB/s "
+                "HBM3, 80 GB) and Hopper whitepaper (132 SMs, 50 MB L2, 228 KB shared memory/SM); L2 -> SM "
+                "10 TB/s from GPU_REVIEW.md (its range: 7-12)"),
+    "H200": GPU("H200", 90, 132, 989.4, 494.7, 66.9, 4.8, 141.0, 50.0, 10.0, 228.0, 0.72,
+                "NVIDIA H200 datasheet (SXM 141GB: same SM count, clocks and peaks as H100 SXM, 4.8 TB/s "
+                "HBM3e, 141 GB); L2 as H100 (50 MB, 10 TB/s, GPU_REVIEW.md)"),
+}
+
+# Per-SM constants of sm_80 and sm_90 (CUDA C Programming Guide, compute capability tables)
+REGS_PER_SM = 65536
+MAX_THREADS_PER_SM = 2048
+MAX_CTAS_PER_SM = 32
+SMEM_RESERVED_PER_CTA = 1024  # bytes the driver reserves per CTA (cc >= 8.0)
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+SMEM_BYTES_PER_CLK = 128  # per SM (A100 whitepaper; GPU_REVIEW.md for sm_90)
+MUFU_PER_CLK = 16  # exp2 / log2 per SM per clock (GPU_REVIEW.md: one exp costs 1/16 clk/SM)
+LAUNCH_US = 4.0  # fixed cost per kernel launch (host + GPU front end), as bench/cosent_model.py
+GEMM_TILE = 64  # cuBLAS tile edge assumed for the quantisation of small GEMM dimensions (its smallest common one)
+
+ASSUMPTIONS = [
+    "tensor-core peaks, HBM bandwidth and memory: vendor datasheets (per GPU below); dense, no sparsity",
+    "clock = bf16 peak / (SMs x 4096 FLOP/clk on sm_90, 2048 on sm_80): the clock the datasheet peak implies",
+    f"shared memory {SMEM_BYTES_PER_CLK} B/clk/SM; exp/log (MUFU) {MUFU_PER_CLK}/clk/SM (GPU_REVIEW.md)",
+    (f"CTAs/SM = min(regs: {REGS_PER_SM} / (ceil(regs x 32 / {REG_ALLOC_UNIT}) x {REG_ALLOC_UNIT} x warps), "
+    f"shared: SM capacity / (kernel shared + {SMEM_RESERVED_PER_CTA} B), {MAX_THREADS_PER_SM} threads, "
+    f"{MAX_CTAS_PER_SM} CTAs)"),
+    ("kernel time = (max(tensor cores at peak, shared-memory bytes, L2->SM bytes, HBM bytes) "
+    "+ exp/log time x (1 / CTAs per SM)) x wave spread (no warp specialisation: the softmax of one CTA overlaps only "
+    "another CTA's MMAs); latency (pipeline fill per column tile) is not modelled: an optimistic bound "
+    "for the forward whose ring drains at every column tile"),
+    ("wave spread: a grid runs in waves of SMs x CTAs/SM CTAs; a wave's work is done by the SMs holding one of "
+     "its CTAs at their full rates (a grid smaller than the SM count leaves SMs idle; a lone CTA per SM is "
+     "assumed to reach its SM's rates: optimistic, latency not modelled)"),
+    ("layout conversions (ttg.convert_layout) go through shared memory (a write and a read); reductions "
+    "across warps are not counted"),
+    ("HBM: inputs and outputs once, the streamed operand once per wave of resident CTAs (CTAs advance in "
+    "lockstep), streaming-backward re-reads missed with fraction 1 - min(1, L2 / working set) (central) "
+    "or 1 once the working set exceeds the L2 (pessimistic)"),
+    ("cuBLAS: a large GEMM at cublas_eff of the dtype's peak (assumed, not measured here: A100 0.80, "
+    f"H100/H200 0.72); a dimension d < {GEMM_TILE} costs a factor d / {GEMM_TILE}; never faster than its "
+    "operand + output bytes at HBM speed"),
+    ("torch backend: fp32 GEMMs (its compute dtype for bf16 inputs) on the fp32 FMA pipes, PyTorch's "
+    "default (torch.backends.cuda.matmul.allow_tf32 = False); torch_tf32_ms: the same with TF32 allowed"),
+    (f"non-GEMM ATen ops: input + output bytes at L2 bandwidth when they fit in half the L2, else HBM; "
+    f"{LAUNCH_US:g} us per launch"),
+    ("naive formula: bf16 GEMM, logits up-cast to fp32 for cross_entropy (bf16 autocast's rule); "
+    "'does not fit' when its peak live bytes exceed the GPU memory"),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# compiled artefacts: registers, shared memory, and a walk of the TTGIR
+# ------------------------------------------------------------------------------------------------
+
+_DT_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "i32": 4, "i64": 8}
+_TENSOR = re.compile(r"tensor<([0-9x]+)x(!tt\.ptr<)?([a-z0-9]+)>?")
+_MEMDESC = re.compile(r"!ttg\.memdesc<([0-9x]+)x([a-z0-9]+),")
+_MMA = re.compile(r"^#(mma\d*) = #ttg\.nvidia_mma<\{versionMajor = (\d), .*warpsPerCTA = \[(\d+), (\d+)\]")
+_FOR = re.compile(r"scf\.for %\S+ = %\S+ to %(\w+) step %(\w+)")
+
+
+def _trip(fm, trips: dict[str, int]) -> int:
+    """Iterations of a loop ``to %bound step %step`` (a constant step ``%cS_i32``, or the persistent
+    row-block loop ``to %n_row_blocks step %nprog``: trips["n_row_blocks"] is then per program)."""
+    bound, step = fm[1], fm[2]
+    if bound not in trips:
+        raise ValueError(f"loop bound %{bound} has no trip count")
+    c = re.fullmatch(r"c(\d+)_i32", step)
+    return math.ceil(trips[bound] / int(c[1])) if c else trips[bound]
+
+
+def _elems(shape: str) -> int:
+    return math.prod(int(x) for x in shape.split("x"))
+
+
+def _tensor_bytes(text: str) -> tuple[int, int]:
+    """(elements, bytes) of the first ``tensor<...>`` type in ``text`` (pointer tensors: the pointee)."""
+    m = _TENSOR.search(text)
+    if not m:
+        return 0, 0
+    n = _elems(m[1])
+    return n, n * _DT_BYTES.get(m[3], 4)
+
+
+def _memdesc_bytes(text: str) -> int:
+    m = _MEMDESC.search(text)
+    return _elems(m[1]) * _DT_BYTES.get(m[2], 4) if m else 0
+
+
+def _result_type(line: str) -> str:
+    return line.rsplit("->", 1)[-1] if "->" in line else line.rsplit(":", 1)[-1]
+
+
+def walk_ttgir(ttgir: str, trips: dict[str, int]) -> dict[str, float]:
+    """Per-program totals of one kernel from its TTGIR: every op counted once per iteration of its
+    enclosing ``scf.for`` loops (trip count of a loop ``to %X step S`` = ceil(trips[X] / S)).
+
+    Returns flops (2 M N K per dot), gload / gstore bytes (global loads incl. async copies, stores),
+    smem bytes (async copies in, local_alloc of a value, local_load, convert_layout x 2, the MMA's
+    shared-memory operands times the warps (sm_80) / warpgroups (sm_90) that read them), exp and log
+    elements (MUFU)."""
+    mmas = {}
+    for line in ttgir.splitlines():
+        m = _MMA.match(line.strip())
+        if m:
+            mmas[m[1]] = (int(m[2]), int(m[3]), int(m[4]))
+    out = dict(flops=0.0, gload=0.0, gstore=0.0, smem=0.0, exp=0.0, log=0.0)
+    stack: list[float] = []
+    in_d_loop: list[bool] = []
+    prologue_copies: list[tuple[float, int]] = []  # pipeliner prologue copies (outside a D loop)
+    d_loop_copy_sizes: set[int] = set()
+    for raw in ttgir.splitlines():
+        line = raw.strip()
+        if line.startswith("}") and stack:
+            stack.pop()
+            in_d_loop.pop()
+        mult = math.prod(stack) if stack else 1.0
+        fm = _FOR.search(line)
+        if line.endswith("{"):
+            if fm:
+                stack.append(_trip(fm, trips))
+                in_d_loop.append(fm[1] == "D")
+            else:
+                stack.append(1.0)
+                in_d_loop.append(in_d_loop[-1] if in_d_loop else False)
+        if "=" not in line or line.startswith("//"):
+            continue
+        op = line.split("=", 1)[1].strip().split(" ", 1)[0]
+        if op == "ttg.async_copy_global_to_local":
+            b = _memdesc_bytes(line.split("->")[-1]) or _tensor_bytes(line)[1]
+            if in_d_loop and in_d_loop[-1]:
+                d_loop_copy_sizes.add(b)
+                out["gload"] += mult * b
+                out["smem"] += mult * b
+            else:
+                prologue_copies.append((mult, b))
+        elif op == "tt.load":
+            out["gload"] += mult * _tensor_bytes(_result_type(line))[1]
+        elif op == "ttg.local_alloc" and "%" in line.split("local_alloc", 1)[1].split(":")[0]:
+            out["smem"] += mult * _tensor_bytes(line.split("local_alloc", 1)[1])[1]
+        elif op == "ttg.local_load":
+            res = _result_type(line)
+            b = _tensor_bytes(res)[1]
+            dm = re.search(r"dot_op<\{opIdx = (\d), parent = #(mma\d*)", res)
+            if dm and dm[2] in mmas:
+                ver, w0, w1 = mmas[dm[2]]
+                b *= (w1 if dm[1] == "0" else (w0 if ver == 2 else max(1, w0 // 4)))
+            out["smem"] += mult * b
+        elif op == "ttg.convert_layout":
+            out["smem"] += mult * 2 * _tensor_bytes(_result_type(line))[1]
+        elif op in ("tt.dot", "ttng.warp_group_dot"):
+            res = _result_type(line)
+            m_n = _TENSOR.search(res)
+            mm = re.search(r"#(mma\d*)", res)
+            ops_txt = line.split(":", 1)[1].split("->")[0]
+            a_txt, b_txt = ops_txt.split(" * ")
+            k = int((_MEMDESC.search(a_txt) or _TENSOR.search(a_txt))[1].split("x")[-1])
+            mr, nc = (int(x) for x in m_n[1].split("x"))
+            out["flops"] += mult * 2 * mr * nc * k
+            ver, w0, w1 = mmas.get(mm[1], (2, 1, 1)) if mm else (2, 1, 1)
+            if op == "ttng.warp_group_dot":  # operands read by the MMA straight from shared memory
+                if "memdesc" in a_txt:
+                    out["smem"] += mult * _memdesc_bytes(a_txt) * w1
+                if "memdesc" in b_txt:
+                    out["smem"] += mult * _memdesc_bytes(b_txt) * max(1, w0 // 4)
+        elif op == "tt.store" or line.startswith("tt.store"):
+            pass
+        elif op in ("math.exp", "math.exp2"):
+            out["exp"] += mult * _tensor_bytes(_result_type(line))[0]
+        elif op in ("math.log", "math.log2"):
+            out["log"] += mult * _tensor_bytes(_result_type(line))[0]
+    # tt.store has no result: counted here with its enclosing loops
+    stack, mult = [], 1.0
+    for raw in ttgir.splitlines():
+        line = raw.strip()
+        if line.startswith("}") and stack:
+            stack.pop()
+        fm = _FOR.search(line)
+        if line.endswith("{"):
+            stack.append(_trip(fm, trips) if fm else 1.0)
+        if line.startswith("tt.store"):
+            out["gstore"] += (math.prod(stack) if stack else 1.0) * _tensor_bytes(line.split(":", 1)[1])[1]
+    # the software pipeliner issues the first stages' copies before the D loop and predicates the
+    # last ones off inside it: the in-loop count already covers every chunk once
+    for mult, b in prologue_copies:
+        if b not in d_loop_copy_sizes:
+            out["gload"] += mult * b
+            out["smem"] += mult * b
+    return out
+
+
+@functools.cache
+def _compile(key, cc: int, launch_holder: tuple) -> dict:
+    launch = launch_holder[0]
+    keep: dict = {}
+    info = aot.compile_launch(launch, cc, keep)
+    info["ttgir"] = keep["kernel"].asm["ttgir"]
+    return info
+
+
+class _Holder(tuple):
+    """A launch carried through functools.cache without hashing its tensors."""
+
+    def __hash__(self):
+        return 0
+
+    def __eq__(self, other):
+        return True
+
+
+def compile_info(launch: TB.Launch, cc: int) -> dict:
+    key = (launch.name, tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages,
+           tuple(sorted((k, str(v.dtype)) for k, v in launch.args.items() if isinstance(v, torch.Tensor))))
+    return _compile(key, cc, _Holder((launch,)))
+
+
+def ctas_per_sm(regs: int, warps: int, shared: int, gpu: GPU) -> int:
+    per_warp = math.ceil(regs * 32 / REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = REGS_PER_SM // (per_warp * warps)
+    by_smem = int(gpu.smem_sm_kb * 1024) // (shared + SMEM_RESERVED_PER_CTA)
+    return max(0, min(by_regs, by_smem, MAX_THREADS_PER_SM // (32 * warps), MAX_CTAS_PER_SM))
+
+
+# ------------------------------------------------------------------------------------------------
+# the triton backend, launch by launch
+# ------------------------------------------------------------------------------------------------
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.Launch], list]:
+    """One forward + backward of ``loss``'s core op through ``TritonCoreFn`` on the meta device, as the
+    runtime would issue it on ``gpu`` (its arch's configs; the column-LSE program count of a CUDA device)
+    on ``path`` ("fused": the fused kernels; "panel": cuBLAS GEMMs on row panels + the panel kernel).
+    Returns the Triton launches (recorded, not run) and the ATen ops around them (:class:`OpCounter`).
+    The arguments are the loss's own core-op call (``tools.aot.core_call``); the O(N D) linear
+    positive terms the loss adds outside the core op are not included."""
+    a, b, scale, spec, data, coef, reduce = aot.core_call(loss, n, d, torch.bfloat16)
+    coef = dataclasses.replace(coef, tgt=None, set=None)
+    prev_env = os.environ.get("FUSED_CONTRASTIVE_TRITON_PATH")
+    prev_p = TB.COL_PARTIAL_PROGRAMS
+    os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path
+    TB.COL_PARTIAL_PROGRAMS = 2 * gpu.sms  # what _col_programs uses on a CUDA device
+    try:
+        with aot.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
+            out = TB.TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)
+            torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
+            del out
+    finally:
+        TB.COL_PARTIAL_PROGRAMS = prev_p
+        if prev_env is None:
+            del os.environ["FUSED_CONTRASTIVE_TRITON_PATH"]
+        else:
+            os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = prev_env
+    return list(launches), ops.ops
+
+
+def wave_spread(grid: int, slots: int, sms: int) -> float:
+    """Time of a grid relative to the same work spread over every SM: waves of ``slots`` CTAs, each
+    wave's work done by the SMs that hold one of its CTAs (an SM with a resident CTA runs at its full
+    rates: optimistic for a lone CTA, whose latency is not modelled)."""
+    if grid <= 0:
+        return 1.0
+    full, last = divmod(grid, slots)
+    waves = [slots] * full + ([last] if last else [])
+    return sum(c / grid * sms / min(sms, c) for c in waves)
+
+
+def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
+    """Roofline of one launch on ``gpu`` (see the module docstring)."""
+    info = compile_info(launch, gpu.cc)
+    a, c = launch.args, launch.constexprs
+    grid = math.prod(launch.grid)
+    n, d = a.get("N", 0), a.get("D", 0)
+    m = a.get("M", n)
+    # loop trip counts from the launch's integer arguments (N, M, D, grad_cols, P, ...); the forward's
+    # row-block loop runs from pid to n_row_blocks in steps of P = grid: n_rb % P programs make
+    # ceil(n_rb / P) iterations, the others floor(n_rb / P)
+    trips = {k: v for k, v in a.items() if isinstance(v, int) and not isinstance(v, bool)}
+    q, rem = divmod(a.get("n_row_blocks", grid), grid)
+    lo = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q))
+    hi = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q + 1)) if rem else lo
+    tot = {k: rem * hi[k] + (grid - rem) * lo[k] for k in lo}
+    ctas = ctas_per_sm(info["regs"], launch.num_warps, info["shared"], gpu)
+    slots = max(1, ctas) * gpu.sms
+    tail = wave_spread(grid, slots, gpu.sms)
+    clk = gpu.clock_ghz * 1e9
+    operand = next(v for k, v in a.items() if k in ("SA", "X", "DL"))
+    es = operand.element_size()
+    # HBM: every tensor argument once (inputs read, outputs written), the streamed operand per wave
+    hbm = float(sum(_nbytes(v) for v in a.values() if isinstance(v, torch.Tensor) and v.numel() > 1))
+    l2_b = gpu.l2_mb * 1e6
+    hbm_pess = hbm
+    ws = 0.0
+    if launch.name in ("lse_fwd", "lse_bwd_rows", "lse_bwd_cols"):
+        streamed = m if launch.name != "lse_bwd_cols" else n  # rows of the operand every program sweeps
+        hbm += max(0.0, math.ceil(grid / slots) - 1) * streamed * d * es
+        hbm_pess = hbm
+        if launch.name != "lse_fwd" and not c["RESIDENT"] and c.get("NEED_DX", True):
+            bo = c["BLOCK_M"] if launch.name == "lse_bwd_rows" else c["BLOCK_N"]
+            bi = c["BLOCK_N"] if launch.name == "lse_bwd_rows" else c["BLOCK_M"]
+            tiles = grid * math.ceil(streamed / bi)
+            reuse = tiles * (2 * bo * d * 4 + bo * d * es)  # scratch read + write, own rows reloaded
+            ws = min(grid, slots) * (bo * d * 4 + bo * d * es)
+            hit = min(1.0, l2_b / ws) if ws else 1.0
+            hbm += (1.0 - hit) * reuse
+            hbm_pess += reuse if ws > l2_b else 0.0
+    l2 = tot["gload"] + tot["gstore"]
+    if launch.name == "panel_dl" and _nbytes(a["L"]) > l2_b:
+        hbm = hbm_pess = max(hbm, l2)  # the [P, M] panel does not fit the L2: every pass over it is HBM
+    peak = gpu.bf16_tflops * 1e12 if es == 2 else gpu.tf32_tflops * 1e12 / 3  # tf32x3: 3 MMAs per product
+    t = dict(tc=tot["flops"] / peak, smem=tot["smem"] / (SMEM_BYTES_PER_CLK * gpu.sms * clk),
+             l2=l2 / (gpu.l2_tbs * 1e12), hbm=hbm / (gpu.hbm_tbs * 1e12))
+    bound = max(t, key=t.get)
+    mufu = (tot["exp"] + tot["log"]) / (MUFU_PER_CLK * gpu.sms * clk)
+    exposed = mufu / max(1, ctas)
+    sec = (max(t.values()) + exposed) * tail + LAUNCH_US * 1e-6
+    sec_pess = (max(t["tc"], t["smem"], t["l2"], hbm_pess / (gpu.hbm_tbs * 1e12)) + exposed) * tail + LAUNCH_US * 1e-6
+    return dict(kernel=launch.name, grid=grid, block=info["block"], warps=launch.num_warps,
+                stages=launch.num_stages, regs=info["regs"], spills=info["spill_stores"] + info["spill_loads"],
+                shared=info["shared"], ctas_sm=ctas, tc=info["tc"], flops=tot["flops"], l2_bytes=l2,
+                hbm_bytes=hbm, hbm_bytes_pess=hbm_pess, smem_bytes=tot["smem"], exps=tot["exp"] + tot["log"],
+                working_set=ws, t_tc=t["tc"], t_smem=t["smem"], t_l2=t["l2"], t_hbm=t["hbm"], t_mufu=mufu,
+                bound=bound if launch.name != "row_norm" else "hbm", ms=sec * 1e3, ms_pess=sec_pess * 1e3)
+
+
+# ------------------------------------------------------------------------------------------------
+# ATen-level paths: the naive formula and the torch backend, counted on the meta device
+# ------------------------------------------------------------------------------------------------
+
+_FREE = {"aten.view", "aten._unsafe_view", "aten.expand", "aten.t", "aten.detach", "aten.alias", "aten.slice",
+         "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.as_strided", "aten.transpose", "aten.permute",
+         "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.lift_fresh", "aten.reshape", "aten.diagonal",
+         "aten.unbind", "aten.split", "aten.chunk", "aten._to_copy" + "_never"}
+_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.baddbmm"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Every ATen op: (name, bytes in + out, GEMM (m, n, k, dtype, accumulates) or None), and the peak
+    of live bytes of the tensors created inside the mode (storages tracked until collected)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, int, tuple | None]] = []
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.now = self.peak = 0
+        self.in_norms = 0  # > 0 inside core/norms.py's clamped_norms (see norms_tagged)
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = t.untyped_storage()._cdata
+        if key not in self.live:
+            self.live[key] = t.untyped_storage().nbytes()
+            self.refs[key] = 0
+            self.now += self.live[key]
+            self.peak = max(self.peak, self.now)
+        self.refs[key] += 1
+        weakref.finalize(t, self._drop, key)
+
+    def _drop(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.now -= self.live.pop(key)
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        for o in outs:
+            self._track(o)
+        if name in _FREE:
+            return out
+        ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        gemm = None
+        if name in ("aten.mm", "aten.addmm"):
+            x, y = (args[0], args[1]) if name == "aten.mm" else (args[1], args[2])
+            gemm = (x.shape[0], y.shape[1], x.shape[1], x.dtype, name == "aten.addmm", outs[0].element_size())
+        if name.endswith("_") or "out" in (kwargs or {}):  # in place: the output is one of the inputs
+            moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+        else:
+            moved = sum(_nbytes(t) for t in ins + outs)
+        self.ops.append((name, moved, gemm, self.in_norms > 0))
+        return out
+
+
+def _meta(shape, dtype=torch.bfloat16, grad=True):
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+def naive_formula(loss: str, n: int, d: int):
+    """Forward + backward of the textbook formula with bf16 embeddings (fp32 cross-entropy)."""
+    if loss == "simcse":
+        z = _meta((n, d))
+        zn = F.normalize(z, dim=1)
+        logits = (zn @ zn.T).float() * 20.0
+        eye = torch.eye(n, dtype=torch.bool, device="meta")
+        logits = logits.masked_fill(eye, float("-inf"))
+        idx = torch.arange(n, device="meta")
+        out = F.cross_entropy(logits, idx + 1 - idx % 2 * 2)
+        return out, (z,)
+    a, b = _meta((n, d)), _meta((n, d))
+    logits = (F.normalize(a, dim=1) @ F.normalize(b, dim=1).T).float() * 20.0
+    tgt = torch.arange(n, device="meta")
+    if loss == "clip":
+        out = (F.cross_entropy(logits, tgt) + F.cross_entropy(logits.T, tgt)) / 2
+    else:
+        out = F.cross_entropy(logits, tgt)
+    return out, (a, b)
+
+
+def torch_backend(loss: str, n: int, d: int):
+    """Forward + backward of ``loss`` on ``backend="torch"`` with bf16 [n, d] embeddings (the options
+    of the registry's benchmark case)."""
+    from fused_contrastive import losses as L
+
+    if loss == "simcse":
+        z = _meta((n, d))
+        return L.simcse_loss(z, temperature=0.05, backend="torch"), (z,)
+    a, b = _meta((n, d)), _meta((n, d))
+    if loss == "clip":
+        return L.clip_loss(a, b, logit_scale=1 / 0.07, backend="torch"), (a, b)
+    return L.info_nce(a, b, temperature=0.05, backend="torch"), (a, b)
+
+
+@functools.cache
+def count_ops(path: str, loss: str, n: int, d: int) -> tuple[list, int]:
+    with OpCounter() as c, norms_tagged(c):
+        out, leaves = (naive_formula if path == "naive" else torch_backend)(loss, n, d)
+        torch.autograd.grad(out, leaves)
+        del out
+    return c.ops, c.peak
+
+
+def gemm_seconds(m: int, nn: int, k: int, dtype, acc: bool, out_es: int, gpu: GPU, tf32: bool = False) -> float:
+    if dtype in (torch.bfloat16, torch.float16):
+        peak = gpu.bf16_tflops
+    elif dtype == torch.float32:
+        peak = gpu.tf32_tflops if tf32 else gpu.fp32_tflops
+    else:
+        peak = gpu.fp32_tflops / 2  # float64 (not used by these paths)
+    eff = gpu.cublas_eff * min(1.0, m / GEMM_TILE) * min(1.0, nn / GEMM_TILE)
+    es = torch.empty((), dtype=dtype).element_size()
+    moved = (m * k + k * nn) * es + m * nn * (2 if acc else 1) * out_es
+    return max(2 * m * nn * k / (peak * 1e12 * eff), moved / (gpu.hbm_tbs * 1e12))
+
+
+def aten_model(ops: list, gpu: GPU, tf32: bool = False) -> dict:
+    gemm_s = other_s = 0.0
+    flops = other_bytes = 0
+    for name, moved, gemm, _ in ops:
+        if gemm is not None:
+            m, nn, k, dt, acc, out_es = gemm
+            gemm_s += gemm_seconds(m, nn, k, dt, acc, out_es, gpu, tf32)
+            flops += 2 * m * nn * k
+        else:
+            bw = gpu.l2_tbs if moved <= gpu.l2_mb * 1e6 / 2 else gpu.hbm_tbs
+            other_s += moved / (bw * 1e12)
+            other_bytes += moved
+    launches = len(ops)
+    total = gemm_s + other_s + launches * LAUNCH_US * 1e-6
+    return dict(ms=total * 1e3, gemm_ms=gemm_s * 1e3, other_ms=other_s * 1e3, launches=launches,
+                launch_ms=launches * LAUNCH_US * 1e-3, gemm_flops=flops, other_bytes=other_bytes)
+
+
+def norm_launches(ops: list) -> int:
+    """Launches issued inside ``core/norms.py``'s ``clamped_norms`` (its float64 route on CUDA: four ops
+    per block of 2^18 elements)."""
+    return sum(1 for op in ops if op[3])
+
+
+@contextlib.contextmanager
+def norms_tagged(counter: OpCounter):
+    """Within the block, the ops ``clamped_norms`` issues are tagged in ``counter`` (the function is
+    wrapped in every module that imported it)."""
+    import sys as _sys
+
+    from fused_contrastive.core import norms
+
+    orig = norms.clamped_norms
+
+    def wrapped(*args, **kwargs):
+        counter.in_norms += 1
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            counter.in_norms -= 1
+
+    mods = [m for m in list(_sys.modules.values())
+            if getattr(m, "__name__", "").startswith("fused_contrastive") and getattr(m, "clamped_norms", None) is orig]
+    for m in mods:
+        m.clamped_norms = wrapped
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.clamped_norms = orig
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+
+REVIEW = {  # GPU_REVIEW.md's H100 model at N = M = 65536, D = 768, bf16 (ms, ranges)
+    ("info_nce", "lse_fwd"): "15-19", ("info_nce", "lse_bwd_rows"): "65-110", ("info_nce", "lse_bwd_cols"): "65-110",
+    ("info_nce", "total"): "150-240", ("clip", "lse_fwd"): "20-25", ("simcse", "total"): "85-130",
+    ("info_nce", "naive"): "~60", ("info_nce", "torch"): "~55",
+}
+
+
+def _fmt_b(x: float) -> str:
+    for u, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if x >= f:
+            return f"{x / f:.1f} {u}"
+    return f"{x:.0f} B"
+
+
+def triton_path(loss: str, n: int, d: int, gpu: GPU, path: str) -> dict:
+    """The triton backend on ``path``: its Triton launches (each modelled by :func:`kernel_model`) plus
+    the ATen ops around them (GEMMs and elementwise work, :func:`aten_model`)."""
+    launches, ops = run_triton(loss, n, d, gpu, path)
+    kernels = [kernel_model(lz, gpu) for lz in launches]
+    aten = aten_model(ops, gpu)
+    ms = sum(k["ms"] for k in kernels) + aten["ms"]
+    ms_pess = sum(k["ms_pess"] for k in kernels) + aten["ms"]
+    return dict(kernels=kernels, grouped=_group(kernels), aten=aten, ms=ms, ms_pess=ms_pess, ops=ops)
+
+
+def _group(kernels: list[dict]) -> list[dict]:
+    """Launches of the same kernel and config summed (the panel path launches its kernel per panel)."""
+    out: dict[tuple, dict] = {}
+    for k in kernels:
+        key = (k["kernel"], k["block"], k["regs"])
+        g = out.setdefault(key, dict(k, launches=0, ms=0.0, ms_pess=0.0, flops=0.0, l2_bytes=0.0, hbm_bytes=0.0,
+                                     smem_bytes=0.0, grid=0))
+        g["launches"] += 1
+        for f in ("ms", "ms_pess", "flops", "l2_bytes", "hbm_bytes", "smem_bytes", "grid"):
+            g[f] += k[f]
+    return list(out.values())
+
+
+def _kernel_json(k: dict) -> dict:
+    return dict(kernel=k["kernel"], launches=k["launches"], ms=round(k["ms"], 4), flops=k["flops"],
+                l2_bytes=k["l2_bytes"], hbm_bytes=k["hbm_bytes"], bound=k["bound"], regs=k["regs"],
+                ctas_sm=k["ctas_sm"], block=k["block"], grid=k["grid"])
+
+
+def model_loss(loss: str, n: int, d: int, gpu: GPU, with_torch: bool = True) -> dict:
+    from fused_contrastive.core import triton_panel
+
+    fused = triton_path(loss, n, d, gpu, "fused")
+    panel = triton_path(loss, n, d, gpu, "panel")
+    # what backend="triton" runs on a CUDA device ("auto" path of triton_panel.use_panel)
+    default = "panel" if n * n >= triton_panel.MIN_ELEMENTS else "fused"
+    cur = panel if default == "panel" else fused
+    unit = 2 * n * n * d
+    floor_ms = FLOOR_UNITS[loss] * unit / (gpu.bf16_tflops * 1e12) * 1e3
+    nops, npeak = count_ops("naive", loss, n, d)
+    naive = aten_model(nops, gpu)
+    inputs = (1 if loss == "simcse" else 2) * n * d * 2
+    fits = npeak + inputs <= gpu.mem_gb * 1e9
+    tops = count_ops("torch", loss, n, d)[0] if with_torch else []
+    tb = aten_model(tops, gpu) if with_torch else dict(ms=math.inf, gemm_ms=math.inf, other_ms=math.inf, launches=0,
+                                                        launch_ms=0.0)
+    tb32 = aten_model(tops, gpu, tf32=True) if with_torch else tb
+    r3 = functools.partial(round, ndigits=3)
+    rec = dict(loss=loss, gpu=gpu.name, n=n, d=d, dtype="bf16", path=default, ms=r3(cur["ms"]),
+               ms_pessimistic=r3(cur["ms_pess"]), pct_peak=round(100 * floor_ms / cur["ms"], 2),
+               floor_ms=round(floor_ms, 4), floor_units=FLOOR_UNITS[loss], peak_tflops=gpu.bf16_tflops,
+               fused_ms=r3(fused["ms"]), fused_ms_pessimistic=r3(fused["ms_pess"]),
+               fused_pct_peak=round(100 * floor_ms / fused["ms"], 2),
+               panel_ms=r3(panel["ms"]), panel_ms_pessimistic=r3(panel["ms_pess"]),
+               panel_pct_peak=round(100 * floor_ms / panel["ms"], 2),
+               panel_gemm_ms=r3(panel["aten"]["gemm_ms"]), panel_gemm_flops=panel["aten"]["gemm_flops"],
+               panel_launches=panel["aten"]["launches"] + len(panel["kernels"]),
+               panel_norm_launches=norm_launches(panel["ops"]),
+               naive_ms=r3(naive["ms"]) if fits else None, naive_fits=fits,
+               naive_ms_if_memory=r3(naive["ms"]), naive_peak_bytes=npeak + inputs,
+               naive_logits_bytes=n * n * 4, naive_launches=naive["launches"],
+               naive_gemm_ms=round(naive["gemm_ms"], 4), naive_gemm_flops=naive["gemm_flops"],
+               torch_ms=r3(tb["ms"]) if with_torch else None, torch_tf32_ms=r3(tb32["ms"]) if with_torch else None,
+               torch_launches=tb["launches"], torch_norm_launches=norm_launches(tops),
+               torch_gemm_ms=r3(tb["gemm_ms"]) if with_torch else None,
+               kernels=[_kernel_json(k) for k in cur["grouped"]], aten_ms=round(cur["aten"]["ms"], 4),
+               aten_launches=cur["aten"]["launches"],
+               fused_kernels=[_kernel_json(k) for k in fused["grouped"]],
+               model="MODEL, not a measurement")
+    paths = {"triton/fused": fused["ms"], "triton/panel": panel["ms"]}
+    if with_torch:
+        paths["torch"] = tb["ms"]
+    rec["triton_path_should_prefer"] = min(("fused", "panel"), key=lambda p: (fused if p == "fused" else panel)["ms"])
+    rec["auto_should_prefer"] = min(paths, key=paths.get)
+    return dict(rec=rec, fused=fused, panel=panel, naive=naive, torch=tb, torch_tf32=tb32, naive_peak=npeak + inputs)
+
+
+def _print_kernels(title: str, res: dict, gpu: GPU) -> None:
+    print(f"  {title}")
+    print(f"    {'kernel':14s} {'launch':>6s} {'grid':>6s} {'blocks':13s} {'regs':>4s} {'smem':>6s} {'CTA/SM':>6s} "
+          f"{'TFLOP':>7s} {'L2->SM':>9s} {'HBM':>9s} {'shared':>9s} {'FLOP/B L2':>9s} {'bound':6s} {'%peak':>6s} "
+          f"{'ms':>8s}")
+    for k in res["grouped"]:
+        fpb = k["flops"] / k["l2_bytes"] if k["l2_bytes"] else 0
+        pct = 100 * k["flops"] / (gpu.bf16_tflops * 1e12) / (k["ms"] * 1e-3) if k["flops"] else 0
+        print(f"    {k['kernel']:14s} {k['launches']:6d} {k['grid']:6d} {k['block']:13s} {k['regs']:4d} "
+              f"{k['shared']:6d} {k['ctas_sm']:6d} {k['flops'] / 1e12:7.2f} {_fmt_b(k['l2_bytes']):>9s} "
+              f"{_fmt_b(k['hbm_bytes']):>9s} {_fmt_b(k['smem_bytes']):>9s} {fpb:9.1f} {k['bound']:6s} {pct:6.1f} "
+              f"{k['ms']:8.2f}")
+        if k["working_set"]:
+            print(f"    {'':14s} streaming re-read working set {_fmt_b(k['working_set'])} per wave vs L2 "
+                  f"{gpu.l2_mb:g} MB; pessimistic (0 % hits) {k['ms_pess']:.2f} ms")
+    at = res["aten"]
+    print(f"    {'ATen ops':14s} {at['launches']:6d} launches: GEMMs {at['gemm_flops'] / 1e12:.2f} TFLOP in "
+          f"{at['gemm_ms']:.2f} ms, other {_fmt_b(at['other_bytes'])} in {at['other_ms']:.2f} ms, launches "
+          f"{at['launch_ms']:.2f} ms")
+    print(f"    total {res['ms']:.2f} ms (pessimistic {res['ms_pess']:.2f})")
+
+
+def print_report(results: list[dict], d: int, compare: bool) -> None:
+    print("=" * 100)
+    print(f"MODEL - not a measurement. Predicted GPU times of the core-op losses, bf16, D = {d}, forward + "
+          "backward with gradients to every embedding. No GPU was used.")
+    print("=" * 100)
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    print(f"triton {__import__('triton').__version__}, torch {torch.__version__}, kernels and host code at "
+          f"commit {rev} (fused kernels: kernels/lse.py; panel path: core/triton_panel.py + kernels/panel.py)\n")
+    print("Assumptions:")
+    for a in ASSUMPTIONS:
+        print(f"  - {a}")
+    print("GPUs:")
+    for g in dict.fromkeys(r["rec"]["gpu"] for r in results):
+        gp = GPUS[g]
+        print(f"  - {g}: sm_{gp.cc}, {gp.sms} SMs, clock {gp.clock_ghz:.2f} GHz, bf16 {gp.bf16_tflops:g} / tf32 "
+              f"{gp.tf32_tflops:g} / fp32 {gp.fp32_tflops:g} TFLOP/s, HBM {gp.hbm_tbs:g} TB/s {gp.mem_gb:g} GB, "
+              f"L2 {gp.l2_mb:g} MB {gp.l2_tbs:g} TB/s, shared {gp.smem_sm_kb:g} KB/SM, cuBLAS eff {gp.cublas_eff:g}."
+              f"\n      source: {gp.source}")
+    print()
+    for r in results:
+        rec = r["rec"]
+        gpu = GPUS[rec["gpu"]]
+        print(f"--- MODEL {rec['loss']} on {rec['gpu']}, N = M = {rec['n']}, D = {d}; floor {rec['floor_ms']:.2f} ms "
+              f"({rec['floor_units']:g} units at {rec['peak_tflops']:g} TFLOP/s)")
+        _print_kernels(f"triton backend, fused kernels ({rec['fused_pct_peak']:.1f} % of peak):", r["fused"], gpu)
+        _print_kernels(f"triton backend, panel path ({rec['panel_pct_peak']:.1f} % of peak):", r["panel"], gpu)
+        nv = r["naive"]
+        fit = "" if rec["naive_fits"] else f"  DOES NOT FIT ({_fmt_b(r['naive_peak'])} > {gpu.mem_gb:g} GB)"
+        print(f"  naive formula {nv['ms']:.2f} ms (GEMMs {nv['gemm_ms']:.2f}, elementwise {nv['other_ms']:.2f}, "
+              f"{nv['launches']} launches), peak live {_fmt_b(r['naive_peak'])}{fit}")
+        tb = r["torch"]
+        if tb["launches"]:
+            print(f"  torch backend {tb['ms']:.2f} ms with fp32 GEMMs (TF32 allowed: {r['torch_tf32']['ms']:.2f}); "
+                  f"GEMMs {tb['gemm_ms']:.2f}, elementwise {tb['other_ms']:.2f}, {tb['launches']} launches "
+                  f"({tb['launch_ms']:.1f} ms), of which {rec['torch_norm_launches']} in the overflow-safe norms")
+        print(f"  backend=\"triton\" runs the {rec['path']} path here; faster triton path: "
+              f"{rec['triton_path_should_prefer']}; fastest of all: {rec['auto_should_prefer']}\n")
+    print("--- MODEL summary (ms; % of peak = floor / ms; triton = the path backend=\"triton\" takes on CUDA)")
+    print(f"  {'loss':9s} {'gpu':5s} {'N':>6s} {'floor':>7s} {'fused':>8s} {'panel':>8s} {'triton':>8s} {'%peak':>6s} "
+          f"{'pess.':>8s} {'naive':>8s} {'torch':>8s} {'tf32':>8s} {'fastest':13s}")
+    for r in results:
+        rec = r["rec"]
+        nv = f"{rec['naive_ms']:.1f}" if rec["naive_fits"] else "no fit"
+        print(f"  {rec['loss']:9s} {rec['gpu']:5s} {rec['n']:6d} {rec['floor_ms']:7.2f} {rec['fused_ms']:8.2f} "
+              f"{rec['panel_ms']:8.2f} {rec['ms']:8.2f} {rec['pct_peak']:6.1f} {rec['ms_pessimistic']:8.2f} {nv:>8s} "
+              f"{r['torch']['ms']:8.1f} {r['torch_tf32']['ms']:8.1f} {rec['auto_should_prefer']:13s}")
+    prefs: dict[str, set] = {}
+    for r in results:
+        prefs.setdefault(r["rec"]["gpu"], set()).add(r["rec"]["triton_path_should_prefer"])
+    for g, p in prefs.items():
+        print(f"  {g}: the model prefers the {'/'.join(sorted(p))} path of the triton backend for these problems")
+    if compare:
+        print("\n--- this model next to GPU_REVIEW.md's H100 table (N = M = 65536, D = 768, bf16; ms; the fused kernels)")
+        for r in results:
+            rec = r["rec"]
+            if rec["gpu"] != "H100" or rec["n"] != 65536:
+                continue
+            for k in r["fused"]["grouped"]:
+                rv = REVIEW.get((rec["loss"], k["kernel"]))
+                if rv:
+                    print(f"  {rec['loss']:9s} {k['kernel']:14s} model {k['ms']:8.2f}   review {rv}")
+            for key, val in (("total", rec["fused_ms"]), ("naive", rec["naive_ms_if_memory"]),
+                             ("torch", r["torch"]["ms"])):
+                rv = REVIEW.get((rec["loss"], key))
+                if rv:
+                    print(f"  {rec['loss']:9s} {key:14s} model {val:8.2f}   review {rv}")
+        print("  (the review's torch-backend figure assumes bf16 GEMMs; the torch backend computes bfloat16 inputs "
+              "in float32, see the assumptions. The naive formula here counts every N x M pass of its autograd "
+              "graph at HBM speed, fp32 logits as under bf16 autocast: about ten 17 GB passes at N = 65536)")
+    print()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="16384,65536", help="N = M values (comma-separated)")
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--gpus", default="A100,H100,H200")
+    ap.add_argument("--losses", default=",".join(LOSSES))
+    ap.add_argument("--no-compare", action="store_true", help="omit the comparison with GPU_REVIEW.md")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="skip the torch backend (its op count on the meta device takes ~1 s per 10k launches)")
+    args = ap.parse_args(argv)
+    results = []
+    for loss in args.losses.split(","):
+        for g in args.gpus.split(","):
+            for n in (int(x) for x in args.sizes.split(",")):
+                results.append(model_loss(loss, n, args.d, GPUS[g], with_torch=not args.no_torch))
+    print_report(results, args.d, not args.no_compare)
+    for r in results:
+        print(json.dumps(r["rec"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

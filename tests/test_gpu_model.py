@@ -1,0 +1,170 @@
+"""bench/gpu_model.py (a MODEL of GPU times from compiled artefacts): its output parses and its numbers
+pass checks computed here independently of the script.
+
+The script compiles kernels (``TRITON_INTERPRET=0``), so it runs in a subprocess (this session runs the
+interpreter, see conftest.py), once per module: two GPUs (sm_80 and sm_90) at the two sizes of the
+committed table, without the torch backend's op count (its tens of thousands of meta-device ops are
+the slow part; the committed output has it and is checked too).
+
+Independent checks: the floor is ``units x 2 N N D / peak`` with the units derived by hand from
+DESIGN.md (3 for InfoNCE and CLIP, 2 for symmetric SimCSE) and the peak read from the printed
+assumptions; no kernel is faster than its own FLOPs at peak; ``pct_peak = floor / ms``; the naive
+formula's fp32 logits are ``N x N x 4`` bytes; the tensor-core FLOPs the TTGIR walk finds equal the
+hand formula of each kernel (forward 2NMD, each backward kernel 4NMD); the L2 traffic of the streaming
+backward equals the loop structure written out by hand from kernels/lse.py; N = 65536 against 16384
+scales the matmul terms by 16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_model.py"
+COMMITTED = ROOT / "bench" / "results" / "gpu_model" / "gpu_model.txt"
+UNITS = {"info_nce": 3, "simcse": 2, "clip": 3}  # DESIGN.md: logits + one GEMM per gradient side; sym: 2
+D = 768
+
+
+def _run(args: list[str]) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
+                       timeout=900, check=False, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def fresh() -> str:
+    return _run(["--sizes", "16384,65536", "--gpus", "A100,H100", "--no-torch", "--no-compare"])
+
+
+def _records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _peaks(text: str) -> dict[str, float]:
+    return {m[1]: float(m[2]) for m in re.finditer(r"- (\w+): sm_\d+, \d+ SMs, .*? bf16 ([\d.]+) /", text)}
+
+
+def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None:
+    assert "MODEL - not a measurement" in text
+    recs = _records(text)
+    peaks = _peaks(text)
+    assert set(peaks) == gpus
+    keys = {"loss", "gpu", "n", "ms", "pct_peak", "floor_ms", "naive_ms"}
+    assert {(r["loss"], r["gpu"], r["n"]) for r in recs} == {(lo, g, n) for lo in UNITS for g in gpus for n in sizes}
+    for r in recs:
+        assert keys <= set(r), r
+        n = r["n"]
+        floor = UNITS[r["loss"]] * 2 * n * n * D / (peaks[r["gpu"]] * 1e12) * 1e3
+        assert r["floor_ms"] == pytest.approx(floor, rel=1e-4, abs=1e-4)
+        assert r["ms"] >= r["floor_ms"]
+        assert r["pct_peak"] == pytest.approx(100 * floor / r["ms"], rel=1e-3)
+        assert r["naive_logits_bytes"] == n * n * 4
+        if r["naive_fits"]:
+            assert r["naive_ms"] is not None and r["naive_ms"] > 0
+        else:
+            assert r["naive_ms"] is None
+        # the path backend="triton" takes on CUDA: the kernels plus the ATen ops around them
+        assert r["ms"] == (r["panel_ms"] if r["path"] == "panel" else r["fused_ms"])
+        assert sum(k["ms"] for k in r["kernels"]) + r["aten_ms"] == pytest.approx(r["ms"], rel=1e-3)
+        assert r["fused_ms"] >= r["floor_ms"] and r["panel_ms"] >= r["floor_ms"]
+        # the panel path's cuBLAS work (triton_panel.py's docstring): InfoNCE 3 units (eager sweep),
+        # symmetric SimCSE 2 (logits + H @ A; the forward is the fused kernel's unit), CLIP 3 (+ the kernel's)
+        assert r["panel_gemm_flops"] == {"info_nce": 3, "simcse": 2, "clip": 3}[r["loss"]] * 2 * n * n * D
+        # core/norms.py's float64 route on CUDA: 4 launches (norm, clamp, cast, copy) per block of
+        # floor(2^18 / D) rows, once per distinct embedding tensor (A and B; once when B is A)
+        calls = 1 if r["loss"] == "simcse" else 2
+        assert r["panel_norm_launches"] == calls * 4 * -(-n // ((1 << 18) // D))
+        for k in r["kernels"] + r["fused_kernels"]:
+            assert k["ms"] * 1e-3 >= k["flops"] / (peaks[r["gpu"]] * 1e12), k
+            hand = {"lse_fwd": 2 * n * n * D, "lse_bwd_rows": 4 * n * n * D, "lse_bwd_cols": 4 * n * n * D}
+            if k["kernel"] in hand:
+                assert k["flops"] == hand[k["kernel"]], k
+        if with_torch:
+            assert r["torch_ms"] > 0 and r["torch_launches"] > 0
+    by = {(r["loss"], r["gpu"], r["n"]): r for r in recs}
+    for lo in UNITS:
+        for g in gpus:
+            small, big = by[(lo, g, 16384)], by[(lo, g, 65536)]
+            assert big["floor_ms"] / small["floor_ms"] == pytest.approx(16, rel=1e-3)
+            assert big["naive_gemm_flops"] == 16 * small["naive_gemm_flops"]
+            assert big["naive_gemm_ms"] / small["naive_gemm_ms"] == pytest.approx(16, rel=0.02)
+            for kb, ks in zip(big["fused_kernels"], small["fused_kernels"], strict=True):
+                if kb["kernel"].startswith("lse_"):
+                    assert kb["flops"] == 16 * ks["flops"]
+                    # matmul-bound kernels scale with the work (the wave tail of a small grid aside)
+                    assert 8 <= kb["ms"] / ks["ms"] <= 24, (lo, g, kb, ks)
+
+
+def test_fresh_output_passes_the_independent_checks(fresh):
+    _check(fresh, {"A100", "H100"}, {16384, 65536}, with_torch=False)
+
+
+def test_committed_output_passes_the_independent_checks():
+    text = COMMITTED.read_text()
+    assert text.startswith("$ python bench/gpu_model.py")  # the command that produced it
+    _check(text, {"A100", "H100", "H200"}, {16384, 65536}, with_torch=True)
+
+
+def test_streaming_backward_l2_bytes_follow_the_loop_structure(fresh):
+    # kernels/lse.py, lse_bwd_rows with D > 128 (streaming): per 64 x 64 tile the recompute loads both
+    # operand tiles over all of D, _accumulate loads the column operand again and read-modify-writes
+    # the fp32 scratch rows (the first column tile only stores). Plus per column tile the inverse
+    # norms of the columns. Block sizes: core/triton_configs.py (bwd, "big": 64 x 64 x 64, bf16).
+    bm = bn = 64
+    es = 2
+    for r in _records(fresh):
+        if r["loss"] != "info_nce":
+            continue
+        n = r["n"]
+        rows = next(k for k in r["fused_kernels"] if k["kernel"] == "lse_bwd_rows")
+        assert rows["block"] == "M64 N64 D64"
+        tiles = (n // bm) * (n // bn)
+        per_tile = (bm + 2 * bn) * D * es + 2 * bm * D * 4
+        hand = tiles * per_tile
+        assert rows["l2_bytes"] == pytest.approx(hand, rel=0.02), (rows["l2_bytes"], hand)
+
+
+def test_ttgir_walk_counts_ops_times_enclosing_trip_counts():
+    # a hand-written TTGIR: an outer loop over M (step 64), an inner loop over D (step 32) with one
+    # 64x32 bf16 load, one dot 64x64x32 and one exp of a 64x64 tile per inner iteration, a store after
+    code = r'''
+import json, sys
+sys.path.insert(0, "bench")
+import gpu_model as G
+ir = """#mma = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [4, 2], instrShape = [16, 8]}>
+module {
+  tt.func public @k() {
+    %r = scf.for %j0 = %c0_i32 to %M step %c64_i32 iter_args(%x = %y) -> (f32)  : i32 {
+      %q = scf.for %d0 = %c0_i32 to %D step %c32_i32 iter_args(%z = %w) -> (f32)  : i32 {
+        %a = tt.load %p : tensor<64x32x!tt.ptr<bf16>, #blocked>
+        %c = tt.dot %a1, %b1, %acc : tensor<64x32xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>> * tensor<32x64xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 2}>> -> tensor<64x64xf32, #mma>
+        %e = math.exp %c : tensor<64x64xf32, #mma>
+        scf.yield %z : f32
+      }
+      tt.store %o, %v : tensor<64x!tt.ptr<f32>, #blocked>
+      scf.yield %x : f32
+    }
+    tt.return
+  }
+}"""
+print(json.dumps(G.walk_ttgir(ir, dict(M=640, D=96))))
+'''
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    w = json.loads(r.stdout.strip().splitlines()[-1])
+    outer, inner = 640 // 64, 96 // 32
+    assert w["gload"] == outer * inner * 64 * 32 * 2
+    assert w["flops"] == outer * inner * 2 * 64 * 64 * 32
+    assert w["exp"] == outer * inner * 64 * 64
+    assert w["gstore"] == outer * 64 * 4

@@ -1,0 +1,116 @@
+"""``check --gpu-validate`` (fused_contrastive/gpu_validate.py), run here on the CPU under the Triton
+interpreter at tiny shapes: the same code path the first GPU run takes (parity against the float64
+oracle with NaN-filled outputs and scratch, bitwise reruns, fp16 against fp32, timings), and planted
+faults (a wrong oracle, a kernel output row left unwritten) that must turn the verdict to FAIL.
+
+Shapes: N = 37 with D = 20 (one D chunk, the resident backward) and N = 70 with D = 130 (D_PAD = 256:
+the streaming backward with the fp32 scratch), both ragged against the 64-row blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fused_contrastive import __main__ as cli
+from fused_contrastive import gpu_validate as GV
+from fused_contrastive.core import triton_backend as TB
+
+SHAPES = ((37, 20), (70, 130))
+
+
+def _plan(**kw) -> GV.Plan:
+    base = dict(parity_shapes=SHAPES, dtypes=(torch.bfloat16,), determinism_shape=(70, 130),
+                determinism_runs=2, fp16_shape=(8, 300, 24), timing_sizes=(40,), timing_d=16, timing_repeats=1,
+                ncu=False)
+    base.update(kw)
+    return GV.Plan(**base)
+
+
+def test_checks_pass_on_the_interpreter(capsys):
+    rep = GV.validate("cpu", _plan(), allow_cpu=True)
+    out = capsys.readouterr().out
+    assert rep.ok, out
+    checks = [r.check for r in rep.results]
+    # 3 losses x 2 triton paths x shapes x dtypes; reruns per loss and path; fp16 per path
+    assert sum(c.startswith("parity") for c in checks) == 3 * 2 * len(SHAPES)
+    assert {c.split()[2] for c in checks if c.startswith("parity")} == {"fused", "panel"}
+    assert sum(c.startswith("determinism") for c in checks) == 3 * 2
+    assert sum(c.startswith("fp16 vs fp32") for c in checks) == 2
+    assert "verdict: PASS" in out
+    # every timing was measured (nothing ran out of memory here) and auto's preference is one of ours
+    assert all(v is not None and v > 0 for row in rep.timings.values() for v in row.values())
+    assert set(rep.prefer) == set(GV.LOSSES)
+    assert set(rep.prefer.values()) <= {"triton/fused", "triton/panel", "torch"}
+
+
+def test_a_wrong_oracle_fails_the_verdict(capsys):
+    def wrong(case, inputs, device):
+        loss, grads = GV.float64_oracle(case, inputs, device)
+        return loss * 1.01, grads  # a 1 % error in the truth: far outside the fp32 tolerance
+
+    rep = GV.validate("cpu", _plan(losses=("info_nce",), parity_shapes=SHAPES[:1], dtypes=(torch.float32,),
+                                   determinism_runs=0, fp16_shape=None, timing_sizes=()),
+                      oracle=wrong, allow_cpu=True)
+    assert not rep.ok
+    assert [r.ok for r in rep.results] == [False, False]  # both paths
+    assert all("oracle suspect" in r.detail for r in rep.results)
+    assert "verdict: FAIL" in capsys.readouterr().out
+
+
+def test_an_unwritten_kernel_output_fails_the_verdict(monkeypatch):
+    # kernels that "forget" part of their output (the dA kernel its first row, the panel kernel its first
+    # row of DL): the NaN pre-fill must surface as a parity failure on each path
+    orig = TB._launch
+
+    def forgetful(lz):
+        if lz.name == "panel_dl":
+            lz = lz._replace(args={**lz.args, "P": lz.args["P"] - 1, "r0": lz.args["r0"] + 1,
+                                   "L": lz.args["L"][1:], "DL": lz.args["DL"][1:], "RSP": lz.args["RSP"][1:]})
+        orig(lz)
+        if lz.name == "lse_bwd_rows":
+            lz.args["DA"][0] = float("nan")
+
+    monkeypatch.setattr(TB, "_launch", forgetful)
+    rep = GV.validate("cpu", _plan(losses=("info_nce",), parity_shapes=SHAPES[1:], dtypes=(torch.float32,),
+                                   determinism_runs=0, fp16_shape=None, timing_sizes=()), allow_cpu=True)
+    assert [r.ok for r in rep.results] == [False, False]
+    assert all("inf" in r.detail for r in rep.results), [r.detail for r in rep.results]
+
+
+def test_the_poison_fills_scratch_and_outputs_with_nan():
+    # the wrapper's NaN fill reaches the streaming backward's fp32 scratch (ACC), which the launcher
+    # allocates with torch.empty: seen by a launch that records what it was given
+    seen = {}
+    orig = TB._launch
+
+    def spy(lz):
+        if lz.name == "lse_bwd_rows":
+            seen["acc_nan"] = bool(torch.isnan(lz.args["ACC"]).all())
+        orig(lz)
+
+    TB._launch = spy
+    try:
+        with GV.kernels_only(), GV.poisoned_launches():
+            q = torch.randn(70, 130, requires_grad=True)
+            k = torch.randn(70, 130, requires_grad=True)
+            import fused_contrastive as fc
+
+            fc.info_nce(q, k, temperature=0.1, backend="triton").backward()
+    finally:
+        TB._launch = orig
+    assert seen == {"acc_nan": True}
+    assert math.isfinite(float(q.grad.abs().sum()))
+
+
+def test_check_gpu_validate_without_cuda_exits_2(capsys):
+    assert cli.main(["check", "--gpu-validate", "--device", "cpu"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_help_documents_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--help"])
+    assert "--gpu-validate" in capsys.readouterr().out
