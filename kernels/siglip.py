@@ -30,8 +30,12 @@ A != B backward; forward 1).
 Numerics: ``softplus(w) = max(w, 0) + log1p(exp(-|w|))``, with ``log1p(e) = log(u) * e / (u - 1)``,
 ``u = 1 + e`` (exact to a few ulps for tiny ``e``, where ``log(1 + e)`` would round to 0), and
 ``sigmoid(w)`` as ``1 / (1 + e)`` or ``e / (1 + e)`` with ``e = exp(-|w|)`` (no exp overflows):
-finite for every finite ``w`` (scales of 1e4 included). The upstream gradients are divided by ``gscale = max |g|`` before the fp16/bf16 cast of the gradient matmul's
-operand (as in the core kernels). Padding rows / columns are masked out of every sum.
+finite for every finite ``w`` (scales of 1e4 included). The upstream gradients are divided by
+``gscale = max |g|`` before the fp16/bf16 cast of the gradient matmul's operand, so ``|dz| <= 1``, and,
+as in the core kernels, ``dz`` is multiplied by the power of two ``PRESCALE`` (2^13 for fp16, else 1;
+``triton_backend.prescale``) before that cast and divided out in the fp32 epilogue: a negative pair's
+``sigmoid(z)`` (~4.5e-5 at SigLIP's initial bias -10) is below fp16's smallest normal number.
+Padding rows / columns are masked out of every sum.
 
 Supported: any N, M, D, fp32 / fp16 / bf16 (fp32 accumulation, tf32x3 dots for fp32), row strides,
 int64 offsets. Launch configs: the core kernels' table (``core/triton_configs.py``: "fwd", "bwd_rows",
@@ -111,7 +115,7 @@ def siglip_bwd_rows_kernel(
     N, M, D, stride_a, stride_sa, stride_sb, stride_da, offset, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, NEED_DB: tl.constexpr,
-    RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
 ):
     """dX for one block of rows (grid: cdiv(N, BLOCK_M)), and this block's shares of ds and db.
 
@@ -149,13 +153,13 @@ def siglip_bwd_rows_kernel(
         # 4. dX_I += dz @ Y_hat_J
         if NEED_DX:
             acc = _accumulate(acc, ACC, dz, SB, stride_sb, rows, rsb, cols, N, M, D, j0,
-                              BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
+                              BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
     if NEED_DB:
         tl.store(DB_PART + pid, tl.sum(db_acc, axis=0))
     if NEED_DX:
-        _norm_bwd_epilogue(A, DA, ACC, NA, RA, rows, N, D, stride_a, stride_da, acc, s * gs, eps,
+        _norm_bwd_epilogue(A, DA, ACC, NA, RA, rows, N, D, stride_a, stride_da, acc, s * gs / PRESCALE, eps,
                            BLOCK_M, BLOCK_D, NORMALIZE, RESIDENT)
 
 
@@ -166,6 +170,7 @@ def siglip_bwd_cols_kernel(
     N, M, D, stride_b, stride_sa, stride_sb, stride_db, offset, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    PRESCALE: tl.constexpr,
 ):
     """dY for one block of columns (grid: cdiv(M, BLOCK_N)): for each row block I, recompute the tile
     and dz (same code as the row kernel), dY_J += dz^T @ X_hat_I. Epilogue as the row kernel's."""
@@ -188,6 +193,6 @@ def siglip_bwd_cols_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
         dz = _dz(cos, s, b, g_r, rows, cols, N, M, offset)
         acc = _accumulate(acc, ACC, tl.trans(dz), SA, stride_sa, cols, rsa, rows, M, N, D, i0,
-                          BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
-    _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, M, D, stride_b, stride_db, acc, s * gs, eps,
+                          BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
+    _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, M, D, stride_b, stride_db, acc, s * gs / PRESCALE, eps,
                        BLOCK_N, BLOCK_D, NORMALIZE, RESIDENT)

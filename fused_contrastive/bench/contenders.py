@@ -53,31 +53,6 @@ class Contender:
     note: str = ""
 
 
-def siglip_formula(image: Tensor, text: Tensor, logit_scale, logit_bias) -> Tensor:
-    """open_clip's ``SigLipLoss`` (world size 1) on normalised features: the N x N logits, labels
-    ``2 eye - 1``, ``-logsigmoid(labels * logits).sum() / N``."""
-    x = torch.nn.functional.normalize(image, dim=-1)
-    y = torch.nn.functional.normalize(text, dim=-1)
-    logits = logit_scale * x @ y.T + logit_bias
-    n = logits.shape[0]
-    labels = 2 * torch.eye(n, device=logits.device, dtype=logits.dtype) - 1
-    return -torch.nn.functional.logsigmoid(labels * logits).sum() / n
-
-
-#: Baselines of the cases added after ``testing.baselines`` (same :class:`Baseline` records).
-_MORE_BASELINES: dict[str, list[Baseline]] = {
-    "siglip": [
-        Baseline("formula", "formula",
-                 lambda x: siglip_formula(x["image"], x["text"], x["logit_scale"], x["logit_bias"]),
-                 "open_clip SigLipLoss: s x @ y.T + b, labels 2 eye - 1, -logsigmoid(labels * logits).sum() / N"),
-    ],
-}
-
-
-def _baselines(name: str) -> list[Baseline]:
-    return BASELINES.get(name, []) + _MORE_BASELINES.get(name, [])
-
-
 def _ours(case: Case, backend: str) -> Callable[[dict[str, Any]], Tensor]:
     return lambda x: case.fn(**x, backend=backend)
 
@@ -97,7 +72,7 @@ def contenders(case: Case) -> list[Contender]:
                   time_order=2 if case.logits is not None else 1, backend="torch"),  # CoSENT: O(N log N)
         Contender("triton", "ours", _ours(case, "triton"),
                   'fused_contrastive backend="triton" (fused kernels, CUDA)', 1, backend="triton"),
-    ] + [_baseline(b) for b in _baselines(case.name)] + _compiled_contenders(case)
+    ] + [_baseline(b) for b in BASELINES.get(case.name, [])] + _compiled_contenders(case)
 
 
 def _compiled(fn: Callable[[dict[str, Any]], Tensor]) -> Callable[[dict[str, Any]], Tensor]:
@@ -117,7 +92,7 @@ def _compiled_contenders(case: Case) -> list[Contender]:
     out = [Contender("torch-compiled", "compiled", _compiled(_ours(case, "torch")),
                      'torch.compile of fused_contrastive backend="torch" (the registered custom ops)', 1,
                      time_order=2 if case.logits is not None else 1, backend="torch")]
-    for b in _baselines(case.name):
+    for b in BASELINES.get(case.name, []):
         if b.kind == "formula":
             out.append(Contender("formula-compiled", "compiled", _compiled(b.fn),
                                  f"torch.compile of the textbook formula ({b.source})", b.memory_order, b.time_order,

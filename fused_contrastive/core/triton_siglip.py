@@ -107,7 +107,8 @@ def siglip_bwd(p: _Prepared, scale, bias, g: Tensor, offset: int, eps: float, ne
             dict(A=x, SA=p.sx, SB=p.sy, RA=rx, NA=nx, RSA=rsx, RSB=rsy, **common, DA=dxb, ACC=acc,
                  DS_PART=ds_part, DB_PART=db_part, stride_a=x.stride(0), stride_da=dxb.stride(0) if need_x else 0),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p), NEED_DX=bool(need_x),
-                 NEED_DS=bool(need_s), NEED_DB=bool(need_b), RESIDENT=resident),
+                 NEED_DS=bool(need_s), NEED_DB=bool(need_b), RESIDENT=resident,
+                 PRESCALE=TB.prescale(x.dtype)),
             cfg.num_warps, cfg.num_stages))
         dx = dxb if need_x else None
         ds = ds_part.sum() * gs.reshape(()) if need_s else None
@@ -120,7 +121,8 @@ def siglip_bwd(p: _Prepared, scale, bias, g: Tensor, offset: int, eps: float, ne
             "siglip_bwd_cols", K.siglip_bwd_cols_kernel, (triton.cdiv(m, cfg.block_n),),
             dict(B=y, SA=p.sx, SB=p.sy, RB=ry, NB=ny, RSA=rsx, RSB=rsy, **common, DB=dy, ACC=acc,
                  stride_b=y.stride(0), stride_db=dy.stride(0)),
-            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p), RESIDENT=resident),
+            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p), RESIDENT=resident,
+                 PRESCALE=TB.prescale(y.dtype)),
             cfg.num_warps, cfg.num_stages))
     return dx, dy, ds, db
 

@@ -161,6 +161,14 @@ def clip_formula(a: Tensor, b: Tensor, logit_scale: float) -> Tensor:
     return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
 
+def siglip_formula(image: Tensor, text: Tensor, logit_scale, logit_bias) -> Tensor:
+    """open_clip's ``SigLipLoss`` on one device, on normalised features: the N x N logits
+    ``s x @ y.T + b``, labels ``2 eye - 1``, ``-logsigmoid(labels * logits).sum() / N``."""
+    logits = logit_scale * F.normalize(image, dim=-1) @ F.normalize(text, dim=-1).T + logit_bias
+    labels = 2 * torch.eye(logits.shape[0], device=logits.device, dtype=logits.dtype) - 1
+    return -F.logsigmoid(labels * logits).sum() / logits.shape[0]
+
+
 def seed_cosent(scores: Tensor, labels: Tensor, scale: float = 20.0) -> Tensor:
     """Seed 001 (= sentence-transformers' CoSENTLoss): scaled score differences kept where the label
     order holds (``- 1e12`` elsewhere), a 0 prepended, logsumexp: a B x B matrix."""
@@ -300,6 +308,11 @@ BASELINES: dict[str, list[Baseline]] = {
     "clip": [
         Baseline("formula", "formula", lambda x: clip_formula(x["a"], x["b"], x["logit_scale"]),
                  "open_clip ClipLoss: (CE(l, arange) + CE(l.T, arange)) / 2"),
+    ],
+    "siglip": [
+        Baseline("formula", "formula",
+                 lambda x: siglip_formula(x["image"], x["text"], x["logit_scale"], x["logit_bias"]),
+                 "open_clip SigLipLoss: s x @ y.T + b, labels 2 eye - 1, -logsigmoid(labels * logits).sum() / N"),
     ],
     "cosent": [
         Baseline("formula", "formula", lambda x: cosent_formula(x["u"], x["v"], x["labels"], x["scale"]),
