@@ -391,3 +391,113 @@ def cosent_pairs(u: Tensor, v: Tensor, labels: Tensor, scale, normalize: bool, e
     op = _triton_cosent_op("pairs") if backend == "triton" and u.device.type == "cuda" else _cosent_pairs_op
     return op(u, v, labels, st, 0.0 if st is not None else float(scale), normalize, eps, backend,
               _needs(u, v, st))[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# SigLIP
+# ------------------------------------------------------------------------------------------------
+
+
+def _siglip_fn(backend: str):
+    if backend == "triton":
+        from .core.triton_siglip import TritonSigLipFn
+
+        return TritonSigLipFn
+    from .core.siglip import SigLipFn
+
+    return SigLipFn
+
+
+def _siglip_forward(fn, image, text, scale_t, scale_f, bias_t, bias_f, normalize, eps, offset, reduce, weight,
+                    need):
+    ctx = _Ctx((need[0], need[1], need[2] and scale_t is not None, need[3] and bias_t is not None) + (False,) * 5)
+    out = fn.forward(ctx, image, text, scale_t if scale_t is not None else scale_f,
+                     bias_t if bias_t is not None else bias_f, normalize, eps, offset, reduce, weight)
+    return ctx, out
+
+
+def _siglip_grads(grads, image, text, scale_t, bias_t, need) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dev = image.device
+    gx, gy, gs, gb = grads
+    return (_grad_or_empty(gx, image, need[0], dev), _grad_or_empty(gy, text, need[1], dev),
+            _grad_or_empty(gs, scale_t, need[2], dev), _grad_or_empty(gb, bias_t, need[3], dev))
+
+
+def _siglip_impl(image: Tensor, text: Tensor, scale_t: Tensor | None, scale_f: float, bias_t: Tensor | None,
+                 bias_f: float, normalize: bool, eps: float, offset: int, reduce: bool, weight: float, backend: str,
+                 need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """SigLIP's loss (``reduce``: ``weight * sum``, 0-dim; else [N]); for ``reduce`` also the gradients
+    for an upstream gradient of 1 (the registered backward scales them), for per-row losses empty
+    tensors (the backward recomputes through ``siglip_backward``)."""
+    fn = _siglip_fn(backend)
+    ctx, out = _siglip_forward(fn, image, text, scale_t, scale_f, bias_t, bias_f, normalize, eps, offset, reduce,
+                               weight, need)
+    grads = (None,) * 4
+    if reduce and any(need):
+        grads = fn.backward(ctx, torch.ones((), dtype=out.dtype, device=out.device))[:4]
+    return (out, *_siglip_grads(grads, image, text, scale_t, bias_t, [n and reduce for n in need]))
+
+
+def _siglip_backward_impl(image: Tensor, text: Tensor, scale_t: Tensor | None, scale_f: float, bias_t: Tensor | None,
+                          bias_f: float, normalize: bool, eps: float, offset: int, weight: float, backend: str,
+                          need: list[bool], go: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of the per-row SigLIP losses for the upstream gradients ``go`` [N] (recomputes)."""
+    fn = _siglip_fn(backend)
+    ctx, _ = _siglip_forward(fn, image, text, scale_t, scale_f, bias_t, bias_f, normalize, eps, offset, False,
+                             weight, need)
+    return _siglip_grads(fn.backward(ctx, go)[:4], image, text, scale_t, bias_t, need)
+
+
+_siglip_op = torch.library.custom_op("fused_contrastive::siglip", _siglip_impl, mutates_args=())
+_siglip_backward_op = torch.library.custom_op("fused_contrastive::siglip_backward", _siglip_backward_impl,
+                                              mutates_args=())
+
+
+@_siglip_op.register_fake
+def _(image, text, scale_t, scale_f, bias_t, bias_f, normalize, eps, offset, reduce, weight, backend, need):
+    dev = image.device
+    out = image.new_empty(() if reduce else (image.shape[0],), dtype=compute_dtype(image, text))
+    return (out, _fake_grad(image, need[0] and reduce, dev), _fake_grad(text, need[1] and reduce, dev),
+            _fake_grad(scale_t, need[2] and reduce, dev), _fake_grad(bias_t, need[3] and reduce, dev))
+
+
+@_siglip_backward_op.register_fake
+def _(image, text, scale_t, scale_f, bias_t, bias_f, normalize, eps, offset, weight, backend, need, go):
+    dev = image.device
+    return (_fake_grad(image, need[0], dev), _fake_grad(text, need[1], dev), _fake_grad(scale_t, need[2], dev),
+            _fake_grad(bias_t, need[3], dev))
+
+
+def _siglip_setup(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.args = inputs
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[4], *output[1:])
+
+
+def _siglip_autograd_backward(ctx, go, *_unused):
+    image, text, scale_t, bias_t, *eager = ctx.saved_tensors
+    _, _, _, scale_f, _, bias_f, normalize, eps, offset, reduce, weight, backend, need = ctx.args
+    if reduce:
+        grads = [g * go.to(g.dtype) if g.numel() else None for g in eager]
+    else:
+        grads = list(_siglip_backward_op(image, text, scale_t, scale_f, bias_t, bias_f, normalize, eps, offset,
+                                         weight, backend, need, go))
+    out = [None] * 13
+    for i, pos in enumerate((0, 1, 2, 4)):
+        if ctx.needs_input_grad[pos] and grads[i] is not None and grads[i].numel():
+            out[pos] = grads[i]
+    return tuple(out)
+
+
+_siglip_op.register_autograd(_siglip_autograd_backward, setup_context=_siglip_setup)
+
+
+def siglip(image: Tensor, text: Tensor, scale, bias, normalize: bool, eps: float, offset: int, reduce: bool,
+           weight: float, backend: str = "torch") -> Tensor:
+    """SigLIP as ``fused_contrastive::siglip`` (what ``siglip_loss`` calls under torch.compile / export):
+    the contract of ``core.siglip.SigLipFn`` on the torch or triton backend."""
+    st = scale if isinstance(scale, Tensor) else None
+    bt = bias if isinstance(bias, Tensor) else None
+    return _siglip_op(image, text, st, 0.0 if st is not None else float(scale), bt,
+                      0.0 if bt is not None else float(bias), normalize, eps, offset, reduce, weight, backend,
+                      _needs(image, text, st, bt))[0]

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import _validate as V
 from . import distributed as D
+from . import ops
 from ._backend import resolve
 from .core import reference as ref
 from .core.siglip import SigLipFn
@@ -123,12 +124,18 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias, *, normali
         out = reference(image, text, s, b, normalize, "none" if grp is not None else reduction, offset=off)
     else:
         keep = reduction != "none"
-        weight = 1.0 / n if (reduction == "mean" and grp is None) else 1.0
+        # a mean is the sum with weight 1/N; under torch.compile the weight is 1 and the sum is divided
+        # afterwards (a weight 1/N would be a constant of the compiled graph: one recompile per N)
+        per_n = reduction == "mean" and grp is None and not ops.tracing_route()
+        weight = 1.0 / n if per_n else 1.0
         if be == "triton":
             from .core.triton_siglip import TritonSigLipFn as fn
         else:
             fn = SigLipFn
-        out = fn.apply(image, text, s, b, normalize, _EPS, off, keep, weight)
+        if ops.tracing_route():  # torch.compile / export: one opaque operator (no guard on N)
+            out = ops.siglip(image, text, s, b, normalize, _EPS, off, keep, weight, be)
+        else:
+            out = fn.apply(image, text, s, b, normalize, _EPS, off, keep, weight)
         if grp is None:
-            return out
+            return out / n if (reduction == "mean" and not per_n) else out
     return _per_rank(out, reduction, n_total, world) if grp is not None else out

@@ -111,6 +111,23 @@ def test_opcheck_cosent(name, n):
     torch.library.opcheck(op, args)
 
 
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("tensors", [True, False], ids=["tensor_scale_bias", "float_scale_bias"])
+def test_opcheck_siglip(reduce, tensors, path):
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randn(17, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    st = torch.tensor(7.0, dtype=torch.float64, requires_grad=True) if tensors else None
+    bt = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True) if tensors else None
+    args = (x, y, st, 0.0 if tensors else 7.0, bt, 0.0 if tensors else -2.0, True, 1e-12, 3, reduce, 1 / 17, "torch",
+            [True, True, tensors, tensors])
+    torch.library.opcheck(torch.ops.fused_contrastive.siglip.default, args)
+    if not reduce:
+        go = torch.randn(17, generator=g, dtype=torch.float64)
+        torch.library.opcheck(torch.ops.fused_contrastive.siglip_backward.default,
+                              (*[a.detach() if isinstance(a, torch.Tensor) else a for a in args[:9]], 1 / 17, "torch",
+                               [True, True, tensors, tensors], go))
+
+
 def test_triton_op_has_the_core_schema():
     """``triton_core`` infers its schema from a typed signature; it must stay ``core``'s."""
     pytest.importorskip("triton")
@@ -177,7 +194,7 @@ def test_compiled_matches_eager_aot_eager(name, path):
 
 # one case per public loss function under Inductor (its CPU C++ compile takes seconds per graph)
 _INDUCTOR = ["info_nce_none", "clip_scale", "simcse", "simcse_sup_hard", "supcon_queue_in", "dscl_queue",
-             "cosent", "cosent_scores"]
+             "cosent", "cosent_scores", "siglip"]
 
 
 @pytest.mark.parametrize("name", _INDUCTOR)
@@ -228,10 +245,12 @@ def _module_inputs(n: int, g: torch.Generator):
         "DSCLLoss": (fnn.DSCLLoss(), (r(n, 2, D),), (labels,)),
         "CoSENTLoss": (fnn.CoSENTLoss(), (r(n, D), r(n, D)), (torch.rand(n, generator=g, dtype=torch.float64),)),
         "CLIPLoss": (fnn.CLIPLoss().double(), (r(n, D), r(n, D)), ()),
+        "SigLIPLoss": (fnn.SigLIPLoss().double(), (r(n, D), r(n, D)), ()),
     }
 
 
-@pytest.mark.parametrize("module", ["InfoNCELoss", "SimCSELoss", "SupConLoss", "DSCLLoss", "CoSENTLoss", "CLIPLoss"])
+@pytest.mark.parametrize("module", ["InfoNCELoss", "SimCSELoss", "SupConLoss", "DSCLLoss", "CoSENTLoss", "CLIPLoss",
+                                    "SigLIPLoss"])
 def test_nn_module_compiles(module):
     assert set(_module_inputs(3, torch.Generator())) == set(fnn.__all__)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
