@@ -164,6 +164,8 @@ def test_bad_arguments_are_named():
         fo.ClipLoss(rank=0, world_size=2)(img, txt, s)
     with pytest.raises(ValueError, match="logit_scale"):
         fo.ClipLoss()(img, txt, -1.0)
+    with pytest.raises(ValueError, match="logit_bias"):  # a per-column bias does not cancel
+        fo.ClipLoss()(img, txt, s, torch.zeros(4, dtype=torch.float64))
 
 
 def test_importing_the_integration_does_not_import_open_clip():

@@ -79,7 +79,13 @@ def _gathered(x: Tensor, with_grad: bool, keep_local: bool, name: str) -> tuple[
 
 def _with_zero_grad(loss: Tensor, logit_bias) -> Tensor:
     """A bias added to every logit of a softmax row cancels: its gradient is exactly 0. Keep it in the
-    graph (as open_clip's autograd does) so that an optimiser sees a zero gradient, not None."""
+    graph (as open_clip's autograd does) so that an optimiser sees a zero gradient, not None. Only a
+    scalar bias cancels: anything else raises (a per-column bias would change the loss)."""
+    if isinstance(logit_bias, Tensor) and logit_bias.numel() != 1:
+        raise ValueError(f"ClipLoss: logit_bias must be None, a number or a one-element tensor (a scalar "
+                         f"cancels in the softmax), got shape {tuple(logit_bias.shape)}")
+    if logit_bias is not None and not isinstance(logit_bias, (Tensor, int, float)):
+        raise TypeError(f"ClipLoss: logit_bias must be None, a number or a tensor, got {type(logit_bias).__name__}")
     if isinstance(logit_bias, Tensor) and logit_bias.requires_grad:
         return loss + 0.0 * logit_bias.sum()
     return loss
