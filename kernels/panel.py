@@ -22,22 +22,32 @@ consume (``dA_P = DL @ B_op``, ``dB += DL^T @ A_hat_P``). Math (``spec.py``, ``l
   (below 6.1e-5) for most entries at large M; scaling by 2^13 before the cast keeps them normal.
   ``|h| <= 3`` (``<= 6`` on the symmetric path) after the division by gscale, so
   ``6 * 2^13 = 49152 < 65504``: no overflow. The host divides the GEMM output by PRESCALE in fp32.
-* ``EAGER`` (a summed loss without a column term, A != B): the panel spans whole rows, so each row's
-  LSE (and LSEpos) is complete inside the panel. A first loop over the columns forms them (written to
+* ``EAGER`` (a summed loss without a column term): the panel spans whole rows, so each row's LSE (and
+  LSEpos) is complete inside the panel. A first loop over the columns forms them (written to
   ``LSE_OUT`` / ``LSE_POS_OUT``), a second forms DL with ``g`` = the coefficients (the upstream
   gradient of a sum is a scalar, applied later): the forward's sweep produces the gradient.
-* Otherwise the statistics (``LSE``, ``LSE_COL``, ``LSE_POS``) come from the forward and one loop
-  forms DL.
+* ``ONE_PASS`` (EAGER without positives' softmax, unit rows, bf16 / fp32 DL): one loop. Every logit is
+  at most ``c = |s|`` (+ the bias when positive), so ``e_ij = exp(l_ij - c)`` is in (0, 1] and needs no
+  running maximum: the loop stores ``DL_ij = e_ij`` (times rb_j when folding) while summing
+  ``z_i = sum_j e_ij`` (and ``t_i = sum_j e_ij cos_ij`` for the temperature gradient); then
+  ``LSE_i = c + log z_i`` and the row weight ``W_i = g_i / (gscale z_i)``: ``g_i p_ij = W_i e_ij``, and
+  the host applies W to the GEMMs' P x D operands and outputs (O(P D) work instead of a second read
+  of the fp32 panel). Precision: ``e_ij`` is rounded once to the operand dtype, as DL is otherwise.
+  When a row's ``z_i < 2^-64`` (every logit of the row more than ~44 below c, so its relevant
+  ``e_ij`` may be subnormal or flushed; impossible for ``|s| + bias <= 22``: then ``z_i >= e^{-2c}``),
+  its block of rows is redone exactly by the two loops of EAGER (a runtime branch; W = 1 there).
+  Without ONE_PASS, W_OUT is 1.
 
 One program owns BLOCK_R rows of the panel and walks all M columns in BLOCK_C chunks (so EAGER can
 finish a row's LSE before its DL), writing each element of DL once: deterministic, no atomics. The
 temperature gradient ``sum_ij dl_ij cos_ij`` is summed per program into ``DS_PART`` (fixed order).
 
-Bytes per panel (P rows, M columns, operand element size e): reads ``4 P M`` (EAGER: ``8 P M``, two
-loops over Lraw) plus, with a dense positive mask, ``P M`` (uint8) or ``4 P M`` (float weights) per loop
+Bytes per panel (P rows, M columns, operand element size e): reads ``4 P M`` (two-pass EAGER: ``8 P M``,
+two loops over Lraw) plus, with a dense positive mask, ``P M`` (uint8) or ``4 P M`` (float weights) per loop
 (L2-resident when the mask is periodic), writes ``e P M``; O(P + M) of vectors. FLOPs per logit: a
-few dozen, 1-6 exps (one per statistic with a gradient, doubled by SYM). The GEMMs and the workspace
-are accounted in ``triton_panel.py``'s docstring.
+few dozen, 1-6 exps (one per statistic with a gradient, doubled by SYM; ONE_PASS: 1). The GEMMs and
+the workspace are accounted in ``triton_panel.py``'s docstring. ``panel_rows_kernel`` is the row-wise
+epilogue of the GEMMs (the normalisation backward of dA or dB and the weighted dB operand).
 """
 
 import triton
@@ -58,38 +68,20 @@ def _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride
     return cos, l, rb
 
 
+#: The one-pass sweep's fallback threshold: a row block is redone in two passes when a row's sum
+#: z_i = sum_j exp(l_ij - c) is below 2^-64 (see ONE_PASS in the module docstring).
+ONE_PASS_MIN_Z = tl.constexpr(5.421010862427522e-20)
+
+
 @triton.jit
-def panel_dl_kernel(
-    L, DL, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART,
-    M, r0, P, stride_l, stride_dl, offset, bias, n0, m0, stride_pm,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
-    EAGER: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr,
-):
-    """DL (the gradient tile of panel rows [r0, r0 + P), operand dtype) from the raw products L [P, M].
-
-    Grid: cdiv(P, BLOCK_R). Row vectors (LSE, G, labels, bias columns) are indexed by the global row
-    r0 + i, RSP by the panel row i; column vectors by the column. With EAGER, G / G_POS are the
-    coefficients and LSE_OUT / LSE_POS_OUT receive the rows' statistics.
-    """
-    pid = tl.program_id(0)
-    s = tl.load(SCALE).to(tl.float32)
-    gs = tl.load(GSCALE)
-    inv_gs = 1.0 / gs
-    loc = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    lmask = loc < P
-    rows = r0 + loc
-    n_end = r0 + P  # rows past the panel are padding (-inf logits)
-    rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
-    bias_c = rows
-    if HAS_BIAS:
-        bias_c = tl.load(BIAS_COL + rows, mask=lmask, other=-1)
-    lab_r = rows
-    if POS_KIND == 1:
-        lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
-
+def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, COL_LAB, POS_MASK,
+              loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M, stride_l, offset, n0, m0, stride_pm,
+              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
+              HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr,
+              HAS_GPOS: tl.constexpr, SYM: tl.constexpr, EAGER: tl.constexpr, NEED_DS: tl.constexpr,
+              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr):
+    """The exact sweep of a block of rows: the statistics (EAGER: a first loop; else the forward's),
+    then DL chunk by chunk. Returns the block's per-row temperature-gradient sums."""
     # 1. row statistics: from the forward, or (EAGER) from a first loop over this panel's full rows
     if EAGER:
         m_i = tl.full([BLOCK_R], NEG_INF, dtype=tl.float32)
@@ -139,7 +131,6 @@ def panel_dl_kernel(
 
     # 2. the gradient tile, chunk by chunk
     ds_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    dl_base = DL + loc.to(tl.int64)[:, None] * stride_dl
     for j0 in range(0, M, BLOCK_C):
         cols = j0 + tl.arange(0, BLOCK_C)
         cmask = cols < M
@@ -150,7 +141,8 @@ def panel_dl_kernel(
             lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
         lp = l
         if HAS_GPOS:
-            lp = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND, False)
+            lp = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
+                             False)
         lsec_c = lse_r  # placeholders when the column term is absent
         gc_c = g_r
         if HAS_GCOL:
@@ -183,5 +175,140 @@ def panel_dl_kernel(
         if FOLD_RB:
             out = out * rb[None, :]
         tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
+    return ds_acc
+
+
+@triton.jit
+def panel_dl_kernel(
+    L, DL, W_OUT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART,
+    M, r0, P, stride_l, stride_dl, offset, bias, n0, m0, stride_pm,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
+    EAGER: tl.constexpr, ONE_PASS: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
+    PRESCALE: tl.constexpr,
+):
+    """DL (the gradient tile of panel rows [r0, r0 + P), operand dtype) and the row weights W_OUT [P]
+    from the raw products L [P, M]: the true gradient tile is ``diag(W_OUT) DL`` (W_OUT = 1 except on
+    the one-pass sweep).
+
+    Grid: cdiv(P, BLOCK_R). Row vectors (LSE, G, labels, bias columns) are indexed by the global row
+    r0 + i, RSP and W_OUT by the panel row i; column vectors by the column. With EAGER, G / G_POS are
+    the coefficients and LSE_OUT / LSE_POS_OUT receive the rows' statistics.
+    """
+    pid = tl.program_id(0)
+    s = tl.load(SCALE).to(tl.float32)
+    gs = tl.load(GSCALE)
+    inv_gs = 1.0 / gs
+    loc = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    lmask = loc < P
+    rows = r0 + loc
+    n_end = r0 + P  # rows past the panel are padding (-inf logits)
+    rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
+    bias_c = rows
+    if HAS_BIAS:
+        bias_c = tl.load(BIAS_COL + rows, mask=lmask, other=-1)
+    lab_r = rows
+    if POS_KIND == 1:
+        lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
+    dl_base = DL + loc.to(tl.int64)[:, None] * stride_dl
+    if ONE_PASS:
+        # 0. one read of the panel: e_ij = exp(l_ij - c) with the fixed bound c >= every logit of
+        # the row (|s| for unit rows, + the bias), stored as DL (times rb_j when folding); the row's
+        # z_i = sum_j e_ij gives LSE_i = c + log z_i and the weight W_i = g_i / (gscale z_i)
+        c = tl.abs(s)
+        if HAS_BIAS:
+            c = c + tl.maximum(bias, 0.0)
+        z_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        t_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for j0 in range(0, M, BLOCK_C):
+            cols = j0 + tl.arange(0, BLOCK_C)
+            cmask = cols < M
+            cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
+                                       offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS)
+            e = tl.exp(l - c)
+            z_i += tl.sum(e, axis=1)
+            if NEED_DS:
+                t_i += tl.sum(e * cos, axis=1)
+            out = e
+            if FOLD_RB:
+                out = out * rb[None, :]
+            tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
+        ok = (z_i >= ONE_PASS_MIN_Z) | (loc >= P)
+        tl.store(LSE_OUT + rows, c + tl.log(z_i), mask=lmask)
+        z_safe = tl.where(ok & lmask, z_i, 1.0)
+        w_r = tl.where(lmask, tl.load(G + rows, mask=lmask, other=0.0) * inv_gs / z_safe, 0.0)
+        ds_acc = w_r * t_i
+        # a row whose logits all sit far below the bound (possible only for |s| + bias > 22): its
+        # small e_ij lost precision, so the block is redone exactly in two passes below
+        redo = tl.min(ok.to(tl.int32), axis=0) == 0
+        if redo:
+            ds_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT,
+                               COL_LAB, POS_MASK, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M,
+                               stride_l, offset, n0, m0, stride_pm,
+                               BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, POS_KIND, HAS_G, HAS_GCOL,
+                               HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE)
+            w_r = tl.full([BLOCK_R], 1.0, tl.float32)
+        tl.store(W_OUT + loc, w_r, mask=lmask)
+    else:
+        tl.store(W_OUT + loc, tl.full([BLOCK_R], 1.0, tl.float32), mask=lmask)
+        ds_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, COL_LAB,
+                           POS_MASK, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M, stride_l, offset,
+                           n0, m0, stride_pm,
+                           BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS,
+                           SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
+
+
+@triton.jit
+def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, stride_x, stride_o, stride_xw,
+                      eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, NORMALIZE: tl.constexpr,
+                      NEED_OUT: tl.constexpr, NEED_XW: tl.constexpr, PRESCALE: tl.constexpr):
+    """The row-wise epilogue of a panel's GEMMs, R rows of D (one launch instead of a dozen ATen ops).
+
+    With ``x_hat_i = X_i RS_i`` (X the operand rows: scaled by a power of two, RS the inverse that gives
+    the normalised, or without normalisation the raw, row) and ``g_i = G_i W_i s gscale / PRESCALE``:
+
+    * NEED_OUT: ``OUT_i`` = the normalisation backward of ``g_i``, ``(g_i - x_hat_i <g_i, x_hat_i>) /
+      NRM_i`` (no projection for a clamped row, NRM_i <= eps; ``g_i`` itself without NORMALIZE), cast
+      to OUT's dtype: dA of the panel rows from ``G = DL @ B`` (or dB from the accumulator);
+    * NEED_XW: ``XW_i = x_hat_i W_i`` in XW's dtype: the dB GEMM's right operand.
+
+    Grid: cdiv(R, BLOCK_R); each program makes two passes over D when it normalises (the projection,
+    then the output) and writes every element once.
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    r64 = rows.to(tl.int64)[:, None]
+    w = tl.load(W + rows, mask=rmask, other=0.0)
+    rs = tl.load(RS + rows, mask=rmask, other=0.0)
+    if NEED_OUT:
+        gw = w * (tl.load(SCALE).to(tl.float32) * tl.load(GSCALE) / PRESCALE)
+        proj = tl.zeros([BLOCK_R], dtype=tl.float32)
+        nrm = tl.where(rmask, 1.0, 1.0)
+        if NORMALIZE:
+            nrm = tl.load(NRM + rows, mask=rmask, other=1.0)
+            for d0 in range(0, D, BLOCK_D):
+                dd = d0 + tl.arange(0, BLOCK_D)
+                m2 = rmask[:, None] & (dd < D)[None, :]
+                g = tl.load(G + r64 * stride_g + dd[None, :], mask=m2, other=0.0) * gw[:, None]
+                xh = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32) * rs[:, None]
+                proj += tl.sum(g * xh, axis=1)
+            proj = tl.where(nrm > eps, proj, 0.0)
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            m2 = rmask[:, None] & (dd < D)[None, :]
+            o = tl.load(G + r64 * stride_g + dd[None, :], mask=m2, other=0.0) * gw[:, None]
+            if NORMALIZE:
+                xh = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32) * rs[:, None]
+                o = (o - xh * proj[:, None]) / nrm[:, None]
+            tl.store(OUT + r64 * stride_o + dd[None, :], o.to(OUT.dtype.element_ty), mask=m2)
+    if NEED_XW:
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            m2 = rmask[:, None] & (dd < D)[None, :]
+            x = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+            tl.store(XW + r64 * stride_xw + dd[None, :], (x * (rs * w)[:, None]).to(XW.dtype.element_ty), mask=m2)

@@ -21,6 +21,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 try:
     import triton  # noqa: F401
@@ -193,6 +194,77 @@ def test_nan_input_gives_nan():
     assert torch.isnan(out)
 
 
+# 1b. The one-pass sweep (kernels/panel.py, ONE_PASS) and its exact two-pass fallback
+
+
+def test_one_pass_sweep_and_its_fallback(monkeypatch):
+    """Temperature 0.01 (|s| = 100), keys clustered around a direction u: rows 0-31 sit at cosine ~0.95
+    to their key (logits reach ~c - 5: one pass), rows 32-63 point away from u (every cosine ~-0.9:
+    logits ~c - 190, where exp(l - c) underflows even in fp32, so without the exact two-pass fallback
+    their LSE would be -inf). Loss and both gradients against float64; the row weights W the kernel
+    returns against W_i = exp(|s| - LSE_i) (mean reduction: g_i / gscale = 1) from float64 logits."""
+    g = torch.Generator().manual_seed(0)
+    n, m, d, s = 64, 80, 32, 100.0
+    u = torch.randn(d, generator=g)
+    u = u / u.norm()
+    k = u + 0.2 * torch.randn(m, d, generator=g) / d ** 0.5
+    q = torch.cat([k[:32] + 0.05 * torch.randn(32, d, generator=g) / d ** 0.5,
+                   -u + 0.2 * torch.randn(32, d, generator=g) / d ** 0.5])
+    rec = _Launches(monkeypatch)
+    res = []
+    for be, dt in (("triton", torch.float32), ("reference", torch.float64)):
+        a, b = q.to(dt).requires_grad_(), k.to(dt).requires_grad_()
+        loss = fc.info_nce(a, b, torch.arange(n), temperature=1 / s, backend=be)
+        res.append((loss, *torch.autograd.grad(loss, (a, b))))
+    for got, want, what in zip(res[0], res[1], ("loss", "dq", "dk")):
+        assert_close(got, want, atol=2e-5, rtol=2e-5, what=what)
+    panels = [x for x in rec.launches if x.name == "panel_dl"]
+    assert panels and all(x.constexprs["ONE_PASS"] for x in panels)
+    w = torch.cat([x.args["W_OUT"] for x in panels]).double()
+    qh, kh = F.normalize(q.double(), dim=1), F.normalize(k.double(), dim=1)
+    lse = torch.logsumexp(s * qh @ kh.T, dim=1)
+    # far from the threshold log(2^-64) = -44.4 on either side
+    assert (lse[:32] - s > -40).all() and (lse[32:] - s < -50).all(), lse - s
+    assert_close(w[:32], torch.exp(s - lse[:32]), rtol=1e-4, atol=0, what="one-pass row weights")
+    assert torch.equal(w[32:], torch.ones(32, dtype=torch.float64))  # the fallback's rows: W = 1
+
+
+def test_one_pass_is_chosen_where_documented(monkeypatch):
+    rec = _Launches(monkeypatch)
+    q, k = torch.randn(50, 16).requires_grad_(), torch.randn(60, 16).requires_grad_()
+    expect = {}
+    for name, dt, kw in (("unit rows", torch.float32, {}), ("bf16", torch.bfloat16, {}),
+                         ("fp16", torch.float16, {}), ("raw dots", torch.float32, dict(normalize=False))):
+        rec.launches.clear()
+        fc.info_nce(q.to(dt), k.to(dt), torch.arange(50), **kw, backend="triton").backward()
+        expect[name] = {x.constexprs["ONE_PASS"] for x in rec.launches if x.name == "panel_dl"}
+    assert expect == {"unit rows": {True}, "bf16": {True}, "fp16": {False}, "raw dots": {False}}
+    rec.launches.clear()
+    feats = torch.randn(60, 16).requires_grad_()
+    fc.supcon_loss(feats.reshape(30, 2, 16), torch.arange(30) % 4, variant="in", backend="triton").backward()
+    assert {x.constexprs["ONE_PASS"] for x in rec.launches if x.name == "panel_dl"} == {False}  # LSEpos
+
+
+def test_panel_blocks_rule():
+    # (rows per program, chunk) from the documented rule: the most rows that still give `programs`
+    assert triton_panel.panel_blocks(1216, 264) == (4, 512)  # N = 65536 on an H100 (132 SMs)
+    assert triton_panel.panel_blocks(320, 264) == (1, 2048)  # N = 131072
+    assert triton_panel.panel_blocks(40, 1) == (16, 128)  # the interpreter
+    assert triton_panel.panel_blocks(40, 8) == (4, 512)
+
+
+@pytest.mark.parametrize("programs", [8, 10 ** 6], ids=["4-rows", "1-row"])
+@pytest.mark.parametrize("name", ["info_nce", "supcon_mask_in", "clip_scale"])
+def test_narrow_blocks(name, programs, monkeypatch):
+    """The GPU's block shapes (4 x 512 and 1 x 2048 here) on the one-pass, two-pass and column paths."""
+    monkeypatch.setattr(triton_panel, "PANEL_PROGRAMS", programs)
+    rec = _Launches(monkeypatch)
+    c = compare(CASE_BY_NAME[name], 97, 100, torch.float32, "triton", canary=True)
+    assert c.ok, c
+    want = triton_panel.panel_blocks(PANEL, programs)
+    assert {(x.constexprs["BLOCK_R"], x.constexprs["BLOCK_C"]) for x in rec.launches if x.name == "panel_dl"} == {want}
+
+
 # 2. Which path runs
 
 
@@ -224,7 +296,7 @@ def test_panel_height_formula(monkeypatch):
     n = m = 131072
     d = 768
     p = triton_panel.panel_rows(n, m, d, torch.bfloat16, True)
-    extra = 4 * m * d + p * ((4 + 2) * m + (12 + 2) * d) + 64 * (n + m)  # + O(N + M) fp32 vectors, generously
+    extra = 4 * m * d + p * ((4 + 2) * m + (4 + 4) * d + 16) + 64 * (n + m)  # + O(N + M) vectors, generously
     assert p == 320 and extra < 0.72e9, (p, extra)
     assert triton_panel.panel_rows(65536, 65536, d, torch.bfloat16, True) == 1216
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_BUDGET", "1000")  # a budget too small: the floor
@@ -353,6 +425,7 @@ _COMPILE = textwrap.dedent(
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
     import torch
     from fused_contrastive.core import triton_backend as TB
+    from fused_contrastive.core import triton_panel
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import aot
 
@@ -368,6 +441,9 @@ _COMPILE = textwrap.dedent(
         mask = torch.empty(n // 2, m // 2, dtype=torch.uint8, device=meta)
         if variant == "sym":  # every term of the symmetric path
             spec, data, coef = CoreSpec(exclude_self=True), CoreData(pos_mask=mask), Coeffs(1.0, col=1.0, pos=1.0)
+        elif variant.startswith("onepass"):  # every term the one-pass sweep takes
+            spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
+            data, coef = CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=meta)), Coeffs(1.0)
         else:  # every term of the non-symmetric paths (EAGER: no column term)
             spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
             data = CoreData(pos_mask=mask, bias_col=torch.empty(n, dtype=torch.int64, device=meta))
@@ -379,14 +455,20 @@ _COMPILE = textwrap.dedent(
     out = []
     for cc, arch in aot.TARGETS:
         for variant, dtypes in (("eager", (torch.bfloat16, torch.float16, torch.float32)),
-                                ("col", (torch.bfloat16,)), ("sym", (torch.bfloat16, torch.float16))):
+                                ("col", (torch.bfloat16,)), ("sym", (torch.bfloat16, torch.float16)),
+                                ("onepass", (torch.bfloat16, torch.float32)), ("onepass-r4", (torch.bfloat16,)),
+                                ("onepass-r1", (torch.bfloat16,))):
+            # the GPU's narrow blocks (4 x 512, 1 x 2048) as the block rule picks them for 4096 rows
+            triton_panel.PANEL_PROGRAMS = {"onepass-r4": 1024, "onepass-r1": 10 ** 6}.get(variant)
             for dt in dtypes:
                 for x in record(arch, dt, variant):
-                    # the panel kernel, and the fused forward with the 1-byte mask
-                    if x.name == "panel_dl" or (x.name == "lse_fwd" and variant == "col" ):
+                    # the panel kernels, and the fused forward with the 1-byte mask
+                    if x.name in ("panel_dl", "panel_rows") or (x.name == "lse_fwd" and variant == "col"):
                         r = aot.compile_launch(x, cc)
-                        r.update(variant=variant, dtype=str(dt))
+                        r.update(variant=variant, dtype=str(dt), one_pass=bool(x.constexprs.get("ONE_PASS")),
+                                 block_r=x.constexprs.get("BLOCK_R"))
                         out.append(r)
+    triton_panel.PANEL_PROGRAMS = None
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "fused"
     for cc, arch in aot.TARGETS:  # the fused backward kernels with the 1-byte mask
         for x in record(arch, torch.bfloat16, "col"):
@@ -410,14 +492,18 @@ def compiled():
 
 def test_panel_kernel_compiles_without_spills(compiled):
     panel = [r for r in compiled if r["kernel"] == "panel_dl"]
-    assert {(r["cc"], r["variant"]) for r in panel} == {(cc, v) for cc in (80, 90) for v in ("eager", "col", "sym")}
+    variants = ("eager", "col", "sym", "onepass", "onepass-r4", "onepass-r1")
+    assert {(r["cc"], r["variant"]) for r in panel} == {(cc, v) for cc in (80, 90) for v in variants}
+    assert {r["variant"] for r in panel if r["one_pass"]} == {"onepass", "onepass-r4", "onepass-r1"}
+    assert {r["block_r"] for r in panel if r["variant"].startswith("onepass")} == {16, 4, 1}
+    assert {r["cc"] for r in compiled if r["kernel"] == "panel_rows"} == {80, 90}
     bad = [r for r in compiled if r["spill_stores"] or r["spill_loads"]]
     assert not bad, bad
     assert all(r["shared"] <= 163 * 1024 for r in compiled)
 
 
 def test_one_byte_mask_kernels_use_tensor_cores(compiled):
-    fused = [r for r in compiled if r["kernel"] != "panel_dl"]
+    fused = [r for r in compiled if r["kernel"] not in ("panel_dl", "panel_rows")]
     assert {r["kernel"] for r in fused} == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols"}
     for r in fused:
         assert (r["n_wgmma"] and not r["n_mma"]) if r["cc"] == 90 else r["n_mma"], r

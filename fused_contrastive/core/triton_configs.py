@@ -102,11 +102,17 @@ def config_for(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tuple[Laun
 
 
 #: The panel kernel (kernels/panel.py, memory-bound elementwise work on a [P, M] panel): one program
-#: per 16 rows walks the columns in 128-wide chunks; 16 x 128 fp32 = 8 registers per thread per live
-#: tile at 8 warps. Compiled (bf16, every term on, tests/test_triton_panel.py): EAGER 64 / 75
-#: registers on sm_80 / sm_90, the symmetric path 121 / 80, 0 spills; at 4 warps the symmetric path
-#: took 188 registers (2 CTAs/SM: too few warps in flight for a memory-bound kernel); 32 x 128 at
-#: 8 warps 203-211.
-PANEL_BLOCK_R = 16
-PANEL_BLOCK_C = 128
+#: per BLOCK_R rows walks the columns in chunks of PANEL_CHUNK elements (BLOCK_R x PANEL_CHUNK /
+#: BLOCK_R), 8 fp32 registers per thread per live tile at 8 warps. BLOCK_R (16, 8, 4, 2 or 1) is chosen
+#: per panel so that the grid has at least 2 programs per SM (``triton_panel.panel_blocks``): a panel
+#: of 1216 rows on 132 SMs takes 4 x 512, one of 320 rows 1 x 2048; the interpreter takes 16 x 128.
+#: Compiled register counts are checked by tests/test_triton_panel.py (0 spills) and listed by
+#: bench/gpu_model.py; at 4 warps the symmetric path took 188 registers (2 CTAs/SM: too few warps in
+#: flight for a memory-bound kernel); 32 x 128 at 8 warps 203-211.
+PANEL_CHUNK = 2048
 PANEL_WARPS = 8
+#: The panel's row epilogue (``panel_rows_kernel``: the normalisation backward and the dB operand):
+#: 8 rows x up to 256 columns per step, two passes over D.
+PANEL_ROWS_BLOCK_R = 8
+PANEL_ROWS_MAX_BLOCK_D = 256
+PANEL_ROWS_WARPS = 4

@@ -8,27 +8,41 @@ device), and ``kernels/panel.py`` does the softmax work of a panel in one pass.
 
 Sweep over row panels of P rows (whole rows, all M columns), panel ``P_k = [r0, r0 + P)``:
 
-1. ``Lraw = (A_P diag(pw)) @ B^T``, fp32 output (``out_dtype`` GEMM for 16-bit operands) [P, M];
-   ``pw`` per row a power of two (exact) that bounds the products; the inverse norms are folded in
-   by the kernel (raw operands: no normalised copy of A or B);
-2. ``DL = panel_dl_kernel(Lraw, statistics)`` [P, M] in the operand dtype (fp16: times 2^13);
-3. ``dA_P = s gs / PRESCALE * DL @ B_op`` (fp32 out) then the normalisation backward, written to dA;
-4. ``acc[:gcols] += DL[:, :gcols]^T @ A_hat_P`` (fp32 accumulator of dB, ``addmm`` with
-   ``out=acc``: one fixed order over the panels); after the sweep, dB from ``acc`` (times the norm
-   of each row when the kernel folded its inverse norm), then its normalisation backward.
+1. ``X_P`` = A's rows scaled by a power of two each (exact; the products cannot overflow) with their
+   clamped norms, by the row-norm prologue kernel (one launch per panel; B's norms once, in chunks);
+2. ``Lraw = X_P @ B^T``, fp32 output (``out_dtype`` GEMM for 16-bit operands) [P, M]; the inverse
+   norms are folded in by the kernel (raw operands: no normalised copy of A or B);
+3. ``DL, W = panel_dl_kernel(Lraw, statistics)``: DL [P, M] in the operand dtype (fp16: times 2^13),
+   W [P] row weights, the gradient tile being ``diag(W) DL`` (see "one pass" below);
+4. ``dA_P`` = the normalisation backward of ``s gs / PRESCALE * diag(W) (DL @ B_op)`` (GEMM fp32 out,
+   then ``panel_rows_kernel``, which also writes ``XW = diag(W) A_hat_P`` in the operand dtype);
+5. ``acc[:gcols] += DL[:, :gcols]^T @ XW`` (fp32 accumulator of dB, ``addmm`` with ``out=acc``: one
+   fixed order over the panels); after the sweep, dB from ``acc`` by the same row epilogue (times
+   the norm of each row when the kernel folded its inverse norm).
+
+Six launches per panel (row norms, 2 GEMMs + addmm, 2 Triton kernels), a handful per call.
+
+**One pass** (``ONE_PASS``: a summed loss without a column term and without a softmax over positives,
+unit rows, bf16 / fp32 operands: InfoNCE, SimCSE, DSCL, ...): every logit is at most
+``c = |s| (+ bias)``, so the kernel writes ``e_ij = exp(l_ij - c)`` in the same read that sums
+``z_i = sum_j e_ij``; ``LSE_i = c + log z_i`` and ``W_i = g_i / (gscale z_i)`` follow, and the
+gradient tile ``g_i p_ij = W_i e_ij`` needs no second read of the fp32 panel. A row block with a row of
+``z_i < 2^-64`` (all its logits far below the bound: possible only for ``|s| + bias > 22``, where its
+small ``e_ij`` would lose precision) is redone exactly in two passes (``W = 1`` there). Otherwise
+(positives' softmax, fp16, raw dot products) the eager sweep reads the panel twice.
 
 Units (one unit = one N x M x D matmul = 2 N M D FLOPs), by case:
 
-* summed loss, A != B (or A is B with a bias), no column term (InfoNCE, SimCSE two-view / supervised,
-  SupCon with a queue, DSCL, ...): **3 units, all cuBLAS**. The panel spans whole rows, so the kernel
+* summed loss without a column term (InfoNCE, SimCSE in either form, SupCon, DSCL, ...; B is A
+  included, its two roles summed): **3 units, all cuBLAS**. The panel spans whole rows, so the kernel
   forms each row's LSE / LSEpos in the same sweep (``EAGER``) and the gradient is formed in the
   forward (scaled by the scalar upstream gradient in backward), as the torch backend does on CPU.
 * per-row output or a column term (CLIP), A != B: the statistics first, from the fused forward kernel
   (1 unit, ``lse_fwd_kernel``: row, positive and column LSEs from the same tiles), then the panel
   backward (3 units, cuBLAS): **4 units**. (A panel sweep for the column LSE would also cost 1 unit.)
-* A is B without a bias (symmetric SimCSE, SupCon without a queue, CLIP of A against itself): fused
-  forward (1) + panel backward with ``H = dl + dl^T`` from the same tile (logits 1 + ``H @ A`` 1):
-  **3 units**, no dB accumulator.
+* the same with A is B without a bias (CLIP of A against itself, per-row outputs): fused forward (1) +
+  panel backward with ``H = dl + dl^T`` from the same tile (logits 1 + ``H @ A`` 1): **3 units**, no
+  dB accumulator.
 * ``need_b`` False (a frozen tower): the ``dl^T @ A`` GEMM is skipped (2 units).
 * a second backward through a retained graph after an EAGER forward: the recomputing panel backward
   from the statistics the eager sweep saved (3 more units).
@@ -39,26 +53,27 @@ temperature gradient) is covered; TGT and SET are O(N*D) and come from ``positiv
 
 Memory (bytes; e = operand element size; "extra" = allocated by the loss beyond its inputs and the
 gradients it returns; the fused forward's scaled copies ``sa, sb`` (``e (N + M) D``) and column
-partials (``4 x 2 SMs x M``) of the non-EAGER cases exist only during the forward and are not kept)::
+partials (``4 x 2 SMs x M``) of the non-EAGER cases exist only during the forward and are not kept;
+B's row-norm chunks, ``e 2^22`` bytes, only before the sweep)::
 
-    fixed  = 4 M D  [dB accumulator, A != B and dB needed]  +  e M D  [fp16 only: normalised B]
-    per panel row  = (4 + e) M  [Lraw fp32, DL]  +  (12 + e) D  [A_P temporaries: fp32 scaled / normalised
-                     rows, dA_P fp32, the operand copy]
+    fixed  = 4 M D  [dB accumulator, dB needed]  +  e M D  [fp16 only: normalised B]
+    per panel row  = (4 + e) M  [Lraw fp32, DL]  +  (4 + 2 e) D  [X_P, the dA GEMM's fp32 output, XW]
+                     + 16  [norms, W]
     P = min(N, max(P_MIN, round_down_64((BUDGET - fixed) / per_row)))
     extra = fixed + P * per_row + O(N + M)
 
 With the default ``BUDGET = 0.70e9`` at N = M = 131072, D = 768, bf16: fixed = 402.7 MB, per_row =
-797 184 B, P = 320, extra = 657.8 MB + ~5 MB of vectors < 0.72 GB. At N = M = 65536: P = 1216.
+792 592 B, P = 320, extra = 656.3 MB + ~5 MB of vectors < 0.72 GB. At N = M = 65536: P = 1216.
 
 GEMM FLOPs and bytes per panel (the model helper's inputs; P rows, M columns, D, e):
 
 * logits: ``2 P M D`` FLOPs; reads ``e (P + M) D``, writes ``4 P M``;
 * ``DL @ B``: ``2 P M D``; reads ``e (P M + M D)``, writes ``4 P D``;
-* ``DL^T @ A_hat_P``: ``2 P M D``; reads ``e (P M + P D)``, read-modify-writes the fp32 accumulator
+* ``DL^T @ XW``: ``2 P M D``; reads ``e (P M + P D)``, read-modify-writes the fp32 accumulator
   ``8 M D`` (arithmetic intensity ~P/4 FLOP per accumulator byte: P >= ~1200 keeps it compute-bound
   on an H100's HBM, so small budgets at very large M make this GEMM bandwidth-bound);
-* the Triton kernel: reads ``4 P M`` (EAGER ``8 P M``) + masks, writes ``e P M`` (``kernels/panel.py``).
-Workspace: ``Lraw`` 4 P M, ``DL`` e P M, A_P temporaries ~(12 + e) P D, the accumulator 4 M D.
+* the Triton kernel: reads ``4 P M`` (two-pass EAGER ``8 P M``) + masks, writes ``e P M``
+  (``kernels/panel.py``); the row epilogue O(P D).
 
 Limits: products ``|pw_i A_i| |B_j|`` must stay in the fp32 range (raw B: rows of norm above ~1e37);
 cuBLAS GEMMs are deterministic for a fixed shape, device and library version (set
@@ -75,9 +90,15 @@ import triton
 from torch import Tensor
 
 from ..kernels import panel as KP
-from .norms import clamped_norms, normalize_backward_
 from .spec import Coeffs, combine
-from .triton_configs import PANEL_BLOCK_C, PANEL_BLOCK_R, PANEL_WARPS
+from .triton_configs import (
+    PANEL_CHUNK,
+    PANEL_ROWS_BLOCK_R,
+    PANEL_ROWS_MAX_BLOCK_D,
+    PANEL_ROWS_WARPS,
+    PANEL_WARPS,
+    d_pad,
+)
 
 __all__ = ["BUDGET_BYTES", "MIN_ELEMENTS", "PANEL_ROWS", "P_MIN", "panel_rows", "use_panel"]
 
@@ -90,6 +111,10 @@ PANEL_ROWS: int | None = None
 #: ``auto`` takes the panel path for CUDA tensors with N * M at least this (smaller problems are
 #: launch-bound: the fused kernels do them in 3 launches).
 MIN_ELEMENTS = 1 << 24
+#: Programs of the panel kernel (None: 2 per SM on CUDA, 1 on the interpreter; the GPU model sets it).
+PANEL_PROGRAMS: int | None = None
+#: Elements of one chunk of B's row-norm prologue (its scaled copy is a temporary of this size).
+NORM_CHUNK_ELEMENTS = 1 << 22
 #: fp16 pre-scale of the gradient tile (see kernels/panel.py): |h| <= 6, 6 * 2^13 < 65504.
 FP16_PRESCALE = 8192.0
 
@@ -113,7 +138,7 @@ def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool) -> int
     budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", BUDGET_BYTES))
     e = torch.empty((), dtype=dtype).element_size()
     fixed = (4 * m * d if need_db else 0) + (e * m * d if dtype == torch.float16 else 0)
-    per_row = (4 + e) * m + (12 + e) * d
+    per_row = (4 + e) * m + (4 + 2 * e) * d + 16
     p = (budget - fixed) // per_row
     p = p - p % 64 if p >= 64 else p
     return max(1, min(n, max(P_MIN, p)))
@@ -139,47 +164,108 @@ def _addmm32_(acc: Tensor, x: Tensor, y: Tensor) -> None:
 
 
 def _pow2(x: Tensor) -> Tensor:
-    """Per row the power of two that puts the row's largest magnitude in [1, 2) (1 for fp16: its
-    products cannot overflow fp32, and scaling could push elements into fp16 subnormals)."""
+    """Per row the power of two that puts the row's largest magnitude in [1, 2), fp32 (1 for fp16: its
+    products cannot overflow fp32, and scaling could push elements into fp16 subnormals). One
+    reduction over x (no |x| temporary) and O(N) vector ops."""
     if x.dtype == torch.float16:
         return torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
-    big = x.abs().amax(dim=1).float()
+    big = torch.linalg.vector_norm(x, ord=float("inf"), dim=1).float()
     _, e = torch.frexp(big)
     return torch.ldexp(torch.ones_like(big), (1 - e).clamp(-126, 126))
 
 
-class _Problem:
-    """Norms and operands of one sweep (O(N + M) plus, for fp16, the normalised copy of B)."""
+def panel_blocks(p: int, programs: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of the panel kernel for a panel of ``p`` rows: the most rows per program
+    (of 16, 8, 4, 2, 1) that still gives at least ``programs`` programs, 2048 elements per chunk."""
+    for r in (16, 8, 4, 2):
+        if triton.cdiv(p, r) >= programs:
+            return r, PANEL_CHUNK // r
+    return 1, PANEL_CHUNK
 
-    def __init__(self, a: Tensor, b: Tensor, same: bool, spec, chunk: int):
-        self.a, self.b, self.spec = a, b, spec
+
+def _programs(dev: torch.device) -> int:
+    """Programs the panel kernel should have to fill the GPU (:data:`PANEL_PROGRAMS`, else 2 per SM on
+    CUDA, else 1: the interpreter runs the fewest programs)."""
+    if PANEL_PROGRAMS is not None:
+        return PANEL_PROGRAMS
+    if dev.type == "cuda":
+        from .triton_backend import _cuda_props, _index
+
+        return 2 * _cuda_props(_index(dev))[1]
+    return 1
+
+
+class _Problem:
+    """Statistics and operands of one sweep: O(N + M) vectors plus, for fp16, the normalised copy of B.
+
+    With normalisation, B's norms come from the row-norm prologue kernel in chunks of at most
+    :data:`NORM_CHUNK_ELEMENTS` elements (its scaled copy of the chunk is a temporary), and each panel
+    of A gets its own launch (:meth:`rows`), whose scaled copy is the logits GEMM's operand. Without
+    normalisation, one power of two per row of A (one reduction)."""
+
+    def __init__(self, a: Tensor, b: Tensor, spec):
+        from .triton_backend import _row_norms
+
+        self.a, self.spec = a, spec
         self.normalize = spec.normalize
         self.dt = a.dtype
-        if spec.normalize:
-            self.na = clamped_norms(a, spec.eps, torch.float32)
-            self.nb = self.na if same else clamped_norms(b, spec.eps, torch.float32)
-            self.ra, self.rb = 1.0 / self.na, 1.0 / self.nb
-        else:
-            self.na = self.nb = self.ra = self.rb = None
         self.fold = spec.normalize and self.dt != torch.float16
         self.prescale = FP16_PRESCALE if self.dt == torch.float16 else 1.0
         self.b_op = b
-        if spec.normalize and not self.fold:
-            # fp16: the normalised B in fp16 (rounded once from fp32, as the fused kernels' operand)
-            self.b_op = torch.empty_like(b)
-            for c0 in range(0, b.shape[0], chunk):
-                self.b_op[c0:c0 + chunk] = self.hat(b, self.rb, c0, c0 + chunk).to(self.dt)
+        self.nb = self.rb = self.pw = None
+        m, d = b.shape
+        if spec.normalize:
+            self.nb = torch.empty(m, dtype=torch.float32, device=b.device)
+            self.rb = torch.empty_like(self.nb)
+            step = max(1, NORM_CHUNK_ELEMENTS // max(d, 1))
+            fp16_copy = not self.fold
+            if fp16_copy:  # fp16: the normalised B in fp16 (rounded once from fp32, as the fused kernels')
+                self.b_op = torch.empty_like(b)
+            for c0 in range(0, m, step):
+                xs, nrm, rn, rs = _row_norms(b[c0:c0 + step], spec.eps)
+                self.nb[c0:c0 + step] = nrm
+                self.rb[c0:c0 + step] = rn
+                if fp16_copy:
+                    self.b_op[c0:c0 + step] = (xs.float() * rs[:, None]).to(self.dt)
+                del xs
+        else:
+            self.pw = _pow2(a)
+            self.pw_dt = self.pw.to(self.dt)
+            self.rpw = 1.0 / self.pw
 
-    def hat(self, x: Tensor, r: Tensor | None, r0: int, r1: int) -> Tensor:
-        """Rows [r0, r1) of x normalised, fp32."""
-        xf = x[r0:r1].float()
-        return xf * r[r0:r1, None] if r is not None else xf
+    def rows(self, r0: int, r1: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(x, rs, norm)`` of A's rows [r0, r1): the GEMM operand (the rows scaled by a power of two,
+        exactly), the factor that turns it into the normalised (or raw) rows, the clamped norms."""
+        from .triton_backend import _row_norms
+
+        if self.normalize:
+            xs, nrm, _, rs = _row_norms(self.a[r0:r1], self.spec.eps)
+            return xs, rs, nrm
+        x = self.a[r0:r1] if self.dt == torch.float16 else self.a[r0:r1] * self.pw_dt[r0:r1, None]
+        return x, self.rpw[r0:r1], None
 
 
 def _gscale(vecs) -> Tensor:
     present = [v for v in vecs if v is not None]
     gs = torch.stack([x.abs().amax() for x in present]).amax()
     return torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
+
+
+def _rows_launch(launch, g, x, rs, nrm, w, scale_t, gs, out, xw, eps: float, normalize: bool, prescale: float, dm):
+    """One launch of ``panel_rows_kernel`` (see kernels/panel.py) over the rows of ``x``."""
+    from .triton_backend import Launch
+
+    r, d = x.shape
+    launch(Launch(
+        "panel_rows", KP.panel_rows_kernel, (triton.cdiv(r, PANEL_ROWS_BLOCK_R),),
+        dict(G=g if g is not None else dm, X=x, RS=rs if rs is not None else dm, NRM=nrm if nrm is not None else dm,
+             W=w, SCALE=scale_t, GSCALE=gs, OUT=out if out is not None else dm, XW=xw if xw is not None else dm,
+             R=r, D=d, stride_g=g.stride(0) if g is not None else 0, stride_x=x.stride(0),
+             stride_o=out.stride(0) if out is not None else 0, stride_xw=xw.stride(0) if xw is not None else 0,
+             eps=float(eps)),
+        dict(BLOCK_R=PANEL_ROWS_BLOCK_R, BLOCK_D=min(d_pad(d), PANEL_ROWS_MAX_BLOCK_D), NORMALIZE=bool(normalize),
+             NEED_OUT=out is not None, NEED_XW=xw is not None, PRESCALE=prescale),
+        PANEL_ROWS_WARPS, 1))
 
 
 def sweep(launch, prep, a: Tensor, b: Tensor, same_storage: bool, sym: bool, scale_t: Tensor, spec,
@@ -202,7 +288,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, same_storage: bool, sym: bool, sca
     need_b = need_b and not sym
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
     p_rows = panel_rows(n, m, d, dt, need_b)
-    pr = _Problem(a, b, sym or same_storage, spec, p_rows)
+    block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
+    pr = _Problem(a, b, spec)
     gs = _gscale((g, g_col, g_pos))
     dm = prep.dummy
     lse_out = torch.empty(n, dtype=torch.float32, device=dev) if eager else None
@@ -210,62 +297,60 @@ def sweep(launch, prep, a: Tensor, b: Tensor, same_storage: bool, sym: bool, sca
     da = _alloc((n, d), dt, dev) if need_a else None
     acc = torch.zeros((gcols, d), dtype=torch.float32, device=dev) if need_b and gcols > 0 else None
     ds_parts = []
-    rb = pr.rb if pr.rb is not None else dm
-    common = dict(RB=rb, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
+    common = dict(RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
                   LSE=lse if lse is not None else dm, G=g if g is not None else dm,
                   LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
                   LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
                   LSE_OUT=lse_out if lse_out is not None else dm,
                   LSE_POS_OUT=lsep_out if lsep_out is not None else dm)
+    # one read of each panel (the fixed-bound exponentials, see kernels/panel.py) where the bound is
+    # known (unit rows) and a single softmax forms the gradient (no positives' softmax); fp16 keeps the
+    # two passes (its range cannot hold exp(l - |s|))
+    one_pass = bool(eager and g_pos is None and spec.normalize and dt != torch.float16)
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
                  HAS_BIAS=prep.bias_col is not None, POS_KIND=prep.pos_kind, HAS_G=g is not None,
                  HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, SYM=bool(sym), EAGER=bool(eager),
-                 NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale)
-    post = scale_t.reshape(()) * gs.reshape(()) / pr.prescale  # s gs / PRESCALE, a device scalar
+                 ONE_PASS=one_pass, NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale)
     bt = b.T
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
-        a_p = a[r0:r1]
-        pw = _pow2(a_p)
-        a_s = a_p if dt == torch.float16 else (a_p.float() * pw[:, None]).to(dt)
-        rsp = (pr.ra[r0:r1] / pw) if pr.normalize else 1.0 / pw
-        lraw = _mm32(a_s, bt)
-        del a_s
+        x, rs, nrm = pr.rows(r0, r1)
+        lraw = _mm32(x, bt)
         dl = _alloc((pp, m), dt, dev)
-        n_prog = triton.cdiv(pp, PANEL_BLOCK_R)
+        w = _alloc((pp,), torch.float32, dev)
+        n_prog = triton.cdiv(pp, block_r)
         ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
         launch(Launch(
             "panel_dl", KP.panel_dl_kernel, (n_prog,),
-            dict(L=lraw, DL=dl, RSP=rsp.contiguous(), **common, DS_PART=ds_part, M=m, r0=r0, P=pp,
+            dict(L=lraw, DL=dl, W_OUT=w, RSP=rs.contiguous(), **common, DS_PART=ds_part, M=m, r0=r0, P=pp,
                  stride_l=lraw.stride(0), stride_dl=dl.stride(0), **_mask_args(prep, spec)),
-            dict(BLOCK_R=PANEL_BLOCK_R, BLOCK_C=PANEL_BLOCK_C, **flags), PANEL_WARPS, 1))
+            dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
         del lraw
         if need_s:
             ds_parts.append(ds_part)
-        if need_a:
-            da_p = _mm32(dl, pr.b_op).mul_(post)
-            if pr.normalize:
-                da_p = normalize_backward_(da_p, pr.hat(a, pr.ra, r0, r1), pr.na[r0:r1], spec.eps)
-            da[r0:r1] = da_p.to(dt)
-            del da_p
+        da_raw = _mm32(dl, pr.b_op) if need_a else None
+        xw = _alloc((pp, d), dt, dev) if acc is not None else None
+        if da_raw is not None or xw is not None:
+            # dA_P = normalisation backward of (W DL @ B) s gs / PRESCALE; XW = W A_hat_P for the dB GEMM
+            _rows_launch(launch, da_raw, x, rs, nrm, w, scale_t, gs, da[r0:r1] if need_a else None, xw,
+                         spec.eps, spec.normalize, pr.prescale, dm)
+        del da_raw, x
         if acc is not None:
-            a_hat = pr.hat(a, pr.ra, r0, r1).to(dt) if pr.normalize else a_p
-            _addmm32_(acc, dl[:, :gcols].T, a_hat)
-        del dl
+            _addmm32_(acc, dl[:, :gcols].T, xw)
+        del dl, xw
     db = None
     if need_b:
         db = _alloc((m, d), dt, dev)
         if gcols < m:
             db[gcols:].zero_()  # queue columns get no gradient
-        for c0 in range(0, gcols, p_rows):
-            c1 = min(gcols, c0 + p_rows)
-            g_hat = acc[c0:c1].mul_(post)
-            if pr.normalize:
-                if pr.fold:
-                    g_hat.mul_(pr.nb[c0:c1, None])  # undo the inverse norm folded into DL
-                g_hat = normalize_backward_(g_hat, pr.hat(b, pr.rb, c0, c1), pr.nb[c0:c1], spec.eps)
-            db[c0:c1] = g_hat.to(dt)
+        if gcols > 0:
+            # dB = normalisation backward of acc s gs / PRESCALE, times the norm of each row when the
+            # kernel folded its inverse norm into DL
+            wcol = pr.nb[:gcols] if pr.fold else torch.ones(gcols, dtype=torch.float32, device=dev)
+            _rows_launch(launch, acc, b[:gcols], pr.rb[:gcols] if pr.rb is not None else None,
+                         pr.nb[:gcols] if pr.nb is not None else None, wcol, scale_t, gs, db[:gcols], None,
+                         spec.eps, spec.normalize, pr.prescale, dm)
         del acc
     ds = None
     if need_s:
@@ -291,14 +376,13 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     dev = a.device
     p = TB._prepare_data(a, b, spec, data, want_pos)
     bb = p.b
-    sym = p.sym
     ctx.path = "panel"
     ctx.spec, ctx.coef, ctx.reduce = spec, coef, reduce
     ctx.scale = None if isinstance(scale, Tensor) else scale
     ctx.dtypes = orig_dtypes
     ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
     scale_t = TB._scale32(scale, dev)
-    eager = reduce and not sym and not want_col and (need_a or need_b or need_s)
+    eager = reduce and not want_col and (need_a or need_b or need_s)
     if eager:
         g = _vec(coef.lse, n, dev)
         g_pos = _vec(coef.pos, n, dev) if want_pos else None
