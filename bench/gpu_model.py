@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused_contrastive.core import triton_backend as TB
+from fused_contrastive.core import triton_panel
 from fused_contrastive.tools import aot
 
 LOSSES = ("info_nce", "simcse", "clip")
@@ -146,6 +147,11 @@ ASSUMPTIONS = [
     ("HBM: inputs and outputs once, the streamed operand once per wave of resident CTAs (CTAs advance in "
     "lockstep), streaming-backward re-reads missed with fraction 1 - min(1, L2 / working set) (central) "
     "or 1 once the working set exceeds the L2 (pessimistic)"),
+    ("panel kernel: when its [P, M] fp32 logits panel exceeds the L2, every pass over the panel and over "
+     "its gradient tile is HBM traffic, the O(M) column vectors it re-reads per row block are L2 hits; the "
+     "one-pass sweep's two-pass fallback (a row block whose logits all lie far below the bound |s|: "
+     "never for |s| + bias <= 22, e.g. temperature 0.05) is not taken in the central figure and taken "
+     "for every block in the pessimistic one"),
     ("cuBLAS: a large GEMM at cublas_eff of the dtype's peak (assumed, not measured here: A100 0.80, "
     f"H100/H200 0.72); a dimension d < {GEMM_TILE} costs a factor d / {GEMM_TILE}; never faster than its "
     "operand + output bytes at HBM speed"),
@@ -197,13 +203,20 @@ def _memdesc_bytes(text: str) -> int:
     return _elems(m[1]) * _DT_BYTES.get(m[2], 4) if m else 0
 
 
+def _is_if(line: str) -> bool:
+    """The opening line of a runtime branch region (``scf.if ... {`` or its ``} else {``)."""
+    return "scf.if" in line or line.startswith("} else")
+
+
 def _result_type(line: str) -> str:
     return line.rsplit("->", 1)[-1] if "->" in line else line.rsplit(":", 1)[-1]
 
 
-def walk_ttgir(ttgir: str, trips: dict[str, int]) -> dict[str, float]:
+def walk_ttgir(ttgir: str, trips: dict[str, int], if_weight: float = 1.0) -> dict[str, float]:
     """Per-program totals of one kernel from its TTGIR: every op counted once per iteration of its
-    enclosing ``scf.for`` loops (trip count of a loop ``to %X step S`` = ceil(trips[X] / S)).
+    enclosing ``scf.for`` loops (trip count of a loop ``to %X step S`` = ceil(trips[X] / S)), and
+    ``if_weight`` times inside a runtime ``scf.if`` (1: the branch is taken; the panel kernel's
+    fallback branch is weighted 0 in the central figure, 1 in the pessimistic one).
 
     Returns flops (2 M N K per dot), gload / gstore bytes (global loads incl. async copies, stores),
     smem bytes (async copies in, local_alloc of a value, local_load, convert_layout x 2, the MMA's
@@ -214,7 +227,7 @@ def walk_ttgir(ttgir: str, trips: dict[str, int]) -> dict[str, float]:
         m = _MMA.match(line.strip())
         if m:
             mmas[m[1]] = (int(m[2]), int(m[3]), int(m[4]))
-    out = dict(flops=0.0, gload=0.0, gstore=0.0, smem=0.0, exp=0.0, log=0.0)
+    out = dict(flops=0.0, gload=0.0, gload_vec=0.0, gstore=0.0, smem=0.0, exp=0.0, log=0.0)
     stack: list[float] = []
     in_d_loop: list[bool] = []
     prologue_copies: list[tuple[float, int]] = []  # pipeliner prologue copies (outside a D loop)
@@ -231,7 +244,7 @@ def walk_ttgir(ttgir: str, trips: dict[str, int]) -> dict[str, float]:
                 stack.append(_trip(fm, trips))
                 in_d_loop.append(fm[1] == "D")
             else:
-                stack.append(1.0)
+                stack.append(if_weight if _is_if(line) else 1.0)
                 in_d_loop.append(in_d_loop[-1] if in_d_loop else False)
         if "=" not in line or line.startswith("//"):
             continue
@@ -245,7 +258,12 @@ def walk_ttgir(ttgir: str, trips: dict[str, int]) -> dict[str, float]:
             else:
                 prologue_copies.append((mult, b))
         elif op == "tt.load":
-            out["gload"] += mult * _tensor_bytes(_result_type(line))[1]
+            res = _result_type(line)
+            b = _tensor_bytes(res)[1]
+            out["gload"] += mult * b
+            m1 = _TENSOR.search(res)
+            if m1 and "x" not in m1[1]:  # a rank-1 load: a row / column vector
+                out["gload_vec"] += mult * b
         elif op == "ttg.local_alloc" and "%" in line.split("local_alloc", 1)[1].split(":")[0]:
             out["smem"] += mult * _tensor_bytes(line.split("local_alloc", 1)[1])[1]
         elif op == "ttg.local_load":
@@ -287,7 +305,7 @@ def walk_ttgir(ttgir: str, trips: dict[str, int]) -> dict[str, float]:
             stack.pop()
         fm = _FOR.search(line)
         if line.endswith("{"):
-            stack.append(_trip(fm, trips) if fm else 1.0)
+            stack.append(_trip(fm, trips) if fm else (if_weight if _is_if(line) else 1.0))
         if line.startswith("tt.store"):
             out["gstore"] += (math.prod(stack) if stack else 1.0) * _tensor_bytes(line.split(":", 1)[1])[1]
     # the software pipeliner issues the first stages' copies before the D loop and predicates the
@@ -350,16 +368,17 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.
     a, b, scale, spec, data, coef, reduce = aot.core_call(loss, n, d, torch.bfloat16)
     coef = dataclasses.replace(coef, tgt=None, set=None)
     prev_env = os.environ.get("FUSED_CONTRASTIVE_TRITON_PATH")
-    prev_p = TB.COL_PARTIAL_PROGRAMS
+    prev_p, prev_pp = TB.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path
     TB.COL_PARTIAL_PROGRAMS = 2 * gpu.sms  # what _col_programs uses on a CUDA device
+    triton_panel.PANEL_PROGRAMS = 2 * gpu.sms  # what the panel kernel's block choice uses on a CUDA device
     try:
         with aot.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
             out = TB.TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)
             torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
             del out
     finally:
-        TB.COL_PARTIAL_PROGRAMS = prev_p
+        TB.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS = prev_p, prev_pp
         if prev_env is None:
             del os.environ["FUSED_CONTRASTIVE_TRITON_PATH"]
         else:
@@ -390,9 +409,17 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     # ceil(n_rb / P) iterations, the others floor(n_rb / P)
     trips = {k: v for k, v in a.items() if isinstance(v, int) and not isinstance(v, bool)}
     q, rem = divmod(a.get("n_row_blocks", grid), grid)
-    lo = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q))
-    hi = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q + 1)) if rem else lo
-    tot = {k: rem * hi[k] + (grid - rem) * lo[k] for k in lo}
+
+    def walk(if_weight: float) -> dict[str, float]:
+        lo = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q), if_weight)
+        hi = walk_ttgir(info["ttgir"], dict(trips, n_row_blocks=q + 1), if_weight) if rem else lo
+        return {k: rem * hi[k] + (grid - rem) * lo[k] for k in lo}
+
+    # the one-pass panel kernel's two-pass fallback (a row block whose logits all sit far below the
+    # bound |s|; never for |s| + bias <= 22) is not taken in the central figure, always in the pessimistic
+    one_pass = launch.name == "panel_dl" and bool(c.get("ONE_PASS"))
+    tot = walk(0.0 if one_pass else 1.0)
+    tot_p = walk(1.0) if one_pass else tot
     ctas = ctas_per_sm(info["regs"], launch.num_warps, info["shared"], gpu)
     slots = max(1, ctas) * gpu.sms
     tail = wave_spread(grid, slots, gpu.sms)
@@ -418,8 +445,12 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
             hbm += (1.0 - hit) * reuse
             hbm_pess += reuse if ws > l2_b else 0.0
     l2 = tot["gload"] + tot["gstore"]
+    l2_p = tot_p["gload"] + tot_p["gstore"]
     if launch.name == "panel_dl" and _nbytes(a["L"]) > l2_b:
-        hbm = hbm_pess = max(hbm, l2)  # the [P, M] panel does not fit the L2: every pass over it is HBM
+        # the [P, M] panel does not fit the L2: every pass over it is HBM; the O(M) column vectors
+        # (inverse norms, column statistics, labels) each program re-reads stay in the L2
+        hbm = max(hbm, l2 - tot["gload_vec"])
+        hbm_pess = max(hbm_pess, l2_p - tot_p["gload_vec"])
     peak = gpu.bf16_tflops * 1e12 if es == 2 else gpu.tf32_tflops * 1e12 / 3  # tf32x3: 3 MMAs per product
     t = dict(tc=tot["flops"] / peak, smem=tot["smem"] / (SMEM_BYTES_PER_CLK * gpu.sms * clk),
              l2=l2 / (gpu.l2_tbs * 1e12), hbm=hbm / (gpu.hbm_tbs * 1e12))
@@ -427,7 +458,9 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     mufu = (tot["exp"] + tot["log"]) / (MUFU_PER_CLK * gpu.sms * clk)
     exposed = mufu / max(1, ctas)
     sec = (max(t.values()) + exposed) * tail + LAUNCH_US * 1e-6
-    sec_pess = (max(t["tc"], t["smem"], t["l2"], hbm_pess / (gpu.hbm_tbs * 1e12)) + exposed) * tail + LAUNCH_US * 1e-6
+    exposed_p = (tot_p["exp"] + tot_p["log"]) / (MUFU_PER_CLK * gpu.sms * clk) / max(1, ctas)
+    sec_pess = (max(t["tc"], t["smem"], l2_p / (gpu.l2_tbs * 1e12), hbm_pess / (gpu.hbm_tbs * 1e12)) + exposed_p) \
+        * tail + LAUNCH_US * 1e-6
     return dict(kernel=launch.name, grid=grid, block=info["block"], warps=launch.num_warps,
                 stages=launch.num_stages, regs=info["regs"], spills=info["spill_stores"] + info["spill_loads"],
                 shared=info["shared"], ctas_sm=ctas, tc=info["tc"], flops=tot["flops"], l2_bytes=l2,
@@ -658,8 +691,6 @@ def _kernel_json(k: dict) -> dict:
 
 
 def model_loss(loss: str, n: int, d: int, gpu: GPU, with_torch: bool = True) -> dict:
-    from fused_contrastive.core import triton_panel
-
     fused = triton_path(loss, n, d, gpu, "fused")
     panel = triton_path(loss, n, d, gpu, "panel")
     # what backend="triton" runs on a CUDA device ("auto" path of triton_panel.use_panel)
