@@ -178,3 +178,18 @@ print(json.dumps(G.walk_ttgir(ir, dict(M=640, D=96))))
     assert w["flops"] == outer * inner * 2 * 64 * 64 * 32
     assert w["exp"] == outer * inner * 64 * 64
     assert w["gstore"] == outer * 64 * 4
+
+
+def test_readme_table_is_the_committed_model_output():
+    # the README's table of modelled times quotes the committed output (rounded as printed there)
+    recs = {(r["loss"], r["gpu"], r["n"]): r for r in _records(COMMITTED.read_text())}
+    readme = (ROOT / "README.md").read_text()
+    pat = re.compile(r"^\| (\w+) \| (A100|H100|H200) \| (\d+) \| ([\d.]+) ms \| ([\d.]+) ms \| ([\d.]+) ms \| "
+                     r"([\d.]+) ms \((\d+) %\) \|$", re.MULTILINE)
+    rows = pat.findall(readme)
+    assert len(rows) >= 12, "the README's table of modelled times is missing"
+    for loss, gpu, n, floor, naive, fused, panel, pct in rows:
+        r = recs[(loss, gpu, int(n))]
+        assert (floor, naive, fused, panel, pct) == (f"{r['floor_ms']:.1f}", f"{r['naive_ms']:.1f}",
+                                                     f"{r['fused_ms']:.1f}", f"{r['panel_ms']:.1f}",
+                                                     f"{r['panel_pct_peak']:.0f}"), (loss, gpu, n)
