@@ -8,7 +8,8 @@ and ptxas reports registers and spills. Printed per kernel and config: registers
 bytes (stores + loads), shared memory, the tensor-core instruction kind in the PTX, and the
 tensor-core FLOPs of one launch at the given N, M, D. "blocks" are the block sizes (M rows, N
 columns, D chunk; R rows of the norm prologue); "variant" is the feature set compiled ("full":
-every optional term of the kernel on; "sym": the A-is-B backward).
+every optional term of the kernel on; "sym": the A-is-B backward; "nopos": every term but the
+softmax over positives, the forward's wide config).
 
 FLOP model (matmul FLOPs only, 2 per multiply-add; exp / masks / norms are O(N*M) or O(N*D)):
 

@@ -59,6 +59,10 @@ D_CLASSES = {"16": 16, "32": 32, "64": 64, "128": 128, "big": 768}
 
 #: Integer parameters compiled as divisible by 16 (and so required to be by the C API): the row width
 #: and every row stride (16-element rows give 16-byte aligned rows: vectorised loads).
+#: The launch-config table's kernels the C launcher uses, by the kernel they configure.
+_CONFIG_KERNELS = {"fwd": "lse_fwd", "bwd_rows": "lse_bwd_rows", "bwd_cols": "lse_bwd_cols"}
+
+
 def _aligned_int(name: str) -> bool:
     return name == "D" or name.startswith("stride_")
 
@@ -234,7 +238,9 @@ def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: li
         lay = [dict(p, type="ptr" if p["type"].startswith("*") else p["type"]) for p in r["layout"]]
         if layouts.setdefault(kname, lay) != lay:
             raise RuntimeError(f"{kname}: variants with different argument layouts")
-    configs = {f"{k}/{a}/{dt}/{b}": c.__dict__ for (k, a, dt, b), c in TC.CONFIGS.items() if dt in dtypes}
+    # the AOT modes have no softmax over positives: its forward config ("fwd_pos") is not launched here
+    configs = {f"{k}/{a}/{dt}/{b}": c.__dict__ for (k, a, dt, b), c in TC.CONFIGS.items()
+               if dt in dtypes and k in _CONFIG_KERNELS}
     manifest = dict(
         archs=archs, dtypes=dtypes, dclasses=dclasses, modes=modes,
         consts=dict(RESIDENT_MAX_D=TC.RESIDENT_MAX_D, ROW_NORM_BLOCK_R=TC.ROW_NORM_BLOCK_R,
@@ -305,7 +311,7 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
                     f"{int(v['want_col'])}, {int(v['exclude_self'])}, \"{v['variant']}\", \"{v['symbol']}\", "
                     f"{v['num_warps']}, {v['shared']}, {sym}, sizeof({sym})}},")
     c += ["const fc_variant fc_variants[FC_N_VARIANTS] = {"] + rows + ["};"]
-    kmap = {"fwd": "lse_fwd", "bwd_rows": "lse_bwd_rows", "bwd_cols": "lse_bwd_cols"}
+    kmap = _CONFIG_KERNELS
     buckets = {"d64": 0, "d128": 1, "big": 2}
     rows = []
     for key, cfg in man["configs"].items():

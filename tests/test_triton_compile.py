@@ -58,11 +58,24 @@ def compiled():
 
 
 def test_every_shipped_config_was_compiled(compiled):
-    # each (kernel, arch, dtype, D bucket) of the table is covered by at least one compile
-    have = {(r["kernel"].replace("lse_", ""), "sm90" if r["cc"] >= 90 else "sm80", r["dtype"], bucket)
-            for r in compiled["results"] for bucket in r["buckets"]}
-    missing = [tuple(c) for c in compiled["configs"] if tuple(c) not in have]
+    # each (kernel, arch, dtype, D bucket) of the table is covered by at least one compile with that
+    # config's tiles, warps and stages; the positives' forward ("fwd_pos") by one with the positives on
+    from fused_contrastive.core.triton_configs import CONFIGS
+
+    def covers(r, key) -> bool:
+        k, arch, dt, bucket = key
+        cfg = CONFIGS[key]
+        kernel = "lse_fwd" if k.startswith("fwd") else "lse_" + k
+        return (r["kernel"] == kernel and ("sm90" if r["cc"] >= 90 else "sm80") == arch and r["dtype"] == dt
+                and bucket in r["buckets"] and r["num_warps"] == cfg.num_warps
+                and r["num_stages"] == cfg.num_stages and r["block"].startswith(f"M{cfg.block_m} N{cfg.block_n} ")
+                and (k != "fwd_pos" or r["variant"] == "full"))
+
+    missing = [tuple(c) for c in compiled["configs"]
+               if not any(covers(r, tuple(c)) for r in compiled["results"])]
     assert not missing, f"shipped configs never compiled: {missing}"
+    # the wide forward is not the positives' one where they differ (its compile had no positives)
+    assert any(r["variant"] == "nopos" for r in compiled["results"])
     assert {r["kernel"] for r in compiled["results"]} == {"row_norm", "lse_fwd", "lse_bwd_rows", "lse_bwd_cols",
                                                           "pair_cos_fwd", "pair_cos_bwd", "cosent_scan_fwd",
                                                           "cosent_scan_bwd", "siglip_fwd", "siglip_bwd_rows",

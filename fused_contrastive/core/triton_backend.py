@@ -308,7 +308,8 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     n, d = a.shape
     p = _prepare(a, b, spec, data, want_pos)
     m = p.b.shape[0]
-    cfg, block_d, _ = config_for("fwd", _arch(dev), p.a.dtype, d)
+    # the positives' softmax keeps narrower tiles (registers: see triton_configs)
+    cfg, block_d, _ = config_for("fwd_pos" if p.pos_kind else "fwd", _arch(dev), p.a.dtype, d)
     lse = _alloc((n,), torch.float32, dev)
     lse_pos = _alloc((n,), torch.float32, dev) if p.pos_kind else None
     n_rb = triton.cdiv(n, cfg.block_m)

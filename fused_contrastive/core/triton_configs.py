@@ -8,6 +8,13 @@ sm_80 and sm_90 with every optional term switched on):
 * forward, 16-bit: 128 x 64 tiles, 8 warps (two warpgroups on sm_90: wgmma M = 64 each); the
   fp32 logit tile and each of its exp temporaries is 32 registers per thread. D chunks of 64
   (128-byte rows); D <= 64 in one chunk of D_PAD. A 128-wide chunk spilled with every term on.
+  For D > 128 the forward without a softmax over positives ("fwd") takes 128 x 128 tiles at 16 warps
+  (four warpgroups, 2 x 2): every column tile re-reads the anchor block's D chunks, so a twice wider
+  column tile halves that L2 -> SM traffic (bench/gpu_model.py: the L2-bound H100 forward at
+  N = 65536 from 16.0 to about 12.5 ms, MODEL). Compiled with every other term on: 128 registers on
+  sm_80, 119-128 on sm_90, 0 spills; at 8 warps 241-255 registers and spills. The positives' softmax
+  (two more running statistics and the positive tile) spilled 32-164 bytes at 16 warps, so that
+  forward ("fwd_pos") keeps 128 x 64 at 8 warps.
 * backward, 16-bit: 64 x 64 tiles at 8 warps. The backward holds more live tiles than the
   forward (l, the positive logits, dl and for A-is-B the transposed dl^T) plus the accumulator:
   4 warps spilled. D_PAD <= 128 keeps the [64, D_PAD] fp32 accumulator in registers (resident);
@@ -46,7 +53,10 @@ _T16 = {
     # (kernel, D bucket): config  (D buckets: "d64" D_PAD <= 64, "d128" <= 128, "big" > 128)
     ("fwd", "d64"): LaunchConfig(128, 64, 0, 8, 3),
     ("fwd", "d128"): LaunchConfig(128, 64, 64, 8, 3),
-    ("fwd", "big"): LaunchConfig(128, 64, 64, 8, 3),
+    ("fwd", "big"): LaunchConfig(128, 128, 64, 16, 3),
+    ("fwd_pos", "d64"): LaunchConfig(128, 64, 0, 8, 3),
+    ("fwd_pos", "d128"): LaunchConfig(128, 64, 64, 8, 3),
+    ("fwd_pos", "big"): LaunchConfig(128, 64, 64, 8, 3),
     ("bwd_rows", "d64"): LaunchConfig(64, 64, 0, 8, 2),
     ("bwd_rows", "d128"): LaunchConfig(64, 64, 0, 8, 2),
     ("bwd_rows", "big"): LaunchConfig(64, 64, 64, 8, 2),
@@ -58,6 +68,9 @@ _T32 = {
     ("fwd", "d64"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd", "d128"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd", "big"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd_pos", "d64"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd_pos", "d128"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd_pos", "big"): LaunchConfig(64, 64, 16, 8, 3),
     ("bwd_rows", "d64"): LaunchConfig(64, 32, 32, 8, 2),
     ("bwd_rows", "d128"): LaunchConfig(64, 32, 32, 8, 2),
     ("bwd_rows", "big"): LaunchConfig(64, 32, 32, 8, 2),
@@ -70,7 +83,8 @@ _T32 = {
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 ARCH_FAMILIES = ("sm80", "sm90")
 D_BUCKETS = ("d64", "d128", "big")
-KERNELS = ("fwd", "bwd_rows", "bwd_cols")
+#: "fwd": the forward (and SigLIP's); "fwd_pos": the forward with a softmax over positives (SupCon L_in).
+KERNELS = ("fwd", "fwd_pos", "bwd_rows", "bwd_cols")
 
 #: The shipped table: (kernel, arch family, dtype name, D bucket) -> LaunchConfig.
 CONFIGS: dict[tuple[str, str, str, str], LaunchConfig] = {
