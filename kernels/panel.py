@@ -79,7 +79,7 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
               HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr,
               HAS_GPOS: tl.constexpr, SYM: tl.constexpr, EAGER: tl.constexpr, NEED_DS: tl.constexpr,
-              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr):
+              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr):
     """The exact sweep of a block of rows: the statistics (EAGER: a first loop; else the forward's),
     then DL chunk by chunk. Returns the block's per-row temperature-gradient sums."""
     # 1. row statistics: from the forward, or (EAGER) from a first loop over this panel's full rows
@@ -169,11 +169,17 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
                 lpt = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
                                   POS_KIND, True)
                 dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
+            if TRI and NEED_DS:
+                # the triangular panel: dl_ji of the columns below the panel belongs to those rows
+                # (in the diagonal block both orders are already in dl)
+                ds_acc += tl.sum(tl.where(cols[None, :] >= n_end, dlt * cos, 0.0), axis=1)
             dl = dl + dlt
-        # 3. pre-scale (fp16), fold the column's inverse norm, cast, store
+        # 3. pre-scale (fp16), fold the column's inverse norm (TRI: the row's too), cast, store
         out = dl * PRESCALE
         if FOLD_RB:
             out = out * rb[None, :]
+            if TRI:
+                out = out * _inv_norms(RB, rows, lmask, NORMALIZE)[:, None]
         tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
     return ds_acc
 
@@ -187,7 +193,7 @@ def panel_dl_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     EAGER: tl.constexpr, ONE_PASS: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
-    PRESCALE: tl.constexpr,
+    PRESCALE: tl.constexpr, TRI: tl.constexpr,
 ):
     """DL (the gradient tile of panel rows [r0, r0 + P), operand dtype) and the row weights W_OUT [P]
     from the raw products L [P, M]: the true gradient tile is ``diag(W_OUT) DL`` (W_OUT = 1 except on
@@ -195,7 +201,9 @@ def panel_dl_kernel(
 
     Grid: cdiv(P, BLOCK_R). Row vectors (LSE, G, labels, bias columns) are indexed by the global row
     r0 + i, RSP and W_OUT by the panel row i; column vectors by the column. With EAGER, G / G_POS are
-    the coefficients and LSE_OUT / LSE_POS_OUT receive the rows' statistics.
+    the coefficients and LSE_OUT / LSE_POS_OUT receive the rows' statistics. TRI (with SYM): a
+    triangular panel in its own frame (r0 = 0, the host passes every vector from the panel's first
+    row on, L holds the columns from that row on), see ``tri_stats_kernel``.
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -248,7 +256,7 @@ def panel_dl_kernel(
                                COL_LAB, POS_MASK, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M,
                                stride_l, offset, n0, m0, stride_pm,
                                BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, POS_KIND, HAS_G, HAS_GCOL,
-                               HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE)
+                               HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, False)
             w_r = tl.full([BLOCK_R], 1.0, tl.float32)
         tl.store(W_OUT + loc, w_r, mask=lmask)
     else:
@@ -257,7 +265,7 @@ def panel_dl_kernel(
                            POS_MASK, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M, stride_l, offset,
                            n0, m0, stride_pm,
                            BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS,
-                           SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE)
+                           SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
 
@@ -312,3 +320,72 @@ def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, 
             m2 = rmask[:, None] & (dd < D)[None, :]
             x = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32)
             tl.store(XW + r64 * stride_xw + dd[None, :], (x * (rs * w)[:, None]).to(XW.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def tri_stats_kernel(L, RSP, RB, SCALE, RUN_M, RUN_Z, LSE, P, C, stride_l,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORMALIZE: tl.constexpr,
+                     EXCLUDE_SELF: tl.constexpr, COLS: tl.constexpr):
+    """Row statistics of B-is-A logits from a triangular panel (the symmetric sweep, TRI).
+
+    The panel holds rows [r0, r0 + P) against columns [r0, N) (``C = N - r0``), in the panel's frame:
+    local index k is global r0 + k for rows and columns alike, and the host passes RB, RUN_M, RUN_Z and
+    LSE from r0 on. By symmetry, ``l_ij`` for a column j past the panel is also row j's logit against
+    column i, so one pass over the upper triangle of the logits gives every row's statistics:
+
+    * COLS False (grid cdiv(P, BLOCK_R)): each program walks its rows over all C columns (online max
+      and sum), merges them with the running (max, sum) that earlier panels left for these rows, and
+      writes the rows' final LSE;
+    * COLS True (grid cdiv(C - P, BLOCK_C)): each program walks its columns j in [P, C) over the P rows
+      and merges the columns' (max, sum) into the running statistics of rows r0 + j.
+
+    Each running entry is written by one program per launch, in a fixed panel order: deterministic.
+    """
+    pid = tl.program_id(0)
+    s = tl.load(SCALE).to(tl.float32)
+    if COLS:
+        cols = P + pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+        m_c = tl.full([BLOCK_C], NEG_INF, dtype=tl.float32)
+        z_c = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for i0 in range(0, P, BLOCK_R):
+            loc = i0 + tl.arange(0, BLOCK_R)
+            lmask = loc < P
+            rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
+            raw = tl.load(L + loc.to(tl.int64)[:, None] * stride_l + cols[None, :],
+                          mask=lmask[:, None] & cmask[None, :], other=0.0)
+            l = _logits(raw * rsp[:, None] * rb[None, :], s, loc, cols, P, C, 0, loc, 0.0, EXCLUDE_SELF, False)
+            m_new = tl.maximum(m_c, tl.max(l, axis=0))
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+            z_c = z_c * tl.exp(m_c - m_safe) + tl.sum(tl.exp(l - m_safe[None, :]), axis=0)
+            m_c = m_new
+        idx = cols
+        mask = cmask
+        m_new = m_c
+        z_new = z_c
+    else:
+        loc = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        lmask = loc < P
+        rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
+        m_new = tl.full([BLOCK_R], NEG_INF, dtype=tl.float32)
+        z_new = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for j0 in range(0, C, BLOCK_C):
+            cols = j0 + tl.arange(0, BLOCK_C)
+            cmask = cols < C
+            _, l, _ = _panel_logits(L, loc, lmask, loc, cols, cmask, rsp, RB, s, P, C, stride_l, 0, loc, 0.0,
+                                       NORMALIZE, EXCLUDE_SELF, False)
+            m_new, z_new = _online_rows(m_new, z_new, l)
+        idx = loc
+        mask = lmask
+    # merge with the running statistics (log-add-exp of two (max, sum) pairs)
+    m_o = tl.load(RUN_M + idx, mask=mask, other=NEG_INF)
+    z_o = tl.load(RUN_Z + idx, mask=mask, other=0.0)
+    m = tl.maximum(m_o, m_new)
+    m_s = tl.where(m == NEG_INF, 0.0, m)
+    z = z_o * tl.exp(m_o - m_s) + z_new * tl.exp(m_new - m_s)
+    if COLS:
+        tl.store(RUN_M + idx, m, mask=mask)
+        tl.store(RUN_Z + idx, z, mask=mask)
+    else:
+        tl.store(LSE + idx, m + tl.log(z), mask=mask)  # -inf for a row without any column

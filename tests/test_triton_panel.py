@@ -245,6 +245,92 @@ def test_one_pass_is_chosen_where_documented(monkeypatch):
     assert {x.constexprs["ONE_PASS"] for x in rec.launches if x.name == "panel_dl"} == {False}  # LSEpos
 
 
+# 1c. The triangular sweep of symmetric logits (B is A without a bias; triton_panel.tri_lse / tri_backward)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("mode", ["sum", "per_row", "raw", "self_in"])
+def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
+    """B is A: per-row coefficients, a tensor temperature, a zero row and a tiny row (clamped norms; not fp16);
+    97 rows in panels of 40 + 40 + 17 (the last panel has no rows below it). "raw": normalize=False;
+    "self_in": the own column kept (the diagonal block's l_ii). Loss, dA and ds against the chunked
+    path in float64; the launches are the triangular sweep's."""
+    rec = _Launches(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(97, 40, generator=g)
+    if dtype != torch.float16:  # fp16 cannot hold a clamped row's gradient g / eps (~1e10)
+        a[11], a[12] = 0, 3e-13
+    if mode == "raw":
+        a = a * 0.3
+    spec = CoreSpec(exclude_self=mode != "self_in", normalize=mode != "raw")
+    coef = Coeffs(lse=torch.rand(97, generator=g) + 0.5)
+    reduce = mode != "per_row"
+    w = torch.rand(97, generator=g)  # upstream weights of the per-row output
+    res = []
+    for impl, dt in ((triton_backend, dtype), (chunked, torch.float64)):
+        x = a.to(dtype).to(dt).requires_grad_()
+        s = torch.tensor(7.0, dtype=dt if dt == torch.float64 else torch.float32, requires_grad=True)
+        out = impl.core(x, None, s, spec, CoreData(), coef, reduce)
+        tot = out.sum() if reduce else (out * w.to(out.dtype)).sum()
+        res.append((out, *torch.autograd.grad(tot, (x, s))))
+    assert "tri_stats" in rec.names and not any(x.name == "lse_fwd" for x in rec.launches), rec.names
+    assert {x.constexprs["TRI"] for x in rec.launches if x.name == "panel_dl"} == {True}
+    tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    for got, want, what in zip(res[0], res[1], ("loss", "dA", "ds")):
+        scale = float(want.detach().abs().max())
+        assert_close(got.double(), want, atol=tol * max(scale, 1.0), rtol=tol, what=f"{what} ({mode})")
+
+
+def test_triangular_sweep_is_chosen_where_documented(monkeypatch):
+    rec = _Launches(monkeypatch)
+    feats = torch.randn(60, 16).requires_grad_()
+
+    def tri(fn) -> bool:
+        rec.launches.clear()
+        fn().backward()
+        return "tri_stats" in rec.names
+
+    assert tri(lambda: fc.simcse_loss(feats, backend="triton"))  # symmetric SimCSE
+    tgt = (torch.arange(60) + 1) % 60
+    assert tri(lambda: fc.info_nce(feats, None, tgt, backend="triton"))
+    assert tri(lambda: fc.uniformity(feats, backend="triton"))
+    # a column term (CLIP of A against itself) or a softmax over positives: not the triangular sweep
+    assert not tri(lambda: fc.info_nce(feats, None, symmetric=True, exclude_self=False, backend="triton"))
+    assert not tri(lambda: fc.supcon_loss(feats.reshape(30, 2, 16), torch.arange(30) % 4, variant="in",
+                                          backend="triton"))
+    assert not tri(lambda: fc.info_nce(feats, torch.randn(70, 16), torch.arange(60), backend="triton"))
+
+
+def test_triangular_sweep_matmul_flops(monkeypatch):
+    """The GEMM FLOPs of a forward + backward of symmetric logits, counted by a dispatch mode on
+    aten.mm / addmm: per panel [r0, r1) of P rows and C = N - r0 columns, the logits twice (2 P C D
+    each), H @ A[r0:] (2 P C D) and H[:, P:]^T @ A_P (2 P (C - P) D) - 2 matmul units plus half the
+    diagonal blocks, where the eager sweep spends 3 units."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Flops(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):
+                x, y = (args[0], args[1]) if func == torch.ops.aten.mm.default else (args[1], args[2])
+                Flops.total += 2 * x.shape[0] * x.shape[1] * y.shape[1]
+            return func(*args, **kwargs)
+
+    n, d, p = 130, 24, 40
+    feats = torch.randn(n, d).requires_grad_()
+    with Flops():
+        fc.simcse_loss(feats, backend="triton").backward()
+    hand = 0
+    for r0 in range(0, n, p):
+        pp, c = min(p, n - r0), n - r0
+        hand += 3 * 2 * pp * c * d + 2 * pp * (c - pp) * d
+    unit = 2 * n * n * d
+    assert Flops.total == hand, (Flops.total, hand)
+    assert 2 * unit < hand < 2.5 * unit  # 2 units + the diagonal blocks (P / N of a unit)
+
+
 def test_panel_blocks_rule():
     # (rows per program, chunk) from the documented rule: the most rows that still give `programs`
     assert triton_panel.panel_blocks(1216, 264) == (4, 512)  # N = 65536 on an H100 (132 SMs)
@@ -436,11 +522,13 @@ _COMPILE = textwrap.dedent(
 
     def record(arch, dtype, variant, d=768):
         a = torch.empty(n, d, dtype=dtype, device=meta, requires_grad=True)
-        b = None if variant == "sym" else torch.empty(m, d, dtype=dtype, device=meta, requires_grad=True)
+        b = None if variant in ("sym", "tri") else torch.empty(m, d, dtype=dtype, device=meta, requires_grad=True)
         s = torch.empty((), device=meta, requires_grad=True)
         mask = torch.empty(n // 2, m // 2, dtype=torch.uint8, device=meta)
         if variant == "sym":  # every term of the symmetric path
             spec, data, coef = CoreSpec(exclude_self=True), CoreData(pos_mask=mask), Coeffs(1.0, col=1.0, pos=1.0)
+        elif variant == "tri":  # the triangular sweep (symmetric SimCSE)
+            spec, data, coef = CoreSpec(exclude_self=True), CoreData(), Coeffs(1.0)
         elif variant.startswith("onepass"):  # every term the one-pass sweep takes
             spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
             data, coef = CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=meta)), Coeffs(1.0)
@@ -457,18 +545,23 @@ _COMPILE = textwrap.dedent(
         for variant, dtypes in (("eager", (torch.bfloat16, torch.float16, torch.float32)),
                                 ("col", (torch.bfloat16,)), ("sym", (torch.bfloat16, torch.float16)),
                                 ("onepass", (torch.bfloat16, torch.float32)), ("onepass-r4", (torch.bfloat16,)),
-                                ("onepass-r1", (torch.bfloat16,))):
+                                ("onepass-r1", (torch.bfloat16,)),
+                                ("tri", (torch.bfloat16, torch.float16, torch.float32))):
             # the GPU's narrow blocks (4 x 512, 1 x 2048) as the block rule picks them for 4096 rows
             triton_panel.PANEL_PROGRAMS = {"onepass-r4": 1024, "onepass-r1": 10 ** 6}.get(variant)
+            triton_panel.PANEL_ROWS = 1024 if variant == "tri" else None  # several triangular panels
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     # the panel kernels, and the fused forward with the 1-byte mask
-                    if x.name in ("panel_dl", "panel_rows") or (x.name == "lse_fwd" and variant == "col"):
+                    if (x.name in ("panel_dl", "panel_rows", "tri_stats")
+                            or (x.name == "lse_fwd" and variant == "col")):
                         r = aot.compile_launch(x, cc)
                         r.update(variant=variant, dtype=str(dt), one_pass=bool(x.constexprs.get("ONE_PASS")),
-                                 block_r=x.constexprs.get("BLOCK_R"))
+                                 block_r=x.constexprs.get("BLOCK_R"), cols=x.constexprs.get("COLS"),
+                                 tri=bool(x.constexprs.get("TRI")))
                         out.append(r)
     triton_panel.PANEL_PROGRAMS = None
+    triton_panel.PANEL_ROWS = None
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "fused"
     for cc, arch in aot.TARGETS:  # the fused backward kernels with the 1-byte mask
         for x in record(arch, torch.bfloat16, "col"):
@@ -492,8 +585,13 @@ def compiled():
 
 def test_panel_kernel_compiles_without_spills(compiled):
     panel = [r for r in compiled if r["kernel"] == "panel_dl"]
-    variants = ("eager", "col", "sym", "onepass", "onepass-r4", "onepass-r1")
+    variants = ("eager", "col", "sym", "onepass", "onepass-r4", "onepass-r1", "tri")
     assert {(r["cc"], r["variant"]) for r in panel} == {(cc, v) for cc in (80, 90) for v in variants}
+    assert {r["variant"] for r in panel if r["tri"]} == {"tri"}
+    # the triangular sweep's statistics kernel, row and column pass, every dtype
+    tri = {(r["cc"], r["cols"], r["dtype"]) for r in compiled if r["kernel"] == "tri_stats"}
+    assert tri == {(cc, c, str(dt)) for cc in (80, 90) for c in (False, True)
+                   for dt in (torch.bfloat16, torch.float16, torch.float32)}
     assert {r["variant"] for r in panel if r["one_pass"]} == {"onepass", "onepass-r4", "onepass-r1"}
     assert {r["block_r"] for r in panel if r["variant"].startswith("onepass")} == {16, 4, 1}
     assert {r["cc"] for r in compiled if r["kernel"] == "panel_rows"} == {80, 90}
@@ -503,7 +601,7 @@ def test_panel_kernel_compiles_without_spills(compiled):
 
 
 def test_one_byte_mask_kernels_use_tensor_cores(compiled):
-    fused = [r for r in compiled if r["kernel"] not in ("panel_dl", "panel_rows")]
+    fused = [r for r in compiled if r["kernel"] not in ("panel_dl", "panel_rows", "tri_stats")]
     assert {r["kernel"] for r in fused} == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols"}
     for r in fused:
         assert (r["n_wgmma"] and not r["n_mma"]) if r["cc"] == 90 else r["n_mma"], r

@@ -203,7 +203,7 @@ class _Problem:
     of A gets its own launch (:meth:`rows`), whose scaled copy is the logits GEMM's operand. Without
     normalisation, one power of two per row of A (one reduction)."""
 
-    def __init__(self, a: Tensor, b: Tensor, spec):
+    def __init__(self, a: Tensor, b: Tensor, spec, need_op: bool = True):
         from .triton_backend import _row_norms
 
         self.a, self.spec = a, spec
@@ -218,7 +218,7 @@ class _Problem:
             self.nb = torch.empty(m, dtype=torch.float32, device=b.device)
             self.rb = torch.empty_like(self.nb)
             step = max(1, NORM_CHUNK_ELEMENTS // max(d, 1))
-            fp16_copy = not self.fold
+            fp16_copy = not self.fold and need_op
             if fp16_copy:  # fp16: the normalised B in fp16 (rounded once from fp32, as the fused kernels')
                 self.b_op = torch.empty_like(b)
             for c0 in range(0, m, step):
@@ -310,7 +310,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, same_storage: bool, sym: bool, sca
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
                  HAS_BIAS=prep.bias_col is not None, POS_KIND=prep.pos_kind, HAS_G=g is not None,
                  HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, SYM=bool(sym), EAGER=bool(eager),
-                 ONE_PASS=one_pass, NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale)
+                 ONE_PASS=one_pass, NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale,
+                 TRI=False)
     bt = b.T
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
@@ -358,6 +359,119 @@ def sweep(launch, prep, a: Tensor, b: Tensor, same_storage: bool, sym: bool, sca
     return da, db, ds, lse_out, lsep_out
 
 
+def use_tri(p, want_col: bool, want_pos: bool) -> bool:
+    """The triangular sweep: B is A without a bias (symmetric logits), no column term, no softmax over
+    positives (symmetric SimCSE, uniformity, InfoNCE of a batch against itself)."""
+    return bool(p.sym and not want_col and not want_pos)
+
+
+def _tri_blocks(c: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of the column pass of ``tri_stats_kernel``: 16 x 128 fp32 per step."""
+    return 16, 128
+
+
+def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
+    """Forward of the triangular sweep: the row LSEs of B-is-A logits from the upper triangle only.
+
+    Panel ``[r0, r1)`` takes the logits of its rows against columns ``[r0, N)`` (one GEMM; half a
+    matmul unit over the sweep), then ``tri_stats_kernel`` finishes its rows (their running statistics
+    already hold every column before r0, from earlier panels) and, by symmetry, adds its column
+    statistics to the later rows' running ones. Memory: the fp32 panel [P, N - r0] and O(N)."""
+    from .triton_backend import Launch
+
+    n, d = a.shape
+    dev, dt = a.device, a.dtype
+    p_rows = panel_rows(n, n, d, dt, True)
+    block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
+    pr = _Problem(a, a, spec, need_op=False)
+    dm = prep.dummy
+    run_m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+    run_z = torch.zeros(n, dtype=torch.float32, device=dev)
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self))
+    for r0 in range(0, n, p_rows):
+        r1 = min(n, r0 + p_rows)
+        pp, c = r1 - r0, n - r0
+        x, rs, _ = pr.rows(r0, r1)
+        lraw = _mm32(x, a[r0:].T)
+        del x
+        args = dict(L=lraw, RSP=rs.contiguous(), RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t,
+                    RUN_M=run_m[r0:], RUN_Z=run_z[r0:], LSE=lse[r0:], P=pp, C=c, stride_l=lraw.stride(0))
+        launch(Launch("tri_stats", KP.tri_stats_kernel, (triton.cdiv(pp, block_r),), args,
+                      dict(BLOCK_R=block_r, BLOCK_C=block_c, COLS=False, **flags), PANEL_WARPS, 1))
+        if c > pp:
+            br, bc = _tri_blocks(c)
+            launch(Launch("tri_stats", KP.tri_stats_kernel, (triton.cdiv(c - pp, bc),), args,
+                          dict(BLOCK_R=br, BLOCK_C=bc, COLS=True, **flags), PANEL_WARPS, 1))
+        del lraw
+    return lse
+
+
+def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g: Tensor, need_a: bool,
+                 need_s: bool) -> tuple[Tensor | None, Tensor | None]:
+    """Backward of the triangular sweep: ``(dA, ds)`` of B-is-A logits from the upper triangle only.
+
+    The gradient of symmetric logits is ``dA_hat = s (G + G^T) A_hat`` with ``G_ij = g_i p_ij``. Per panel
+    (rows [r0, r1), columns [r0, N)) ``panel_dl_kernel`` (SYM, TRI) writes ``H_ij = G_ij + G_ji`` from
+    the one logit (the rows' and the columns' LSE), then ``acc[r0:r1] += H @ A[r0:]`` and
+    ``acc[r1:] += H[:, P:]^T @ A_P``: pairs inside the diagonal block once, every other pair from the
+    panel of its smaller row. Logits half a unit + the two GEMMs one unit: with the forward's half
+    unit, 2 matmul units (the eager sweep takes 3). bf16 / fp32 fold both inverse norms into H, so
+    both GEMMs read the raw A and the accumulator holds ``dA_hat_i rb_i`` (undone by the epilogue);
+    fp16 reads a normalised fp16 copy of A. dL/ds counts the diagonal block's ``G_ji`` once."""
+    from .triton_backend import Launch, _alloc
+
+    n, d = a.shape
+    dev, dt = a.device, a.dtype
+    p_rows = panel_rows(n, n, d, dt, True)
+    block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
+    pr = _Problem(a, a, spec, need_op=need_a)
+    gs = _gscale((g,))
+    dm = prep.dummy
+    acc = torch.zeros((n, d), dtype=torch.float32, device=dev) if need_a else None
+    ds_parts = []
+    flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self), HAS_BIAS=False, POS_KIND=0,
+                 HAS_G=True, HAS_GCOL=False, HAS_GPOS=False, SYM=True, EAGER=False, ONE_PASS=False,
+                 NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=True)
+    a_op = pr.b_op  # raw A (folded norms, or no normalisation) or the normalised fp16 copy
+    for r0 in range(0, n, p_rows):
+        r1 = min(n, r0 + p_rows)
+        pp, c = r1 - r0, n - r0
+        x, rs, _ = pr.rows(r0, r1)
+        lraw = _mm32(x, a[r0:].T)
+        del x
+        h = _alloc((pp, c), dt, dev)
+        n_prog = triton.cdiv(pp, block_r)
+        ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
+        launch(Launch(
+            "panel_dl", KP.panel_dl_kernel, (n_prog,),
+            dict(L=lraw, DL=h, W_OUT=_alloc((pp,), torch.float32, dev), RSP=rs.contiguous(),
+                 RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, BIAS_COL=dm, ROW_LAB=dm,
+                 COL_LAB=dm, POS_MASK=dm, LSE=lse[r0:], G=g[r0:], LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
+                 LSE_OUT=dm, LSE_POS_OUT=dm, DS_PART=ds_part, M=c, r0=0, P=pp, stride_l=lraw.stride(0),
+                 stride_dl=h.stride(0), offset=0, bias=0.0, n0=1, m0=1, stride_pm=1),
+            dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
+        del lraw
+        if need_s:
+            ds_parts.append(ds_part)
+        if acc is not None:
+            _addmm32_(acc[r0:r1], h, a_op[r0:])
+            if c > pp:
+                _addmm32_(acc[r1:], h[:, pp:].T, a_op[r0:r1])
+        del h
+    da = None
+    if acc is not None:
+        da = _alloc((n, d), dt, dev)
+        wrow = pr.nb if pr.fold else torch.ones(n, dtype=torch.float32, device=dev)
+        _rows_launch(launch, acc, a, pr.rb, pr.nb, wrow, scale_t, gs, da, None, spec.eps, spec.normalize,
+                     pr.prescale, dm)
+        del acc
+    ds = None
+    if need_s:
+        ds = torch.cat(ds_parts).sum() * gs.reshape(()) if ds_parts else torch.zeros((), device=dev)
+    return da, ds
+
+
 def _vec(c, n: int, dev) -> Tensor:
     if isinstance(c, Tensor):
         return c.to(device=dev, dtype=torch.float32).contiguous()
@@ -382,7 +496,8 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     ctx.dtypes = orig_dtypes
     ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
     scale_t = TB._scale32(scale, dev)
-    eager = reduce and not want_col and (need_a or need_b or need_s)
+    ctx.tri = use_tri(p, want_col, want_pos)
+    eager = reduce and not want_col and not ctx.tri and (need_a or need_b or need_s)
     if eager:
         g = _vec(coef.lse, n, dev)
         g_pos = _vec(coef.pos, n, dev) if want_pos else None
@@ -393,6 +508,9 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
             db = None
         ctx.eager = (da, db, ds)
         lse_col = None
+    elif ctx.tri:
+        ctx.eager = None
+        lse, lse_col, lse_pos = tri_lse(TB._launch, p, p.a, spec, scale_t), None, None
     else:
         ctx.eager = None
         lse, lse_col, lse_pos, _ = TB._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
@@ -429,6 +547,12 @@ def backward(ctx, go: Tensor):
     p = ctx.prep
     n = lse.shape[0]
     g = TB._coef_grad(coef.lse, go, n, lse)
+    if ctx.tri:
+        need_s = need_s and isinstance(scale, Tensor)
+        if g is None:
+            g = torch.zeros(n, dtype=torch.float32, device=a.device)
+        da, ds = tri_backward(TB._launch, p, a, spec, TB._scale32(scale, a.device), lse, g, need_a, need_s)
+        return out(da, None, ds)
     g_col = TB._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
     g_pos = TB._coef_grad(coef.pos, go, n, lse_pos)
     bb = a if same else b
