@@ -557,7 +557,7 @@ _COMPILE = textwrap.dedent(
                             or (x.name == "lse_fwd" and variant == "col")):
                         r = aot.compile_launch(x, cc)
                         r.update(variant=variant, dtype=str(dt), one_pass=bool(x.constexprs.get("ONE_PASS")),
-                                 block_r=x.constexprs.get("BLOCK_R"), cols=x.constexprs.get("COLS"),
+                                 block_r=x.constexprs.get("BLOCK_R"), merge=x.constexprs.get("MERGE"),
                                  tri=bool(x.constexprs.get("TRI")))
                         out.append(r)
     triton_panel.PANEL_PROGRAMS = None
@@ -588,8 +588,8 @@ def test_panel_kernel_compiles_without_spills(compiled):
     variants = ("eager", "col", "sym", "onepass", "onepass-r4", "onepass-r1", "tri")
     assert {(r["cc"], r["variant"]) for r in panel} == {(cc, v) for cc in (80, 90) for v in variants}
     assert {r["variant"] for r in panel if r["tri"]} == {"tri"}
-    # the triangular sweep's statistics kernel, row and column pass, every dtype
-    tri = {(r["cc"], r["cols"], r["dtype"]) for r in compiled if r["kernel"] == "tri_stats"}
+    # the triangular sweep's statistics kernel, its tile pass and its merge, every dtype
+    tri = {(r["cc"], r["merge"], r["dtype"]) for r in compiled if r["kernel"] == "tri_stats"}
     assert tri == {(cc, c, str(dt)) for cc in (80, 90) for c in (False, True)
                    for dt in (torch.bfloat16, torch.float16, torch.float32)}
     assert {r["variant"] for r in panel if r["one_pass"]} == {"onepass", "onepass-r4", "onepass-r1"}

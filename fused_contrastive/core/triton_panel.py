@@ -365,24 +365,26 @@ def use_tri(p, want_col: bool, want_pos: bool) -> bool:
     return bool(p.sym and not want_col and not want_pos)
 
 
-def _tri_blocks(c: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_C) of the column pass of ``tri_stats_kernel``: 16 x 128 fp32 per step."""
-    return 16, 128
+#: The triangular statistics pass: BLOCK_C columns per program, its rows BLOCK_R at a time.
+TRI_BLOCK_R, TRI_BLOCK_C = 16, 128
 
 
 def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
     """Forward of the triangular sweep: the row LSEs of B-is-A logits from the upper triangle only.
 
     Panel ``[r0, r1)`` takes the logits of its rows against columns ``[r0, N)`` (one GEMM; half a
-    matmul unit over the sweep), then ``tri_stats_kernel`` finishes its rows (their running statistics
-    already hold every column before r0, from earlier panels) and, by symmetry, adds its column
-    statistics to the later rows' running ones. Memory: the fp32 panel [P, N - r0] and O(N)."""
+    matmul unit over the sweep); ``tri_stats_kernel`` reads them once: per row and program of BLOCK_C
+    columns a partial (max, sum), and, by symmetry, the columns past the panel merged into those later
+    rows' running statistics; a second small launch merges each panel row's partials with its running
+    statistics (every column before r0, from earlier panels) into its LSE. Memory: the fp32 panel
+    [P, N - r0], the partials ``8 P (N - r0) / BLOCK_C`` bytes and O(N) - within the eager sweep's
+    per-row budget (no DL here)."""
     from .triton_backend import Launch
 
     n, d = a.shape
     dev, dt = a.device, a.dtype
     p_rows = panel_rows(n, n, d, dt, True)
-    block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
+    block_r, _ = panel_blocks(min(n, p_rows), _programs(dev))
     pr = _Problem(a, a, spec, need_op=False)
     dm = prep.dummy
     run_m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
@@ -395,15 +397,18 @@ def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
         x, rs, _ = pr.rows(r0, r1)
         lraw = _mm32(x, a[r0:].T)
         del x
+        n_part = triton.cdiv(c, TRI_BLOCK_C)
+        part_m = torch.empty((n_part, pp), dtype=torch.float32, device=dev)
+        part_z = torch.empty_like(part_m)
         args = dict(L=lraw, RSP=rs.contiguous(), RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t,
-                    RUN_M=run_m[r0:], RUN_Z=run_z[r0:], LSE=lse[r0:], P=pp, C=c, stride_l=lraw.stride(0))
-        launch(Launch("tri_stats", KP.tri_stats_kernel, (triton.cdiv(pp, block_r),), args,
-                      dict(BLOCK_R=block_r, BLOCK_C=block_c, COLS=False, **flags), PANEL_WARPS, 1))
-        if c > pp:
-            br, bc = _tri_blocks(c)
-            launch(Launch("tri_stats", KP.tri_stats_kernel, (triton.cdiv(c - pp, bc),), args,
-                          dict(BLOCK_R=br, BLOCK_C=bc, COLS=True, **flags), PANEL_WARPS, 1))
+                    RUN_M=run_m[r0:], RUN_Z=run_z[r0:], PART_M=part_m, PART_Z=part_z, LSE=lse[r0:], P=pp, C=c,
+                    stride_l=lraw.stride(0), n_part=n_part)
+        launch(Launch("tri_stats", KP.tri_stats_kernel, (n_part,), args,
+                      dict(BLOCK_R=TRI_BLOCK_R, BLOCK_C=TRI_BLOCK_C, MERGE=False, **flags), PANEL_WARPS, 1))
         del lraw
+        launch(Launch("tri_stats", KP.tri_stats_kernel, (triton.cdiv(pp, block_r),), dict(args, L=dm),
+                      dict(BLOCK_R=block_r, BLOCK_C=TRI_BLOCK_C, MERGE=True, **flags), PANEL_ROWS_WARPS, 1))
+        del part_m, part_z
     return lse
 
 
