@@ -424,7 +424,7 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     slots = max(1, ctas) * gpu.sms
     tail = wave_spread(grid, slots, gpu.sms)
     clk = gpu.clock_ghz * 1e9
-    operand = next(v for k, v in a.items() if k in ("SA", "X", "DL"))
+    operand = next((v for k, v in a.items() if k in ("SA", "X", "DL")), a.get("L"))  # tri_stats: the fp32 panel
     es = operand.element_size()
     # HBM: every tensor argument once (inputs read, outputs written), the streamed operand per wave
     hbm = float(sum(_nbytes(v) for v in a.values() if isinstance(v, torch.Tensor) and v.numel() > 1))
@@ -446,7 +446,7 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
             hbm_pess += reuse if ws > l2_b else 0.0
     l2 = tot["gload"] + tot["gstore"]
     l2_p = tot_p["gload"] + tot_p["gstore"]
-    if launch.name == "panel_dl" and _nbytes(a["L"]) > l2_b:
+    if launch.name in ("panel_dl", "tri_stats") and _nbytes(a["L"]) > l2_b:
         # the [P, M] panel does not fit the L2: every pass over it is HBM; the O(M) column vectors
         # (inverse norms, column statistics, labels) each program re-reads stay in the L2
         hbm = max(hbm, l2 - tot["gload_vec"])

@@ -77,22 +77,36 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
         assert r["ms"] == (r["panel_ms"] if r["path"] == "panel" else r["fused_ms"])
         assert sum(k["ms"] for k in r["kernels"]) + r["aten_ms"] == pytest.approx(r["ms"], rel=1e-3)
         assert r["fused_ms"] >= r["floor_ms"] and r["panel_ms"] >= r["floor_ms"]
-        # the panel path's cuBLAS work (triton_panel.py's docstring): the eager sweep of a summed loss
-        # without a column term is 3 units (logits, dl @ B, dl^T @ A; symmetric SimCSE too, A in both
-        # roles); CLIP 3 after the fused forward's unit
-        assert r["panel_gemm_flops"] == 3 * 2 * n * n * D
         # launches of the panel path, from the panel-height formula of triton_panel.py's docstring
-        # (bf16, default budget 0.70e9): the row-norm prologue once per panel of A plus once per chunk
-        # of 2^22 elements of B (+ A and B in CLIP's fused forward); one panel kernel per panel; one
-        # row epilogue per panel plus dB's
+        # (bf16, default budget 0.70e9)
         p = min(n, (700_000_000 - 4 * n * D) // (6 * n + 8 * D + 16) // 64 * 64)
         panels, chunks = -(-n // p), -(-n // ((1 << 22) // D))
         launches: dict[str, int] = {}
         for k in r["kernels"]:  # grouped by kernel and config: sum per kernel
             launches[k["kernel"]] = launches.get(k["kernel"], 0) + k["launches"]
-        assert launches["row_norm"] == panels + chunks + (2 if r["loss"] == "clip" else 0), (launches, p)
-        assert launches["panel_dl"] == panels and launches["panel_rows"] == panels + 1, launches
         assert ("lse_fwd" in launches) == (r["loss"] == "clip"), launches
+        if r["loss"] == "simcse":
+            # the triangular sweep (symmetric logits): panel [r0, r0 + p) against columns [r0, n); its
+            # logits in the forward and the backward (2 p c D each), H @ A[r0:] (2 p c D) and
+            # H[:, p:]^T @ A_P (2 p (c - p) D): 2 units plus the diagonal blocks
+            flops = sum(3 * 2 * min(p, n - r0) * (n - r0) * D + 2 * min(p, n - r0) * (n - r0 - p) * D
+                        for r0 in range(0, n, p) if n - r0 > p) + 3 * 2 * (n % p or p) ** 2 * D
+            assert r["panel_gemm_flops"] == flops, (r["panel_gemm_flops"], flops)
+            assert 2 < r["panel_gemm_flops"] / (2 * n * n * D) < 2 + p / n + 1e-9
+            # per sweep the row norms of every panel and of B's chunks; the statistics kernel's tile
+            # pass and merge per panel; one panel kernel per panel; one row epilogue (dA)
+            assert launches["row_norm"] == 2 * (panels + chunks), (launches, p)
+            assert launches["tri_stats"] == 2 * panels, launches
+            assert launches["panel_dl"] == panels and launches["panel_rows"] == 1, launches
+        else:
+            # the eager sweep of a summed loss without a column term is 3 units (logits, dl @ B,
+            # dl^T @ A); CLIP 3 after the fused forward's unit
+            assert r["panel_gemm_flops"] == 3 * 2 * n * n * D
+            # the row-norm prologue once per panel of A plus once per chunk of 2^22 elements of B (+ A
+            # and B in CLIP's fused forward); one panel kernel per panel; one row epilogue per panel
+            # plus dB's
+            assert launches["row_norm"] == panels + chunks + (2 if r["loss"] == "clip" else 0), (launches, p)
+            assert launches["panel_dl"] == panels and launches["panel_rows"] == panels + 1, launches
         assert r["panel_norm_launches"] == 0  # no ATen norms (core/norms.py) on the panel path
         for k in r["kernels"] + r["fused_kernels"]:
             assert k["ms"] * 1e-3 >= k["flops"] / (peaks[r["gpu"]] * 1e12), k

@@ -33,14 +33,24 @@ small ``e_ij`` would lose precision) is redone exactly in two passes (``W = 1`` 
 
 Units (one unit = one N x M x D matmul = 2 N M D FLOPs), by case:
 
-* summed loss without a column term (InfoNCE, SimCSE in either form, SupCon, DSCL, ...; B is A
-  included, its two roles summed): **3 units, all cuBLAS**. The panel spans whole rows, so the kernel
-  forms each row's LSE / LSEpos in the same sweep (``EAGER``) and the gradient is formed in the
-  forward (scaled by the scalar upstream gradient in backward), as the torch backend does on CPU.
+* B is A without a bias, no column term, no softmax over positives (symmetric SimCSE, uniformity,
+  InfoNCE of a batch against itself; summed or per row): the **triangular sweep**, **2 units** plus
+  the diagonal blocks (``P / N`` of a unit). Panel ``[r0, r1)`` holds its rows against columns
+  ``[r0, N)`` only (the logits are symmetric). Forward (:func:`tri_lse`): the logits GEMM (half a unit
+  over the sweep) and ``tri_stats_kernel``, whose one read finishes the panel's rows and merges its
+  columns into the later rows' running statistics. Backward (:func:`tri_backward`): the logits again
+  (half a unit), ``H = G + G^T`` from the same tile (``panel_dl_kernel`` with SYM and TRI), then
+  ``acc[r0:r1] += H @ A[r0:]`` and ``acc[r1:] += H[:, P:]^T @ A_P`` (one unit), one fp32 accumulator
+  of dA.
+* other summed losses without a column term (InfoNCE, two-view / supervised SimCSE, SupCon, DSCL, ...;
+  B is A with a bias or positives included, its two roles summed): **3 units, all cuBLAS**. The panel
+  spans whole rows, so the kernel forms each row's LSE / LSEpos in the same sweep (``EAGER``) and the
+  gradient is formed in the forward (scaled by the scalar upstream gradient in backward), as the
+  torch backend does on CPU.
 * per-row output or a column term (CLIP), A != B: the statistics first, from the fused forward kernel
   (1 unit, ``lse_fwd_kernel``: row, positive and column LSEs from the same tiles), then the panel
   backward (3 units, cuBLAS): **4 units**. (A panel sweep for the column LSE would also cost 1 unit.)
-* the same with A is B without a bias (CLIP of A against itself, per-row outputs): fused forward (1) +
+* the same with A is B without a bias (CLIP of A against itself, positives' softmax): fused forward (1) +
   panel backward with ``H = dl + dl^T`` from the same tile (logits 1 + ``H @ A`` 1): **3 units**, no
   dB accumulator.
 * ``need_b`` False (a frozen tower): the ``dl^T @ A`` GEMM is skipped (2 units).
