@@ -96,7 +96,7 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
             # per sweep the row norms of every panel and of B's chunks; the statistics kernel's tile
             # pass and merge per panel; one panel kernel per panel; one row epilogue (dA)
             assert launches["row_norm"] == 2 * (panels + chunks), (launches, p)
-            assert launches["tri_stats"] == 2 * panels, launches
+            assert launches["tri_stats"] == panels and launches["tri_merge"] == panels, launches
             assert launches["panel_dl"] == panels and launches["panel_rows"] == 1, launches
         else:
             # the eager sweep of a summed loss without a column term is 3 units (logits, dl @ B,

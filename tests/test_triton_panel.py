@@ -553,7 +553,7 @@ _COMPILE = textwrap.dedent(
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     # the panel kernels, and the fused forward with the 1-byte mask
-                    if (x.name in ("panel_dl", "panel_rows", "tri_stats")
+                    if (x.name in ("panel_dl", "panel_rows", "tri_stats", "tri_merge")
                             or (x.name == "lse_fwd" and variant == "col")):
                         r = aot.compile_launch(x, cc)
                         r.update(variant=variant, dtype=str(dt), one_pass=bool(x.constexprs.get("ONE_PASS")),
@@ -589,7 +589,8 @@ def test_panel_kernel_compiles_without_spills(compiled):
     assert {(r["cc"], r["variant"]) for r in panel} == {(cc, v) for cc in (80, 90) for v in variants}
     assert {r["variant"] for r in panel if r["tri"]} == {"tri"}
     # the triangular sweep's statistics kernel, its tile pass and its merge, every dtype
-    tri = {(r["cc"], r["merge"], r["dtype"]) for r in compiled if r["kernel"] == "tri_stats"}
+    tri = {(r["cc"], r["merge"], r["dtype"]) for r in compiled if r["kernel"] in ("tri_stats", "tri_merge")}
+    assert all(r["merge"] == (r["kernel"] == "tri_merge") for r in compiled if r["kernel"].startswith("tri_"))
     assert tri == {(cc, c, str(dt)) for cc in (80, 90) for c in (False, True)
                    for dt in (torch.bfloat16, torch.float16, torch.float32)}
     assert {r["variant"] for r in panel if r["one_pass"]} == {"onepass", "onepass-r4", "onepass-r1"}
@@ -601,7 +602,7 @@ def test_panel_kernel_compiles_without_spills(compiled):
 
 
 def test_one_byte_mask_kernels_use_tensor_cores(compiled):
-    fused = [r for r in compiled if r["kernel"] not in ("panel_dl", "panel_rows", "tri_stats")]
+    fused = [r for r in compiled if r["kernel"] not in ("panel_dl", "panel_rows", "tri_stats", "tri_merge")]
     assert {r["kernel"] for r in fused} == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols"}
     for r in fused:
         assert (r["n_wgmma"] and not r["n_mma"]) if r["cc"] == 90 else r["n_mma"], r

@@ -389,7 +389,7 @@ def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
     statistics (every column before r0, from earlier panels) into its LSE. Memory: the fp32 panel
     [P, N - r0], the partials ``8 P (N - r0) / BLOCK_C`` bytes and O(N) - within the eager sweep's
     per-row budget (no DL here)."""
-    from .triton_backend import Launch
+    from .triton_backend import Launch, _alloc
 
     n, d = a.shape
     dev, dt = a.device, a.dtype
@@ -399,7 +399,7 @@ def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
     dm = prep.dummy
     run_m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
     run_z = torch.zeros(n, dtype=torch.float32, device=dev)
-    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    lse = _alloc((n,), torch.float32, dev)
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self))
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
@@ -408,15 +408,15 @@ def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
         lraw = _mm32(x, a[r0:].T)
         del x
         n_part = triton.cdiv(c, TRI_BLOCK_C)
-        part_m = torch.empty((n_part, pp), dtype=torch.float32, device=dev)
-        part_z = torch.empty_like(part_m)
+        part_m = _alloc((n_part, pp), torch.float32, dev)
+        part_z = _alloc((n_part, pp), torch.float32, dev)
         args = dict(L=lraw, RSP=rs.contiguous(), RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t,
                     RUN_M=run_m[r0:], RUN_Z=run_z[r0:], PART_M=part_m, PART_Z=part_z, LSE=lse[r0:], P=pp, C=c,
                     stride_l=lraw.stride(0), n_part=n_part)
         launch(Launch("tri_stats", KP.tri_stats_kernel, (n_part,), args,
                       dict(BLOCK_R=TRI_BLOCK_R, BLOCK_C=TRI_BLOCK_C, MERGE=False, **flags), PANEL_WARPS, 1))
         del lraw
-        launch(Launch("tri_stats", KP.tri_stats_kernel, (triton.cdiv(pp, block_r),), dict(args, L=dm),
+        launch(Launch("tri_merge", KP.tri_stats_kernel, (triton.cdiv(pp, block_r),), dict(args, L=dm),
                       dict(BLOCK_R=block_r, BLOCK_C=TRI_BLOCK_C, MERGE=True, **flags), PANEL_ROWS_WARPS, 1))
         del part_m, part_z
     return lse
