@@ -412,6 +412,34 @@ def test_no_tensor_larger_than_a_panel(name, monkeypatch):
     assert probe.largest <= p * m, f"largest tensor {probe.largest} > P x M = {p * m} ({probe.op})"
 
 
+@pytest.mark.parametrize("name", ["info_nce", "simcse", "clip"])
+def test_one_logits_panel_alive_at_a_time(name, monkeypatch):
+    # the workspace formula counts one [P, M] fp32 panel: when the next panel's logits GEMM runs, no
+    # earlier panel may still be referenced (weak references to every GEMM output of the sweep)
+    import gc
+    import weakref
+
+    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
+    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 64)
+    alive: list[weakref.ref] = []
+    orig = triton_panel._mm32
+    counts = []
+
+    def mm32(x, y):
+        gc.collect()
+        counts.append(sum(r() is not None for r in alive))
+        out = orig(x, y)
+        if out.shape[0] <= 64 and out.shape[1] >= 128:  # a logits panel (not the dA GEMM's [P, D])
+            alive.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(triton_panel, "_mm32", mm32)
+    case = CASE_BY_NAME[name]
+    tensors, kwargs = case.build(384, 32, torch.Generator().manual_seed(0))
+    run(case, (tensors, kwargs), "triton", torch.float32)
+    assert len(alive) >= 4 and max(counts) == 0, counts
+
+
 # 4. fp16 pre-scale: p ~ 1/M is subnormal in fp16 for most entries at large M
 
 

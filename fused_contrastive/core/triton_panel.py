@@ -379,6 +379,19 @@ def use_tri(p, want_col: bool, want_pos: bool) -> bool:
 TRI_BLOCK_R, TRI_BLOCK_C = 16, 128
 
 
+def _tri_panels(pr: _Problem, a: Tensor, p_rows: int):
+    """The triangular sweep's panels: ``(r0, P, C, Lraw, rs)`` with Lraw [P, C] the raw products of rows
+    [r0, r0 + P) against rows [r0, N) (C = N - r0; fp32, one GEMM) and rs their operand's factors."""
+    n = a.shape[0]
+    for r0 in range(0, n, p_rows):
+        r1 = min(n, r0 + p_rows)
+        x, rs, _ = pr.rows(r0, r1)
+        lraw = _mm32(x, a[r0:].T)
+        del x
+        yield r0, r1 - r0, n - r0, lraw, rs
+        del lraw
+
+
 def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
     """Forward of the triangular sweep: the row LSEs of B-is-A logits from the upper triangle only.
 
@@ -401,12 +414,7 @@ def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
     run_z = torch.zeros(n, dtype=torch.float32, device=dev)
     lse = _alloc((n,), torch.float32, dev)
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self))
-    for r0 in range(0, n, p_rows):
-        r1 = min(n, r0 + p_rows)
-        pp, c = r1 - r0, n - r0
-        x, rs, _ = pr.rows(r0, r1)
-        lraw = _mm32(x, a[r0:].T)
-        del x
+    for r0, pp, c, lraw, rs in _tri_panels(pr, a, p_rows):
         n_part = triton.cdiv(c, TRI_BLOCK_C)
         part_m = _alloc((n_part, pp), torch.float32, dev)
         part_z = _alloc((n_part, pp), torch.float32, dev)
@@ -415,10 +423,11 @@ def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
                     stride_l=lraw.stride(0), n_part=n_part)
         launch(Launch("tri_stats", KP.tri_stats_kernel, (n_part,), args,
                       dict(BLOCK_R=TRI_BLOCK_R, BLOCK_C=TRI_BLOCK_C, MERGE=False, **flags), PANEL_WARPS, 1))
-        del lraw
-        launch(Launch("tri_merge", KP.tri_stats_kernel, (triton.cdiv(pp, block_r),), dict(args, L=dm),
+        margs = dict(args, L=dm)
+        del lraw, args  # the panel is freed before the next one is computed
+        launch(Launch("tri_merge", KP.tri_stats_kernel, (triton.cdiv(pp, block_r),), margs,
                       dict(BLOCK_R=block_r, BLOCK_C=TRI_BLOCK_C, MERGE=True, **flags), PANEL_ROWS_WARPS, 1))
-        del part_m, part_z
+        del part_m, part_z, margs
     return lse
 
 
@@ -449,12 +458,8 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
                  HAS_G=True, HAS_GCOL=False, HAS_GPOS=False, SYM=True, EAGER=False, ONE_PASS=False,
                  NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=True)
     a_op = pr.b_op  # raw A (folded norms, or no normalisation) or the normalised fp16 copy
-    for r0 in range(0, n, p_rows):
-        r1 = min(n, r0 + p_rows)
-        pp, c = r1 - r0, n - r0
-        x, rs, _ = pr.rows(r0, r1)
-        lraw = _mm32(x, a[r0:].T)
-        del x
+    for r0, pp, c, lraw, rs in _tri_panels(pr, a, p_rows):
+        r1 = r0 + pp
         h = _alloc((pp, c), dt, dev)
         n_prog = triton.cdiv(pp, block_r)
         ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
