@@ -167,13 +167,15 @@ def _rows_ok(x: Tensor) -> Tensor:
     return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
-def _row_norms(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _row_norms(x: Tensor, eps: float, norm: Tensor | None = None,
+               rnorm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(copy of x scaled by a power of two per row, in x's dtype; max(||x_i||, eps); 1 / that; the
-    inverse clamped norm of the scaled row) by the prologue kernel."""
+    inverse clamped norm of the scaled row) by the prologue kernel; ``norm`` / ``rnorm``: [N] fp32
+    outputs to write into (e.g. slices of a longer vector) instead of new ones."""
     n, d = x.shape
     xs = _alloc((n, d), x.dtype, x.device)
-    norm = _alloc((n,), torch.float32, x.device)
-    rnorm = _alloc((n,), torch.float32, x.device)
+    norm = _alloc((n,), torch.float32, x.device) if norm is None else norm
+    rnorm = _alloc((n,), torch.float32, x.device) if rnorm is None else rnorm
     rs = _alloc((n,), torch.float32, x.device)
     _launch(Launch("row_norm", K.row_norm_kernel, (triton.cdiv(n, ROW_NORM_BLOCK_R),),
                    dict(X=x, XS=xs, NORM=norm, RNORM=rnorm, RS=rs, N=n, D=d, stride_x=x.stride(0),

@@ -214,7 +214,7 @@ class _Problem:
     normalisation, one power of two per row of A (one reduction)."""
 
     def __init__(self, a: Tensor, b: Tensor, spec, need_op: bool = True):
-        from .triton_backend import _row_norms
+        from .triton_backend import _alloc, _row_norms
 
         self.a, self.spec = a, spec
         self.normalize = spec.normalize
@@ -225,16 +225,14 @@ class _Problem:
         self.nb = self.rb = self.pw = None
         m, d = b.shape
         if spec.normalize:
-            self.nb = torch.empty(m, dtype=torch.float32, device=b.device)
-            self.rb = torch.empty_like(self.nb)
+            self.nb = _alloc((m,), torch.float32, b.device)  # written by the chunks' launches
+            self.rb = _alloc((m,), torch.float32, b.device)
             step = max(1, NORM_CHUNK_ELEMENTS // max(d, 1))
             fp16_copy = not self.fold and need_op
             if fp16_copy:  # fp16: the normalised B in fp16 (rounded once from fp32, as the fused kernels')
                 self.b_op = torch.empty_like(b)
             for c0 in range(0, m, step):
-                xs, nrm, rn, rs = _row_norms(b[c0:c0 + step], spec.eps)
-                self.nb[c0:c0 + step] = nrm
-                self.rb[c0:c0 + step] = rn
+                xs, _, _, rs = _row_norms(b[c0:c0 + step], spec.eps, self.nb[c0:c0 + step], self.rb[c0:c0 + step])
                 if fp16_copy:
                     self.b_op[c0:c0 + step] = (xs.float() * rs[:, None]).to(self.dt)
                 del xs
