@@ -281,6 +281,32 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
         assert_close(got.double(), want, atol=tol * max(scale, 1.0), rtol=tol, what=f"{what} ({mode})")
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("exclude_self", [True, False], ids=["self_out", "self_in"])
+def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch):
+    # panels of 2 rows: a last panel of one row, and N = 1 with its own column out (no column at all:
+    # LSE -inf, as the chunked path gives); per-row outputs with distinct upstream weights
+    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 2)
+    rec = _Launches(monkeypatch)
+    a = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+    res = []
+    for impl, dt in ((triton_backend, torch.float32), (chunked, torch.float64)):
+        x = a.to(dt).requires_grad_()
+        s = torch.tensor(3.0, dtype=dt, requires_grad=True)
+        out = impl.core(x, None, s, CoreSpec(exclude_self=exclude_self), CoreData(), Coeffs(1.0), False)
+        w = torch.arange(1, n + 1, dtype=dt)
+        tot = (torch.where(torch.isfinite(out), out, 0.0) * w).sum()
+        res.append((out.detach(), *torch.autograd.grad(tot, (x, s), allow_unused=True)))
+    assert rec.names.count("tri_merge") == -(-n // 2), rec.names  # the triangular sweep, one per panel
+    assert torch.equal(torch.isfinite(res[0][0]), torch.isfinite(res[1][0]))
+    for got, want, what in zip(res[0], res[1], ("lse", "dA", "ds")):
+        if want is None:
+            assert got is None or not got.any(), what
+            continue
+        assert_close(torch.where(torch.isfinite(got), got, 0.0).double(), torch.where(torch.isfinite(want), want, 0.0),
+                     atol=2e-6, rtol=2e-6, what=what)
+
+
 def test_triangular_sweep_is_chosen_where_documented(monkeypatch):
     rec = _Launches(monkeypatch)
     feats = torch.randn(60, 16).requires_grad_()
