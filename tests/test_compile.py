@@ -317,9 +317,10 @@ def test_export_info_nce(strict):
 # ------------------------------------------------------------------------------------------------
 
 
-def _trace_report(*flags: str) -> dict:
+def _trace_report(*flags: str, env_extra: dict[str, str] | None = None) -> dict:
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra or {})
     script = Path(__file__).with_name("trace_host_code.py")
     res = subprocess.run([sys.executable, str(script), *flags], check=False, capture_output=True, text=True,
                          env=env, timeout=900, cwd=script.parent.parent)
@@ -343,6 +344,24 @@ def test_host_code_never_reads_device_data():
             assert entry["kernels"] >= (2 if route in ("op", "triton_op") else 3), (key, entry)
     assert {k.rsplit("/", 1)[0] for k in report if k.endswith("/triton_op")} == \
         {f"{c.name}/triton" for c in CORE_CASES} | {"cosent/triton", "cosent_scores/triton"}
+
+
+def test_panel_path_host_code_never_reads_device_data():
+    """The same trace on the triton backend's panel path (what ``auto`` takes on CUDA for large N x M),
+    with a workspace budget that gives panels of 64 rows: 2 panels of the 96 traced rows, the eager,
+    the recomputing and the triangular sweeps all traced without a host read."""
+    report = _trace_report(env_extra={"FUSED_CONTRASTIVE_TRITON_PATH": "panel",
+                                      "FUSED_CONTRASTIVE_PANEL_BUDGET": "1"})
+    triton = {k: v for k, v in report.items() if "/triton/" in k and not k.startswith("cosent")}
+    assert {k.split("/")[0] for k in triton} == {c.name for c in CORE_CASES}
+    errors = {k: v["error"] for k, v in triton.items() if "error" in v}
+    assert not errors, errors
+    # a forward + backward runs the panel kernel (the eager, recomputing or triangular sweep), and the
+    # triangular sweep is what symmetric SimCSE takes
+    for key, v in triton.items():
+        if key.endswith(("/eager", "/op_backward")):
+            assert "panel_dl_kernel" in v["names"], (key, v)
+    assert "tri_stats_kernel" in triton["simcse/triton/eager"]["names"], triton["simcse/triton/eager"]
 
 
 def test_host_code_trace_catches_a_host_read():

@@ -59,8 +59,16 @@ def _flat(case: str, backend: str, grad: bool) -> list:
     return flat
 
 
-def _kernels(g) -> int:
-    return sum(1 for n in g.graph.nodes if "triton_kernel_wrapper" in str(n.target))
+def _kernels(g) -> list[str]:
+    """Names of the Triton kernels launched in the graph, in order."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    names = []
+    for n in g.graph.nodes:
+        if "triton_kernel_wrapper" in str(n.target):
+            k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+            names.append(getattr(getattr(k, "fn", k), "__name__", str(k)))
+    return names
 
 
 def _trace(fn, *args) -> dict:
@@ -68,7 +76,8 @@ def _trace(fn, *args) -> dict:
         g = make_fx(fn, tracing_mode="symbolic")(*args)
     except Exception as e:  # noqa: BLE001 - the report carries the error
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    return {"nodes": len(g.graph.nodes), "kernels": _kernels(g)}
+    names = _kernels(g)
+    return {"nodes": len(g.graph.nodes), "kernels": len(names), "names": sorted(set(names))}
 
 
 def _functional(op):
@@ -76,8 +85,13 @@ def _functional(op):
     into its host code, and each launch becomes a ``triton_kernel_wrapper`` node (outside
     functionalization it stays one opaque node)."""
     def run(*flat):
+        def wrap(x):
+            if isinstance(x, torch.Tensor):
+                return FunctionalTensor.to_functional(x)
+            return [wrap(y) for y in x] if isinstance(x, list) else x  # Tensor[] arguments too
+
         with FunctionalTensorMode():
-            args = [FunctionalTensor.to_functional(x) if isinstance(x, torch.Tensor) else x for x in flat]
+            args = [wrap(x) for x in flat]
             out = op(*args)
         return [torch._from_functional_tensor(o.elem) for o in out]
     return run
