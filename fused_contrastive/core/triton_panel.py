@@ -276,7 +276,7 @@ def _rows_launch(launch, g, x, rs, nrm, w, scale_t, gs, out, xw, eps: float, nor
         PANEL_ROWS_WARPS, 1))
 
 
-def sweep(launch, prep, a: Tensor, b: Tensor, same_storage: bool, sym: bool, scale_t: Tensor, spec,
+def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
           lse: Tensor | None, lse_col: Tensor | None, lse_pos: Tensor | None,
           g: Tensor | None, g_col: Tensor | None, g_pos: Tensor | None,
           need_a: bool, need_b: bool, need_s: bool, eager: bool):
@@ -441,7 +441,7 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     unit, 2 matmul units (the eager sweep takes 3). bf16 / fp32 fold both inverse norms into H, so
     both GEMMs read the raw A and the accumulator holds ``dA_hat_i rb_i`` (undone by the epilogue);
     fp16 reads a normalised fp16 copy of A. dL/ds counts the diagonal block's ``G_ji`` once."""
-    from .triton_backend import Launch, _alloc
+    from .triton_backend import Launch, _alloc, _mask_args, _problem_args
 
     n, d = a.shape
     dev, dt = a.device, a.dtype
@@ -464,10 +464,10 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
         launch(Launch(
             "panel_dl", KP.panel_dl_kernel, (n_prog,),
             dict(L=lraw, DL=h, W_OUT=_alloc((pp,), torch.float32, dev), RSP=rs.contiguous(),
-                 RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, BIAS_COL=dm, ROW_LAB=dm,
-                 COL_LAB=dm, POS_MASK=dm, LSE=lse[r0:], G=g[r0:], LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
-                 LSE_OUT=dm, LSE_POS_OUT=dm, DS_PART=ds_part, M=c, r0=0, P=pp, stride_l=lraw.stride(0),
-                 stride_dl=h.stride(0), offset=0, bias=0.0, n0=1, m0=1, stride_pm=1),
+                 RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
+                 LSE=lse[r0:], G=g[r0:], LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm, LSE_OUT=dm, LSE_POS_OUT=dm,
+                 DS_PART=ds_part, M=c, r0=0, P=pp, stride_l=lraw.stride(0), stride_dl=h.stride(0),
+                 **_mask_args(prep, spec)),
             dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
         del lraw
         if need_s:
@@ -519,7 +519,7 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     if eager:
         g = _vec(coef.lse, n, dev)
         g_pos = _vec(coef.pos, n, dev) if want_pos else None
-        da, db, ds, lse, lse_pos = sweep(TB._launch, p, p.a, bb, same, False, scale_t, spec, None, None, None,
+        da, db, ds, lse, lse_pos = sweep(TB._launch, p, p.a, bb, False, scale_t, spec, None, None, None,
                                          g, None, g_pos, need_a, need_b or (same and need_a), need_s, True)
         if same and da is not None:
             da = da + db  # B is A with a bias: both roles of A
@@ -576,7 +576,7 @@ def backward(ctx, go: Tensor):
     bb = a if same else b
     sym = p.sym
     need_s = need_s and isinstance(scale, Tensor)
-    da, db, ds, _, _ = sweep(TB._launch, p, a, bb, same, sym, TB._scale32(scale, a.device), spec, lse, lse_col,
+    da, db, ds, _, _ = sweep(TB._launch, p, a, bb, sym, TB._scale32(scale, a.device), spec, lse, lse_col,
                              lse_pos, g, g_col, g_pos, need_a, (need_b and not same) or (same and not sym and need_a),
                              need_s, False)
     if same and not sym and da is not None:
