@@ -285,6 +285,9 @@ typedef struct {
   fc_args args;
 } fc_launch;
 
+static fc_status launch_variant(const fc_device *dev, const fc_variant *v, const fc_launch *L, CUstream stream,
+                                int check_only);
+
 /* Check every parameter (set, in range, aligned as compiled) and launch; `check_only` validates only. */
 static fc_status launch(const fc_device *dev, const fc_problem *p, const fc_launch *L, CUstream stream,
                         int check_only) {
@@ -295,6 +298,11 @@ static fc_status launch(const fc_device *dev, const fc_problem *p, const fc_laun
                 "exclude_self=%d (built: %s)",
                 fc_kernel_names[L->kernel], dev->cc, (int)p->dtype, (long long)p->d, (long long)d_pad(p->d), L->sym,
                 L->want_col, L->exclude_self, fc_build_info());
+  return launch_variant(dev, v, L, stream, check_only);
+}
+
+static fc_status launch_variant(const fc_device *dev, const fc_variant *v, const fc_launch *L, CUstream stream,
+                                int check_only) {
   const fc_layout *lay = &fc_layouts[L->kernel];
   /* storage for every parameter (8 bytes each) + the two scratch pointers */
   uint64_t store[64 + 3];
@@ -306,7 +314,7 @@ static fc_status launch(const fc_device *dev, const fc_problem *p, const fc_laun
     const fc_val *x = &L->args.v[q->name];
     const char *nm = fc_arg_names[q->name];
     if (!x->set)
-      return fail(FC_ERR_INVALID_ARGUMENT, "internal: parameter %s of %s not set", nm, fc_kernel_names[L->kernel]);
+      return fail(FC_ERR_INVALID_ARGUMENT, "parameter %s of %s not set", nm, fc_kernel_names[L->kernel]);
     store[i] = 0;
     switch (q->type) {
       case FC_T_PTR:
@@ -635,4 +643,69 @@ fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, 
     set_i(&C->args, FC_ARG_grad_cols, gcols);
   }
   return run_all(&dev, p, L, k, stream);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* kernel-level entry points (the panel path of libfused_contrastive_torch)                          */
+/* ------------------------------------------------------------------------------------------------ */
+
+fc_status fc_device_props(int *cc, int *sms) {
+  fc_device dev;
+  fc_status st = current_device(&dev);
+  if (st != FC_OK) return st;
+  if (!cc || !sms) return fail(FC_ERR_INVALID_ARGUMENT, "cc and sms are required");
+  *cc = dev.cc;
+  *sms = dev.sms;
+  g_err[0] = 0;
+  return FC_OK;
+}
+
+fc_status fc_launch_kernel(const char *kernel, fc_dtype dtype, const char *constexprs, int64_t grid,
+                           const fc_karg *args, int nargs, void *stream) {
+  fc_device dev;
+  fc_status st = current_device(&dev);
+  if (st != FC_OK) return st;
+  if (!kernel || !constexprs || nargs < 0 || (nargs > 0 && !args))
+    return fail(FC_ERR_INVALID_ARGUMENT, "kernel, constexprs and args are required");
+  if ((unsigned)dtype > FC_BFLOAT16) return fail(FC_ERR_UNSUPPORTED_DTYPE, "dtype %d is not a fc_dtype", (int)dtype);
+  int k = -1;
+  for (int i = 0; i < FC_K_COUNT; ++i)
+    if (!strcmp(fc_kernel_names[i], kernel)) k = i;
+  if (k < 0) return fail(FC_ERR_INVALID_ARGUMENT, "no kernel named %s in this library", kernel);
+  const fc_variant *v = NULL;
+  for (int i = 0; i < FC_N_VARIANTS && !v; ++i)
+    if (fc_variants[i].kernel == (fc_kernel)k && fc_variants[i].cc == dev.cc && fc_variants[i].dtype == (int)dtype &&
+        !strcmp(fc_variants[i].ckey, constexprs))
+      v = &fc_variants[i];
+  if (!v)
+    return fail(FC_ERR_UNSUPPORTED_SHAPE, "no %s kernel built for sm_%d, dtype %d with constexprs %s (built: %s)",
+                kernel, dev.cc, (int)dtype, constexprs, fc_build_info());
+  fc_launch L;
+  memset(&L, 0, sizeof L);
+  L.kernel = (fc_kernel)k;
+  L.grid = grid;
+  const fc_layout *lay = &fc_layouts[k];
+  for (int j = 0; j < nargs; ++j) {
+    const fc_karg *x = &args[j];
+    const fc_param *q = NULL;
+    for (int i = 0; i < lay->n && x->name; ++i)
+      if (!strcmp(fc_arg_names[lay->params[i].name], x->name)) q = &lay->params[i];
+    if (!q) return fail(FC_ERR_INVALID_ARGUMENT, "%s has no parameter %s", kernel, x->name ? x->name : "(NULL)");
+    if (L.args.v[q->name].set) return fail(FC_ERR_INVALID_ARGUMENT, "%s: parameter %s given twice", kernel, x->name);
+    int want = q->type == FC_T_PTR ? FC_KARG_PTR : q->type == FC_T_F32 ? FC_KARG_FLOAT : FC_KARG_INT;
+    if ((int)x->kind != want)
+      return fail(FC_ERR_INVALID_ARGUMENT, "%s: parameter %s given as kind %d, the kernel takes kind %d", kernel,
+                  x->name, (int)x->kind, want);
+    if (want == FC_KARG_PTR)
+      set_p(&L.args, q->name, x->ptr);
+    else if (want == FC_KARG_INT)
+      set_i(&L.args, q->name, x->i);
+    else
+      set_f(&L.args, q->name, x->f);
+  }
+  if (grid < 0) return fail(FC_ERR_INVALID_ARGUMENT, "grid %lld < 0", (long long)grid);
+  if ((st = launch_variant(&dev, v, &L, (CUstream)stream, 1)) != FC_OK) return st;
+  if ((st = launch_variant(&dev, v, &L, (CUstream)stream, 0)) != FC_OK) return st;
+  g_err[0] = 0;
+  return FC_OK;
 }

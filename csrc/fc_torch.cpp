@@ -10,6 +10,14 @@
 //                Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols)
 //       -> (Tensor da, Tensor db, Tensor ds)
 //
+// Large problems take the panel path, as the Python backend does (core/triton_panel.py): on CUDA tensors
+// with N * M >= 2^24, or where FUSED_CONTRASTIVE_TRITON_PATH says "panel" ("fused": never). Its GEMMs
+// run in at::mm / addmm (cuBLAS, fixed order), the per-logit and per-row work in the panel kernels of
+// the C library (fc_launch_kernel); nothing N x M is allocated (panels of P rows from the byte budget
+// FUSED_CONTRASTIVE_PANEL_BUDGET, default 0.70 GB). "info_nce" / "clip": the fused forward, then the
+// recomputing panel backward (ws unused there); "self": the triangular sweep (forward and backward, ws
+// empty).
+//
 // mode: "info_nce" | "clip" | "self" (b None). lse_col is empty outside "clip"; ws is the workspace the
 // backward needs (pass it back unmodified); db is empty when not asked for (and in "self": da then holds
 // both roles of A); ds is dL/dscale (0-dim fp32). Registered for CUDA. For the tests only, the same
@@ -18,9 +26,17 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <limits>
+#include <map>
 #include <string>
+#include <vector>
 
+#include "fc_kernels_gen.h"  // the launcher's constants: FC_PANEL_*, FC_TRI_*, FC_ROW_NORM_* (generated)
 #include "fused_contrastive.h"
 
 #ifdef FC_TORCH_CUDA
@@ -99,6 +115,322 @@ Problem make_problem(const Tensor &a_, const std::optional<Tensor> &b_, const Te
   return P;
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// the panel path (fused_contrastive/core/triton_panel.py, statement by statement; a ctest compares
+// every launch with the Python launcher's)
+// ------------------------------------------------------------------------------------------------
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t d_pad(int64_t d) {  // triton_configs.d_pad
+  int64_t p = 16;
+  while (p < d) p <<= 1;
+  return p;
+}
+
+// triton_panel.use_panel
+bool use_panel(const Tensor &a, int64_t n, int64_t m) {
+  const char *e = std::getenv("FUSED_CONTRASTIVE_TRITON_PATH");
+  const std::string mode = e ? e : "auto";
+  TORCH_CHECK_VALUE(mode == "auto" || mode == "panel" || mode == "fused",
+                    "FUSED_CONTRASTIVE_TRITON_PATH must be 'auto', 'panel' or 'fused', got '", mode, "'");
+  if (mode != "auto") return mode == "panel";
+  return a.is_cuda() && n * m >= static_cast<int64_t>(FC_PANEL_MIN_ELEMENTS);
+}
+
+// one launch of a generated kernel, its variant named by the constexprs (fc_launch_kernel)
+struct Kernel {
+  const char *name;
+  fc_dtype dt;
+  int64_t grid;
+  std::map<std::string, std::string> cx;
+  std::vector<fc_karg> args;
+  Kernel(const char *n, fc_dtype d, int64_t g) : name(n), dt(d), grid(g) {}
+  Kernel &p(const char *k, const Tensor &t) {
+    args.push_back({k, FC_KARG_PTR, t.data_ptr(), 0, 0.0});
+    return *this;
+  }
+  Kernel &i(const char *k, int64_t v) {
+    args.push_back({k, FC_KARG_INT, nullptr, v, 0.0});
+    return *this;
+  }
+  Kernel &f(const char *k, double v) {
+    args.push_back({k, FC_KARG_FLOAT, nullptr, 0, v});
+    return *this;
+  }
+  Kernel &c(const char *k, int64_t v) {
+    cx[k] = std::to_string(v);
+    return *this;
+  }
+  Kernel &cf(const char *k, double v) {  // floats with one decimal, as the generator's key spells them
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.1f", v);
+    cx[k] = buf;
+    return *this;
+  }
+  void run(void *stream) {
+    std::string key;
+    for (const auto &kv : cx) key += (key.empty() ? "" : ",") + kv.first + "=" + kv.second;
+    check(fc_launch_kernel(name, dt, key.c_str(), grid, args.data(), static_cast<int>(args.size()), stream), name);
+  }
+};
+
+struct Panel {
+  Tensor a, b;  // b is a in mode "self"
+  fc_dtype dt;
+  int64_t n, m, d, el;
+  double eps, prescale;
+  bool fold;     // the kernels fold B's inverse norms into the gradient tile (bf16 / fp32)
+  Tensor scale;  // [1] fp32
+  Tensor dummy;  // stands in for every absent pointer (never dereferenced)
+  void *stream;
+  int programs;  // 2 per SM (triton_panel._programs)
+};
+
+Panel make_panel(const Problem &P) {
+  Panel C;
+  C.a = P.a;
+  C.b = P.p.mode == FC_MODE_SELF ? P.a : P.b;
+  C.dt = P.p.dtype;
+  C.n = P.p.n;
+  C.m = C.b.size(0);
+  C.d = P.p.d;
+  C.el = P.a.element_size();
+  C.eps = P.p.eps;
+  C.fold = C.dt != FC_FLOAT16;
+  C.prescale = C.dt == FC_FLOAT16 ? FC_PANEL_FP16_PRESCALE : 1.0;
+  C.scale = P.scale;
+  C.dummy = at::empty({1}, P.a.options().dtype(at::kFloat));
+  C.stream = stream_of(P.a);
+  int cc = 0, sms = 0;
+  check(fc_device_props(&cc, &sms), "fc_device_props");
+  C.programs = 2 * sms;
+  return C;
+}
+
+// triton_panel.panel_rows (without the test hook PANEL_ROWS)
+int64_t panel_rows(const Panel &C, int64_t m, bool need_db) {
+  const char *env = std::getenv("FUSED_CONTRASTIVE_PANEL_BUDGET");
+  const int64_t budget = env && *env ? std::stoll(env) : static_cast<int64_t>(FC_PANEL_BUDGET_BYTES);
+  const int64_t e = C.el, d = C.d;
+  const int64_t fixed = (need_db ? 4 * m * d : 0) + (C.dt == FC_FLOAT16 ? e * m * d : 0);
+  const int64_t per_row = (4 + e) * m + (4 + 2 * e) * d + 16;
+  const int64_t num = budget - fixed;
+  int64_t p = num >= 0 ? num / per_row : -((-num + per_row - 1) / per_row);  // Python's floor division
+  p = p >= 64 ? p - p % 64 : p;
+  return std::max<int64_t>(1, std::min<int64_t>(C.n, std::max<int64_t>(FC_PANEL_P_MIN, p)));
+}
+
+// triton_panel.panel_blocks: (BLOCK_R, BLOCK_C)
+std::pair<int64_t, int64_t> panel_blocks(int64_t p, int64_t programs) {
+  for (int64_t r : {16, 8, 4, 2})
+    if (cdiv(p, r) >= programs) return {r, FC_PANEL_CHUNK / r};
+  return {1, FC_PANEL_CHUNK};
+}
+
+// triton_backend._row_norms: (scaled copy, norms, inverse norms, inverse norms of the copy)
+std::array<Tensor, 4> row_norms(const Panel &C, const Tensor &x, Tensor norm = {}, Tensor rnorm = {}) {
+  const int64_t r = x.size(0), d = x.size(1);
+  auto f32 = x.options().dtype(at::kFloat);
+  Tensor xs = at::empty({r, d}, x.options());
+  if (!norm.defined()) norm = at::empty({r}, f32);
+  if (!rnorm.defined()) rnorm = at::empty({r}, f32);
+  Tensor rs = at::empty({r}, f32);
+  Kernel("row_norm", C.dt, cdiv(r, FC_ROW_NORM_BLOCK_R))
+      .p("X", x).p("XS", xs).p("NORM", norm).p("RNORM", rnorm).p("RS", rs)
+      .i("N", r).i("D", d).i("stride_x", x.stride(0)).i("stride_xs", xs.stride(0)).f("eps", C.eps)
+      .c("BLOCK_R", FC_ROW_NORM_BLOCK_R).c("BLOCK_D", std::min<int64_t>(d_pad(d), FC_ROW_NORM_MAX_BLOCK_D))
+      .run(C.stream);
+  return {xs, norm, rnorm, rs};
+}
+
+// triton_panel._Problem with normalisation: B's norms in chunks; for fp16 (need_op) the normalised B
+struct Norms {
+  Tensor nb, rb, b_op;
+};
+
+Norms column_norms(const Panel &C, bool need_op) {
+  Norms N;
+  auto f32 = C.b.options().dtype(at::kFloat);
+  N.nb = at::empty({C.m}, f32);
+  N.rb = at::empty({C.m}, f32);
+  const int64_t step = std::max<int64_t>(1, FC_PANEL_NORM_CHUNK_ELEMENTS / std::max<int64_t>(C.d, 1));
+  const bool fp16_copy = !C.fold && need_op;
+  N.b_op = fp16_copy ? at::empty_like(C.b) : C.b;
+  for (int64_t c0 = 0; c0 < C.m; c0 += step) {
+    const int64_t len = std::min(step, C.m - c0);
+    auto r = row_norms(C, C.b.narrow(0, c0, len), N.nb.narrow(0, c0, len), N.rb.narrow(0, c0, len));
+    if (fp16_copy) N.b_op.narrow(0, c0, len).copy_((r[0].to(at::kFloat) * r[3].unsqueeze(1)).to(C.b.scalar_type()));
+  }
+  return N;
+}
+
+// triton_panel._gscale
+Tensor gscale(std::initializer_list<const Tensor *> vs) {
+  std::vector<Tensor> m;
+  for (const Tensor *v : vs)
+    if (v && v->defined()) m.push_back(v->abs().amax());
+  Tensor gs = at::stack(m).amax();
+  return at::where(gs > 0, gs, at::ones_like(gs)).reshape({1});
+}
+
+// triton_panel._mm32 / _addmm32_: fp32 results (16-bit operands: cuBLAS's out_dtype GEMM on CUDA)
+Tensor mm32(const Tensor &x, const Tensor &y) {
+  if (x.scalar_type() == at::kFloat) return at::mm(x, y);
+  if (!x.is_cuda()) return at::mm(x.to(at::kFloat), y.to(at::kFloat));
+  return at::mm(x, y, at::kFloat);
+}
+
+void addmm32_(Tensor acc, const Tensor &x, const Tensor &y) {
+  if (x.scalar_type() == at::kFloat)
+    acc.addmm_(x, y);
+  else if (!x.is_cuda())
+    acc.addmm_(x.to(at::kFloat), y.to(at::kFloat));
+  else
+    at::addmm_out(acc, acc, x, y, at::kFloat);
+}
+
+// triton_panel._rows_launch (normalised rows)
+void rows_launch(const Panel &C, const Tensor &g, const Tensor &x, const Tensor &rs, const Tensor &nrm, const Tensor &w,
+                 const Tensor &gs, const Tensor &out, const Tensor *xw) {
+  const int64_t r = x.size(0), d = x.size(1);
+  Kernel("panel_rows", C.dt, cdiv(r, FC_PANEL_ROWS_BLOCK_R))
+      .p("G", g).p("X", x).p("RS", rs).p("NRM", nrm).p("W", w).p("SCALE", C.scale).p("GSCALE", gs).p("OUT", out)
+      .p("XW", xw ? *xw : C.dummy)
+      .i("R", r).i("D", d).i("stride_g", g.stride(0)).i("stride_x", x.stride(0)).i("stride_o", out.stride(0))
+      .i("stride_xw", xw ? xw->stride(0) : 0).f("eps", C.eps)
+      .c("BLOCK_R", FC_PANEL_ROWS_BLOCK_R).c("BLOCK_D", std::min<int64_t>(d_pad(d), FC_PANEL_ROWS_MAX_BLOCK_D))
+      .c("NORMALIZE", 1).c("NEED_OUT", 1).c("NEED_XW", xw != nullptr).cf("PRESCALE", C.prescale)
+      .run(C.stream);
+}
+
+// panel_dl_kernel's launch without bias, positives or masks; `tri`: a triangular panel (SYM, TRI)
+Kernel dl_kernel(const Panel &C, int64_t grid, int64_t block_r, int64_t block_c, bool excl, bool has_gcol, bool tri) {
+  Kernel k("panel_dl", C.dt, grid);
+  k.c("BLOCK_R", block_r).c("BLOCK_C", block_c).c("NORMALIZE", 1).c("EXCLUDE_SELF", excl).c("HAS_BIAS", 0)
+      .c("POS_KIND", 0).c("HAS_G", 1).c("HAS_GCOL", has_gcol).c("HAS_GPOS", 0).c("SYM", tri).c("EAGER", 0)
+      .c("ONE_PASS", 0).c("NEED_DS", 1).c("FOLD_RB", C.fold).cf("PRESCALE", C.prescale).c("TRI", tri);
+  k.p("BIAS_COL", C.dummy).p("ROW_LAB", C.dummy).p("COL_LAB", C.dummy).p("POS_MASK", C.dummy)
+      .p("LSE_POS", C.dummy).p("G_POS", C.dummy).p("LSE_OUT", C.dummy).p("LSE_POS_OUT", C.dummy)
+      .i("offset", 0).f("bias", 0.0).i("n0", 1).i("m0", 1).i("stride_pm", 1);
+  return k;
+}
+
+// triton_panel.sweep without EAGER, B given (modes info_nce / clip): (dA, dB or empty, ds)
+std::tuple<Tensor, Tensor, Tensor> panel_backward(const Panel &C, const Tensor &lse, const Tensor *lse_col,
+                                                  const Tensor &g, const Tensor *g_col, bool need_b, int64_t gcols) {
+  const int64_t n = C.n, m = C.m, d = C.d;
+  auto f32 = C.a.options().dtype(at::kFloat);
+  const int64_t p_rows = panel_rows(C, m, need_b);
+  const auto [block_r, block_c] = panel_blocks(std::min(n, p_rows), C.programs);
+  Norms N = column_norms(C, true);
+  Tensor gs = gscale({&g, g_col});
+  Tensor da = at::empty({n, d}, C.a.options());
+  Tensor acc = need_b && gcols > 0 ? at::zeros({gcols, d}, f32) : Tensor();
+  std::vector<Tensor> ds_parts;
+  const Tensor bt = C.b.t();
+  for (int64_t r0 = 0; r0 < n; r0 += p_rows) {
+    const int64_t pp = std::min(n, r0 + p_rows) - r0;
+    auto rr = row_norms(C, C.a.narrow(0, r0, pp));
+    const Tensor &x = rr[0], &nrm = rr[1], &rs = rr[3];
+    Tensor lraw = mm32(x, bt);
+    Tensor dl = at::empty({pp, m}, C.a.options());
+    Tensor w = at::empty({pp}, f32);
+    const int64_t n_prog = cdiv(pp, block_r);
+    Tensor ds_part = at::empty({n_prog}, f32);
+    dl_kernel(C, n_prog, block_r, block_c, false, lse_col != nullptr, false)
+        .p("L", lraw).p("DL", dl).p("W_OUT", w).p("RSP", rs).p("RB", N.rb).p("SCALE", C.scale).p("GSCALE", gs)
+        .p("LSE", lse).p("G", g).p("LSE_COL", lse_col ? *lse_col : C.dummy).p("G_COL", g_col ? *g_col : C.dummy)
+        .p("DS_PART", ds_part).i("M", m).i("r0", r0).i("P", pp).i("stride_l", lraw.stride(0))
+        .i("stride_dl", dl.stride(0))
+        .run(C.stream);
+    lraw.reset();
+    ds_parts.push_back(ds_part);
+    // dA_P = normalisation backward of (W DL @ B) s gs / PRESCALE; XW = W A_hat_P for the dB GEMM
+    Tensor da_raw = mm32(dl, N.b_op);
+    Tensor xw = acc.defined() ? at::empty({pp, d}, C.a.options()) : Tensor();
+    rows_launch(C, da_raw, x, rs, nrm, w, gs, da.narrow(0, r0, pp), acc.defined() ? &xw : nullptr);
+    if (acc.defined()) addmm32_(acc, dl.narrow(1, 0, gcols).t(), xw);
+  }
+  Tensor db = at::empty({0}, C.a.options());
+  if (need_b) {
+    db = at::empty({m, d}, C.a.options());
+    if (gcols < m) db.narrow(0, gcols, m - gcols).zero_();  // queue columns get no gradient
+    if (gcols > 0) {
+      // times the norm of each row where the kernel folded its inverse norm into DL
+      Tensor wcol = C.fold ? N.nb.narrow(0, 0, gcols) : at::ones({gcols}, f32);
+      rows_launch(C, acc, C.b.narrow(0, 0, gcols), N.rb.narrow(0, 0, gcols), N.nb.narrow(0, 0, gcols), wcol, gs,
+                  db.narrow(0, 0, gcols), nullptr);
+    }
+  }
+  return {da, db, at::cat(ds_parts).sum() * gs.reshape({})};
+}
+
+// triton_panel.tri_lse: the row LSEs of B-is-A logits from the upper triangle (mode "self")
+Tensor tri_lse(const Panel &C) {
+  const int64_t n = C.n;
+  auto f32 = C.a.options().dtype(at::kFloat);
+  const int64_t p_rows = panel_rows(C, n, true);
+  const int64_t block_r = panel_blocks(std::min(n, p_rows), C.programs).first;
+  Norms N = column_norms(C, false);
+  Tensor run_m = at::full({n}, -std::numeric_limits<float>::infinity(), f32);
+  Tensor run_z = at::zeros({n}, f32);
+  Tensor lse = at::empty({n}, f32);
+  for (int64_t r0 = 0; r0 < n; r0 += p_rows) {
+    const int64_t pp = std::min(n, r0 + p_rows) - r0, c = n - r0;
+    auto rr = row_norms(C, C.a.narrow(0, r0, pp));
+    Tensor lraw = mm32(rr[0], C.a.narrow(0, r0, c).t());
+    const int64_t n_part = cdiv(c, FC_TRI_BLOCK_C);
+    Tensor part_m = at::empty({n_part, pp}, f32), part_z = at::empty({n_part, pp}, f32);
+    for (int merge = 0; merge < 2; ++merge)
+      Kernel(merge ? "tri_merge" : "tri_stats", C.dt, merge ? cdiv(pp, block_r) : n_part)
+          .p("L", merge ? C.dummy : lraw).p("RSP", rr[3]).p("RB", N.rb.narrow(0, r0, c)).p("SCALE", C.scale)
+          .p("RUN_M", run_m.narrow(0, r0, c)).p("RUN_Z", run_z.narrow(0, r0, c)).p("PART_M", part_m)
+          .p("PART_Z", part_z).p("LSE", lse.narrow(0, r0, c)).i("P", pp).i("C", c).i("stride_l", lraw.stride(0))
+          .i("n_part", n_part)
+          .c("BLOCK_R", merge ? block_r : FC_TRI_BLOCK_R).c("BLOCK_C", FC_TRI_BLOCK_C).c("MERGE", merge)
+          .c("NORMALIZE", 1).c("EXCLUDE_SELF", 1)
+          .run(C.stream);
+  }
+  return lse;
+}
+
+// triton_panel.tri_backward: (dA with both roles, ds) of B-is-A logits (mode "self")
+std::tuple<Tensor, Tensor> tri_backward(const Panel &C, const Tensor &lse, const Tensor &g) {
+  const int64_t n = C.n, d = C.d;
+  auto f32 = C.a.options().dtype(at::kFloat);
+  const int64_t p_rows = panel_rows(C, n, true);
+  const auto [block_r, block_c] = panel_blocks(std::min(n, p_rows), C.programs);
+  Norms N = column_norms(C, true);
+  Tensor gs = gscale({&g});
+  Tensor acc = at::zeros({n, d}, f32);
+  std::vector<Tensor> ds_parts;
+  const Tensor &a_op = N.b_op;  // raw A (folded norms) or the normalised fp16 copy
+  for (int64_t r0 = 0; r0 < n; r0 += p_rows) {
+    const int64_t r1 = std::min(n, r0 + p_rows), pp = r1 - r0, c = n - r0;
+    auto rr = row_norms(C, C.a.narrow(0, r0, pp));
+    Tensor lraw = mm32(rr[0], C.a.narrow(0, r0, c).t());
+    Tensor h = at::empty({pp, c}, C.a.options());
+    const int64_t n_prog = cdiv(pp, block_r);
+    Tensor ds_part = at::empty({n_prog}, f32);
+    dl_kernel(C, n_prog, block_r, block_c, true, false, true)
+        .p("L", lraw).p("DL", h).p("W_OUT", at::empty({pp}, f32)).p("RSP", rr[3]).p("RB", N.rb.narrow(0, r0, c))
+        .p("SCALE", C.scale).p("GSCALE", gs).p("LSE", lse.narrow(0, r0, c)).p("G", g.narrow(0, r0, c))
+        .p("LSE_COL", C.dummy).p("G_COL", C.dummy).p("DS_PART", ds_part).i("M", c).i("r0", 0).i("P", pp)
+        .i("stride_l", lraw.stride(0)).i("stride_dl", h.stride(0))
+        .run(C.stream);
+    lraw.reset();
+    ds_parts.push_back(ds_part);
+    addmm32_(acc.narrow(0, r0, pp), h, a_op.narrow(0, r0, c));
+    if (c > pp) addmm32_(acc.narrow(0, r1, n - r1), h.narrow(1, pp, c - pp).t(), a_op.narrow(0, r0, pp));
+  }
+  Tensor da = at::empty({n, d}, C.a.options());
+  Tensor wrow = C.fold ? N.nb : at::ones({n}, f32);
+  rows_launch(C, acc, C.a, N.rb, N.nb, wrow, gs, da, nullptr);
+  return {da, at::cat(ds_parts).sum() * gs.reshape({})};
+}
+
 // the workspace as a byte tensor; its first 256-byte aligned address is the workspace
 void *ws_ptr(const Tensor &ws) {
   auto p = reinterpret_cast<uintptr_t>(ws.data_ptr());
@@ -112,6 +444,10 @@ std::tuple<Tensor, Tensor, Tensor> lse(const Tensor &a, const std::optional<Tens
   if (a.is_cuda()) guard.set_device(a.device());
 #endif
   Problem P = make_problem(a, b, scale, mode, eps);
+  if (P.p.mode == FC_MODE_SELF && use_panel(P.a, P.p.n, P.p.n)) {  // the triangular sweep: no workspace
+    Tensor l = tri_lse(make_panel(P));
+    return {l, at::empty({0}, l.options()), at::empty({0}, P.a.options().dtype(at::kByte))};
+  }
   size_t bytes = 0;
   check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
   Tensor ws = at::empty({static_cast<int64_t>(bytes) + 256}, P.a.options().dtype(at::kByte));
@@ -139,14 +475,34 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward(const Tensor &a, const std::opti
   if (a.is_cuda()) guard.set_device(a.device());
 #endif
   Problem P = make_problem(a, b, scale, mode, eps);
-  size_t bytes = 0;
-  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
-  TORCH_CHECK_VALUE(ws.scalar_type() == at::kByte && static_cast<size_t>(ws.numel()) >= bytes + 256,
-                    "fused_contrastive_aot: ws is not the workspace lse() returned for this problem");
   auto f32 = [&](const Tensor &t) { return t.to(P.a.device(), at::kFloat).contiguous(); };
   const bool clip = P.p.mode == FC_MODE_CLIP;
   TORCH_CHECK_VALUE(clip == (lse_col.has_value() && g_col.has_value()),
                     "fused_contrastive_aot: lse_col and g_col are given exactly in mode \"clip\"");
+  TORCH_CHECK_VALUE(lse_.dim() == 1 && lse_.size(0) == P.p.n && g.dim() == 1 && g.size(0) == P.p.n,
+                    "fused_contrastive_aot: lse and g must have shape [n] = [", P.p.n, "]");
+  if (use_panel(P.a, P.p.n, P.p.m)) {
+    Panel C = make_panel(P);
+    Tensor l = f32(lse_), gg = f32(g);
+    if (P.p.mode == FC_MODE_SELF) {
+      auto [da, ds] = tri_backward(C, l, gg);
+      return {da, at::empty({0}, P.a.options()), ds};
+    }
+    Tensor lc, gc;
+    if (clip) {
+      lc = f32(*lse_col);
+      gc = f32(*g_col);
+      TORCH_CHECK_VALUE(lc.dim() == 1 && lc.size(0) == P.p.m && gc.dim() == 1 && gc.size(0) == P.p.m,
+                        "fused_contrastive_aot: lse_col and g_col must have shape [m] = [", P.p.m, "]");
+    }
+    const int64_t m = P.p.m;
+    const int64_t gcols = grad_cols ? std::max<int64_t>(0, std::min<int64_t>(m, grad_cols->guard_int(__FILE__, __LINE__))) : m;
+    return panel_backward(C, l, clip ? &lc : nullptr, gg, clip ? &gc : nullptr, need_b, gcols);
+  }
+  size_t bytes = 0;
+  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
+  TORCH_CHECK_VALUE(ws.scalar_type() == at::kByte && static_cast<size_t>(ws.numel()) >= bytes + 256,
+                    "fused_contrastive_aot: ws is not the workspace lse() returned for this problem");
   Tensor l = f32(lse_), gg = f32(g), lc, gc;
   // one global scale of the upstream gradients (the Python launcher's gscale): the 16-bit gradient tile
   // cannot underflow; 1 where every gradient is 0

@@ -19,6 +19,13 @@ API on the mock driver for a grid of problems and compares each launch with the 
 cubin bytes, grid, block, shared memory, every argument), then byte-compares launched cubins with a fresh
 ``triton.compile``; with ``--torch-lib LIB`` it does the same through the torch operators.
 
+The panel path (``core/triton_panel.py``: cuBLAS GEMMs with the kernels of ``kernels/panel.py`` between
+them) is recorded as well, once per grid of :data:`PANEL_PROGRAMS_REC` (every row-block size), and its
+kernels are tabled by constexpr key (:func:`ckey`): ``fc_launch_kernel`` launches them for the torch
+operators, whose host code (``csrc/fc_torch.cpp``) does the GEMMs with ``at::mm``. ``check --torch-lib``
+compares those launches too (buffers by identity, see :func:`compare_calls`) and the GEMMs' order and
+shapes (``torch.profiler`` sees the ATen calls made from C++).
+
 Nothing in the C tables is typed by hand: a kernel change (a new parameter, a new constexpr, another
 config) flows through the recorder into the tables, and ``check`` (the launch comparison the ctest
 runs) fails if the hand-written C host logic no longer matches the Python launcher.
@@ -63,8 +70,22 @@ D_CLASSES = {"16": 16, "32": 32, "64": 64, "128": 128, "big": 768}
 _CONFIG_KERNELS = {"fwd": "lse_fwd", "bwd_rows": "lse_bwd_rows", "bwd_cols": "lse_bwd_cols"}
 
 
+#: Row strides of a panel (its width M, or N - r0 for a triangular panel): any value, never specialised.
+_UNALIGNED = frozenset({"stride_l", "stride_dl"})
+
+
 def _aligned_int(name: str) -> bool:
-    return name == "D" or name.startswith("stride_")
+    return (name == "D" or name.startswith("stride_")) and name not in _UNALIGNED
+
+
+#: The panel path's kernels (``kernels/panel.py``; ``core/triton_panel.py`` launches them between cuBLAS
+#: GEMMs). The C library has no GEMM: ``fc_launch_kernel`` launches them by constexpr key for
+#: libfused_contrastive_torch, whose panel sweeps do the GEMMs with ``at::mm``.
+PANEL_KERNELS = ("panel_dl", "panel_rows", "tri_stats", "tri_merge")
+
+#: Grid sizes the panel kernels are recorded for (``triton_panel.PANEL_PROGRAMS``): at REC_N rows one per
+#: BLOCK_R of ``triton_panel.panel_blocks`` (16, 8, 4, 2, 1), so every row-block variant is compiled.
+PANEL_PROGRAMS_REC = (32, 64, 128, 256, 1024)
 
 
 #: Problem size recorded (any N, M > block sizes: the launch lists do not depend on it otherwise).
@@ -81,15 +102,21 @@ def _torch_dtype(name: str):
 
 
 def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float = 1e-12, offset: int = 0,
-           need_b: bool = True, grad_cols: int | None = None, sms: int | None = None):
+           need_b: bool = True, grad_cols: int | None = None, sms: int | None = None, path: str = "fused",
+           programs: int | None = None, roots: dict | None = None):
     """The launches of one forward + backward of ``mode`` through the Python launcher (meta tensors).
-    ``sms``: the device's SM count (the column-LSE forward uses 2 x SMs programs on a GPU)."""
+    ``sms``: the device's SM count (the column-LSE forward uses 2 x SMs programs on a GPU). ``path``:
+    "fused" (the fused kernels) or "panel" (:func:`record_panel`; ``programs``, ``roots`` are its)."""
     from .core import triton_backend as TB
     from .core.spec import CoreData, CoreSpec
     from .tools.aot import record_core
 
     has_b, want_col, excl = MODES[mode]
     spec = CoreSpec(eps=eps, exclude_self=excl, offset=offset, grad_cols=grad_cols)
+    if path == "panel":
+        return record_panel(mode, dtype, n, m, d, arch, spec, need_b, sms, programs, roots)
+    if path != "fused":
+        raise ValueError(f"path must be 'fused' or 'panel', got {path!r}")
     prev = TB.COL_PARTIAL_PROGRAMS
     TB.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev
     try:
@@ -97,6 +124,72 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
                            arch, need_a=True, need_b=need_b and has_b, need_s=True)
     finally:
         TB.COL_PARTIAL_PROGRAMS = prev
+
+
+def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec, need_b: bool, sms: int | None,
+                 programs: int | None, roots: dict | None):
+    """The panel path's launches for the statistics-level op (per-row LSEs, upstream gradients given):
+    what ``triton_panel.forward`` / ``backward`` launch without a reduction. "info_nce" / "clip": the
+    fused forward (``_lse_fwd``), then the recomputing panel sweep; "self" (B is A, no bias: symmetric
+    logits): the triangular sweep (``tri_lse``, ``tri_backward``). ``programs``: the panel kernels' target
+    grid (``PANEL_PROGRAMS``; 2 x SMs on a GPU). ``roots`` (a dict, filled): the tensors a caller owns
+    (A, B, LSE, LSE_COL, G, G_COL, DA, DB), so a launch argument can be traced to one of them."""
+    import torch
+
+    from .core import triton_backend as TB
+    from .core import triton_panel as TP
+    from .core.spec import CoreData
+    from .tools.aot import recording
+
+    has_b, want_col, _ = MODES[mode]
+    meta = torch.device("meta")
+    dt = _torch_dtype(dtype)
+    a = torch.empty((n, d), dtype=dt, device=meta)
+    b = torch.empty((m, d), dtype=dt, device=meta) if has_b else None
+    scale = torch.empty((), dtype=torch.float32, device=meta)
+    g = torch.empty(n, device=meta)
+    prev = TB.COL_PARTIAL_PROGRAMS, TP.PANEL_PROGRAMS
+    TB.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev[0]
+    TP.PANEL_PROGRAMS = programs if programs else (2 * sms if sms else prev[1])
+    try:
+        with recording(arch) as launches:
+            p = TB._prepare_data(a, b, spec, CoreData(), False)
+            scale_t = TB._scale32(scale, meta)
+            lse_col = g_col = db = None
+            # the backward is a second operator call in C++: its own dummy pointer (never dereferenced)
+            pb = TB._prepare_data(a, b, spec, CoreData(), False)
+            if TP.use_tri(p, want_col, False):
+                lse = TP.tri_lse(TB._launch, p, p.a, spec, scale_t)
+                da, _ = TP.tri_backward(TB._launch, pb, p.a, spec, scale_t, lse, g, True, True)
+            else:
+                lse, lse_col, _, _ = TB._lse_fwd(a, b, scale, spec, CoreData(), want_col, False)
+                g_col = torch.empty(m, device=meta) if want_col else None
+                da, db, _, _, _ = TP.sweep(TB._launch, pb, p.a, p.b, False, scale_t, spec, lse, lse_col, None, g,
+                                           g_col, None, True, need_b and has_b, True, False)
+    finally:
+        TB.COL_PARTIAL_PROGRAMS, TP.PANEL_PROGRAMS = prev
+    if roots is not None:
+        roots.update(A=a, B=b, LSE=lse, LSE_COL=lse_col, G=g, G_COL=g_col, DA=da, DB=db)
+    return launches
+
+
+def ckey(launch) -> str:
+    """A launch's constexprs as the C side spells its lookup key: ``NAME=value`` sorted by name and joined
+    by commas; bools 0/1, ints in decimal, floats with one decimal (refused unless that is exact)."""
+    out = []
+    for k, v in sorted(launch.constexprs.items()):
+        if isinstance(v, bool):
+            t = str(int(v))
+        elif isinstance(v, int):
+            t = str(v)
+        elif isinstance(v, float):
+            t = f"{v:.1f}"
+            if float(t) != v:
+                raise ValueError(f"{launch.name}: constexpr {k} = {v!r} is not exact with one decimal")
+        else:
+            t = str(v)
+        out.append(f"{k}={t}")
+    return ",".join(out)
 
 
 def _sig_type(v) -> str:
@@ -115,7 +208,7 @@ def aot_source(launch):
     sig = {k: (_sig_type(launch.args[k]) if k in launch.args else "constexpr") for k in fn.arg_names}
     attrs = {}
     for k, v in launch.args.items():
-        if isinstance(v, Tensor) or (type(v) is int and _aligned_int(k) and v % 16 == 0 and v != 0):
+        if isinstance(v, Tensor) or (type(v) is int and _aligned_int(k) and v % 16 == 0):
             attrs[(fn.arg_names.index(k),)] = [["tt.divisibility", 16]]
     return ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
 
@@ -150,7 +243,7 @@ def _layout(launch) -> list[dict]:
         if k in launch.constexprs:
             continue
         v = launch.args[k]
-        div = isinstance(v, Tensor) or (type(v) is int and _aligned_int(k) and v % 16 == 0 and v != 0)
+        div = isinstance(v, Tensor) or (type(v) is int and _aligned_int(k) and v % 16 == 0)
         out.append(dict(name=k, type=_sig_type(v), div16=bool(div)))
     return out
 
@@ -167,33 +260,50 @@ def _flag_key(launch, mode: str, dclass: str) -> dict:
     return dict(kernel=launch.name, dclass=dclass, sym=not has_b, want_col=want_col, exclude_self=excl)
 
 
+def _recordings(mode: str, dt: str, dc: str, fam: str):
+    """The recordings of one (mode, dtype, D class): the fused path, then the panel path once per
+    :data:`PANEL_PROGRAMS_REC` grid; each as ``((path, programs), launches)``."""
+    yield ("fused", None), record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam)
+    for progs in PANEL_PROGRAMS_REC:
+        yield ("panel", progs), record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam, path="panel", programs=progs)
+
+
 def plan(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[str]) -> tuple[list, dict]:
-    """(variant table, compile jobs by (cc, variant key)) of a build."""
+    """(variant table, compile jobs by (cc, variant key)) of a build. Fused-path kernels are looked up by
+    (D class, sym, want_col, exclude_self) as the C launcher chooses them; the panel kernels by their
+    constexpr key (:func:`ckey`, the same for every D class where it does not depend on D)."""
     table, todo = [], {}
-    seen = set()
+    seen, by_ckey = set(), {}
     for cc in archs:
         fam = _ARCH_FAMILY[cc]
         for dt in dtypes:
             for dc in dclasses:
                 for mode in modes:
-                    for i, launch in enumerate(record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam)):
-                        key = variant_key(launch)
-                        fk = dict(cc=cc, dtype=dt, **_flag_key(launch, mode, dc))
-                        if launch.name == "row_norm":
-                            fk.update(sym=False, want_col=False, exclude_self=False)  # flags do not apply
-                        ident = tuple(sorted(fk.items()))
-                        if ident in seen:
-                            continue
-                        seen.add(ident)
-                        table.append(dict(fk, variant=key))
-                        todo.setdefault((cc, key), (cc, key, mode, dt, dc, i, fam))
+                    for (path, progs), launches in _recordings(mode, dt, dc, fam):
+                        for i, launch in enumerate(launches):
+                            key, ck = variant_key(launch), ckey(launch)
+                            if by_ckey.setdefault((cc, dt, launch.name, ck), key) != key:
+                                raise RuntimeError(f"{launch.name}: two variants with constexprs {ck} (sm{cc}, {dt})")
+                            if launch.name in PANEL_KERNELS:
+                                fk = dict(cc=cc, dtype=dt, kernel=launch.name, dclass="-", sym=-1, want_col=-1,
+                                          exclude_self=-1)
+                            else:
+                                fk = dict(cc=cc, dtype=dt, **_flag_key(launch, mode, dc))
+                                if launch.name == "row_norm":
+                                    fk.update(sym=False, want_col=False, exclude_self=False)  # flags do not apply
+                            ident = tuple(sorted(dict(fk, ckey=ck).items()))
+                            if ident in seen:
+                                continue
+                            seen.add(ident)
+                            table.append(dict(fk, ckey=ck, variant=key))
+                            todo.setdefault((cc, key), (cc, key, mode, dt, dc, path, progs, i, fam))
     return table, todo
 
 
 def _compile_job(job):
-    cc, key, mode, dt, dc, idx, fam = job
+    cc, key, mode, dt, dc, path, progs, idx, fam = job
     t0 = time.perf_counter()
-    launch = record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam)[idx]
+    launch = record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam, path=path, programs=progs)[idx]
     assert variant_key(launch) == key
     ck = compile_launch(launch, cc)
     md = ck.metadata
@@ -213,6 +323,7 @@ def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: li
              jobs: int = 1) -> dict:
     """Compile and write the tables (see the module docstring); returns the manifest."""
     from .core import triton_configs as TC
+    from .core import triton_panel as TP
 
     t0 = time.perf_counter()
     table, todo = plan(archs, dtypes, dclasses, modes)
@@ -244,7 +355,13 @@ def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: li
     manifest = dict(
         archs=archs, dtypes=dtypes, dclasses=dclasses, modes=modes,
         consts=dict(RESIDENT_MAX_D=TC.RESIDENT_MAX_D, ROW_NORM_BLOCK_R=TC.ROW_NORM_BLOCK_R,
-                    ROW_NORM_MAX_BLOCK_D=TC.ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS=TC.ROW_NORM_WARPS),
+                    ROW_NORM_MAX_BLOCK_D=TC.ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS=TC.ROW_NORM_WARPS,
+                    # the panel path's host constants (triton_configs, triton_panel)
+                    PANEL_CHUNK=TC.PANEL_CHUNK, PANEL_ROWS_BLOCK_R=TC.PANEL_ROWS_BLOCK_R,
+                    PANEL_ROWS_MAX_BLOCK_D=TC.PANEL_ROWS_MAX_BLOCK_D, TRI_BLOCK_R=TP.TRI_BLOCK_R,
+                    TRI_BLOCK_C=TP.TRI_BLOCK_C, PANEL_BUDGET_BYTES=TP.BUDGET_BYTES, PANEL_P_MIN=TP.P_MIN,
+                    PANEL_MIN_ELEMENTS=TP.MIN_ELEMENTS, PANEL_NORM_CHUNK_ELEMENTS=TP.NORM_CHUNK_ELEMENTS,
+                    PANEL_FP16_PRESCALE=TP.FP16_PRESCALE),
         configs=configs, layouts=layouts,
         variants=[dict(e, **{k: compiled[(e["cc"], e["variant"])][k]
                              for k in ("symbol", "num_warps", "shared", "file", "sha256")}) for e in table],
@@ -269,8 +386,10 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
     h += ["typedef enum {"] + [f"  FC_K_{k}," for k in kernels] + ["  FC_K_COUNT", "} fc_kernel;", ""]
     h += ["typedef struct { fc_argname name; fc_argtype type; int div16; } fc_param;",
           "typedef struct { int n; const fc_param *params; } fc_layout;",
+          "/* fused-path kernels are chosen by (dpad, sym, want_col, exclude_self); the panel kernels (-1 there)",
+          "   by ckey, their constexprs as NAME=value sorted by name (fc_launch_kernel) */",
           "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self;",
-          "  const char *variant, *symbol; int num_warps, shared; const unsigned char *cubin; size_t cubin_size;",
+          "  const char *ckey, *variant, *symbol; int num_warps, shared; const unsigned char *cubin; size_t cubin_size;",
           "} fc_variant;",
           "typedef struct { fc_kernel kernel; int cc, dtype, bucket;",
           "  int block_m, block_n, block_d, num_warps, num_stages; } fc_config;", "",
@@ -305,10 +424,11 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
     dt_idx = {d: i for i, d in enumerate(_DTYPES)}
     rows = []
     for v in man["variants"]:
-        dpad = 0 if v["dclass"] == "big" else int(v["dclass"])
+        dpad = -1 if v["dclass"] == "-" else 0 if v["dclass"] == "big" else int(v["dclass"])
         sym = f"fc_cubin_sm{v['cc']}_{_c_ident(v['variant'])}"
         rows.append(f"  {{{v['cc']}, {dt_idx[v['dtype']]}, FC_K_{v['kernel']}, {dpad}, {int(v['sym'])}, "
-                    f"{int(v['want_col'])}, {int(v['exclude_self'])}, \"{v['variant']}\", \"{v['symbol']}\", "
+                    f"{int(v['want_col'])}, {int(v['exclude_self'])}, \"{v['ckey']}\", \"{v['variant']}\", "
+                    f"\"{v['symbol']}\", "
                     f"{v['num_warps']}, {v['shared']}, {sym}, sizeof({sym})}},")
     c += ["const fc_variant fc_variants[FC_N_VARIANTS] = {"] + rows + ["};"]
     kmap = _CONFIG_KERNELS
@@ -404,9 +524,13 @@ def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict
     mods = {c["module"]: c for c in calls if c["call"] == "cuModuleLoadData"}
     got = [c for c in calls[start:] if c["call"] == "cuLaunchKernel"]
     gc = None if sc["grad_cols"] < 0 else sc["grad_cols"]
+    panel = sc.get("path", "fused") == "panel"
+    roots: dict = {}
     exp = record(sc["mode"], sc["dtype"], sc["n"], sc["m"], sc["d"], _ARCH_FAMILY[sc["cc"]], eps=1e-12, offset=0,
-                 need_b=sc["db"], grad_cols=gc, sms=sc["sms"])
-    tag = f"sm{sc['cc']} {sc['dtype']} {sc['mode']} N={sc['n']} M={sc['m']} D={sc['d']} grad_cols={sc['grad_cols']}"
+                 need_b=sc["db"], grad_cols=gc, sms=sc["sms"], path=sc.get("path", "fused"), roots=roots)
+    root_of = {r.untyped_storage()._cdata: k for k, r in roots.items() if r is not None}
+    tag = (f"sm{sc['cc']} {sc['dtype']} {sc['mode']} N={sc['n']} M={sc['m']} D={sc['d']} grad_cols={sc['grad_cols']}"
+           + (f" panel path (budget {sc['budget']})" if panel else ""))
     errs = []
     variants = {(v["cc"], v["variant"]): v for v in man["variants"]}
     want = [variants.get((sc["cc"], variant_key(ln)), {}).get("symbol", variant_key(ln) + " (not built)") for ln in exp]
@@ -416,8 +540,10 @@ def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict
     ws0, ws1 = info["workspace"], info["workspace"] + info["workspace_bytes"]
     regions = {}  # workspace pointer -> bytes the Python launcher allocates for that buffer
     pairs = []
+    base_c: dict = {}  # panel path: Python storage -> its C base address
     for i, (c, ln) in enumerate(zip(got, exp)):
         v = variants[(sc["cc"], variant_key(ln))]
+        in_launch: dict = {}
         where = f"{tag}: launch {i} ({ln.name})"
         if c["grid"] != [ln.grid[0], 1, 1] or len(ln.grid) != 1:
             errs.append(f"{where}: grid {c['grid']} != Python {list(ln.grid)}")
@@ -446,7 +572,29 @@ def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict
         for p, hx in zip(lay, c["params"]):
             val, want = _decode(hx, p["type"]), ln.args[p["name"]]
             nm = p["name"]
-            if p["type"] == "ptr":
+            if p["type"] == "ptr" and panel:
+                # the panel path allocates with torch's allocator, which reuses addresses from panel to
+                # panel, so a C address may stand for several Python buffers over time, never the
+                # reverse: each Python buffer (storage) must sit at one C base address wherever it is
+                # passed (its views at the same offsets), two buffers of one launch at two addresses, a
+                # caller's tensor (or a view of one) at the caller's pointer
+                sid = want.untyped_storage()._cdata
+                off = want.storage_offset() * want.element_size()
+                base = base_c.setdefault(sid, val - off)
+                if val - off != base:
+                    errs.append(f"{where}: {nm} = {val:#x} is {val - off - base:+d} bytes off the buffer Python "
+                                f"passes (+{off} into the buffer at {base:#x} in earlier launches)")
+                if in_launch.setdefault(val - off, sid) != sid:
+                    errs.append(f"{where}: {nm} is in the same buffer as another argument in C, not in Python")
+                root = root_of.get(sid)
+                if root is not None:
+                    at = info["roots"].get(root, 0) + want.storage_offset() * want.element_size()
+                    if not info["roots"].get(root) or val != at:
+                        errs.append(f"{where}: {nm} = {val:#x}, Python passes {root} + "
+                                    f"{want.storage_offset() * want.element_size()} bytes ({at:#x})")
+                elif val in (info["roots"].get("A"), info["roots"].get("B")):  # alive during both calls
+                    errs.append(f"{where}: {nm} is a caller's input in C, an internal buffer in Python")
+            elif p["type"] == "ptr":
                 if info["ptrs"].get(nm) and val != info["ptrs"][nm]:
                     errs.append(f"{where}: {nm} = {val:#x}, the caller passed {info['ptrs'][nm]:#x}")
                 key_p = "SCALE" if nm == "SCALE" else py_label.setdefault(id(want), (i, nm))
@@ -510,12 +658,49 @@ def check(gen: str, fc_run: str, mock: str, work: str, fresh: str = "per-kernel"
     return errs
 
 
+_GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_")
+
+
+def _gemm_calls(prof) -> list[tuple[str, list]]:
+    """The GEMMs a profiled region dispatched, outermost only, in order: (op without the in-place
+    underscore, the shapes of its matrix operands). Sees ATen calls made from C++ (the torch operators'
+    at::mm) as well as from Python."""
+    out = []
+    for e in prof.events():
+        if e.name in _GEMMS and not (e.cpu_parent is not None and e.cpu_parent.name in _GEMMS):
+            k = 3 if "addmm" in e.name else 2
+            out.append((e.name.rstrip("_"), [list(x) for x in e.input_shapes[:k]]))
+    return out
+
+
+def _panel_scenarios(man: dict) -> list[dict]:
+    """Problems of the torch operators' panel path: ragged N and M, a budget that gives 64-row panels (and
+    a ragged last one), SM counts that select BLOCK_R 16 (2 SMs), 4 (8 SMs) and 1 (132 SMs), a single
+    panel (the default budget), dB off and a queue (grad_cols)."""
+    out = []
+    for cc in man["archs"]:
+        for dt in man["dtypes"]:
+            dc = man["dclasses"][-1]
+            for mode, sms in (("info_nce", 2), ("clip", 132), ("self", 8)):
+                n, m = (300, 200)
+                out.append(dict(cc=cc, dtype=dt, mode=mode, n=n, m=m, d=CHECK_D[dc], grad_cols=-1, db=mode != "self",
+                                sms=sms, path="panel", budget="1"))
+            out.append(dict(cc=cc, dtype=dt, mode="self", n=200, m=200, d=CHECK_D[man["dclasses"][0]], grad_cols=-1,
+                            db=False, sms=132, path="panel", budget=str(700_000_000)))
+            out.append(dict(cc=cc, dtype=dt, mode="info_nce", n=150, m=300, d=CHECK_D[dc], grad_cols=100, db=True,
+                            sms=4, path="panel", budget="1"))
+            out.append(dict(cc=cc, dtype=dt, mode="clip", n=150, m=300, d=CHECK_D[dc], grad_cols=-1, db=False,
+                            sms=4, path="panel", budget="1"))
+    return out
+
+
 def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
     """The torch operators of ``lib`` (``fused_contrastive_aot::lse`` / ``lse_backward``) on CPU tensors
     whose data pointers stand in for device pointers (FUSED_CONTRASTIVE_AOT_FAKE_CPU=1), on the mock
     driver: every launch compared with the Python launcher's (:func:`compare_calls`). Sets the process
     environment; run it in its own process."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     with open(os.path.join(gen, "manifest.json")) as f:
         man = json.load(f)
@@ -528,22 +713,32 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
     torch.ops.load_library(lib)
     op = torch.ops.fused_contrastive_aot
     errs = []
-    scen = _scenarios(man)
+    scen = _scenarios(man) + _panel_scenarios(man)
     start = 0  # calls of the earlier problems in the log
     for sc in scen:
-        os.environ.update(FC_MOCK_CC=str(sc["cc"]), FC_MOCK_SMS=str(sc["sms"]))
+        os.environ.update(FC_MOCK_CC=str(sc["cc"]), FC_MOCK_SMS=str(sc["sms"]),
+                          FUSED_CONTRASTIVE_TRITON_PATH=sc.get("path", "fused"),
+                          FUSED_CONTRASTIVE_PANEL_BUDGET=sc.get("budget", str(700_000_000)))
         dt = _torch_dtype(sc["dtype"])
         n, m, d = sc["n"], (sc["n"] if sc["mode"] == "self" else sc["m"]), sc["d"]
         a = torch.empty(n, d, dtype=dt)
         b = None if sc["mode"] == "self" else torch.empty(m, d, dtype=dt)
         scale = torch.tensor(20.0)
-        lse, lse_col, ws = op.lse(a, b, scale, sc["mode"], 1e-12)
-        g = torch.ones(n)
         clip = sc["mode"] == "clip"
-        g_col = torch.ones(m) if clip else None
         gcols = None if sc["grad_cols"] < 0 else sc["grad_cols"]
-        da, db, _ = op.lse_backward(a, b, scale, sc["mode"], 1e-12, ws, lse, lse_col if clip else None, g, g_col,
-                                    sc["db"], gcols)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof_c:
+            lse, lse_col, ws = op.lse(a, b, scale, sc["mode"], 1e-12)
+            g = torch.ones(n)
+            g_col = torch.ones(m) if clip else None
+            da, db, _ = op.lse_backward(a, b, scale, sc["mode"], 1e-12, ws, lse, lse_col if clip else None, g,
+                                        g_col, sc["db"], gcols)
+        if sc.get("path") == "panel":  # the GEMMs between the kernels: same order and shapes as Python's
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof_py:
+                record(sc["mode"], sc["dtype"], n, m, d, _ARCH_FAMILY[sc["cc"]], need_b=sc["db"], grad_cols=gcols,
+                       sms=sc["sms"], path="panel")
+            got_g, want_g = _gemm_calls(prof_c), _gemm_calls(prof_py)
+            if got_g != want_g or not want_g:
+                errs.append(f"torch op: {sc['mode']} N={n} M={m} panel path: GEMMs {got_g} != Python {want_g}")
         with open(logf) as f:
             calls = [json.loads(x) for x in f]
         wsp = (ws.data_ptr() + 255) // 256 * 256
@@ -551,11 +746,13 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
                     LSE_COL=lse_col.data_ptr() if clip else 0, G=g.data_ptr(),
                     G_COL=g_col.data_ptr() if clip else 0, DA=da.data_ptr(),
                     DB=db.data_ptr() if db.numel() else 0)
-        info = dict(ptrs=ptrs, workspace=wsp, workspace_bytes=ws.numel() - 256)
+        info = dict(ptrs=ptrs, workspace=wsp, workspace_bytes=max(0, ws.numel() - 256),
+                    roots={k: v for k, v in ptrs.items() if v})
         e, _ = compare_calls(sc, man, calls, start, info, internal=("GSCALE", "DS_PART", "SCALE"))
         errs += [f"torch op: {x}" for x in e]
         start = len(calls)
-    print(f"fused_contrastive.aot check-torch: {len(scen)} problems compared with the Python launcher")
+    print(f"fused_contrastive.aot check-torch: {len(scen)} problems compared with the Python launcher "
+          f"({len(scen) - len(_scenarios(man))} on the panel path)")
     return errs
 
 

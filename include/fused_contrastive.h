@@ -112,6 +112,35 @@ FC_API fc_status fc_ds_rows(const fc_problem *p, int64_t *rows);
 FC_API fc_status fc_backward(const fc_problem *p, const fc_backward_args *args, void *workspace,
                              size_t workspace_bytes, void *stream);
 
+/* ---- kernel level: the panel path's kernels --------------------------------------------------------
+ * For large problems the Python package's Triton backend takes a "panel path" (core/triton_panel.py):
+ * cuBLAS GEMMs over row panels with small Triton kernels between them. This library has no GEMM, so it
+ * does not run that path itself; libfused_contrastive_torch drives it (at::mm for the GEMMs) and
+ * launches the kernels through the two calls below. They are usable from C, but the argument lists
+ * are the kernels' own (kernels/panel.py): callers are expected to mirror triton_panel.py. */
+
+/* Compute capability (80 or 90, as the kernels were built for) and SM count of the current device. */
+FC_API fc_status fc_device_props(int *cc, int *sms);
+
+typedef enum fc_karg_kind { FC_KARG_PTR = 0, FC_KARG_INT = 1, FC_KARG_FLOAT = 2 } fc_karg_kind;
+
+/* One runtime argument by parameter name: ptr (a device pointer), i (integer types) or f (fp32). */
+typedef struct fc_karg {
+  const char *name;
+  fc_karg_kind kind;
+  const void *ptr;
+  int64_t i;
+  double f;
+} fc_karg;
+
+/* Launch the generated kernel `kernel` (e.g. "panel_dl") for the current device's arch and `dtype`, the
+   variant compiled with `constexprs` ("NAME=value,..." sorted by name; bools 0/1, floats with one
+   decimal, as the generator's manifest lists them), on `grid` x 1 x 1 programs. Every runtime parameter
+   must be given exactly once, pointers 16-byte aligned where compiled so. FC_ERR_UNSUPPORTED_SHAPE when
+   no such variant was built. */
+FC_API fc_status fc_launch_kernel(const char *kernel, fc_dtype dtype, const char *constexprs, int64_t grid,
+                                  const fc_karg *args, int nargs, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -31,8 +31,8 @@ def _cuda_include() -> str | None:
     return None
 
 
-def _run(cmd, cwd, timeout):
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+def _run(cmd, cwd, timeout, env=None):
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     assert r.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{r.stdout[-6000:]}\n{r.stderr[-4000:]}"
     return r.stdout
 
@@ -59,7 +59,7 @@ def test_ctest_passes(build):
     assert "100% tests passed" in out
     # the tests that must exist (a renamed or dropped test would otherwise pass silently)
     for name in ("fc_no_driver", "fc_no_device", "fc_no_context", "fc_arch_75", "fc_d_not_16",
-                 "fc_dtype_fp32_not_built", "fc_python_parity", "fc_consumer_run"):
+                 "fc_dtype_fp32_not_built", "fc_python_parity", "fc_torch_parity", "fc_consumer_run"):
         assert f" {name} " in out, name
     assert "Passed" in out
 
@@ -79,6 +79,18 @@ def test_manifest_covers_the_python_launcher(build):
                 for ln in aot.record(mode, "bf16", 300, 200, d, aot._ARCH_FAMILY[cc]):
                     params = [k for k in ln.fn.arg_names if k not in ln.constexprs]
                     assert [p["name"] for p in man["layouts"][ln.name]] == params
+            for mode in aot.MODES:  # the panel path's kernels, every row-block size
+                for progs in aot.PANEL_PROGRAMS_REC:
+                    for ln in aot.record(mode, "bf16", 300, 200, d, aot._ARCH_FAMILY[cc], path="panel",
+                                         programs=progs):
+                        params = [k for k in ln.fn.arg_names if k not in ln.constexprs]
+                        assert [p["name"] for p in man["layouts"][ln.name]] == params
+    keys = {(v["cc"], v["kernel"], v["ckey"]) for v in man["variants"]}
+    for cc in (80, 90):
+        # 3 modes x 5 row blocks of panel_dl (the modes' flags differ), 5 tri_merge row blocks
+        assert len({k for c, kn, k in keys if c == cc and kn == "panel_dl"}) == 15
+        assert len({k for c, kn, k in keys if c == cc and kn == "tri_merge"}) == 5
+        assert {kn for c, kn, _ in keys if c == cc} >= set(aot.PANEL_KERNELS) | {"row_norm"}
     per_arch = {cc: len({v for c, v in built if c == cc}) for cc in (80, 90)}
     assert per_arch[80] > 0 and per_arch[90] > 0
     cubins = sum((build / "gen" / f).stat().st_size for f in {v["file"] for v in man["variants"] if v["cc"] == 80})
@@ -94,3 +106,81 @@ def test_exported_symbols_are_the_c_api(build):
     syms = sorted(line.split()[-1] for line in out.splitlines() if " T " in line or " D " in line or " R " in line)
     header = (ROOT / "include" / "fused_contrastive.h").read_text()
     assert syms and all(s.startswith("fc_") and f" {s}(" in header.replace("*", " ") for s in syms), syms
+
+
+def test_torch_operators_run_the_panel_path(build):
+    """The torch operators' panel path against the Python launcher: ``check --torch-lib`` (also a ctest)
+    must report its panel problems and no mismatch."""
+    lib = build / "libfused_contrastive_torch.so"
+    if not lib.exists():
+        pytest.skip("libfused_contrastive_torch was not built (Torch not found by CMake)")
+    out = _run([sys.executable, "-m", "fused_contrastive.aot", "check", "--gen", str(build / "gen"), "--torch-lib",
+                str(lib), "--mock", str(build / "libfc_mock_cuda.so"), "--work", str(build / "pytest_torch_check")],
+               ROOT, 600, env=dict(os.environ, TRITON_INTERPRET="0"))
+    assert "(12 on the panel path)" in out and out.rstrip().endswith("OK"), out[-3000:]
+
+
+_LAUNCH_KERNEL = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+man = json.load(open(sys.argv[2]))
+
+class KArg(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("kind", ctypes.c_int), ("ptr", ctypes.c_void_p),
+                ("i", ctypes.c_int64), ("f", ctypes.c_double)]
+
+lib.fc_last_error.restype = ctypes.c_char_p
+lib.fc_launch_kernel.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int64,
+                                 ctypes.POINTER(KArg), ctypes.c_int, ctypes.c_void_p]
+v = next(v for v in man["variants"] if v["kernel"] == "panel_dl" and v["cc"] == 90)
+lay = man["layouts"]["panel_dl"]
+kind = {"ptr": 0, "fp32": 2}
+
+def args(skip=None, rename=None, wrong_kind=None, misalign=None):
+    out = []
+    for p in lay:
+        if p["name"] == skip:
+            continue
+        k = kind.get(p["type"], 1)
+        if p["name"] == wrong_kind:
+            k = 2 if k != 2 else 1
+        name = rename if p["name"] == "L" and rename else p["name"]
+        ptr = 0x10000 + (8 if p["name"] == misalign else 0)
+        out.append(KArg(name.encode(), k, ptr if k == 0 else None, 16 if p["div16"] else 3, 1.0))
+    return (KArg * len(out))(*out), len(out)
+
+def launch(kernel=b"panel_dl", ckey=None, grid=5, **kw):
+    a, n = args(**kw)
+    st = lib.fc_launch_kernel(kernel, 2, (ckey or v["ckey"]).encode(), grid, a, n, None)
+    return st, lib.fc_last_error().decode()
+
+res = dict(ok=launch(), unknown_kernel=launch(kernel=b"no_such_kernel"),
+           bad_ckey=launch(ckey=v["ckey"].replace("BLOCK_R=", "BLOCK_R=3")),
+           missing=launch(skip="DS_PART"), unknown_param=launch(rename="NOT_A_PARAM"),
+           wrong_kind=launch(wrong_kind="M"), misaligned=launch(misalign="DL"), negative_grid=launch(grid=-1))
+print(json.dumps(dict(res, symbol=v["symbol"])))
+"""
+
+
+def test_launch_kernel_checks_its_arguments(build, tmp_path):
+    """``fc_launch_kernel`` (the panel path's entry point) on the mock driver: a complete argument list
+    launches the variant named by the constexpr key on the given grid; an unknown kernel, a key that was
+    not built, a missing, unknown, mistyped or misaligned argument and a negative grid give named errors
+    and launch nothing."""
+    log = tmp_path / "calls.jsonl"
+    env = dict(os.environ, FUSED_CONTRASTIVE_LIBCUDA=str(build / "libfc_mock_cuda.so"), FC_MOCK_CC="90",
+               FC_MOCK_LOG=str(log), FC_MOCK_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _LAUNCH_KERNEL, str(build / "libfused_contrastive_kernels.so"),
+                        str(build / "gen" / "manifest.json")], env=env, capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["ok"] == [0, ""], res["ok"]
+    expect = dict(unknown_kernel=(1, "no kernel named no_such_kernel"), bad_ckey=(7, "no panel_dl kernel built"),
+                  missing=(1, "parameter DS_PART of panel_dl not set"), unknown_param=(1, "has no parameter NOT_A_PARAM"),
+                  wrong_kind=(1, "parameter M given as kind 2"), misaligned=(9, "pointer DL is not 16-byte aligned"),
+                  negative_grid=(1, "grid -1 < 0"))
+    for case, (status, text) in expect.items():
+        assert res[case][0] == status and text in res[case][1], (case, res[case])
+    launches = [json.loads(x) for x in log.read_text().splitlines() if '"cuLaunchKernel"' in x]
+    assert len(launches) == 1 and launches[0]["name"] == res["symbol"] and launches[0]["grid"] == [5, 1, 1]
