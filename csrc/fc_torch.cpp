@@ -9,6 +9,7 @@
 //   lse_backward(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse,
 //                Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols)
 //       -> (Tensor da, Tensor db, Tensor ds)
+//   build_info() -> str    (fc_build_info(): the archs, dtypes, D classes and modes built)
 //
 // Large problems take the panel path, as the Python backend does (core/triton_panel.py): on CUDA tensors
 // with N * M >= 2^24, or where FUSED_CONTRASTIVE_TRITON_PATH says "panel" ("fused": never). Its GEMMs
@@ -542,7 +543,10 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward(const Tensor &a, const std::opti
 
 }  // namespace
 
+static std::string build_info() { return fc_build_info(); }  // "archs=80;90 dtypes=... dclasses=... modes=..."
+
 TORCH_LIBRARY(fused_contrastive_aot, m) {
+  m.def("build_info() -> str", &build_info);
   m.def("lse(Tensor a, Tensor? b, Tensor scale, str mode, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("lse_backward(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
         "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols) -> (Tensor, Tensor, Tensor)");

@@ -184,3 +184,72 @@ def test_launch_kernel_checks_its_arguments(build, tmp_path):
         assert res[case][0] == status and text in res[case][1], (case, res[case])
     launches = [json.loads(x) for x in log.read_text().splitlines() if '"cuLaunchKernel"' in x]
     assert len(launches) == 1 and launches[0]["name"] == res["symbol"] and launches[0]["grid"] == [5, 1, 1]
+
+
+_ROUTE = r"""
+import json, os, sys
+import torch
+import fused_contrastive as fc
+from fused_contrastive import aot
+
+man = json.load(open(sys.argv[1]))
+kernel_of = {v["symbol"]: v["kernel"] for v in man["variants"]}
+log = os.environ["FC_MOCK_LOG"]
+
+def launched():
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        calls = [json.loads(x) for x in f]
+    os.remove(log)
+    return [(kernel_of[c["name"]], c["grid"][0]) for c in calls if c["call"] == "cuLaunchKernel"]
+
+def expected(mode, n, m, d):
+    return [(ln.name, ln.grid[0]) for ln in aot.record(mode, "bf16", n, m, d, "sm90", sms=132)]
+
+g = torch.Generator().manual_seed(0)
+def x(n, d):
+    return torch.randn(n, d, generator=g).to(torch.bfloat16).requires_grad_(True)
+
+out = {}
+q, k = x(300, 784), x(300, 784)
+loss = fc.info_nce(q, k, temperature=0.05, backend="triton")
+loss.backward()
+out["info_nce"] = [launched(), expected("info_nce", 300, 300, 784), q.grad.shape == q.shape, k.grad.dtype == k.dtype]
+a, b = x(300, 784), x(300, 784)
+s = torch.tensor(20.0, requires_grad=True)
+fc.clip_loss(a, b, s, backend="triton").backward()
+out["clip"] = [launched(), expected("clip", 300, 300, 784), a.grad.shape == a.shape, s.grad is not None]
+z = x(300, 784)
+fc.simcse_loss(z, backend="triton").backward()
+out["self"] = [launched(), expected("self", 300, 300, 784), z.grad.shape == z.shape, True]
+# not covered (D = 100 is not a multiple of 16): the JIT kernels run (interpreted), nothing reaches the library
+q, k = x(64, 100), x(64, 100)
+got = fc.info_nce(q, k, temperature=0.05, backend="triton")
+ref = fc.info_nce(q.detach().float(), k.detach().float(), temperature=0.05, backend="torch")
+out["uncovered"] = [launched(), [], abs(got.item() - ref.item()) < 2e-2, True]
+print(json.dumps(out))
+"""
+
+
+def test_triton_backend_routes_covered_calls_to_the_library(build, tmp_path):
+    """With FUSED_CONTRASTIVE_AOT_LIB set, ``backend="triton"`` runs InfoNCE, CLIP and SimCSE (B is A) on the
+    library's operators: the mock driver sees exactly the kernels and grids of the Python launcher for the
+    same problem (CPU tensors standing in for device memory, so only launches are compared). A call the
+    library does not cover (D = 100) stays on the JIT kernels (here interpreted) and gives the torch
+    backend's loss."""
+    lib = build / "libfused_contrastive_torch.so"
+    if not lib.exists():
+        pytest.skip("libfused_contrastive_torch was not built (Torch not found by CMake)")
+    env = dict(os.environ, TRITON_INTERPRET="1", FUSED_CONTRASTIVE_AOT_LIB=str(lib), FUSED_CONTRASTIVE_AOT_FAKE_CPU="1",
+               FUSED_CONTRASTIVE_LIBCUDA=str(build / "libfc_mock_cuda.so"), FC_MOCK_LOG=str(tmp_path / "calls.jsonl"),
+               FC_MOCK_DIR=str(tmp_path), FC_MOCK_CC="90", FC_MOCK_SMS="132", FUSED_CONTRASTIVE_DENSE="0",
+               FUSED_CONTRASTIVE_TRITON_PATH="auto")
+    r = subprocess.run([sys.executable, "-c", _ROUTE, str(build / "gen" / "manifest.json")], env=env,
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for case, (got, want, ok1, ok2) in res.items():
+        assert [tuple(x) for x in got] == [tuple(x) for x in want], (case, got, want)
+        assert ok1 and ok2, case
+    assert res["info_nce"][0], "the covered calls must reach the library"

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..kernels import lse as K
 from ..ops import tensors_are_traced
-from . import triton_panel
+from . import triton_aot, triton_panel
 from .spec import Coeffs, CoreData, CoreSpec, combine
 from .triton_configs import DTYPE_NAMES, ROW_NORM_BLOCK_R, ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS, config_for, d_pad
 
@@ -431,9 +431,12 @@ class TritonCoreFn(torch.autograd.Function):
         ak = a.to(dt)
         bk = None if b is None else b.to(dt)
         n, m = a.shape[0], (a.shape[0] if b is None else b.shape[0])
+        dtypes = (a.dtype, None if b is None else b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
+                  scale.shape if isinstance(scale, Tensor) else None)
+        aot_mode = triton_aot.route(ak, bk, spec, data, coef)
+        if aot_mode is not None:  # the ahead-of-time library (FUSED_CONTRASTIVE_AOT_LIB): no JIT
+            return triton_aot.forward(ctx, ak, bk, dtypes, scale, spec, coef, reduce, aot_mode)
         if triton_panel.use_panel(ak, n, m):
-            dtypes = (a.dtype, None if b is None else b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
-                      scale.shape if isinstance(scale, Tensor) else None)
             return triton_panel.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce)
         ctx.path = "fused"
         lse, lse_col, lse_pos, p = _lse_fwd(ak, bk, scale, spec, data, coef.col is not None, coef.pos is not None)
@@ -442,9 +445,7 @@ class TritonCoreFn(torch.autograd.Function):
         # of the prepared inputs (labels, masks, norms: O(N + M)) rides on ctx
         ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
         ctx.scale = None if isinstance(scale, Tensor) else scale
-        ctx.dtypes = (a.dtype, None if b is None else b.dtype,
-                      scale.dtype if isinstance(scale, Tensor) else None,
-                      scale.shape if isinstance(scale, Tensor) else None)
+        ctx.dtypes = dtypes
         same = b is None
         ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                               None if same else p.b, p.sa, None if same else p.sb)
@@ -455,6 +456,8 @@ class TritonCoreFn(torch.autograd.Function):
     def backward(ctx, go: Tensor):
         if ctx.path == "panel":
             return triton_panel.backward(ctx, go)
+        if ctx.path == "aot":
+            return triton_aot.backward(ctx, go)
         need_a, need_b, need_s = ctx.needs_input_grad[:3]
         scale, lse, lse_col, lse_pos, a, b, sa, sb = ctx.saved_tensors
         if scale is None:

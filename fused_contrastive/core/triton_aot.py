@@ -1,0 +1,141 @@
+"""The ahead-of-time kernel library as a route of the Triton backend: no JIT compile on first call.
+
+Set ``FUSED_CONTRASTIVE_AOT_LIB`` to a built ``libfused_contrastive_torch.so`` (README, "C++ /
+ahead-of-time kernels"). Then ``backend="triton"`` runs each core-op call the library covers on its
+operators ``torch.ops.fused_contrastive_aot.lse`` / ``lse_backward`` instead of the Triton JIT kernels.
+Those operators choose between the fused kernels and the panel path by the same rule as
+:mod:`.triton_panel`, and launch the cubins compiled at build time.
+
+Covered (everything else takes the JIT route as before, with the same results):
+
+* normalised rows, no bias, no softmax over positives (the target term and label terms are O(N D)
+  and stay in Python, as on every path);
+* the library's modes: B given with a row LSE ("info_nce", e.g. InfoNCE / MNRL, SimCSE with two
+  views) or with a row and a column LSE ("clip"), or B is A with the own column excluded ("self",
+  e.g. ``uniformity``);
+* CUDA tensors whose arch (sm_80 for 8.x, sm_90 for 9.0), dtype and D class the library was built for
+  (``build_info()``); D and the row strides multiples of 16, 16-byte aligned rows, N, M < 2^31;
+* eager mode (under ``torch.compile`` the registered Triton op runs).
+
+A library that cannot be loaded is an error (the variable asks for it); a problem it does not cover is
+not. ``FUSED_CONTRASTIVE_AOT_FAKE_CPU=1`` (the library's test hook) lets CPU tensors take the route, on
+a mock driver: nothing is computed then, only launches are recorded.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from .spec import Coeffs, CoreData, CoreSpec, combine
+from .triton_configs import DTYPE_NAMES, d_pad
+
+__all__ = ["ENV", "backward", "build_info", "forward", "route"]
+
+#: The environment variable that names the library (unset: the route is off).
+ENV = "FUSED_CONTRASTIVE_AOT_LIB"
+
+
+@functools.cache
+def build_info(path: str) -> dict[str, frozenset[str]]:
+    """Load the library at ``path`` once and return what it was built with: ``archs``, ``dtypes``,
+    ``dclasses``, ``modes`` (each a set of names, from ``fused_contrastive_aot::build_info``)."""
+    try:
+        torch.ops.load_library(path)
+        text = torch.ops.fused_contrastive_aot.build_info()
+    except (OSError, RuntimeError, AttributeError) as e:
+        raise RuntimeError(f"{ENV}={path!r}: cannot load libfused_contrastive_torch ({e})") from e
+    out = {}
+    for item in text.split():
+        key, _, vals = item.partition("=")
+        out[key] = frozenset(v for v in vals.split(";") if v)
+    missing = {"archs", "dtypes", "dclasses", "modes"} - set(out)
+    if missing:
+        raise RuntimeError(f"{ENV}={path!r}: unexpected build info {text!r} (no {sorted(missing)})")
+    return out
+
+
+def _mode(b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coeffs) -> str | None:
+    if coef.pos is not None or not spec.normalize or spec.bias != 0.0 or data.bias_col is not None:
+        return None
+    if b is None:
+        return "self" if spec.exclude_self and spec.offset == 0 and coef.col is None else None
+    if spec.exclude_self:
+        return None
+    return "clip" if coef.col is not None else "info_nce"
+
+
+def _arch(dev: torch.device) -> str | None:
+    major, minor = torch.cuda.get_device_capability(dev)
+    return "80" if major == 8 else "90" if (major, minor) == (9, 0) else None
+
+
+def _rows_fit(x: Tensor) -> bool:
+    rows = x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()  # the operator's own rule
+    return (rows.shape[1] % 16 == 0 and rows.stride(0) % 16 == 0 and rows.data_ptr() % 16 == 0
+            and rows.shape[0] < 2**31)
+
+
+def route(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coeffs) -> str | None:
+    """The library's mode for this call (``a``, ``b`` in the kernel dtype), or None: take the JIT route."""
+    path = os.environ.get(ENV)
+    if not path or torch.compiler.is_compiling():
+        return None
+    info = build_info(path)
+    mode = _mode(b, spec, data, coef)
+    if mode is None or mode not in info["modes"]:
+        return None
+    if a.device.type == "cuda":
+        if _arch(a.device) not in info["archs"]:
+            return None
+    elif not (a.device.type == "cpu" and os.environ.get("FUSED_CONTRASTIVE_AOT_FAKE_CPU")):
+        return None
+    if DTYPE_NAMES[a.dtype] not in info["dtypes"]:
+        return None
+    dp = d_pad(a.shape[1])
+    if (str(dp) if dp <= 128 else "big") not in info["dclasses"]:
+        return None
+    if not all(_rows_fit(x) for x in (a, b) if x is not None):
+        return None
+    return mode
+
+
+def _scale_tensor(scale) -> Tensor:
+    return scale.detach() if isinstance(scale, Tensor) else torch.tensor(float(scale), dtype=torch.float32)
+
+
+def forward(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, coef: Coeffs, reduce: bool,
+            mode: str) -> Tensor:
+    """TritonCoreFn.forward on the library's operators (``a``, ``b`` in the kernel dtype)."""
+    lse, lse_col, ws = torch.ops.fused_contrastive_aot.lse(a, b, _scale_tensor(scale), mode, float(spec.eps))
+    clip = mode == "clip"
+    ctx.path, ctx.mode, ctx.spec, ctx.coef, ctx.dtypes = "aot", mode, spec, coef, dtypes
+    ctx.scale = None if isinstance(scale, Tensor) else scale
+    ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col if clip else None, a, b, ws)
+    return combine(coef.to(torch.float32), reduce, lse, lse_col if clip else None)
+
+
+def backward(ctx, go: Tensor):
+    """TritonCoreFn.backward on the library's operators."""
+    from .triton_backend import _coef_grad
+
+    need_a, need_b, need_s = ctx.needs_input_grad[:3]
+    scale_in, lse, lse_col, a, b, ws = ctx.saved_tensors
+    scale = _scale_tensor(scale_in if scale_in is not None else ctx.scale)
+    go = go.to(torch.float32)
+    n = lse.shape[0]
+    g = _coef_grad(ctx.coef.lse, go, n, lse)
+    if g is None:
+        g = torch.zeros(n, dtype=torch.float32, device=lse.device)
+    g_col = _coef_grad(ctx.coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
+    da, db, ds = torch.ops.fused_contrastive_aot.lse_backward(
+        a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
+        ctx.spec.grad_cols)
+    adt, bdt, sdt, sshape = ctx.dtypes
+    return (da.to(adt) if need_a else None,
+            db.to(bdt) if need_b and b is not None and db.numel() else None,
+            ds.to(sdt).reshape(sshape) if need_s and scale_in is not None else None,
+            None, None, None, None)

@@ -1,0 +1,47 @@
+"""The route of ``backend="triton"`` to the ahead-of-time library (``core/triton_aot.py``), without a build:
+which core-op calls it covers, and that a library that cannot be loaded is an error naming the variable
+(the route with a built library is tested in tests/test_cmake_build.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fused_contrastive as fc
+from fused_contrastive.core import triton_aot
+from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+
+
+@pytest.mark.parametrize(("b_given", "spec", "data", "coef", "want"), [
+    (True, CoreSpec(), CoreData(), Coeffs(lse=1.0), "info_nce"),
+    (True, CoreSpec(grad_cols=3), CoreData(), Coeffs(lse=1.0), "info_nce"),
+    (True, CoreSpec(), CoreData(), Coeffs(lse=0.5, col=0.5), "clip"),
+    (False, CoreSpec(exclude_self=True), CoreData(), Coeffs(lse=1.0), "self"),
+    (False, CoreSpec(), CoreData(), Coeffs(lse=1.0), None),  # B is A with its own column kept
+    (True, CoreSpec(exclude_self=True, offset=2), CoreData(), Coeffs(lse=1.0), None),
+    (True, CoreSpec(normalize=False), CoreData(), Coeffs(lse=1.0), None),
+    (True, CoreSpec(bias=0.5), CoreData(bias_col=torch.zeros(4, dtype=torch.int64)), Coeffs(lse=1.0), None),
+    (True, CoreSpec(), CoreData(row_labels=torch.zeros(4), col_labels=torch.zeros(4)), Coeffs(lse=1.0, pos=-1.0),
+     None),
+    (False, CoreSpec(exclude_self=True), CoreData(), Coeffs(lse=1.0, col=1.0), None),
+])
+def test_covered_feature_set(b_given, spec, data, coef, want):
+    b = torch.zeros(4, 16) if b_given else None
+    assert triton_aot._mode(b, spec, data, coef) == want
+
+
+def test_off_without_the_variable(monkeypatch):
+    monkeypatch.delenv(triton_aot.ENV, raising=False)
+    a = torch.zeros(4, 16, dtype=torch.bfloat16)
+    assert triton_aot.route(a, a, CoreSpec(), CoreData(), Coeffs(lse=1.0)) is None
+
+
+def test_unloadable_library_is_an_error(monkeypatch, tmp_path):
+    """The variable asks for the library: a path that does not load raises, naming the variable (no
+    silent fall-back to the JIT kernels)."""
+    missing = tmp_path / "no-such-libfused_contrastive_torch.so"
+    monkeypatch.setenv(triton_aot.ENV, str(missing))
+    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    q = torch.randn(64, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=triton_aot.ENV):
+        fc.info_nce(q, q.flip(0), temperature=0.05, backend="triton")
