@@ -100,6 +100,9 @@ def _check_parser(sub) -> argparse.ArgumentParser:
                         "bitwise-identical backward runs, fp16 at M = 65536 against fp32; timings of triton / torch "
                         "/ the naive formula; ncu metrics when ncu is on PATH. Prints a verdict (exit 1 on a "
                         "failure) and the backend auto should prefer (fused_contrastive/gpu_validate.py)")
+    p.add_argument("--aot-lib", default=None, metavar="PATH",
+                   help="with --gpu-validate: also check this built libfused_contrastive_torch.so (default: "
+                        "$FUSED_CONTRASTIVE_AOT_LIB)")
     return p
 
 
@@ -109,7 +112,7 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.gpu_validate:
         from . import gpu_validate
 
-        return gpu_validate.main(args.device)
+        return gpu_validate.main(args.device, args.aot_lib)
     if args.list:
         for c in CASE_BY_NAME.values():
             print(f"{c.name:22s} {c.fn.__name__:24s} {c.covers}")

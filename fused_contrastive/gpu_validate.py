@@ -18,6 +18,10 @@ alone would test only the panel path):
   vs the naive formula (the textbook
   formula of ``testing.baselines``; "does not fit" on out-of-memory), and from them which backend
   ``auto`` should prefer on this device;
+* **the ahead-of-time library** (``--aot-lib`` or ``FUSED_CONTRASTIVE_AOT_LIB``: a built
+  ``libfused_contrastive_torch.so``, which has never run on a GPU here): parity, determinism, fp16 and
+  timings also on its operators, forced to either path ("aot/fused", "aot/panel"); its buffers are its
+  own (not NaN-filled), and a shape it does not cover (D = 100) is reported as not covered;
 * **ncu** (when ``ncu`` is on PATH): for each of the main kernels, a child process of this module runs
   one forward + backward under ``ncu`` and reports the metrics that calibrate ``bench/gpu_model.py``
   (L2 hit rate, DRAM bytes read / written, tensor-pipe active). Informational, not a pass/fail check.
@@ -30,6 +34,7 @@ the CPU under the Triton interpreter at tiny shapes, including a planted wrong o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -83,6 +88,9 @@ class Plan:
     timing_repeats: int = 5
     ncu: bool = True
     ncu_shape: tuple[int, int] = (16384, 768)
+    #: a built libfused_contrastive_torch.so: the checks also run on its operators (paths "aot/fused",
+    #: "aot/panel"); a problem the library does not cover is reported as such (information)
+    aot_lib: str | None = None
 
 
 @dataclass
@@ -120,21 +128,39 @@ def float64_oracle(case, inputs, device) -> tuple[Tensor, dict[str, Tensor | Non
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """``os.environ[name] = value`` within the block (None: unset)."""
     old = os.environ.get(name)
-    os.environ[name] = value
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ[name]
+            os.environ.pop(name, None)
         else:
             os.environ[name] = old
 
 
-def triton_path(path: str):
-    """Force the triton backend's path ("fused" kernels or "panel": cuBLAS GEMMs + the panel kernel)."""
-    return _env("FUSED_CONTRASTIVE_TRITON_PATH", path)
+#: The ahead-of-time library the "aot/..." paths run (``Plan.aot_lib``; set by :func:`validate`).
+_AOT_LIB: str | None = None
+
+
+@contextlib.contextmanager
+def triton_path(path: str) -> Iterator[None]:
+    """Force the triton backend's path: "fused" (the fused kernels) or "panel" (cuBLAS GEMMs + the panel
+    kernels) on the JIT kernels, with the AOT route off; "aot/fused" / "aot/panel": the ahead-of-time
+    library (``FUSED_CONTRASTIVE_AOT_LIB`` = ``Plan.aot_lib``), whose operators take that path."""
+    from .core import triton_aot
+
+    aot = path.startswith("aot/")
+    if aot and not _AOT_LIB:
+        raise ValueError(f"path {path!r} needs the library: Plan.aot_lib / --aot-lib")
+    with _env("FUSED_CONTRASTIVE_TRITON_PATH", path.removeprefix("aot/")), \
+            _env(triton_aot.ENV, _AOT_LIB if aot else None):
+        yield
 
 
 @contextlib.contextmanager
@@ -190,7 +216,7 @@ def _dname(dt: torch.dtype) -> str:
 
 
 def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> None:
-    from .core import reference
+    from .core import reference, triton_aot
     from .testing import CASE_BY_NAME, make_inputs, run
     from .testing.accuracy import SLACK, check_output, same_dtype_error
 
@@ -207,9 +233,22 @@ def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> Non
                     worst_ratio, worst = 0.0, "no outputs"
                     problems: list[str] = []
                     seen: list[str] = []
+                    calls = triton_aot.CALLS
                     with poisoned_launches(seen), triton_path(path):
-                        got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True)
-                    if not PATHS[path] <= set(seen):
+                        # the library takes 16-element row strides: NaN padding to the next such stride
+                        got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True,
+                                                  canary_align=16 if path.startswith("aot/") else 1)
+                    if path.startswith("aot/"):
+                        # the library's buffers are its own (not NaN-filled); a call it does not cover
+                        # ran on the JIT kernels: information, not a check of the library
+                        if triton_aot.CALLS == calls:
+                            report.add(f"parity {loss} {path} N={n} D={d} {_dname(dt)}", None,
+                                       "not covered by the library (the JIT kernels ran)")
+                            continue
+                        jit = set(seen) & set().union(*PATHS.values())
+                        if jit:
+                            problems.append(f"JIT kernels ran beside the library: {sorted(jit)}")
+                    elif not PATHS[path] <= set(seen):
                         problems.append(f"the kernels did not run (launches: {sorted(set(seen))})")
                     outs = [("loss", got_loss, truth_loss, same_loss, 1.0)]
                     for k, tg in truth_grads.items():
@@ -349,7 +388,7 @@ def check_timings(report: Report, plan: Plan, device: str) -> None:
                     if name == "naive":
                         out = formula.fn({**leaves, **kwargs})
                     elif name.startswith("triton/"):
-                        with triton_path(name.split("/")[1]):
+                        with triton_path(name.split("/", 1)[1]):
                             out = case.fn(**leaves, **kwargs, backend="triton")
                             out.backward()
                         return
@@ -413,7 +452,11 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
              allow_cpu: bool = False) -> Report:
     """Run every check of ``plan`` on ``device`` and print them; returns the :class:`Report`.
     ``allow_cpu`` lets the test-suite run the same code on the CPU under the Triton interpreter."""
+    global _AOT_LIB
     plan = plan or Plan()
+    if plan.aot_lib and not any(p.startswith("aot/") for p in plan.paths):
+        plan = dataclasses.replace(plan, paths=(*plan.paths, "aot/fused", "aot/panel"))
+    _AOT_LIB = plan.aot_lib
     dev = torch.device(device)
     if dev.type != "cuda" and not allow_cpu:
         raise RuntimeError("--gpu-validate needs a CUDA device")
@@ -439,8 +482,9 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
     return report
 
 
-def main(device: str) -> int:
-    """``check --gpu-validate``: exit status 0 when every check passes, 1 otherwise, 2 without CUDA."""
+def main(device: str, aot_lib: str | None = None) -> int:
+    """``check --gpu-validate``: exit status 0 when every check passes, 1 otherwise, 2 without CUDA.
+    ``aot_lib`` (default: ``FUSED_CONTRASTIVE_AOT_LIB``): also check the ahead-of-time library."""
     if not device.startswith("cuda") or not torch.cuda.is_available():
         print(f"--gpu-validate needs a CUDA device (got --device {device}; torch.cuda.is_available() = "
               f"{torch.cuda.is_available()}). Run it on a machine with an NVIDIA GPU.", file=sys.stderr)
@@ -449,7 +493,10 @@ def main(device: str) -> int:
         print("--gpu-validate: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)",
               file=sys.stderr)
         return 2
-    return 0 if validate(device).ok else 1
+    from .core import triton_aot
+
+    aot_lib = aot_lib or os.environ.get(triton_aot.ENV) or None
+    return 0 if validate(device, Plan(aot_lib=aot_lib)).ok else 1
 
 
 if __name__ == "__main__":

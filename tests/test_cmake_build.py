@@ -253,3 +253,38 @@ def test_triton_backend_routes_covered_calls_to_the_library(build, tmp_path):
         assert [tuple(x) for x in got] == [tuple(x) for x in want], (case, got, want)
         assert ok1 and ok2, case
     assert res["info_nce"][0], "the covered calls must reach the library"
+
+
+_VALIDATE = r"""
+import json, sys
+import torch
+from fused_contrastive import gpu_validate as GV
+
+plan = GV.Plan(losses=("info_nce", "simcse"), paths=("aot/fused", "aot/panel"), parity_shapes=((64, 784), (64, 100)),
+               dtypes=(torch.bfloat16,), determinism_runs=0, fp16_shape=None, timing_sizes=(), ncu=False,
+               aot_lib=sys.argv[1])
+rep = GV.validate("cpu", plan, allow_cpu=True)
+print(json.dumps([[r.check, r.ok, r.detail] for r in rep.results]))
+"""
+
+
+def test_gpu_validate_checks_the_library(build, tmp_path):
+    """``check --gpu-validate --aot-lib``'s parity on the library is live: on the mock driver (CPU tensors
+    standing in for device memory) no kernel computes anything, so every covered problem must FAIL
+    against the float64 oracle; D = 100, which the library does not cover, is reported as such."""
+    lib = build / "libfused_contrastive_torch.so"
+    if not lib.exists():
+        pytest.skip("libfused_contrastive_torch was not built (Torch not found by CMake)")
+    env = dict(os.environ, TRITON_INTERPRET="1", FUSED_CONTRASTIVE_AOT_FAKE_CPU="1",
+               FUSED_CONTRASTIVE_LIBCUDA=str(build / "libfc_mock_cuda.so"), FC_MOCK_DIR=str(tmp_path), FC_MOCK_CC="90",
+               FC_MOCK_SMS="2", FUSED_CONTRASTIVE_PANEL_BUDGET="1")
+    r = subprocess.run([sys.executable, "-c", _VALIDATE, str(lib)], env=env, capture_output=True, text=True,
+                       timeout=900, check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = {c: (ok, detail) for c, ok, detail in json.loads(r.stdout.strip().splitlines()[-1])}
+    assert len(res) == 2 * 2 * 2, res
+    for check, (ok, detail) in res.items():
+        if "D=100" in check:
+            assert ok is None and "not covered" in detail, (check, detail)
+        else:
+            assert ok is False and "err/tol" in detail, (check, detail)  # wrong values, nothing else

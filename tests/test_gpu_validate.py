@@ -114,3 +114,30 @@ def test_help_documents_the_flag(capsys):
     with pytest.raises(SystemExit):
         cli.main(["check", "--help"])
     assert "--gpu-validate" in capsys.readouterr().out
+
+
+def test_paths_switch_the_aot_route(monkeypatch):
+    """The JIT paths run with the AOT route off even when the user exported the library; the "aot/..."
+    paths turn it on with the plan's library and force the operators' own path; without a library they
+    refuse."""
+    from fused_contrastive.core import triton_aot
+
+    monkeypatch.setenv(triton_aot.ENV, "/some/lib.so")
+    monkeypatch.setattr(GV, "_AOT_LIB", "/built/libfused_contrastive_torch.so")
+    import os
+
+    with GV.triton_path("fused"):
+        assert triton_aot.ENV not in os.environ and os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] == "fused"
+    with GV.triton_path("aot/panel"):
+        assert os.environ[triton_aot.ENV] == "/built/libfused_contrastive_torch.so"
+        assert os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] == "panel"
+    assert os.environ[triton_aot.ENV] == "/some/lib.so"
+    monkeypatch.setattr(GV, "_AOT_LIB", None)
+    with pytest.raises(ValueError, match="aot_lib"), GV.triton_path("aot/fused"):
+        pass
+
+
+def test_help_documents_the_aot_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--help"])
+    assert "--aot-lib" in capsys.readouterr().out

@@ -33,10 +33,13 @@ from torch import Tensor
 from .spec import Coeffs, CoreData, CoreSpec, combine
 from .triton_configs import DTYPE_NAMES, d_pad
 
-__all__ = ["ENV", "backward", "build_info", "forward", "route"]
+__all__ = ["CALLS", "ENV", "backward", "build_info", "forward", "route"]
 
 #: The environment variable that names the library (unset: the route is off).
 ENV = "FUSED_CONTRASTIVE_AOT_LIB"
+#: Core-op calls this process has run on the library (the first-GPU check reads it to tell a covered
+#: call from one that fell back to the JIT kernels).
+CALLS = 0
 
 
 @functools.cache
@@ -110,6 +113,8 @@ def _scale_tensor(scale) -> Tensor:
 def forward(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, coef: Coeffs, reduce: bool,
             mode: str) -> Tensor:
     """TritonCoreFn.forward on the library's operators (``a``, ``b`` in the kernel dtype)."""
+    global CALLS
+    CALLS += 1
     lse, lse_col, ws = torch.ops.fused_contrastive_aot.lse(a, b, _scale_tensor(scale), mode, float(spec.eps))
     clip = mode == "clip"
     ctx.path, ctx.mode, ctx.spec, ctx.coef, ctx.dtypes = "aot", mode, spec, coef, dtypes

@@ -32,9 +32,10 @@ SLACK: dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-5, to
                                    torch.bfloat16: 1e-2}
 
 
-def _leaf(v: Tensor, dtype: torch.dtype, device, canary: bool) -> Tensor:
+def _leaf(v: Tensor, dtype: torch.dtype, device, canary: bool, align: int = 1) -> Tensor:
     """A differentiable input in ``dtype`` (0-dim tensors: float32, or float64 with float64), optionally
-    as a view into a NaN-padded buffer (5 extra rows, 7 extra columns) to catch out-of-bounds reads."""
+    as a view into a NaN-padded buffer (5 extra rows, at least 7 extra columns, as many more as make the
+    row stride a multiple of ``align``) to catch out-of-bounds reads."""
     if v.dim() == 0:
         return v.detach().to(device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32) \
             .clone().requires_grad_(True)
@@ -42,20 +43,22 @@ def _leaf(v: Tensor, dtype: torch.dtype, device, canary: bool) -> Tensor:
     if canary and x.dim() >= 2:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
-        buf = torch.full((flat.shape[0] + 5, flat.shape[1] + 7), float("nan"), dtype=dtype, device=device)
+        extra = 7 + (-(flat.shape[1] + 7)) % align
+        buf = torch.full((flat.shape[0] + 5, flat.shape[1] + extra), float("nan"), dtype=dtype, device=device)
         buf[: flat.shape[0], : flat.shape[1]] = flat
-        x = buf[: flat.shape[0], : flat.shape[1]].unflatten(0, lead)  # row stride D + 7
+        x = buf[: flat.shape[0], : flat.shape[1]].unflatten(0, lead)  # row stride D + extra (D + 7 by default)
     else:
         x = x.clone()
     return x.requires_grad_(True)
 
 
 def run(case: Case, inputs: Inputs, backend: str, dtype: torch.dtype, device="cpu", *, canary: bool = False,
-        upstream_seed: int = 1) -> tuple[Tensor, dict[str, Tensor | None]]:
+        upstream_seed: int = 1, canary_align: int = 1) -> tuple[Tensor, dict[str, Tensor | None]]:
     """Loss and gradients of ``case`` on ``backend`` with the embeddings in ``dtype``. A per-row loss is
-    reduced with random upstream weights, so that every row's gradient is checked."""
+    reduced with random upstream weights, so that every row's gradient is checked. ``canary_align``:
+    the padded inputs' row stride is a multiple of it (16 for the ahead-of-time kernels)."""
     tensors, kwargs = inputs
-    leaves = {k: _leaf(v, dtype, device, canary) for k, v in tensors.items()}
+    leaves = {k: _leaf(v, dtype, device, canary, canary_align) for k, v in tensors.items()}
     kw = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
     loss = case.fn(**leaves, **kw, backend=backend)
     total = loss
