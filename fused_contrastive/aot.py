@@ -636,8 +636,6 @@ def check(gen: str, fc_run: str, mock: str, work: str, fresh: str = "per-kernel"
     """Every scenario of the build (:func:`_scenarios`) through :func:`check_scenario`, then a fresh
     ``triton.compile`` (empty cache) of launched kernels, byte-compared with the module images the mock
     received: one per (arch, kernel) by default, every launched variant with ``fresh="all"``."""
-    import tempfile
-
     with open(os.path.join(gen, "manifest.json")) as f:
         man = json.load(f)
     errs, fresh_todo = [], {}
@@ -648,13 +646,30 @@ def check(gen: str, fc_run: str, mock: str, work: str, fresh: str = "per-kernel"
             key = (sc["cc"], ln.name) if fresh == "per-kernel" else (sc["cc"], variant_key(ln))
             fresh_todo.setdefault(key, (sc["cc"], ln, mfile))
     print(f"fused_contrastive.aot check: {len(_scenarios(man))} problems compared with the Python launcher")
+    errs += _fresh_compiles(fresh_todo.values())
+    print(f"fused_contrastive.aot check: {len(fresh_todo)} launched cubins recompiled from scratch")
+    return errs
+
+
+def _fresh_compiles(todo) -> list[str]:
+    """``triton.compile`` each ``(cc, launch, module image file)`` with an empty Triton cache and compare
+    the cubin with the image the mock driver received, byte for byte."""
+    import tempfile
+
+    errs = []
+    old = os.environ.get("TRITON_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
-        for cc, ln, mfile in fresh_todo.values():
-            with open(mfile, "rb") as f:
-                if compile_launch(ln, cc).asm["cubin"] != f.read():
-                    errs.append(f"sm{cc} {variant_key(ln)}: launched cubin differs from a fresh triton.compile")
-    print(f"fused_contrastive.aot check: {len(fresh_todo)} launched cubins recompiled from scratch")
+        try:
+            for cc, ln, mfile in todo:
+                with open(mfile, "rb") as f:
+                    if compile_launch(ln, cc).asm["cubin"] != f.read():
+                        errs.append(f"sm{cc} {variant_key(ln)}: launched cubin differs from a fresh triton.compile")
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = old
     return errs
 
 
@@ -697,8 +712,10 @@ def _panel_scenarios(man: dict) -> list[dict]:
 def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
     """The torch operators of ``lib`` (``fused_contrastive_aot::lse`` / ``lse_backward``) on CPU tensors
     whose data pointers stand in for device pointers (FUSED_CONTRASTIVE_AOT_FAKE_CPU=1), on the mock
-    driver: every launch compared with the Python launcher's (:func:`compare_calls`). Sets the process
-    environment; run it in its own process."""
+    driver: every launch compared with the Python launcher's (:func:`compare_calls`), on the panel path
+    also the GEMMs between the launches; then each panel kernel launched (they reach the library only
+    through these operators) recompiled from an empty Triton cache and byte-compared with the image the
+    driver received. Sets the process environment; run it in its own process."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -714,6 +731,7 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
     op = torch.ops.fused_contrastive_aot
     errs = []
     scen = _scenarios(man) + _panel_scenarios(man)
+    fresh: dict = {}  # (cc, panel kernel) -> (cc, launch, module image file), one fresh compile each
     start = 0  # calls of the earlier problems in the log
     for sc in scen:
         os.environ.update(FC_MOCK_CC=str(sc["cc"]), FC_MOCK_SMS=str(sc["sms"]),
@@ -748,11 +766,16 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
                     DB=db.data_ptr() if db.numel() else 0)
         info = dict(ptrs=ptrs, workspace=wsp, workspace_bytes=max(0, ws.numel() - 256),
                     roots={k: v for k, v in ptrs.items() if v})
-        e, _ = compare_calls(sc, man, calls, start, info, internal=("GSCALE", "DS_PART", "SCALE"))
+        e, pairs = compare_calls(sc, man, calls, start, info, internal=("GSCALE", "DS_PART", "SCALE"))
         errs += [f"torch op: {x}" for x in e]
         start = len(calls)
+        for ln, mfile in pairs:  # the panel kernels only reach the library through these operators
+            if ln.name in PANEL_KERNELS:
+                fresh.setdefault((sc["cc"], ln.name), (sc["cc"], ln, mfile))
     print(f"fused_contrastive.aot check-torch: {len(scen)} problems compared with the Python launcher "
           f"({len(scen) - len(_scenarios(man))} on the panel path)")
+    errs += _fresh_compiles(fresh.values())
+    print(f"fused_contrastive.aot check-torch: {len(fresh)} launched panel-kernel cubins recompiled from scratch")
     return errs
 
 

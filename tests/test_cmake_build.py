@@ -110,7 +110,7 @@ def test_exported_symbols_are_the_c_api(build):
 
 def test_torch_operators_run_the_panel_path(build):
     """The torch operators' panel path against the Python launcher: ``check --torch-lib`` (also a ctest)
-    must report its panel problems and no mismatch."""
+    must report its panel problems, the fresh compiles of the panel kernels, and no mismatch."""
     lib = build / "libfused_contrastive_torch.so"
     if not lib.exists():
         pytest.skip("libfused_contrastive_torch was not built (Torch not found by CMake)")
@@ -118,6 +118,8 @@ def test_torch_operators_run_the_panel_path(build):
                 str(lib), "--mock", str(build / "libfc_mock_cuda.so"), "--work", str(build / "pytest_torch_check")],
                ROOT, 600, env=dict(os.environ, TRITON_INTERPRET="0"))
     assert "(12 on the panel path)" in out and out.rstrip().endswith("OK"), out[-3000:]
+    # each panel kernel (4) of each arch (2) byte-identical to a fresh triton.compile
+    assert "8 launched panel-kernel cubins recompiled from scratch" in out, out[-3000:]
 
 
 _LAUNCH_KERNEL = r"""
