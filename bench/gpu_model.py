@@ -420,11 +420,20 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     one_pass = launch.name == "panel_dl" and bool(c.get("ONE_PASS"))
     tot = walk(0.0 if one_pass else 1.0)
     tot_p = walk(1.0) if one_pass else tot
+    if launch.name == "lse_fwd" and c.get("TRI"):
+        # the triangular forward: the walk counts every column block of every row block (its column
+        # loop starts at the row block's diagonal, a runtime bound); the triangle's share of the tiles
+        bm, bn = c["BLOCK_M"], c["BLOCK_N"]
+        n_cb = math.ceil(m / bn)
+        tiles = sum(max(0, n_cb - (r * bm) // bn) for r in range(math.ceil(n / bm)))
+        frac = tiles / (a["n_row_blocks"] * n_cb)
+        tot = {k: v * frac for k, v in tot.items()}
+        tot_p = {k: v * frac for k, v in tot_p.items()}
     ctas = ctas_per_sm(info["regs"], launch.num_warps, info["shared"], gpu)
     slots = max(1, ctas) * gpu.sms
     tail = wave_spread(grid, slots, gpu.sms)
     clk = gpu.clock_ghz * 1e9
-    operand = next((v for k, v in a.items() if k in ("SA", "X", "DL")), a.get("L"))  # tri_stats: the fp32 panel
+    operand = next((v for k, v in a.items() if k in ("SA", "X", "DL")), a.get("L"))
     es = operand.element_size()
     # HBM: every tensor argument once (inputs read, outputs written), the streamed operand per wave
     hbm = float(sum(_nbytes(v) for v in a.values() if isinstance(v, torch.Tensor) and v.numel() > 1))
@@ -446,7 +455,7 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
             hbm_pess += reuse if ws > l2_b else 0.0
     l2 = tot["gload"] + tot["gstore"]
     l2_p = tot_p["gload"] + tot_p["gstore"]
-    if launch.name in ("panel_dl", "tri_stats") and _nbytes(a["L"]) > l2_b:
+    if launch.name == "panel_dl" and _nbytes(a["L"]) > l2_b:
         # the [P, M] panel does not fit the L2: every pass over it is HBM; the O(M) column vectors
         # (inverse norms, column statistics, labels) each program re-reads stay in the L2
         hbm = max(hbm, l2 - tot["gload_vec"])

@@ -660,6 +660,27 @@ fc_status fc_device_props(int *cc, int *sms) {
   return FC_OK;
 }
 
+fc_status fc_kernel_config(const char *kernel, fc_dtype dtype, int64_t d, int *block_m, int *block_n, int *block_d) {
+  fc_device dev;
+  fc_status st = current_device(&dev);
+  if (st != FC_OK) return st;
+  if (!kernel || !block_m || !block_n || !block_d)
+    return fail(FC_ERR_INVALID_ARGUMENT, "kernel, block_m, block_n and block_d are required");
+  if ((unsigned)dtype > FC_BFLOAT16) return fail(FC_ERR_UNSUPPORTED_DTYPE, "dtype %d is not a fc_dtype", (int)dtype);
+  if (d < 1) return fail(FC_ERR_INVALID_ARGUMENT, "d must be >= 1 (got %lld)", (long long)d);
+  int k = -1;
+  for (int i = 0; i < FC_K_COUNT; ++i)
+    if (!strcmp(fc_kernel_names[i], kernel)) k = i;
+  if (k < 0) return fail(FC_ERR_INVALID_ARGUMENT, "no kernel named %s in this library", kernel);
+  fc_choice c;
+  if ((st = config_for((fc_kernel)k, dev.cc, dtype, d, &c)) != FC_OK) return st;
+  *block_m = c.cfg->block_m;
+  *block_n = c.cfg->block_n;
+  *block_d = c.block_d;
+  g_err[0] = 0;
+  return FC_OK;
+}
+
 fc_status fc_launch_kernel(const char *kernel, fc_dtype dtype, const char *constexprs, int64_t grid,
                            const fc_karg *args, int nargs, void *stream) {
   fc_device dev;

@@ -16,7 +16,8 @@
 // run in at::mm / addmm (cuBLAS, fixed order), the per-logit and per-row work in the panel kernels of
 // the C library (fc_launch_kernel); nothing N x M is allocated (panels of P rows from the byte budget
 // FUSED_CONTRASTIVE_PANEL_BUDGET, default 0.70 GB). "info_nce" / "clip": the fused forward, then the
-// recomputing panel backward (ws unused there); "self": the triangular sweep (forward and backward, ws
+// recomputing panel backward (ws unused there); "self": the triangular forward (the fused forward kernel
+// over the upper triangle's tiles) and the triangular backward sweep (ws
 // empty).
 //
 // mode: "info_nce" | "clip" | "self" (b None). lse_col is empty outside "clip"; ws is the workspace the
@@ -162,6 +163,10 @@ struct Kernel {
   }
   Kernel &c(const char *k, int64_t v) {
     cx[k] = std::to_string(v);
+    return *this;
+  }
+  Kernel &s(const char *k, const char *v) {  // a string constexpr, as is
+    cx[k] = v;
     return *this;
   }
   Kernel &cf(const char *k, double v) {  // floats with one decimal, as the generator's key spells them
@@ -368,33 +373,30 @@ std::tuple<Tensor, Tensor, Tensor> panel_backward(const Panel &C, const Tensor &
   return {da, db, at::cat(ds_parts).sum() * gs.reshape({})};
 }
 
-// triton_panel.tri_lse: the row LSEs of B-is-A logits from the upper triangle (mode "self")
+// triton_backend._lse_fwd with tri (mode "self" on the panel path): the fused forward kernel over the
+// tiles on and above the diagonal, its per-program column partials merged into the row LSEs
 Tensor tri_lse(const Panel &C) {
-  const int64_t n = C.n;
+  const int64_t n = C.n, d = C.d;
   auto f32 = C.a.options().dtype(at::kFloat);
-  const int64_t p_rows = panel_rows(C, n, true);
-  const int64_t block_r = panel_blocks(std::min(n, p_rows), C.programs).first;
-  Norms N = column_norms(C, false);
-  Tensor run_m = at::full({n}, -std::numeric_limits<float>::infinity(), f32);
-  Tensor run_z = at::zeros({n}, f32);
+  auto rr = row_norms(C, C.a);  // _prepare: the scaled copy, norms, inverse norms, inverse norms of the copy
+  int bm = 0, bn = 0, bd = 0;
+  check(fc_kernel_config("lse_fwd", C.dt, d, &bm, &bn, &bd), "fc_kernel_config");
+  const int64_t n_rb = cdiv(n, bm);
+  const int64_t per = cdiv(n_rb, std::max<int64_t>(1, C.programs));  // _col_programs: 2 x SMs, balanced
+  const int64_t progs = cdiv(n_rb, per);
   Tensor lse = at::empty({n}, f32);
-  for (int64_t r0 = 0; r0 < n; r0 += p_rows) {
-    const int64_t pp = std::min(n, r0 + p_rows) - r0, c = n - r0;
-    auto rr = row_norms(C, C.a.narrow(0, r0, pp));
-    Tensor lraw = mm32(rr[0], C.a.narrow(0, r0, c).t());
-    const int64_t n_part = cdiv(c, FC_TRI_BLOCK_C);
-    Tensor part_m = at::empty({n_part, pp}, f32), part_z = at::empty({n_part, pp}, f32);
-    for (int merge = 0; merge < 2; ++merge)
-      Kernel(merge ? "tri_merge" : "tri_stats", C.dt, merge ? cdiv(pp, block_r) : n_part)
-          .p("L", merge ? C.dummy : lraw).p("RSP", rr[3]).p("RB", N.rb.narrow(0, r0, c)).p("SCALE", C.scale)
-          .p("RUN_M", run_m.narrow(0, r0, c)).p("RUN_Z", run_z.narrow(0, r0, c)).p("PART_M", part_m)
-          .p("PART_Z", part_z).p("LSE", lse.narrow(0, r0, c)).i("P", pp).i("C", c).i("stride_l", lraw.stride(0))
-          .i("n_part", n_part)
-          .c("BLOCK_R", merge ? block_r : FC_TRI_BLOCK_R).c("BLOCK_C", FC_TRI_BLOCK_C).c("MERGE", merge)
-          .c("NORMALIZE", 1).c("EXCLUDE_SELF", 1)
-          .run(C.stream);
-  }
-  return lse;
+  Tensor col_part = at::full({progs, n}, -std::numeric_limits<float>::infinity(), f32);
+  Kernel("lse_fwd", C.dt, progs)
+      .p("SA", rr[0]).p("SB", rr[0]).p("RSA", rr[3]).p("RSB", rr[3]).p("SCALE", C.scale).p("BIAS_COL", C.dummy)
+      .p("ROW_LAB", C.dummy).p("COL_LAB", C.dummy).p("POS_MASK", C.dummy).p("LSE", lse).p("LSE_POS", C.dummy)
+      .p("COL_PART", col_part).i("N", n).i("M", n).i("D", d).i("stride_sa", rr[0].stride(0))
+      .i("stride_sb", rr[0].stride(0)).i("offset", 0).f("bias", 0.0).i("n0", 1).i("m0", 1).i("stride_pm", 1)
+      .i("n_row_blocks", cdiv(n_rb, progs) * progs)
+      .c("BLOCK_M", bm).c("BLOCK_N", bn).c("BLOCK_D", bd).c("NORMALIZE", 1).c("EXCLUDE_SELF", 1).c("HAS_BIAS", 0)
+      .c("POS_KIND", 0).s("UPCAST", "0").s("DOT_PREC", C.dt == FC_FLOAT32 ? "tf32x3" : "tf32").c("WANT_COL", 0)
+      .c("TRI", 1)
+      .run(C.stream);
+  return at::logaddexp(lse, at::logsumexp(col_part, {0}));
 }
 
 // triton_panel.tri_backward: (dA with both roles, ds) of B-is-A logits (mode "self")
@@ -445,7 +447,7 @@ std::tuple<Tensor, Tensor, Tensor> lse(const Tensor &a, const std::optional<Tens
   if (a.is_cuda()) guard.set_device(a.device());
 #endif
   Problem P = make_problem(a, b, scale, mode, eps);
-  if (P.p.mode == FC_MODE_SELF && use_panel(P.a, P.p.n, P.p.n)) {  // the triangular sweep: no workspace
+  if (P.p.mode == FC_MODE_SELF && use_panel(P.a, P.p.n, P.p.n)) {  // the triangular forward: no workspace
     Tensor l = tri_lse(make_panel(P));
     return {l, at::empty({0}, l.options()), at::empty({0}, P.a.options().dtype(at::kByte))};
   }

@@ -81,7 +81,7 @@ def _aligned_int(name: str) -> bool:
 #: The panel path's kernels (``kernels/panel.py``; ``core/triton_panel.py`` launches them between cuBLAS
 #: GEMMs). The C library has no GEMM: ``fc_launch_kernel`` launches them by constexpr key for
 #: libfused_contrastive_torch, whose panel sweeps do the GEMMs with ``at::mm``.
-PANEL_KERNELS = ("panel_dl", "panel_rows", "tri_stats", "tri_merge")
+PANEL_KERNELS = ("panel_dl", "panel_rows")
 
 #: Grid sizes the panel kernels are recorded for (``triton_panel.PANEL_PROGRAMS``): at REC_N rows one per
 #: BLOCK_R of ``triton_panel.panel_blocks`` (16, 8, 4, 2, 1), so every row-block variant is compiled.
@@ -131,8 +131,8 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     """The panel path's launches for the statistics-level op (per-row LSEs, upstream gradients given):
     what ``triton_panel.forward`` / ``backward`` launch without a reduction. "info_nce" / "clip": the
     fused forward (``_lse_fwd``), then the recomputing panel sweep; "self" (B is A, no bias: symmetric
-    logits): the triangular sweep (``tri_lse``, ``tri_backward``). ``programs``: the panel kernels' target
-    grid (``PANEL_PROGRAMS``; 2 x SMs on a GPU). ``roots`` (a dict, filled): the tensors a caller owns
+    logits): the triangular forward (``_lse_fwd`` with ``tri``) and sweep (``tri_backward``).
+    ``programs``: the panel kernels' target grid (``PANEL_PROGRAMS``; 2 x SMs on a GPU). ``roots`` (a dict, filled): the tensors a caller owns
     (A, B, LSE, LSE_COL, G, G_COL, DA, DB), so a launch argument can be traced to one of them."""
     import torch
 
@@ -159,7 +159,7 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
             # the backward is a second operator call in C++: its own dummy pointer (never dereferenced)
             pb = TB._prepare_data(a, b, spec, CoreData(), False)
             if TP.use_tri(p, want_col, False):
-                lse = TP.tri_lse(TB._launch, p, p.a, spec, scale_t)
+                lse = TB._lse_fwd(a, None, scale, spec, CoreData(), False, False, tri=True)[0]
                 da, _ = TP.tri_backward(TB._launch, pb, p.a, spec, scale_t, lse, g, True, True)
             else:
                 lse, lse_col, _, _ = TB._lse_fwd(a, b, scale, spec, CoreData(), want_col, False)
@@ -284,7 +284,9 @@ def plan(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[s
                             key, ck = variant_key(launch), ckey(launch)
                             if by_ckey.setdefault((cc, dt, launch.name, ck), key) != key:
                                 raise RuntimeError(f"{launch.name}: two variants with constexprs {ck} (sm{cc}, {dt})")
-                            if launch.name in PANEL_KERNELS:
+                            # the panel kernels, and the triangular forward (lse_fwd with TRI, which the
+                            # fused launcher must not pick): by constexpr key only
+                            if launch.name in PANEL_KERNELS or launch.constexprs.get("TRI"):
                                 fk = dict(cc=cc, dtype=dt, kernel=launch.name, dclass="-", sym=-1, want_col=-1,
                                           exclude_self=-1)
                             else:
@@ -358,8 +360,7 @@ def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: li
                     ROW_NORM_MAX_BLOCK_D=TC.ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS=TC.ROW_NORM_WARPS,
                     # the panel path's host constants (triton_configs, triton_panel)
                     PANEL_CHUNK=TC.PANEL_CHUNK, PANEL_ROWS_BLOCK_R=TC.PANEL_ROWS_BLOCK_R,
-                    PANEL_ROWS_MAX_BLOCK_D=TC.PANEL_ROWS_MAX_BLOCK_D, TRI_BLOCK_R=TP.TRI_BLOCK_R,
-                    TRI_BLOCK_C=TP.TRI_BLOCK_C, PANEL_BUDGET_BYTES=TP.BUDGET_BYTES, PANEL_P_MIN=TP.P_MIN,
+                    PANEL_ROWS_MAX_BLOCK_D=TC.PANEL_ROWS_MAX_BLOCK_D, PANEL_BUDGET_BYTES=TP.BUDGET_BYTES, PANEL_P_MIN=TP.P_MIN,
                     PANEL_MIN_ELEMENTS=TP.MIN_ELEMENTS, PANEL_NORM_CHUNK_ELEMENTS=TP.NORM_CHUNK_ELEMENTS,
                     PANEL_FP16_PRESCALE=TP.FP16_PRESCALE),
         configs=configs, layouts=layouts,
@@ -770,7 +771,7 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
         errs += [f"torch op: {x}" for x in e]
         start = len(calls)
         for ln, mfile in pairs:  # the panel kernels only reach the library through these operators
-            if ln.name in PANEL_KERNELS:
+            if ln.name in PANEL_KERNELS or ln.constexprs.get("TRI"):
                 fresh.setdefault((sc["cc"], ln.name), (sc["cc"], ln, mfile))
     print(f"fused_contrastive.aot check-torch: {len(scen)} problems compared with the Python launcher "
           f"({len(scen) - len(_scenarios(man))} on the panel path)")

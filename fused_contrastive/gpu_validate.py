@@ -56,16 +56,16 @@ NCU_METRICS = ("lts__t_sector_hit_rate.pct", "dram__bytes_read.sum", "dram__byte
 #: slack of THE accuracy rule (a sanity bound on the oracle itself; see check_parity).
 ORACLE_SANITY = 10.0
 NCU_KERNELS = {"lse_fwd_kernel": "fused", "lse_bwd_rows_kernel": "fused", "lse_bwd_cols_kernel": "fused",
-               "panel_dl_kernel": "panel", "tri_stats_kernel": "panel"}
+               "panel_dl_kernel": "panel"}
 
 #: Outputs of each kernel that it must write completely (filled with NaN before the launch): the
 #: scratch ACC and the column partials included. DB only when every column gets a gradient (the
 #: launcher zeroes queue rows before the launch).
 _OUTPUTS = {"row_norm": ("XS", "NORM", "RNORM", "RS"), "lse_fwd": ("LSE", "LSE_POS", "COL_PART"),
             "lse_bwd_rows": ("DA", "ACC", "DS_PART"), "lse_bwd_cols": ("DB", "ACC"),
-            "panel_dl": ("DL", "DS_PART"), "tri_stats": ("PART_M", "PART_Z"), "tri_merge": ("LSE",)}
-# (panel_dl's LSE_OUT is [N]: each panel writes its own rows only; tri_merge's LSE is the rows from the
-# panel's first on, of which later panels write the rest, after this fill)
+            "panel_dl": ("DL", "DS_PART")}
+# (panel_dl's LSE_OUT is [N]: each panel writes its own rows only; the triangular forward's COL_PART is
+# pre-filled with -inf by the launcher, its programs write only the columns their rows reach)
 #: The two paths of the triton backend (``core/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
 #: the kernels each must launch.
 PATHS = {"fused": {"lse_fwd", "lse_bwd_rows"}, "panel": {"panel_dl"}}
@@ -193,6 +193,8 @@ def poisoned_launches(seen: list[str] | None = None) -> Iterator[None]:
             for name in _OUTPUTS.get(lz.name, ()):
                 t = lz.args.get(name)
                 if name == "DB" and lz.args.get("grad_cols") != lz.args.get("M"):
+                    continue
+                if name == "COL_PART" and lz.constexprs.get("TRI"):
                     continue
                 if isinstance(t, Tensor) and t.numel() > 1 and t.is_floating_point():
                     t.fill_(float("nan"))

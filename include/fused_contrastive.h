@@ -122,6 +122,12 @@ FC_API fc_status fc_backward(const fc_problem *p, const fc_backward_args *args, 
 /* Compute capability (80 or 90, as the kernels were built for) and SM count of the current device. */
 FC_API fc_status fc_device_props(int *cc, int *sms);
 
+/* The launch configuration the Python launcher uses for `kernel` ("lse_fwd", "lse_bwd_rows", "lse_bwd_cols")
+   at D on the current device's arch: block sizes (block_d: the padded D of a resident config, else the
+   streamed chunk). */
+FC_API fc_status fc_kernel_config(const char *kernel, fc_dtype dtype, int64_t d, int *block_m, int *block_n,
+                                  int *block_d);
+
 typedef enum fc_karg_kind { FC_KARG_PTR = 0, FC_KARG_INT = 1, FC_KARG_FLOAT = 2 } fc_karg_kind;
 
 /* One runtime argument by parameter name: ptr (a device pointer), i (integer types) or f (fp32). */

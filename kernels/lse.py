@@ -316,16 +316,30 @@ def lse_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr,
     POS_KIND: tl.constexpr, WANT_COL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    TRI: tl.constexpr,
 ):
     """Row LSE (+ LSEpos, + this program's partial column LSE) for row blocks pid, pid + P, ...
 
     Grid: (P,), P <= n_row_blocks. Without WANT_COL the launcher uses P = n_row_blocks (one row block
     per program); with it P is capped and COL_PART is [P, M] (row pid belongs to this program).
+
+    TRI (B is A: symmetric logits; no positives): only the tiles on and above the diagonal. LSE gets
+    each row's columns j >= i (j > i in the column statistics), COL_PART (pre-filled with -inf by the
+    launcher) each column's rows i < j, so that ``LSE_i = logaddexp(LSE_i, logsumexp_p COL_PART[p, i])``
+    is the full row LSE: half the tiles. n_row_blocks is then a multiple of P, and round t gives
+    program pid the row block t P + pid (t even) or t P + P - 1 - pid (t odd), which balances the
+    triangle's unequal rows; blocks past the last row have no columns.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     s = tl.load(SCALE).to(tl.float32)  # runtime scale: a learnable temperature never recompiles
-    for rblk in range(pid, n_row_blocks, nprog):
+    for rb0 in range(pid, n_row_blocks, nprog):
+        rblk = rb0
+        j_start = 0
+        if TRI:
+            t = rb0 // nprog
+            rblk = t * nprog + tl.where(t % 2 == 0, pid, nprog - 1 - pid)
+            j_start = (rblk * BLOCK_M) // BLOCK_N * BLOCK_N
         # 1. this program's anchor rows and their per-row data (inverse norms, bias column, label)
         rows = rblk * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < N
@@ -340,7 +354,7 @@ def lse_fwd_kernel(
         z_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         mp_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
         zp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for j0 in range(0, M, BLOCK_N):
+        for j0 in range(j_start, M, BLOCK_N):
             # 2. column block: scaled raw tiles -> cosines (D streamed in chunks, fp32 accumulation)
             cols = j0 + tl.arange(0, BLOCK_N)
             cmask = cols < M
@@ -349,6 +363,8 @@ def lse_fwd_kernel(
                             BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
             # 3. scale, bias, self / padding masks
             l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+            if TRI:  # rows take j >= i (the diagonal as _logits left it), columns strictly i < j (below)
+                l = tl.where(cols[None, :] >= rows[:, None], l, NEG_INF)
             # 4. online row max / sum
             m_i, z_i = _online_rows(m_i, z_i, l)
             # 5. the same over positives only (SupCon L_in)
@@ -360,13 +376,20 @@ def lse_fwd_kernel(
                                  POS_KIND, False)
                 mp_i, zp_i = _online_rows(mp_i, zp_i, lp)
             # 6. column statistics of this tile, merged into this program's partial row
-            if WANT_COL:
-                cmax = tl.max(l, axis=0)
+            if WANT_COL or TRI:
+                l_col = l
+                if TRI and not EXCLUDE_SELF:  # the kept diagonal counts once, in its row (one tile live)
+                    l_col = tl.where(cols[None, :] > rows[:, None], l, NEG_INF)
+                cmax = tl.max(l_col, axis=0)
                 cms = tl.where(cmax == NEG_INF, 0.0, cmax)
-                tile_lse = cms + tl.log(tl.sum(tl.exp(l - cms[None, :]), axis=0))
+                tile_lse = cms + tl.log(tl.sum(tl.exp(l_col - cms[None, :]), axis=0))
                 cp = COL_PART + pid.to(tl.int64) * M + cols
-                # the first row block of this program starts from -inf (no memset needed)
-                old = tl.load(cp, mask=cmask & (tl.full([BLOCK_N], rblk, tl.int32) > pid), other=NEG_INF)
+                # the first row block of this program starts from -inf (no memset needed; TRI: the
+                # launcher's -inf fill, as a program's rows do not reach every column)
+                keep = tl.full([BLOCK_N], rblk, tl.int32) > pid
+                if TRI:
+                    keep = tl.full([BLOCK_N], 1, tl.int32) > 0
+                old = tl.load(cp, mask=cmask & keep, other=NEG_INF)
                 tl.store(cp, _lse_add(old, tile_lse), mask=cmask)
                 tl.debug_barrier()  # this row of COL_PART is re-read by other threads next time
         # 7. LSE = m + log z (-inf for a row whose columns are all excluded)

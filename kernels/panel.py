@@ -203,7 +203,7 @@ def panel_dl_kernel(
     r0 + i, RSP and W_OUT by the panel row i; column vectors by the column. With EAGER, G / G_POS are
     the coefficients and LSE_OUT / LSE_POS_OUT receive the rows' statistics. TRI (with SYM): a
     triangular panel in its own frame (r0 = 0, the host passes every vector from the panel's first
-    row on, L holds the columns from that row on), see ``tri_stats_kernel``.
+    row on, L holds the columns from that row on), see ``triton_panel.tri_backward``.
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -320,77 +320,3 @@ def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, 
             m2 = rmask[:, None] & (dd < D)[None, :]
             x = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32)
             tl.store(XW + r64 * stride_xw + dd[None, :], (x * (rs * w)[:, None]).to(XW.dtype.element_ty), mask=m2)
-
-
-@triton.jit
-def tri_stats_kernel(L, RSP, RB, SCALE, RUN_M, RUN_Z, PART_M, PART_Z, LSE, P, C, stride_l, n_part,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORMALIZE: tl.constexpr,
-                     EXCLUDE_SELF: tl.constexpr, MERGE: tl.constexpr):
-    """Row statistics of B-is-A logits from a triangular panel (the symmetric sweep, TRI).
-
-    The panel holds rows [r0, r0 + P) against columns [r0, N) (``C = N - r0``), in the panel's frame:
-    local index k is global r0 + k for rows and columns alike, and the host passes RB, RUN_M, RUN_Z and
-    LSE from r0 on. By symmetry, ``l_ij`` for a column j past the panel is also row j's logit against
-    column i, so one read of the upper triangle of the logits gives every row's statistics:
-
-    * MERGE False (grid cdiv(C, BLOCK_C) = n_part): each program walks the P rows of its BLOCK_C
-      columns once. Per row it stores the (max, sum) over its columns in PART_M / PART_Z [n_part, P];
-      per column past the panel (j >= P) it merges the (max, sum) over the panel's rows into the
-      running statistics RUN_M / RUN_Z of row j (earlier panels' columns of that row).
-    * MERGE True (grid cdiv(P, BLOCK_R)): each program merges, for its rows, the running statistics
-      (every column before r0, from earlier panels) with the n_part partials in a fixed order and
-      writes the rows' final LSE (-inf for a row without any column).
-
-    Every output element is written by one program: deterministic, no atomics.
-    """
-    pid = tl.program_id(0)
-    if MERGE:
-        loc = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        lmask = loc < P
-        m = tl.load(RUN_M + loc, mask=lmask, other=NEG_INF)
-        z = tl.load(RUN_Z + loc, mask=lmask, other=0.0)
-        for q in range(n_part):
-            mq = tl.load(PART_M + q * P + loc, mask=lmask, other=NEG_INF)
-            zq = tl.load(PART_Z + q * P + loc, mask=lmask, other=0.0)
-            m, z = _merge_stats(m, z, mq, zq)
-        tl.store(LSE + loc, m + tl.log(z), mask=lmask)
-    else:
-        s = tl.load(SCALE).to(tl.float32)
-        cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        below = cmask & (cols >= P)  # columns past the panel: rows r0 + j of later panels
-        rb = _inv_norms(RB, cols, cmask, NORMALIZE)
-        m_c = tl.full([BLOCK_C], NEG_INF, dtype=tl.float32)
-        z_c = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for i0 in range(0, P, BLOCK_R):
-            loc = i0 + tl.arange(0, BLOCK_R)
-            lmask = loc < P
-            rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
-            raw = tl.load(L + loc.to(tl.int64)[:, None] * stride_l + cols[None, :],
-                          mask=lmask[:, None] & cmask[None, :], other=0.0)
-            l = _logits(raw * rsp[:, None] * rb[None, :], s, loc, cols, P, C, 0, loc, 0.0, EXCLUDE_SELF, False)
-            # this block of rows over this program's columns
-            m_r = tl.max(l, axis=1)
-            m_rs = tl.where(m_r == NEG_INF, 0.0, m_r)
-            z_r = tl.sum(tl.exp(l - m_rs[:, None]), axis=1)
-            tl.store(PART_M + pid * P + loc, m_r, mask=lmask)
-            tl.store(PART_Z + pid * P + loc, z_r, mask=lmask)
-            # the columns past the panel over this block of rows (online over the rows)
-            lc = tl.where(below[None, :], l, NEG_INF)
-            m_new = tl.maximum(m_c, tl.max(lc, axis=0))
-            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            z_c = z_c * tl.exp(m_c - m_safe) + tl.sum(tl.exp(lc - m_safe[None, :]), axis=0)
-            m_c = m_new
-        m_o = tl.load(RUN_M + cols, mask=below, other=NEG_INF)
-        z_o = tl.load(RUN_Z + cols, mask=below, other=0.0)
-        m, z = _merge_stats(m_o, z_o, m_c, z_c)
-        tl.store(RUN_M + cols, m, mask=below)
-        tl.store(RUN_Z + cols, z, mask=below)
-
-
-@triton.jit
-def _merge_stats(m1, z1, m2, z2):
-    """(max, sum) of the union of two sets of exponentials given as (max, sum) pairs (-inf safe)."""
-    m = tl.maximum(m1, m2)
-    ms = tl.where(m == NEG_INF, 0.0, m)
-    return m, z1 * tl.exp(m1 - ms) + z2 * tl.exp(m2 - ms)

@@ -245,7 +245,13 @@ def test_one_pass_is_chosen_where_documented(monkeypatch):
     assert {x.constexprs["ONE_PASS"] for x in rec.launches if x.name == "panel_dl"} == {False}  # LSEpos
 
 
-# 1c. The triangular sweep of symmetric logits (B is A without a bias; triton_panel.tri_lse / tri_backward)
+# 1c. The triangular sweep of symmetric logits (B is A without a bias; the triangular fused forward,
+# triton_backend._lse_fwd with tri, and triton_panel.tri_backward)
+
+
+def _tri_fwd(rec) -> bool:
+    """Whether the recorded launches include the triangular forward (lse_fwd with TRI)."""
+    return any(x.name == "lse_fwd" and x.constexprs.get("TRI") for x in rec.launches)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -273,7 +279,7 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
         out = impl.core(x, None, s, spec, CoreData(), coef, reduce)
         tot = out.sum() if reduce else (out * w.to(out.dtype)).sum()
         res.append((out, *torch.autograd.grad(tot, (x, s))))
-    assert "tri_stats" in rec.names and not any(x.name == "lse_fwd" for x in rec.launches), rec.names
+    assert _tri_fwd(rec) and [x.constexprs["TRI"] for x in rec.launches if x.name == "lse_fwd"] == [True], rec.names
     assert {x.constexprs["TRI"] for x in rec.launches if x.name == "panel_dl"} == {True}
     tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
     for got, want, what in zip(res[0], res[1], ("loss", "dA", "ds")):
@@ -297,7 +303,8 @@ def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch):
         w = torch.arange(1, n + 1, dtype=dt)
         tot = (torch.where(torch.isfinite(out), out, 0.0) * w).sum()
         res.append((out.detach(), *torch.autograd.grad(tot, (x, s), allow_unused=True)))
-    assert rec.names.count("tri_merge") == -(-n // 2), rec.names  # the triangular sweep, one per panel
+    # the triangular forward, then the triangular backward's panels
+    assert _tri_fwd(rec) and rec.names.count("panel_dl") == -(-n // 2), rec.names
     assert torch.equal(torch.isfinite(res[0][0]), torch.isfinite(res[1][0]))
     for got, want, what in zip(res[0], res[1], ("lse", "dA", "ds")):
         if want is None:
@@ -314,7 +321,7 @@ def test_triangular_sweep_is_chosen_where_documented(monkeypatch):
     def tri(fn) -> bool:
         rec.launches.clear()
         fn().backward()
-        return "tri_stats" in rec.names
+        return _tri_fwd(rec)
 
     assert tri(lambda: fc.simcse_loss(feats, backend="triton"))  # symmetric SimCSE
     tgt = (torch.arange(60) + 1) % 60
@@ -329,9 +336,10 @@ def test_triangular_sweep_is_chosen_where_documented(monkeypatch):
 
 def test_triangular_sweep_matmul_flops(monkeypatch):
     """The GEMM FLOPs of a forward + backward of symmetric logits, counted by a dispatch mode on
-    aten.mm / addmm: per panel [r0, r1) of P rows and C = N - r0 columns, the logits twice (2 P C D
-    each), H @ A[r0:] (2 P C D) and H[:, P:]^T @ A_P (2 P (C - P) D) - 2 matmul units plus half the
-    diagonal blocks, where the eager sweep spends 3 units."""
+    aten.mm / addmm: the forward has none (the triangular fused forward: half a unit inside the
+    kernel); per backward panel [r0, r1) of P rows and C = N - r0 columns, the logits (2 P C D),
+    H @ A[r0:] (2 P C D) and H[:, P:]^T @ A_P (2 P (C - P) D) - 1.5 matmul units plus half the diagonal
+    blocks; with the forward, 2 units where the eager sweep spends 3."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Flops(TorchDispatchMode):
@@ -351,10 +359,10 @@ def test_triangular_sweep_matmul_flops(monkeypatch):
     hand = 0
     for r0 in range(0, n, p):
         pp, c = min(p, n - r0), n - r0
-        hand += 3 * 2 * pp * c * d + 2 * pp * (c - pp) * d
+        hand += 2 * 2 * pp * c * d + 2 * pp * (c - pp) * d
     unit = 2 * n * n * d
     assert Flops.total == hand, (Flops.total, hand)
-    assert 2 * unit < hand < 2.5 * unit  # 2 units + the diagonal blocks (P / N of a unit)
+    assert 1.5 * unit < hand < 2 * unit  # 1.5 units + the diagonal blocks (P / N of a unit)
 
 
 def test_panel_blocks_rule():
@@ -607,12 +615,11 @@ _COMPILE = textwrap.dedent(
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     # the panel kernels, and the fused forward with the 1-byte mask
-                    if (x.name in ("panel_dl", "panel_rows", "tri_stats", "tri_merge")
-                            or (x.name == "lse_fwd" and variant == "col")):
+                    if (x.name in ("panel_dl", "panel_rows")
+                            or (x.name == "lse_fwd" and variant in ("col", "tri"))):
                         r = aot.compile_launch(x, cc)
                         r.update(variant=variant, dtype=str(dt), one_pass=bool(x.constexprs.get("ONE_PASS")),
-                                 block_r=x.constexprs.get("BLOCK_R"), merge=x.constexprs.get("MERGE"),
-                                 tri=bool(x.constexprs.get("TRI")))
+                                 block_r=x.constexprs.get("BLOCK_R"), tri=bool(x.constexprs.get("TRI")))
                         out.append(r)
     triton_panel.PANEL_PROGRAMS = None
     triton_panel.PANEL_ROWS = None
@@ -642,11 +649,9 @@ def test_panel_kernel_compiles_without_spills(compiled):
     variants = ("eager", "col", "sym", "onepass", "onepass-r4", "onepass-r1", "tri")
     assert {(r["cc"], r["variant"]) for r in panel} == {(cc, v) for cc in (80, 90) for v in variants}
     assert {r["variant"] for r in panel if r["tri"]} == {"tri"}
-    # the triangular sweep's statistics kernel, its tile pass and its merge, every dtype
-    tri = {(r["cc"], r["merge"], r["dtype"]) for r in compiled if r["kernel"] in ("tri_stats", "tri_merge")}
-    assert all(r["merge"] == (r["kernel"] == "tri_merge") for r in compiled if r["kernel"].startswith("tri_"))
-    assert tri == {(cc, c, str(dt)) for cc in (80, 90) for c in (False, True)
-                   for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    # the triangular forward (the fused forward kernel with TRI), every dtype
+    tri = {(r["cc"], r["dtype"]) for r in compiled if r["kernel"] == "lse_fwd" and r["tri"]}
+    assert tri == {(cc, str(dt)) for cc in (80, 90) for dt in (torch.bfloat16, torch.float16, torch.float32)}
     assert {r["variant"] for r in panel if r["one_pass"]} == {"onepass", "onepass-r4", "onepass-r1"}
     assert {r["block_r"] for r in panel if r["variant"].startswith("onepass")} == {16, 4, 1}
     assert {r["cc"] for r in compiled if r["kernel"] == "panel_rows"} == {80, 90}
@@ -656,7 +661,7 @@ def test_panel_kernel_compiles_without_spills(compiled):
 
 
 def test_one_byte_mask_kernels_use_tensor_cores(compiled):
-    fused = [r for r in compiled if r["kernel"] not in ("panel_dl", "panel_rows", "tri_stats", "tri_merge")]
+    fused = [r for r in compiled if r["kernel"] not in ("panel_dl", "panel_rows")]
     assert {r["kernel"] for r in fused} == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols"}
     for r in fused:
         assert (r["n_wgmma"] and not r["n_mma"]) if r["cc"] == 90 else r["n_mma"], r

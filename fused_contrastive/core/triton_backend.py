@@ -301,34 +301,46 @@ def _col_programs(n_rb: int, dev: torch.device) -> int:
 
 
 def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, want_col: bool,
-             want_pos: bool):
+             want_pos: bool, tri: bool = False):
     """Forward launcher. ``a`` [N, D], ``b`` [M, D] or None (B is A), one dtype (fp32/fp16/bf16).
 
     Returns ``(lse [N], lse_col [M] or None, lse_pos [N] or None, prepared inputs)``, all fp32.
+    ``tri`` (B is A without a bias, no column term, no positives: symmetric logits): the triangular
+    forward, half the tiles (``lse_fwd_kernel``'s TRI: the row LSEs over the upper triangle merged
+    with its column LSEs).
     """
     dev = a.device
     n, d = a.shape
     p = _prepare(a, b, spec, data, want_pos)
     m = p.b.shape[0]
+    if tri and not (p.sym and not want_col and not p.pos_kind):
+        raise ValueError("core: the triangular forward needs B is A without a bias, column term or positives")
     # the positives' softmax keeps narrower tiles (registers: see triton_configs)
     cfg, block_d, _ = config_for("fwd_pos" if p.pos_kind else "fwd", _arch(dev), p.a.dtype, d)
     lse = _alloc((n,), torch.float32, dev)
     lse_pos = _alloc((n,), torch.float32, dev) if p.pos_kind else None
     n_rb = triton.cdiv(n, cfg.block_m)
-    progs, col_part = n_rb, p.dummy
+    progs, col_part, n_loop = n_rb, p.dummy, n_rb
     if want_col:
         progs = _col_programs(n_rb, dev)
         col_part = _alloc((progs, m), torch.float32, dev)  # every element is written by the kernel
+    elif tri:
+        progs = _col_programs(n_rb, dev)
+        n_loop = triton.cdiv(n_rb, progs) * progs  # whole rounds of the zig-zag order
+        # a program's rows reach only the columns from its first row block on
+        col_part = torch.full((progs, m), float("-inf"), dtype=torch.float32, device=dev)
     _launch(Launch(
         "lse_fwd", K.lse_fwd_kernel, (progs,),
         dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=_scale32(scale, dev), **_problem_args(p),
              LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy, COL_PART=col_part,
-             **_sizes(p), **_mask_args(p, spec), n_row_blocks=n_rb),
+             **_sizes(p), **_mask_args(p, spec), n_row_blocks=n_loop),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p, spec),
-             WANT_COL=bool(want_col)),
+             WANT_COL=bool(want_col), TRI=bool(tri)),
         cfg.num_warps, cfg.num_stages))
     # merge the per-program partial column LSEs (fixed order: deterministic)
     lse_col = torch.logsumexp(col_part, dim=0) if want_col else None
+    if tri:
+        lse = torch.logaddexp(lse, torch.logsumexp(col_part, dim=0))
     return lse, lse_col, lse_pos, p
 
 

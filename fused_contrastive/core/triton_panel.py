@@ -35,11 +35,12 @@ Units (one unit = one N x M x D matmul = 2 N M D FLOPs), by case:
 
 * B is A without a bias, no column term, no softmax over positives (symmetric SimCSE, uniformity,
   InfoNCE of a batch against itself; summed or per row): the **triangular sweep**, **2 units** plus
-  the diagonal blocks (``P / N`` of a unit). Panel ``[r0, r1)`` holds its rows against columns
-  ``[r0, N)`` only (the logits are symmetric). Forward (:func:`tri_lse`): the logits GEMM (half a unit
-  over the sweep) and ``tri_stats_kernel``, whose one read finishes the panel's rows and merges its
-  columns into the later rows' running statistics. Backward (:func:`tri_backward`): the logits again
-  (half a unit), ``H = G + G^T`` from the same tile (``panel_dl_kernel`` with SYM and TRI), then
+  the diagonal blocks (``P / N`` of a unit). Forward: the fused forward kernel over the tiles on and
+  above the diagonal only (``lse_fwd_kernel`` with TRI, half a unit, no logits in memory: each tile's
+  row statistics for its rows, its column statistics for the rows of its columns, merged per row by
+  the host). Backward (:func:`tri_backward`): panel ``[r0, r1)`` holds its rows against columns
+  ``[r0, N)`` only (the logits are symmetric), the logits GEMM (half a unit over the sweep),
+  ``H = G + G^T`` from the same tile (``panel_dl_kernel`` with SYM and TRI), then
   ``acc[r0:r1] += H @ A[r0:]`` and ``acc[r1:] += H[:, P:]^T @ A_P`` (one unit), one fp32 accumulator
   of dA.
 * other summed losses without a column term (InfoNCE, two-view / supervised SimCSE, SupCon, DSCL, ...;
@@ -373,10 +374,6 @@ def use_tri(p, want_col: bool, want_pos: bool) -> bool:
     return bool(p.sym and not want_col and not want_pos)
 
 
-#: The triangular statistics pass: BLOCK_C columns per program, its rows BLOCK_R at a time.
-TRI_BLOCK_R, TRI_BLOCK_C = 16, 128
-
-
 def _tri_panels(pr: _Problem, a: Tensor, p_rows: int):
     """The triangular sweep's panels: ``(r0, P, C, Lraw, rs)`` with Lraw [P, C] the raw products of rows
     [r0, r0 + P) against rows [r0, N) (C = N - r0; fp32, one GEMM) and rs their operand's factors."""
@@ -388,45 +385,6 @@ def _tri_panels(pr: _Problem, a: Tensor, p_rows: int):
         del x
         yield r0, r1 - r0, n - r0, lraw, rs
         del lraw
-
-
-def tri_lse(launch, prep, a: Tensor, spec, scale_t: Tensor) -> Tensor:
-    """Forward of the triangular sweep: the row LSEs of B-is-A logits from the upper triangle only.
-
-    Panel ``[r0, r1)`` takes the logits of its rows against columns ``[r0, N)`` (one GEMM; half a
-    matmul unit over the sweep); ``tri_stats_kernel`` reads them once: per row and program of BLOCK_C
-    columns a partial (max, sum), and, by symmetry, the columns past the panel merged into those later
-    rows' running statistics; a second small launch merges each panel row's partials with its running
-    statistics (every column before r0, from earlier panels) into its LSE. Memory: the fp32 panel
-    [P, N - r0], the partials ``8 P (N - r0) / BLOCK_C`` bytes and O(N) - within the eager sweep's
-    per-row budget (no DL here)."""
-    from .triton_backend import Launch, _alloc
-
-    n, d = a.shape
-    dev, dt = a.device, a.dtype
-    p_rows = panel_rows(n, n, d, dt, True)
-    block_r, _ = panel_blocks(min(n, p_rows), _programs(dev))
-    pr = _Problem(a, a, spec, need_op=False)
-    dm = prep.dummy
-    run_m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
-    run_z = torch.zeros(n, dtype=torch.float32, device=dev)
-    lse = _alloc((n,), torch.float32, dev)
-    flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self))
-    for r0, pp, c, lraw, rs in _tri_panels(pr, a, p_rows):
-        n_part = triton.cdiv(c, TRI_BLOCK_C)
-        part_m = _alloc((n_part, pp), torch.float32, dev)
-        part_z = _alloc((n_part, pp), torch.float32, dev)
-        args = dict(L=lraw, RSP=rs.contiguous(), RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t,
-                    RUN_M=run_m[r0:], RUN_Z=run_z[r0:], PART_M=part_m, PART_Z=part_z, LSE=lse[r0:], P=pp, C=c,
-                    stride_l=lraw.stride(0), n_part=n_part)
-        launch(Launch("tri_stats", KP.tri_stats_kernel, (n_part,), args,
-                      dict(BLOCK_R=TRI_BLOCK_R, BLOCK_C=TRI_BLOCK_C, MERGE=False, **flags), PANEL_WARPS, 1))
-        margs = dict(args, L=dm)
-        del lraw, args  # the panel is freed before the next one is computed
-        launch(Launch("tri_merge", KP.tri_stats_kernel, (triton.cdiv(pp, block_r),), margs,
-                      dict(BLOCK_R=block_r, BLOCK_C=TRI_BLOCK_C, MERGE=True, **flags), PANEL_ROWS_WARPS, 1))
-        del part_m, part_z, margs
-    return lse
 
 
 def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g: Tensor, need_a: bool,
@@ -528,7 +486,7 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         lse_col = None
     elif ctx.tri:
         ctx.eager = None
-        lse, lse_col, lse_pos = tri_lse(TB._launch, p, p.a, spec, scale_t), None, None
+        lse, lse_col, lse_pos = TB._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0], None, None
     else:
         ctx.eager = None
         lse, lse_col, lse_pos, _ = TB._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
