@@ -112,7 +112,8 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
         for k in r["kernels"] + r["fused_kernels"]:
             assert k["ms"] * 1e-3 >= k["flops"] / (peaks[r["gpu"]] * 1e12), k
             hand = {"lse_fwd": 2 * n * n * D, "lse_bwd_rows": 4 * n * n * D, "lse_bwd_cols": 4 * n * n * D}
-            if k["kernel"] in hand:
+            tri = r["loss"] == "simcse" and k in r["kernels"]  # the triangular forward: checked above
+            if k["kernel"] in hand and not tri:
                 assert k["flops"] == hand[k["kernel"]], k
         if with_torch:
             assert r["torch_ms"] > 0 and r["torch_launches"] > 0
