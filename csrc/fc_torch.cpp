@@ -507,15 +507,13 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward(const Tensor &a, const std::opti
   TORCH_CHECK_VALUE(ws.scalar_type() == at::kByte && static_cast<size_t>(ws.numel()) >= bytes + 256,
                     "fused_contrastive_aot: ws is not the workspace lse() returned for this problem");
   Tensor l = f32(lse_), gg = f32(g), lc, gc;
-  // one global scale of the upstream gradients (the Python launcher's gscale): the 16-bit gradient tile
-  // cannot underflow; 1 where every gradient is 0
-  Tensor gs = gg.abs().amax();
   if (clip) {
     lc = f32(*lse_col);
     gc = f32(*g_col);
-    gs = at::maximum(gs, gc.abs().amax());
   }
-  gs = at::where(gs > 0, gs, at::ones_like(gs)).reshape({1}).contiguous();
+  // one global scale of the upstream gradients (the Python launcher's gscale): the 16-bit gradient tile
+  // cannot underflow; 1 where every gradient is 0
+  Tensor gs = gscale({&gg, clip ? &gc : nullptr}).contiguous();
   fc_backward_args args{};
   args.lse = l.data_ptr<float>();
   args.g = gg.data_ptr<float>();

@@ -163,19 +163,10 @@ def triton_path(path: str) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def kernels_only() -> Iterator[None]:
+def kernels_only():
     """Turn off the one-tile PyTorch path small problems take (``FUSED_CONTRASTIVE_DENSE=0``), so that
     ``backend="triton"`` runs the kernels at every size."""
-    old = os.environ.get("FUSED_CONTRASTIVE_DENSE")
-    os.environ["FUSED_CONTRASTIVE_DENSE"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FUSED_CONTRASTIVE_DENSE"]
-        else:
-            os.environ["FUSED_CONTRASTIVE_DENSE"] = old
+    return _env("FUSED_CONTRASTIVE_DENSE", "0")
 
 
 @contextlib.contextmanager

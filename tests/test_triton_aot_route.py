@@ -45,3 +45,16 @@ def test_unloadable_library_is_an_error(monkeypatch, tmp_path):
     q = torch.randn(64, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=triton_aot.ENV):
         fc.info_nce(q, q.flip(0), temperature=0.05, backend="triton")
+
+
+def test_rows_the_library_takes():
+    """Rows the library's kernels take (D and row stride multiples of 16, 16-byte aligned), judged
+    without copying: rows whose inner stride is not 1 are copied by the operator into a fresh,
+    contiguous, aligned buffer."""
+    base = torch.zeros(40, 800, dtype=torch.bfloat16)
+    assert triton_aot._rows_fit(base[:, :784])  # stride 800
+    assert not triton_aot._rows_fit(torch.zeros(4, 100, dtype=torch.bfloat16))  # D not a multiple of 16
+    assert not triton_aot._rows_fit(torch.zeros(4, 791, dtype=torch.bfloat16)[:, :784])  # stride D + 7
+    assert triton_aot._rows_fit(base[:, 8:792])  # 8 bf16 = 16 bytes in: aligned
+    assert not triton_aot._rows_fit(base[:, 1:785])  # 2-byte offset: misaligned
+    assert triton_aot._rows_fit(torch.zeros(32, 40).T)  # inner stride 40: the operator copies it
