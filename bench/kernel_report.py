@@ -9,7 +9,8 @@ bytes (stores + loads), shared memory, the tensor-core instruction kind in the P
 tensor-core FLOPs of one launch at the given N, M, D. "blocks" are the block sizes (M rows, N
 columns, D chunk; R rows of the norm prologue); "variant" is the feature set compiled ("full":
 every optional term of the kernel on; "sym": the A-is-B backward; "nopos": every term but the
-softmax over positives, the forward's wide config).
+softmax over positives, the forward's "fwd" config; "wide": the row-statistics forward's "fwd_wide"
+config, 128 x 256 tiles on sm_90).
 
 FLOP model (matmul FLOPs only, 2 per multiply-add; exp / masks / norms are O(N*M) or O(N*D)):
 

@@ -251,11 +251,11 @@ typedef struct {
   int block_d, resident;
 } fc_choice;
 
-/* triton_configs.config_for */
-static fc_status config_for(fc_kernel k, int cc, fc_dtype dt, int64_t d, fc_choice *out) {
+/* triton_configs.config_for; `wide`: the forward's "fwd_wide" entry (row statistics only) */
+static fc_status config_for(fc_kernel k, int cc, fc_dtype dt, int64_t d, int wide, fc_choice *out) {
   for (int i = 0; i < FC_N_CONFIGS; ++i) {
     const fc_config *c = &fc_configs[i];
-    if (c->kernel == k && c->cc == cc && c->dtype == (int)dt && c->bucket == d_bucket(d)) {
+    if (c->kernel == k && c->cc == cc && c->dtype == (int)dt && c->bucket == d_bucket(d) && c->wide == wide) {
       out->cfg = c;
       out->resident = c->block_d == 0;
       out->block_d = out->resident ? (int)d_pad(d) : c->block_d;
@@ -410,9 +410,11 @@ static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P
     return fail(FC_ERR_INVALID_ARGUMENT, "row strides must be >= d");
   if (P->same && p->offset != 0) return fail(FC_ERR_INVALID_ARGUMENT, "offset must be 0 when B is A");
   fc_status st;
-  if ((st = config_for(FC_K_lse_fwd, dev->cc, p->dtype, p->d, &P->fwd)) != FC_OK) return st;
-  if ((st = config_for(FC_K_lse_bwd_rows, dev->cc, p->dtype, p->d, &P->rows)) != FC_OK) return st;
-  if ((st = config_for(FC_K_lse_bwd_cols, dev->cc, p->dtype, p->d, &P->cols)) != FC_OK) return st;
+  /* triton_configs.fwd_kernel: no mode has a bias or positives, so row statistics alone ("fwd_wide")
+     unless CLIP's column LSE is wanted */
+  if ((st = config_for(FC_K_lse_fwd, dev->cc, p->dtype, p->d, !P->want_col, &P->fwd)) != FC_OK) return st;
+  if ((st = config_for(FC_K_lse_bwd_rows, dev->cc, p->dtype, p->d, 0, &P->rows)) != FC_OK) return st;
+  if ((st = config_for(FC_K_lse_bwd_cols, dev->cc, p->dtype, p->d, 0, &P->cols)) != FC_OK) return st;
   /* _lse_fwd / _col_programs: with a column LSE at most 2 x SMs programs, balanced */
   P->fwd_rb = cdiv(P->n, P->fwd.cfg->block_m);
   P->col_progs = P->fwd_rb;
@@ -668,12 +670,14 @@ fc_status fc_kernel_config(const char *kernel, fc_dtype dtype, int64_t d, int *b
     return fail(FC_ERR_INVALID_ARGUMENT, "kernel, block_m, block_n and block_d are required");
   if ((unsigned)dtype > FC_BFLOAT16) return fail(FC_ERR_UNSUPPORTED_DTYPE, "dtype %d is not a fc_dtype", (int)dtype);
   if (d < 1) return fail(FC_ERR_INVALID_ARGUMENT, "d must be >= 1 (got %lld)", (long long)d);
+  const int wide = !strcmp(kernel, "lse_fwd_wide");
+  if (wide) kernel = "lse_fwd";
   int k = -1;
   for (int i = 0; i < FC_K_COUNT; ++i)
     if (!strcmp(fc_kernel_names[i], kernel)) k = i;
   if (k < 0) return fail(FC_ERR_INVALID_ARGUMENT, "no kernel named %s in this library", kernel);
   fc_choice c;
-  if ((st = config_for((fc_kernel)k, dev.cc, dtype, d, &c)) != FC_OK) return st;
+  if ((st = config_for((fc_kernel)k, dev.cc, dtype, d, wide, &c)) != FC_OK) return st;
   *block_m = c.cfg->block_m;
   *block_n = c.cfg->block_n;
   *block_d = c.block_d;

@@ -66,8 +66,9 @@ D_CLASSES = {"16": 16, "32": 32, "64": 64, "128": 128, "big": 768}
 
 #: Integer parameters compiled as divisible by 16 (and so required to be by the C API): the row width
 #: and every row stride (16-element rows give 16-byte aligned rows: vectorised loads).
-#: The launch-config table's kernels the C launcher uses, by the kernel they configure.
-_CONFIG_KERNELS = {"fwd": "lse_fwd", "bwd_rows": "lse_bwd_rows", "bwd_cols": "lse_bwd_cols"}
+#: The launch-config table's kernels the C launcher uses, by the kernel they configure ("fwd_wide": the
+#: forward with row statistics only, the ``wide`` entries of the C table).
+_CONFIG_KERNELS = {"fwd": "lse_fwd", "fwd_wide": "lse_fwd", "bwd_rows": "lse_bwd_rows", "bwd_cols": "lse_bwd_cols"}
 
 
 #: Row strides of a panel (its width M, or N - r0 for a triangular panel): any value, never specialised.
@@ -392,7 +393,8 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
           "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self;",
           "  const char *ckey, *variant, *symbol; int num_warps, shared; const unsigned char *cubin; size_t cubin_size;",
           "} fc_variant;",
-          "typedef struct { fc_kernel kernel; int cc, dtype, bucket;",
+          "/* wide: the forward with row statistics only (triton_configs \"fwd_wide\"); 0 for every other entry */",
+          "typedef struct { fc_kernel kernel; int cc, dtype, bucket, wide;",
           "  int block_m, block_n, block_d, num_warps, num_stages; } fc_config;", "",
           "extern const fc_layout fc_layouts[FC_K_COUNT];", "extern const char *const fc_kernel_names[FC_K_COUNT];",
           "extern const char *const fc_arg_names[FC_ARG_COUNT];",
@@ -437,7 +439,8 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
     rows = []
     for key, cfg in man["configs"].items():
         k, arch, dt, b = key.split("/")
-        rows.append(f"  {{FC_K_{kmap[k]}, {arch[2:]}, {dt_idx[dt]}, {buckets[b]}, {cfg['block_m']}, "
+        rows.append(f"  {{FC_K_{kmap[k]}, {arch[2:]}, {dt_idx[dt]}, {buckets[b]}, {int(k == 'fwd_wide')}, "
+                    f"{cfg['block_m']}, "
                     f"{cfg['block_n']}, {cfg['block_d']}, {cfg['num_warps']}, {cfg['num_stages']}}},")
     c += ["const fc_config fc_configs[FC_N_CONFIGS] = {"] + rows + ["};", ""]
     with open(os.path.join(out, "fc_kernels_gen.h"), "w") as f:

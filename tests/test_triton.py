@@ -147,6 +147,34 @@ def test_column_partials_several_row_blocks_per_program(monkeypatch):
     assert c.ok, c
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("name,key", [("info_nce", "fwd_wide"), ("simcse", "fwd_wide"), ("info_nce_none", "fwd_wide"),
+                                      ("clip_scale", "fwd"), ("simcse_sup_hard", "fwd")])
+def test_sm90_forward_tiles(monkeypatch, name, key, dtype):
+    # the interpreter runs the sm_80 table; here the sm_90 one, whose row-statistics forward takes
+    # 128 x 256 tiles for D > 128 ("fwd_wide"): 200 rows (a ragged second row block) against ragged
+    # columns, D = 300 (five 64-wide chunks, a masked tail), against float64
+    from fused_contrastive.core.triton_configs import CONFIGS, DTYPE_NAMES
+
+    monkeypatch.setattr(triton_backend, "_arch", lambda dev: "sm90")
+    seen = []
+    launch = triton_backend._launch
+
+    def spy(l):
+        seen.append(l)
+        return launch(l)
+
+    monkeypatch.setattr(triton_backend, "_launch", spy)
+    c = compare(CASE_BY_NAME[name], 200, 300, dtype, "triton", canary=True)
+    assert c.ok, c
+    cfg = CONFIGS[(key, "sm90", DTYPE_NAMES[dtype], "big")]
+    fwd = [l for l in seen if l.name == "lse_fwd"]
+    assert fwd and all((l.constexprs["BLOCK_M"], l.constexprs["BLOCK_N"], l.num_warps)
+                       == (cfg.block_m, cfg.block_n, cfg.num_warps) for l in fwd)
+    if key == "fwd_wide":  # the wide tile is what this test is for
+        assert all(l.constexprs["BLOCK_N"] == 256 for l in fwd)
+
+
 # 3. The core op directly
 
 

@@ -69,13 +69,18 @@ def test_every_shipped_config_was_compiled(compiled):
         return (r["kernel"] == kernel and ("sm90" if r["cc"] >= 90 else "sm80") == arch and r["dtype"] == dt
                 and bucket in r["buckets"] and r["num_warps"] == cfg.num_warps
                 and r["num_stages"] == cfg.num_stages and r["block"].startswith(f"M{cfg.block_m} N{cfg.block_n} ")
-                and (k != "fwd_pos" or r["variant"] == "full"))
+                and (k != "fwd_pos" or r["variant"] == "full")
+                and (k != "fwd" or r["variant"] in ("full", "nopos")))  # with the column term and the bias
 
     missing = [tuple(c) for c in compiled["configs"]
                if not any(covers(r, tuple(c)) for r in compiled["results"])]
     assert not missing, f"shipped configs never compiled: {missing}"
-    # the wide forward is not the positives' one where they differ (its compile had no positives)
+    # the forward's configs without positives were compiled without them: "fwd" with the column term
+    # and the bias ("nopos"), the sm_90 row-statistics tiles ("fwd_wide") by the "wide" feature set
     assert any(r["variant"] == "nopos" for r in compiled["results"])
+    wide = [r for r in compiled["results"] if r["variant"] == "wide"]
+    assert {(r["cc"], r["dtype"]) for r in wide} == {(90, "fp16"), (90, "bf16")}
+    assert all(r["block"].startswith("M128 N256 ") and r["num_warps"] == 8 for r in wide)
     assert {r["kernel"] for r in compiled["results"]} == {"row_norm", "lse_fwd", "lse_bwd_rows", "lse_bwd_cols",
                                                           "pair_cos_fwd", "pair_cos_bwd", "cosent_scan_fwd",
                                                           "cosent_scan_bwd", "siglip_fwd", "siglip_bwd_rows",

@@ -47,7 +47,15 @@ from ..kernels import lse as K
 from ..ops import tensors_are_traced
 from . import triton_aot, triton_panel
 from .spec import Coeffs, CoreData, CoreSpec, combine
-from .triton_configs import DTYPE_NAMES, ROW_NORM_BLOCK_R, ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS, config_for, d_pad
+from .triton_configs import (
+    DTYPE_NAMES,
+    ROW_NORM_BLOCK_R,
+    ROW_NORM_MAX_BLOCK_D,
+    ROW_NORM_WARPS,
+    config_for,
+    d_pad,
+    fwd_kernel,
+)
 
 __all__ = ["TritonCoreFn", "core", "interpreted"]
 
@@ -315,8 +323,10 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     m = p.b.shape[0]
     if tri and not (p.sym and not want_col and not p.pos_kind):
         raise ValueError("core: the triangular forward needs B is A without a bias, column term or positives")
-    # the positives' softmax keeps narrower tiles (registers: see triton_configs)
-    cfg, block_d, _ = config_for("fwd_pos" if p.pos_kind else "fwd", _arch(dev), p.a.dtype, d)
+    # the positives' softmax keeps narrower tiles, row statistics alone take wider ones on sm_90
+    # (registers: see triton_configs)
+    key = fwd_kernel(bool(p.pos_kind), want_col, tri, p.bias_col is not None)
+    cfg, block_d, _ = config_for(key, _arch(dev), p.a.dtype, d)
     lse = _alloc((n,), torch.float32, dev)
     lse_pos = _alloc((n,), torch.float32, dev) if p.pos_kind else None
     n_rb = triton.cdiv(n, cfg.block_m)

@@ -15,6 +15,14 @@ sm_80 and sm_90 with every optional term switched on):
   sm_80, 119-128 on sm_90, 0 spills; at 8 warps 241-255 registers and spills. The positives' softmax
   (two more running statistics and the positive tile) spilled 32-164 bytes at 16 warps, so that
   forward ("fwd_pos") keeps 128 x 64 at 8 warps.
+* forward with row statistics only ("fwd_wide": no column LSE, not the triangular forward, no bias
+  column, no positives; InfoNCE's and SimCSE's fused forward, every forward-only call), sm_90,
+  16-bit, D > 128: 128 x 256 tiles at 8 warps (two warpgroups, wgmma m64 n256 each): a 128 x 256
+  tile reads (128 + 256) D operand elements for 2 x 128 x 256 D FLOPs, 85 FLOP/B of L2 -> SM traffic
+  against 64 at 128 x 128 (bench/gpu_model.py: the H100 forward at N = 65536 from 11.8 to about
+  9.1 ms, MODEL). 209-229 registers on sm_90, 0 spills; the same tile with the column statistics
+  spilled 56-300 bytes (255 registers), with the bias column 368 bytes, and on sm_80 (mma.sync)
+  every variant spilled, so those keep "fwd".
 * backward, 16-bit: 64 x 64 tiles at 8 warps. The backward holds more live tiles than the
   forward (l, the positive logits, dl and for A-is-B the transposed dl^T) plus the accumulator:
   4 warps spilled. D_PAD <= 128 keeps the [64, D_PAD] fp32 accumulator in registers (resident);
@@ -24,8 +32,8 @@ sm_80 and sm_90 with every optional term switched on):
   with M >= 64 (wgmma needs M = 64 per warpgroup on sm_90). 64-wide chunks or a resident
   [64, 128] accumulator spilled kilobytes; 64 x 64 x 32 forward tiles spilled 8 bytes on sm_80.
 
-sm_90 uses the same numbers (the compiler picks wgmma for the same tiles); a measured retune
-belongs here, per family.
+sm_90 uses the same numbers (the compiler picks wgmma for the same tiles) except where ``_ARCH_T16``
+says otherwise ("fwd_wide"); a measured retune belongs here, per family.
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ _T16 = {
     ("fwd", "d64"): LaunchConfig(128, 64, 0, 8, 3),
     ("fwd", "d128"): LaunchConfig(128, 64, 64, 8, 3),
     ("fwd", "big"): LaunchConfig(128, 128, 64, 16, 3),
+    ("fwd_wide", "d64"): LaunchConfig(128, 64, 0, 8, 3),
+    ("fwd_wide", "d128"): LaunchConfig(128, 64, 64, 8, 3),
+    ("fwd_wide", "big"): LaunchConfig(128, 128, 64, 16, 3),
     ("fwd_pos", "d64"): LaunchConfig(128, 64, 0, 8, 3),
     ("fwd_pos", "d128"): LaunchConfig(128, 64, 64, 8, 3),
     ("fwd_pos", "big"): LaunchConfig(128, 64, 64, 8, 3),
@@ -68,6 +79,9 @@ _T32 = {
     ("fwd", "d64"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd", "d128"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd", "big"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd_wide", "d64"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd_wide", "d128"): LaunchConfig(64, 64, 16, 8, 3),
+    ("fwd_wide", "big"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd_pos", "d64"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd_pos", "d128"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd_pos", "big"): LaunchConfig(64, 64, 16, 8, 3),
@@ -83,14 +97,29 @@ _T32 = {
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 ARCH_FAMILIES = ("sm80", "sm90")
 D_BUCKETS = ("d64", "d128", "big")
-#: "fwd": the forward (and SigLIP's); "fwd_pos": the forward with a softmax over positives (SupCon L_in).
-KERNELS = ("fwd", "fwd_pos", "bwd_rows", "bwd_cols")
+#: Per-arch entries that differ from the tables above: (kernel, arch family, D bucket) -> 16-bit config.
+_ARCH_T16 = {
+    ("fwd_wide", "sm90", "big"): LaunchConfig(128, 256, 64, 8, 3),
+}
+
+#: "fwd": the forward (column statistics, the triangular forward, a bias column; and SigLIP's);
+#: "fwd_wide": the forward with row statistics only (see :func:`fwd_kernel`); "fwd_pos": the forward
+#: with a softmax over positives (SupCon L_in).
+KERNELS = ("fwd", "fwd_wide", "fwd_pos", "bwd_rows", "bwd_cols")
 
 #: The shipped table: (kernel, arch family, dtype name, D bucket) -> LaunchConfig.
 CONFIGS: dict[tuple[str, str, str, str], LaunchConfig] = {
-    (k, arch, dt, db): (_T32 if dt == "fp32" else _T16)[(k, db)]
+    (k, arch, dt, db): (_T32[(k, db)] if dt == "fp32" else _ARCH_T16.get((k, arch, db), _T16[(k, db)]))
     for k in KERNELS for arch in ARCH_FAMILIES for dt in ("fp16", "bf16", "fp32") for db in D_BUCKETS
 }
+
+
+def fwd_kernel(pos: bool, want_col: bool, tri: bool, has_bias: bool) -> str:
+    """The table key of a forward launch: "fwd_pos" with a softmax over positives, "fwd_wide" with row
+    statistics only (no column LSE, not triangular, no bias column), "fwd" otherwise."""
+    if pos:
+        return "fwd_pos"
+    return "fwd" if (want_col or tri or has_bias) else "fwd_wide"
 
 #: The row-norm prologue (memory-bound): 32 rows x up to 128 columns of fp32 = 32 registers at 4 warps.
 ROW_NORM_BLOCK_R = 32

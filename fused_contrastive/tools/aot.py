@@ -30,8 +30,10 @@ from ..core.triton_configs import CONFIGS, DTYPE_NAMES
 #: kernel report's FLOP counts), "full" switches on every optional term of the non-symmetric kernels
 #: (the most registers: every shipped config is compiled with it), "sym" is A-is-B with every term of
 #: the symmetric backward (compiled for the row kernel's SYM path), "nopos" is "full" without the
-#: softmax over positives (the forward's "fwd" config; "full" compiles "fwd_pos").
-VARIANTS = ("plain", "full", "sym", "nopos")
+#: softmax over positives (the forward's "fwd" config; "full" compiles "fwd_pos"), "wide" is the most
+#: the row-statistics forward takes (the "fwd_wide" config: the self column with an offset, no bias,
+#: no column term, no positives).
+VARIANTS = ("plain", "full", "sym", "nopos", "wide")
 
 #: The D of each bucket compiled ahead of time: the largest D_PAD of the bucket (its worst case).
 BUCKET_D = {"d64": 64, "d128": 128, "big": 768}
@@ -67,6 +69,8 @@ def variant_problem(variant: str, n: int, m: int, device="meta") -> tuple[CoreSp
     if variant == "nopos":
         spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
         return spec, CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=dev)), True, True, False
+    if variant == "wide":
+        return CoreSpec(exclude_self=True, offset=3, grad_cols=m // 2), CoreData(), True, False, False
     raise ValueError(f"unknown AOT variant {variant!r}; valid: {VARIANTS}")
 
 
@@ -204,13 +208,16 @@ def jobs() -> list[Job]:
     for cc, fam in TARGETS:
         for dt, dname in DTYPE_NAMES.items():
             for bucket, d in BUCKET_D.items():
-                for variant in ("full", "sym", "nopos"):
+                for variant in ("full", "sym", "nopos", "wide"):
                     for i, launch in enumerate(record_variant(variant, dt, 4096, 4096, d, fam)):
                         if variant == "sym" and launch.name != "lse_bwd_rows":
                             continue
                         if variant == "nopos" and (launch.name != "lse_fwd" or CONFIGS[("fwd", fam, dname, bucket)]
                                                    == CONFIGS[("fwd_pos", fam, dname, bucket)]):
                             continue  # "full" compiled the same config with more terms
+                        if variant == "wide" and (launch.name != "lse_fwd" or CONFIGS[("fwd_wide", fam, dname, bucket)]
+                                                  == CONFIGS[("fwd", fam, dname, bucket)]):
+                            continue  # "nopos" (or "full") compiled the same config with more terms
                         key = (cc, launch.name, dname, variant if launch.name == "lse_bwd_rows" else "",
                                tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages)
                         if key not in found:
