@@ -19,8 +19,10 @@ kernels) and CLIP at N = M = 16384 and 65536, D = 768, bf16, on A100, H100 and H
   of the L2 re-read: its working set (resident CTAs x (fp32 scratch rows + anchor rows)) against the
   L2 size, hit fraction ``min(1, L2 / working set)`` (central) or 0 once it exceeds the L2
   (pessimistic, cyclic LRU).
-  Kernel time = max(tensor cores at peak, shared memory, L2, HBM) x wave-tail factor + the exp / log
-  time not hidden (all of it with 1 CTA/SM, half with 2: no warp specialisation, no ping-pong).
+  Kernel time = max(tensor cores at peak, shared memory, L2, HBM) x wave-tail factor + the softmax
+  time not hidden (all of it with 1 CTA/SM, half with 2: no warp specialisation, no ping-pong); the
+  softmax time is the slower of its exp / log on the MUFU and its elementwise ops (arith ops on tensors,
+  only the float ones inside a D loop, reductions, one issue slot per exp / log) on the FP32 lanes.
 * **panel path** (``core/triton_panel.py``, the default of ``backend="triton"`` on CUDA for N M >= 2^24):
   the same meta-device run with ``FUSED_CONTRASTIVE_TRITON_PATH=panel``: its ``panel_dl`` launches
   modelled as above from their compile, its cuBLAS GEMMs and elementwise ops as below. Both Triton
@@ -125,6 +127,9 @@ SMEM_RESERVED_PER_CTA = 1024  # bytes the driver reserves per CTA (cc >= 8.0)
 REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
 SMEM_BYTES_PER_CLK = 128  # per SM (A100 whitepaper; GPU_REVIEW.md for sm_90)
 MUFU_PER_CLK = 16  # exp2 / log2 per SM per clock (GPU_REVIEW.md: one exp costs 1/16 clk/SM)
+#: FP32 lanes per SM (one elementwise op per lane per clock): 64 on sm_80, 128 on sm_90 (the datasheets'
+#: fp32 peaks: 108 x 64 x 2 x 1.41 GHz = 19.5 TFLOP/s, 132 x 128 x 2 x 1.98 GHz boost = 66.9)
+ALU_LANES = {80: 64, 90: 128}
 LAUNCH_US = 4.0  # fixed cost per kernel launch (host + GPU front end), as bench/cosent_model.py
 GEMM_TILE = 64  # cuBLAS tile edge assumed for the quantisation of small GEMM dimensions (its smallest common one)
 
@@ -132,11 +137,15 @@ ASSUMPTIONS = [
     "tensor-core peaks, HBM bandwidth and memory: vendor datasheets (per GPU below); dense, no sparsity",
     "clock = bf16 peak / (SMs x 4096 FLOP/clk on sm_90, 2048 on sm_80): the clock the datasheet peak implies",
     f"shared memory {SMEM_BYTES_PER_CLK} B/clk/SM; exp/log (MUFU) {MUFU_PER_CLK}/clk/SM (GPU_REVIEW.md)",
+    (f"softmax ALU work: every elementwise arith op on a tensor, every element a reduction "
+     f"reads, and each exp / log take one issue slot of an FP32 lane ({ALU_LANES[80]} lanes/clk/SM on sm_80, "
+     f"{ALU_LANES[90]} on sm_90); the integer address and mask arithmetic of a D loop (one address per 16-byte "
+     "vector) is not counted; softmax time = max(MUFU time, ALU issue time)"),
     (f"CTAs/SM = min(regs: {REGS_PER_SM} / (ceil(regs x 32 / {REG_ALLOC_UNIT}) x {REG_ALLOC_UNIT} x warps), "
     f"shared: SM capacity / (kernel shared + {SMEM_RESERVED_PER_CTA} B), {MAX_THREADS_PER_SM} threads, "
     f"{MAX_CTAS_PER_SM} CTAs)"),
     ("kernel time = (max(tensor cores at peak, shared-memory bytes, L2->SM bytes, HBM bytes) "
-    "+ exp/log time x (1 / CTAs per SM)) x wave spread (no warp specialisation: the softmax of one CTA overlaps only "
+    "+ softmax time x (1 / CTAs per SM)) x wave spread (no warp specialisation: the softmax of one CTA overlaps only "
     "another CTA's MMAs); latency (pipeline fill per column tile) is not modelled: an optimistic bound "
     "for the forward whose ring drains at every column tile"),
     ("wave spread: a grid runs in waves of SMs x CTAs/SM CTAs; a wave's work is done by the SMs holding one of "
@@ -173,6 +182,7 @@ _TENSOR = re.compile(r"tensor<([0-9x]+)x(!tt\.ptr<)?([a-z0-9]+)>?")
 _MEMDESC = re.compile(r"!ttg\.memdesc<([0-9x]+)x([a-z0-9]+),")
 _MMA = re.compile(r"^#(mma\d*) = #ttg\.nvidia_mma<\{versionMajor = (\d), .*warpsPerCTA = \[(\d+), (\d+)\]")
 _FOR = re.compile(r"scf\.for %\S+ = %\S+ to %(\w+) step %(\w+)")
+_REDUCE_END = re.compile(r"^\}\) : \(tensor<([0-9x]+)x")  # the closing line of a tt.reduce region
 
 
 def _trip(fm, trips: dict[str, int]) -> int:
@@ -221,13 +231,14 @@ def walk_ttgir(ttgir: str, trips: dict[str, int], if_weight: float = 1.0) -> dic
     Returns flops (2 M N K per dot), gload / gstore bytes (global loads incl. async copies, stores),
     smem bytes (async copies in, local_alloc of a value, local_load, convert_layout x 2, the MMA's
     shared-memory operands times the warps (sm_80) / warpgroups (sm_90) that read them), exp and log
-    elements (MUFU)."""
+    elements (MUFU), alu elements (elementwise arith ops on tensors, only float ones inside a D loop,
+    and the elements reductions read: the work of the FP32 lanes)."""
     mmas = {}
     for line in ttgir.splitlines():
         m = _MMA.match(line.strip())
         if m:
             mmas[m[1]] = (int(m[2]), int(m[3]), int(m[4]))
-    out = dict(flops=0.0, gload=0.0, gload_vec=0.0, gstore=0.0, smem=0.0, exp=0.0, log=0.0)
+    out = dict(flops=0.0, gload=0.0, gload_vec=0.0, gstore=0.0, smem=0.0, exp=0.0, log=0.0, alu=0.0)
     stack: list[float] = []
     in_d_loop: list[bool] = []
     prologue_copies: list[tuple[float, int]] = []  # pipeliner prologue copies (outside a D loop)
@@ -238,6 +249,9 @@ def walk_ttgir(ttgir: str, trips: dict[str, int], if_weight: float = 1.0) -> dic
             stack.pop()
             in_d_loop.pop()
         mult = math.prod(stack) if stack else 1.0
+        red = _REDUCE_END.match(line)
+        if red:  # a reduction reads every element of its operand
+            out["alu"] += mult * _elems(red[1])
         fm = _FOR.search(line)
         if line.endswith("{"):
             if fm:
@@ -297,6 +311,12 @@ def walk_ttgir(ttgir: str, trips: dict[str, int], if_weight: float = 1.0) -> dic
             out["exp"] += mult * _tensor_bytes(_result_type(line))[0]
         elif op in ("math.log", "math.log2"):
             out["log"] += mult * _tensor_bytes(_result_type(line))[0]
+        elif op.startswith("arith.") and op != "arith.constant":
+            m_t = _TENSOR.search(_result_type(line))
+            # inside a D loop only the float work (the streaming accumulator, the row epilogues); its
+            # integer ops are address and mask arithmetic, one per 16-byte vector, not counted
+            if m_t and not (in_d_loop and in_d_loop[-1] and m_t[3][0] == "i"):
+                out["alu"] += mult * _elems(m_t[1])
     # tt.store has no result: counted here with its enclosing loops
     stack, mult = [], 1.0
     for raw in ttgir.splitlines():
@@ -464,10 +484,16 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     t = dict(tc=tot["flops"] / peak, smem=tot["smem"] / (SMEM_BYTES_PER_CLK * gpu.sms * clk),
              l2=l2 / (gpu.l2_tbs * 1e12), hbm=hbm / (gpu.hbm_tbs * 1e12))
     bound = max(t, key=t.get)
-    mufu = (tot["exp"] + tot["log"]) / (MUFU_PER_CLK * gpu.sms * clk)
-    exposed = mufu / max(1, ctas)
+    lanes = ALU_LANES[90 if gpu.cc >= 90 else 80] * gpu.sms * clk
+
+    def softmax(w: dict[str, float]) -> tuple[float, float]:
+        mufu_s = (w["exp"] + w["log"]) / (MUFU_PER_CLK * gpu.sms * clk)
+        return mufu_s, max(mufu_s, (w["alu"] + w["exp"] + w["log"]) / lanes)
+
+    mufu, soft = softmax(tot)
+    exposed = soft / max(1, ctas)
     sec = (max(t.values()) + exposed) * tail + LAUNCH_US * 1e-6
-    exposed_p = (tot_p["exp"] + tot_p["log"]) / (MUFU_PER_CLK * gpu.sms * clk) / max(1, ctas)
+    exposed_p = softmax(tot_p)[1] / max(1, ctas)
     sec_pess = (max(t["tc"], t["smem"], l2_p / (gpu.l2_tbs * 1e12), hbm_pess / (gpu.hbm_tbs * 1e12)) + exposed_p) \
         * tail + LAUNCH_US * 1e-6
     return dict(kernel=launch.name, grid=grid, block=info["block"], warps=launch.num_warps,
@@ -475,6 +501,7 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
                 shared=info["shared"], ctas_sm=ctas, tc=info["tc"], flops=tot["flops"], l2_bytes=l2,
                 hbm_bytes=hbm, hbm_bytes_pess=hbm_pess, smem_bytes=tot["smem"], exps=tot["exp"] + tot["log"],
                 working_set=ws, t_tc=t["tc"], t_smem=t["smem"], t_l2=t["l2"], t_hbm=t["hbm"], t_mufu=mufu,
+                alu=tot["alu"], t_softmax=soft,
                 bound=bound if launch.name != "row_norm" else "hbm", ms=sec * 1e3, ms_pess=sec_pess * 1e3)
 
 
@@ -686,9 +713,10 @@ def _group(kernels: list[dict]) -> list[dict]:
     for k in kernels:
         key = (k["kernel"], k["block"], k["regs"])
         g = out.setdefault(key, dict(k, launches=0, ms=0.0, ms_pess=0.0, flops=0.0, l2_bytes=0.0, hbm_bytes=0.0,
-                                     smem_bytes=0.0, grid=0))
+                                     smem_bytes=0.0, grid=0, exps=0.0, alu=0.0, t_mufu=0.0, t_softmax=0.0))
         g["launches"] += 1
-        for f in ("ms", "ms_pess", "flops", "l2_bytes", "hbm_bytes", "smem_bytes", "grid"):
+        for f in ("ms", "ms_pess", "flops", "l2_bytes", "hbm_bytes", "smem_bytes", "grid", "exps", "alu", "t_mufu",
+                  "t_softmax"):
             g[f] += k[f]
     return list(out.values())
 
@@ -696,7 +724,8 @@ def _group(kernels: list[dict]) -> list[dict]:
 def _kernel_json(k: dict) -> dict:
     return dict(kernel=k["kernel"], launches=k["launches"], ms=round(k["ms"], 4), flops=k["flops"],
                 l2_bytes=k["l2_bytes"], hbm_bytes=k["hbm_bytes"], bound=k["bound"], regs=k["regs"],
-                ctas_sm=k["ctas_sm"], block=k["block"], grid=k["grid"])
+                ctas_sm=k["ctas_sm"], block=k["block"], grid=k["grid"], exps=k["exps"], alu=k["alu"],
+                mufu_ms=round(k["t_mufu"] * 1e3, 4), softmax_ms=round(k["t_softmax"] * 1e3, 4))
 
 
 def model_loss(loss: str, n: int, d: int, gpu: GPU, with_torch: bool = True) -> dict:

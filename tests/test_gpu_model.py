@@ -162,7 +162,8 @@ def test_streaming_backward_l2_bytes_follow_the_loop_structure(fresh):
 
 def test_ttgir_walk_counts_ops_times_enclosing_trip_counts():
     # a hand-written TTGIR: an outer loop over M (step 64), an inner loop over D (step 32) with one
-    # 64x32 bf16 load, one dot 64x64x32 and one exp of a 64x64 tile per inner iteration, a store after
+    # 64x32 bf16 load, one dot 64x64x32, one exp and one multiply of a 64x64 tile and an integer address
+    # op per inner iteration; after it a compare, a select, a row reduction, a constant and a store
     code = r'''
 import json, sys
 sys.path.insert(0, "bench")
@@ -175,8 +176,18 @@ module {
         %a = tt.load %p : tensor<64x32x!tt.ptr<bf16>, #blocked>
         %c = tt.dot %a1, %b1, %acc : tensor<64x32xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>> * tensor<32x64xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 2}>> -> tensor<64x64xf32, #mma>
         %e = math.exp %c : tensor<64x64xf32, #mma>
+        %i = arith.addi %u, %u : tensor<64x32xi32, #blocked>
+        %f = arith.mulf %c, %c : tensor<64x64xf32, #mma>
         scf.yield %z : f32
       }
+      %g = arith.cmpi slt, %u, %u : tensor<64x64xi32, #mma>
+      %h = arith.select %g, %c, %c : tensor<64x64xi1, #mma>, tensor<64x64xf32, #mma>
+      %s = "tt.reduce"(%h) <{axis = 1 : i32}> ({
+      ^bb0(%s0: f32, %s1: f32):
+        %s2 = arith.addf %s0, %s1 : f32
+        tt.reduce.return %s2 : f32
+      }) : (tensor<64x64xf32, #mma>) -> tensor<64xf32, #ttg.slice<{dim = 1, parent = #mma}>>
+      %k = arith.constant dense<0.0> : tensor<64x64xf32, #mma>
       tt.store %o, %v : tensor<64x!tt.ptr<f32>, #blocked>
       scf.yield %x : f32
     }
@@ -194,6 +205,9 @@ print(json.dumps(G.walk_ttgir(ir, dict(M=640, D=96))))
     assert w["flops"] == outer * inner * 2 * 64 * 64 * 32
     assert w["exp"] == outer * inner * 64 * 64
     assert w["gstore"] == outer * 64 * 4
+    # ALU elements: the float op in the D loop (not its integer address op), and per column tile the
+    # compare, the select and the 64 x 64 elements the reduction reads (not its scalar body, not a constant)
+    assert w["alu"] == outer * inner * 64 * 64 + outer * 3 * 64 * 64
 
 
 def test_readme_table_is_the_committed_model_output():
