@@ -19,8 +19,8 @@ sm_80 and sm_90 with every optional term switched on):
   column, no positives; InfoNCE's and SimCSE's fused forward, every forward-only call), sm_90,
   16-bit, D > 128: 128 x 256 tiles at 8 warps (two warpgroups, wgmma m64 n256 each): a 128 x 256
   tile reads (128 + 256) D operand elements for 2 x 128 x 256 D FLOPs, 85 FLOP/B of L2 -> SM traffic
-  against 64 at 128 x 128 (bench/gpu_model.py: the H100 forward at N = 65536 from 11.8 to about
-  9.1 ms, MODEL). 209-229 registers on sm_90, 0 spills; the same tile with the column statistics
+  against 64 at 128 x 128 (bench/gpu_model.py, MODEL: the H100 forward at N = 65536 from 12.5 ms,
+  53 % of peak, to 9.7 ms, 69 %). 209-229 registers on sm_90, 0 spills; the same tile with the column statistics
   spilled 56-300 bytes (255 registers), with the bias column 368 bytes, and on sm_80 (mma.sync)
   every variant spilled, so those keep "fwd".
 * backward, 16-bit: 64 x 64 tiles at 8 warps. The backward holds more live tiles than the
