@@ -670,14 +670,12 @@ fc_status fc_kernel_config(const char *kernel, fc_dtype dtype, int64_t d, int *b
     return fail(FC_ERR_INVALID_ARGUMENT, "kernel, block_m, block_n and block_d are required");
   if ((unsigned)dtype > FC_BFLOAT16) return fail(FC_ERR_UNSUPPORTED_DTYPE, "dtype %d is not a fc_dtype", (int)dtype);
   if (d < 1) return fail(FC_ERR_INVALID_ARGUMENT, "d must be >= 1 (got %lld)", (long long)d);
-  const int wide = !strcmp(kernel, "lse_fwd_wide");
-  if (wide) kernel = "lse_fwd";
   int k = -1;
   for (int i = 0; i < FC_K_COUNT; ++i)
     if (!strcmp(fc_kernel_names[i], kernel)) k = i;
   if (k < 0) return fail(FC_ERR_INVALID_ARGUMENT, "no kernel named %s in this library", kernel);
   fc_choice c;
-  if ((st = config_for((fc_kernel)k, dev.cc, dtype, d, wide, &c)) != FC_OK) return st;
+  if ((st = config_for((fc_kernel)k, dev.cc, dtype, d, 0, &c)) != FC_OK) return st;  /* not "fwd_wide" */
   *block_m = c.cfg->block_m;
   *block_n = c.cfg->block_n;
   *block_d = c.block_d;

@@ -122,10 +122,11 @@ FC_API fc_status fc_backward(const fc_problem *p, const fc_backward_args *args, 
 /* Compute capability (80 or 90, as the kernels were built for) and SM count of the current device. */
 FC_API fc_status fc_device_props(int *cc, int *sms);
 
-/* The launch configuration the Python launcher uses for `kernel` ("lse_fwd", "lse_fwd_wide", "lse_bwd_rows",
-   "lse_bwd_cols") at D on the current device's arch: block sizes (block_d: the padded D of a resident config,
-   else the streamed chunk). "lse_fwd" is the forward with column statistics (CLIP, the triangular forward),
-   "lse_fwd_wide" the forward with row statistics only (128 x 256 tiles on sm_90 for D > 128). */
+/* The launch configuration the Python launcher uses for `kernel` ("lse_fwd", "lse_bwd_rows", "lse_bwd_cols")
+   at D on the current device's arch: block sizes (block_d: the padded D of a resident config, else the
+   streamed chunk). "lse_fwd" is the forward with column statistics (CLIP, the triangular forward); the
+   forward with row statistics only (fc_forward in the modes without a column LSE) takes its own entry,
+   128 x 256 tiles on sm_90 for D > 128. */
 FC_API fc_status fc_kernel_config(const char *kernel, fc_dtype dtype, int64_t d, int *block_m, int *block_n,
                                   int *block_d);
 

@@ -62,9 +62,6 @@ _T16 = {
     ("fwd", "d64"): LaunchConfig(128, 64, 0, 8, 3),
     ("fwd", "d128"): LaunchConfig(128, 64, 64, 8, 3),
     ("fwd", "big"): LaunchConfig(128, 128, 64, 16, 3),
-    ("fwd_wide", "d64"): LaunchConfig(128, 64, 0, 8, 3),
-    ("fwd_wide", "d128"): LaunchConfig(128, 64, 64, 8, 3),
-    ("fwd_wide", "big"): LaunchConfig(128, 128, 64, 16, 3),
     ("fwd_pos", "d64"): LaunchConfig(128, 64, 0, 8, 3),
     ("fwd_pos", "d128"): LaunchConfig(128, 64, 64, 8, 3),
     ("fwd_pos", "big"): LaunchConfig(128, 64, 64, 8, 3),
@@ -79,9 +76,6 @@ _T32 = {
     ("fwd", "d64"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd", "d128"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd", "big"): LaunchConfig(64, 64, 16, 8, 3),
-    ("fwd_wide", "d64"): LaunchConfig(64, 64, 16, 8, 3),
-    ("fwd_wide", "d128"): LaunchConfig(64, 64, 16, 8, 3),
-    ("fwd_wide", "big"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd_pos", "d64"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd_pos", "d128"): LaunchConfig(64, 64, 16, 8, 3),
     ("fwd_pos", "big"): LaunchConfig(64, 64, 16, 8, 3),
@@ -98,6 +92,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {torch.float16: "fp16", torch.bfloat16: "b
 ARCH_FAMILIES = ("sm80", "sm90")
 D_BUCKETS = ("d64", "d128", "big")
 #: Per-arch entries that differ from the tables above: (kernel, arch family, D bucket) -> 16-bit config.
+#: "fwd_wide" takes "fwd"'s config wherever this table has no entry of its own (:func:`_config`).
 _ARCH_T16 = {
     ("fwd_wide", "sm90", "big"): LaunchConfig(128, 256, 64, 8, 3),
 }
@@ -107,9 +102,17 @@ _ARCH_T16 = {
 #: with a softmax over positives (SupCon L_in).
 KERNELS = ("fwd", "fwd_wide", "fwd_pos", "bwd_rows", "bwd_cols")
 
+
+def _config(kernel: str, arch: str, dt: str, bucket: str) -> LaunchConfig:
+    base = "fwd" if kernel == "fwd_wide" else kernel  # the wide forward differs only where _ARCH_T16 says
+    if dt == "fp32":
+        return _T32[(base, bucket)]
+    return _ARCH_T16.get((kernel, arch, bucket), _T16[(base, bucket)])
+
+
 #: The shipped table: (kernel, arch family, dtype name, D bucket) -> LaunchConfig.
 CONFIGS: dict[tuple[str, str, str, str], LaunchConfig] = {
-    (k, arch, dt, db): (_T32[(k, db)] if dt == "fp32" else _ARCH_T16.get((k, arch, db), _T16[(k, db)]))
+    (k, arch, dt, db): _config(k, arch, dt, db)
     for k in KERNELS for arch in ARCH_FAMILIES for dt in ("fp16", "bf16", "fp32") for db in D_BUCKETS
 }
 
@@ -120,6 +123,7 @@ def fwd_kernel(pos: bool, want_col: bool, tri: bool, has_bias: bool) -> str:
     if pos:
         return "fwd_pos"
     return "fwd" if (want_col or tri or has_bias) else "fwd_wide"
+
 
 #: The row-norm prologue (memory-bound): 32 rows x up to 128 columns of fp32 = 32 registers at 4 warps.
 ROW_NORM_BLOCK_R = 32
