@@ -67,6 +67,11 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
         floor = UNITS[r["loss"]] * 2 * n * n * D / (peaks[r["gpu"]] * 1e12) * 1e3
         assert r["floor_ms"] == pytest.approx(floor, rel=1e-4, abs=1e-4)
         assert r["ms"] >= r["floor_ms"]
+        # the range runs every assumption at its optimistic, then its pessimistic end: it brackets the
+        # central figure, for the path triton takes and for each path separately
+        for key in ("ms", "fused_ms", "panel_ms", "naive_ms_if_memory"):
+            lo, hi = r[f"{key}_range"]
+            assert r["floor_ms"] <= lo <= r[key] <= hi, (key, lo, r[key], hi)
         assert r["pct_peak"] == pytest.approx(100 * floor / r["ms"], rel=1e-3)
         assert r["naive_logits_bytes"] == n * n * 4
         if r["naive_fits"]:
@@ -215,11 +220,64 @@ def test_readme_table_is_the_committed_model_output():
     recs = {(r["loss"], r["gpu"], r["n"]): r for r in _records(COMMITTED.read_text())}
     readme = (ROOT / "README.md").read_text()
     pat = re.compile(r"^\| (\w+) \| (A100|H100|H200) \| (\d+) \| ([\d.]+) ms \| ([\d.]+) ms \| ([\d.]+) ms \| "
-                     r"([\d.]+) ms \((\d+) %\) \|$", re.MULTILINE)
+                     r"([\d.]+) ms \(([\d.]+)-([\d.]+)\) \| (\d+) % \|$", re.MULTILINE)
     rows = pat.findall(readme)
     assert len(rows) >= 12, "the README's table of modelled times is missing"
-    for loss, gpu, n, floor, naive, fused, panel, pct in rows:
+    for loss, gpu, n, floor, naive, fused, panel, lo, hi, pct in rows:
         r = recs[(loss, gpu, int(n))]
-        assert (floor, naive, fused, panel, pct) == (f"{r['floor_ms']:.1f}", f"{r['naive_ms']:.1f}",
-                                                     f"{r['fused_ms']:.1f}", f"{r['panel_ms']:.1f}",
-                                                     f"{r['panel_pct_peak']:.0f}"), (loss, gpu, n)
+        want = (f"{r['floor_ms']:.1f}", f"{r['naive_ms']:.1f}", f"{r['fused_ms']:.1f}", f"{r['panel_ms']:.1f}",
+                f"{r['panel_ms_range'][0]:.1f}", f"{r['panel_ms_range'][1]:.1f}", f"{r['panel_pct_peak']:.0f}")
+        assert (floor, naive, fused, panel, lo, hi, pct) == want, (loss, gpu, n)
+
+
+def _assumed(text: str) -> dict[str, tuple[float, float, float, str]]:
+    """The printed assumed values: name -> (optimistic, central, pessimistic, source)."""
+    pat = re.compile(r"^  - (\w+) = ([\d.]+) / ([\d.]+) / ([\d.]+): .*\n      source: (.+)$", re.MULTILINE)
+    return {m[1]: (float(m[2]), float(m[3]), float(m[4]), m[5]) for m in pat.finditer(text)}
+
+
+def test_every_assumption_is_printed_with_a_source_that_quotes_its_values(fresh):
+    # a value changed without its printed source fails here: the source must quote all three values
+    got = _assumed(fresh)
+    assert set(got) >= {"hbm_stream", "hbm_unpipelined", "l2_frac", "cublas_spread", "gemm_k0", "splitk"}, got
+    for name, (opt, cen, pes, src) in got.items():
+        assert len(src) > 40, (name, src)
+        assert f"{pes:g} / {cen:g} / {opt:g} (pessimistic / central / optimistic)" in " ".join(src.split()), (name, src)
+    assert got == _assumed(COMMITTED.read_text()), "the committed output was made with other assumptions"
+
+
+def test_gemm_time_follows_the_printed_assumptions_by_hand(fresh):
+    # InfoNCE's dB update on H100 at N = 65536 (panel of P rows): addmm [65536, 768] += [65536, P] @ [P, 768],
+    # bf16 operands, fp32 accumulator. By hand from the printed values: efficiency = 0.72 x spread x
+    # (K / (K + K0)) / (8192 / (8192 + K0)) (768 / 128 x 65536 / 256 output tiles is far above 2 x 132:
+    # no split-K); bytes = operands + accumulator read and write at hbm_stream x 3.35 TB/s; time = the max
+    code = r'''
+import json, sys, torch
+sys.path.insert(0, "bench")
+import gpu_model as G
+out = {}
+for scn in G.SCENARIOS:
+    with G.scenario(scn):
+        out[scn] = [G.gemm_seconds(65536, 768, 1216, torch.bfloat16, True, 4, G.GPUS["H100"]),
+                    G.gemm_seconds(1216, 768, 65536, torch.bfloat16, False, 4, G.GPUS["H100"])]
+print(json.dumps(out))
+'''
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    a = _assumed(fresh)
+    peak = _peaks(fresh)["H100"] * 1e12
+    for i, scn in enumerate(("optimistic", "central", "pessimistic")):
+        hbm, spread, k0, splitk = a["hbm_stream"][i], a["cublas_spread"][i], a["gemm_k0"][i], a["splitk"][i]
+
+        def eff(k, tiles):
+            e = 0.72 * spread * (k / (k + k0)) / (8192 / (8192 + k0))
+            return e * (splitk if tiles < 2 * 132 else 1.0)
+
+        m, n, k, p = 65536, 768, 1216, 1216
+        flops = 2 * m * n * k
+        db = max(flops / (peak * eff(k, (m // 128) * (n // 256))), ((m * p + p * n) * 2 + 2 * m * n * 4) / (hbm * 3.35e12))
+        # dA: [1216, 65536] @ [65536, 768]: 10 x 3 output tiles, long K: split-K
+        da = max(flops / (peak * eff(65536, 10 * 3)), ((1216 * 65536 + 65536 * 768) * 2 + 1216 * 768 * 4) / (hbm * 3.35e12))
+        assert got[scn] == pytest.approx([db, da], rel=1e-9), scn
