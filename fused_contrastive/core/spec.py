@@ -29,7 +29,7 @@ The statistics come out of one pass over the logit tiles; the gradient is
 ``dl_ij = g_i (c.lse_i p_ij + c.pos_i q_ij - c.tgt_i [j == target_i] - c.set_i w_ij) + g_j c.col_j pc_ij``
 with ``p = exp(l - LSE)``, ``pc = exp(l - LSEcol)``, ``q = w exp(l - LSEpos)``, then
 ``dA_i = s sum_j dl_ij b_j``, ``dB_j = s sum_i dl_ij a_i`` and the normalisation's backward
-(``../shared/DESIGN.md`` derives it). Which implementation runs is the business of
+(``docs/core-op.md`` derives it). Which implementation runs is the business of
 ``fused_contrastive.core.run``: a dense one-tile path for problems that fit the tile budget, the
 chunked PyTorch path, or the Triton kernels.
 """
