@@ -1,7 +1,7 @@
-"""THE seed and peer baselines: the formulas of the seed documents (the papers and reference code
-each loss comes from), the textbook formula each benchmark case replaces, and the peer libraries a
-user would otherwise pick. Written here once from their math (no code pasted); the tests check them against the reference, and the
-benchmark times them next to this library.
+"""THE seed and peer baselines: the formulas of the seed documents (the papers and reference code each loss
+comes from), the textbook formula each benchmark case replaces, and the peer libraries a user would
+otherwise pick. Written here once from their math (no code pasted); the tests check them against the
+reference, and the benchmark times them next to this library.
 
 :data:`BASELINES` maps a benchmark case of ``cases.py`` to its contenders. Each :class:`Baseline`
 takes the case's inputs as one dict (tensors and keyword arguments together). Kinds:
