@@ -1,0 +1,314 @@
+"""Helpers of tests/test_training_matrix.py: a tiny offline encoder with buffers, the matrix's loss cells
+(the library's call and an independent textbook computation of the same loss, written from the math on
+materialised cosine logits), one optimizer-free training step, and the 2-rank gloo DDP worker.
+
+Every cell's data is a dict of tensors that share the batch dimension (dim 0), so a rank's share of
+the global batch is a slice of every tensor."""
+
+from __future__ import annotations
+
+import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fused_contrastive as fc
+
+VOCAB, WIDTH, DIM, TOKENS = 16, 8, 6, 4
+#: the global batch and its split over the 2 DDP ranks (uneven on purpose)
+SIZES = [5, 3]
+N = sum(SIZES)
+CHUNK = 2  # encode_in_chunks' chunk size: 3 chunks on rank 0, 2 on rank 1
+
+
+class TinyEncoder(nn.Module):
+    """Token ids [n, TOKENS] -> embeddings [n, DIM]: Embedding, mean over tokens, Linear, BatchNorm1d in
+    eval mode (running statistics are buffers DDP broadcasts), tanh, LayerNorm, a registered shift
+    buffer, Linear. 326 parameters. The shift sits before the last Linear so that under autocast the
+    embeddings come out in bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1234)
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.bn = nn.BatchNorm1d(WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.out = nn.Linear(WIDTH, DIM)
+        self.register_buffer("shift", 0.1 * torch.randn(WIDTH, generator=g))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            self.bn.running_mean.copy_(0.2 * torch.randn(WIDTH, generator=g))
+            self.bn.running_var.copy_(0.5 + torch.rand(WIDTH, generator=g))
+        self.bn.eval()
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.emb(tokens).mean(1)
+        x = torch.tanh(self.bn(self.lin(x)))
+        return self.out(self.norm(x) + self.shift)
+
+
+# ------------------------------------------------------------------------------------------------
+# textbook losses (float64 ground truth when given float64 embeddings); from the math, not the library
+# ------------------------------------------------------------------------------------------------
+
+def _cos(a: Tensor, b: Tensor) -> Tensor:
+    return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
+
+
+def tb_info_nce(q: Tensor, k: Tensor, scale) -> Tensor:
+    return F.cross_entropy(_cos(q, k) * scale, torch.arange(q.shape[0]))
+
+
+def tb_clip(a: Tensor, b: Tensor, scale) -> Tensor:
+    logits = _cos(a, b) * scale
+    t = torch.arange(a.shape[0])
+    return (F.cross_entropy(logits, t) + F.cross_entropy(logits.T, t)) / 2
+
+
+def tb_simcse_sup(a: Tensor, p: Tensor, n: Tensor, t: float, hnw: float) -> Tensor:
+    b = a.shape[0]
+    logits = torch.cat([_cos(a, p), _cos(a, n)], 1) / t
+    logits = logits + hnw * torch.cat([torch.zeros(b, b), torch.eye(b)], 1).to(logits)
+    return F.cross_entropy(logits, torch.arange(b))
+
+
+def _log_prob_without_self(logits: Tensor, self_mask: Tensor) -> Tensor:
+    logits = logits.masked_fill(self_mask, float("-inf"))
+    return logits - torch.logsumexp(logits, 1, keepdim=True)
+
+
+def tb_supcon(feats: Tensor, labels: Tensor, t: float, bt: float) -> Tensor:
+    """SupCon L_out, every view an anchor, views concatenated view-major."""
+    bsz, v, _ = feats.shape
+    x = feats.transpose(0, 1).reshape(v * bsz, -1)
+    lab = labels.repeat(v)
+    eye = torch.eye(v * bsz, dtype=torch.bool)
+    logp = _log_prob_without_self(_cos(x, x) / t, eye)
+    pos = (lab[:, None] == lab[None, :]) & ~eye
+    mean_pos = torch.where(pos, logp, torch.zeros_like(logp)).sum(1) / pos.sum(1).clamp(min=1)
+    return (-(t / bt) * mean_pos).mean()
+
+
+def tb_dscl(feats: Tensor, labels: Tensor, beta: float, t: float) -> Tensor:
+    """DSCL: anchors view 0, contrast [view 0; view 1], self excluded; own view 1 weight 1, each other
+    positive beta / (|P| - 1); -(sum_j w log p) / sum_j w, base temperature = temperature."""
+    bsz = feats.shape[0]
+    anchors, contrast = feats[:, 0], torch.cat([feats[:, 0], feats[:, 1]])
+    lab = torch.cat([labels, labels])
+    self_mask = torch.zeros(bsz, 2 * bsz, dtype=torch.bool)
+    self_mask[torch.arange(bsz), torch.arange(bsz)] = True
+    logp = _log_prob_without_self(_cos(anchors, contrast) / t, self_mask)
+    pos = (labels[:, None] == lab[None, :]) & ~self_mask
+    own = torch.zeros_like(pos)
+    own[torch.arange(bsz), bsz + torch.arange(bsz)] = True
+    others = (pos & ~own).sum(1, keepdim=True)
+    w = torch.where(own, 1.0, torch.where(pos, beta / others.clamp(min=1), 0.0)).to(logp)
+    per = -(torch.where(w > 0, w * logp, torch.zeros_like(logp))).sum(1) / w.sum(1)
+    return per.mean()
+
+
+def tb_cosent(u: Tensor, v: Tensor, y: Tensor, scale: float) -> Tensor:
+    s = (F.normalize(u, dim=-1) * F.normalize(v, dim=-1)).sum(1)
+    diff = scale * (s[None, :] - s[:, None])  # [a, b] = scale * (s_b - s_a)
+    terms = diff[y[:, None] > y[None, :]]
+    return torch.logsumexp(torch.cat([terms, torch.zeros(1, dtype=terms.dtype)]), 0)
+
+
+def tb_siglip(img: Tensor, txt: Tensor, scale, bias) -> Tensor:
+    n = img.shape[0]
+    z = scale * _cos(img, txt) + bias
+    sign = (2 * torch.eye(n) - 1).to(z.dtype)
+    return -F.logsigmoid(sign * z).sum() / n
+
+
+# ------------------------------------------------------------------------------------------------
+# cells
+# ------------------------------------------------------------------------------------------------
+
+def _tokens(g: torch.Generator, *lead: int) -> Tensor:
+    return torch.randint(0, VOCAB, (*lead, TOKENS), generator=g)
+
+
+def _two_views(enc, tokens: Tensor) -> Tensor:
+    """[n, 2, TOKENS] -> features [n, 2, DIM] (each view encoded by its own call)."""
+    return torch.stack([enc(tokens[:, 0].contiguous()), enc(tokens[:, 1].contiguous())], 1)
+
+
+@dataclass
+class Cell:
+    """One loss of the matrix. ``ours(enc, data, module, gather)`` and ``textbook(enc, data, module)``
+    return the 0-dim loss of the batch in ``data`` (``enc`` maps token ids to embeddings); ``module``
+    builds the drop-in (its parameters, if any, are trained too) or is None for a functional loss."""
+
+    name: str
+    data: Callable[[torch.Generator], dict[str, Tensor]]
+    ours: Callable
+    textbook: Callable
+    module: Callable[[bool], nn.Module] | None = None
+
+
+def _pairs(g):
+    return {"a": _tokens(g, N), "b": _tokens(g, N)}
+
+
+def _triples(g):
+    return {"a": _tokens(g, N), "b": _tokens(g, N), "c": _tokens(g, N)}
+
+
+def _views(g):
+    return {"x": _tokens(g, N, 2), "y": torch.tensor([0, 1, 0, 2, 1, 0, 2, 1])}
+
+
+def _scored(g):
+    return {"a": _tokens(g, N), "b": _tokens(g, N), "y": torch.tensor([0.0, 3, 1, 2, 3, 0, 1, 2])}
+
+
+CELLS: list[Cell] = [
+    Cell("info_nce", _pairs,
+         lambda e, d, m, g: fc.info_nce(e(d["a"]), e(d["b"]), temperature=0.1, gather=g),
+         lambda e, d, m: tb_info_nce(e(d["a"]), e(d["b"]), 10.0)),
+    Cell("simcse_loss", _pairs,
+         lambda e, d, m, g: fc.simcse_loss(e(d["a"]), e(d["b"]), gather=g),
+         lambda e, d, m: tb_info_nce(e(d["a"]), e(d["b"]), 20.0)),
+    Cell("simcse_sup_loss", _triples,
+         lambda e, d, m, g: fc.simcse_sup_loss(e(d["a"]), e(d["b"]), e(d["c"]), temperature=0.1,
+                                               hard_negative_weight=0.5, gather=g),
+         lambda e, d, m: tb_simcse_sup(e(d["a"]), e(d["b"]), e(d["c"]), 0.1, 0.5)),
+    Cell("clip_loss", _pairs,
+         lambda e, d, m, g: fc.clip_loss(e(d["a"]), e(d["b"]), 10.0, gather=g),
+         lambda e, d, m: tb_clip(e(d["a"]), e(d["b"]), 10.0)),
+    Cell("supcon_loss", _views,
+         lambda e, d, m, g: fc.supcon_loss(_two_views(e, d["x"]), d["y"], temperature=0.1, gather=g),
+         lambda e, d, m: tb_supcon(_two_views(e, d["x"]), d["y"], 0.1, 0.07)),
+    Cell("dscl_loss", _views,
+         lambda e, d, m, g: fc.dscl_loss(_two_views(e, d["x"]), d["y"], temperature=0.1, gather=g),
+         lambda e, d, m: tb_dscl(_two_views(e, d["x"]), d["y"], 8.0, 0.1)),
+    Cell("cosent_loss", _scored,
+         lambda e, d, m, g: fc.cosent_loss(e(d["a"]), e(d["b"]), d["y"], scale=5.0, gather=g),
+         lambda e, d, m: tb_cosent(e(d["a"]), e(d["b"]), d["y"], 5.0)),
+    Cell("siglip_loss", _pairs,
+         lambda e, d, m, g: fc.siglip_loss(e(d["a"]), e(d["b"]), 5.0, -2.0, gather=g),
+         lambda e, d, m: tb_siglip(e(d["a"]), e(d["b"]), 5.0, -2.0)),
+    # drop-ins (fused_contrastive.nn); CLIPLoss and SigLIPLoss train their own scale / bias
+    Cell("nn.InfoNCELoss", _pairs, lambda e, d, m, g: m(e(d["a"]), e(d["b"])),
+         lambda e, d, m: tb_info_nce(e(d["a"]), e(d["b"]), 10.0),
+         lambda g: fc.nn.InfoNCELoss(0.1, gather=g)),
+    Cell("nn.SimCSELoss", _pairs, lambda e, d, m, g: m(e(d["a"]), e(d["b"])),
+         lambda e, d, m: tb_info_nce(e(d["a"]), e(d["b"]), 20.0),
+         lambda g: fc.nn.SimCSELoss(gather=g)),
+    Cell("nn.SupConLoss", _views, lambda e, d, m, g: m(_two_views(e, d["x"]), d["y"]),
+         lambda e, d, m: tb_supcon(_two_views(e, d["x"]), d["y"], 0.1, 0.1),
+         lambda g: fc.nn.SupConLoss(0.1, 0.1, gather=g)),
+    Cell("nn.DSCLLoss", _views, lambda e, d, m, g: m(_two_views(e, d["x"]), d["y"]),
+         lambda e, d, m: tb_dscl(_two_views(e, d["x"]), d["y"], 2.0, 0.1),
+         lambda g: fc.nn.DSCLLoss(2.0, 0.1, gather=g)),
+    Cell("nn.CoSENTLoss", _scored, lambda e, d, m, g: m(e(d["a"]), e(d["b"]), d["y"]),
+         lambda e, d, m: tb_cosent(e(d["a"]), e(d["b"]), d["y"], 5.0),
+         lambda g: fc.nn.CoSENTLoss(5.0, gather=g)),
+    Cell("nn.CLIPLoss", _pairs, lambda e, d, m, g: m(e(d["a"]), e(d["b"])),
+         lambda e, d, m: tb_clip(e(d["a"]), e(d["b"]), m.logit_scale.exp()),
+         lambda g: fc.nn.CLIPLoss(0.1, gather=g)),
+    Cell("nn.SigLIPLoss", _pairs, lambda e, d, m, g: m(e(d["a"]), e(d["b"])),
+         lambda e, d, m: tb_siglip(e(d["a"]), e(d["b"]), m.logit_scale.exp(), m.logit_bias),
+         lambda g: fc.nn.SigLIPLoss(5.0, -2.0, gather=g)),
+]
+BY_NAME = {c.name: c for c in CELLS}
+
+
+def global_data(cell: Cell) -> dict[str, Tensor]:
+    return cell.data(torch.Generator().manual_seed(7))
+
+
+def local_data(data: dict[str, Tensor], rank: int) -> dict[str, Tensor]:
+    off = sum(SIZES[:rank])
+    return {k: v[off:off + SIZES[rank]] for k, v in data.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# one training step
+# ------------------------------------------------------------------------------------------------
+
+def step(cell: Cell, model: nn.Module, loss_mod: nn.Module | None, data: dict[str, Tensor], *, textbook: bool,
+         chunks: bool = False, bf16: bool = False, gather: bool = False) -> dict[str, Tensor]:
+    """Forward, loss, backward (no optimizer); returns every trained parameter's gradient by name
+    (``loss.<name>`` for the drop-in's own parameters). ``model`` may be a DDP wrapper."""
+    enc = (lambda t: fc.encode_in_chunks(model, t, CHUNK)) if chunks else model
+    params = dict(model.named_parameters())
+    params = {k.removeprefix("module."): p for k, p in params.items()}
+    if loss_mod is not None:
+        params.update({f"loss.{k}": p for k, p in loss_mod.named_parameters()})
+    for p in params.values():
+        p.grad = None
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    with ctx:
+        loss = cell.textbook(enc, data, loss_mod) if textbook else cell.ours(enc, data, loss_mod, gather)
+    loss.backward()
+    return {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+
+
+def fresh(cell: Cell, gather: bool = False, dtype: torch.dtype = torch.float32):
+    """The encoder and the cell's loss module (or None), both in ``dtype``, freshly initialised."""
+    model = TinyEncoder().to(dtype)
+    mod = cell.module(gather).to(dtype) if cell.module is not None else None
+    return model, mod
+
+
+def truth_and_same(cell: Cell, bf16: bool):
+    """The float64 single-process textbook gradients on the global batch, and the textbook's own
+    gradients computing in the cell's precision (fp32, or fp32 weights under autocast bf16)."""
+    data = global_data(cell)
+    m64, l64 = fresh(cell, dtype=torch.float64)
+    truth = step(cell, m64, l64, data, textbook=True)
+    m32, l32 = fresh(cell)
+    same = step(cell, m32, l32, data, textbook=True, bf16=bf16)
+    return truth, same
+
+
+# ------------------------------------------------------------------------------------------------
+# 2-rank DDP worker
+# ------------------------------------------------------------------------------------------------
+
+def ddp_worker(rank: int, world: int, init: str, names: list[str], chunks: bool, bf16: bool, out) -> None:
+    """Runs ``names`` in order on DDP(TinyEncoder, broadcast_buffers=True) with gather=True on this rank's
+    share of the global batch, and reports {"rank", "grads": {name: grads}, "error": (name, traceback)
+    or None}. Stops at the first failing cell: after a failed collective the ranks are out of step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    res = {"rank": rank, "grads": {}, "error": None}
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        for name in names:
+            cell = BY_NAME[name]
+            try:
+                model, mod = fresh(cell, gather=True)
+                ddp = DDP(model, broadcast_buffers=True)
+                grads = step(cell, ddp, mod, local_data(global_data(cell), rank), textbook=False, chunks=chunks,
+                             bf16=bf16, gather=True)
+                # the drop-in's own parameters are replicated like the encoder's: average them as DDP does
+                for k, v in grads.items():
+                    if k.startswith("loss."):
+                        dist.all_reduce(v)
+                        v /= world
+                res["grads"][name] = grads
+            except Exception:  # noqa: BLE001 - reported; the parent fails this cell and the ones after it
+                res["error"] = (name, traceback.format_exc(limit=6))
+                break
+    finally:
+        out.put(res)
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+__all__ = ["CELLS", "BY_NAME", "Cell", "TinyEncoder", "ddp_worker", "fresh", "global_data", "local_data", "step",
+           "truth_and_same"]

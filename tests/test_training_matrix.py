@@ -1,0 +1,189 @@
+"""The training-step matrix (issue 24): failures of use, not of math. Every functional loss and
+``fused_contrastive.nn`` drop-in x {fp32, autocast bf16} x {one process, 2-rank gloo DDP} x {plain,
+encode_in_chunks}, plus sentence-transformers' drop-ins x {plain, MatryoshkaLoss, AdaptiveLayerLoss}.
+
+Each cell is one optimizer-free training step (forward, loss, backward) of a tiny offline encoder with
+buffers (tests/_training_matrix.py: Embedding, Linear, BatchNorm1d in eval mode, LayerNorm, a registered
+shift buffer; 326 parameters). Every parameter's gradient is compared with a float64 single-process run
+of an independent textbook computation (F.cross_entropy / logsigmoid on materialised cosine logits) on
+the global batch, under THE accuracy rule of fused_contrastive.testing.accuracy: the error may be at most
+twice the textbook's own error computing in the cell's precision (the same step, same autocast) plus the
+dtype's slack.
+
+DDP cells: DistributedDataParallel(broadcast_buffers=True, the default) on 2 gloo ranks with uneven
+local batches (5 and 3 rows), every loss with gather=True. Each rank backpropagates its own loss (the
+library scales it so that DDP's average over ranks is the global batch's gradient), so the averaged
+gradients equal the single-process gradients on the global batch unchanged. One spawn runs all cells of
+a (precision, encoding) group; 30 s collective timeouts turn a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from fused_contrastive.testing.accuracy import check_output
+
+from _training_matrix import CELLS, BY_NAME, fresh, global_data, step, truth_and_same
+
+PRECISIONS = ["fp32", "bf16"]
+MODES = ["plain", "encode_in_chunks"]
+CELL_IDS = [c.name for c in CELLS]
+
+
+def _assert_grads(got: dict, truth: dict, same: dict, bf16: bool, what: str) -> None:
+    """Every parameter's gradient within THE rule's tolerance of the float64 truth."""
+    assert set(got) == set(truth), f"{what}: gradients of {sorted(got)} but the truth has {sorted(truth)}"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    bad = []
+    for k in truth:
+        worst, err, tol = check_output(f"grad {k}", got[k], truth[k], same[k], dtype)
+        if not err <= tol:
+            bad.append(str(worst))
+    assert not bad, f"{what}: " + "; ".join(bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# one process
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", CELL_IDS)
+def test_one_process(name, precision, mode):
+    cell, bf16 = BY_NAME[name], precision == "bf16"
+    truth, same = truth_and_same(cell, bf16)
+    model, mod = fresh(cell)
+    got = step(cell, model, mod, global_data(cell), textbook=False, chunks=mode == "encode_in_chunks", bf16=bf16)
+    _assert_grads(got, truth, same, bf16, f"{name}/{precision}/{mode}")
+
+
+# ------------------------------------------------------------------------------------------------
+# 2-rank gloo DDP
+# ------------------------------------------------------------------------------------------------
+
+_DDP_CACHE: dict[tuple[str, str], list[dict]] = {}
+
+
+def _ddp_group(precision: str, mode: str, tmp_path_factory) -> list[dict]:
+    """Both ranks' reports for every cell of one (precision, mode) group (one spawn, cached)."""
+    key = (precision, mode)
+    if key not in _DDP_CACHE:
+        from _training_matrix import ddp_worker
+
+        store = tmp_path_factory.mktemp(f"ddp_{precision}_{mode}") / "store"
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        args = (2, f"file://{store}", CELL_IDS, mode == "encode_in_chunks", precision == "bf16", out)
+        procs = [ctx.Process(target=ddp_worker, args=(r, *args)) for r in range(2)]
+        for p in procs:
+            p.start()
+        results = []
+        try:
+            for _ in range(2):
+                results.append(out.get(timeout=150))
+        except queue_mod.Empty:
+            results.append({"rank": -1, "grads": {}, "error": ("(spawn)", "a rank did not report within 150 s")})
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+        _DDP_CACHE[key] = results
+    return _DDP_CACHE[key]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", CELL_IDS)
+def test_ddp_two_ranks(name, precision, mode, tmp_path_factory):
+    bf16 = precision == "bf16"
+    results = _ddp_group(precision, mode, tmp_path_factory)
+    errors = [r["error"] for r in results if r["error"] is not None]
+    for r in results:
+        if name not in r["grads"]:
+            detail = "\n".join(f"rank {r2['rank']} failed at {e[0]}:\n{e[1]}" for r2 in results
+                               for e in [r2["error"]] if e is not None)
+            pytest.fail(f"{name}/{precision}/{mode}: rank {r['rank']} has no result "
+                        f"(the group stops at its first failing cell)\n{detail or errors}")
+    truth, same = truth_and_same(BY_NAME[name], bf16)
+    g0, g1 = (r["grads"][name] for r in sorted(results, key=lambda r: r["rank"]))
+    for k in g0:  # DDP leaves identical gradients on every rank
+        assert torch.equal(g0[k], g1[k]), f"{name}/{precision}/{mode}: grad {k} differs between the ranks"
+    _assert_grads(g0, truth, same, bf16, f"{name}/{precision}/{mode}/ddp")
+
+
+# ------------------------------------------------------------------------------------------------
+# sentence-transformers drop-ins in sentence-transformers' wrappers, against theirs in the same wrappers
+# ------------------------------------------------------------------------------------------------
+
+ST_LOSSES = ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss", "CoSENTLoss"]
+ST_WRAPPERS = ["plain", "MatryoshkaLoss", "AdaptiveLayerLoss"]
+ST_CELLS = [(l, w) for l in ST_LOSSES for w in ST_WRAPPERS
+            # AdaptiveLayerLoss does not support gradient-caching losses (sentence-transformers warns)
+            if not (l.startswith("Cached") and w == "AdaptiveLayerLoss")]
+
+
+@pytest.fixture(scope="module")
+def st_model():
+    pytest.importorskip("sentence_transformers", reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
+    import tempfile
+
+    from fused_contrastive.bench.st_step import build_tiny_model, load_model
+
+    with tempfile.TemporaryDirectory() as d:
+        model = load_model(build_tiny_model(d)).eval()
+    return model
+
+
+def _st_sentences(n: int, seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(f"w{int(i)}" for i in torch.randint(0, 90, (int(torch.randint(1, 6, (1,), generator=g)),),
+                                                          generator=g)) for _ in range(n)]
+
+
+def _st_step(model, loss_name: str, wrapper: str, ours: bool, bf16: bool) -> dict:
+    from sentence_transformers.sentence_transformer import losses as peer
+
+    from fused_contrastive.integrations import sentence_transformers as fused
+
+    lib = fused if ours else peer
+    kw = {"mini_batch_size": 3} if loss_name.startswith("Cached") else {}
+    if loss_name == "CoSENTLoss":
+        kw["scale"] = 5.0
+    loss = getattr(lib, loss_name)(model, **kw)
+    if wrapper == "MatryoshkaLoss":
+        loss = peer.MatryoshkaLoss(model, loss, matryoshka_dims=[32, 16, 8])
+    elif wrapper == "AdaptiveLayerLoss":
+        loss = peer.AdaptiveLayerLoss(model, loss)
+    ncols = 2 if loss_name == "CoSENTLoss" else 3
+    feats = [model.preprocess(_st_sentences(7, seed)) for seed in range(1, ncols + 1)]
+    labels = torch.tensor([0.0, 1, 4, 2, 3, 1, 0]) if loss_name == "CoSENTLoss" else None
+    if labels is not None and next(model.parameters()).dtype == torch.float64:
+        labels = labels.double()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False):
+        out = loss([dict(f) for f in feats], labels)
+    out.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("loss_name,wrapper", ST_CELLS, ids=[f"{l}-{w}" for l, w in ST_CELLS])
+def test_sentence_transformers(st_model, loss_name, wrapper, precision):
+    import copy
+    import warnings
+
+    bf16 = precision == "bf16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        truth = _st_step(copy.deepcopy(st_model).double(), loss_name, wrapper, ours=False, bf16=False)
+        same = _st_step(copy.deepcopy(st_model), loss_name, wrapper, ours=False, bf16=bf16)
+        got = _st_step(copy.deepcopy(st_model), loss_name, wrapper, ours=True, bf16=bf16)
+    _assert_grads(got, truth, same, bf16, f"{loss_name}/{wrapper}/{precision}")
