@@ -27,16 +27,23 @@ consume (``dA_P = DL @ B_op``, ``dB += DL^T @ A_hat_P``). Math (``spec.py``, ``l
   ``LSE_OUT`` / ``LSE_POS_OUT``), a second forms DL with ``g`` = the coefficients (the upstream
   gradient of a sum is a scalar, applied later): the forward's sweep produces the gradient.
 * ``ONE_PASS`` (EAGER without positives' softmax, unit rows, bf16 / fp32 DL): one loop. Every logit is
-  at most ``c = |s|`` (+ the bias when positive), so ``e_ij = exp(l_ij - c)`` is in (0, 1] and needs no
-  running maximum: the loop stores ``DL_ij = e_ij`` (times rb_j when folding) while summing
-  ``z_i = sum_j e_ij`` (and ``t_i = sum_j e_ij cos_ij`` for the temperature gradient); then
-  ``LSE_i = c + log z_i`` and the row weight ``W_i = g_i / (gscale z_i)``: ``g_i p_ij = W_i e_ij``, and
-  the host applies W to the GEMMs' P x D operands and outputs (O(P D) work instead of a second read
-  of the fp32 panel). Precision: ``e_ij`` is rounded once to the operand dtype, as DL is otherwise.
-  When a row's ``z_i < 2^-64`` (every logit of the row more than ~44 below c, so its relevant
-  ``e_ij`` may be subnormal or flushed; impossible for ``|s| + bias <= 22``: then ``z_i >= e^{-2c}``),
-  its block of rows is redone exactly by the two loops of EAGER (a runtime branch; W = 1 there).
-  Without ONE_PASS, W_OUT is 1.
+  at most ``c = |s|`` (+ the bias when positive), so with the fixed shift ``m = c - 56``
+  ``e_ij = exp(l_ij - m)`` is at most ``e^56`` and needs no running maximum: the loop stores
+  ``DL_ij = e_ij`` (times rb_j when folding) while summing ``z_i = sum_j e_ij`` (and
+  ``t_i = sum_j e_ij cos_ij`` for the temperature gradient); then ``LSE_i = m + log z_i`` (exact for
+  any m: the shift cancels) and the row weight ``W_i = g_i / (gscale z_i)``: ``g_i p_ij = W_i e_ij``,
+  and the host applies W to the GEMMs' P x D operands and outputs (O(P D) work instead of a second
+  read of the fp32 panel). Precision: ``e_ij`` is rounded once to the operand dtype, as DL is otherwise.
+  The shift: a per-row bound ``m_i`` works when ``l_ij - m_i <= K`` for every j keeps ``z_i`` finite,
+  ``M e^K < 3.4e38`` (fp32 / bf16 largest), i.e. ``K <= 88.7 - ln M`` = 67 for M < 2^31. Only ``c``
+  bounds the logits from above (a lower bound on the row's maximum, e.g. its target logit, does not),
+  so ``m_i >= c - 67`` whatever else is known; and for the redo test below a larger per-row ``m_i``
+  only helps where ``z_i >= 1`` anyway. Hence one ``m = c - 56`` (margin e^7): ``DL`` and ``z_i``
+  cannot overflow (``z_i <= 2.4e35``), and the GEMMs' sums ``sum_j e_ij |x_j|`` of unit rows neither.
+  When a row's ``z_i < 2^-64`` (every logit of the row below ``m - 44.4 = c - 100.4``, so its relevant
+  ``e_ij`` may be subnormal or flushed; impossible for ``|s| + bias <= 50``: logits of unit rows are
+  ``>= -|s|``; at ``|s| = 100`` only for a row whose every cosine is below -0.004), its block of rows is
+  redone exactly by the two loops of EAGER (a runtime branch; W = 1 there). Without ONE_PASS, W_OUT is 1.
 
 One program owns BLOCK_R rows of the panel and walks all M columns in BLOCK_C chunks (so EAGER can
 finish a row's LSE before its DL), writing each element of DL once: deterministic, no atomics. The
@@ -69,8 +76,10 @@ def _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride
 
 
 #: The one-pass sweep's fallback threshold: a row block is redone in two passes when a row's sum
-#: z_i = sum_j exp(l_ij - c) is below 2^-64 (see ONE_PASS in the module docstring).
+#: z_i = sum_j exp(l_ij - m) is below 2^-64 (see ONE_PASS in the module docstring).
 ONE_PASS_MIN_Z = tl.constexpr(5.421010862427522e-20)
+#: The one-pass sweep's shift below the logits' bound: m = c - ONE_PASS_SHIFT (see ONE_PASS).
+ONE_PASS_SHIFT = tl.constexpr(56.0)
 
 
 @triton.jit
@@ -222,12 +231,16 @@ def panel_dl_kernel(
         lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
     dl_base = DL + loc.to(tl.int64)[:, None] * stride_dl
     if ONE_PASS:
-        # 0. one read of the panel: e_ij = exp(l_ij - c) with the fixed bound c >= every logit of
-        # the row (|s| for unit rows, + the bias), stored as DL (times rb_j when folding); the row's
-        # z_i = sum_j e_ij gives LSE_i = c + log z_i and the weight W_i = g_i / (gscale z_i)
+        # 0. one read of the panel: e_ij = exp(l_ij - m), m = c - ONE_PASS_SHIFT, with the fixed bound
+        # c >= every logit of the row (|s| for unit rows, + the bias), stored as DL (times rb_j when
+        # folding); the row's z_i = sum_j e_ij gives LSE_i = m + log z_i and the weight
+        # W_i = g_i / (gscale z_i). Why the shift of 56 (module docstring, ONE_PASS): no overflow,
+        # e_ij <= e^56 and z_i <= M e^56 < 2^31 e^56 = 4.5e33 < 3.4e38 (fp32 and bf16 range; DL_ij =
+        # e_ij rb_j <= e^56 / eps = 2.1e36), and a redo only where every logit of the row is below c - 100.4
         c = tl.abs(s)
         if HAS_BIAS:
             c = c + tl.maximum(bias, 0.0)
+        c = c - ONE_PASS_SHIFT
         z_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         t_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         for j0 in range(0, M, BLOCK_C):
@@ -244,11 +257,11 @@ def panel_dl_kernel(
                 out = out * rb[None, :]
             tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
         ok = (z_i >= ONE_PASS_MIN_Z) | (loc >= P)
-        tl.store(LSE_OUT + rows, c + tl.log(z_i), mask=lmask)
+        tl.store(LSE_OUT + rows, c + tl.log(z_i), mask=lmask)  # c is the shifted bound m here
         z_safe = tl.where(ok & lmask, z_i, 1.0)
         w_r = tl.where(lmask, tl.load(G + rows, mask=lmask, other=0.0) * inv_gs / z_safe, 0.0)
         ds_acc = w_r * t_i
-        # a row whose logits all sit far below the bound (possible only for |s| + bias > 22): its
+        # a row whose logits all sit far below the bound (possible only for |s| + bias > 50): its
         # small e_ij lost precision, so the block is redone exactly in two passes below
         redo = tl.min(ok.to(tl.int32), axis=0) == 0
         if redo:

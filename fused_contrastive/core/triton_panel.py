@@ -24,11 +24,13 @@ Six launches per panel (row norms, 2 GEMMs + addmm, 2 Triton kernels), a handful
 
 **One pass** (``ONE_PASS``: a summed loss without a column term and without a softmax over positives,
 unit rows, bf16 / fp32 operands: InfoNCE, SimCSE, DSCL, ...): every logit is at most
-``c = |s| (+ bias)``, so the kernel writes ``e_ij = exp(l_ij - c)`` in the same read that sums
-``z_i = sum_j e_ij``; ``LSE_i = c + log z_i`` and ``W_i = g_i / (gscale z_i)`` follow, and the
+``c = |s| (+ bias)``, so the kernel writes ``e_ij = exp(l_ij - m)``, ``m = c - 56`` (``e_ij <= e^56``:
+no overflow of fp32 sums over M < 2^31 columns, derived in kernels/panel.py) in the same read that sums
+``z_i = sum_j e_ij``; ``LSE_i = m + log z_i`` and ``W_i = g_i / (gscale z_i)`` follow, and the
 gradient tile ``g_i p_ij = W_i e_ij`` needs no second read of the fp32 panel. A row block with a row of
-``z_i < 2^-64`` (all its logits far below the bound: possible only for ``|s| + bias > 22``, where its
-small ``e_ij`` would lose precision) is redone exactly in two passes (``W = 1`` there). Otherwise
+``z_i < 2^-64`` (all its logits below ``c - 104.4``: possible only for ``|s| + bias > 52``; at
+``|s| = 100`` a row whose every cosine is below -0.004; its small ``e_ij`` would lose precision) is
+redone exactly in two passes (``W = 1`` there). Otherwise
 (positives' softmax, fp16, raw dot products) the eager sweep reads the panel twice.
 
 Units (one unit = one N x M x D matmul = 2 N M D FLOPs), by case:
@@ -111,7 +113,8 @@ from .triton_configs import (
     d_pad,
 )
 
-__all__ = ["BUDGET_BYTES", "MIN_ELEMENTS", "PANEL_ROWS", "P_MIN", "panel_rows", "use_panel"]
+__all__ = ["BUDGET_BYTES", "GEMM_PROBE_DEVICES", "MIN_ELEMENTS", "NATIVE_GEMMS", "PANEL_ROWS", "P_MIN", "gemm_routes",
+           "panel_rows", "use_panel"]
 
 #: Byte budget of the panel path's extra memory (env ``FUSED_CONTRASTIVE_PANEL_BUDGET`` overrides).
 BUDGET_BYTES = 700_000_000
@@ -155,23 +158,121 @@ def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool) -> int
     return max(1, min(n, max(P_MIN, p)))
 
 
+# The fp32-output GEMM of 16-bit operands. ``torch.mm(x, y, out_dtype=torch.float32)`` and
+# ``torch.addmm(acc, x, y, out_dtype=torch.float32, out=acc)`` (fp32 ``acc``, bf16 / fp16 ``x``, ``y``)
+# are the cheap route on CUDA (cuBLAS accumulates in fp32 and writes fp32), but whether a torch build
+# has them, and accepts an fp32 ``self`` beside 16-bit operands, depends on its version (the overload
+# is new; some CUDA builds reject the mixed-dtype addmm). So neither runs unproven: the first CUDA call
+# per (device, dtype) runs both on tiny tensors of the real call's layout (transposed views, ``out=``
+# the accumulator) against a float64 product (:func:`_probe`) and caches the verdict; on an exception
+# or a mismatch it warns once and takes the fallback, which is correct everywhere:
+#   mm    "native" | "upcast": torch.mm(x.float(), y.float()) (an fp32 copy of both operands)
+#   addmm "native" | "mm_add": acc.add_(_mm32(x, y)) (one fp32 [rows, cols] temporary)
+#         | "upcast": acc.addmm_(x.float(), y.float())
+# The CPU has neither op (torch 2.13: "Could not run 'aten::mm.dtype' ... CPU"): it takes "upcast"
+# unprobed; the meta device (the GPU model) records the native calls. Tests force the probe on the CPU
+# with stand-ins for the native calls (:data:`GEMM_PROBE_DEVICES`, :data:`NATIVE_GEMMS`).
+
+#: Device types whose 16-bit GEMMs are probed (test hook: the CPU with stand-in native calls).
+GEMM_PROBE_DEVICES: tuple[str, ...] = ("cuda",)
+
+
+def _native_mm(x: Tensor, y: Tensor) -> Tensor:
+    return torch.mm(x, y, out_dtype=torch.float32)
+
+
+def _native_addmm_(acc: Tensor, x: Tensor, y: Tensor) -> None:
+    torch.addmm(acc, x, y, out_dtype=torch.float32, out=acc)
+
+
+#: The native calls the probe and the "native" routes run (test hook).
+NATIVE_GEMMS = {"mm": _native_mm, "addmm": _native_addmm_}
+#: (device type, index, dtype) -> (mm route, addmm route): the probes' cached verdicts.
+_GEMM_ROUTES: dict[tuple, tuple[str, str]] = {}
+
+
+def _probe_one(op: str, dev: torch.device, dt: torch.dtype) -> str | None:
+    """Run the native ``op`` once on tiny tensors of the real call's layout; None if its fp32 result
+    matches the float64 product to fp32 accuracy, else what went wrong. The operands are 16-bit
+    values whose products need more than 16 bits (a 16-bit output would be off by ~2^-9 relative; the
+    bound is 2^-16 of sum |x||y|)."""
+    g = torch.Generator().manual_seed(1234)
+    k = 72
+    x = (torch.randn(k, 24, generator=g) * 3).to(dt)  # used transposed: [24, 72], as dl[:, :g].T
+    y = (torch.randn(40, k, generator=g) * 3).to(dt)  # used transposed: [72, 40], as b.T
+    xd, yd = x.T.double(), y.T.double()
+    want = xd @ yd
+    bound = (xd.abs() @ yd.abs()) * 2.0 ** -16
+    try:
+        xt, yt = x.to(dev).T, y.to(dev).T
+        if op == "mm":
+            got = NATIVE_GEMMS["mm"](xt, yt)
+        else:
+            acc0 = torch.randn(24, 40, generator=g)
+            acc = acc0.to(dev, copy=True)
+            ptr = acc.data_ptr()
+            NATIVE_GEMMS["addmm"](acc, xt, yt)
+            if acc.data_ptr() != ptr:
+                return "the result did not land in the accumulator"
+            got, want = acc, want + acc0.double()
+            bound = bound + acc0.double().abs() * 2.0 ** -22
+        if got.dtype != torch.float32 or tuple(got.shape) != (24, 40):
+            return f"result {got.dtype} {tuple(got.shape)}, expected torch.float32 (24, 40)"
+        err = (got.detach().cpu().double() - want).abs()
+        if not bool((err <= bound).all()):
+            return f"result differs from the float64 product by up to {float(err.max()):.3g} (bound {float(bound.max()):.3g})"
+    except Exception as e:  # noqa: BLE001 - any failure of the native call means: do not use it
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def gemm_routes(dev: torch.device, dt: torch.dtype) -> tuple[str, str]:
+    """``(mm route, addmm route)`` of the fp32-output GEMMs of ``dt`` operands on ``dev`` (see the
+    comment above): probed once per (device, dtype) on :data:`GEMM_PROBE_DEVICES`, a warning on a
+    fallback; "upcast" on other devices, "native" on meta; fp32 operands never come here."""
+    if dev.type == "meta":
+        return "native", "native"
+    if dev.type not in GEMM_PROBE_DEVICES:
+        return "upcast", "upcast"
+    key = (dev.type, dev.index, dt)
+    routes = _GEMM_ROUTES.get(key)
+    if routes is None:
+        why_mm = _probe_one("mm", dev, dt)
+        why_addmm = _probe_one("addmm", dev, dt)
+        routes = ("upcast" if why_mm else "native",
+                  "native" if why_addmm is None else ("upcast" if why_mm else "mm_add"))
+        for op, why, route in (("mm", why_mm, routes[0]), ("addmm", why_addmm, routes[1])):
+            if why:
+                import warnings
+
+                warnings.warn(f"fused_contrastive: torch {torch.__version__} on {dev} has no working fp32-output "
+                              f"{op} of {dt} operands ({why}); the panel path takes the {route!r} fallback "
+                              f"(correct, more memory traffic)", RuntimeWarning, stacklevel=3)
+        _GEMM_ROUTES[key] = routes
+    return routes
+
+
 def _mm32(x: Tensor, y: Tensor) -> Tensor:
-    """x @ y with an fp32 result (fp32 accumulation; 16-bit operands through cuBLAS's out_dtype)."""
+    """x @ y with an fp32 result (fp32 accumulation; 16-bit operands by :func:`gemm_routes`' route)."""
     if x.dtype == torch.float32:
         return torch.mm(x, y)
-    if x.device.type == "cpu":  # the CPU has no out_dtype GEMM: the interpreter tests' route
-        return torch.mm(x.float(), y.float())
-    return torch.mm(x, y, out_dtype=torch.float32)
+    if gemm_routes(x.device, x.dtype)[0] == "native":
+        return NATIVE_GEMMS["mm"](x, y)
+    return torch.mm(x.float(), y.float())
 
 
 def _addmm32_(acc: Tensor, x: Tensor, y: Tensor) -> None:
     """acc += x @ y in place, acc fp32."""
     if x.dtype == torch.float32:
         acc.addmm_(x, y)
-    elif x.device.type == "cpu":
-        acc.addmm_(x.float(), y.float())
+        return
+    route = gemm_routes(x.device, x.dtype)[1]
+    if route == "native":
+        NATIVE_GEMMS["addmm"](acc, x, y)
+    elif route == "mm_add":
+        acc.add_(_mm32(x, y))
     else:
-        torch.addmm(acc, x, y, out_dtype=torch.float32, out=acc)
+        acc.addmm_(x.float(), y.float())
 
 
 def _pow2(x: Tensor) -> Tensor:
