@@ -10,7 +10,12 @@ alone would test only the panel path):
   the symmetric kernel) and clip at ragged shapes (N = M = 4099, D = 100 and 768) in bf16 / fp16 / fp32,
   with every kernel output and scratch buffer (the fp32 accumulator rows of the streaming backward,
   the column-LSE partials) filled with NaN before each launch and the inputs as views into NaN-padded
-  buffers: an element a kernel forgets to write, or a read out of bounds, shows up as NaN;
+  buffers: an element a kernel forgets to write, or a read out of bounds, shows up as NaN; the panel
+  path also with a forced panel height (``Plan.multi_panel_rows``, default 1000: 5 panels at N = 4099),
+  so the fp32 accumulation across panels, the triangular sweep's offsets r0 > 0 and its off-diagonal
+  update meet the oracle too (the default budget gives one panel at these sizes);
+* **cuBLAS fp32-output GEMMs**: which route ``core/triton_panel.gemm_routes`` chose per 16-bit dtype
+  (its probe of ``torch.mm`` / ``torch.addmm`` with ``out_dtype``, or the fallback: information);
 * **determinism**: 20 backward runs bitwise identical (bf16, D = 768);
 * **fp16 at M = 65536**: fp16 loss and gradients against the fp32 run of the same kernels (the subnormal
   softmax weights p ~ 1/M of the fp16 gradient tile);
@@ -26,6 +31,8 @@ alone would test only the panel path):
   one forward + backward under ``ncu`` and reports the metrics that calibrate ``bench/gpu_model.py``
   (L2 hit rate, DRAM bytes read / written, tensor-pipe active). Informational, not a pass/fail check.
 
+Every check runs on its own: an exception in one is a FAIL row carrying the error, and the run goes on
+to the end, where the verdict table lists every row; the exit status is 0 (all pass) or 1 (any FAIL).
 Without a CUDA device the command exits with status 2 and a message. The machinery takes the device
 and the sizes as parameters (:class:`Plan`, :func:`validate`), so the test-suite runs the same code on
 the CPU under the Triton interpreter at tiny shapes, including a planted wrong oracle that must fail.
@@ -88,6 +95,9 @@ class Plan:
     timing_repeats: int = 5
     ncu: bool = True
     ncu_shape: tuple[int, int] = (16384, 768)
+    #: the panel path's parity once more with this many rows per panel (None: skip), so several panels
+    #: meet the oracle (``core/triton_panel.PANEL_ROWS``)
+    multi_panel_rows: int | None = 1000
     #: a built libfused_contrastive_torch.so: the checks also run on its operators (paths "aot/fused",
     #: "aot/panel"); a problem the library does not cover is reported as such (information)
     aot_lib: str | None = None
@@ -208,67 +218,128 @@ def _dname(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
+def _err(e: BaseException) -> str:
+    """An exception as a FAIL row's detail: its type and the first line of its message."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
+
+
+@contextlib.contextmanager
+def _panel_height(rows: int | None) -> Iterator[None]:
+    """``core/triton_panel.PANEL_ROWS = rows`` within the block (None: leave it)."""
+    from .core import triton_panel
+
+    old = triton_panel.PANEL_ROWS
+    if rows is not None:
+        triton_panel.PANEL_ROWS = rows
+    try:
+        yield
+    finally:
+        triton_panel.PANEL_ROWS = old
+
+
+def _parity_paths(plan: Plan) -> list[tuple[str, str, int | None]]:
+    """``(label, path, forced panel height)`` of the parity runs: every path of the plan, and the panel
+    path once more with :attr:`Plan.multi_panel_rows` rows per panel."""
+    out = [(p, p, None) for p in plan.paths]
+    if "panel" in plan.paths and plan.multi_panel_rows:
+        out.append((f"panel(P={plan.multi_panel_rows})", "panel", plan.multi_panel_rows))
+    return out
+
+
 def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> None:
-    from .core import reference, triton_aot
+    from .core import reference
     from .testing import CASE_BY_NAME, make_inputs, run
-    from .testing.accuracy import SLACK, check_output, same_dtype_error
 
     for loss in plan.losses:
         case = CASE_BY_NAME[loss]
         for n, d in plan.parity_shapes:
             tensors, kwargs = make_inputs(case, n, d, seed=0)
             for dt in plan.dtypes:
-                rounded = {k: (v.to(dt).double() if v.dim() > 0 else v.double()) for k, v in tensors.items()}
-                truth_loss, truth_grads = oracle(case, (rounded, kwargs), device)
-                with reference.computing_in(dt):
-                    same_loss, same_grads = run(case, (tensors, kwargs), "reference", dt, device)
-                for path in plan.paths:
-                    worst_ratio, worst = 0.0, "no outputs"
-                    problems: list[str] = []
-                    seen: list[str] = []
-                    calls = triton_aot.CALLS
-                    with poisoned_launches(seen), triton_path(path):
-                        # the library takes 16-element row strides: NaN padding to the next such stride
-                        got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True,
-                                                  canary_align=16 if path.startswith("aot/") else 1)
-                    if path.startswith("aot/"):
-                        # the library's buffers are its own (not NaN-filled); a call it does not cover
-                        # ran on the JIT kernels: information, not a check of the library
-                        if triton_aot.CALLS == calls:
-                            report.add(f"parity {loss} {path} N={n} D={d} {_dname(dt)}", None,
-                                       "not covered by the library (the JIT kernels ran)")
-                            continue
-                        jit = set(seen) & set().union(*PATHS.values())
-                        if jit:
-                            problems.append(f"JIT kernels ran beside the library: {sorted(jit)}")
-                    elif not PATHS[path] <= set(seen):
-                        problems.append(f"the kernels did not run (launches: {sorted(set(seen))})")
-                    outs = [("loss", got_loss, truth_loss, same_loss, 1.0)]
-                    for k, tg in truth_grads.items():
-                        gg = got_grads.get(k)
-                        if (tg is None) != (gg is None):
-                            problems.append(f"gradient of {k} {'missing' if gg is None else 'unexpected'}")
-                            continue
-                        if tg is not None:
-                            amp = 1.0 / min(abs(float(tensors[k])), 1.0) ** 2 if tensors[k].dim() == 0 else 1.0
-                            outs.append((f"grad {k}", gg, tg, same_grads.get(k), amp))
-                    for name, got, truth, same, amp in outs:
-                        # THE rule's tolerance grows with PyTorch's own same-dtype error against the
-                        # oracle, so a wrong oracle would widen its own tolerance: the oracle must agree
-                        # with the same-dtype reference to ORACLE_SANITY x the dtype's slack
-                        e_same = same_dtype_error(same, truth) if same is not None else 0.0
-                        bound = ORACLE_SANITY * SLACK[dt] * max(1.0, _finite_max(truth), amp)
-                        if not e_same <= bound:
-                            problems.append(f"oracle suspect: {_dname(dt)} reference differs from it by "
-                                            f"{e_same:.3g} on {name} (> {bound:.3g})")
-                        w, e, tol = check_output(name, got, truth, same, dt, amp)
-                        ratio = e / tol if tol > 0 else math.inf
-                        ratio = math.inf if math.isnan(ratio) else ratio
-                        if ratio >= worst_ratio:
-                            worst_ratio, worst = ratio, str(w)
-                    ok = not problems and worst_ratio <= 1.0
-                    report.add(f"parity {loss} {path} N={n} D={d} {_dname(dt)}", ok,
-                               "; ".join(problems) or f"err/tol {worst_ratio:.3f} ({worst})")
+                try:
+                    rounded = {k: (v.to(dt).double() if v.dim() > 0 else v.double()) for k, v in tensors.items()}
+                    truth_loss, truth_grads = oracle(case, (rounded, kwargs), device)
+                    with reference.computing_in(dt):
+                        same_loss, same_grads = run(case, (tensors, kwargs), "reference", dt, device)
+                except Exception as e:  # noqa: BLE001 - a FAIL row per path, and on to the next case
+                    for label, _, _ in _parity_paths(plan):
+                        report.add(f"parity {loss} {label} N={n} D={d} {_dname(dt)}", False,
+                                   f"the oracle or the {_dname(dt)} reference raised {_err(e)}")
+                    continue
+                for label, path, rows in _parity_paths(plan):
+                    check = f"parity {loss} {label} N={n} D={d} {_dname(dt)}"
+                    try:
+                        _parity_one(report, check, case, tensors, kwargs, truth_loss, truth_grads, same_loss,
+                                    same_grads, path, rows, n, dt, device)
+                    except Exception as e:  # noqa: BLE001
+                        report.add(check, False, f"raised {_err(e)}")
+
+
+def _parity_one(report: Report, check: str, case, tensors, kwargs, truth_loss, truth_grads, same_loss, same_grads,
+                path: str, rows: int | None, n: int, dt, device: str) -> None:
+    """One parity row: the triton backend on ``path`` (``rows``: forced panel height) against the oracle."""
+    from .core import triton_aot
+    from .testing import run
+    from .testing.accuracy import SLACK, check_output, same_dtype_error
+
+    worst_ratio, worst = 0.0, "no outputs"
+    problems: list[str] = []
+    seen: list[str] = []
+    calls = triton_aot.CALLS
+    with poisoned_launches(seen), triton_path(path), _panel_height(rows):
+        # the library takes 16-element row strides: NaN padding to the next such stride
+        got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True,
+                                  canary_align=16 if path.startswith("aot/") else 1)
+    if path.startswith("aot/"):
+        # the library's buffers are its own (not NaN-filled); a call it does not cover
+        # ran on the JIT kernels: information, not a check of the library
+        if triton_aot.CALLS == calls:
+            report.add(check, None, "not covered by the library (the JIT kernels ran)")
+            return
+        jit = set(seen) & set().union(*PATHS.values())
+        if jit:
+            problems.append(f"JIT kernels ran beside the library: {sorted(jit)}")
+    elif not PATHS[path] <= set(seen):
+        problems.append(f"the kernels did not run (launches: {sorted(set(seen))})")
+    elif rows is not None and seen.count("panel_dl") < math.ceil(n / rows):
+        problems.append(f"{seen.count('panel_dl')} panel launches, expected at least "
+                        f"{math.ceil(n / rows)} panels of {rows} rows")
+    outs = [("loss", got_loss, truth_loss, same_loss, 1.0)]
+    for k, tg in truth_grads.items():
+        gg = got_grads.get(k)
+        if (tg is None) != (gg is None):
+            problems.append(f"gradient of {k} {'missing' if gg is None else 'unexpected'}")
+            continue
+        if tg is not None:
+            amp = 1.0 / min(abs(float(tensors[k])), 1.0) ** 2 if tensors[k].dim() == 0 else 1.0
+            outs.append((f"grad {k}", gg, tg, same_grads.get(k), amp))
+    for name, got, truth, same, amp in outs:
+        # THE rule's tolerance grows with PyTorch's own same-dtype error against the
+        # oracle, so a wrong oracle would widen its own tolerance: the oracle must agree
+        # with the same-dtype reference to ORACLE_SANITY x the dtype's slack
+        e_same = same_dtype_error(same, truth) if same is not None else 0.0
+        bound = ORACLE_SANITY * SLACK[dt] * max(1.0, _finite_max(truth), amp)
+        if not e_same <= bound:
+            problems.append(f"oracle suspect: {_dname(dt)} reference differs from it by "
+                            f"{e_same:.3g} on {name} (> {bound:.3g})")
+        w, e, tol = check_output(name, got, truth, same, dt, amp)
+        ratio = e / tol if tol > 0 else math.inf
+        ratio = math.inf if math.isnan(ratio) else ratio
+        if ratio >= worst_ratio:
+            worst_ratio, worst = ratio, str(w)
+    ok = not problems and worst_ratio <= 1.0
+    report.add(check, ok, "; ".join(problems) or f"err/tol {worst_ratio:.3f} ({worst})")
+
+
+def check_gemm_routes(report: Report, plan: Plan, device: str) -> None:
+    """Information: the route of the panel path's fp32-output GEMMs per 16-bit dtype of the plan
+    (``core/triton_panel.gemm_routes``: "native" = ``out_dtype`` cuBLAS call proven by its probe on this
+    device; otherwise the fallback, correct but with more memory traffic)."""
+    from .core import triton_panel
+
+    for dt in (x for x in plan.dtypes if x != torch.float32):
+        mm, addmm = triton_panel.gemm_routes(torch.device(device), dt)
+        report.add(f"cuBLAS fp32-output GEMMs {_dname(dt)}", None, f"mm {mm}, addmm {addmm}")
 
 
 def _loss_and_grads(loss: str, tensors, kwargs, backend: str, dtype, device, upstream_seed: int = 1):
@@ -282,20 +353,24 @@ def check_determinism(report: Report, plan: Plan, device: str) -> None:
 
     n, d = plan.determinism_shape
     dt = plan.dtypes[0]
-    for loss, path in ((lo, pa) for lo in plan.losses for pa in plan.paths):
-        tensors, kwargs = make_inputs(CASE_BY_NAME[loss], n, d, seed=3)
-        first = None
-        same = True
-        for _ in range(plan.determinism_runs):
-            with triton_path(path):
-                lo, grads = _loss_and_grads(loss, tensors, kwargs, "triton", dt, device)
-            cur = [lo] + [g for g in grads.values() if g is not None]
-            if first is None:
-                first = cur
-            elif not all(torch.equal(a, b) for a, b in zip(first, cur, strict=True)):
-                same = False
-        report.add(f"determinism {loss} {path} N={n} D={d} {_dname(dt)}", same,
-                   f"{plan.determinism_runs} forward + backward runs "
+    for loss, (label, path, rows) in ((lo, pa) for lo in plan.losses for pa in _parity_paths(plan)):
+        check = f"determinism {loss} {label} N={n} D={d} {_dname(dt)}"
+        try:
+            tensors, kwargs = make_inputs(CASE_BY_NAME[loss], n, d, seed=3)
+            first = None
+            same = True
+            for _ in range(plan.determinism_runs):
+                with triton_path(path), _panel_height(rows):
+                    lo, grads = _loss_and_grads(loss, tensors, kwargs, "triton", dt, device)
+                cur = [lo] + [g for g in grads.values() if g is not None]
+                if first is None:
+                    first = cur
+                elif not all(torch.equal(a, b) for a, b in zip(first, cur, strict=True)):
+                    same = False
+        except Exception as e:  # noqa: BLE001 - a FAIL row, and on to the next check
+            report.add(check, False, f"raised {_err(e)}")
+            continue
+        report.add(check, same, f"{plan.determinism_runs} forward + backward runs "
                    + ("bitwise identical" if same else "DIFFER bitwise"))
 
 
@@ -314,8 +389,11 @@ def check_fp16_large_m(report: Report, plan: Plan, device: str) -> None:
     q = torch.randn(n, d, generator=g)
     k = torch.randn(m, d, generator=g)
     for path in plan.paths:
-        with triton_path(path):
-            _fp16_one(report, path, q, k, n, m, d, device)
+        try:
+            with triton_path(path):
+                _fp16_one(report, path, q, k, n, m, d, device)
+        except Exception as e:  # noqa: BLE001 - a FAIL row, and on to the next check
+            report.add(f"fp16 vs fp32 info_nce {path} N={n} M={m} D={d}", False, f"raised {_err(e)}")
 
 
 def _fp16_one(report: Report, path: str, q: Tensor, k: Tensor, n: int, m: int, d: int, device: str) -> None:
@@ -391,10 +469,11 @@ def check_timings(report: Report, plan: Plan, device: str) -> None:
                 try:
                     step()  # warm-up (compiles, cuBLAS heuristics)
                     row[name] = statistics.median(measure(step) for _ in range(plan.timing_repeats))
-                except (RuntimeError, torch.OutOfMemoryError) as e:
-                    if not _is_oom(e):
-                        raise
+                except Exception as e:  # noqa: BLE001 - out of memory: "does not fit"; else a FAIL row
                     row[name] = None
+                    if not _is_oom(e):
+                        report.add(f"timing {loss} {name} N={n} D={plan.timing_d} {_dname(dt)}", False,
+                                   f"raised {_err(e)}")
                     if device.startswith("cuda"):
                         torch.cuda.empty_cache()
             report.timings[(loss, n)] = row
@@ -457,17 +536,24 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     print(f"fused-contrastive GPU validation on {device} ({name}), torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}", flush=True)
-    with kernels_only():
-        check_parity(report, plan, device, oracle)
-        if plan.determinism_runs > 1:
-            check_determinism(report, plan, device)
-        if plan.fp16_shape is not None:
-            check_fp16_large_m(report, plan, device)
-        if plan.timing_sizes:
-            check_timings(report, plan, device)
-    if plan.ncu:
-        check_ncu(report, plan, device)
+    steps = [("parity", lambda: check_parity(report, plan, device, oracle), True),
+             ("cuBLAS GEMM routes", lambda: check_gemm_routes(report, plan, device), True),
+             ("determinism", lambda: check_determinism(report, plan, device), plan.determinism_runs > 1),
+             ("fp16 vs fp32", lambda: check_fp16_large_m(report, plan, device), plan.fp16_shape is not None),
+             ("timings", lambda: check_timings(report, plan, device), bool(plan.timing_sizes)),
+             ("ncu", lambda: check_ncu(report, plan, device), plan.ncu)]
+    for what, step, wanted in steps:
+        if not wanted:
+            continue
+        try:
+            with kernels_only() if what != "ncu" else contextlib.nullcontext():
+                step()
+        except Exception as e:  # noqa: BLE001 - whatever escapes a check is a FAIL row; the table follows
+            report.add(f"{what} (the check itself)", False, f"raised {_err(e)}")
     fails = [r.check for r in report.results if r.ok is False]
+    print("\nverdict table:")
+    for r in report.results:
+        print(f"  {({True: 'PASS', False: 'FAIL', None: 'info'})[r.ok]:4s}  {r.check:44s} {r.detail}")
     print(f"\nverdict: {'PASS' if report.ok else 'FAIL'} ({sum(r.ok is True for r in report.results)} passed, "
           f"{len(fails)} failed{': ' + ', '.join(fails) if fails else ''})")
     for loss, be in report.prefer.items():

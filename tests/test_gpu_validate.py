@@ -19,12 +19,13 @@ from fused_contrastive import gpu_validate as GV
 from fused_contrastive.core import triton_backend as TB
 
 SHAPES = ((37, 20), (70, 130))
+MULTI = 16  # forced panel height of the multi-panel parity runs: 37 rows -> 3 panels, 70 -> 5
 
 
 def _plan(**kw) -> GV.Plan:
     base = dict(parity_shapes=SHAPES, dtypes=(torch.bfloat16,), determinism_shape=(70, 130),
                 determinism_runs=2, fp16_shape=(8, 300, 24), timing_sizes=(40,), timing_d=16, timing_repeats=1,
-                ncu=False)
+                ncu=False, multi_panel_rows=MULTI)
     base.update(kw)
     return GV.Plan(**base)
 
@@ -34,10 +35,13 @@ def test_checks_pass_on_the_interpreter(capsys):
     out = capsys.readouterr().out
     assert rep.ok, out
     checks = [r.check for r in rep.results]
-    # 3 losses x 2 triton paths x shapes x dtypes; reruns per loss and path; fp16 per path
-    assert sum(c.startswith("parity") for c in checks) == 3 * 2 * len(SHAPES)
-    assert {c.split()[2] for c in checks if c.startswith("parity")} == {"fused", "panel"}
-    assert sum(c.startswith("determinism") for c in checks) == 3 * 2
+    # 3 losses x 3 runs (2 triton paths + the panel path in panels of 16 rows) x shapes x dtypes; reruns
+    # per loss and run; fp16 per path; the GEMM route of bf16 (the CPU's: upcast)
+    assert sum(c.startswith("parity") for c in checks) == 3 * 3 * len(SHAPES)
+    assert {c.split()[2] for c in checks if c.startswith("parity")} == {"fused", "panel", f"panel(P={MULTI})"}
+    assert sum(c.startswith("determinism") for c in checks) == 3 * 3
+    assert [r.detail for r in rep.results if r.check.startswith("cuBLAS")] == ["mm upcast, addmm upcast"]
+    assert "verdict table:" in out
     assert sum(c.startswith("fp16 vs fp32") for c in checks) == 2
     assert "verdict: PASS" in out
     # every timing was measured (nothing ran out of memory here) and auto's preference is one of ours
@@ -55,7 +59,7 @@ def test_a_wrong_oracle_fails_the_verdict(capsys):
                                    determinism_runs=0, fp16_shape=None, timing_sizes=()),
                       oracle=wrong, allow_cpu=True)
     assert not rep.ok
-    assert [r.ok for r in rep.results] == [False, False]  # both paths
+    assert [r.ok for r in rep.results] == [False, False, False]  # both paths, and the panel one in 3 panels
     assert all("oracle suspect" in r.detail for r in rep.results)
     assert "verdict: FAIL" in capsys.readouterr().out
 
@@ -76,8 +80,50 @@ def test_an_unwritten_kernel_output_fails_the_verdict(monkeypatch):
     monkeypatch.setattr(TB, "_launch", forgetful)
     rep = GV.validate("cpu", _plan(losses=("info_nce",), parity_shapes=SHAPES[1:], dtypes=(torch.float32,),
                                    determinism_runs=0, fp16_shape=None, timing_sizes=()), allow_cpu=True)
-    assert [r.ok for r in rep.results] == [False, False]
+    assert [r.ok for r in rep.results] == [False, False, False]
     assert all("inf" in r.detail for r in rep.results), [r.detail for r in rep.results]
+
+
+def test_an_exception_is_a_fail_row_and_the_table_follows(monkeypatch, capsys):
+    """The panel path's GEMM raises (as an unsupported cuBLAS call would on a first GPU): every panel row
+    of parity and determinism is a FAIL carrying the error, the fused rows still run and pass, a
+    check that raises as a whole (the timings) is a FAIL row too, and the verdict table ends the run."""
+    from fused_contrastive.core import triton_panel
+    from fused_contrastive import testing
+
+    def boom(x, y):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (planted)")
+
+    monkeypatch.setattr(triton_panel, "_mm32", boom)
+    monkeypatch.setattr(testing, "BASELINES", {})  # check_timings itself raises (KeyError)
+    rep = GV.validate("cpu", _plan(losses=("info_nce",), parity_shapes=SHAPES[:1], dtypes=(torch.float32,),
+                                   fp16_shape=None, determinism_shape=(37, 20)), allow_cpu=True)
+    out = capsys.readouterr().out
+    rows = {r.check: r for r in rep.results}
+    assert not rep.ok
+    for run in ("panel", f"panel(P={MULTI})"):
+        for name in (f"parity info_nce {run} N=37 D=20 float32", f"determinism info_nce {run} N=37 D=20 float32"):
+            assert rows[name].ok is False and "CUBLAS_STATUS_NOT_SUPPORTED (planted)" in rows[name].detail, rows[name]
+    assert rows["parity info_nce fused N=37 D=20 float32"].ok is True
+    assert rows["determinism info_nce fused N=37 D=20 float32"].ok is True
+    assert rows["timings (the check itself)"].ok is False and "KeyError" in rows["timings (the check itself)"].detail
+    table = out[out.index("verdict table:"):]
+    assert all(c in table for c in rows) and "verdict: FAIL (2 passed, 5 failed" in table, table
+
+
+def test_the_multi_panel_run_must_see_several_panels(monkeypatch):
+    """Without the forced panel height (the default budget: one panel at these sizes) the multi-panel
+    parity run must fail for want of panels, not pass on a single one."""
+    import contextlib
+
+    monkeypatch.setattr(GV, "_panel_height", lambda rows: contextlib.nullcontext())
+    rep = GV.validate("cpu", _plan(losses=("info_nce", "simcse"), parity_shapes=SHAPES[:1], dtypes=(torch.float32,),
+                                   determinism_runs=0, fp16_shape=None, timing_sizes=()), allow_cpu=True)
+    rows = {r.check: r for r in rep.results}
+    for loss in ("info_nce", "simcse"):
+        assert rows[f"parity {loss} panel N=37 D=20 float32"].ok is True
+        bad = rows[f"parity {loss} panel(P={MULTI}) N=37 D=20 float32"]
+        assert bad.ok is False and "expected at least 3 panels of 16 rows" in bad.detail, bad
 
 
 def test_the_poison_fills_scratch_and_outputs_with_nan():
