@@ -88,8 +88,8 @@ def test_an_exception_is_a_fail_row_and_the_table_follows(monkeypatch, capsys):
     """The panel path's GEMM raises (as an unsupported cuBLAS call would on a first GPU): every panel row
     of parity and determinism is a FAIL carrying the error, the fused rows still run and pass, a
     check that raises as a whole (the timings) is a FAIL row too, and the verdict table ends the run."""
-    from fused_contrastive.core import triton_panel
     from fused_contrastive import testing
+    from fused_contrastive.core import triton_panel
 
     def boom(x, y):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (planted)")

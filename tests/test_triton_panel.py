@@ -366,6 +366,25 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
                      what=f"{what} {kinds}")
 
 
+
+def test_gemm_probe_waits_for_an_eager_call(monkeypatch):
+    """While torch.compile traces (fake tensors: no values to compare), no probe runs and nothing is
+    cached: the fallback, whose product is the float64 one to fp32 accuracy; the next eager call probes."""
+    calls = {"mm": 0, "addmm": 0}
+    monkeypatch.setattr(triton_panel, "GEMM_PROBE_DEVICES", ("cpu",))
+    monkeypatch.setattr(triton_panel, "_GEMM_ROUTES", {})
+    monkeypatch.setattr(triton_panel, "NATIVE_GEMMS", _stand_ins("ok", "ok", calls))
+    x = torch.randn(30, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    got = triton_panel._mm32(x, x.T)
+    assert calls == {"mm": 0, "addmm": 0} and triton_panel._GEMM_ROUTES == {}
+    want = x.double() @ x.double().T
+    assert ((got.double() - want).abs() <= (x.double().abs() @ x.double().abs().T) * 2.0 ** -18).all()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert triton_panel.gemm_routes(torch.device("cpu"), torch.bfloat16) == ("native", "native")
+    assert calls == {"mm": 1, "addmm": 1}
+
+
 # 1c. The triangular sweep of symmetric logits (B is A without a bias; the triangular fused forward,
 # triton_backend._lse_fwd with tri, and triton_panel.tri_backward)
 

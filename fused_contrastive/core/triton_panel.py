@@ -229,13 +229,20 @@ def _probe_one(op: str, dev: torch.device, dt: torch.dtype) -> str | None:
 def gemm_routes(dev: torch.device, dt: torch.dtype) -> tuple[str, str]:
     """``(mm route, addmm route)`` of the fp32-output GEMMs of ``dt`` operands on ``dev`` (see the
     comment above): probed once per (device, dtype) on :data:`GEMM_PROBE_DEVICES`, a warning on a
-    fallback; "upcast" on other devices, "native" on meta; fp32 operands never come here."""
+    fallback; "upcast" on other devices, "native" on meta; fp32 operands never come here. Before the
+    first eager call on a device, a traced (torch.compile / export) or CUDA-graph-captured call takes
+    "upcast" without probing."""
     if dev.type == "meta":
         return "native", "native"
     if dev.type not in GEMM_PROBE_DEVICES:
         return "upcast", "upcast"
     key = (dev.type, dev.index, dt)
     routes = _GEMM_ROUTES.get(key)
+    if routes is None and (torch.compiler.is_compiling()
+                           or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+        # no probe while tracing (fake tensors have no values) or capturing a CUDA graph (no host
+        # copies): the fallback for this call, nothing cached (an eager call probes later)
+        return "upcast", "upcast"
     if routes is None:
         why_mm = _probe_one("mm", dev, dt)
         why_addmm = _probe_one("addmm", dev, dt)
