@@ -7,6 +7,7 @@ the global batch is a slice of every tensor."""
 
 from __future__ import annotations
 
+import io
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -236,10 +237,12 @@ def local_data(data: dict[str, Tensor], rank: int) -> dict[str, Tensor]:
 # ------------------------------------------------------------------------------------------------
 
 def step(cell: Cell, model: nn.Module, loss_mod: nn.Module | None, data: dict[str, Tensor], *, textbook: bool,
-         chunks: bool = False, bf16: bool = False, gather: bool = False) -> dict[str, Tensor]:
+         chunks: bool = False, bf16: bool = False, gather: bool = False, encode=None) -> dict[str, Tensor]:
     """Forward, loss, backward (no optimizer); returns every trained parameter's gradient by name
-    (``loss.<name>`` for the drop-in's own parameters). ``model`` may be a DDP wrapper."""
+    (``loss.<name>`` for the drop-in's own parameters). ``model`` may be a DDP wrapper; ``encode``
+    (token ids -> embeddings) replaces calling ``model`` directly."""
     enc = (lambda t: fc.encode_in_chunks(model, t, CHUNK)) if chunks else model
+    enc = encode if encode is not None else enc
     params = dict(model.named_parameters())
     params = {k.removeprefix("module."): p for k, p in params.items()}
     if loss_mod is not None:
@@ -275,6 +278,55 @@ def truth_and_same(cell: Cell, bf16: bool):
 # 2-rank DDP worker
 # ------------------------------------------------------------------------------------------------
 
+class _GatherRows(torch.autograd.Function):
+    """This rank's rows -> every rank's rows (uneven sizes), differentiable: the backward sums the
+    gradient every rank's loss puts on the full batch and returns this rank's slice. Written here, not
+    taken from the library, so that the textbook's DDP step is independent of the code under test."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, rank: int) -> Tensor:
+        import torch.distributed as dist
+
+        ctx.rank = rank
+        pad = torch.zeros(max(SIZES), *x.shape[1:], dtype=torch.float32)
+        pad[: x.shape[0]] = x.float()
+        parts = [torch.empty_like(pad) for _ in SIZES]
+        dist.all_gather(parts, pad)
+        return torch.cat([p[:s] for p, s in zip(parts, SIZES)]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        import torch.distributed as dist
+
+        total = g.float().contiguous()
+        dist.all_reduce(total)
+        off = sum(SIZES[: ctx.rank])
+        return total[off:off + SIZES[ctx.rank]].to(g.dtype), None
+
+
+def textbook_ddp_step(cell: Cell, ddp: nn.Module, loss_mod: nn.Module | None, rank: int, *,
+                      bf16: bool) -> dict[str, Tensor]:
+    """The textbook loss of the global batch on every rank under DDP: each rank encodes its own rows,
+    gathers everyone's embeddings (_GatherRows) and backpropagates ``world * loss``, so DDP's average is
+    the global gradient (the loss module's parameters, which every rank trains on the full loss, are
+    averaged and divided by ``world``). The textbook's own error in the DDP setting."""
+    import torch.distributed as dist
+
+    world = len(SIZES)
+    off = sum(SIZES[:rank])
+
+    def enc(tokens: Tensor) -> Tensor:  # the global token ids -> the global embeddings
+        return _GatherRows.apply(ddp(tokens[off:off + SIZES[rank]]), rank)
+
+    scaled = Cell(cell.name, cell.data, cell.ours, lambda e, d, m: world * cell.textbook(e, d, m))
+    grads = step(scaled, ddp, loss_mod, global_data(cell), textbook=True, bf16=bf16, encode=enc)
+    for k, v in grads.items():
+        if k.startswith("loss."):
+            dist.all_reduce(v)
+            v /= world * world
+    return grads
+
+
 def ddp_worker(rank: int, world: int, init: str, names: list[str], chunks: bool, bf16: bool, out) -> None:
     """Runs ``names`` in order on DDP(TinyEncoder, broadcast_buffers=True) with gather=True on this rank's
     share of the global batch, and reports {"rank", "grads": {name: grads}, "error": (name, traceback)
@@ -283,12 +335,15 @@ def ddp_worker(rank: int, world: int, init: str, names: list[str], chunks: bool,
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    res = {"rank": rank, "grads": {}, "error": None}
+    res = {"rank": rank, "grads": {}, "textbook": {}, "error": None}
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
     try:
         for name in names:
             cell = BY_NAME[name]
             try:
+                model, mod = fresh(cell, gather=True)
+                ddp = DDP(model, broadcast_buffers=True)
+                res["textbook"][name] = textbook_ddp_step(cell, ddp, mod, rank, bf16=bf16)
                 model, mod = fresh(cell, gather=True)
                 ddp = DDP(model, broadcast_buffers=True)
                 grads = step(cell, ddp, mod, local_data(global_data(cell), rank), textbook=False, chunks=chunks,
@@ -303,7 +358,9 @@ def ddp_worker(rank: int, world: int, init: str, names: list[str], chunks: bool,
                 res["error"] = (name, traceback.format_exc(limit=6))
                 break
     finally:
-        out.put(res)
+        buf = io.BytesIO()  # bytes, not tensors: a tensor's shared memory dies with this process
+        torch.save(res, buf)
+        out.put(buf.getvalue())
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001

@@ -19,6 +19,7 @@ a (precision, encoding) group; 30 s collective timeouts turn a hang into a failu
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -68,35 +69,64 @@ def test_one_process(name, precision, mode):
 # 2-rank gloo DDP
 # ------------------------------------------------------------------------------------------------
 
-_DDP_CACHE: dict[tuple[str, str], list[dict]] = {}
+_DDP_CACHE: dict[tuple[str, str], dict[str, dict]] = {}
 
 
-def _ddp_group(precision: str, mode: str, tmp_path_factory) -> list[dict]:
-    """Both ranks' reports for every cell of one (precision, mode) group (one spawn, cached)."""
-    key = (precision, mode)
-    if key not in _DDP_CACHE:
-        from _training_matrix import ddp_worker
+def _spawn(names: list[str], precision: str, mode: str, store) -> list[dict]:
+    """Both ranks' reports of one spawn running ``names`` in order (see ddp_worker)."""
+    from _training_matrix import ddp_worker
 
-        store = tmp_path_factory.mktemp(f"ddp_{precision}_{mode}") / "store"
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        args = (2, f"file://{store}", CELL_IDS, mode == "encode_in_chunks", precision == "bf16", out)
-        procs = [ctx.Process(target=ddp_worker, args=(r, *args)) for r in range(2)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = (2, f"file://{store}", names, mode == "encode_in_chunks", precision == "bf16", out)
+    procs = [ctx.Process(target=ddp_worker, args=(r, *args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in range(2):
+            results.append(torch.load(io.BytesIO(out.get(timeout=150))))
+    except queue_mod.Empty:
+        results.append({"rank": -1, "grads": {}, "textbook": {}, "error": (names[0], "a rank did not report within 150 s")})
+    finally:
         for p in procs:
-            p.start()
-        results = []
-        try:
-            for _ in range(2):
-                results.append(out.get(timeout=150))
-        except queue_mod.Empty:
-            results.append({"rank": -1, "grads": {}, "error": ("(spawn)", "a rank did not report within 150 s")})
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-        _DDP_CACHE[key] = results
-    return _DDP_CACHE[key]
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _ddp_group(precision: str, mode: str, tmp_path_factory) -> dict[str, dict]:
+    """{cell: {"grads": (rank 0's, rank 1's)} or {"error": text}} for every cell of one (precision,
+    mode) group, cached. One spawn runs the cells in order and stops at the first failure; after a
+    failure both ranks raised (no collective left waiting) the remaining cells run in a new spawn,
+    after a collective timeout (a hang: the ranks are out of step) they are reported as not run."""
+    key = (precision, mode)
+    if key in _DDP_CACHE:
+        return _DDP_CACHE[key]
+    cells: dict[str, dict] = {}
+    remaining = list(CELL_IDS)
+    while remaining:
+        results = _spawn(remaining, precision, mode, tmp_path_factory.mktemp(f"ddp_{precision}_{mode}") / "store")
+        for name in remaining:
+            if all(name in r["grads"] for r in results):
+                ranks = sorted(results, key=lambda r: r["rank"])
+                cells[name] = {"grads": tuple(r["grads"][name] for r in ranks),
+                               "textbook": tuple(r["textbook"][name] for r in ranks)}
+        errors = [(r["rank"], *r["error"]) for r in results if r["error"] is not None]
+        if not errors:
+            break
+        failed = min((remaining.index(e[1]) for e in errors if e[1] in remaining), default=0)
+        cells[remaining[failed]] = {"error": "\n".join(f"rank {r} failed at {n}:\n{t}" for r, n, t in errors)}
+        hang = len(errors) < 2 or any("Timed out" in t or "timeout" in t.lower() for _, _, t in errors)
+        if hang:
+            for name in remaining[failed + 1:]:
+                cells[name] = {"error": f"not run: the ranks were out of step after {remaining[failed]} failed:\n"
+                               + cells[remaining[failed]]["error"]}
+            break
+        remaining = remaining[failed + 1:]
+    _DDP_CACHE[key] = cells
+    return cells
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -104,18 +134,18 @@ def _ddp_group(precision: str, mode: str, tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name", CELL_IDS)
 def test_ddp_two_ranks(name, precision, mode, tmp_path_factory):
     bf16 = precision == "bf16"
-    results = _ddp_group(precision, mode, tmp_path_factory)
-    errors = [r["error"] for r in results if r["error"] is not None]
-    for r in results:
-        if name not in r["grads"]:
-            detail = "\n".join(f"rank {r2['rank']} failed at {e[0]}:\n{e[1]}" for r2 in results
-                               for e in [r2["error"]] if e is not None)
-            pytest.fail(f"{name}/{precision}/{mode}: rank {r['rank']} has no result "
-                        f"(the group stops at its first failing cell)\n{detail or errors}")
-    truth, same = truth_and_same(BY_NAME[name], bf16)
-    g0, g1 = (r["grads"][name] for r in sorted(results, key=lambda r: r["rank"]))
+    res = _ddp_group(precision, mode, tmp_path_factory)[name]
+    if "error" in res:
+        pytest.fail(f"{name}/{precision}/{mode}/ddp: {res['error']}")
+    truth, _ = truth_and_same(BY_NAME[name], bf16)
+    g0, g1 = res["grads"]
+    assert set(g0) == set(g1)
     for k in g0:  # DDP leaves identical gradients on every rank
         assert torch.equal(g0[k], g1[k]), f"{name}/{precision}/{mode}: grad {k} differs between the ranks"
+    # the textbook's own error: the same DDP step (plain encoding) with the textbook loss on the
+    # gathered global batch, in the cell's precision
+    same = res["textbook"][0]
+    _assert_grads(same, truth, same, bf16, f"{name}/{precision}/textbook-under-ddp (the harness itself)")
     _assert_grads(g0, truth, same, bf16, f"{name}/{precision}/{mode}/ddp")
 
 
