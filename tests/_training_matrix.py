@@ -306,10 +306,11 @@ class _GatherRows(torch.autograd.Function):
 
 def textbook_ddp_step(cell: Cell, ddp: nn.Module, loss_mod: nn.Module | None, rank: int, *,
                       bf16: bool) -> dict[str, Tensor]:
-    """The textbook loss of the global batch on every rank under DDP: each rank encodes its own rows,
-    gathers everyone's embeddings (_GatherRows) and backpropagates ``world * loss``, so DDP's average is
-    the global gradient (the loss module's parameters, which every rank trains on the full loss, are
-    averaged and divided by ``world``). The textbook's own error in the DDP setting."""
+    """The textbook loss of the global batch on every rank under DDP: each rank encodes its own rows and
+    gathers everyone's embeddings (_GatherRows, whose backward sums every rank's gradient of the
+    rows, so rank r's rows get ``world`` times their share of the global gradient and DDP's average is
+    the global gradient); the loss module's parameters, which every rank trains on the full loss, are
+    averaged. The textbook's own error in the DDP setting."""
     import torch.distributed as dist
 
     world = len(SIZES)
@@ -318,12 +319,11 @@ def textbook_ddp_step(cell: Cell, ddp: nn.Module, loss_mod: nn.Module | None, ra
     def enc(tokens: Tensor) -> Tensor:  # the global token ids -> the global embeddings
         return _GatherRows.apply(ddp(tokens[off:off + SIZES[rank]]), rank)
 
-    scaled = Cell(cell.name, cell.data, cell.ours, lambda e, d, m: world * cell.textbook(e, d, m))
-    grads = step(scaled, ddp, loss_mod, global_data(cell), textbook=True, bf16=bf16, encode=enc)
+    grads = step(cell, ddp, loss_mod, global_data(cell), textbook=True, bf16=bf16, encode=enc)
     for k, v in grads.items():
         if k.startswith("loss."):
             dist.all_reduce(v)
-            v /= world * world
+            v /= world
     return grads
 
 
@@ -355,7 +355,7 @@ def ddp_worker(rank: int, world: int, init: str, names: list[str], chunks: bool,
                         v /= world
                 res["grads"][name] = grads
             except Exception:  # noqa: BLE001 - reported; the parent fails this cell and the ones after it
-                res["error"] = (name, traceback.format_exc(limit=6))
+                res["error"] = (name, traceback.format_exc(limit=-8))
                 break
     finally:
         buf = io.BytesIO()  # bytes, not tensors: a tensor's shared memory dies with this process

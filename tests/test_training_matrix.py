@@ -137,7 +137,7 @@ def test_ddp_two_ranks(name, precision, mode, tmp_path_factory):
     res = _ddp_group(precision, mode, tmp_path_factory)[name]
     if "error" in res:
         pytest.fail(f"{name}/{precision}/{mode}/ddp: {res['error']}")
-    truth, _ = truth_and_same(BY_NAME[name], bf16)
+    truth, same_one_process = truth_and_same(BY_NAME[name], bf16)
     g0, g1 = res["grads"]
     assert set(g0) == set(g1)
     for k in g0:  # DDP leaves identical gradients on every rank
@@ -145,7 +145,8 @@ def test_ddp_two_ranks(name, precision, mode, tmp_path_factory):
     # the textbook's own error: the same DDP step (plain encoding) with the textbook loss on the
     # gathered global batch, in the cell's precision
     same = res["textbook"][0]
-    _assert_grads(same, truth, same, bf16, f"{name}/{precision}/textbook-under-ddp (the harness itself)")
+    # the harness itself: the textbook under DDP is within the rule of the textbook in one process
+    _assert_grads(same, truth, same_one_process, bf16, f"{name}/{precision}/textbook-under-ddp (the harness)")
     _assert_grads(g0, truth, same, bf16, f"{name}/{precision}/{mode}/ddp")
 
 
