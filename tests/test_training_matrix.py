@@ -23,6 +23,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import random
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -199,6 +200,7 @@ def _st_step(model, loss_name: str, wrapper: str, ours: bool, bf16: bool) -> dic
     if labels is not None and next(model.parameters()).dtype == torch.float64:
         labels = labels.double()
     model.zero_grad(set_to_none=True)
+    random.seed(0)  # AdaptiveLayerLoss samples its prior layer with `random`: the same one in every run
     with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False):
         out = loss([dict(f) for f in feats], labels)
     out.backward()
