@@ -30,7 +30,7 @@ CHUNK = 2  # encode_in_chunks' chunk size: 3 chunks on rank 0, 2 on rank 1
 class TinyEncoder(nn.Module):
     """Token ids [n, TOKENS] -> embeddings [n, DIM]: Embedding, mean over tokens, Linear, BatchNorm1d in
     eval mode (running statistics are buffers DDP broadcasts), tanh, LayerNorm, a registered shift
-    buffer, Linear. 326 parameters. The shift sits before the last Linear so that under autocast the
+    buffer, Linear. 286 parameters. The shift sits before the last Linear so that under autocast the
     embeddings come out in bfloat16."""
 
     def __init__(self) -> None:
@@ -116,7 +116,11 @@ def tb_dscl(feats: Tensor, labels: Tensor, beta: float, t: float) -> Tensor:
 
 
 def tb_cosent(u: Tensor, v: Tensor, y: Tensor, scale: float) -> Tensor:
-    s = (F.normalize(u, dim=-1) * F.normalize(v, dim=-1)).sum(1)
+    return tb_cosent_scores((F.normalize(u, dim=-1) * F.normalize(v, dim=-1)).sum(1), y, scale)
+
+
+def tb_cosent_scores(s: Tensor, y: Tensor, scale: float) -> Tensor:
+    """log(1 + sum over pairs with y_a > y_b of exp(scale * (s_b - s_a)))."""
     diff = scale * (s[None, :] - s[:, None])  # [a, b] = scale * (s_b - s_a)
     terms = diff[y[:, None] > y[None, :]]
     return torch.logsumexp(torch.cat([terms, torch.zeros(1, dtype=terms.dtype)]), 0)
@@ -194,6 +198,9 @@ CELLS: list[Cell] = [
     Cell("cosent_loss", _scored,
          lambda e, d, m, g: fc.cosent_loss(e(d["a"]), e(d["b"]), d["y"], scale=5.0, gather=g),
          lambda e, d, m: tb_cosent(e(d["a"]), e(d["b"]), d["y"], 5.0)),
+    Cell("cosent_loss_from_scores", _scored,  # a dot-product "cross-encoder" score per pair
+         lambda e, d, m, g: fc.cosent_loss_from_scores((e(d["a"]) * e(d["b"])).sum(1), d["y"], scale=0.5, gather=g),
+         lambda e, d, m: tb_cosent_scores((e(d["a"]) * e(d["b"])).sum(1), d["y"], 0.5)),
     Cell("siglip_loss", _pairs,
          lambda e, d, m, g: fc.siglip_loss(e(d["a"]), e(d["b"]), 5.0, -2.0, gather=g),
          lambda e, d, m: tb_siglip(e(d["a"]), e(d["b"]), 5.0, -2.0)),

@@ -4,7 +4,7 @@ encode_in_chunks}, plus sentence-transformers' drop-ins x {plain, MatryoshkaLoss
 
 Each cell is one optimizer-free training step (forward, loss, backward) of a tiny offline encoder with
 buffers (tests/_training_matrix.py: Embedding, Linear, BatchNorm1d in eval mode, LayerNorm, a registered
-shift buffer; 326 parameters). Every parameter's gradient is compared with a float64 single-process run
+shift buffer; 286 parameters). Every parameter's gradient is compared with a float64 single-process run
 of an independent textbook computation (F.cross_entropy / logsigmoid on materialised cosine logits) on
 the global batch, under THE accuracy rule of fused_contrastive.testing.accuracy: the error may be at most
 twice the textbook's own error computing in the cell's precision (the same step, same autocast) plus the
