@@ -13,8 +13,14 @@ dtype's slack.
 DDP cells: DistributedDataParallel(broadcast_buffers=True, the default) on 2 gloo ranks with uneven
 local batches (5 and 3 rows), every loss with gather=True. Each rank backpropagates its own loss (the
 library scales it so that DDP's average over ranks is the global batch's gradient), so the averaged
-gradients equal the single-process gradients on the global batch unchanged. One spawn runs all cells of
-a (precision, encoding) group; 30 s collective timeouts turn a hang into a failure.
+gradients equal the single-process gradients on the global batch unchanged. The textbook's own error
+there is that of the same DDP step with the textbook loss on the gathered global batch (itself checked
+against the one-process textbook error). One spawn runs all cells of a (precision, encoding) group;
+30 s collective timeouts turn a hang into a failure, and the cells after a hang report "not run".
+
+sentence-transformers cells (one process): the library's drop-ins in sentence-transformers' own
+wrappers against sentence-transformers' losses in the same wrappers, on a tiny BERT built offline; the
+truth is theirs in float64, the tolerance their own error in the cell's precision.
 """
 
 from __future__ import annotations
