@@ -13,6 +13,7 @@ from torch import Tensor
 from . import _validate as V
 from . import distributed as D
 from . import ops
+from ._amp import autocast_off
 from ._backend import resolve
 from .core import reference as ref
 from .core.cosent import PairCosentFn, ScoresCosentFn
@@ -40,6 +41,7 @@ def _scores_loss(scores: Tensor, labels: Tensor, scale, backend: str) -> Tensor:
     return ScoresCosentFn.apply(scores, labels, sc)
 
 
+@autocast_off
 def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backend: str = "auto",
                             gather=False) -> Tensor:
     """CoSENT on given scores (e.g. a cross-encoder's logits).
@@ -63,6 +65,7 @@ def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backe
     return _scores_loss(scores, labels, scale, backend)
 
 
+@autocast_off
 def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: bool = True,
                 backend: str = "auto", gather=False) -> Tensor:
     """CoSENT on sentence pairs: the score of pair i is ``cos(u_i, v_i)`` (``<u_i, v_i>`` when

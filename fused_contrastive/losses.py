@@ -32,6 +32,7 @@ from torch import Tensor
 from . import _validate as V
 from . import core, ops
 from . import distributed as D
+from ._amp import autocast_off
 from ._backend import resolve
 from .core import reference as ref
 from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
@@ -131,6 +132,7 @@ def _gathered_clip(be: str, grp, a: Tensor, b: Tensor, s, normalize: bool, reduc
 # ----------------------------------------------------------------------------------------------
 
 
+@autocast_off
 def info_nce(
     query: Tensor,
     keys: Tensor | None = None,
@@ -233,6 +235,7 @@ def _info_nce_gathered(be, grp, query, keys, target, s, exclude_self, symmetric,
                         reduction=reduction, n_total=n_total, valid=valid)
 
 
+@autocast_off
 def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, reduction: str = "mean",
               backend: str = "auto", gather=False) -> Tensor:
     """CLIP loss: ``(CE(l, arange) + CE(l^T, arange)) / 2`` with ``l = logit_scale * cos(a, b)``, i.e.
@@ -274,6 +277,7 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
 # ----------------------------------------------------------------------------------------------
 
 
+@autocast_off
 def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, normalize: bool = True,
                 reduction: str = "mean", backend: str = "auto", gather=False) -> Tensor:
     """Unsupervised SimCSE.
@@ -315,6 +319,7 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
                           reduction=reduction)
 
 
+@autocast_off
 def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Tensor | None = None,
                     *, temperature=0.05, hard_negative_weight: float = 0.0, normalize: bool = True,
                     reduction: str = "mean", backend: str = "auto", gather=False) -> Tensor:
@@ -415,6 +420,7 @@ def _contrast_set(features: Tensor, queue: Tensor | None) -> Tensor:
     return contrast
 
 
+@autocast_off
 def supcon_loss(
     features: Tensor,
     labels: Tensor | None = None,
@@ -513,6 +519,7 @@ def supcon_loss(
     return out * _factor(t, bt, reduction, n, out)
 
 
+@autocast_off
 def dscl_loss(
     features: Tensor,
     labels: Tensor,

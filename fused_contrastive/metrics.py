@@ -26,6 +26,7 @@ from torch import Tensor
 
 from . import _validate as V
 from . import core
+from ._amp import autocast_off
 from ._backend import resolve
 from .core.norms import unit_rows
 from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
@@ -35,6 +36,7 @@ __all__ = ["alignment", "uniformity"]
 _EPS = 1e-12
 
 
+@autocast_off
 def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, normalize: bool = True) -> Tensor:
     """Alignment of positive pairs: ``mean_i ||x_i - y_i||_2 ^ alpha`` (Wang and Isola 2020).
 
@@ -75,6 +77,7 @@ def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, normalize: bool = Tru
     return torch.where(pos, safe.pow(alpha), torch.zeros_like(dist)).mean()
 
 
+@autocast_off
 def uniformity(x: Tensor, t=2.0, *, normalize: bool = True, backend: str = "auto") -> Tensor:
     """Uniformity: ``log mean_{i != j} exp(-t ||x_i - x_j||_2^2)`` over all ordered pairs of distinct
     rows (Wang and Isola 2020), in O(N*D) memory: nothing N x N is allocated (module docstring).

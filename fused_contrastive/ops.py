@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from . import core as _core
+from ._amp import autocast_off
 from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
 
 __all__ = ["core", "cosent_pairs", "cosent_scores", "forced", "tensors_are_traced", "tracing_route"]
@@ -160,6 +161,7 @@ def _flatten(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, d
             reduce, backend, list(need))
 
 
+@autocast_off
 def _core_impl(*args):
     backend, a, b, scale, spec, data, coef, reduce, need = _unflatten(args)
     parts = _core.pieces(backend, a, b, scale, spec, data, coef, reduce)
@@ -181,6 +183,7 @@ def _core_fake(*args):
             _fake_grad(scale_t, need[2] and grad, dev))
 
 
+@autocast_off
 def _core_backward_impl(*args):
     *fwd, go = args
     backend, a, b, scale, spec, data, coef, reduce, need = _unflatten(tuple(fwd))
@@ -259,6 +262,7 @@ def core(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data:
 _TRITON_OP = None
 
 
+@autocast_off
 def _triton_core_impl(a: Tensor, b: Tensor | None, scale_t: Tensor | None, scale_f: float, target: Tensor | None,
                       bias_col: Tensor | None, row_labels: Tensor | None, col_labels: Tensor | None,
                       pos_mask: Tensor | None, coef_t: list[Tensor | None], coef_v: list[float], normalize: bool,
@@ -285,6 +289,7 @@ def _triton_core_op():
 # ------------------------------------------------------------------------------------------------
 
 
+@autocast_off
 def _cosent_scores_impl(scores: Tensor, labels: Tensor, scale_t: Tensor | None, scale_f: float, backend: str,
                         need: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     from .core.cosent import ScoresCosentFn
@@ -301,6 +306,7 @@ def _cosent_scores_impl(scores: Tensor, labels: Tensor, scale_t: Tensor | None, 
     return out, _grad_or_empty(gx, scores, need[0], dev), _grad_or_empty(gs, scale_t, need[1], dev)
 
 
+@autocast_off
 def _cosent_pairs_impl(u: Tensor, v: Tensor, labels: Tensor, scale_t: Tensor | None, scale_f: float,
                        normalize: bool, eps: float, backend: str,
                        need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -423,6 +429,7 @@ def _siglip_grads(grads, image, text, scale_t, bias_t, need) -> tuple[Tensor, Te
             _grad_or_empty(gs, scale_t, need[2], dev), _grad_or_empty(gb, bias_t, need[3], dev))
 
 
+@autocast_off
 def _siglip_impl(image: Tensor, text: Tensor, scale_t: Tensor | None, scale_f: float, bias_t: Tensor | None,
                  bias_f: float, normalize: bool, eps: float, offset: int, reduce: bool, weight: float, backend: str,
                  need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -438,6 +445,7 @@ def _siglip_impl(image: Tensor, text: Tensor, scale_t: Tensor | None, scale_f: f
     return (out, *_siglip_grads(grads, image, text, scale_t, bias_t, [n and reduce for n in need]))
 
 
+@autocast_off
 def _siglip_backward_impl(image: Tensor, text: Tensor, scale_t: Tensor | None, scale_f: float, bias_t: Tensor | None,
                           bias_f: float, normalize: bool, eps: float, offset: int, weight: float, backend: str,
                           need: list[bool], go: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

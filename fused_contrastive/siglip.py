@@ -17,6 +17,7 @@ from torch import Tensor
 from . import _validate as V
 from . import distributed as D
 from . import ops
+from ._amp import autocast_off
 from ._backend import resolve
 from .core import reference as ref
 from .core.siglip import SigLipFn
@@ -69,6 +70,7 @@ def _per_rank(out: Tensor, reduction: str, n_total: int, world: int) -> Tensor:
     return out * (world / n_total) if reduction == "mean" else out * world
 
 
+@autocast_off
 def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias, *, normalize: bool = True,
                 reduction: str = "mean", gather=False, backend: str = "auto") -> Tensor:
     """SigLIP's sigmoid loss: ``-(1/N) sum_ij log sigmoid(label_ij (s <x_i, y_j> + b))`` with
