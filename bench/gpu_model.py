@@ -534,7 +534,7 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
         return {k: rem * hi[k] + (grid - rem) * lo[k] for k in lo}
 
     # the one-pass panel kernel's two-pass fallback (a row block whose logits all sit far below the
-    # bound |s|; never for |s| + bias <= 22) is not taken in the central figure, always in the pessimistic
+    # bound; never for |s| + bias <= 50) is not taken in the central figure, always in the worst-data one
     one_pass = launch.name == "panel_dl" and bool(c.get("ONE_PASS"))
     tot = walk(0.0 if one_pass else 1.0)
     tot_p = walk(1.0) if one_pass else tot
