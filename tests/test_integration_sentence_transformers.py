@@ -418,3 +418,52 @@ def test_bench_st_step_cli():
     bad = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-st-step", "--batches", "1"],
                          check=False, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--batches" in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# inside sentence-transformers' own wrappers (they check uses_gradient_cache)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_dims_per_step", [-1, 2])
+@pytest.mark.parametrize("name", ["CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss",
+                                  "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss"])
+def test_their_matryoshka_over_each_drop_in_equals_theirs(model, columns, name, n_dims_per_step):
+    # MatryoshkaLoss decorates a gradient-cache loss's calculate_loss and patches model.forward for the
+    # others; over the cached drop-in the patch clashed with the recompute (CheckpointError at backward)
+    import random
+
+    kw = dict(mini_batch_size=2) if name.startswith("Cached") else {}
+    dim = model.get_embedding_dimension()
+    dims = [dim, dim // 2, dim // 4]
+    assert fused.CachedMultipleNegativesRankingLoss.uses_gradient_cache is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        theirs = peer.MatryoshkaLoss(model, getattr(peer, name)(model, **kw), dims, n_dims_per_step=n_dims_per_step)
+        ours = peer.MatryoshkaLoss(model, getattr(fused, name)(model, **kw), dims, n_dims_per_step=n_dims_per_step)
+    random.seed(3)
+    a, ga = _run(model, theirs, columns[:2])
+    random.seed(3)
+    b, gb = _run(model, ours, columns[:2])
+    torch.testing.assert_close(b, a, **TOL)
+    assert ga.keys() == gb.keys() and max(g.abs().max() for g in ga.values()) > 1e-4
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    random.seed(3)
+    with torch.no_grad():  # evaluation through the wrapper: the value, no backward
+        torch.testing.assert_close(ours([dict(f) for f in columns[:2]], None), a, **TOL)
+
+
+@pytest.mark.parametrize("name", ["CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss"])
+def test_their_adaptive_layer_loss_warns_for_the_cached_drop_in_as_for_theirs(model, name):
+    with warnings.catch_warnings(record=True) as w_theirs:
+        warnings.simplefilter("always")
+        peer.AdaptiveLayerLoss(model, getattr(peer, name)(model, mini_batch_size=2))
+    with warnings.catch_warnings(record=True) as w_ours:
+        warnings.simplefilter("always")
+        peer.AdaptiveLayerLoss(model, getattr(fused, name)(model, mini_batch_size=2))
+    def adaptive(ws):
+        return [str(x.message) for x in ws if str(x.message).startswith("AdaptiveLayerLoss")]
+
+    assert adaptive(w_theirs), [str(x.message) for x in w_theirs]
+    assert adaptive(w_ours) == adaptive(w_theirs)

@@ -524,12 +524,42 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
             outs.append(encode_in_chunks(self._encode, _minibatch(features, begin, end), end - begin))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    #: sentence-transformers' flag of a gradient-cache loss (``uses_gradient_cache``): its
+    #: ``MatryoshkaLoss`` then wraps :meth:`calculate_loss` instead of patching ``model.forward`` (which
+    #: would clash with the recompute of the mini-batches), and ``AdaptiveLayerLoss`` warns, as for theirs.
+    uses_gradient_cache: bool = True
+
+    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
+                       with_backward: bool = False) -> Tensor:
+        """sentence-transformers' gradient-cache protocol: the loss of the batch from its per-column lists
+        of mini-batch embeddings ``reps[column][minibatch]`` [b, D]; with ``with_backward`` the loss is
+        back-propagated into ``reps`` and returned detached."""
+        loss = self.compute_loss_from_embeddings([torch.cat(list(mbs)) for mbs in reps], labels)
+        if with_backward:
+            loss.backward()
+            return loss.detach()
+        return loss
+
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         features = list(sentence_features)
         if len(features) < 2:
             raise ValueError(f"{type(self).__name__} needs at least 2 input columns (anchor, positive), "
                              f"got {len(features)}")
-        return self.compute_loss_from_embeddings([self.embed_column(f) for f in features], labels)
+        embeddings = [self.embed_column(f) for f in features]
+        if "calculate_loss" not in self.__dict__ or not torch.is_grad_enabled():
+            if "calculate_loss" in self.__dict__:  # wrapped (MatryoshkaLoss), evaluation: no backward
+                return self.calculate_loss([[e] for e in embeddings], labels)
+            return self.compute_loss_from_embeddings(embeddings, labels)
+        # A wrapper (sentence-transformers' MatryoshkaLoss) replaced calculate_loss: run it on detached
+        # leaves, which it back-propagates into, then carry their gradients into the embeddings' graph
+        # (one more backward through the chunked encoder, when the caller's backward reaches it).
+        leaves = [e.detach().requires_grad_() for e in embeddings]
+        loss = self.calculate_loss([[x] for x in leaves], labels, with_backward=True)
+        link = loss.new_zeros(())
+        for e, x in zip(embeddings, leaves, strict=True):
+            if x.grad is not None:
+                link = link + (e * x.grad).sum()
+        return loss.detach() + (link - link.detach())
 
     def get_config_dict(self) -> dict[str, Any]:
         out = super().get_config_dict()
