@@ -70,7 +70,7 @@ kernel over row blocks produces the whole gradient from one recomputed tile per 
 Work in units of one N x N x D matmul (2 N^2 D FLOPs):
 
 * shipped (full rows): forward 1 + backward (recompute 1 + ``H @ A`` 1) = **3 units**;
-* the half-triangle scheme of DESIGN.md (visit only I <= J): forward 1/2 + backward (recompute 1/2
+* the half-triangle scheme of ``docs/core-op.md`` (visit only I <= J): forward 1/2 + backward (recompute 1/2
   + ``H A_J`` and ``H^T A_I`` 1) = **2 units**, but tile (I, J) must add into ``dA_J`` owned by
   another program: that needs atomics (run-to-run nondeterministic sums) or per-row-block partial
   gradients of O(N^2 D / BLOCK) memory (100 GB at N = 65536, D = 768), against the deterministic,
