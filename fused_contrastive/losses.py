@@ -197,6 +197,14 @@ def info_nce(
                          "pass target (e.g. the index of each row's positive) or keys")
     be = resolve(backend, query, keys)
     grp = D.process_group(gather)
+    if grp is None and not given and not symmetric:
+        # the default target arange(N) names column i of row i: it must exist and not be excluded
+        if m < n:
+            raise ValueError(f"target=None means row i's target is key i, but there are fewer keys ({m}) than "
+                             f"queries ({n}); pass target or as many keys as queries")
+        if exclude_self and keys is not None:
+            raise ValueError("exclude_self=True with keys and target=None would exclude every row's own target "
+                             "column (key i): pass target, or exclude_self=False")
     if grp is not None:
         return _info_nce_gathered(be, grp, query, keys, target, s, exclude_self, symmetric, normalize, reduction,
                                   ignore_index)

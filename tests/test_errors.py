@@ -105,3 +105,17 @@ def test_tensor_base_temperature_is_accepted_and_differentiable():
     bt = torch.tensor(0.2, requires_grad=True)
     fc.supcon_loss(F3, LAB, base_temperature=bt, backend="torch").backward()
     assert bt.grad is not None and torch.isfinite(bt.grad)
+
+
+def test_info_nce_default_target_needs_its_key_and_must_not_exclude_it():
+    # issue 24 item 5: a raw IndexError / RuntimeError, and a silent inf, before
+    q, k = torch.randn(5, 4), torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"fewer keys \(3\) than queries \(5\)"):
+        fc.info_nce(q, k)
+    with pytest.raises(ValueError, match="exclude_self=True with keys and target=None"):
+        fc.info_nce(q, torch.randn(5, 4), exclude_self=True)
+    # an explicit target into the smaller key set is fine and equals the textbook formula
+    t = torch.tensor([0, 1, 2, 0, 1])
+    want = torch.nn.functional.cross_entropy(
+        torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(k, dim=1).T / 0.05, t)
+    torch.testing.assert_close(fc.info_nce(q, k, t), want, rtol=1e-5, atol=1e-5)
