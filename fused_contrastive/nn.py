@@ -12,6 +12,24 @@ from .cosent import cosent_loss
 from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, supcon_loss
 from .siglip import siglip_loss
 
+def _validated(fn, *args, **kw) -> None:
+    """Run ``fn`` once on a tiny float64 CPU problem with the module's options (reference backend, no
+    gather): a bad option raises here, at construction, with the functional form's own message."""
+    kw = dict(kw, backend="reference", gather=False)
+    fn(*args, **kw)
+
+
+def _gather_option(gather) -> None:
+    import torch.distributed as dist
+
+    if not (gather is False or gather is None or gather is True or isinstance(gather, dist.ProcessGroup)):
+        raise TypeError(f"gather must be False, True or a torch.distributed ProcessGroup, got {type(gather).__name__}")
+
+
+def _x(*shape: int) -> Tensor:
+    return torch.linspace(-1.0, 1.0, math.prod(shape), dtype=torch.float64).reshape(shape) + 0.1
+
+
 __all__ = ["CLIPLoss", "CoSENTLoss", "DSCLLoss", "InfoNCELoss", "SigLIPLoss", "SimCSELoss", "SupConLoss"]
 
 
@@ -25,6 +43,9 @@ class InfoNCELoss(nn.Module):
         self.kw = dict(temperature=temperature, scale=scale, exclude_self=exclude_self, symmetric=symmetric,
                        normalize=normalize, reduction=reduction, ignore_index=ignore_index, backend=backend,
                        gather=gather)
+        _gather_option(gather)
+        _validated(info_nce, _x(2, 2), _x(2, 2).flip(0), None if symmetric is True else torch.tensor([1, 0]),
+                   **self.kw)
 
     def forward(self, query: Tensor, keys: Tensor | None = None, target: Tensor | None = None) -> Tensor:
         return info_nce(query, keys, target, **self.kw)
@@ -38,6 +59,8 @@ class SimCSELoss(nn.Module):
         super().__init__()
         self.kw = dict(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend,
                        gather=gather)
+        _gather_option(gather)
+        _validated(simcse_loss, _x(4, 2), **self.kw)
 
     def forward(self, z1: Tensor, z2: Tensor | None = None) -> Tensor:
         return simcse_loss(z1, z2, **self.kw)
@@ -53,6 +76,8 @@ class SupConLoss(nn.Module):
         super().__init__()
         self.kw = dict(temperature=temperature, base_temperature=base_temperature, contrast_mode=contrast_mode,
                        variant=variant, normalize=normalize, reduction=reduction, backend=backend, gather=gather)
+        _gather_option(gather)
+        _validated(supcon_loss, _x(2, 2, 2), torch.tensor([0, 0]), **self.kw)
 
     def forward(self, features: Tensor, labels: Tensor | None = None, mask: Tensor | None = None,
                 queue: Tensor | None = None, queue_labels: Tensor | None = None) -> Tensor:
@@ -67,6 +92,8 @@ class DSCLLoss(nn.Module):
         super().__init__()
         self.kw = dict(beta=beta, temperature=temperature, base_temperature=base_temperature, normalize=normalize,
                        reduction=reduction, backend=backend, gather=gather)
+        _gather_option(gather)
+        _validated(dscl_loss, _x(2, 2, 2), torch.tensor([0, 0]), **self.kw)
 
     def forward(self, features: Tensor, labels: Tensor, queue: Tensor | None = None,
                 queue_labels: Tensor | None = None) -> Tensor:
@@ -79,6 +106,8 @@ class CoSENTLoss(nn.Module):
     def __init__(self, scale: float = 20.0, *, normalize: bool = True, backend: str = "auto", gather=False):
         super().__init__()
         self.kw = dict(scale=scale, normalize=normalize, backend=backend, gather=gather)
+        _gather_option(gather)
+        _validated(cosent_loss, _x(2, 2), _x(2, 2).flip(0), torch.tensor([0.0, 1.0]), **self.kw)
 
     def forward(self, u: Tensor, v: Tensor, labels: Tensor) -> Tensor:
         return cosent_loss(u, v, labels, **self.kw)
@@ -91,8 +120,13 @@ class CLIPLoss(nn.Module):
     def __init__(self, init_temperature: float = 0.07, *, normalize: bool = True, reduction: str = "mean",
                  backend: str = "auto", gather=False):
         super().__init__()
+        if isinstance(init_temperature, bool) or not (isinstance(init_temperature, (int, float))
+                                                      and 0 < init_temperature < math.inf):
+            raise ValueError(f"init_temperature must be a finite number > 0, got {init_temperature!r}")
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)))
         self.kw = dict(normalize=normalize, reduction=reduction, backend=backend, gather=gather)
+        _gather_option(gather)
+        _validated(clip_loss, _x(2, 2), _x(2, 2).flip(0), 1.0 / init_temperature, **self.kw)
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         return clip_loss(a, b, self.logit_scale.exp(), **self.kw)
