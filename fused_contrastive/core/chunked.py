@@ -26,6 +26,7 @@ import os
 import torch
 from torch import Tensor
 
+from .._amp import autocast_off
 from .norms import clamped_norms, normalize_backward_, normalize_rows
 from .spec import Coef, Coeffs, CoreData, CoreSpec, combine, compute_dtype
 
@@ -312,6 +313,7 @@ class ChunkedCoreFn(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
                 reduce: bool):
         dt = compute_dtype(a, b)
@@ -348,6 +350,7 @@ class ChunkedCoreFn(torch.autograd.Function):
         return combine(coef, reduce, lse, lse_col, lse_pos)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, go: Tensor):
         spec, data, coef = ctx.spec, ctx.data, ctx.coef
         need_a, need_b, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]

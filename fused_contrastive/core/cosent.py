@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._amp import autocast_off
 from .chunked import tile_elements
 from .norms import clamped_norms
 
@@ -98,6 +99,7 @@ class ScoresCosentFn(torch.autograd.Function):
     float32 (float64 for float64 scores)."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, scores: Tensor, labels: Tensor, scale):
         dt = _compute_dtype(scores)
         sf = scores.to(dt)
@@ -110,6 +112,7 @@ class ScoresCosentFn(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @autocast_off
     def backward(ctx, g: Tensor):
         (sf,) = ctx.saved_tensors
         need_x, _, need_s = ctx.needs_input_grad[:3]
@@ -128,6 +131,7 @@ class PairCosentFn(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, u: Tensor, v: Tensor, labels: Tensor, scale, normalize: bool, eps: float):
         dt = _compute_dtype(u, v)
         uh = u if u.dtype == dt else u.to(dt)
@@ -146,6 +150,7 @@ class PairCosentFn(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @autocast_off
     def backward(ctx, g: Tensor):
         uh, vh, nu, nv, c = ctx.saved_tensors
         need_u, need_v, _, need_s = ctx.needs_input_grad[:4]

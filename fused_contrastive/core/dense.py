@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._amp import autocast_off
 from .norms import clamped_norms
 from .spec import Coeffs, CoreData, CoreSpec, drop_zero
 
@@ -108,6 +109,7 @@ class DenseCoreFn(torch.autograd.Function):
     """The core op (``spec.py``) on one materialised tile; returns the per-row loss [N] or its sum."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
                 reduce: bool):
         dt = torch.float64 if a.dtype == torch.float64 or (b is not None and b.dtype == torch.float64) \
@@ -181,6 +183,7 @@ class DenseCoreFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_off
     def backward(ctx, g: Tensor):
         ah, bh, na, nb, lsm, lsmc, lpp, cos, w = ctx.saved_tensors
         spec, data, coef, s = ctx.spec, ctx.data, ctx.coef, ctx.s

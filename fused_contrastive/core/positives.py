@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._amp import autocast_off
 from .chunked import tile_elements
 from .norms import normalize_backward_, normalize_rows
 from .spec import Coeffs, CoreData, CoreSpec, drop_zero
@@ -161,6 +162,7 @@ class LinearTermsFn(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
                 reduce: bool, dt: torch.dtype) -> Tensor:
         ah, _ = normalize_rows(a, spec.eps, dt, spec.normalize)
@@ -181,6 +183,7 @@ class LinearTermsFn(torch.autograd.Function):
         return out.sum() if reduce else out
 
     @staticmethod
+    @autocast_off
     def backward(ctx, g: Tensor):
         a, b, scale = ctx.saved_tensors
         spec, data, coef, dt = ctx.spec, ctx.data, ctx.coef, ctx.dt

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._amp import autocast_off
 from .chunked import tile_elements
 from .norms import normalize_backward_, normalize_rows
 from .spec import compute_dtype
@@ -115,6 +116,7 @@ class SigLipFn(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, image: Tensor, text: Tensor, scale, bias, normalize: bool, eps: float, offset: int,
                 reduce: bool, weight: float):
         dt = compute_dtype(image, text)
@@ -144,6 +146,7 @@ class SigLipFn(torch.autograd.Function):
         return loss.sum() * weight if reduce else loss
 
     @staticmethod
+    @autocast_off
     def backward(ctx, go: Tensor):
         need_x, need_y, need_s, need_b = ctx.needs_input_grad[:4]
         xdt, ydt, sdt, bdt = ctx.dtypes

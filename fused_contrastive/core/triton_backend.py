@@ -43,6 +43,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .._amp import autocast_off
 from ..kernels import lse as K
 from ..ops import tensors_are_traced
 from . import triton_aot, triton_panel
@@ -447,6 +448,7 @@ class TritonCoreFn(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
+    @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
                 reduce: bool):
         dt = kernel_dtype(a, b)
@@ -475,6 +477,7 @@ class TritonCoreFn(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @autocast_off
     def backward(ctx, go: Tensor):
         if ctx.path == "panel":
             return triton_panel.backward(ctx, go)

@@ -21,6 +21,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .._amp import autocast_off
 from ..kernels import cosent as K
 from . import triton_backend as TB
 
@@ -107,6 +108,7 @@ class TritonScoresCosentFn(torch.autograd.Function):
     """CoSENT of given scores [B] (float32 / float16 / bfloat16) on the scan kernels; fp32 loss."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, scores: Tensor, labels: Tensor, scale):
         x = scores.to(torch.float32).contiguous()
         s = _scale(scale, scores.device)
@@ -116,6 +118,7 @@ class TritonScoresCosentFn(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @autocast_off
     def backward(ctx, g: Tensor):
         x, s = ctx.saved_tensors
         need_x, _, need_s = ctx.needs_input_grad[:3]
@@ -130,6 +133,7 @@ class TritonPairCosentFn(torch.autograd.Function):
     input's dtype."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, u: Tensor, v: Tensor, labels: Tensor, scale, normalize: bool, eps: float):
         u = u if u.stride(1) == 1 else u.contiguous()  # the kernels read rows with unit stride
         v = v if v.stride(1) == 1 else v.contiguous()
@@ -141,6 +145,7 @@ class TritonPairCosentFn(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @autocast_off
     def backward(ctx, g: Tensor):
         u, v, c, nu, nv, s = ctx.saved_tensors
         need_u, need_v, _, need_s = ctx.needs_input_grad[:4]

@@ -22,6 +22,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .._amp import autocast_off
 from ..kernels import siglip as K
 from . import triton_backend as TB
 from .triton_configs import config_for
@@ -135,6 +136,7 @@ class TritonSigLipFn(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
+    @autocast_off
     def forward(ctx, image: Tensor, text: Tensor, scale, bias, normalize: bool, eps: float, offset: int,
                 reduce: bool, weight: float):
         dt = TB.kernel_dtype(image, text)
@@ -151,6 +153,7 @@ class TritonSigLipFn(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @autocast_off
     def backward(ctx, go: Tensor):
         need_x, need_y, need_s, need_b = ctx.needs_input_grad[:4]
         scale, bias, x, y, sx, sy = ctx.saved_tensors
