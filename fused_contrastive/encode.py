@@ -47,6 +47,33 @@ def _extra_devices(encoder, leaves: list) -> list[Tensor]:
     return [torch.empty(0, device=d) for d in sorted(devs, key=str)]
 
 
+def _ddp_chunk_count(encoder, n: int, chunk_size: int) -> int | None:
+    """For a ``DistributedDataParallel`` encoder that syncs buffers in its forward (``broadcast_buffers``,
+    the default, with a module that has buffers): every forward is a collective, so every rank must run
+    the same number of chunk forwards (and recomputes). Returns that number, the largest chunk count
+    over the ranks (one all-reduce on the encoder's process group); None when chunks may differ."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not (isinstance(encoder, DistributedDataParallel) and torch.is_grad_enabled()
+            and encoder.will_sync_module_buffers()):
+        return None
+    import torch.distributed as dist
+
+    dev = next((b.device for b in encoder.module.buffers()), torch.device("cpu"))
+    if dist.get_backend(encoder.process_group) == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    # [chunks, -rows]: the MAX gives the most chunks and the fewest rows of any rank
+    stats = torch.tensor([-(-n // chunk_size), -n], dtype=torch.int64, device=dev)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=encoder.process_group)
+    chunks, fewest = int(stats[0]), -int(stats[1])
+    if fewest < chunks:
+        raise ValueError(f"encode_in_chunks with a DistributedDataParallel encoder that broadcasts buffers runs "
+                         f"the same number of chunk forwards on every rank ({chunks} here, from chunk_size="
+                         f"{chunk_size}), but a rank has only {fewest} rows: raise chunk_size to at least "
+                         f"{-(-n // fewest) if fewest else n}, or wrap the model with broadcast_buffers=False")
+    return chunks
+
+
 def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size: int, *,
                      preserve_rng_state: bool = True) -> Tensor:
     """Embeddings of ``batch`` computed ``chunk_size`` examples at a time, with the activation memory of
@@ -102,7 +129,19 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
 
     outs = []
     extra = _extra_devices(encoder, leaves) if preserve_rng_state else []
-    for start in range(0, n, chunk_size):
+    starts = list(range(0, n, chunk_size))
+    same = _ddp_chunk_count(encoder, n, chunk_size)
+    if same is not None and same != len(starts):
+        # as many chunks as the rank with the most (each rank has at least that many rows), as even as possible
+        q, r = divmod(n, same)
+        sizes = [q + (i < r) for i in range(same)]
+        starts = [sum(sizes[:i]) for i in range(same)]
+        bounds = dict(zip(starts, sizes, strict=True))
+
+        def chunk_of(start: int) -> list:  # noqa: F811 - the uneven split replaces the fixed one
+            return [x[start:start + bounds[start]] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves]
+
+    for start in starts:
         tensors = [x for x in chunk_of(start) if isinstance(x, Tensor) and x.dim() > 0]
         if torch.is_grad_enabled():
             outs.append(_checkpoint.checkpoint(run, *tensors, *extra, use_reentrant=False,
