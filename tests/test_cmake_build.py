@@ -285,6 +285,11 @@ def test_gpu_validate_checks_the_library(build, tmp_path):
                        timeout=900, check=False)
     assert r.returncode == 0, r.stderr[-4000:]
     res = {c: (ok, detail) for c, ok, detail in json.loads(r.stdout.strip().splitlines()[-1])}
+    # the information row of the panel path's GEMM route (one per 16-bit dtype): not a check
+    routes = {c: v for c, v in res.items() if c.startswith("cuBLAS fp32-output GEMMs")}
+    assert list(routes) == ["cuBLAS fp32-output GEMMs bfloat16"], routes
+    assert routes["cuBLAS fp32-output GEMMs bfloat16"][0] is None, routes
+    res = {c: v for c, v in res.items() if c not in routes}
     assert len(res) == 2 * 2 * 2, res
     for check, (ok, detail) in res.items():
         if "D=100" in check:
