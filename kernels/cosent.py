@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .lse import _lse_add
+from .lse import _log0, _lse_add
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -157,7 +157,7 @@ def _max2(a, b):
 def _block_lse(x):
     m = tl.max(x, axis=0)
     safe = tl.where(m == NEG_INF, 0.0, m)
-    return safe + tl.log(tl.sum(tl.exp(x - safe), axis=0))
+    return safe + _log0(tl.sum(tl.exp(x - safe), axis=0))
 
 
 @triton.jit
@@ -182,7 +182,7 @@ def cosent_scan_fwd_kernel(X, ORDER, YS, S, Z, LOSS, B, BLOCK_B: tl.constexpr):
         yp = tl.load(YS + k - 1, mask=mask & (k >= 1))
         start = (k == 0) | (yp != y)
         pm, ps = tl.associative_scan((xp, tl.full([BLOCK_B], 1.0, tl.float32)), 0, _lse_combine)
-        within = pm + tl.log(ps)  # log sum_{b0 <= k' < k} exp(x_k')
+        within = pm + _log0(ps)  # log sum_{b0 <= k' < k} exp(x_k')
         e = _lse_add(carry, within)
         q = tl.where(start & mask, e, NEG_INF)
         prefix = tl.maximum(best, tl.associative_scan(q, 0, _max2))
@@ -193,7 +193,7 @@ def cosent_scan_fwd_kernel(X, ORDER, YS, S, Z, LOSS, B, BLOCK_B: tl.constexpr):
         m_run = bm
         carry = _lse_add(carry, _block_lse(x))
         best = tl.maximum(best, tl.max(q, axis=0))
-    tl.store(LOSS, m_run + tl.log(s_run))
+    tl.store(LOSS, m_run + _log0(s_run))
 
 
 @triton.jit
@@ -219,7 +219,7 @@ def cosent_scan_bwd_kernel(X, ORDER, YS, S, Z, LOSS, G, DX, B, BLOCK_B: tl.const
         yn = tl.load(YS + k + 1, mask=mask & (k + 1 < B))
         end = (k == B - 1) | (yn != y)
         sm, ss = tl.associative_scan((vn, tl.full([BLOCK_B], 1.0, tl.float32)), 0, _lse_combine, reverse=True)
-        f = _lse_add(carry, sm + tl.log(ss))  # log sum_{k' > k} exp(-x_k')
+        f = _lse_add(carry, sm + _log0(ss))  # log sum_{k' > k} exp(-x_k')
         q = tl.where(end & mask, f, NEG_INF)
         suffix = tl.maximum(best, tl.associative_scan(q, 0, _max2, reverse=True))
         z = tl.load(Z + k, mask=mask, other=NEG_INF)

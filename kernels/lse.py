@@ -252,8 +252,17 @@ def _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
         else:
             off = (rows % n0).to(tl.int64)[:, None] * stride_pm + (cols % m0)[None, :]
         w = tl.load(POS_MASK + off, mask=valid, other=0.0).to(tl.float32)
-        lp = l + tl.log(w)  # log 0 = -inf removes non-positives (padding is -inf already)
+        lp = l + _log0(w)  # log 0 = -inf removes non-positives (padding is -inf already)
     return lp
+
+
+@triton.jit
+def _log0(x):
+    """log x for the sums of exponentials the kernels take logs of (x >= 0 or NaN): log 0 = -inf exactly as
+    tl.log gives, but without evaluating log(0), which under the Triton interpreter (numpy) warns
+    'divide by zero encountered in log' for every masked lane or fully excluded row."""
+    zero = x == 0.0
+    return tl.where(zero, NEG_INF, tl.log(tl.where(zero, 1.0, x)))
 
 
 @triton.jit
@@ -270,7 +279,7 @@ def _lse_add(x, y):
     """log(exp x + exp y) elementwise, -inf safe, NaN propagating."""
     mx = tl.maximum(x, y)
     ms = tl.where(mx == NEG_INF, 0.0, mx)
-    return ms + tl.log(tl.exp(x - ms) + tl.exp(y - ms))
+    return ms + _log0(tl.exp(x - ms) + tl.exp(y - ms))
 
 
 @triton.jit
@@ -382,7 +391,7 @@ def lse_fwd_kernel(
                     l_col = tl.where(cols[None, :] > rows[:, None], l, NEG_INF)
                 cmax = tl.max(l_col, axis=0)
                 cms = tl.where(cmax == NEG_INF, 0.0, cmax)
-                tile_lse = cms + tl.log(tl.sum(tl.exp(l_col - cms[None, :]), axis=0))
+                tile_lse = cms + _log0(tl.sum(tl.exp(l_col - cms[None, :]), axis=0))
                 cp = COL_PART + pid.to(tl.int64) * M + cols
                 # the first row block of this program starts from -inf (no memset needed; TRI: the
                 # launcher's -inf fill, as a program's rows do not reach every column)
@@ -393,9 +402,9 @@ def lse_fwd_kernel(
                 tl.store(cp, _lse_add(old, tile_lse), mask=cmask)
                 tl.debug_barrier()  # this row of COL_PART is re-read by other threads next time
         # 7. LSE = m + log z (-inf for a row whose columns are all excluded)
-        tl.store(LSE + rows, m_i + tl.log(z_i), mask=rmask)
+        tl.store(LSE + rows, m_i + _log0(z_i), mask=rmask)
         if POS_KIND != 0:
-            tl.store(LSE_POS + rows, mp_i + tl.log(zp_i), mask=rmask)
+            tl.store(LSE_POS + rows, mp_i + _log0(zp_i), mask=rmask)
 
 
 # ------------------------------------------------------------------------------------------------

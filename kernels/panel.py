@@ -60,7 +60,7 @@ epilogue of the GEMMs (the normalisation backward of dA or dB and the weighted d
 import triton
 import triton.language as tl
 
-from .lse import NEG_INF, _dlogits, _grad_vec, _inv_norms, _logits, _online_rows, _pos_logits, _stat
+from .lse import NEG_INF, _dlogits, _log0, _grad_vec, _inv_norms, _logits, _online_rows, _pos_logits, _stat
 
 
 @triton.jit
@@ -110,14 +110,14 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
                 lp = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
                                  POS_KIND, False)
                 mp_i, zp_i = _online_rows(mp_i, zp_i, lp)
-        lse_full = m_i + tl.log(z_i)
+        lse_full = m_i + _log0(z_i)
         tl.store(LSE_OUT + rows, lse_full, mask=lmask)
         lse_r = tl.where(lse_full == NEG_INF, 0.0, lse_full)
         g_r = tl.load(G + rows, mask=lmask, other=0.0) * inv_gs
         lsep_r = lse_r
         gp_r = g_r
         if HAS_GPOS:
-            lsep_full = mp_i + tl.log(zp_i)
+            lsep_full = mp_i + _log0(zp_i)
             tl.store(LSE_POS_OUT + rows, lsep_full, mask=lmask)
             lsep_r = tl.where(lsep_full == NEG_INF, 0.0, lsep_full)
             # a row without positives carries no softmax over positives (its term is dropped)
@@ -257,7 +257,7 @@ def panel_dl_kernel(
                 out = out * rb[None, :]
             tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
         ok = (z_i >= ONE_PASS_MIN_Z) | (loc >= P)
-        tl.store(LSE_OUT + rows, c + tl.log(z_i), mask=lmask)  # c is the shifted bound m here
+        tl.store(LSE_OUT + rows, c + _log0(z_i), mask=lmask)  # c is the shifted bound m here
         z_safe = tl.where(ok & lmask, z_i, 1.0)
         w_r = tl.where(lmask, tl.load(G + rows, mask=lmask, other=0.0) * inv_gs / z_safe, 0.0)
         ds_acc = w_r * t_i
