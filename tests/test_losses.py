@@ -231,3 +231,35 @@ def test_mean_of_no_rows_is_nan_like_cross_entropy():
     t = torch.full((4,), -100)
     assert math.isnan(float(fc.info_nce(q, k, t, backend="torch")))
     assert math.isnan(float(F.cross_entropy(q @ k.T, t)))
+
+
+class _BiasedLogSoftmax:
+    """``torch`` as ``dense.py`` sees it, with ``log_softmax`` off by ``delta``: what another CPU's
+    vectorised exp / log / sum may round a row's log-sum-exp to."""
+
+    def __init__(self, delta: float):
+        self.delta = delta
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def log_softmax(self, x, dim):
+        return torch.log_softmax(x, dim) - self.delta
+
+
+@pytest.mark.parametrize("n", [257, 513])
+@pytest.mark.parametrize("name", ["clip_self", "info_nce_self", "dscl_queue", "simcse_sup_hard", "supcon_in"])
+def test_temperature_gradient_does_not_depend_on_the_lse_rounding(name, n, path, monkeypatch):
+    """At D = 1 every cosine is +-1, all rows have one structure and the temperature's gradient
+    (sum_j p_ij cos_ij - cos_it) cancels to ~1/30 of its terms: a rounding delta of a row's LSE, shared
+    by all rows, used to reach the gradient amplified ~30x (2 cases failed the rule on an AMD CPU). The
+    backends divide each softmax by its computed sum, so an LSE off by 1e-6 (a few ulp, what another
+    CPU's exp / log may give) still meets the rule against the float64 truth."""
+    from fused_contrastive.core import chunked, dense
+
+    delta = 1e-6
+    biased = chunked._lse_rows
+    monkeypatch.setattr(chunked, "_lse_rows", lambda x: biased(x) + delta)
+    monkeypatch.setattr(dense, "torch", _BiasedLogSoftmax(delta))
+    c = compare(CASE_BY_NAME[name], n, 1, torch.float32, "torch")
+    assert c.ok, c

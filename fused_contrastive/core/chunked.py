@@ -123,11 +123,43 @@ def _lse_rows(x: Tensor) -> Tensor:
     return torch.logsumexp(x, dim=1)
 
 
-def _softmax_grad(l: Tensor, lse: Tensor, g: Tensor, dim: int) -> Tensor:
-    """g * exp(l - lse) along rows (dim=1: lse, g per row) or columns (dim=0: per column)."""
-    if dim == 1:
-        return (l - _safe(lse)[:, None]).exp_().mul_(g[:, None])
-    return (l - _safe(lse)[None, :]).exp_().mul_(g[None, :])
+class _ScaleGrad:
+    """The scale's gradient from one softmax term, ``sum_i g_i sum_j p_ij c_ij``, accumulated per row
+    (or per column of a column term) as ``e_i = sum_j p_ij c_ij`` and ``z_i = sum_j p_ij`` and combined
+    as ``sum_i g_i e_i / z_i``.
+
+    Mathematically ``z_i = 1``. Computed, ``exp(l - LSE)`` sums to ``exp(-delta_i)``, ``delta_i`` the
+    rounding of the row's LSE (a few ulp, depending on the CPU's vectorised exp / log / sum); the
+    scale's gradient ``e_i - c_it`` cancels (to 1/30 of its terms at D = 1), amplifying ``delta_i``, and
+    rows of the same structure (every row at D = 1) share it, so it does not average out: the float32
+    gradient of a temperature was off by ~30 ulp-relative on some CPUs. Dividing by the computed ``z_i``
+    removes ``delta_i``. A row whose entries are all excluded has ``e_i = z_i = 0`` and adds 0.
+
+    The vectors are float64 (O(N) memory): a column's sums collect one partial per row chunk, as many
+    as there are chunks, and a float32 running sum of hundreds of partials drifts by as much again.
+    """
+
+    def __init__(self, n: int, like: Tensor):
+        self.e = torch.zeros(n, device=like.device, dtype=torch.float64)
+        self.z = torch.zeros(n, device=like.device, dtype=torch.float64)
+
+    def add(self, p: Tensor, c: Tensor, i0: int, i1: int, dim: int) -> None:
+        self.e[i0:i1] += torch.linalg.vecdot(p, c, dim=dim)
+        self.z[i0:i1] += p.sum(dim=dim)
+
+    def total(self, g: Tensor) -> Tensor:
+        return (g * self.e / torch.where(self.z > 0, self.z, 1.0)).sum().to(g.dtype)
+
+
+def _softmax_grad(l: Tensor, lse: Tensor, g: Tensor, dim: int, acc: tuple | None = None) -> Tensor:
+    """g * exp(l - lse) along rows (dim=1: lse, g per row) or columns (dim=0: per column). With
+    ``acc = (scale_grad, cosines, i0, i1)`` the unscaled softmax is added to a :class:`_ScaleGrad` first,
+    at rows (dim=1) or columns (dim=0) ``i0:i1`` of its vectors."""
+    p = (l - (_safe(lse)[:, None] if dim == 1 else _safe(lse)[None, :])).exp_()
+    if acc is not None:
+        sg, c, i0, i1 = acc
+        sg.add(p, c, i0, i1, dim)
+    return p.mul_(g[:, None] if dim == 1 else g[None, :])
 
 
 def _stats_rows(tiles: _Tiles, n: int, want_col: bool, want_pos: bool):
@@ -165,12 +197,15 @@ def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, 
     gcols = m if spec.grad_cols is None else spec.grad_cols
     da = torch.empty(n, d, device=dev, dtype=dt) if need_a else None
     db = torch.zeros(gcols, d, device=dev, dtype=dt) if need_b else None
-    ds = torch.zeros((), device=dev, dtype=dt)
     want_pos = g_pos is not None or (eager_w is not None and eager_w[1] is not None)
     if eager_w is not None:
         g, g_pos = eager_w
         lse = torch.empty(n, device=dev, dtype=dt)
         lse_pos = torch.empty(n, device=dev, dtype=dt) if want_pos else None
+    # the scale's gradient per softmax term (rows, columns, positives)
+    sg_row = _ScaleGrad(n, b) if need_s and g is not None else None
+    sg_col = _ScaleGrad(m, b) if need_s and g_col is not None else None
+    sg_pos = _ScaleGrad(n, b) if need_s and g_pos is not None else None
     step = _row_chunk(n, m)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -186,21 +221,18 @@ def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, 
             g_pos_r = g_pos[r0:r1]
         dl = None
         if g is not None:
-            dl = _softmax_grad(l, lse[r0:r1], g[r0:r1], 1)
+            dl = _softmax_grad(l, lse[r0:r1], g[r0:r1], 1, sg_row and (sg_row, c, r0, r1))
         if g_col is not None:
-            part = _softmax_grad(l, lse_col, g_col, 0)
+            part = _softmax_grad(l, lse_col, g_col, 0, sg_col and (sg_col, c, 0, m))
             dl = part if dl is None else dl.add_(part)
         if g_pos is not None and lp is not None:
-            part = _softmax_grad(lp, lse_pos[r0:r1], g_pos_r, 1)
+            part = _softmax_grad(lp, lse_pos[r0:r1], g_pos_r, 1, sg_pos and (sg_pos, c, r0, r1))
             dl = part if dl is None else dl.add_(part)
-        del l, lp
+        del l, lp, c
         if dl is None:
             if need_a:
                 da[r0:r1] = 0
             continue
-        if need_s:
-            ds += torch.vdot(dl.reshape(-1), c.reshape(-1))
-        del c
         ar = tiles.arows(r0, r1) if (need_a or need_b) else None
         if need_a:
             dar = torch.matmul(dl, b).mul_(s)
@@ -212,6 +244,10 @@ def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, 
         db.mul_(s)
         if gcols < m:
             db = torch.cat([db, torch.zeros(m - gcols, d, device=dev, dtype=dt)])
+    ds = torch.zeros((), device=dev, dtype=dt)
+    for sg, w in ((sg_row, g), (sg_col, g_col), (sg_pos, g_pos)):
+        if sg is not None:
+            ds = ds + sg.total(w)
     if eager_w is not None:
         return da, db, ds, lse, lse_pos
     return da, db, ds
@@ -249,29 +285,32 @@ def _grads_sym(tiles, n, lse, lse_pos, g, g_pos, need_s):
     Returns dA in normalised space."""
     a, s = tiles.b, tiles.s
     da = torch.zeros_like(a)
-    ds = torch.zeros((), device=a.device, dtype=a.dtype)
+    sg_row = _ScaleGrad(n, a) if need_s and g is not None else None
+    sg_pos = _ScaleGrad(n, a) if need_s and g_pos is not None else None
     for i0, i1, j0, j1 in _sym_pairs(n):
         c, l = tiles.logits(i0, i1, j0, j1)
-        h = _softmax_grad(l, lse[i0:i1], g[i0:i1], 1) if g is not None else torch.zeros_like(l)
+        h = _softmax_grad(l, lse[i0:i1], g[i0:i1], 1, sg_row and (sg_row, c, i0, i1)) if g is not None \
+            else torch.zeros_like(l)
         if g_pos is not None:
-            h.add_(_softmax_grad(tiles.pos_logits(l, i0, i1, j0, j1), lse_pos[i0:i1], g_pos[i0:i1], 1))
+            h.add_(_softmax_grad(tiles.pos_logits(l, i0, i1, j0, j1), lse_pos[i0:i1], g_pos[i0:i1], 1,
+                                 sg_pos and (sg_pos, c, i0, i1)))
         if i0 != j0:
             if g is not None:
-                h.add_(_softmax_grad(l, lse[j0:j1], g[j0:j1], 0))
+                h.add_(_softmax_grad(l, lse[j0:j1], g[j0:j1], 0, sg_row and (sg_row, c, j0, j1)))
             if g_pos is not None:
                 lt = tiles.pos_logits(l.T, j0, j1, i0, i1)
-                h.add_(_softmax_grad(lt, lse_pos[j0:j1], g_pos[j0:j1], 1).T)
-            del l
-            if need_s:
-                ds += torch.vdot(h.reshape(-1), c.reshape(-1))
+                h.add_(_softmax_grad(lt, lse_pos[j0:j1], g_pos[j0:j1], 1, sg_pos and (sg_pos, c.T, j0, j1)).T)
+            del l, c
             da[i0:i1].addmm_(h, a[j0:j1])
             da[j0:j1].addmm_(h.T, a[i0:i1])
         else:
-            del l
-            if need_s:
-                ds += torch.vdot(h.reshape(-1), c.reshape(-1))
+            del l, c
             da[i0:i1].addmm_(h + h.T, a[i0:i1])
     da.mul_(s)
+    ds = torch.zeros((), device=a.device, dtype=a.dtype)
+    for sg, w in ((sg_row, g), (sg_pos, g_pos)):
+        if sg is not None:
+            ds = ds + sg.total(w)
     return da, ds
 
 

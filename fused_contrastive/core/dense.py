@@ -105,6 +105,22 @@ def _positive_logits(l: Tensor, w: Tensor) -> Tensor:
     return l + w.log()
 
 
+def _softmax(p: Tensor, dim: int, exact_sum: bool) -> Tensor:
+    """``p`` (an ``exp(log_softmax)`` tile), divided in place by its sums along ``dim`` when ``exact_sum``.
+
+    Mathematically those sums are 1; computed, a row's ``exp(l - LSE)`` sums to ``exp(-delta)`` with
+    ``delta`` the rounding of its LSE (a few ulp of ``|l - max|`` and ``log z``, which depend on the CPU's
+    vectorised exp / log / sum). The scale's gradient ``sum_j p_ij cos_ij - cos_it`` cancels (to 1/30 of
+    its terms at D = 1), amplifying ``delta``, and rows of the same structure (every row at D = 1) share
+    it, so it does not average out: the float32 gradient of a temperature was off by ~30 ulp-relative on
+    some CPUs. Dividing by the computed sum removes ``delta``; a row with every entry excluded stays 0.
+    """
+    if exact_sum:
+        z = p.sum(dim=dim, keepdim=True)
+        p.div_(torch.where(z > 0, z, 1.0))
+    return p
+
+
 class DenseCoreFn(torch.autograd.Function):
     """The core op (``spec.py``) on one materialised tile; returns the per-row loss [N] or its sum."""
 
@@ -192,12 +208,14 @@ class DenseCoreFn(torch.autograd.Function):
             g = g.to(cos.dtype)
         # dL/dl = g_i (c.lse p + c.pos q - c.tgt onehot - c.set w) + g_j c.col pc, with p = exp(lsm),
         # pc = exp(log_softmax over columns), q = w exp(lsm - LPP) (the softmax restricted to positives)
-        dl = lsm.exp().mul_(_per_row(coef.lse, g))
+        # with a scale gradient, each softmax is divided by its computed sum (see _softmax)
+        dl = _softmax(lsm.exp(), 1, need_s).mul_(_per_row(coef.lse, g))
         if coef.col is not None:
-            dl.add_(lsmc.exp().mul_(coef.col * g))
+            dl.add_(_softmax(lsmc.exp(), 0, need_s).mul_(coef.col * g))
         if coef.pos is not None:
             safe = torch.where(lpp == _NEG_INF, 0.0, lpp)  # a row without positives: exp(-inf) = 0 below
-            dl.add_((_positive_logits(lsm, w) - safe[:, None]).exp_().mul_(_per_row(coef.pos, g)))
+            q = _softmax((_positive_logits(lsm, w) - safe[:, None]).exp_(), 1, need_s)
+            dl.add_(q.mul_(_per_row(coef.pos, g)))
         if coef.set is not None:
             dl.sub_(w * _per_row(coef.set, g))
         if coef.tgt is not None:
