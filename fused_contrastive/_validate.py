@@ -192,12 +192,16 @@ def choice(name: str, v, options: tuple[str, ...]) -> str:
 
 def mask(m, bsz: int, device: torch.device, cols: int | None = None) -> Tensor:
     """SupContrast's [bsz, bsz] positive mask (``[bsz, cols]`` when given: this rank's rows of the
-    global mask under ``gather``): bool or real, non-negative weights."""
+    global mask under ``gather``; ``cols=-1``: any column count): bool or real, non-negative weights."""
     if not isinstance(m, Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(m).__name__}")
     if m.is_complex():
         raise TypeError(f"mask must be bool or real, got {m.dtype}")
-    if cols is not None and m.shape != (bsz, cols):
+    if cols == -1:  # under gather: this rank's rows, any columns (checked on every rank by D.agree)
+        if m.dim() != 2 or m.shape[0] != bsz:
+            raise ValueError(f"mask must have shape [{bsz}, global bsz] with gather (this rank's rows of the "
+                             f"global mask), got {tuple(m.shape)}")
+    elif cols is not None and m.shape != (bsz, cols):
         raise ValueError(f"mask must have shape [{bsz}, {cols}] with gather (this rank's rows of the global "
                          f"[global bsz, global bsz] mask), got {tuple(m.shape)}")
     if cols is None and m.shape != (bsz, bsz):

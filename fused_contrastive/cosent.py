@@ -41,6 +41,7 @@ def _scores_loss(scores: Tensor, labels: Tensor, scale, backend: str) -> Tensor:
     return ScoresCosentFn.apply(scores, labels, sc)
 
 
+@D.agreed
 @autocast_off
 def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backend: str = "auto",
                             gather=False) -> Tensor:
@@ -60,11 +61,13 @@ def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backe
     labels = V.real_labels("labels", labels, scores.shape[0], scores.device)
     grp = D.process_group(gather)
     if grp is not None:  # the pair sum spans every rank: each rank computes the global loss
+        D.agree(grp, scale=V.positive_number("scale", scale, device=scores.device))
         scores, _, _ = D.gather_rows(scores, grp, name="scores")
         labels, _, _ = D.gather_rows(labels, grp, name="labels")
     return _scores_loss(scores, labels, scale, backend)
 
 
+@D.agreed
 @autocast_off
 def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: bool = True,
                 backend: str = "auto", gather=False) -> Tensor:
@@ -87,12 +90,13 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: 
     V.same_device(u=u, v=v)
     V.flag("normalize", normalize)
     labels = V.real_labels("labels", labels, u.shape[0], u.device)
+    sc = V.positive_number("scale", scale, device=u.device)
     grp = D.process_group(gather)
     if grp is not None:  # the pair sum spans every rank: each rank computes the global loss, O(B log B)
+        D.agree(grp, scale=sc)
         u, _, _ = D.gather_rows(u, grp, name="u")
         v, _, _ = D.gather_rows(v, grp, name="v")
         labels, _, _ = D.gather_rows(labels, grp, name="labels")
-    sc = V.positive_number("scale", scale, device=u.device)
     dt = compute_dtype(u, v)
     if isinstance(sc, Tensor):
         sc = sc.to(device=u.device, dtype=dt)

@@ -7,15 +7,145 @@ over ranks of the gradients computed for them), for local batches of unequal siz
 an epoch): every rank pads to the largest local size, and the padding is cut out of the result. A
 small collective of the shapes and dtypes runs first, so a rank whose embedding dimension or dtype
 differs gets the same ``ValueError`` on every rank instead of a hang or a garbled gather.
+
+Every public loss that takes ``gather=`` wears :func:`agreed`, and calls :func:`agree` after it has
+validated its arguments and before any other collective: one all-gather of a status word, the scale
+and the local sizes. An argument error on one rank thus reaches every rank in that first exchange
+(the failing rank raises its own error, every other rank a ``ValueError`` naming the rank and the
+error) instead of leaving the healthy ranks blocked in the gather until the process-group timeout;
+ranks whose temperatures differ (two objectives silently mixed) fail there too.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_sum", "gather_rows", "process_group", "row_offset", "world_size"]
+__all__ = ["agree", "agreed", "all_sum", "gather_rows", "process_group", "row_offset", "world_size"]
+
+_F = TypeVar("_F", bound=Callable)
+_CALL = threading.local()  # the gathered loss call in progress on this thread (see ``agreed``)
+
+
+class _Call:
+    def __init__(self, name: str, grp: dist.ProcessGroup):
+        self.name, self.grp, self.done = name, grp, False
+
+
+def _exchange_device(grp: dist.ProcessGroup) -> torch.device:
+    """Where the group's collectives take tensors: CUDA for NCCL, XPU for XCCL, else the host (gloo,
+    or a ``cpu:gloo,cuda:nccl`` group)."""
+    backend = str(dist.get_backend(grp))
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "xccl":
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def _exchange(call: _Call, failure: BaseException | None, scale=None, rows: int | None = None,
+              cols: int | None = None) -> list[list[float]]:
+    """The first collective of a gathered loss call: per rank ``[failed, scale, rows, cols]`` (NaN /
+    -1 where not given). When a rank failed, a second exchange carries the errors' text, and every
+    healthy rank raises naming them; the failing rank returns (its caller re-raises its own error)."""
+    call.done = True
+    grp = call.grp
+    dev = _exchange_device(grp)
+    if isinstance(scale, Tensor):
+        sv = scale.detach().reshape(1).to(device=dev, dtype=torch.float64)
+    else:
+        sv = torch.tensor([math.nan if scale is None else float(scale)], dtype=torch.float64, device=dev)
+    head = torch.tensor([1.0 if failure is not None else 0.0], dtype=torch.float64, device=dev)
+    tail = torch.tensor([-1.0 if rows is None else float(rows), -1.0 if cols is None else float(cols)],
+                        dtype=torch.float64, device=dev)
+    mine = torch.cat([head, sv, tail])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(grp))]
+    dist.all_gather(every, mine, group=grp)
+    table = torch.stack(every).cpu().tolist()
+    if any(row[0] for row in table):
+        text = None if failure is None else f"{type(failure).__name__}: {failure}"
+        texts: list[str | None] = [None] * len(table)
+        dist.all_gather_object(texts, text, group=grp)
+        if failure is not None:
+            return table
+        bad = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None)
+        raise ValueError(f"{call.name}(gather=...): another rank rejected its arguments, so no rank gathers "
+                         f"(this is rank {dist.get_rank(grp)}): {bad}")
+    scales = [row[1] for row in table]
+    if not all(math.isnan(x) for x in scales) and any(x != scales[0] for x in scales):
+        desc = ", ".join(f"rank {r}: {x:.9g}" for r, x in enumerate(scales))
+        raise ValueError(f"{call.name}(gather=...): the ranks were given different temperatures / scales "
+                         f"({desc} as scale = 1 / temperature); a gathered loss needs one on every rank")
+    return table
+
+
+def agreed(fn: _F) -> _F:
+    """Decorator of a public loss with a ``gather=`` keyword: under a process group, an exception raised
+    before the loss's first collective (its argument checks) is announced to every rank in that
+    collective, which the healthy ranks are waiting in (see the module docstring)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        gather = kwargs.get("gather", False)
+        if gather is False or gather is None or getattr(_CALL, "call", None) is not None \
+                or not (dist.is_available() and dist.is_initialized()):
+            return fn(*args, **kwargs)
+        grp = process_group(gather)
+        call = _CALL.call = _Call(name, grp)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if not call.done:
+                _exchange(call, exc)
+                exc.add_note(f"{name}(gather=...): every rank of the process group was told, and raises too")
+            raise
+        finally:
+            _CALL.call = None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def agree(grp: dist.ProcessGroup, *, scale=None, rows: int | None = None,
+          cols: int | None = None) -> tuple[int, int]:
+    """The first collective of a gathered loss, after its argument checks (see :func:`agreed`).
+
+    Args:
+        grp: the process group.
+        scale: this rank's scale (1 / temperature; float or 0-dim tensor), checked equal on every rank.
+        rows: this rank's local batch size, when the loss needs its offset in the global batch.
+        cols: the columns of a per-rank ``[rows, global rows]`` argument (SupCon's mask), checked to
+            equal the global row count on every rank.
+
+    Returns:
+        ``(this rank's row offset, the global row count)`` (``(0, 0)`` without ``rows``).
+    """
+    call = getattr(_CALL, "call", None)
+    if call is None or call.done or call.grp is not grp:
+        call = _Call("loss", grp)
+    table = _exchange(call, None, scale, rows, cols)
+    sizes = [int(row[2]) for row in table]
+    total = sum(sizes) if rows is not None else 0
+    if cols is not None:
+        wrong = [f"rank {r}: {int(row[3])}" for r, row in enumerate(table) if int(row[3]) != total]
+        if wrong:
+            raise ValueError(f"mask must have the global batch size ({total}) as its columns on every rank "
+                             f"under gather (this rank's rows of the global mask); got {', '.join(wrong)}")
+    return (sum(sizes[:dist.get_rank(grp)]), total) if rows is not None else (0, 0)
+
+
+def _first_collective(grp: dist.ProcessGroup) -> None:
+    """A collective of a gathered loss call that did not :func:`agree` first: agree now (status only)."""
+    call = getattr(_CALL, "call", None)
+    if call is not None and not call.done:
+        _exchange(call, None)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
 
@@ -58,6 +188,7 @@ def gather_rows(x: Tensor, group: dist.ProcessGroup | None = None, *, name: str 
     shape depends on them).
     """
     group = group if group is not None else dist.group.WORLD
+    _first_collective(group)
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     shape = list(x.shape[1:])
@@ -97,6 +228,7 @@ def world_size(group: dist.ProcessGroup) -> int:
 
 def row_offset(n: int, device, group: dist.ProcessGroup) -> tuple[int, int]:
     """(this rank's row offset, the total rows) when every rank holds ``n`` rows of a global batch."""
+    _first_collective(group)
     mine = torch.tensor([n], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
@@ -106,6 +238,7 @@ def row_offset(n: int, device, group: dist.ProcessGroup) -> tuple[int, int]:
 
 def all_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """The sum over ranks of ``x`` (no gradient: counts and denominators)."""
+    _first_collective(group)
     x = x.detach().clone()
     dist.all_reduce(x, group=group)
     return x

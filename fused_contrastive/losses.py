@@ -132,6 +132,7 @@ def _gathered_clip(be: str, grp, a: Tensor, b: Tensor, s, normalize: bool, reduc
 # ----------------------------------------------------------------------------------------------
 
 
+@D.agreed
 @autocast_off
 def info_nce(
     query: Tensor,
@@ -206,6 +207,7 @@ def info_nce(
             raise ValueError("exclude_self=True with keys and target=None would exclude every row's own target "
                              "column (key i): pass target, or exclude_self=False")
     if grp is not None:
+        D.agree(grp, scale=s)
         return _info_nce_gathered(be, grp, query, keys, target, s, exclude_self, symmetric, normalize, reduction,
                                   ignore_index)
     if be == "reference":
@@ -243,6 +245,7 @@ def _info_nce_gathered(be, grp, query, keys, target, s, exclude_self, symmetric,
                         reduction=reduction, n_total=n_total, valid=valid)
 
 
+@D.agreed
 @autocast_off
 def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, reduction: str = "mean",
               backend: str = "auto", gather=False) -> Tensor:
@@ -272,6 +275,7 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
     be = resolve(backend, a, b)
     grp = D.process_group(gather)
     if grp is not None:
+        D.agree(grp, scale=s)
         return _gathered_clip(be, grp, a, b, s, normalize, reduction)
     target = torch.arange(a.shape[0], device=a.device)
     if be == "reference":
@@ -285,6 +289,7 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
 # ----------------------------------------------------------------------------------------------
 
 
+@D.agreed
 @autocast_off
 def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, normalize: bool = True,
                 reduction: str = "mean", backend: str = "auto", gather=False) -> Tensor:
@@ -313,6 +318,7 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
     n = z1.shape[0]
     grp = D.process_group(gather)
     if grp is not None:
+        D.agree(grp, scale=s)
         contrast, off, sizes = D.gather_rows(z1 if z2 is None else z2, grp, name="z1" if z2 is None else "z2")
         t = torch.arange(n, device=dev)
         t = (t ^ 1) + off if z2 is None else t + off  # offsets are even: every rank holds whole pairs
@@ -327,6 +333,7 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
                           reduction=reduction)
 
 
+@D.agreed
 @autocast_off
 def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Tensor | None = None,
                     *, temperature=0.05, hard_negative_weight: float = 0.0, normalize: bool = True,
@@ -369,6 +376,7 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     be = resolve(backend, anchor, positive, negative)
     grp = D.process_group(gather)
     if grp is not None:
+        D.agree(grp, scale=s)
         return _simcse_sup_gathered(be, grp, anchor, positive, negative, s, hnw, normalize, reduction)
     if negative is None:
         if be == "reference":
@@ -428,6 +436,7 @@ def _contrast_set(features: Tensor, queue: Tensor | None) -> Tensor:
     return contrast
 
 
+@D.agreed
 @autocast_off
 def supcon_loss(
     features: Tensor,
@@ -477,9 +486,8 @@ def supcon_loss(
     if labels is not None:
         labels = V.labels("labels", labels, bsz, dev)
     grp = D.process_group(gather)
-    off, bsz_g = D.row_offset(bsz, dev, grp) if grp is not None else (0, bsz)
-    if mask is not None:
-        mask = V.mask(mask, bsz, dev, cols=bsz_g if grp is not None else None)
+    if mask is not None:  # under gather, its columns (the global batch) are checked in D.agree
+        mask = V.mask(mask, bsz, dev, cols=-1 if grp is not None else None)
     if labels is None and mask is None and n_views == 1:
         raise ValueError("features has one view and neither labels nor mask is given: every anchor's only "
                          "positive would be itself, which is excluded, so the loss would be 0 with zero "
@@ -490,6 +498,7 @@ def supcon_loss(
     bt = V.positive_number("base_temperature", base_temperature, device=dev)
     be = resolve(backend, features, queue)
     if grp is not None:
+        off, bsz_g = D.agree(grp, scale=s, rows=bsz, cols=None if mask is None else mask.shape[1])
         return _supcon_gathered(be, grp, off, bsz_g, features, labels, mask, s, t, bt, contrast_mode, variant,
                                 queue, queue_labels, normalize, reduction)
     if be == "reference":
@@ -527,6 +536,7 @@ def supcon_loss(
     return out * _factor(t, bt, reduction, n, out)
 
 
+@D.agreed
 @autocast_off
 def dscl_loss(
     features: Tensor,
@@ -574,6 +584,7 @@ def dscl_loss(
     be = resolve(backend, features, queue)
     grp = D.process_group(gather)
     if grp is not None:
+        D.agree(grp, scale=s)
         return _dscl_gathered(be, grp, features, labels, beta, s, t, bt, base_temperature is None, queue,
                               queue_labels, normalize, reduction)
     if be == "reference":

@@ -70,6 +70,7 @@ def _per_rank(out: Tensor, reduction: str, n_total: int, world: int) -> Tensor:
     return out * (world / n_total) if reduction == "mean" else out * world
 
 
+@D.agreed
 @autocast_off
 def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias, *, normalize: bool = True,
                 reduction: str = "mean", gather=False, backend: str = "auto") -> Tensor:
@@ -120,6 +121,7 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias, *, normali
     n = image.shape[0]
     off, n_total, world = 0, n, 1
     if grp is not None:
+        D.agree(grp, scale=s)
         text, off, sizes = D.gather_rows(text, grp, name="text")
         n_total, world = sum(sizes), D.world_size(grp)
     if be == "reference":

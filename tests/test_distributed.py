@@ -282,3 +282,85 @@ def test_losses_with_gather_match_the_global_batch(sizes, tmp_path):
 def test_gather_without_a_process_group_says_so(call):
     with pytest.raises(ValueError, match="init_process_group"):
         call()
+
+
+# ------------------------------------------------------------------------------------------------
+# one rank's bad arguments: every rank raises at once (no rank waits in a gather for the timeout)
+# ------------------------------------------------------------------------------------------------
+
+BAD_RANK = 1
+
+
+def _bad_calls(rank: int):
+    """(name, call, what the bad rank's own error says). The bad rank gets the bad arguments, the others
+    good ones; a "mismatch" case gives every rank valid arguments that disagree between ranks."""
+    g = torch.Generator().manual_seed(rank)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    bad = rank == BAD_RANK
+    n = 4 + rank  # uneven local batches
+    return [
+        ("info_nce ndim", lambda: fc.info_nce(r(n, 1, 5) if bad else r(n, 5), r(n, 5), gather=True), "query"),
+        ("supcon labels length",
+         lambda: fc.supcon_loss(r(n, 2, 5), torch.arange(n + bad), gather=True), "labels"),
+        ("simcse temperature", lambda: fc.simcse_loss(r(n, 5), r(n, 5), temperature=-1.0 if bad else 0.05,
+                                                      gather=True), "temperature"),
+        ("cosent scale", lambda: fc.cosent_loss(r(n, 5), r(n, 5), torch.rand(n, generator=g),
+                                                scale=0.0 if bad else 20.0, gather=True), "scale"),
+        ("siglip text rows", lambda: fc.siglip_loss(r(n, 5), r(n + bad, 5), 10.0, -10.0, gather=True), "text"),
+        ("supcon mask columns mismatch", lambda: fc.supcon_loss(
+            r(n, 2, 5), mask=torch.ones(n, sum(4 + k for k in range(3)) + bad), gather=True), "mask"),
+        ("clip scale mismatch", lambda: fc.clip_loss(r(n, 5), r(n, 5), 20.0 + bad, gather=True), "scale"),
+    ]
+
+
+def _bad_rank_worker(rank: int, world: int, init: str, out) -> None:
+    import time
+
+    # a short process-group timeout: without the fix, the healthy ranks fail the test in seconds, not hang
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    try:
+        res = {"rank": rank, "cases": {}}
+        for name, call, _ in _bad_calls(rank):
+            t0 = time.perf_counter()
+            try:
+                call()
+                err = None
+            except Exception as e:  # noqa: BLE001 - the type and text are what the test checks
+                err = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
+            res["cases"][name] = (err, time.perf_counter() - t0)
+        # the ranks are still in step: a good gathered call gives every rank the global batch
+        x = torch.full((2 + rank, 3), float(rank))
+        rows, off, sizes = gather_rows(x)
+        res["after"] = (rows[:, 0].tolist(), off, sizes)
+        out.put(res)
+    except Exception:  # noqa: BLE001 - reported: the parent fails at once instead of waiting for a hang
+        out.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_ranks_bad_arguments_make_every_rank_raise_promptly(tmp_path):
+    """A wrong ndim, a label-length mismatch, a bad temperature or scale, a wrong row count or mask
+    width on rank 1 only: rank 1 raises its own error (naming the argument), ranks 0 and 2 raise a
+    ValueError naming rank 1 and that error, each within seconds; ranks given different scales, or mask
+    widths other than the global batch, all raise the same error; afterwards the ranks are in step."""
+    world = 3
+    results = _spawn(_bad_rank_worker, world, (), tmp_path, timeout=120)
+    for name, _, arg in _bad_calls(0):
+        for res in results:
+            err, took = res["cases"][name]
+            assert err is not None, (name, res["rank"], "did not raise")
+            kind, text, notes = err
+            assert took < 10, (name, res["rank"], took)
+            if name.endswith("mismatch"):  # found in the exchange: the same error on every rank
+                assert kind == "ValueError" and arg in text and "rank 1" in text, (name, err)
+            elif res["rank"] == BAD_RANK:
+                assert arg in text and "every rank" in notes, (name, err)
+            else:
+                assert kind == "ValueError" and "rank 1:" in text and arg in text, (name, res["rank"], err)
+    want = [0.0] * 2 + [1.0] * 3 + [2.0] * 4
+    for res in results:
+        assert res["after"] == (want, sum(2 + k for k in range(res["rank"])), [2, 3, 4]), res
