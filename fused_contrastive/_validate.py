@@ -120,10 +120,11 @@ def scale_of(temperature, scale, default_temperature: float, dtype: torch.dtype,
 
 
 def labels(name: str, y, n: int, device: torch.device) -> Tensor:
+    """Class labels [n]: an integer or bool dtype (bool: two classes), returned as int64."""
     if not isinstance(y, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of integer class labels, got {type(y).__name__}")
-    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise TypeError(f"{name} must have an integer dtype, got {y.dtype}")
+    if y.is_floating_point() or y.is_complex():
+        raise TypeError(f"{name} must have an integer or bool dtype, got {y.dtype}")
     if y.dim() != 1 or y.shape[0] != n:
         raise ValueError(f"{name} must have shape [{n}], got {tuple(y.shape)}")
     if y.device != device:
@@ -132,16 +133,17 @@ def labels(name: str, y, n: int, device: torch.device) -> Tensor:
 
 
 def real_labels(name: str, y, n: int, device: torch.device) -> Tensor:
-    """Order-comparable labels (CoSENT's similarity grades): any real or integer dtype, [n]."""
+    """Order-comparable labels (CoSENT's similarity grades): any real, integer or bool dtype (bool as
+    0 / 1: False below True), [n]."""
     if not isinstance(y, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
-    if y.is_complex() or y.dtype == torch.bool:
+    if y.is_complex():
         raise TypeError(f"{name} must be real, got {y.dtype}")
     if y.dim() != 1 or y.shape[0] != n:
         raise ValueError(f"{name} must have shape [{n}], got {tuple(y.shape)}")
     if y.device != device:
         raise ValueError(f"{name} is on {y.device} but the scores are on {device}")
-    return y
+    return y.to(torch.int64) if y.dtype == torch.bool else y
 
 
 def target(y, n: int, m: int, ignore_index: int, device: torch.device) -> Tensor:

@@ -60,13 +60,14 @@ def cosent_forward(x: Tensor, labels: Tensor) -> tuple[Tensor, tuple]:
         return loss, ("tile", terms, loss)
     y, order = torch.sort(labels, stable=True)
     xs = x[order]
+    live = y == y  # a NaN label (sorted last) is neither above nor below any label: no pair, no gradient
     start, end = _groups_sorted(y)
-    lcse = torch.logcumsumexp(xs, dim=0)
+    lcse = torch.logcumsumexp(torch.where(live, xs, _NEG_INF), dim=0)
     prefix = torch.where(start > 0, lcse[(start - 1).clamp_min(0)], _NEG_INF)
-    z = prefix - xs
+    z = torch.where(live, prefix - xs, _NEG_INF)
     m = torch.clamp_min(z.max(), 0.0)
     loss = m + torch.log(torch.exp(-m) + torch.exp(z - m).sum())
-    return loss, ("sorted", xs, z, order, end, loss)
+    return loss, ("sorted", xs, z, order, end, loss, live)
 
 
 def cosent_backward(state: tuple, g: Tensor) -> Tensor:
@@ -75,12 +76,12 @@ def cosent_backward(state: tuple, g: Tensor) -> Tensor:
         _, terms, loss = state
         w = torch.exp(terms - loss).mul_(g)
         return w.sum(dim=0) - w.sum(dim=1)
-    _, xs, z, order, end, loss = state
+    _, xs, z, order, end, loss, live = state
     # suffix_c = log sum_{k > end_c} exp(-xs_k): reverse logcumsumexp, shifted by one past the group
-    rev = torch.logcumsumexp((-xs).flip(0), dim=0).flip(0)
+    rev = torch.logcumsumexp(torch.where(live, -xs, _NEG_INF).flip(0), dim=0).flip(0)
     rev = torch.cat([rev, rev.new_full((1,), _NEG_INF)])
     suffix = rev[end + 1]
-    d_sorted = torch.exp(xs - loss + suffix) - torch.exp(z - loss)
+    d_sorted = torch.where(live, torch.exp(xs - loss + suffix) - torch.exp(z - loss), 0.0)
     dx = torch.empty_like(d_sorted).index_put_((order,), d_sorted)
     return dx.mul_(g)
 
