@@ -53,3 +53,29 @@ def test_every_env_variable_is_documented():
         used |= set(re.findall(r"FUSED_CONTRASTIVE_[A-Z_]+", path.read_text()))
     used.discard("FUSED_CONTRASTIVE_TRITON_POISON")  # a test hook, documented where it is defined
     assert used and all(v in text for v in used), sorted(v for v in used if v not in text)
+
+
+def test_sentence_transformers_extra_and_import_path():
+    """The extra brings what SentenceTransformerTrainer needs (sentence-transformers' own "train" extra,
+    read from its installed metadata), and the README's commented peer import is the non-deprecated
+    module path of the installed sentence-transformers."""
+    import importlib
+    import importlib.metadata as md
+    import re
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    ours = " ".join(extra["sentence-transformers"])
+    train = [r for r in md.requires("sentence-transformers") or [] if re.search(r'extra\s*==\s*"train"', r)]
+    assert train, "sentence-transformers declares no train extra"
+    for req in train:
+        name = re.match(r"[A-Za-z0-9_.\-]+", req).group(0)
+        assert "sentence-transformers[train]" in ours or name in ours, (name, ours)
+    peer = re.search(r"# from (sentence_transformers[\w.]*) import (\w+)", _readme())
+    assert peer, "README has no commented sentence-transformers import"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        mod = importlib.import_module(peer.group(1))
+    assert hasattr(mod, peer.group(2))
