@@ -6,6 +6,8 @@ run; the example script; the bench-st-step command."""
 
 from __future__ import annotations
 
+import functools
+import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -220,10 +222,6 @@ def test_cosent_equals_theirs(model, columns, sim, scale, labels):
 
 
 @pytest.mark.parametrize("kw,exc,name", [
-    (dict(similarity_fct=util.manhattan_sim), ValueError, "similarity_fct"),
-    (dict(similarity_fct=util.pairwise_cos_sim), ValueError, "similarity_fct"),
-    (dict(scale=0.0), ValueError, "scale"),
-    (dict(scale=-1.0), ValueError, "scale"),
     (dict(directions=()), ValueError, "directions"),
     (dict(directions=("query_to_doc", "doc_to_docs")), ValueError, "directions"),
     (dict(directions=("doc_to_query",)), ValueError, "query_to_doc"),
@@ -256,12 +254,65 @@ def test_cached_rejects_flattened_inputs(model, columns):
         loss(flat, None)
 
 
-@pytest.mark.parametrize("kw,name", [(dict(similarity_fct=util.cos_sim), "similarity_fct"),
-                                     (dict(similarity_fct=util.pairwise_manhattan_sim), "similarity_fct"),
-                                     (dict(scale=0), "scale")])
-def test_cosent_rejects_options(model, kw, name):
-    with pytest.raises(ValueError, match=name):
-        fused.CoSENTLoss(model, **kw)
+def _peer_run(model, theirs, ours, feats, labels, warns: bool):
+    """ours equals theirs (value and parameter gradients); ``warns``: the first use of the options warns
+    once that sentence-transformers' computation runs, the second does not warn again."""
+    from fused_contrastive.integrations import sentence_transformers as st_mod
+
+    st_mod._WARNED.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _assert_same(model, theirs, ours, feats, labels)
+        first = [str(w.message) for w in seen if "sentence-transformers' own" in str(w.message)]
+        _run(model, ours, feats, labels)
+        again = [str(w.message) for w in seen if "sentence-transformers' own" in str(w.message)]
+    assert len(first) == (1 if warns else 0), first
+    assert len(again) == len(first), again
+
+
+@pytest.mark.parametrize("kw,warns", [
+    (dict(similarity_fct=util.euclidean_sim, scale=0.5), True),
+    (dict(similarity_fct=util.manhattan_sim, scale=0.2), True),
+    (dict(similarity_fct=functools.partial(util.cos_sim)), False),  # the cosine: fused
+], ids=["euclidean", "manhattan", "partial_cos"])
+@pytest.mark.parametrize("cls", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
+def test_mnrl_options_outside_the_kernels_run_theirs(model, columns, cls, kw, warns):
+    """An option the peer accepts is never an error: outside the fused kernels, the drop-in runs
+    sentence-transformers' own computation (same value and gradients) and says so once."""
+    extra = dict(mini_batch_size=3) if cls.startswith("Cached") else {}
+    ours = getattr(fused, cls)(model, **kw, **extra)
+    theirs = peer.MultipleNegativesRankingLoss(model, **kw)
+    _peer_run(model, theirs, ours, columns[:3], None, warns)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0])
+def test_mnrl_rejects_a_non_positive_scale_as_theirs_does(model, scale):
+    with pytest.raises(ValueError, match="(?i)scale"):
+        peer.MultipleNegativesRankingLoss(model, scale=scale)
+    for cls in ("MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"):
+        with pytest.raises(ValueError, match="scale"):
+            getattr(fused, cls)(model, scale=scale)
+
+
+@pytest.mark.parametrize("kw,warns", [
+    (dict(similarity_fct=util.pairwise_manhattan_sim, scale=0.5), True),
+    (dict(similarity_fct=util.pairwise_euclidean_sim, scale=0.5), True),
+    (dict(similarity_fct=functools.partial(util.pairwise_cos_sim)), False),
+    (dict(scale=-0.5), True),
+], ids=["manhattan", "euclidean", "partial_cos", "scale_neg"])
+def test_cosent_options_outside_the_kernels_run_theirs(model, columns, kw, warns):
+    labels = torch.rand(B, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    _peer_run(model, peer.CoSENTLoss(model, **kw), fused.CoSENTLoss(model, **kw), columns[:2], labels, warns)
+
+
+def test_cosent_scale_zero_is_log_one_plus_the_pair_count(model, columns):
+    """scale = 0: every pair term is exp(0), so the loss is log(1 + #{(i, j): y_i > y_j}), by hand."""
+    labels = torch.tensor([0.1, 0.5, 0.5, 0.9] + [0.3] * (B - 4), dtype=torch.float64)
+    pairs = int((labels[:, None] > labels[None, :]).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = fused.CoSENTLoss(model, scale=0)([dict(f) for f in columns[:2]], labels)
+    assert abs(got.item() - math.log1p(pairs)) < 1e-12, (got, pairs)
 
 
 def test_bad_inputs_raise(model, columns):
@@ -271,10 +322,10 @@ def test_bad_inputs_raise(model, columns):
         fused.CachedMultipleNegativesRankingLoss(model)([dict(columns[0])], None)
     with pytest.raises(ValueError, match="labels"):
         fused.CoSENTLoss(model)([dict(f) for f in columns[:2]], torch.zeros(B + 1))
-    loss = fused.MultipleNegativesRankingLoss(model)
-    loss.similarity_fct = util.manhattan_sim  # assigned after construction: checked when used
-    with pytest.raises(ValueError, match="similarity_fct"):
-        loss([dict(f) for f in columns[:2]], None)
+    loss = fused.MultipleNegativesRankingLoss(model, scale=0.2)
+    loss.similarity_fct = util.manhattan_sim  # assigned after construction: read when used
+    _peer_run(model, peer.MultipleNegativesRankingLoss(model, scale=0.2, similarity_fct=util.manhattan_sim), loss,
+              columns[:2], None, True)
 
 
 def test_import_does_not_import_sentence_transformers():

@@ -2,7 +2,7 @@
 ``B x B`` (or ``B x B(1 + n_neg)``) similarity matrix: swap one import line and keep the rest of a
 ``SentenceTransformerTrainer`` script::
 
-    # from sentence_transformers.losses import MultipleNegativesRankingLoss
+    # from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from fused_contrastive.integrations.sentence_transformers import MultipleNegativesRankingLoss
 
 Importing this module imports sentence-transformers (``pip install 'fused-contrastive[sentence-transformers]'``);
@@ -23,9 +23,14 @@ sentence-transformers 6.x; tested against 6.2.0, loss and parameter gradients eq
 * :class:`CoSENTLoss` (``similarity_fct`` ``pairwise_cos_sim`` or ``pairwise_dot_score``) on
   :func:`fused_contrastive.cosent_loss` (O(B log B)).
 
-An option or input these classes cannot compute exactly raises (``ValueError`` /
-``NotImplementedError`` naming it): another ``similarity_fct``, and for the cached variant flattened
-(``cu_seq_lens_q``) or image inputs and ``StaticEmbedding`` models (which the original rejects too).
+Options the fused kernels do not cover run sentence-transformers' own computation on the embeddings
+(``compute_loss_from_embeddings`` of their class, built with the same options), with a one-time warning
+naming the option: a ``similarity_fct`` other than the cosine or dot product (a ``functools.partial`` of
+those without bound arguments is fused), and CoSENT's ``scale <= 0`` (MultipleNegativesRankingLoss
+rejects a non-positive scale, as sentence-transformers' does). So swapping the
+import never turns a working script into an error. The cached variant raises ``NotImplementedError``
+for flattened (``cu_seq_lens_q``) or image inputs, and ``ValueError`` for ``StaticEmbedding`` models
+(which the original rejects too).
 
 The math of MultipleNegativesRankingLoss (sentence-transformers 6.x), for this rank's queries ``q_i``
 (global row ``o + i`` of the batch gathered over ranks, ``o = 0`` without gathering), the positive
@@ -56,6 +61,8 @@ have equal sizes; unequal sizes, which they do not handle, are handled). Without
 from __future__ import annotations
 
 import bisect
+import functools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -64,6 +71,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tqdm
 from sentence_transformers import util as _st_util
+
+try:  # sentence-transformers >= 6.2 (the old module path warns there)
+    from sentence_transformers.sentence_transformer import losses as _st_losses
+except ImportError:  # pragma: no cover - older releases
+    from sentence_transformers import losses as _st_losses
 from torch import Tensor, nn
 
 from .. import _validate as V
@@ -104,28 +116,61 @@ def _fct_name(fn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _normalize_of(similarity_fct, pairwise: bool) -> bool:
-    """True for the cosine, False for the dot product; anything else raises naming the option."""
+def _normalize_of(similarity_fct, pairwise: bool) -> bool | None:
+    """True for the cosine, False for the dot product (the fused paths; a ``functools.partial`` of
+    either without bound arguments counts as it), None for any other similarity."""
+    fn = similarity_fct
+    while isinstance(fn, functools.partial) and not fn.args and not fn.keywords:
+        fn = fn.func
     if pairwise:
-        cos, dot, names = (_st_util.pairwise_cos_sim,), (_st_util.pairwise_dot_score,), "pairwise_cos_sim, pairwise_dot_score"
+        cos, dot = (_st_util.pairwise_cos_sim,), (_st_util.pairwise_dot_score,)
     else:
-        cos, dot, names = (_st_util.cos_sim, _st_util.pytorch_cos_sim), (_st_util.dot_score,), "cos_sim, dot_score"
-    if any(similarity_fct is f for f in cos):
+        cos, dot = (_st_util.cos_sim, _st_util.pytorch_cos_sim), (_st_util.dot_score,)
+    if any(fn is f for f in cos):
         return True
-    if any(similarity_fct is f for f in dot):
+    if any(fn is f for f in dot):
         return False
-    raise ValueError(f"similarity_fct={_fct_name(similarity_fct)!r} is not supported by the fused loss (it runs "
-                     f"the similarity inside its kernels); supported: sentence_transformers.util.{{{names}}}. Use "
-                     "the sentence-transformers class for other similarity functions")
+    return None
 
 
 def _check_scale(scale) -> None:
+    """Types only: any real scale is the peer's (a non-positive one runs the peer's computation)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float, Tensor)):
         raise TypeError(f"scale must be a number or a 0-dim tensor, got {type(scale).__name__}")
     if isinstance(scale, Tensor) and scale.dim() != 0:
         raise ValueError(f"scale must be a 0-dim tensor, got shape {tuple(scale.shape)}")
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {float(scale)}")
+
+
+def _unfused_reason(scale, similarity_fct, pairwise: bool) -> str | None:
+    """Why the fused kernels cannot run these options (None: they can). A CUDA tensor scale is not
+    read (a host sync per step): the fused op computes any real scale; the kernels' own checks need
+    scale > 0 only for numbers and CPU tensors."""
+    if _normalize_of(similarity_fct, pairwise) is None:
+        return f"similarity_fct={_fct_name(similarity_fct)}"
+    if isinstance(scale, Tensor) and scale.device.type != "cpu":
+        return None
+    if not float(scale) > 0:
+        return f"scale={float(scale)}"
+    return None
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _peer_computation(owner: nn.Module, peer_cls: type, reason: str, **options) -> nn.Module:
+    """sentence-transformers' own loss with the drop-in's options, for options the fused kernels do not
+    cover; built once per set of options, kept outside the module tree (it shares the model), with a
+    one-time warning per class and reason."""
+    key = (peer_cls.__name__, tuple(sorted((k, repr(v)) for k, v in options.items())))
+    cached = owner.__dict__.get("_peer")
+    if cached is None or cached[0] != key:
+        owner.__dict__["_peer"] = cached = (key, peer_cls(owner.model, **options))
+    if (type(owner).__name__, reason) not in _WARNED:
+        _WARNED.add((type(owner).__name__, reason))
+        warnings.warn(f"{type(owner).__name__}: {reason} is outside the fused kernels, so this loss runs "
+                      f"sentence-transformers' own {peer_cls.__name__} computation on the embeddings (the "
+                      "B x B similarity matrix); the value is sentence-transformers'", stacklevel=3)
+    return cached[1]
 
 
 def _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength) -> tuple[str, ...]:
@@ -309,8 +354,9 @@ class MultipleNegativesRankingLoss(nn.Module):
 
     Args:
         model: the ``SentenceTransformer`` (``model(features)["sentence_embedding"]`` gives [B, D]).
-        scale: multiplier of the similarities (``1 / temperature``), default 20.0; > 0.
-        similarity_fct: ``sentence_transformers.util.cos_sim`` (default) or ``dot_score``; others raise.
+        scale: multiplier of the similarities (``1 / temperature``), default 20.0; > 0 (as theirs).
+        similarity_fct: ``sentence_transformers.util.cos_sim`` (default) or ``dot_score`` (fused); any
+            other runs sentence-transformers' computation (one-time warning).
         gather_across_devices: gather queries and documents over ``torch.distributed`` ranks (this
             library's ``gather``); without an initialised process group the local batch is used.
         directions: tuple of "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc".
@@ -338,7 +384,8 @@ class MultipleNegativesRankingLoss(nn.Module):
     ) -> None:
         super().__init__()
         _check_scale(scale)
-        _normalize_of(similarity_fct, pairwise=False)
+        if not (isinstance(scale, Tensor) and scale.device.type != "cpu") and not float(scale) > 0:
+            raise ValueError(f"scale must be > 0, got {float(scale)} (sentence-transformers' class rejects it too)")
         self.model = model
         self.scale = scale
         self.similarity_fct = similarity_fct
@@ -353,6 +400,14 @@ class MultipleNegativesRankingLoss(nn.Module):
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         """The loss of the column embeddings ``[anchors, positives, negatives...]`` (each [B, D])."""
+        reason = _unfused_reason(self.scale, self.similarity_fct, pairwise=False)
+        if reason is not None:
+            peer = _peer_computation(
+                self, _st_losses.MultipleNegativesRankingLoss, reason, scale=self.scale,
+                similarity_fct=self.similarity_fct, gather_across_devices=self.gather_across_devices,
+                directions=self.directions, partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
+                hardness_strength=self.hardness_strength)
+            return peer.compute_loss_from_embeddings(embeddings, labels)
         if len(embeddings) < 2:
             raise ValueError(f"{type(self).__name__} needs at least 2 input columns (anchor, positive), "
                              f"got {len(embeddings)}")
@@ -592,8 +647,9 @@ class CoSENTLoss(nn.Module):
 
     Args:
         model: the ``SentenceTransformer``.
-        scale: default 20.0; > 0.
-        similarity_fct: ``sentence_transformers.util.pairwise_cos_sim`` (default) or ``pairwise_dot_score``.
+        scale: default 20.0 (``<= 0``: sentence-transformers' computation, one-time warning).
+        similarity_fct: ``sentence_transformers.util.pairwise_cos_sim`` (default) or ``pairwise_dot_score``
+            (fused); any other runs sentence-transformers' computation (one-time warning).
 
     Inputs: (sentence_A, sentence_B) columns and [B] float similarity labels (only their order
     matters). Returns a 0-dim loss (float32; float64 for a float64 model).
@@ -603,7 +659,6 @@ class CoSENTLoss(nn.Module):
                  similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.pairwise_cos_sim) -> None:
         super().__init__()
         _check_scale(scale)
-        _normalize_of(similarity_fct, pairwise=True)
         self.model = model
         self.scale = scale
         self.similarity_fct = similarity_fct
@@ -612,6 +667,11 @@ class CoSENTLoss(nn.Module):
         return self.compute_loss_from_embeddings(_embed_columns(self.model, sentence_features), labels)
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        reason = _unfused_reason(self.scale, self.similarity_fct, pairwise=True)
+        if reason is not None:
+            peer = _peer_computation(self, _st_losses.CoSENTLoss, reason, scale=self.scale,
+                                     similarity_fct=self.similarity_fct)
+            return peer.compute_loss_from_embeddings(embeddings, labels)
         if len(embeddings) < 2:
             raise ValueError(f"CoSENTLoss needs 2 input columns, got {len(embeddings)}")
         b = embeddings[0].shape[0]
