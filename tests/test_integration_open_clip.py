@@ -124,12 +124,16 @@ def _dist_worker(rank: int, world: int, init: str, n: int, out) -> None:
         cases += [(f"siglip {impl}", fo.SigLipLoss(rank=rank, world_size=world, dist_impl=impl),
                    oc.SigLipLoss(rank=rank, world_size=world, dist_impl=impl))
                   for impl in (None, "bidir", "shift", "reduce", "gather")]
-        for name, ours, theirs in cases:
-            got = _value_and_grads(ours, local)
-            want = _value_and_grads(theirs, local)
-            errs = [float((got[0] - want[0]).abs())] + [float((g - w).abs().max()) for g, w in zip(got[1], want[1])]
-            scale = [float(want[0].abs())] + [float(w.abs().max()) for w in want[1]]
-            res["cases"][name] = (errs, scale)
+        # a non-positive logit_scale (open_clip takes any): open_clip's formula, gathered the same way
+        for sv, tag in ((s, ""), (torch.tensor(-1.5, dtype=torch.float64), " scale<0")):
+            for name, ours, theirs in cases:
+                args = [local[0], local[1], sv, local[3]]
+                got = _value_and_grads(ours, args)
+                want = _value_and_grads(theirs, args)
+                errs = [float((got[0] - want[0]).abs())] + [float((g - w).abs().max())
+                                                            for g, w in zip(got[1], want[1], strict=True)]
+                scale = [float(want[0].abs())] + [float(w.abs().max()) for w in want[1]]
+                res["cases"][name + tag] = (errs, scale)
         out.put(res)
     except Exception:  # noqa: BLE001 - reported: the parent fails at once instead of waiting for a hang
         import traceback
@@ -144,10 +148,34 @@ def _dist_worker(rank: int, world: int, init: str, n: int, out) -> None:
 def test_distributed_options_match_open_clip(world, tmp_path):
     results = _spawn(_dist_worker, world, (4,), tmp_path)
     for r in results:
-        assert len(r["cases"]) == 9
+        assert len(r["cases"]) == 18
         for name, (errs, scale) in r["cases"].items():
             for e, m in zip(errs, scale):
                 assert e <= 1e-10 * max(m, 1.0), (r["rank"], name, errs)
+
+
+@needs_peer
+@pytest.mark.parametrize("scale", [0.0, "neg_tensor"])
+@pytest.mark.parametrize("cls", ["ClipLoss", "SigLipLoss"])
+def test_non_positive_logit_scale_runs_open_clips_formula(cls, scale):
+    """open_clip takes any logit_scale; the fused losses need > 0, so the drop-in computes open_clip's
+    formula there (same value and gradients, the scale's included) and warns once."""
+    import warnings
+
+    img, txt, _, b = _inputs(6, seed=3)
+    sv = torch.tensor(-2.0, dtype=torch.float64) if scale == "neg_tensor" else torch.tensor(scale, dtype=torch.float64)
+    ours, theirs = getattr(fo, cls)(), getattr(OC, cls)()
+    fo._WARNED.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = _value_and_grads(ours, [img, txt, sv, b])
+        _value_and_grads(ours, [img, txt, sv, b])
+    want = _value_and_grads(theirs, [img, txt, sv, b])
+    _close(got[0], want[0])
+    for g, w in zip(got[1], want[1], strict=True):
+        _close(g, w)
+    msgs = [str(w.message) for w in seen if "logit_scale" in str(w.message)]
+    assert len(msgs) == 1 and cls in msgs[0], msgs
 
 
 def test_bad_arguments_are_named():
@@ -162,8 +190,6 @@ def test_bad_arguments_are_named():
     img, txt, s, _ = _inputs(4)
     with pytest.raises(ValueError, match="torch.distributed"):  # world_size 2 without a process group
         fo.ClipLoss(rank=0, world_size=2)(img, txt, s)
-    with pytest.raises(ValueError, match="logit_scale"):
-        fo.ClipLoss()(img, txt, -1.0)
     with pytest.raises(ValueError, match="logit_bias"):  # a per-column bias does not cancel
         fo.ClipLoss()(img, txt, s, torch.zeros(4, dtype=torch.float64))
 

@@ -31,12 +31,16 @@ gather=True)``), with the texts' gradients summed back to their owners as open_c
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import distributed as D
 from ..losses import clip_loss, info_nce
+from ..siglip import reference as _siglip_textbook
 from ..siglip import siglip_loss
 
 __all__ = ["ClipLoss", "SigLipLoss"]
@@ -77,6 +81,29 @@ def _gathered(x: Tensor, with_grad: bool, keep_local: bool, name: str) -> tuple[
     return rows, off
 
 
+_WARNED: set[str] = set()
+
+
+def _fused_scale(logit_scale, cls: str) -> bool:
+    """Whether the fused losses take this ``logit_scale``: they need it > 0, as open_clip's trained scale
+    always is; a number or CPU tensor <= 0 (or NaN) runs open_clip's formula instead (materialising the
+    N x M logits), with a one-time warning. A CUDA tensor is not read (that would be a host sync per
+    step): the fused op computes it as given."""
+    if isinstance(logit_scale, Tensor) and logit_scale.device.type != "cpu":
+        return True
+    if not isinstance(logit_scale, (Tensor, int, float)) or isinstance(logit_scale, bool):
+        return True  # the fused loss names the argument in its error
+    if isinstance(logit_scale, Tensor) and logit_scale.numel() != 1:
+        return True
+    if float(logit_scale) > 0:
+        return True
+    if cls not in _WARNED:
+        _WARNED.add(cls)
+        warnings.warn(f"{cls}: logit_scale={float(logit_scale)} is outside the fused losses (they need > 0), so "
+                      "this call computes open_clip's formula on the materialised logits", stacklevel=3)
+    return False
+
+
 def _with_zero_grad(loss: Tensor, logit_bias) -> Tensor:
     """A bias added to every logit of a softmax row cancels: its gradient is exactly 0. Keep it in the
     graph (as open_clip's autograd does) so that an optimiser sees a zero gradient, not None. Only a
@@ -105,7 +132,8 @@ class ClipLoss(nn.Module):
         use_horovod: not supported (``ValueError``); use torch.distributed.
 
     ``forward(image_features [N, D], text_features [N, D], logit_scale, logit_bias=None,
-    output_dict=False)``: ``logit_scale`` a positive float or 0-dim tensor (already exponentiated), the
+    output_dict=False)``: ``logit_scale`` a float or 0-dim tensor (already exponentiated; one <= 0 runs
+    open_clip's formula on the materialised logits, with a one-time warning), the
     optional ``logit_bias`` cancels in the softmax (its gradient is 0). Returns the 0-dim loss (float32,
     float64 for float64 features) or ``{"contrastive_loss": loss}``. Runs ``backend="auto"``.
     """
@@ -126,12 +154,29 @@ class ClipLoss(nn.Module):
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale, logit_bias=None,
                 output_dict: bool = False):
-        if _world(self.rank, self.world_size, "ClipLoss"):
+        distributed = _world(self.rank, self.world_size, "ClipLoss")
+        if not _fused_scale(logit_scale, "ClipLoss"):
+            loss = self._textbook(image_features, text_features, logit_scale, distributed)
+        elif distributed:
             loss = self._distributed(image_features, text_features, logit_scale)
         else:
             loss = clip_loss(image_features, text_features, logit_scale, normalize=False)
         loss = _with_zero_grad(loss, logit_bias)
         return {"contrastive_loss": loss} if output_dict else loss
+
+    def _textbook(self, img: Tensor, txt: Tensor, s, distributed: bool) -> Tensor:
+        """open_clip's computation (for a scale the fused losses do not take): the logits materialised,
+        the features gathered as open_clip gathers them for each combination of options."""
+        off = 0
+        rows_img, rows_txt, all_img, all_txt = img, txt, img, txt
+        if distributed:
+            keep = not self.local_loss
+            all_img, off = _gathered(img, self.gather_with_grad, keep, "image_features")
+            all_txt, _ = _gathered(txt, self.gather_with_grad, keep, "text_features")
+            if not self.local_loss:  # the global batch on every rank
+                rows_img, rows_txt, off = all_img, all_txt, 0
+        target = torch.arange(rows_img.shape[0], device=img.device) + off
+        return (F.cross_entropy(s * rows_img @ all_txt.T, target) + F.cross_entropy(s * rows_txt @ all_img.T, target)) / 2
 
     def _distributed(self, img: Tensor, txt: Tensor, s) -> Tensor:
         if self.local_loss and self.gather_with_grad:
@@ -180,5 +225,9 @@ class SigLipLoss(nn.Module):
                 output_dict: bool = False):
         gather = _world(self.rank, self.world_size, "SigLipLoss")
         bias = 0.0 if logit_bias is None else logit_bias
-        loss = siglip_loss(image_features, text_features, logit_scale, bias, normalize=False, gather=gather)
+        if not _fused_scale(logit_scale, "SigLipLoss"):  # open_clip's formula on the materialised logits
+            txt, off = _gathered(text_features, True, True, "text_features") if gather else (text_features, 0)
+            loss = _siglip_textbook(image_features, txt, logit_scale, bias, False, "mean", offset=off)
+        else:
+            loss = siglip_loss(image_features, text_features, logit_scale, bias, normalize=False, gather=gather)
         return {"contrastive_loss": loss} if output_dict else loss
