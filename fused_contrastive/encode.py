@@ -110,6 +110,9 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
         raise TypeError(f"encoder must be an nn.Module or a callable, got {type(encoder).__name__}")
     leaves, spec = tree_flatten(batch)
     n = _batch_size(leaves, "batch")
+    same = _ddp_chunk_count(encoder, n, chunk_size)  # under DDP a rank without rows makes every rank raise
+    if n == 0:
+        raise ValueError("batch has 0 rows (dim 0 of its tensors): there is nothing to encode")
 
     def chunk_of(start: int) -> list:
         return [x[start:start + chunk_size] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves]
@@ -130,7 +133,6 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
     outs = []
     extra = _extra_devices(encoder, leaves) if preserve_rng_state else []
     starts = list(range(0, n, chunk_size))
-    same = _ddp_chunk_count(encoder, n, chunk_size)
     if same is not None and same != len(starts):
         # as many chunks as the rank with the most (each rank has at least that many rows), as even as possible
         q, r = divmod(n, same)

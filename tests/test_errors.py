@@ -119,3 +119,18 @@ def test_info_nce_default_target_needs_its_key_and_must_not_exclude_it():
     want = torch.nn.functional.cross_entropy(
         torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(k, dim=1).T / 0.05, t)
     torch.testing.assert_close(fc.info_nce(q, k, t), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("value,match", [("abc", "FUSED_CONTRASTIVE_TILE_ELEMENTS.*positive integer"),
+                                         ("0", "FUSED_CONTRASTIVE_TILE_ELEMENTS.*>= 1"),
+                                         ("-5", "FUSED_CONTRASTIVE_TILE_ELEMENTS.*>= 1")])
+def test_tile_elements_environment_variable_is_validated(monkeypatch, value, match):
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", value)
+    with pytest.raises(ValueError, match=match):
+        fc.info_nce(torch.randn(4, 3), torch.randn(4, 3), backend="torch")
+
+
+def test_encode_in_chunks_of_an_empty_batch_names_it():
+    enc = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="batch has 0 rows"):
+        fc.encode_in_chunks(enc, torch.randn(0, 3), 2)

@@ -38,7 +38,14 @@ def tile_elements() -> int:
     """Elements of one transient logit tile (env ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` overrides)."""
     env = os.environ.get("FUSED_CONTRASTIVE_TILE_ELEMENTS")
     if env:
-        return max(1, int(env))
+        try:
+            v = int(env)
+        except ValueError:
+            raise ValueError(f"environment variable FUSED_CONTRASTIVE_TILE_ELEMENTS must be a positive integer "
+                             f"(elements of one logit tile), got {env!r}") from None
+        if v < 1:
+            raise ValueError(f"environment variable FUSED_CONTRASTIVE_TILE_ELEMENTS must be >= 1, got {v}")
+        return v
     return _DEFAULT_TILE_ELEMENTS
 
 
