@@ -252,7 +252,10 @@ def _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
         else:
             off = (rows % n0).to(tl.int64)[:, None] * stride_pm + (cols % m0)[None, :]
         w = tl.load(POS_MASK + off, mask=valid, other=0.0).to(tl.float32)
-        lp = l + _log0(w)  # log 0 = -inf removes non-positives (padding is -inf already)
+        # log 0 = -inf removes non-positives (padding is -inf already). Plain tl.log, not _log0: its two
+        # extra selects on the tile made the sm_90 symmetric backward spill (tests/test_triton_compile.py);
+        # under the interpreter this may warn "divide by zero encountered in log" for a dense 0/1 mask
+        lp = l + tl.log(w)
     return lp
 
 
