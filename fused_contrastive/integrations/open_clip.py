@@ -176,7 +176,9 @@ class ClipLoss(nn.Module):
             if not self.local_loss:  # the global batch on every rank
                 rows_img, rows_txt, off = all_img, all_txt, 0
         target = torch.arange(rows_img.shape[0], device=img.device) + off
-        return (F.cross_entropy(s * rows_img @ all_txt.T, target) + F.cross_entropy(s * rows_txt @ all_img.T, target)) / 2
+        row = F.cross_entropy(s * rows_img @ all_txt.T, target)
+        col = F.cross_entropy(s * rows_txt @ all_img.T, target)
+        return (row + col) / 2
 
     def _distributed(self, img: Tensor, txt: Tensor, s) -> Tensor:
         if self.local_loss and self.gather_with_grad:
