@@ -70,6 +70,25 @@ def _path(path: str) -> Iterator[None]:
             os.environ["FUSED_CONTRASTIVE_DENSE"] = old
 
 
+def _device(text: str) -> str:
+    """``--device``: a torch device string of a device this machine has (checked up front, so that a
+    missing GPU is one error, not a FAIL row per case)."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({str(e).splitlines()[0]})") from None
+    if dev.type == "cpu":
+        return text
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here (torch {torch.__version__}, "
+                                         f"built {'with' if torch.version.cuda else 'without'} CUDA)")
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: no such device here ({str(e).splitlines()[0]})") from None
+    return text
+
+
 def _check_parser(sub) -> argparse.ArgumentParser:
     from .testing import CASES
 
@@ -80,8 +99,8 @@ def _check_parser(sub) -> argparse.ArgumentParser:
                     "data, against the float64 ground truth (the reference backend in float64). A row "
                     "passes when each output's error is within twice PyTorch's own error in that dtype plus "
                     "a small slack (fused_contrastive.testing.accuracy). Exit status 1 if any row fails.")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="default: cuda if available, else cpu")
+    p.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="a torch device this machine has (default: cuda if available, else cpu)")
     p.add_argument("--shapes", type=lambda t: [_shape(s) for s in _csv(t)], default=[(1, 3), (97, 64), (256, 768)],
                    metavar="NxD,...", help="N anchors x D dims (default 1x3,97x64,256x768)")
     p.add_argument("--dtypes", type=_choices("dtype", list(DTYPES)), default=["float32", "bfloat16", "float16"],

@@ -109,3 +109,16 @@ def test_bench_gather_computes_bytes_per_rank():
     row = next(line.split() for line in out.stdout.splitlines() if line.startswith("info_nce"))
     assert row[1:] == ["84", "84", "192"], row
     assert "COMPUTED" in out.stdout
+
+
+def test_check_rejects_a_device_this_machine_lacks_up_front():
+    """One usage error (exit 2) naming --device, before any case runs: no FAIL row per case, no
+    traceback."""
+    import torch
+
+    missing = "cuda:99" if torch.cuda.is_available() else "cuda"
+    for dev, says in ((missing, "--device"), ("tpu", "not a torch device")):
+        r = _cli("check", "--device", dev, "--losses", "info_nce_target", "--shapes", "3x2")
+        assert r.returncode == 2, (dev, r.returncode, r.stdout[-500:])
+        assert "--device" in r.stderr and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "FAIL" not in r.stdout, r.stdout
