@@ -95,7 +95,7 @@ def _fused_scale(logit_scale, cls: str) -> bool:
         return True  # the fused loss names the argument in its error
     if isinstance(logit_scale, Tensor) and logit_scale.numel() != 1:
         return True
-    if float(logit_scale) > 0:
+    if float(logit_scale.detach() if isinstance(logit_scale, Tensor) else logit_scale) > 0:
         return True
     if cls not in _WARNED:
         _WARNED.add(cls)

@@ -149,8 +149,9 @@ def _unfused_reason(scale, similarity_fct, pairwise: bool) -> str | None:
         return f"similarity_fct={_fct_name(similarity_fct)}"
     if isinstance(scale, Tensor) and scale.device.type != "cpu":
         return None
-    if not float(scale) > 0:
-        return f"scale={float(scale)}"
+    value = float(scale.detach()) if isinstance(scale, Tensor) else float(scale)
+    if not value > 0:
+        return f"scale={value}"
     return None
 
 
