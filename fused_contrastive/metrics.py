@@ -3,23 +3,27 @@
 * ``alignment(x, y, alpha)  = mean_i ||x_i - y_i||^alpha`` over positive pairs (x_i, y_i): O(N*D) as
   written.
 * ``uniformity(x, t) = log mean_{i != j} exp(-t ||x_i - x_j||^2)``: the N x N distance matrix of the
-  textbook formula (``torch.pdist(x).pow(2).mul(-t).exp().mean().log()``) is never formed. For unit
-  rows ``||x_i - x_j||^2 = 2 - 2 <x_i, x_j>``, so
+  textbook formula (``torch.pdist(x).pow(2).mul(-t).exp().mean().log()``) is never formed. With
+  ``n_i = ||x_i||^2`` (of the normalised rows when ``normalize``),
 
-      uniformity = logsumexp_i LSE_i - 2t - log(N (N - 1)),   LSE_i = log sum_{j != i} exp(2t <x_i, x_j>)
+      -t ||x_i - x_j||^2 = <u_i, v_j>,   u_i = [2t x_i, -t n_i, 1],   v_j = [x_j, 1, -t n_j]
 
-  and the row log-sum-exps are the core op of every InfoNCE loss (B is A, scale ``2t``, the own
-  column excluded): O(N*D) memory, one pass, exact gradients, on any backend. Without normalisation
-  ``-t ||x_i - x_j||^2 = <u_i, v_j>`` with the augmented rows ``u_i = [2t x_i, -t ||x_i||^2, 1]`` and
-  ``v_j = [x_j, 1, -t ||x_j||^2]`` (D + 2 columns), the same op with scale 1.
+  (D + 2 columns), so ``uniformity = logsumexp_i LSE_i - log(N (N - 1))`` with the row log-sum-exps
+  ``LSE_i = log sum_{j != i} exp(<u_i, v_j>)`` of the core op of every InfoNCE loss (scale 1, the own
+  column excluded): O(N*D) memory, one pass, exact gradients, on any backend. The shorter
+  ``||x_i - x_j||^2 = 2 - 2 <x_i, x_j>`` holds only for unit rows: a zero row (normalised to 0) or a
+  row of norm below ``eps`` (normalised to ``x / eps``, norm < 1) would get the wrong distance, so the
+  norms are kept in the augmented columns.
 
-Both are differentiable (uniformity is also used as a training loss) and both return a 0-dim tensor in
-float32 (float64 for float64 inputs).
+  Near-duplicate rows cancel: their pair's gradient ``x_i - x_j`` comes out of the inner-product form
+  as a difference of two terms of size ``4t``, so in float32 a duplicated row at t = 20 has a relative
+  gradient error of 1e-3 to 1e-1 where the textbook's ``x_i - x_j`` is exact. The torch backend
+  therefore runs this metric in float64 whatever the input dtype (the result is float32 for 16/32-bit
+  inputs, as documented); the triton backend computes in float32 and has that error.
 """
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor
@@ -37,7 +41,8 @@ _EPS = 1e-12
 
 
 @autocast_off
-def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, normalize: bool = True) -> Tensor:
+def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, normalize: bool = True,
+              backend: str = "auto") -> Tensor:
     """Alignment of positive pairs: ``mean_i ||x_i - y_i||_2 ^ alpha`` (Wang and Isola 2020).
 
     Args:
@@ -45,6 +50,9 @@ def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, normalize: bool = Tru
         alpha: the exponent, a float > 0 (default 2: the squared distance).
         normalize: L2-normalise the rows first (default True: the metric is defined on the unit
             sphere; already-normalised rows are unchanged by it).
+        backend: "auto" (default), "torch" or "reference": the same elementwise O(N*D) PyTorch code
+            (nothing here is N x N, so there is no kernel); "triton" raises ``ValueError``. Accepted so
+            that every metric and loss takes the same argument.
 
     Returns:
         0-dim tensor, float32 (float64 for float64 inputs), differentiable. Lower is better
@@ -62,6 +70,7 @@ def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, normalize: bool = Tru
                          f"y {y.shape[0]}")
     alpha = V.number("alpha", alpha, low=0.0, strict=True)
     V.flag("normalize", normalize)
+    resolve(backend, x, y, op="alignment")
     dt = compute_dtype(x, y)
     xs, ys = x.to(dt), y.to(dt)
     if normalize:
@@ -105,19 +114,19 @@ def uniformity(x: Tensor, t=2.0, *, normalize: bool = True, backend: str = "auto
     if isinstance(t, Tensor):
         t = t.to(device=x.device, dtype=dt)
     be = resolve(backend, x)
-    log_pairs = math.log(n) + math.log(n - 1)
     if be == "reference":
         xs = x.to(dt)
         if normalize:
             xs = unit_rows(xs, _EPS)
         sq = (xs[:, None, :] - xs[None, :, :]).pow(2).sum(-1)
         off = ~torch.eye(n, dtype=torch.bool, device=x.device)
-        return torch.logsumexp((-t * sq)[off], dim=0) - log_pairs
+        return torch.logsumexp((-t * sq)[off], dim=0) - _log_pairs(sq.diagonal())
+    # torch: float64 (module docstring: duplicated rows cancel); triton: its float32 accumulation
+    xs = x.to(torch.float64 if be == "torch" else dt)
+    if isinstance(t, Tensor):
+        t = t.to(xs.dtype)
     if normalize:
-        spec = CoreSpec(normalize=True, eps=_EPS, exclude_self=True)
-        lse = core.run(be, x, None, 2 * t, spec, CoreData(), Coeffs(lse=1.0), reduce=False)
-        return torch.logsumexp(lse, dim=0) - 2 * t - log_pairs
-    xs = x.to(dt)
+        xs = unit_rows(xs, _EPS)
     sq = (xs * xs).sum(dim=1, keepdim=True)
     one = torch.ones_like(sq)
     u = torch.cat([2 * t * xs, -t * sq, one], dim=1)
@@ -126,4 +135,11 @@ def uniformity(x: Tensor, t=2.0, *, normalize: bool = True, backend: str = "auto
     # operands would round away)
     spec = CoreSpec(normalize=False, eps=_EPS, exclude_self=True)
     lse = core.run(be, u, v, 1.0, spec, CoreData(), Coeffs(lse=1.0), reduce=False)
-    return torch.logsumexp(lse, dim=0) - log_pairs
+    return (torch.logsumexp(lse, dim=0) - _log_pairs(lse)).to(dt)
+
+
+def _log_pairs(row: Tensor) -> Tensor:
+    """``log(N (N - 1))`` for an [N] tensor, computed from its size as tensor ops: ``math.log`` of N
+    would make ``torch.compile`` specialise on the batch size (a recompile per N)."""
+    cnt = torch.ones_like(row).sum()
+    return torch.log(cnt) + torch.log(cnt - 1)

@@ -194,7 +194,7 @@ def test_compiled_matches_eager_aot_eager(name, path):
 
 # one case per public loss function under Inductor (its CPU C++ compile takes seconds per graph)
 _INDUCTOR = ["info_nce_none", "clip_scale", "simcse", "simcse_sup_hard", "supcon_queue_in", "dscl_queue",
-             "cosent", "cosent_scores", "siglip"]
+             "cosent", "cosent_scores", "siglip", "uniformity", "alignment"]
 
 
 @pytest.mark.parametrize("name", _INDUCTOR)

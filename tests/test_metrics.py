@@ -148,7 +148,57 @@ def test_uniformity_allocates_nothing_n_by_n():
     (lambda: fc.alignment(torch.randn(4, 3), torch.randn(4, 2)), "dimension"),
     (lambda: fc.alignment(torch.randn(4, 3), torch.randn(4, 3), alpha=0), "alpha must be"),
     (lambda: fc.alignment(torch.randn(0, 3), torch.randn(0, 3)), "must not be empty"),
+    (lambda: fc.alignment(torch.randn(4, 3), torch.randn(4, 3), backend="fast"), "backend"),
+    (lambda: fc.alignment(torch.randn(4, 3), torch.randn(4, 3), backend="triton"), "no Triton kernel"),
 ])
 def test_bad_arguments_are_named(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+# --- degenerate rows ---------------------------------------------------------------------------------
+# A zero row normalises to 0 (as F.normalize), so its squared distance to a unit row is 1, not 2; a row of
+# norm below eps normalises to x / eps (norm < 1). The textbook (pdist of F.normalize) and the reference
+# see that; the unit-row shortcut 2 - 2 cos did not.
+
+
+def _unif_pairs(x, t, normalize=True):
+    """The textbook on the materialised ordered pairs, written with differences (exact at duplicates)."""
+    if normalize:
+        x = F.normalize(x, dim=1)
+    n = x.shape[0]
+    sq = (x[:, None, :] - x[None, :, :]).pow(2).sum(-1)
+    off = ~torch.eye(n, dtype=torch.bool)
+    return torch.logsumexp(-t * sq[off], dim=0) - math.log(n * (n - 1))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_uniformity_of_a_zero_row_and_a_tiny_row_is_the_textbook(backend, path):
+    # hand-derived: [[1, 0], [0, 0]]: the one distance^2 is 1, so uniformity = log exp(-t) = -t = -2;
+    # [[1, 0], [1e-13, 0]]: the tiny row normalises to [0.1, 0], distance^2 0.81, so -1.62
+    x = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    assert fc.uniformity(x, 2.0, backend=backend).item() == pytest.approx(-2.0, rel=1e-6)
+    x = torch.tensor([[1.0, 0.0], [1e-13, 0.0]], dtype=torch.float64)
+    assert fc.uniformity(x, 2.0, backend=backend).item() == pytest.approx(-1.62, rel=1e-12)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_uniformity_of_duplicated_rows_in_float32_has_the_textbooks_accuracy(normalize, path):
+    """At t = 20 a duplicated row's softmax weight dominates and its pair gradient x_i - x_j is exactly 0;
+    the inner-product form recovers it as a difference of terms of size 4t. The torch backend runs in
+    float64, so float32 inputs get the gradient to float32 rounding (the float32 textbook's own error
+    on these inputs is ~1e-6; the float32 inner-product form's was 2e-3 to 6e-2)."""
+    g = torch.Generator().manual_seed(11)
+    for n, d in ((8, 4), (64, 16), (150, 32)):
+        x = torch.randn(n, d, generator=g, dtype=torch.float64)
+        if not normalize:
+            x = x / (2 * d ** 0.5)
+        x[1] = x[0]
+        x[5] = x[3]
+        t = 20.0 if normalize else 5.0
+        want, (wx,) = _grads(lambda a: _unif_pairs(a, t, normalize), x)
+        got, (gx,) = _grads(lambda a: fc.uniformity(a, t, normalize=normalize, backend="torch"), x.float())
+        assert got.dtype == torch.float32
+        assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())
+        rel = ((gx.double() - wx).norm() / wx.norm()).item()
+        assert rel < 1e-6, (n, d, rel)

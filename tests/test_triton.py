@@ -338,3 +338,12 @@ def test_broken_kernels_are_loud_not_a_silent_fallback():
         print("OK")
         """)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
+
+
+# Degenerate rows (zero, norm below eps, duplicated) planted in every case the kernels run, float32,
+# under THE rule as in test_properties (gradients in the sphere's coordinates).
+@pytest.mark.parametrize("case", [c for c in CASES if c.op != "alignment"], ids=lambda c: c.name)
+def test_degenerate_rows_match_the_reference(case):
+    from test_properties import check_degenerate
+
+    check_degenerate(case, 13, 8, 5, ["zero", "tiny", "dup", "dup"], torch.float32, "triton")

@@ -473,7 +473,9 @@ def test_triangular_sweep_is_chosen_where_documented(monkeypatch):
     assert tri(lambda: fc.simcse_loss(feats, backend="triton"))  # symmetric SimCSE
     tgt = (torch.arange(60) + 1) % 60
     assert tri(lambda: fc.info_nce(feats, None, tgt, backend="triton"))
-    assert tri(lambda: fc.uniformity(feats, backend="triton"))
+    # uniformity runs on augmented rows [2t x, -t|x|^2, 1] against [x, 1, -t|x|^2] (exact for zero rows):
+    # A and B differ, so not the triangular sweep
+    assert not tri(lambda: fc.uniformity(feats, backend="triton"))
     # a column term (CLIP of A against itself) or a softmax over positives: not the triangular sweep
     assert not tri(lambda: fc.info_nce(feats, None, symmetric=True, exclude_self=False, backend="triton"))
     assert not tri(lambda: fc.supcon_loss(feats.reshape(30, 2, 16), torch.arange(30) % 4, variant="in",

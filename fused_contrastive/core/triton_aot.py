@@ -12,7 +12,7 @@ Covered (everything else takes the JIT route as before, with the same results):
   and stay in Python, as on every path);
 * the library's modes: B given with a row LSE ("info_nce", e.g. InfoNCE / MNRL, SimCSE with two
   views) or with a row and a column LSE ("clip"), or B is A with the own column excluded ("self",
-  e.g. ``uniformity``);
+  e.g. InfoNCE of a batch against itself);
 * CUDA tensors whose arch (sm_80 for 8.x, sm_90 for 9.0), dtype and D class the library was built for
   (``build_info()``); D and the row strides multiples of 16, 16-byte aligned rows, N, M < 2^31;
 * eager mode (under ``torch.compile`` the registered Triton op runs).

@@ -35,7 +35,7 @@ redone exactly in two passes (``W = 1`` there). Otherwise
 
 Units (one unit = one N x M x D matmul = 2 N M D FLOPs), by case:
 
-* B is A without a bias, no column term, no softmax over positives (symmetric SimCSE, uniformity,
+* B is A without a bias, no column term, no softmax over positives (symmetric SimCSE,
   InfoNCE of a batch against itself; summed or per row): the **triangular sweep**, **2 units** plus
   the diagonal blocks (``P / N`` of a unit). Forward: the fused forward kernel over the tiles on and
   above the diagonal only (``lse_fwd_kernel`` with TRI, half a unit, no logits in memory: each tile's
@@ -478,7 +478,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
 
 def use_tri(p, want_col: bool, want_pos: bool) -> bool:
     """The triangular sweep: B is A without a bias (symmetric logits), no column term, no softmax over
-    positives (symmetric SimCSE, uniformity, InfoNCE of a batch against itself)."""
+    positives (symmetric SimCSE, InfoNCE of a batch against itself)."""
     return bool(p.sym and not want_col and not want_pos)
 
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .. import losses as L
 from ..cosent import cosent_loss, cosent_loss_from_scores
+from ..metrics import alignment, uniformity
 from ..siglip import siglip_loss
 
 Inputs = tuple[dict[str, Tensor], dict[str, Any]]
@@ -36,7 +37,8 @@ class Case:
         name: unique; what ``check --losses`` and ``bench --losses`` accept.
         fn: the public loss function called as ``fn(**tensors, **kwargs, backend=...)``.
         build: ``(n, d, gen) -> (tensors, kwargs)`` at N anchors, float32 CPU.
-        op: "core" (InfoNCE family: the Triton kernels run it), "cosent" or "siglip".
+        op: "core" (InfoNCE family and uniformity: the Triton kernels run it), "cosent", "siglip" or
+            "alignment" (elementwise O(N*D) PyTorch, no Triton kernel: ``backend="triton"`` raises).
         covers: what the case exercises (shown by ``check --list``).
         bench: one of the benchmark's losses.
         inputs: what the inputs are at N (benchmark tables).
@@ -259,6 +261,27 @@ def _siglip_raw_none(n, d, g):
             {"logit_scale": 0.5, "normalize": False, "reduction": "none"})
 
 
+# --- metrics (Wang and Isola 2020) ---------------------------------------------------------------
+
+
+def _uniformity(n, d, g):
+    return {"x": _randn(g, max(n, 2), d)}, {}  # at least 2 rows: a mean over pairs i != j
+
+
+def _uniformity_raw(n, d, g):
+    # raw rows scaled so that squared distances are O(1) (exp(-t d^2) stays well inside float32)
+    x = _randn(g, max(n, 2), d) / (2 * max(d, 1) ** 0.5)
+    return {"x": x, "t": torch.tensor(1.5)}, {"normalize": False}
+
+
+def _alignment(n, d, g):
+    return {"x": _randn(g, n, d), "y": _randn(g, n, d)}, {}
+
+
+def _alignment_raw(n, d, g):
+    return {"x": _randn(g, n, d), "y": _randn(g, n, d)}, {"alpha": 1.5, "normalize": False}
+
+
 def _sq(n: int) -> tuple[int, int]:
     return n, n
 
@@ -308,6 +331,11 @@ CASES: list[Case] = [
     Case("siglip_learn", siglip_loss, _siglip_learn, op="siglip", covers="learnable scale and bias, sum"),
     Case("siglip_raw_none", siglip_loss, _siglip_raw_none, op="siglip",
          covers="normalize=False, learnable bias, per-image losses"),
+    Case("uniformity", uniformity, _uniformity, covers="log mean exp(-2 ||x_i - x_j||^2) of unit rows, N >= 2"),
+    Case("uniformity_raw", uniformity, _uniformity_raw,
+         covers="normalize=False, tensor t = 1.5 (augmented rows, B != A)"),
+    Case("alignment", alignment, _alignment, op="alignment", covers="mean squared distance of unit pairs"),
+    Case("alignment_raw", alignment, _alignment_raw, op="alignment", covers="alpha 1.5, normalize=False"),
 ]
 CASE_BY_NAME: dict[str, Case] = {c.name: c for c in CASES}
 BENCH_CASES: list[Case] = [c for c in CASES if c.bench]
