@@ -21,6 +21,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 #: "dense": the one-tile path of problems that fit the tile budget; "tiled": the O(N*D) path (chunked
 #: PyTorch or the Triton kernels), forced with FUSED_CONTRASTIVE_DENSE=0.
 PATHS = ("dense", "tiled")
+COMMANDS = ("check", "bench", "bench-encode", "bench-gather", "bench-st-step")
 
 
 def _csv(text: str) -> list[str]:
@@ -157,8 +158,8 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         case = CASE_BY_NAME[name]
         for be in backends:
             for path in args.paths:
-                if be == "triton" and case.op != "core" and path == "dense":
-                    continue  # CoSENT's triton path has no one-tile variant: its kernels run once
+                if be == "triton" and (not case.has_triton or (case.op != "core" and path == "dense")):
+                    continue  # no kernel (alignment); CoSENT's and SigLIP's kernels have no one-tile variant
                 label = f"{be}/{path if path == 'dense' else ('kernels' if be == 'triton' else 'chunked')}"
                 for n, d in args.shapes:
                     for dt in dtypes:
@@ -196,7 +197,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         prog="fused-contrastive",
         description="Fused, O(N*D)-memory contrastive losses for PyTorch. With no sub-command: check.")
     parser.add_argument("--version", action="version", version=f"fused-contrastive {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{check,bench,bench-encode,bench-gather}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     subs = {"check": _check_parser(sub), "bench": bench_cli.add_parser(sub),
             "bench-encode": bench_encode.add_parser(sub), "bench-gather": bench_gather.add_parser(sub),
             "bench-st-step": bench_st_step.add_parser(sub)}
@@ -208,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, subs = build_parser()
     if not argv:
         argv = ["check"]
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # answered by the sub-command's parser (its usage and options), not the top level's
+        (subs.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         from .bench import cli as bench_cli
 
@@ -226,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_st_step.run(args, subs["bench-st-step"])
     if args.command is None:
-        parser.error("choose a sub-command: check, bench, bench-encode or bench-gather")
+        parser.error(f"choose a sub-command: {', '.join(COMMANDS)}")
     return check(args, subs["check"])
 
 

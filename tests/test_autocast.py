@@ -18,7 +18,7 @@ from conftest import set_path
 
 BACKENDS = ["torch-dense", "torch-chunked", "triton"]
 # alignment is elementwise PyTorch with no kernel (backend="triton" raises): its torch rows cover it
-TRITON_CASES = [c for c in CASES if c.op != "alignment"]
+TRITON_CASES = [c for c in CASES if c.has_triton]
 CASE_BACKENDS = [(c, b) for c in CASES for b in BACKENDS if b != "triton" or c in TRITON_CASES]
 
 

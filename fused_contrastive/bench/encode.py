@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import simcse_loss
 from ..encode import encode_in_chunks
+from .helptext import help_text
 from .memory import meter
 
 
@@ -108,7 +109,7 @@ def render(res: dict[str, Any]) -> str:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench-encode", help="time and memory of encode_in_chunks against a plain step",
-                       description=__doc__.split("\n\n")[0])
+                       description=help_text(__doc__))
     p.add_argument("--batch", type=int, default=1024, help="examples per step (default 1024)")
     p.add_argument("--chunk", type=int, default=64, help="chunk size of the cached step (default 64)")
     p.add_argument("--seq", type=int, default=32, help="tokens per example (default 32)")

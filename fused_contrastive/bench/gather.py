@@ -14,6 +14,8 @@ import argparse
 
 from tabulate import tabulate
 
+from .helptext import help_text
+
 #: gathered [N_global, D] tensors per loss (per anchor row of the global batch): info_nce gathers the
 #: keys; clip both towers; simcse (two views) z2; supcon every view (2 here); dscl both views;
 #: cosent both sides (and the labels, negligible).
@@ -30,7 +32,7 @@ def per_rank(loss: str, n: int, d: int, dtype: str, world: int) -> dict[str, flo
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench-gather", help="bytes each rank sends and gathered memory under gather= (computed)",
-                       description=__doc__.split("\n\n")[0])
+                       description=help_text(__doc__))
     p.add_argument("--n", type=int, default=65536, help="global batch (anchor rows), default 65536")
     p.add_argument("--d", type=int, default=768, help="embedding dimension, default 768")
     p.add_argument("--dtype", choices=sorted(BYTES), default="bfloat16")

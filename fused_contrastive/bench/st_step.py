@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from .helptext import help_text
 from .memory import meter
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -163,7 +164,7 @@ def render(res: dict[str, Any]) -> str:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench-st-step", help="a sentence-transformers training step: their MNRL against the fused one",
-                       description=__doc__.split("\n\n")[0])
+                       description=help_text(__doc__))
     p.add_argument("--batches", default="256,1024,4096", help="comma-separated batch sizes (default 256,1024,4096)")
     p.add_argument("--hidden", type=int, default=128, help="BERT hidden size (default 128)")
     p.add_argument("--layers", type=int, default=2, help="BERT layers (default 2)")

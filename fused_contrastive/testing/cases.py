@@ -55,6 +55,11 @@ class Case:
     inputs: str = ""
     logits: Callable[[int], tuple[int, int]] | None = None
 
+    @property
+    def has_triton(self) -> bool:
+        """Whether ``backend="triton"`` runs kernels for this case (every op but "alignment")."""
+        return self.op != "alignment"
+
     def flops(self, n: int, d: int, mode: str) -> float | None:
         """Matmul FLOPs of the textbook formula at N: forward ``2 R C D`` (the logits), backward
         ``4 R C D`` (the gradients of both sides), forward+backward ``6 R C D``."""
