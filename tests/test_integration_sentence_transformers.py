@@ -247,13 +247,6 @@ def test_cached_rejects_options(model, kw, exc, name):
         fused.CachedMultipleNegativesRankingLoss(model, **kw)
 
 
-def test_cached_rejects_flattened_inputs(model, columns):
-    loss = fused.CachedMultipleNegativesRankingLoss(model)
-    flat = [dict(f, cu_seq_lens_q=torch.tensor([0, 3, 5])) for f in columns[:2]]
-    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
-        loss(flat, None)
-
-
 def _peer_run(model, theirs, ours, feats, labels, warns: bool):
     """ours equals theirs (value and parameter gradients); ``warns``: the first use of the options warns
     once that sentence-transformers' computation runs, the second does not warn again."""
@@ -518,3 +511,73 @@ def test_their_adaptive_layer_loss_warns_for_the_cached_drop_in_as_for_theirs(mo
 
     assert adaptive(w_theirs), [str(x.message) for x in w_theirs]
     assert adaptive(w_ours) == adaptive(w_theirs)
+
+
+# --- inputs that are not a padded text batch: flattened sequences and per-image tensors -------------
+# sentence-transformers' cached losses split them with their own helpers (cu_seq_lens_q ranges; image
+# rows by num_images_per_sample); the drop-in uses the same helpers and must equal theirs.
+
+
+class _FlatOrImageEncoder(torch.nn.Module):
+    """A tiny encoder of either input kind, with dropout (so the recompute must replay the RNG):
+    flattened tokens pooled per sequence by cu_seq_lens_q; or image rows pooled per sample by
+    num_images_per_sample, plus the sample's padded tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(50, 8, generator=g, dtype=torch.float64))
+        self.img = torch.nn.Parameter(torch.randn(6, 8, generator=g, dtype=torch.float64))
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, features: dict) -> dict:
+        if "cu_seq_lens_q" in features:
+            tok = self.drop(self.emb[features["input_ids"][0]])
+            lens = (features["cu_seq_lens_q"][1:] - features["cu_seq_lens_q"][:-1]).tolist()
+            pooled = torch.stack([t.mean(0) for t in tok.split(lens)])
+        else:
+            tok = self.drop(self.emb[features["input_ids"]]).mean(1)
+            img = self.drop(features["pixel_values"] @ self.img)
+            pooled = tok + torch.stack([t.sum(0) for t in img.split(features["num_images_per_sample"].tolist())])
+        return {**features, "sentence_embedding": pooled}
+
+
+def _flat_column(seed: int, b: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 6, (b,), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    return {"input_ids": torch.randint(0, 50, (1, int(cu[-1])), generator=g), "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu.clone(), "max_length_q": int(lens.max()), "max_length_k": int(lens.max()),
+            "position_ids": torch.cat([torch.arange(int(n)) for n in lens])[None]}
+
+
+def _image_column(seed: int, b: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    per = torch.randint(1, 4, (b,), generator=g)
+    return {"input_ids": torch.randint(0, 50, (b, 5), generator=g), "attention_mask": torch.ones(b, 5, dtype=torch.long),
+            "pixel_values": torch.randn(int(per.sum()), 6, generator=g, dtype=torch.float64),
+            "num_images_per_sample": per}
+
+
+@pytest.mark.parametrize("kind, num_tokens", [("flattened", None), ("flattened", 7), ("images", None)])
+def test_cached_drop_in_takes_flattened_and_image_inputs_like_theirs(kind, num_tokens):
+    from sentence_transformers import SentenceTransformer
+
+    b = 10
+    make = _flat_column if kind == "flattened" else _image_column
+    feats = [make(seed, b) for seed in (1, 2)]
+    results = []
+    for cls in (peer.CachedMultipleNegativesRankingLoss, fused.CachedMultipleNegativesRankingLoss):
+        model = SentenceTransformer(modules=[_FlatOrImageEncoder()]).double().train()
+        loss = cls(model, mini_batch_size=3, mini_batch_num_tokens=num_tokens)
+        torch.manual_seed(5)
+        model.zero_grad(set_to_none=True)
+        out = loss([dict(f) for f in feats], None)
+        out.backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None}))
+    (want, wg), (got, gg) = results
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert wg.keys() == gg.keys() and wg
+    for k in wg:
+        torch.testing.assert_close(gg[k], wg[k], rtol=1e-10, atol=1e-12, msg=k)

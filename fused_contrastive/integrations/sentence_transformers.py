@@ -28,9 +28,10 @@ Options the fused kernels do not cover run sentence-transformers' own computatio
 naming the option: a ``similarity_fct`` other than the cosine or dot product (a ``functools.partial`` of
 those without bound arguments is fused), and CoSENT's ``scale <= 0`` (MultipleNegativesRankingLoss
 rejects a non-positive scale, as sentence-transformers' does). So swapping the
-import never turns a working script into an error. The cached variant raises ``NotImplementedError``
-for flattened (``cu_seq_lens_q``) or image inputs, and ``ValueError`` for ``StaticEmbedding`` models
-(which the original rejects too).
+import never turns a working script into an error. The cached variant splits flattened
+(``cu_seq_lens_q``, ``DataCollatorWithFlattening``) and image inputs (tensors not indexed by example,
+such as ``pixel_values``) into mini-batches with sentence-transformers' own splitting helpers, as theirs
+does, and raises ``ValueError`` for ``StaticEmbedding`` models (which the original rejects too).
 
 The math of MultipleNegativesRankingLoss (sentence-transformers 6.x), for this rank's queries ``q_i``
 (global row ``o + i`` of the batch gathered over ranks, ``o = 0`` without gathering), the positive
@@ -77,6 +78,7 @@ try:  # sentence-transformers >= 6.2 (the old module path warns there)
 except ImportError:  # pragma: no cover - older releases
     from sentence_transformers import losses as _st_losses
 from torch import Tensor, nn
+from torch.utils import checkpoint as _checkpoint
 
 from .. import _validate as V
 from .. import core
@@ -470,14 +472,38 @@ def _batch_size(features: dict[str, Any]) -> int:
     raise ValueError("sentence_features holds no tensor with a batch dimension")
 
 
-def _check_padded(features: dict[str, Any], n: int) -> None:
+def _padded(features: dict[str, Any], n: int) -> bool:
+    """Whether every batched tensor is indexed by example along dim 0 (a padded text batch): the
+    splitting of :func:`_ranges` / :func:`_minibatch` applies. Flattened inputs (``cu_seq_lens_q``) and
+    image tensors are split by sentence-transformers' helpers instead (:func:`_peer_split`)."""
     if "cu_seq_lens_q" in features:
-        raise NotImplementedError("the cached loss takes padded batches; flattened inputs (cu_seq_lens_q, "
-                                  "DataCollatorWithFlattening) are not supported")
-    odd = [k for k, v in features.items() if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] != n]
-    if odd:
-        raise NotImplementedError(f"the cached loss splits every input tensor along the batch (dim 0); "
-                                  f"{odd} are not indexed by example (e.g. image inputs)")
+        return False
+    return all(v.shape[0] == n for v in features.values() if isinstance(v, Tensor) and v.dim() > 0)
+
+
+def _peer_split(features: dict[str, Any], size: int, num_tokens: int | None) -> list[dict[str, Any]]:
+    """The mini-batches sentence-transformers' cached losses make of inputs that are not a padded batch
+    (flattened sequences, per-image tensors): their own helpers, so the split is theirs exactly."""
+    try:
+        from sentence_transformers.base.losses.gradcache import _create_minibatch, _minibatch_ranges
+    except ImportError:  # pragma: no cover - sentence-transformers < 6.2 has no such inputs in its cached losses
+        raise NotImplementedError("the cached loss splits flattened or image inputs with sentence-transformers "
+                                  ">= 6.2's helpers; this version has none") from None
+    return [_create_minibatch(features, b, e) for b, e in _minibatch_ranges(features, size, num_tokens)]
+
+
+def _encode_opaque(encode: Callable[[dict[str, Any]], Tensor], features: dict[str, Any]) -> Tensor:
+    """``encode(features)`` with its activations freed after the forward and recomputed in the backward
+    (RNG state replayed), for a mini-batch whose tensors are not all indexed by example (what
+    ``encode_in_chunks`` requires): one checkpointed call."""
+    keys = [k for k, v in features.items() if isinstance(v, Tensor)]
+
+    def run(*tensors: Tensor) -> Tensor:
+        return encode({**features, **dict(zip(keys, tensors, strict=True))})
+
+    if not torch.is_grad_enabled():
+        return run(*(features[k] for k in keys))
+    return _checkpoint.checkpoint(run, *(features[k] for k in keys), use_reentrant=False, preserve_rng_state=True)
 
 
 def _ranges(features: dict[str, Any], n: int, size: int, num_tokens: int | None) -> list[tuple[int, int]]:
@@ -573,8 +599,12 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     def embed_column(self, features: dict[str, Any]) -> Tensor:
         """[B, D] embeddings of one input column, mini-batch by mini-batch (``encode_in_chunks``)."""
         n = _batch_size(features)
-        _check_padded(features, n)
         outs = []
+        if not _padded(features, n):
+            for mb in tqdm.tqdm(_peer_split(features, self.mini_batch_size, self.mini_batch_num_tokens),
+                                desc="Embed mini-batches", disable=not self.show_progress_bar):
+                outs.append(_encode_opaque(self._encode, mb))
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
         ranges = _ranges(features, n, self.mini_batch_size, self.mini_batch_num_tokens)
         for begin, end in tqdm.tqdm(ranges, desc="Embed mini-batches", disable=not self.show_progress_bar):
             outs.append(encode_in_chunks(self._encode, _minibatch(features, begin, end), end - begin))
