@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
+import pytest
 import torch
 
 from fused_contrastive.bench import contenders as C
@@ -56,6 +60,13 @@ def test_bench_quick_end_to_end(tmp_path):
     assert {h["loss"] for h in summary["headline"]} == set(C.BENCH_NAMES)
     meta = report["meta"]
     assert meta["device"] == "cpu" and meta["dtype"] == "float32" and meta["versions"]["torch"] == torch.__version__
+    # the ETA's record: one prediction per (loss, N) group, at increasing times; after the last group
+    # all the weight is done, so the prediction is the elapsed time itself
+    trace = meta["eta_trace"]
+    assert len(trace) == len({(p.case, p.n) for p in planned})
+    assert all(a[0] <= b[0] for a, b in zip(trace, trace[1:], strict=True))
+    assert abs(trace[-1][1] - trace[-1][0]) <= 0.02 * trace[-1][0] + 0.02
+    assert "ETA check:" in proc.stdout and "interrupted" not in meta
     assert {e["loss"] for e in report["largest_batch"]} == set(C.BENCH_NAMES)
     for section in ("HEADLINE", "SMALL BATCHES", "== info_nce"):
         assert section in proc.stdout, section
@@ -78,3 +89,63 @@ def test_williams_orders_balance_who_runs_before_whom():
         assert all(sorted(r) == list(range(k)) for r in rows)
         pairs = Counter(p for r in rows for p in pairwise(r))
         assert len(pairs) == k * (k - 1) and len(set(pairs.values())) <= 1, (k, pairs)
+
+
+@pytest.mark.parametrize("sig, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl-c-to-the-process-group", "sigterm-to-the-main-process"])
+def test_bench_stops_on_a_signal_and_writes_what_it_measured(tmp_path, sig, whole_group):
+    """Ctrl-C in a terminal (SIGINT to the whole process group, the worker included) or a SIGTERM to the
+    main process, after the first (loss, N) group finished: exit 128 + the signal within seconds, the
+    report and bench.json with the finished groups marked as interrupted, no traceback, no leaked
+    semaphores, no process of the run left over."""
+    cmd = [sys.executable, "-m", "fused_contrastive", "bench", "--losses", "info_nce", "--sizes",
+           "8,16,32,64,128,256,512", "--repeats", "3", "--no-peers", "--no-seeds", "--out", str(tmp_path),
+           "--no-plots"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err: list[str] = []
+    first_group = threading.Event()
+
+    def read_stderr():
+        for chunk in iter(lambda: proc.stderr.read(64), ""):
+            err.append(chunk)
+            if "N=8:" in "".join(err[-4:]):  # the bar's label after the first group
+                first_group.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        assert first_group.wait(240), "no group finished in 240 s: " + "".join(err)[-2000:]
+        t0 = time.monotonic()
+        if whole_group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        out = proc.stdout.read()
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(10)
+    stderr = "".join(err)
+    assert rc == 128 + int(sig), (rc, out[-2000:], stderr[-2000:])
+    assert took < 30, took
+    assert "Traceback" not in stderr and "leaked" not in stderr, stderr[-2000:]
+    name = signal.Signals(sig).name
+    assert f"INTERRUPTED by {name}" in out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    stop = report["meta"]["interrupted"]
+    assert stop["signal"] == name and 1 <= stop["groups_done"] < stop["groups_planned"] == 7
+    ns = {r["n"] for r in report["rows"]}
+    assert 8 in ns and len(ns) == stop["groups_done"]
+    assert all(r["status"] == "ok" for r in report["rows"] if r["n"] == 8 and r["contender"] in ("reference", "torch"))
+    # nothing of the run's session is left (worker, forkserver: it exits when its parent's pipe closes)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a process of the bench run outlived it"
+        time.sleep(0.2)

@@ -167,7 +167,8 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
         import tabulate  # noqa: F401
         import tqdm  # noqa: F401
     except ImportError as exc:
-        ap.error(f"the benchmark needs the [bench] extra ({exc.name} is missing): pip install 'fused-contrastive[bench]'")
+        ap.error(f"the benchmark needs the [bench] extra ({exc.name} is missing): "
+                 "pip install 'fused-contrastive[bench]'")
     import json
 
     from . import report
@@ -199,6 +200,9 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
             print("matplotlib not installed: no plots (pip install matplotlib)")
         else:
             print(f"plots: {', '.join(p for p in paths if p)}")
+    stop = rep["meta"].get("interrupted")
+    if stop:  # the shell's convention for a process stopped by a signal: 128 + its number
+        return 128 + {"SIGINT": 2, "SIGTERM": 15}[stop["signal"]]
     return 0
 
 

@@ -1,5 +1,6 @@
 """Running the benchmark: one memory pass per case in a fresh process, one interleaved timing pass per
-(case, N), a progress bar whose ETA comes from measured costs, and the suite loop.
+(case, N), a progress bar whose ETA comes from a fixed cost model, and the suite loop (which stops
+cleanly on SIGINT / SIGTERM and returns what was measured).
 
 * **Memory pass** (:func:`measure`, a fresh process per case on CPU): warm-up at a small N, then the
   inputs, one forward and one backward with the peak of each over the baseline (``memory.py``), and
@@ -102,16 +103,17 @@ def _truth(job: MemoryJob, inputs: CaseInputs) -> dict[str, Any]:
     same_loss, same_grads = run(dtype, dtype != torch.float32)
     return {"loss": truth_loss, "grads": truth_grads,
             "e_same": [same_dtype_error(same_loss, truth_loss)]
-            + [0.0 if s is None or t is None else same_dtype_error(s, t) for s, t in zip(same_grads, truth_grads)]}
+            + [0.0 if s is None or t is None else same_dtype_error(s, t)
+               for s, t in zip(same_grads, truth_grads, strict=True)]}
 
 
 def _compare(loss, grads, truth: dict[str, Any], dtype: torch.dtype, inputs: CaseInputs) -> dict[str, Any]:
     """The differences of one contender from the truth, and whether THE rule accepts them."""
     outs = [("loss", loss, truth["loss"], 1.0)] + [
         (f"grad {k}", g, t, 1.0 / min(abs(float(x)), 1.0) ** 2 if x.dim() == 0 else 1.0)
-        for (k, x), g, t in zip(inputs.diff.items(), grads, truth["grads"])]
+        for (k, x), g, t in zip(inputs.diff.items(), grads, truth["grads"], strict=True)]
     ok, d_loss, d_grad, worst = True, 0.0, 0.0, ""
-    for (name, got, want, amp), e_same in zip(outs, truth["e_same"]):
+    for (name, got, want, amp), e_same in zip(outs, truth["e_same"], strict=True):
         if got is None or want is None:
             if (got is None) != (want is None):
                 ok, worst = False, f"{name}: missing"
@@ -223,7 +225,7 @@ def time_interleaved(job: TimingJob) -> dict[str, dict[str, Any]]:
     bound: dict[str, Any] = {}
     fwd: dict[str, list[float]] = {}
     bwd: dict[str, list[float]] = {}
-    todo = dict(zip(job.contenders, job.repeats))
+    todo = dict(zip(job.contenders, job.repeats, strict=True))
     first: dict[str, float] = {}
     for name in job.contenders:
         try:
@@ -261,7 +263,7 @@ def time_interleaved(job: TimingJob) -> dict[str, dict[str, Any]]:
     for name in bound:
         out[name] = {"repeats": len(fwd[name]), "first_step_seconds": first.get(name), "times": {
             "forward": fwd[name], "backward": bwd[name],
-            "forward+backward": [a + b for a, b in zip(fwd[name], bwd[name])]}}
+            "forward+backward": [a + b for a, b in zip(fwd[name], bwd[name], strict=True)]}}
     bound.clear()
     if device.type == "cuda":
         gc.collect()
@@ -317,6 +319,20 @@ def _guarded(fn: Callable[[Any], dict[str, Any]], arg: Any, timeout: float) -> d
         signal.alarm(0)
 
 
+def _ignore_sigint() -> None:  # pragma: no cover - runs in a worker
+    """Workers leave Ctrl-C to the parent (a terminal sends SIGINT to the whole process group): the
+    parent stops the suite and kills the worker, instead of the worker's case turning into an error."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM during the suite (``signal_name`` says which)."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 class Runner:
     """Runs a task inline, or in a fresh process (``ProcessPoolExecutor(max_tasks_per_child=1)`` on a
     forkserver that has imported torch and this package), so each case's memory is its own and a crash
@@ -338,7 +354,8 @@ class Runner:
             except ImportError:
                 pass
             ctx.set_forkserver_preload(preload)
-            self._ex = cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1)
+            self._ex = cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1,
+                                              initializer=_ignore_sigint)
         return self._ex
 
     def _reset(self) -> None:
@@ -364,6 +381,15 @@ class Runner:
     def close(self) -> None:
         if self._ex is not None:
             self._ex.shutdown(wait=True)
+            self._ex = None
+
+    def abort(self) -> None:
+        """Kill the running worker and shut the pool down, joined (its queues and semaphores released:
+        nothing for the resource tracker to report as leaked)."""
+        if self._ex is not None:
+            for p in mp.active_children():
+                p.kill()
+            self._ex.shutdown(wait=True, cancel_futures=True)
             self._ex = None
 
 
@@ -450,19 +476,30 @@ class Costs:
 
 
 class Progress:
-    """A tqdm bar in predicted seconds of work: its rate (done / elapsed) calibrates the prediction,
-    and its total is re-predicted after each (case, N) from the costs measured so far."""
+    """A tqdm bar over the suite's work in model seconds: each (case, N) weighs what :class:`Costs`
+    predicts for it before anything is measured (the textbook FLOPs at the measured matmul peak, a
+    memory-bound contender's bytes, a fresh process per pass), and the weights never change. The ETA
+    is then tqdm's ``elapsed * remaining weight / done weight``: one ratio, measured from the start,
+    that does not swing when a measurement re-predicts the cost of a single case. The model is wrong in
+    absolute terms (one step is not its FLOPs at peak), about alike for every case; its ratio is what
+    the ETA uses."""
 
     def __init__(self, total: float, enabled: bool) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=max(total, 1e-9), disable=not enabled, unit="s", unit_scale=False, dynamic_ncols=True,
                         bar_format="{l_bar}{bar}| [{elapsed}<{remaining}] {desc}", mininterval=0.5)
+        self.total, self.done, self.t0 = max(total, 1e-9), 0.0, time.perf_counter()
+        #: (elapsed seconds, predicted wall seconds of the whole run) after each (case, N): what the ETA
+        #: said, kept in bench.json so that its accuracy is on record
+        self.trace: list[tuple[float, float]] = []
 
-    def advance(self, done: float, remaining: float, label: str) -> None:
-        self.bar.total = max(self.bar.n + done + remaining, 1e-9)
+    def advance(self, weight: float, label: str) -> None:
         self.bar.set_description_str(label, refresh=False)
-        self.bar.update(done)
+        self.bar.update(weight)
+        self.done += weight
+        elapsed = time.perf_counter() - self.t0
+        self.trace.append((round(elapsed, 2), round(elapsed * self.total / max(self.done, 1e-12), 2)))
 
     def close(self) -> None:
         self.bar.close()
@@ -475,7 +512,11 @@ def _time_skippable(con: Contender) -> bool:
 
 
 def run_suite(cfg: Config) -> dict[str, Any]:
-    """Run every case of ``cfg``; returns ``{"meta", "rows", "largest_batch"}`` (see ``report.py``)."""
+    """Run every case of ``cfg``; returns ``{"meta", "rows", "largest_batch"}`` (see ``report.py``).
+
+    SIGINT (Ctrl-C) or SIGTERM stops the run: the worker is killed, the pool shut down and joined, and
+    the report holds every (case, N) that finished, with ``meta["interrupted"]`` = ``{"signal",
+    "groups_done", "groups_planned"}``."""
     from . import report
 
     device = torch.device(cfg.device)
@@ -488,21 +529,28 @@ def run_suite(cfg: Config) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="fc-bench-ref-")
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
+    peak: dict[str, Any] = {}
+    interrupted: str | None = None
+    done = total = 0
+
+    def on_sigterm(signum, frame):
+        raise Interrupted("SIGTERM")
+
+    old_term = signal.signal(signal.SIGTERM, on_sigterm)
+    prog = None
     try:
-        peak_start = runner(matmul_peak, (cfg.device, cfg.dtype, cfg.dim), cfg.timeout)
-        costs = Costs(cfg, peak_start.get("flops_per_s", 1e11))
+        peak = runner(matmul_peak, (cfg.device, cfg.dtype, cfg.dim), cfg.timeout)
+        costs = Costs(cfg, peak.get("flops_per_s", 1e11))
+        model = Costs(cfg, peak.get("flops_per_s", 1e11))  # never observes: the progress weights
         groups: dict[tuple[int, str], list[Planned]] = {}
         for p in planned:
             groups.setdefault((p.n, p.case), []).append(p)
         pending = list(groups.items())
-
-        def predicted(items) -> float:
-            return sum(costs.memory_pass(p) + costs.timing_pass(p) for _, g in items for p in g)
-
-        prog = Progress(predicted(pending), cfg.progress)
+        total = len(pending)
+        weight = {key: sum(model.memory_pass(p) + model.timing_pass(p) for p in g) for key, g in pending}
+        prog = Progress(sum(weight.values()), cfg.progress)
         while pending:
             (n, case), group = pending.pop(0)
-            before = sum(costs.memory_pass(p) + costs.timing_pass(p) for p in group)
             results: dict[str, dict[str, Any]] = {}
             for p in group:  # memory pass: one fresh process per case, the reference first
                 results[p.contender] = res = _memory_pass(p, cfg, runner, costs, tmp)
@@ -526,16 +574,27 @@ def run_suite(cfg: Config) -> dict[str, Any]:
                     costs.observe(p, statistics.median(got["times"]["forward+backward"]))
             for p in group:
                 rows.extend(report.rows_of(p, cfg, results[p.contender]))
-            prog.advance(before, predicted(pending), f"{case} N={n}: {len(ran)}/{len(group)} contenders timed")
+            done += 1
+            prog.advance(weight[(n, case)], f"{case} N={n}: {len(ran)}/{len(group)} contenders timed")
         prog.close()
         # measured again at the end: on a shared machine the best of the two is the better estimate
-        peak = report.best_peak(peak_start, runner(matmul_peak, (cfg.device, cfg.dtype, cfg.dim), cfg.timeout))
+        peak = report.best_peak(peak, runner(matmul_peak, (cfg.device, cfg.dtype, cfg.dim), cfg.timeout))
+    except KeyboardInterrupt as exc:  # Ctrl-C (SIGINT) or SIGTERM: stop, keep every (case, N) finished
+        interrupted = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
+        if prog is not None:
+            prog.close()
+        runner.abort()
     finally:
+        signal.signal(signal.SIGTERM, old_term)
         runner.close()
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    return report.assemble(cfg, rows, peak, load_start, time.perf_counter() - t_start)
+    rep = report.assemble(cfg, rows, peak, load_start, time.perf_counter() - t_start)
+    rep["meta"]["eta_trace"] = prog.trace if prog is not None else []
+    if interrupted:
+        rep["meta"]["interrupted"] = {"signal": interrupted, "groups_done": done, "groups_planned": total}
+    return rep
 
 
 def _memory_pass(p: Planned, cfg: Config, runner: Runner, costs: Costs, tmp: str) -> dict[str, Any]:

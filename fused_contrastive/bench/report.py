@@ -173,7 +173,7 @@ def _solve(powers: list[int], coef: list[float], per_n: float, budget: float) ->
 
     deg = max(max(powers), 1)
     poly = np.zeros(deg + 1)
-    for p, c in zip(powers, coef):
+    for p, c in zip(powers, coef, strict=True):
         poly[deg - p] += c
     poly[deg - 1] += per_n
     poly[deg] -= budget
@@ -380,6 +380,15 @@ def format_report(report: dict[str, Any]) -> str:
     out = [(f"fused_contrastive bench - {meta['device_name']} ({meta['device']}), dtype {meta['dtype']}, "
             f"D={meta['dim']}, {meta['torch_threads']} threads, torch {meta['versions']['torch']}; medians of up to "
             f"{meta['repeats']} repeats (at least {meta['min_repeats']}), contenders interleaved in one process")]
+    trace = meta.get("eta_trace") or []
+    if trace and not meta.get("interrupted"):
+        at = next((t for t in trace if t[0] >= 60), trace[-1])
+        out.append(f"ETA check: after {at[0]:.0f} s the progress bar predicted {at[1] / 60:.1f} min in all; the run "
+                   f"took {meta['wall_seconds'] / 60:.1f} min")
+    stop = meta.get("interrupted")
+    if stop:
+        out.append(f"INTERRUPTED by {stop['signal']} after {meta['wall_seconds']:.0f} s: partial results, "
+                   f"{stop['groups_done']} of {stop['groups_planned']} (loss, N) groups measured")
     load = (meta.get("loadavg_1min") or {}).get("start")
     if load is not None and load > 0.5 * (os.cpu_count() or 1):
         out.append(f"WARNING: 1-min load average {load:.1f} on {os.cpu_count()} CPUs when the run started: absolute "
@@ -467,7 +476,7 @@ def format_report(report: dict[str, Any]) -> str:
             tab.append([e["contender"], "-", "-", "-", e.get("reason", "")])
             continue
         model = " + ".join(f"{c:.3g}" + ("" if p == 0 else f" N^{p}" if p > 1 else " N")
-                           for p, c in zip(e["fit_powers"], e["fit_coefficients"]))
+                           for p, c in zip(e["fit_powers"], e["fit_coefficients"], strict=True))
         there = _dur(e["time_ms_at_n_max"] / 1e3) if e.get("time_ms_at_n_max") is not None else "(not timed)"
         tab.append([e["contender"], _n(e["n_max"]), there, model, ",".join(map(str, e["fit_n"]))])
     if tab:
@@ -561,7 +570,7 @@ def plot_cases(report: dict[str, Any], out_dir: str) -> list[str]:
                     continue
                 n0 = min(e["fit_n"])
                 xs = [n0 * (e["n_max"] / n0) ** (k / 40) for k in range(41)]
-                total = [(sum(c * x ** p for p, c in zip(e["fit_powers"], e["fit_coefficients"]))
+                total = [(sum(c * x ** p for p, c in zip(e["fit_powers"], e["fit_coefficients"], strict=True))
                           + e["input_bytes_per_n"] * x) / MiB for x in xs]
                 axes[1].plot(xs, total, color=_style(cname, i)[0], linestyle=":", linewidth=1)
             axes[1].axhline(budget / MiB, color="0.4", linestyle="--", linewidth=0.8)
@@ -612,8 +621,8 @@ def plot_summary(report: dict[str, Any], out_dir: str) -> str | None:
     for j, cname in enumerate(names):
         color = _style(cname, j)[0]
         ys = [i + (j - (len(names) - 1) / 2) * height for i in range(len(cases))]
-        for ax, key, f in zip(axes, keys, fmt):
-            pts = [(y, (by.get((c, cname)) or {}).get(key)) for y, c in zip(ys, cases)]
+        for ax, key, f in zip(axes, keys, fmt, strict=True):
+            pts = [(y, (by.get((c, cname)) or {}).get(key)) for y, c in zip(ys, cases, strict=True)]
             pts = [(y, v) for y, v in pts if v]
             if not pts:
                 continue
@@ -626,7 +635,7 @@ def plot_summary(report: dict[str, Any], out_dir: str) -> str | None:
     axes[0].invert_yaxis()
     titles = ("forward+backward time / reference (largest N)", "peak memory / reference",
               f"largest N within {report['meta']['mem_budget_bytes'] / GiB:.0f} GiB (EXTRAPOLATED)")
-    for ax, title in zip(axes, titles):
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log")
         ax.set_title(title, fontsize=9)
         ax.grid(True, axis="x", which="major", alpha=0.3)
