@@ -221,7 +221,8 @@ MAX_CTAS_PER_SM = 32
 SMEM_RESERVED_PER_CTA = 1024  # bytes the driver reserves per CTA (cc >= 8.0)
 REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
 SMEM_BYTES_PER_CLK = 128  # per SM: 32 banks x 4 B per clock (CUDA C Programming Guide, shared memory, cc 8.x / 9.0)
-MUFU_PER_CLK = 16  # exp2 / log2 results per SM per clock (CUDA C Programming Guide, arithmetic instruction throughput, cc 8.x / 9.0)
+# exp2 / log2 results per SM per clock (CUDA C Programming Guide, arithmetic instruction throughput, cc 8.x / 9.0)
+MUFU_PER_CLK = 16
 #: FP32 lanes per SM (one elementwise op per lane per clock): 64 on sm_80, 128 on sm_90 (the datasheets'
 #: fp32 peaks: 108 x 64 x 2 x 1.41 GHz = 19.5 TFLOP/s, 132 x 128 x 2 x 1.98 GHz boost = 66.9)
 ALU_LANES = {80: 64, 90: 128}
@@ -739,7 +740,7 @@ def gemm_seconds(m: int, nn: int, k: int, dtype, acc: bool, out_es: int, gpu: GP
 def aten_model(ops: list, gpu: GPU, tf32: bool = False) -> dict:
     gemm_s = other_s = 0.0
     flops = other_bytes = 0
-    for name, moved, gemm, _ in ops:
+    for _name, moved, gemm, _ in ops:
         if gemm is not None:
             m, nn, k, dt, acc, out_es = gemm
             gemm_s += gemm_seconds(m, nn, k, dt, acc, out_es, gpu, tf32)
@@ -1012,7 +1013,8 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=768)
     ap.add_argument("--gpus", default="A100,H100,H200")
     ap.add_argument("--losses", default=",".join(LOSSES))
-    ap.add_argument("--no-compare", action="store_true", help="omit the comparison with the outside estimate and the goals")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="omit the comparison with the outside estimate and the goals")
     ap.add_argument("--no-torch", action="store_true",
                     help="skip the torch backend (its op count on the meta device takes ~1 s per 10k launches)")
     args = ap.parse_args(argv)

@@ -2,8 +2,9 @@
 
 Sub-commands: ``check`` (the default) verifies every loss on every backend available here against
 the float64 ground truth; ``bench`` runs the benchmark suite; ``bench-encode`` times
-``encode_in_chunks`` against a plain step; ``bench-gather`` computes what ``gather=`` sends per rank; ``bench-st-step`` times a
-sentence-transformers training step with their loss and the fused one. ``--help`` on either lists its options.
+``encode_in_chunks`` against a plain step; ``bench-gather`` computes what ``gather=`` sends per rank;
+``bench-st-step`` times a sentence-transformers training step with their loss and the fused one.
+``--help`` on either lists its options.
 """
 
 from __future__ import annotations

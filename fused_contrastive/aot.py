@@ -133,8 +133,9 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     what ``triton_panel.forward`` / ``backward`` launch without a reduction. "info_nce" / "clip": the
     fused forward (``_lse_fwd``), then the recomputing panel sweep; "self" (B is A, no bias: symmetric
     logits): the triangular forward (``_lse_fwd`` with ``tri``) and sweep (``tri_backward``).
-    ``programs``: the panel kernels' target grid (``PANEL_PROGRAMS``; 2 x SMs on a GPU). ``roots`` (a dict, filled): the tensors a caller owns
-    (A, B, LSE, LSE_COL, G, G_COL, DA, DB), so a launch argument can be traced to one of them."""
+    ``programs``: the panel kernels' target grid (``PANEL_PROGRAMS``; 2 x SMs on a GPU). ``roots`` (a dict,
+    filled): the tensors a caller owns (A, B, LSE, LSE_COL, G, G_COL, DA, DB), so a launch argument can be
+    traced to one of them."""
     import torch
 
     from .core import triton_backend as TB
@@ -361,7 +362,8 @@ def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: li
                     ROW_NORM_MAX_BLOCK_D=TC.ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS=TC.ROW_NORM_WARPS,
                     # the panel path's host constants (triton_configs, triton_panel)
                     PANEL_CHUNK=TC.PANEL_CHUNK, PANEL_ROWS_BLOCK_R=TC.PANEL_ROWS_BLOCK_R,
-                    PANEL_ROWS_MAX_BLOCK_D=TC.PANEL_ROWS_MAX_BLOCK_D, PANEL_BUDGET_BYTES=TP.BUDGET_BYTES, PANEL_P_MIN=TP.P_MIN,
+                    PANEL_ROWS_MAX_BLOCK_D=TC.PANEL_ROWS_MAX_BLOCK_D, PANEL_BUDGET_BYTES=TP.BUDGET_BYTES,
+                    PANEL_P_MIN=TP.P_MIN,
                     PANEL_MIN_ELEMENTS=TP.MIN_ELEMENTS, PANEL_NORM_CHUNK_ELEMENTS=TP.NORM_CHUNK_ELEMENTS,
                     PANEL_FP16_PRESCALE=TP.FP16_PRESCALE),
         configs=configs, layouts=layouts,
@@ -391,7 +393,8 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
           "/* fused-path kernels are chosen by (dpad, sym, want_col, exclude_self); the panel kernels (-1 there)",
           "   by ckey, their constexprs as NAME=value sorted by name (fc_launch_kernel) */",
           "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self;",
-          "  const char *ckey, *variant, *symbol; int num_warps, shared; const unsigned char *cubin; size_t cubin_size;",
+          "  const char *ckey, *variant, *symbol; int num_warps, shared;",
+          "  const unsigned char *cubin; size_t cubin_size;",
           "} fc_variant;",
           "/* wide: the forward with row statistics only (triton_configs \"fwd_wide\"); 0 for every other entry */",
           "typedef struct { fc_kernel kernel; int cc, dtype, bucket, wide;",
@@ -462,8 +465,8 @@ def _scenarios(man: dict) -> list[dict]:
                     # ragged N, M (not multiples of any block); CLIP on 3 SMs: 1000 rows = 8 row blocks of 128
                     # -> 6 programs cap -> 4 programs of 2 row blocks (the persistent loop)
                     n, m, sms = (1000, 200, 3) if mode == "clip" else (300, 200, 132)
-                    out.append(dict(cc=cc, dtype=dt, mode=mode, n=n, m=m, d=CHECK_D[dc], grad_cols=-1, db=mode != "self",
-                                    sms=sms))
+                    out.append(dict(cc=cc, dtype=dt, mode=mode, n=n, m=m, d=CHECK_D[dc], grad_cols=-1,
+                                    db=mode != "self", sms=sms))
         if "info_nce" in man["modes"]:
             d = CHECK_D[man["dclasses"][-1]]
             dt = man["dtypes"][0]
@@ -545,7 +548,7 @@ def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict
     regions = {}  # workspace pointer -> bytes the Python launcher allocates for that buffer
     pairs = []
     base_c: dict = {}  # panel path: Python storage -> its C base address
-    for i, (c, ln) in enumerate(zip(got, exp)):
+    for i, (c, ln) in enumerate(zip(got, exp, strict=True)):
         v = variants[(sc["cc"], variant_key(ln))]
         in_launch: dict = {}
         where = f"{tag}: launch {i} ({ln.name})"
@@ -573,7 +576,7 @@ def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict
         if any(p is None for p in c["params"]):
             errs.append(f"{where}: missing parameters")
             continue
-        for p, hx in zip(lay, c["params"]):
+        for p, hx in zip(lay, c["params"][:len(lay)], strict=True):
             val, want = _decode(hx, p["type"]), ln.args[p["name"]]
             nm = p["name"]
             if p["type"] == "ptr" and panel:

@@ -449,8 +449,8 @@ def check_timings(report: Report, plan: Plan, device: str) -> None:
         formula = next(b for b in BASELINES[loss] if b.kind == "formula")
         for n in plan.timing_sizes:
             tensors, kwargs = make_inputs(case, n, plan.timing_d, seed=7)
-            leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone().requires_grad_(v.dim() > 0)
-                      for k, v in tensors.items()}
+            leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone()
+                      .requires_grad_(v.dim() > 0) for k, v in tensors.items()}
             row: dict[str, float | None] = {}
             for name in ("triton", *(f"triton/{p}" for p in plan.paths), "torch", "naive"):
                 def step(name=name, leaves=leaves, kwargs=kwargs, case=case, formula=formula):

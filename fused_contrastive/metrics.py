@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 

@@ -12,6 +12,7 @@ from .cosent import cosent_loss
 from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, supcon_loss
 from .siglip import siglip_loss
 
+
 def _validated(fn, *args, **kw) -> None:
     """Run ``fn`` once on a tiny float64 CPU problem with the module's options (reference backend, no
     gather): a bad option raises here, at construction, with the functional form's own message."""
@@ -85,7 +86,8 @@ class SupConLoss(nn.Module):
 
 
 class DSCLLoss(nn.Module):
-    """Module form of :func:`fused_contrastive.dscl_loss`; ``forward(features, labels, queue=None, queue_labels=None)``."""
+    """Module form of :func:`fused_contrastive.dscl_loss`;
+    ``forward(features, labels, queue=None, queue_labels=None)``."""
 
     def __init__(self, beta: float = 8.0, temperature: float = 0.07, base_temperature: float | None = None, *,
                  normalize: bool = True, reduction: str = "mean", backend: str = "auto", gather=False):

@@ -144,7 +144,7 @@ def _unflatten(args: tuple):
     data = CoreData(target=target, bias_col=bias_col, row_labels=row_labels, col_labels=col_labels,
                     pos_mask=pos_mask)
     vals = {}
-    for name, t, v in zip(_COEF_NAMES, coef_t, coef_v):
+    for name, t, v in zip(_COEF_NAMES, coef_t, coef_v, strict=True):
         vals[name] = t if t is not None else (None if math.isnan(v) else v)
     return backend, a, b, scale, spec, data, Coeffs(**vals), reduce, need
 
@@ -228,7 +228,7 @@ def _core_backward(ctx, go, *_unused):
         ga, gb, gs = torch.ops.fused_contrastive.core_backward(*args, go)
         go = None
     grads = [None] * _N_CORE_ARGS
-    for i, (g, nd) in enumerate(zip((ga, gb, gs), need)):
+    for i, (g, nd) in enumerate(zip((ga, gb, gs), need, strict=True)):
         if nd and ctx.needs_input_grad[i]:
             grads[i] = g if go is None else g * go.to(g.dtype)
     return tuple(grads)
@@ -355,7 +355,7 @@ def _scaled_grads(positions: tuple[int, ...], n_args: int):
     """Backward of an operator that returned its gradients for an upstream gradient of 1."""
     def backward(ctx, go, *_unused):
         grads = [None] * n_args
-        for i, g in zip(positions, ctx.saved_tensors):
+        for i, g in zip(positions, ctx.saved_tensors, strict=True):
             if g.numel() and ctx.needs_input_grad[i]:
                 grads[i] = g * go.to(g.dtype)
         return tuple(grads)

@@ -60,7 +60,7 @@ epilogue of the GEMMs (the normalisation backward of dA or dB and the weighted d
 import triton
 import triton.language as tl
 
-from .lse import NEG_INF, _dlogits, _log0, _grad_vec, _inv_norms, _logits, _online_rows, _pos_logits, _stat
+from .lse import NEG_INF, _dlogits, _grad_vec, _inv_norms, _log0, _logits, _online_rows, _pos_logits, _stat
 
 
 @triton.jit

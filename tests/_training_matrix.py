@@ -299,7 +299,7 @@ class _GatherRows(torch.autograd.Function):
         pad[: x.shape[0]] = x.float()
         parts = [torch.empty_like(pad) for _ in SIZES]
         dist.all_gather(parts, pad)
-        return torch.cat([p[:s] for p, s in zip(parts, SIZES)]).to(x.dtype)
+        return torch.cat([p[:s] for p, s in zip(parts, SIZES, strict=True)]).to(x.dtype)
 
     @staticmethod
     def backward(ctx, g: Tensor):

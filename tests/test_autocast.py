@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import set_path
 
 import fused_contrastive as fc
 from fused_contrastive.testing import CASES
-
-from conftest import set_path
 
 BACKENDS = ["torch-dense", "torch-chunked", "triton"]
 # alignment is elementwise PyTorch with no kernel (backend="triton" raises): its torch rows cover it

@@ -180,7 +180,8 @@ def test_launch_kernel_checks_its_arguments(build, tmp_path):
     res = json.loads(r.stdout)
     assert res["ok"] == [0, ""], res["ok"]
     expect = dict(unknown_kernel=(1, "no kernel named no_such_kernel"), bad_ckey=(7, "no panel_dl kernel built"),
-                  missing=(1, "parameter DS_PART of panel_dl not set"), unknown_param=(1, "has no parameter NOT_A_PARAM"),
+                  missing=(1, "parameter DS_PART of panel_dl not set"),
+                  unknown_param=(1, "has no parameter NOT_A_PARAM"),
                   wrong_kind=(1, "parameter M given as kind 2"), misaligned=(9, "pointer DL is not 16-byte aligned"),
                   negative_grid=(1, "grid -1 < 0"))
     for case, (status, text) in expect.items():

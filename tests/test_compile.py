@@ -174,7 +174,7 @@ def _compiled_parity(fn, build, backend: str, sizes=(24, 40, 57)) -> None:
         want, want_g = _loss_and_grads(fn, tensors, kw)
         got, got_g = _loss_and_grads(compiled, tensors, kw)
         _assert_close(got, want, f"loss at N={n}")
-        for k, g, w in zip(tensors, got_g, want_g):
+        for k, g, w in zip(tensors, got_g, want_g, strict=True):
             _assert_close(g, w, f"grad of {k} at N={n}")
         frames.append(counter.frame_count)
     assert frames[0] >= 1
@@ -231,12 +231,14 @@ def test_compiled_triton_interpreted(name, monkeypatch):
         want, want_g = _loss_and_grads(fn, tensors, kw)
         got, got_g = _loss_and_grads(compiled, tensors, kw)
         close(got, want, "loss")
-        for k, g, w in zip(tensors, got_g, want_g):
+        for k, g, w in zip(tensors, got_g, want_g, strict=True):
             close(g, w, f"grad of {k}")
 
 
 def _module_inputs(n: int, g: torch.Generator):
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
     labels = torch.randint(0, 4, (n,), generator=g)
     return {
         "InfoNCELoss": (fnn.InfoNCELoss(0.05), (r(n, D), r(n + 2, D)), (torch.randint(0, n + 2, (n,), generator=g),)),
@@ -270,7 +272,7 @@ def test_nn_module_compiles(module):
         got = compiled(*xs, *rest)
         got_g = torch.autograd.grad(got, xs + params)
         _assert_close(got, want, f"{module} loss")
-        for i, (a, b) in enumerate(zip(got_g, want_g)):
+        for i, (a, b) in enumerate(zip(got_g, want_g, strict=True)):
             _assert_close(a, b, f"{module} grad {i}")
         frames.append(counter.frame_count)
     assert frames[1:] == [frames[0]] * 2, f"recompiled when N changed: frames {frames}"

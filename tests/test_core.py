@@ -68,7 +68,7 @@ def _compare(make, upstream, path):
     got = _grads(lambda *args: core.run("torch", *args), got_leaves, got_args, upstream)
     want = _grads(naive, want_leaves, want_args, upstream)
     assert_close(got[0], want[0], atol=1e-10, rtol=1e-10, what=f"{path}: output")
-    for i, (g, w) in enumerate(zip(got[1], want[1])):
+    for i, (g, w) in enumerate(zip(got[1], want[1], strict=True)):
         assert (g is None) == (w is None), f"{path}: gradient {i} presence"
         if g is not None:
             assert_close(g, w, atol=1e-10, rtol=1e-9, what=f"{path}: gradient {i}")

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fused_contrastive as fc
 from fused_contrastive.distributed import gather_rows, process_group
 
 D = 6
@@ -91,8 +92,6 @@ def test_process_group_arguments():
 # the concatenated global batch
 # ------------------------------------------------------------------------------------------------
 
-import fused_contrastive as fc
-
 
 def _split(x: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
     off = sum(sizes[:rank])
@@ -103,11 +102,13 @@ def _loss_inputs(sizes: list[int], g: torch.Generator):
     """The global inputs of every configuration (float64), and the per-rank targets."""
     d = D
     n = sum(sizes)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
     ksizes = [s + 1 for s in sizes]  # more keys than queries on every rank
     q, k = r(n, d), r(sum(ksizes), d)
     # targets: each rank's rows point into its own keys; some ignored
-    local_t = [torch.randint(0, ks, (s,), generator=g) for s, ks in zip(sizes, ksizes)]
+    local_t = [torch.randint(0, ks, (s,), generator=g) for s, ks in zip(sizes, ksizes, strict=True)]
     for t in local_t:
         t[::3] = -100
     glob_t = torch.cat([torch.where(t >= 0, t + sum(ksizes[:i]), t) for i, t in enumerate(local_t)])
@@ -125,7 +126,9 @@ def _cases(sizes, rank, g):
     """(name, single-process loss (closure over global leaves), rank loss (closure over local leaves),
     global leaves, local leaves, the leaf index of a learnable scale or None)."""
     q, k, local_t, glob_t, local_self_t, self_t, z, zsizes, a, p, ng, temp, ksizes = _loss_inputs(sizes, g)
-    mine = lambda x, sz: _split(x, sz, rank)
+    def mine(x, sz):
+        return _split(x, sz, rank)
+
     out = []
 
     def add(name, glob_fn, rank_fn, glob, local):
@@ -213,8 +216,9 @@ def _loss_worker(rank: int, world: int, init: str, sizes: list[int], backends: l
                 want_g = torch.autograd.grad(want, gl)
                 got = rank_fn(*lo)
                 got_g = torch.autograd.grad(got, lo)
-                entry = {"loss": float(got.detach()), "want": float(want.detach()), "grads_ok": True, "scalar_grads": []}
-                for i, (x, gg, wg) in enumerate(zip(local, got_g, want_g)):
+                entry = {"loss": float(got.detach()), "want": float(want.detach()), "grads_ok": True,
+                         "scalar_grads": []}
+                for i, (x, gg, wg) in enumerate(zip(local, got_g, want_g, strict=True)):
                     if x.dim() == 0:  # a replicated (learnable) scalar: DDP averages it over ranks
                         entry["scalar_grads"].append((float(gg), float(wg)))
                         continue

@@ -90,7 +90,7 @@ def test_gradients_equal_the_chunks_with_full_graph(loss, chunk, dtype):
     torch.testing.assert_close(got_loss, want_loss, **tol)
     used = [i for i, g in enumerate(want) if g.abs().sum() > 0]
     assert len(used) >= len(list(enc.parameters())) - 1  # the loss reaches the encoder (not vacuous)
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, **tol, msg=lambda m, i=i: f"parameter {i}: {m}")
 
 
@@ -108,7 +108,7 @@ def test_dict_inputs():
 
     _, want = _step(params, fn, lambda m, b: _by_chunks(m, b, 48))
     _, got = _step(params, fn, lambda m, b: encode_in_chunks(m, b, 48))
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
@@ -126,7 +126,7 @@ def test_without_dropout_equals_the_full_batch(dtype):
     got_loss, got = _step(params, fn, lambda m, b: encode_in_chunks(m, b, 40))
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(got_loss, want_loss, **tol)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, **tol)
 
 
@@ -143,7 +143,7 @@ def test_rng_replay_is_necessary():
 
     _, want = _step(params, fn, lambda m, b: _by_chunks(m, b, 64))
     _, bad = _step(params, fn, lambda m, b: encode_in_chunks(m, b, 64, preserve_rng_state=False))
-    rel = max(float((g - w).norm() / w.norm()) for g, w in zip(bad, want) if w.norm() > 0)
+    rel = max(float((g - w).norm() / w.norm()) for g, w in zip(bad, want, strict=True) if w.norm() > 0)
     assert rel > 1e-2, rel
 
 
@@ -164,7 +164,7 @@ def test_gradient_accumulation():
 
     want = accumulate(lambda m, b: _by_chunks(m, b, 32))
     got = accumulate(lambda m, b: encode_in_chunks(m, b, 32))
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
@@ -271,5 +271,5 @@ def test_autocast_state_is_replayed():
 
     _, want = _step(params, fn, lambda m, b: _by_chunks(m, b, 64))
     _, got = _step(params, fn, lambda m, b: encode_in_chunks(m, b, 64))
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

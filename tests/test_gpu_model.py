@@ -200,7 +200,7 @@ module {
   }
 }"""
 print(json.dumps(G.walk_ttgir(ir, dict(M=640, D=96))))
-'''
+'''  # noqa: E501 (one line of TTGIR as Triton prints it)
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -271,13 +271,15 @@ print(json.dumps(out))
     for i, scn in enumerate(("optimistic", "central", "pessimistic")):
         hbm, spread, k0, splitk = a["hbm_stream"][i], a["cublas_spread"][i], a["gemm_k0"][i], a["splitk"][i]
 
-        def eff(k, tiles):
+        def eff(k, tiles, spread=spread, k0=k0, splitk=splitk):
             e = 0.72 * spread * (k / (k + k0)) / (8192 / (8192 + k0))
             return e * (splitk if tiles < 2 * 132 else 1.0)
 
         m, n, k, p = 65536, 768, 1216, 1216
         flops = 2 * m * n * k
-        db = max(flops / (peak * eff(k, (m // 128) * (n // 256))), ((m * p + p * n) * 2 + 2 * m * n * 4) / (hbm * 3.35e12))
+        db = max(flops / (peak * eff(k, (m // 128) * (n // 256))),
+                 ((m * p + p * n) * 2 + 2 * m * n * 4) / (hbm * 3.35e12))
         # dA: [1216, 65536] @ [65536, 768]: 10 x 3 output tiles, long K: split-K
-        da = max(flops / (peak * eff(65536, 10 * 3)), ((1216 * 65536 + 65536 * 768) * 2 + 1216 * 768 * 4) / (hbm * 3.35e12))
+        da = max(flops / (peak * eff(65536, 10 * 3)),
+                 ((1216 * 65536 + 65536 * 768) * 2 + 1216 * 768 * 4) / (hbm * 3.35e12))
         assert got[scn] == pytest.approx([db, da], rel=1e-9), scn

@@ -56,7 +56,7 @@ def _value_and_grads(loss_fn, leaves, *, output_dict=False):
     out = loss_fn(*xs)
     loss = out["contrastive_loss"] if output_dict else out
     grads = torch.autograd.grad(loss, xs, allow_unused=True)
-    return loss.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads)]
+    return loss.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
 
 
 def _close(a, b):
@@ -73,7 +73,8 @@ def test_clip_loss_matches_open_clip(n, with_bias, output_dict, unit):
     ours, theirs = fo.ClipLoss(cache_labels=True), OC.ClipLoss(cache_labels=True)
     for _ in range(2):  # a second call goes through open_clip's label cache
         if with_bias:
-            got = _value_and_grads(lambda *a: ours(*a, output_dict=output_dict), [img, txt, s, b], output_dict=output_dict)
+            got = _value_and_grads(lambda *a: ours(*a, output_dict=output_dict), [img, txt, s, b],
+                                   output_dict=output_dict)
             want = _value_and_grads(lambda *a: theirs(*a, output_dict=output_dict), [img, txt, s, b],
                                     output_dict=output_dict)
         else:
@@ -81,7 +82,7 @@ def test_clip_loss_matches_open_clip(n, with_bias, output_dict, unit):
             want = _value_and_grads(lambda *a: theirs(*a, output_dict=output_dict), [img, txt, s],
                                     output_dict=output_dict)
         _close(got[0], want[0])
-        for g, w in zip(got[1], want[1]):
+        for g, w in zip(got[1], want[1], strict=True):
             _close(g, w)
     if with_bias:  # a bias on every logit cancels in the softmax: exactly 0 here
         assert got[1][3].item() == 0.0
@@ -102,7 +103,7 @@ def test_siglip_loss_matches_open_clip(n, bias, unit):
         got = _value_and_grads(lambda i, t, sc: ours(i, t, sc, bv), [img, txt, s])
         want = _value_and_grads(lambda i, t, sc: theirs(i, t, sc, bv), [img, txt, s])
     _close(got[0], want[0])
-    for g, w in zip(got[1], want[1]):
+    for g, w in zip(got[1], want[1], strict=True):
         _close(g, w)
     out = ours(img, txt, s, b, output_dict=True)
     assert set(out) == {"contrastive_loss"}
@@ -118,7 +119,8 @@ def _dist_worker(rank: int, world: int, init: str, n: int, out) -> None:
         sl = slice(rank * n, (rank + 1) * n)
         local = [img[sl], txt[sl], s, b]
         res = {"rank": rank, "cases": {}}
-        cases = [(f"clip local={ll} grad={gg}", fo.ClipLoss(local_loss=ll, gather_with_grad=gg, rank=rank, world_size=world),
+        cases = [(f"clip local={ll} grad={gg}",
+                  fo.ClipLoss(local_loss=ll, gather_with_grad=gg, rank=rank, world_size=world),
                   oc.ClipLoss(local_loss=ll, gather_with_grad=gg, rank=rank, world_size=world))
                  for ll in (False, True) for gg in (False, True)]
         cases += [(f"siglip {impl}", fo.SigLipLoss(rank=rank, world_size=world, dist_impl=impl),
@@ -150,7 +152,7 @@ def test_distributed_options_match_open_clip(world, tmp_path):
     for r in results:
         assert len(r["cases"]) == 18
         for name, (errs, scale) in r["cases"].items():
-            for e, m in zip(errs, scale):
+            for e, m in zip(errs, scale, strict=True):
                 assert e <= 1e-10 * max(m, 1.0), (r["rank"], name, errs)
 
 

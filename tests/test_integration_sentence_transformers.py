@@ -22,7 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-st = pytest.importorskip("sentence_transformers", reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
+st = pytest.importorskip("sentence_transformers",
+                         reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
 
 from sentence_transformers import util
 from sentence_transformers.sentence_transformer import losses as peer
@@ -450,9 +451,9 @@ def test_example_script_runs():
 
 def test_bench_st_step_cli():
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-st-step", "--batches", "6", "--hidden", "16",
-                          "--layers", "1", "--seq", "4", "--repeats", "1"], check=False, capture_output=True, text=True, env=env,
-                         timeout=300, cwd=ROOT)
+    res = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-st-step", "--batches", "6",
+                          "--hidden", "16", "--layers", "1", "--seq", "4", "--repeats", "1"],
+                         check=False, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
     assert lines[1].split() == ["batch", "peer", "ms", "fused", "ms", "speed-up", "peer", "MiB", "fused", "MiB",
@@ -554,7 +555,8 @@ def _flat_column(seed: int, b: int) -> dict:
 def _image_column(seed: int, b: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     per = torch.randint(1, 4, (b,), generator=g)
-    return {"input_ids": torch.randint(0, 50, (b, 5), generator=g), "attention_mask": torch.ones(b, 5, dtype=torch.long),
+    return {"input_ids": torch.randint(0, 50, (b, 5), generator=g),
+            "attention_mask": torch.ones(b, 5, dtype=torch.long),
             "pixel_values": torch.randn(int(per.sum()), 6, generator=g, dtype=torch.float64),
             "num_images_per_sample": per}
 

@@ -40,7 +40,7 @@ def test_gradcheck_float64(name, path):
     inputs = tuple(tensors[k].double().requires_grad_() for k in keys)
 
     def f(*xs):
-        return case.fn(**dict(zip(keys, xs)), **kwargs, backend="torch")
+        return case.fn(**dict(zip(keys, xs, strict=True)), **kwargs, backend="torch")
 
     # nondet_tol: a second backward through the same graph takes the recompute path, which differs
     # from the eager gradients by rounding only

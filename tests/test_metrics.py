@@ -87,7 +87,7 @@ def test_uniformity_matches_the_formula_on_the_torch_backend(n, normalize, path)
         got, g = _grads(lambda a, tt, be=be: fc.uniformity(a, tt, normalize=normalize, backend=be), x, t)
         want, w = _grads(lambda a, tt: _unif_direct(a, tt, normalize), x, t)
         torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
-        for a, b in zip(g, w):
+        for a, b in zip(g, w, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
@@ -196,8 +196,8 @@ def test_uniformity_of_duplicated_rows_in_float32_has_the_textbooks_accuracy(nor
         x[1] = x[0]
         x[5] = x[3]
         t = 20.0 if normalize else 5.0
-        want, (wx,) = _grads(lambda a: _unif_pairs(a, t, normalize), x)
-        got, (gx,) = _grads(lambda a: fc.uniformity(a, t, normalize=normalize, backend="torch"), x.float())
+        want, (wx,) = _grads(lambda a, t=t: _unif_pairs(a, t, normalize), x)
+        got, (gx,) = _grads(lambda a, t=t: fc.uniformity(a, t, normalize=normalize, backend="torch"), x.float())
         assert got.dtype == torch.float32
         assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())
         rel = ((gx.double() - wx).norm() / wx.norm()).item()

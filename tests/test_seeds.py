@@ -55,7 +55,9 @@ def test_simcse_sup_hard_negative_weight_is_added_to_own_negative_logit():
     g = torch.Generator().manual_seed(1)
     a, p, n = (torch.randn(6, 8, generator=g) for _ in range(3))
     w = 0.7
-    cos = lambda x, y: F.cosine_similarity(x[:, None], y[None, :], dim=-1)
+    def cos(x, y):
+        return F.cosine_similarity(x[:, None], y[None, :], dim=-1)
+
     logits = torch.cat([cos(a, p) / 0.05, cos(a, n) / 0.05 + w * torch.eye(6)], dim=1)
     want = F.cross_entropy(logits, torch.arange(6))
     for be in BACKENDS:

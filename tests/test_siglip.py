@@ -61,7 +61,8 @@ def _value_and_grads(loss, leaves, seed=1):
 
 
 def _check_all(got, want, tol, what=""):
-    for name, g, w in zip(["loss", "grad image", "grad text", "grad logit_scale", "grad logit_bias"], got, want):
+    names = ["loss", "grad image", "grad text", "grad logit_scale", "grad logit_bias"]
+    for name, g, w in zip(names, got, want, strict=True):
         assert_close(g, w, atol=tol, rtol=tol, what=f"{what} {name}")
 
 
@@ -102,7 +103,7 @@ def test_python_number_scale_and_bias(backend, path):
     x, y, _, _ = _leaves(40, 8, seed=2)
     want = _value_and_grads(_truth(x, y, 7.0, -2.5), (x, y))
     got = _value_and_grads(fc.siglip_loss(x, y, 7.0, -2.5, backend=backend), (x, y))
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert_close(g, w, atol=1e-12, rtol=1e-11, what=backend)
 
 
@@ -213,7 +214,7 @@ def test_backward_twice_with_retain_graph(path):
     loss = fc.siglip_loss(x, y, s, b, backend="torch")
     first = torch.autograd.grad(loss, (x, y, s, b), retain_graph=True)
     second = torch.autograd.grad(loss, (x, y, s, b))
-    for a, c in zip(first, second):
+    for a, c in zip(first, second, strict=True):
         assert_close(a, c, atol=1e-14, rtol=1e-13, what="second backward")
 
 
@@ -225,7 +226,7 @@ def test_deterministic_bitwise(reduction, monkeypatch):
         x, y, s, b = _leaves(97, 33, seed=9, dtype=torch.float32)
         runs.append(_value_and_grads(fc.siglip_loss(x, y, s.float(), b.float(), reduction=reduction,
                                                     backend="torch"), (x, y, s, b)))
-    for a, c in zip(*runs):
+    for a, c in zip(*runs, strict=True):
         assert torch.equal(a, c)
 
 
@@ -297,7 +298,8 @@ def test_module_learns_scale_and_bias():
     """Parameters initialised as the paper (scale 10 via log, bias -10); the loss equals the definition
     with exp(log scale), and both parameters get the definition's gradients."""
     m = fc.nn.SigLIPLoss()
-    assert math.isclose(float(m.logit_scale.detach().exp()), 10.0, rel_tol=1e-6) and float(m.logit_bias.detach()) == -10.0
+    assert math.isclose(float(m.logit_scale.detach().exp()), 10.0, rel_tol=1e-6)
+    assert float(m.logit_bias.detach()) == -10.0
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(33, 8, generator=g), torch.randn(33, 8, generator=g)
     loss = m(x, y)
@@ -481,7 +483,7 @@ def test_triton_deterministic_bitwise(poison):
         x, y, s, b = _leaves(150, 40, seed=9, dtype=torch.float32)
         leaves = [x, y, s.float().detach().requires_grad_(), b.float().detach().requires_grad_()]
         runs.append(_value_and_grads(fc.siglip_loss(*leaves, reduction="none", backend="triton"), leaves))
-    for a, c in zip(*runs):
+    for a, c in zip(*runs, strict=True):
         assert torch.equal(a, c)
 
 

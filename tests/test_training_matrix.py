@@ -35,10 +35,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from _training_matrix import BY_NAME, CELLS, fresh, global_data, step, truth_and_same
 
 from fused_contrastive.testing.accuracy import check_output
-
-from _training_matrix import CELLS, BY_NAME, fresh, global_data, step, truth_and_same
 
 PRECISIONS = ["fp32", "bf16"]
 MODES = ["plain", "encode_in_chunks"]
@@ -94,7 +93,8 @@ def _spawn(names: list[str], precision: str, mode: str, store) -> list[dict]:
         for _ in range(2):
             results.append(torch.load(io.BytesIO(out.get(timeout=150))))
     except queue_mod.Empty:
-        results.append({"rank": -1, "grads": {}, "textbook": {}, "error": (names[0], "a rank did not report within 150 s")})
+        results.append({"rank": -1, "grads": {}, "textbook": {},
+                        "error": (names[0], "a rank did not report within 150 s")})
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -170,7 +170,8 @@ ST_CELLS = [(l, w) for l in ST_LOSSES for w in ST_WRAPPERS
 
 @pytest.fixture(scope="module")
 def st_model():
-    pytest.importorskip("sentence_transformers", reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
+    pytest.importorskip("sentence_transformers",
+                        reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
     import tempfile
 
     from fused_contrastive.bench.st_step import build_tiny_model, load_model

@@ -136,7 +136,7 @@ def test_normalize_false_and_clamped_rows(d):
         a, b = q2.detach().to(dt).clone().requires_grad_(), k2.detach().to(dt).clone().requires_grad_()
         fc.info_nce(a, b, tgt, temperature=0.5, backend=be).backward()
         grads.append((a.grad, b.grad))
-    for g, w in zip(*grads):
+    for g, w in zip(*grads, strict=True):
         assert_close(g, w, atol=1e-5 * float(w.abs().max()), what="clamped rows")
 
 
@@ -218,7 +218,7 @@ def test_zero_positive_rows(kind):
         s = torch.tensor(5.0, dtype=dt, requires_grad=True)
         out = impl.core(a, None, s, CoreSpec(exclude_self=True), data, Coeffs(lse=hp, pos=-hp), False)
         res.append((out, *torch.autograd.grad(out.sum(), (a, s))))
-    for x, y in zip(*res):
+    for x, y in zip(*res, strict=True):
         assert torch.isfinite(x).all()
         assert_close(x, y, atol=1e-5, rtol=1e-5, what="zero-positive rows")
 
@@ -255,7 +255,7 @@ def test_backward_is_bitwise_deterministic(case):
         out = c.fn(**x, **kwargs, backend="triton")
         runs.append((out, torch.autograd.grad(out.sum(), list(x.values()))))
     assert torch.equal(runs[0][0], runs[1][0])
-    for g0, g1 in zip(runs[0][1], runs[1][1]):
+    for g0, g1 in zip(runs[0][1], runs[1][1], strict=True):
         assert torch.equal(g0, g1)
 
 

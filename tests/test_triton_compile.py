@@ -101,7 +101,8 @@ def test_siglip_kernels_compiled_for_every_dtype_arch_and_d_bucket(compiled):
 
 
 def _label(r):
-    return f"{r['kernel']} sm_{r['cc']} {r['dtype']} D={r['d']} {r['variant']} block={r['block']} warps={r['num_warps']}"
+    return (f"{r['kernel']} sm_{r['cc']} {r['dtype']} D={r['d']} {r['variant']} block={r['block']} "
+            f"warps={r['num_warps']}")
 
 
 def test_no_register_spills(compiled):

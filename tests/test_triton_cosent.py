@@ -91,7 +91,7 @@ def test_large_and_clamped_rows():
         uu, vv = u.clone().requires_grad_(), v.clone().requires_grad_()
         loss = fc.cosent_loss(uu, vv, lab, backend=be)
         out[be] = (loss, *torch.autograd.grad(loss, (uu, vv)))
-    for got, want in zip(out["triton"], out["torch"]):
+    for got, want in zip(out["triton"], out["torch"], strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
 
@@ -106,5 +106,5 @@ def test_scan_block_size_does_not_change_the_result(monkeypatch):
         loss = fc.cosent_loss_from_scores(x, lab, backend="triton")
         res.append((loss, *torch.autograd.grad(loss, x)))
     for other in res[1:]:
-        for a, b in zip(other, res[0]):
+        for a, b in zip(other, res[0], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

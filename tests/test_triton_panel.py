@@ -122,7 +122,7 @@ def test_core_every_term_against_the_chunked_path(mode):
         x = [v.to(dt).requires_grad_() for v in (a, b, s)]
         out = impl.core(*x, spec, data, coef, reduce)
         res.append((out, *torch.autograd.grad(out.sum(), x)))
-    for got, want, what in zip(res[0], res[1], ("loss", "dA", "dB", "ds")):
+    for got, want, what in zip(res[0], res[1], ("loss", "dA", "dB", "ds"), strict=True):
         assert_close(got, want, atol=2e-5, rtol=2e-5, what=what)
     assert torch.equal(res[0][2][50:], torch.zeros_like(res[0][2][50:]))  # queue rows: no gradient
 
@@ -142,7 +142,7 @@ def test_normalize_false_and_clamped_rows():
         a, b = q2.to(dt).clone().requires_grad_(), k2.to(dt).clone().requires_grad_()
         fc.info_nce(a, b, tgt, temperature=0.5, backend=be).backward()
         grads.append((a.grad, b.grad))
-    for g, w in zip(*grads):
+    for g, w in zip(*grads, strict=True):
         assert_close(g, w, atol=1e-5 * float(w.abs().max()), what="clamped rows")
     big = fc.info_nce(q * 1e30, k * 1e30, backend="triton")
     assert_close(big, fc.info_nce(q.double(), k.double(), backend="reference"), atol=1e-5, rtol=1e-5, what="1e30")
@@ -158,7 +158,7 @@ def test_backward_is_bitwise_deterministic(case):
         out = c.fn(**x, **kwargs, backend="triton")
         runs.append((out, torch.autograd.grad(out.sum(), list(x.values()))))
     assert torch.equal(runs[0][0], runs[1][0])
-    for g0, g1 in zip(runs[0][1], runs[1][1]):
+    for g0, g1 in zip(runs[0][1], runs[1][1], strict=True):
         assert torch.equal(g0, g1)
 
 
@@ -171,7 +171,7 @@ def test_second_backward_through_a_retained_graph():
     g2 = torch.autograd.grad(loss, (q, k))
     ref = torch.autograd.grad(fc.info_nce(q.double(), k.double(), torch.arange(70), temperature=0.1,
                                           backend="reference"), (q, k))
-    for x, y, r in zip(g1, g2, ref):
+    for x, y, r in zip(g1, g2, ref, strict=True):
         assert_close(x, r, atol=1e-6, rtol=1e-5, what="first backward")
         assert_close(y, r, atol=1e-6, rtol=1e-5, what="second backward")
 
@@ -217,7 +217,7 @@ def test_one_pass_sweep_and_its_fallback(monkeypatch):
         a, b = q.to(dt).requires_grad_(), k.to(dt).requires_grad_()
         loss = fc.info_nce(a, b, torch.arange(n), temperature=1 / s, backend=be)
         res.append((loss, *torch.autograd.grad(loss, (a, b))))
-    for got, want, what in zip(res[0], res[1], ("loss", "dq", "dk")):
+    for got, want, what in zip(res[0], res[1], ("loss", "dq", "dk"), strict=True):
         assert_close(got, want, atol=2e-5, rtol=2e-5, what=what)
     panels = [x for x in rec.launches if x.name == "panel_dl"]
     assert panels and all(x.constexprs["ONE_PASS"] for x in panels)
@@ -264,7 +264,7 @@ def test_one_pass_at_logit_scale_100_never_redoes(dtype, monkeypatch):
         loss = fc.info_nce(a, b, torch.arange(n), temperature=1 / s, backend=be)
         res.append((loss, *torch.autograd.grad(loss, (a, b))))
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    for got, want, what in zip(res[0], res[1], ("loss", "dq", "dk")):
+    for got, want, what in zip(res[0], res[1], ("loss", "dq", "dk"), strict=True):
         assert_close(got.detach().double(), want.detach(), atol=tol * float(want.detach().abs().max()), rtol=tol,
                      what=what)
     panels = [x for x in rec.launches if x.name == "panel_dl"]
@@ -340,7 +340,7 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
     assert triton_panel.gemm_routes(torch.device("cpu"), torch.bfloat16) == ROUTE_CASES[kinds]
     assert len(fails) == sum(x != "ok" for x in kinds), [str(w.message) for w in fails]
     probes = {"mm": 1, "addmm": 1}
-    for op, kind in zip(("mm", "addmm"), kinds):
+    for op, kind in zip(("mm", "addmm"), kinds, strict=True):
         if kind != "ok":  # the probe's call only
             assert calls[op] == probes[op], calls
         else:  # the probe's call and the sweeps'
@@ -348,7 +348,8 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
     if kinds == ("ok", "raises"):  # mm_add: the accumulator updates go through the native mm
         assert calls["mm"] > 6, calls
     # each route's GEMM directly: fp32 accuracy against float64 (a 16-bit output would be ~2^-9 off)
-    x, y = torch.randn(50, 300, generator=gen).to(torch.bfloat16), torch.randn(40, 300, generator=gen).to(torch.bfloat16)
+    x = torch.randn(50, 300, generator=gen).to(torch.bfloat16)
+    y = torch.randn(40, 300, generator=gen).to(torch.bfloat16)
     acc0 = torch.randn(50, 40, generator=gen)
     acc = acc0.clone()
     triton_panel._addmm32_(acc, x, y.T)
@@ -360,7 +361,7 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
     assert len(tri) == 3 and len(rec.launches) > len(tri) + 3  # 90 rows: triangular panels 40 + 40 + 10
     # the losses to fp32 accuracy (the logits GEMM's fp32 output: a 16-bit one is off by ~1e-2 here),
     # the bf16 gradients to a few bf16 roundings
-    for got, want, what in zip(res[0], res[1], ("info_nce", "simcse", "dq", "dk")):
+    for got, want, what in zip(res[0], res[1], ("info_nce", "simcse", "dq", "dk"), strict=True):
         tol = 1e-5 if want.dim() == 0 else 2e-2
         assert_close(got.detach().double(), want.detach(), atol=tol * float(want.detach().abs().max()), rtol=tol,
                      what=f"{what} {kinds}")
@@ -422,7 +423,7 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
     assert _tri_fwd(rec) and [x.constexprs["TRI"] for x in rec.launches if x.name == "lse_fwd"] == [True], rec.names
     assert {x.constexprs["TRI"] for x in rec.launches if x.name == "panel_dl"} == {True}
     tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
-    for got, want, what in zip(res[0], res[1], ("loss", "dA", "ds")):
+    for got, want, what in zip(res[0], res[1], ("loss", "dA", "ds"), strict=True):
         got, want = got.detach().double(), want.detach()
         # the clamped rows' gradients (~1 / eps = 1e10) get their own scale: one scale for all rows
         # would hide the rest (a missing off-diagonal update passed that way)
@@ -453,7 +454,7 @@ def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch):
     # the triangular forward, then the triangular backward's panels
     assert _tri_fwd(rec) and rec.names.count("panel_dl") == -(-n // 2), rec.names
     assert torch.equal(torch.isfinite(res[0][0]), torch.isfinite(res[1][0]))
-    for got, want, what in zip(res[0], res[1], ("lse", "dA", "ds")):
+    for got, want, what in zip(res[0], res[1], ("lse", "dA", "ds"), strict=True):
         if want is None:
             assert got is None or not got.any(), what
             continue

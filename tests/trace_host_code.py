@@ -2,7 +2,8 @@
 ``tests/test_compile.py``, in its own process: triton must be imported *without* the interpreter, so
 that ``wrap_triton`` turns the kernel launches into graph nodes).
 
-For every registry case of the core op (and CoSENT's two operators), on both backends, ``make_fx(tracing_mode="symbolic")`` traces
+For every registry case of the core op (and CoSENT's two operators), on both backends,
+``make_fx(tracing_mode="symbolic")`` traces
 
 * ``eager``: ``core.run`` forward and its autograd backward (the path of an uncompiled training step);
 * ``op``: the implementation of ``fused_contrastive::core`` (forward + gradients in one call; for

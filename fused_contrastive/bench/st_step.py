@@ -64,7 +64,8 @@ def load_model(path: str, device: str = "cpu"):
     except ImportError:  # sentence-transformers < 6
         from sentence_transformers.models import Pooling, Transformer
     enc = Transformer(path)
-    dim = enc.get_embedding_dimension() if hasattr(enc, "get_embedding_dimension") else enc.get_word_embedding_dimension()
+    dim = (enc.get_embedding_dimension() if hasattr(enc, "get_embedding_dimension")
+           else enc.get_word_embedding_dimension())
     return SentenceTransformer(modules=[enc, Pooling(dim, "mean")], device=device)
 
 
@@ -192,7 +193,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         import sentence_transformers  # noqa: F401
     except ImportError:
-        parser.error("bench-st-step needs sentence-transformers: pip install 'fused-contrastive[sentence-transformers]'")
+        parser.error("bench-st-step needs sentence-transformers: "
+                     "pip install 'fused-contrastive[sentence-transformers]'")
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_model(tmp, hidden=args.hidden, layers=args.layers, heads=2, max_len=max(64, args.seq), dropout=0.1)
         a = {k: getattr(args, k) for k in ("hidden", "layers", "seq", "repeats", "device", "threads")}

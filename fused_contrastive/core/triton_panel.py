@@ -220,7 +220,8 @@ def _probe_one(op: str, dev: torch.device, dt: torch.dtype) -> str | None:
             return f"result {got.dtype} {tuple(got.shape)}, expected torch.float32 (24, 40)"
         err = (got.detach().cpu().double() - want).abs()
         if not bool((err <= bound).all()):
-            return f"result differs from the float64 product by up to {float(err.max()):.3g} (bound {float(bound.max()):.3g})"
+            return (f"result differs from the float64 product by up to {float(err.max()):.3g} "
+                    f"(bound {float(bound.max()):.3g})")
     except Exception as e:  # noqa: BLE001 - any failure of the native call means: do not use it
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None
