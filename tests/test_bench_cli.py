@@ -8,6 +8,7 @@ and the table and the plots are written.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -64,7 +65,7 @@ def test_bench_quick_end_to_end(tmp_path):
     # all the weight is done, so the prediction is the elapsed time itself
     trace = meta["eta_trace"]
     assert len(trace) == len({(p.case, p.n) for p in planned})
-    assert all(a[0] <= b[0] for a, b in zip(trace, trace[1:], strict=True))
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(trace))
     assert abs(trace[-1][1] - trace[-1][0]) <= 0.02 * trace[-1][0] + 0.02
     assert "ETA check:" in proc.stdout and "interrupted" not in meta
     assert {e["loss"] for e in report["largest_batch"]} == set(C.BENCH_NAMES)
