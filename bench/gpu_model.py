@@ -71,6 +71,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused_contrastive.core import triton_backend as TB
+from fused_contrastive.core import triton_function as TF
 from fused_contrastive.core import triton_panel
 from fused_contrastive.tools import aot
 
@@ -493,7 +494,7 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.
     triton_panel.PANEL_PROGRAMS = 2 * gpu.sms  # what the panel kernel's block choice uses on a CUDA device
     try:
         with aot.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
-            out = TB.TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)
+            out = TF.TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)
             torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
             del out
     finally:

@@ -43,7 +43,7 @@ def triton_status() -> TritonStatus:
             _STATUS = TritonStatus(False, None, False)
         else:
             try:
-                from .core import triton_backend, triton_cosent  # noqa: F401
+                from .core import triton_backend, triton_cosent, triton_function  # noqa: F401
             except Exception as exc:  # noqa: BLE001 - any failure here is a broken install
                 _STATUS = TritonStatus(True, f"{type(exc).__name__}: {exc}", False)
             else:

@@ -30,47 +30,21 @@ divide outside the op under compile, or a tensor).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from . import core as _core
 from ._amp import autocast_off
+from ._tracing import forced, set_traced_core, tensors_are_traced, tracing_route
 from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
 
 __all__ = ["core", "cosent_pairs", "cosent_scores", "forced", "tensors_are_traced", "tracing_route"]
 
-_FORCE = False
 _NAN = float("nan")
 _COEF_NAMES = ("lse", "col", "pos", "tgt", "set")
-
-
-def tracing_route() -> bool:
-    """Whether the losses call the registered operators: under ``torch.compile`` and
-    ``torch.export``, or inside :func:`forced`."""
-    return _FORCE or torch.compiler.is_compiling() or torch.compiler.is_exporting()
-
-
-@contextlib.contextmanager
-def forced() -> Iterator[None]:
-    """Route the losses through the registered operators outside of compile too (tests, and
-    ``make_fx`` traces of a training step)."""
-    global _FORCE
-    old, _FORCE = _FORCE, True
-    try:
-        yield
-    finally:
-        _FORCE = old
-
-
-def tensors_are_traced() -> bool:
-    """True under a fake, proxy or functional dispatch mode (make_fx, Inductor's lowering, export):
-    tensors then have no data and no real storage, so host code must not read either."""
-    keys = torch._C._TorchDispatchModeKey
-    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
 
 
 class _Ctx:
@@ -258,6 +232,8 @@ def core(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data:
         op = _triton_core_op()
     return op(*_flatten(backend, a, b, scale, spec, data, coef, reduce, need))[0]
 
+
+set_traced_core(core)  # core.run reaches the registered operator through this (no core -> ops import)
 
 _TRITON_OP = None
 

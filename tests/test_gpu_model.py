@@ -7,7 +7,8 @@ committed table, without the torch backend's op count (its tens of thousands of 
 the slow part; the committed output has it and is checked too).
 
 Independent checks: the floor is ``units x 2 N N D / peak`` with the units derived by hand from
-DESIGN.md (3 for InfoNCE and CLIP, 2 for symmetric SimCSE) and the peak read from the printed
+docs/core-op.md and docs/panel-path.md (3 for InfoNCE and CLIP, 2 for symmetric
+SimCSE) and the peak read from the printed
 assumptions; no kernel is faster than its own FLOPs at peak; ``pct_peak = floor / ms``; the naive
 formula's fp32 logits are ``N x N x 4`` bytes; the tensor-core FLOPs the TTGIR walk finds equal the
 hand formula of each kernel (forward 2NMD, each backward kernel 4NMD); the L2 traffic of the streaming
@@ -29,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_model.py"
 COMMITTED = ROOT / "bench" / "results" / "gpu_model" / "gpu_model.txt"
-UNITS = {"info_nce": 3, "simcse": 2, "clip": 3}  # DESIGN.md: logits + one GEMM per gradient side; sym: 2
+UNITS = {"info_nce": 3, "simcse": 2, "clip": 3}  # docs/core-op.md: logits + one GEMM per gradient side; sym: 2
 D = 768
 
 

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - the test extra installs triton
     pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
 import fused_contrastive as fc
-from fused_contrastive.core import chunked, triton_backend
+from fused_contrastive.core import chunked, triton_backend, triton_function
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 from fused_contrastive.testing import CASE_BY_NAME, CASES, SLACK, assert_close, compare
 from fused_contrastive.testing.accuracy import run
@@ -187,7 +187,7 @@ def test_core_matches_the_chunked_path(reduce):
     spec = CoreSpec(exclude_self=True, offset=5, bias=0.3)
     data = CoreData(row_labels=lab_a, col_labels=lab_b, bias_col=_labels(100, 70, seed=4))
     coef = Coeffs(lse=_rand(100, seed=5).abs(), pos=-0.5, col=_rand(70, seed=6).abs() if reduce else None)
-    got = triton_backend.core(a, b, s, spec, data, coef, reduce)
+    got = triton_function.core(a, b, s, spec, data, coef, reduce)
     want = chunked.core(a.double(), b.double(), s.double(), spec, data, coef, reduce)
     assert_close(got, want, atol=2e-5, rtol=2e-5, what="core")
 
@@ -196,7 +196,7 @@ def test_all_excluded_row_keeps_minus_inf_and_zero_grad():
     # N = 1 with A as B and the self column excluded: no column left, LSE = -inf, no NaN anywhere
     a = _rand(1, 5).requires_grad_()
     s = torch.tensor(3.0, requires_grad=True)
-    lse = triton_backend.TritonCoreFn.apply(a, None, s, CoreSpec(exclude_self=True), CoreData(), Coeffs(lse=1.0),
+    lse = triton_function.TritonCoreFn.apply(a, None, s, CoreSpec(exclude_self=True), CoreData(), Coeffs(lse=1.0),
                                             False)
     assert lse.item() == float("-inf")
     ga, gs = torch.autograd.grad(lse, (a, s), grad_outputs=torch.ones_like(lse))

@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - the test extra installs triton
 from test_memory import LargestTensor  # tests/ is on sys.path (rootdir-relative imports, no package)
 
 import fused_contrastive as fc
-from fused_contrastive.core import chunked, triton_backend, triton_panel
+from fused_contrastive.core import chunked, triton_backend, triton_function, triton_panel
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare
 from fused_contrastive.testing.accuracy import run
@@ -673,7 +673,7 @@ def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch):
     q, k, s, w = _fp16_problem(m)
     truth = _truth(q, k, s, w)
     x = q.clone().requires_grad_()
-    out = triton_backend.core(x, k, s, CoreSpec(), CoreData(), Coeffs(lse=w), True)
+    out = triton_function.core(x, k, s, CoreSpec(), CoreData(), Coeffs(lse=w), True)
     got = torch.autograd.grad(out, x)[0]
     plain = _no_prescale_emulation(q, k, s, w).half()  # returned in fp16, as the kernels' gradient
     e_got, e_plain = _row_rel(got, truth), _row_rel(plain, truth)
@@ -723,6 +723,7 @@ _COMPILE = textwrap.dedent(
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
     import torch
     from fused_contrastive.core import triton_backend as TB
+    from fused_contrastive.core import triton_function as TF
     from fused_contrastive.core import triton_panel
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import aot
@@ -749,7 +750,7 @@ _COMPILE = textwrap.dedent(
             data = CoreData(pos_mask=mask, bias_col=torch.empty(n, dtype=torch.int64, device=meta))
             coef = Coeffs(1.0, pos=1.0, col=1.0 if variant == "col" else None)
         with aot.recording(arch) as launches:
-            TB.TritonCoreFn.apply(a, b, s, spec, data, coef, True).backward()
+            TF.TritonCoreFn.apply(a, b, s, spec, data, coef, True).backward()
         return launches
 
     out = []

@@ -18,6 +18,7 @@ import os
 import torch
 from torch import Tensor
 
+from .._tracing import traced_core, tracing_route
 from . import chunked, dense, positives
 from .chunked import tile_elements
 from .spec import Coeffs, CoreData, CoreSpec, check_problem, compute_dtype
@@ -53,7 +54,7 @@ def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, dat
         out.append((positives.LinearTermsFn, (a, b, scale, spec, data, coef, reduce, dt), -1.0))
     lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
     if backend == "triton":
-        from .triton_backend import TritonCoreFn as lse_fn
+        from .triton_function import TritonCoreFn as lse_fn
     else:
         lse_fn = chunked.ChunkedCoreFn
     out.append((lse_fn, (a, b, scale, spec, data, lse_terms, reduce), 1.0))
@@ -69,10 +70,8 @@ def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: 
     when it fits (:func:`dense_path`). Under ``torch.compile`` / ``torch.export`` the same work runs
     as the registered custom op ``fused_contrastive::core`` (``fused_contrastive.ops``).
     """
-    from .. import ops
-
-    if ops.tracing_route():
-        return ops.core(backend, a, b, scale, spec, data, coef, reduce)
+    if tracing_route():
+        return traced_core()(backend, a, b, scale, spec, data, coef, reduce)
     out = None
     for fn, args, sign in pieces(backend, a, b, scale, spec, data, coef, reduce):
         y = fn.apply(*args)

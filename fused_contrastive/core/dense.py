@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._tracing import tensors_are_traced
 from .norms import clamped_norms
 from .spec import Coeffs, CoreData, CoreSpec, drop_zero
 
@@ -61,8 +62,6 @@ def _row_slice(a: Tensor, b: Tensor | None) -> int | None:
     gradient is folded into ``b``'s rows (autograd adds a view's gradient into its base)."""
     if b is None or a.dtype != b.dtype or a.device != b.device or a.stride() != b.stride() or b.stride(0) == 0:
         return None
-    from ..ops import tensors_are_traced
-
     if tensors_are_traced():  # fake tensors have no storage to compare (and compiled buffers may differ)
         return None
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.shape[1] != b.shape[1]:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._tracing import tracing_route
 from .chunked import tile_elements
 from .norms import normalize_backward_, normalize_rows
 from .spec import Coeffs, CoreData, CoreSpec, drop_zero
@@ -67,8 +68,6 @@ def positive_counts(spec: CoreSpec, data: CoreData, n: int, m: int, dt: torch.dt
     """``|P_i| = sum_j w_ij`` (the excluded own column not counted), [N] in ``dt``. O(N + M) for labels,
     O(n0 * m0) for a dense mask."""
     dev = (data.pos_mask if data.pos_mask is not None else data.row_labels).device
-    from ..ops import tracing_route
-
     # small problems: count on the label-equality tile (4 ops instead of a sort and its bookkeeping);
     # not in a compiled graph, where the size test would be a guard that recompiles when N crosses it
     if data.pos_mask is None and not tracing_route() and n * m <= tile_elements():

@@ -138,3 +138,13 @@ def combine(coef: Coeffs, reduce: bool, lse: Tensor, lse_col: Tensor | None = No
     if not reduce:
         return out
     return out.sum() + col.sum() if col is not None else out.sum()
+
+
+def coef_grad(c, go: Tensor, n: int, stat: Tensor | None) -> Tensor | None:
+    """The upstream gradient of one statistic: ``c * go`` per row as fp32 [n], 0 where the statistic is
+    -inf (a row without positives: its term is dropped, see ``spec.drop_zero``); None when absent."""
+    if c is None or stat is None:
+        return None
+    g = (c.to(torch.float32) if isinstance(c, Tensor) else float(c)) * go
+    g = g.expand(n) if g.dim() == 0 else g
+    return torch.where(stat == float("-inf"), 0.0, g).contiguous()

@@ -30,7 +30,7 @@ import os
 import torch
 from torch import Tensor
 
-from .spec import Coeffs, CoreData, CoreSpec, combine
+from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
 from .triton_configs import DTYPE_NAMES, d_pad
 
 __all__ = ["CALLS", "ENV", "backward", "build_info", "forward", "route"]
@@ -127,17 +127,15 @@ def forward(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, coe
 
 def backward(ctx, go: Tensor):
     """TritonCoreFn.backward on the library's operators."""
-    from .triton_backend import _coef_grad
-
     need_a, need_b, need_s = ctx.needs_input_grad[:3]
     scale_in, lse, lse_col, a, b, ws = ctx.saved_tensors
     scale = _scale_tensor(scale_in if scale_in is not None else ctx.scale)
     go = go.to(torch.float32)
     n = lse.shape[0]
-    g = _coef_grad(ctx.coef.lse, go, n, lse)
+    g = coef_grad(ctx.coef.lse, go, n, lse)
     if g is None:
         g = torch.zeros(n, dtype=torch.float32, device=lse.device)
-    g_col = _coef_grad(ctx.coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
+    g_col = coef_grad(ctx.coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
     da, db, ds = torch.ops.fused_contrastive_aot.lse_backward(
         a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
         ctx.spec.grad_cols)

@@ -1,13 +1,14 @@
-"""Triton path of the core op's log-sum-exp terms: launchers and one autograd Function.
+"""Triton path of the core op's log-sum-exp terms: the launchers of the fused kernels and what every
+Triton path shares (launch records, prepared inputs, row norms, buffers).
 
 The device code is in ``fused_contrastive.kernels.lse`` (the ``kernels/`` directory); its module
 docstring has the math, the gradient derivation and the limits. Launch configs come from the fixed
 table of ``triton_configs.py``. This module
 
 * launches the kernels (``_lse_fwd``, ``_lse_bwd``: tensors in, tensors out),
-* wraps them in :class:`TritonCoreFn` (``LSE``, ``LSEcol``, ``LSEpos`` vectors) and :func:`core`
-  (the coefficients of ``spec.py`` applied in PyTorch; the linear positive terms come from
-  ``positives.py``, called by ``core.run``).
+* holds the helpers the panel path (``triton_panel.py``) and the ahead-of-time path
+  (``triton_aot.py``) share with it. The autograd Function that picks one of the three paths is in
+  ``triton_function.py``, which imports all three (none of them imports it).
 
 Work per call in units of one N x M x D matmul (2 N M D FLOPs):
 
@@ -43,11 +44,9 @@ import torch
 import triton
 from torch import Tensor
 
-from .._amp import autocast_off
+from .._tracing import tensors_are_traced
 from ..kernels import lse as K
-from ..ops import tensors_are_traced
-from . import triton_aot, triton_panel
-from .spec import Coeffs, CoreData, CoreSpec, combine
+from .spec import CoreData, CoreSpec, coef_grad
 from .triton_configs import (
     DTYPE_NAMES,
     ROW_NORM_BLOCK_R,
@@ -58,7 +57,7 @@ from .triton_configs import (
     fwd_kernel,
 )
 
-__all__ = ["TritonCoreFn", "core", "interpreted"]
+__all__ = ["Launch", "interpreted", "kernel_dtype"]
 
 #: Debug hook for the tests: fill every kernel output with NaN before the launch, so an element a
 #: kernel forgets to write shows up. Also settable with FUSED_CONTRASTIVE_TRITON_POISON=1.
@@ -422,95 +421,4 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
     return da, db, ds
 
 
-# ------------------------------------------------------------------------------------------------
-# autograd Function and the core op
-# ------------------------------------------------------------------------------------------------
-
-
-def _coef_grad(c, go: Tensor, n: int, stat: Tensor | None) -> Tensor | None:
-    """The upstream gradient of one statistic: ``c * go`` per row as fp32 [n], 0 where the statistic is
-    -inf (a row without positives: its term is dropped, see ``spec.drop_zero``); None when absent."""
-    if c is None or stat is None:
-        return None
-    g = (c.to(torch.float32) if isinstance(c, Tensor) else float(c)) * go
-    g = g.expand(n) if g.dim() == 0 else g
-    return torch.where(stat == float("-inf"), 0.0, g).contiguous()
-
-
-class TritonCoreFn(torch.autograd.Function):
-    """``c.lse LSE + c.col LSEcol + c.pos LSEpos`` per row ([N]) or summed (0-dim), float32, on the
-    Triton kernels.
-
-    Saved for backward: the inputs (alive anyway), the scaled copies and norms (O(N*D)) and the LSEs;
-    backward recomputes the tiles. Gradients come back in each input's dtype (the scale's in the
-    scale's dtype), None for inputs that do not require grad.
-    """
-
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    @autocast_off
-    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
-                reduce: bool):
-        dt = kernel_dtype(a, b)
-        ak = a.to(dt)
-        bk = None if b is None else b.to(dt)
-        n, m = a.shape[0], (a.shape[0] if b is None else b.shape[0])
-        dtypes = (a.dtype, None if b is None else b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
-                  scale.shape if isinstance(scale, Tensor) else None)
-        aot_mode = triton_aot.route(ak, bk, spec, data, coef)
-        if aot_mode is not None:  # the ahead-of-time library (FUSED_CONTRASTIVE_AOT_LIB): no JIT
-            return triton_aot.forward(ctx, ak, bk, dtypes, scale, spec, coef, reduce, aot_mode)
-        if triton_panel.use_panel(ak, n, m):
-            return triton_panel.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce)
-        ctx.path = "fused"
-        lse, lse_col, lse_pos, p = _lse_fwd(ak, bk, scale, spec, data, coef.col is not None, coef.pos is not None)
-        ctx.spec, ctx.coef = spec, coef
-        # the tensors go through save_for_backward (in-place edits of the inputs are caught); the rest
-        # of the prepared inputs (labels, masks, norms: O(N + M)) rides on ctx
-        ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
-        ctx.scale = None if isinstance(scale, Tensor) else scale
-        ctx.dtypes = dtypes
-        same = b is None
-        ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
-                              None if same else p.b, p.sa, None if same else p.sb)
-        return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    @autocast_off
-    def backward(ctx, go: Tensor):
-        if ctx.path == "panel":
-            return triton_panel.backward(ctx, go)
-        if ctx.path == "aot":
-            return triton_aot.backward(ctx, go)
-        need_a, need_b, need_s = ctx.needs_input_grad[:3]
-        scale, lse, lse_col, lse_pos, a, b, sa, sb = ctx.saved_tensors
-        if scale is None:
-            scale = ctx.scale
-        spec, coef = ctx.spec, ctx.coef
-        same = ctx.dtypes[1] is None
-        p = ctx.prep._replace(a=a, b=a if same else b, sa=sa, sb=sa if same else sb)
-        go = go.to(torch.float32)
-        n = lse.shape[0]
-        g = _coef_grad(coef.lse, go, n, lse)
-        g_col = _coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
-        g_pos = _coef_grad(coef.pos, go, n, lse_pos)
-        if same and not p.sym:
-            # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
-            da, db, ds = _lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
-                                  need_a, need_a, need_s)
-            da = None if da is None else da + db
-        else:
-            da, db, ds = _lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
-                                  need_a, need_b and not same, need_s)
-        adt, bdt, sdt, sshape = ctx.dtypes
-        ga = da.to(adt) if need_a and da is not None else None
-        gb = db.to(bdt) if need_b and not same and db is not None else None
-        gs = ds.to(sdt).reshape(sshape) if need_s and ds is not None else None
-        return ga, gb, gs, None, None, None, None
-
-
-def core(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
-         reduce: bool) -> Tensor:
-    """``c.lse LSE + c.col LSEcol + c.pos LSEpos`` per row (or summed) on the Triton kernels (float32)."""
-    return TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)
+_coef_grad = coef_grad  # the name the Triton paths use

@@ -2,7 +2,7 @@
 
 Why: the fused backward kernels (``kernels/lse.py``) recompute tiles and accumulate ``dl @ B`` through
 a per-64-column read-modify-write of an fp32 scratch when D > 128 (~18 FLOP/B of L2 traffic, modelled
-at 12-20% of bf16 peak on an H100; ``/work/shared/GPU_REVIEW.md``). Here every matmul is a
+at 12-20% of bf16 peak on an H100; ``docs/panel-path.md``). Here every matmul is a
 ``torch.mm`` / ``addmm`` (cuBLAS on a GPU, fixed call order: deterministic for a fixed shape and
 device), and ``kernels/panel.py`` does the softmax work of a panel in one pass.
 
@@ -103,7 +103,9 @@ import triton
 from torch import Tensor
 
 from ..kernels import panel as KP
+from . import triton_backend as TB
 from .spec import Coeffs, combine
+from .triton_backend import Launch, _alloc, _cuda_props, _index, _mask_args, _problem_args, _row_norms
 from .triton_configs import (
     PANEL_CHUNK,
     PANEL_ROWS_BLOCK_R,
@@ -309,8 +311,6 @@ def _programs(dev: torch.device) -> int:
     if PANEL_PROGRAMS is not None:
         return PANEL_PROGRAMS
     if dev.type == "cuda":
-        from .triton_backend import _cuda_props, _index
-
         return 2 * _cuda_props(_index(dev))[1]
     return 1
 
@@ -324,8 +324,6 @@ class _Problem:
     normalisation, one power of two per row of A (one reduction)."""
 
     def __init__(self, a: Tensor, b: Tensor, spec, need_op: bool = True):
-        from .triton_backend import _alloc, _row_norms
-
         self.a, self.spec = a, spec
         self.normalize = spec.normalize
         self.dt = a.dtype
@@ -354,8 +352,6 @@ class _Problem:
     def rows(self, r0: int, r1: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """``(x, rs, norm)`` of A's rows [r0, r1): the GEMM operand (the rows scaled by a power of two,
         exactly), the factor that turns it into the normalised (or raw) rows, the clamped norms."""
-        from .triton_backend import _row_norms
-
         if self.normalize:
             xs, nrm, _, rs = _row_norms(self.a[r0:r1], self.spec.eps)
             return xs, rs, nrm
@@ -371,8 +367,6 @@ def _gscale(vecs) -> Tensor:
 
 def _rows_launch(launch, g, x, rs, nrm, w, scale_t, gs, out, xw, eps: float, normalize: bool, prescale: float, dm):
     """One launch of ``panel_rows_kernel`` (see kernels/panel.py) over the rows of ``x``."""
-    from .triton_backend import Launch
-
     r, d = x.shape
     launch(Launch(
         "panel_rows", KP.panel_rows_kernel, (triton.cdiv(r, PANEL_ROWS_BLOCK_R),),
@@ -398,8 +392,6 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     ``g_pos`` are the coefficients as [N] fp32 and ``lse`` / ``lse_pos`` are produced here. ``sym``:
     B is A without a bias, dA holds both roles and dB is None.
     """
-    from .triton_backend import Launch, _alloc, _mask_args, _problem_args
-
     n, d = a.shape
     m = b.shape[0]
     dev, dt = a.device, a.dtype
@@ -508,8 +500,6 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     unit, 2 matmul units (the eager sweep takes 3). bf16 / fp32 fold both inverse norms into H, so
     both GEMMs read the raw A and the accumulator holds ``dA_hat_i rb_i`` (undone by the epilogue);
     fp16 reads a normalised fp16 copy of A. dL/ds counts the diagonal block's ``G_ji`` once."""
-    from .triton_backend import Launch, _alloc, _mask_args, _problem_args
-
     n, d = a.shape
     dev, dt = a.device, a.dtype
     p_rows = panel_rows(n, n, d, dt, True)
@@ -565,8 +555,6 @@ def _vec(c, n: int, dev) -> Tensor:
 
 def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, coef: Coeffs, reduce: bool):
     """TritonCoreFn.forward on the panel path (``a``, ``b`` already in the kernel dtype)."""
-    from . import triton_backend as TB
-
     same = b is None
     want_col, want_pos = coef.col is not None, coef.pos is not None
     need_a, need_b, need_s = ctx.needs_input_grad[:3]
@@ -606,8 +594,6 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
 
 def backward(ctx, go: Tensor):
     """TritonCoreFn.backward on the panel path."""
-    from . import triton_backend as TB
-
     need_a, need_b, need_s = ctx.needs_input_grad[:3]
     adt, bdt, sdt, sshape = ctx.dtypes
     same = bdt is None

@@ -1,0 +1,97 @@
+"""The autograd Function of the core op on Triton: it picks the path (the ahead-of-time library, the
+panel path of ``triton_panel.py`` or the fused kernels of ``triton_backend.py``) and applies the
+coefficients of ``spec.py`` (``LSE``, ``LSEcol``, ``LSEpos`` vectors) in PyTorch; the linear positive
+terms come from ``positives.py``, called by ``core.run``. It is the top of the Triton modules: it
+imports them, none of them imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._amp import autocast_off
+from . import triton_aot, triton_panel
+from . import triton_backend as TB
+from .spec import Coeffs, CoreData, CoreSpec, combine
+
+__all__ = ["TritonCoreFn", "core"]
+
+
+class TritonCoreFn(torch.autograd.Function):
+    """``c.lse LSE + c.col LSEcol + c.pos LSEpos`` per row ([N]) or summed (0-dim), float32, on the
+    Triton kernels.
+
+    Saved for backward: the inputs (alive anyway), the scaled copies and norms (O(N*D)) and the LSEs;
+    backward recomputes the tiles. Gradients come back in each input's dtype (the scale's in the
+    scale's dtype), None for inputs that do not require grad.
+    """
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    @autocast_off
+    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+                reduce: bool):
+        dt = TB.kernel_dtype(a, b)
+        ak = a.to(dt)
+        bk = None if b is None else b.to(dt)
+        n, m = a.shape[0], (a.shape[0] if b is None else b.shape[0])
+        dtypes = (a.dtype, None if b is None else b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
+                  scale.shape if isinstance(scale, Tensor) else None)
+        aot_mode = triton_aot.route(ak, bk, spec, data, coef)
+        if aot_mode is not None:  # the ahead-of-time library (FUSED_CONTRASTIVE_AOT_LIB): no JIT
+            return triton_aot.forward(ctx, ak, bk, dtypes, scale, spec, coef, reduce, aot_mode)
+        if triton_panel.use_panel(ak, n, m):
+            return triton_panel.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce)
+        ctx.path = "fused"
+        lse, lse_col, lse_pos, p = TB._lse_fwd(ak, bk, scale, spec, data, coef.col is not None, coef.pos is not None)
+        ctx.spec, ctx.coef = spec, coef
+        # the tensors go through save_for_backward (in-place edits of the inputs are caught); the rest
+        # of the prepared inputs (labels, masks, norms: O(N + M)) rides on ctx
+        ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
+        ctx.scale = None if isinstance(scale, Tensor) else scale
+        ctx.dtypes = dtypes
+        same = b is None
+        ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
+                              None if same else p.b, p.sa, None if same else p.sb)
+        return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    @autocast_off
+    def backward(ctx, go: Tensor):
+        if ctx.path == "panel":
+            return triton_panel.backward(ctx, go)
+        if ctx.path == "aot":
+            return triton_aot.backward(ctx, go)
+        need_a, need_b, need_s = ctx.needs_input_grad[:3]
+        scale, lse, lse_col, lse_pos, a, b, sa, sb = ctx.saved_tensors
+        if scale is None:
+            scale = ctx.scale
+        spec, coef = ctx.spec, ctx.coef
+        same = ctx.dtypes[1] is None
+        p = ctx.prep._replace(a=a, b=a if same else b, sa=sa, sb=sa if same else sb)
+        go = go.to(torch.float32)
+        n = lse.shape[0]
+        g = TB._coef_grad(coef.lse, go, n, lse)
+        g_col = TB._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
+        g_pos = TB._coef_grad(coef.pos, go, n, lse_pos)
+        if same and not p.sym:
+            # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
+            da, db, ds = TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+                                  need_a, need_a, need_s)
+            da = None if da is None else da + db
+        else:
+            da, db, ds = TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+                                  need_a, need_b and not same, need_s)
+        adt, bdt, sdt, sshape = ctx.dtypes
+        ga = da.to(adt) if need_a and da is not None else None
+        gb = db.to(bdt) if need_b and not same and db is not None else None
+        gs = ds.to(sdt).reshape(sshape) if need_s and ds is not None else None
+        return ga, gb, gs, None, None, None, None
+
+
+def core(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+         reduce: bool) -> Tensor:
+    """``c.lse LSE + c.col LSEcol + c.pos LSEpos`` per row (or summed) on the Triton kernels (float32)."""
+    return TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)

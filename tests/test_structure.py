@@ -1,0 +1,140 @@
+"""The package's import structure, read from the source (every ``import`` statement, the ones inside
+functions too): no module imports itself back through others, and ``core/`` (the op every loss runs
+on) depends on nothing above it."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "fused_contrastive"
+
+# what core/ may import from the rest of the package: leaves that import nothing of the package
+CORE_MAY_IMPORT = {"fused_contrastive._amp", "fused_contrastive._tracing", "fused_contrastive.kernels"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports (``from . import x`` resolves to the module x when it is one;
+    ``fused_contrastive.kernels``, shipped from ``kernels/``, stays as it is)."""
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t.startswith("fused_contrastive") and t != name:
+                out.add(t.split(".kernels")[0] + ".kernels" if ".kernels" in t else t)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(g) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_lazy_and_relative_imports():
+    g = _graph()
+    # core.run imports the Triton Function inside a function (triton is optional): still an edge
+    assert "fused_contrastive.core.triton_function" in g["fused_contrastive.core"]
+    assert "fused_contrastive.core" in g["fused_contrastive.losses"]
+    assert "fused_contrastive._tracing" in g["fused_contrastive.core"]
+    assert "fused_contrastive.core.triton_backend" in g["fused_contrastive.core.triton_panel"]
+
+
+def test_no_import_cycle_in_the_package():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles (move what the lower module needs into a leaf): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_core_imports_nothing_above_it():
+    bad = {}
+    for m, deps in _graph().items():
+        if m == "fused_contrastive.core" or m.startswith("fused_contrastive.core."):
+            up = {d for d in deps if not d.startswith("fused_contrastive.core") and d not in CORE_MAY_IMPORT}
+            if up:
+                bad[m] = sorted(up)
+    assert not bad, f"core/ modules importing from above core/: {bad}"
+
+
+def test_nothing_points_outside_the_repository():
+    """Code, docs and build files cite the repository's own design notes (``docs/``), never a path or a
+    document outside it."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    outside = re.compile(r"/work/|\.\./shared|\bDESIGN\.md\b|\bGPU_REVIEW\.md\b|\bSTYLE\.md\b|\.\./seeds")
+    hits = []
+    for f in files:
+        if f == "tests/test_structure.py" or not f.endswith((".py", ".md", ".c", ".h", ".txt", ".toml", ".cfg",
+                                                            ".yaml", ".cmake")):
+            continue
+        for i, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1):
+            if outside.search(line):
+                hits.append(f"{f}:{i}: {line.strip()[:100]}")
+    assert not hits, "references outside the repository:\n" + "\n".join(hits)
