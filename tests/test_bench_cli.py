@@ -122,9 +122,9 @@ def test_bench_stops_on_a_signal_and_writes_what_it_measured(tmp_path, sig, whol
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
-        out = proc.stdout.read()
-        rc = proc.wait(timeout=60)
+        rc = proc.wait(timeout=60)  # a hang fails here (the finally kills the group), not in a read
         took = time.monotonic() - t0
+        out = proc.stdout.read()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

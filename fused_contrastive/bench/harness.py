@@ -21,6 +21,7 @@ cleanly on SIGINT / SIGTERM and returns what was measured).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import gc
 import math
 import multiprocessing as mp
@@ -319,12 +320,6 @@ def _guarded(fn: Callable[[Any], dict[str, Any]], arg: Any, timeout: float) -> d
         signal.alarm(0)
 
 
-def _ignore_sigint() -> None:  # pragma: no cover - runs in a worker
-    """Workers leave Ctrl-C to the parent (a terminal sends SIGINT to the whole process group): the
-    parent stops the suite and kills the worker, instead of the worker's case turning into an error."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM during the suite (``signal_name`` says which)."""
 
@@ -338,11 +333,39 @@ class Runner:
     forkserver that has imported torch and this package), so each case's memory is its own and a crash
     or an OOM kill only loses that case."""
 
-    PRELOAD = ("torch", "fused_contrastive", "fused_contrastive.bench.harness")
+    PRELOAD = ("fused_contrastive.bench._no_sigint", "torch", "fused_contrastive", "fused_contrastive.bench.harness")
 
     def __init__(self, isolate: bool) -> None:
         self.isolate = isolate
         self._ex: cf.ProcessPoolExecutor | None = None
+        #: the name of a signal that asked the suite to stop ("SIGINT" / "SIGTERM"), set by the handler
+        #: of :meth:`stopping`; acted on by the main thread between polls of the running task, never
+        #: inside a worker's start (an exception there leaves a half-spawned worker that the pool's
+        #: shutdown waits for forever)
+        self.stop: str | None = None
+
+    @contextlib.contextmanager
+    def stopping(self):
+        """SIGINT and SIGTERM ask the suite to stop: isolated, by setting :attr:`stop` (the wait for the
+        running task sees it within 0.2 s and raises :class:`Interrupted`); inline, by raising at once."""
+
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            if self.isolate:
+                self.stop = self.stop or name
+            else:
+                raise Interrupted(name)
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _check_stop(self) -> None:
+        if self.stop is not None:
+            raise Interrupted(self.stop)
 
     def _executor(self) -> cf.ProcessPoolExecutor:
         if self._ex is None:
@@ -354,8 +377,7 @@ class Runner:
             except ImportError:
                 pass
             ctx.set_forkserver_preload(preload)
-            self._ex = cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1,
-                                              initializer=_ignore_sigint)
+            self._ex = cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1)
         return self._ex
 
     def _reset(self) -> None:
@@ -368,9 +390,17 @@ class Runner:
     def __call__(self, fn: Callable[[Any], dict[str, Any]], arg: Any, timeout: float) -> dict[str, Any]:
         if not self.isolate:
             return fn(arg)
+        self._check_stop()
         fut = self._executor().submit(_guarded, fn, arg, timeout)
+        deadline = time.monotonic() + timeout + 60
         try:
-            return fut.result(timeout=timeout + 60)
+            while True:
+                try:
+                    return fut.result(timeout=0.2)
+                except cf.TimeoutError:
+                    self._check_stop()
+                    if time.monotonic() > deadline:
+                        raise
         except cf.TimeoutError:
             self._reset()
             return {"status": "timeout", "reason": f"no result within {timeout:.0f} s (worker killed)"}
@@ -533,11 +563,9 @@ def run_suite(cfg: Config) -> dict[str, Any]:
     interrupted: str | None = None
     done = total = 0
 
-    def on_sigterm(signum, frame):
-        raise Interrupted("SIGTERM")
-
-    old_term = signal.signal(signal.SIGTERM, on_sigterm)
     prog = None
+    signals = contextlib.ExitStack()
+    signals.enter_context(runner.stopping())
     try:
         peak = runner(matmul_peak, (cfg.device, cfg.dtype, cfg.dim), cfg.timeout)
         costs = Costs(cfg, peak.get("flops_per_s", 1e11))
@@ -585,7 +613,7 @@ def run_suite(cfg: Config) -> dict[str, Any]:
             prog.close()
         runner.abort()
     finally:
-        signal.signal(signal.SIGTERM, old_term)
+        signals.close()
         runner.close()
         import shutil
 
