@@ -163,6 +163,10 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     continue  # no kernel (alignment); CoSENT's and SigLIP's kernels have no one-tile variant
                 label = f"{be}/{path if path == 'dense' else ('kernels' if be == 'triton' else 'chunked')}"
                 for n, d in args.shapes:
+                    if n < case.min_n:  # e.g. uniformity (pairs i != j): not built at a different N silently
+                        print(f"{name:22s} {label:15s} {f'{n}x{d}':>9s} {'-':9s} {'':38s}  n/a (the case needs "
+                              f"N >= {case.min_n})", flush=True)
+                        continue
                     for dt in dtypes:
                         if be == "triton" and dt == torch.float64:
                             continue

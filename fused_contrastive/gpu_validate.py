@@ -440,13 +440,14 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def check_timings(report: Report, plan: Plan, device: str) -> None:
-    from .testing import BASELINES, CASE_BY_NAME, make_inputs
+    from .testing import CASE_BY_NAME, make_inputs
+    from .testing.baselines import formula_of
 
     measure = _timer(device)
     dt = plan.timing_dtype
     for loss in plan.losses:
         case = CASE_BY_NAME[loss]
-        formula = next(b for b in BASELINES[loss] if b.kind == "formula")
+        formula = formula_of(loss)
         for n in plan.timing_sizes:
             tensors, kwargs = make_inputs(case, n, plan.timing_d, seed=7)
             leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone()

@@ -3,13 +3,15 @@ form."""
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from .cosent import cosent_loss
-from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, supcon_loss
+from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, simcse_sup_loss, supcon_loss
 from .siglip import siglip_loss
 
 
@@ -31,88 +33,80 @@ def _x(*shape: int) -> Tensor:
     return torch.linspace(-1.0, 1.0, math.prod(shape), dtype=torch.float64).reshape(shape) + 0.1
 
 
-__all__ = ["CLIPLoss", "CoSENTLoss", "DSCLLoss", "InfoNCELoss", "SigLIPLoss", "SimCSELoss", "SupConLoss"]
+def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tuple], *,
+                positional: tuple[str, ...] = (), forward_options: tuple[str, ...] = ()) -> type[nn.Module]:
+    """The module form of the functional loss ``fn``, derived from its signature.
+
+    ``__init__`` takes ``fn``'s keyword-only options with ``fn``'s defaults (those in ``positional``
+    also by position, in that order) and validates them at once on the tiny float64 problem
+    ``probe(options)`` returns (reference backend, no gather): a bad option raises at construction
+    with ``fn``'s own message. ``forward`` takes ``fn``'s positional tensors, then the keyword-only
+    inputs named in ``forward_options`` (a queue; by position too), and calls ``fn`` with the held options.
+    """
+    P = inspect.Parameter
+    params = inspect.signature(fn).parameters
+    tensors = [p for p in params.values() if p.kind is P.POSITIONAL_OR_KEYWORD]
+    options = [p for p in params.values() if p.kind is P.KEYWORD_ONLY and p.name not in forward_options]
+    unknown = set(positional) - {p.name for p in options}
+    if unknown:
+        raise TypeError(f"{name}: {sorted(unknown)} are not options of {fn.__name__}")
+    first = [params[o].replace(kind=P.POSITIONAL_OR_KEYWORD) for o in positional]
+    rest = [p for p in options if p.name not in positional]
+    init_sig = inspect.Signature([P("self", P.POSITIONAL_OR_KEYWORD), *first, *rest])
+    fwd_sig = inspect.Signature([P("self", P.POSITIONAL_OR_KEYWORD), *tensors,
+                                 *(params[k].replace(kind=P.POSITIONAL_OR_KEYWORD) for k in forward_options)])
+
+    def __init__(self, *args, **kwargs) -> None:
+        nn.Module.__init__(self)
+        bound = init_sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        self.kw = {k: v for k, v in bound.arguments.items() if k != "self"}
+        _gather_option(self.kw["gather"])
+        _validated(fn, *probe(self.kw), **self.kw)
+
+    def forward(self, *args, **kwargs) -> Tensor:
+        bound = fwd_sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        got = bound.arguments
+        return fn(*(got[p.name] for p in tensors), **{k: got[k] for k in forward_options}, **self.kw)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.kw.items() if v is not params[k].default)
+
+    __init__.__signature__ = init_sig
+    forward.__signature__ = fwd_sig
+    call = ", ".join([p.name for p in tensors] + [f"{k}=None" for k in forward_options])
+    init = ", ".join(str(p.replace(annotation=P.empty)) for p in [*first, *rest])
+    doc = (f"Module form of :func:`fused_contrastive.{fn.__name__}`: ``{name}({init})``"
+           f" holds the options (validated at construction); ``forward({call})`` calls the function with "
+           "them. Shapes, dtypes, defaults and backends: the function's docstring.")
+    cls = type(name, (nn.Module,), {"__init__": __init__, "forward": forward, "extra_repr": extra_repr,
+                                    "__doc__": doc, "__module__": __name__, "__qualname__": name})
+    return cls
 
 
-class InfoNCELoss(nn.Module):
-    """Module form of :func:`fused_contrastive.info_nce`; ``forward(query, keys=None, target=None)``."""
+_LABELS = torch.tensor([0, 0])
 
-    def __init__(self, temperature: float | None = None, *, scale: float | None = None,
-                 exclude_self: bool | None = None, symmetric: bool = False, normalize: bool = True,
-                 reduction: str = "mean", ignore_index: int = -100, backend: str = "auto", gather=False):
-        super().__init__()
-        self.kw = dict(temperature=temperature, scale=scale, exclude_self=exclude_self, symmetric=symmetric,
-                       normalize=normalize, reduction=reduction, ignore_index=ignore_index, backend=backend,
-                       gather=gather)
-        _gather_option(gather)
-        _validated(info_nce, _x(2, 2), _x(2, 2).flip(0), None if symmetric is True else torch.tensor([1, 0]),
-                   **self.kw)
+# one line per functional loss: its module, the options also taken by position, a tiny valid problem
+InfoNCELoss = loss_module("InfoNCELoss", info_nce, lambda kw: (
+    _x(2, 2), _x(2, 2).flip(0), None if kw["symmetric"] is True else torch.tensor([1, 0])), positional=("temperature",))
+SimCSELoss = loss_module("SimCSELoss", simcse_loss, lambda kw: (_x(4, 2),), positional=("temperature",))
+SimCSESupLoss = loss_module("SimCSESupLoss", simcse_sup_loss, lambda kw: (_x(6, 2),), positional=("temperature",))
+SupConLoss = loss_module("SupConLoss", supcon_loss, lambda kw: (_x(2, 2, 2), _LABELS),
+                         positional=("temperature", "base_temperature"), forward_options=("queue", "queue_labels"))
+DSCLLoss = loss_module("DSCLLoss", dscl_loss, lambda kw: (_x(2, 2, 2), _LABELS),
+                       positional=("beta", "temperature", "base_temperature"),
+                       forward_options=("queue", "queue_labels"))
+CoSENTLoss = loss_module("CoSENTLoss", cosent_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0), torch.tensor([0.0, 1.0])),
+                         positional=("scale",))
 
-    def forward(self, query: Tensor, keys: Tensor | None = None, target: Tensor | None = None) -> Tensor:
-        return info_nce(query, keys, target, **self.kw)
+#: the functional loss each derived module wraps (``tests/test_registry.py`` checks that every public
+#: loss function has a module here or in the hand-written classes below, or is listed as function-only)
+DERIVED = {InfoNCELoss: info_nce, SimCSELoss: simcse_loss, SimCSESupLoss: simcse_sup_loss, SupConLoss: supcon_loss,
+           DSCLLoss: dscl_loss, CoSENTLoss: cosent_loss}
 
-
-class SimCSELoss(nn.Module):
-    """Module form of :func:`fused_contrastive.simcse_loss`; ``forward(z1, z2=None)``."""
-
-    def __init__(self, temperature: float = 0.05, *, normalize: bool = True, reduction: str = "mean",
-                 backend: str = "auto", gather=False):
-        super().__init__()
-        self.kw = dict(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend,
-                       gather=gather)
-        _gather_option(gather)
-        _validated(simcse_loss, _x(4, 2), **self.kw)
-
-    def forward(self, z1: Tensor, z2: Tensor | None = None) -> Tensor:
-        return simcse_loss(z1, z2, **self.kw)
-
-
-class SupConLoss(nn.Module):
-    """Module form of :func:`fused_contrastive.supcon_loss`;
-    ``forward(features, labels=None, mask=None, queue=None, queue_labels=None)``."""
-
-    def __init__(self, temperature=0.07, base_temperature=0.07, *, contrast_mode: str = "all",
-                 variant: str = "out", normalize: bool = True, reduction: str = "mean", backend: str = "auto",
-                 gather=False):
-        super().__init__()
-        self.kw = dict(temperature=temperature, base_temperature=base_temperature, contrast_mode=contrast_mode,
-                       variant=variant, normalize=normalize, reduction=reduction, backend=backend, gather=gather)
-        _gather_option(gather)
-        _validated(supcon_loss, _x(2, 2, 2), torch.tensor([0, 0]), **self.kw)
-
-    def forward(self, features: Tensor, labels: Tensor | None = None, mask: Tensor | None = None,
-                queue: Tensor | None = None, queue_labels: Tensor | None = None) -> Tensor:
-        return supcon_loss(features, labels, mask, queue=queue, queue_labels=queue_labels, **self.kw)
-
-
-class DSCLLoss(nn.Module):
-    """Module form of :func:`fused_contrastive.dscl_loss`;
-    ``forward(features, labels, queue=None, queue_labels=None)``."""
-
-    def __init__(self, beta: float = 8.0, temperature: float = 0.07, base_temperature: float | None = None, *,
-                 normalize: bool = True, reduction: str = "mean", backend: str = "auto", gather=False):
-        super().__init__()
-        self.kw = dict(beta=beta, temperature=temperature, base_temperature=base_temperature, normalize=normalize,
-                       reduction=reduction, backend=backend, gather=gather)
-        _gather_option(gather)
-        _validated(dscl_loss, _x(2, 2, 2), torch.tensor([0, 0]), **self.kw)
-
-    def forward(self, features: Tensor, labels: Tensor, queue: Tensor | None = None,
-                queue_labels: Tensor | None = None) -> Tensor:
-        return dscl_loss(features, labels, queue=queue, queue_labels=queue_labels, **self.kw)
-
-
-class CoSENTLoss(nn.Module):
-    """Module form of :func:`fused_contrastive.cosent_loss`; ``forward(u, v, labels)``."""
-
-    def __init__(self, scale: float = 20.0, *, normalize: bool = True, backend: str = "auto", gather=False):
-        super().__init__()
-        self.kw = dict(scale=scale, normalize=normalize, backend=backend, gather=gather)
-        _gather_option(gather)
-        _validated(cosent_loss, _x(2, 2), _x(2, 2).flip(0), torch.tensor([0.0, 1.0]), **self.kw)
-
-    def forward(self, u: Tensor, v: Tensor, labels: Tensor) -> Tensor:
-        return cosent_loss(u, v, labels, **self.kw)
+__all__ = ["CLIPLoss", "CoSENTLoss", "DSCLLoss", "InfoNCELoss", "SigLIPLoss", "SimCSELoss", "SimCSESupLoss",
+           "SupConLoss", "loss_module"]
 
 
 class CLIPLoss(nn.Module):

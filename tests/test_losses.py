@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import fused_contrastive as fc
-from fused_contrastive.testing import CASE_BY_NAME, CASES, SHAPES, assert_close, compare, loss_and_grads
+from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare, loss_and_grads, shapes_for
+
+_GRID = [(c, n, d) for c in CASES for n, d in shapes_for(c)]
 
 
-@pytest.mark.parametrize("n,d", SHAPES, ids=[f"{n}x{d}" for n, d in SHAPES])
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case,n,d", _GRID, ids=[f"{c.name}-{n}x{d}" for c, n, d in _GRID])
 def test_torch_matches_truth_float32(case, n, d, path):
     c = compare(case, n, d, torch.float32, "torch")
     assert c.ok, c

@@ -164,6 +164,7 @@ def test_degenerate_rows_match_the_reference(name, n, d, seed, kinds, tile, dens
     os.environ["FUSED_CONTRASTIVE_TILE_ELEMENTS"] = tile
     os.environ["FUSED_CONTRASTIVE_DENSE"] = dense
     try:
-        check_degenerate(CASE_BY_NAME[name], n, d, seed, kinds, dtype, "torch")
+        case = CASE_BY_NAME[name]
+        check_degenerate(case, max(n, case.min_n), d, seed, kinds, dtype, "torch")
     finally:
         del os.environ["FUSED_CONTRASTIVE_TILE_ELEMENTS"], os.environ["FUSED_CONTRASTIVE_DENSE"]

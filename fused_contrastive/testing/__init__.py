@@ -4,7 +4,7 @@ peer formulas (``baselines``). Importing it imports nothing beyond torch and thi
 
 from .accuracy import SLACK, Comparison, assert_close, compare, loss_and_grads, run
 from .baselines import BASELINES, Baseline
-from .cases import BENCH_CASES, CASE_BY_NAME, CASES, SHAPES, Case, get, make_inputs
+from .cases import BENCH_CASES, CASE_BY_NAME, CASES, SHAPES, Case, get, make_inputs, shapes_for
 
 __all__ = [
            "BASELINES",
@@ -22,4 +22,5 @@ __all__ = [
            "loss_and_grads",
            "make_inputs",
            "run",
+           "shapes_for",
 ]

@@ -330,3 +330,13 @@ def available(b: Baseline) -> str | None:
     except ImportError:
         return f"peer not installed (pip install {b.requires.replace('_', '-')})"
     return None
+
+
+def formula_of(name: str) -> Baseline:
+    """The textbook formula of the benchmark case ``name`` (every ``bench=True`` case has one: the
+    time and memory ratios are taken against it). ``KeyError`` saying where to add it otherwise."""
+    for b in BASELINES.get(name, ()):
+        if b.kind == "formula":
+            return b
+    raise KeyError(f"case {name!r} has no 'formula' baseline: add Baseline(..., kind='formula', ...) for it to "
+                   "BASELINES in fused_contrastive/testing/baselines.py")

@@ -9,7 +9,9 @@ losses: square or textbook-shaped problems whose options match the formulas of
 ``testing.baselines`` (a Python-number temperature, ``arange`` targets), so those run side by side.
 
 Adding a loss: write its function (``losses.py``), its reference (``core/reference.py``) and add its
-cases here (and, for the benchmark, its textbook formula in ``baselines.py``).
+cases here (and, for the benchmark, its textbook formula in ``baselines.py``). Every fact a test or the
+benchmark needs about a case is a field of :class:`Case` (``tests/test_registry.py`` says which one is
+missing): nothing is chosen elsewhere by case name.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class Case:
         inputs: what the inputs are at N (benchmark tables).
         logits: ``n -> (rows, cols)`` of the logits the textbook formula materialises (the FLOPs every
             benchmark contender is credited with); None when there is no matmul (CoSENT).
+        min_n: the smallest N the case is defined at (``make_inputs`` refuses less; the shape grids
+            leave those shapes out for this case: :func:`shapes_for`).
+        m: ``n -> M``, the columns of the contrast set the case builds at N (the memory test's N x M
+            bound); None: the ``cols`` of ``logits``, else N.
+        inductor: the case that represents its loss function in the Inductor compile test (exactly one
+            per public loss function).
     """
 
     name: str
@@ -54,6 +62,15 @@ class Case:
     bench: bool = False
     inputs: str = ""
     logits: Callable[[int], tuple[int, int]] | None = None
+    min_n: int = 1
+    m: Callable[[int], int] | None = None
+    inductor: bool = False
+
+    def cols(self, n: int) -> int:
+        """M: the columns of the contrast set at N anchors."""
+        if self.m is not None:
+            return self.m(n)
+        return self.logits(n)[1] if self.logits is not None else n
 
     @property
     def has_triton(self) -> bool:
@@ -270,12 +287,12 @@ def _siglip_raw_none(n, d, g):
 
 
 def _uniformity(n, d, g):
-    return {"x": _randn(g, max(n, 2), d)}, {}  # at least 2 rows: a mean over pairs i != j
+    return {"x": _randn(g, n, d)}, {}  # min_n = 2: a mean over pairs i != j
 
 
 def _uniformity_raw(n, d, g):
     # raw rows scaled so that squared distances are O(1) (exp(-t d^2) stays well inside float32)
-    x = _randn(g, max(n, 2), d) / (2 * max(d, 1) ** 0.5)
+    x = _randn(g, n, d) / (2 * max(d, 1) ** 0.5)
     return {"x": x, "t": torch.tensor(1.5)}, {"normalize": False}
 
 
@@ -294,52 +311,62 @@ def _sq(n: int) -> tuple[int, int]:
 CASES: list[Case] = [
     Case("info_nce", L.info_nce, _info_nce, bench=True, covers="queries vs keys, arange targets",
          inputs="query [N, D], keys [N, D]; logits N x N", logits=_sq),
-    Case("info_nce_target", L.info_nce, _info_nce_target, covers="M = N + 3, random targets, tensor temperature"),
+    Case("info_nce_target", L.info_nce, _info_nce_target, covers="M = N + 3, random targets, tensor temperature",
+         m=lambda n: n + 3),
     Case("info_nce_self", L.info_nce, _info_nce_self, covers="keys=None (B is A), own column excluded"),
     Case("info_nce_self_none", L.info_nce, _info_nce_self_none, covers="B is A, per-row losses"),
     Case("info_nce_ignore", L.info_nce, _info_nce_ignore, covers="ignore_index rows, sum"),
-    Case("info_nce_none", L.info_nce, _info_nce_none, covers="M = N + 29, per-row losses, tensor temperature"),
+    Case("info_nce_none", L.info_nce, _info_nce_none, covers="M = N + 29, per-row losses, tensor temperature",
+         m=lambda n: n + 29, inductor=True),
     Case("clip", L.clip_loss, _clip, bench=True, covers="row + column cross-entropy",
          inputs="a [N, D], b [N, D], logit_scale 1/0.07; logits N x N (rows and columns)", logits=_sq),
-    Case("clip_scale", L.clip_loss, _clip_scale, covers="learnable logit_scale"),
+    Case("clip_scale", L.clip_loss, _clip_scale, covers="learnable logit_scale", inductor=True),
     Case("clip_none", L.clip_loss, _clip_none, covers="per-pair losses"),
     Case("clip_self", L.info_nce, _clip_self, covers="symmetric with B is A (column term, symmetric logits)"),
     Case("simcse", L.simcse_loss, _simcse, bench=True, covers="interleaved views, partner i xor 1, self excluded",
-         inputs="interleaved z [N, D] (N/2 sentences x 2 views); logits N x N", logits=_sq),
+         inputs="interleaved z [N, D] (N/2 sentences x 2 views); logits N x N", logits=_sq, min_n=2, inductor=True),
     Case("simcse_2view", L.simcse_loss, _simcse_2view, bench=True, covers="two views",
          inputs="z1 [N, D], z2 [N, D]; logits N x N", logits=_sq),
     Case("simcse_2view_none", L.simcse_loss, _simcse_2view_none, covers="two views, per-row, tensor temperature"),
     Case("simcse_sup", L.simcse_sup_loss, _simcse_sup, bench=True, covers="interleaved NLI triplets",
          inputs="interleaved triplets z [3N, D]; logits N x 2N", logits=lambda n: (n, 2 * n)),
-    Case("simcse_sup_hard", L.simcse_sup_loss, _simcse_sup_hard, covers="hard-negative weight (bias column)"),
-    Case("simcse_sup_none", L.simcse_sup_loss, _simcse_sup_none, covers="negative weight, per-row losses"),
+    Case("simcse_sup_hard", L.simcse_sup_loss, _simcse_sup_hard, covers="hard-negative weight (bias column)",
+         m=lambda n: 2 * n, inductor=True),
+    Case("simcse_sup_none", L.simcse_sup_loss, _simcse_sup_none, covers="negative weight, per-row losses",
+         m=lambda n: 2 * n),
     Case("supcon_out", L.supcon_loss, _supcon("out"), bench=True, covers="labels, L_out, B is A",
-         inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq),
+         inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq, min_n=2),
     Case("supcon_in", L.supcon_loss, _supcon("in"), bench=True, covers="labels, L_in (LSE over positives)",
-         inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq),
-    Case("supcon_temps", L.supcon_loss, _supcon_temps, covers="tensor temperature and base_temperature"),
-    Case("supcon_mask_in", L.supcon_loss, _supcon_mask("in", "none"), covers="dense asymmetric mask, L_in, per-row"),
-    Case("supcon_mask_out", L.supcon_loss, _supcon_mask("out", "mean"), covers="dense mask, L_out"),
-    Case("supcon_one", L.supcon_loss, _supcon_one, covers="contrast_mode one, 3 views"),
-    Case("supcon_simclr_one", L.supcon_loss, _supcon_simclr_one, covers="no labels (SimCLR), mode one, L_in"),
-    Case("supcon_queue", L.supcon_loss, _supcon_queue("out", "mean"), covers="memory-bank queue columns"),
-    Case("supcon_queue_in", L.supcon_loss, _supcon_queue("in", "none"), covers="queue, L_in, per-row"),
+         inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq, min_n=2),
+    Case("supcon_temps", L.supcon_loss, _supcon_temps, covers="tensor temperature and base_temperature", min_n=2),
+    Case("supcon_mask_in", L.supcon_loss, _supcon_mask("in", "none"), covers="dense asymmetric mask, L_in, per-row",
+         min_n=2),
+    Case("supcon_mask_out", L.supcon_loss, _supcon_mask("out", "mean"), covers="dense mask, L_out", min_n=2),
+    Case("supcon_one", L.supcon_loss, _supcon_one, covers="contrast_mode one, 3 views", min_n=3),
+    Case("supcon_simclr_one", L.supcon_loss, _supcon_simclr_one, covers="no labels (SimCLR), mode one, L_in", min_n=3),
+    Case("supcon_queue", L.supcon_loss, _supcon_queue("out", "mean"), covers="memory-bank queue columns",
+         min_n=2, m=lambda n: 2 * (n // 2) + 7),
+    Case("supcon_queue_in", L.supcon_loss, _supcon_queue("in", "none"), covers="queue, L_in, per-row",
+         min_n=2, m=lambda n: 2 * (n // 2) + 7, inductor=True),
     Case("dscl", L.dscl_loss, _dscl(False), bench=True, covers="decoupled weights, own view 1",
          inputs="features [N, 2, D], labels [N] (up to 100 classes); logits N x 2N", logits=lambda n: (n, 2 * n)),
-    Case("dscl_queue", L.dscl_loss, _dscl(True), covers="decoupled weights with a queue, tensor temperature"),
+    Case("dscl_queue", L.dscl_loss, _dscl(True), covers="decoupled weights with a queue, tensor temperature",
+         m=lambda n: 2 * n + 5, inductor=True),
     Case("cosent", cosent_loss, _cosent, op="cosent", bench=True, covers="pair cosines, grades 0..5",
-         inputs="u [N, D], v [N, D], labels [N] (grades 0..5); N x N label pairs"),
+         inputs="u [N, D], v [N, D], labels [N] (grades 0..5); N x N label pairs", inductor=True),
     Case("cosent_scores", cosent_loss_from_scores, _cosent_scores, op="cosent",
-         covers="given scores, real labels, tensor scale"),
+         covers="given scores, real labels, tensor scale", inductor=True),
     Case("siglip", siglip_loss, _siglip, op="siglip", bench=True, covers="sigmoid loss, scale 10, bias -10",
-         inputs="image [N, D], text [N, D]; logits N x N", logits=_sq),
+         inputs="image [N, D], text [N, D]; logits N x N", logits=_sq, inductor=True),
     Case("siglip_learn", siglip_loss, _siglip_learn, op="siglip", covers="learnable scale and bias, sum"),
     Case("siglip_raw_none", siglip_loss, _siglip_raw_none, op="siglip",
          covers="normalize=False, learnable bias, per-image losses"),
-    Case("uniformity", uniformity, _uniformity, covers="log mean exp(-2 ||x_i - x_j||^2) of unit rows, N >= 2"),
+    Case("uniformity", uniformity, _uniformity, covers="log mean exp(-2 ||x_i - x_j||^2) of unit rows, N >= 2",
+         min_n=2, inductor=True),
     Case("uniformity_raw", uniformity, _uniformity_raw,
-         covers="normalize=False, tensor t = 1.5 (augmented rows, B != A)"),
-    Case("alignment", alignment, _alignment, op="alignment", covers="mean squared distance of unit pairs"),
+         covers="normalize=False, tensor t = 1.5 (augmented rows, B != A)", min_n=2),
+    Case("alignment", alignment, _alignment, op="alignment", covers="mean squared distance of unit pairs",
+         inductor=True),
     Case("alignment_raw", alignment, _alignment_raw, op="alignment", covers="alpha 1.5, normalize=False"),
 ]
 CASE_BY_NAME: dict[str, Case] = {c.name: c for c in CASES}
@@ -359,6 +386,14 @@ def get(name: str) -> Case:
         raise KeyError(f"unknown case {name!r}; valid: {', '.join(CASE_BY_NAME)}") from None
 
 
+def shapes_for(case: Case, shapes: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    """The (N, D) of ``shapes`` (default :data:`SHAPES`) at which ``case`` is defined (N >= its min_n)."""
+    return [(n, d) for n, d in (SHAPES if shapes is None else shapes) if n >= case.min_n]
+
+
 def make_inputs(case: Case, n: int, d: int, seed: int = 0) -> Inputs:
-    """The inputs of ``case`` at N anchors and dimension D (float32, CPU, seeded)."""
+    """The inputs of ``case`` at N anchors and dimension D (float32, CPU, seeded). ``ValueError`` below
+    the case's ``min_n``."""
+    if n < case.min_n:
+        raise ValueError(f"case {case.name} needs N >= {case.min_n}, got N = {n}")
     return case.build(n, d, torch.Generator().manual_seed(seed))

@@ -1,0 +1,113 @@
+"""The case registry tells the truth: every fact a test or the benchmark needs about a case is on the
+case, and a missing registration fails here with "add X to Y" (not as a StopIteration, a wrong
+threshold or a silently smaller test elsewhere)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fused_contrastive as fc
+from fused_contrastive import nn as fnn
+from fused_contrastive.testing import BENCH_CASES, CASES, make_inputs, run, shapes_for
+from fused_contrastive.testing.baselines import formula_of
+
+CASES_PY = "fused_contrastive/testing/cases.py"
+
+# public functions that are not losses over embeddings with a module form (and why)
+FUNCTION_ONLY = {
+    "cosent_loss_from_scores": "takes precomputed scores; CoSENTLoss is the embedding form",
+    "uniformity": "a metric (also usable as a loss, but reported, not configured)",
+    "alignment": "a metric",
+    "encode_in_chunks": "not a loss",
+}
+
+
+def _public_losses() -> dict[str, object]:
+    return {name: getattr(fc, name) for name in fc.__all__
+            if inspect.isfunction(getattr(fc, name)) and name not in ("encode_in_chunks",)}
+
+
+def test_every_public_loss_has_cases_and_one_inductor_case():
+    by_fn: dict[object, list] = {}
+    for c in CASES:
+        by_fn.setdefault(c.fn, []).append(c)
+    for name, fn in _public_losses().items():
+        cases = by_fn.get(fn, [])
+        assert cases, f"{name} has no case: add its cases to CASES in {CASES_PY}"
+        marked = [c.name for c in cases if c.inductor]
+        assert len(marked) == 1, (f"{name}: mark exactly one of its cases inductor=True in {CASES_PY} "
+                                  f"(the Inductor compile test runs it); marked: {marked}")
+
+
+def test_every_benchmark_case_has_its_formula():
+    for c in BENCH_CASES:
+        formula_of(c.name)  # raises "add Baseline(..., kind='formula') ... to BASELINES in baselines.py"
+        assert c.logits is not None or c.op == "cosent", (
+            f"{c.name}: a benchmark case needs logits= (the textbook FLOPs its contenders are credited with)")
+
+
+def test_formula_of_names_the_fix_when_missing():
+    with pytest.raises(KeyError, match="add Baseline.*baselines.py"):
+        formula_of("no_such_case")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_min_n_is_the_smallest_defined_problem(case):
+    if case.min_n > 1:
+        with pytest.raises(ValueError, match=f"needs N >= {case.min_n}"):
+            make_inputs(case, case.min_n - 1, 3)
+    # at min_n the definition gives a finite loss (reference backend, float64)
+    loss, _ = run(case, make_inputs(case, case.min_n, 3), "reference", torch.float64)
+    assert torch.isfinite(loss).all(), (case.name, loss)
+    assert all(n >= case.min_n for n, _ in shapes_for(case))
+
+
+class _Shapes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.op == "core"], ids=lambda c: c.name)
+def test_contrast_set_size_is_what_the_reference_builds(case):
+    """``case.cols(n)`` (the memory test's M) against the logits the naive reference materialises: a 2-D
+    tensor with M columns and at least one row per ... anchor group exists, and none is wider."""
+    n = 12
+    inputs = make_inputs(case, n, 5)
+    with _Shapes() as rec:
+        run(case, inputs, "reference", torch.float64)
+    m = case.cols(n)
+    widths = {s[-1] for s in rec.shapes if len(s) == 2 and s[0] > 1}
+    assert m in widths, f"{case.name}: cols({n}) = {m}, the reference's 2-D tensors have widths {sorted(widths)}"
+    assert max(widths) <= max(m, 5), f"{case.name}: the reference builds width {max(widths)} > cols({n}) = {m}"
+
+
+def test_every_public_loss_has_a_module_or_a_reason():
+    modules = {fn for fn in fnn.DERIVED.values()} | {fc.clip_loss, fc.siglip_loss}  # the two learn parameters
+    for name, fn in _public_losses().items():
+        assert fn in modules or name in FUNCTION_ONLY, (
+            f"{name} has no module form: add `X = loss_module(...)` (one line) to fused_contrastive/nn.py, or "
+            "list it in FUNCTION_ONLY in tests/test_registry.py with the reason")
+    for cls in fnn.DERIVED:
+        assert cls.__name__ in fnn.__all__, f"{cls.__name__} missing from fused_contrastive.nn.__all__"
+
+
+@pytest.mark.parametrize("cls", list(fnn.DERIVED), ids=lambda c: c.__name__)
+def test_derived_modules_take_their_functions_options(cls):
+    """The derived constructor's options are the function's keyword-only options, with its defaults."""
+    fn = fnn.DERIVED[cls]
+    fn_opts = {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY
+               and k not in ("queue", "queue_labels")}
+    init = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+    assert init == fn_opts
