@@ -30,8 +30,10 @@ divide outside the op under compile, or a tensor).
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
+from dataclasses import fields
 
 import torch
 from torch import Tensor
@@ -44,7 +46,7 @@ from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
 __all__ = ["core", "cosent_pairs", "cosent_scores", "forced", "tensors_are_traced", "tracing_route"]
 
 _NAN = float("nan")
-_COEF_NAMES = ("lse", "col", "pos", "tgt", "set")
+_COEF_NAMES = tuple(f.name for f in fields(Coeffs))
 
 
 class _Ctx:
@@ -99,40 +101,66 @@ def _fake_grad(like: Tensor | None, need: bool, device: torch.device) -> Tensor:
 # the core op
 # ------------------------------------------------------------------------------------------------
 
-_CORE_ARGS = (
-    "Tensor a, Tensor? b, Tensor? scale_t, float scale_f, Tensor? target, Tensor? bias_col, "
-    "Tensor? row_labels, Tensor? col_labels, Tensor? pos_mask, Tensor?[] coef_t, float[] coef_v, "
-    "bool normalize, float eps, bool exclude_self, SymInt offset, float bias, SymInt? grad_cols, "
-    "bool reduce, str backend, bool[] need"
-)
-_N_CORE_ARGS = 20
+# The operator's flat arguments, derived from the spec dataclasses (a field added to CoreSpec, CoreData
+# or Coeffs reaches the schema, _flatten, _unflatten and triton_core's signature from here):
+#   a, b, scale_t, scale_f, <CoreData fields>, coef_t, coef_v, <CoreSpec fields>, reduce, backend, need
+# CoreData fields are optional tensors; Coeffs become two lists (the tensor or the number of each
+# coefficient, NaN for "absent"); CoreSpec fields by their annotation (_SPEC_TYPES). Integers are
+# SymInt (an offset or grad_cols may change with the batch size).
+_SPEC_TYPES = {"bool": ("bool", bool), "float": ("float", float), "int": ("SymInt", int),
+               "int | None": ("SymInt?", int | None)}
+
+
+def _layout() -> list[tuple[str, str, object]]:
+    """``(name, schema type, Python type)`` of every flat argument, in order."""
+    out = [("a", "Tensor", Tensor), ("b", "Tensor?", Tensor | None), ("scale_t", "Tensor?", Tensor | None),
+           ("scale_f", "float", float)]
+    for f in fields(CoreData):
+        if f.type != "Tensor | None":
+            raise TypeError(f"CoreData.{f.name}: the core op carries only optional tensors in CoreData, "
+                            f"got {f.type!r} (a static option belongs in CoreSpec)")
+        out.append((f.name, "Tensor?", Tensor | None))
+    out += [("coef_t", "Tensor?[]", list[Tensor | None]), ("coef_v", "float[]", list[float])]
+    for f in fields(CoreSpec):
+        if f.type not in _SPEC_TYPES:
+            raise TypeError(f"CoreSpec.{f.name}: no operator type for {f.type!r}; add it to ops._SPEC_TYPES")
+        out.append((f.name, *_SPEC_TYPES[f.type]))
+    out += [("reduce", "bool", bool), ("backend", "str", str), ("need", "bool[]", list[bool])]
+    return out
+
+
+_LAYOUT = _layout()
+_NAMES = tuple(name for name, _, _ in _LAYOUT)
+_POS = {name: i for i, name in enumerate(_NAMES)}
+_CORE_ARGS = ", ".join(f"{t} {name}" for name, t, _ in _LAYOUT)
+_N_CORE_ARGS = len(_LAYOUT)
+_TENSOR_ARGS = tuple(i for i, (_, t, _) in enumerate(_LAYOUT) if t in ("Tensor", "Tensor?"))
+_SPEC_FIELDS = tuple(f.name for f in fields(CoreSpec))
+_DATA_FIELDS = tuple(f.name for f in fields(CoreData))
 
 
 def _unflatten(args: tuple):
     """The flat operator arguments back to ``(backend, a, b, scale, spec, data, coef, reduce, need)``."""
-    (a, b, scale_t, scale_f, target, bias_col, row_labels, col_labels, pos_mask, coef_t, coef_v,
-     normalize, eps, exclude_self, offset, bias, grad_cols, reduce, backend, need) = args
-    scale = scale_t if scale_t is not None else scale_f
-    spec = CoreSpec(normalize=normalize, eps=eps, exclude_self=exclude_self, offset=offset, bias=bias,
-                    grad_cols=grad_cols)
-    data = CoreData(target=target, bias_col=bias_col, row_labels=row_labels, col_labels=col_labels,
-                    pos_mask=pos_mask)
+    got = dict(zip(_NAMES, args, strict=True))
+    scale = got["scale_t"] if got["scale_t"] is not None else got["scale_f"]
+    spec = CoreSpec(**{k: got[k] for k in _SPEC_FIELDS})
+    data = CoreData(**{k: got[k] for k in _DATA_FIELDS})
     vals = {}
-    for name, t, v in zip(_COEF_NAMES, coef_t, coef_v, strict=True):
+    for name, t, v in zip(_COEF_NAMES, got["coef_t"], got["coef_v"], strict=True):
         vals[name] = t if t is not None else (None if math.isnan(v) else v)
-    return backend, a, b, scale, spec, data, Coeffs(**vals), reduce, need
+    return got["backend"], got["a"], got["b"], scale, spec, data, Coeffs(**vals), got["reduce"], got["need"]
 
 
 def _flatten(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
              coef: Coeffs, reduce: bool, need: Sequence[bool]) -> tuple:
     coefs = [getattr(coef, k) for k in _COEF_NAMES]
-    return (a, b, scale if isinstance(scale, Tensor) else None,
-            0.0 if isinstance(scale, Tensor) else float(scale),
-            data.target, data.bias_col, data.row_labels, data.col_labels, data.pos_mask,
-            [c if isinstance(c, Tensor) else None for c in coefs],
-            [_NAN if c is None or isinstance(c, Tensor) else float(c) for c in coefs],
-            spec.normalize, spec.eps, spec.exclude_self, spec.offset, spec.bias, spec.grad_cols,
-            reduce, backend, list(need))
+    got = {"a": a, "b": b, "scale_t": scale if isinstance(scale, Tensor) else None,
+           "scale_f": 0.0 if isinstance(scale, Tensor) else float(scale),
+           "coef_t": [c if isinstance(c, Tensor) else None for c in coefs],
+           "coef_v": [_NAN if c is None or isinstance(c, Tensor) else float(c) for c in coefs],
+           "reduce": reduce, "backend": backend, "need": list(need),
+           **{k: getattr(spec, k) for k in _SPEC_FIELDS}, **{k: getattr(data, k) for k in _DATA_FIELDS}}
+    return tuple(got[k] for k in _NAMES)
 
 
 @autocast_off
@@ -142,14 +170,14 @@ def _core_impl(*args):
     grad = reduce and any(need)
     out, (ga, gb, gs) = _run(parts, need, torch.ones((), dtype=compute_dtype(a, b), device=a.device)
                              if grad else None)
-    scale_t = args[2]
+    scale_t = args[_POS["scale_t"]]
     dev = a.device
     return (out, _grad_or_empty(ga, a, need[0] and grad, dev), _grad_or_empty(gb, b, need[1] and grad, dev),
             _grad_or_empty(gs, scale_t, need[2] and grad, dev))
 
 
 def _core_fake(*args):
-    a, b, scale_t, reduce, need = args[0], args[1], args[2], args[17], args[19]
+    a, b, scale_t, reduce, need = (args[_POS[k]] for k in ("a", "b", "scale_t", "reduce", "need"))
     out = a.new_empty(() if reduce else (a.shape[0],), dtype=compute_dtype(a, b))
     grad = reduce and any(need)
     dev = a.device
@@ -165,27 +193,25 @@ def _core_backward_impl(*args):
     _, (ga, gb, gs) = _run(parts, need, go.to(compute_dtype(a, b)))
     dev = a.device
     return (_grad_or_empty(ga, a, need[0], dev), _grad_or_empty(gb, b, need[1], dev),
-            _grad_or_empty(gs, fwd[2], need[2], dev))
+            _grad_or_empty(gs, fwd[_POS["scale_t"]], need[2], dev))
 
 
 def _core_backward_fake(*args):
-    a, b, scale_t, need = args[0], args[1], args[2], args[19]
+    a, b, scale_t, need = (args[_POS[k]] for k in ("a", "b", "scale_t", "need"))
     dev = a.device
     return _fake_grad(a, need[0], dev), _fake_grad(b, need[1], dev), _fake_grad(scale_t, need[2], dev)
 
 
-_TENSOR_ARGS = (0, 1, 2, 4, 5, 6, 7, 8)  # positions of the Tensor? arguments (coef_t is a list)
-
-
 def _core_setup(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*output[1:])
-    ctx.reduce = inputs[17]
+    ctx.reduce = inputs[_POS["reduce"]]
     if ctx.reduce:
         ctx.save_for_backward(*output[1:])
         return
     # per-row output: the backward recomputes from the inputs
-    ctx.save_for_backward(*(inputs[i] for i in _TENSOR_ARGS), *inputs[9])
-    ctx.inputs = [None if i in _TENSOR_ARGS or i == 9 else v for i, v in enumerate(inputs)]
+    ct = _POS["coef_t"]
+    ctx.save_for_backward(*(inputs[i] for i in _TENSOR_ARGS), *inputs[ct])
+    ctx.inputs = [None if i in _TENSOR_ARGS or i == ct else v for i, v in enumerate(inputs)]
 
 
 def _core_backward(ctx, go, *_unused):
@@ -197,8 +223,8 @@ def _core_backward(ctx, go, *_unused):
         args = list(ctx.inputs)
         for k, i in enumerate(_TENSOR_ARGS):
             args[i] = saved[k]
-        args[9] = list(saved[len(_TENSOR_ARGS):])
-        need = args[19]
+        args[_POS["coef_t"]] = list(saved[len(_TENSOR_ARGS):])
+        need = args[_POS["need"]]
         ga, gb, gs = torch.ops.fused_contrastive.core_backward(*args, go)
         go = None
     grads = [None] * _N_CORE_ARGS
@@ -239,15 +265,16 @@ _TRITON_OP = None
 
 
 @autocast_off
-def _triton_core_impl(a: Tensor, b: Tensor | None, scale_t: Tensor | None, scale_f: float, target: Tensor | None,
-                      bias_col: Tensor | None, row_labels: Tensor | None, col_labels: Tensor | None,
-                      pos_mask: Tensor | None, coef_t: list[Tensor | None], coef_v: list[float], normalize: bool,
-                      eps: float, exclude_self: bool, offset: int, bias: float, grad_cols: int | None,
-                      reduce: bool, backend: str, need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _triton_core_impl(*args, **kwargs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_core_impl`` with a typed signature (``triton_op`` infers its schema from it: the same as
     ``fused_contrastive::core``'s, which a test checks)."""
-    return _core_impl(a, b, scale_t, scale_f, target, bias_col, row_labels, col_labels, pos_mask, coef_t, coef_v,
-                      normalize, eps, exclude_self, offset, bias, grad_cols, reduce, backend, need)
+    return _core_impl(*_TRITON_SIG.bind(*args, **kwargs).args)
+
+
+_TRITON_SIG = inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=py)
+                                 for name, _, py in _LAYOUT],
+                                return_annotation=tuple[Tensor, Tensor, Tensor, Tensor])
+_triton_core_impl.__signature__ = _TRITON_SIG
 
 
 def _triton_core_op():

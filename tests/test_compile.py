@@ -128,6 +128,50 @@ def test_opcheck_siglip(reduce, tensors, path):
                                [True, True, tensors, tensors], go))
 
 
+def test_the_operator_arguments_are_derived_from_the_spec():
+    """The flat arguments are the spec's fields (one place to add a field), and flatten / unflatten
+    round-trip every field at a non-default value."""
+    from dataclasses import fields
+
+    from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+
+    want = (["a", "b", "scale_t", "scale_f"] + [f.name for f in fields(CoreData)] + ["coef_t", "coef_v"]
+            + [f.name for f in fields(CoreSpec)] + ["reduce", "backend", "need"])
+    assert [a.name for a in torch.ops.fused_contrastive.core.default._schema.arguments] == want
+    a, b, s = torch.randn(4, 3), torch.randn(6, 3), torch.tensor(2.0)
+    spec = CoreSpec(normalize=False, eps=1e-9, exclude_self=True, offset=2, bias=0.5, grad_cols=5)
+    data = CoreData(target=torch.arange(4), bias_col=torch.arange(4), row_labels=torch.arange(4),
+                    col_labels=torch.arange(6), pos_mask=torch.ones(4, 6))
+    coef = Coeffs(lse=torch.ones(4), col=0.5, pos=None, tgt=torch.full((4,), 2.0), set=-1.0)
+    assert {f.name for f in fields(CoreSpec)} <= {k for k, v in vars(spec).items() if v != getattr(CoreSpec(), k)}
+    back = ops._unflatten(ops._flatten("torch", a, b, s, spec, data, coef, True, [True, False, True]))
+    assert back[0] == "torch" and back[1] is a and back[2] is b and back[3] is s and back[4] == spec
+    assert all(getattr(back[5], f.name) is getattr(data, f.name) for f in fields(CoreData))
+    for f in fields(Coeffs):
+        got, want_c = getattr(back[6], f.name), getattr(coef, f.name)
+        assert got is want_c if isinstance(want_c, torch.Tensor) else got == want_c, f.name
+    assert back[7] is True and back[8] == [True, False, True]
+
+
+def test_a_new_spec_field_reaches_the_operator(monkeypatch):
+    """Adding a CoreSpec field is one line in spec.py: the schema grows by it (its type from the
+    annotation); a type the operator cannot carry is refused naming where to add it."""
+    from dataclasses import field, make_dataclass
+
+    from fused_contrastive.core.spec import CoreSpec
+
+    extended = make_dataclass("CoreSpec", [("target_before_exclusion", "bool", field(default=False))],
+                              bases=(CoreSpec,), frozen=True)
+    monkeypatch.setattr(ops, "CoreSpec", extended)
+    layout = ops._layout()
+    assert ("target_before_exclusion", "bool") in [(n, t) for n, t, _ in layout]
+    assert [n for n, _, _ in layout][-4:] == ["target_before_exclusion", "reduce", "backend", "need"]
+    bad = make_dataclass("CoreSpec", [("weights", "list[float]", field(default=None))], bases=(CoreSpec,), frozen=True)
+    monkeypatch.setattr(ops, "CoreSpec", bad)
+    with pytest.raises(TypeError, match="_SPEC_TYPES"):
+        ops._layout()
+
+
 def test_triton_op_has_the_core_schema():
     """``triton_core`` infers its schema from a typed signature; it must stay ``core``'s."""
     pytest.importorskip("triton")

@@ -58,3 +58,15 @@ def test_rows_the_library_takes():
     assert triton_aot._rows_fit(base[:, 8:792])  # 8 bf16 = 16 bytes in: aligned
     assert not triton_aot._rows_fit(base[:, 1:785])  # 2-byte offset: misaligned
     assert triton_aot._rows_fit(torch.zeros(32, 40).T)  # inner stride 40: the operator copies it
+
+
+def test_every_field_of_the_contract_is_decided_for_the_library():
+    """The ahead-of-time route knows how it treats each field of the core op's contract: a field added to
+    CoreSpec, CoreData or Coeffs fails here until triton_aot.FIELDS (and _mode) decide it, so the C
+    library never silently ignores a new option."""
+    from dataclasses import fields
+
+    contract = {f"{cls.__name__}.{f.name}" for cls in (CoreSpec, CoreData, Coeffs) for f in fields(cls)}
+    assert set(triton_aot.FIELDS) == contract, (
+        f"decide in core/triton_aot.py FIELDS (and _mode): {sorted(contract - set(triton_aot.FIELDS))}; "
+        f"stale: {sorted(set(triton_aot.FIELDS) - contract)}")

@@ -61,6 +61,30 @@ def build_info(path: str) -> dict[str, frozenset[str]]:
     return out
 
 
+#: How the library's route treats every field of the core op's contract (``tests/test_core.py`` checks
+#: that each field of CoreSpec, CoreData and Coeffs is listed): a field added to the spec must be decided
+#: here (passed to the C API, required at its default by :func:`_mode`, or applied outside the Triton
+#: Function) before the route can take calls that set it.
+FIELDS = {
+    "CoreSpec.normalize": "_mode requires True (the library normalises)",
+    "CoreSpec.eps": "passed to the library",
+    "CoreSpec.exclude_self": "_mode: FC_MODE_SELF (B is A, offset 0) or not routed",
+    "CoreSpec.offset": "_mode requires 0 (FC_MODE_SELF)",
+    "CoreSpec.bias": "_mode requires 0.0",
+    "CoreSpec.grad_cols": "passed to the library (rows of dB written)",
+    "CoreData.target": "not read by the Triton Function (the target term is positives.py's, in PyTorch)",
+    "CoreData.bias_col": "_mode requires None",
+    "CoreData.row_labels": "read only for coefficient pos, which _mode requires None",
+    "CoreData.col_labels": "read only for coefficient pos, which _mode requires None",
+    "CoreData.pos_mask": "read only for coefficient pos, which _mode requires None",
+    "Coeffs.lse": "applied in PyTorch to the library's LSE (combine)",
+    "Coeffs.col": "_mode: FC_MODE_CLIP computes the column LSE",
+    "Coeffs.pos": "_mode requires None",
+    "Coeffs.tgt": "not seen by the Triton Function (positives.py)",
+    "Coeffs.set": "not seen by the Triton Function (positives.py)",
+}
+
+
 def _mode(b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coeffs) -> str | None:
     if coef.pos is not None or not spec.normalize or spec.bias != 0.0 or data.bias_col is not None:
         return None
