@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .cosent import cosent_loss
-from .losses import clip_loss, dscl_loss, info_nce, simcse_loss, simcse_sup_loss, supcon_loss
+from .losses import clip_loss, dcl_loss, dclw_loss, dscl_loss, info_nce, simcse_loss, simcse_sup_loss, supcon_loss
 from .siglip import siglip_loss
 
 
@@ -97,16 +97,18 @@ SupConLoss = loss_module("SupConLoss", supcon_loss, lambda kw: (_x(2, 2, 2), _LA
 DSCLLoss = loss_module("DSCLLoss", dscl_loss, lambda kw: (_x(2, 2, 2), _LABELS),
                        positional=("beta", "temperature", "base_temperature"),
                        forward_options=("queue", "queue_labels"))
+DCLLoss = loss_module("DCLLoss", dcl_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)))
+DCLWLoss = loss_module("DCLWLoss", dclw_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)))
 CoSENTLoss = loss_module("CoSENTLoss", cosent_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0), torch.tensor([0.0, 1.0])),
                          positional=("scale",))
 
 #: the functional loss each derived module wraps (``tests/test_registry.py`` checks that every public
 #: loss function has a module here or in the hand-written classes below, or is listed as function-only)
 DERIVED = {InfoNCELoss: info_nce, SimCSELoss: simcse_loss, SimCSESupLoss: simcse_sup_loss, SupConLoss: supcon_loss,
-           DSCLLoss: dscl_loss, CoSENTLoss: cosent_loss}
+           DSCLLoss: dscl_loss, DCLLoss: dcl_loss, DCLWLoss: dclw_loss, CoSENTLoss: cosent_loss}
 
-__all__ = ["CLIPLoss", "CoSENTLoss", "DSCLLoss", "InfoNCELoss", "SigLIPLoss", "SimCSELoss", "SimCSESupLoss",
-           "SupConLoss", "loss_module"]
+__all__ = ["CLIPLoss", "CoSENTLoss", "DCLLoss", "DCLWLoss", "DSCLLoss", "InfoNCELoss", "SigLIPLoss", "SimCSELoss",
+           "SimCSESupLoss", "SupConLoss", "loss_module"]
 
 
 class CLIPLoss(nn.Module):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fused_contrastive as fc
+from fused_contrastive.testing.baselines import dcl_formula
 
 VOCAB, WIDTH, DIM, TOKENS = 16, 8, 6, 4
 #: the global batch and its split over the 2 DDP ranks (uneven on purpose)
@@ -195,6 +196,12 @@ CELLS: list[Cell] = [
     Cell("dscl_loss", _views,
          lambda e, d, m, g: fc.dscl_loss(_two_views(e, d["x"]), d["y"], temperature=0.1, gather=g),
          lambda e, d, m: tb_dscl(_two_views(e, d["x"]), d["y"], 8.0, 0.1)),
+    Cell("dcl_loss", _pairs,
+         lambda e, d, m, g: fc.dcl_loss(e(d["a"]), e(d["b"]), temperature=0.2, gather=g),
+         lambda e, d, m: dcl_formula(e(d["a"]), e(d["b"]), 0.2)),
+    Cell("dclw_loss", _pairs,
+         lambda e, d, m, g: fc.dclw_loss(e(d["a"]), e(d["b"]), temperature=0.2, sigma=0.5, gather=g),
+         lambda e, d, m: dcl_formula(e(d["a"]), e(d["b"]), 0.2, 0.5)),
     Cell("cosent_loss", _scored,
          lambda e, d, m, g: fc.cosent_loss(e(d["a"]), e(d["b"]), d["y"], scale=5.0, gather=g),
          lambda e, d, m: tb_cosent(e(d["a"]), e(d["b"]), d["y"], 5.0)),

@@ -34,6 +34,9 @@ def naive(a, b, s, spec, data, coef, reduce):
     else:
         w = torch.zeros_like(l)
     w = w.masked_fill(own, 0.0)
+    l_tgt = l.gather(1, data.target[:, None])[:, 0] if data.target is not None else None
+    if spec.exclude_target:  # out of every log-sum-exp; the target term keeps the logit read above
+        l = l.masked_fill(torch.arange(m)[None, :] == data.target[:, None], float("-inf"))
 
     def term(c, v):
         c = torch.as_tensor(c, dtype=v.dtype).expand_as(v)
@@ -44,7 +47,7 @@ def naive(a, b, s, spec, data, coef, reduce):
     if coef.pos is not None:
         rows = rows + term(coef.pos, torch.logsumexp(l + torch.log(w), dim=1))
     if coef.tgt is not None:
-        rows = rows - term(coef.tgt, l.gather(1, data.target[:, None])[:, 0])
+        rows = rows - term(coef.tgt, l_tgt)
     if coef.set is not None:
         rows = rows - term(coef.set, (w * torch.where(w != 0, l, torch.zeros_like(l))).sum(dim=1))
     if not reduce:
@@ -177,3 +180,37 @@ def test_a_row_with_every_column_excluded_is_minus_inf_without_nan(path):
     assert out.item() == 0.0
     out.sum().backward()
     assert torch.equal(a.grad, torch.zeros_like(a)) and s.grad.item() == 0.0
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("same", [False, True])
+def test_exclude_target_reads_the_target_then_leaves_it_out(path, reduce, same):
+    """CoreSpec.exclude_target (DCL's "positive in the numerator only") with targets that are no
+    involution, a column term (B != A) and tensor coefficients; B is A with its own column excluded."""
+    n, m = (9, 9) if same else (9, 13)
+    g = torch.Generator().manual_seed(30)
+    target = torch.randint(0, m, (n,), generator=g)
+    if same:
+        target = torch.where(target == torch.arange(n), (target + 1) % n, target)
+    c = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+
+    def make():
+        a = _rand(n, 6, seed=31).requires_grad_()
+        b = None if same else _rand(m, 6, seed=32).requires_grad_()
+        s = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+        spec = CoreSpec(exclude_self=same, exclude_target=True)
+        coef = Coeffs(lse=c, tgt=c * 0.7) if same or not reduce else Coeffs(lse=c, col=0.25, tgt=c * 0.7)
+        leaves = [a, s] if same else [a, b, s]
+        return leaves, (a, b, s, spec, CoreData(target=target), coef, reduce)
+
+    _compare(make, None if reduce else _rand(n, seed=33), path)
+
+
+def test_exclude_target_needs_a_target_and_no_bias():
+    a = _rand(4, 3, seed=1)
+    with pytest.raises(ValueError, match="exclude_target needs CoreData.target"):
+        core.run("torch", a, None, 1.0, CoreSpec(exclude_target=True), CoreData(), Coeffs(lse=1.0), True)
+    with pytest.raises(ValueError, match="bias column"):
+        core.run("torch", a, a, 1.0, CoreSpec(exclude_target=True, bias=0.5),
+                 CoreData(target=torch.arange(4), bias_col=torch.arange(4)), Coeffs(lse=1.0), True)
+

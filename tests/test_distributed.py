@@ -160,6 +160,11 @@ def _cases(sizes, rank, g):
         lambda a_, p_, n_: fc.simcse_sup_loss(a_, p_, n_, hard_negative_weight=1.0),
         lambda a_, p_, n_: fc.simcse_sup_loss(a_, p_, n_, hard_negative_weight=1.0, gather=True),
         [a, p, ng], [mine(a, sizes), mine(p, sizes), mine(ng, sizes)])
+    add("dcl", lambda a_, p_: fc.dcl_loss(a_, p_), lambda a_, p_: fc.dcl_loss(a_, p_, gather=True),
+        [a, p], [mine(a, sizes), mine(p, sizes)])
+    add("dclw_sum_learnable_t", lambda a_, p_, t_: fc.dclw_loss(a_, p_, temperature=t_, reduction="sum"),
+        lambda a_, p_, t_: fc.dclw_loss(a_, p_, temperature=t_, reduction="sum", gather=True),
+        [a, p, temp], [mine(a, sizes), mine(p, sizes), temp])
     nn_ = sum(sizes)
     feats = torch.randn(nn_, 2, D, generator=g, dtype=torch.float64)
     feats3 = torch.randn(nn_, 3, D, generator=g, dtype=torch.float64)

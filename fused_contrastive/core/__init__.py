@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -53,6 +54,9 @@ def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, dat
         dt = torch.float32 if backend == "triton" else compute_dtype(a, b)
         out.append((positives.LinearTermsFn, (a, b, scale, spec, data, coef, reduce, dt), -1.0))
     lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
+    if spec.exclude_target:  # the streaming paths leave the target column out as a -inf bias on it
+        spec = dataclasses.replace(spec, exclude_target=False, bias=float("-inf"))
+        data = dataclasses.replace(data, bias_col=data.target)
     if backend == "triton":
         from .triton_function import TritonCoreFn as lse_fn
     else:

@@ -146,13 +146,17 @@ class DenseCoreFn(torch.autograd.Function):
             l.scatter_add_(1, data.bias_col[:, None], l.new_full((n, 1), spec.bias))
         if spec.exclude_self:
             l.diagonal(spec.offset).fill_(_NEG_INF)
+        l_tgt = None
+        if spec.exclude_target:  # the target logit read as it is, then its column left out of the LSEs
+            l_tgt = l.gather(1, data.target[:, None])[:, 0].clone()
+            l.scatter_(1, data.target[:, None], _NEG_INF)
         # log_softmax is one fused kernel: the loss reads it, and exp of it is the backward's softmax
         # (a row or column with every entry excluded, possible only when N or M is 1, is -inf, not NaN)
-        empty = spec.exclude_self and (n == 1 or m == 1)
+        empty = (spec.exclude_self and (n == 1 or m == 1)) or (spec.exclude_target and m <= 2)
         lsm = torch.log_softmax(l, dim=1)
         if empty:
             lsm = torch.nan_to_num(lsm, nan=_NEG_INF)
-        ce = _cross_entropy_form(coef)
+        ce = _cross_entropy_form(coef) and not spec.exclude_target
         w = lsmc = lpp = None
         if ce:
             # loss_i = c_i (LSE_i - l_{i, t_i}) = -c_i log_softmax(l)_{i, t_i}
@@ -182,7 +186,8 @@ class DenseCoreFn(torch.autograd.Function):
             if coef.set is not None and w is None:
                 w = _positive_weights(data, spec, n, m, dt, a.device)
             if coef.tgt is not None:
-                out = out - drop_zero(coef.tgt, l.gather(1, data.target[:, None])[:, 0], spec.exclude_self)
+                picked = l.gather(1, data.target[:, None])[:, 0] if l_tgt is None else l_tgt
+                out = out - drop_zero(coef.tgt, picked, spec.exclude_self)
             if coef.set is not None:
                 set_ = (cos * w).sum(dim=1) * s
                 if has_bias:

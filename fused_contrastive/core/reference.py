@@ -94,6 +94,29 @@ def simcse_sup(anchor, positive, negative, s, hard_negative_weight, normalize, r
     return F.cross_entropy(logits, torch.arange(a.shape[0], device=a.device) + offset, reduction=reduction)
 
 
+def dcl_rows(anchors, contrast, s, own, partner, weight, normalize):
+    """Decoupled contrastive learning (Yeh et al. 2022, eq. 6), per anchor row, from the definition:
+    ``-w_i l_{i, partner_i} + log sum_{j not in (own_i, partner_i)} exp(l_ij)`` with ``l = s cos``.
+    ``own`` / ``partner``: [n] column indices; ``weight``: [n] or None (1)."""
+    dt = _dt(anchors, contrast)
+    a = _unit(anchors, normalize, dt)
+    c = _unit(contrast, normalize, dt)
+    logits = (a @ c.T) * _scalar(s, dt)
+    cols = torch.arange(c.shape[0], device=a.device)[None, :]
+    pos = logits.gather(1, partner[:, None])[:, 0]
+    neg = logits.masked_fill((cols == own[:, None]) | (cols == partner[:, None]), float("-inf"))
+    w = 1.0 if weight is None else weight.to(dt)
+    return torch.logsumexp(neg, dim=1) - w * pos
+
+
+def dclw_weights(z1, z2, sigma, normalize):
+    """DCLW's positive weights ``2 - N softmax_i(<z1_i, z2_i> / sigma)`` (no gradient)."""
+    dt = _dt(z1, z2)
+    with torch.no_grad():
+        d = (_unit(z1, normalize, dt) * _unit(z2, normalize, dt)).sum(dim=1)
+        return 2.0 - z1.shape[0] * torch.softmax(d / sigma, dim=0)
+
+
 def _reduce(per: Tensor, reduction: str) -> Tensor:
     return per if reduction == "none" else (per.sum() if reduction == "sum" else per.mean())
 

@@ -61,6 +61,10 @@ class CoreSpec:
     offset: int = 0  # anchor i's own column is offset + i (anchors = a slice of the contrast set)
     bias: float = 0.0  # added to l[i, bias_col[i]] (needs CoreData.bias_col)
     grad_cols: int | None = None  # only columns [0, grad_cols) of B may need a gradient (a queue after)
+    # column target[i] is left out of row i's log-sum-exps (and of that column's), while the target term
+    # reads l[i, target[i]] as it is: "the positive in the numerator only" (DCL). Needs CoreData.target;
+    # not combined with a bias column (the paths that stream tiles exclude it as a -inf bias)
+    exclude_target: bool = False
 
 
 @dataclass
@@ -108,6 +112,10 @@ def check_problem(n: int, m: int, spec: CoreSpec, data: CoreData, coef: Coeffs, 
         raise ValueError("core: per-row output with a column term needs N == M")
     if coef.tgt is not None and data.target is None:
         raise ValueError("core: coefficient 'tgt' needs CoreData.target")
+    if spec.exclude_target and data.target is None:
+        raise ValueError("core: exclude_target needs CoreData.target")
+    if spec.exclude_target and data.bias_col is not None and spec.bias != 0.0:
+        raise ValueError("core: exclude_target cannot be combined with a bias column")
     if (coef.pos is not None or coef.set is not None) and not data.has_positives:
         raise ValueError("core: coefficients 'pos' / 'set' need row/col labels or pos_mask")
 

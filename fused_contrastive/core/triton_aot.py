@@ -72,6 +72,8 @@ FIELDS = {
     "CoreSpec.offset": "_mode requires 0 (FC_MODE_SELF)",
     "CoreSpec.bias": "_mode requires 0.0",
     "CoreSpec.grad_cols": "passed to the library (rows of dB written)",
+    "CoreSpec.exclude_target": "turned into a -inf bias column before the Triton Function (core.pieces), which "
+                               "_mode does not route",
     "CoreData.target": "not read by the Triton Function (the target term is positives.py's, in PyTorch)",
     "CoreData.bias_col": "_mode requires None",
     "CoreData.row_labels": "read only for coefficient pos, which _mode requires None",

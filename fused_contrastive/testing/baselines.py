@@ -138,6 +138,26 @@ def supcon_in_formula(features: Tensor, labels: Tensor, temperature: float = 0.0
     return (temperature / base_temperature) * per.mean()
 
 
+def dcl_formula(z1: Tensor, z2: Tensor, temperature: float = 0.1, sigma: float | None = None) -> Tensor:
+    """DCL / DCLW (Yeh et al. 2022, eq. 6) as it is usually written (lightly's DCLLoss): normalise both
+    views, the 2N x 2N logits of both views, self and partner masked with -inf, then per anchor the
+    negatives' logsumexp minus the (weighted) positive logit, averaged."""
+    z = F.normalize(torch.cat([z1, z2]), dim=1)
+    n = z1.shape[0]
+    logits = z @ z.T / temperature
+    idx = torch.arange(2 * n, device=z.device)
+    partner = (idx + n) % (2 * n)
+    pos = logits[idx, partner]
+    mask = (idx[None, :] == idx[:, None]) | (idx[None, :] == partner[:, None])
+    neg = torch.logsumexp(logits.masked_fill(mask, float("-inf")), dim=1)
+    if sigma is not None:
+        with torch.no_grad():
+            d = (F.normalize(z1, dim=1) * F.normalize(z2, dim=1)).sum(dim=1)
+            w = (2.0 - n * torch.softmax(d / sigma, dim=0)).repeat(2)
+        pos = pos * w
+    return (neg - pos).mean()
+
+
 def dscl_formula(features: Tensor, labels: Tensor, beta: float = 8.0, temperature: float = 0.07) -> Tensor:
     """DSCL (the paper's definition) with an explicit weight matrix: anchors view 0, contrast set both
     views, own view 1 weight 1, every other same-label column ``beta / (|P| - 1)``."""
@@ -272,6 +292,14 @@ BASELINES: dict[str, list[Baseline]] = {
                  note=_BCAST),
         Baseline("pml-ntxent", "peer", lambda x: pml_ntxent_interleaved(x["z1"], x["temperature"]),
                  "pytorch-metric-learning NTXentLoss(labels = i // 2)", 3, 3, _ntxent(lambda n: n - 2), _PML, _NTX),
+    ],
+    "dcl": [
+        Baseline("formula", "formula", lambda x: dcl_formula(x["z1"], x["z2"], x["temperature"]),
+                 "2N x 2N logits of both views, self and partner masked, logsumexp - positive (lightly DCLLoss)"),
+    ],
+    "dclw": [
+        Baseline("formula", "formula", lambda x: dcl_formula(x["z1"], x["z2"], x["temperature"], x["sigma"]),
+                 "DCL's formula with the positive weighted by 2 - N softmax(<z1_i, z2_i> / sigma) (lightly DCLWLoss)"),
     ],
     "simcse_2view": [
         Baseline("formula", "formula", lambda x: info_nce_formula(x["z1"], x["z2"], x["temperature"]),

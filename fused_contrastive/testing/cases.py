@@ -240,6 +240,22 @@ def _supcon_queue(variant: str, reduction: str):
     return build
 
 
+def _dcl(weighted: bool, reduction: str = "mean", tensor_t: bool = False, normalize: bool = True):
+    def build(n, d, g):
+        b = max(1, n // 2)  # N anchors: both views of N / 2 samples
+        x: dict[str, Tensor] = {"z1": _randn(g, b, d), "z2": _randn(g, b, d)}
+        kw: dict[str, Any] = {"temperature": 0.1, "reduction": reduction, "normalize": normalize}
+        if not normalize:
+            x = {k: v / (2 * max(d, 1) ** 0.5) for k, v in x.items()}
+        if tensor_t:
+            x["temperature"] = torch.tensor(0.2)
+            del kw["temperature"]
+        if weighted:
+            kw["sigma"] = 0.5
+        return x, kw
+    return build
+
+
 def _dscl(queue: bool):
     def build(n, d, g):
         kw: dict[str, Any] = {"labels": _labels(g, n), "beta": 8.0, "temperature": 0.07}
@@ -352,6 +368,18 @@ CASES: list[Case] = [
          inputs="features [N, 2, D], labels [N] (up to 100 classes); logits N x 2N", logits=lambda n: (n, 2 * n)),
     Case("dscl_queue", L.dscl_loss, _dscl(True), covers="decoupled weights with a queue, tensor temperature",
          m=lambda n: 2 * n + 5, inductor=True),
+    Case("dcl", L.dcl_loss, _dcl(False), bench=True, covers="both views anchors, self and partner out of the LSE",
+         inputs="z1 [N/2, D], z2 [N/2, D]; logits N x N", logits=_sq, min_n=4, m=lambda n: 2 * (n // 2),
+         inductor=True),
+    Case("dcl_none", L.dcl_loss, _dcl(False, "none", tensor_t=True), min_n=4, m=lambda n: 2 * (n // 2),
+         covers="per-anchor losses, tensor temperature"),
+    Case("dcl_raw_sum", L.dcl_loss, _dcl(False, "sum", normalize=False), min_n=4, m=lambda n: 2 * (n // 2),
+         covers="normalize=False, sum"),
+    Case("dclw", L.dclw_loss, _dcl(True), bench=True, covers="positive weighted by 2 - N softmax(cos / sigma)",
+         inputs="z1 [N/2, D], z2 [N/2, D]; logits N x N", logits=_sq, min_n=4, m=lambda n: 2 * (n // 2),
+         inductor=True),
+    Case("dclw_none", L.dclw_loss, _dcl(True, "none", tensor_t=True), min_n=4, m=lambda n: 2 * (n // 2),
+         covers="weighted, per-anchor losses, tensor temperature"),
     Case("cosent", cosent_loss, _cosent, op="cosent", bench=True, covers="pair cosines, grades 0..5",
          inputs="u [N, D], v [N, D], labels [N] (grades 0..5); N x N label pairs", inductor=True),
     Case("cosent_scores", cosent_loss_from_scores, _cosent_scores, op="cosent",
