@@ -395,7 +395,7 @@ def _dcl(z1: Tensor, z2: Tensor, temperature, sigma, normalize: bool, reduction:
         coef = Coeffs(lse=c, tgt=c if wb is None else wb.to(dt) * c)
         outs.append(core.run(be, anchors if anchors is not None else contrast, None if anchors is None else contrast,
                              s, spec, CoreData(target=partner), coef, reduce=reduction != "none"))
-    out = torch.cat(outs) if reduction == "none" else sum(outs[1:], outs[0])
+    out = outs[0] if len(outs) == 1 else (torch.cat(outs) if reduction == "none" else outs[0] + outs[1])
     if grp is not None:
         return _per_rank(out, reduction, 2 * n_glob, D.world_size(grp))
     return out / (2 * n) if reduction == "mean" and not per_n else out

@@ -80,7 +80,7 @@ def test_opcheck_core(name, path, monkeypatch):
     case = next(c for c in CORE_CASES if c.name == name)
     args = _captured_core_args(case, 13, "torch")
     torch.library.opcheck(torch.ops.fused_contrastive.core.default, args)
-    if not args[17]:  # per-row output: its backward operator too (no double backward: inputs detached)
+    if not args[ops._POS["reduce"]]:  # per-row output: its backward operator too (no double backward: inputs detached)
         go = torch.randn(args[0].shape[0], dtype=torch.float64)
         plain = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
         torch.library.opcheck(torch.ops.fused_contrastive.core_backward.default, (*plain, go))
@@ -92,7 +92,7 @@ def test_opcheck_core_triton_interpreted(name, monkeypatch):
     set_path(monkeypatch, "chunked")
     case = next(c for c in CORE_CASES if c.name == name)
     args = _captured_core_args(case, 9, "triton", torch.float32)
-    assert args[18] == "triton"
+    assert args[ops._POS["backend"]] == "triton"
     torch.library.opcheck(torch.ops.fused_contrastive.core.default, args, atol=1e-5, rtol=1e-5)
 
 
@@ -286,6 +286,9 @@ def _module_inputs(n: int, g: torch.Generator):
     return {
         "InfoNCELoss": (fnn.InfoNCELoss(0.05), (r(n, D), r(n + 2, D)), (torch.randint(0, n + 2, (n,), generator=g),)),
         "SimCSELoss": (fnn.SimCSELoss(0.05), (r(2 * n, D),), ()),
+        "SimCSESupLoss": (fnn.SimCSESupLoss(0.05, hard_negative_weight=0.5), (r(n, D), r(n, D), r(n, D)), ()),
+        "DCLLoss": (fnn.DCLLoss(), (r(n, D), r(n, D)), ()),
+        "DCLWLoss": (fnn.DCLWLoss(sigma=0.3), (r(n, D), r(n, D)), ()),
         "SupConLoss": (fnn.SupConLoss(0.1, variant="in"), (r(n, 2, D),), (labels,)),
         "DSCLLoss": (fnn.DSCLLoss(), (r(n, 2, D),), (labels,)),
         "CoSENTLoss": (fnn.CoSENTLoss(), (r(n, D), r(n, D)), (torch.rand(n, generator=g, dtype=torch.float64),)),
@@ -294,10 +297,13 @@ def _module_inputs(n: int, g: torch.Generator):
     }
 
 
-@pytest.mark.parametrize("module", ["InfoNCELoss", "SimCSELoss", "SupConLoss", "DSCLLoss", "CoSENTLoss", "CLIPLoss",
-                                    "SigLIPLoss"])
+_MODULES = [m for m in fnn.__all__ if m != "loss_module"]
+
+
+@pytest.mark.parametrize("module", _MODULES)
 def test_nn_module_compiles(module):
-    assert set(_module_inputs(3, torch.Generator())) == set(fnn.__all__)
+    assert set(_module_inputs(3, torch.Generator())) == set(_MODULES), "add the module's inputs to _module_inputs"
+
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     frames = []
@@ -385,6 +391,9 @@ def test_host_code_never_reads_device_data():
             assert entry["kernels"] == 0, key
         elif _case.startswith("cosent"):  # the scans (and the pair-cosine kernels) forward and backward
             assert entry["kernels"] == (4 if _case == "cosent" else 2), (key, entry)
+        elif _case.startswith("uniformity") and route in ("op", "triton_op"):
+            # raw augmented rows (no row-norm kernel) and per-row output (its backward is op_backward)
+            assert entry["kernels"] >= 1, (key, entry)
         else:  # the launches are graph nodes: the row norms, the forward, at least one backward kernel
             assert entry["kernels"] >= (2 if route in ("op", "triton_op") else 3), (key, entry)
     assert {k.rsplit("/", 1)[0] for k in report if k.endswith("/triton_op")} == \

@@ -95,7 +95,7 @@ def test_an_exception_is_a_fail_row_and_the_table_follows(monkeypatch, capsys):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (planted)")
 
     monkeypatch.setattr(triton_panel, "_mm32", boom)
-    monkeypatch.setattr(testing, "BASELINES", {})  # check_timings itself raises (KeyError)
+    monkeypatch.setattr(testing.baselines, "BASELINES", {})  # check_timings itself raises (KeyError)
     rep = GV.validate("cpu", _plan(losses=("info_nce",), parity_shapes=SHAPES[:1], dtypes=(torch.float32,),
                                    fp16_shape=None, determinism_shape=(37, 20)), allow_cpu=True)
     out = capsys.readouterr().out

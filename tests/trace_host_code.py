@@ -50,13 +50,17 @@ def _leaf(x, grad: bool):
 
 def _flat(case: str, backend: str, grad: bool) -> list:
     a, b, scale, spec, data, coef, reduce = core_call(case, N, D)
+    if backend == "triton" and a.dtype == torch.float64:  # uniformity: float64 on torch, float32 on triton
+        a, b = a.float(), None if b is None else b.float()
     need = [True, b is not None, isinstance(scale, torch.Tensor)]
     flat = list(ops._flatten(backend, a, b, scale, spec, data, coef, reduce, need))
-    for i in (0, 1, 2):  # the differentiable inputs: fresh leaves (a may be a view of b)
-        flat[i] = _leaf(flat[i], grad)
-    for i in (4, 5, 6, 7, 8):
-        flat[i] = _leaf(flat[i], False)
-    flat[9] = [_leaf(c, False) for c in flat[9]]
+    pos = ops._POS
+    for k in ("a", "b", "scale_t"):  # the differentiable inputs: fresh leaves (a may be a view of b)
+        flat[pos[k]] = _leaf(flat[pos[k]], grad)
+    for i in ops._TENSOR_ARGS:  # CoreData's tensors
+        if ops._NAMES[i] not in ("a", "b", "scale_t"):
+            flat[i] = _leaf(flat[i], False)
+    flat[pos["coef_t"]] = [_leaf(c, False) for c in flat[pos["coef_t"]]]
     return flat
 
 
@@ -129,7 +133,7 @@ def main(plant: bool) -> dict:
             report[f"{key}/eager"] = _trace(_eager_step, *_flat(case, backend, grad=True))
             flat = _flat(case, backend, grad=False)
             report[f"{key}/op"] = _trace(lambda *f: ops._core_impl(*f), *flat)
-            if not flat[17]:  # per-row output: the recomputing backward operator
+            if not flat[ops._POS["reduce"]]:  # per-row output: the recomputing backward operator
                 go = torch.empty(flat[0].shape[0], device="meta")
                 report[f"{key}/op_backward"] = _trace(lambda *f: ops._core_backward_impl(*f), *flat, go)
             if backend == "triton":
