@@ -213,7 +213,7 @@ def test_zero_positive_rows(kind):
         CoreData(pos_mask=(lab[:, None] == lab[None, :]).float())
     hp = (lab < 100).float()
     res = []
-    for impl, dt in ((triton_backend, torch.float32), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, torch.float32), (chunked, torch.float64)):
         a = _rand(20, 8).to(dt).requires_grad_()
         s = torch.tensor(5.0, dtype=dt, requires_grad=True)
         out = impl.core(a, None, s, CoreSpec(exclude_self=True), data, Coeffs(lse=hp, pos=-hp), False)

@@ -118,7 +118,7 @@ def test_core_every_term_against_the_chunked_path(mode):
     coef = Coeffs(lse=torch.rand(100, generator=g), pos=-0.5,
                   col=torch.rand(70, generator=g) if mode == "column" else None)
     res = []
-    for impl, dt in ((triton_backend, torch.float32), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, torch.float32), (chunked, torch.float64)):
         x = [v.to(dt).requires_grad_() for v in (a, b, s)]
         out = impl.core(*x, spec, data, coef, reduce)
         res.append((out, *torch.autograd.grad(out.sum(), x)))
@@ -414,7 +414,7 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
     reduce = mode != "per_row"
     w = torch.rand(97, generator=g)  # upstream weights of the per-row output
     res = []
-    for impl, dt in ((triton_backend, dtype), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, dtype), (chunked, torch.float64)):
         x = a.to(dtype).to(dt).requires_grad_()
         s = torch.tensor(7.0, dtype=dt if dt == torch.float64 else torch.float32, requires_grad=True)
         out = impl.core(x, None, s, spec, CoreData(), coef, reduce)
@@ -444,7 +444,7 @@ def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch):
     rec = _Launches(monkeypatch)
     a = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
     res = []
-    for impl, dt in ((triton_backend, torch.float32), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, torch.float32), (chunked, torch.float64)):
         x = a.to(dt).requires_grad_()
         s = torch.tensor(3.0, dtype=dt, requires_grad=True)
         out = impl.core(x, None, s, CoreSpec(exclude_self=exclude_self), CoreData(), Coeffs(1.0), False)
