@@ -54,6 +54,16 @@ def same_device(**tensors: Tensor | None) -> None:
             raise ValueError(f"{k} is on {v.device} but {items[0][0]} is on {dev}; put them on one device")
 
 
+def paired(name_a: str, a: Tensor, name_b: str, b) -> Tensor:
+    """``b`` as the partner of the validated embeddings ``a`` (row i of one is paired with row i of the
+    other): embeddings of ``a``'s shape, on ``a``'s device."""
+    b = embeddings(name_b, b)
+    if a.shape != b.shape:
+        raise ValueError(f"{name_b} must have the shape of {name_a} {tuple(a.shape)}, got {tuple(b.shape)}")
+    same_device(**{name_a: a, name_b: b})
+    return b
+
+
 def readable(t: Tensor) -> bool:
     """Whether a tensor's values may be read for validation: on the CPU (no host-device sync) and not
     while ``torch.compile`` / ``torch.export`` trace the call (a read would break the graph; the

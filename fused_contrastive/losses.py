@@ -35,6 +35,7 @@ from . import distributed as D
 from ._amp import autocast_off
 from ._backend import resolve
 from .core import reference as ref
+from .core.norms import normalize_rows
 from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
 
 __all__ = ["clip_loss", "dcl_loss", "dclw_loss", "dscl_loss", "info_nce", "simcse_loss", "simcse_sup_loss",
@@ -308,10 +309,7 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
         if z1.shape[0] % 2:
             raise ValueError(f"z1 must hold interleaved pairs (an even number of rows), got {z1.shape[0]}")
     else:
-        z2 = V.embeddings("z2", z2)
-        if z1.shape != z2.shape:
-            raise ValueError(f"z2 must have the shape of z1 {tuple(z1.shape)}, got {tuple(z2.shape)}")
-        V.same_device(z1=z1, z2=z2)
+        z2 = V.paired("z1", z1, "z2", z2)
     reduction = V.reduction(reduction)
     V.flag("normalize", normalize)
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(z1, z2), dev)
@@ -344,10 +342,7 @@ def _dcl(z1: Tensor, z2: Tensor, temperature, sigma, normalize: bool, reduction:
     """DCL (``sigma`` None) or DCLW: validation, then the core op with the target column left out of
     each row's log-sum-exp and read in the target term (``CoreSpec.exclude_target``)."""
     z1 = V.embeddings("z1", z1)
-    z2 = V.embeddings("z2", z2)
-    if z1.shape != z2.shape:
-        raise ValueError(f"z2 must have the shape of z1 {tuple(z1.shape)}, got {tuple(z2.shape)}")
-    V.same_device(z1=z1, z2=z2)
+    z2 = V.paired("z1", z1, "z2", z2)
     reduction = V.reduction(reduction)
     V.flag("normalize", normalize)
     if sigma is not None:
@@ -372,7 +367,8 @@ def _dcl(z1: Tensor, z2: Tensor, temperature, sigma, normalize: bool, reduction:
     w = None
     if sigma is not None:  # DCLW: softmax over the global batch of the positive pairs' similarities
         with torch.no_grad():
-            ref_rows = (ref._unit(z1, normalize, dt) * ref._unit(z2, normalize, dt)).sum(dim=1)
+            # the backends' own overflow-free normalisation (the reference backend is the oracle's)
+            ref_rows = (normalize_rows(z1, _EPS, dt, normalize)[0] * normalize_rows(z2, _EPS, dt, normalize)[0]).sum(1)
             if grp is not None:
                 ref_rows = D.gather_rows(ref_rows.detach()[:, None], grp, name="z1")[0][:, 0]
             w = (2.0 - n_glob * torch.softmax(ref_rows / sigma, dim=0))[off:off + n]
