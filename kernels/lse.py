@@ -427,7 +427,6 @@ def _norm_bwd_epilogue(X, OUT, ACC, NORM, RN, rows, N, D, stride_x, stride_o, ac
     rmask = rows < N
     x_base = X + rows.to(tl.int64)[:, None] * stride_x
     o_base = OUT + rows.to(tl.int64)[:, None] * stride_o
-    a_base = ACC + rows.to(tl.int64)[:, None] * D
     if NORMALIZE:
         r = tl.load(RN + rows, mask=rmask, other=0.0)
         nrm = tl.load(NORM + rows, mask=rmask, other=1.0)
@@ -442,25 +441,40 @@ def _norm_bwd_epilogue(X, OUT, ACC, NORM, RN, rows, N, D, stride_x, stride_o, ac
             g = (g - xh * proj[:, None]) * r[:, None]
         tl.store(o_base + dd[None, :], g.to(OUT.dtype.element_ty), mask=m2)
     else:
-        proj = tl.zeros([BLOCK_R], dtype=tl.float32)
-        if NORMALIZE:
-            # pass 1: <g, x_hat> over all of D
-            for d0 in range(0, D, BLOCK_D):
-                dd = d0 + tl.arange(0, BLOCK_D)
-                m2 = rmask[:, None] & (dd < D)[None, :]
-                g = tl.load(a_base + dd[None, :], mask=m2, other=0.0) * mult
-                xh = tl.load(x_base + dd[None, :], mask=m2, other=0.0).to(tl.float32) * r[:, None]
-                proj += tl.sum(g * xh, axis=1)
-            proj = tl.where(keep, proj, 0.0)
-        # pass 2: write the input gradient in the input's dtype
-        for d0 in range(0, D, BLOCK_D):
+        if not NORMALIZE:  # (unused without the projection)
+            r = tl.zeros([BLOCK_R], dtype=tl.float32)
+            keep = rmask
+        _norm_bwd_rows(ACC, D, X, stride_x, OUT, stride_o, rows, rmask, tl.zeros([BLOCK_R], dtype=tl.float32) + mult,
+                       r, r, keep, D, BLOCK_D, NORMALIZE)
+
+
+@triton.jit
+def _norm_bwd_rows(G, stride_g, X, stride_x, OUT, stride_o, rows, rmask, gmul, xmul, omul, keep, D,
+                   BLOCK_D: tl.constexpr, NORMALIZE: tl.constexpr):
+    """The normalisation backward of rows held in memory, shared by the fused backward (rows of its
+    fp32 accumulator) and the panel path's row epilogue (rows of a GEMM output): with ``g_i = G_i
+    gmul_i`` and ``x_hat_i = X_i xmul_i`` (the normalised row), ``OUT_i = (g_i - x_hat_i <g_i, x_hat_i>)
+    omul_i`` (``omul`` = 1 / the clamped norm; no projection where ``keep`` is False, a clamped row),
+    cast to OUT's dtype; without NORMALIZE ``OUT_i = g_i``. Two passes over D (the projection, then the
+    output), every element written once; ``rows`` / ``rmask`` are the [BLOCK_R] rows and their bound."""
+    r64 = rows.to(tl.int64)[:, None]
+    proj = tl.zeros(gmul.shape, dtype=tl.float32)
+    if NORMALIZE:
+        for d0 in range(0, D, BLOCK_D):  # pass 1: <g, x_hat> over all of D
             dd = d0 + tl.arange(0, BLOCK_D)
             m2 = rmask[:, None] & (dd < D)[None, :]
-            g = tl.load(a_base + dd[None, :], mask=m2, other=0.0) * mult
-            if NORMALIZE:
-                xh = tl.load(x_base + dd[None, :], mask=m2, other=0.0).to(tl.float32) * r[:, None]
-                g = (g - xh * proj[:, None]) * r[:, None]
-            tl.store(o_base + dd[None, :], g.to(OUT.dtype.element_ty), mask=m2)
+            g = tl.load(G + r64 * stride_g + dd[None, :], mask=m2, other=0.0) * gmul[:, None]
+            xh = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32) * xmul[:, None]
+            proj += tl.sum(g * xh, axis=1)
+        proj = tl.where(keep, proj, 0.0)
+    for d0 in range(0, D, BLOCK_D):  # pass 2: the input gradient in the output's dtype
+        dd = d0 + tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (dd < D)[None, :]
+        g = tl.load(G + r64 * stride_g + dd[None, :], mask=m2, other=0.0) * gmul[:, None]
+        if NORMALIZE:
+            xh = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32) * xmul[:, None]
+            g = (g - xh * proj[:, None]) * omul[:, None]
+        tl.store(OUT + r64 * stride_o + dd[None, :], g.to(OUT.dtype.element_ty), mask=m2)
 
 
 @triton.jit

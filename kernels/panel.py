@@ -60,7 +60,18 @@ epilogue of the GEMMs (the normalisation backward of dA or dB and the weighted d
 import triton
 import triton.language as tl
 
-from .lse import NEG_INF, _dlogits, _grad_vec, _inv_norms, _log0, _logits, _online_rows, _pos_logits, _stat
+from .lse import (
+    NEG_INF,
+    _dlogits,
+    _grad_vec,
+    _inv_norms,
+    _log0,
+    _logits,
+    _norm_bwd_rows,
+    _online_rows,
+    _pos_logits,
+    _stat,
+)
 
 
 @triton.jit
@@ -308,25 +319,11 @@ def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, 
     rs = tl.load(RS + rows, mask=rmask, other=0.0)
     if NEED_OUT:
         gw = w * (tl.load(SCALE).to(tl.float32) * tl.load(GSCALE) / PRESCALE)
-        proj = tl.zeros([BLOCK_R], dtype=tl.float32)
         nrm = tl.where(rmask, 1.0, 1.0)
         if NORMALIZE:
             nrm = tl.load(NRM + rows, mask=rmask, other=1.0)
-            for d0 in range(0, D, BLOCK_D):
-                dd = d0 + tl.arange(0, BLOCK_D)
-                m2 = rmask[:, None] & (dd < D)[None, :]
-                g = tl.load(G + r64 * stride_g + dd[None, :], mask=m2, other=0.0) * gw[:, None]
-                xh = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32) * rs[:, None]
-                proj += tl.sum(g * xh, axis=1)
-            proj = tl.where(nrm > eps, proj, 0.0)
-        for d0 in range(0, D, BLOCK_D):
-            dd = d0 + tl.arange(0, BLOCK_D)
-            m2 = rmask[:, None] & (dd < D)[None, :]
-            o = tl.load(G + r64 * stride_g + dd[None, :], mask=m2, other=0.0) * gw[:, None]
-            if NORMALIZE:
-                xh = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32) * rs[:, None]
-                o = (o - xh * proj[:, None]) / nrm[:, None]
-            tl.store(OUT + r64 * stride_o + dd[None, :], o.to(OUT.dtype.element_ty), mask=m2)
+        _norm_bwd_rows(G, stride_g, X, stride_x, OUT, stride_o, rows, rmask, gw, rs, 1.0 / nrm, nrm > eps, D,
+                       BLOCK_D, NORMALIZE)
     if NEED_XW:
         for d0 in range(0, D, BLOCK_D):
             dd = d0 + tl.arange(0, BLOCK_D)
