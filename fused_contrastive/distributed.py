@@ -1,5 +1,5 @@
 """Rows of every rank, with gradients that flow back to the rank that produced them: the primitive under
-the losses' ``gather=`` option (``losses.py`` places each rank's rows at its offset).
+the losses' ``gather=`` option (``losses/_scope.py`` places each rank's rows at its offset).
 
 :func:`gather_rows` is an all-gather along dim 0 on PyTorch's functional collectives
 (``all_gather_single_autograd``: its backward is a reduce-scatter, so each rank's rows receive the sum

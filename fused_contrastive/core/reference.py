@@ -2,7 +2,7 @@
 
 It materialises the full logits matrix and uses ``F.cross_entropy`` / ``logsumexp``; O(N*M) memory.
 It shares no code with the other backends and is the oracle of the test-suite. Arguments arrive
-validated from ``losses.py`` / ``cosent.py``; ``s`` is the scale (1 / temperature), a number or a
+validated from ``losses/`` / ``cosent.py``; ``s`` is the scale (1 / temperature), a number or a
 0-dim tensor.
 
 Rows are normalised as ``x / max(||x||, eps)`` with the norm taken as ``m * ||x / m||`` (``m`` the row's

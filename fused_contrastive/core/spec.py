@@ -23,7 +23,7 @@ A loss is a coefficient vector per statistic (:class:`Coeffs`); the core op retu
 rows (``reduce=True``, 0-dim). A term whose coefficient is 0 is dropped, not multiplied, so the
 ``-inf`` LSEpos of a row without positives or the ``-inf`` target of an ignored row never turns into
 NaN. Everything a loss adds around this (constants such as ``log |P_i|``, a ``t / t_base`` factor, the
-mean's denominator) is O(N) PyTorch in ``losses.py``.
+mean's denominator) is O(N) PyTorch in ``losses/``.
 
 The statistics come out of one pass over the logit tiles; the gradient is
 ``dl_ij = g_i (c.lse_i p_ij + c.pos_i q_ij - c.tgt_i [j == target_i] - c.set_i w_ij) + g_j c.col_j pc_ij``

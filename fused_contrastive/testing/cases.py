@@ -8,10 +8,10 @@ differentiable inputs (embeddings, and temperature-like 0-dim tensors whose grad
 losses: square or textbook-shaped problems whose options match the formulas of
 ``testing.baselines`` (a Python-number temperature, ``arange`` targets), so those run side by side.
 
-Adding a loss: write its function (``losses.py``), its reference (``core/reference.py``) and add its
-cases here (and, for the benchmark, its textbook formula in ``baselines.py``). Every fact a test or the
-benchmark needs about a case is a field of :class:`Case` (``tests/test_registry.py`` says which one is
-missing): nothing is chosen elsewhere by case name.
+Adding a loss: write its function (its family's module of ``losses/``), its reference
+(``core/reference.py``) and add its cases here (and, for the benchmark, its textbook formula in
+``baselines.py``). Every fact a test or the benchmark needs about a case is a field of :class:`Case`
+(``tests/test_registry.py`` says which one is missing): nothing is chosen elsewhere by case name.
 """
 
 from __future__ import annotations

@@ -1,0 +1,123 @@
+"""What every loss body shares: the spec cache, the contrast set's :class:`Scope` (this process or
+every rank of a process group), the cross-entropy rows of the core op and the reduction contract.
+
+A loss has one body. A local call (``gather=False``) is the world of one rank: its rows start at
+offset 0, the "gathered" contrast set is its own, counts are its own and the reduction divides by the
+local denominator. Under ``gather`` the same body sees every rank's rows, its anchors' own columns at
+the rank's offset, and returns the per-rank value of :meth:`Scope.reduce`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import core, ops
+from .. import distributed as D
+from ..core import reference as ref
+from ..core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
+
+EPS = 1e-12
+DEFAULT_TEMPERATURE = 0.05
+
+_SPECS: dict = {}  # a plain dict, not functools.lru_cache (Dynamo warns when it traces through one)
+
+
+def spec(normalize: bool, exclude_self: bool = False, bias: float = 0.0, offset: int = 0, **more) -> CoreSpec:
+    """A CoreSpec with the losses' eps. Specs are immutable: the common ones (offset 0, no other field)
+    are shared (constructing one per call costs microseconds)."""
+    if more or offset or ops.tracing_route():  # no cache mutation inside a compiled graph (it would be guarded on)
+        return CoreSpec(normalize=normalize, eps=EPS, exclude_self=exclude_self, bias=bias, offset=offset, **more)
+    key = (normalize, exclude_self, bias)
+    s = _SPECS.get(key)
+    if s is None:
+        s = _SPECS[key] = CoreSpec(normalize=normalize, eps=EPS, exclude_self=exclude_self, bias=bias)
+    return s
+
+
+class Scope:
+    """Where a loss's contrast set lives: this process (``gather`` False) or every rank of a process
+    group (``gather`` True or a ProcessGroup; see :func:`distributed.process_group`)."""
+
+    def __init__(self, gather) -> None:
+        self.grp = D.process_group(gather)
+        self.local = self.grp is None
+        self.world = 1 if self.local else D.world_size(self.grp)
+
+    def agree(self, scale, rows: int | None = None, cols: int | None = None) -> tuple[int, int]:
+        """The ranks' first collective (the scale checked equal everywhere, a failing rank reported on
+        all of them): ``(this rank's offset, the global rows)``; locally ``(0, rows)``."""
+        if self.local:
+            return 0, rows or 0
+        return D.agree(self.grp, scale=scale, rows=rows, cols=cols)
+
+    def rows(self, x: Tensor, name: str) -> tuple[Tensor, int, int]:
+        """``(every rank's x in rank order, this rank's row offset, the total rows)``; locally
+        ``(x, 0, len(x))``. Differentiable (see :func:`distributed.gather_rows`)."""
+        if self.local:
+            return x, 0, x.shape[0]
+        out, off, sizes = D.gather_rows(x, self.grp, name=name)
+        return out, off, sum(sizes)
+
+    def offset(self, n: int, device) -> tuple[int, int]:
+        """``(this rank's offset, the total)`` of a batch of which every rank holds ``n`` rows."""
+        return (0, n) if self.local else D.row_offset(n, device, self.grp)
+
+    def sum(self, x: Tensor) -> Tensor:
+        """A count summed over the ranks (no gradient)."""
+        return x if self.local else D.all_sum(x, self.grp)
+
+    def reduce(self, out: Tensor, reduction: str, denom) -> Tensor:
+        """The value a loss returns from ``out`` (per-anchor losses, or their sum when 0-dim):
+        ``"none"``: the (local) per-anchor losses; ``"sum"`` / ``"mean"``: the sum / the sum over
+        ``denom`` (the global denominator, a number or an integer tensor). Under ``gather`` a rank
+        returns its local sum times ``world`` (divided by the global denominator for a mean), so that
+        the average over ranks (what DDP's gradient all-reduce takes) is the global-batch loss."""
+        if reduction == "none":
+            return out
+        out = out.sum() if out.dim() else out
+        if self.local:
+            return out / denom if reduction == "mean" else out
+        if reduction == "sum":
+            return out * self.world
+        if isinstance(denom, Tensor):  # a count summed over ranks (an integer tensor: no host read)
+            return out * self.world / denom.to(out.dtype)
+        return out * (self.world / denom)
+
+
+def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, target: Tensor, *,
+                  offset: int, exclude_self: bool, normalize: bool, reduction: str, n_total: int,
+                  valid: Tensor | None = None, symmetric: bool = False, bias_col: Tensor | None = None,
+                  bias: float = 0.0) -> Tensor:
+    """``CE(logits_i, target_i)`` of every local anchor ``query`` against ``keys`` (None: the anchors
+    themselves, B is A), the anchors' own columns at ``offset``, rows outside ``valid`` contributing 0
+    (and leaving the mean's denominator), reduced by ``scope`` over ``n_total`` anchors. With
+    ``symmetric`` (local only, ``valid`` None) CLIP's ``(row CE + column CE) / 2``: the core op with
+    coefficients 1/2 on LSE and on LSEcol, 1 on the target logit."""
+    n = query.shape[0]
+    if be == "reference":
+        per = ref.info_nce(query, keys, target, s, exclude_self, symmetric, normalize, "none", -100, offset=offset)
+        if valid is not None:
+            per = torch.where(valid, per, torch.zeros_like(per))
+        return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()))
+    sp = spec(normalize, exclude_self, bias, offset if exclude_self else 0)
+    data = CoreData(target=target, bias_col=bias_col)
+    keep = reduction != "none"
+    if valid is None:
+        # the same weight on every row: a local mean is the sum with weights 1/N (no division after;
+        # under compile the weights are 1 and the sum is divided after: a weight 1/N would be a
+        # constant of the compiled graph, recompiled for every batch size)
+        per_n = reduction == "mean" and scope.local and not ops.tracing_route()
+        c = 1.0 / n if per_n else 1.0
+        coef = Coeffs(lse=0.5 * c, col=0.5 * c, tgt=c) if symmetric else Coeffs(lse=c, tgt=c)
+        out = core.run(be, query, keys, s, sp, data, coef, reduce=keep)
+        return out if per_n else scope.reduce(out, reduction, n_total)
+    w = valid.to(compute_dtype(query, keys))
+    out = core.run(be, query, keys, s, sp, data, Coeffs(lse=w, tgt=w), reduce=keep)
+    return scope.reduce(out, reduction, scope.sum(valid.sum()))
+
+
+def temperature_factor(t, base_temperature, out: Tensor):
+    """SupCon / DSCL's ``temperature / base_temperature`` multiplier, in ``out``'s dtype when a tensor."""
+    f = t / base_temperature
+    return f.to(out.dtype) if isinstance(f, Tensor) else f

@@ -1,0 +1,246 @@
+"""The cross-entropy family: InfoNCE (in-batch negatives, any target), CLIP, SimCSE (unsupervised
+and supervised). Each row is ``CE(logits_i, target_i)`` over cosine logits: the core op with
+coefficients 1 on LSE and on the target logit (CLIP adds the column LSE). Common arguments: see
+:mod:`fused_contrastive.losses`."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _validate as V
+from .. import distributed as D
+from .._amp import autocast_off
+from .._backend import resolve
+from ..core import reference as ref
+from ..core.spec import compute_dtype
+from ._scope import DEFAULT_TEMPERATURE as _DEFAULT_TEMPERATURE
+from ._scope import Scope, cross_entropy
+
+__all__ = ["clip_loss", "info_nce", "simcse_loss", "simcse_sup_loss"]
+
+
+@D.agreed
+@autocast_off
+def info_nce(
+    query: Tensor,
+    keys: Tensor | None = None,
+    target: Tensor | None = None,
+    *,
+    temperature=None,
+    scale=None,
+    exclude_self: bool | None = None,
+    symmetric: bool = False,
+    normalize: bool = True,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    backend: str = "auto",
+    gather=False,
+) -> Tensor:
+    """InfoNCE / in-batch-negatives loss, the drop-in for
+    ``F.cross_entropy(cos(query, keys) / temperature, target, reduction=..., ignore_index=...)``
+    without ever materialising the N x M logits.
+
+    Args:
+        query: [N, D] anchors.
+        keys: [M, D] contrast set; None means ``keys = query`` (and then ``exclude_self`` defaults
+            to True, removing logit (i, i) from the softmax).
+        target: [N] integer column index per row; None means ``arange(N)``. Rows equal to
+            ``ignore_index`` contribute 0 and leave the mean's denominator.
+        temperature / scale: give at most one (``scale = 1 / temperature``); neither means
+            temperature 0.05. A float or a 0-dim tensor (differentiable).
+        exclude_self: remove column ``i`` from row ``i``'s softmax (a target equal to the excluded
+            column gives an infinite loss, as the textbook formula does).
+        symmetric: CLIP loss, ``(row CE + column CE) / 2``; needs N == M and ``target=None``.
+            With ``reduction="none"`` returns ``(row_i + col_i) / 2`` per pair.
+
+    Returns:
+        0-dim loss (mean/sum) or [N] per-row losses (none).
+    """
+    query = V.embeddings("query", query)
+    dev = query.device
+    if keys is not None:
+        keys = V.embeddings("keys", keys)
+        V.same_dim("query", query, "keys", keys)
+        V.same_device(query=query, keys=keys)
+    reduction = V.reduction(reduction)
+    ignore_index = V.ignore_index(ignore_index)
+    exclude_self = (keys is None) if exclude_self is None else V.flag("exclude_self", exclude_self)
+    V.flag("symmetric", symmetric)
+    V.flag("normalize", normalize)
+    n = query.shape[0]
+    m = n if keys is None else keys.shape[0]
+    s, _ = V.scale_of(temperature, scale, _DEFAULT_TEMPERATURE, compute_dtype(query, keys), dev)
+    if symmetric:
+        if target is not None:
+            raise ValueError("target must be None when symmetric=True (the pairs are the diagonal)")
+        if n != m:
+            raise ValueError(f"symmetric=True needs as many keys as queries, got query {n} and keys {m}")
+        if keys is None and exclude_self:
+            raise ValueError("symmetric=True with keys=None needs exclude_self=False (the pairs are the diagonal)")
+    given = target is not None
+    if given:
+        target = V.target(target, n, m, ignore_index, dev)
+    elif keys is None and exclude_self and not symmetric:
+        raise ValueError("target=None with keys=None means every row's target is its own excluded column; "
+                         "pass target (e.g. the index of each row's positive) or keys")
+    be = resolve(backend, query, keys)
+    scope = Scope(gather)
+    if scope.local and not given and not symmetric:
+        # the default target arange(N) names column i of row i: it must exist and not be excluded
+        if m < n:
+            raise ValueError(f"target=None means row i's target is key i, but there are fewer keys ({m}) than "
+                             f"queries ({n}); pass target or as many keys as queries")
+        if exclude_self and keys is not None:
+            raise ValueError("exclude_self=True with keys and target=None would exclude every row's own target "
+                             "column (key i): pass target, or exclude_self=False")
+    scope.agree(s)
+    if symmetric:
+        return _clip(be, scope, query, query if keys is None else keys, s, normalize, reduction)
+    contrast, koff, m_total = scope.rows(query if keys is None else keys, "query" if keys is None else "keys")
+    qoff, n_total = (koff, m_total) if keys is None else scope.offset(n, dev)
+    valid = None
+    if not given:  # arange over the (global) batch: row qoff + i
+        t = torch.arange(n, device=dev) + qoff
+    else:
+        valid = target != ignore_index
+        t = torch.where(valid, target + koff, torch.zeros_like(target))
+    # locally keys=None is "B is A" (one normalisation, the triangular sweep where it applies)
+    b = None if keys is None and scope.local else contrast
+    return cross_entropy(be, scope, query, b, s, t, offset=qoff, exclude_self=exclude_self, normalize=normalize,
+                         reduction=reduction, n_total=n_total, valid=valid)
+
+
+def _clip(be: str, scope: Scope, a: Tensor, b: Tensor, s, normalize: bool, reduction: str) -> Tensor:
+    """CLIP's ``(row CE + column CE) / 2`` per pair. Locally one core-op call (the column term is the
+    op's column statistic); across ranks a rank holds only its own columns, so pair i's row term is
+    ``CE(a_i, B_global)`` and its column term ``CE(b_i, A_global)``."""
+    n = a.shape[0]
+    if scope.local:
+        return cross_entropy(be, scope, a, b, s, torch.arange(n, device=a.device), offset=0, exclude_self=False,
+                             normalize=normalize, reduction=reduction, n_total=n, symmetric=True)
+    a_all, off, total = scope.rows(a, "a")
+    b_all, _, _ = scope.rows(b, "b")
+    t = torch.arange(n, device=a.device) + off
+    kw = dict(offset=off, exclude_self=False, normalize=normalize, reduction="none", n_total=total)
+    per = (cross_entropy(be, scope, a, b_all, s, t, **kw) + cross_entropy(be, scope, b, a_all, s, t, **kw)) / 2
+    return scope.reduce(per, reduction, total)
+
+
+@D.agreed
+@autocast_off
+def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, reduction: str = "mean",
+              backend: str = "auto", gather=False) -> Tensor:
+    """CLIP loss: ``(CE(l, arange) + CE(l^T, arange)) / 2`` with ``l = logit_scale * cos(a, b)``, i.e.
+    ``info_nce(a, b, symmetric=True, scale=logit_scale)``.
+
+    Args:
+        a: [N, D] e.g. image embeddings; b: [N, D] text embeddings (pair i is (a_i, b_i)).
+        logit_scale: the multiplier of the cosines (already exponentiated, e.g. ``exp(log_scale)``),
+            a float or a 0-dim tensor (differentiable).
+
+    Returns:
+        0-dim loss (mean/sum) or [N] per-pair losses ``(row_i + col_i) / 2`` (none).
+    """
+    a = V.embeddings("a", a)
+    b = V.embeddings("b", b)
+    V.same_dim("a", a, "b", b)
+    V.same_device(a=a, b=b)
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"b must have as many rows as a (pair i is (a_i, b_i)), got a {a.shape[0]} and "
+                         f"b {b.shape[0]}")
+    reduction = V.reduction(reduction)
+    V.flag("normalize", normalize)
+    s = V.positive_number("logit_scale", logit_scale, device=a.device)
+    if isinstance(s, Tensor):
+        s = s.to(device=a.device, dtype=compute_dtype(a, b))
+    be = resolve(backend, a, b)
+    scope = Scope(gather)
+    scope.agree(s)
+    return _clip(be, scope, a, b, s, normalize, reduction)
+
+
+@D.agreed
+@autocast_off
+def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, normalize: bool = True,
+                reduction: str = "mean", backend: str = "auto", gather=False) -> Tensor:
+    """Unsupervised SimCSE.
+
+    * ``z2=None``: ``z1`` is the interleaved batch [2B, D] (rows 2i and 2i+1 are two dropout views of
+      sentence i); every row is an anchor, its partner ``i xor 1`` the positive, itself excluded.
+    * ``z2`` [B, D]: the official two-view form ``CE(cos(z1, z2) / t, arange(B))``.
+
+    Returns a 0-dim loss, or per-anchor losses ([2B] or [B]) with ``reduction="none"``.
+    """
+    z1 = V.embeddings("z1", z1)
+    dev = z1.device
+    if z2 is None:
+        if z1.shape[0] % 2:
+            raise ValueError(f"z1 must hold interleaved pairs (an even number of rows), got {z1.shape[0]}")
+    else:
+        z2 = V.paired("z1", z1, "z2", z2)
+    reduction = V.reduction(reduction)
+    V.flag("normalize", normalize)
+    s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(z1, z2), dev)
+    be = resolve(backend, z1, z2)
+    n = z1.shape[0]
+    scope = Scope(gather)
+    scope.agree(s)
+    contrast, off, total = scope.rows(z1 if z2 is None else z2, "z1" if z2 is None else "z2")
+    t = torch.arange(n, device=dev)
+    t = (t ^ 1) + off if z2 is None else t + off  # the other view; offsets are even: ranks hold whole pairs
+    b = None if z2 is None and scope.local else contrast
+    return cross_entropy(be, scope, z1, b, s, t, offset=off, exclude_self=z2 is None, normalize=normalize,
+                         reduction=reduction, n_total=total)
+
+
+@D.agreed
+@autocast_off
+def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Tensor | None = None,
+                    *, temperature=0.05, hard_negative_weight: float = 0.0, normalize: bool = True,
+                    reduction: str = "mean", backend: str = "auto", gather=False) -> Tensor:
+    """Supervised SimCSE (NLI triplets).
+
+    * ``positive=None``: ``anchor`` is the interleaved triplets [3B, D]: rows 3k, 3k+1, 3k+2 are
+      (x, x+, x-) of example k.
+    * otherwise ``anchor``, ``positive``, ``negative`` are [B, D] each; ``negative=None`` drops the
+      hard negatives (then it is the two-view InfoNCE).
+
+    Logits of anchor i are ``[cos(a_i, p_j) / t for j] ++ [cos(a_i, n_j) / t for j]`` (B x 2B), target
+    i, and ``hard_negative_weight`` is added to the logit of anchor i's own negative n_i (as in the
+    official SimCSE code). Returns a 0-dim loss or [B] per-anchor losses.
+    """
+    hnw = V.number("hard_negative_weight", hard_negative_weight, low=float("-inf"), strict=True)
+    if positive is None:
+        if negative is not None:
+            raise ValueError("negative needs positive: pass anchor, positive and negative, or only the "
+                             "interleaved [3B, D] anchor")
+        anchor = V.embeddings("anchor", anchor)
+        if anchor.shape[0] % 3:
+            raise ValueError(f"anchor must hold interleaved triplets (rows a multiple of 3), got {anchor.shape[0]}")
+        anchor, positive, negative = anchor[0::3], anchor[1::3], anchor[2::3]
+    anchor = V.embeddings("anchor", anchor)
+    positive = V.paired("anchor", anchor, "positive", positive)
+    if negative is not None:
+        negative = V.paired("anchor", anchor, "negative", negative)
+    reduction = V.reduction(reduction)
+    V.flag("normalize", normalize)
+    dev = anchor.device
+    n = anchor.shape[0]
+    s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(anchor, positive, negative), dev)
+    be = resolve(backend, anchor, positive, negative)
+    scope = Scope(gather)
+    scope.agree(s)
+    # columns: every rank's positives, then every rank's negatives (P P .. N N .., the local order)
+    pos, off, total = scope.rows(positive, "positive")
+    t = torch.arange(n, device=dev) + off
+    if negative is None:
+        return cross_entropy(be, scope, anchor, pos, s, t, offset=off, exclude_self=False, normalize=normalize,
+                             reduction=reduction, n_total=total)
+    neg, _, _ = scope.rows(negative.to(positive.dtype), "negative")
+    if be == "reference":
+        return scope.reduce(ref.simcse_sup(anchor, pos, neg, s, hnw, normalize, "none", offset=off), reduction,
+                            total)
+    return cross_entropy(be, scope, anchor, torch.cat([pos, neg]), s, t, offset=off, exclude_self=False,
+                         normalize=normalize, reduction=reduction, n_total=total,
+                         bias_col=t + total if hnw != 0.0 else None, bias=hnw)
