@@ -379,9 +379,18 @@ def _trace_report(*flags: str, env_extra: dict[str, str] | None = None) -> dict:
     return json.loads(res.stdout)
 
 
+def _traced() -> list[str]:
+    """The cases the trace runs: together they take every branch of the host code (tests/test_registry.py
+    checks the cover)."""
+    from fused_contrastive.testing.host_paths import covering_cases
+
+    return covering_cases([c.name for c in CORE_CASES])
+
+
 def test_host_code_never_reads_device_data():
     report = _trace_report()
-    want = {f"{c.name}/{b}/{r}" for c in CORE_CASES for b in ("torch", "triton") for r in ("eager", "op")}
+    traced = _traced()
+    want = {f"{c}/{b}/{r}" for c in traced for b in ("torch", "triton") for r in ("eager", "op")}
     assert want <= set(report)
     errors = {k: v["error"] for k, v in report.items() if "error" in v}
     assert not errors, errors
@@ -397,17 +406,17 @@ def test_host_code_never_reads_device_data():
         else:  # the launches are graph nodes: the row norms, the forward, at least one backward kernel
             assert entry["kernels"] >= (2 if route in ("op", "triton_op") else 3), (key, entry)
     assert {k.rsplit("/", 1)[0] for k in report if k.endswith("/triton_op")} == \
-        {f"{c.name}/triton" for c in CORE_CASES} | {"cosent/triton", "cosent_scores/triton"}
+        {f"{c}/triton" for c in traced} | {"cosent/triton", "cosent_scores/triton"}
 
 
 def test_panel_path_host_code_never_reads_device_data():
     """The same trace on the triton backend's panel path (what ``auto`` takes on CUDA for large N x M),
     with a workspace budget that gives panels of 64 rows: 2 panels of the 96 traced rows, the eager,
     the recomputing and the triangular sweeps all traced without a host read."""
-    report = _trace_report(env_extra={"FUSED_CONTRASTIVE_TRITON_PATH": "panel",
-                                      "FUSED_CONTRASTIVE_PANEL_BUDGET": "1"})
+    report = _trace_report("--backend", "triton", env_extra={"FUSED_CONTRASTIVE_TRITON_PATH": "panel",
+                                                             "FUSED_CONTRASTIVE_PANEL_BUDGET": "1"})
     triton = {k: v for k, v in report.items() if "/triton/" in k and not k.startswith("cosent")}
-    assert {k.split("/")[0] for k in triton} == {c.name for c in CORE_CASES}
+    assert {k.split("/")[0] for k in triton} == set(_traced())
     errors = {k: v["error"] for k, v in triton.items() if "error" in v}
     assert not errors, errors
     # a forward + backward runs the panel kernel (the eager, recomputing or triangular sweep), and the
@@ -416,7 +425,12 @@ def test_panel_path_host_code_never_reads_device_data():
         if key.endswith(("/eager", "/op_backward")):
             assert "panel_dl_kernel" in v["names"], (key, v)
     # (its forward: the fused forward kernel with TRI, its backward the triangular panels)
-    assert "lse_fwd_kernel" in triton["simcse/triton/eager"]["names"], triton["simcse/triton/eager"]
+    from fused_contrastive.testing.host_paths import host_features
+
+    tri = [c for c in _traced() if ("route.triangular", True) in host_features(c)]
+    assert tri, "no traced case takes the triangular sweep"
+    for c in tri:
+        assert "lse_fwd_kernel" in triton[f"{c}/triton/eager"]["names"], triton[f"{c}/triton/eager"]
 
 
 def test_host_code_trace_catches_a_host_read():

@@ -111,3 +111,24 @@ def test_derived_modules_take_their_functions_options(cls):
                and k not in ("queue", "queue_labels")}
     init = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
     assert init == fn_opts
+
+
+def test_the_host_code_trace_cases_cover_every_structural_fact():
+    """The symbolic host-code trace (tests/test_compile.py) runs only ``covering_cases``: together they
+    must have every (what, value) fact of every core-op case, and the facts are the call's own (checked
+    by hand on three cases)."""
+    from fused_contrastive.testing.host_paths import covering_cases, host_features
+
+    names = [c.name for c in CASES if c.op == "core"]
+    chosen = covering_cases(names)
+    assert set(chosen) <= set(names) and len(chosen) < len(names)
+    covered = set().union(*(host_features(c) for c in chosen))
+    for n in names:
+        assert host_features(n) <= covered, f"{n}: {sorted(host_features(n) - covered, key=str)} not traced"
+    simcse, clip, dcl = host_features("simcse"), host_features("clip"), host_features("dcl")
+    # interleaved SimCSE: B is A, its own column excluded, symmetric logits (the triangular sweep)
+    assert {("b", "none"), ("spec.exclude_self", True), ("route.triangular", True), ("coef.col", "absent")} <= simcse
+    # CLIP: a column LSE (a number coefficient) against a second tensor: not triangular
+    assert {("b", "other"), ("coef.col", "number"), ("route.triangular", False)} <= clip
+    # DCL: B is A but its target column is excluded (a bias column): not triangular either
+    assert {("b", "none"), ("spec.exclude_target", True), ("route.triangular", False)} <= dcl

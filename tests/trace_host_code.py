@@ -2,7 +2,10 @@
 ``tests/test_compile.py``, in its own process: triton must be imported *without* the interpreter, so
 that ``wrap_triton`` turns the kernel launches into graph nodes).
 
-For every registry case of the core op (and CoSENT's two operators), on both backends,
+For the registry cases that together take every branch of the core op's host code
+(``testing.host_paths.covering_cases``: every spec flag, data tensor, coefficient kind, reduction, scale
+kind, B-is-A and dtype that any case has, in 8 of the 34 cases; CoSENT's two operators too), on both
+backends (or the one ``--backend`` names),
 ``make_fx(tracing_mode="symbolic")`` traces
 
 * ``eager``: ``core.run`` forward and its autograd backward (the path of an uncompiled training step);
@@ -37,6 +40,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fused_contrastive import core, ops
 from fused_contrastive.core import norms
 from fused_contrastive.testing import CASES
+from fused_contrastive.testing.host_paths import covering_cases
 from fused_contrastive.tools.aot import core_call
 
 N, D = 96, 40
@@ -113,7 +117,7 @@ def _eager_step(*flat):
     return torch.autograd.grad(out.sum(), xs)
 
 
-def main(plant: bool) -> dict:
+def main(plant: bool, backends: tuple[str, ...] = ("torch", "triton")) -> dict:
     if plant:
         orig = norms.normalize_rows
 
@@ -127,8 +131,8 @@ def main(plant: bool) -> dict:
             mod.normalize_rows = planted
 
     report = {}
-    for case in [c.name for c in CASES if c.op == "core"]:
-        for backend in ("torch", "triton"):
+    for case in covering_cases([c.name for c in CASES if c.op == "core"]):
+        for backend in backends:
             key = f"{case}/{backend}"
             report[f"{key}/eager"] = _trace(_eager_step, *_flat(case, backend, grad=True))
             flat = _flat(case, backend, grad=False)
@@ -141,7 +145,7 @@ def main(plant: bool) -> dict:
         if plant:  # one case shows it
             break
     b = 3000  # above the pair-tile size: the sorted path of the torch backend
-    for backend in ("torch", "triton"):
+    for backend in backends:
         args = (torch.empty(b, D, device="meta"), torch.empty(b, D, device="meta"), torch.empty(b, device="meta"),
                 torch.empty((), device="meta"), 0.0, True, 1e-12, backend, [True, True, True])
         report[f"cosent/{backend}/op"] = _trace(lambda *a: ops._cosent_pairs_impl(*a), *args)
@@ -155,4 +159,5 @@ def main(plant: bool) -> dict:
 
 
 if __name__ == "__main__":
-    json.dump(main("--plant" in sys.argv), sys.stdout, indent=1)
+    only = sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else None
+    json.dump(main("--plant" in sys.argv, (only,) if only else ("torch", "triton")), sys.stdout, indent=1)
