@@ -1,4 +1,5 @@
-"""End-to-end run of ``python -m fused_contrastive bench`` at tiny sizes (about a minute on 2 CPU cores).
+"""End-to-end run of ``python -m fused_contrastive bench`` at tiny sizes (about 40 s on 2 CPU cores), over
+the losses that together have every contender and problem kind (``LOSSES``).
 
 It asserts what the benchmark promises rather than any timing: one JSON row per planned case and
 mode, the reference, torch and formula contenders ran everywhere, every contender that ran agrees with
@@ -25,9 +26,29 @@ from fused_contrastive.bench import contenders as C
 SIZES = [64, 128]
 
 
+def _covering_losses() -> list[str]:
+    """The benchmarked losses that together have every contender (the seed and peer formulas) and every
+    kind of problem (the core op, CoSENT, SigLIP): what the end-to-end run needs to exercise every
+    code path of the benchmark. The other losses' contenders are the same code with another function
+    (their formulas and agreement are tests/test_small_problems.py's)."""
+    from fused_contrastive.testing import CASE_BY_NAME
+
+    facts = {n: {con.name for con in C.contenders(CASE_BY_NAME[n])} | {("op", CASE_BY_NAME[n].op)}
+             for n in C.BENCH_NAMES}
+    left, chosen = set().union(*facts.values()), []
+    while left:
+        best = max(C.BENCH_NAMES, key=lambda n: (len(facts[n] & left), -C.BENCH_NAMES.index(n)))
+        chosen.append(best)
+        left -= facts[best]
+    return chosen
+
+
+LOSSES = _covering_losses()
+
+
 def test_bench_quick_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "fused_contrastive", "bench", "--quick", "--sizes", ",".join(map(str, SIZES)),
-           "--repeats", "3", "--out", str(tmp_path), "--no-progress"]
+           "--losses", ",".join(LOSSES), "--repeats", "3", "--out", str(tmp_path), "--no-progress"]
     # one thread: no timing is asserted, and on a busy shared machine two-thread OpenMP regions of
     # millisecond ops can stall for a scheduler slice each, which makes the run several times slower
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -36,7 +57,8 @@ def test_bench_quick_end_to_end(tmp_path):
 
     report = json.loads((tmp_path / "bench.json").read_text())
     rows = report["rows"]
-    planned = C.plan(C.BENCH_NAMES, SIZES, 768, torch.float32, torch.device("cpu"))
+    assert len(LOSSES) < len(C.BENCH_NAMES) and "info_nce" in LOSSES
+    planned = C.plan(LOSSES, SIZES, 768, torch.float32, torch.device("cpu"))
     expected = {(p.case, p.contender, p.n, mode) for p in planned for mode in C.MODES}
     got = [(r["loss"], r["contender"], r["n"], r["mode"]) for r in rows]
     assert len(got) == len(set(got)), "duplicate rows"
@@ -57,8 +79,8 @@ def test_bench_quick_end_to_end(tmp_path):
             assert r["time_ratio_vs_reference"] == 1.0, where
 
     summary = report["summary"]
-    assert {(s["loss"], s["n"]) for s in summary["small_batch"]} == {(c, n) for c in C.BENCH_NAMES for n in SIZES}
-    assert {h["loss"] for h in summary["headline"]} == set(C.BENCH_NAMES)
+    assert {(s["loss"], s["n"]) for s in summary["small_batch"]} == {(c, n) for c in LOSSES for n in SIZES}
+    assert {h["loss"] for h in summary["headline"]} == set(LOSSES)
     meta = report["meta"]
     assert meta["device"] == "cpu" and meta["dtype"] == "float32" and meta["versions"]["torch"] == torch.__version__
     # the ETA's record: one prediction per (loss, N) group, at increasing times; after the last group
@@ -68,12 +90,12 @@ def test_bench_quick_end_to_end(tmp_path):
     assert all(a[0] <= b[0] for a, b in itertools.pairwise(trace))
     assert abs(trace[-1][1] - trace[-1][0]) <= 0.02 * trace[-1][0] + 0.02
     assert "ETA check:" in proc.stdout and "interrupted" not in meta
-    assert {e["loss"] for e in report["largest_batch"]} == set(C.BENCH_NAMES)
+    assert {e["loss"] for e in report["largest_batch"]} == set(LOSSES)
     for section in ("HEADLINE", "SMALL BATCHES", "== info_nce"):
         assert section in proc.stdout, section
     assert (tmp_path / "bench.txt").exists()
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
-    assert pngs == sorted(["bench_summary.png"] + [f"bench_{c}.png" for c in C.BENCH_NAMES])
+    assert pngs == sorted(["bench_summary.png"] + [f"bench_{c}.png" for c in LOSSES])
 
 
 def test_williams_orders_balance_who_runs_before_whom():
