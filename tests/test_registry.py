@@ -134,23 +134,31 @@ def test_the_host_code_trace_cases_cover_every_structural_fact():
     assert {("b", "none"), ("spec.exclude_target", True), ("route.triangular", False)} <= dcl
 
 
-def _called_in(path: str) -> set[str]:
-    """The ``fc.<name>(...)`` calls written in a test file (parsed, not run)."""
+def _called_in(path: str, scope: str) -> set[str]:
+    """The ``fc.<name>(...)`` calls written inside the function or assignment ``scope`` of a test file
+    (parsed, not run)."""
     import ast
     from pathlib import Path
 
     tree = ast.parse((Path(__file__).parent / path).read_text())
-    return {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    nodes = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name == scope) or
+             (isinstance(n, ast.Assign) and any(getattr(t, "id", None) == scope for t in n.targets)) or
+             (isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == scope)]
+    assert nodes, f"tests/{path} has no {scope}"
+    return {n.func.attr for n in ast.walk(nodes[0]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
             and isinstance(n.func.value, ast.Name) and n.func.value.id == "fc"}
 
 
 def test_every_gathering_loss_has_its_multi_process_cells():
     """A public loss that takes ``gather=`` has a cell in the gather parity test (every rank's value and
-    gradients against one process with the global batch) and in the training-step matrix (DDP over
-    gloo with a real encoder): the two multi-process tests list their cells by hand (each needs its
-    own rank split of targets, labels and masks), so this says where a new one goes."""
+    gradients against one process with the global batch; SigLIP's is in its own file) and in the
+    training-step matrix (DDP over gloo with a real encoder): the two multi-process tests list their
+    cells by hand (each needs its own rank split of targets, labels and masks), so this says where a new
+    one goes."""
     gathering = {n for n, fn in _public_losses().items() if "gather" in inspect.signature(fn).parameters}
-    assert {"info_nce", "dcl_loss", "supcon_loss", "cosent_loss"} <= gathering  # (the check sees them)
-    for path, where in (("test_distributed.py", "_cases"), ("_training_matrix.py", "CELLS")):
-        missing = gathering - _called_in(path)
-        assert not missing, f"add a gather=True cell for {sorted(missing)} to {where} in tests/{path}"
+    assert {"info_nce", "dcl_loss", "supcon_loss", "cosent_loss", "siglip_loss"} <= gathering
+    parity = _called_in("test_distributed.py", "_cases") | _called_in("test_siglip.py", "_gather_worker")
+    for called, where in ((parity, "_cases in tests/test_distributed.py"),
+                          (_called_in("_training_matrix.py", "CELLS"), "CELLS in tests/_training_matrix.py")):
+        missing = gathering - called
+        assert not missing, f"add a gather=True cell for {sorted(missing)} to {where}"
