@@ -24,14 +24,17 @@ _SPECS: dict = {}  # a plain dict, not functools.lru_cache (Dynamo warns when it
 
 
 def spec(normalize: bool, exclude_self: bool = False, bias: float = 0.0, offset: int = 0, **more) -> CoreSpec:
-    """A CoreSpec with the losses' eps. Specs are immutable: the common ones (offset 0, no other field)
-    are shared (constructing one per call costs microseconds)."""
-    if more or offset or ops.tracing_route():  # no cache mutation inside a compiled graph (it would be guarded on)
+    """A CoreSpec with the losses' eps (``more``: its other fields). Specs are immutable: those without a
+    size in them (offset 0, ``more`` flags only) are shared, since constructing one per call costs
+    microseconds, which a small batch notices; one holding a size (a rank's offset, a queue's
+    ``grad_cols``) is made fresh, as sizes are unbounded."""
+    sized = any(not isinstance(v, bool) and v is not None for v in more.values())
+    if offset or sized or ops.tracing_route():  # no cache mutation inside a compiled graph (it would be guarded on)
         return CoreSpec(normalize=normalize, eps=EPS, exclude_self=exclude_self, bias=bias, offset=offset, **more)
-    key = (normalize, exclude_self, bias)
+    key = (normalize, exclude_self, bias, *sorted(more.items()))
     s = _SPECS.get(key)
     if s is None:
-        s = _SPECS[key] = CoreSpec(normalize=normalize, eps=EPS, exclude_self=exclude_self, bias=bias)
+        s = _SPECS[key] = CoreSpec(normalize=normalize, eps=EPS, exclude_self=exclude_self, bias=bias, **more)
     return s
 
 

@@ -92,7 +92,8 @@ def supcon_loss(
         per = ref.supcon(feats, lab, full_mask, s, t, bt, contrast_mode, variant, q, ql, normalize, "none")
         per = torch.cat([per[v * bsz_g + off:v * bsz_g + off + bsz] for v in blocks])
         return scope.reduce(per, reduction, n_anchors)
-    views = [scope.rows(features[:, v], "features")[0] for v in range(n_views)]
+    # (unbind, not features[:, v]: its backward is one stack, not a zero-filled copy of features per view)
+    views = [scope.rows(x, "features")[0] for x in torch.unbind(features, dim=1)]
     q, ql = _queue(scope, queue, queue_labels, views[0].dtype)
     contrast = torch.cat(views + ([q] if q is not None else []))  # view-major, then the queue
     m = contrast.shape[0]
@@ -188,7 +189,7 @@ def dscl_loss(
         q, ql = _queue(scope, queue, queue_labels, feats.dtype)
         per = ref.dscl(feats, lab_g, s, t, None if base_temperature is None else bt, beta, q, ql, normalize, "none")
         return scope.reduce(per[off:off + bsz], reduction, bsz_g)
-    views = [scope.rows(features[:, v], "features")[0] for v in range(2)]
+    views = [scope.rows(x, "features")[0] for x in torch.unbind(features, dim=1)]
     q, ql = _queue(scope, queue, queue_labels, views[0].dtype)
     contrast = torch.cat(views + ([q] if q is not None else []))  # [view 0; view 1; queue]
     col = torch.cat([lab_g, lab_g] + ([ql] if q is not None else []))
