@@ -56,11 +56,13 @@ def same_device(**tensors: Tensor | None) -> None:
 
 def paired(name_a: str, a: Tensor, name_b: str, b) -> Tensor:
     """``b`` as the partner of the validated embeddings ``a`` (row i of one is paired with row i of the
-    other): embeddings of ``a``'s shape, on ``a``'s device."""
+    other): embeddings of ``a``'s embedding dimension and row count, on ``a``'s device."""
     b = embeddings(name_b, b)
-    if a.shape != b.shape:
-        raise ValueError(f"{name_b} must have the shape of {name_a} {tuple(a.shape)}, got {tuple(b.shape)}")
+    same_dim(name_a, a, name_b, b)
     same_device(**{name_a: a, name_b: b})
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"{name_b} must have as many rows as {name_a} (pair i is ({name_a}_i, {name_b}_i)), "
+                         f"got {name_a} {a.shape[0]} and {name_b} {b.shape[0]}")
     return b
 
 

@@ -61,12 +61,7 @@ def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, normalize: bool = Tru
     differentiable there for ``alpha <= 1``).
     """
     x = V.embeddings("x", x)
-    y = V.embeddings("y", y)
-    V.same_dim("x", x, "y", y)
-    V.same_device(x=x, y=y)
-    if x.shape[0] != y.shape[0]:
-        raise ValueError(f"y must have as many rows as x (pair i is (x_i, y_i)), got x {x.shape[0]} and "
-                         f"y {y.shape[0]}")
+    y = V.paired("x", x, "y", y)
     alpha = V.number("alpha", alpha, low=0.0, strict=True)
     V.flag("normalize", normalize)
     resolve(backend, x, y, op="alignment")

@@ -102,12 +102,7 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias, *, normali
         Gradients come back in each input's dtype.
     """
     image = V.embeddings("image", image)
-    text = V.embeddings("text", text)
-    V.same_dim("image", image, "text", text)
-    V.same_device(image=image, text=text)
-    if image.shape[0] != text.shape[0]:
-        raise ValueError(f"text must have as many rows as image (pair i is (image_i, text_i)), got image "
-                         f"{image.shape[0]} and text {text.shape[0]}")
+    text = V.paired("image", image, "text", text)
     reduction = V.reduction(reduction)
     V.flag("normalize", normalize)
     dev = image.device

@@ -143,12 +143,7 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
         0-dim loss (mean/sum) or [N] per-pair losses ``(row_i + col_i) / 2`` (none).
     """
     a = V.embeddings("a", a)
-    b = V.embeddings("b", b)
-    V.same_dim("a", a, "b", b)
-    V.same_device(a=a, b=b)
-    if a.shape[0] != b.shape[0]:
-        raise ValueError(f"b must have as many rows as a (pair i is (a_i, b_i)), got a {a.shape[0]} and "
-                         f"b {b.shape[0]}")
+    b = V.paired("a", a, "b", b)
     reduction = V.reduction(reduction)
     V.flag("normalize", normalize)
     s = V.positive_number("logit_scale", logit_scale, device=a.device)
