@@ -4,7 +4,7 @@ that ``wrap_triton`` turns the kernel launches into graph nodes).
 
 For the registry cases that together take every branch of the core op's host code
 (``testing.host_paths.covering_cases``: every spec flag, data tensor, coefficient kind, reduction, scale
-kind, B-is-A and dtype that any case has, in 8 of the 34 cases; CoSENT's two operators too), on both
+kind, B-is-A and dtype that any case has, in a fraction of the cases; CoSENT's two operators too), on both
 backends (or the one ``--backend`` names),
 ``make_fx(tracing_mode="symbolic")`` traces
 
