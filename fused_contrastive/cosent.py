@@ -8,7 +8,7 @@ each way, float32); ``backend="reference"`` is the B x B pair matrix.
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, stack
 
 from . import _validate as V
 from . import distributed as D
@@ -18,6 +18,7 @@ from ._backend import resolve
 from .core import reference as ref
 from .core.cosent import PairCosentFn, ScoresCosentFn
 from .core.spec import compute_dtype
+from .losses._levels import leveled, shrink
 
 __all__ = ["cosent_loss", "cosent_loss_from_scores"]
 
@@ -67,10 +68,11 @@ def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backe
     return _scores_loss(scores, labels, scale, backend)
 
 
+@leveled("u", "v")
 @D.agreed
 @autocast_off
 def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: bool = True,
-                backend: str = "auto", gather=False) -> Tensor:
+                backend: str = "auto", gather=False, _levels=None) -> Tensor:
     """CoSENT on sentence pairs: the score of pair i is ``cos(u_i, v_i)`` (``<u_i, v_i>`` when
     ``normalize`` is False).
 
@@ -79,6 +81,9 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: 
         labels: [B] real labels (similarity grades; only their order matters).
         scale: lambda, default 20.0.
         gather: False, True or a ProcessGroup: every rank gathers all pairs and returns the global loss.
+        matryoshka_dims / matryoshka_weights / return_level_losses: Matryoshka levels (README,
+            "Matryoshka"): ``sum_k w_k cosent(shrink(u, d_k), shrink(v, d_k))``. The pair scores are
+            O(B*D), so the levels run as K calls of the pair op after one gather (no B x B tile to share).
 
     Returns:
         0-dim float32 loss (float64 for float64 inputs).
@@ -101,6 +106,12 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: 
     if isinstance(sc, Tensor):
         sc = sc.to(device=u.device, dtype=dt)
     be = resolve(backend, u, v, op="cosent")
+    if _levels is not None:
+        return stack([_pairs(shrink(u, d), shrink(v, d), labels, sc, normalize, be) for d in _levels.dims])
+    return _pairs(u, v, labels, sc, normalize, be)
+
+
+def _pairs(u: Tensor, v: Tensor, labels: Tensor, sc, normalize: bool, be: str) -> Tensor:
     if be == "reference":
         return ref.cosent(ref.pair_cosines(u, v, normalize), labels, sc)
     if ops.tracing_route():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -66,14 +67,20 @@ def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, dat
 
 
 def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
-        reduce: bool) -> Tensor:
+        reduce: bool, levels: tuple[tuple[int, ...], tuple[float, ...]] | None = None) -> Tensor:
     """The core op on ``backend`` ("torch" or "triton"): the per-row loss [N] or its sum (0-dim).
+
+    ``levels = (dims, weights)`` (dims ascending): the op at every Matryoshka level in one pass over D
+    (``core/matryoshka.py``), one value per level ([K, N] or [K]); the weights are those the caller
+    multiplies the levels by. The triton backend runs that PyTorch pass as well (one-time warning).
 
     ``a`` [N, D] anchors, ``b`` [M, D] contrast set or None (B is A), ``scale`` a number or a 0-dim
     tensor (gradients flow to tensors that require them). Both backends take the dense one-tile path
     when it fits (:func:`dense_path`). Under ``torch.compile`` / ``torch.export`` the same work runs
     as the registered custom op ``fused_contrastive::core`` (``fused_contrastive.ops``).
     """
+    if levels is not None:
+        return _leveled(backend, a, b, scale, spec, data, coef, reduce, levels)
     if tracing_route():
         return traced_core()(backend, a, b, scale, spec, data, coef, reduce)
     out = None
@@ -81,6 +88,25 @@ def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: 
         y = fn.apply(*args)
         out = signed_sum(out, y, sign)
     return out
+
+
+_WARNED: set = set()
+
+
+def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
+    n = a.shape[0]
+    check_problem(n, n if b is None else b.shape[0], spec, data, coef, reduce)
+    if tracing_route():
+        raise NotImplementedError("core.run: Matryoshka levels are not traced (the losses run the definition, "
+                                  "one plain call per level, under torch.compile)")
+    if backend == "triton" and "triton" not in _WARNED:
+        _WARNED.add("triton")
+        warnings.warn("Matryoshka levels run on the PyTorch one-pass path (on the inputs' device) with "
+                      "backend='triton': the Triton kernels do not take level boundaries yet", stacklevel=3)
+    elif backend not in ("torch", "triton"):
+        raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
+    from . import matryoshka
+    return matryoshka.run(a, b, scale, spec, data, coef, reduce, *levels)
 
 
 def signed_sum(acc: Tensor | None, y: Tensor, sign: float) -> Tensor:

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import random
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -87,6 +88,7 @@ from .._backend import resolve
 from ..core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
 from ..cosent import cosent_loss
 from ..encode import encode_in_chunks
+from ..losses import _levels
 
 try:  # sentence-transformers >= 6: one merged forward for the candidate columns (what their losses call)
     from sentence_transformers.base.losses.merged_forward import embed_columns as _embed_columns
@@ -98,6 +100,7 @@ __all__ = [
     "CachedMultipleNegativesRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss",
     "CoSENTLoss",
+    "MatryoshkaLoss",
     "MultipleNegativesRankingLoss",
     "MultipleNegativesSymmetricRankingLoss",
 ]
@@ -250,7 +253,9 @@ def _lse_all(parts: list[Tensor]) -> Tensor:
 def mnrl_from_embeddings(queries: Tensor, docs: Sequence[Tensor], *, scale=20.0, normalize: bool = True,
                          directions: Sequence[str] = ("query_to_doc",), partition_mode: str = "joint",
                          hardness_mode: str | None = None, hardness_strength: float = 0.0,
-                         group: dist.ProcessGroup | None = None, backend: str = "auto") -> Tensor:
+                         group: dist.ProcessGroup | None = None, backend: str = "auto",
+                         matryoshka_dims: Sequence[int] | None = None,
+                         matryoshka_weights: Sequence[float] | None = None) -> Tensor:
     """MultipleNegativesRankingLoss on embeddings (the module docstring has the math).
 
     Args:
@@ -260,6 +265,10 @@ def mnrl_from_embeddings(queries: Tensor, docs: Sequence[Tensor], *, scale=20.0,
         normalize: cosine (True) or dot product (False).
         group: a process group to gather over (None: the local batch).
         backend: "auto" (torch on CPU and for float64, triton on CUDA), "torch" or "triton".
+        matryoshka_dims / matryoshka_weights: Matryoshka levels, ``sum_k w_k loss(shrink(x, d_k))``
+            (sentence-transformers' ``MatryoshkaLoss`` semantics): every level in one pass over D for the
+            one-pass routes (``query_to_doc`` without hardness; the symmetric loss without gathering),
+            one call per level otherwise.
 
     Returns:
         0-dim loss in the compute dtype (float32, float64 for float64 inputs); under ``group`` the
@@ -275,6 +284,11 @@ def mnrl_from_embeddings(queries: Tensor, docs: Sequence[Tensor], *, scale=20.0,
                              f"got {tuple(d.shape)}")
     V.same_device(queries=queries, docs=docs[0])
     directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+    lv = None
+    if matryoshka_dims is not None:
+        lv = _levels.levels(matryoshka_dims, matryoshka_weights, queries.shape[1])
+    elif matryoshka_weights is not None:
+        raise ValueError("matryoshka_weights needs matryoshka_dims")
     dev = queries.device
     dt = compute_dtype(queries, *docs)
     s = V.positive_number("scale", scale, device=dev)
@@ -295,15 +309,25 @@ def mnrl_from_embeddings(queries: Tensor, docs: Sequence[Tensor], *, scale=20.0,
     hard = hardness_mode is not None and hardness_strength > 0.0
     cat = torch.cat(d_all) if k_cols > 1 else d_all[0]
     plain = CoreSpec(normalize=normalize, eps=_EPS)
+    core_lv = None if lv is None else lv.core
     if not hard and dirs == {"query_to_doc"}:  # cross-entropy with target o + i: one pass
         tgt = torch.arange(b, device=dev) + off
-        return core.run(be, queries, cat, s, plain, CoreData(target=tgt), Coeffs(lse=1.0, tgt=1.0), True) * per_rank
+        out = core.run(be, queries, cat, s, plain, CoreData(target=tgt), Coeffs(lse=1.0, tgt=1.0), True,
+                       levels=core_lv) * per_rank
+        return out if lv is None else _levels.combine(out, lv)
     if not hard and group is None and dirs == {"query_to_doc", "doc_to_query"} and partition_mode == "per_direction":
         # (LSE_i + LSEcol_i) / 2 - TGT_i: the column log-sum-exp of the positives' columns, one pass
         col = 0.5 if k_cols == 1 else torch.cat([torch.full((b,), 0.5, dtype=dt, device=dev),
                                                  torch.zeros(b * (k_cols - 1), dtype=dt, device=dev)])
         tgt = torch.arange(b, device=dev)
-        return core.run(be, queries, cat, s, plain, CoreData(target=tgt), Coeffs(lse=0.5, col=col, tgt=1.0), True) / b
+        out = core.run(be, queries, cat, s, plain, CoreData(target=tgt), Coeffs(lse=0.5, col=col, tgt=1.0), True,
+                       levels=core_lv) / b
+        return out if lv is None else _levels.combine(out, lv)
+    if lv is not None:  # the other routes: one call per level on the truncated, re-normalised embeddings
+        kw = dict(scale=scale, normalize=normalize, directions=directions, partition_mode=partition_mode,
+                  hardness_mode=hardness_mode, hardness_strength=hardness_strength, group=group, backend=backend)
+        return sum(w * mnrl_from_embeddings(_levels.shrink(queries, d), [_levels.shrink(x, d) for x in docs], **kw)
+                   for d, w in zip(lv.dims, lv.weights, strict=True))
 
     excl = CoreSpec(normalize=normalize, eps=_EPS, exclude_self=True, offset=off)
 
@@ -418,6 +442,20 @@ class MultipleNegativesRankingLoss(nn.Module):
             embeddings[0], embeddings[1:], scale=self.scale, normalize=_normalize_of(self.similarity_fct, False),
             directions=self.directions, partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
             hardness_strength=self.hardness_strength, group=_group(self.gather_across_devices))
+
+    def leveled_loss(self, embeddings: list[Tensor], labels: Tensor | None, dims: Sequence[int],
+                     weights: Sequence[float]) -> Tensor:
+        """``sum_k weights[k] * loss(shrink(embeddings, dims[k]))`` (what :class:`MatryoshkaLoss` computes):
+        every level in one pass over D where the fused loss is one core-op call, else one call per level
+        (sentence-transformers' own computation for options outside the kernels)."""
+        reason = _unfused_reason(self.scale, self.similarity_fct, pairwise=False)
+        if reason is not None or len(embeddings) < 2:
+            return _per_level(self.compute_loss_from_embeddings, embeddings, labels, dims, weights)
+        return mnrl_from_embeddings(
+            embeddings[0], embeddings[1:], scale=self.scale, normalize=_normalize_of(self.similarity_fct, False),
+            directions=self.directions, partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
+            hardness_strength=self.hardness_strength, group=_group(self.gather_across_devices),
+            matryoshka_dims=dims, matryoshka_weights=weights)
 
     def get_config_dict(self) -> dict[str, Any]:
         return {
@@ -715,6 +753,22 @@ class CoSENTLoss(nn.Module):
         return cosent_loss(embeddings[0], embeddings[1], labels, scale=self.scale,
                            normalize=_normalize_of(self.similarity_fct, True))
 
+    def leveled_loss(self, embeddings: list[Tensor], labels: Tensor, dims: Sequence[int],
+                     weights: Sequence[float]) -> Tensor:
+        """``sum_k weights[k] * loss(shrink(embeddings, dims[k]))`` (see :class:`MatryoshkaLoss`)."""
+        reason = _unfused_reason(self.scale, self.similarity_fct, pairwise=True)
+        if reason is not None or len(embeddings) < 2:
+            return _per_level(self.compute_loss_from_embeddings, embeddings, labels, dims, weights)
+        b = embeddings[0].shape[0]
+        if not isinstance(labels, Tensor) or labels.numel() != b:
+            return self.compute_loss_from_embeddings(embeddings, labels)  # its error names the labels
+        labels = labels.reshape(-1)
+        if labels.dtype == torch.bool:
+            labels = labels.int()
+        return cosent_loss(embeddings[0], embeddings[1], labels, scale=self.scale,
+                           normalize=_normalize_of(self.similarity_fct, True), matryoshka_dims=list(dims),
+                           matryoshka_weights=list(weights))
+
     def get_config_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "similarity_fct": _fct_name(self.similarity_fct)}
 
@@ -722,6 +776,118 @@ class CoSENTLoss(nn.Module):
     def citation(self) -> str:
         return _CITE_COSENT
 
+
+def _per_level(loss_fn: Callable, embeddings: list[Tensor], labels, dims: Sequence[int],
+               weights: Sequence[float]) -> Tensor:
+    """``sum_k w_k loss_fn(shrink(embeddings, d_k), labels)``: the levels as separate calls."""
+    return sum(w * loss_fn([_levels.shrink(e, d) for e in embeddings], labels)
+               for d, w in zip(dims, weights, strict=True))
+
+
+class MatryoshkaLoss(nn.Module):
+    """sentence-transformers' ``MatryoshkaLoss``: ``sum_k w_k loss(shrink(embeddings, d_k))`` with
+    ``shrink(x, d) = F.normalize(x[..., :d])``, the same constructor and ``forward(sentence_features,
+    labels)``.
+
+    Args:
+        model: the ``SentenceTransformer``.
+        loss: the inner loss. This library's :class:`MultipleNegativesRankingLoss`,
+            :class:`MultipleNegativesSymmetricRankingLoss`, their ``Cached`` variants and
+            :class:`CoSENTLoss` are fused: the columns are embedded once (the cached ones mini-batch by
+            mini-batch, as they do alone) and every level is computed from them in one pass over D
+            (CoSENT: one pair-score call per level, O(B*D) each). Any other loss runs
+            sentence-transformers' own ``MatryoshkaLoss`` (K calls of it; one-time warning).
+        matryoshka_dims: the truncation dimensions, e.g. ``[768, 512, 256, 128, 64]`` (any order; each
+            in [1, embedding dimension], distinct).
+        matryoshka_weights: one weight per dimension (None: all 1).
+        n_dims_per_step: > 0 (and fewer than the dims): that many levels sampled per step with Python's
+            ``random.sample``, as sentence-transformers does; -1 (default): every level.
+
+    Attributes ``matryoshka_dims`` / ``matryoshka_weights`` are sorted by decreasing dimension, as theirs.
+    """
+
+    def __init__(self, model: nn.Module, loss: nn.Module, matryoshka_dims: Sequence[int],
+                 matryoshka_weights: Sequence[float] | Sequence[int] | None = None,
+                 n_dims_per_step: int = -1) -> None:
+        super().__init__()
+        self.model = model
+        self.loss = loss
+        if not matryoshka_dims:
+            raise ValueError("You must provide at least one dimension in matryoshka_dims.")
+        if any(dim <= 0 for dim in matryoshka_dims):
+            raise ValueError("All dimensions passed to a matryoshka loss must be > 0.")
+        if len(set(matryoshka_dims)) != len(matryoshka_dims):
+            raise ValueError(f"matryoshka_dims must not repeat a dimension, got {list(matryoshka_dims)}")
+        if matryoshka_weights is None:
+            matryoshka_weights = [1] * len(matryoshka_dims)
+        elif len(matryoshka_weights) != len(matryoshka_dims):
+            raise ValueError("matryoshka_weights must be the same length as matryoshka_dims.")
+        get_dim = getattr(model, "get_embedding_dimension", None)
+        full = get_dim() if callable(get_dim) else None
+        if full is not None:
+            if any(d > full for d in matryoshka_dims):
+                raise ValueError(f"Dimensions in matryoshka_dims cannot exceed the model's embedding dimension of "
+                                 f"{full}.")
+            if full not in matryoshka_dims:
+                warnings.warn(f"The model's embedding dimension {full} is not included in matryoshka_dims: "
+                              f"{list(matryoshka_dims)}; the full dimension is not trained", stacklevel=2)
+        pairs = sorted(zip(matryoshka_dims, matryoshka_weights, strict=True), key=lambda x: x[0], reverse=True)
+        self.matryoshka_dims = tuple(d for d, _ in pairs)
+        self.matryoshka_weights = tuple(w for _, w in pairs)
+        self.n_dims_per_step = n_dims_per_step
+        self.fused = isinstance(loss, (MultipleNegativesRankingLoss, CoSENTLoss))
+        self.__dict__["_peer"] = None
+        if not self.fused:
+            if ("MatryoshkaLoss", type(loss).__name__) not in _WARNED:
+                _WARNED.add(("MatryoshkaLoss", type(loss).__name__))
+                warnings.warn(f"MatryoshkaLoss: the inner loss {type(loss).__name__} is not one of "
+                              "fused_contrastive's, so sentence-transformers' own MatryoshkaLoss runs it (one "
+                              "loss call per dimension)", stacklevel=2)
+            self.__dict__["_peer"] = _st_losses.MatryoshkaLoss(model, loss, list(matryoshka_dims),
+                                                               list(matryoshka_weights), n_dims_per_step)
+
+    def levels(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The ``(dims, weights)`` of this step: all of them, or ``n_dims_per_step`` sampled with
+        ``random.sample`` (sorted by position for the uncached inner losses, as sentence-transformers)."""
+        idx = list(range(len(self.matryoshka_dims)))
+        if 0 < self.n_dims_per_step < len(idx):
+            idx = random.sample(idx, self.n_dims_per_step)
+            if not isinstance(self.loss, CachedMultipleNegativesRankingLoss):
+                idx.sort()
+        return tuple(self.matryoshka_dims[i] for i in idx), tuple(self.matryoshka_weights[i] for i in idx)
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
+        peer = self.__dict__["_peer"]
+        if peer is not None:
+            return peer(sentence_features, labels)
+        dims, weights = self.levels()
+        features = list(sentence_features)
+        if isinstance(self.loss, CachedMultipleNegativesRankingLoss):
+            embeddings = [self.loss.embed_column(f) for f in features]
+        else:
+            embeddings = _embed_columns(self.model, features)
+        return self.loss.leveled_loss(list(embeddings), labels, dims, weights)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"loss": self.loss.__class__.__name__, "matryoshka_dims": self.matryoshka_dims,
+                "matryoshka_weights": self.matryoshka_weights, "n_dims_per_step": self.n_dims_per_step}
+
+    @property
+    def citation(self) -> str:
+        return _CITE_MATRYOSHKA
+
+
+_CITE_MATRYOSHKA = """
+@misc{kusupati2024matryoshka,
+    title={Matryoshka Representation Learning},
+    author={Aditya Kusupati and Gantavya Bhatt and Aniket Rege and Matthew Wallingford and Aditya Sinha and
+            Vivek Ramanujan and William Howard-Snyder and Kaifeng Chen and Sham Kakade and Prateek Jain and
+            Ali Farhadi},
+    year={2024},
+    eprint={2205.13147},
+    archivePrefix={arXiv},
+}
+"""
 
 _CITE_INFONCE = """
 @misc{oord2018cpc,

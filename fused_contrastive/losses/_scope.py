@@ -70,15 +70,16 @@ class Scope:
         """A count summed over the ranks (no gradient)."""
         return x if self.local else D.all_sum(x, self.grp)
 
-    def reduce(self, out: Tensor, reduction: str, denom) -> Tensor:
+    def reduce(self, out: Tensor, reduction: str, denom, leveled: bool = False) -> Tensor:
         """The value a loss returns from ``out`` (per-anchor losses, or their sum when 0-dim):
         ``"none"``: the (local) per-anchor losses; ``"sum"`` / ``"mean"``: the sum / the sum over
         ``denom`` (the global denominator, a number or an integer tensor). Under ``gather`` a rank
         returns its local sum times ``world`` (divided by the global denominator for a mean), so that
-        the average over ranks (what DDP's gradient all-reduce takes) is the global-batch loss."""
+        the average over ranks (what DDP's gradient all-reduce takes) is the global-batch loss.
+        ``leveled``: ``out`` has a leading Matryoshka level dimension ([K, N] or [K]), kept."""
         if reduction == "none":
             return out
-        out = out.sum() if out.dim() else out
+        out = out.sum(-1) if out.dim() > leveled else out
         if self.local:
             return out / denom if reduction == "mean" else out
         if reduction == "sum":
@@ -91,12 +92,13 @@ class Scope:
 def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, target: Tensor, *,
                   offset: int, exclude_self: bool, normalize: bool, reduction: str, n_total: int,
                   valid: Tensor | None = None, symmetric: bool = False, bias_col: Tensor | None = None,
-                  bias: float = 0.0) -> Tensor:
+                  bias: float = 0.0, levels=None) -> Tensor:
     """``CE(logits_i, target_i)`` of every local anchor ``query`` against ``keys`` (None: the anchors
     themselves, B is A), the anchors' own columns at ``offset``, rows outside ``valid`` contributing 0
     (and leaving the mean's denominator), reduced by ``scope`` over ``n_total`` anchors. With
     ``symmetric`` (local only, ``valid`` None) CLIP's ``(row CE + column CE) / 2``: the core op with
-    coefficients 1/2 on LSE and on LSEcol, 1 on the target logit."""
+    coefficients 1/2 on LSE and on LSEcol, 1 on the target logit. ``levels`` (a ``_levels.Levels``):
+    one value per Matryoshka level (leading dimension K)."""
     n = query.shape[0]
     if be == "reference":
         per = ref.info_nce(query, keys, target, s, exclude_self, symmetric, normalize, "none", -100, offset=offset)
@@ -105,6 +107,7 @@ def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, 
         return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()))
     sp = spec(normalize, exclude_self, bias, offset if exclude_self else 0)
     data = CoreData(target=target, bias_col=bias_col)
+    lv = None if levels is None else levels.core
     keep = reduction != "none"
     if valid is None:
         # the same weight on every row: a local mean is the sum with weights 1/N (no division after;
@@ -113,11 +116,11 @@ def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, 
         per_n = reduction == "mean" and scope.local and not ops.tracing_route()
         c = 1.0 / n if per_n else 1.0
         coef = Coeffs(lse=0.5 * c, col=0.5 * c, tgt=c) if symmetric else Coeffs(lse=c, tgt=c)
-        out = core.run(be, query, keys, s, sp, data, coef, reduce=keep)
-        return out if per_n else scope.reduce(out, reduction, n_total)
+        out = core.run(be, query, keys, s, sp, data, coef, reduce=keep, levels=lv)
+        return out if per_n else scope.reduce(out, reduction, n_total, leveled=lv is not None)
     w = valid.to(compute_dtype(query, keys))
-    out = core.run(be, query, keys, s, sp, data, Coeffs(lse=w, tgt=w), reduce=keep)
-    return scope.reduce(out, reduction, scope.sum(valid.sum()))
+    out = core.run(be, query, keys, s, sp, data, Coeffs(lse=w, tgt=w), reduce=keep, levels=lv)
+    return scope.reduce(out, reduction, scope.sum(valid.sum()), leveled=lv is not None)
 
 
 def temperature_factor(t, base_temperature, out: Tensor):

@@ -14,12 +14,14 @@ from .._amp import autocast_off
 from .._backend import resolve
 from ..core import reference as ref
 from ..core.spec import compute_dtype
+from ._levels import leveled
 from ._scope import DEFAULT_TEMPERATURE as _DEFAULT_TEMPERATURE
 from ._scope import Scope, cross_entropy
 
 __all__ = ["clip_loss", "info_nce", "simcse_loss", "simcse_sup_loss"]
 
 
+@leveled("query", "keys")
 @D.agreed
 @autocast_off
 def info_nce(
@@ -36,6 +38,7 @@ def info_nce(
     ignore_index: int = -100,
     backend: str = "auto",
     gather=False,
+    _levels=None,
 ) -> Tensor:
     """InfoNCE / in-batch-negatives loss, the drop-in for
     ``F.cross_entropy(cos(query, keys) / temperature, target, reduction=..., ignore_index=...)``
@@ -96,7 +99,7 @@ def info_nce(
                              "column (key i): pass target, or exclude_self=False")
     scope.agree(s)
     if symmetric:
-        return _clip(be, scope, query, query if keys is None else keys, s, normalize, reduction)
+        return _clip(be, scope, query, query if keys is None else keys, s, normalize, reduction, _levels)
     contrast, koff, m_total = scope.rows(query if keys is None else keys, "query" if keys is None else "keys")
     qoff, n_total = (koff, m_total) if keys is None else scope.offset(n, dev)
     valid = None
@@ -108,29 +111,30 @@ def info_nce(
     # locally keys=None is "B is A" (one normalisation, the triangular sweep where it applies)
     b = None if keys is None and scope.local else contrast
     return cross_entropy(be, scope, query, b, s, t, offset=qoff, exclude_self=exclude_self, normalize=normalize,
-                         reduction=reduction, n_total=n_total, valid=valid)
+                         reduction=reduction, n_total=n_total, valid=valid, levels=_levels)
 
 
-def _clip(be: str, scope: Scope, a: Tensor, b: Tensor, s, normalize: bool, reduction: str) -> Tensor:
+def _clip(be: str, scope: Scope, a: Tensor, b: Tensor, s, normalize: bool, reduction: str, levels=None) -> Tensor:
     """CLIP's ``(row CE + column CE) / 2`` per pair. Locally one core-op call (the column term is the
     op's column statistic); across ranks a rank holds only its own columns, so pair i's row term is
     ``CE(a_i, B_global)`` and its column term ``CE(b_i, A_global)``."""
     n = a.shape[0]
     if scope.local:
         return cross_entropy(be, scope, a, b, s, torch.arange(n, device=a.device), offset=0, exclude_self=False,
-                             normalize=normalize, reduction=reduction, n_total=n, symmetric=True)
+                             normalize=normalize, reduction=reduction, n_total=n, symmetric=True, levels=levels)
     a_all, off, total = scope.rows(a, "a")
     b_all, _, _ = scope.rows(b, "b")
     t = torch.arange(n, device=a.device) + off
-    kw = dict(offset=off, exclude_self=False, normalize=normalize, reduction="none", n_total=total)
+    kw = dict(offset=off, exclude_self=False, normalize=normalize, reduction="none", n_total=total, levels=levels)
     per = (cross_entropy(be, scope, a, b_all, s, t, **kw) + cross_entropy(be, scope, b, a_all, s, t, **kw)) / 2
-    return scope.reduce(per, reduction, total)
+    return scope.reduce(per, reduction, total, leveled=levels is not None)
 
 
+@leveled("a", "b")
 @D.agreed
 @autocast_off
 def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, reduction: str = "mean",
-              backend: str = "auto", gather=False) -> Tensor:
+              backend: str = "auto", gather=False, _levels=None) -> Tensor:
     """CLIP loss: ``(CE(l, arange) + CE(l^T, arange)) / 2`` with ``l = logit_scale * cos(a, b)``, i.e.
     ``info_nce(a, b, symmetric=True, scale=logit_scale)``.
 
@@ -152,13 +156,14 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
     be = resolve(backend, a, b)
     scope = Scope(gather)
     scope.agree(s)
-    return _clip(be, scope, a, b, s, normalize, reduction)
+    return _clip(be, scope, a, b, s, normalize, reduction, _levels)
 
 
+@leveled("z1", "z2")
 @D.agreed
 @autocast_off
 def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, normalize: bool = True,
-                reduction: str = "mean", backend: str = "auto", gather=False) -> Tensor:
+                reduction: str = "mean", backend: str = "auto", gather=False, _levels=None) -> Tensor:
     """Unsupervised SimCSE.
 
     * ``z2=None``: ``z1`` is the interleaved batch [2B, D] (rows 2i and 2i+1 are two dropout views of
@@ -186,14 +191,15 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
     t = (t ^ 1) + off if z2 is None else t + off  # the other view; offsets are even: ranks hold whole pairs
     b = None if z2 is None and scope.local else contrast
     return cross_entropy(be, scope, z1, b, s, t, offset=off, exclude_self=z2 is None, normalize=normalize,
-                         reduction=reduction, n_total=total)
+                         reduction=reduction, n_total=total, levels=_levels)
 
 
+@leveled("anchor", "positive", "negative")
 @D.agreed
 @autocast_off
 def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Tensor | None = None,
                     *, temperature=0.05, hard_negative_weight: float = 0.0, normalize: bool = True,
-                    reduction: str = "mean", backend: str = "auto", gather=False) -> Tensor:
+                    reduction: str = "mean", backend: str = "auto", gather=False, _levels=None) -> Tensor:
     """Supervised SimCSE (NLI triplets).
 
     * ``positive=None``: ``anchor`` is the interleaved triplets [3B, D]: rows 3k, 3k+1, 3k+2 are
@@ -231,11 +237,11 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     t = torch.arange(n, device=dev) + off
     if negative is None:
         return cross_entropy(be, scope, anchor, pos, s, t, offset=off, exclude_self=False, normalize=normalize,
-                             reduction=reduction, n_total=total)
+                             reduction=reduction, n_total=total, levels=_levels)
     neg, _, _ = scope.rows(negative.to(positive.dtype), "negative")
     if be == "reference":
         return scope.reduce(ref.simcse_sup(anchor, pos, neg, s, hnw, normalize, "none", offset=off), reduction,
                             total)
     return cross_entropy(be, scope, anchor, torch.cat([pos, neg]), s, t, offset=off, exclude_self=False,
                          normalize=normalize, reduction=reduction, n_total=total,
-                         bias_col=t + total if hnw != 0.0 else None, bias=hnw)
+                         bias_col=t + total if hnw != 0.0 else None, bias=hnw, levels=_levels)

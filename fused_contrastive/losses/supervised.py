@@ -15,11 +15,13 @@ from .._amp import autocast_off
 from .._backend import resolve
 from ..core import reference as ref
 from ..core.spec import Coeffs, CoreData, compute_dtype
+from ._levels import leveled
 from ._scope import Scope, spec, temperature_factor
 
 __all__ = ["dscl_loss", "supcon_loss"]
 
 
+@leveled("features", "queue", views=("features",))
 @D.agreed
 @autocast_off
 def supcon_loss(
@@ -37,6 +39,7 @@ def supcon_loss(
     reduction: str = "mean",
     backend: str = "auto",
     gather=False,
+    _levels=None,
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020) with SupContrast's semantics.
 
@@ -115,6 +118,7 @@ def supcon_loss(
         calls = [(features[:, v], contrast, v * bsz_g + off, None if data_labels is None else data_labels[0])
                  for v in blocks]
     keep = reduction != "none"
+    lv = None if _levels is None else _levels.core
     outs = []
     for a, b, own, row_labels in calls:
         data = CoreData(pos_mask=mask) if mask is not None else CoreData(row_labels=row_labels,
@@ -125,16 +129,18 @@ def supcon_loss(
         hp = has.to(n_pos.dtype)
         safe_n = torch.where(has, n_pos, torch.ones_like(n_pos))
         if variant == "out":
-            out = core.run(be, a, b, s, sp, data, Coeffs(lse=hp, set=hp / safe_n), reduce=keep)
+            out = core.run(be, a, b, s, sp, data, Coeffs(lse=hp, set=hp / safe_n), reduce=keep, levels=lv)
         else:
             const = hp * torch.log(safe_n)
-            out = core.run(be, a, b, s, sp, data, Coeffs(lse=hp, pos=-hp), reduce=keep)
+            out = core.run(be, a, b, s, sp, data, Coeffs(lse=hp, pos=-hp), reduce=keep, levels=lv)
             out = out + (const.sum() if keep else const)
         outs.append(out)
-    out = scope.reduce(sum(outs[1:], outs[0]) if keep else torch.cat(outs), reduction, n_anchors)
+    out = scope.reduce(sum(outs[1:], outs[0]) if keep else torch.cat(outs, dim=-1), reduction, n_anchors,
+                       leveled=lv is not None)
     return out * temperature_factor(t, bt, out)
 
 
+@leveled("features", "queue", views=("features",))
 @D.agreed
 @autocast_off
 def dscl_loss(
@@ -150,6 +156,7 @@ def dscl_loss(
     reduction: str = "mean",
     backend: str = "auto",
     gather=False,
+    _levels=None,
 ) -> Tensor:
     """Decoupled supervised contrastive loss (DSCL, Xuan et al., AAAI 2024).
 
@@ -204,8 +211,9 @@ def dscl_loss(
     c_set = k / (n_pos - 1).clamp_min_(1)
     coef = Coeffs(lse=1.0, tgt=1.0 - k - c_set, set=c_set)
     a = contrast[:bsz] if scope.local else features[:, 0]  # this rank's view 0 (locally a prefix of B)
-    out = core.run(be, a, contrast, s, sp, data, coef, reduce=reduction != "none")
-    out = scope.reduce(out, reduction, bsz_g)
+    lv = None if _levels is None else _levels.core
+    out = core.run(be, a, contrast, s, sp, data, coef, reduce=reduction != "none", levels=lv)
+    out = scope.reduce(out, reduction, bsz_g, leveled=lv is not None)
     return out * temperature_factor(t, bt, out)
 
 

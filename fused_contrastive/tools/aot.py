@@ -111,7 +111,7 @@ def core_call(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bfloat1
     kw = {k: (v.to("meta") if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
     seen = []
 
-    def capture(backend, a, b, scale, spec, data, coef, reduce):
+    def capture(backend, a, b, scale, spec, data, coef, reduce, levels=None):
         seen.append((a, b, scale, spec, data, coef, reduce))
         return torch.zeros((), device="meta")
 

@@ -1,0 +1,352 @@
+"""The core op at several Matryoshka levels in one pass over D (``docs/matryoshka.md`` derives it).
+
+Levels ``d_1 < ... < d_K <= D``: level k's cosine is ``cos^k_ij = <A_i[:d_k], B_j[:d_k]> / (n^k_i m^k_j)``
+with the clamped prefix norms ``n^k_i = max(||A_i[:d_k]||, eps)`` (``m^k_j`` likewise): every level
+re-normalises its prefix, sentence-transformers' ``truncate, then F.normalize`` (so ``spec.normalize``
+does not apply: a prefix is always a unit row). Each level is the whole core op of ``spec.py`` on its
+cosines (logits ``s cos^k`` plus the spec's bias and masks, the five statistics, the coefficients), and
+the output is one value per level: ``[K, N]`` per-row losses, or ``[K]`` sums (``reduce``).
+
+How it runs (PyTorch, any device, O(N*D + K*N) memory; no N x M tensor):
+
+* D is cut into segments ``S_r = [d_{r-1}, d_r)``; a row chunk's tile of level k is the running sum of
+  the segment products ``A[:, S_r] B[:, S_r]^T`` (one N x M x D unit of matmul for every level
+  together) divided by the prefix norms (running sums of segment square norms, O(N K)).
+* Backward: ``G^k = s dl^k / (n^k m^k)`` and the row / column scalars ``rho^k = sum_j s dl^k cos^k /
+  (n^k)^2`` (``gamma^k`` per column); ``H^r = sum_{k >= r} G^k`` built from the top level down, and
+  ``dA[:, S_r] = H^r B[:, S_r] - A[:, S_r] sum_{k >= r} rho^k`` (``dB`` the same transposed): one GEMM
+  per segment and side, so two units, as for one loss.
+* A summed output without a column term forms its gradients in the forward (each row chunk spans all
+  columns, so its log-sum-exps are final there): 3 units in all, for every level together. Those
+  gradients are of ``sum_k w_k out_k`` (``weights``); the backward scales them by ``alpha`` from the
+  upstream gradient ``go = alpha w``, which is what every loss passes (the weighted sum of the levels
+  times factors that do not depend on the level). Other outputs store statistics and recompute.
+
+The row chunk is sized so that the K level tiles plus three working tiles fit the tile budget
+(``chunked.tile_elements``) and each tile spans all M columns.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._amp import autocast_off
+from .chunked import tile_elements
+from .norms import clamped_norms
+from .spec import Coeffs, CoreData, CoreSpec, combine, compute_dtype
+
+_NEG_INF = float("-inf")
+
+
+def _prefix_norms(x: Tensor, bounds: list[int], eps: float, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(norms, active)`` [R, K]: the clamped norm of every prefix ``x[:, :d_k]`` and whether it is above
+    ``eps`` (a clamped prefix is divided by the constant eps: no projection in its backward)."""
+    segs = [clamped_norms(x[:, lo:hi], 0.0, dt) ** 2 for lo, hi in zip([0] + bounds[:-1], bounds, strict=True)]
+    raw = torch.stack(segs, dim=1).cumsum_(1).sqrt_()
+    return raw.clamp_min(eps), raw > eps
+
+
+def _row_chunk(n: int, m: int, k: int) -> int:
+    return max(1, min(n, tile_elements() // (max(m, 1) * (k + 3))))
+
+
+class _Problem:
+    """What one call needs in every pass: the inputs in the compute dtype, prefix norms, the masks."""
+
+    def __init__(self, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, dims: tuple[int, ...],
+                 dt: torch.dtype):
+        self.same = b is None
+        self.a = a.to(dt)
+        self.b = self.a if b is None else b.to(dt)
+        self.s = scale.detach().to(dt) if isinstance(scale, Tensor) else float(scale)
+        self.spec, self.data, self.dims, self.dt = spec, data, list(dims), dt
+        self.lo = [0] + self.dims[:-1]
+        self.na, self.act_a = _prefix_norms(self.a, self.dims, spec.eps, dt)
+        self.nb, self.act_b = (self.na, self.act_a) if b is None else _prefix_norms(self.b, self.dims, spec.eps, dt)
+        self.n, self.m, self.k = self.a.shape[0], self.b.shape[0], len(self.dims)
+
+    def cosines(self, r0: int, r1: int) -> list[Tensor]:
+        """Level k's cosine tile [r1 - r0, M] for every k (running sums of the segment products)."""
+        out, acc = [], None
+        for k, (lo, hi) in enumerate(zip(self.lo, self.dims, strict=True)):
+            p = self.a[r0:r1, lo:hi] @ self.b[:, lo:hi].T
+            acc = p if acc is None else acc + p
+            out.append(acc / (self.na[r0:r1, k, None] * self.nb[None, :, k]))
+        return out
+
+    def logits(self, c: Tensor, r0: int, r1: int) -> tuple[Tensor, Tensor | None]:
+        """``(masked logits, the target logit per row or None)`` of a cosine tile of rows [r0, r1)."""
+        spec, data = self.spec, self.data
+        l = c * self.s
+        if data.bias_col is not None and spec.bias != 0.0:
+            l.scatter_add_(1, data.bias_col[r0:r1, None],
+                           torch.full((r1 - r0, 1), spec.bias, dtype=l.dtype, device=l.device))
+        if spec.exclude_self:
+            own = torch.arange(r0, r1, device=l.device) + spec.offset
+            inside = own < self.m
+            rows = torch.arange(r1 - r0, device=l.device)[inside]
+            l[rows, own[inside]] = _NEG_INF
+        tgt = None
+        if data.target is not None:
+            tgt = l.gather(1, data.target[r0:r1, None])[:, 0]
+            if spec.exclude_target:
+                l = l.scatter(1, data.target[r0:r1, None], _NEG_INF)
+        return l, tgt
+
+    def weights(self, r0: int, r1: int) -> Tensor | None:
+        """Positive weights ``w_ij`` of rows [r0, r1) (0 at the excluded own column), or None."""
+        data = self.data
+        if not data.has_positives:
+            return None
+        dev = self.a.device
+        if data.pos_mask is not None:
+            n0, m0 = data.pos_mask.shape
+            ri = torch.arange(r0, r1, device=dev) % n0
+            ci = torch.arange(self.m, device=dev) % m0
+            w = data.pos_mask[ri[:, None], ci[None, :]].to(self.dt)
+        else:
+            w = (data.row_labels[r0:r1, None] == data.col_labels[None, :]).to(self.dt)
+        if self.spec.exclude_self:
+            own = torch.arange(r0, r1, device=dev) + self.spec.offset
+            inside = own < self.m
+            w[torch.arange(r1 - r0, device=dev)[inside], own[inside]] = 0.0
+        return w
+
+
+def _stats(l: Tensor, w: Tensor | None, want_pos: bool, want_set: bool):
+    """Row statistics of a logit tile spanning all columns: LSE, LSEpos, SET (None when not wanted)."""
+    lse = torch.logsumexp(l, dim=1)
+    lse_pos = torch.logsumexp(l + torch.log(w), dim=1) if want_pos else None
+    set_ = torch.where(w > 0, w * l, 0.0).sum(1) if want_set else None
+    return lse, lse_pos, set_
+
+
+def _safe(x: Tensor) -> Tensor:
+    return torch.where(x == _NEG_INF, 0.0, x)
+
+
+def _logit_grad(l: Tensor, w: Tensor | None, r0: int, r1: int, data: CoreData, lse, lse_col, lse_pos,
+                g, g_col, g_pos, g_tgt, g_set) -> Tensor:
+    """``dl`` of one level's tile: ``g p + gc pc + gp q - gt [j == target] - gs w`` (each g per row of the
+    tile, ``gc`` per column; None: the term is absent)."""
+    dl = torch.zeros_like(l)
+    if g is not None:
+        dl += (l - _safe(lse)[:, None]).exp() * g[:, None]
+    if g_col is not None:
+        dl += (l - _safe(lse_col)[None, :]).exp() * g_col[None, :]
+    if g_pos is not None:
+        dl += w * (l - _safe(lse_pos)[:, None]).exp() * g_pos[:, None]
+    if g_set is not None:
+        dl -= w * g_set[:, None]
+    if g_tgt is not None:
+        dl.scatter_add_(1, data.target[r0:r1, None], -g_tgt[:, None])
+    return dl
+
+
+def _row_coef(c, n: int, like: Tensor) -> Tensor | None:
+    if c is None:
+        return None
+    return c.to(like.dtype) if isinstance(c, Tensor) else torch.full((n,), float(c), dtype=like.dtype,
+                                                                      device=like.device)
+
+
+class _Grads:
+    """Accumulates ``dA``, ``dB`` and ``ds`` over row chunks from the levels' logit-gradient tiles."""
+
+    def __init__(self, pb: _Problem, need_a: bool, need_b: bool, need_s: bool):
+        self.pb = pb
+        self.need_a, self.need_b, self.need_s = need_a, need_b, need_s
+        self.da = torch.zeros_like(pb.a) if need_a else None
+        self.db = torch.zeros_like(pb.b) if need_b else None
+        self.gamma = torch.zeros(pb.m, pb.k, dtype=pb.dt, device=pb.a.device) if need_b else None
+        self.ds = torch.zeros((), dtype=torch.float64, device=pb.a.device)
+
+    def add(self, r0: int, r1: int, cos: list[Tensor], dls: list[Tensor]) -> None:
+        """Rows [r0, r1): ``cos[k]``, ``dls[k]`` level k's cosine and logit-gradient tiles (consumed)."""
+        pb = self.pb
+        if self.need_s:
+            for c, dl in zip(cos, dls, strict=True):
+                self.ds += torch.linalg.vecdot(dl, c, dim=1).sum().to(torch.float64)
+        h = None
+        rho = torch.zeros(r1 - r0, dtype=pb.dt, device=pb.a.device)
+        na, nb = pb.na[r0:r1], pb.nb
+        for k in range(pb.k - 1, -1, -1):
+            gc = dls[k].mul_(pb.s)  # d loss / d cos^k
+            if self.need_a:
+                rho += torch.where(pb.act_a[r0:r1, k], torch.linalg.vecdot(gc, cos[k], dim=1) / na[:, k] ** 2, 0.0)
+            if self.need_b:
+                col = torch.linalg.vecdot(gc, cos[k], dim=0) / nb[:, k] ** 2
+                self.gamma[:, k] += torch.where(pb.act_b[:, k], col, 0.0)
+            g = gc.div_(na[:, k, None] * nb[None, :, k])
+            h = g if h is None else h.add_(g)
+            lo, hi = pb.lo[k], pb.dims[k]
+            if self.need_a:
+                self.da[r0:r1, lo:hi] += h @ pb.b[:, lo:hi] - pb.a[r0:r1, lo:hi] * rho[:, None]
+            if self.need_b:
+                self.db[:, lo:hi].addmm_(h.T, pb.a[r0:r1, lo:hi])
+
+    def result(self) -> tuple[Tensor | None, Tensor | None, Tensor]:
+        pb = self.pb
+        db = self.db
+        if db is not None:
+            suffix = self.gamma.flip(1).cumsum(1).flip(1)
+            for k in range(pb.k):
+                lo, hi = pb.lo[k], pb.dims[k]
+                db[:, lo:hi] -= pb.b[:, lo:hi] * suffix[:, k, None]
+            if pb.spec.grad_cols is not None:
+                db[pb.spec.grad_cols:] = 0.0
+        # the columns past the last level take no part in any level: their gradient stays 0
+        return self.da, db, self.ds.to(pb.dt)
+
+
+class MatryoshkaCoreFn(torch.autograd.Function):
+    """The core op at levels ``dims`` (ascending, ``dims[-1] <= D``): ``[K, N]`` per-row values or
+    ``[K]`` sums, level k in row k. ``weights`` (one float per level) are the multipliers the caller
+    applies to the levels; they are used only by the eager route (see the module docstring)."""
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+                reduce: bool, dims: tuple[int, ...], weights: tuple[float, ...]):
+        dt = compute_dtype(a, b)
+        coef = coef.to(dt)
+        pb = _Problem(a, b, scale, spec, data, dims, dt)
+        n, m, k = pb.n, pb.m, pb.k
+        want_col, want_pos = coef.col is not None, coef.pos is not None
+        want_tgt, want_set = coef.tgt is not None, coef.set is not None
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[2]
+        ctx.spec, ctx.data, ctx.coef, ctx.reduce, ctx.dims, ctx.weights = spec, data, coef, reduce, dims, weights
+        ctx.dtypes = (a.dtype, None if b is None else b.dtype,
+                      scale.dtype if isinstance(scale, Tensor) else None,
+                      scale.shape if isinstance(scale, Tensor) else None)
+        ctx.scale = None if isinstance(scale, Tensor) else scale
+        eager = (reduce and not want_col and (need_a or need_b or need_s)
+                 and any(w != 0 for w in weights))
+        dev = pb.a.device
+        lse = torch.empty(k, n, dtype=dt, device=dev)
+        lse_pos = torch.empty(k, n, dtype=dt, device=dev) if want_pos else None
+        tgt = torch.empty(k, n, dtype=dt, device=dev) if want_tgt else None
+        set_ = torch.empty(k, n, dtype=dt, device=dev) if want_set else None
+        lse_col = torch.full((k, m), _NEG_INF, dtype=dt, device=dev) if want_col else None
+        grads = _Grads(pb, need_a, need_b or (pb.same and need_a), need_s) if eager else None
+        step = _row_chunk(n, m, k)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            cos = pb.cosines(r0, r1)
+            w = pb.weights(r0, r1)
+            dls = []
+            for lvl in range(k):
+                l, t = pb.logits(cos[lvl], r0, r1)
+                st = _stats(l, w, want_pos, want_set)
+                lse[lvl, r0:r1] = st[0]
+                if want_pos:
+                    lse_pos[lvl, r0:r1] = st[1]
+                if want_set:
+                    set_[lvl, r0:r1] = st[2]
+                if want_tgt:
+                    tgt[lvl, r0:r1] = t
+                if want_col:
+                    lse_col[lvl] = torch.logaddexp(lse_col[lvl], torch.logsumexp(l, dim=0))
+                if eager:
+                    go = torch.full((r1 - r0,), float(weights[lvl]), dtype=dt, device=dev)
+                    gs = _level_grads(coef, go, r0, r1, lse[lvl, r0:r1], None,
+                                      lse_pos[lvl, r0:r1] if want_pos else None, n)
+                    dls.append(_logit_grad(l, w, r0, r1, data, lse[lvl, r0:r1], None,
+                                           lse_pos[lvl, r0:r1] if want_pos else None, *gs))
+                del l
+            if eager:
+                grads.add(r0, r1, cos, dls)
+            del cos, dls
+        ctx.eager = grads.result() if eager else None
+        ctx.save_for_backward(a, b, scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos)
+        return torch.stack([combine(coef, reduce, lse[lvl], None if lse_col is None else lse_col[lvl],
+                                    None if lse_pos is None else lse_pos[lvl], None if tgt is None else tgt[lvl],
+                                    None if set_ is None else set_[lvl]) for lvl in range(k)])
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, go: Tensor):
+        need_a, need_b, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        a, b, scale, lse, lse_col, lse_pos = ctx.saved_tensors
+        if scale is None:
+            scale = ctx.scale
+        dt = lse.dtype
+        go = go.to(dt)
+        if ctx.eager is not None:
+            w = torch.tensor(ctx.weights, dtype=dt, device=go.device)
+            alpha = (go * w).sum() / (w * w).sum()
+            if go.device.type != "cpu" or torch.allclose(go, alpha * w, rtol=1e-6, atol=0.0):
+                da, db, ds = ctx.eager
+                ctx.eager = None
+                return _out(ctx, need_a, need_b, need_s, da, db, ds, alpha, b is None)
+        pb = _Problem(a, b, scale, ctx.spec, ctx.data, ctx.dims, dt)
+        coef, data, reduce = ctx.coef, ctx.data, ctx.reduce
+        n, m, k = pb.n, pb.m, pb.k
+        grads = _Grads(pb, need_a, need_b or (pb.same and need_a), need_s)
+        step = _row_chunk(n, m, k)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            cos = pb.cosines(r0, r1)
+            w = pb.weights(r0, r1)
+            dls = []
+            for lvl in range(k):
+                l, _ = pb.logits(cos[lvl], r0, r1)
+                g_rows = go[lvl].expand(n)[r0:r1] if reduce else go[lvl, r0:r1]
+                g_cols = None
+                if lse_col is not None:
+                    g_cols = go[lvl].expand(m) if reduce else go[lvl]
+                gs = _level_grads(coef, g_rows, r0, r1, lse[lvl, r0:r1],
+                                  None if lse_col is None else (lse_col[lvl], g_cols),
+                                  None if lse_pos is None else lse_pos[lvl, r0:r1], n)
+                dls.append(_logit_grad(l, w, r0, r1, data, lse[lvl, r0:r1],
+                                       None if lse_col is None else lse_col[lvl],
+                                       None if lse_pos is None else lse_pos[lvl, r0:r1], *gs))
+                del l
+            grads.add(r0, r1, cos, dls)
+            del cos, dls
+        da, db, ds = grads.result()
+        return _out(ctx, need_a, need_b, need_s, da, db, ds, None, b is None)
+
+
+def _level_grads(coef: Coeffs, go_rows: Tensor, r0: int, r1: int, lse_r: Tensor, col: tuple | None,
+                 lse_pos_r: Tensor | None, n: int):
+    """``(g, g_col, g_pos, g_tgt, g_set)`` of one level for rows [r0, r1): the coefficients times the
+    upstream gradient, 0 where the statistic is -inf (a dropped term) or absent (None)."""
+    def rows(c):
+        v = _row_coef(c, n, go_rows)
+        return None if v is None else v[r0:r1] * go_rows
+    g = rows(coef.lse)
+    g = torch.where(lse_r == _NEG_INF, 0.0, g)
+    g_col = None
+    if col is not None:
+        lse_col, go_cols = col
+        g_col = torch.where(lse_col == _NEG_INF, 0.0, _row_coef(coef.col, go_cols.shape[0], go_cols) * go_cols)
+    g_pos = rows(coef.pos)
+    if g_pos is not None:
+        g_pos = torch.where(lse_pos_r == _NEG_INF, 0.0, g_pos)
+    return g, g_col, g_pos, rows(coef.tgt), rows(coef.set)
+
+
+def _out(ctx, need_a, need_b, need_s, da, db, ds, alpha, same):
+    adt, bdt, sdt, sshape = ctx.dtypes
+    if same and da is not None and db is not None:
+        da = da + db
+        db = None
+    if alpha is not None:
+        da = da * alpha if da is not None else None
+        db = db * alpha if db is not None else None
+        ds = ds * alpha
+    return (
+        da.to(adt) if need_a and da is not None else None,
+        db.to(bdt) if need_b and db is not None else None,
+        ds.to(sdt).reshape(sshape) if need_s else None,
+        None, None, None, None, None, None,
+    )
+
+
+def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs, reduce: bool,
+        dims: tuple[int, ...], weights: tuple[float, ...]) -> Tensor:
+    """The core op at every level (see :class:`MatryoshkaCoreFn`): ``[K]`` or ``[K, N]``."""
+    return MatryoshkaCoreFn.apply(a, b, scale, spec, data, coef, reduce, tuple(dims), tuple(float(w) for w in weights))
