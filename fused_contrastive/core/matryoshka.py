@@ -28,6 +28,8 @@ The row chunk is sized so that the K level tiles plus three working tiles fit th
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -47,8 +49,11 @@ def _prefix_norms(x: Tensor, bounds: list[int], eps: float, dt: torch.dtype) -> 
     return raw.clamp_min(eps), raw > eps
 
 
-def _row_chunk(n: int, m: int, k: int) -> int:
-    return max(1, min(n, tile_elements() // (max(m, 1) * (k + 3))))
+def _row_chunk(n: int, m: int) -> int:
+    """Rows per chunk: those of the plain chunked path (a ``rows x M`` tile within the tile budget). The
+    levels' tiles live at once (K + 1 on the cross-entropy route, K + 3 otherwise): O(K M) memory,
+    within O(N D + K N)."""
+    return max(1, min(n, tile_elements() // max(m, 1)))
 
 
 class _Problem:
@@ -168,21 +173,39 @@ class _Grads:
         if self.need_s:
             for c, dl in zip(cos, dls, strict=True):
                 self.ds += torch.linalg.vecdot(dl, c, dim=1).sum().to(torch.float64)
-        h = None
-        rho = torch.zeros(r1 - r0, dtype=pb.dt, device=pb.a.device)
         na, nb = pb.na[r0:r1], pb.nb
-        for k in range(pb.k - 1, -1, -1):
+        gs, rhos, gammas = [], [], []
+        for k in range(pb.k):
             gc = dls[k].mul_(pb.s)  # d loss / d cos^k
-            if self.need_a:
-                rho += torch.where(pb.act_a[r0:r1, k], torch.linalg.vecdot(gc, cos[k], dim=1) / na[:, k] ** 2, 0.0)
+            rhos.append(torch.where(pb.act_a[r0:r1, k], torch.linalg.vecdot(gc, cos[k], dim=1) / na[:, k] ** 2, 0.0))
             if self.need_b:
                 col = torch.linalg.vecdot(gc, cos[k], dim=0) / nb[:, k] ** 2
-                self.gamma[:, k] += torch.where(pb.act_b[:, k], col, 0.0)
-            g = gc.div_(na[:, k, None] * nb[None, :, k])
-            h = g if h is None else h.add_(g)
+                gammas.append(torch.where(pb.act_b[:, k], col, 0.0))
+            gs.append(gc.div_(na[:, k, None]).div_(nb[None, :, k]))
+        self.apply(r0, r1, gs, rhos, gammas)
+
+    def apply(self, r0: int, r1: int, gs: list[Tensor], rhos: list[Tensor], gammas: list[Tensor],
+              cols: list[Tensor] | None = None) -> None:
+        """Rows [r0, r1) from level k's ``G^k`` tile (consumed; ``G^k = gs[k] * cols[k]`` per column when
+        ``cols`` is given), row scalars ``rho^k`` and column scalars ``gamma^k``: the suffix sums from the
+        top level down, one GEMM per segment and side."""
+        pb = self.pb
+        h = None
+        rho = None
+        for k in range(pb.k - 1, -1, -1):
+            if cols is None:
+                h = gs[k] if h is None else h.add_(gs[k])
+            else:
+                h = gs[k].mul_(cols[k][None, :]) if h is None else h.addcmul_(gs[k], cols[k][None, :])
+            gs[k] = None
+            rho = rhos[k] if rho is None else rho + rhos[k]
+            if self.need_b:
+                self.gamma[:, k] += gammas[k]
             lo, hi = pb.lo[k], pb.dims[k]
             if self.need_a:
-                self.da[r0:r1, lo:hi] += h @ pb.b[:, lo:hi] - pb.a[r0:r1, lo:hi] * rho[:, None]
+                da = self.da[r0:r1, lo:hi]
+                da.addmm_(h, pb.b[:, lo:hi])
+                da.addcmul_(pb.a[r0:r1, lo:hi], rho[:, None], value=-1.0)
             if self.need_b:
                 self.db[:, lo:hi].addmm_(h.T, pb.a[r0:r1, lo:hi])
 
@@ -199,6 +222,98 @@ class _Grads:
         # the columns past the last level take no part in any level: their gradient stays 0
         return self.da, db, self.ds.to(pb.dt)
 
+
+
+#: the largest |logit| for which exp(logit) needs no max subtraction: exp(+-40) and sums of up to 1e20 of
+#: them stay normal float32 numbers (float64: exp(+-600))
+_NO_SHIFT = {torch.float32: 40.0, torch.float64: 600.0}
+
+
+def _ce_fast(pb: _Problem, coef: Coeffs) -> bool:
+    """Whether the cross-entropy route applies: coefficients on LSE and the target logit only, and
+    logits bounded by ``|s| + |bias|`` (every level's cosine is in [-1, 1]) small enough to exponentiate
+    without a row maximum. A scale tensor off the CPU is not read (that would be a host sync)."""
+    if coef.col is not None or coef.pos is not None or coef.set is not None:
+        return False
+    s = pb.s
+    if isinstance(s, Tensor):
+        if s.device.type != "cpu":
+            return False
+        s = float(s)
+    bias = abs(pb.spec.bias) if pb.data.bias_col is not None else 0.0
+    return abs(s) + bias <= _NO_SHIFT.get(pb.dt, 0.0)
+
+
+def _ce_chunk(pb: _Problem, r0: int, r1: int, coef: Coeffs, go: list[Tensor] | None, stats: list | None,
+              grads: _Grads | None) -> None:
+    """Rows [r0, r1) of every level on the cross-entropy route (``_ce_fast``): the statistics LSE and TGT
+    into ``stats = [lse, tgt]`` ([K, N] each, or None), and with ``go`` (level k's upstream gradient of
+    its rows) the gradient tiles into ``grads``.
+
+    Per level and tile: the logits ``acc * (s / n) (1 / m)`` (the raw prefix products ``acc``
+    accumulated in place by one GEMM per segment), ``e = exp`` of them without a shift, the masks as
+    zeros in ``e``, ``z = sum_j e``; the gradient tile ``G = s dl / (n m)`` is ``e`` scaled in place by
+    the row factor ``g s / (z n)`` and the column factor ``1 / m``, less the target's one-hot. Ten
+    passes over the tile per level in all."""
+    spec, data = pb.spec, pb.data
+    dev, dt = pb.a.device, pb.dt
+    rows = torch.arange(r1 - r0, device=dev)
+    tgt_col = data.target[r0:r1] if data.target is not None else None
+    own = torch.arange(r0, r1, device=dev) + spec.offset if spec.exclude_self else None
+    own_in = (own < pb.m) if own is not None else None
+    bias_col = data.bias_col[r0:r1] if data.bias_col is not None and spec.bias != 0.0 else None
+    acc = torch.empty(r1 - r0, pb.m, dtype=dt, device=dev)
+    s = pb.s
+    gs, rhos, gammas, cols = [], [], [], []
+    for k in range(pb.k):
+        lo, hi = pb.lo[k], pb.dims[k]
+        if k == 0:
+            torch.mm(pb.a[r0:r1, lo:hi], pb.b[:, lo:hi].T, out=acc)
+        else:
+            acc.addmm_(pb.a[r0:r1, lo:hi], pb.b[:, lo:hi].T)
+        ra = s / pb.na[r0:r1, k]
+        rb = 1.0 / pb.nb[:, k]
+        e = torch.mul(acc, ra[:, None]).mul_(rb[None, :])
+        tgt = None
+        if tgt_col is not None:
+            tgt = e[rows, tgt_col]
+            if bias_col is not None:
+                tgt = torch.where(bias_col == tgt_col, tgt + spec.bias, tgt)
+            if own is not None:
+                tgt = torch.where(own == tgt_col, _NEG_INF, tgt)
+        e.exp_()
+        if bias_col is not None:
+            e[rows, bias_col] *= math.exp(spec.bias)
+        if own is not None:
+            e[rows[own_in], own[own_in]] = 0.0
+        if spec.exclude_target:
+            e[rows, tgt_col] = 0.0
+        z = e.sum(1)
+        lse = torch.where(z > 0, torch.log(z), _NEG_INF)
+        if stats is not None:
+            stats[0][k, r0:r1] = lse
+            if stats[1] is not None:
+                stats[1][k, r0:r1] = tgt
+        if go is None:
+            continue
+        g = _row_coef(coef.lse, pb.n, lse)[r0:r1] * go[k]
+        g = torch.where(z > 0, g / torch.where(z > 0, z, 1.0), 0.0)
+        e.mul_((g * ra)[:, None])  # E = G / (1 / m): the softmax part, its columns not yet scaled
+        if coef.tgt is not None:
+            gt = _row_coef(coef.tgt, pb.n, lse)[r0:r1] * go[k]
+            e[rows, tgt_col] -= gt * ra
+        t = torch.mul(e, acc)
+        r = t @ rb  # sum_j G_ij acc_ij = s sum_j dl_ij cos_ij
+        if grads.need_s:
+            grads.ds += (r.sum() / s).to(torch.float64)
+        rhos.append(torch.where(pb.act_a[r0:r1, k], r / pb.na[r0:r1, k] ** 2, 0.0))
+        if grads.need_b:
+            gammas.append(torch.where(pb.act_b[:, k], t.sum(0) * rb / pb.nb[:, k] ** 2, 0.0))
+        del t
+        gs.append(e)
+        cols.append(rb)
+    if go is not None:
+        grads.apply(r0, r1, gs, rhos, gammas, cols)
 
 class MatryoshkaCoreFn(torch.autograd.Function):
     """The core op at levels ``dims`` (ascending, ``dims[-1] <= D``): ``[K, N]`` per-row values or
@@ -231,8 +346,13 @@ class MatryoshkaCoreFn(torch.autograd.Function):
         set_ = torch.empty(k, n, dtype=dt, device=dev) if want_set else None
         lse_col = torch.full((k, m), _NEG_INF, dtype=dt, device=dev) if want_col else None
         grads = _Grads(pb, need_a, need_b or (pb.same and need_a), need_s) if eager else None
-        step = _row_chunk(n, m, k)
-        for r0 in range(0, n, step):
+        fast = _ce_fast(pb, coef)
+        step = _row_chunk(n, m)
+        for r0 in range(0, n if fast else 0, step):
+            r1 = min(n, r0 + step)
+            go = [torch.full((r1 - r0,), float(w), dtype=dt, device=dev) for w in weights] if eager else None
+            _ce_chunk(pb, r0, r1, coef, go, [lse, tgt], grads)
+        for r0 in range(0, n if not fast else 0, step):
             r1 = min(n, r0 + step)
             cos = pb.cosines(r0, r1)
             w = pb.weights(r0, r1)
@@ -285,8 +405,13 @@ class MatryoshkaCoreFn(torch.autograd.Function):
         coef, data, reduce = ctx.coef, ctx.data, ctx.reduce
         n, m, k = pb.n, pb.m, pb.k
         grads = _Grads(pb, need_a, need_b or (pb.same and need_a), need_s)
-        step = _row_chunk(n, m, k)
-        for r0 in range(0, n, step):
+        fast = _ce_fast(pb, coef)
+        step = _row_chunk(n, m)
+        for r0 in range(0, n if fast else 0, step):
+            r1 = min(n, r0 + step)
+            rows_go = [go[lvl].expand(r1 - r0) if reduce else go[lvl, r0:r1] for lvl in range(k)]
+            _ce_chunk(pb, r0, r1, coef, rows_go, None, grads)
+        for r0 in range(0, n if not fast else 0, step):
             r1 = min(n, r0 + step)
             cos = pb.cosines(r0, r1)
             w = pb.weights(r0, r1)
