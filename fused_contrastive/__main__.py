@@ -3,6 +3,7 @@
 Sub-commands: ``check`` (the default) verifies every loss on every backend available here against
 the float64 ground truth; ``bench`` runs the benchmark suite; ``bench-encode`` times
 ``encode_in_chunks`` against a plain step; ``bench-gather`` computes what ``gather=`` sends per rank;
+``bench-matryoshka`` times the one-pass Matryoshka loss against one plain loss and the K-loss computations;
 ``bench-st-step`` times a sentence-transformers training step with their loss and the fused one.
 ``--help`` on either lists its options.
 """
@@ -22,7 +23,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 #: "dense": the one-tile path of problems that fit the tile budget; "tiled": the O(N*D) path (chunked
 #: PyTorch or the Triton kernels), forced with FUSED_CONTRASTIVE_DENSE=0.
 PATHS = ("dense", "tiled")
-COMMANDS = ("check", "bench", "bench-encode", "bench-gather", "bench-st-step")
+COMMANDS = ("check", "bench", "bench-encode", "bench-gather", "bench-matryoshka", "bench-st-step")
 
 
 def _csv(text: str) -> list[str]:
@@ -196,6 +197,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from .bench import cli as bench_cli
     from .bench import encode as bench_encode
     from .bench import gather as bench_gather
+    from .bench import matryoshka as bench_matryoshka
     from .bench import st_step as bench_st_step
 
     parser = argparse.ArgumentParser(
@@ -205,7 +207,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     subs = {"check": _check_parser(sub), "bench": bench_cli.add_parser(sub),
             "bench-encode": bench_encode.add_parser(sub), "bench-gather": bench_gather.add_parser(sub),
-            "bench-st-step": bench_st_step.add_parser(sub)}
+            "bench-matryoshka": bench_matryoshka.add_parser(sub), "bench-st-step": bench_st_step.add_parser(sub)}
     return parser, subs
 
 
@@ -229,6 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench import gather as bench_gather
 
         return bench_gather.run(args, subs["bench-gather"])
+    if args.command == "bench-matryoshka":
+        from .bench import matryoshka as bench_matryoshka
+
+        return bench_matryoshka.run(args, subs["bench-matryoshka"])
     if args.command == "bench-st-step":
         from .bench import st_step as bench_st_step
 

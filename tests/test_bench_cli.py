@@ -172,3 +172,27 @@ def test_bench_stops_on_a_signal_and_writes_what_it_measured(tmp_path, sig, whol
             break
         assert time.monotonic() < deadline, "a process of the bench run outlived it"
         time.sleep(0.2)
+
+
+def test_bench_matryoshka_end_to_end(tmp_path):
+    # tiny sizes: every contender runs, computes the same loss (one pass, the K-loss formula,
+    # sentence-transformers' per-level MNRL: three independent computations), and the files are written
+    env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning")
+    out = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-matryoshka", "--sizes", "48",
+                          "--dims", "32,8,16", "--d", "32", "--repeats", "2", "--out", str(tmp_path)],
+                         check=True, capture_output=True, text=True, env=env, timeout=300)
+    assert "one-pass / plain" in out.stdout and "peak memory" in out.stdout
+    res = json.loads((tmp_path / "bench_matryoshka.json").read_text())
+    (row,) = res["rows"]
+    names = set(row["loss"])
+    assert {"plain", "one-pass", "formula"} <= names
+    import importlib.util
+    if importlib.util.find_spec("sentence_transformers") is not None:
+        assert "sentence-transformers" in names
+    for name in names - {"plain"}:
+        assert abs(row["loss"][name] - row["loss"]["formula"]) < 1e-4 * abs(row["loss"]["formula"]), name
+        assert row["median_s"][name] > 0 and len(row["times_s"][name]) == 2
+    assert (tmp_path / "bench_matryoshka.txt").read_text().startswith("Matryoshka InfoNCE")
+    bad = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-matryoshka", "--dims", "800"],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--dims" in bad.stderr
