@@ -160,6 +160,11 @@ class Cell:
     module: Callable[[bool], nn.Module] | None = None
 
 
+def _prefix(x: Tensor, d: int) -> Tensor:
+    """A Matryoshka level's rows: the first ``d`` coordinates, re-normalised."""
+    return F.normalize(x[..., :d], dim=-1)
+
+
 def _pairs(g):
     return {"a": _tokens(g, N), "b": _tokens(g, N)}
 
@@ -196,6 +201,16 @@ CELLS: list[Cell] = [
     Cell("dscl_loss", _views,
          lambda e, d, m, g: fc.dscl_loss(_two_views(e, d["x"]), d["y"], temperature=0.1, gather=g),
          lambda e, d, m: tb_dscl(_two_views(e, d["x"]), d["y"], 8.0, 0.1)),
+    # Matryoshka levels (the one-pass core) against the textbook loss per level on F.normalize(x[..., :d])
+    Cell("info_nce+matryoshka", _pairs,
+         lambda e, d, m, g: fc.info_nce(e(d["a"]), e(d["b"]), temperature=0.1, gather=g, matryoshka_dims=[6, 2, 4],
+                                        matryoshka_weights=[1.0, 0.5, 2.0]),
+         lambda e, d, m: sum(w * tb_info_nce(_prefix(e(d["a"]), k), _prefix(e(d["b"]), k), 10.0)
+                             for k, w in ((6, 1.0), (2, 0.5), (4, 2.0)))),
+    Cell("supcon_loss+matryoshka", _views,
+         lambda e, d, m, g: fc.supcon_loss(_two_views(e, d["x"]), d["y"], temperature=0.1, gather=g,
+                                           matryoshka_dims=[3, 6]),
+         lambda e, d, m: sum(tb_supcon(_prefix(_two_views(e, d["x"]), k), d["y"], 0.1, 0.07) for k in (3, 6))),
     Cell("dcl_loss", _pairs,
          lambda e, d, m, g: fc.dcl_loss(e(d["a"]), e(d["b"]), temperature=0.2, gather=g),
          lambda e, d, m: dcl_formula(e(d["a"]), e(d["b"]), 0.2)),

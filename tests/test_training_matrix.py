@@ -162,7 +162,8 @@ def test_ddp_two_ranks(name, precision, mode, tmp_path_factory):
 # ------------------------------------------------------------------------------------------------
 
 ST_LOSSES = ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss", "CoSENTLoss"]
-ST_WRAPPERS = ["plain", "MatryoshkaLoss", "AdaptiveLayerLoss"]
+#: "MatryoshkaLoss": theirs around both losses; "ours:MatryoshkaLoss": each library's own MatryoshkaLoss
+ST_WRAPPERS = ["plain", "MatryoshkaLoss", "ours:MatryoshkaLoss", "AdaptiveLayerLoss"]
 ST_CELLS = [(l, w) for l in ST_LOSSES for w in ST_WRAPPERS
             # AdaptiveLayerLoss does not support gradient-caching losses (sentence-transformers warns)
             if not (l.startswith("Cached") and w == "AdaptiveLayerLoss")]
@@ -199,6 +200,8 @@ def _st_step(model, loss_name: str, wrapper: str, ours: bool, bf16: bool) -> dic
     loss = getattr(lib, loss_name)(model, **kw)
     if wrapper == "MatryoshkaLoss":
         loss = peer.MatryoshkaLoss(model, loss, matryoshka_dims=[32, 16, 8])
+    elif wrapper == "ours:MatryoshkaLoss":
+        loss = lib.MatryoshkaLoss(model, loss, matryoshka_dims=[32, 16, 8], matryoshka_weights=[1.0, 2.0, 0.5])
     elif wrapper == "AdaptiveLayerLoss":
         loss = peer.AdaptiveLayerLoss(model, loss)
     ncols = 2 if loss_name == "CoSENTLoss" else 3

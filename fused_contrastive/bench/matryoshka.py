@@ -59,13 +59,19 @@ def _st_loss():
     return losses.MultipleNegativesRankingLoss(torch.nn.Identity(), scale=1.0 / TEMPERATURE)
 
 
-def contenders(dims: list[int]) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+def contenders(dims: list[int], only: str | None = None) -> dict[str, Callable[[torch.Tensor, torch.Tensor],
+                                                                           torch.Tensor]]:
+    """Name -> loss of (q, k); ``only``: just that one (a peak-memory process imports nothing else)."""
     out = {
         "plain": lambda q, k: info_nce(q, k, temperature=TEMPERATURE, backend="torch"),
         "one-pass": lambda q, k: info_nce(q, k, temperature=TEMPERATURE, backend="torch", matryoshka_dims=dims),
         "formula": lambda q, k: _formula(q, k, dims),
     }
+    if only is not None and only != "sentence-transformers":
+        return {only: out[only]}
     st = _st_loss()
+    if only is not None:
+        out = {}
     if st is not None:
         out["sentence-transformers"] = lambda q, k: sum(
             st.compute_loss_from_embeddings([shrink(q, d), shrink(k, d)], None) for d in dims)
@@ -90,7 +96,7 @@ def _peak(args: tuple[dict[str, Any], int, str]) -> int:
     a, n, name = args
     if a["threads"]:
         torch.set_num_threads(a["threads"])
-    fn = contenders(a["dims"])[name]
+    fn = contenders(a["dims"], only=name)[name]
     q, k = _inputs(min(n, 256), a["d"], a["device"])
     _step(fn, q, k)  # warm-up at a small size (allocator, code paths)
     q, k = _inputs(n, a["d"], a["device"])
