@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from .cosent import cosent_loss
-from .losses import clip_loss, dcl_loss, dclw_loss, dscl_loss, info_nce, simcse_loss, simcse_sup_loss, supcon_loss
+from .losses import (
+    _levels,
+    clip_loss,
+    dcl_loss,
+    dclw_loss,
+    dscl_loss,
+    info_nce,
+    simcse_loss,
+    simcse_sup_loss,
+    supcon_loss,
+)
 from .siglip import siglip_loss
 
 
@@ -19,6 +30,15 @@ def _validated(fn, *args, **kw) -> None:
     """Run ``fn`` once on a tiny float64 CPU problem with the module's options (reference backend, no
     gather): a bad option raises here, at construction, with the functional form's own message."""
     kw = dict(kw, backend="reference", gather=False)
+    # Matryoshka levels: checked here but for the bound D (the probe's D is tiny), which forward checks
+    dims, weights = kw.pop("matryoshka_dims", None), kw.pop("matryoshka_weights", None)
+    ret = kw.pop("return_level_losses", False)
+    if dims is not None:
+        _levels.levels(dims, weights, sys.maxsize)
+        if not isinstance(ret, bool):
+            raise TypeError(f"return_level_losses must be a bool, got {type(ret).__name__}")
+    elif weights is not None or ret:
+        fn(*args, **kw, matryoshka_weights=weights, return_level_losses=ret)  # its error names the argument
     fn(*args, **kw)
 
 

@@ -293,3 +293,40 @@ def test_gather_with_levels_two_ranks_uneven(tmp_path):
         mean = {name: sum(x[name][0] for x in results) / 2 for name in ("info_nce", "clip", "supcon")}
         for name, v in mean.items():
             assert abs(v - r[name][1]) < 1e-10, (name, v, r[name][1])
+
+
+def test_triton_backend_runs_one_fused_call_per_level(monkeypatch):
+    # under the interpreter (conftest): backend="triton" with levels is the definition with the Triton loss
+    from fused_contrastive.losses import _levels
+
+    monkeypatch.setattr(_levels, "_WARNED", set())
+    q, k = _r(9, 16, seed=1).float(), _r(9, 16, seed=2).float()
+    qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
+    with pytest.warns(UserWarning, match="one fused Triton call per level"):
+        got = fc.info_nce(qa, ka, backend="triton", matryoshka_dims=[16, 4, 8], matryoshka_weights=[1.0, 2.0, 0.5])
+    got.backward()
+    qb, kb = q.clone().requires_grad_(), k.clone().requires_grad_()
+    want = sum(w * fc.info_nce(_shrink(qb, d), _shrink(kb, d), backend="reference")
+               for d, w in ((16, 1.0), (4, 2.0), (8, 0.5)))
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qa.grad, qb.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ka.grad, kb.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_module_forms_take_the_levels():
+    q, k = _r(6, 12, seed=1), _r(6, 12, seed=2)
+    m = fc.nn.InfoNCELoss(0.1, matryoshka_dims=[12, 3], matryoshka_weights=[1.0, 2.0])
+    want = sum(w * fc.info_nce(_shrink(q, d), _shrink(k, d), temperature=0.1, backend="reference")
+               for d, w in ((12, 1.0), (3, 2.0)))
+    torch.testing.assert_close(m(q, k), want, rtol=1e-12, atol=1e-12)
+    f, lab = _r(4, 2, 12, seed=3), torch.tensor([0, 1, 0, 1])
+    s = fc.nn.SupConLoss(0.1, matryoshka_dims=[6])
+    torch.testing.assert_close(s(f, lab), fc.supcon_loss(_shrink(f, 6), lab, temperature=0.1, backend="reference"),
+                               rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="matryoshka_dims must not repeat"):
+        fc.nn.InfoNCELoss(0.1, matryoshka_dims=[8, 8])
+    with pytest.raises(ValueError, match="matryoshka_weights needs matryoshka_dims"):
+        fc.nn.SimCSELoss(matryoshka_weights=[1.0])
+    with pytest.raises(ValueError, match="must not exceed the embedding dimension 12"):  # D is known at forward
+        fc.nn.InfoNCELoss(0.1, matryoshka_dims=[16])(q, k)

@@ -150,3 +150,24 @@ def test_another_inner_loss_runs_theirs_with_a_warning(model, columns):
 def test_constructor_errors_name_the_argument(model, kw, match):
     with pytest.raises(ValueError, match=match):
         fused.MatryoshkaLoss(model, fused.MultipleNegativesRankingLoss(model), **kw)
+
+
+@pytest.mark.parametrize("directions,partition", [(("query_to_doc",), "joint"),
+                                                  (("query_to_doc", "doc_to_query"), "per_direction")])
+def test_levels_on_triton_are_one_fused_call_per_level(directions, partition):
+    # under the interpreter (conftest): the same value and gradients as the torch one-pass route
+    g = torch.Generator().manual_seed(0)
+    q, d1, d2 = (torch.randn(6, 16, generator=g) for _ in range(3))
+    res = []
+    for be in ("torch", "triton"):
+        xs = [x.clone().requires_grad_() for x in (q, d1, d2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = fused.mnrl_from_embeddings(xs[0], xs[1:], directions=directions, partition_mode=partition,
+                                             matryoshka_dims=[16, 4, 8], matryoshka_weights=[1.0, 2.0, 0.5],
+                                             backend=be)
+        out.backward()
+        res.append((out.detach(), [x.grad for x in xs]))
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(res[1][1], res[0][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
