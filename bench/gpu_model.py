@@ -614,7 +614,6 @@ _FREE = {"aten.view", "aten._unsafe_view", "aten.expand", "aten.t", "aten.detach
          "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.as_strided", "aten.transpose", "aten.permute",
          "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.lift_fresh", "aten.reshape", "aten.diagonal",
          "aten.unbind", "aten.split", "aten.chunk", "aten._to_copy" + "_never"}
-_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.baddbmm"}
 
 
 class OpCounter(TorchDispatchMode):
@@ -655,9 +654,9 @@ class OpCounter(TorchDispatchMode):
             return out
         ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         gemm = None
-        if name in ("aten.mm", "aten.addmm"):
+        if name in ("aten.mm", "aten.addmm", "aten.addmm_"):  # addmm_: the chunked path's dB, the segments
             x, y = (args[0], args[1]) if name == "aten.mm" else (args[1], args[2])
-            gemm = (x.shape[0], y.shape[1], x.shape[1], x.dtype, name == "aten.addmm", outs[0].element_size())
+            gemm = (x.shape[0], y.shape[1], x.shape[1], x.dtype, name != "aten.mm", outs[0].element_size())
         if name.endswith("_") or "out" in (kwargs or {}):  # in place: the output is one of the inputs
             moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         else:
@@ -670,8 +669,19 @@ def _meta(shape, dtype=torch.bfloat16, grad=True):
     return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
 
 
+def matryoshka_dims(d: int) -> list[int]:
+    """The Matryoshka levels of the model: 768/512/256/128/64 at D = 768 (D, 2D/3, D/3, D/6, D/12)."""
+    return sorted({d, 2 * d // 3, d // 3, d // 6, d // 12} - {0}, reverse=True)
+
+
 def naive_formula(loss: str, n: int, d: int):
     """Forward + backward of the textbook formula with bf16 embeddings (fp32 cross-entropy)."""
+    if loss == "info_nce_matryoshka":  # the K-loss formula: one dense logits matrix per level
+        a, b = _meta((n, d)), _meta((n, d))
+        tgt = torch.arange(n, device="meta")
+        out = sum(F.cross_entropy((F.normalize(a[:, :k], dim=1) @ F.normalize(b[:, :k], dim=1).T).float() * 20.0, tgt)
+                  for k in matryoshka_dims(d))
+        return out, (a, b)
     if loss == "simcse":
         z = _meta((n, d))
         zn = F.normalize(z, dim=1)
@@ -702,6 +712,8 @@ def torch_backend(loss: str, n: int, d: int):
     a, b = _meta((n, d)), _meta((n, d))
     if loss == "clip":
         return L.clip_loss(a, b, logit_scale=1 / 0.07, backend="torch"), (a, b)
+    if loss == "info_nce_matryoshka":  # every level in one pass over D (core/matryoshka.py)
+        return L.info_nce(a, b, temperature=0.05, backend="torch", matryoshka_dims=matryoshka_dims(d)), (a, b)
     return L.info_nce(a, b, temperature=0.05, backend="torch"), (a, b)
 
 
@@ -1008,6 +1020,48 @@ def print_report(results: list[dict], d: int, compare: bool) -> None:
     print()
 
 
+def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
+    """MODEL of Matryoshka InfoNCE (``matryoshka_dims(d)``) on a GPU: the torch backend's one-pass path
+    (what ``backend="auto"`` runs on CUDA while the Triton kernels take no level boundaries) next to the
+    plain loss on the same path and the K-loss formula, all as ATen ops under the assumptions above."""
+    dims = "/".join(str(k) for k in matryoshka_dims(d))
+    print(f"--- MODEL Matryoshka InfoNCE, dims {dims}, D = {d}, bf16 inputs, fwd + bwd: the torch backend's "
+          "one-pass path (the path CUDA runs until the Triton kernels take level boundaries) against the plain "
+          "loss on the torch backend and the K-loss formula (ms, central [optimistic - pessimistic]; no GPU used)")
+    print(f"  {'gpu':5s} {'N':>6s} {'plain torch':>22s} {'one-pass torch':>22s} {'ratio':>6s} {'K-loss formula':>22s} "
+          f"{'formula peak':>12s}")
+    recs = []
+    for g in gpus:
+        gpu = GPUS[g]
+        for n in sizes:
+            got = {}
+            for key, path, loss in (("plain", "torch", "info_nce"), ("one_pass", "torch", "info_nce_matryoshka"),
+                                    ("formula", "naive", "info_nce_matryoshka")):
+                ops, peak = count_ops(path, loss, n, d)
+                ends = {}
+                for sc in SCENARIOS:
+                    with scenario(sc):
+                        ends[sc] = aten_model(ops, gpu)
+                got[key] = (ends["central"]["ms"], ends["optimistic"]["ms"], ends["pessimistic"]["ms"],
+                            peak + 2 * n * d * 2, ends["central"]["gemm_flops"], ends["central"]["launches"])
+            fits = got["formula"][3] <= gpu.mem_gb * 1e9
+
+            def cell(v):
+                return f"{v[0]:.1f} [{v[1]:.1f} - {v[2]:.1f}]"
+            print(f"  {g:5s} {n:6d} {cell(got['plain']):>22s} {cell(got['one_pass']):>22s} "
+                  f"{got['one_pass'][0] / got['plain'][0]:5.2f}x {cell(got['formula']):>22s} "
+                  f"{_fmt_b(got['formula'][3]):>12s}{'' if fits else ' DOES NOT FIT'}")
+            recs.append(dict(loss="info_nce_matryoshka", gpu=g, n=n, d=d, dims=matryoshka_dims(d),
+                             plain_torch_ms=round(got["plain"][0], 3), one_pass_torch_ms=round(got["one_pass"][0], 3),
+                             one_pass_range=[round(got["one_pass"][1], 3), round(got["one_pass"][2], 3)],
+                             formula_ms=round(got["formula"][0], 3), formula_peak_bytes=got["formula"][3],
+                             formula_fits=fits, plain_gemm_flops=got["plain"][4],
+                             one_pass_gemm_flops=got["one_pass"][4], formula_gemm_flops=got["formula"][4],
+                             one_pass_launches=got["one_pass"][5], model="MODEL, not a measurement"))
+    print()
+    return recs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="16384,65536", help="N = M values (comma-separated)")
@@ -1016,6 +1070,8 @@ def main(argv=None) -> int:
     ap.add_argument("--losses", default=",".join(LOSSES))
     ap.add_argument("--no-compare", action="store_true",
                     help="omit the comparison with the outside estimate and the goals")
+    ap.add_argument("--matryoshka", action="store_true",
+                    help="also model Matryoshka InfoNCE (5 levels) on the torch backend's one-pass path")
     ap.add_argument("--no-torch", action="store_true",
                     help="skip the torch backend (its op count on the meta device takes ~1 s per 10k launches)")
     args = ap.parse_args(argv)
@@ -1025,8 +1081,13 @@ def main(argv=None) -> int:
             for n in (int(x) for x in args.sizes.split(",")):
                 results.append(model_loss(loss, n, args.d, GPUS[g], with_torch=not args.no_torch))
     print_report(results, args.d, not args.no_compare)
+    extra = []
+    if args.matryoshka:
+        extra = matryoshka_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
     for r in results:
         print(json.dumps(r["rec"]))
+    for r in extra:
+        print(json.dumps(r))
     return 0
 
 

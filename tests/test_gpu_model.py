@@ -47,8 +47,10 @@ def fresh() -> str:
     return _run(["--sizes", "16384,65536", "--gpus", "A100,H100", "--no-torch", "--no-compare"])
 
 
-def _records(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+def _records(text: str, matryoshka: bool = False) -> list[dict]:
+    """The JSON lines: the core-op losses' records, or (``matryoshka``) those of ``--matryoshka``."""
+    recs = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    return [r for r in recs if (r["loss"] == "info_nce_matryoshka") == matryoshka]
 
 
 def _peaks(text: str) -> dict[str, float]:
@@ -284,3 +286,22 @@ print(json.dumps(out))
         da = max(flops / (peak * eff(65536, 10 * 3)),
                  ((1216 * 65536 + 65536 * 768) * 2 + 1216 * 768 * 4) / (hbm * 3.35e12))
         assert got[scn] == pytest.approx([db, da], rel=1e-9), scn
+
+
+def test_committed_matryoshka_model_has_one_loss_of_matmul_work():
+    # --matryoshka: the torch backend's one-pass path does the GEMM work of one loss (3 units: the
+    # segment GEMMs sum to one GEMM over D per side), the K-loss formula 3 units per level scaled by
+    # d_k / D; times are a model (labelled), bracketed by their range
+    text = COMMITTED.read_text()
+    assert "--- MODEL Matryoshka InfoNCE, dims 768/512/256/128/64" in text
+    recs = _records(text, matryoshka=True)
+    assert {(r["gpu"], r["n"]) for r in recs} == {(g, n) for g in ("A100", "H100", "H200") for n in (16384, 65536)}
+    for r in recs:
+        unit = 2 * r["n"] ** 2 * r["d"]
+        assert r["dims"] == [768, 512, 256, 128, 64] and r["model"].startswith("MODEL")
+        assert r["plain_gemm_flops"] == 3 * unit
+        assert r["one_pass_gemm_flops"] == 3 * unit
+        assert r["formula_gemm_flops"] == 3 * unit * sum(r["dims"]) // r["d"]
+        lo, hi = r["one_pass_range"]
+        assert lo <= r["one_pass_torch_ms"] <= hi
+        assert r["formula_fits"] == (r["formula_peak_bytes"] <= {"A100": 80e9, "H100": 80e9, "H200": 141e9}[r["gpu"]])
