@@ -24,7 +24,7 @@ from torch import nn
 from .. import simcse_loss
 from ..encode import encode_in_chunks
 from .helptext import help_text
-from .memory import meter
+from .memory import step_peak
 
 
 class SmallTransformer(nn.Module):
@@ -62,11 +62,7 @@ def _peak(args: tuple[dict[str, Any], str]) -> int:
     model, x = _setup(a)
     _step(model, x[: 2 * a["chunk"]], how, a["chunk"])  # warm-up at a small size (allocator, kernels)
     model.zero_grad(set_to_none=True)
-    m = meter(torch.device(a["device"]), isolated=True)
-    m.start(float("inf") if a["device"] != "cpu" else 64 * (1 << 30))
-    _step(model, x, how, a["chunk"])
-    m.sync()
-    return m.peak()
+    return step_peak(a["device"], lambda: _step(model, x, how, a["chunk"]))
 
 
 def measure(a: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from tabulate import tabulate
 from .. import info_nce
 from ..losses._levels import shrink
 from .helptext import help_text
-from .memory import meter
+from .memory import step_peak
 
 TEMPERATURE = 0.05
 
@@ -100,11 +100,7 @@ def _peak(args: tuple[dict[str, Any], int, str]) -> int:
     q, k = _inputs(min(n, 256), a["d"], a["device"])
     _step(fn, q, k)  # warm-up at a small size (allocator, code paths)
     q, k = _inputs(n, a["d"], a["device"])
-    m = meter(torch.device(a["device"]), isolated=True)
-    m.start(float("inf") if a["device"] != "cpu" else 64 * (1 << 30))
-    _step(fn, q, k)
-    m.sync()
-    return m.peak()
+    return step_peak(a["device"], lambda: _step(fn, q, k))
 
 
 def measure(a: dict[str, Any]) -> dict[str, Any]:

@@ -115,3 +115,15 @@ def is_oom(exc: BaseException) -> bool:
     msg = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
         s in msg for s in ("can't allocate memory", "out of memory", "not enough memory", "cannot allocate memory"))
+
+
+def step_peak(device: str, step) -> int:
+    """Peak memory of one call of ``step()`` in this (fresh) process, over what is allocated before it:
+    the CPU meter's resident-set high-water mark (address space capped 64 GiB above the baseline) or
+    the CUDA allocator's peak."""
+    m = meter(torch.device(device), isolated=True)
+    m.start(float("inf") if device != "cpu" else 64 * (1 << 30))
+    step()
+    m.sync()
+    return m.peak()
+

@@ -25,7 +25,7 @@ import torch
 from tabulate import tabulate
 
 from .helptext import help_text
-from .memory import meter
+from .memory import step_peak
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -110,11 +110,7 @@ def _peak(args: tuple[dict[str, Any], int, str]) -> int:
     loss = _loss(model, which)
     _step(model, loss, [{k: v[:8] if isinstance(v, torch.Tensor) else v for k, v in f.items()} for f in feats])
     model.zero_grad(set_to_none=True)
-    m = meter(torch.device(a["device"]), isolated=True)
-    m.start(float("inf") if a["device"] != "cpu" else 64 * (1 << 30))
-    _step(model, loss, feats)
-    m.sync()
-    return m.peak()
+    return step_peak(a["device"], lambda: _step(model, loss, feats))
 
 
 def measure(a: dict[str, Any]) -> dict[str, Any]:

@@ -315,6 +315,40 @@ def _ce_chunk(pb: _Problem, r0: int, r1: int, coef: Coeffs, go: list[Tensor] | N
     if go is not None:
         grads.apply(r0, r1, gs, rhos, gammas, cols)
 
+def _general_chunk(pb: _Problem, r0: int, r1: int, coef: Coeffs, st: tuple, write: bool,
+                   go_rows: list[Tensor] | None, go_cols: list[Tensor] | None, grads: _Grads | None) -> None:
+    """Rows [r0, r1) of every level on the general route (any coefficients): with ``write`` the statistics
+    ``st = (lse, lse_col, lse_pos, tgt, set)`` ([K, N], ``lse_col`` [K, M] accumulated; None when not
+    computed) are filled from the tiles, else read; with ``go_rows`` (level k's upstream gradient of its
+    rows; ``go_cols`` of the columns for a column term) the gradient tiles go into ``grads``."""
+    lse, lse_col, lse_pos, tgt, set_ = st
+    cos = pb.cosines(r0, r1)
+    w = pb.weights(r0, r1)
+    dls = []
+    for lvl in range(pb.k):
+        l, t = pb.logits(cos[lvl], r0, r1)
+        if write:
+            stats = _stats(l, w, lse_pos is not None, set_ is not None)
+            lse[lvl, r0:r1] = stats[0]
+            if lse_pos is not None:
+                lse_pos[lvl, r0:r1] = stats[1]
+            if set_ is not None:
+                set_[lvl, r0:r1] = stats[2]
+            if tgt is not None:
+                tgt[lvl, r0:r1] = t
+            if lse_col is not None:
+                lse_col[lvl] = torch.logaddexp(lse_col[lvl], torch.logsumexp(l, dim=0))
+        if go_rows is not None:
+            pos = None if lse_pos is None else lse_pos[lvl, r0:r1]
+            col = None if go_cols is None else (lse_col[lvl], go_cols[lvl])
+            gs = _level_grads(coef, go_rows[lvl], r0, r1, lse[lvl, r0:r1], col, pos, pb.n)
+            dls.append(_logit_grad(l, w, r0, r1, pb.data, lse[lvl, r0:r1], None if col is None else lse_col[lvl],
+                                   pos, *gs))
+        del l
+    if go_rows is not None:
+        grads.add(r0, r1, cos, dls)
+
+
 class MatryoshkaCoreFn(torch.autograd.Function):
     """The core op at levels ``dims`` (ascending, ``dims[-1] <= D``): ``[K, N]`` per-row values or
     ``[K]`` sums, level k in row k. ``weights`` (one float per level) are the multipliers the caller
@@ -354,31 +388,8 @@ class MatryoshkaCoreFn(torch.autograd.Function):
             _ce_chunk(pb, r0, r1, coef, go, [lse, tgt], grads)
         for r0 in range(0, n if not fast else 0, step):
             r1 = min(n, r0 + step)
-            cos = pb.cosines(r0, r1)
-            w = pb.weights(r0, r1)
-            dls = []
-            for lvl in range(k):
-                l, t = pb.logits(cos[lvl], r0, r1)
-                st = _stats(l, w, want_pos, want_set)
-                lse[lvl, r0:r1] = st[0]
-                if want_pos:
-                    lse_pos[lvl, r0:r1] = st[1]
-                if want_set:
-                    set_[lvl, r0:r1] = st[2]
-                if want_tgt:
-                    tgt[lvl, r0:r1] = t
-                if want_col:
-                    lse_col[lvl] = torch.logaddexp(lse_col[lvl], torch.logsumexp(l, dim=0))
-                if eager:
-                    go = torch.full((r1 - r0,), float(weights[lvl]), dtype=dt, device=dev)
-                    gs = _level_grads(coef, go, r0, r1, lse[lvl, r0:r1], None,
-                                      lse_pos[lvl, r0:r1] if want_pos else None, n)
-                    dls.append(_logit_grad(l, w, r0, r1, data, lse[lvl, r0:r1], None,
-                                           lse_pos[lvl, r0:r1] if want_pos else None, *gs))
-                del l
-            if eager:
-                grads.add(r0, r1, cos, dls)
-            del cos, dls
+            go = [torch.full((r1 - r0,), float(w), dtype=dt, device=dev) for w in weights] if eager else None
+            _general_chunk(pb, r0, r1, coef, (lse, lse_col, lse_pos, tgt, set_), True, go, None, grads)
         ctx.eager = grads.result() if eager else None
         ctx.save_for_backward(a, b, scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos)
         return torch.stack([combine(coef, reduce, lse[lvl], None if lse_col is None else lse_col[lvl],
@@ -402,7 +413,7 @@ class MatryoshkaCoreFn(torch.autograd.Function):
                 ctx.eager = None
                 return _out(ctx, need_a, need_b, need_s, da, db, ds, alpha, b is None)
         pb = _Problem(a, b, scale, ctx.spec, ctx.data, ctx.dims, dt)
-        coef, data, reduce = ctx.coef, ctx.data, ctx.reduce
+        coef, reduce = ctx.coef, ctx.reduce
         n, m, k = pb.n, pb.m, pb.k
         grads = _Grads(pb, need_a, need_b or (pb.same and need_a), need_s)
         fast = _ce_fast(pb, coef)
@@ -413,24 +424,11 @@ class MatryoshkaCoreFn(torch.autograd.Function):
             _ce_chunk(pb, r0, r1, coef, rows_go, None, grads)
         for r0 in range(0, n if not fast else 0, step):
             r1 = min(n, r0 + step)
-            cos = pb.cosines(r0, r1)
-            w = pb.weights(r0, r1)
-            dls = []
-            for lvl in range(k):
-                l, _ = pb.logits(cos[lvl], r0, r1)
-                g_rows = go[lvl].expand(n)[r0:r1] if reduce else go[lvl, r0:r1]
-                g_cols = None
-                if lse_col is not None:
-                    g_cols = go[lvl].expand(m) if reduce else go[lvl]
-                gs = _level_grads(coef, g_rows, r0, r1, lse[lvl, r0:r1],
-                                  None if lse_col is None else (lse_col[lvl], g_cols),
-                                  None if lse_pos is None else lse_pos[lvl, r0:r1], n)
-                dls.append(_logit_grad(l, w, r0, r1, data, lse[lvl, r0:r1],
-                                       None if lse_col is None else lse_col[lvl],
-                                       None if lse_pos is None else lse_pos[lvl, r0:r1], *gs))
-                del l
-            grads.add(r0, r1, cos, dls)
-            del cos, dls
+            rows_go = [go[lvl].expand(n)[r0:r1] if reduce else go[lvl, r0:r1] for lvl in range(k)]
+            cols_go = None
+            if lse_col is not None:
+                cols_go = [go[lvl].expand(m) if reduce else go[lvl] for lvl in range(k)]
+            _general_chunk(pb, r0, r1, coef, (lse, lse_col, lse_pos, None, None), False, rows_go, cols_go, grads)
         da, db, ds = grads.result()
         return _out(ctx, need_a, need_b, need_s, da, db, ds, None, b is None)
 
