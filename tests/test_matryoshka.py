@@ -128,7 +128,13 @@ def test_one_level_at_full_size_is_the_plain_loss(name):
         kw[tkey] = TEMPS[tkey]
     xs = [x * 3.0 for x in xs]  # not unit rows: the level's normalisation is the loss's
     d = xs[0].shape[-1]
-    got = fn(*xs, backend="torch", matryoshka_dims=[d], **kw)
+    for be in ("torch", "reference"):  # the plain loss itself: bit for bit
+        got, per = fn(*xs, backend=be, matryoshka_dims=[d], return_level_losses=True, **kw)
+        plain = fn(*xs, backend=be, **kw)
+        assert torch.equal(got, plain) and torch.equal(per, plain[None])
+    # normalize=False: the level still re-normalises its prefix (the one-pass path), so it is the
+    # normalised plain loss, to round-off
+    got = fn(*xs, backend="torch", matryoshka_dims=[d], normalize=False, **kw)
     torch.testing.assert_close(got, fn(*xs, backend="torch", **kw), rtol=1e-13, atol=1e-13)
 
 

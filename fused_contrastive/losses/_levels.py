@@ -151,7 +151,9 @@ def leveled(*embedding_args: str, views: tuple[str, ...] = ()):
                 _WARNED.add("triton")
                 warnings.warn("matryoshka_dims on backend='triton' runs one fused Triton call per level (the "
                               "kernels do not take level boundaries yet)", stacklevel=2)
-            if be in ("reference", "triton") or ops.tracing_route():
+            if lv.dims == (first.shape[-1],) and bound.arguments.get("normalize", True) is True:
+                per = fn(*args, **kwargs)[None]  # one level at full D is the plain loss itself
+            elif be in ("reference", "triton") or ops.tracing_route():
                 per = []
                 for d in lv.dims:
                     call = dict(bound.arguments)
