@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import tqdm
 from tabulate import tabulate
 
 from .. import info_nce
@@ -111,7 +112,7 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
     sync = torch.cuda.synchronize if a["device"].startswith("cuda") else (lambda: None)
     rows = []
     ctx = mp.get_context("spawn")
-    for n in a["sizes"]:
+    for n in tqdm.tqdm(a["sizes"], desc="bench-matryoshka (sizes)", disable=not a.get("progress", True)):
         q, k = _inputs(n, a["d"], a["device"])
         values = {name: float(_step(fn, q, k)) for name, fn in fns.items()}  # warm-up, and the values
         times: dict[str, list[float]] = {name: [] for name in fns}

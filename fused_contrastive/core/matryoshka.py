@@ -22,8 +22,9 @@ How it runs (PyTorch, any device, O(N*D + K*N) memory; no N x M tensor):
   upstream gradient ``go = alpha w``, which is what every loss passes (the weighted sum of the levels
   times factors that do not depend on the level). Other outputs store statistics and recompute.
 
-The row chunk is sized so that the K level tiles plus three working tiles fit the tile budget
-(``chunked.tile_elements``) and each tile spans all M columns.
+A row chunk has the plain chunked path's rows (``chunked._row_chunk``: a ``rows x M`` tile within the
+tile budget, spanning all M columns); the levels' tiles live at once (K + 1 on the cross-entropy
+route, K + 3 otherwise): O(K M) memory, within O(N D + K N).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
-from .chunked import tile_elements
+from .chunked import _row_chunk, _safe, _vec
 from .norms import clamped_norms
 from .spec import Coeffs, CoreData, CoreSpec, combine, compute_dtype
 
@@ -47,13 +48,6 @@ def _prefix_norms(x: Tensor, bounds: list[int], eps: float, dt: torch.dtype) -> 
     segs = [clamped_norms(x[:, lo:hi], 0.0, dt) ** 2 for lo, hi in zip([0] + bounds[:-1], bounds, strict=True)]
     raw = torch.stack(segs, dim=1).cumsum_(1).sqrt_()
     return raw.clamp_min(eps), raw > eps
-
-
-def _row_chunk(n: int, m: int) -> int:
-    """Rows per chunk: those of the plain chunked path (a ``rows x M`` tile within the tile budget). The
-    levels' tiles live at once (K + 1 on the cross-entropy route, K + 3 otherwise): O(K M) memory,
-    within O(N D + K N)."""
-    return max(1, min(n, tile_elements() // max(m, 1)))
 
 
 class _Problem:
@@ -127,10 +121,6 @@ def _stats(l: Tensor, w: Tensor | None, want_pos: bool, want_set: bool):
     return lse, lse_pos, set_
 
 
-def _safe(x: Tensor) -> Tensor:
-    return torch.where(x == _NEG_INF, 0.0, x)
-
-
 def _logit_grad(l: Tensor, w: Tensor | None, r0: int, r1: int, data: CoreData, lse, lse_col, lse_pos,
                 g, g_col, g_pos, g_tgt, g_set) -> Tensor:
     """``dl`` of one level's tile: ``g p + gc pc + gp q - gt [j == target] - gs w`` (each g per row of the
@@ -147,13 +137,6 @@ def _logit_grad(l: Tensor, w: Tensor | None, r0: int, r1: int, data: CoreData, l
     if g_tgt is not None:
         dl.scatter_add_(1, data.target[r0:r1, None], -g_tgt[:, None])
     return dl
-
-
-def _row_coef(c, n: int, like: Tensor) -> Tensor | None:
-    if c is None:
-        return None
-    return c.to(like.dtype) if isinstance(c, Tensor) else torch.full((n,), float(c), dtype=like.dtype,
-                                                                      device=like.device)
 
 
 class _Grads:
@@ -296,11 +279,11 @@ def _ce_chunk(pb: _Problem, r0: int, r1: int, coef: Coeffs, go: list[Tensor] | N
                 stats[1][k, r0:r1] = tgt
         if go is None:
             continue
-        g = _row_coef(coef.lse, pb.n, lse)[r0:r1] * go[k]
+        g = _vec(coef.lse, pb.n, lse)[r0:r1] * go[k]
         g = torch.where(z > 0, g / torch.where(z > 0, z, 1.0), 0.0)
         e.mul_((g * ra)[:, None])  # E = G / (1 / m): the softmax part, its columns not yet scaled
         if coef.tgt is not None:
-            gt = _row_coef(coef.tgt, pb.n, lse)[r0:r1] * go[k]
+            gt = _vec(coef.tgt, pb.n, lse)[r0:r1] * go[k]
             e[rows, tgt_col] -= gt * ra
         t = torch.mul(e, acc)
         r = t @ rb  # sum_j G_ij acc_ij = s sum_j dl_ij cos_ij
@@ -438,14 +421,14 @@ def _level_grads(coef: Coeffs, go_rows: Tensor, r0: int, r1: int, lse_r: Tensor,
     """``(g, g_col, g_pos, g_tgt, g_set)`` of one level for rows [r0, r1): the coefficients times the
     upstream gradient, 0 where the statistic is -inf (a dropped term) or absent (None)."""
     def rows(c):
-        v = _row_coef(c, n, go_rows)
+        v = _vec(c, n, go_rows)
         return None if v is None else v[r0:r1] * go_rows
     g = rows(coef.lse)
     g = torch.where(lse_r == _NEG_INF, 0.0, g)
     g_col = None
     if col is not None:
         lse_col, go_cols = col
-        g_col = torch.where(lse_col == _NEG_INF, 0.0, _row_coef(coef.col, go_cols.shape[0], go_cols) * go_cols)
+        g_col = torch.where(lse_col == _NEG_INF, 0.0, _vec(coef.col, go_cols.shape[0], go_cols) * go_cols)
     g_pos = rows(coef.pos)
     if g_pos is not None:
         g_pos = torch.where(lse_pos_r == _NEG_INF, 0.0, g_pos)
