@@ -80,6 +80,7 @@ except ImportError:  # pragma: no cover - older releases
     from sentence_transformers import losses as _st_losses
 from torch import Tensor, nn
 from torch.utils import checkpoint as _checkpoint
+from transformers import PreTrainedTokenizerBase
 
 from .. import _validate as V
 from .. import core
@@ -89,6 +90,7 @@ from ..core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
 from ..cosent import cosent_loss
 from ..encode import encode_in_chunks
 from ..losses import _levels
+from ..losses.guided import gist_loss
 
 try:  # sentence-transformers >= 6: one merged forward for the candidate columns (what their losses call)
     from sentence_transformers.base.losses.merged_forward import embed_columns as _embed_columns
@@ -99,7 +101,9 @@ except ImportError:  # pragma: no cover - older releases embed each column on it
 __all__ = [
     "CachedMultipleNegativesRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss",
+    "CachedGISTEmbedLoss",
     "CoSENTLoss",
+    "GISTEmbedLoss",
     "MatryoshkaLoss",
     "MultipleNegativesRankingLoss",
     "MultipleNegativesSymmetricRankingLoss",
@@ -586,6 +590,22 @@ def _minibatch(features: dict[str, Any], begin: int, end: int) -> dict[str, Any]
     return out
 
 
+def _embed_cached(encode: Callable[[dict[str, Any]], Tensor], features: dict[str, Any], size: int,
+                  num_tokens: int | None, progress: bool) -> Tensor:
+    """[B, D] embeddings of one input column, mini-batch by mini-batch (``encode_in_chunks``: the
+    activations of one mini-batch at a time, recomputed in the backward)."""
+    n = _batch_size(features)
+    outs = []
+    if not _padded(features, n):
+        for mb in tqdm.tqdm(_peer_split(features, size, num_tokens), desc="Embed mini-batches", disable=not progress):
+            outs.append(_encode_opaque(encode, mb))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+    for begin, end in tqdm.tqdm(_ranges(features, n, size, num_tokens), desc="Embed mini-batches",
+                                disable=not progress):
+        outs.append(encode_in_chunks(encode, _minibatch(features, begin, end), end - begin))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     """sentence-transformers' ``CachedMultipleNegativesRankingLoss``: :class:`MultipleNegativesRankingLoss`
     with each input column embedded ``mini_batch_size`` rows at a time through
@@ -639,17 +659,8 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
 
     def embed_column(self, features: dict[str, Any]) -> Tensor:
         """[B, D] embeddings of one input column, mini-batch by mini-batch (``encode_in_chunks``)."""
-        n = _batch_size(features)
-        outs = []
-        if not _padded(features, n):
-            for mb in tqdm.tqdm(_peer_split(features, self.mini_batch_size, self.mini_batch_num_tokens),
-                                desc="Embed mini-batches", disable=not self.show_progress_bar):
-                outs.append(_encode_opaque(self._encode, mb))
-            return torch.cat(outs) if len(outs) > 1 else outs[0]
-        ranges = _ranges(features, n, self.mini_batch_size, self.mini_batch_num_tokens)
-        for begin, end in tqdm.tqdm(ranges, desc="Embed mini-batches", disable=not self.show_progress_bar):
-            outs.append(encode_in_chunks(self._encode, _minibatch(features, begin, end), end - begin))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return _embed_cached(self._encode, features, self.mini_batch_size, self.mini_batch_num_tokens,
+                             self.show_progress_bar)
 
     #: sentence-transformers' flag of a gradient-cache loss (``uses_gradient_cache``): its
     #: ``MatryoshkaLoss`` then wraps :meth:`calculate_loss` instead of patching ``model.forward`` (which
@@ -780,6 +791,211 @@ class CoSENTLoss(nn.Module):
         return _CITE_COSENT
 
 
+def _check_gist(model, guide, margin_strategy) -> bool:
+    """sentence-transformers' constructor checks of the GIST losses; whether the guide must re-tokenise
+    (another vocabulary, or a shorter ``max_seq_length``)."""
+    if not hasattr(model, "tokenizer") or not hasattr(guide, "tokenizer"):
+        raise ValueError("Both the training model and the guiding model must have a tokenizer attribute.")
+    if not isinstance(model.tokenizer, PreTrainedTokenizerBase) or not isinstance(guide.tokenizer,
+                                                                                  PreTrainedTokenizerBase):
+        raise ValueError("Both the training model and the guiding model must use a PreTrainedTokenizer from "
+                         "transformers.")
+    if margin_strategy not in ("absolute", "relative"):
+        raise ValueError("margin_strategy must be 'absolute' or 'relative'.")
+    return (model.tokenizer.get_vocab() != guide.tokenizer.get_vocab()
+            or guide.max_seq_length < model.max_seq_length)
+
+
+class GISTEmbedLoss(nn.Module):
+    """sentence-transformers' ``GISTEmbedLoss`` (guided in-batch negatives) on
+    :func:`fused_contrastive.gist_loss`: the anchor-positive, anchor-anchor, positive-positive and
+    anchor-negative blocks in one merged-softmax pass whose exclusion mask is computed per tile from the
+    guide's embeddings; none of their 8 B x B matrices is built.
+
+    Args (sentence-transformers 6.2's): ``model``, ``guide`` (a frozen SentenceTransformer; when its
+    tokenizer's vocabulary differs, or its ``max_seq_length`` is shorter, the inputs are decoded and
+    re-tokenised for it, as theirs), ``temperature`` (0.01), ``margin_strategy`` ("absolute" |
+    "relative"), ``margin`` (0.0), ``contrast_anchors`` / ``contrast_positives`` (True),
+    ``gather_across_devices`` (this library's gather; see the module docstring).
+
+    Inputs: 2 (anchor, positive) or 3 (anchor, positive, negative) columns, as theirs.
+    """
+
+    def __init__(self, model: nn.Module, guide: nn.Module, temperature: float = 0.01,
+                 margin_strategy: Literal["absolute", "relative"] = "absolute", margin: float = 0.0,
+                 contrast_anchors: bool = True, contrast_positives: bool = True,
+                 gather_across_devices: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.guide = guide
+        self.temperature = temperature
+        self.must_retokenize = _check_gist(model, guide, margin_strategy)
+        if self.must_retokenize:
+            self.tokenizer = model.tokenizer
+            if _is_static_embedding(model) and not isinstance(self, CachedGISTEmbedLoss):
+                raise ValueError("If we must retokenize because the guide model has a different tokenizer, "
+                                 "then the Sentence Transformer model must not be based on a StaticEmbedding.")
+        self.margin_strategy = margin_strategy
+        self.margin = margin
+        self.contrast_anchors = contrast_anchors
+        self.contrast_positives = contrast_positives
+        self.gather_across_devices = gather_across_devices
+
+    def _columns(self, n: int) -> None:
+        if n not in (2, 3):
+            raise ValueError(f"Expected 2 or 3 embeddings, got {n}")
+
+    def guide_features(self, features: dict[str, Any]) -> dict[str, Any]:
+        """The guide's inputs for one column: the same features, or the decoded texts re-tokenised."""
+        if not self.must_retokenize:
+            return dict(features)
+        input_ids = features["input_ids"]
+        if "cu_seq_lens_q" in features:
+            flat = input_ids[0].tolist()
+            cu = features["cu_seq_lens_q"].tolist()
+            input_ids = [flat[b:e] for b, e in zip(cu[:-1], cu[1:], strict=True)]
+        decoded = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+        return _st_util.batch_to_device(self.guide.preprocess(decoded), self.guide.device)
+
+    def embed_guide(self, features: dict[str, Any]) -> Tensor:
+        """[B, Dg] guide embeddings of one column (no gradient)."""
+        with torch.no_grad():
+            return self.guide(self.guide_features(features))["sentence_embedding"]
+
+    def embed(self, features: list[dict[str, Any]]) -> tuple[list[Tensor], list[Tensor]]:
+        """(model embeddings, guide embeddings) of every column."""
+        embeddings = _embed_columns(self.model, features)
+        with torch.no_grad():
+            guides = _embed_columns(self.guide, [self.guide_features(f) for f in features])
+        return list(embeddings), list(guides)
+
+    def loss_from_embeddings(self, embeddings: Sequence[Tensor], guides: Sequence[Tensor], *,
+                             matryoshka_dims: Sequence[int] | None = None,
+                             matryoshka_weights: Sequence[float] | None = None) -> Tensor:
+        """The loss of model embeddings ``[anchor, positive, *negatives]`` and the guide's of the same."""
+        neg = list(embeddings[2:]) or None
+        gneg = list(guides[2:]) or None
+        return gist_loss(embeddings[0], embeddings[1], neg,
+                         guide=(guides[0], guides[1], gneg) if neg else (guides[0], guides[1]),
+                         temperature=self.temperature, margin_strategy=self.margin_strategy, margin=self.margin,
+                         contrast_anchors=self.contrast_anchors, contrast_positives=self.contrast_positives,
+                         gather=_group(self.gather_across_devices) or False,
+                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights)
+
+    def leveled_forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None,
+                        dims: Sequence[int], weights: Sequence[float]) -> Tensor:
+        """``sum_k w_k loss(shrink(embeddings, d_k))``, the guide's mask the same at every level
+        (what sentence-transformers' ``MatryoshkaLoss`` computes around this loss): the columns and the
+        guide embedded once."""
+        features = list(sentence_features)
+        self._columns(len(features))
+        embeddings, guides = self.embed(features)
+        return self.loss_from_embeddings(embeddings, guides, matryoshka_dims=dims, matryoshka_weights=weights)
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        features = list(sentence_features)
+        self._columns(len(features))
+        embeddings, guides = self.embed(features)
+        return self.loss_from_embeddings(embeddings, guides)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"guide": self.guide, "temperature": self.temperature, "margin_strategy": self.margin_strategy,
+                "margin": self.margin, "contrast_anchors": self.contrast_anchors,
+                "contrast_positives": self.contrast_positives, "gather_across_devices": self.gather_across_devices}
+
+    @property
+    def citation(self) -> str:
+        return _CITE_GIST
+
+
+class CachedGISTEmbedLoss(GISTEmbedLoss):
+    """sentence-transformers' ``CachedGISTEmbedLoss``: :class:`GISTEmbedLoss` with the model's columns
+    embedded ``mini_batch_size`` rows (or ``mini_batch_num_tokens`` tokens) at a time through
+    :func:`fused_contrastive.encode_in_chunks` (activation memory of one mini-batch, the loss O(B*D)),
+    the guide embedded mini-batch by mini-batch without gradient, any number of negative columns (as
+    theirs). The same loss and parameter gradients as their gradient-cache implementation.
+
+    Args: those of :class:`GISTEmbedLoss` plus ``mini_batch_size`` (32), ``mini_batch_num_tokens``
+    (None) and ``show_progress_bar`` (False), in sentence-transformers' order.
+    """
+
+    def __init__(self, model: nn.Module, guide: nn.Module, temperature: float = 0.01, mini_batch_size: int = 32,
+                 mini_batch_num_tokens: int | None = None, show_progress_bar: bool = False,
+                 margin_strategy: Literal["absolute", "relative"] = "absolute", margin: float = 0.0,
+                 contrast_anchors: bool = True, contrast_positives: bool = True,
+                 gather_across_devices: bool = False) -> None:
+        if _is_static_embedding(model):
+            raise ValueError("CachedGISTEmbedLoss is not compatible with a SentenceTransformer model based on a "
+                             "StaticEmbedding. Consider using GISTEmbedLoss instead.")
+        if mini_batch_num_tokens is not None and (isinstance(mini_batch_num_tokens, bool)
+                                                  or not isinstance(mini_batch_num_tokens, int)
+                                                  or mini_batch_num_tokens < 1):
+            raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}")
+        super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,
+                         contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
+                         gather_across_devices=gather_across_devices)
+        self.mini_batch_size = mini_batch_size
+        self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.show_progress_bar = show_progress_bar
+
+    #: sentence-transformers' flag of a gradient-cache loss (its wrappers read it).
+    uses_gradient_cache: bool = True
+
+    def _columns(self, n: int) -> None:
+        if n < 2:
+            raise ValueError(f"CachedGISTEmbedLoss needs at least 2 input columns (anchor, positive), got {n}")
+
+    def _encode(self, features: dict[str, Any]) -> Tensor:
+        return self.model(features)["sentence_embedding"]
+
+    def embed(self, features: list[dict[str, Any]]) -> tuple[list[Tensor], list[Tensor]]:
+        embeddings = [_embed_cached(self._encode, f, self.mini_batch_size, self.mini_batch_num_tokens,
+                                    self.show_progress_bar) for f in features]
+        from sentence_transformers.base.losses.gradcache import _create_minibatch, _minibatch_ranges
+        guides = []
+        with torch.no_grad():
+            for f in features:
+                parts = [self.embed_guide(_create_minibatch(f, b, e))
+                         for b, e in _minibatch_ranges(f, self.mini_batch_size, self.mini_batch_num_tokens)]
+                guides.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return embeddings, guides
+
+    def calculate_loss(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *,
+                       with_backward: bool = False) -> Tensor:
+        """sentence-transformers' gradient-cache protocol: the loss from per-column lists of mini-batch
+        embeddings ``reps[column][minibatch]`` and the guide's ``reps_guided``; with ``with_backward`` the
+        loss is back-propagated into ``reps`` and returned detached."""
+        loss = self.loss_from_embeddings([torch.cat(list(m)) for m in reps], [torch.cat(list(m)) for m in reps_guided])
+        if with_backward:
+            loss.backward()
+            return loss.detach()
+        return loss
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        features = list(sentence_features)
+        self._columns(len(features))
+        embeddings, guides = self.embed(features)
+        if "calculate_loss" not in self.__dict__:
+            return self.loss_from_embeddings(embeddings, guides)
+        # A wrapper (sentence-transformers' MatryoshkaLoss) replaced calculate_loss: run it on detached
+        # leaves, which it back-propagates into, then carry their gradients into the embeddings' graph.
+        if not torch.is_grad_enabled():
+            return self.calculate_loss([[e] for e in embeddings], [[g] for g in guides])
+        leaves = [e.detach().requires_grad_() for e in embeddings]
+        loss = self.calculate_loss([[x] for x in leaves], [[g] for g in guides], with_backward=True)
+        link = loss.new_zeros(())
+        for e, x in zip(embeddings, leaves, strict=True):
+            if x.grad is not None:
+                link = link + (e * x.grad).sum()
+        return loss.detach() + (link - link.detach())
+
+    def get_config_dict(self) -> dict[str, Any]:
+        out = super().get_config_dict()
+        out["mini_batch_size"] = self.mini_batch_size
+        out["mini_batch_num_tokens"] = self.mini_batch_num_tokens
+        return out
+
+
 def _per_level(loss_fn: Callable, embeddings: list[Tensor], labels, dims: Sequence[int],
                weights: Sequence[float]) -> Tensor:
     """``sum_k w_k loss_fn(shrink(embeddings, d_k), labels)``: the levels as separate calls."""
@@ -838,7 +1054,7 @@ class MatryoshkaLoss(nn.Module):
         self.matryoshka_dims = tuple(d for d, _ in pairs)
         self.matryoshka_weights = tuple(w for _, w in pairs)
         self.n_dims_per_step = n_dims_per_step
-        self.fused = isinstance(loss, (MultipleNegativesRankingLoss, CoSENTLoss))
+        self.fused = isinstance(loss, (MultipleNegativesRankingLoss, CoSENTLoss, GISTEmbedLoss))
         self.__dict__["_peer"] = None
         if not self.fused:
             if ("MatryoshkaLoss", type(loss).__name__) not in _WARNED:
@@ -855,7 +1071,7 @@ class MatryoshkaLoss(nn.Module):
         idx = list(range(len(self.matryoshka_dims)))
         if 0 < self.n_dims_per_step < len(idx):
             idx = random.sample(idx, self.n_dims_per_step)
-            if not isinstance(self.loss, CachedMultipleNegativesRankingLoss):
+            if not isinstance(self.loss, (CachedMultipleNegativesRankingLoss, CachedGISTEmbedLoss)):
                 idx.sort()
         return tuple(self.matryoshka_dims[i] for i in idx), tuple(self.matryoshka_weights[i] for i in idx)
 
@@ -865,6 +1081,8 @@ class MatryoshkaLoss(nn.Module):
             return peer(sentence_features, labels)
         dims, weights = self.levels()
         features = list(sentence_features)
+        if isinstance(self.loss, GISTEmbedLoss):
+            return self.loss.leveled_forward(features, labels, dims, weights)
         if isinstance(self.loss, CachedMultipleNegativesRankingLoss):
             embeddings = [self.loss.embed_column(f) for f in features]
         else:
@@ -888,6 +1106,16 @@ _CITE_MATRYOSHKA = """
             Ali Farhadi},
     year={2024},
     eprint={2205.13147},
+    archivePrefix={arXiv},
+}
+"""
+
+_CITE_GIST = """
+@misc{solatorio2024gistembed,
+    title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
+    author={Aivin V. Solatorio},
+    year={2024},
+    eprint={2402.16829},
     archivePrefix={arXiv},
 }
 """

@@ -104,13 +104,16 @@ def combine(per: Tensor, lv: Levels) -> Tensor:
     return (per * w.reshape(-1, *([1] * (per.dim() - 1)))).sum(0)
 
 
-def leveled(*embedding_args: str, views: tuple[str, ...] = ()):
+def leveled(*embedding_args: str, views: tuple[str, ...] = (), one_pass: bool = True,
+            per_level_if: tuple[str, ...] = ()):
     """Give a loss ``matryoshka_dims`` / ``matryoshka_weights`` / ``return_level_losses`` (keyword-only).
 
     ``embedding_args``: the names of the arguments that are embeddings (each is truncated on the
     reference route; the first gives D); ``views``: those of them shaped [bsz, n_views, ...] (trailing
-    dims are flattened into D first, as the loss does). The loss body takes ``_levels`` (a
-    :class:`Levels` or None) and, given levels, returns one value per level (leading dimension K).
+    dims are flattened into D first, as the loss does; a sequence of tensors is truncated tensor by
+    tensor). The loss body takes ``_levels`` (a :class:`Levels` or None) and, given levels, returns one
+    value per level (leading dimension K); with ``one_pass=False`` (or when one of the arguments named
+    in ``per_level_if`` is not None) it is called once per level instead.
     """
     def deco(fn):
         sig = inspect.signature(fn)
@@ -153,7 +156,8 @@ def leveled(*embedding_args: str, views: tuple[str, ...] = ()):
                               "kernels do not take level boundaries yet)", stacklevel=2)
             if lv.dims == (first.shape[-1],) and bound.arguments.get("normalize", True) is True:
                 per = fn(*args, **kwargs)[None]  # one level at full D is the plain loss itself
-            elif be in ("reference", "triton") or ops.tracing_route():
+            elif be in ("reference", "triton") or ops.tracing_route() or not one_pass \
+                    or any(bound.arguments.get(name) is not None for name in per_level_if):
                 per = []
                 for d in lv.dims:
                     call = dict(bound.arguments)
@@ -161,6 +165,8 @@ def leveled(*embedding_args: str, views: tuple[str, ...] = ()):
                         x = call.get(name)
                         if isinstance(x, Tensor):
                             call[name] = shrink(flat(name, x), d)
+                        elif isinstance(x, (list, tuple)) and x and all(isinstance(t, Tensor) for t in x):
+                            call[name] = [shrink(flat(name, t), d) for t in x]
                     per.append(fn(**call))
                 per = torch.stack(per)
             else:

@@ -1,0 +1,254 @@
+"""Several column blocks merged into one softmax per row, with exclusion masks computed inside each
+tile: the core of guided in-batch negatives (GISTEmbed) and of duplicate masking by id.
+
+Embedding tensors ``X_0 .. X_{T-1}`` (each [n_t, D], differentiable). Row ``i`` (``i < N``) of the
+problem sees blocks ``k = 1..K``; block ``k`` pairs the rows ``R_k = X_{r_k}[o_k : o_k + N]`` with the
+columns ``C_k = X_{c_k}`` and its logits are ``l^k_ij = s <r_hat_i, c_hat_j>`` (rows L2-normalised unless
+``normalize=False``). Column ``j`` of block ``k`` is left out of row ``i``'s softmax (logit ``-inf``) when
+
+* guide:  ``<g_hat(R_k)_i, g_hat(C_k)_j> > theta_i`` (the guide tensors ``G_t`` [n_t, Dg], no gradient,
+  normalised here; ``theta`` [N] the per-row threshold), or
+* ids:    ``ids(R_k)_i == ids(C_k)_j`` (int64 ids per tensor row), or
+* own:    ``j == e_k + i`` (a block's own column, e.g. the anchor itself),
+
+except the block's protected column ``j == p_k + i`` (the row's target), which the guide and ids
+masks never exclude. The output is the merged log-sum-exp ``LSE_i = log sum_k sum_j exp(l^k_ij)``
+([N], or ``sum_i w_i LSE_i`` with weights). Its gradient is ``dl^k_ij = g_i exp(l^k_ij - LSE_i)``, the
+same merged ``LSE_i`` in every block; ``dR_k += s dl^k C_hat_k``, ``dC_k += s dl^k^T R_hat_k`` and the
+normalisation's backward once per tensor.
+
+Memory: a row chunk of every block's tile at once (``rows * sum_k |C_k| <= tile_elements()``) plus the
+guide tile; nothing N x M is kept. With weights (a summed loss) each chunk's LSE is final inside the
+chunk, so its gradient tiles are formed right away ("eager", no recompute: 1 + 2 GEMM units per block
+plus the guide GEMM); the per-row output recomputes the tiles and the guide tile in the backward.
+
+A row whose guide row or threshold is not finite, or whose blocks read a guide column that is not,
+gets ``LSE = NaN`` (its loss is NaN, never a silently unmasked row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._amp import autocast_off
+from .chunked import _ScaleGrad, tile_elements
+from .norms import normalize_backward_, normalize_rows
+from .spec import compute_dtype
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One column block of every row: rows ``xs[rows][row_start : row_start + N]``, columns
+    ``xs[cols]``; column ``protect + i`` of row ``i`` is never masked by guide / ids, column
+    ``exclude + i`` always is (None: no such column)."""
+
+    rows: int
+    cols: int
+    row_start: int = 0
+    protect: int | None = None
+    exclude: int | None = None
+
+
+@dataclass
+class Masks:
+    """Exclusion data, indexed like ``xs``: ``guides[t]`` [n_t, Dg] (or None), ``threshold`` [N] (the
+    guide mask needs both), ``ids[t]`` [n_t] int64 (or None). Nothing here carries a gradient."""
+
+    guides: tuple[Tensor | None, ...] = ()
+    threshold: Tensor | None = None
+    ids: tuple[Tensor | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Config:
+    blocks: tuple[Block, ...]
+    n: int
+    normalize: bool
+    eps: float
+
+
+class _Problem:
+    """The normalised inputs and guides of one call, and its masked logit tiles."""
+
+    def __init__(self, xs: tuple[Tensor, ...], cfg: _Config, masks: Masks, scale, dt: torch.dtype):
+        self.cfg, self.masks, self.dt = cfg, masks, dt
+        self.s = scale.detach().to(dt) if isinstance(scale, Tensor) else float(scale)
+        hats = [normalize_rows(x, cfg.eps, dt, cfg.normalize) for x in xs]
+        self.xh = [h for h, _ in hats]
+        self.norms = [nm for _, nm in hats]
+        self.gh: list[Tensor | None] = []
+        for g in masks.guides:
+            if g is None or masks.threshold is None:
+                self.gh.append(None)
+            else:
+                gdt = compute_dtype(g)
+                self.gh.append(torch.nn.functional.normalize(g.detach().to(gdt), dim=1, eps=cfg.eps))
+        self.total_cols = sum(xs[b.cols].shape[0] for b in cfg.blocks)
+
+    def guide_of(self, t: int) -> Tensor | None:
+        return self.gh[t] if t < len(self.gh) else None
+
+    def ids_of(self, t: int) -> Tensor | None:
+        return self.masks.ids[t] if t < len(self.masks.ids) else None
+
+    def excluded(self, blk: Block, r0: int, r1: int) -> Tensor | None:
+        """Bool [r1 - r0, |C|] tile of the guide / ids exclusions of rows [r0, r1) (protected column
+        cleared), or None when the block has no such mask."""
+        rs = blk.row_start
+        ex = None
+        gr, gc = self.guide_of(blk.rows), self.guide_of(blk.cols)
+        if gr is not None and gc is not None:
+            gs = gr[rs + r0 : rs + r1] @ gc.T
+            th = self.masks.threshold[r0:r1, None].to(gs.dtype)
+            ex = ~(gs <= th)  # ``gs > th``; a NaN guide similarity excludes too (and its row is NaN anyway)
+        ir, ic = self.ids_of(blk.rows), self.ids_of(blk.cols)
+        if ir is not None and ic is not None:
+            same = ir[rs + r0 : rs + r1, None] == ic[None, :]
+            ex = same if ex is None else ex.logical_or_(same)
+        if ex is not None and blk.protect is not None:
+            i = torch.arange(r0, r1, device=ex.device)
+            j = i + blk.protect
+            keep = (j >= 0) & (j < ex.shape[1])
+            ex[(i - r0)[keep], j[keep]] = False
+        return ex
+
+    def logits(self, blk: Block, r0: int, r1: int, keep_cos: bool) -> tuple[Tensor | None, Tensor]:
+        """(cosine tile if ``keep_cos``, masked logit tile) of block ``blk`` for rows [r0, r1)."""
+        rs = blk.row_start
+        c = self.xh[blk.rows][rs + r0 : rs + r1] @ self.xh[blk.cols].T
+        l = c * self.s if keep_cos else c.mul_(self.s)
+        ex = self.excluded(blk, r0, r1)
+        if ex is not None:
+            l.masked_fill_(ex, _NEG_INF)
+        if blk.exclude is not None:
+            lo, hi = max(r0, -blk.exclude), min(r1, l.shape[1] - blk.exclude)
+            if hi > lo:
+                l[lo - r0 : hi - r0, lo + blk.exclude : hi + blk.exclude].diagonal().fill_(_NEG_INF)
+        return (c if keep_cos else None), l
+
+    def bad_rows(self) -> Tensor | None:
+        """[N] rows whose loss must be NaN (a non-finite guide row, threshold or guide column they read)."""
+        if self.masks.threshold is None:
+            return None
+        n = self.cfg.n
+        bad = ~torch.isfinite(self.masks.threshold)
+        for blk in self.cfg.blocks:
+            gr, gc = self.guide_of(blk.rows), self.guide_of(blk.cols)
+            if gr is None or gc is None:
+                continue
+            bad |= ~torch.isfinite(gr[blk.row_start : blk.row_start + n]).all(dim=1)
+            if not bool(torch.isfinite(gc).all()):
+                bad |= True
+        return bad
+
+
+def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, ...], need_s: bool):
+    """One pass over the row chunks. ``lse`` None: compute it (final per chunk: every chunk spans all
+    columns of every block). ``g`` (the per-row upstream gradient) None: statistics only. Returns
+    ``(lse, grads in normalised space per tensor (None where not needed), d scale)``."""
+    cfg, n = p.cfg, p.cfg.n
+    dev = p.xh[0].device
+    out_lse = torch.empty(n, device=dev, dtype=p.dt) if lse is None else lse
+    grads = [torch.zeros_like(h) if nd else None for h, nd in zip(p.xh, need, strict=True)] if g is not None \
+        else [None] * len(p.xh)
+    sg = _ScaleGrad(n, p.xh[0]) if g is not None and need_s else None
+    step = max(1, min(n, tile_elements() // max(p.total_cols, 1)))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        tiles = [p.logits(blk, r0, r1, sg is not None) for blk in cfg.blocks]
+        if lse is None:
+            parts = torch.stack([torch.logsumexp(l, dim=1) for _, l in tiles])
+            out_lse[r0:r1] = torch.logsumexp(parts, dim=0)
+        if g is None:
+            continue
+        row_lse = out_lse[r0:r1]
+        row_lse = torch.where(row_lse == _NEG_INF, torch.zeros_like(row_lse), row_lse)
+        gr = g[r0:r1, None]
+        for blk, (c, l) in zip(cfg.blocks, tiles, strict=True):
+            dl = l.sub_(row_lse[:, None]).exp_()
+            if sg is not None:
+                sg.add(dl, c, r0, r1, 1)
+            dl.mul_(gr)
+            rs = blk.row_start
+            if grads[blk.rows] is not None:
+                grads[blk.rows][rs + r0 : rs + r1].addmm_(dl, p.xh[blk.cols])
+            if grads[blk.cols] is not None:
+                grads[blk.cols].addmm_(dl.T, p.xh[blk.rows][rs + r0 : rs + r1])
+        del tiles
+    ds = sg.total(g) if sg is not None else None
+    return out_lse, grads, ds
+
+
+def _input_grads(p: _Problem, grads: list[Tensor | None], xs: tuple[Tensor, ...]) -> list[Tensor | None]:
+    out = []
+    for gh, xh, nm, x in zip(grads, p.xh, p.norms, xs, strict=True):
+        if gh is None:
+            out.append(None)
+            continue
+        out.append(normalize_backward_(gh.mul_(p.s), xh, nm, p.cfg.eps).to(x.dtype))
+    return out
+
+
+class MergedLSEFn(torch.autograd.Function):
+    """``LSE_i`` over every block (see the module docstring): [N], or ``sum_i w_i LSE_i`` (0-dim) when
+    ``weights`` is given (then the gradients are formed in the forward and scaled in the backward)."""
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, scale, cfg: _Config, masks: Masks, weights: Tensor | None, *xs: Tensor):
+        dt = compute_dtype(*xs)
+        p = _Problem(xs, cfg, masks, scale, dt)
+        need = tuple(ctx.needs_input_grad[4:])
+        need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[0]
+        bad = p.bad_rows()
+        ctx.cfg, ctx.masks, ctx.scale, ctx.dtypes = cfg, masks, scale, [x.dtype for x in xs]
+        if weights is not None:
+            w = weights.to(dt)
+            lse, grads, ds = _sweep(p, None, w if (any(need) or need_s) else None, need, need_s)
+            ctx.eager = (_input_grads(p, grads, xs), ds)
+            if bad is not None:
+                lse = torch.where(bad, float("nan"), lse)
+            return (w * lse).sum()
+        lse, _, _ = _sweep(p, None, None, need, False)
+        ctx.eager = None
+        ctx.save_for_backward(lse, *xs)
+        if bad is not None:
+            lse = torch.where(bad, float("nan"), lse)
+        return lse
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, go: Tensor):
+        need = tuple(ctx.needs_input_grad[4:])
+        need_s = isinstance(ctx.scale, Tensor) and ctx.needs_input_grad[0]
+        if ctx.eager is not None:
+            grads, ds = ctx.eager
+            ctx.eager = None  # single use: the buffers are scaled in place
+            gs = [None if gx is None else gx.mul_(go.to(gx.dtype)) for gx in grads]
+            dsc = None if ds is None else (ds * go).to(ctx.scale.dtype).reshape(ctx.scale.shape)
+            return (dsc, None, None, None, *gs)
+        lse, *xs = ctx.saved_tensors
+        p = _Problem(tuple(xs), ctx.cfg, ctx.masks, ctx.scale, lse.dtype)
+        _, grads, ds = _sweep(p, lse, go.to(lse.dtype), need, need_s)
+        gs = _input_grads(p, grads, tuple(xs))
+        dsc = None if ds is None else ds.to(ctx.scale.dtype).reshape(ctx.scale.shape)
+        return (dsc if need_s else None, None, None, None, *gs)
+
+
+def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Masks | None = None, *,
+               normalize: bool = True, eps: float = 1e-12, weights: Tensor | None = None) -> Tensor:
+    """Merged log-sum-exp of ``n`` rows over ``blocks`` of ``xs`` (module docstring): [n] in the
+    compute dtype (float32, float64 for float64 inputs), or ``sum_i weights_i LSE_i`` with ``weights``
+    [n] (the summed loss's fast path: no recompute in the backward). ``scale`` a number or a 0-dim
+    tensor (differentiable)."""
+    cfg = _Config(tuple(blocks), n, normalize, eps)
+    for blk in cfg.blocks:
+        if xs[blk.rows].shape[0] < blk.row_start + n:
+            raise ValueError(f"core.blocks: block rows {blk.row_start}..{blk.row_start + n} exceed tensor {blk.rows} "
+                             f"({xs[blk.rows].shape[0]} rows)")
+    return MergedLSEFn.apply(scale, cfg, masks or Masks(), weights, *xs)
