@@ -11,9 +11,10 @@ columns ``C_k = X_{c_k}`` and its logits are ``l^k_ij = s <r_hat_i, c_hat_j>`` (
 * ids:    ``ids(R_k)_i == ids(C_k)_j`` (int64 ids per tensor row), or
 * own:    ``j == e_k + i`` (a block's own column, e.g. the anchor itself),
 
-except the block's protected column ``j == p_k + i`` (the row's target), which the guide and ids
-masks never exclude. The output is the merged log-sum-exp ``LSE_i = log sum_k sum_j exp(l^k_ij)``
-([N], or ``sum_i w_i LSE_i`` with weights). Its gradient is ``dl^k_ij = g_i exp(l^k_ij - LSE_i)``, the
+except, in the blocks marked ``protect``, the row's target column ``j == t_i`` (``Masks.target``),
+which the guide and ids masks never exclude. The output is the merged log-sum-exp
+``LSE_i = log sum_k sum_j exp(l^k_ij)`` ([N], or ``sum_i w_i LSE_i`` with weights). Its gradient is
+``dl^k_ij = g_i exp(l^k_ij - LSE_i)``, the
 same merged ``LSE_i`` in every block; ``dR_k += s dl^k C_hat_k``, ``dC_k += s dl^k^T R_hat_k`` and the
 normalisation's backward once per tensor.
 
@@ -44,24 +45,26 @@ _NEG_INF = float("-inf")
 @dataclass(frozen=True)
 class Block:
     """One column block of every row: rows ``xs[rows][row_start : row_start + N]``, columns
-    ``xs[cols]``; column ``protect + i`` of row ``i`` is never masked by guide / ids, column
-    ``exclude + i`` always is (None: no such column)."""
+    ``xs[cols]``; with ``protect`` column ``Masks.target[i]`` of row ``i`` is never masked by guide /
+    ids; column ``exclude + i`` always is (None: no such column)."""
 
     rows: int
     cols: int
     row_start: int = 0
-    protect: int | None = None
+    protect: bool = False
     exclude: int | None = None
 
 
 @dataclass
 class Masks:
     """Exclusion data, indexed like ``xs``: ``guides[t]`` [n_t, Dg] (or None), ``threshold`` [N] (the
-    guide mask needs both), ``ids[t]`` [n_t] int64 (or None). Nothing here carries a gradient."""
+    guide mask needs both), ``ids[t]`` [n_t] int64 (or None); ``target`` [N] int64, the protected
+    column of each row in the blocks marked ``protect``. Nothing here carries a gradient."""
 
     guides: tuple[Tensor | None, ...] = ()
     threshold: Tensor | None = None
     ids: tuple[Tensor | None, ...] = ()
+    target: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -110,11 +113,9 @@ class _Problem:
         if ir is not None and ic is not None:
             same = ir[rs + r0 : rs + r1, None] == ic[None, :]
             ex = same if ex is None else ex.logical_or_(same)
-        if ex is not None and blk.protect is not None:
-            i = torch.arange(r0, r1, device=ex.device)
-            j = i + blk.protect
-            keep = (j >= 0) & (j < ex.shape[1])
-            ex[(i - r0)[keep], j[keep]] = False
+        if ex is not None and blk.protect:
+            i = torch.arange(r1 - r0, device=ex.device)
+            ex[i, self.masks.target[r0:r1]] = False
         return ex
 
     def logits(self, blk: Block, r0: int, r1: int, keep_cos: bool) -> tuple[Tensor | None, Tensor]:
@@ -247,8 +248,11 @@ def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Mask
     [n] (the summed loss's fast path: no recompute in the backward). ``scale`` a number or a 0-dim
     tensor (differentiable)."""
     cfg = _Config(tuple(blocks), n, normalize, eps)
+    masks = masks or Masks()
+    if any(blk.protect for blk in cfg.blocks) and masks.target is None:
+        raise ValueError("core.blocks: a protected block needs Masks.target")
     for blk in cfg.blocks:
         if xs[blk.rows].shape[0] < blk.row_start + n:
             raise ValueError(f"core.blocks: block rows {blk.row_start}..{blk.row_start + n} exceed tensor {blk.rows} "
                              f"({xs[blk.rows].shape[0]} rows)")
-    return MergedLSEFn.apply(scale, cfg, masks or Masks(), weights, *xs)
+    return MergedLSEFn.apply(scale, cfg, masks, weights, *xs)

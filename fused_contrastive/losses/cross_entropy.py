@@ -5,6 +5,8 @@ coefficients 1 on LSE and on the target logit (CLIP adds the column LSE). Common
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -17,11 +19,12 @@ from ..core.spec import compute_dtype
 from ._levels import leveled
 from ._scope import DEFAULT_TEMPERATURE as _DEFAULT_TEMPERATURE
 from ._scope import Scope, cross_entropy
+from .guided import guided_info_nce, info_nce_masks
 
 __all__ = ["clip_loss", "info_nce", "simcse_loss", "simcse_sup_loss"]
 
 
-@leveled("query", "keys")
+@leveled("query", "keys", per_level_if=("guide", "ids"))
 @D.agreed
 @autocast_off
 def info_nce(
@@ -38,6 +41,10 @@ def info_nce(
     ignore_index: int = -100,
     backend: str = "auto",
     gather=False,
+    guide: Tensor | Sequence[Tensor] | None = None,
+    guide_margin: float = 0.0,
+    guide_margin_strategy: str = "absolute",
+    ids: Tensor | Sequence[Tensor] | None = None,
     _levels=None,
 ) -> Tensor:
     """InfoNCE / in-batch-negatives loss, the drop-in for
@@ -56,6 +63,18 @@ def info_nce(
             column gives an infinite loss, as the textbook formula does).
         symmetric: CLIP loss, ``(row CE + column CE) / 2``; needs N == M and ``target=None``.
             With ``reduction="none"`` returns ``(row_i + col_i) / 2`` per pair.
+        guide: guided negatives (GISTEmbed's rule): a frozen guide model's embeddings of the same
+            texts, ``(guide_query [N, Dg], guide_keys [M, Dg])`` (one [N, Dg] tensor when
+            ``keys=None``); no gradient flows into them. Column j is left out of row i's softmax when
+            ``cos(gq_i, gk_j) > theta_i``, ``theta_i = cos(gq_i, gk_{target_i}) - guide_margin``
+            ("absolute") or ``... - |cos(gq_i, gk_{target_i})| * guide_margin`` ("relative",
+            ``guide_margin_strategy``); the target column is never left out. Computed per tile, never
+            stored. A row whose guide embedding is not finite gets a NaN loss.
+        ids: duplicate masking, ``(query_ids [N], key_ids [M])`` integer tensors (one [N] tensor when
+            ``keys=None``): column j is left out of row i's softmax when the ids are equal, the target
+            column excepted (the same text twice in a batch is not a negative of itself).
+            ``guide`` and ``ids`` run the PyTorch path (also on backend="triton", with a one-time
+            warning) and are not supported with ``symmetric=True``.
 
     Returns:
         0-dim loss (mean/sum) or [N] per-row losses (none).
@@ -87,6 +106,11 @@ def info_nce(
     elif keys is None and exclude_self and not symmetric:
         raise ValueError("target=None with keys=None means every row's target is its own excluded column; "
                          "pass target (e.g. the index of each row's positive) or keys")
+    masked = guide is not None or ids is not None
+    if masked:
+        if symmetric:
+            raise ValueError("guide= and ids= mask the rows' softmax; they are not supported with symmetric=True")
+        mk = info_nce_masks(query, keys, guide, guide_margin, guide_margin_strategy, ids)
     be = resolve(backend, query, keys)
     scope = Scope(gather)
     if scope.local and not given and not symmetric:
@@ -108,6 +132,9 @@ def info_nce(
     else:
         valid = target != ignore_index
         t = torch.where(valid, target + koff, torch.zeros_like(target))
+    if masked:
+        return guided_info_nce(be, scope, query, contrast, qoff, n_total, s, t, valid, mk, exclude_self=exclude_self,
+                               normalize=normalize, reduction=reduction)
     # locally keys=None is "B is A" (one normalisation, the triangular sweep where it applies)
     b = None if keys is None and scope.local else contrast
     return cross_entropy(be, scope, query, b, s, t, offset=qoff, exclude_self=exclude_self, normalize=normalize,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -177,13 +178,13 @@ def gist_loss(
                          contrast_positives, normalize)
         return scope.reduce(per, reduction, n_total)
     xs = [anchors, p_all, *n_all]
-    blocks = [Block(rows=0, cols=1, protect=off)]
+    blocks = [Block(rows=0, cols=1, protect=True)]
     if contrast_anchors:
         blocks.append(Block(rows=0, cols=0))
     if contrast_positives:
         blocks.append(Block(rows=1, cols=1, row_start=off))
     blocks += [Block(rows=0, cols=2 + k) for k in range(len(n_all))]
-    masks = Masks(guides=(ga, gp_all, *gn_all), threshold=theta)
+    masks = Masks(guides=(ga, gp_all, *gn_all), threshold=theta, target=torch.arange(b, device=dev) + off)
     tgt = s * pair_cos(anchors, positives, normalize, dt)
     if reduction == "none":
         lse = merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS)
@@ -194,37 +195,168 @@ def gist_loss(
     return out if per_n else scope.reduce(out, reduction, n_total)
 
 
-def _reference(a, p_all, n_all, ga, gp_all, gn_all, theta, s, off, contrast_anchors, contrast_positives,
-               normalize) -> Tensor:
-    """The definition, materialised: sentence-transformers' concatenated score matrix and its
-    cross-entropy per row ([B])."""
-    b = a.shape[0]
-    dt = compute_dtype(a, p_all)
+@dataclass
+class _DenseBlock:
+    """One block of the materialised definition (``_dense``): rows, columns, their guides and ids."""
 
-    def sim(x, y, unit):
-        x, y = x.to(dt), y.to(dt)
-        if unit:
+    rows: Tensor
+    cols: Tensor
+    g_rows: Tensor | None = None
+    g_cols: Tensor | None = None
+    id_rows: Tensor | None = None
+    id_cols: Tensor | None = None
+    protect: Tensor | None = None  # [N] each row's protected column
+    exclude: int | None = None
+
+
+def _dense(blocks: list[_DenseBlock], theta: Tensor | None, s, normalize: bool, target_block: int,
+           target: Tensor) -> Tensor:
+    """The definition, materialised: the blocks' masked score matrices side by side and the
+    cross-entropy of each row at column ``target`` of block ``target_block`` ([N])."""
+    dt = compute_dtype(blocks[0].rows, blocks[0].cols)
+    scores = []
+    for blk in blocks:
+        x, y = blk.rows.to(dt), blk.cols.to(dt)
+        if normalize:
             x, y = F.normalize(x, dim=1, eps=EPS), F.normalize(y, dim=1, eps=EPS)
-        return x @ y.T
-
-    def masked(x, y, gx, gy, protect: bool):
-        sc = sim(x, y, normalize) * s
-        drop = ~(_unit(gx) @ _unit(gy).T <= theta[:, None])
-        if protect:
-            drop[torch.arange(b), off + torch.arange(b)] = False
-        return sc.masked_fill(drop, float("-inf"))
-
-    p_mine, gp_mine = p_all[off : off + b], gp_all[off : off + b]
-    scores = [masked(a, p_all, ga, gp_all, True)]
-    if contrast_anchors:
-        scores.append(masked(a, a, ga, ga, False))
-    if contrast_positives:
-        scores.append(masked(p_mine, p_all, gp_mine, gp_all, False))
-    scores += [masked(a, x, ga, gx, False) for x, gx in zip(n_all, gn_all, strict=True)]
+        sc = (x @ y.T) * s
+        n, m = sc.shape
+        drop = torch.zeros(n, m, dtype=torch.bool, device=sc.device)
+        if blk.g_rows is not None and theta is not None:
+            drop |= ~(_unit(blk.g_rows) @ _unit(blk.g_cols).T <= theta[:, None])
+        if blk.id_rows is not None:
+            drop |= blk.id_rows[:, None] == blk.id_cols[None, :]
+        i = torch.arange(n, device=sc.device)
+        if blk.protect is not None:
+            drop[i, blk.protect] = False
+        if blk.exclude is not None:
+            j = i + blk.exclude
+            ok = (j >= 0) & (j < m)
+            drop[i[ok], j[ok]] = True
+        scores.append(sc.masked_fill(drop, float("-inf")))
+    before = sum(x.shape[1] for x in scores[:target_block])
     logits = torch.cat(scores, dim=1)
-    per = torch.logsumexp(logits, dim=1) - logits[torch.arange(b), off + torch.arange(b)]
-    bad = ~torch.isfinite(theta)  # a non-finite guide row of anchor i or of its positive
-    for gx in (gp_all, *gn_all, *((ga,) if contrast_anchors else ())):  # the guide columns read
-        if not bool(torch.isfinite(gx).all()):
+    n = logits.shape[0]
+    return torch.logsumexp(logits, dim=1) - logits[torch.arange(n, device=logits.device), before + target]
+
+
+def _nan_rows(per: Tensor, theta: Tensor | None, col_guides) -> Tensor:
+    """``per`` with NaN at the rows whose threshold is not finite, everywhere when a guide column is not."""
+    if theta is None:
+        return per
+    bad = ~torch.isfinite(theta)
+    for g in col_guides:
+        if not bool(torch.isfinite(g).all()):
             bad |= True
     return torch.where(bad, float("nan"), per)
+
+
+def _reference(a, p_all, n_all, ga, gp_all, gn_all, theta, s, off, contrast_anchors, contrast_positives,
+               normalize) -> Tensor:
+    """GISTEmbed's definition, materialised ([B] per-row losses)."""
+    b = a.shape[0]
+    tgt = torch.arange(b, device=a.device) + off
+    blocks = [_DenseBlock(a, p_all, ga, gp_all, protect=tgt)]
+    if contrast_anchors:
+        blocks.append(_DenseBlock(a, a, ga, ga))
+    if contrast_positives:
+        blocks.append(_DenseBlock(p_all[off : off + b], p_all, gp_all[off : off + b], gp_all))
+    blocks += [_DenseBlock(a, x, ga, gx) for x, gx in zip(n_all, gn_all, strict=True)]
+    per = _dense(blocks, theta, s, normalize, 0, tgt)
+    return _nan_rows(per, theta, [gp_all, *gn_all, *((ga,) if contrast_anchors else ())])
+
+
+def _id_vector(name: str, v, n: int, dev) -> Tensor:
+    if not isinstance(v, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of integer ids, got {type(v).__name__}")
+    if v.is_floating_point() or v.is_complex():
+        raise TypeError(f"{name} must hold integer ids, got {v.dtype}")
+    if v.dim() != 1 or v.shape[0] != n:
+        raise ValueError(f"{name} must have shape [{n}], got {tuple(v.shape)}")
+    if v.device != dev:
+        raise ValueError(f"{name} is on {v.device} but the embeddings are on {dev}")
+    return v.long()
+
+
+def _pair(name: str, v, same: bool) -> tuple:
+    """``(for the rows, for the columns)`` of an argument given as one tensor (keys=None) or a pair."""
+    if v is None:
+        return None, None
+    if same:
+        if not isinstance(v, Tensor):
+            raise TypeError(f"{name} must be one tensor when keys is None (the rows are the columns)")
+        return v, v
+    if isinstance(v, Tensor) or not isinstance(v, Sequence) or len(v) != 2:
+        raise TypeError(f"{name} must be a pair (for query, for keys) when keys are given")
+    return v[0], v[1]
+
+
+@dataclass
+class InfoNCEMasks:
+    """``info_nce``'s validated ``guide=`` / ``ids=`` arguments (rows' and local columns' tensors)."""
+
+    gq: Tensor | None
+    gk: Tensor | None
+    iq: Tensor | None
+    ik: Tensor | None
+    strategy: str
+    margin: float
+
+
+def info_nce_masks(query: Tensor, keys: Tensor | None, guide, guide_margin, guide_margin_strategy,
+                   ids) -> InfoNCEMasks:
+    """Checks ``info_nce``'s mask arguments (before any collective, so a bad call fails on every rank)."""
+    dev, n = query.device, query.shape[0]
+    same = keys is None
+    gq, gk = _pair("guide", guide, same)
+    iq, ik = _pair("ids", ids, same)
+    m_local = n if same else keys.shape[0]
+    if gq is not None:
+        gq = V.embeddings("guide (query)" if not same else "guide", gq)
+        if gq.shape[0] != n:
+            raise ValueError(f"guide for the query must have {n} rows, got {gq.shape[0]}")
+        V.same_device(query=query, guide=gq)
+        gk = gq if same else _columns("guide (keys)", gk, m_local, gq.shape[1], dev)[0]
+    strategy = V.choice("guide_margin_strategy", guide_margin_strategy, MARGIN_STRATEGIES)
+    margin = V.number("guide_margin", guide_margin, low=-math.inf, strict=True)
+    if iq is not None:
+        iq = _id_vector("ids" if same else "ids[0] (query)", iq, n, dev)
+        ik = iq if same else _id_vector("ids[1] (keys)", ik, m_local, dev)
+    return InfoNCEMasks(gq, gk, iq, ik, strategy, margin)
+
+
+def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff: int, n_total: int, s, t: Tensor,
+                    valid: Tensor | None, mk: InfoNCEMasks, *, exclude_self: bool, normalize: bool,
+                    reduction: str) -> Tensor:
+    """``info_nce`` with a guide mask and / or an id mask (its docstring has the arguments): one block,
+    query rows (this rank's, the first at global row ``qoff``) against the (gathered) ``contrast`` set,
+    each row's target column ``t`` (global indices; rows outside ``valid`` point anywhere and weigh 0)
+    protected."""
+    dev, n = query.device, query.shape[0]
+    gq, iq = mk.gq, mk.iq
+    be = _torch_backend(be, "info_nce with guide= / ids=")
+    with torch.no_grad():
+        gk_all = None if gq is None else scope.rows(mk.gk.detach(), "guide")[0]
+        ik_all = None if iq is None else scope.rows(mk.ik, "ids")[0]
+    theta = None
+    if gq is not None:
+        gpos = (_unit(gq) * _unit(gk_all)[t]).sum(1)
+        theta = guide_threshold(gpos, mk.strategy, mk.margin)
+    excl = qoff if exclude_self else None
+    dt = compute_dtype(query, contrast)
+    if be == "reference":
+        blk = _DenseBlock(query, contrast, gq, gk_all, iq, ik_all, protect=t, exclude=excl)
+        per = _nan_rows(_dense([blk], theta, s, normalize, 0, t), theta, [] if gk_all is None else [gk_all])
+        if valid is not None:
+            per = torch.where(valid, per, torch.zeros_like(per))
+        return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()))
+    masks = Masks(guides=(gq, gk_all), threshold=theta, ids=(iq, ik_all), target=t)
+    tgt = s * pair_cos(query, contrast[t], normalize, dt)
+    w = valid.to(dt) if valid is not None else torch.ones(n, dtype=dt, device=dev)
+    blocks = [Block(rows=0, cols=1, protect=True, exclude=excl)]
+    if reduction == "none":
+        per = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS) - tgt
+        return per if valid is None else torch.where(valid, per, torch.zeros_like(per))
+    out = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS, weights=w) \
+        - (w * tgt).sum()
+    return scope.reduce(out, reduction, n_total if valid is None else scope.sum(valid.sum()))
