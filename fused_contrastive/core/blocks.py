@@ -73,6 +73,7 @@ class _Config:
     n: int
     normalize: bool
     eps: float
+    minus_target: bool = False
 
 
 class _Problem:
@@ -113,7 +114,7 @@ class _Problem:
         if ir is not None and ic is not None:
             same = ir[rs + r0 : rs + r1, None] == ic[None, :]
             ex = same if ex is None else ex.logical_or_(same)
-        if ex is not None and blk.protect:
+        if ex is not None and blk.protect:  # the protected target column
             i = torch.arange(r1 - r0, device=ex.device)
             ex[i, self.masks.target[r0:r1]] = False
         return ex
@@ -150,39 +151,50 @@ class _Problem:
 
 def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, ...], need_s: bool):
     """One pass over the row chunks. ``lse`` None: compute it (final per chunk: every chunk spans all
-    columns of every block). ``g`` (the per-row upstream gradient) None: statistics only. Returns
-    ``(lse, grads in normalised space per tensor (None where not needed), d scale)``."""
+    columns of every block) and, with ``cfg.minus_target``, the target logits. ``g`` (the per-row
+    upstream gradient) None: statistics only. Returns ``(lse, target logits or None, grads in
+    normalised space per tensor (None where not needed), d scale)``."""
     cfg, n = p.cfg, p.cfg.n
     dev = p.xh[0].device
     out_lse = torch.empty(n, device=dev, dtype=p.dt) if lse is None else lse
+    tgt_blk = next((k for k, blk in enumerate(cfg.blocks) if blk.protect), None) if cfg.minus_target else None
+    out_tgt = torch.empty(n, device=dev, dtype=p.dt) if tgt_blk is not None and lse is None else None
     grads = [torch.zeros_like(h) if nd else None for h, nd in zip(p.xh, need, strict=True)] if g is not None \
         else [None] * len(p.xh)
     sg = _ScaleGrad(n, p.xh[0]) if g is not None and need_s else None
+    ds_tgt = torch.zeros((), device=dev, dtype=torch.float64)
     step = max(1, min(n, tile_elements() // max(p.total_cols, 1)))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         tiles = [p.logits(blk, r0, r1, sg is not None) for blk in cfg.blocks]
+        t_r = p.masks.target[r0:r1, None] if tgt_blk is not None else None
         if lse is None:
             parts = torch.stack([torch.logsumexp(l, dim=1) for _, l in tiles])
             out_lse[r0:r1] = torch.logsumexp(parts, dim=0)
+            if out_tgt is not None:
+                out_tgt[r0:r1] = tiles[tgt_blk][1].gather(1, t_r)[:, 0]
         if g is None:
             continue
         row_lse = out_lse[r0:r1]
         row_lse = torch.where(row_lse == _NEG_INF, torch.zeros_like(row_lse), row_lse)
         gr = g[r0:r1, None]
-        for blk, (c, l) in zip(cfg.blocks, tiles, strict=True):
+        for k, (blk, (c, l)) in enumerate(zip(cfg.blocks, tiles, strict=True)):
             dl = l.sub_(row_lse[:, None]).exp_()
             if sg is not None:
                 sg.add(dl, c, r0, r1, 1)
             dl.mul_(gr)
+            if k == tgt_blk:  # - l[i, t_i]: its gradient -g_i at the target column (exactly 0 with p = 1)
+                dl.scatter_add_(1, t_r, -gr)
+                if sg is not None:
+                    ds_tgt -= (gr * c.gather(1, t_r)).sum().to(torch.float64)
             rs = blk.row_start
             if grads[blk.rows] is not None:
                 grads[blk.rows][rs + r0 : rs + r1].addmm_(dl, p.xh[blk.cols])
             if grads[blk.cols] is not None:
                 grads[blk.cols].addmm_(dl.T, p.xh[blk.rows][rs + r0 : rs + r1])
         del tiles
-    ds = sg.total(g) if sg is not None else None
-    return out_lse, grads, ds
+    ds = (sg.total(g) + ds_tgt.to(g.dtype)) if sg is not None else None
+    return out_lse, out_tgt, grads, ds
 
 
 def _input_grads(p: _Problem, grads: list[Tensor | None], xs: tuple[Tensor, ...]) -> list[Tensor | None]:
@@ -196,8 +208,9 @@ def _input_grads(p: _Problem, grads: list[Tensor | None], xs: tuple[Tensor, ...]
 
 
 class MergedLSEFn(torch.autograd.Function):
-    """``LSE_i`` over every block (see the module docstring): [N], or ``sum_i w_i LSE_i`` (0-dim) when
-    ``weights`` is given (then the gradients are formed in the forward and scaled in the backward)."""
+    """``LSE_i`` over every block, minus the target logit with ``cfg.minus_target`` (see the module
+    docstring): [N], or ``sum_i w_i (...)`` (0-dim) when ``weights`` is given (then the gradients are
+    formed in the forward and scaled in the backward)."""
 
     @staticmethod
     @autocast_off
@@ -207,20 +220,22 @@ class MergedLSEFn(torch.autograd.Function):
         need = tuple(ctx.needs_input_grad[4:])
         need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[0]
         bad = p.bad_rows()
-        ctx.cfg, ctx.masks, ctx.scale, ctx.dtypes = cfg, masks, scale, [x.dtype for x in xs]
+        ctx.cfg, ctx.masks, ctx.scale = cfg, masks, scale
         if weights is not None:
             w = weights.to(dt)
-            lse, grads, ds = _sweep(p, None, w if (any(need) or need_s) else None, need, need_s)
+            lse, tgt, grads, ds = _sweep(p, None, w if (any(need) or need_s) else None, need, need_s)
             ctx.eager = (_input_grads(p, grads, xs), ds)
+            out = lse if tgt is None else lse - tgt
             if bad is not None:
-                lse = torch.where(bad, float("nan"), lse)
-            return (w * lse).sum()
-        lse, _, _ = _sweep(p, None, None, need, False)
+                out = torch.where(bad, float("nan"), out)
+            return (w * out).sum()
+        lse, tgt, _, _ = _sweep(p, None, None, need, False)
         ctx.eager = None
         ctx.save_for_backward(lse, *xs)
+        out = lse if tgt is None else lse - tgt
         if bad is not None:
-            lse = torch.where(bad, float("nan"), lse)
-        return lse
+            out = torch.where(bad, float("nan"), out)
+        return out
 
     @staticmethod
     @autocast_off
@@ -235,19 +250,23 @@ class MergedLSEFn(torch.autograd.Function):
             return (dsc, None, None, None, *gs)
         lse, *xs = ctx.saved_tensors
         p = _Problem(tuple(xs), ctx.cfg, ctx.masks, ctx.scale, lse.dtype)
-        _, grads, ds = _sweep(p, lse, go.to(lse.dtype), need, need_s)
+        _, _, grads, ds = _sweep(p, lse, go.to(lse.dtype), need, need_s)
         gs = _input_grads(p, grads, tuple(xs))
         dsc = None if ds is None else ds.to(ctx.scale.dtype).reshape(ctx.scale.shape)
         return (dsc if need_s else None, None, None, None, *gs)
 
 
 def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Masks | None = None, *,
-               normalize: bool = True, eps: float = 1e-12, weights: Tensor | None = None) -> Tensor:
+               normalize: bool = True, eps: float = 1e-12, weights: Tensor | None = None,
+               minus_target: bool = False) -> Tensor:
     """Merged log-sum-exp of ``n`` rows over ``blocks`` of ``xs`` (module docstring): [n] in the
     compute dtype (float32, float64 for float64 inputs), or ``sum_i weights_i LSE_i`` with ``weights``
     [n] (the summed loss's fast path: no recompute in the backward). ``scale`` a number or a 0-dim
-    tensor (differentiable)."""
-    cfg = _Config(tuple(blocks), n, normalize, eps)
+    tensor (differentiable). ``minus_target``: the cross-entropy ``LSE_i - l_{i, t_i}``, the target
+    logit read from the first protected block's tile (a row left with its target alone is exactly 0)."""
+    cfg = _Config(tuple(blocks), n, normalize, eps, minus_target)
+    if minus_target and not any(blk.protect for blk in cfg.blocks):
+        raise ValueError("core.blocks: minus_target needs a protected block (the target's)")
     masks = masks or Masks()
     if any(blk.protect for blk in cfg.blocks) and masks.target is None:
         raise ValueError("core.blocks: a protected block needs Masks.target")

@@ -185,13 +185,11 @@ def gist_loss(
         blocks.append(Block(rows=1, cols=1, row_start=off))
     blocks += [Block(rows=0, cols=2 + k) for k in range(len(n_all))]
     masks = Masks(guides=(ga, gp_all, *gn_all), threshold=theta, target=torch.arange(b, device=dev) + off)
-    tgt = s * pair_cos(anchors, positives, normalize, dt)
     if reduction == "none":
-        lse = merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS)
-        return lse - tgt
+        return merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, minus_target=True)
     per_n = reduction == "mean" and scope.local
     w = torch.full((b,), 1.0 / b if per_n else 1.0, dtype=dt, device=dev)
-    out = merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, weights=w) - (w * tgt).sum()
+    out = merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, weights=w, minus_target=True)
     return out if per_n else scope.reduce(out, reduction, n_total)
 
 
@@ -351,12 +349,11 @@ def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff
             per = torch.where(valid, per, torch.zeros_like(per))
         return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()))
     masks = Masks(guides=(gq, gk_all), threshold=theta, ids=(iq, ik_all), target=t)
-    tgt = s * pair_cos(query, contrast[t], normalize, dt)
     w = valid.to(dt) if valid is not None else torch.ones(n, dtype=dt, device=dev)
     blocks = [Block(rows=0, cols=1, protect=True, exclude=excl)]
     if reduction == "none":
-        per = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS) - tgt
+        per = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS, minus_target=True)
         return per if valid is None else torch.where(valid, per, torch.zeros_like(per))
-    out = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS, weights=w) \
-        - (w * tgt).sum()
+    out = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS, weights=w,
+                     minus_target=True)
     return scope.reduce(out, reduction, n_total if valid is None else scope.sum(valid.sum()))

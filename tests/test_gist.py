@@ -1,0 +1,427 @@
+"""Guided in-batch negatives (``gist_loss``, ``info_nce(guide=, ids=)``) on the merged-block core against
+the definition written here from sentence-transformers' description (broadcast cosines, masks, one
+concatenated score matrix, cross-entropy), float64: loss and every gradient (the temperature's too),
+both reductions, one row chunk and many chunks, the margin strategies incl. negative guide
+similarities, ties at the threshold, all-masked rows, NaN guides, hard-negative columns, the contrast
+flags, gather over 2 and 3 gloo ranks with uneven sizes, the memory bound, Matryoshka levels, the
+triton route and autocast."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import queue as queue_mod
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_contrastive as fc
+from fused_contrastive.losses import guided
+from fused_contrastive.losses.guided import gist_loss
+
+TOL = dict(rtol=1e-11, atol=1e-12)
+
+
+def _r(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _cos(x, y):
+    return F.cosine_similarity(x[:, None, :], y[None, :, :], dim=-1)
+
+
+def gist_definition(a, p_all, negs, ga, gp_all, gns, t, strategy="absolute", margin=0.0, ca=True, cp=True, off=0):
+    """Per-row GISTEmbed losses of rows ``a`` (global rows off..off+B) from the definition."""
+    b = a.shape[0]
+    rows = torch.arange(b)
+    gpos = _cos(ga, gp_all)[rows, off + rows]
+    theta = gpos - margin if strategy == "absolute" else gpos - gpos.abs() * margin
+
+    def block(x, y, gx, gy, protect):
+        drop = _cos(gx, gy) > theta[:, None]
+        if protect:
+            drop[rows, off + rows] = False
+        return (_cos(x, y) / t).masked_fill(drop, -math.inf)  # masked after the division: no inf * 0
+
+    scores = [block(a, p_all, ga, gp_all, True)]
+    if ca:
+        scores.append(block(a, a, ga, ga, False))
+    if cp:
+        scores.append(block(p_all[off:off + b], p_all, gp_all[off:off + b], gp_all, False))
+    scores += [block(a, x, ga, gx, False) for x, gx in zip(negs, gns, strict=True)]
+    return F.cross_entropy(torch.cat(scores, dim=1), rows + off, reduction="none")
+
+
+def _inputs(b=10, d=6, dg=3, n_neg=1, seed=0, m_neg=None):
+    a, p = _r(b, d, seed=seed), _r(b, d, seed=seed + 1)
+    negs = [_r(m_neg or b, d, seed=seed + 2 + k) for k in range(n_neg)]
+    # guides in a low dimension: cosines of both signs, masks that drop some negatives and keep others
+    ga, gp = _r(b, dg, seed=seed + 10), _r(b, dg, seed=seed + 11)
+    gns = [_r(m_neg or b, dg, seed=seed + 12 + k) for k in range(n_neg)]
+    return a, p, negs, ga, gp, gns
+
+
+CONFIGS = {
+    "absolute-0": dict(strategy="absolute", margin=0.0),
+    "absolute-0.3": dict(strategy="absolute", margin=0.3),
+    "relative-0.2": dict(strategy="relative", margin=0.2),
+    "absolute-negative-margin": dict(strategy="absolute", margin=-0.1),
+    "no-anchors": dict(strategy="absolute", margin=0.1, ca=False),
+    "no-positives": dict(strategy="relative", margin=0.1, cp=False),
+    "neither": dict(strategy="absolute", margin=0.0, ca=False, cp=False),
+}
+
+
+def _call(a, p, negs, ga, gp, gns, t, cfg, **kw):
+    neg = negs if len(negs) != 1 else negs[0]
+    guide = (ga, gp, gns if len(gns) != 1 else gns[0]) if negs else (ga, gp)
+    return gist_loss(a, p, neg if negs else None, guide=guide, temperature=t, margin_strategy=cfg["strategy"],
+                     margin=cfg["margin"], contrast_anchors=cfg.get("ca", True),
+                     contrast_positives=cfg.get("cp", True), **kw)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("n_neg", [0, 1, 2])
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("path", ["torch-one-chunk", "torch-many-chunks", "reference"])
+def test_gist_loss_equals_the_definition(path, cfg, n_neg, reduction, monkeypatch):
+    backend = path.split("-")[0]
+    if path == "torch-many-chunks":
+        monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "24")  # 1 row of up to 40 columns per chunk
+    c = CONFIGS[cfg]
+    a, p, negs, ga, gp, gns = _inputs(n_neg=n_neg, m_neg=7 if n_neg == 2 else None)
+    leaves = [x.clone().requires_grad_() for x in (a, p, *negs)]
+    t = torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
+    got = _call(leaves[0], leaves[1], leaves[2:], ga, gp, gns, t, c, reduction=reduction, backend=backend)
+    ref_leaves = [x.clone().requires_grad_() for x in (a, p, *negs)]
+    t2 = t.detach().clone().requires_grad_()
+    per = gist_definition(ref_leaves[0], ref_leaves[1], ref_leaves[2:], ga, gp, gns, t2, c["strategy"], c["margin"],
+                          c.get("ca", True), c.get("cp", True))
+    want = {"mean": per.mean(), "sum": per.sum(), "none": per}[reduction]
+    torch.testing.assert_close(got, want, **TOL)
+    up = torch.linspace(0.5, 1.5, a.shape[0], dtype=torch.float64) if reduction == "none" else torch.tensor(1.0)
+    g1 = torch.autograd.grad((got * up).sum(), [*leaves, t])
+    g2 = torch.autograd.grad((want * up).sum(), [*ref_leaves, t2])
+    for x, y in zip(g1, g2, strict=True):
+        torch.testing.assert_close(x, y, **TOL)
+
+
+def test_the_inputs_mask_some_negatives_and_keep_others():
+    # the parametrised cases above are not vacuous: the guide drops some in-batch negatives, keeps others
+    a, p, negs, ga, gp, gns = _inputs()
+    rows = torch.arange(a.shape[0])
+    gpos = _cos(ga, gp)[rows, rows]
+    drop = _cos(ga, gp) > gpos[:, None]
+    drop[rows, rows] = False
+    frac = drop.double().mean().item()
+    assert 0.2 < frac < 0.8, frac
+    assert (_cos(ga, gp) < 0).any()  # negative guide similarities: the relative rule's sign matters
+    assert (gpos < 0).any()
+
+
+def test_relative_margin_is_sign_independent():
+    # gpos < 0: the threshold gpos - |gpos| m is below gpos (a larger margin drops more), as in
+    # sentence-transformers 6.2; "gpos * (1 - m)" would be above it
+    a, p, negs, ga, gp, gns = _inputs()
+    for m in (0.0, 0.5):
+        c = dict(strategy="relative", margin=m)
+        got = _call(a, p, [], ga, gp, [], 0.1, c, reduction="none")
+        want = gist_definition(a, p, [], ga, gp, [], 0.1, "relative", m)
+        torch.testing.assert_close(got, want, **TOL)
+    loose = _call(a, p, [], ga, gp, [], 0.1, dict(strategy="relative", margin=0.0), reduction="none")
+    strict = _call(a, p, [], ga, gp, [], 0.1, dict(strategy="relative", margin=0.5), reduction="none")
+    assert (strict <= loose + 1e-12).all()  # more dropped negatives, smaller loss, on every row
+
+
+def test_ties_at_the_threshold_are_kept():
+    # exactly representable guide cosines: column j with cos(ga_i, gp_j) == gpos_i stays (strict >)
+    e1 = torch.tensor([1.0, 0, 0], dtype=torch.float64)
+    v = torch.tensor([3.0, 4.0, 0], dtype=torch.float64)  # cos with e1 = 0.6 exactly as computed
+    w = torch.tensor([4.0, 3.0, 0], dtype=torch.float64)  # cos with e1 = 0.8 > 0.6: dropped
+    ga = torch.stack([e1, e1, e1])
+    gp = torch.stack([v, v, w])  # row 0's positive v: column 1 (v) ties, column 2 (w) is above
+    a, p = _r(3, 4, seed=3), _r(3, 4, seed=4)
+    t = 0.5
+    got = gist_loss(a, p, guide=(ga, gp), temperature=t, contrast_anchors=False, contrast_positives=False,
+                    reduction="none")
+    cos = F.normalize(a, dim=1) @ F.normalize(p, dim=1).T / t
+    # row 0 (gpos 0.6): keeps columns 0 (target) and 1 (tie), drops 2 (0.8 > 0.6)
+    want0 = torch.logsumexp(cos[0, :2], 0) - cos[0, 0]
+    # row 2 (gpos 0.8): columns 0, 1 at 0.6 are kept, column 2 is the target
+    want2 = torch.logsumexp(cos[2], 0) - cos[2, 2]
+    torch.testing.assert_close(got[0], want0, **TOL)
+    torch.testing.assert_close(got[2], want2, **TOL)
+    torch.testing.assert_close(got, gist_definition(a, p, [], ga, gp, [], t, ca=False, cp=False), **TOL)
+
+
+def test_all_masked_rows_contribute_zero_not_nan():
+    a, p, negs, ga, gp, gns = _inputs()
+    leaves = [x.clone().requires_grad_() for x in (a, p, negs[0])]
+    # margin 3: theta < -1 <= every guide cosine, every column but the protected positive is dropped
+    loss = gist_loss(leaves[0], leaves[1], leaves[2], guide=(ga, gp, gns[0]), margin=3.0, reduction="none")
+    assert torch.equal(loss, torch.zeros_like(loss))
+    loss.sum().backward()
+    for x in leaves:
+        assert torch.equal(x.grad, torch.zeros_like(x.grad))
+
+
+def test_nan_guide_gives_nan_loss_not_an_unmasked_row():
+    a, p, negs, ga, gp, gns = _inputs()
+    bad = ga.clone()
+    bad[2, 1] = float("nan")
+    # anchors' guide is a column set of the anchor-anchor block: every row reads it
+    out = gist_loss(a, p, guide=(bad, gp), reduction="none")
+    assert torch.isnan(out).all()
+    # without that block only row 2 (its threshold) is NaN
+    out = gist_loss(a, p, guide=(bad, gp), reduction="none", contrast_anchors=False)
+    assert torch.isnan(out[2]) and torch.isfinite(out[torch.arange(10) != 2]).all()
+    torch.testing.assert_close(out[torch.arange(10) != 2],
+                               gist_definition(a, p, [], ga, gp, [], 0.01, ca=False)[torch.arange(10) != 2], **TOL)
+    assert torch.isnan(gist_loss(a, p, guide=(bad, gp), backend="reference")).item()
+    badp = gp.clone()
+    badp[0, 0] = float("inf")
+    assert torch.isnan(gist_loss(a, p, guide=(ga, badp), contrast_anchors=False)).item()
+
+
+def test_memory_stays_far_below_the_score_matrix():
+    from tests.test_memory import LargestTensor
+
+    b, d, dg = 2048, 16, 8
+    a, p, n = (_r(b, d, seed=s).float().requires_grad_() for s in (1, 2, 3))
+    ga, gp, gn = (_r(b, dg, seed=s).float() for s in (4, 5, 6))
+    with LargestTensor() as probe:
+        gist_loss(a, p, n, guide=(ga, gp, gn), backend="torch").backward()
+    # the textbook builds B x 4B scores (and 4 B x B guide matrices)
+    assert probe.largest <= b * b // 4, (probe.largest, probe.op)
+
+
+def test_matryoshka_levels_use_the_same_guide_mask():
+    a, p, negs, ga, gp, gns = _inputs(d=8)
+    dims, weights = [8, 3, 5], [1.0, 0.5, 2.0]
+    la, lp, ln = (x.clone().requires_grad_() for x in (a, p, negs[0]))
+    got, per = gist_loss(la, lp, ln, guide=(ga, gp, gns[0]), temperature=0.1, matryoshka_dims=dims,
+                         matryoshka_weights=weights, return_level_losses=True)
+    ra, rp, rn = (x.clone().requires_grad_() for x in (a, p, negs[0]))
+    levels = [gist_definition(ra[:, :k], rp[:, :k], [rn[:, :k]], ga, gp, gns, 0.1).mean() for k in dims]
+    want = sum(w * v for w, v in zip(weights, levels, strict=True))
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(per, torch.stack(levels).detach(), **TOL)
+    for x, y in zip(torch.autograd.grad(got, [la, lp, ln]), torch.autograd.grad(want, [ra, rp, rn]), strict=True):
+        torch.testing.assert_close(x, y, **TOL)
+
+
+def test_triton_backend_warns_and_runs_the_torch_path(monkeypatch):
+    monkeypatch.setattr(guided, "_WARNED", set())
+    a, p, negs, ga, gp, gns = (x.float() if isinstance(x, torch.Tensor) else [y.float() for y in x]
+                               for x in _inputs())
+    with pytest.warns(UserWarning, match="guide tiles"):
+        got = gist_loss(a, p, negs[0], guide=(ga, gp, gns[0]), backend="triton")
+    want = gist_loss(a, p, negs[0], guide=(ga, gp, gns[0]), backend="torch")
+    assert torch.equal(got, want)
+
+
+def test_autocast_bf16_training_step():
+    torch.manual_seed(0)
+    enc = torch.nn.Linear(12, 8)
+    x, y, z = (_r(16, 12, seed=s).float() for s in (1, 2, 3))
+    gx, gy, gz = (_r(16, 4, seed=s).float() for s in (4, 5, 6))
+
+    def step(amp: bool):
+        enc.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = gist_loss(enc(x), enc(y), enc(z), guide=(gx, gy, gz), temperature=0.05)
+        loss.backward()
+        return loss.detach(), enc.weight.grad.clone()
+
+    l32, g32 = step(False)
+    l16, g16 = step(True)
+    assert l16.dtype == torch.float32 and torch.isfinite(g16).all()
+    assert abs(l16 - l32) < 0.05 * abs(l32) + 1e-3
+    assert (g16 - g32).norm() < 0.1 * g32.norm()
+
+
+def test_gist_argument_errors():
+    a, p, negs, ga, gp, gns = _inputs()
+    with pytest.raises(ValueError, match="margin_strategy must be one of"):
+        gist_loss(a, p, guide=(ga, gp), margin_strategy="bogus")
+    with pytest.raises(ValueError, match="margin must be finite"):
+        gist_loss(a, p, guide=(ga, gp), margin=float("nan"))
+    with pytest.raises(TypeError, match="guide must be a sequence"):
+        gist_loss(a, p, guide=ga)
+    with pytest.raises(ValueError, match="guide_negatives exactly when negatives"):
+        gist_loss(a, p, negs[0], guide=(ga, gp))
+    with pytest.raises(ValueError, match=r"guide\[1\] \(guide_positives\) must have 10 rows"):
+        gist_loss(a, p, guide=(ga, gp[:4]))
+    with pytest.raises(ValueError, match="positives must have 10 rows"):
+        gist_loss(a, p[:5], guide=(ga, gp))
+    with pytest.raises(ValueError, match=r"guide\[2\] \(guide_negatives\) must match negatives"):
+        gist_loss(a, p, negs[0], guide=(ga, gp, gns[0][:3]))
+
+
+# ---------------------------------------------------------------------------------------------
+# info_nce(guide=, ids=)
+# ---------------------------------------------------------------------------------------------
+
+
+def info_nce_definition(q, k, target, gq=None, gk=None, qid=None, kid=None, t=0.1, strategy="absolute", margin=0.0,
+                        exclude_self=False, ignore_index=-100):
+    n, m = q.shape[0], k.shape[0]
+    valid = target != ignore_index
+    tt = torch.where(valid, target, 0)
+    logits = _cos(q, k) / t
+    drop = torch.zeros(n, m, dtype=torch.bool)
+    if gq is not None:
+        g = _cos(gq, gk)
+        gpos = g[torch.arange(n), tt]
+        theta = gpos - margin if strategy == "absolute" else gpos - gpos.abs() * margin
+        drop |= g > theta[:, None]
+    if qid is not None:
+        drop |= qid[:, None] == kid[None, :]
+    drop[torch.arange(n), tt] = False
+    if exclude_self:
+        drop[torch.arange(n), torch.arange(n)] = True
+    per = F.cross_entropy(logits.masked_fill(drop, -math.inf), tt, reduction="none")
+    return torch.where(valid, per, 0.0), valid
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("what", ["guide", "ids", "both", "both-relative"])
+def test_info_nce_masks_equal_the_definition(what, reduction, monkeypatch):
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "30")
+    n, m = 9, 13
+    q, k = _r(n, 6, seed=1), _r(m, 6, seed=2)
+    gq, gk = _r(n, 3, seed=3), _r(m, 3, seed=4)
+    qid, kid = torch.arange(n) % 4, torch.arange(m) % 4
+    target = torch.tensor([0, 5, 12, -100, 3, 3, 7, 1, 9])
+    kw, dkw = {}, {}
+    if what != "ids":
+        kw["guide"] = (gq, gk)
+        dkw.update(gq=gq, gk=gk)
+    if what != "guide":
+        kw["ids"] = (qid, kid)
+        dkw.update(qid=qid, kid=kid)
+    if what == "both-relative":
+        kw.update(guide_margin=0.3, guide_margin_strategy="relative")
+        dkw.update(margin=0.3, strategy="relative")
+    qa, ka, s = q.clone().requires_grad_(), k.clone().requires_grad_(), torch.tensor(8.0, dtype=torch.float64,
+                                                                                      requires_grad=True)
+    got = fc.info_nce(qa, ka, target, scale=s, reduction=reduction, **kw)
+    qr, kr, sr = q.clone().requires_grad_(), k.clone().requires_grad_(), s.detach().clone().requires_grad_()
+    per, valid = info_nce_definition(qr, kr, target, t=1 / sr, **dkw)
+    want = {"mean": per.sum() / valid.sum(), "sum": per.sum(), "none": per}[reduction]
+    torch.testing.assert_close(got, want, **TOL)
+    for x, y in zip(torch.autograd.grad(got.sum(), [qa, ka, s]), torch.autograd.grad(want.sum(), [qr, kr, sr]),
+                    strict=True):
+        torch.testing.assert_close(x, y, **TOL)
+
+
+def test_info_nce_ids_mask_duplicates_without_keys():
+    # keys=None: the own column is excluded, duplicates by id too, the target (the row's pair) kept
+    z = _r(8, 5, seed=7)
+    ids = torch.tensor([0, 1, 0, 2, 3, 3, 4, 0])
+    target = torch.tensor([1, 0, 3, 2, 5, 4, 7, 6])
+    got = fc.info_nce(z, None, target, ids=ids, temperature=0.2, reduction="none")
+    want, _ = info_nce_definition(z, z, target, qid=ids, kid=ids, t=0.2, exclude_self=True)
+    torch.testing.assert_close(got, want, **TOL)
+    # without the mask rows 0, 2, 7 (id 0) see each other: the values differ
+    plain = fc.info_nce(z, None, target, temperature=0.2, reduction="none")
+    assert not torch.allclose(plain[[0, 2, 7]], got[[0, 2, 7]])
+    torch.testing.assert_close(plain[[1, 3]], got[[1, 3]], **TOL)  # ids 1, 2 are unique
+
+
+def test_info_nce_guide_errors():
+    q, k = _r(4, 3, seed=1), _r(4, 3, seed=2)
+    g = _r(4, 2, seed=3)
+    with pytest.raises(TypeError, match="guide must be a pair"):
+        fc.info_nce(q, k, guide=g)
+    with pytest.raises(TypeError, match="guide must be one tensor when keys is None"):
+        fc.info_nce(q, None, torch.tensor([1, 0, 3, 2]), guide=(g, g))
+    with pytest.raises(ValueError, match="not supported with symmetric=True"):
+        fc.info_nce(q, k, symmetric=True, ids=(torch.arange(4), torch.arange(4)))
+    with pytest.raises(ValueError, match=r"ids\[1\] \(keys\) must have shape \[4\]"):
+        fc.info_nce(q, k, ids=(torch.arange(4), torch.arange(3)))
+    with pytest.raises(TypeError, match="must hold integer ids"):
+        fc.info_nce(q, k, ids=(torch.arange(4.0), torch.arange(4)))
+    with pytest.raises(ValueError, match="guide_margin_strategy must be one of"):
+        fc.info_nce(q, k, guide=(g, g), guide_margin_strategy="x")
+
+
+def test_info_nce_guide_with_matryoshka_levels():
+    q, k = _r(7, 8, seed=1), _r(7, 8, seed=2)
+    gq, gk = _r(7, 3, seed=3), _r(7, 3, seed=4)
+    got = fc.info_nce(q, k, guide=(gq, gk), temperature=0.1, matryoshka_dims=[8, 4])
+    want = sum(info_nce_definition(F.normalize(q[:, :d], dim=1), F.normalize(k[:, :d], dim=1), torch.arange(7),
+                                   gq, gk, t=0.1)[0].mean() for d in (8, 4))
+    torch.testing.assert_close(got, want, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# gather over gloo ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
+        a, p, negs, ga, gp, gns = _inputs(b=total, n_neg=1)
+        mine = slice(off, off + b)
+        la, lp, ln = (x[mine].clone().requires_grad_() for x in (a, p, negs[0]))
+        loss = gist_loss(la, lp, ln, guide=(ga[mine], gp[mine], gns[0][mine]), temperature=0.1, margin=0.05,
+                         gather=True)
+        loss.backward()
+        # the global objective: every rank's rows (its own anchors in the anchor-anchor block) over the total
+        ra, rp, rn = (x.clone().requires_grad_() for x in (a, p, negs[0]))
+        parts = []
+        for r in range(world):
+            o, s = sum(sizes[:r]), slice(sum(sizes[:r]), sum(sizes[:r + 1]))
+            parts.append(gist_definition(ra[s], rp, [rn], ga[s], gp, gns, 0.1, margin=0.05, off=o))
+        want = torch.cat(parts).mean()
+        want.backward()
+        ok = all(torch.allclose(x.grad, y.grad[mine] * world, rtol=1e-10, atol=1e-12)
+                 for x, y in ((la, ra), (lp, rp), (ln, rn)))
+        out.put({"rank": rank, "loss": float(loss), "want": float(want), "grads": ok})
+    except Exception:
+        out.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes", [[5, 3], [2, 4, 3]], ids=["2-ranks", "3-ranks"])
+def test_gather_over_ranks_with_uneven_sizes(sizes, tmp_path):
+    world = len(sizes)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gather_worker, args=(r, world, f"file://{tmp_path}/store", sizes, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in range(world):
+            results.append(out.get(timeout=180))
+    except queue_mod.Empty:
+        pytest.fail("a rank did not report within 180 s (hang)")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["grads"], r
+    # a rank returns its local share times world: the mean over ranks is the global loss
+    mean = sum(r["loss"] for r in results) / world
+    assert abs(mean - results[0]["want"]) < 1e-10
+
+
+def test_warnings_are_clean_on_the_default_path():
+    a, p, negs, ga, gp, gns = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gist_loss(a, p, negs[0], guide=(ga, gp, gns[0]))
