@@ -134,19 +134,27 @@ class _Problem:
         return (c if keep_cos else None), l
 
     def bad_rows(self) -> Tensor | None:
-        """[N] rows whose loss must be NaN (a non-finite guide row, threshold or guide column they read)."""
-        if self.masks.threshold is None:
-            return None
-        n = self.cfg.n
-        bad = ~torch.isfinite(self.masks.threshold)
-        for blk in self.cfg.blocks:
-            gr, gc = self.guide_of(blk.rows), self.guide_of(blk.cols)
-            if gr is None or gc is None:
-                continue
-            bad |= ~torch.isfinite(gr[blk.row_start : blk.row_start + n]).all(dim=1)
-            if not bool(torch.isfinite(gc).all()):
-                bad |= True
-        return bad
+        return bad_rows(self.cfg, self.masks)
+
+
+def bad_rows(cfg: _Config, masks: Masks) -> Tensor | None:
+    """[N] rows whose loss must be NaN: a non-finite threshold, guide row, or guide column they read
+    (None without a guide mask)."""
+    if masks.threshold is None:
+        return None
+    n = cfg.n
+
+    def guide(t):
+        return masks.guides[t] if t < len(masks.guides) else None
+
+    bad = ~torch.isfinite(masks.threshold)
+    for blk in cfg.blocks:
+        gr, gc = guide(blk.rows), guide(blk.cols)
+        if gr is None or gc is None:
+            continue
+        bad |= ~torch.isfinite(gr[blk.row_start : blk.row_start + n]).all(dim=1)
+        bad |= ~torch.isfinite(gc).all()  # a 0-dim flag broadcast over the rows (no host sync)
+    return bad
 
 
 def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, ...], need_s: bool):
@@ -258,12 +266,14 @@ class MergedLSEFn(torch.autograd.Function):
 
 def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Masks | None = None, *,
                normalize: bool = True, eps: float = 1e-12, weights: Tensor | None = None,
-               minus_target: bool = False) -> Tensor:
+               minus_target: bool = False, backend: str = "torch") -> Tensor:
     """Merged log-sum-exp of ``n`` rows over ``blocks`` of ``xs`` (module docstring): [n] in the
     compute dtype (float32, float64 for float64 inputs), or ``sum_i weights_i LSE_i`` with ``weights``
     [n] (the summed loss's fast path: no recompute in the backward). ``scale`` a number or a 0-dim
     tensor (differentiable). ``minus_target``: the cross-entropy ``LSE_i - l_{i, t_i}``, the target
-    logit read from the first protected block's tile (a row left with its target alone is exactly 0)."""
+    logit read from the first protected block's tile (a row left with its target alone is exactly 0).
+    ``backend="triton"``: one Triton call per block (``core/triton_guided.py``; float32 / 16-bit
+    inputs), merged here; "torch": the eager PyTorch sweep of this module."""
     cfg = _Config(tuple(blocks), n, normalize, eps, minus_target)
     if minus_target and not any(blk.protect for blk in cfg.blocks):
         raise ValueError("core.blocks: minus_target needs a protected block (the target's)")
@@ -274,4 +284,44 @@ def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Mask
         if xs[blk.rows].shape[0] < blk.row_start + n:
             raise ValueError(f"core.blocks: block rows {blk.row_start}..{blk.row_start + n} exceed tensor {blk.rows} "
                              f"({xs[blk.rows].shape[0]} rows)")
+    if backend == "triton":
+        return _triton(xs, cfg, masks, scale, weights)
     return MergedLSEFn.apply(scale, cfg, masks, weights, *xs)
+
+
+def _triton(xs: list[Tensor], cfg: _Config, masks: Masks, scale, weights: Tensor | None) -> Tensor:
+    """The blocks on the Triton kernels, one call each, merged by log-sum-exp (differentiable)."""
+    from .triton_guided import BlockMasks, GuidedBlockFn
+
+    n = cfg.n
+
+    def at(seq, t):
+        return seq[t] if t < len(seq) else None
+
+    units = {}
+    for t, g in enumerate(masks.guides):
+        if g is not None and masks.threshold is not None:
+            units[t] = torch.nn.functional.normalize(g.detach().to(torch.float32), dim=1, eps=cfg.eps).contiguous()
+    theta = masks.threshold.to(torch.float32).contiguous() if masks.threshold is not None else None
+    lses, tgt = [], None
+    for blk in cfg.blocks:
+        rs = blk.row_start
+        ga, gb = units.get(blk.rows), units.get(blk.cols)
+        guided = ga is not None and gb is not None
+        ir, ic = at(masks.ids, blk.rows), at(masks.ids, blk.cols)
+        has_ids = ir is not None and ic is not None
+        mk = BlockMasks(ga=ga[rs : rs + n] if guided else None, gb=gb if guided else None,
+                        theta=theta if guided else None,
+                        idr=ir[rs : rs + n].contiguous() if has_ids else None, idc=ic.contiguous() if has_ids else None,
+                        tgt=masks.target.contiguous() if blk.protect else None, exclude=blk.exclude)
+        lse, tl_ = GuidedBlockFn.apply(xs[blk.rows][rs : rs + n], xs[blk.cols], scale, mk, cfg.normalize, cfg.eps)
+        lses.append(lse)
+        if blk.protect and tgt is None:
+            tgt = tl_
+    out = lses[0] if len(lses) == 1 else torch.logsumexp(torch.stack(lses), dim=0)
+    if cfg.minus_target:
+        out = out - tgt
+    bad = bad_rows(cfg, masks)
+    if bad is not None:
+        out = torch.where(bad, float("nan"), out)
+    return out if weights is None else (weights.to(out.dtype) * out).sum()

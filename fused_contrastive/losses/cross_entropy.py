@@ -73,8 +73,8 @@ def info_nce(
         ids: duplicate masking, ``(query_ids [N], key_ids [M])`` integer tensors (one [N] tensor when
             ``keys=None``): column j is left out of row i's softmax when the ids are equal, the target
             column excepted (the same text twice in a batch is not a negative of itself).
-            ``guide`` and ``ids`` run the PyTorch path (also on backend="triton", with a one-time
-            warning) and are not supported with ``symmetric=True``.
+            ``guide`` / ``ids`` run the merged-block core (``core/blocks.py``: its PyTorch sweep, or
+            its Triton kernels on backend="triton") and are not supported with ``symmetric=True``.
 
     Returns:
         0-dim loss (mean/sum) or [N] per-row losses (none).

@@ -19,7 +19,6 @@ whose every other column is dropped keeps only its positive and contributes 0.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,7 +38,6 @@ from ._scope import EPS, Scope
 __all__ = ["gist_loss"]
 
 MARGIN_STRATEGIES = ("absolute", "relative")
-_WARNED: set = set()
 
 
 def guide_threshold(gpos: Tensor, margin_strategy: str, margin: float) -> Tensor:
@@ -60,13 +58,6 @@ def pair_cos(x: Tensor, y: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
     return (x * y).sum(1)
 
 
-def _torch_backend(be: str, what: str) -> str:
-    """The merged-block core is PyTorch (any device); on triton it runs there with a one-time warning."""
-    if be == "triton" and what not in _WARNED:
-        _WARNED.add(what)
-        warnings.warn(f"{what} runs on the PyTorch path (O(N*D) memory, any device) with backend='triton': the "
-                      "Triton kernels do not compute guide tiles yet", stacklevel=3)
-    return "torch" if be == "triton" else be
 
 
 def _columns(name: str, x, b: int | None, d: int, dev) -> list[Tensor]:
@@ -123,9 +114,9 @@ def gist_loss(
         normalize: cosine (True) or raw dot products (False) for the model's logits (the guide always
             uses the cosine).
         reduction: "mean" (default), "sum" or "none" ([B] per-anchor losses).
-        backend: "auto" / "torch" / "triton" run the fused PyTorch path (O(B*D) memory; on "triton"
-            with a one-time warning: no Triton kernel computes guide tiles yet); "reference"
-            materialises the matrices (the definition).
+        backend: "auto" (triton on CUDA), "torch" (the eager PyTorch sweep, O(B*D) memory), "triton"
+            (one fused kernel call per block, the guide tile computed in the kernel; float32 / 16-bit)
+            or "reference" (materialises the matrices: the definition).
         gather: gather positives and negatives (and their guide embeddings) over ranks; rows stay local.
 
     Also ``matryoshka_dims`` / ``matryoshka_weights`` / ``return_level_losses``: the model embeddings
@@ -162,7 +153,7 @@ def gist_loss(
     reduction = V.reduction(reduction)
     dt = compute_dtype(anchors, positives, *negs)
     s, _ = V.scale_of(temperature, None, 0.01, dt, dev)
-    be = _torch_backend(resolve(backend, anchors, positives), "gist_loss")
+    be = resolve(backend, anchors, positives)
     scope = Scope(gather)
     scope.agree(s)
     p_all, off, _ = scope.rows(positives, "positives")
@@ -186,10 +177,11 @@ def gist_loss(
     blocks += [Block(rows=0, cols=2 + k) for k in range(len(n_all))]
     masks = Masks(guides=(ga, gp_all, *gn_all), threshold=theta, target=torch.arange(b, device=dev) + off)
     if reduction == "none":
-        return merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, minus_target=True)
+        return merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, minus_target=True, backend=be)
     per_n = reduction == "mean" and scope.local
     w = torch.full((b,), 1.0 / b if per_n else 1.0, dtype=dt, device=dev)
-    out = merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, weights=w, minus_target=True)
+    out = merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, weights=w, minus_target=True,
+                     backend=be)
     return out if per_n else scope.reduce(out, reduction, n_total)
 
 
@@ -332,7 +324,6 @@ def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff
     protected."""
     dev, n = query.device, query.shape[0]
     gq, iq = mk.gq, mk.iq
-    be = _torch_backend(be, "info_nce with guide= / ids=")
     with torch.no_grad():
         gk_all = None if gq is None else scope.rows(mk.gk.detach(), "guide")[0]
         ik_all = None if iq is None else scope.rows(mk.ik, "ids")[0]
@@ -352,8 +343,9 @@ def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff
     w = valid.to(dt) if valid is not None else torch.ones(n, dtype=dt, device=dev)
     blocks = [Block(rows=0, cols=1, protect=True, exclude=excl)]
     if reduction == "none":
-        per = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS, minus_target=True)
+        per = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS, minus_target=True,
+                         backend=be)
         return per if valid is None else torch.where(valid, per, torch.zeros_like(per))
     out = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS, weights=w,
-                     minus_target=True)
+                     minus_target=True, backend=be)
     return scope.reduce(out, reduction, n_total if valid is None else scope.sum(valid.sum()))

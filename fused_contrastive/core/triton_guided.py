@@ -1,0 +1,157 @@
+"""Triton path of the merged-block core (``core/blocks.py``): one column block per autograd call on the
+kernels of ``fused_contrastive.kernels.guided`` (the guide tile computed in the same kernel as the
+logit tile, never stored), the blocks of a row merged by log-sum-exp in PyTorch (O(N)).
+
+Per block, in units of one N x M x D matmul, plus the guide's N x M x Dg dot each time a tile is
+built: forward 1 (+1 guide); backward, dA kernel (recompute 1 + ``dl @ B`` 1) and dB kernel (recompute
+1 + ``dl^T @ A`` 1) = 4 (+2 guide): the deterministic, atomic-free backward of ``kernels/lse.py``.
+Launch configs: ``triton_configs.guided_config`` (the fused kernels' "fwd_pos" / "bwd_rows" /
+"bwd_cols", narrower backward tiles on sm_80); the guide is read in 16-wide fp32 chunks
+(``GUIDE_BLOCK``) with ``tf32x3`` dots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from .._amp import autocast_off
+from ..kernels import guided as KG
+from . import triton_backend as TB
+from .spec import CoreData, CoreSpec
+from .triton_configs import guided_config
+
+#: BLOCK_G: the guide dimension is streamed in chunks of this many fp32 values (tf32x3 dots).
+GUIDE_BLOCK = 16
+
+
+@dataclass
+class BlockMasks:
+    """One block's exclusion data (no gradient): unit-normalised fp32 guide rows / columns and the
+    per-row threshold (all or none), int64 ids of rows / columns (both or none), the protected
+    column per row (int64) and the own-column offset (None: none)."""
+
+    ga: Tensor | None = None
+    gb: Tensor | None = None
+    theta: Tensor | None = None
+    idr: Tensor | None = None
+    idc: Tensor | None = None
+    tgt: Tensor | None = None
+    exclude: int | None = None
+
+
+def _mask_args(mk: BlockMasks, dummy: Tensor) -> tuple[dict, dict]:
+    ga = mk.ga if mk.ga is not None else dummy
+    gb = mk.gb if mk.gb is not None else dummy
+    args = dict(GA=ga, GB=gb, THETA=mk.theta if mk.theta is not None else dummy,
+                ID_R=mk.idr if mk.idr is not None else dummy, ID_C=mk.idc if mk.idc is not None else dummy,
+                TGT=mk.tgt if mk.tgt is not None else dummy,
+                Dg=ga.shape[1] if mk.ga is not None else 1,
+                stride_ga=ga.stride(0) if mk.ga is not None else 1, stride_gb=gb.stride(0) if mk.gb is not None else 1,
+                offset=int(mk.exclude or 0))
+    flags = dict(BLOCK_G=GUIDE_BLOCK, EXCLUDE_SELF=mk.exclude is not None, HAS_GUIDE=mk.ga is not None,
+                 HAS_IDS=mk.idr is not None, PROTECT=mk.tgt is not None)
+    return args, flags
+
+
+def block_fwd(a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps: float):
+    """``(LSE [N], TL [N] or None, prepared inputs)`` of one block, fp32 (``a``, ``b`` in one kernel dtype)."""
+    dev = a.device
+    n, d = a.shape
+    p = TB._prepare(a, b, CoreSpec(normalize=normalize, eps=eps), CoreData(), False)
+    cfg, block_d, _ = guided_config("fwd", TB._arch(dev), p.a.dtype, d)
+    lse = TB._alloc((n,), torch.float32, dev)
+    tl_ = TB._alloc((n,), torch.float32, dev) if mk.tgt is not None else p.dummy
+    margs, mflags = _mask_args(mk, p.dummy)
+    TB._launch(TB.Launch(
+        "guided_fwd", KG.guided_fwd_kernel, (triton.cdiv(n, cfg.block_m),),
+        dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=TB._scale32(scale, dev), **margs,
+             LSE=lse, TL=tl_, **TB._sizes(p)),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NORMALIZE=bool(normalize), **mflags,
+             UPCAST=TB._upcast(p.a.dtype), DOT_PREC=TB._dot_prec(p.a.dtype)),
+        cfg.num_warps, cfg.num_stages))
+    return lse, (tl_ if mk.tgt is not None else None), p
+
+
+def block_bwd(p, scale, mk: BlockMasks, normalize: bool, eps: float, lse: Tensor, g: Tensor, gt: Tensor | None,
+              need_a: bool, need_b: bool, need_s: bool):
+    """``(dA, dB, ds)`` of one block (None where not needed); dA, dB in the kernels' input dtype."""
+    a, b = p.a, p.b
+    dev = a.device
+    n, d = a.shape
+    m = b.shape[0]
+    dm = p.dummy
+    gs = g.abs().amax() if gt is None else torch.maximum(g.abs().amax(), gt.abs().amax())
+    gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
+    na, ra, nb, rb, rsa, rsb = p.norms
+    margs, mflags = _mask_args(mk, dm)
+    common = dict(SCALE=TB._scale32(scale, dev), GSCALE=gs, **margs, LSE=lse, G=g, GT=gt if gt is not None else dm)
+    flags = dict(NORMALIZE=bool(normalize), **mflags, HAS_GT=gt is not None, UPCAST=TB._upcast(a.dtype),
+                 DOT_PREC=TB._dot_prec(a.dtype), PRESCALE=TB.prescale(a.dtype))
+    arch = TB._arch(dev)
+    da = db = ds = None
+    if need_a or need_s:
+        cfg, block_d, resident = guided_config("bwd_rows", arch, a.dtype, d)
+        n_rb = triton.cdiv(n, cfg.block_m)
+        da = TB._alloc((n, d), a.dtype, dev) if need_a else dm
+        acc = dm if (resident or not need_a) else torch.empty((n, d), dtype=torch.float32, device=dev)
+        ds_part = TB._alloc((n_rb,), torch.float32, dev) if need_s else dm
+        TB._launch(TB.Launch(
+            "guided_bwd_rows", KG.guided_bwd_rows_kernel, (n_rb,),
+            dict(A=a, SA=p.sa, SB=p.sb, RA=ra, NA=na, RSA=rsa, RSB=rsb, **common, DA=da, ACC=acc, DS_PART=ds_part,
+                 **TB._sizes(p), stride_a=a.stride(0), stride_da=da.stride(0) if need_a else 0, eps=float(eps)),
+            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, NEED_DX=bool(need_a),
+                 NEED_DS=bool(need_s), RESIDENT=resident),
+            cfg.num_warps, cfg.num_stages))
+        ds = ds_part.sum() * gs.reshape(()) if need_s else None
+        da = da if need_a else None
+    if need_b:
+        cfg, block_d, resident = guided_config("bwd_cols", arch, b.dtype, d)
+        db = TB._alloc((m, d), b.dtype, dev)
+        acc = dm if resident else torch.empty((m, d), dtype=torch.float32, device=dev)
+        TB._launch(TB.Launch(
+            "guided_bwd_cols", KG.guided_bwd_cols_kernel, (triton.cdiv(m, cfg.block_n),),
+            dict(B=b, SA=p.sa, SB=p.sb, RB=rb, NB=nb, RSA=rsa, RSB=rsb, **common, DB=db, ACC=acc, **TB._sizes(p),
+                 stride_b=b.stride(0), stride_db=db.stride(0), eps=float(eps)),
+            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, RESIDENT=resident),
+            cfg.num_warps, cfg.num_stages))
+    return da, db, ds
+
+
+class GuidedBlockFn(torch.autograd.Function):
+    """``(LSE [N], TL [N])`` of one masked block on the Triton kernels (fp32; TL is zeros without a
+    protected column). Gradients flow to ``a``, ``b`` and a tensor ``scale``."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    @autocast_off
+    def forward(ctx, a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps: float):
+        dt = TB.kernel_dtype(a, b)
+        lse, tl_, p = block_fwd(a.to(dt), b.to(dt), scale, mk, normalize, eps)
+        ctx.mk, ctx.normalize, ctx.eps = mk, normalize, eps
+        ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
+        ctx.scale = None if isinstance(scale, Tensor) else scale
+        ctx.dtypes = (a.dtype, b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
+                      scale.shape if isinstance(scale, Tensor) else None)
+        ctx.has_tl = tl_ is not None
+        ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, p.a, p.b, p.sa, p.sb)
+        return lse, (tl_ if tl_ is not None else torch.zeros_like(lse))
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    @autocast_off
+    def backward(ctx, g_lse: Tensor, g_tl: Tensor):
+        need_a, need_b, need_s = ctx.needs_input_grad[:3]
+        scale, lse, a, b, sa, sb = ctx.saved_tensors
+        if scale is None:
+            scale = ctx.scale
+        p = ctx.prep._replace(a=a, b=b, sa=sa, sb=sb)
+        g = g_lse.to(torch.float32).contiguous() if g_lse is not None else torch.zeros_like(lse)
+        gt = g_tl.to(torch.float32).contiguous() if (g_tl is not None and ctx.has_tl) else None
+        da, db, ds = block_bwd(p, scale, ctx.mk, ctx.normalize, ctx.eps, lse, g, gt, need_a, need_b, need_s)
+        adt, bdt, sdt, sshape = ctx.dtypes
+        return (da.to(adt) if need_a and da is not None else None, db.to(bdt) if need_b and db is not None else None,
+                ds.to(sdt).reshape(sshape) if need_s and ds is not None else None, None, None, None)

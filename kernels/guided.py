@@ -1,0 +1,212 @@
+"""Triton device code of one column block of the guided (GISTEmbed) / id-masked cross-entropy: the
+row log-sum-exp over scaled cosines with an exclusion mask computed inside each tile, and its
+backward. The host side (``fused_contrastive/core/triton_guided.py``) runs one block per call and
+merges the blocks of a row by log-sum-exp in PyTorch (O(N)).
+
+For rows ``a_i`` and columns ``b_j`` (normalised as in ``kernels/lse.py``, scale ``s``)::
+
+    l_ij   = s <a_i, b_j>,  -inf at the own column offset + i (EXCLUDE_SELF) and where excluded:
+    excl   = (<ga_i, gb_j> > theta_i  [HAS_GUIDE]  or  idr_i == idc_j  [HAS_IDS])  and  j != t_i  [PROTECT]
+    LSE_i  = log sum_j exp(l_ij)          TL_i = l_{i, t_i}  (PROTECT: the target logit, from the same tile)
+
+``ga``, ``gb`` are unit-normalised fp32 guide rows (no gradient); the guide tile is a second dot per
+tile (``Dg`` streamed in ``BLOCK_G`` chunks, ``tf32x3``: ~fp32 accuracy, so the threshold compare is
+the fp32 one). A NaN guide similarity excludes (``~(g <= theta)``); the host makes such rows NaN.
+
+Backward, with the upstream gradients ``g_i`` of ``LSE_i`` and ``gt_i`` of ``TL_i`` (HAS_GT)::
+
+    dl_ij = g_i exp(l_ij - LSE_i) + gt_i [j == t_i]
+    dA_i  = s sum_j dl_ij b_j     dB_j = s sum_i dl_ij a_i     ds = sum_ij dl_ij cos_ij
+
+through the normalisation's backward: the row kernel owns dA (and ds), the column kernel dB, each
+recomputing the tile and its guide tile (deterministic, no atomics), exactly as ``lse_bwd_rows_kernel``
+/ ``lse_bwd_cols_kernel`` do; they share those kernels' helpers (``_cos_tile``, ``_accumulate``, the
+normalisation epilogue), so the numerics (power-of-two scaled copies, ``gscale``, ``PRESCALE``) are the
+same. Merged across blocks, the row's LSE (a row left with its target alone has ``LSE_i = TL_i``
+exactly) and its gradient (``exp(0) = 1``, minus 1: exactly 0) keep an all-masked row at 0.
+"""
+
+import triton
+import triton.language as tl
+
+from .lse import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
+
+
+@triton.jit
+def _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+            HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr, PROTECT: tl.constexpr):
+    """``l`` with -inf where the guide or the ids exclude the pair (the target column kept)."""
+    ex = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False, [BLOCK_M, BLOCK_N]
+    if HAS_GUIDE:
+        one_r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        one_c = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
+        gsim = _cos_tile(GA, GB, stride_ga, stride_gb, rows, cols, N, M, Dg, one_r, one_c,
+                         BLOCK_M, BLOCK_N, BLOCK_G, False, "tf32x3")
+        ex = ex | ~(gsim <= theta_r[:, None])
+    if HAS_IDS:
+        idc = tl.load(ID_C + cols, mask=cols < M, other=-1)
+        ex = ex | (idr[:, None] == idc[None, :])
+    if PROTECT:
+        ex = ex & (cols[None, :] != tgt_r[:, None])
+    return tl.where(ex, NEG_INF, l)
+
+
+@triton.jit
+def _row_data(THETA, ID_R, TGT, rows, rmask, BLOCK: tl.constexpr, HAS_GUIDE: tl.constexpr,
+              HAS_IDS: tl.constexpr, PROTECT: tl.constexpr):
+    """Per-row threshold, id and protected (target) column (placeholders where absent)."""
+    theta_r = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_GUIDE:
+        theta_r = tl.load(THETA + rows, mask=rmask, other=0.0)
+    idr = rows.to(tl.int64)
+    if HAS_IDS:
+        idr = tl.load(ID_R + rows, mask=rmask, other=-2)
+    tgt_r = rows.to(tl.int64)
+    if PROTECT:
+        tgt_r = tl.load(TGT + rows, mask=rmask, other=-1)
+    return theta_r, idr, tgt_r
+
+
+@triton.jit
+def guided_fwd_kernel(
+    SA, SB, RSA, RSB, SCALE, GA, GB, THETA, ID_R, ID_C, TGT,
+    LSE, TL,
+    N, M, D, Dg, stride_sa, stride_sb, stride_ga, stride_gb, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
+    PROTECT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """LSE_i (and TL_i with PROTECT) of one block of rows (grid: cdiv(N, BLOCK_M)), streaming over all
+    column blocks: model tile, guide tile, mask, online max / sum."""
+    pid = tl.program_id(0)
+    s = tl.load(SCALE).to(tl.float32)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < N
+    rsa = _inv_norms(RSA, rows, rmask, NORMALIZE)
+    theta_r, idr, tgt_r = _row_data(THETA, ID_R, TGT, rows, rmask, BLOCK_M, HAS_GUIDE, HAS_IDS, PROTECT)
+    m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+    z_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    t_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for j0 in range(0, M, BLOCK_N):
+        cols = j0 + tl.arange(0, BLOCK_N)
+        cmask = cols < M
+        rsb = _inv_norms(RSB, cols, cmask, NORMALIZE)
+        cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
+                        BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+        l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False)
+        l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
+                    BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT)
+        m_i, z_i = _online_rows(m_i, z_i, l)
+        if PROTECT:  # the target logit, read from the same tile (the column appears in one tile)
+            t_i += tl.sum(tl.where(cols[None, :] == tgt_r[:, None], l, 0.0), axis=1)
+    tl.store(LSE + rows, m_i + _log0(z_i), mask=rmask)
+    if PROTECT:
+        tl.store(TL + rows, t_i, mask=rmask)
+
+
+@triton.jit
+def _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT: tl.constexpr):
+    """dl_ij = g_i exp(l_ij - LSE_i) + gt_i [j == t_i] (both / gscale)."""
+    dl = g_r[:, None] * tl.exp(l - lse_r[:, None])
+    if HAS_GT:
+        dl += tl.where(cols[None, :] == tgt_r[:, None], gt_r[:, None], 0.0)
+    return dl
+
+
+@triton.jit
+def _row_grads(LSE, G, GT, GSCALE, rows, rmask, HAS_GT: tl.constexpr):
+    inv_gs = 1.0 / tl.load(GSCALE)
+    lse = tl.load(LSE + rows, mask=rmask, other=0.0)
+    lse = tl.where(lse == NEG_INF, 0.0, lse)
+    g = tl.load(G + rows, mask=rmask, other=0.0) * inv_gs
+    gt = g
+    if HAS_GT:
+        gt = tl.load(GT + rows, mask=rmask, other=0.0) * inv_gs
+    return lse, g, gt
+
+
+@triton.jit
+def guided_bwd_rows_kernel(
+    A, SA, SB, RA, NA, RSA, RSB, SCALE, GSCALE, GA, GB, THETA, ID_R, ID_C, TGT,
+    LSE, G, GT, DA, ACC, DS_PART,
+    N, M, D, Dg, stride_a, stride_sa, stride_sb, stride_da, stride_ga, stride_gb, offset, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
+    PROTECT: tl.constexpr, HAS_GT: tl.constexpr, NEED_DX: tl.constexpr, NEED_DS: tl.constexpr,
+    RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
+):
+    """dA (and this row block's share of ds) for one block of rows (grid: cdiv(N, BLOCK_M))."""
+    pid = tl.program_id(0)
+    s = tl.load(SCALE).to(tl.float32)
+    gs = tl.load(GSCALE)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < N
+    rsa = _inv_norms(RSA, rows, rmask, NORMALIZE)
+    theta_r, idr, tgt_r = _row_data(THETA, ID_R, TGT, rows, rmask, BLOCK_M, HAS_GUIDE, HAS_IDS, PROTECT)
+    lse_r, g_r, gt_r = _row_grads(LSE, G, GT, GSCALE, rows, rmask, HAS_GT)
+    if RESIDENT:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    else:
+        acc = tl.zeros([1, 1], dtype=tl.float32)  # unused: the accumulator is the ACC scratch
+    ds_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for j0 in range(0, M, BLOCK_N):
+        cols = j0 + tl.arange(0, BLOCK_N)
+        cmask = cols < M
+        rsb = _inv_norms(RSB, cols, cmask, NORMALIZE)
+        cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
+                        BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+        l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False)
+        l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
+                    BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT)
+        dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT)
+        if NEED_DS:
+            ds_acc += tl.sum(dl * cos, axis=1)
+        if NEED_DX:
+            acc = _accumulate(acc, ACC, dl, SB, stride_sb, rows, rsb, cols, N, M, D, j0,
+                              BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
+    if NEED_DS:
+        tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
+    if NEED_DX:
+        _norm_bwd_epilogue(A, DA, ACC, NA, RA, rows, N, D, stride_a, stride_da, acc, s * gs / PRESCALE, eps,
+                           BLOCK_M, BLOCK_D, NORMALIZE, RESIDENT)
+
+
+@triton.jit
+def guided_bwd_cols_kernel(
+    B, SA, SB, RB, NB, RSA, RSB, SCALE, GSCALE, GA, GB, THETA, ID_R, ID_C, TGT,
+    LSE, G, GT, DB, ACC,
+    N, M, D, Dg, stride_b, stride_sa, stride_sb, stride_db, stride_ga, stride_gb, offset, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
+    PROTECT: tl.constexpr, HAS_GT: tl.constexpr,
+    RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
+):
+    """dB for one block of columns (grid: cdiv(M, BLOCK_N)), streaming over all row blocks."""
+    pid = tl.program_id(0)
+    s = tl.load(SCALE).to(tl.float32)
+    gs = tl.load(GSCALE)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < M
+    rsb = _inv_norms(RSB, cols, cmask, NORMALIZE)
+    if RESIDENT:
+        acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    else:
+        acc = tl.zeros([1, 1], dtype=tl.float32)  # unused: the accumulator is the ACC scratch
+    for i0 in range(0, N, BLOCK_M):
+        rows = i0 + tl.arange(0, BLOCK_M)
+        rmask = rows < N
+        rsa = _inv_norms(RSA, rows, rmask, NORMALIZE)
+        theta_r, idr, tgt_r = _row_data(THETA, ID_R, TGT, rows, rmask, BLOCK_M, HAS_GUIDE, HAS_IDS, PROTECT)
+        lse_r, g_r, gt_r = _row_grads(LSE, G, GT, GSCALE, rows, rmask, HAS_GT)
+        cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
+                        BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+        l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False)
+        l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
+                    BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT)
+        dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT)
+        acc = _accumulate(acc, ACC, tl.trans(dl), SA, stride_sa, cols, rsa, rows, M, N, D, i0,
+                          BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
+    _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, M, D, stride_b, stride_db, acc, s * gs / PRESCALE, eps,
+                       BLOCK_N, BLOCK_D, NORMALIZE, RESIDENT)
+

@@ -1,0 +1,196 @@
+"""The guided (GISTEmbed) / id-masked blocks on the Triton kernels (``kernels/guided.py``): under the CPU
+interpreter, ragged shapes (N, M, D and the guide dimension off every tile edge) against the float64
+definition of tests/test_gist.py, loss and every gradient, fp32 / fp16 / bf16, the resident and the
+streaming accumulator; all-masked rows exactly 0; NaN guides; and every guided kernel compiled for
+sm_80 and sm_90 with every mask on: 0 spills, tensor-core instructions, shared memory within the
+architecture's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fused_contrastive as fc
+from fused_contrastive.losses.guided import gist_loss
+from tests.test_gist import gist_definition, info_nce_definition
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - the test extra installs triton
+    pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
+
+
+def _r(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# fp32: tf32x3 dots (~fp32); 16-bit: the operands are rounded to the dtype, so the definition is run on
+# the rounded inputs and the tolerance covers the fp16 / bf16 rounding of the softmax-weighted tile
+TOLS = {torch.float32: (2e-5, 2e-4), torch.float16: (2e-3, 2e-2), torch.bfloat16: (1e-2, 6e-2)}
+
+
+def _check(got, want, dtype, what=""):
+    lt, gt = TOLS[dtype]
+    scale = want.abs().max().clamp_min(1e-3)
+    err = (got.double() - want).abs().max()
+    assert err <= lt * scale if what == "loss" else err <= gt * scale, (what, float(err), float(scale))
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 20), (torch.float16, 20), (torch.bfloat16, 20),
+                                     (torch.float16, 144)], ids=["fp32", "fp16-resident", "bf16-resident",
+                                                                 "fp16-streaming"])
+@pytest.mark.parametrize("cfg", [dict(margin=0.05), dict(margin_strategy="relative", margin=0.2, ca=False),
+                                 dict(margin=0.0, cp=False)], ids=["absolute", "relative-no-anchors",
+                                                                   "no-positives"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gist_on_triton_equals_the_definition(dtype, d, cfg, reduction):
+    b, m, dg = 37, 29, 21  # nothing on a tile edge; the guide's 21 = one 16-wide chunk and a ragged one
+    a, p, n = (_r(rows, d, seed=s).to(dtype) for rows, s in ((b, 1), (b, 2), (m, 3)))
+    ga, gp, gn = (_r(rows, dg, seed=s).float() for rows, s in ((b, 4), (b, 5), (m, 6)))
+    la, lp, ln = (x.clone().requires_grad_() for x in (a, p, n))
+    t = torch.tensor(0.07, requires_grad=True)
+    strat = cfg.get("margin_strategy", "absolute")
+    got = gist_loss(la, lp, ln, guide=(ga, gp, gn), temperature=t, margin_strategy=strat, margin=cfg["margin"],
+                    contrast_anchors=cfg.get("ca", True), contrast_positives=cfg.get("cp", True), reduction=reduction,
+                    backend="triton")
+    assert got.dtype == torch.float32
+    ra, rp, rn = (x.double().requires_grad_() for x in (a, p, n))
+    t2 = torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
+    per = gist_definition(ra, rp, [rn], ga.double(), gp.double(), [gn.double()], t2, strat, cfg["margin"],
+                          cfg.get("ca", True), cfg.get("cp", True))
+    want = per.mean() if reduction == "mean" else per
+    _check(got, want.detach(), dtype, "loss")
+    up = torch.linspace(0.5, 1.5, b, dtype=torch.float64) if reduction == "none" else torch.tensor(1.0)
+    g1 = torch.autograd.grad((got * up.float()).sum(), [la, lp, ln, t])
+    g2 = torch.autograd.grad((want * up).sum(), [ra, rp, rn, t2])
+    for x, y, name in zip(g1, g2, ("anchors", "positives", "negatives", "temperature"), strict=True):
+        assert x.dtype == (dtype if name != "temperature" else torch.float32)
+        _check(x, y, dtype, name)
+
+
+@pytest.mark.parametrize("what", ["guide", "ids", "both"])
+def test_info_nce_masks_on_triton_equal_the_definition(what):
+    nq, mk = 19, 23
+    q, k = _r(nq, 12, seed=1).float(), _r(mk, 12, seed=2).float()
+    gq, gk = _r(nq, 5, seed=3).float(), _r(mk, 5, seed=4).float()
+    qid, kid = torch.arange(nq) % 5, torch.arange(mk) % 5
+    target = (torch.arange(nq) * 3) % mk
+    target[4] = -100
+    kw, dkw = {}, {}
+    if what != "ids":
+        kw["guide"], dkw = (gq, gk), dict(gq=gq.double(), gk=gk.double())
+    if what != "guide":
+        kw["ids"] = (qid, kid)
+        dkw.update(qid=qid, kid=kid)
+    qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
+    got = fc.info_nce(qa, ka, target, temperature=0.1, backend="triton", **kw)
+    qr, kr = q.double().requires_grad_(), k.double().requires_grad_()
+    per, valid = info_nce_definition(qr, kr, target, t=0.1, **dkw)
+    want = per.sum() / valid.sum()
+    _check(got, want.detach(), torch.float32, "loss")
+    for x, y in zip(torch.autograd.grad(got, [qa, ka]), torch.autograd.grad(want, [qr, kr]), strict=True):
+        _check(x, y, torch.float32)
+
+
+def test_all_masked_rows_are_exactly_zero_on_triton():
+    a, p = _r(9, 16, seed=1).float(), _r(9, 16, seed=2).float()
+    ga, gp = _r(9, 4, seed=3).float(), _r(9, 4, seed=4).float()
+    la, lp = a.clone().requires_grad_(), p.clone().requires_grad_()
+    out = gist_loss(la, lp, guide=(ga, gp), margin=3.0, reduction="none", backend="triton")
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.equal(la.grad, torch.zeros_like(la.grad)) and torch.equal(lp.grad, torch.zeros_like(lp.grad))
+
+
+def test_nan_guide_gives_nan_on_triton():
+    a, p = _r(9, 16, seed=1).float(), _r(9, 16, seed=2).float()
+    ga, gp = _r(9, 4, seed=3).float(), _r(9, 4, seed=4).float()
+    ga[3, 0] = float("nan")
+    out = gist_loss(a, p, guide=(ga, gp), reduction="none", contrast_anchors=False, backend="triton")
+    assert torch.isnan(out[3]) and torch.isfinite(out[torch.arange(9) != 3]).all()
+
+
+def test_triton_and_torch_paths_agree_on_float32():
+    a, p, n = (_r(40, 24, seed=s).float() for s in (1, 2, 3))
+    ga, gp, gn = (_r(40, 8, seed=s).float() for s in (4, 5, 6))
+    x = gist_loss(a, p, n, guide=(ga, gp, gn), margin=0.02, backend="triton")
+    y = gist_loss(a, p, n, guide=(ga, gp, gn), margin=0.02, backend="torch")
+    torch.testing.assert_close(x, y, rtol=2e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# ahead-of-time compiles (no GPU): every guided kernel, sm_80 and sm_90, every mask on
+# ---------------------------------------------------------------------------------------------
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    from fused_contrastive.core import triton_guided as TG
+    from fused_contrastive.tools import aot
+
+    DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+    def record(fam, dt, d, n=4096, dg=384):
+        meta = torch.device("meta")
+        a, b = torch.empty(n, d, dtype=dt, device=meta), torch.empty(n, d, dtype=dt, device=meta)
+        i64 = dict(dtype=torch.int64, device=meta)
+        mk = TG.BlockMasks(ga=torch.empty(n, dg, device=meta), gb=torch.empty(n, dg, device=meta),
+                           theta=torch.empty(n, device=meta), idr=torch.empty(n, **i64), idc=torch.empty(n, **i64),
+                           tgt=torch.empty(n, **i64), exclude=0)
+        s = torch.empty((), device=meta)
+        with aot.recording(fam) as launches:
+            lse, tl, p = TG.block_fwd(a, b, s, mk, True, 1e-12)
+            g = torch.empty(n, device=meta)
+            TG.block_bwd(p, s, mk, True, 1e-12, lse, g, g, True, True, True)
+        return [x for x in launches if x.name.startswith("guided")]
+
+    def job(args):
+        cc, fam, dname, d, i = args
+        out = aot.compile_launch(record(fam, DT[dname], d)[i], cc)
+        out.update(dtype=dname, d=d)
+        return out
+
+    if __name__ == "__main__":
+        jobs = [(cc, fam, dn, d, i) for cc, fam in aot.TARGETS for dn in DT for d in (64, 128, 768) for i in range(3)]
+        with ProcessPoolExecutor(max_workers=2) as ex:
+            print(json.dumps(list(ex.map(job, jobs))))
+    """
+)
+
+SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_every_guided_kernel_compiles_without_spills(compiled):
+    # fp16 runs bf16's code with another operand type (the same registers): bf16 and fp32 are compiled
+    kinds = {(r["kernel"], r["cc"], r["dtype"], r["d"]) for r in compiled}
+    assert len(kinds) == 3 * 2 * 2 * 3, sorted(kinds)
+    for r in compiled:
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        assert r["shared"] <= SMEM_LIMIT[r["cc"]], r
+
+
+def test_guided_kernels_use_tensor_cores(compiled):
+    for r in compiled:
+        if r["cc"] >= 90:
+            assert r["tc"] == "wgmma" and r["n_mma"] == 0, r
+        else:
+            assert r["tc"] == "mma" and r["n_mma"] > 0, r
