@@ -4,6 +4,7 @@ Sub-commands: ``check`` (the default) verifies every loss on every backend avail
 the float64 ground truth; ``bench`` runs the benchmark suite; ``bench-encode`` times
 ``encode_in_chunks`` against a plain step; ``bench-gather`` computes what ``gather=`` sends per rank;
 ``bench-matryoshka`` times the one-pass Matryoshka loss against one plain loss and the K-loss computations;
+``bench-gist`` times the fused GISTEmbed loss against the textbook computation with B x B matrices;
 ``bench-st-step`` times a sentence-transformers training step with their loss and the fused one.
 ``--help`` on either lists its options.
 """
@@ -23,7 +24,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 #: "dense": the one-tile path of problems that fit the tile budget; "tiled": the O(N*D) path (chunked
 #: PyTorch or the Triton kernels), forced with FUSED_CONTRASTIVE_DENSE=0.
 PATHS = ("dense", "tiled")
-COMMANDS = ("check", "bench", "bench-encode", "bench-gather", "bench-matryoshka", "bench-st-step")
+COMMANDS = ("check", "bench", "bench-encode", "bench-gather", "bench-matryoshka", "bench-gist",
+            "bench-st-step")
 
 
 def _csv(text: str) -> list[str]:
@@ -197,6 +199,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from .bench import cli as bench_cli
     from .bench import encode as bench_encode
     from .bench import gather as bench_gather
+    from .bench import gist as bench_gist
     from .bench import matryoshka as bench_matryoshka
     from .bench import st_step as bench_st_step
 
@@ -207,7 +210,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     subs = {"check": _check_parser(sub), "bench": bench_cli.add_parser(sub),
             "bench-encode": bench_encode.add_parser(sub), "bench-gather": bench_gather.add_parser(sub),
-            "bench-matryoshka": bench_matryoshka.add_parser(sub), "bench-st-step": bench_st_step.add_parser(sub)}
+            "bench-matryoshka": bench_matryoshka.add_parser(sub), "bench-gist": bench_gist.add_parser(sub),
+            "bench-st-step": bench_st_step.add_parser(sub)}
     return parser, subs
 
 
@@ -235,6 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench import matryoshka as bench_matryoshka
 
         return bench_matryoshka.run(args, subs["bench-matryoshka"])
+    if args.command == "bench-gist":
+        from .bench import gist as bench_gist
+
+        return bench_gist.run(args, subs["bench-gist"])
     if args.command == "bench-st-step":
         from .bench import st_step as bench_st_step
 

@@ -196,3 +196,42 @@ def test_bench_matryoshka_end_to_end(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-matryoshka", "--dims", "800"],
                          check=False, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--dims" in bad.stderr
+
+
+def test_bench_gist_end_to_end(tmp_path):
+    # tiny sizes: both contenders run, the fused loss equals the textbook one (float32 in the JSON; loss
+    # and gradients in float64 here), the guide drops some but not all negatives, and the files are written
+    env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning")
+    out = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-gist", "--sizes", "64,96", "--dim", "32",
+                          "--guide-dim", "16", "--repeats", "1", "--out", str(tmp_path)],
+                         check=True, capture_output=True, text=True, env=env, timeout=300)
+    for col in ("textbook ms", "fused ms", "fused / textbook", "textbook MiB", "fused MiB", "negatives masked"):
+        assert col in out.stdout, col
+    res = json.loads((tmp_path / "bench_gist.json").read_text())
+    assert [r["n"] for r in res["rows"]] == [64, 96]
+    assert (res["config"]["dim"], res["config"]["guide_dim"]) == (32, 16)
+    for row in res["rows"]:
+        loss = row["loss"]
+        assert set(loss) == {"textbook", "fused"}
+        assert abs(loss["fused"] - loss["textbook"]) < 1e-4 * abs(loss["textbook"]), (row["n"], loss)
+        for name in loss:
+            assert row["median_s"][name] > 0 and len(row["times_s"][name]) == 1
+            assert row["peak_bytes"][name] >= 0
+        assert 0 < row["masked"]["in-batch negatives"] < 0.5, row["masked"]
+        assert 0 < row["masked"]["own hard negative"] < 1, row["masked"]
+    assert (tmp_path / "bench_gist.txt").read_text().startswith("GISTEmbed loss")
+
+    from fused_contrastive.bench import gist
+
+    x = gist._inputs(40, 24, 12, "cpu", torch.float64)
+    got = {}
+    for name, fn in gist.contenders().items():
+        got[name] = (gist._step(fn, x), [t.grad.clone() for t in x[:3]])
+    (l_t, g_t), (l_f, g_f) = got["textbook"], got["fused"]
+    assert torch.allclose(l_f, l_t, rtol=1e-12, atol=0)
+    for a, b in zip(g_f, g_t, strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+    bad = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-gist", "--guide-dim", "0"],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--guide-dim" in bad.stderr
