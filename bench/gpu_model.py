@@ -1062,6 +1062,119 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
     return recs
 
 
+GIST_TEMPERATURE = 0.01
+
+
+def gist_dims(d: int) -> int:
+    """The guide model's dimension of the GIST model: D / 2 (384 for D = 768, as bench-gist)."""
+    return max(16, d // 2)
+
+
+def _gist_inputs(n: int, d: int, grad: bool = True):
+    a, p, neg = (_meta((n, d), grad=grad) for _ in range(3))
+    ga, gp, gn = (_meta((n, gist_dims(d)), grad=False) for _ in range(3))
+    return a, p, neg, ga, gp, gn
+
+
+def gist_textbook(n: int, d: int):
+    """Forward + backward of the textbook GISTEmbed computation (bench-gist's "textbook"): four bf16
+    model cosine GEMMs, four guide cosine GEMMs, the masks, one concatenated fp32 cross-entropy."""
+    a, p, neg, ga, gp, gn = _gist_inputs(n, d)
+
+    def cos(x, y):
+        return F.normalize(x, dim=1) @ F.normalize(y, dim=1).T
+
+    with torch.no_grad():
+        g_ap = cos(ga, gp)
+        theta = g_ap.diagonal().view(-1, 1)
+        eye = torch.eye(n, dtype=torch.bool, device="meta")
+        masks = [(g_ap > theta) & ~eye, cos(ga, ga) > theta, cos(gp, gp) > theta, cos(ga, gn) > theta]
+    blocks = [cos(a, p), cos(a, a), cos(p, p), cos(a, neg)]
+    scores = torch.cat([b.masked_fill(m, float("-inf")) for b, m in zip(blocks, masks, strict=True)], dim=1)
+    out = F.cross_entropy(scores.float() / GIST_TEMPERATURE, torch.arange(n, device="meta"))
+    return out, (a, p, neg)
+
+
+def gist_torch(n: int, d: int):
+    """Forward + backward of ``gist_loss(backend="torch")`` (the eager merged-block sweep)."""
+    from fused_contrastive.losses.guided import gist_loss
+
+    a, p, neg, ga, gp, gn = _gist_inputs(n, d)
+    return gist_loss(a, p, neg, guide=(ga, gp, gn), temperature=GIST_TEMPERATURE, backend="torch"), (a, p, neg)
+
+
+def run_gist_triton(n: int, d: int, gpu: GPU) -> tuple[list[TB.Launch], list]:
+    """The launches (recorded) and ATen ops of ``gist_loss`` on backend="triton": one ``GuidedBlockFn``
+    per block (anchor-positive with the protected target, anchor-anchor, positive-positive,
+    anchor-negative), merged by log-sum-exp, forward + backward, bf16 model and guide embeddings."""
+    from fused_contrastive.core.triton_guided import BlockMasks, GuidedBlockFn
+
+    a, p, neg, ga, gp, gn = _gist_inputs(n, d)  # the guide's embeddings in bf16, as its forward under autocast
+    theta = _meta((n,), torch.float32, grad=False)
+    tgt = torch.empty(n, dtype=torch.int64, device="meta")
+    with aot.recording(gpu.arch) as launches, OpCounter() as ops:
+        parts = []
+        for rows, cols, gr, gc, protect in ((a, p, ga, gp, True), (a, a, ga, ga, False), (p, p, gp, gp, False),
+                                            (a, neg, ga, gn, False)):
+            mk = BlockMasks(ga=gr, gb=gc, theta=theta, tgt=tgt if protect else None)
+            parts.append(GuidedBlockFn.apply(rows, cols, 1.0 / GIST_TEMPERATURE, mk, True, 1e-12))
+        out = (torch.logsumexp(torch.stack([lse for lse, _ in parts]), dim=0) - parts[0][1]).mean()
+        torch.autograd.grad(out, [a, p, neg])
+        del out, parts
+    return list(launches), ops.ops
+
+
+@functools.cache
+def count_gist(path: str, n: int, d: int) -> tuple[list, int]:
+    with OpCounter() as c, norms_tagged(c):
+        out, leaves = (gist_textbook if path == "naive" else gist_torch)(n, d)
+        torch.autograd.grad(out, leaves)
+        del out
+    return c.ops, c.peak
+
+
+def gist_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
+    """MODEL of the GISTEmbed loss (anchor, positive, one hard negative; guide dimension D / 2; the four
+    blocks) on a GPU: the Triton kernels (``kernels/guided.py``, one forward and two recomputing backward
+    kernels per block, modelled from their compile like the core op's), the torch backend's eager sweep
+    and the textbook computation, as above."""
+    dg = gist_dims(d)
+    print(f"--- MODEL GISTEmbed loss (a-p, a-a, p-p, a-n blocks), D = {d}, guide D = {dg}, bf16 model and guide "
+          "embeddings, fwd + bwd (ms, central [optimistic - pessimistic]; no GPU used)")
+    print(f"  {'gpu':5s} {'N':>6s} {'triton kernels':>24s} {'torch backend':>24s} {'textbook':>24s} "
+          f"{'textbook peak':>13s} {'kernels: regs / spills':>22s}")
+    recs = []
+    for g in gpus:
+        gpu = GPUS[g]
+        for n in sizes:
+            launches, ops = run_gist_triton(n, d, gpu)
+            got = {}
+            for sc in SCENARIOS:
+                with scenario(sc):
+                    ks = [kernel_model(lz, gpu) for lz in launches]
+                    tri = sum(k["ms"] for k in ks) + aten_model(ops, gpu)["ms"]
+                    tops, _ = count_gist("torch", n, d)
+                    nops, npeak = count_gist("naive", n, d)
+                    got[sc] = (tri, aten_model(tops, gpu)["ms"], aten_model(nops, gpu)["ms"])
+            peak = npeak + 3 * n * (d + dg) * 2
+            fits = peak <= gpu.mem_gb * 1e9
+            regs = sorted({(k["kernel"], k["regs"], k["spills"]) for k in ks})
+
+            def cell(i, got=got):
+                return f"{got['central'][i]:.1f} [{got['optimistic'][i]:.1f} - {got['pessimistic'][i]:.1f}]"
+            print(f"  {g:5s} {n:6d} {cell(0):>24s} {cell(1):>24s} {cell(2):>24s} {_fmt_b(peak):>13s}"
+                  f"{'' if fits else ' DOES NOT FIT'} {' '.join(f'{r}/{sp}' for _, r, sp in regs):>22s}")
+            recs.append(dict(loss="gist", gpu=g, n=n, d=d, guide_d=dg,
+                             triton_ms=round(got["central"][0], 3),
+                             triton_range=[round(got["optimistic"][0], 3), round(got["pessimistic"][0], 3)],
+                             torch_ms=round(got["central"][1], 3), textbook_ms=round(got["central"][2], 3),
+                             textbook_peak_bytes=peak, textbook_fits=fits,
+                             kernels=[dict(kernel=k, regs=r, spills=sp) for k, r, sp in regs],
+                             model="MODEL, not a measurement"))
+    print()
+    return recs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="16384,65536", help="N = M values (comma-separated)")
@@ -1072,6 +1185,9 @@ def main(argv=None) -> int:
                     help="omit the comparison with the outside estimate and the goals")
     ap.add_argument("--matryoshka", action="store_true",
                     help="also model Matryoshka InfoNCE (5 levels) on the torch backend's one-pass path")
+    ap.add_argument("--gist", action="store_true",
+                    help="also model the GISTEmbed loss (four guided blocks) on the Triton kernels, the torch backend "
+                         "and the textbook computation")
     ap.add_argument("--no-torch", action="store_true",
                     help="skip the torch backend (its op count on the meta device takes ~1 s per 10k launches)")
     args = ap.parse_args(argv)
@@ -1084,6 +1200,8 @@ def main(argv=None) -> int:
     extra = []
     if args.matryoshka:
         extra = matryoshka_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
+    if args.gist:
+        extra += gist_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
     for r in results:
         print(json.dumps(r["rec"]))
     for r in extra:

@@ -9,9 +9,11 @@ For rows ``a_i`` and columns ``b_j`` (normalised as in ``kernels/lse.py``, scale
     excl   = (<ga_i, gb_j> > theta_i  [HAS_GUIDE]  or  idr_i == idc_j  [HAS_IDS])  and  j != t_i  [PROTECT]
     LSE_i  = log sum_j exp(l_ij)          TL_i = l_{i, t_i}  (PROTECT: the target logit, from the same tile)
 
-``ga``, ``gb`` are unit-normalised fp32 guide rows (no gradient); the guide tile is a second dot per
-tile (``Dg`` streamed in ``BLOCK_G`` chunks, ``tf32x3``: ~fp32 accuracy, so the threshold compare is
-the fp32 one). A NaN guide similarity excludes (``~(g <= theta)``); the host makes such rows NaN.
+``ga``, ``gb`` are unit-normalised guide rows (no gradient) in the guide embeddings' dtype: fp32 (the
+guide tile a ``tf32x3`` dot, ~fp32 accuracy, so the threshold compare is the fp32 one) or fp16 / bf16
+(one tensor-core pass on the 16-bit operands, fp32 accumulation: a sixth of the tf32x3 cost, the
+compare at the guide's own precision). The guide tile is a second dot per tile, ``Dg`` streamed in
+``BLOCK_G`` chunks. A NaN guide similarity excludes (``~(g <= theta)``); the host makes such rows NaN.
 
 Backward, with the upstream gradients ``g_i`` of ``LSE_i`` and ``gt_i`` of ``TL_i`` (HAS_GT)::
 
@@ -35,14 +37,15 @@ from .lse import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _n
 @triton.jit
 def _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-            HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr, PROTECT: tl.constexpr):
+            HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr, PROTECT: tl.constexpr,
+            GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr):
     """``l`` with -inf where the guide or the ids exclude the pair (the target column kept)."""
     ex = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False, [BLOCK_M, BLOCK_N]
     if HAS_GUIDE:
         one_r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         one_c = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
         gsim = _cos_tile(GA, GB, stride_ga, stride_gb, rows, cols, N, M, Dg, one_r, one_c,
-                         BLOCK_M, BLOCK_N, BLOCK_G, False, "tf32x3")
+                         BLOCK_M, BLOCK_N, BLOCK_G, GUIDE_UPCAST, GUIDE_PREC)
         ex = ex | ~(gsim <= theta_r[:, None])
     if HAS_IDS:
         idc = tl.load(ID_C + cols, mask=cols < M, other=-1)
@@ -75,7 +78,8 @@ def guided_fwd_kernel(
     N, M, D, Dg, stride_sa, stride_sb, stride_ga, stride_gb, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
-    PROTECT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    PROTECT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, GUIDE_UPCAST: tl.constexpr,
+    GUIDE_PREC: tl.constexpr,
 ):
     """LSE_i (and TL_i with PROTECT) of one block of rows (grid: cdiv(N, BLOCK_M)), streaming over all
     column blocks: model tile, guide tile, mask, online max / sum."""
@@ -96,7 +100,7 @@ def guided_fwd_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
         l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False)
         l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
-                    BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT)
+                    BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT, GUIDE_UPCAST, GUIDE_PREC)
         m_i, z_i = _online_rows(m_i, z_i, l)
         if PROTECT:  # the target logit, read from the same tile (the column appears in one tile)
             t_i += tl.sum(tl.where(cols[None, :] == tgt_r[:, None], l, 0.0), axis=1)
@@ -135,6 +139,7 @@ def guided_bwd_rows_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
     PROTECT: tl.constexpr, HAS_GT: tl.constexpr, NEED_DX: tl.constexpr, NEED_DS: tl.constexpr,
     RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
+    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr,
 ):
     """dA (and this row block's share of ds) for one block of rows (grid: cdiv(N, BLOCK_M))."""
     pid = tl.program_id(0)
@@ -158,7 +163,7 @@ def guided_bwd_rows_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
         l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False)
         l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
-                    BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT)
+                    BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT, GUIDE_UPCAST, GUIDE_PREC)
         dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT)
         if NEED_DS:
             ds_acc += tl.sum(dl * cos, axis=1)
@@ -181,6 +186,7 @@ def guided_bwd_cols_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
     PROTECT: tl.constexpr, HAS_GT: tl.constexpr,
     RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
+    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr,
 ):
     """dB for one block of columns (grid: cdiv(M, BLOCK_N)), streaming over all row blocks."""
     pid = tl.program_id(0)
@@ -203,7 +209,7 @@ def guided_bwd_cols_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
         l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False)
         l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
-                    BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT)
+                    BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT, GUIDE_UPCAST, GUIDE_PREC)
         dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT)
         acc = _accumulate(acc, ACC, tl.trans(dl), SA, stride_sa, cols, rsa, rows, M, N, D, i0,
                           BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)

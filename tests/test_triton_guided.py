@@ -74,6 +74,24 @@ def test_gist_on_triton_equals_the_definition(dtype, d, cfg, reduction):
         _check(x, y, dtype, name)
 
 
+def test_16_bit_guides_run_the_guide_dot_in_16_bit():
+    # guides on axis vectors: cosines exactly 0 or 1 in any precision, so the bf16 guide tile and the
+    # float64 definition drop the same columns (margin 0.1: no compare near its threshold)
+    b, d = 24, 16
+    a, p, n = (_r(b, d, seed=s).to(torch.bfloat16) for s in (1, 2, 3))
+    cl = torch.arange(3 * b) % 5
+    g = torch.eye(16)[torch.cat([cl[:b], cl[b:2 * b].roll(1), cl[2 * b:]])]
+    ga, gp, gn = g[:b].to(torch.bfloat16), g[b:2 * b].to(torch.bfloat16), g[2 * b:].to(torch.bfloat16)
+    la, lp, ln = (x.clone().requires_grad_() for x in (a, p, n))
+    got = gist_loss(la, lp, ln, guide=(ga, gp, gn), temperature=0.05, margin=0.1, backend="triton", reduction="none")
+    ra, rp, rn = (x.double().requires_grad_() for x in (a, p, n))
+    want = gist_definition(ra, rp, [rn], ga.double(), gp.double(), [gn.double()], 0.05, margin=0.1)
+    _check(got, want.detach(), torch.bfloat16, "loss")
+    for x, y in zip(torch.autograd.grad(got.sum(), [la, lp, ln]), torch.autograd.grad(want.sum(), [ra, rp, rn]),
+                    strict=True):
+        _check(x, y, torch.bfloat16)
+
+
 @pytest.mark.parametrize("what", ["guide", "ids", "both"])
 def test_info_nce_masks_on_triton_equal_the_definition(what):
     nq, mk = 19, 23
@@ -139,29 +157,45 @@ _SCRIPT = textwrap.dedent(
     from fused_contrastive.tools import aot
 
     DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    # the mask sets the losses launch: GIST's protected anchor-positive block and its other blocks (fp32 or
+    # 16-bit guides), info_nce's id mask with the own column, and every mask at once
+    VARIANTS = {"gist-target": dict(guide=True, protect=True), "gist-other": dict(guide=True),
+                "ids-self": dict(ids=True, protect=True, exclude=True),
+                "all": dict(guide=True, ids=True, protect=True, exclude=True)}
 
-    def record(fam, dt, d, n=4096, dg=384):
+    def record(fam, dt, d, variant, gdt, n=4096, dg=384):
+        v = VARIANTS[variant]
         meta = torch.device("meta")
         a, b = torch.empty(n, d, dtype=dt, device=meta), torch.empty(n, d, dtype=dt, device=meta)
         i64 = dict(dtype=torch.int64, device=meta)
-        mk = TG.BlockMasks(ga=torch.empty(n, dg, device=meta), gb=torch.empty(n, dg, device=meta),
-                           theta=torch.empty(n, device=meta), idr=torch.empty(n, **i64), idc=torch.empty(n, **i64),
-                           tgt=torch.empty(n, **i64), exclude=0)
+        g = v.get("guide", False)
+        mk = TG.BlockMasks(ga=torch.empty(n, dg, dtype=gdt, device=meta) if g else None,
+                           gb=torch.empty(n, dg, dtype=gdt, device=meta) if g else None,
+                           theta=torch.empty(n, device=meta) if g else None,
+                           idr=torch.empty(n, **i64) if v.get("ids") else None,
+                           idc=torch.empty(n, **i64) if v.get("ids") else None,
+                           tgt=torch.empty(n, **i64) if v.get("protect") else None,
+                           exclude=0 if v.get("exclude") else None)
         s = torch.empty((), device=meta)
         with aot.recording(fam) as launches:
             lse, tl, p = TG.block_fwd(a, b, s, mk, True, 1e-12)
-            g = torch.empty(n, device=meta)
-            TG.block_bwd(p, s, mk, True, 1e-12, lse, g, g, True, True, True)
+            gr = torch.empty(n, device=meta)
+            TG.block_bwd(p, s, mk, True, 1e-12, lse, gr, gr if v.get("protect") else None, True, True, True)
         return [x for x in launches if x.name.startswith("guided")]
 
     def job(args):
-        cc, fam, dname, d, i = args
-        out = aot.compile_launch(record(fam, DT[dname], d)[i], cc)
-        out.update(dtype=dname, d=d)
+        cc, fam, dname, d, variant, gname, i = args
+        out = aot.compile_launch(record(fam, DT[dname], d, variant, DT[gname])[i], cc)
+        out.update(dtype=dname, d=d, variant=variant, guide=gname)
         return out
 
     if __name__ == "__main__":
-        jobs = [(cc, fam, dn, d, i) for cc, fam in aot.TARGETS for dn in DT for d in (64, 128, 768) for i in range(3)]
+        # fp32 inputs take one config for every D (triton_configs._T32): D = 768 covers them
+        shapes = [("bf16", 64), ("bf16", 128), ("bf16", 768), ("fp32", 768)]
+        jobs = [(cc, fam, dn, d, v, gn, i) for cc, fam in aot.TARGETS for v in ("gist-target", "gist-other")
+                for gn in DT for dn, d in shapes for i in range(3)]
+        jobs += [(cc, fam, dn, 768, v, "fp32", i) for cc, fam in aot.TARGETS for v in ("ids-self", "all")
+                 for dn in DT for i in range(3)]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))
     """
@@ -181,8 +215,8 @@ def compiled():
 
 def test_every_guided_kernel_compiles_without_spills(compiled):
     # fp16 runs bf16's code with another operand type (the same registers): bf16 and fp32 are compiled
-    kinds = {(r["kernel"], r["cc"], r["dtype"], r["d"]) for r in compiled}
-    assert len(kinds) == 3 * 2 * 2 * 3, sorted(kinds)
+    kinds = {(r["kernel"], r["cc"], r["dtype"], r["d"], r["variant"], r["guide"]) for r in compiled}
+    assert len(kinds) == 3 * 2 * (2 * 2 * 4 + 2 * 2), len(kinds)
     for r in compiled:
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
         assert r["shared"] <= SMEM_LIMIT[r["cc"]], r

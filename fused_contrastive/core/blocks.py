@@ -18,10 +18,11 @@ which the guide and ids masks never exclude. The output is the merged log-sum-ex
 same merged ``LSE_i`` in every block; ``dR_k += s dl^k C_hat_k``, ``dC_k += s dl^k^T R_hat_k`` and the
 normalisation's backward once per tensor.
 
-Memory: a row chunk of every block's tile at once (``rows * sum_k |C_k| <= tile_elements()``) plus the
-guide tile; nothing N x M is kept. With weights (a summed loss) each chunk's LSE is final inside the
-chunk, so its gradient tiles are formed right away ("eager", no recompute: 1 + 2 GEMM units per block
-plus the guide GEMM); the per-row output recomputes the tiles and the guide tile in the backward.
+Memory: a row chunk of every block's tile at once (``rows * max_k |C_k| <= tile_elements()`` each, at
+least 256 rows at the default budget) plus the guide tile; nothing N x M is kept. With weights (a
+summed loss) each chunk's LSE is final inside the chunk, so its gradient tiles are formed right away
+("eager", no recompute: 1 + 2 GEMM units per block plus the guide GEMM); the per-row output
+recomputes the tiles and the guide tile in the backward.
 
 A row whose guide row or threshold is not finite, or whose blocks read a guide column that is not,
 gets ``LSE = NaN`` (its loss is NaN, never a silently unmasked row).
@@ -109,7 +110,7 @@ class _Problem:
         if gr is not None and gc is not None:
             gs = gr[rs + r0 : rs + r1] @ gc.T
             th = self.masks.threshold[r0:r1, None].to(gs.dtype)
-            ex = ~(gs <= th)  # ``gs > th``; a NaN guide similarity excludes too (and its row is NaN anyway)
+            ex = gs > th  # a NaN guide similarity keeps the column, but its row's loss is NaN (bad_rows)
         ir, ic = self.ids_of(blk.rows), self.ids_of(blk.cols)
         if ir is not None and ic is not None:
             same = ir[rs + r0 : rs + r1, None] == ic[None, :]
@@ -122,8 +123,12 @@ class _Problem:
     def logits(self, blk: Block, r0: int, r1: int, keep_cos: bool) -> tuple[Tensor | None, Tensor]:
         """(cosine tile if ``keep_cos``, masked logit tile) of block ``blk`` for rows [r0, r1)."""
         rs = blk.row_start
-        c = self.xh[blk.rows][rs + r0 : rs + r1] @ self.xh[blk.cols].T
-        l = c * self.s if keep_cos else c.mul_(self.s)
+        rows = self.xh[blk.rows][rs + r0 : rs + r1]
+        if keep_cos:
+            c = rows @ self.xh[blk.cols].T
+            l = c * self.s
+        else:  # the scale folded into the [rows, D] operand: no pass over the tile
+            c, l = None, (rows * self.s) @ self.xh[blk.cols].T
         ex = self.excluded(blk, r0, r1)
         if ex is not None:
             l.masked_fill_(ex, _NEG_INF)
@@ -131,7 +136,7 @@ class _Problem:
             lo, hi = max(r0, -blk.exclude), min(r1, l.shape[1] - blk.exclude)
             if hi > lo:
                 l[lo - r0 : hi - r0, lo + blk.exclude : hi + blk.exclude].diagonal().fill_(_NEG_INF)
-        return (c if keep_cos else None), l
+        return c, l
 
     def bad_rows(self) -> Tensor | None:
         return bad_rows(self.cfg, self.masks)
@@ -157,11 +162,25 @@ def bad_rows(cfg: _Config, masks: Masks) -> Tensor | None:
     return bad
 
 
+def _row_step(p: _Problem) -> int:
+    """Rows per chunk: the widest block's tile within ``tile_elements()`` (every block's tile of the
+    chunk is held at once: up to K tile budgets), at least ``min(256, budget / 4096)`` rows (256 at the
+    default budget: CPU GEMMs of 128 rows ran at a fifth of the speed, 32 against 151 GFLOP/s for
+    128 x 768 x 4096 on the 2-core CI machine)."""
+    n, budget = p.cfg.n, tile_elements()
+    widest = max(p.xh[blk.cols].shape[0] for blk in p.cfg.blocks)
+    return max(1, min(n, max(budget // max(widest, 1), min(256, budget >> 12))))
+
+
 def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, ...], need_s: bool):
     """One pass over the row chunks. ``lse`` None: compute it (final per chunk: every chunk spans all
     columns of every block) and, with ``cfg.minus_target``, the target logits. ``g`` (the per-row
     upstream gradient) None: statistics only. Returns ``(lse, target logits or None, grads in
-    normalised space per tensor (None where not needed), d scale)``."""
+    normalised space per tensor (None where not needed), d scale)``.
+
+    Per block and chunk the tile is passed over 6 times besides its GEMMs: the mask compare and fill,
+    the row maximum, ``exp(l - m)`` in place, its row sum, and (with ``g``) the gradient scaling
+    ``e * g_i / Z_i``; the recomputing backward takes ``exp(l - LSE_i) g_i`` instead."""
     cfg, n = p.cfg, p.cfg.n
     dev = p.xh[0].device
     out_lse = torch.empty(n, device=dev, dtype=p.dt) if lse is None else lse
@@ -171,27 +190,42 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
         else [None] * len(p.xh)
     sg = _ScaleGrad(n, p.xh[0]) if g is not None and need_s else None
     ds_tgt = torch.zeros((), device=dev, dtype=torch.float64)
-    step = max(1, min(n, tile_elements() // max(p.total_cols, 1)))
+    step = _row_step(p)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         tiles = [p.logits(blk, r0, r1, sg is not None) for blk in cfg.blocks]
         t_r = p.masks.target[r0:r1, None] if tgt_blk is not None else None
+        if out_tgt is not None:
+            out_tgt[r0:r1] = tiles[tgt_blk][1].gather(1, t_r)[:, 0]
         if lse is None:
-            parts = torch.stack([torch.logsumexp(l, dim=1) for _, l in tiles])
-            out_lse[r0:r1] = torch.logsumexp(parts, dim=0)
-            if out_tgt is not None:
-                out_tgt[r0:r1] = tiles[tgt_blk][1].gather(1, t_r)[:, 0]
+            # exp(l - m) with m the row maximum over every block; LSE = m + log Z
+            m = tiles[0][1].amax(dim=1)
+            for _, l in tiles[1:]:
+                m = torch.maximum(m, l.amax(dim=1))
+            m = torch.where(m == _NEG_INF, torch.zeros_like(m), m)  # an all-excluded row: exp(-inf) = 0
+            z = torch.zeros_like(m)
+            for _, l in tiles:
+                z += l.sub_(m[:, None]).exp_().sum(dim=1)
+            out_lse[r0:r1] = m + torch.log(z)
+            coef = None if g is None else torch.where(z > 0, 1.0 / z, torch.zeros_like(z))  # e / Z = softmax
+        else:
+            row_lse = out_lse[r0:r1]
+            row_lse = torch.where(row_lse == _NEG_INF, torch.zeros_like(row_lse), row_lse)
+            if g is not None:
+                for _, l in tiles:
+                    l.sub_(row_lse[:, None]).exp_()
+            coef = None if g is None else torch.ones_like(row_lse)
         if g is None:
             continue
-        row_lse = out_lse[r0:r1]
-        row_lse = torch.where(row_lse == _NEG_INF, torch.zeros_like(row_lse), row_lse)
         gr = g[r0:r1, None]
         for k, (blk, (c, l)) in enumerate(zip(cfg.blocks, tiles, strict=True)):
-            dl = l.sub_(row_lse[:, None]).exp_()
             if sg is not None:
+                dl = l.mul_(coef[:, None])
                 sg.add(dl, c, r0, r1, 1)
-            dl.mul_(gr)
-            if k == tgt_blk:  # - l[i, t_i]: its gradient -g_i at the target column (exactly 0 with p = 1)
+                dl.mul_(gr)
+            else:
+                dl = l.mul_(coef[:, None] * gr)
+            if k == tgt_blk:  # - l[i, t_i]: its gradient -g_i at the target column
                 dl.scatter_add_(1, t_r, -gr)
                 if sg is not None:
                     ds_tgt -= (gr * c.gather(1, t_r)).sum().to(torch.float64)
@@ -299,9 +333,14 @@ def _triton(xs: list[Tensor], cfg: _Config, masks: Masks, scale, weights: Tensor
         return seq[t] if t < len(seq) else None
 
     units = {}
+    if len({g.dtype for g in masks.guides if g is not None}) > 1:  # one guide model: one dtype
+        masks = Masks(tuple(None if g is None else g.float() for g in masks.guides), masks.threshold, masks.ids,
+                      masks.target)
     for t, g in enumerate(masks.guides):
         if g is not None and masks.threshold is not None:
-            units[t] = torch.nn.functional.normalize(g.detach().to(torch.float32), dim=1, eps=cfg.eps).contiguous()
+            u = torch.nn.functional.normalize(g.detach().to(torch.float32), dim=1, eps=cfg.eps)
+            # 16-bit guides stay 16-bit (the kernel's guide dot on tensor-core operands), others fp32
+            units[t] = u.to(g.dtype if g.dtype in (torch.float16, torch.bfloat16) else torch.float32).contiguous()
     theta = masks.threshold.to(torch.float32).contiguous() if masks.threshold is not None else None
     lses, tgt = [], None
     for blk in cfg.blocks:

@@ -165,13 +165,16 @@ PANEL_ROWS_MAX_BLOCK_D = 256
 PANEL_ROWS_WARPS = 4
 
 
-#: The guided kernels (``kernels/guided.py``: a second, fp32 ``tf32x3`` dot per tile for the guide,
-#: 16-wide chunks of Dg) take the fused kernels' configs ("fwd_pos" for the forward, "bwd_rows" /
-#: "bwd_cols"), except on sm_80, where the guide tile pushed the backward kernels into spills
-#: (16-bit: 16-140 bytes at 64 x 64 tiles; fp32 "bwd_cols": 8 bytes). There they take 64 x 32 tiles,
-#: compiled with every mask on at 214-254 registers and 0 spills (tests/test_triton_guided.py);
-#: a resident [64, D_PAD] accumulator past D_PAD = 128 spilled kilobytes, so "big" streams as before.
-_GUIDED_SM80 = {
+#: The guided kernels (``kernels/guided.py``: a second dot per tile for the guide, 16-wide chunks of
+#: Dg) take the fused kernels' configs ("fwd_pos" for the forward, "bwd_rows" / "bwd_cols"), except on
+#: sm_80 with fp32 guides (a tf32x3 dot: three MMAs and twice the operand registers), where the
+#: backward kernels spilled at 64 x 64 tiles (16-bit: 16-140 bytes; fp32 "bwd_cols": 8 bytes): there
+#: they take 64 x 32 tiles (214-254 registers, 0 spills; a resident [64, D_PAD] accumulator past
+#: D_PAD = 128 spilled kilobytes, so "big" streams as before). With 16-bit guides the same 64 x 32
+#: tile made ptxas stop at 128 registers and spill 16 bytes, while 64 x 64 compiles at 174-227
+#: registers without spills, so 16-bit guides keep the fused table. tests/test_triton_guided.py
+#: compiles the variants the losses launch.
+_GUIDED_SM80_FP32_GUIDE = {
     ("bwd_rows", "16", "d64"): LaunchConfig(64, 32, 0, 8, 2),
     ("bwd_rows", "16", "d128"): LaunchConfig(64, 32, 0, 8, 2),
     ("bwd_rows", "16", "big"): LaunchConfig(64, 32, 64, 8, 2),
@@ -179,14 +182,17 @@ _GUIDED_SM80 = {
     ("bwd_rows", "32", "d128"): LaunchConfig(64, 32, 16, 8, 2),
     ("bwd_rows", "32", "big"): LaunchConfig(64, 32, 16, 8, 2),
 }
-_GUIDED_SM80.update({("bwd_cols", w, b): c for (k, w, b), c in list(_GUIDED_SM80.items()) if k == "bwd_rows"})
+_GUIDED_SM80_FP32_GUIDE.update({("bwd_cols", w, b): c for (k, w, b), c in list(_GUIDED_SM80_FP32_GUIDE.items())
+                                if k == "bwd_rows"})
 
 
-def guided_config(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tuple[LaunchConfig, int, bool]:
-    """(config, BLOCK_D, resident) of a guided kernel ("fwd", "bwd_rows", "bwd_cols")."""
+def guided_config(kernel: str, arch: str, dtype: torch.dtype, d: int,
+                  guide_dtype: torch.dtype = torch.float32) -> tuple[LaunchConfig, int, bool]:
+    """(config, BLOCK_D, resident) of a guided kernel ("fwd", "bwd_rows", "bwd_cols") for D-dimensional
+    rows of ``dtype`` and guides of ``guide_dtype`` on ``arch``."""
     key = "fwd_pos" if kernel == "fwd" else kernel
     cfg = CONFIGS[(key, arch, DTYPE_NAMES[dtype], d_bucket(d))]
-    if arch == "sm80":
-        cfg = _GUIDED_SM80.get((key, "32" if dtype == torch.float32 else "16", d_bucket(d)), cfg)
+    if arch == "sm80" and guide_dtype == torch.float32:
+        cfg = _GUIDED_SM80_FP32_GUIDE.get((key, "32" if dtype == torch.float32 else "16", d_bucket(d)), cfg)
     resident = cfg.block_d == 0
     return cfg, (d_pad(d) if resident else cfg.block_d), resident

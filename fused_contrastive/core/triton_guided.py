@@ -6,8 +6,8 @@ Per block, in units of one N x M x D matmul, plus the guide's N x M x Dg dot eac
 built: forward 1 (+1 guide); backward, dA kernel (recompute 1 + ``dl @ B`` 1) and dB kernel (recompute
 1 + ``dl^T @ A`` 1) = 4 (+2 guide): the deterministic, atomic-free backward of ``kernels/lse.py``.
 Launch configs: ``triton_configs.guided_config`` (the fused kernels' "fwd_pos" / "bwd_rows" /
-"bwd_cols", narrower backward tiles on sm_80); the guide is read in 16-wide fp32 chunks
-(``GUIDE_BLOCK``) with ``tf32x3`` dots.
+"bwd_cols", narrower backward tiles on sm_80 with fp32 guides); the guide is read in 16-wide fp32 chunks
+(``GUIDE_BLOCK``) with ``tf32x3`` dots, 16-bit guides in one 16-bit pass.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ GUIDE_BLOCK = 16
 
 @dataclass
 class BlockMasks:
-    """One block's exclusion data (no gradient): unit-normalised fp32 guide rows / columns and the
-    per-row threshold (all or none), int64 ids of rows / columns (both or none), the protected
+    """One block's exclusion data (no gradient): unit-normalised guide rows / columns (fp32, or both
+    fp16 / bf16: the guide tile's dot then runs on 16-bit operands) and the fp32 per-row threshold (all
+    or none), int64 ids of rows / columns (both or none), the protected
     column per row (int64) and the own-column offset (None: none)."""
 
     ga: Tensor | None = None
@@ -43,6 +44,10 @@ class BlockMasks:
     exclude: int | None = None
 
 
+def _guide_dtype(mk: BlockMasks) -> torch.dtype:
+    return mk.ga.dtype if mk.ga is not None else torch.float32
+
+
 def _mask_args(mk: BlockMasks, dummy: Tensor) -> tuple[dict, dict]:
     ga = mk.ga if mk.ga is not None else dummy
     gb = mk.gb if mk.gb is not None else dummy
@@ -52,8 +57,10 @@ def _mask_args(mk: BlockMasks, dummy: Tensor) -> tuple[dict, dict]:
                 Dg=ga.shape[1] if mk.ga is not None else 1,
                 stride_ga=ga.stride(0) if mk.ga is not None else 1, stride_gb=gb.stride(0) if mk.gb is not None else 1,
                 offset=int(mk.exclude or 0))
+    gdt = mk.ga.dtype if mk.ga is not None else torch.float32
     flags = dict(BLOCK_G=GUIDE_BLOCK, EXCLUDE_SELF=mk.exclude is not None, HAS_GUIDE=mk.ga is not None,
-                 HAS_IDS=mk.idr is not None, PROTECT=mk.tgt is not None)
+                 HAS_IDS=mk.idr is not None, PROTECT=mk.tgt is not None, GUIDE_UPCAST=TB._upcast(gdt),
+                 GUIDE_PREC=TB._dot_prec(gdt))
     return args, flags
 
 
@@ -62,7 +69,7 @@ def block_fwd(a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps:
     dev = a.device
     n, d = a.shape
     p = TB._prepare(a, b, CoreSpec(normalize=normalize, eps=eps), CoreData(), False)
-    cfg, block_d, _ = guided_config("fwd", TB._arch(dev), p.a.dtype, d)
+    cfg, block_d, _ = guided_config("fwd", TB._arch(dev), p.a.dtype, d, _guide_dtype(mk))
     lse = TB._alloc((n,), torch.float32, dev)
     tl_ = TB._alloc((n,), torch.float32, dev) if mk.tgt is not None else p.dummy
     margs, mflags = _mask_args(mk, p.dummy)
@@ -94,7 +101,7 @@ def block_bwd(p, scale, mk: BlockMasks, normalize: bool, eps: float, lse: Tensor
     arch = TB._arch(dev)
     da = db = ds = None
     if need_a or need_s:
-        cfg, block_d, resident = guided_config("bwd_rows", arch, a.dtype, d)
+        cfg, block_d, resident = guided_config("bwd_rows", arch, a.dtype, d, _guide_dtype(mk))
         n_rb = triton.cdiv(n, cfg.block_m)
         da = TB._alloc((n, d), a.dtype, dev) if need_a else dm
         acc = dm if (resident or not need_a) else torch.empty((n, d), dtype=torch.float32, device=dev)
@@ -109,7 +116,7 @@ def block_bwd(p, scale, mk: BlockMasks, normalize: bool, eps: float, lse: Tensor
         ds = ds_part.sum() * gs.reshape(()) if need_s else None
         da = da if need_a else None
     if need_b:
-        cfg, block_d, resident = guided_config("bwd_cols", arch, b.dtype, d)
+        cfg, block_d, resident = guided_config("bwd_cols", arch, b.dtype, d, _guide_dtype(mk))
         db = TB._alloc((m, d), b.dtype, dev)
         acc = dm if resident else torch.empty((m, d), dtype=torch.float32, device=dev)
         TB._launch(TB.Launch(
