@@ -990,10 +990,11 @@ class CachedGISTEmbedLoss(GISTEmbedLoss):
         return loss.detach() + (link - link.detach())
 
     def get_config_dict(self) -> dict[str, Any]:
+        # sentence-transformers' keys in their order (the model card lists them so)
         out = super().get_config_dict()
-        out["mini_batch_size"] = self.mini_batch_size
-        out["mini_batch_num_tokens"] = self.mini_batch_num_tokens
-        return out
+        head = {k: out.pop(k) for k in ("guide", "temperature")}
+        return {**head, "mini_batch_size": self.mini_batch_size, "mini_batch_num_tokens": self.mini_batch_num_tokens,
+                **out}
 
 
 def _per_level(loss_fn: Callable, embeddings: list[Tensor], labels, dims: Sequence[int],
