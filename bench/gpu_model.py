@@ -1149,13 +1149,15 @@ def gist_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
         for n in sizes:
             launches, ops = run_gist_triton(n, d, gpu)
             got = {}
+            tops, _ = count_gist("torch", n, d)
+            nops, npeak = count_gist("naive", n, d)
             for sc in SCENARIOS:
                 with scenario(sc):
                     ks = [kernel_model(lz, gpu) for lz in launches]
                     tri = sum(k["ms"] for k in ks) + aten_model(ops, gpu)["ms"]
-                    tops, _ = count_gist("torch", n, d)
-                    nops, npeak = count_gist("naive", n, d)
                     got[sc] = (tri, aten_model(tops, gpu)["ms"], aten_model(nops, gpu)["ms"])
+            flops = dict(triton=sum(k["flops"] for k in ks), torch=aten_model(tops, gpu)["gemm_flops"],
+                         textbook=aten_model(nops, gpu)["gemm_flops"])
             peak = npeak + 3 * n * (d + dg) * 2
             fits = peak <= gpu.mem_gb * 1e9
             regs = sorted({(k["kernel"], k["regs"], k["spills"]) for k in ks})
@@ -1168,7 +1170,8 @@ def gist_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
                              triton_ms=round(got["central"][0], 3),
                              triton_range=[round(got["optimistic"][0], 3), round(got["pessimistic"][0], 3)],
                              torch_ms=round(got["central"][1], 3), textbook_ms=round(got["central"][2], 3),
-                             textbook_peak_bytes=peak, textbook_fits=fits,
+                             textbook_peak_bytes=peak, textbook_fits=fits, triton_tc_flops=flops["triton"],
+                             torch_gemm_flops=flops["torch"], textbook_gemm_flops=flops["textbook"],
                              kernels=[dict(kernel=k, regs=r, spills=sp) for k, r, sp in regs],
                              model="MODEL, not a measurement"))
     print()

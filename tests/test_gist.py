@@ -348,6 +348,50 @@ def test_info_nce_guide_with_matryoshka_levels():
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("what", ["guide", "ids"])
+@pytest.mark.parametrize("layout", ["columns", "interleaved", "no-negatives"])
+def test_simcse_sup_masks_equal_the_definition(what, layout):
+    b = 8
+    a, p, n = _r(b, 6, seed=1), _r(b, 6, seed=2), _r(b, 6, seed=3)
+    ga, gp, gn = _r(b, 3, seed=4), _r(b, 3, seed=5), _r(b, 3, seed=6)
+    ia, ip, inn = torch.arange(b) % 3, torch.arange(b) % 4, torch.arange(b) % 2
+    negs = layout != "no-negatives"
+    keys = torch.cat([p, n]) if negs else p
+    dkw = dict(gq=ga, gk=torch.cat([gp, gn]) if negs else gp) if what == "guide" else \
+        dict(qid=ia, kid=torch.cat([ip, inn]) if negs else ip)
+    per, _ = info_nce_definition(a, keys, torch.arange(b), t=0.1, margin=0.05, **dkw)
+    m = dict(guide=(ga, gp, gn), ids=(ia, ip, inn))[what]
+    kw = {what: m, "guide_margin": 0.05}
+    if layout == "interleaved":
+        trip = torch.stack([a, p, n], 1).reshape(3 * b, 6)
+        mt = torch.stack(list(m), 1).reshape(3 * b, *m[0].shape[1:])
+        got = fc.simcse_sup_loss(trip, temperature=0.1, reduction="none", **dict(kw, **{what: mt}))
+    elif layout == "columns":
+        got = fc.simcse_sup_loss(a, p, n, temperature=0.1, reduction="none", **kw)
+    else:
+        got = fc.simcse_sup_loss(a, p, temperature=0.1, reduction="none", **dict(kw, **{what: m[:2]}))
+    torch.testing.assert_close(got, per, **TOL)
+    with pytest.raises(ValueError, match="hard_negative_weight"):
+        fc.simcse_sup_loss(a, p, n, hard_negative_weight=1.0, **kw)
+
+
+@pytest.mark.parametrize("what", ["guide", "ids"])
+def test_simcse_masks_equal_the_definition(what):
+    z = _r(12, 6, seed=1)
+    g, ids = _r(12, 3, seed=2), torch.tensor([0, 1, 2, 3, 0, 5, 6, 2, 8, 9, 0, 11])
+    t = torch.arange(12) ^ 1
+    dkw = dict(gq=g, gk=g) if what == "guide" else dict(qid=ids, kid=ids)
+    per, _ = info_nce_definition(z, z, t, t=0.05, exclude_self=True, **dkw)
+    got = fc.simcse_loss(z, reduction="none", **{what: g if what == "guide" else ids})
+    torch.testing.assert_close(got, per, **TOL)
+    # the two-view form: pairs for z1 and z2
+    z1, z2 = z[0::2], z[1::2]
+    m = (g[0::2], g[1::2]) if what == "guide" else (ids[0::2], ids[1::2])
+    dkw = dict(gq=m[0], gk=m[1]) if what == "guide" else dict(qid=m[0], kid=m[1])
+    per, _ = info_nce_definition(z1, z2, torch.arange(6), t=0.05, **dkw)
+    torch.testing.assert_close(fc.simcse_loss(z1, z2, reduction="none", **{what: m}), per, **TOL)
+
+
 # ---------------------------------------------------------------------------------------------
 # gather over gloo ranks
 # ---------------------------------------------------------------------------------------------
@@ -375,6 +419,12 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
         want.backward()
         ok = all(torch.allclose(x.grad, y.grad[mine] * world, rtol=1e-10, atol=1e-12)
                  for x, y in ((la, ra), (lp, rp), (ln, rn)))
+        # simcse_sup_loss with a guide: this rank's anchors against [every rank's positives; negatives]
+        sup = fc.simcse_sup_loss(a[mine], p[mine], negs[0][mine], guide=(ga[mine], gp[mine], gns[0][mine]),
+                                 temperature=0.1, guide_margin=0.05, gather=True, reduction="none")
+        sup_want, _ = info_nce_definition(a[mine], torch.cat([p, negs[0]]), torch.arange(b) + off, ga[mine],
+                                          torch.cat([gp, gns[0]]), t=0.1, margin=0.05)
+        ok = ok and torch.allclose(sup, sup_want, rtol=1e-10, atol=1e-12)
         out.put({"rank": rank, "loss": float(loss), "want": float(want), "grads": ok})
     except Exception:
         out.put({"rank": rank, "error": traceback.format_exc()})

@@ -47,10 +47,13 @@ def fresh() -> str:
     return _run(["--sizes", "16384,65536", "--gpus", "A100,H100", "--no-torch", "--no-compare"])
 
 
-def _records(text: str, matryoshka: bool = False) -> list[dict]:
-    """The JSON lines: the core-op losses' records, or (``matryoshka``) those of ``--matryoshka``."""
+def _records(text: str, matryoshka: bool = False, gist: bool = False) -> list[dict]:
+    """The JSON lines: the core-op losses' records, or those of ``--matryoshka`` / ``--gist``."""
     recs = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    return [r for r in recs if (r["loss"] == "info_nce_matryoshka") == matryoshka]
+    kind = "info_nce_matryoshka" if matryoshka else ("gist" if gist else None)
+    if kind is None:
+        return [r for r in recs if r["loss"] not in ("info_nce_matryoshka", "gist")]
+    return [r for r in recs if r["loss"] == kind]
 
 
 def _peaks(text: str) -> dict[str, float]:
@@ -305,3 +308,25 @@ def test_committed_matryoshka_model_has_one_loss_of_matmul_work():
         lo, hi = r["one_pass_range"]
         assert lo <= r["one_pass_torch_ms"] <= hi
         assert r["formula_fits"] == (r["formula_peak_bytes"] <= {"A100": 80e9, "H100": 80e9, "H200": 141e9}[r["gpu"]])
+
+
+def test_committed_gist_model_counts_the_matmul_work_by_hand():
+    # --gist, N = M for every block, guide dimension D / 2. Triton: per block the forward's logit and guide
+    # tiles, each backward kernel recomputes both and adds one gradient product: model 1 + 2 + 2, guide
+    # 1 + 1 + 1, in units of 2 N^2 D (2 N^2 Dg): 4 blocks x (5 x 2N^2 D + 3 x 2N^2 Dg). The torch sweep
+    # forms the gradients in its one pass: 4 x (3 x 2N^2 D + 2N^2 Dg). The textbook: 4 logit and 4 guide
+    # GEMMs forward, 8 gradient GEMMs backward, the same 4 x (3 x 2N^2 D + 2N^2 Dg).
+    text = COMMITTED.read_text()
+    assert "--gist" in text.splitlines()[0]
+    recs = _records(text, gist=True)
+    assert {(r["gpu"], r["n"]) for r in recs} == {(g, n) for g in ("A100", "H100", "H200") for n in (16384, 65536)}
+    for r in recs:
+        n, d, dg = r["n"], r["d"], r["guide_d"]
+        assert dg == d // 2
+        assert r["triton_tc_flops"] == 4 * (5 * 2 * n * n * d + 3 * 2 * n * n * dg), r
+        assert r["torch_gemm_flops"] == 4 * (3 * 2 * n * n * d + 2 * n * n * dg), r
+        assert r["textbook_gemm_flops"] == r["torch_gemm_flops"], r
+        assert r["model"] == "MODEL, not a measurement"
+        assert all(k["spills"] == 0 for k in r["kernels"]), r
+        # the textbook's B x B matrices: 8 of them plus the B x 4B scores; it does not fit at N = 65536
+        assert r["textbook_fits"] == (n == 16384), r

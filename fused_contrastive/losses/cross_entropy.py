@@ -5,6 +5,7 @@ coefficients 1 on LSE and on the target logit (CLIP adds the column LSE). Common
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +21,29 @@ from ._levels import leveled
 from ._scope import DEFAULT_TEMPERATURE as _DEFAULT_TEMPERATURE
 from ._scope import Scope, cross_entropy
 from .guided import guided_info_nce, info_nce_masks
+
+
+def _split_views(name: str, v, has_negative: bool, interleaved: bool):
+    """A mask argument of ``simcse_sup_loss`` as ``(for anchor, for positive[, for negative])``: split from
+    interleaved triplets (one tensor) or checked as a sequence of that length."""
+    if v is None:
+        return None
+    want = 3 if has_negative else 2
+    if interleaved:
+        if v.shape[0] % 3:
+            raise ValueError(f"{name} for interleaved triplets must have a multiple of 3 rows, got {v.shape[0]}")
+        return (v[0::3], v[1::3], v[2::3])[:want]
+    if isinstance(v, Tensor) or not isinstance(v, Sequence) or len(v) != want:
+        raise TypeError(f"{name} must be a sequence of {want} tensors (for anchor, positive"
+                        f"{', negative' if has_negative else ''})")
+    return tuple(v)
+
+
+def _key_pair(v):
+    """(for the rows, for the local columns [positive; negative]) of a split mask argument."""
+    if v is None:
+        return None
+    return v[0], (v[1] if len(v) == 2 else torch.cat([v[1], v[2].to(v[1].dtype)]))
 
 __all__ = ["clip_loss", "info_nce", "simcse_loss", "simcse_sup_loss"]
 
@@ -190,12 +214,18 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
 @D.agreed
 @autocast_off
 def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, normalize: bool = True,
-                reduction: str = "mean", backend: str = "auto", gather=False, _levels=None) -> Tensor:
+                reduction: str = "mean", backend: str = "auto", gather=False,
+                guide: Tensor | Sequence[Tensor] | None = None, guide_margin: float = 0.0,
+                guide_margin_strategy: str = "absolute", ids: Tensor | Sequence[Tensor] | None = None,
+                _levels=None) -> Tensor:
     """Unsupervised SimCSE.
 
     * ``z2=None``: ``z1`` is the interleaved batch [2B, D] (rows 2i and 2i+1 are two dropout views of
       sentence i); every row is an anchor, its partner ``i xor 1`` the positive, itself excluded.
     * ``z2`` [B, D]: the official two-view form ``CE(cos(z1, z2) / t, arange(B))``.
+
+    ``guide`` / ``guide_margin`` / ``guide_margin_strategy`` / ``ids``: ``info_nce``'s masks on the rows
+    (a pair ``(for z1, for z2)``, or one tensor for the interleaved ``z1``), the positive kept.
 
     Returns a 0-dim loss, or per-anchor losses ([2B] or [B]) with ``reduction="none"``.
     """
@@ -208,6 +238,8 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
         z2 = V.paired("z1", z1, "z2", z2)
     reduction = V.reduction(reduction)
     V.flag("normalize", normalize)
+    masked = guide is not None or ids is not None
+    mk = info_nce_masks(z1, z2, guide, guide_margin, guide_margin_strategy, ids) if masked else None
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(z1, z2), dev)
     be = resolve(backend, z1, z2)
     n = z1.shape[0]
@@ -216,6 +248,9 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
     contrast, off, total = scope.rows(z1 if z2 is None else z2, "z1" if z2 is None else "z2")
     t = torch.arange(n, device=dev)
     t = (t ^ 1) + off if z2 is None else t + off  # the other view; offsets are even: ranks hold whole pairs
+    if masked:
+        return guided_info_nce(be, scope, z1, contrast, off, total, s, t, None, mk, exclude_self=z2 is None,
+                               normalize=normalize, reduction=reduction)
     b = None if z2 is None and scope.local else contrast
     return cross_entropy(be, scope, z1, b, s, t, offset=off, exclude_self=z2 is None, normalize=normalize,
                          reduction=reduction, n_total=total, levels=_levels)
@@ -226,7 +261,10 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
 @autocast_off
 def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Tensor | None = None,
                     *, temperature=0.05, hard_negative_weight: float = 0.0, normalize: bool = True,
-                    reduction: str = "mean", backend: str = "auto", gather=False, _levels=None) -> Tensor:
+                    reduction: str = "mean", backend: str = "auto", gather=False,
+                    guide: Tensor | Sequence[Tensor] | None = None, guide_margin: float = 0.0,
+                    guide_margin_strategy: str = "absolute", ids: Tensor | Sequence[Tensor] | None = None,
+                    _levels=None) -> Tensor:
     """Supervised SimCSE (NLI triplets).
 
     * ``positive=None``: ``anchor`` is the interleaved triplets [3B, D]: rows 3k, 3k+1, 3k+2 are
@@ -237,6 +275,10 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     Logits of anchor i are ``[cos(a_i, p_j) / t for j] ++ [cos(a_i, n_j) / t for j]`` (B x 2B), target
     i, and ``hard_negative_weight`` is added to the logit of anchor i's own negative n_i (as in the
     official SimCSE code). Returns a 0-dim loss or [B] per-anchor losses.
+
+    ``guide`` / ``guide_margin`` / ``guide_margin_strategy`` / ``ids``: ``info_nce``'s masks on the rows,
+    given like the embeddings (``(for anchor, for positive[, for negative])``, or one tensor for the
+    interleaved triplets); the positive kept. Not combined with ``hard_negative_weight``.
     """
     hnw = V.number("hard_negative_weight", hard_negative_weight, low=float("-inf"), strict=True)
     if positive is None:
@@ -247,6 +289,12 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
         if anchor.shape[0] % 3:
             raise ValueError(f"anchor must hold interleaved triplets (rows a multiple of 3), got {anchor.shape[0]}")
         anchor, positive, negative = anchor[0::3], anchor[1::3], anchor[2::3]
+    masked = guide is not None or ids is not None
+    if masked:
+        if hnw != 0.0:
+            raise ValueError("guide= / ids= are not supported with a hard_negative_weight")
+        guide, ids = (_split_views(name, v, negative is not None, interleaved=isinstance(v, Tensor))
+                      for name, v in (("guide", guide), ("ids", ids)))
     anchor = V.embeddings("anchor", anchor)
     positive = V.paired("anchor", anchor, "positive", positive)
     if negative is not None:
@@ -256,12 +304,23 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     dev = anchor.device
     n = anchor.shape[0]
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(anchor, positive, negative), dev)
+    keys_local = positive if negative is None else torch.cat([positive, negative.to(positive.dtype)])
+    mk = info_nce_masks(anchor, keys_local, _key_pair(guide), guide_margin, guide_margin_strategy,
+                        _key_pair(ids)) if masked else None
     be = resolve(backend, anchor, positive, negative)
     scope = Scope(gather)
     scope.agree(s)
     # columns: every rank's positives, then every rank's negatives (P P .. N N .., the local order)
     pos, off, total = scope.rows(positive, "positive")
     t = torch.arange(n, device=dev) + off
+    if masked:
+        keys = pos if negative is None else torch.cat([pos, scope.rows(negative.to(positive.dtype), "negative")[0]])
+        with torch.no_grad():  # the guide / ids of the columns in the same layout
+            gk = None if guide is None else torch.cat([scope.rows(g.detach(), "guide")[0] for g in guide[1:]])
+            ik = None if ids is None else torch.cat([scope.rows(i.long(), "ids")[0] for i in ids[1:]])
+        mk = dataclasses.replace(mk, gk=gk, ik=ik)
+        return guided_info_nce(be, scope, anchor, keys, off, total, s, t, None, mk, exclude_self=False,
+                               normalize=normalize, reduction=reduction, keys_gathered=True)
     if negative is None:
         return cross_entropy(be, scope, anchor, pos, s, t, offset=off, exclude_self=False, normalize=normalize,
                              reduction=reduction, n_total=total, levels=_levels)

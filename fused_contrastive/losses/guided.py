@@ -317,16 +317,19 @@ def info_nce_masks(query: Tensor, keys: Tensor | None, guide, guide_margin, guid
 
 def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff: int, n_total: int, s, t: Tensor,
                     valid: Tensor | None, mk: InfoNCEMasks, *, exclude_self: bool, normalize: bool,
-                    reduction: str) -> Tensor:
+                    reduction: str, keys_gathered: bool = False) -> Tensor:
     """``info_nce`` with a guide mask and / or an id mask (its docstring has the arguments): one block,
     query rows (this rank's, the first at global row ``qoff``) against the (gathered) ``contrast`` set,
     each row's target column ``t`` (global indices; rows outside ``valid`` point anywhere and weigh 0)
-    protected."""
+    protected. ``keys_gathered``: ``mk.gk`` / ``mk.ik`` are already laid out like ``contrast``."""
     dev, n = query.device, query.shape[0]
     gq, iq = mk.gq, mk.iq
     with torch.no_grad():
-        gk_all = None if gq is None else scope.rows(mk.gk.detach(), "guide")[0]
-        ik_all = None if iq is None else scope.rows(mk.ik, "ids")[0]
+        if keys_gathered:
+            gk_all, ik_all = (None if gq is None else mk.gk.detach()), (None if iq is None else mk.ik)
+        else:
+            gk_all = None if gq is None else scope.rows(mk.gk.detach(), "guide")[0]
+            ik_all = None if iq is None else scope.rows(mk.ik, "ids")[0]
     theta = None
     if gq is not None:
         gpos = (_unit(gq) * _unit(gk_all)[t]).sum(1)
