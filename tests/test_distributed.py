@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import fused_contrastive as fc
 from fused_contrastive.distributed import gather_rows, process_group
+from tests._ranks import run_ranks
 
 D = 6
 
@@ -53,24 +54,8 @@ def _worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
 
 @pytest.mark.parametrize("sizes", [[5, 3], [4, 0, 7]], ids=["2ranks", "3ranks_one_empty"])
 def test_gather_rows_values_gradients_and_errors(sizes, tmp_path):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     world = len(sizes)
-    procs = [ctx.Process(target=_worker, args=(r, world, f"file://{tmp_path}/store", sizes, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        for _ in range(world):
-            results.append(out.get(timeout=120))
-    except queue_mod.Empty:
-        pytest.fail("a rank did not report within 120 s (hang)")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_worker, world, tmp_path, sizes, timeout=120)
     assert sorted(r["rank"] for r in results) == list(range(world))
     for r in results:
         assert r["rows"] and r["offset"] and r["sizes"] and r["grad"], r

@@ -9,8 +9,6 @@ autocast (the Triton kernels: tests/test_triton_guided.py)."""
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import queue as queue_mod
 import traceback
 import warnings
 
@@ -20,6 +18,7 @@ import torch.nn.functional as F
 
 import fused_contrastive as fc
 from fused_contrastive.losses.guided import gist_loss
+from tests._ranks import run_ranks
 
 TOL = dict(rtol=1e-11, atol=1e-12)
 
@@ -435,23 +434,7 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
 @pytest.mark.parametrize("sizes", [[5, 3], [2, 4, 3]], ids=["2-ranks", "3-ranks"])
 def test_gather_over_ranks_with_uneven_sizes(sizes, tmp_path):
     world = len(sizes)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_gather_worker, args=(r, world, f"file://{tmp_path}/store", sizes, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        for _ in range(world):
-            results.append(out.get(timeout=180))
-    except queue_mod.Empty:
-        pytest.fail("a rank did not report within 180 s (hang)")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_gather_worker, world, tmp_path, sizes, timeout=180)
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["grads"], r

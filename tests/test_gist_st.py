@@ -11,9 +11,7 @@ on 2 gloo ranks against theirs."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import random
 import traceback
 
@@ -22,6 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests._ranks import run_ranks
 
 st = pytest.importorskip("sentence_transformers",
                          reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
@@ -371,24 +371,8 @@ def _gather_checks(rank: int, paths: dict, out) -> None:
 def test_gather_across_devices_two_ranks(paths, tmp_path):
     # each rank: its anchors against every rank's positives and negatives (theirs: all_gather_with_grad,
     # ours: this library's gather); the per-rank loss and the per-rank parameter gradients are compared
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     world = 2
-    procs = [ctx.Process(target=_gather_worker, args=(r, world, f"file://{tmp_path}/store", dict(paths), out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        for _ in range(world):
-            results.append(out.get(timeout=240))
-    except queue_mod.Empty:
-        pytest.fail("a rank did not report within 240 s (hang or crash)")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_gather_worker, world, tmp_path, dict(paths), timeout=240)
     assert sorted(r["rank"] for r in results) == [0, 1]
     for r in results:
         assert "error" not in r, r.get("error")

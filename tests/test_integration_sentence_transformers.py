@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import subprocess
 import sys
 import traceback
@@ -21,6 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+
+from tests._ranks import run_ranks
 
 st = pytest.importorskip("sentence_transformers",
                          reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
@@ -385,24 +385,8 @@ def _gather_checks(rank: int, world: int, path: str, out) -> None:
 
 
 def test_gather_across_devices_two_ranks(model_path, tmp_path):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     world = 2
-    procs = [ctx.Process(target=_gather_worker, args=(r, world, f"file://{tmp_path}/store", model_path, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        for _ in range(world):
-            results.append(out.get(timeout=240))
-    except queue_mod.Empty:
-        pytest.fail("a rank did not report within 240 s (hang or crash)")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_gather_worker, world, tmp_path, model_path, timeout=240)
     assert sorted(r["rank"] for r in results) == [0, 1]
     for r in results:
         assert "error" not in r, r.get("error")

@@ -6,8 +6,6 @@ routes that are not the one-pass PyTorch path (compile, gather over gloo, autoca
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue as queue_mod
 import traceback
 
 import pytest
@@ -18,6 +16,7 @@ from test_memory import LargestTensor
 import fused_contrastive as fc
 from fused_contrastive import core
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+from tests._ranks import run_ranks
 
 F64 = torch.float64
 DIMS = [8, 3, 13, 5]  # unsorted; 13 = D (the full size), 3 and 5 off any tile edge
@@ -274,22 +273,7 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
 
 def test_gather_with_levels_two_ranks_uneven(tmp_path):
     sizes = [5, 3]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_gather_worker, args=(r, 2, f"file://{tmp_path}/store", sizes, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        for _ in range(2):
-            results.append(out.get(timeout=180))
-    except queue_mod.Empty:
-        pytest.fail("a rank did not report within 180 s (hang)")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_gather_worker, 2, tmp_path, sizes, timeout=180)
     for r in results:
         assert "error" not in r, r.get("error")
         for name in ("info_nce", "clip", "supcon"):

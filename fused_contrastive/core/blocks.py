@@ -93,7 +93,6 @@ class _Problem:
             else:
                 gdt = compute_dtype(g)
                 self.gh.append(torch.nn.functional.normalize(g.detach().to(gdt), dim=1, eps=cfg.eps))
-        self.total_cols = sum(xs[b.cols].shape[0] for b in cfg.blocks)
 
     def guide_of(self, t: int) -> Tensor | None:
         return self.gh[t] if t < len(self.gh) else None

@@ -1,0 +1,34 @@
+"""Spawned ``torch.distributed`` ranks for the tests: one process per rank on the gloo backend, a
+``file://`` store under the test's tmp_path, one report (a dict) per rank through a queue."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_mod
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def run_ranks(worker: Callable, world: int, tmp_path: Path, *args, timeout: float = 180.0) -> list[dict]:
+    """Run ``worker(rank, world, init_method, *args, out)`` in ``world`` spawned processes and return the
+    dict each put on ``out`` (in arrival order). A rank that does not report within ``timeout`` seconds
+    fails the test (a hang or a crash); every process is joined or killed before returning."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, f"file://{tmp_path}/store", *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in range(world):
+            results.append(out.get(timeout=timeout))
+    except queue_mod.Empty:
+        pytest.fail(f"a rank did not report within {timeout:g} s (hang or crash)")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results
