@@ -18,6 +18,7 @@ from .losses import (
     dcl_loss,
     dclw_loss,
     dscl_loss,
+    gist_loss,
     info_nce,
     simcse_loss,
     simcse_sup_loss,
@@ -59,9 +60,10 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
 
     ``__init__`` takes ``fn``'s keyword-only options with ``fn``'s defaults (those in ``positional``
     also by position, in that order) and validates them at once on the tiny float64 problem
-    ``probe(options)`` returns (reference backend, no gather): a bad option raises at construction
-    with ``fn``'s own message. ``forward`` takes ``fn``'s positional tensors, then the keyword-only
-    inputs named in ``forward_options`` (a queue; by position too), and calls ``fn`` with the held options.
+    ``probe(options)`` returns (reference backend, no gather; a trailing dict holds values for
+    ``forward_options`` the function requires): a bad option raises at construction with ``fn``'s own
+    message. ``forward`` takes ``fn``'s positional tensors, then the keyword-only inputs named in
+    ``forward_options`` (a queue, a guide; by position too), and calls ``fn`` with the held options.
     """
     P = inspect.Parameter
     params = inspect.signature(fn).parameters
@@ -73,8 +75,12 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
     first = [params[o].replace(kind=P.POSITIONAL_OR_KEYWORD) for o in positional]
     rest = [p for p in options if p.name not in positional]
     init_sig = inspect.Signature([P("self", P.POSITIONAL_OR_KEYWORD), *first, *rest])
-    fwd_sig = inspect.Signature([P("self", P.POSITIONAL_OR_KEYWORD), *tensors,
-                                 *(params[k].replace(kind=P.POSITIONAL_OR_KEYWORD) for k in forward_options)])
+    # forward options after the tensors, None by default (a required one, GIST's guide, raises in fn)
+    def fwd_param(k: str) -> inspect.Parameter:
+        d = params[k].default
+        return params[k].replace(kind=P.POSITIONAL_OR_KEYWORD, default=None if d is P.empty else d)
+
+    fwd_sig = inspect.Signature([P("self", P.POSITIONAL_OR_KEYWORD), *tensors, *map(fwd_param, forward_options)])
 
     def __init__(self, *args, **kwargs) -> None:
         nn.Module.__init__(self)
@@ -82,7 +88,9 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
         bound.apply_defaults()
         self.kw = {k: v for k, v in bound.arguments.items() if k != "self"}
         _gather_option(self.kw["gather"])
-        _validated(fn, *probe(self.kw), **self.kw)
+        tiny = probe(self.kw)  # positional inputs, then (optionally) a dict of forward-option inputs
+        extra = tiny[-1] if tiny and isinstance(tiny[-1], dict) else {}
+        _validated(fn, *(tiny[:-1] if extra else tiny), **extra, **self.kw)
 
     def forward(self, *args, **kwargs) -> Tensor:
         bound = fwd_sig.bind(self, *args, **kwargs)
@@ -108,10 +116,17 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
 _LABELS = torch.tensor([0, 0])
 
 # one line per functional loss: its module, the options also taken by position, a tiny valid problem
+_MASKS = ("guide", "ids")  # per-batch inputs of the masked rows: forward arguments, not options
 InfoNCELoss = loss_module("InfoNCELoss", info_nce, lambda kw: (
-    _x(2, 2), _x(2, 2).flip(0), None if kw["symmetric"] is True else torch.tensor([1, 0])), positional=("temperature",))
-SimCSELoss = loss_module("SimCSELoss", simcse_loss, lambda kw: (_x(4, 2),), positional=("temperature",))
-SimCSESupLoss = loss_module("SimCSESupLoss", simcse_sup_loss, lambda kw: (_x(6, 2),), positional=("temperature",))
+    _x(2, 2), _x(2, 2).flip(0), None if kw["symmetric"] is True else torch.tensor([1, 0])), positional=("temperature",),
+    forward_options=_MASKS)
+SimCSELoss = loss_module("SimCSELoss", simcse_loss, lambda kw: (_x(4, 2),), positional=("temperature",),
+                         forward_options=_MASKS)
+SimCSESupLoss = loss_module("SimCSESupLoss", simcse_sup_loss, lambda kw: (_x(6, 2),), positional=("temperature",),
+                            forward_options=_MASKS)
+GISTLoss = loss_module("GISTLoss", gist_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0), None,
+                                                          {"guide": (_x(2, 3), _x(2, 3).flip(0))}),
+                       positional=("temperature",), forward_options=("guide",))
 SupConLoss = loss_module("SupConLoss", supcon_loss, lambda kw: (_x(2, 2, 2), _LABELS),
                          positional=("temperature", "base_temperature"), forward_options=("queue", "queue_labels"))
 DSCLLoss = loss_module("DSCLLoss", dscl_loss, lambda kw: (_x(2, 2, 2), _LABELS),
@@ -125,10 +140,11 @@ CoSENTLoss = loss_module("CoSENTLoss", cosent_loss, lambda kw: (_x(2, 2), _x(2, 
 #: the functional loss each derived module wraps (``tests/test_registry.py`` checks that every public
 #: loss function has a module here or in the hand-written classes below, or is listed as function-only)
 DERIVED = {InfoNCELoss: info_nce, SimCSELoss: simcse_loss, SimCSESupLoss: simcse_sup_loss, SupConLoss: supcon_loss,
-           DSCLLoss: dscl_loss, DCLLoss: dcl_loss, DCLWLoss: dclw_loss, CoSENTLoss: cosent_loss}
+           DSCLLoss: dscl_loss, DCLLoss: dcl_loss, DCLWLoss: dclw_loss, CoSENTLoss: cosent_loss,
+           GISTLoss: gist_loss}
 
-__all__ = ["CLIPLoss", "CoSENTLoss", "DCLLoss", "DCLWLoss", "DSCLLoss", "InfoNCELoss", "SigLIPLoss", "SimCSELoss",
-           "SimCSESupLoss", "SupConLoss", "loss_module"]
+__all__ = ["CLIPLoss", "CoSENTLoss", "DCLLoss", "DCLWLoss", "DSCLLoss", "GISTLoss", "InfoNCELoss", "SigLIPLoss",
+           "SimCSELoss", "SimCSESupLoss", "SupConLoss", "loss_module"]
 
 
 class CLIPLoss(nn.Module):

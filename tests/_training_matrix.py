@@ -116,6 +116,25 @@ def tb_dscl(feats: Tensor, labels: Tensor, beta: float, t: float) -> Tensor:
     return per.mean()
 
 
+def tb_gist(a: Tensor, p: Tensor, n: Tensor, ga: Tensor, gp: Tensor, gn: Tensor, t: float, margin: float) -> Tensor:
+    """GISTEmbed without the anchor-anchor block: row i = [cos(a_i, p) | cos(p_i, p) | cos(a_i, n)] / t, a
+    column dropped where the guide's cosine of the pair is > cos(ga_i, gp_i) - margin (the positive kept)."""
+    rows = torch.arange(a.shape[0])
+    theta = (F.normalize(ga, dim=-1) * F.normalize(gp, dim=-1)).sum(1, keepdim=True) - margin
+    keep_pos = torch.zeros(a.shape[0], p.shape[0], dtype=torch.bool)
+    keep_pos[rows, rows] = True
+    blocks = [(_cos(a, p), (_cos(ga, gp) > theta) & ~keep_pos), (_cos(p, p), _cos(gp, gp) > theta),
+              (_cos(a, n), _cos(ga, gn) > theta)]
+    logits = torch.cat([(c / t).masked_fill(m, float("-inf")) for c, m in blocks], dim=1)
+    return F.cross_entropy(logits, rows)
+
+
+def _guide(tokens: Tensor) -> Tensor:
+    """A frozen guide model: fixed random token embeddings, mean-pooled (no gradient)."""
+    w = torch.randn(VOCAB, 5, generator=torch.Generator().manual_seed(11))
+    return w[tokens].mean(1)
+
+
 def tb_cosent(u: Tensor, v: Tensor, y: Tensor, scale: float) -> Tensor:
     return tb_cosent_scores((F.normalize(u, dim=-1) * F.normalize(v, dim=-1)).sum(1), y, scale)
 
@@ -211,6 +230,12 @@ CELLS: list[Cell] = [
          lambda e, d, m, g: fc.supcon_loss(_two_views(e, d["x"]), d["y"], temperature=0.1, gather=g,
                                            matryoshka_dims=[3, 6]),
          lambda e, d, m: sum(tb_supcon(_prefix(_two_views(e, d["x"]), k), d["y"], 0.1, 0.07) for k in (3, 6))),
+    Cell("gist_loss", _triples,
+         lambda e, d, m, g: fc.gist_loss(e(d["a"]), e(d["b"]), e(d["c"]),
+                                         guide=(_guide(d["a"]), _guide(d["b"]), _guide(d["c"])), temperature=0.1,
+                                         margin=0.01, contrast_anchors=False, gather=g),
+         lambda e, d, m: tb_gist(e(d["a"]), e(d["b"]), e(d["c"]), _guide(d["a"]), _guide(d["b"]), _guide(d["c"]),
+                                 0.1, 0.01)),
     Cell("dcl_loss", _pairs,
          lambda e, d, m, g: fc.dcl_loss(e(d["a"]), e(d["b"]), temperature=0.2, gather=g),
          lambda e, d, m: dcl_formula(e(d["a"]), e(d["b"]), 0.2)),

@@ -294,6 +294,7 @@ def _module_inputs(n: int, g: torch.Generator):
         "CoSENTLoss": (fnn.CoSENTLoss(), (r(n, D), r(n, D)), (torch.rand(n, generator=g, dtype=torch.float64),)),
         "CLIPLoss": (fnn.CLIPLoss().double(), (r(n, D), r(n, D)), ()),
         "SigLIPLoss": (fnn.SigLIPLoss().double(), (r(n, D), r(n, D)), ()),
+        "GISTLoss": (fnn.GISTLoss(0.05, margin=0.05), (r(n, D), r(n, D), r(n, D)), ((r(n, 3), r(n, 3), r(n, 3)),)),
     }
 
 

@@ -191,6 +191,15 @@ def _cases(sizes, rank, g):
     add("cosent_scores", lambda x_: fc.cosent_loss_from_scores(x_, y),
         lambda x_: fc.cosent_loss_from_scores(x_, mine(y, sizes), gather=True),
         [a[:, 0]], [mine(a[:, 0], sizes)])
+    # GIST without the anchor-anchor block (which stays local under gather): every other block contrasts
+    # with every rank's positives / negatives, so the global batch is the truth
+    gg = [torch.randn(sum(sizes), 3, generator=g, dtype=torch.float64) for _ in range(3)]
+    add("gist_no_anchor_block",
+        lambda a_, p_, n_: fc.gist_loss(a_, p_, n_, guide=tuple(gg), temperature=0.1, margin=0.05,
+                                        contrast_anchors=False),
+        lambda a_, p_, n_: fc.gist_loss(a_, p_, n_, guide=tuple(mine(x, sizes) for x in gg), temperature=0.1,
+                                        margin=0.05, contrast_anchors=False, gather=True),
+        [a, p, ng], [mine(a, sizes), mine(p, sizes), mine(ng, sizes)])
     return out
 
 

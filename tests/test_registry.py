@@ -107,8 +107,9 @@ def test_every_public_loss_has_a_module_or_a_reason():
 def test_derived_modules_take_their_functions_options(cls):
     """The derived constructor's options are the function's keyword-only options, with its defaults."""
     fn = fnn.DERIVED[cls]
+    fwd = inspect.signature(cls.forward).parameters  # per-batch inputs (a queue, a guide) are forward's
     fn_opts = {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY
-               and k not in ("queue", "queue_labels")}
+               and k not in fwd}
     init = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
     assert init == fn_opts
 

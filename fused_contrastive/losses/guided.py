@@ -30,6 +30,7 @@ from .. import _validate as V
 from .. import distributed as D
 from .._amp import autocast_off
 from .._backend import resolve
+from .._tracing import tracing_route
 from ..core.blocks import Block, Masks, merged_lse
 from ..core.spec import compute_dtype
 from ._levels import leveled
@@ -116,7 +117,8 @@ def gist_loss(
         reduction: "mean" (default), "sum" or "none" ([B] per-anchor losses).
         backend: "auto" (triton on CUDA), "torch" (the eager PyTorch sweep, O(B*D) memory), "triton"
             (one fused kernel call per block, the guide tile computed in the kernel; float32 / 16-bit)
-            or "reference" (materialises the matrices: the definition).
+            or "reference" (materialises the matrices: the definition). Under ``torch.compile`` /
+            ``torch.export`` the definition runs (traceable, materialised: B x 4B scores).
         gather: gather positives and negatives (and their guide embeddings) over ranks; rows stay local.
 
     Also ``matryoshka_dims`` / ``matryoshka_weights`` / ``return_level_losses``: the model embeddings
@@ -154,6 +156,8 @@ def gist_loss(
     dt = compute_dtype(anchors, positives, *negs)
     s, _ = V.scale_of(temperature, None, 0.01, dt, dev)
     be = resolve(backend, anchors, positives)
+    if tracing_route():  # torch.compile / export: the definition (its python loop over row chunks is eager-only)
+        be = "reference"
     scope = Scope(gather)
     scope.agree(s)
     p_all, off, _ = scope.rows(positives, "positives")
@@ -236,8 +240,7 @@ def _nan_rows(per: Tensor, theta: Tensor | None, col_guides) -> Tensor:
         return per
     bad = ~torch.isfinite(theta)
     for g in col_guides:
-        if not bool(torch.isfinite(g).all()):
-            bad |= True
+        bad = bad | ~torch.isfinite(g).all()  # a 0-dim flag over every row (no host sync: traceable)
     return torch.where(bad, float("nan"), per)
 
 
@@ -336,7 +339,7 @@ def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff
         theta = guide_threshold(gpos, mk.strategy, mk.margin)
     excl = qoff if exclude_self else None
     dt = compute_dtype(query, contrast)
-    if be == "reference":
+    if be == "reference" or tracing_route():  # under compile / export: the definition
         blk = _DenseBlock(query, contrast, gq, gk_all, iq, ik_all, protect=t, exclude=excl)
         per = _nan_rows(_dense([blk], theta, s, normalize, 0, t), theta, [] if gk_all is None else [gk_all])
         if valid is not None:

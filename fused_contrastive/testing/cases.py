@@ -39,8 +39,9 @@ class Case:
         name: unique; what ``check --losses`` and ``bench --losses`` accept.
         fn: the public loss function called as ``fn(**tensors, **kwargs, backend=...)``.
         build: ``(n, d, gen) -> (tensors, kwargs)`` at N anchors, float32 CPU.
-        op: "core" (InfoNCE family and uniformity: the Triton kernels run it), "cosent", "siglip" or
-            "alignment" (elementwise O(N*D) PyTorch, no Triton kernel: ``backend="triton"`` raises).
+        op: "core" (InfoNCE family and uniformity: the Triton kernels run it), "cosent", "siglip",
+            "guided" (the merged-block core of ``core/blocks.py``: GIST) or "alignment" (elementwise
+            O(N*D) PyTorch, no Triton kernel: ``backend="triton"`` raises).
         covers: what the case exercises (shown by ``check --list``).
         bench: one of the benchmark's losses.
         inputs: what the inputs are at N (benchmark tables).
@@ -179,6 +180,17 @@ def _simcse_2view(n, d, g):
 
 def _simcse_2view_none(n, d, g):
     return {"z1": _randn(g, n, d), "z2": _randn(g, n, d), "temperature": torch.tensor(0.05)}, {"reduction": "none"}
+
+
+def _gist(n, d, g):
+    return ({"anchors": _randn(g, n, d), "positives": _randn(g, n, d), "negatives": _randn(g, n, d)},
+            {"guide": (_randn(g, n, 3), _randn(g, n, 3), _randn(g, n, 3)), "temperature": 0.05, "margin": 0.05})
+
+
+def _gist_relative_none(n, d, g):
+    return ({"anchors": _randn(g, n, d), "positives": _randn(g, n, d), "temperature": torch.tensor(0.05)},
+            {"guide": (_randn(g, n, 3), _randn(g, n, 3)), "margin_strategy": "relative", "margin": 0.1,
+             "contrast_anchors": False, "reduction": "none"})
 
 
 def _simcse_sup(n, d, g):
@@ -350,6 +362,10 @@ CASES: list[Case] = [
          m=lambda n: 2 * n, inductor=True),
     Case("simcse_sup_none", L.simcse_sup_loss, _simcse_sup_none, covers="negative weight, per-row losses",
          m=lambda n: 2 * n),
+    Case("gist", L.gist_loss, _gist, op="guided", covers="GISTEmbed: a-p, a-a, p-p, a-n blocks, guide mask",
+         logits=lambda n: (n, 4 * n), inductor=True),
+    Case("gist_relative_none", L.gist_loss, _gist_relative_none, op="guided",
+         covers="relative margin, no anchor block, per-row, tensor temperature", logits=lambda n: (n, 2 * n)),
     Case("supcon_out", L.supcon_loss, _supcon("out"), bench=True, covers="labels, L_out, B is A",
          inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq, min_n=2),
     Case("supcon_in", L.supcon_loss, _supcon("in"), bench=True, covers="labels, L_in (LSE over positives)",
