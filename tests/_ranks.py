@@ -13,8 +13,9 @@ import pytest
 
 def run_ranks(worker: Callable, world: int, tmp_path: Path, *args, timeout: float = 180.0) -> list[dict]:
     """Run ``worker(rank, world, init_method, *args, out)`` in ``world`` spawned processes and return the
-    dict each put on ``out`` (in arrival order). A rank that does not report within ``timeout`` seconds
-    fails the test (a hang or a crash); every process is joined or killed before returning."""
+    dict each put on ``out``, sorted by its ``"rank"``. A report with an ``"error"`` (the worker's
+    traceback) fails the test at once; so does a rank that does not report within ``timeout`` seconds (a
+    hang or a crash). Every process is joined or killed before returning."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, f"file://{tmp_path}/store", *args, out)) for r in range(world)]
@@ -24,6 +25,8 @@ def run_ranks(worker: Callable, world: int, tmp_path: Path, *args, timeout: floa
     try:
         for _ in range(world):
             results.append(out.get(timeout=timeout))
+            if "error" in results[-1]:
+                pytest.fail(f"rank {results[-1].get('rank')} failed:\n{results[-1]['error']}")
     except queue_mod.Empty:
         pytest.fail(f"a rank did not report within {timeout:g} s (hang or crash)")
     finally:
@@ -31,4 +34,4 @@ def run_ranks(worker: Callable, world: int, tmp_path: Path, *args, timeout: floa
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return results
+    return sorted(results, key=lambda r: r.get("rank", -1))

@@ -3,8 +3,6 @@ unequal local sizes. The oracle is the single-process computation over the conca
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue as queue_mod
 import traceback
 from datetime import timedelta
 
@@ -235,32 +233,10 @@ def _loss_worker(rank: int, world: int, init: str, sizes: list[int], backends: l
         dist.destroy_process_group()
 
 
-def _spawn(target, world: int, args: tuple, tmp_path, timeout: float = 150) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, f"file://{tmp_path}/store", *args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        for _ in range(world):
-            results.append(out.get(timeout=timeout))
-            if "error" in results[-1]:
-                pytest.fail(f"rank {results[-1]['rank']} failed:\n{results[-1]['error']}")
-    except queue_mod.Empty:
-        pytest.fail(f"a rank did not report within {timeout} s (hang)")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return sorted(results, key=lambda r: r["rank"])
-
-
 @pytest.mark.parametrize("sizes", [[5, 3], [4, 2, 7], [4, 4]], ids=["2ranks", "3ranks", "2ranks_equal"])
 def test_losses_with_gather_match_the_global_batch(sizes, tmp_path):
     world = len(sizes)
-    results = _spawn(_loss_worker, world, (sizes, ["torch", "reference"]), tmp_path)
+    results = run_ranks(_loss_worker, world, tmp_path, sizes, ["torch", "reference"], timeout=150)
     names = results[0]["cases"].keys()
     for name in names:
         entries = [r["cases"][name] for r in results]
@@ -351,7 +327,7 @@ def test_one_ranks_bad_arguments_make_every_rank_raise_promptly(tmp_path):
     ValueError naming rank 1 and that error, each within seconds; ranks given different scales, or mask
     widths other than the global batch, all raise the same error; afterwards the ranks are in step."""
     world = 3
-    results = _spawn(_bad_rank_worker, world, (), tmp_path, timeout=120)
+    results = run_ranks(_bad_rank_worker, world, tmp_path, timeout=120)
     for name, _, arg in _bad_calls(0):
         for res in results:
             err, took = res["cases"][name]

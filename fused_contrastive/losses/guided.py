@@ -51,14 +51,6 @@ def _unit(g: Tensor) -> Tensor:
     return F.normalize(g.detach().to(compute_dtype(g)), dim=1, eps=EPS)
 
 
-def pair_cos(x: Tensor, y: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
-    """``sim(x_i, y_i)`` per row in ``dt`` ([n], differentiable)."""
-    x, y = x.to(dt), y.to(dt)
-    if normalize:
-        x, y = F.normalize(x, dim=1, eps=EPS), F.normalize(y, dim=1, eps=EPS)
-    return (x * y).sum(1)
-
-
 
 
 def _columns(name: str, x, b: int | None, d: int, dev) -> list[Tensor]:
