@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_distributed import _spawn
 
 from fused_contrastive.integrations import open_clip as fo
+from tests._ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def _dist_worker(rank: int, world: int, init: str, n: int, out) -> None:
 @needs_peer
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_options_match_open_clip(world, tmp_path):
-    results = _spawn(_dist_worker, world, (4,), tmp_path)
+    results = run_ranks(_dist_worker, world, tmp_path, 4, timeout=150)
     for r in results:
         assert len(r["cases"]) == 18
         for name, (errs, scale) in r["cases"].items():

@@ -359,11 +359,11 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
 
 
 def test_gather_matches_the_global_batch(tmp_path):
-    from test_distributed import _spawn
+    from tests._ranks import run_ranks
 
     sizes = [5, 3]
     world = len(sizes)
-    results = _spawn(_gather_worker, world, (sizes,), tmp_path)
+    results = run_ranks(_gather_worker, world, tmp_path, sizes, timeout=150)
     g = torch.Generator().manual_seed(0)
     n = sum(sizes)
     x = torch.randn(n, 6, generator=g, dtype=torch.float64)
