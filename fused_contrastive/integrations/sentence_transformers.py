@@ -606,6 +606,20 @@ def _embed_cached(encode: Callable[[dict[str, Any]], Tensor], features: dict[str
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
+def _through_wrapper(calculate_loss: Callable, embeddings: list[Tensor], *rest) -> Tensor:
+    """A gradient-cache loss whose ``calculate_loss`` a wrapper (sentence-transformers' MatryoshkaLoss)
+    replaced: run it on detached leaves, which it back-propagates into (``with_backward=True``), then
+    carry their gradients into the embeddings' graph (one more backward through the chunked encoder,
+    when the caller's backward reaches it)."""
+    leaves = [e.detach().requires_grad_() for e in embeddings]
+    loss = calculate_loss([[x] for x in leaves], *rest, with_backward=True)
+    link = loss.new_zeros(())
+    for e, x in zip(embeddings, leaves, strict=True):
+        if x.grad is not None:
+            link = link + (e * x.grad).sum()
+    return loss.detach() + (link - link.detach())
+
+
 class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     """sentence-transformers' ``CachedMultipleNegativesRankingLoss``: :class:`MultipleNegativesRankingLoss`
     with each input column embedded ``mini_batch_size`` rows at a time through
@@ -688,16 +702,7 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
             if "calculate_loss" in self.__dict__:  # wrapped (MatryoshkaLoss), evaluation: no backward
                 return self.calculate_loss([[e] for e in embeddings], labels)
             return self.compute_loss_from_embeddings(embeddings, labels)
-        # A wrapper (sentence-transformers' MatryoshkaLoss) replaced calculate_loss: run it on detached
-        # leaves, which it back-propagates into, then carry their gradients into the embeddings' graph
-        # (one more backward through the chunked encoder, when the caller's backward reaches it).
-        leaves = [e.detach().requires_grad_() for e in embeddings]
-        loss = self.calculate_loss([[x] for x in leaves], labels, with_backward=True)
-        link = loss.new_zeros(())
-        for e, x in zip(embeddings, leaves, strict=True):
-            if x.grad is not None:
-                link = link + (e * x.grad).sum()
-        return loss.detach() + (link - link.detach())
+        return _through_wrapper(self.calculate_loss, embeddings, labels)
 
     def get_config_dict(self) -> dict[str, Any]:
         out = super().get_config_dict()
@@ -977,17 +982,9 @@ class CachedGISTEmbedLoss(GISTEmbedLoss):
         embeddings, guides = self.embed(features)
         if "calculate_loss" not in self.__dict__:
             return self.loss_from_embeddings(embeddings, guides)
-        # A wrapper (sentence-transformers' MatryoshkaLoss) replaced calculate_loss: run it on detached
-        # leaves, which it back-propagates into, then carry their gradients into the embeddings' graph.
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # wrapped (MatryoshkaLoss), evaluation: no backward
             return self.calculate_loss([[e] for e in embeddings], [[g] for g in guides])
-        leaves = [e.detach().requires_grad_() for e in embeddings]
-        loss = self.calculate_loss([[x] for x in leaves], [[g] for g in guides], with_backward=True)
-        link = loss.new_zeros(())
-        for e, x in zip(embeddings, leaves, strict=True):
-            if x.grad is not None:
-                link = link + (e * x.grad).sum()
-        return loss.detach() + (link - link.detach())
+        return _through_wrapper(self.calculate_loss, embeddings, [[g] for g in guides])
 
     def get_config_dict(self) -> dict[str, Any]:
         # sentence-transformers' keys in their order (the model card lists them so)
