@@ -89,6 +89,16 @@ class Launch(NamedTuple):
     constexprs: dict[str, object]
     num_warps: int
     num_stages: int
+    # ptxas's register ceiling (``.maxnreg``); None: its own choice. Without it ptxas settles some kernels
+    # at 128 registers (two CTAs of 8 warps per SM) and spills rather than use more (kernels/matryoshka.py)
+    maxnreg: int | None = None
+
+    def options(self) -> dict[str, int]:
+        """The launch / compile options: warps, stages and the register ceiling when set."""
+        out = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None:
+            out["maxnreg"] = self.maxnreg
+        return out
 
     def check(self) -> Launch:
         """Every kernel parameter given exactly once (runtime args or constexprs)."""
@@ -99,8 +109,7 @@ class Launch(NamedTuple):
         return self
 
     def run(self) -> None:
-        self.fn[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps,
-                           num_stages=self.num_stages)
+        self.fn[self.grid](**self.args, **self.constexprs, **self.options())
 
 
 class Recorder(NamedTuple):
@@ -124,8 +133,7 @@ def _launch(launch: Launch) -> None:
         # outside a trace costs a higher-order-op dispatch per launch).
         from torch.library import wrap_triton
 
-        wrap_triton(launch.fn)[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps,
-                                            num_stages=launch.num_stages)
+        wrap_triton(launch.fn)[launch.grid](**launch.args, **launch.constexprs, **launch.options())
     else:
         launch.run()
 

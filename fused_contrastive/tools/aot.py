@@ -311,7 +311,7 @@ def compile_launch(launch: TB.Launch, cc: int, keep: dict[str, object] | None = 
     from triton.backends.compiler import GPUTarget
 
     ck = triton.compile(source(launch), target=GPUTarget("cuda", cc, 32),
-                        options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+                        options=launch.options())
     if keep is not None:
         keep["kernel"] = ck
     ptx = ck.asm["ptx"]

@@ -1,0 +1,233 @@
+"""The core op at K Matryoshka levels on the Triton kernels of ``kernels/matryoshka.py``: one walk along D
+per tile for every level, forward and backward (``docs/matryoshka.md``).
+
+Work in units of one N x M x D matmul, for every level together: forward 1; backward, A != B, dA kernel
+(recompute 1 + gradient 1) + dB kernel (the same) = 4, as for one loss; K per-level calls cost
+``sum_k d_k / D`` times that (2.25x for 768/512/256/128/64). B is A runs as two inputs (4 units, the
+plain kernels' symmetric backward takes 2). The linear positive terms (TGT, SET) are O(K N D) and run
+per level in PyTorch (``positives.LinearTermsFn`` on the truncated, re-normalised rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+from torch import Tensor
+
+from .._amp import autocast_off
+from ..kernels import matryoshka as KM
+from . import positives
+from . import triton_backend as TB
+from .matryoshka import _prefix_norms
+from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
+from .triton_configs import matryoshka_config
+
+__all__ = ["TritonLevelsFn", "run"]
+
+#: The register ceiling of every Matryoshka launch: without it ptxas held some variants at 128 registers
+#: and spilled 4-36 bytes (sm_80); with it the same code takes 150-255 registers and spills nothing
+#: (tests/test_triton_matryoshka.py)
+MAXNREG = 255
+
+
+def _level_data(x: Tensor, sx: Tensor, dims: list[int], eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(RS, F, N)`` [K, R] fp32 of rows ``x`` and their power-of-two scaled copy ``sx = p x``: the inverse
+    clamped prefix norms of the scaled copy ``1 / (p n^k)``, the factors ``n^K / n^k`` and ``n^k``."""
+    nrm, _ = _prefix_norms(x, dims, eps, torch.float32)
+    big = x.detach().abs().amax(1).to(torch.float32)
+    p = torch.where(big > 0, sx.abs().amax(1).to(torch.float32) / torch.where(big > 0, big, 1.0), 1.0)
+    rs = 1.0 / (p[:, None] * nrm)
+    f = nrm[:, -1:] / nrm
+    return rs.T.contiguous(), f.T.contiguous(), nrm.T.contiguous()
+
+
+class _Levels:
+    """Kernel-ready inputs of one call (built in forward, kept for backward)."""
+
+    def __init__(self, a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, want_pos: bool,
+                 dims: tuple[int, ...]):
+        self.p = TB._prepare(a, b, dataclasses.replace(spec, normalize=True), data, want_pos)
+        self.dims = list(dims)
+        self.k = len(dims)
+        self.kp = triton.next_power_of_2(self.k)
+        dev = a.device
+        self.dims_t = torch.tensor([0, *dims], dtype=torch.int32, device=dev)
+        self.ra = _level_data(self.p.a, self.p.sa, self.dims, spec.eps)
+        self.rb = self.ra if b is None else _level_data(self.p.b, self.p.sb, self.dims, spec.eps)
+
+
+def _flags(L: _Levels, spec: CoreSpec) -> dict[str, object]:
+    f = TB._flags(L.p, spec)
+    del f["NORMALIZE"]
+    return dict(**f, K=L.k, KP=L.kp)
+
+
+def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    p = L.p
+    dev = p.a.device
+    n, d = p.a.shape
+    m = p.b.shape[0]
+    cfg, block_d = matryoshka_config("fwd", TB._arch(dev), p.a.dtype, d)
+    lse = TB._alloc((L.k, n), torch.float32, dev)
+    lse_pos = TB._alloc((L.k, n), torch.float32, dev) if p.pos_kind else None
+    n_rb = triton.cdiv(n, cfg.block_m)
+    progs, col_part = n_rb, p.dummy
+    if want_col:
+        progs = TB._col_programs(n_rb, dev)
+        col_part = TB._alloc((progs, L.k, m), torch.float32, dev)
+    TB._launch(TB.Launch(
+        "mat_fwd", KM.mat_fwd_kernel, (progs,),
+        dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], DIMS=L.dims_t, SCALE=TB._scale32(scale, dev),
+             **TB._problem_args(p), LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy,
+             Z_RUN=torch.empty((L.k, n), dtype=torch.float32, device=dev),
+             ZP_RUN=torch.empty((L.k, n), dtype=torch.float32, device=dev) if p.pos_kind else p.dummy,
+             COL_PART=col_part, N=n, M=m, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0),
+             **TB._mask_args(p, spec), n_row_blocks=n_rb),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(L, spec), WANT_COL=bool(want_col)),
+        cfg.num_warps, cfg.num_stages, MAXNREG))
+    lse_col = torch.logsumexp(col_part, dim=0) if want_col else None
+    return lse, lse_col, lse_pos
+
+
+def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a: bool, need_b: bool,
+         need_s: bool):
+    """``(dA, dB, ds)`` of the level statistics' upstream gradients ``g*`` ([K, N] / [K, M] fp32 or None)."""
+    p = L.p
+    a, b = p.a, p.b
+    dev = a.device
+    n, d = a.shape
+    m = b.shape[0]
+    present = [x for x in (g, g_col, g_pos) if x is not None]
+    if not present:
+        return (torch.zeros_like(a) if need_a else None, torch.zeros_like(b) if need_b else None,
+                torch.zeros((), device=dev) if need_s else None)
+    gs = torch.stack([x.abs().amax() for x in present]).amax()
+    gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
+    dm = p.dummy
+    cfg, block_d = matryoshka_config("bwd", TB._arch(dev), a.dtype, d)
+    common = dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], FA=L.ra[1], FB=L.rb[1], DIMS=L.dims_t,
+                  SCALE=TB._scale32(scale, dev), GSCALE=gs, **TB._problem_args(p),
+                  LSE=lse, G=g if g is not None else dm,
+                  LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
+                  LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
+                  N=n, M=m, D=d, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0), **TB._mask_args(p, spec),
+                  eps=float(spec.eps))
+    flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(L, spec),
+                 HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
+                 PRESCALE=prescale(a.dtype))
+    da = db = ds = None
+    if need_a or need_s:
+        n_rb = triton.cdiv(n, cfg.block_m)
+        da = TB._alloc((n, d), a.dtype, dev) if need_a else dm
+        acc = torch.empty((n, d), dtype=torch.float32, device=dev) if need_a else dm
+        ds_part = TB._alloc((n_rb,), torch.float32, dev) if need_s else dm
+        TB._launch(TB.Launch(
+            "mat_bwd_rows", KM.mat_bwd_kernel, (n_rb,),
+            dict(X=a, NX=L.ra[2], **common, DX=da, ACC=acc, DS_PART=ds_part, n_out=n, stride_x=a.stride(0),
+                 stride_dx=da.stride(0) if need_a else 0),
+            dict(**flags, COLS=False, NEED_DX=bool(need_a), NEED_DS=bool(need_s)),
+            cfg.num_warps, cfg.num_stages, MAXNREG))
+        ds = ds_part.sum() * gs.reshape(()) if need_s else None
+        da = da if need_a else None
+    if need_b:
+        gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
+        db = TB._alloc((m, d), b.dtype, dev)
+        if gcols < m:
+            db[gcols:].zero_()  # queue columns get no gradient
+        if gcols > 0:
+            acc = torch.empty((gcols, d), dtype=torch.float32, device=dev)
+            TB._launch(TB.Launch(
+                "mat_bwd_cols", KM.mat_bwd_kernel, (triton.cdiv(gcols, cfg.block_n),),
+                dict(X=b, NX=L.rb[2], **common, DX=db, ACC=acc, DS_PART=dm, n_out=gcols, stride_x=b.stride(0),
+                     stride_dx=db.stride(0)),
+                dict(**flags, COLS=True, NEED_DX=True, NEED_DS=False),
+                cfg.num_warps, cfg.num_stages, MAXNREG))
+    return da, db, ds
+
+
+def prescale(dtype: torch.dtype) -> float:
+    """The gradient operand's power-of-two pre-scale: 2^8 for fp16 (``kernels/matryoshka.py`` derives the
+    headroom), 1 otherwise."""
+    return 256.0 if dtype == torch.float16 else 1.0
+
+
+class TritonLevelsFn(torch.autograd.Function):
+    """``c.lse LSE^k + c.col LSEcol^k + c.pos LSEpos^k`` at every level: [K, N] per row or [K] summed,
+    float32, on the Matryoshka kernels. Every level re-normalises its prefix (``spec.normalize`` does not
+    apply). Saved: the inputs, the scaled copies, O(K (N + M)) norms and statistics; the backward
+    recomputes the tiles."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    @autocast_off
+    def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+                reduce: bool, dims: tuple[int, ...]):
+        dt = TB.kernel_dtype(a, b)
+        L = _Levels(a.to(dt), None if b is None else b.to(dt), spec, data, coef.pos is not None, dims)
+        lse, lse_col, lse_pos = _fwd(L, scale, spec, coef.col is not None)
+        ctx.levels, ctx.spec, ctx.coef, ctx.reduce = L, spec, coef, reduce
+        ctx.scale = None if isinstance(scale, Tensor) else scale
+        ctx.dtypes = (a.dtype, None if b is None else b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
+                      scale.shape if isinstance(scale, Tensor) else None)
+        ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos)
+        c32 = coef.to(torch.float32)
+        return torch.stack([combine(c32, reduce, lse[k], None if lse_col is None else lse_col[k],
+                                    None if lse_pos is None else lse_pos[k]) for k in range(L.k)])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    @autocast_off
+    def backward(ctx, go: Tensor):
+        need_a, need_b, need_s = ctx.needs_input_grad[:3]
+        scale, lse, lse_col, lse_pos = ctx.saved_tensors
+        if scale is None:
+            scale = ctx.scale
+        L, coef = ctx.levels, ctx.coef
+        go = go.to(torch.float32)
+        n, k = lse.shape[1], L.k
+        m = L.p.b.shape[0]
+
+        def per_level(c, size, stat):
+            if c is None or stat is None:
+                return None
+            return torch.stack([coef_grad(c, go[i], size, stat[i]) for i in range(k)]).contiguous()
+
+        g = per_level(coef.lse, n, lse)
+        g_col = per_level(coef.col, m, lse_col)
+        g_pos = per_level(coef.pos, n, lse_pos)
+        same = ctx.dtypes[1] is None
+        da, db, ds = _bwd(L, scale, ctx.spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a or (same and need_a),
+                          (need_b and not same) or (same and need_a), need_s)
+        if same and da is not None:
+            da = da + db
+        adt, bdt, sdt, sshape = ctx.dtypes
+        ga = da.to(adt) if need_a and da is not None else None
+        gb = db.to(bdt) if need_b and not same and db is not None else None
+        gs = ds.to(sdt).reshape(sshape) if need_s and ds is not None else None
+        return ga, gb, gs, None, None, None, None, None
+
+
+def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs, reduce: bool,
+        dims: tuple[int, ...]) -> Tensor:
+    """The core op at every level on the Triton kernels: ``[K]`` sums or ``[K, N]`` per-row values
+    (float32), level k in row k (``dims`` ascending)."""
+    lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
+    lspec, ldata = spec, data
+    if spec.exclude_target:  # the target column leaves the softmax as a -inf bias on it, as core.pieces does
+        lspec = dataclasses.replace(spec, exclude_target=False, bias=float("-inf"))
+        ldata = dataclasses.replace(data, bias_col=data.target)
+    out = TritonLevelsFn.apply(a, b, scale, lspec, ldata, lse_terms, reduce, tuple(dims))
+    if coef.tgt is None and coef.set is None:
+        return out
+    # the O(N*D) linear terms per level, on the truncated, re-normalised rows
+    from . import _shrink
+
+    plain = dataclasses.replace(spec, normalize=False)
+    lin = torch.stack([
+        positives.LinearTermsFn.apply(_shrink(a, d, spec.eps), None if b is None else _shrink(b, d, spec.eps), scale,
+                                      plain, data, coef, reduce,
+                                      torch.float32)
+        for d in dims])
+    return out - lin

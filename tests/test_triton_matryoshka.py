@@ -1,0 +1,299 @@
+"""The Matryoshka kernels (``kernels/matryoshka.py``, ``core/triton_matryoshka.py``): every level from one
+walk along D, forward and backward, under the Triton interpreter (conftest) against the definition
+``sum_k w_k loss(F.normalize(x[..., :d_k]))`` in float64 (the plain reference loss per level), loss and every
+gradient (temperature / logit scale included); ragged shapes and boundaries off every tile edge; 16-bit
+inputs; K = 1 to 8; the sm_80 / sm_90 compiles (0 spills, tensor cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_matryoshka import CASES, TEMPS, _inputs
+
+import fused_contrastive as fc
+from fused_contrastive import core
+from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - the test extra installs triton
+    pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
+
+F64 = torch.float64
+DIMS = [8, 3, 13, 5]  # unsorted; 13 = D; 3 and 5 inside the first D chunk, 8 off every edge
+WEIGHTS = [1.0, 0.5, 2.0, -0.25]
+# fp32: tf32x3 dots (~fp32); 16-bit: the definition runs on the rounded inputs, the tolerance covers the
+# rounding of the gradient operand (the suffix sums H^r) to the input dtype
+TOLS = {torch.float32: (2e-5, 2e-4), torch.float16: (2e-3, 2e-2), torch.bfloat16: (1e-2, 6e-2)}
+
+
+def _check(got, want, dtype, what=""):
+    lt, gt = TOLS[dtype]
+    scale = want.abs().max().clamp_min(1e-3)
+    err = (got.double() - want).abs().max()
+    assert err <= (lt if what == "loss" else gt) * scale, (what, float(err), float(scale))
+
+
+def _shrink(x, d):
+    return None if x is None else F.normalize(x[..., :d], dim=-1, eps=1e-12)
+
+
+def _run(name, reduction, route, dtype, dims=DIMS, weights=WEIGHTS):
+    """(value, gradients) of case ``name`` (tests/test_matryoshka.py) with a tensor temperature: route
+    "triton" (matryoshka_dims on the Triton backend, inputs in ``dtype``) or "def" (the definition on the
+    same inputs in float64)."""
+    fn, xs, kw, tkey = _inputs()[name]
+    xs = [None if x is None else x.to(dtype) for x in xs]
+    kw = dict(kw)
+    if route == "def":
+        xs = [None if x is None else x.double() for x in xs]
+        kw = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    xs = [None if x is None else x.clone().requires_grad_() for x in xs]
+    t = None
+    if tkey is not None:
+        t = torch.tensor(TEMPS[tkey], dtype=F64 if route == "def" else torch.float32, requires_grad=True)
+        kw[tkey] = t
+    if name != "cosent":
+        kw["reduction"] = reduction
+    if route == "triton":
+        out = fn(*xs, backend="triton", matryoshka_dims=dims, matryoshka_weights=weights, **kw)
+    else:
+        out = sum(w * fn(*[_shrink(x, d) for x in xs], backend="reference", **kw)
+                  for d, w in zip(dims, weights, strict=True))
+    up = torch.linspace(0.5, 1.5, out.numel(), dtype=out.dtype).reshape(out.shape)
+    (out * up).sum().backward()
+    grads = [x.grad for x in xs if x is not None and x.grad is not None]
+    if t is not None:
+        grads.append(t.grad)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("name,reduction", [(c, r) for c in CASES for r in ("mean", "none")
+                                            if c != "cosent" or r == "mean"])
+def test_every_loss_with_levels_on_triton_equals_the_definition(name, reduction):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the kernels take the levels
+        got, g_got = _run(name, reduction, "triton", torch.float32)
+    want, g_want = _run(name, reduction, "def", torch.float32)
+    assert got.dtype == torch.float32
+    _check(got, want, torch.float32, "loss")
+    assert len(g_got) == len(g_want) > 0
+    for i, (a, b) in enumerate(zip(g_got, g_want, strict=True)):
+        _check(a, b, torch.float32, f"grad {i}")
+
+
+def _r(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+RAGGED = (20, 64, 100, 144)  # D = 144: 20 and 100 off the 16- and 64-wide chunk edges, 64 on one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("loss", ["info_nce", "clip", "supcon_in"])
+def test_ragged_shapes_and_16_bit_inputs(dtype, loss):
+    n, m, d = 37, 29, 144  # nothing on a tile edge
+    q, k = _r(n, d, seed=1).to(dtype), _r(m if loss == "info_nce" else n, d, seed=2).to(dtype)
+    tgt = torch.randint(0, m, (n,), generator=torch.Generator().manual_seed(3))
+    lab = torch.randint(0, 5, (n,), generator=torch.Generator().manual_seed(4))
+    weights = [0.5, 1.0, 2.0, 1.0]
+
+    def call(x, y, t, be, dims=RAGGED, w=weights):
+        if loss == "info_nce":
+            return fc.info_nce(x, y, target=tgt, temperature=t, backend=be, matryoshka_dims=dims,
+                               matryoshka_weights=w)
+        if loss == "clip":
+            return fc.clip_loss(x, y, logit_scale=t, backend=be, matryoshka_dims=dims, matryoshka_weights=w)
+        return fc.supcon_loss(torch.stack([x, y], 1), labels=lab, variant="in", temperature=t, backend=be,
+                              matryoshka_dims=dims, matryoshka_weights=w)
+
+    tv = 10.0 if loss == "clip" else 0.1
+    lq, lk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    t = torch.tensor(tv, requires_grad=True)
+    got = call(lq, lk, t, "triton")
+    rq, rk = q.double().requires_grad_(), k.double().requires_grad_()
+    t2 = torch.tensor(tv, dtype=F64, requires_grad=True)
+    want = sum(w * call(_shrink(rq, dd), _shrink(rk, dd), t2, "reference", None, None)
+               for dd, w in zip(RAGGED, weights, strict=True))
+    _check(got, want.detach(), dtype, "loss")
+    g1 = torch.autograd.grad(got, [lq, lk, t])
+    g2 = torch.autograd.grad(want, [rq, rk, t2])
+    for x, y, what in zip(g1, g2, ("q", "k", "temperature"), strict=True):
+        assert x.dtype == (dtype if what != "temperature" else torch.float32)
+        _check(x, y, dtype, what)
+
+
+def test_eight_levels():
+    # K = 8, unsorted, several boundaries inside one 16-wide D chunk (4, 6, 9, 13). (A 1-wide level is
+    # ill-conditioned in float32 on every path: its normalisation backward cancels two terms of size
+    # 1 / |x_i0|; the PyTorch one-pass path is off by 4e-5 on a gradient of 0.14 there.)
+    dims = [34, 4, 6, 9, 13, 17, 21, 27]
+    w = [1.0, 0.3, -0.5, 0.7, 1.1, 0.2, 0.9, 1.3]
+    q, k = _r(23, 34, seed=5).float(), _r(19, 34, seed=6).float()
+    tgt = torch.randint(0, 19, (23,), generator=torch.Generator().manual_seed(7))
+    lq, lk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    got, per = fc.info_nce(lq, lk, target=tgt, backend="triton", matryoshka_dims=dims, matryoshka_weights=w,
+                           return_level_losses=True)
+    got.backward()
+    rq, rk = q.double().requires_grad_(), k.double().requires_grad_()
+    each = [fc.info_nce(_shrink(rq, d), _shrink(rk, d), target=tgt, backend="reference") for d in dims]
+    want = sum(wi * e for wi, e in zip(w, each, strict=True))
+    want.backward()
+    _check(got, want.detach(), torch.float32, "loss")
+    _check(per, torch.stack(each).detach(), torch.float32, "loss")  # the per-level losses, in the user's order
+    _check(lq.grad, rq.grad, torch.float32)
+    _check(lk.grad, rk.grad, torch.float32)
+
+
+def test_core_levels_on_triton_equal_the_torch_pass():
+    # the core op itself, every optional term: bias column, own column, a queue (grad_cols), per-row output
+    n, m, d = 21, 30, 40
+    a, b = _r(n, d, seed=8).float(), _r(m, d, seed=9).float()
+    spec = CoreSpec(exclude_self=True, offset=3, bias=-0.7, grad_cols=24)
+    own = torch.arange(n) + 3
+    tgt = torch.randint(0, m, (n,), generator=torch.Generator().manual_seed(10))
+    tgt = torch.where(tgt == own, (tgt + 1) % m, tgt)  # not the excluded own column (an infinite loss)
+    data = CoreData(target=tgt,
+                    bias_col=torch.randint(0, m, (n,), generator=torch.Generator().manual_seed(11)))
+    coef = Coeffs(lse=torch.linspace(0.5, 1.0, n), tgt=1.0)
+    levels = ((7, 17, 40), (1.0, 0.5, 2.0))
+    outs = []
+    for be in ("triton", "torch"):
+        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        s = torch.tensor(6.0, requires_grad=True)
+        y = core.run(be, la, lb, s, spec, data, coef, False, levels=levels)
+        (y * torch.linspace(-1.0, 1.0, y.numel()).reshape(y.shape)).sum().backward()
+        # the queue columns' gradient is not defined (grad_cols: they are detached in every loss)
+        outs.append((y.detach(), la.grad, lb.grad[:24], s.grad))
+    for x, y, what in zip(*outs, ("out", "da", "db", "ds"), strict=True):
+        torch.testing.assert_close(x, y.float(), rtol=2e-4, atol=2e-5, msg=what)
+
+
+def test_clamped_prefix_rows():
+    # a row whose short prefixes are zero (clamped to eps: divided by eps, no projection) and a zero row,
+    # against the PyTorch one-pass path (the definition normalises twice, F.normalize then the loss's own
+    # cosine, so its gradient at a zero prefix carries a second 1 / eps factor: 1e24 against 1e12)
+    q, k = _r(9, 24, seed=12).float(), _r(9, 24, seed=13).float()
+    q[2, :10] = 0.0
+    k[4] = 0.0
+    res = []
+    for be in ("triton", "torch"):
+        lq, lk = q.clone().requires_grad_(), k.clone().requires_grad_()
+        got = fc.info_nce(lq, lk, backend=be, matryoshka_dims=[4, 10, 24])
+        got.backward()
+        res.append((got.detach(), lq.grad, lk.grad))
+    assert res[0][1][2].abs().max() > 1e11 and res[0][2][4].abs().max() > 1e11  # the 1 / eps of the clamp
+    for x, y in zip(*res, strict=True):
+        torch.testing.assert_close(x, y, rtol=2e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# ahead-of-time compiles (no GPU): the three kernels for sm_80 and sm_90
+# ---------------------------------------------------------------------------------------------
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    from fused_contrastive.core import triton_matryoshka as TM
+    from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+    from fused_contrastive.tools import aot
+
+    DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    DIMS = {1: (768,), 5: (64, 128, 256, 512, 768), 8: (32, 64, 96, 128, 256, 384, 512, 768)}
+
+    def record(fam, dt, k, variant, n=4096, d=768):
+        meta = torch.device("meta")
+        a, b = torch.empty(n, d, dtype=dt, device=meta), torch.empty(n, d, dtype=dt, device=meta)
+        i64 = dict(dtype=torch.int64, device=meta)
+        data, coef = CoreData(target=torch.empty(n, **i64)), Coeffs(lse=1.0)
+        spec = CoreSpec(exclude_self=variant == "self")
+        if variant == "col":
+            coef = Coeffs(lse=1.0, col=1.0)
+        if variant == "pos":
+            data, coef = CoreData(row_labels=torch.empty(n, **i64), col_labels=torch.empty(n, **i64)), \\
+                Coeffs(lse=1.0, pos=-1.0)
+        s = torch.empty((), device=meta)
+        with aot.recording(fam) as launches:
+            lv = TM._Levels(a, b, spec, data, coef.pos is not None, DIMS[k])
+            lse, lc, lp = TM._fwd(lv, s, spec, coef.col is not None)
+            g = torch.empty(k, n, device=meta)
+            TM._bwd(lv, s, spec, lse, lc, lp, g, g if lc is not None else None, g if lp is not None else None,
+                    True, True, True)
+        return [x for x in launches if x.name.startswith("mat_")]
+
+    def job(args):
+        cc, fam, dname, k, variant, i = args
+        out = aot.compile_launch(record(fam, DT[dname], k, variant)[i], cc)
+        out.update(dtype=dname, k=k, variant=variant)
+        return out
+
+    if __name__ == "__main__":
+        # fp16 runs bf16's code with another operand type; the variants: plain cross-entropy at K = 1, 5, 8,
+        # the column LSE (CLIP), the positives' softmax (SupCon in) and the own column at K = 8
+        jobs = [(cc, fam, dn, k, "ce", i) for cc, fam in aot.TARGETS for dn in DT for k in DIMS for i in range(3)]
+        jobs += [(cc, fam, dn, 8, v, i) for cc, fam in aot.TARGETS for dn in DT for v in ("col", "pos", "self")
+                 for i in range(3)]
+        with ProcessPoolExecutor(max_workers=2) as ex:
+            print(json.dumps(list(ex.map(job, jobs))))
+    """
+)
+
+SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=1200,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_every_matryoshka_kernel_compiles_without_spills(compiled):
+    kinds = {(r["kernel"], r["cc"], r["dtype"], r["k"], r["variant"]) for r in compiled}
+    assert len(kinds) == 2 * 2 * (3 + 3) * 3, len(kinds)
+    for r in compiled:
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        assert r["shared"] <= SMEM_LIMIT[r["cc"]], r
+
+
+def test_matryoshka_kernels_use_tensor_cores(compiled):
+    for r in compiled:
+        if r["cc"] >= 90:
+            assert r["tc"] == "wgmma" and r["n_mma"] == 0, r
+        else:
+            assert r["tc"] == "mma" and r["n_mma"] > 0, r
+
+
+def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch):
+    # where the plain op takes the panel path (forced here; on CUDA N * M >= 2^24) the levels run as one
+    # plain call per level (bench/gpu_model.py --matryoshka models that faster than the Matryoshka kernels)
+    from fused_contrastive.core import triton_matryoshka
+
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
+    monkeypatch.setattr(triton_matryoshka, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
+    q, k = _r(37, 40, seed=14).float(), _r(29, 40, seed=15).float()
+    tgt = torch.randint(0, 29, (37,), generator=torch.Generator().manual_seed(16))
+    lq, lk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    got = fc.info_nce(lq, lk, target=tgt, backend="triton", matryoshka_dims=[40, 9, 20], matryoshka_weights=[1, 2, 3])
+    got.backward()
+    rq, rk = q.double().requires_grad_(), k.double().requires_grad_()
+    want = sum(w * fc.info_nce(_shrink(rq, d), _shrink(rk, d), target=tgt, backend="reference")
+               for d, w in ((40, 1), (9, 2), (20, 3)))
+    want.backward()
+    _check(got, want.detach(), torch.float32, "loss")
+    _check(lq.grad, rq.grad, torch.float32)
+    _check(lk.grad, rk.grad, torch.float32)
