@@ -7,6 +7,7 @@ routes that are not the one-pass PyTorch path (compile, gather over gloo, autoca
 from __future__ import annotations
 
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -183,13 +184,15 @@ def test_core_levels_take_any_upstream_gradient():
     torch.testing.assert_close(b.grad, b2.grad, rtol=1e-12, atol=1e-13)
 
 
-def test_triton_backend_runs_the_one_pass_path_with_a_warning(monkeypatch):
-    monkeypatch.setattr(core, "_WARNED", set())
+def test_core_levels_on_triton_run_the_matryoshka_kernels_without_a_warning():
     a, b = _r(5, 8, seed=1), _r(5, 8, seed=2)
     args = (CoreSpec(), CoreData(target=torch.arange(5)), Coeffs(lse=1.0, tgt=1.0), True)
-    with pytest.warns(UserWarning, match="Triton kernels do not take level boundaries"):
-        got = core.run("triton", a, b, 5.0, *args, levels=((3, 8), (1.0, 2.0)))
-    torch.testing.assert_close(got, core.run("torch", a, b, 5.0, *args, levels=((3, 8), (1.0, 2.0))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = core.run("triton", a.float(), b.float(), 5.0, *args, levels=((3, 8), (1.0, 2.0)))
+    assert got.dtype == torch.float32  # the kernels' output, not the float64 PyTorch pass
+    torch.testing.assert_close(got.double(), core.run("torch", a, b, 5.0, *args, levels=((3, 8), (1.0, 2.0))),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_levels_equal_eager():
@@ -285,16 +288,19 @@ def test_gather_with_levels_two_ranks_uneven(tmp_path):
             assert abs(v - r[name][1]) < 1e-10, (name, v, r[name][1])
 
 
-def test_triton_backend_runs_one_fused_call_per_level(monkeypatch):
-    # under the interpreter (conftest): backend="triton" with levels is the definition with the Triton loss
-    from fused_contrastive.losses import _levels
+def test_triton_backend_takes_the_levels_in_one_pass(monkeypatch):
+    # under the interpreter (conftest): backend="triton" with levels runs the Matryoshka kernels once (no
+    # per-level calls of the plain loss), equal to the definition
+    from fused_contrastive.core import triton_matryoshka
 
-    monkeypatch.setattr(_levels, "_WARNED", set())
+    calls = []
+    real = triton_matryoshka.run
+    monkeypatch.setattr(triton_matryoshka, "run", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     q, k = _r(9, 16, seed=1).float(), _r(9, 16, seed=2).float()
     qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
-    with pytest.warns(UserWarning, match="one fused Triton call per level"):
-        got = fc.info_nce(qa, ka, backend="triton", matryoshka_dims=[16, 4, 8], matryoshka_weights=[1.0, 2.0, 0.5])
+    got = fc.info_nce(qa, ka, backend="triton", matryoshka_dims=[16, 4, 8], matryoshka_weights=[1.0, 2.0, 0.5])
     got.backward()
+    assert calls == [(4, 8, 16)]
     qb, kb = q.clone().requires_grad_(), k.clone().requires_grad_()
     want = sum(w * fc.info_nce(_shrink(qb, d), _shrink(kb, d), backend="reference")
                for d, w in ((16, 1.0), (4, 2.0), (8, 0.5)))

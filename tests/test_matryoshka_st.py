@@ -154,15 +154,16 @@ def test_constructor_errors_name_the_argument(model, kw, match):
 
 @pytest.mark.parametrize("directions,partition", [(("query_to_doc",), "joint"),
                                                   (("query_to_doc", "doc_to_query"), "per_direction")])
-def test_levels_on_triton_are_one_fused_call_per_level(directions, partition):
-    # under the interpreter (conftest): the same value and gradients as the torch one-pass route
+def test_levels_on_triton_run_the_matryoshka_kernels(directions, partition):
+    # under the interpreter (conftest): one pass on the Matryoshka kernels (no warning), the same value and
+    # gradients as the torch one-pass route
     g = torch.Generator().manual_seed(0)
     q, d1, d2 = (torch.randn(6, 16, generator=g) for _ in range(3))
     res = []
     for be in ("torch", "triton"):
         xs = [x.clone().requires_grad_() for x in (q, d1, d2)]
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            warnings.simplefilter("error")
             out = fused.mnrl_from_embeddings(xs[0], xs[1:], directions=directions, partition_mode=partition,
                                              matryoshka_dims=[16, 4, 8], matryoshka_weights=[1.0, 2.0, 0.5],
                                              backend=be)

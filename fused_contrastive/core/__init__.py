@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 
 import torch
 from torch import Tensor
@@ -72,7 +71,8 @@ def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: 
 
     ``levels = (dims, weights)`` (dims ascending): the op at every Matryoshka level in one pass over D
     (``core/matryoshka.py``), one value per level ([K, N] or [K]); the weights are those the caller
-    multiplies the levels by. The triton backend runs that PyTorch pass as well (one-time warning).
+    multiplies the levels by. The triton backend runs the Matryoshka kernels (``triton_matryoshka.py``), or
+    one plain call per level where the plain op would take the panel path.
 
     ``a`` [N, D] anchors, ``b`` [M, D] contrast set or None (B is A), ``scale`` a number or a 0-dim
     tensor (gradients flow to tensors that require them). Both backends take the dense one-tile path
@@ -90,23 +90,31 @@ def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: 
     return out
 
 
-_WARNED: set = set()
-
-
 def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
     n = a.shape[0]
     check_problem(n, n if b is None else b.shape[0], spec, data, coef, reduce)
     if tracing_route():
         raise NotImplementedError("core.run: Matryoshka levels are not traced (the losses run the definition, "
                                   "one plain call per level, under torch.compile)")
-    if backend == "triton" and "triton" not in _WARNED:
-        _WARNED.add("triton")
-        warnings.warn("Matryoshka levels run on the PyTorch one-pass path (on the inputs' device) with "
-                      "backend='triton': the Triton kernels do not take level boundaries yet", stacklevel=3)
-    elif backend not in ("torch", "triton"):
+    if backend == "triton":
+        from . import triton_matryoshka, triton_panel
+        if triton_panel.use_panel(a, n, n if b is None else b.shape[0]):
+            # where the plain loss takes the panel path (cuBLAS GEMMs on row panels: CUDA, N * M >= 2^24),
+            # K of its calls on the truncated, re-normalised rows are modelled faster than the Matryoshka
+            # kernels, whose backward streams like the fused kernels' (bench/gpu_model.py --matryoshka)
+            plain = dataclasses.replace(spec, normalize=False)
+            return torch.stack([run("triton", _shrink(a, d, spec.eps), None if b is None else _shrink(b, d, spec.eps),
+                                    scale, plain, data, coef, reduce) for d in levels[0]])
+        return triton_matryoshka.run(a, b, scale, spec, data, coef, reduce, levels[0])
+    if backend != "torch":
         raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
     from . import matryoshka
     return matryoshka.run(a, b, scale, spec, data, coef, reduce, *levels)
+
+
+def _shrink(x: Tensor, d: int, eps: float) -> Tensor:
+    """``x[:, :d] / max(||x[:, :d]||, eps)``: one Matryoshka level's rows."""
+    return torch.nn.functional.normalize(x[:, :d], p=2, dim=1, eps=eps)
 
 
 def signed_sum(acc: Tensor | None, y: Tensor, sign: float) -> Tensor:

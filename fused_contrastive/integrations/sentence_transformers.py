@@ -314,14 +314,12 @@ def mnrl_from_embeddings(queries: Tensor, docs: Sequence[Tensor], *, scale=20.0,
     cat = torch.cat(d_all) if k_cols > 1 else d_all[0]
     plain = CoreSpec(normalize=normalize, eps=_EPS)
     core_lv = None if lv is None else lv.core
-    # levels on triton: one fused call per level (below; the kernels take no level boundaries)
-    one_pass = lv is None or be != "triton"
-    if one_pass and not hard and dirs == {"query_to_doc"}:  # cross-entropy with target o + i: one pass
+    if not hard and dirs == {"query_to_doc"}:  # cross-entropy with target o + i: one pass
         tgt = torch.arange(b, device=dev) + off
         out = core.run(be, queries, cat, s, plain, CoreData(target=tgt), Coeffs(lse=1.0, tgt=1.0), True,
                        levels=core_lv) * per_rank
         return out if lv is None else _levels.combine(out, lv)
-    if one_pass and not hard and group is None and dirs == {"query_to_doc", "doc_to_query"} \
+    if not hard and group is None and dirs == {"query_to_doc", "doc_to_query"} \
             and partition_mode == "per_direction":
         # (LSE_i + LSEcol_i) / 2 - TGT_i: the column log-sum-exp of the positives' columns, one pass
         col = 0.5 if k_cols == 1 else torch.cat([torch.full((b,), 0.5, dtype=dt, device=dev),

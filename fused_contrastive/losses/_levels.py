@@ -9,14 +9,9 @@ semantics (each level re-normalises its prefix, so ``normalize=False`` makes no 
 
 Routes:
 
-* torch backend: the loss body runs once with the levels (``_levels``), the core op computing every
-  level in one pass over D (``core/matryoshka.py``) and the body returning one value per level ([K] or
-  [K, N]);
-* triton backend: one fused call per level on the truncated, re-normalised inputs (``sum_k d_k / D``
-  of one loss's matmul work, O(N*D) memory), with a one-time warning: the kernels do not take level
-  boundaries yet, and the PyTorch one-pass path on a GPU (fp32 GEMMs and K elementwise passes per
-  tile through HBM) is modelled several times slower than these calls (``bench/gpu_model.py
-  --matryoshka``);
+* torch and triton backends: the loss body runs once with the levels (``_levels``), the core op
+  computing every level in one pass over D (``core/matryoshka.py`` on PyTorch, the kernels of
+  ``kernels/matryoshka.py`` on Triton) and the body returning one value per level ([K] or [K, N]);
 * the reference backend, and ``torch.compile`` / ``torch.export`` tracing: the definition, K calls of
   the loss on truncated, re-normalised inputs (the oracle; under tracing each call is the plain
   custom op).
@@ -27,7 +22,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +32,6 @@ from .. import ops
 from .._backend import resolve
 
 _EPS = 1e-12
-_WARNED: set = set()
 
 
 @dataclass(frozen=True)
@@ -150,13 +143,9 @@ def leveled(*embedding_args: str, views: tuple[str, ...] = (), one_pass: bool = 
             tensors = [bound.arguments.get(name) for name in embedding_args]
             be = resolve(bound.arguments.get("backend", "auto"),
                          *[t for t in tensors if isinstance(t, Tensor)])
-            if be == "triton" and not ops.tracing_route() and "triton" not in _WARNED:
-                _WARNED.add("triton")
-                warnings.warn("matryoshka_dims on backend='triton' runs one fused Triton call per level (the "
-                              "kernels do not take level boundaries yet)", stacklevel=2)
             if lv.dims == (first.shape[-1],) and bound.arguments.get("normalize", True) is True:
                 per = fn(*args, **kwargs)[None]  # one level at full D is the plain loss itself
-            elif be in ("reference", "triton") or ops.tracing_route() or not one_pass \
+            elif be == "reference" or ops.tracing_route() or not one_pass \
                     or any(bound.arguments.get(name) is not None for name in per_level_if):
                 per = []
                 for d in lv.dims:
