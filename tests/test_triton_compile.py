@@ -17,13 +17,11 @@ worker processes: the machine has two cores).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests._compiles import SMEM_LIMIT, run_compile_script
 
 try:
     import triton  # noqa: F401
@@ -45,16 +43,9 @@ _SCRIPT = textwrap.dedent(
     """
 )
 
-SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900,
-                       check=False)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_compile_script(_SCRIPT, 900)
 
 
 def test_every_shipped_config_was_compiled(compiled):

@@ -7,10 +7,6 @@ architecture's."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,6 +14,7 @@ import torch
 
 import fused_contrastive as fc
 from fused_contrastive.losses.guided import gist_loss
+from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 from tests.test_gist import gist_definition, info_nce_definition
 
 try:
@@ -201,30 +198,17 @@ _SCRIPT = textwrap.dedent(
     """
 )
 
-SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900,
-                       check=False)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_compile_script(_SCRIPT, 900)
 
 
 def test_every_guided_kernel_compiles_without_spills(compiled):
     # fp16 runs bf16's code with another operand type (the same registers): bf16 and fp32 are compiled
     kinds = {(r["kernel"], r["cc"], r["dtype"], r["d"], r["variant"], r["guide"]) for r in compiled}
     assert len(kinds) == 3 * 2 * (2 * 2 * 4 + 2 * 2), len(kinds)
-    for r in compiled:
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
-        assert r["shared"] <= SMEM_LIMIT[r["cc"]], r
+    assert_no_spills_within_smem(compiled)
 
 
 def test_guided_kernels_use_tensor_cores(compiled):
-    for r in compiled:
-        if r["cc"] >= 90:
-            assert r["tc"] == "wgmma" and r["n_mma"] == 0, r
-        else:
-            assert r["tc"] == "mma" and r["n_mma"] > 0, r
+    assert_tensor_cores(compiled)

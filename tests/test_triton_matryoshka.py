@@ -6,10 +6,6 @@ inputs; K = 1 to 8; the sm_80 / sm_90 compiles (0 spills, tensor cores)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -21,6 +17,7 @@ from test_matryoshka import CASES, TEMPS, _inputs
 import fused_contrastive as fc
 from fused_contrastive import core
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 
 try:
     import triton  # noqa: F401
@@ -250,32 +247,19 @@ _SCRIPT = textwrap.dedent(
     """
 )
 
-SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=1200,
-                       check=False)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_compile_script(_SCRIPT, 1200)
 
 
 def test_every_matryoshka_kernel_compiles_without_spills(compiled):
     kinds = {(r["kernel"], r["cc"], r["dtype"], r["k"], r["variant"]) for r in compiled}
     assert len(kinds) == 2 * 2 * (3 + 3) * 3, len(kinds)
-    for r in compiled:
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
-        assert r["shared"] <= SMEM_LIMIT[r["cc"]], r
+    assert_no_spills_within_smem(compiled)
 
 
 def test_matryoshka_kernels_use_tensor_cores(compiled):
-    for r in compiled:
-        if r["cc"] >= 90:
-            assert r["tc"] == "wgmma" and r["n_mma"] == 0, r
-        else:
-            assert r["tc"] == "mma" and r["n_mma"] > 0, r
+    assert_tensor_cores(compiled)
 
 
 def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch):

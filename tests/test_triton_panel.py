@@ -12,10 +12,6 @@ mask) for sm_80 / sm_90 in a subprocess with ``TRITON_INTERPRET=0``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -35,6 +31,7 @@ from fused_contrastive.core import chunked, triton_backend, triton_function, tri
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare
 from fused_contrastive.testing.accuracy import run
+from tests._compiles import run_compile_script
 
 CORE_CASES = [c for c in CASES if c.op == "core"]
 PANEL = 40  # rows per panel in the parity tests: 97 rows -> 40 + 40 + 17, 130 -> 4 panels
@@ -788,11 +785,7 @@ _COMPILE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = dict(os.environ, TRITON_INTERPRET="0", FUSED_CONTRASTIVE_DENSE="0")
-    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900,
-                       check=False)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_compile_script(_COMPILE, 900, FUSED_CONTRASTIVE_DENSE="0")
 
 
 def test_panel_kernel_compiles_without_spills(compiled):
