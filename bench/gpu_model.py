@@ -281,15 +281,24 @@ _DT_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "i32": 4
 _TENSOR = re.compile(r"tensor<([0-9x]+)x(!tt\.ptr<)?([a-z0-9]+)>?")
 _MEMDESC = re.compile(r"!ttg\.memdesc<([0-9x]+)x([a-z0-9]+),")
 _MMA = re.compile(r"^#(mma\d*) = #ttg\.nvidia_mma<\{versionMajor = (\d), .*warpsPerCTA = \[(\d+), (\d+)\]")
-_FOR = re.compile(r"scf\.for %\S+ = %\S+ to %(\w+) step %(\w+)")
+_FOR = re.compile(r"scf\.for %\S+ = %(\S+) to %(\w+) step %(\w+)")
 _REDUCE_END = re.compile(r"^\}\) : \(tensor<([0-9x]+)x")  # the closing line of a tt.reduce region
 
 
 def _trip(fm, trips: dict[str, int]) -> int:
     """Iterations of a loop ``to %bound step %step`` (a constant step ``%cS_i32``, or the persistent
     row-block loop ``to %n_row_blocks step %nprog``: trips["n_row_blocks"] is then per program)."""
-    bound, step = fm[1], fm[2]
+    start, bound, step = fm[1], fm[2], fm[3]
+    const = re.fullmatch(r"c(\d+)_i32", bound)
+    if const and start == "c0_i32" and step == "c1_i32":  # a constant trip count (the Matryoshka level loops)
+        return int(const[1])
     if bound not in trips:
+        # the Matryoshka kernels' D walks end at a boundary loaded from DIMS: a walk from 0 over a level's
+        # prefix, or over its segment; their trip counts summed over the K levels are exact when each loop
+        # gets the mean (the level loop multiplies it by K)
+        key = "__prefix_walk__" if start == "c0_i32" else "__segment_walk__"
+        if key in trips:
+            return trips[key]
         raise ValueError(f"loop bound %{bound} has no trip count")
     c = re.fullmatch(r"c(\d+)_i32", step)
     return math.ceil(trips[bound] / int(c[1])) if c else trips[bound]
@@ -356,7 +365,8 @@ def walk_ttgir(ttgir: str, trips: dict[str, int], if_weight: float = 1.0) -> dic
         if line.endswith("{"):
             if fm:
                 stack.append(_trip(fm, trips))
-                in_d_loop.append(fm[1] == "D")
+                # a D loop: to %D, or a Matryoshka walk along D (its bound a boundary loaded from DIMS)
+                in_d_loop.append(fm[2] == "D" or (fm[2] not in trips and not re.fullmatch(r"c\d+_i32", fm[2])))
             else:
                 stack.append(if_weight if _is_if(line) else 1.0)
                 in_d_loop.append(in_d_loop[-1] if in_d_loop else False)
@@ -528,6 +538,8 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     # row-block loop runs from pid to n_row_blocks in steps of P = grid: n_rb % P programs make
     # ceil(n_rb / P) iterations, the others floor(n_rb / P)
     trips = {k: v for k, v in a.items() if isinstance(v, int) and not isinstance(v, bool)}
+    if launch.name.startswith("mat_"):
+        trips.update(matryoshka_trips(MATRYOSHKA_DIMS[tuple(a["DIMS"].shape)], c["BLOCK_D"]))
     q, rem = divmod(a.get("n_row_blocks", grid), grid)
 
     def walk(if_weight: float) -> dict[str, float]:
@@ -560,13 +572,14 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     l2_b = gpu.l2_mb * 1e6
     hbm_pess = hbm
     ws = 0.0
-    if launch.name in ("lse_fwd", "lse_bwd_rows", "lse_bwd_cols"):
-        streamed = m if launch.name != "lse_bwd_cols" else n  # rows of the operand every program sweeps
+    if launch.name in ("lse_fwd", "lse_bwd_rows", "lse_bwd_cols", "mat_fwd", "mat_bwd_rows", "mat_bwd_cols"):
+        cols_kernel = launch.name.endswith("bwd_cols")
+        streamed = m if not cols_kernel else n  # rows of the operand every program sweeps
         hbm += max(0.0, math.ceil(grid / slots) - 1) * streamed * d * es
         hbm_pess = hbm
-        if launch.name != "lse_fwd" and not c["RESIDENT"] and c.get("NEED_DX", True):
-            bo = c["BLOCK_M"] if launch.name == "lse_bwd_rows" else c["BLOCK_N"]
-            bi = c["BLOCK_N"] if launch.name == "lse_bwd_rows" else c["BLOCK_M"]
+        if not launch.name.endswith("fwd") and not c.get("RESIDENT", False) and c.get("NEED_DX", True):
+            bo = c["BLOCK_N"] if cols_kernel else c["BLOCK_M"]
+            bi = c["BLOCK_M"] if cols_kernel else c["BLOCK_N"]
             tiles = grid * math.ceil(streamed / bi)
             reuse = tiles * (2 * bo * d * 4 + bo * d * es)  # scratch read + write, own rows reloaded
             ws = min(grid, slots) * (bo * d * 4 + bo * d * es)
@@ -672,6 +685,39 @@ def _meta(shape, dtype=torch.bfloat16, grad=True):
 def matryoshka_dims(d: int) -> list[int]:
     """The Matryoshka levels of the model: 768/512/256/128/64 at D = 768 (D, 2D/3, D/3, D/6, D/12)."""
     return sorted({d, 2 * d // 3, d // 3, d // 6, d // 12} - {0}, reverse=True)
+
+
+#: The level boundaries of the recorded Matryoshka launches, by the shape of their DIMS tensor ([K + 1];
+#: the model records one level set at a time): the D walks' trip counts come from them.
+MATRYOSHKA_DIMS: dict[tuple[int, ...], list[int]] = {}
+
+
+def matryoshka_trips(dims: list[int], block_d: int) -> dict[str, float]:
+    """Mean trip counts of the Matryoshka kernels' D walks over the K levels (``walk_ttgir``): a walk from 0
+    over level k's prefix [0, d_k), and a walk over its segment [d_{k-1}, d_k) whose first chunk starts at
+    the D chunk holding d_{k-1} (a straddled chunk is read once per segment)."""
+    bounds = sorted(dims)
+    lo = [0] + bounds[:-1]
+    prefix = [math.ceil(hi / block_d) for hi in bounds]
+    segment = [math.ceil((hi - (a // block_d) * block_d) / block_d) for a, hi in zip(lo, bounds, strict=True)]
+    return {"__prefix_walk__": sum(prefix) / len(bounds), "__segment_walk__": sum(segment) / len(bounds)}
+
+
+def run_matryoshka_triton(n: int, d: int, gpu: GPU) -> tuple[list[TB.Launch], list]:
+    """The launches (recorded) and ATen ops of InfoNCE at the levels ``matryoshka_dims(d)`` on the
+    Matryoshka kernels (``core/triton_matryoshka.py``), forward + backward, bf16 embeddings, as
+    :func:`run_triton` records the plain core op (its O(N D) linear target term left out likewise)."""
+    from fused_contrastive.core import triton_matryoshka as TM
+
+    a, b, scale, spec, data, coef, reduce = aot.core_call("info_nce", n, d, torch.bfloat16)
+    coef = dataclasses.replace(coef, tgt=None, set=None)
+    dims = sorted(matryoshka_dims(d))
+    MATRYOSHKA_DIMS[(len(dims) + 1,)] = dims
+    with aot.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
+        out = TM.TritonLevelsFn.apply(a, b, scale, spec, data, coef, reduce, tuple(dims)).sum()
+        torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
+        del out
+    return list(launches), ops.ops
 
 
 def naive_formula(loss: str, n: int, d: int):
@@ -1021,15 +1067,21 @@ def print_report(results: list[dict], d: int, compare: bool) -> None:
 
 
 def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
-    """MODEL of Matryoshka InfoNCE (``matryoshka_dims(d)``) on a GPU: the torch backend's one-pass path
-    (what ``backend="auto"`` runs on CUDA while the Triton kernels take no level boundaries) next to the
-    plain loss on the same path and the K-loss formula, all as ATen ops under the assumptions above."""
+    """MODEL of Matryoshka InfoNCE (``matryoshka_dims(d)``) on a GPU: the Matryoshka kernels (what
+    ``backend="auto"`` runs on CUDA; ``kernels/matryoshka.py``, modelled from their compile like the core
+    op's fused kernels) next to the plain loss on the fused kernels, the torch backend's one-pass path next
+    to the plain loss on that path (ATen ops), and the K-loss formula."""
     dims = "/".join(str(k) for k in matryoshka_dims(d))
-    print(f"--- MODEL Matryoshka InfoNCE, dims {dims}, D = {d}, bf16 inputs, fwd + bwd: the torch backend's "
-          "one-pass path (the path CUDA runs until the Triton kernels take level boundaries) against the plain "
-          "loss on the torch backend and the K-loss formula (ms, central [optimistic - pessimistic]; no GPU used)")
-    print(f"  {'gpu':5s} {'N':>6s} {'plain torch':>22s} {'one-pass torch':>22s} {'ratio':>6s} {'K-loss formula':>22s} "
-          f"{'formula peak':>12s}")
+    print(f"--- MODEL Matryoshka InfoNCE, dims {dims}, D = {d}, bf16 inputs, fwd + bwd: the Matryoshka kernels "
+          "against the plain loss on the fused kernels (the triton backend), the torch backend's one-pass path "
+          "against the plain loss on that backend, and the K-loss formula (ms, central [optimistic - pessimistic]; "
+          "no GPU used)")
+    print("  triton: 'plain' the plain loss on the triton backend's path for the size ('path': fused kernels, or "
+          "the panel path where N * M >= 2^24), 'kernels' the Matryoshka kernels, 'K calls' one plain call per level "
+          "on that path; 'ratio' what the backend runs (K calls on the panel path, the kernels otherwise) / plain")
+    print(f"  {'gpu':5s} {'N':>6s} {'path':>5s} {'plain triton':>22s} {'Matryoshka kernels':>22s} "
+          f"{'K triton calls':>22s} {'ratio':>6s} {'plain torch':>22s} {'one-pass torch':>22s} {'ratio':>6s} "
+          f"{'K-loss formula':>22s} {'formula peak':>12s}")
     recs = []
     for g in gpus:
         gpu = GPUS[g]
@@ -1045,10 +1097,30 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
                 got[key] = (ends["central"]["ms"], ends["optimistic"]["ms"], ends["pessimistic"]["ms"],
                             peak + 2 * n * d * 2, ends["central"]["gemm_flops"], ends["central"]["launches"])
             fits = got["formula"][3] <= gpu.mem_gb * 1e9
+            # the triton backend's route: the panel path's K plain calls where the plain op takes it (CUDA,
+            # N * M >= 2^24), the Matryoshka kernels otherwise (core._leveled)
+            path = "panel" if n * n >= triton_panel.MIN_ELEMENTS else "fused"
+            runs = [("plain", [_recorded("info_nce", n, d, g, path)]),
+                    ("levels", [run_matryoshka_triton(n, d, gpu)]),
+                    ("calls", [_recorded("info_nce", n, dk, g, path) for dk in matryoshka_dims(d)])]
+            tri = {}
+            for key, recs_ in runs:
+                ends = {}
+                for sc in SCENARIOS:
+                    with scenario(sc):
+                        ks = [kernel_model(lz, gpu) for launches, _ in recs_ for lz in launches]
+                        ends[sc] = (sum(k["ms"] for k in ks) + sum(aten_model(ops, gpu)["ms"] for _, ops in recs_),
+                                    sum(k["flops"] for k in ks),
+                                    sorted({(k["kernel"], k["regs"], k["spills"]) for k in ks}))
+                tri[key] = (ends["central"][0], ends["optimistic"][0], ends["pessimistic"][0], ends["central"][1],
+                            ends["central"][2])
+            route = "calls" if path == "panel" else "levels"
 
             def cell(v):
                 return f"{v[0]:.1f} [{v[1]:.1f} - {v[2]:.1f}]"
-            print(f"  {g:5s} {n:6d} {cell(got['plain']):>22s} {cell(got['one_pass']):>22s} "
+            print(f"  {g:5s} {n:6d} {path:>5s} {cell(tri['plain']):>22s} {cell(tri['levels']):>22s} "
+                  f"{cell(tri['calls']):>22s} {tri[route][0] / tri['plain'][0]:5.2f}x {cell(got['plain']):>22s} "
+                  f"{cell(got['one_pass']):>22s} "
                   f"{got['one_pass'][0] / got['plain'][0]:5.2f}x {cell(got['formula']):>22s} "
                   f"{_fmt_b(got['formula'][3]):>12s}{'' if fits else ' DOES NOT FIT'}")
             recs.append(dict(loss="info_nce_matryoshka", gpu=g, n=n, d=d, dims=matryoshka_dims(d),
@@ -1057,7 +1129,18 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
                              formula_ms=round(got["formula"][0], 3), formula_peak_bytes=got["formula"][3],
                              formula_fits=fits, plain_gemm_flops=got["plain"][4],
                              one_pass_gemm_flops=got["one_pass"][4], formula_gemm_flops=got["formula"][4],
-                             one_pass_launches=got["one_pass"][5], model="MODEL, not a measurement"))
+                             one_pass_launches=got["one_pass"][5],
+                             triton_path=path, triton_route=("one plain call per level" if route == "calls"
+                                                             else "Matryoshka kernels"),
+                             k_calls_triton_ms=round(tri["calls"][0], 3),
+                             k_calls_triton_range=[round(tri["calls"][1], 3), round(tri["calls"][2], 3)],
+                             plain_triton_ms=round(tri["plain"][0], 3),
+                             plain_triton_range=[round(tri["plain"][1], 3), round(tri["plain"][2], 3)],
+                             triton_ms=round(tri["levels"][0], 3),
+                             triton_range=[round(tri["levels"][1], 3), round(tri["levels"][2], 3)],
+                             plain_triton_tc_flops=tri["plain"][3], triton_tc_flops=tri["levels"][3],
+                             triton_kernels=[dict(kernel=k, regs=r, spills=sp) for k, r, sp in tri["levels"][4]],
+                             model="MODEL, not a measurement"))
     print()
     return recs
 
@@ -1202,7 +1285,9 @@ def main(argv=None) -> int:
     print_report(results, args.d, not args.no_compare)
     extra = []
     if args.matryoshka:
-        extra = matryoshka_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
+        # and N = 2048, below the panel path's threshold (N * M < 2^24): there the Matryoshka kernels run
+        extra = matryoshka_report(sorted({2048, *(int(x) for x in args.sizes.split(","))}), args.d,
+                                  args.gpus.split(","))
     if args.gist:
         extra += gist_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
     for r in results:
