@@ -201,19 +201,23 @@ def guided_config(kernel: str, arch: str, dtype: torch.dtype, d: int,
 #: The Matryoshka kernels (``kernels/matryoshka.py``) loop over the levels (not unrolled) and keep their
 #: running statistics in memory, so their registers do not grow with K. The forward takes the fused
 #: "fwd_pos" entries (one logit tile, a positive tile). The backward holds more per tile than the fused
-#: one: the level's logit tile, the suffix sum H and its 16-bit copy, the peeled segment product P and two
-#: dots per D chunk (P's and the scratch update's, with operands in both orientations). At the fused
-#: 64 x 64 x 64 it spilled 500-700 bytes (sm_80, every term on); 16-bit takes 64 x 32 tiles with 32-wide D
-#: chunks at 8 warps (117-245 registers on sm_80 / sm_90, 0 spills), fp32 (tf32x3: twice the operand
-#: registers) 64 x 16 x 16 (108-250 registers; 64 x 32 x 16 reached 255 with the positives). K = 8 costs
-#: what K = 1 does. tests/test_triton_matryoshka.py compiles them for sm_80 and sm_90 (0 spills).
-_MATRYOSHKA_BWD = {"16": LaunchConfig(64, 32, 32, 8, 2), "32": LaunchConfig(64, 16, 16, 8, 2)}
+#: one (the level's logit tile, the suffix sum H and its 16-bit copy, two dots per D chunk with operands in
+#: both orientations): 16-bit takes 32-wide D chunks, fp32 (tf32x3: twice the operand registers) 16-wide.
+#: The dA kernel ("bwd_rows") takes 64 x 32 tiles; the dB kernel ("bwd_cols") 64 x 64, because its gradient
+#: dot is H^T (BLOCK_N rows) times the rows' chunk and wgmma needs 64 rows (at 64 x 32 that dot fell back to
+#: mma.sync on sm_90). Every launch sets ``maxnreg`` 255 (``triton_matryoshka.MAXNREG``). Compiled for sm_80
+#: and sm_90 at K = 1, 5 and 8 with every term (tests/test_triton_matryoshka.py): 0 spills.
+_MATRYOSHKA_BWD = {
+    ("bwd_rows", "16"): LaunchConfig(64, 32, 32, 8, 2), ("bwd_rows", "32"): LaunchConfig(64, 16, 16, 8, 2),
+    ("bwd_cols", "16"): LaunchConfig(64, 64, 32, 8, 2), ("bwd_cols", "32"): LaunchConfig(64, 64, 16, 8, 2),
+}
 
 
 def matryoshka_config(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tuple[LaunchConfig, int]:
-    """(config, BLOCK_D) of a Matryoshka kernel ("fwd" or "bwd") for D-dimensional rows of ``dtype``."""
+    """(config, BLOCK_D) of a Matryoshka kernel ("fwd", "bwd_rows" or "bwd_cols") for D-dimensional rows of
+    ``dtype``."""
     if kernel == "fwd":
         cfg = CONFIGS[("fwd_pos", arch, DTYPE_NAMES[dtype], "big")]
     else:
-        cfg = _MATRYOSHKA_BWD["32" if dtype == torch.float32 else "16"]
+        cfg = _MATRYOSHKA_BWD[(kernel, "32" if dtype == torch.float32 else "16")]
     return cfg, min(cfg.block_d, d_pad(d))

@@ -106,7 +106,6 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     gs = torch.stack([x.abs().amax() for x in present]).amax()
     gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
     dm = p.dummy
-    cfg, block_d = matryoshka_config("bwd", TB._arch(dev), a.dtype, d)
     common = dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], FA=L.ra[1], FB=L.rb[1], DIMS=L.dims_t,
                   SCALE=TB._scale32(scale, dev), GSCALE=gs, **TB._problem_args(p),
                   LSE=lse, G=g if g is not None else dm,
@@ -114,11 +113,11 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
                   LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
                   N=n, M=m, D=d, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0), **TB._mask_args(p, spec),
                   eps=float(spec.eps))
-    flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(L, spec),
-                 HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
+    flags = dict(**_flags(L, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
                  PRESCALE=prescale(a.dtype))
     da = db = ds = None
     if need_a or need_s:
+        cfg, block_d = matryoshka_config("bwd_rows", TB._arch(dev), a.dtype, d)
         n_rb = triton.cdiv(n, cfg.block_m)
         da = TB._alloc((n, d), a.dtype, dev) if need_a else dm
         acc = torch.empty((n, d), dtype=torch.float32, device=dev) if need_a else dm
@@ -127,7 +126,8 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
             "mat_bwd_rows", KM.mat_bwd_kernel, (n_rb,),
             dict(X=a, NX=L.ra[2], **common, DX=da, ACC=acc, DS_PART=ds_part, n_out=n, stride_x=a.stride(0),
                  stride_dx=da.stride(0) if need_a else 0),
-            dict(**flags, COLS=False, NEED_DX=bool(need_a), NEED_DS=bool(need_s)),
+            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, COLS=False,
+                 NEED_DX=bool(need_a), NEED_DS=bool(need_s)),
             cfg.num_warps, cfg.num_stages, MAXNREG))
         ds = ds_part.sum() * gs.reshape(()) if need_s else None
         da = da if need_a else None
@@ -137,12 +137,14 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
         if gcols < m:
             db[gcols:].zero_()  # queue columns get no gradient
         if gcols > 0:
+            cfg, block_d = matryoshka_config("bwd_cols", TB._arch(dev), b.dtype, d)
             acc = torch.empty((gcols, d), dtype=torch.float32, device=dev)
             TB._launch(TB.Launch(
                 "mat_bwd_cols", KM.mat_bwd_kernel, (triton.cdiv(gcols, cfg.block_n),),
                 dict(X=b, NX=L.rb[2], **common, DX=db, ACC=acc, DS_PART=dm, n_out=gcols, stride_x=b.stride(0),
                      stride_dx=db.stride(0)),
-                dict(**flags, COLS=True, NEED_DX=True, NEED_DS=False),
+                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, COLS=True, NEED_DX=True,
+                     NEED_DS=False),
                 cfg.num_warps, cfg.num_stages, MAXNREG))
     return da, db, ds
 
