@@ -281,3 +281,21 @@ def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch):
     _check(got, want.detach(), torch.float32, "loss")
     _check(lq.grad, rq.grad, torch.float32)
     _check(lk.grad, rk.grad, torch.float32)
+
+
+def test_more_than_eight_levels_take_one_call_per_level(monkeypatch):
+    # the kernels are compiled and checked up to 8 levels; 9 run as plain Triton calls, still the definition
+    from fused_contrastive.core import triton_matryoshka
+
+    monkeypatch.setattr(triton_matryoshka, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
+    dims = [2, 4, 6, 8, 10, 12, 14, 16, 18]
+    q, k = _r(11, 18, seed=17).float(), _r(11, 18, seed=18).float()
+    lq, lk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    got = fc.info_nce(lq, lk, backend="triton", matryoshka_dims=dims)
+    got.backward()
+    rq, rk = q.double().requires_grad_(), k.double().requires_grad_()
+    want = sum(fc.info_nce(_shrink(rq, d), _shrink(rk, d), backend="reference") for d in dims)
+    want.backward()
+    _check(got, want.detach(), torch.float32, "loss")
+    _check(lq.grad, rq.grad, torch.float32)
+    _check(lk.grad, rk.grad, torch.float32)

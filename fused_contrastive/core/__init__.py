@@ -90,6 +90,11 @@ def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: 
     return out
 
 
+#: The most levels the Matryoshka kernels take (compiled without spills at 1, 5 and 8 levels); more run as
+#: one plain Triton call per level.
+MAX_KERNEL_LEVELS = 8
+
+
 def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
     n = a.shape[0]
     check_problem(n, n if b is None else b.shape[0], spec, data, coef, reduce)
@@ -98,10 +103,11 @@ def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
                                   "one plain call per level, under torch.compile)")
     if backend == "triton":
         from . import triton_matryoshka, triton_panel
-        if triton_panel.use_panel(a, n, n if b is None else b.shape[0]):
+        if triton_panel.use_panel(a, n, n if b is None else b.shape[0]) or len(levels[0]) > MAX_KERNEL_LEVELS:
             # where the plain loss takes the panel path (cuBLAS GEMMs on row panels: CUDA, N * M >= 2^24),
             # K of its calls on the truncated, re-normalised rows are modelled faster than the Matryoshka
-            # kernels, whose backward streams like the fused kernels' (bench/gpu_model.py --matryoshka)
+            # kernels, whose backward streams like the fused kernels' (bench/gpu_model.py --matryoshka); and
+            # past MAX_KERNEL_LEVELS levels (the kernels are compiled and checked up to 8)
             plain = dataclasses.replace(spec, normalize=False)
             return torch.stack([run("triton", _shrink(a, d, spec.eps), None if b is None else _shrink(b, d, spec.eps),
                                     scale, plain, data, coef, reduce) for d in levels[0]])
