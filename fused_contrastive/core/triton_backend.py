@@ -362,6 +362,22 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     return lse, lse_col, lse_pos, p
 
 
+def _gscale(*grads: Tensor | None) -> Tensor | None:
+    """One global scale of the upstream gradients, ``max |g|`` ([1] fp32; 1 when they are all 0), so that
+    the 16-bit operand ``dl / gscale`` cannot underflow; None when no gradient is present."""
+    present = [x for x in grads if x is not None]
+    if not present:
+        return None
+    gs = torch.stack([x.abs().amax() for x in present]).amax()
+    return torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
+
+
+def _no_grads(a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_s: bool):
+    """``(dA, dB, ds)`` of a backward without upstream gradients: zeros where needed."""
+    return (torch.zeros_like(a) if need_a else None, torch.zeros_like(b) if need_b else None,
+            torch.zeros((), device=a.device) if need_s else None)
+
+
 def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor | None,
              lse_pos: Tensor | None, g: Tensor | None, g_col: Tensor | None,
              g_pos: Tensor | None, need_a: bool, need_b: bool, need_s: bool):
@@ -376,13 +392,9 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
     n, d = a.shape
     m = b.shape[0]
     need_b = need_b and not p.sym
-    present = [x for x in (g, g_col, g_pos) if x is not None]
-    if not present:
-        return (torch.zeros_like(a) if need_a else None, torch.zeros_like(b) if need_b else None,
-                torch.zeros((), device=dev) if need_s else None)
-    # one global scale of the upstream gradients, so the fp16 operand dl / gscale cannot underflow
-    gs = torch.stack([x.abs().amax() for x in present]).amax()
-    gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
+    gs = _gscale(g, g_col, g_pos)
+    if gs is None:
+        return _no_grads(a, b, need_a, need_b, need_s)
     na, ra, nb, rb, rsa, rsb = p.norms
     dm = p.dummy
     common = dict(SCALE=_scale32(scale, dev), GSCALE=gs, **_problem_args(p),

@@ -99,12 +99,9 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     dev = a.device
     n, d = a.shape
     m = b.shape[0]
-    present = [x for x in (g, g_col, g_pos) if x is not None]
-    if not present:
-        return (torch.zeros_like(a) if need_a else None, torch.zeros_like(b) if need_b else None,
-                torch.zeros((), device=dev) if need_s else None)
-    gs = torch.stack([x.abs().amax() for x in present]).amax()
-    gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
+    gs = TB._gscale(g, g_col, g_pos)
+    if gs is None:
+        return TB._no_grads(a, b, need_a, need_b, need_s)
     dm = p.dummy
     common = dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], FA=L.ra[1], FB=L.rb[1], DIMS=L.dims_t,
                   SCALE=TB._scale32(scale, dev), GSCALE=gs, **TB._problem_args(p),

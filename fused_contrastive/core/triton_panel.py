@@ -105,7 +105,7 @@ from torch import Tensor
 from ..kernels import panel as KP
 from . import triton_backend as TB
 from .spec import Coeffs, combine
-from .triton_backend import Launch, _alloc, _cuda_props, _index, _mask_args, _problem_args, _row_norms
+from .triton_backend import Launch, _alloc, _cuda_props, _gscale, _index, _mask_args, _problem_args, _row_norms
 from .triton_configs import (
     PANEL_CHUNK,
     PANEL_ROWS_BLOCK_R,
@@ -359,12 +359,6 @@ class _Problem:
         return x, self.rpw[r0:r1], None
 
 
-def _gscale(vecs) -> Tensor:
-    present = [v for v in vecs if v is not None]
-    gs = torch.stack([x.abs().amax() for x in present]).amax()
-    return torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
-
-
 def _rows_launch(launch, g, x, rs, nrm, w, scale_t, gs, out, xw, eps: float, normalize: bool, prescale: float, dm):
     """One launch of ``panel_rows_kernel`` (see kernels/panel.py) over the rows of ``x``."""
     r, d = x.shape
@@ -400,7 +394,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     p_rows = panel_rows(n, m, d, dt, need_b)
     block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
     pr = _Problem(a, b, spec)
-    gs = _gscale((g, g_col, g_pos))
+    gs = _gscale(g, g_col, g_pos)
     dm = prep.dummy
     lse_out = torch.empty(n, dtype=torch.float32, device=dev) if eager else None
     lsep_out = torch.empty(n, dtype=torch.float32, device=dev) if eager and g_pos is not None else None
@@ -505,7 +499,7 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     p_rows = panel_rows(n, n, d, dt, True)
     block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
     pr = _Problem(a, a, spec, need_op=need_a)
-    gs = _gscale((g,))
+    gs = _gscale(g)
     dm = prep.dummy
     acc = torch.zeros((n, d), dtype=torch.float32, device=dev) if need_a else None
     ds_parts = []
