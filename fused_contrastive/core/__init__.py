@@ -22,6 +22,7 @@ from torch import Tensor
 from .._tracing import traced_core, tracing_route
 from . import chunked, dense, positives
 from .chunked import tile_elements
+from .norms import prefix_rows
 from .spec import Coeffs, CoreData, CoreSpec, check_problem, compute_dtype
 
 __all__ = ["Coeffs", "CoreData", "CoreSpec", "dense_path", "pieces", "run", "tile_elements"]
@@ -109,18 +110,14 @@ def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
             # kernels, whose backward streams like the fused kernels' (bench/gpu_model.py --matryoshka); and
             # past MAX_KERNEL_LEVELS levels (the kernels are compiled and checked up to 8)
             plain = dataclasses.replace(spec, normalize=False)
-            return torch.stack([run("triton", _shrink(a, d, spec.eps), None if b is None else _shrink(b, d, spec.eps),
-                                    scale, plain, data, coef, reduce) for d in levels[0]])
+            return torch.stack([run("triton", prefix_rows(a, d, spec.eps),
+                                    None if b is None else prefix_rows(b, d, spec.eps), scale, plain, data, coef,
+                                    reduce) for d in levels[0]])
         return triton_matryoshka.run(a, b, scale, spec, data, coef, reduce, levels[0])
     if backend != "torch":
         raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
     from . import matryoshka
     return matryoshka.run(a, b, scale, spec, data, coef, reduce, *levels)
-
-
-def _shrink(x: Tensor, d: int, eps: float) -> Tensor:
-    """``x[:, :d] / max(||x[:, :d]||, eps)``: one Matryoshka level's rows."""
-    return torch.nn.functional.normalize(x[:, :d], p=2, dim=1, eps=eps)
 
 
 def signed_sum(acc: Tensor | None, y: Tensor, sign: float) -> Tensor:

@@ -82,3 +82,9 @@ def unit_rows(x: Tensor, eps: float) -> Tensor:
     r = torch.linalg.vector_norm(xs, dim=1, keepdim=True)
     keep = r * m > eps
     return torch.where(keep, xs / torch.where(keep, r, torch.ones_like(r)), x / eps)
+
+
+def prefix_rows(x: Tensor, d: int, eps: float) -> Tensor:
+    """One Matryoshka level's rows, differentiable: ``x[:, :d] / max(||x[:, :d]||, eps)`` (``F.normalize``,
+    sentence-transformers' truncate-then-normalise)."""
+    return torch.nn.functional.normalize(x[:, :d], p=2, dim=1, eps=eps)

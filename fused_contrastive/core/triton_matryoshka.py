@@ -21,6 +21,7 @@ from ..kernels import matryoshka as KM
 from . import positives
 from . import triton_backend as TB
 from .matryoshka import _prefix_norms
+from .norms import prefix_rows
 from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
 from .triton_configs import matryoshka_config
 
@@ -221,11 +222,10 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
     if coef.tgt is None and coef.set is None:
         return out
     # the O(N*D) linear terms per level, on the truncated, re-normalised rows
-    from . import _shrink
-
     plain = dataclasses.replace(spec, normalize=False)
     lin = torch.stack([
-        positives.LinearTermsFn.apply(_shrink(a, d, spec.eps), None if b is None else _shrink(b, d, spec.eps), scale,
+        positives.LinearTermsFn.apply(prefix_rows(a, d, spec.eps), None if b is None else prefix_rows(b, d, spec.eps),
+                                      scale,
                                       plain, data, coef, reduce,
                                       torch.float32)
         for d in dims])
