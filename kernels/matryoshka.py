@@ -106,7 +106,7 @@ def mat_fwd_kernel(
     SA, SB, RSA, RSB, DIMS, SCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
     LSE, LSE_POS, Z_RUN, ZP_RUN, COL_PART,
     N, M, stride_sa, stride_sb, offset, bias, n0, m0, stride_pm, n_row_blocks,
-    K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, WANT_COL: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):

@@ -1,11 +1,11 @@
 """The core op at K Matryoshka levels on the Triton kernels of ``kernels/matryoshka.py``: one walk along D
 per tile for every level, forward and backward (``docs/matryoshka.md``).
 
-Work in units of one N x M x D matmul, for every level together: forward 1; backward, A != B, dA kernel
-(recompute 1 + gradient 1) + dB kernel (the same) = 4, as for one loss; K per-level calls cost
-``sum_k d_k / D`` times that (2.25x for 768/512/256/128/64). B is A runs as two inputs (4 units, the
-plain kernels' symmetric backward takes 2). The linear positive terms (TGT, SET) are O(K N D) and run
-per level in PyTorch (``positives.LinearTermsFn`` on the truncated, re-normalised rows).
+Work in units of one N x M x D matmul, for every level together: forward 1; backward, A != B, a dA and a
+dB kernel of ``(sum_k d_k + d_K) / D`` each (every level's prefix rebuilt, one gradient GEMM per segment:
+3.25 for 768/512/256/128/64), 7.5 in all against one loss's 5 and K per-level calls' 11.25. B is A runs
+as two inputs (the plain kernels' symmetric single-kernel backward is not used). The linear positive terms
+(TGT, SET) are O(K N D) and run per level in PyTorch (``positives.LinearTermsFn`` on the truncated, re-normalised rows).
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class _Levels:
         self.p = TB._prepare(a, b, dataclasses.replace(spec, normalize=True), data, want_pos)
         self.dims = list(dims)
         self.k = len(dims)
-        self.kp = triton.next_power_of_2(self.k)
         dev = a.device
         self.dims_t = torch.tensor([0, *dims], dtype=torch.int32, device=dev)
         self.ra = _level_data(self.p.a, self.p.sa, self.dims, spec.eps)
@@ -62,7 +61,7 @@ class _Levels:
 def _flags(L: _Levels, spec: CoreSpec) -> dict[str, object]:
     f = TB._flags(L.p, spec)
     del f["NORMALIZE"]
-    return dict(**f, K=L.k, KP=L.kp)
+    return dict(**f, K=L.k)
 
 
 def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -111,8 +110,8 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
                   LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
                   N=n, M=m, D=d, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0), **TB._mask_args(p, spec),
                   eps=float(spec.eps))
-    flags = dict(**_flags(L, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
-                 PRESCALE=prescale(a.dtype))
+    flags = dict(**_flags(L, spec), KP=triton.next_power_of_2(L.k), HAS_G=g is not None,
+                 HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, PRESCALE=prescale(a.dtype))
     da = db = ds = None
     if need_a or need_s:
         cfg, block_d = matryoshka_config("bwd_rows", TB._arch(dev), a.dtype, d)
@@ -167,11 +166,17 @@ class TritonLevelsFn(torch.autograd.Function):
         dt = TB.kernel_dtype(a, b)
         L = _Levels(a.to(dt), None if b is None else b.to(dt), spec, data, coef.pos is not None, dims)
         lse, lse_col, lse_pos = _fwd(L, scale, spec, coef.col is not None)
-        ctx.levels, ctx.spec, ctx.coef, ctx.reduce = L, spec, coef, reduce
+        ctx.spec, ctx.coef, ctx.reduce = spec, coef, reduce
         ctx.scale = None if isinstance(scale, Tensor) else scale
         ctx.dtypes = (a.dtype, None if b is None else b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
                       scale.shape if isinstance(scale, Tensor) else None)
-        ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos)
+        # the inputs and their scaled copies go through save_for_backward (in-place edits are caught); the
+        # O(K (N + M)) level data and the labels / masks ride on ctx
+        p, same = L.p, b is None
+        ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
+                              None if same else p.b, p.sa, None if same else p.sb)
+        L.p = p._replace(a=None, b=None, sa=None, sb=None)
+        ctx.levels = L
         c32 = coef.to(torch.float32)
         return torch.stack([combine(c32, reduce, lse[k], None if lse_col is None else lse_col[k],
                                     None if lse_pos is None else lse_pos[k]) for k in range(L.k)])
@@ -181,10 +186,12 @@ class TritonLevelsFn(torch.autograd.Function):
     @autocast_off
     def backward(ctx, go: Tensor):
         need_a, need_b, need_s = ctx.needs_input_grad[:3]
-        scale, lse, lse_col, lse_pos = ctx.saved_tensors
+        scale, lse, lse_col, lse_pos, a, b, sa, sb = ctx.saved_tensors
         if scale is None:
             scale = ctx.scale
         L, coef = ctx.levels, ctx.coef
+        same = ctx.dtypes[1] is None
+        L.p = L.p._replace(a=a, b=a if same else b, sa=sa, sb=sa if same else sb)
         go = go.to(torch.float32)
         n, k = lse.shape[1], L.k
         m = L.p.b.shape[0]
@@ -197,8 +204,7 @@ class TritonLevelsFn(torch.autograd.Function):
         g = per_level(coef.lse, n, lse)
         g_col = per_level(coef.col, m, lse_col)
         g_pos = per_level(coef.pos, n, lse_pos)
-        same = ctx.dtypes[1] is None
-        da, db, ds = _bwd(L, scale, ctx.spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a or (same and need_a),
+        da, db, ds = _bwd(L, scale, ctx.spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a,
                           (need_b and not same) or (same and need_a), need_s)
         if same and da is not None:
             da = da + db
