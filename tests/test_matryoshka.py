@@ -214,9 +214,11 @@ def test_compiled_levels_equal_eager():
         torch.testing.assert_close(qa.grad, qb.grad, rtol=1e-11, atol=1e-12)
 
 
-def test_autocast_training_step_with_levels():
-    # bf16 embeddings from an autocast encoder: the one-pass loss against the definition on the same
-    # bf16 embeddings (float32 math in both), and the encoder's gradient through the same bf16 backward
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_autocast_training_step_with_levels(backend):
+    # bf16 embeddings from an autocast encoder: the one-pass loss (the torch pass, or the Matryoshka kernels
+    # under the interpreter) against the definition on the same bf16 embeddings (float32 math in both), and
+    # the encoder's gradient through the same bf16 backward
     torch.manual_seed(0)
     enc = torch.nn.Linear(24, 16)
     x, y = torch.randn(32, 24), torch.randn(32, 24)
@@ -227,7 +229,7 @@ def test_autocast_training_step_with_levels():
             q, k = enc(x), enc(y)
             assert q.dtype == torch.bfloat16
             if route == "ours":
-                loss = fc.info_nce(q, k, matryoshka_dims=[16, 8, 4])
+                loss = fc.info_nce(q, k, matryoshka_dims=[16, 8, 4], backend=backend)
             else:
                 loss = sum(fc.info_nce(_shrink(q.float(), d), _shrink(k.float(), d), backend="reference")
                            for d in (16, 8, 4))
@@ -267,6 +269,14 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
             want.backward()
             res[name] = (float(loss), float(want), bool(torch.allclose(qa.grad, qr.grad[off:off + sizes[rank]] * world,
                                                                         rtol=1e-10, atol=1e-12)))
+            if name != "supcon":  # the Matryoshka kernels (interpreter) under gather, float32
+                qt, kt = q[mine].float().requires_grad_(), k[mine].float().requires_grad_()
+                loss = fn(qt, kt, backend="triton", gather=True, matryoshka_dims=[12, 6, 3],
+                          matryoshka_weights=[1, 2, 3])
+                loss.backward()
+                res[name + "_triton"] = (float(loss), float(want),
+                                         bool(torch.allclose(qt.grad.double(), qr.grad[mine] * world, rtol=1e-4,
+                                                             atol=1e-5)))
         out.put(res)
     except Exception:
         out.put({"rank": rank, "error": traceback.format_exc()})
@@ -286,6 +296,10 @@ def test_gather_with_levels_two_ranks_uneven(tmp_path):
         mean = {name: sum(x[name][0] for x in results) / 2 for name in ("info_nce", "clip", "supcon")}
         for name, v in mean.items():
             assert abs(v - r[name][1]) < 1e-10, (name, v, r[name][1])
+        for name in ("info_nce_triton", "clip_triton"):
+            assert r[name][2], (name, r["rank"])
+            v = sum(x[name][0] for x in results) / 2
+            assert abs(v - r[name][1]) < 1e-5 * max(1.0, abs(r[name][1])), (name, v, r[name][1])
 
 
 def test_triton_backend_takes_the_levels_in_one_pass(monkeypatch):

@@ -227,12 +227,13 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
     out = TritonLevelsFn.apply(a, b, scale, lspec, ldata, lse_terms, reduce, tuple(dims))
     if coef.tgt is None and coef.set is None:
         return out
-    # the O(N*D) linear terms per level, on the truncated, re-normalised rows
+    # the O(N*D) linear terms per level, on the truncated rows re-normalised in float32 (the kernels' prefix
+    # norms are exact; normalising 16-bit rows in their own dtype put the target logit 2e-4 off the LSE's)
     plain = dataclasses.replace(spec, normalize=False)
+    a32, b32 = a.to(torch.float32), None if b is None else b.to(torch.float32)
     lin = torch.stack([
-        positives.LinearTermsFn.apply(prefix_rows(a, d, spec.eps), None if b is None else prefix_rows(b, d, spec.eps),
-                                      scale,
-                                      plain, data, coef, reduce,
-                                      torch.float32)
+        positives.LinearTermsFn.apply(prefix_rows(a32, d, spec.eps),
+                                      None if b32 is None else prefix_rows(b32, d, spec.eps), scale, plain, data,
+                                      coef, reduce, torch.float32)
         for d in dims])
     return out - lin
