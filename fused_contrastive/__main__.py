@@ -26,6 +26,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 PATHS = ("dense", "tiled")
 COMMANDS = ("check", "bench", "bench-encode", "bench-gather", "bench-matryoshka", "bench-gist",
             "bench-st-step")
+#: What each sub-command imports beyond torch, by the extra that installs it (``pyproject.toml``). A
+#: sub-command whose extra is missing says so in one line and exits 2; ``check`` needs none.
+EXTRAS = {"bench": ("numpy", "tqdm", "tabulate")}
+NEEDS = {"bench": ("bench",), "bench-encode": ("bench",), "bench-gather": ("bench",), "bench-matryoshka": ("bench",),
+         "bench-gist": ("bench",), "bench-st-step": ("bench", "sentence-transformers")}
+EXTRA_MODULES = {**EXTRAS, "sentence-transformers": ("sentence_transformers", "transformers")}
 
 
 def _csv(text: str) -> list[str]:
@@ -193,6 +199,19 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 1 if failures else 0
 
 
+def missing_extra(command: str | None) -> str | None:
+    """The one-line message for ``command`` when a module of an extra it needs is not importable here,
+    else None (``importlib.util.find_spec``: nothing is imported)."""
+    import importlib.util
+
+    for extra in NEEDS.get(command or "", ()):
+        for mod in EXTRA_MODULES[extra]:
+            if importlib.util.find_spec(mod) is None:
+                return (f"fused-contrastive {command}: needs the [{extra}] extra ({mod} is not installed): "
+                        f'pip install "/path/to/fused-contrastive[{extra}]" (a checkout of this project)')
+    return None
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and the parser of each sub-command by name."""
     from . import __version__
@@ -223,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # answered by the sub-command's parser (its usage and options), not the top level's
         (subs.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    need = missing_extra(args.command)
+    if need:
+        print(need, file=sys.stderr)
+        return 2
     if args.command == "bench":
         from .bench import cli as bench_cli
 

@@ -18,7 +18,6 @@ import time
 from typing import Any
 
 import torch
-from tabulate import tabulate
 from torch import nn
 
 from .. import simcse_loss
@@ -92,6 +91,7 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(res: dict[str, Any]) -> str:
+    from tabulate import tabulate  # the [bench] extra: imported when the table is made
     a = res["config"]
     rows = [[how, f"{res['median_s'][how] * 1e3:.0f}", f"{res['peak_bytes'][how] / (1 << 20):.0f}"]
             for how in ("plain", "cached")]

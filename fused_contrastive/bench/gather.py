@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 
-from tabulate import tabulate
-
 from .helptext import help_text
 
 #: gathered [N_global, D] tensors per loss (per anchor row of the global batch): info_nce gathers the
@@ -41,6 +39,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from tabulate import tabulate  # the [bench] extra: imported when the table is made
+
     if args.world < 1 or args.n < 1 or args.d < 1:
         parser.error("--n, --d and --world must be >= 1")
     mb = 1 << 20

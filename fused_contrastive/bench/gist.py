@@ -49,8 +49,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import tqdm
-from tabulate import tabulate
 
 from ..losses.guided import gist_loss
 from .helptext import help_text
@@ -152,6 +150,8 @@ def _peak(args: tuple[dict[str, Any], int, str]) -> int:
 
 def measure(a: dict[str, Any]) -> dict[str, Any]:
     """Times (alternating, medians), fresh-process peaks, the losses and the masked fractions at every B."""
+    import tqdm  # the [bench] extra
+
     if a["threads"]:
         torch.set_num_threads(a["threads"])
     fns = contenders()
@@ -185,6 +185,7 @@ def _ratio(x: float, y: float) -> str:
 
 
 def render(res: dict[str, Any]) -> str:
+    from tabulate import tabulate  # the [bench] extra: imported when the table is made
     a = res["config"]
     head = ["N", "textbook ms", "fused ms", "fused / textbook", "textbook MiB", "fused MiB", "fused / textbook peak",
             "negatives masked", "own hard neg. masked"]

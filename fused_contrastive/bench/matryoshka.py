@@ -34,8 +34,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import tqdm
-from tabulate import tabulate
 
 from .. import info_nce
 from ..losses._levels import shrink
@@ -106,6 +104,8 @@ def _peak(args: tuple[dict[str, Any], int, str]) -> int:
 
 def measure(a: dict[str, Any]) -> dict[str, Any]:
     """Times (alternating, medians) and fresh-process peaks of every contender at every N."""
+    import tqdm  # the [bench] extra
+
     if a["threads"]:
         torch.set_num_threads(a["threads"])
     fns = contenders(a["dims"])
@@ -134,6 +134,7 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(res: dict[str, Any]) -> str:
+    from tabulate import tabulate  # the [bench] extra: imported when the table is made
     a = res["config"]
     names = list(res["rows"][0]["median_s"])
     head = ["N"] + [f"{x} ms" for x in names] + [f"{x} / plain" for x in names if x != "plain"]

@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 import torch
-from tabulate import tabulate
 
 from .helptext import help_text
 from .memory import step_peak
@@ -143,6 +142,7 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(res: dict[str, Any]) -> str:
+    from tabulate import tabulate  # the [bench] extra: imported when the table is made
     a = res["config"]
     table = []
     for r in res["rows"]:
