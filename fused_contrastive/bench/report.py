@@ -8,9 +8,17 @@ the JSON and the plots.
   logits' shape); TFLOP/s = FLOPs / median time, and the fraction of the matmul peak measured at the
   start and end of the run. It can exceed 100% where a backend does less work than the formula.
 * **Largest batch within a budget** (:func:`largest_batches`): total memory = inputs + peak over
-  the baseline. The peaks of the two largest sizes a contender ran are fitted by its declared model
-  (``a + bN`` for ours, ``bN + cN^2`` for quadratic contenders, ``bN^2 + cN^3`` for pml-ntxent) and
-  solved for the budget: these N are **extrapolated from measured points** and labelled so.
+  the baseline. The peaks of a contender's three largest measured sizes are fitted (least squares) by
+  ``a + b N^k`` with ``k`` its declared memory order (1 for ours, 2 for quadratic contenders, 3 for
+  pml-ntxent) and solved for the budget: these N are **extrapolated from measured points** and labelled
+  so. No fit, no N ("-" with the reason): fewer than three sizes, a negative intercept ``a`` (memory at
+  N = 0 below zero is not a physical fit) or a non-positive ``b``.
+* **Verdict** (:func:`verdicts`): per loss, this library's backend (triton where it ran, else torch)
+  against the textbook formula it replaces, forward+backward time and peak memory at the largest N
+  both ran.
+* **Noise**: a time ratio ``a / b`` is *within noise* (marked ``~``) when its range from the two
+  contenders' quartiles, ``p25_a / p75_b .. p75_a / p25_b``, includes 1: their spread exceeds the
+  ratio's distance from 1.
 * **Small-batch table**: N <= 1024, the torch backend's forward+backward time over the textbook
   formula's (the ``formula`` contender), medians of >= 30 repeats measured side by side.
 """
@@ -140,31 +148,36 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 # largest batch within a memory budget (extrapolated from the measured peaks)
 # ------------------------------------------------------------------------------------------------
 
-#: memory models by order, leading power last: a + bN (ours), bN + cN^2, bN^2 + cN^3
-POWERS = {1: [0, 1], 2: [1, 2], 3: [2, 3]}
+#: the fewest measured sizes a memory fit is made from
+MIN_FIT_SIZES = 3
 
 
 def fit_memory(points: Sequence[Sequence[float]], order: int):
-    """``(powers, coefficients)`` of the model of ``order`` through the two largest (N, bytes) points,
-    or ``(None, why)``. Two parameters through the two largest sizes: smaller sizes are not asymptotic
-    (glibc serves blocks under its 32 MiB mmap threshold from a reused heap). A negative lower
-    coefficient is dropped (the leading term alone through the largest point over- rather than
-    under-estimates the memory)."""
+    """``(powers, coefficients), ""`` of ``a + b N^order`` fitted by least squares through the
+    ``MIN_FIT_SIZES`` largest (N, bytes) points, or ``None, why`` (``why`` starts with a short kind:
+    ``"fewer than 3 sizes"``, ``"negative intercept"``, ``"peaks did not grow"``). The largest sizes
+    only: smaller ones are not asymptotic (glibc serves blocks under its 32 MiB mmap threshold from a
+    reused heap). Two parameters through three points, so a noisy point shows as a bad fit rather than
+    being interpolated, and the intercept ``a`` (the memory at N = 0) must be >= 0: a fit that needs a
+    negative one does not describe the memory and is not extrapolated."""
     import numpy as np
 
-    pts = sorted(points)[-2:]
-    for powers in (POWERS[order], POWERS[order][-1:]):
-        use = pts[-len(powers):]
-        if len(use) < len(powers):
-            continue
-        a = np.array([[float(n) ** k for k in powers] for n, _ in use])
-        y = np.array([float(v) for _, v in use])
-        c = np.linalg.lstsq(a, y, rcond=None)[0]
-        if c[-1] <= 0:
-            return None, f"peaks did not grow like N^{powers[-1]} over N={','.join(str(int(n)) for n, _ in use)}"
-        if min(c) >= 0 or order == 1:  # ours: a negative constant is harmless
-            return (list(powers), [float(v) for v in c]), ""
-    return None, "no fit"
+    pts = sorted((float(n), float(v)) for n, v in points)
+    ns = ",".join(str(int(n)) for n, _ in pts)
+    if len(pts) < MIN_FIT_SIZES:
+        return None, f"fewer than {MIN_FIT_SIZES} sizes: measured at N={ns or 'none'}"
+    use = pts[-MIN_FIT_SIZES:]
+    ns = ",".join(str(int(n)) for n, _ in use)
+    powers = [0, order]
+    a = np.array([[n ** k for k in powers] for n, _ in use])
+    y = np.array([v for _, v in use])
+    c = [float(v) for v in np.linalg.lstsq(a, y, rcond=None)[0]]
+    model = "a + b N" + ("" if order == 1 else f"^{order}")
+    if c[1] <= 0:
+        return None, f"peaks did not grow: {model} over N={ns} has b = {c[1]:.3g}"
+    if c[0] < 0:
+        return None, f"negative intercept: {model} over N={ns} has a = {c[0]:.3g} B < 0"
+    return (powers, c), ""
 
 
 def _solve(powers: list[int], coef: list[float], per_n: float, budget: float) -> float:
@@ -191,12 +204,14 @@ def largest_batches(rows: list[dict[str, Any]], budget: float) -> list[dict[str,
         if get_contender(case, cname).kind == "compiled":
             # their measured peak holds the compiler's own memory (the first step compiles): no model of
             # the step's memory can be fitted through it
+            out.append({"loss": case, "contender": cname, "budget_bytes": budget, "n_max": None,
+                        "reason": "compiled: the measured peak holds the compiler's own memory"})
             continue
         mine = [r for r in rows if r["loss"] == case and r["contender"] == cname and r["mode"] == "forward+backward"]
         pts = sorted((r["n"], r["peak_bytes"], r["input_bytes"]) for r in mine if r["peak_bytes"] is not None)
         timed = sorted((r["n"], r["time_ms"]) for r in mine if r["time_ms"] is not None)
         con = get_contender(case, cname)
-        used = pts[-2:]
+        used = pts[-MIN_FIT_SIZES:]
         entry: dict[str, Any] = {"loss": case, "contender": cname, "budget_bytes": budget,
                                  "measured_n": [p[0] for p in pts], "fit_n": [p[0] for p in used],
                                  "memory_order": con.memory_order, "n_max": None,
@@ -205,7 +220,7 @@ def largest_batches(rows: list[dict[str, Any]], budget: float) -> list[dict[str,
         if not used:
             entry["reason"] = "no measured size"
             continue
-        fit, why = fit_memory([(p[0], float(p[1])) for p in used], con.memory_order)
+        fit, why = fit_memory([(p[0], float(p[1])) for p in pts], con.memory_order)
         if fit is None:
             entry["reason"] = why
             continue
@@ -234,6 +249,46 @@ def _fb(rows, case, contender, n) -> dict[str, Any] | None:
     return None
 
 
+def within_noise(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool | None:
+    """Whether the time ratio ``a / b`` of two rows is within noise: its range from their quartiles,
+    ``p25_a / p75_b .. p75_a / p25_b``, includes 1 (the spread exceeds the ratio's distance from 1).
+    None when a median or quartile is missing."""
+    if a is None or b is None or a is b:
+        return None
+    q = [x.get(k) for x in (a, b) for k in ("time_ms_p25", "time_ms_p75")]
+    if any(v is None for v in q) or not q[2] or not q[3]:
+        return None
+    return q[0] / q[3] <= 1.0 <= q[1] / q[2]
+
+
+def backend_of(rows: list[dict[str, Any]], case: str) -> str:
+    """This library's backend for ``case`` in a run: triton where it ran (CUDA), else torch."""
+    ran = {r["contender"] for r in rows if r["loss"] == case and r["time_ms"] is not None}
+    return "triton" if "triton" in ran else "torch"
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per loss: this library's backend against the textbook formula it replaces, forward+backward time
+    and peak-memory ratios at the largest N both ran (``n`` None where there is none)."""
+    out = []
+    for case in dict.fromkeys(r["loss"] for r in rows):
+        ours = backend_of(rows, case)
+        both = [n for n in {r["n"] for r in rows if r["loss"] == case}
+                if all((x := _fb(rows, case, c, n)) and x["time_ms"] for c in (ours, "formula"))]
+        entry: dict[str, Any] = {"loss": case, "backend": ours, "n": None, "time_ratio": None, "time_noise": None,
+                                 "memory_ratio": None}
+        out.append(entry)
+        if not both:
+            continue
+        n = max(both)
+        a, b = _fb(rows, case, ours, n), _fb(rows, case, "formula", n)
+        entry.update(n=n, time_ratio=a["time_ms"] / b["time_ms"], time_noise=within_noise(a, b),
+                     memory_ratio=(a["peak_bytes"] / b["peak_bytes"]) if a["peak_bytes"] and b["peak_bytes"]
+                     else None, backend_ms=a["time_ms"], formula_ms=b["time_ms"], backend_peak=a["peak_bytes"],
+                     formula_peak=b["peak_bytes"])
+    return out
+
+
 def small_batch(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """torch / formula (and reference / formula) forward+backward time at every N <= SMALL_N."""
     out = []
@@ -244,6 +299,7 @@ def small_batch(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             out.append({"loss": case, "n": n, "torch_ms": t["time_ms"], "formula_ms": f["time_ms"],
                         "torch_vs_formula": t["time_ms"] / f["time_ms"], "repeats": min(t["repeats"], f["repeats"]),
+                        "torch_vs_formula_noise": within_noise(t, f),
                         "reference_vs_formula": (ref["time_ms"] / f["time_ms"]) if ref and ref["time_ms"] else None})
     return out
 
@@ -257,6 +313,7 @@ def large_n(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not (t and f and t["time_ms"] and f["time_ms"]):
                 continue
             out.append({"loss": case, "n": n, "torch_vs_formula_time": t["time_ms"] / f["time_ms"],
+                        "torch_vs_formula_time_noise": within_noise(t, f),
                         "torch_vs_formula_peak": (t["peak_bytes"] / f["peak_bytes"]) if f["peak_bytes"] else None,
                         "torch_ms": t["time_ms"], "formula_ms": f["time_ms"], "torch_peak": t["peak_bytes"],
                         "formula_peak": f["peak_bytes"]})
@@ -277,6 +334,9 @@ def compiled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             def ratio(x, y):
                 return x["time_ms"] / y["time_ms"] if x and y and x["time_ms"] and y["time_ms"] else None
             out.append({"loss": case, "n": n, "torch_compiled_vs_eager": ratio(tc, t),
+                        "torch_compiled_vs_eager_noise": within_noise(tc, t),
+                        "formula_compiled_vs_eager_noise": within_noise(fc, f),
+                        "torch_compiled_vs_formula_compiled_noise": within_noise(tc, fc),
                         "formula_compiled_vs_eager": ratio(fc, f), "torch_compiled_vs_formula_compiled": ratio(tc, fc),
                         "torch_compiled_ms": tc["time_ms"], "formula_compiled_ms": fc["time_ms"] if fc else None,
                         "torch_first_step_s": tc["first_step_seconds"],
@@ -299,8 +359,10 @@ def headline(rows: list[dict[str, Any]], largest: list[dict[str, Any]]) -> list[
             lb = next((e for e in largest if e["loss"] == case and e["contender"] == r["contender"]), None)
             out.append({"loss": case, "n": n, "contender": r["contender"], "kind": r["kind"],
                         "time_vs_reference": r["time_ratio_vs_reference"],
+                        "time_noise": within_noise(r, _fb(rows, case, "reference", n)),
                         "memory_vs_reference": r["memory_ratio_vs_reference"],
-                        "largest_batch": lb["n_max"] if lb else None})
+                        "largest_batch": lb["n_max"] if lb else None,
+                        "largest_batch_reason": (lb.get("reason") if lb else "no entry") or ""})
     return out
 
 
@@ -330,10 +392,19 @@ def assemble(cfg, rows: list[dict[str, Any]], peak: dict[str, Any], load_start: 
         "memory_method": CpuMeter(cfg.isolate).method if cfg.device == "cpu" else CudaMeter.method,
         "wall_seconds": wall, "date_utc": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()),
     }
-    largest = largest_batches(rows, cfg.mem_budget)
-    return {"meta": meta, "rows": rows, "largest_batch": largest,
-            "summary": {"small_batch": small_batch(rows), "large_n": large_n(rows), "compiled": compiled(rows),
-                        "headline": headline(rows, largest)}}
+    return derive({"meta": meta, "rows": rows})
+
+
+def derive(report: dict[str, Any]) -> dict[str, Any]:
+    """(Re)compute what a report derives from its rows and ``meta``: ``largest_batch`` and ``summary``
+    (verdicts, headline, small batches, large N, compiled), in place; returns ``report``. Rendering
+    calls it, so a report read back from an older ``bench.json`` is shown by the current rules."""
+    rows = report["rows"]
+    largest = largest_batches(rows, report["meta"]["mem_budget_bytes"])
+    report["largest_batch"] = largest
+    report["summary"] = {"verdict": verdicts(rows), "small_batch": small_batch(rows), "large_n": large_n(rows),
+                         "compiled": compiled(rows), "headline": headline(rows, largest)}
+    return report
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,6 +428,27 @@ def _x(x: float | None) -> str:
     return "-" if x is None else (f"{x:.2f}" if x < 10 else f"{x:.0f}")
 
 
+def _xn(x: float | None, noise: bool | None) -> str:
+    """A time ratio, with ``~`` when it is within noise (see :func:`within_noise`)."""
+    return _x(x) + ("~" if x is not None and noise else "")
+
+
+NOISE_LEGEND = ("~ after a time ratio: within noise (its range from the two medians' quartiles, p25/p75 .. "
+                "p75/p25, includes 1: the spread exceeds the ratio's distance from 1)")
+
+
+def verdict_line(v: dict[str, Any]) -> str:
+    """One loss's verdict: the backend against the textbook formula (time, peak memory)."""
+    if v["n"] is None:
+        return f"{v['loss']}: no size where both {v['backend']} and the textbook formula ran"
+    t = v["time_ratio"]
+    speed = "within noise" if v["time_noise"] else ("faster" if t < 1 else "slower" if t > 1 else "same time")
+    m = v["memory_ratio"]
+    mem = "-" if m is None else f"{_x(m)}x ({'less' if m < 1 else 'more' if m > 1 else 'same'})"
+    return (f"{v['loss']}: {v['backend']} / textbook formula at N={v['n']}: time {_x(t)}x{'~' if v['time_noise'] else ''} "
+            f"({speed}), peak memory {mem}")
+
+
 def _e(x: float | None) -> str:
     return "-" if x is None else f"{x:.1e}"
 
@@ -376,6 +468,7 @@ def format_report(report: dict[str, Any]) -> str:
     large-N table and the largest batches."""
     from tabulate import tabulate
 
+    derive(report)
     meta, rows = report["meta"], report["rows"]
     out = [(f"fused_contrastive bench - {meta['device_name']} ({meta['device']}), dtype {meta['dtype']}, "
             f"D={meta['dim']}, {meta['torch_threads']} threads, torch {meta['versions']['torch']}; medians of up to "
@@ -397,26 +490,43 @@ def format_report(report: dict[str, Any]) -> str:
     if pk.get("flops_per_s"):
         out.append(f"matmul peak measured: {pk['flops_per_s'] / 1e9:.0f} GFLOP/s ({'x'.join(map(str, pk['shape']))} "
                    f"{pk['dtype']}); eff% = textbook FLOPs (6*R*C*D) / median time / peak")
+    out.append(NOISE_LEGEND)
     summ = report["summary"]
+    if summ["verdict"]:
+        out += ["", ("VERDICT: this library's backend against the textbook formula it replaces, forward+backward "
+                     "at the largest N both ran (ratio < 1: faster / less memory)")]
+        out += ["  " + verdict_line(v) for v in summ["verdict"]]  # one line per loss
     if summ["headline"]:
         out += ["", ("HEADLINE: each contender relative to the reference at the largest N the reference ran "
                      "(forward+backward); largest batch within "
                      f"{meta['mem_budget_bytes'] / GiB:.0f} GiB EXTRAPOLATED from measured peaks")]
-        tab = [[h["loss"], h["n"], h["contender"], _x(h["time_vs_reference"]), _x(h["memory_vs_reference"]),
-                _n(h["largest_batch"]) if h["largest_batch"] else "-"] for h in summ["headline"]]
+        tab = [[h["loss"], h["n"], h["contender"], _xn(h["time_vs_reference"], h.get("time_noise")),
+                _x(h["memory_vs_reference"]), _n(h["largest_batch"]) if h["largest_batch"] else "-"]
+               for h in summ["headline"]]
         out.append(tabulate(tab, headers=["loss", "N", "contender", "time x ref", "peak x ref", "largest N"],
                             tablefmt="simple", disable_numparse=True))
+        why: dict[str, list[str]] = {}
+        for h in summ["headline"]:
+            if not h["largest_batch"]:
+                kind = (h.get("largest_batch_reason") or "not fitted").split(":", 1)[0]
+                why.setdefault(kind, []).append(f"{h['loss']} {h['contender']}")
+        if why:
+            out.append("largest N '-': no fit that justifies one (" + "; ".join(f"{k}: {', '.join(v)}"
+                                                                         for k, v in why.items())
+                       + "); each reason in full: largest_batch in bench.json")
     if summ["small_batch"]:
         ns = sorted({s["n"] for s in summ["small_batch"]})
         by = {(s["loss"], s["n"]): s for s in summ["small_batch"]}
-        tab = [[case] + [_x(by[(case, n)]["torch_vs_formula"]) if (case, n) in by else "-" for n in ns]
+        tab = [[case] + [_xn(by[(case, n)]["torch_vs_formula"], by[(case, n)].get("torch_vs_formula_noise"))
+                         if (case, n) in by else "-" for n in ns]
                for case in dict.fromkeys(s["loss"] for s in summ["small_batch"])]
         reps = min(s["repeats"] for s in summ["small_batch"])
         out += ["", (f"SMALL BATCHES: torch backend / textbook formula, forward+backward time, D={meta['dim']}, "
                      f"{meta['dtype']}, medians of >= {reps} repeats side by side (target <= 1.05)"),
                 tabulate(tab, headers=["loss"] + [f"N={n}" for n in ns], tablefmt="simple", disable_numparse=True)]
     if summ["large_n"]:
-        tab = [[s["loss"], s["n"], _x(s["torch_vs_formula_time"]), _x(s["torch_vs_formula_peak"]), _ms(s["torch_ms"]),
+        tab = [[s["loss"], s["n"], _xn(s["torch_vs_formula_time"], s.get("torch_vs_formula_time_noise")),
+                _x(s["torch_vs_formula_peak"]), _ms(s["torch_ms"]),
                 _ms(s["formula_ms"]), _bytes(s["torch_peak"]), _bytes(s["formula_peak"])] for s in summ["large_n"]]
         out += ["", f"LARGE N (>= {LARGE_N}): torch backend / textbook formula, forward+backward",
                 tabulate(tab, headers=["loss", "N", "time x", "peak x", "torch ms", "formula ms", "torch peak",
@@ -424,8 +534,10 @@ def format_report(report: dict[str, Any]) -> str:
     if summ.get("compiled"):
         def sec(v):
             return f"{v:.1f} s" if v is not None else "-"
-        tab = [[s["loss"], s["n"], _x(s["torch_compiled_vs_eager"]), _x(s["formula_compiled_vs_eager"]),
-                _x(s["torch_compiled_vs_formula_compiled"]), _ms(s["torch_compiled_ms"]),
+        tab = [[s["loss"], s["n"], _xn(s["torch_compiled_vs_eager"], s.get("torch_compiled_vs_eager_noise")),
+                _xn(s["formula_compiled_vs_eager"], s.get("formula_compiled_vs_eager_noise")),
+                _xn(s["torch_compiled_vs_formula_compiled"], s.get("torch_compiled_vs_formula_compiled_noise")),
+                _ms(s["torch_compiled_ms"]),
                 _ms(s["formula_compiled_ms"]), sec(s["torch_first_step_s"]), sec(s["formula_first_step_s"])]
                for s in summ["compiled"]]
         out += ["", ("COMPILED (torch.compile, Inductor defaults): forward+backward time ratios, medians side by "
@@ -457,8 +569,9 @@ def format_report(report: dict[str, Any]) -> str:
                 eff = f"{100 * fb['fraction_of_matmul_peak']:.0f}" if fb["fraction_of_matmul_peak"] else "-"
                 tol = "" if fb["within_tolerance"] is None else ("ok" if fb["within_tolerance"] else "DIFF!")
                 status = fb["status"] if fb["status"] == "ok" else f"{fb['status']}: {fb['reason'][:50]}"
+                noise = within_noise(fb, _fb(rows, case, "reference", n))
                 lines.append([cname, n, _ms(f["time_ms"]), _ms(b["time_ms"]), _ms(fb["time_ms"]), spread,
-                              _x(fb["time_ratio_vs_reference"]), eff, _bytes(fb["peak_bytes"]),
+                              _xn(fb["time_ratio_vs_reference"], noise), eff, _bytes(fb["peak_bytes"]),
                               _x(fb["memory_ratio_vs_reference"]), _e(fb["max_abs_diff_loss"]),
                               _e(fb["max_abs_diff_grad"]), f"{status} {tol}".strip()])
         out += ["", f"== {case}: {CASE_BY_NAME[case].inputs}",
@@ -481,8 +594,9 @@ def format_report(report: dict[str, Any]) -> str:
         tab.append([e["contender"], _n(e["n_max"]), there, model, ",".join(map(str, e["fit_n"]))])
     if tab:
         out += ["", (f"largest info_nce batch within {budget / GiB:.0f} GiB at D={meta['dim']}: inputs + peak, "
-                     "EXTRAPOLATED by each contender's memory model through its two largest measured sizes"),
-                tabulate(tab, headers=["contender", "N max", "fwd+bwd there", "peak model (bytes)", "fitted on N"],
+                     f"EXTRAPOLATED by a + b N^k (k: the contender's memory order) fitted on its {MIN_FIT_SIZES} "
+                     "largest measured sizes; no fit with fewer sizes or a negative intercept a"),
+                tabulate(tab, headers=["contender", "N max", "fwd+bwd there", "peak model (bytes)", "fitted on N / why not"],
                          tablefmt="simple", disable_numparse=True)]
     out += ["", f"wall time {_dur(meta['wall_seconds'])}"]
     return "\n".join(out)
