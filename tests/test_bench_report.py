@@ -10,7 +10,7 @@ import math
 import pytest
 
 from fused_contrastive.bench import report as R
-from fused_contrastive.bench.contenders import GiB, MODES
+from fused_contrastive.bench.contenders import MODES, GiB
 
 BUDGET = 16 * GiB
 D = 768

@@ -445,8 +445,9 @@ def verdict_line(v: dict[str, Any]) -> str:
     speed = "within noise" if v["time_noise"] else ("faster" if t < 1 else "slower" if t > 1 else "same time")
     m = v["memory_ratio"]
     mem = "-" if m is None else f"{_x(m)}x ({'less' if m < 1 else 'more' if m > 1 else 'same'})"
-    return (f"{v['loss']}: {v['backend']} / textbook formula at N={v['n']}: time {_x(t)}x{'~' if v['time_noise'] else ''} "
-            f"({speed}), peak memory {mem}")
+    mark = "~" if v["time_noise"] else ""
+    return (f"{v['loss']}: {v['backend']} / textbook formula at N={v['n']}: time {_x(t)}x{mark} ({speed}), "
+            f"peak memory {mem}")
 
 
 def _e(x: float | None) -> str:
@@ -596,8 +597,8 @@ def format_report(report: dict[str, Any]) -> str:
         out += ["", (f"largest info_nce batch within {budget / GiB:.0f} GiB at D={meta['dim']}: inputs + peak, "
                      f"EXTRAPOLATED by a + b N^k (k: the contender's memory order) fitted on its {MIN_FIT_SIZES} "
                      "largest measured sizes; no fit with fewer sizes or a negative intercept a"),
-                tabulate(tab, headers=["contender", "N max", "fwd+bwd there", "peak model (bytes)", "fitted on N / why not"],
-                         tablefmt="simple", disable_numparse=True)]
+                tabulate(tab, headers=["contender", "N max", "fwd+bwd there", "peak model (bytes)",
+                                       "fitted on N / why not"], tablefmt="simple", disable_numparse=True)]
     out += ["", f"wall time {_dur(meta['wall_seconds'])}"]
     return "\n".join(out)
 
