@@ -216,3 +216,32 @@ def guided_bwd_cols_kernel(
     _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, M, D, stride_b, stride_db, acc, s * gs / PRESCALE, eps,
                        BLOCK_N, BLOCK_D, NORMALIZE, RESIDENT)
 
+
+
+@triton.jit
+def guided_theta_kernel(
+    GA, GB, TGT, GPOS,
+    N, M, Dg, stride_ga, stride_gb,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr,
+):
+    """GPOS_i = <ga_i, gb_{t_i}>: each row's target entry of the guide tile, computed by the tile code
+    of the masking kernels (``_cos_tile`` on the same BLOCK_M x BLOCK_N tiles at the same column block
+    offsets, launched with the same warps), so the threshold is the very product that the target's
+    exact duplicates are compared with (grid: cdiv(N, BLOCK_M); visits only the column blocks that hold
+    a target of the row block)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < N
+    tgt_r = tl.load(TGT + rows, mask=rmask, other=-1)
+    lo = tl.min(tl.where(rmask, tgt_r, M), axis=0)
+    hi = tl.max(tl.where(rmask, tgt_r, -1), axis=0)
+    one_r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    one_c = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
+    gpos = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for j0 in range((lo // BLOCK_N) * BLOCK_N, hi + 1, BLOCK_N):
+        cols = j0 + tl.arange(0, BLOCK_N)
+        gsim = _cos_tile(GA, GB, stride_ga, stride_gb, rows, cols, N, M, Dg, one_r, one_c,
+                         BLOCK_M, BLOCK_N, BLOCK_G, GUIDE_UPCAST, GUIDE_PREC)
+        gpos += tl.sum(tl.where(cols[None, :] == tgt_r[:, None], gsim, 0.0), axis=1)
+    tl.store(GPOS + rows, gpos, mask=rmask)

@@ -66,6 +66,22 @@ class Masks:
     threshold: Tensor | None = None
     ids: tuple[Tensor | None, ...] = ()
     target: Tensor | None = None
+    #: ``(margin_strategy, margin)``: the threshold is taken from the guide tile itself (``threshold``
+    #: None): ``theta_i = threshold_of(G_{i, t_i}, margin_strategy, margin)`` with ``G_{i, t_i}`` the
+    #: target entry of the first protected block's guide tile, the same product as the cosines it is
+    #: compared with (an exact duplicate of the target ties exactly and is kept, as sentence-transformers'
+    #: ``GISTEmbedLoss`` decides it).
+    rule: tuple[str, float] | None = None
+
+    @property
+    def guided(self) -> bool:
+        return self.threshold is not None or self.rule is not None
+
+
+def threshold_of(gpos: Tensor, margin_strategy: str, margin: float) -> Tensor:
+    """``theta_i``: ``gpos - margin`` ("absolute") or ``gpos - |gpos| * margin`` ("relative", the
+    sign-independent rule of sentence-transformers 6.2), in ``gpos``'s dtype."""
+    return gpos - margin if margin_strategy == "absolute" else gpos - gpos.abs() * margin
 
 
 @dataclass(frozen=True)
@@ -88,7 +104,7 @@ class _Problem:
         self.norms = [nm for _, nm in hats]
         self.gh: list[Tensor | None] = []
         for g in masks.guides:
-            if g is None or masks.threshold is None:
+            if g is None or not masks.guided:
                 self.gh.append(None)
             else:
                 gdt = compute_dtype(g)
@@ -100,15 +116,42 @@ class _Problem:
     def ids_of(self, t: int) -> Tensor | None:
         return self.masks.ids[t] if t < len(self.masks.ids) else None
 
-    def excluded(self, blk: Block, r0: int, r1: int) -> Tensor | None:
+    def guide_tile(self, blk: Block, r0: int, r1: int) -> Tensor | None:
+        """The guide cosines of block ``blk``'s rows [r0, r1) and all its columns (None: no guide)."""
+        gr, gc = self.guide_of(blk.rows), self.guide_of(blk.cols)
+        if gr is None or gc is None:
+            return None
+        return gr[blk.row_start + r0 : blk.row_start + r1] @ gc.T
+
+    def thresholds(self, r0: int, r1: int) -> tuple[Tensor | None, dict[int, Tensor]]:
+        """``(theta of rows [r0, r1) or None, {block index: guide tile already computed}``: with
+        ``Masks.rule`` the threshold is read from the target entry of the first protected block's guide
+        tile of this very chunk (the same GEMM as the cosines it is compared with)."""
+        if self.masks.rule is None:
+            th = self.masks.threshold
+            return (None if th is None else th[r0:r1]), {}
+        for k, blk in enumerate(self.cfg.blocks):
+            if blk.protect:
+                gs = self.guide_tile(blk, r0, r1)
+                if gs is None:
+                    break
+                gpos = gs.gather(1, self.masks.target[r0:r1, None])[:, 0]
+                return threshold_of(gpos, *self.masks.rule), {k: gs}
+        raise ValueError("core.blocks: Masks.rule needs a protected block with guides on both sides")
+
+    def excluded(self, blk: Block, r0: int, r1: int, theta: Tensor | None = None,
+                 gs: Tensor | None = None) -> Tensor | None:
         """Bool [r1 - r0, |C|] tile of the guide / ids exclusions of rows [r0, r1) (protected column
-        cleared), or None when the block has no such mask."""
+        cleared), or None when the block has no such mask. ``theta``: the chunk's thresholds (default
+        ``Masks.threshold``); ``gs``: the block's guide tile if already computed."""
         rs = blk.row_start
         ex = None
-        gr, gc = self.guide_of(blk.rows), self.guide_of(blk.cols)
-        if gr is not None and gc is not None:
-            gs = gr[rs + r0 : rs + r1] @ gc.T
-            th = self.masks.threshold[r0:r1, None].to(gs.dtype)
+        if gs is None:
+            gs = self.guide_tile(blk, r0, r1)
+        if gs is not None:
+            if theta is None:
+                theta = self.masks.threshold[r0:r1]
+            th = theta[:, None].to(gs.dtype)
             ex = gs > th  # a NaN guide similarity keeps the column, but its row's loss is NaN (bad_rows)
         ir, ic = self.ids_of(blk.rows), self.ids_of(blk.cols)
         if ir is not None and ic is not None:
@@ -119,8 +162,10 @@ class _Problem:
             ex[i, self.masks.target[r0:r1]] = False
         return ex
 
-    def logits(self, blk: Block, r0: int, r1: int, keep_cos: bool) -> tuple[Tensor | None, Tensor]:
-        """(cosine tile if ``keep_cos``, masked logit tile) of block ``blk`` for rows [r0, r1)."""
+    def logits(self, blk: Block, r0: int, r1: int, keep_cos: bool, theta: Tensor | None = None,
+               gs: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
+        """(cosine tile if ``keep_cos``, masked logit tile) of block ``blk`` for rows [r0, r1)
+        (``theta`` / ``gs``: as ``excluded``)."""
         rs = blk.row_start
         rows = self.xh[blk.rows][rs + r0 : rs + r1]
         if keep_cos:
@@ -128,7 +173,7 @@ class _Problem:
             l = c * self.s
         else:  # the scale folded into the [rows, D] operand: no pass over the tile
             c, l = None, (rows * self.s) @ self.xh[blk.cols].T
-        ex = self.excluded(blk, r0, r1)
+        ex = self.excluded(blk, r0, r1, theta, gs)
         if ex is not None:
             l.masked_fill_(ex, _NEG_INF)
         if blk.exclude is not None:
@@ -144,14 +189,18 @@ class _Problem:
 def bad_rows(cfg: _Config, masks: Masks) -> Tensor | None:
     """[N] rows whose loss must be NaN: a non-finite threshold, guide row, or guide column they read
     (None without a guide mask)."""
-    if masks.threshold is None:
+    if not masks.guided:
         return None
     n = cfg.n
 
     def guide(t):
         return masks.guides[t] if t < len(masks.guides) else None
 
-    bad = ~torch.isfinite(masks.threshold)
+    if masks.threshold is not None:
+        bad = ~torch.isfinite(masks.threshold)
+    else:  # the rule's threshold is finite where the guide row and its target column are (checked below)
+        ref = next(g for g in masks.guides if g is not None)
+        bad = torch.zeros(n, dtype=torch.bool, device=ref.device)
     for blk in cfg.blocks:
         gr, gc = guide(blk.rows), guide(blk.cols)
         if gr is None or gc is None:
@@ -192,7 +241,9 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
     step = _row_step(p)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        tiles = [p.logits(blk, r0, r1, sg is not None) for blk in cfg.blocks]
+        theta, gtiles = p.thresholds(r0, r1)
+        tiles = [p.logits(blk, r0, r1, sg is not None, theta, gtiles.get(k)) for k, blk in enumerate(cfg.blocks)]
+        del gtiles
         t_r = p.masks.target[r0:r1, None] if tgt_blk is not None else None
         if out_tgt is not None:
             out_tgt[r0:r1] = tiles[tgt_blk][1].gather(1, t_r)[:, 0]
@@ -334,13 +385,21 @@ def _triton(xs: list[Tensor], cfg: _Config, masks: Masks, scale, weights: Tensor
     units = {}
     if len({g.dtype for g in masks.guides if g is not None}) > 1:  # one guide model: one dtype
         masks = Masks(tuple(None if g is None else g.float() for g in masks.guides), masks.threshold, masks.ids,
-                      masks.target)
+                      masks.target, masks.rule)
     for t, g in enumerate(masks.guides):
-        if g is not None and masks.threshold is not None:
+        if g is not None and masks.guided:
             u = torch.nn.functional.normalize(g.detach().to(torch.float32), dim=1, eps=cfg.eps)
             # 16-bit guides stay 16-bit (the kernel's guide dot on tensor-core operands), others fp32
             units[t] = u.to(g.dtype if g.dtype in (torch.float16, torch.bfloat16) else torch.float32).contiguous()
     theta = masks.threshold.to(torch.float32).contiguous() if masks.threshold is not None else None
+    if masks.rule is not None:  # read from the guide tiles of the first protected block (ThetaSource)
+        from .triton_guided import ThetaSource
+
+        pb = next((blk for blk in cfg.blocks if blk.protect and blk.rows in units and blk.cols in units), None)
+        if pb is None:
+            raise ValueError("core.blocks: Masks.rule needs a protected block with guides on both sides")
+        theta = ThetaSource(units[pb.rows][pb.row_start : pb.row_start + n].contiguous(), units[pb.cols],
+                            masks.target.contiguous(), *masks.rule)
     lses, tgt = [], None
     for blk in cfg.blocks:
         rs = blk.row_start

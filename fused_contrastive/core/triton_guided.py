@@ -12,7 +12,7 @@ Launch configs: ``triton_configs.guided_config`` (the fused kernels' "fwd_pos" /
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -29,15 +29,48 @@ GUIDE_BLOCK = 16
 
 
 @dataclass
+class ThetaSource:
+    """A threshold read from the guide tile (``core.blocks.Masks.rule``): ``theta_i =
+    threshold_of(<ga_i, gb_{t_i}>, strategy, margin)`` with the guide product computed by
+    ``guided_theta_kernel`` on the tiles of the kernel that compares with it (per launch config: the
+    forward and the two backward kernels may tile differently), cached per config."""
+
+    ga: Tensor  # the protected block's unit guide rows [N, Dg]
+    gb: Tensor  # its unit guide columns [M, Dg]
+    tgt: Tensor  # [N] int64
+    strategy: str
+    margin: float
+    cache: dict = field(default_factory=dict)
+
+    def theta(self, cfg) -> Tensor:
+        key = (cfg.block_m, cfg.block_n, cfg.num_warps)
+        if key not in self.cache:
+            from .blocks import threshold_of
+
+            n, m = self.ga.shape[0], self.gb.shape[0]
+            gpos = TB._alloc((n,), torch.float32, self.ga.device)
+            gdt = self.ga.dtype
+            TB._launch(TB.Launch(
+                "theta_guided", KG.guided_theta_kernel, (triton.cdiv(n, cfg.block_m),),
+                dict(GA=self.ga, GB=self.gb, TGT=self.tgt, GPOS=gpos, N=n, M=m, Dg=self.ga.shape[1],
+                     stride_ga=self.ga.stride(0), stride_gb=self.gb.stride(0)),
+                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=GUIDE_BLOCK, GUIDE_UPCAST=TB._upcast(gdt),
+                     GUIDE_PREC=TB._dot_prec(gdt)),
+                cfg.num_warps, cfg.num_stages))
+            self.cache[key] = threshold_of(gpos, self.strategy, self.margin).contiguous()
+        return self.cache[key]
+
+
+@dataclass
 class BlockMasks:
     """One block's exclusion data (no gradient): unit-normalised guide rows / columns (fp32, or both
     fp16 / bf16: the guide tile's dot then runs on 16-bit operands) and the fp32 per-row threshold (all
-    or none), int64 ids of rows / columns (both or none), the protected
-    column per row (int64) and the own-column offset (None: none)."""
+    or none; a tensor, or a ``ThetaSource`` read from the guide tiles), int64 ids of rows / columns
+    (both or none), the protected column per row (int64) and the own-column offset (None: none)."""
 
     ga: Tensor | None = None
     gb: Tensor | None = None
-    theta: Tensor | None = None
+    theta: Tensor | ThetaSource | None = None
     idr: Tensor | None = None
     idc: Tensor | None = None
     tgt: Tensor | None = None
@@ -48,10 +81,11 @@ def _guide_dtype(mk: BlockMasks) -> torch.dtype:
     return mk.ga.dtype if mk.ga is not None else torch.float32
 
 
-def _mask_args(mk: BlockMasks, dummy: Tensor) -> tuple[dict, dict]:
+def _mask_args(mk: BlockMasks, dummy: Tensor, cfg) -> tuple[dict, dict]:
     ga = mk.ga if mk.ga is not None else dummy
     gb = mk.gb if mk.gb is not None else dummy
-    args = dict(GA=ga, GB=gb, THETA=mk.theta if mk.theta is not None else dummy,
+    theta = mk.theta.theta(cfg) if isinstance(mk.theta, ThetaSource) else mk.theta
+    args = dict(GA=ga, GB=gb, THETA=theta if theta is not None else dummy,
                 ID_R=mk.idr if mk.idr is not None else dummy, ID_C=mk.idc if mk.idc is not None else dummy,
                 TGT=mk.tgt if mk.tgt is not None else dummy,
                 Dg=ga.shape[1] if mk.ga is not None else 1,
@@ -72,7 +106,7 @@ def block_fwd(a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps:
     cfg, block_d, _ = guided_config("fwd", TB._arch(dev), p.a.dtype, d, _guide_dtype(mk))
     lse = TB._alloc((n,), torch.float32, dev)
     tl_ = TB._alloc((n,), torch.float32, dev) if mk.tgt is not None else p.dummy
-    margs, mflags = _mask_args(mk, p.dummy)
+    margs, mflags = _mask_args(mk, p.dummy, cfg)
     TB._launch(TB.Launch(
         "guided_fwd", KG.guided_fwd_kernel, (triton.cdiv(n, cfg.block_m),),
         dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=TB._scale32(scale, dev), **margs,
@@ -94,14 +128,20 @@ def block_bwd(p, scale, mk: BlockMasks, normalize: bool, eps: float, lse: Tensor
     gs = g.abs().amax() if gt is None else torch.maximum(g.abs().amax(), gt.abs().amax())
     gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
     na, ra, nb, rb, rsa, rsb = p.norms
-    margs, mflags = _mask_args(mk, dm)
-    common = dict(SCALE=TB._scale32(scale, dev), GSCALE=gs, **margs, LSE=lse, G=g, GT=gt if gt is not None else dm)
-    flags = dict(NORMALIZE=bool(normalize), **mflags, HAS_GT=gt is not None, UPCAST=TB._upcast(a.dtype),
-                 DOT_PREC=TB._dot_prec(a.dtype), PRESCALE=TB.prescale(a.dtype))
+
+    def args(cfg):  # the threshold of a ThetaSource from this kernel's own tiles
+        margs, mflags = _mask_args(mk, dm, cfg)
+        common = dict(SCALE=TB._scale32(scale, dev), GSCALE=gs, **margs, LSE=lse, G=g,
+                      GT=gt if gt is not None else dm)
+        flags = dict(NORMALIZE=bool(normalize), **mflags, HAS_GT=gt is not None, UPCAST=TB._upcast(a.dtype),
+                     DOT_PREC=TB._dot_prec(a.dtype), PRESCALE=TB.prescale(a.dtype))
+        return common, flags
+
     arch = TB._arch(dev)
     da = db = ds = None
     if need_a or need_s:
         cfg, block_d, resident = guided_config("bwd_rows", arch, a.dtype, d, _guide_dtype(mk))
+        common, flags = args(cfg)
         n_rb = triton.cdiv(n, cfg.block_m)
         da = TB._alloc((n, d), a.dtype, dev) if need_a else dm
         acc = dm if (resident or not need_a) else torch.empty((n, d), dtype=torch.float32, device=dev)
@@ -117,6 +157,7 @@ def block_bwd(p, scale, mk: BlockMasks, normalize: bool, eps: float, lse: Tensor
         da = da if need_a else None
     if need_b:
         cfg, block_d, resident = guided_config("bwd_cols", arch, b.dtype, d, _guide_dtype(mk))
+        common, flags = args(cfg)
         db = TB._alloc((m, d), b.dtype, dev)
         acc = dm if resident else torch.empty((m, d), dtype=torch.float32, device=dev)
         TB._launch(TB.Launch(

@@ -31,7 +31,7 @@ from .. import distributed as D
 from .._amp import autocast_off
 from .._backend import resolve
 from .._tracing import tracing_route
-from ..core.blocks import Block, Masks, merged_lse
+from ..core.blocks import Block, Masks, merged_lse, threshold_of
 from ..core.spec import compute_dtype
 from ._levels import leveled
 from ._scope import EPS, Scope
@@ -41,10 +41,11 @@ __all__ = ["gist_loss"]
 MARGIN_STRATEGIES = ("absolute", "relative")
 
 
-def guide_threshold(gpos: Tensor, margin_strategy: str, margin: float) -> Tensor:
-    """``theta_i``: ``gpos - margin`` ("absolute") or ``gpos - |gpos| * margin`` ("relative", the
-    sign-independent rule of sentence-transformers 6.2)."""
-    return gpos - margin if margin_strategy == "absolute" else gpos - gpos.abs() * margin
+#: ``theta_i`` from ``gpos_i`` (``core.blocks.threshold_of``). ``gpos_i`` itself is never a separate dot
+#: product: every backend reads it from the target entry of the same guide products it is compared with
+#: (``Masks.rule``; ``_dense`` here), so an exact duplicate of the positive ties exactly and is kept
+#: (strict ``>``), as in sentence-transformers' ``GISTEmbedLoss``.
+guide_threshold = threshold_of
 
 
 def _unit(g: Tensor) -> Tensor:
@@ -158,10 +159,9 @@ def gist_loss(
         gp_all = scope.rows(gp.detach(), "guide_positives")[0]
         gn_all = [scope.rows(x.detach(), "guide_negatives")[0] for x in gn]
     _, n_total = scope.offset(b, dev)
-    gpos = (_unit(ga) * _unit(gp)).sum(1)
-    theta = guide_threshold(gpos, margin_strategy, margin)
+    rule = (margin_strategy, margin)
     if be == "reference":
-        per = _reference(anchors, p_all, n_all, ga, gp_all, gn_all, theta, s, off, contrast_anchors,
+        per = _reference(anchors, p_all, n_all, ga, gp_all, gn_all, rule, s, off, contrast_anchors,
                          contrast_positives, normalize)
         return scope.reduce(per, reduction, n_total)
     xs = [anchors, p_all, *n_all]
@@ -171,7 +171,7 @@ def gist_loss(
     if contrast_positives:
         blocks.append(Block(rows=1, cols=1, row_start=off))
     blocks += [Block(rows=0, cols=2 + k) for k in range(len(n_all))]
-    masks = Masks(guides=(ga, gp_all, *gn_all), threshold=theta, target=torch.arange(b, device=dev) + off)
+    masks = Masks(guides=(ga, gp_all, *gn_all), target=torch.arange(b, device=dev) + off, rule=rule)
     if reduction == "none":
         return merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, minus_target=True, backend=be)
     per_n = reduction == "mean" and scope.local
@@ -195,21 +195,30 @@ class _DenseBlock:
     exclude: int | None = None
 
 
-def _dense(blocks: list[_DenseBlock], theta: Tensor | None, s, normalize: bool, target_block: int,
-           target: Tensor) -> Tensor:
+def _dense(blocks: list[_DenseBlock], rule: tuple[str, float] | None, s, normalize: bool, target_block: int,
+           target: Tensor) -> tuple[Tensor, Tensor | None]:
     """The definition, materialised: the blocks' masked score matrices side by side and the
-    cross-entropy of each row at column ``target`` of block ``target_block`` ([N])."""
+    cross-entropy of each row at column ``target`` of block ``target_block`` ([N]), and the guide
+    threshold. As sentence-transformers' ``GISTEmbedLoss``: ``theta_i`` (``rule`` = (strategy, margin))
+    is the target entry of block ``target_block``'s guide matrix, the very matrix (and entries) it is
+    compared with, so an exact duplicate of the target ties and is kept."""
     dt = compute_dtype(blocks[0].rows, blocks[0].cols)
+    gms = [None if blk.g_rows is None or rule is None else _unit(blk.g_rows) @ _unit(blk.g_cols).T
+           for blk in blocks]
+    theta = None
+    if gms[target_block] is not None:
+        gpos = gms[target_block].gather(1, target[:, None])[:, 0]
+        theta = guide_threshold(gpos, *rule)
     scores = []
-    for blk in blocks:
+    for blk, gm in zip(blocks, gms, strict=True):
         x, y = blk.rows.to(dt), blk.cols.to(dt)
         if normalize:
             x, y = F.normalize(x, dim=1, eps=EPS), F.normalize(y, dim=1, eps=EPS)
         sc = (x @ y.T) * s
         n, m = sc.shape
         drop = torch.zeros(n, m, dtype=torch.bool, device=sc.device)
-        if blk.g_rows is not None and theta is not None:
-            drop |= ~(_unit(blk.g_rows) @ _unit(blk.g_cols).T <= theta[:, None])
+        if gm is not None:
+            drop |= ~(gm <= theta[:, None])
         if blk.id_rows is not None:
             drop |= blk.id_rows[:, None] == blk.id_cols[None, :]
         i = torch.arange(n, device=sc.device)
@@ -223,7 +232,7 @@ def _dense(blocks: list[_DenseBlock], theta: Tensor | None, s, normalize: bool, 
     before = sum(x.shape[1] for x in scores[:target_block])
     logits = torch.cat(scores, dim=1)
     n = logits.shape[0]
-    return torch.logsumexp(logits, dim=1) - logits[torch.arange(n, device=logits.device), before + target]
+    return torch.logsumexp(logits, dim=1) - logits[torch.arange(n, device=logits.device), before + target], theta
 
 
 def _nan_rows(per: Tensor, theta: Tensor | None, col_guides) -> Tensor:
@@ -236,7 +245,7 @@ def _nan_rows(per: Tensor, theta: Tensor | None, col_guides) -> Tensor:
     return torch.where(bad, float("nan"), per)
 
 
-def _reference(a, p_all, n_all, ga, gp_all, gn_all, theta, s, off, contrast_anchors, contrast_positives,
+def _reference(a, p_all, n_all, ga, gp_all, gn_all, rule, s, off, contrast_anchors, contrast_positives,
                normalize) -> Tensor:
     """GISTEmbed's definition, materialised ([B] per-row losses)."""
     b = a.shape[0]
@@ -247,7 +256,7 @@ def _reference(a, p_all, n_all, ga, gp_all, gn_all, theta, s, off, contrast_anch
     if contrast_positives:
         blocks.append(_DenseBlock(p_all[off : off + b], p_all, gp_all[off : off + b], gp_all))
     blocks += [_DenseBlock(a, x, ga, gx) for x, gx in zip(n_all, gn_all, strict=True)]
-    per = _dense(blocks, theta, s, normalize, 0, tgt)
+    per, theta = _dense(blocks, rule, s, normalize, 0, tgt)
     return _nan_rows(per, theta, [gp_all, *gn_all, *((ga,) if contrast_anchors else ())])
 
 
@@ -325,19 +334,17 @@ def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff
         else:
             gk_all = None if gq is None else scope.rows(mk.gk.detach(), "guide")[0]
             ik_all = None if iq is None else scope.rows(mk.ik, "ids")[0]
-    theta = None
-    if gq is not None:
-        gpos = (_unit(gq) * _unit(gk_all)[t]).sum(1)
-        theta = guide_threshold(gpos, mk.strategy, mk.margin)
+    rule = None if gq is None else (mk.strategy, mk.margin)
     excl = qoff if exclude_self else None
     dt = compute_dtype(query, contrast)
     if be == "reference" or tracing_route():  # under compile / export: the definition
         blk = _DenseBlock(query, contrast, gq, gk_all, iq, ik_all, protect=t, exclude=excl)
-        per = _nan_rows(_dense([blk], theta, s, normalize, 0, t), theta, [] if gk_all is None else [gk_all])
+        per, theta = _dense([blk], rule, s, normalize, 0, t)
+        per = _nan_rows(per, theta, [] if gk_all is None else [gk_all])
         if valid is not None:
             per = torch.where(valid, per, torch.zeros_like(per))
         return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()))
-    masks = Masks(guides=(gq, gk_all), threshold=theta, ids=(iq, ik_all), target=t)
+    masks = Masks(guides=(gq, gk_all), ids=(iq, ik_all), target=t, rule=rule)
     w = valid.to(dt) if valid is not None else torch.ones(n, dtype=dt, device=dev)
     blocks = [Block(rows=0, cols=1, protect=True, exclude=excl)]
     if reduction == "none":
