@@ -68,8 +68,8 @@ def cosent_loss_from_scores(scores: Tensor, labels: Tensor, *, scale=20.0, backe
     return _scores_loss(scores, labels, scale, backend)
 
 
-@leveled("u", "v")
 @D.agreed
+@leveled("u", "v")
 @autocast_off
 def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: bool = True,
                 backend: str = "auto", gather=False, _levels=None) -> Tensor:

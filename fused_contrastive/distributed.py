@@ -8,18 +8,34 @@ an epoch): every rank pads to the largest local size, and the padding is cut out
 small collective of the shapes and dtypes runs first, so a rank whose embedding dimension or dtype
 differs gets the same ``ValueError`` on every rank instead of a hang or a garbled gather.
 
-Every public loss that takes ``gather=`` wears :func:`agreed`, and calls :func:`agree` after it has
-validated its arguments and before any other collective: one all-gather of a status word, the scale
-and the local sizes. An argument error on one rank thus reaches every rank in that first exchange
-(the failing rank raises its own error, every other rank a ``ValueError`` naming the rank and the
-error) instead of leaving the healthy ranks blocked in the gather until the process-group timeout;
-ranks whose temperatures differ (two objectives silently mixed) fail there too.
+Every public loss that takes ``gather=`` wears :func:`agreed` as its outermost decorator (above
+``@leveled``, whose level checks are argument checks too), and calls :func:`agree` after it has validated
+its arguments and before any other collective: one all-gather per call of a status word, the scale, the
+local sizes and a digest of the whole call. The digest comes from the public function's bound arguments
+(``inspect.signature``, defaults applied): one 48-bit hash per argument of its description (every
+option as written, a tensor as its dtype, dims and trailing shape, since dim 0 is the rank's own rows; a
+sequence element by element; ``gather`` itself left out), and the value of each 0-dim floating tensor
+(a learnable temperature). So:
+
+* an argument error on one rank (anything raised before the exchange: a bad ``matryoshka_dims``, a
+  ``backend`` typo, a wrong shape) reaches every rank in that exchange: the failing rank raises its own
+  error, every other rank a ``ValueError`` naming the rank and the error, instead of blocking in a
+  gather until the process-group timeout;
+* ranks whose calls differ (another reduction, Matryoshka levels or weights, GIST margin, mask on one
+  rank and labels on another, negatives on some ranks only, another temperature...) raise on every
+  rank a ``ValueError`` naming each differing argument and which ranks passed what, instead of mixing
+  two objectives silently or hanging in a collective only some ranks reach.
+
+A second, small exchange (the errors' and differing arguments' text) runs only on those error paths.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 import math
+import numbers
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -34,9 +50,103 @@ _F = TypeVar("_F", bound=Callable)
 _CALL = threading.local()  # the gathered loss call in progress on this thread (see ``agreed``)
 
 
+_SLOTS = 40  # argument digests per call (a loss with more arguments folds the rest into the last slot)
+_UNKNOWN = -1.0  # a digest slot of a rank whose arguments did not bind (its own TypeError is reported)
+
+
+def _h48(text: str) -> float:
+    """A 48-bit hash of ``text``, exact in float64 (the exchange's dtype); the same in every process."""
+    return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big"))
+
+
+def describe(v) -> str:
+    """An argument as the ranks' agreement compares it: numbers, strings, flags and None by value; a
+    tensor by dtype and trailing shape (``[*, 8]``: dim 0, this rank's rows, may differ between ranks;
+    values are not read, see ``_Digest``); a sequence element by element (list and tuple alike)."""
+    if v is None or isinstance(v, (bool, str)):
+        return repr(v)
+    if isinstance(v, Tensor):
+        dt = str(v.dtype).removeprefix("torch.")
+        if v.dim() == 0:
+            return f"tensor({dt}, 0-dim)"
+        return f"tensor({dt}, [{', '.join(['*', *map(str, v.shape[1:])])}])"
+    if isinstance(v, numbers.Integral):
+        return str(int(v))
+    if isinstance(v, numbers.Real):
+        return repr(float(v))
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(describe(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k!r}: {describe(x)}" for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(v)
+    if isinstance(v, torch.device):
+        return v.type  # cuda:0 on one rank, cuda:1 on the next
+    return type(v).__qualname__
+
+
+class _Digest:
+    """One rank's gathered call: the loss, its argument names (``gather`` and private ones left out),
+    their descriptions and hashes, and the 0-dim floating tensors among them (their values are
+    compared too, on the device: a learnable temperature)."""
+
+    __slots__ = ("args", "descs", "hashes", "head", "values")
+
+    def __init__(self, name: str, sig: inspect.Signature | None, args: tuple, kwargs: dict):
+        self.args: list[str] = []
+        self.descs: list[str] = []
+        self.values: dict[int, Tensor] = {}
+        self.hashes = [_UNKNOWN] * _SLOTS
+        bound = None
+        if sig is not None:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:  # the call itself raises it, and it is reported as this rank's error
+                bound = None
+        if bound is None:
+            self.head = _h48(name)
+            return
+        bound.apply_defaults()
+        for k, v in bound.arguments.items():
+            if k == "gather" or k.startswith("_"):
+                continue
+            try:
+                d = describe(v)
+            except Exception:  # noqa: BLE001 - a description never fails the call
+                d = type(v).__qualname__
+            if len(self.args) == _SLOTS:  # fold the rest into the last slot
+                self.args[-1] += f", {k}"
+                self.descs[-1] += f", {d}"
+            else:
+                self.args.append(k)
+                self.descs.append(d)
+            if isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() and len(self.args) <= _SLOTS:
+                self.values[len(self.args) - 1] = v
+        self.head = _h48(f"{name}({', '.join(self.args)})")
+        for i, (k, d) in enumerate(zip(self.args, self.descs, strict=True)):
+            self.hashes[i] = _h48(f"{k}={d}")
+
+    def text(self, i: int) -> str:
+        """Slot ``i``'s description, a 0-dim tensor's value included (read on the host: error path)."""
+        d = self.descs[i]
+        if i in self.values:
+            d += f" = {float(self.values[i].detach()):.9g}"
+        return d if len(d) <= 160 else d[:157] + "..."
+
+
 class _Call:
-    def __init__(self, name: str, grp: dist.ProcessGroup):
-        self.name, self.grp, self.done = name, grp, False
+    def __init__(self, name: str, grp: dist.ProcessGroup, digest: _Digest | None = None):
+        self.name, self.grp, self.digest, self.done = name, grp, digest, False
+        self.table: list[list[float]] | None = None
+        self.sent: tuple[int | None, int | None] = (None, None)
+
+
+def _ranks(rs: list[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _exchange_device(grp: dist.ProcessGroup) -> torch.device:
@@ -50,34 +160,84 @@ def _exchange_device(grp: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+_HEAD = 5  # [failed, scale, rows, cols, the loss's hash], then _SLOTS argument hashes, then _SLOTS values
+
+
 def _exchange(call: _Call, failure: BaseException | None, scale=None, rows: int | None = None,
               cols: int | None = None) -> list[list[float]]:
-    """The first collective of a gathered loss call: per rank ``[failed, scale, rows, cols]`` (NaN /
-    -1 where not given). When a rank failed, a second exchange carries the errors' text, and every
-    healthy rank raises naming them; the failing rank returns (its caller re-raises its own error)."""
+    """The first collective of a gathered loss call: per rank ``[failed, scale, rows, cols, loss,
+    argument hashes..., 0-dim tensor values...]`` (NaN / -1 where not given). When a rank failed or the
+    digests differ, a second exchange carries the errors' text and the differing arguments'
+    descriptions: a failing rank returns (its caller re-raises its own error, with a note saying what
+    the other ranks were told), every other rank raises a ``ValueError`` naming the failing ranks and
+    the differing arguments with the ranks that passed each value."""
     call.done = True
+    call.sent = (rows, cols)
     grp = call.grp
     dev = _exchange_device(grp)
+    dg = call.digest if call.digest is not None else _Digest(call.name, None, (), {})
+    host = [1.0 if failure is not None else 0.0, math.nan, -1.0 if rows is None else float(rows),
+            -1.0 if cols is None else float(cols), dg.head, *dg.hashes, *([math.nan] * _SLOTS)]
+    fills = {_HEAD + _SLOTS + i: t for i, t in dg.values.items()}
     if isinstance(scale, Tensor):
-        sv = scale.detach().reshape(1).to(device=dev, dtype=torch.float64)
-    else:
-        sv = torch.tensor([math.nan if scale is None else float(scale)], dtype=torch.float64, device=dev)
-    head = torch.tensor([1.0 if failure is not None else 0.0], dtype=torch.float64, device=dev)
-    tail = torch.tensor([-1.0 if rows is None else float(rows), -1.0 if cols is None else float(cols)],
-                        dtype=torch.float64, device=dev)
-    mine = torch.cat([head, sv, tail])
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(grp))]
+        fills[1] = scale
+    elif scale is not None:
+        host[1] = float(scale)
+    mine = torch.tensor(host, dtype=torch.float64, device=dev)
+    if fills:
+        idx = torch.tensor(list(fills), device=dev)
+        mine[idx] = torch.stack([t.detach().reshape(()).to(device=dev, dtype=torch.float64) for t in fills.values()])
+    world = dist.get_world_size(grp)
+    every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=grp)
     table = torch.stack(every).cpu().tolist()
-    if any(row[0] for row in table):
+    call.table = table
+    failed = [r for r, row in enumerate(table) if row[0]]
+    known = [r for r, row in enumerate(table) if row[_HEAD] != _UNKNOWN]
+    other_loss = len({table[r][4] for r in known}) > 1
+    slots = [] if other_loss or not known else [
+        i for i in range(_SLOTS)
+        if any(table[r][_HEAD + i] != table[known[0]][_HEAD + i]
+               or not _same(table[r][_HEAD + _SLOTS + i], table[known[0]][_HEAD + _SLOTS + i]) for r in known)]
+    if failed or other_loss or slots:
         text = None if failure is None else f"{type(failure).__name__}: {failure}"
-        texts: list[str | None] = [None] * len(table)
-        dist.all_gather_object(texts, text, group=grp)
+        mine_desc = {i: (dg.args[i] if i < len(dg.args) else f"argument {i}",
+                         dg.text(i) if i < len(dg.args) else "?") for i in slots}
+        notes: list = [None] * world
+        dist.all_gather_object(notes, (text, call.name, mine_desc), group=grp)
+        parts = []
+        if other_loss:
+            by: dict[str, list[int]] = {}
+            for r in known:
+                by.setdefault(notes[r][1], []).append(r)
+            parts.append("the ranks called different losses: "
+                         + " vs ".join(f"{n} on {_ranks(rs)}" for n, rs in by.items()))
+        for i in slots:
+            arg = notes[known[0]][2][i][0]
+            by = {}
+            for r in known:
+                by.setdefault(notes[r][2][i][1], []).append(r)
+            parts.append(f"{arg} differs: " + " vs ".join(f"{d} on {_ranks(rs)}" for d, rs in by.items()))
+        differ = "; ".join(parts)
+        here = dist.get_rank(grp)
         if failure is not None:
+            also = f"; the ranks' calls also differ: {differ}" if differ else ""
+            others = [r for r in failed if r != here]
+            more = f"; {_ranks(others)} failed too" if others else ""
+            failure.add_note(f"{call.name}(gather=...): every rank of the process group was told, and raises too "
+                             f"(this is rank {here}){more}{also}")
             return table
-        bad = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None)
-        raise ValueError(f"{call.name}(gather=...): another rank rejected its arguments, so no rank gathers "
-                         f"(this is rank {dist.get_rank(grp)}): {bad}")
+        head = f"{call.name}(gather=...): "
+        if failed:
+            bad = "; ".join(f"rank {r}: {notes[r][0]}" for r in failed)
+            msg = head + f"another rank rejected its arguments, so no rank gathers (this is rank {here}): {bad}"
+            if differ:
+                msg += f"; the ranks' calls also differ: {differ}"
+        else:
+            msg = head + (f"the ranks were called with different arguments, so no rank gathers (this is rank "
+                          f"{here}; a gathered loss needs the same call on every rank, only the local batch "
+                          f"size may differ): {differ}")
+        raise ValueError(msg)
     scales = [row[1] for row in table]
     if not all(math.isnan(x) for x in scales) and any(x != scales[0] for x in scales):
         desc = ", ".join(f"rank {r}: {x:.9g}" for r, x in enumerate(scales))
@@ -87,10 +247,16 @@ def _exchange(call: _Call, failure: BaseException | None, scale=None, rows: int 
 
 
 def agreed(fn: _F) -> _F:
-    """Decorator of a public loss with a ``gather=`` keyword: under a process group, an exception raised
-    before the loss's first collective (its argument checks) is announced to every rank in that
-    collective, which the healthy ranks are waiting in (see the module docstring)."""
+    """Decorator of a public loss with a ``gather=`` keyword, outermost (see the module docstring):
+    under a process group, the call's digest (from ``fn``'s signature, so every argument, the
+    Matryoshka ones of ``@leveled`` included) goes with the loss's first collective, and an exception
+    raised before that collective (an argument check, on one rank or on all) is announced to every rank
+    in it, which the healthy ranks are waiting in."""
     name = fn.__name__
+    try:
+        sig: inspect.Signature | None = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -99,13 +265,15 @@ def agreed(fn: _F) -> _F:
                 or not (dist.is_available() and dist.is_initialized()):
             return fn(*args, **kwargs)
         grp = process_group(gather)
-        call = _CALL.call = _Call(name, grp)
+        call = _CALL.call = _Call(name, grp, _Digest(name, sig, args, kwargs))
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            if not call.done:  # a body that returned without any collective still agrees (and checks)
+                _exchange(call, None)
+            return out
         except Exception as exc:
             if not call.done:
-                _exchange(call, exc)
-                exc.add_note(f"{name}(gather=...): every rank of the process group was told, and raises too")
+                _exchange(call, exc)  # adds a note to exc; raises a ValueError naming differing arguments
             raise
         finally:
             _CALL.call = None
@@ -126,11 +294,20 @@ def agree(grp: dist.ProcessGroup, *, scale=None, rows: int | None = None,
 
     Returns:
         ``(this rank's row offset, the global row count)`` (``(0, 0)`` without ``rows``).
+
+    Within one call (``@leveled``'s per-level route runs the body once per level) the first exchange's
+    table is reused when it already holds what is asked (the same rows and mask width): one exchange
+    per call.
     """
     call = getattr(_CALL, "call", None)
-    if call is None or call.done or call.grp is not grp:
+    if call is None or call.grp is not grp:
         call = _Call("loss", grp)
-    table = _exchange(call, None, scale, rows, cols)
+    if call.done and call.table is not None and rows in (None, call.sent[0]) and cols in (None, call.sent[1]):
+        table = call.table
+    else:
+        if call.done:
+            call = _Call(call.name, grp, call.digest)
+        table = _exchange(call, None, scale, rows, cols)
     sizes = [int(row[2]) for row in table]
     total = sum(sizes) if rows is not None else 0
     if cols is not None:

@@ -48,8 +48,8 @@ def _key_pair(v):
 __all__ = ["clip_loss", "info_nce", "simcse_loss", "simcse_sup_loss"]
 
 
-@leveled("query", "keys", per_level_if=("guide", "ids"))
 @D.agreed
+@leveled("query", "keys", per_level_if=("guide", "ids"))
 @autocast_off
 def info_nce(
     query: Tensor,
@@ -181,8 +181,8 @@ def _clip(be: str, scope: Scope, a: Tensor, b: Tensor, s, normalize: bool, reduc
     return scope.reduce(per, reduction, total, leveled=levels is not None)
 
 
-@leveled("a", "b")
 @D.agreed
+@leveled("a", "b")
 @autocast_off
 def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, reduction: str = "mean",
               backend: str = "auto", gather=False, _levels=None) -> Tensor:
@@ -210,8 +210,8 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
     return _clip(be, scope, a, b, s, normalize, reduction, _levels)
 
 
-@leveled("z1", "z2")
 @D.agreed
+@leveled("z1", "z2")
 @autocast_off
 def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, normalize: bool = True,
                 reduction: str = "mean", backend: str = "auto", gather=False,
@@ -256,8 +256,8 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
                          reduction=reduction, n_total=total, levels=_levels)
 
 
-@leveled("anchor", "positive", "negative")
 @D.agreed
+@leveled("anchor", "positive", "negative")
 @autocast_off
 def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Tensor | None = None,
                     *, temperature=0.05, hard_negative_weight: float = 0.0, normalize: bool = True,

@@ -70,8 +70,8 @@ def _columns(name: str, x, b: int | None, d: int, dev) -> list[Tensor]:
     return out
 
 
-@leveled("anchors", "positives", "negatives", one_pass=False)
 @D.agreed
+@leveled("anchors", "positives", "negatives", one_pass=False)
 @autocast_off
 def gist_loss(
     anchors: Tensor,

@@ -21,8 +21,8 @@ from ._scope import Scope, spec, temperature_factor
 __all__ = ["dscl_loss", "supcon_loss"]
 
 
-@leveled("features", "queue", views=("features",))
 @D.agreed
+@leveled("features", "queue", views=("features",))
 @autocast_off
 def supcon_loss(
     features: Tensor,
@@ -140,8 +140,8 @@ def supcon_loss(
     return out * temperature_factor(t, bt, out)
 
 
-@leveled("features", "queue", views=("features",))
 @D.agreed
+@leveled("features", "queue", views=("features",))
 @autocast_off
 def dscl_loss(
     features: Tensor,
