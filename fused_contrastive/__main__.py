@@ -124,12 +124,19 @@ def _check_parser(sub) -> argparse.ArgumentParser:
                    help="registry case names (default all; --list shows them)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--gpu-validate", action="store_true",
-                   help="first run on a GPU instead (needs CUDA; exit 2 without): on both triton paths (fused "
-                        "kernels, panel), parity on ragged shapes (N = M = 4099, D = 100 and 768, bf16/fp16/fp32; "
-                        "info_nce, simcse, clip) against the float64 oracle with NaN-filled outputs and scratch, 20 "
-                        "bitwise-identical backward runs, fp16 at M = 65536 against fp32; timings of triton / torch "
-                        "/ the naive formula; ncu metrics when ncu is on PATH. Prints a verdict (exit 1 on a "
-                        "failure) and the backend auto should prefer (fused_contrastive/gpu_validate.py)")
+                   help="first run on a GPU instead (needs CUDA; exit 2 without): every Triton kernel family (the "
+                        "core op's fused kernels and panel path, SupCon, CoSENT, SigLIP, GIST, the Matryoshka kernels "
+                        "and their per-level route) against the float64 oracle under THE accuracy rule, at N = 4099, "
+                        "D = 768 and 100, bf16/fp16/fp32, flat and sharp (temperature 0.01, correlated positives) "
+                        "inputs, with NaN-filled outputs and scratch; timings against the textbook formula with the "
+                        "GPU model's prediction beside each; bitwise-identical reruns; fp16 at M = 65536 against "
+                        "fp32. Ends with the verdict table (exit 1 on a failure; fused_contrastive/gpu_validate.py)")
+    p.add_argument("--budget", type=float, default=420.0, metavar="SECONDS",
+                   help="with --gpu-validate: wall-clock budget; rows that would start later are listed as not run "
+                        "and the verdict table follows (default 420)")
+    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), metavar="J",
+                   help="with --gpu-validate: processes for the correctness checks, which compile every kernel "
+                        "variant on a first run (the timings run alone, after them; default min(8, CPUs))")
     p.add_argument("--aot-lib", default=None, metavar="PATH",
                    help="with --gpu-validate: also check this built libfused_contrastive_torch.so (default: "
                         "$FUSED_CONTRASTIVE_AOT_LIB)")
@@ -142,7 +149,7 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.gpu_validate:
         from . import gpu_validate
 
-        return gpu_validate.main(args.device, args.aot_lib)
+        return gpu_validate.main(args.device, args.aot_lib, args.budget, max(1, args.jobs))
     if args.list:
         for c in CASE_BY_NAME.values():
             print(f"{c.name:22s} {c.fn.__name__:24s} {c.covers}")

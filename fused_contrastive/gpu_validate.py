@@ -55,13 +55,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-LOSSES = ("info_nce", "simcse", "clip")
+#: Every Triton kernel family, by a registry case that runs it ("matryoshka": info_nce with
+#: ``matryoshka_dims``, see :func:`parity_case`).
+LOSSES = ("info_nce", "simcse", "clip", "supcon_in", "cosent", "siglip", "gist", "matryoshka")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NCU_METRICS = ("lts__t_sector_hit_rate.pct", "dram__bytes_read.sum", "dram__bytes_write.sum",
                "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
-#: The float64 oracle must agree with PyTorch computing in the dtype to this many times the dtype's
-#: slack of THE accuracy rule (a sanity bound on the oracle itself; see check_parity).
-ORACLE_SANITY = 10.0
 NCU_KERNELS = {"lse_fwd_kernel": "fused", "lse_bwd_rows_kernel": "fused", "lse_bwd_cols_kernel": "fused",
                "panel_dl_kernel": "panel"}
 
@@ -74,8 +73,16 @@ _OUTPUTS = {"row_norm": ("XS", "NORM", "RNORM", "RS"), "lse_fwd": ("LSE", "LSE_P
 # (panel_dl's LSE_OUT is [N]: each panel writes its own rows only; the triangular forward's COL_PART is
 # pre-filled with -inf by the launcher, its programs write only the columns their rows reach)
 #: The two paths of the triton backend (``core/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
-#: the kernels each must launch.
+#: the kernels each must launch, per kernel family; families with kernels of their own run once, on
+#: the path "own" (the path variable does not choose their kernels).
 PATHS = {"fused": {"lse_fwd", "lse_bwd_rows"}, "panel": {"panel_dl"}}
+EXPECT = {("core", "fused"): PATHS["fused"], ("core", "panel"): PATHS["panel"],
+          # the Matryoshka kernels where the plain op takes the fused kernels; one plain call per level
+          # (its one-pass panel kernel) where it takes the panel path (core._leveled)
+          ("matryoshka", "fused"): {"mat_fwd", "mat_bwd_rows"}, ("matryoshka", "panel"): {"panel_dl"},
+          ("cosent", "own"): {"pair_cos_fwd", "cosent_scan_fwd", "cosent_scan_bwd"},
+          ("siglip", "own"): {"siglip_fwd", "siglip_bwd_rows"},
+          ("guided", "own"): {"guided_fwd", "guided_bwd_rows"}}
 
 
 @dataclass
@@ -84,16 +91,20 @@ class Plan:
 
     losses: tuple[str, ...] = LOSSES
     paths: tuple[str, ...] = ("fused", "panel")
-    parity_shapes: tuple[tuple[int, int], ...] = ((4099, 100), (4099, 768))
+    #: (N, D) of the parity rows, in order of priority (the time budget stops the run in that order)
+    parity_shapes: tuple[tuple[int, int], ...] = ((4099, 768), (4099, 100))
     dtypes: tuple[torch.dtype, ...] = DTYPES
+    #: input regimes of the parity rows (``testing.cases.REGIMES``): "sharp" is temperature 0.01 (logit
+    #: scale 100) with correlated positives, where a 16-bit intermediate shows
+    regimes: tuple[str, ...] = ("flat", "sharp")
     determinism_shape: tuple[int, int] = (4099, 768)
-    determinism_runs: int = 20  # < 2: skip
+    determinism_runs: int = 10  # < 2: skip
     fp16_shape: tuple[int, int, int] | None = (4096, 65536, 768)  # N anchors, M keys, D (None: skip)
     timing_sizes: tuple[int, ...] = (16384, 65536)  # (): skip
     timing_d: int = 768
     timing_dtype: torch.dtype = torch.bfloat16
     timing_repeats: int = 5
-    ncu: bool = True
+    ncu: bool = False
     ncu_shape: tuple[int, int] = (16384, 768)
     #: the panel path's parity once more with this many rows per panel (None: skip), so several panels
     #: meet the oracle (``core/triton_panel.PANEL_ROWS``)
@@ -101,6 +112,12 @@ class Plan:
     #: a built libfused_contrastive_torch.so: the checks also run on its operators (paths "aot/fused",
     #: "aot/panel"); a problem the library does not cover is reported as such (information)
     aot_lib: str | None = None
+    #: wall-clock seconds for the whole run: a row that would start later is listed as not run (the
+    #: verdict table always comes); None: no limit
+    budget_s: float | None = 420.0
+    #: processes for parity, determinism and fp16 (the timings always run alone, after them): > 1 shares
+    #: the first run's kernel compiles among the CPU cores
+    jobs: int = 1
 
 
 @dataclass
@@ -116,6 +133,16 @@ class Report:
     results: list[Result] = field(default_factory=list)
     timings: dict[tuple[str, int], dict[str, float | None]] = field(default_factory=dict)
     prefer: dict[str, str] = field(default_factory=dict)
+    deadline: float | None = None  # time.monotonic() past which rows are not started
+    not_run: int = 0
+
+    def over_budget(self, check: str) -> bool:
+        """True (and the row listed as not run) when the time budget is spent."""
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return False
+        self.not_run += 1
+        self.results.append(Result(check, None, "not run: over the time budget"))
+        return True
 
     @property
     def ok(self) -> bool:
@@ -238,55 +265,92 @@ def _panel_height(rows: int | None) -> Iterator[None]:
         triton_panel.PANEL_ROWS = old
 
 
-def _parity_paths(plan: Plan) -> list[tuple[str, str, int | None]]:
-    """``(label, path, forced panel height)`` of the parity runs: every path of the plan, and the panel
-    path once more with :attr:`Plan.multi_panel_rows` rows per panel."""
+def family(loss: str) -> str:
+    """The kernel family a parity case runs: "core", "matryoshka", "cosent", "siglip" or "guided"."""
+    from .testing import CASE_BY_NAME
+
+    return "matryoshka" if loss == "matryoshka" else CASE_BY_NAME[loss].op
+
+
+def matryoshka_dims(d: int) -> list[int]:
+    """The levels of the "matryoshka" parity case at D: 768/512/256/128/64 at D = 768 (those of the model),
+    else D, D/2, D/4 (ragged where D is odd)."""
+    return [768, 512, 256, 128, 64] if d == 768 else sorted({d, max(1, d // 2), max(1, d // 4)}, reverse=True)
+
+
+def parity_case(loss: str, n: int, d: int, seed: int, regime: str):
+    """``(case, inputs)`` of a parity row: the registry case ``loss`` at (N, D) in ``regime``, or for
+    "matryoshka" info_nce's with :func:`matryoshka_dims` levels."""
+    from .testing import CASE_BY_NAME, make_inputs
+
+    if loss != "matryoshka":
+        case = CASE_BY_NAME[loss]
+        return case, make_inputs(case, n, d, seed, regime)
+    case = dataclasses.replace(CASE_BY_NAME["info_nce"], name="matryoshka")
+    tensors, kwargs = make_inputs(case, n, d, seed, regime)
+    return case, (tensors, {**kwargs, "matryoshka_dims": matryoshka_dims(d)})
+
+
+def _parity_paths(plan: Plan, loss: str = "info_nce") -> list[tuple[str, str, int | None]]:
+    """``(label, path, forced panel height)`` of the parity runs of ``loss``: every path of the plan, and
+    the panel path once more with :attr:`Plan.multi_panel_rows` rows per panel, for the core op; the
+    Matryoshka levels on every path; once ("own") for the families with kernels of their own."""
+    fam = family(loss)
+    if fam not in ("core", "matryoshka"):
+        return [("own", "own", None)]
     out = [(p, p, None) for p in plan.paths]
-    if "panel" in plan.paths and plan.multi_panel_rows:
+    if fam == "core" and "panel" in plan.paths and plan.multi_panel_rows:
         out.append((f"panel(P={plan.multi_panel_rows})", "panel", plan.multi_panel_rows))
     return out
 
 
 def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> None:
+    """Parity rows in order of priority: shape, then regime, then dtype, then loss and path."""
     from .core import reference
-    from .testing import CASE_BY_NAME, make_inputs, run
+    from .testing import run
 
-    for loss in plan.losses:
-        case = CASE_BY_NAME[loss]
-        for n, d in plan.parity_shapes:
-            tensors, kwargs = make_inputs(case, n, d, seed=0)
+    for n, d in plan.parity_shapes:
+        for regime in plan.regimes:
             for dt in plan.dtypes:
-                try:
-                    rounded = {k: (v.to(dt).double() if v.dim() > 0 else v.double()) for k, v in tensors.items()}
-                    truth_loss, truth_grads = oracle(case, (rounded, kwargs), device)
-                    with reference.computing_in(dt):
-                        same_loss, same_grads = run(case, (tensors, kwargs), "reference", dt, device)
-                except Exception as e:  # noqa: BLE001 - a FAIL row per path, and on to the next case
-                    for label, _, _ in _parity_paths(plan):
-                        report.add(f"parity {loss} {label} N={n} D={d} {_dname(dt)}", False,
-                                   f"the oracle or the {_dname(dt)} reference raised {_err(e)}")
-                    continue
-                for label, path, rows in _parity_paths(plan):
-                    check = f"parity {loss} {label} N={n} D={d} {_dname(dt)}"
+                for loss in plan.losses:
+                    rows = [(f"parity {loss} {label} N={n} D={d} {_dname(dt)} {regime}", path, prow)
+                            for label, path, prow in _parity_paths(plan, loss)]
+                    if report.over_budget(rows[0][0]):
+                        report.not_run += len(rows) - 1
+                        continue
                     try:
-                        _parity_one(report, check, case, tensors, kwargs, truth_loss, truth_grads, same_loss,
-                                    same_grads, path, rows, n, dt, device)
-                    except Exception as e:  # noqa: BLE001
-                        report.add(check, False, f"raised {_err(e)}")
+                        case, (tensors, kwargs) = parity_case(loss, n, d, 0, regime)
+                        rounded = {k: (v.to(dt).double() if v.dim() > 0 else v.double()) for k, v in tensors.items()}
+                        truth_loss, truth_grads = oracle(case, (rounded, kwargs), device)
+                        with reference.computing_in(dt):
+                            same_loss, same_grads = run(case, (tensors, kwargs), "reference", dt, device)
+                    except Exception as e:  # noqa: BLE001 - a FAIL row per path, and on to the next case
+                        for check, _, _ in rows:
+                            report.add(check, False, f"the oracle or the {_dname(dt)} reference raised {_err(e)}")
+                        continue
+                    for check, path, prow in rows:
+                        try:
+                            _parity_one(report, check, case, family(loss), tensors, kwargs, truth_loss, truth_grads,
+                                        same_loss, same_grads, path, prow, n, dt, device)
+                        except Exception as e:  # noqa: BLE001
+                            report.add(check, False, f"raised {_err(e)}")
 
 
-def _parity_one(report: Report, check: str, case, tensors, kwargs, truth_loss, truth_grads, same_loss, same_grads,
-                path: str, rows: int | None, n: int, dt, device: str) -> None:
-    """One parity row: the triton backend on ``path`` (``rows``: forced panel height) against the oracle."""
+def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, truth_loss, truth_grads, same_loss,
+                same_grads, path: str, rows: int | None, n: int, dt, device: str) -> None:
+    """One parity row: the triton backend on ``path`` (``rows``: forced panel height) against the oracle
+    under THE rule (``testing.accuracy``: relative to each output's size, PyTorch's same-dtype error
+    granted up to the slack)."""
     from .core import triton_aot
     from .testing import run
-    from .testing.accuracy import SLACK, check_output, same_dtype_error
+    from .testing.accuracy import amp_of, check_output
 
     worst_ratio, worst = 0.0, "no outputs"
     problems: list[str] = []
     seen: list[str] = []
     calls = triton_aot.CALLS
-    with poisoned_launches(seen), triton_path(path), _panel_height(rows):
+    forced = triton_path(path) if path != "own" else contextlib.nullcontext()
+    with poisoned_launches(seen), forced, _panel_height(rows):
         # the library takes 16-element row strides: NaN padding to the next such stride
         got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True,
                                   canary_align=16 if path.startswith("aot/") else 1)
@@ -299,31 +363,22 @@ def _parity_one(report: Report, check: str, case, tensors, kwargs, truth_loss, t
         jit = set(seen) & set().union(*PATHS.values())
         if jit:
             problems.append(f"JIT kernels ran beside the library: {sorted(jit)}")
-    elif not PATHS[path] <= set(seen):
-        problems.append(f"the kernels did not run (launches: {sorted(set(seen))})")
+    elif not EXPECT[(fam, path)] <= set(seen):
+        problems.append(f"the kernels did not run (want {sorted(EXPECT[(fam, path)])}, launches: {sorted(set(seen))})")
     elif rows is not None and seen.count("panel_dl") < math.ceil(n / rows):
         problems.append(f"{seen.count('panel_dl')} panel launches, expected at least "
                         f"{math.ceil(n / rows)} panels of {rows} rows")
-    outs = [("loss", got_loss, truth_loss, same_loss, 1.0)]
+    outs = [("loss", got_loss, truth_loss, same_loss, 0.0)]
     for k, tg in truth_grads.items():
         gg = got_grads.get(k)
         if (tg is None) != (gg is None):
             problems.append(f"gradient of {k} {'missing' if gg is None else 'unexpected'}")
             continue
         if tg is not None:
-            amp = 1.0 / min(abs(float(tensors[k])), 1.0) ** 2 if tensors[k].dim() == 0 else 1.0
-            outs.append((f"grad {k}", gg, tg, same_grads.get(k), amp))
+            outs.append((f"grad {k}", gg, tg, same_grads.get(k), amp_of(tensors[k])))
     for name, got, truth, same, amp in outs:
-        # THE rule's tolerance grows with PyTorch's own same-dtype error against the
-        # oracle, so a wrong oracle would widen its own tolerance: the oracle must agree
-        # with the same-dtype reference to ORACLE_SANITY x the dtype's slack
-        e_same = same_dtype_error(same, truth) if same is not None else 0.0
-        bound = ORACLE_SANITY * SLACK[dt] * max(1.0, _finite_max(truth), amp)
-        if not e_same <= bound:
-            problems.append(f"oracle suspect: {_dname(dt)} reference differs from it by "
-                            f"{e_same:.3g} on {name} (> {bound:.3g})")
         w, e, tol = check_output(name, got, truth, same, dt, amp)
-        ratio = e / tol if tol > 0 else math.inf
+        ratio = 0.0 if e == 0 else (e / tol if tol > 0 else math.inf)
         ratio = math.inf if math.isnan(ratio) else ratio
         if ratio >= worst_ratio:
             worst_ratio, worst = ratio, str(w)
@@ -342,26 +397,22 @@ def check_gemm_routes(report: Report, plan: Plan, device: str) -> None:
         report.add(f"cuBLAS fp32-output GEMMs {_dname(dt)}", None, f"mm {mm}, addmm {addmm}")
 
 
-def _loss_and_grads(loss: str, tensors, kwargs, backend: str, dtype, device, upstream_seed: int = 1):
-    from .testing import CASE_BY_NAME, run
-
-    return run(CASE_BY_NAME[loss], (tensors, kwargs), backend, dtype, device, upstream_seed=upstream_seed)
-
-
 def check_determinism(report: Report, plan: Plan, device: str) -> None:
-    from .testing import CASE_BY_NAME, make_inputs
+    from .testing import run
 
     n, d = plan.determinism_shape
     dt = plan.dtypes[0]
-    for loss, (label, path, rows) in ((lo, pa) for lo in plan.losses for pa in _parity_paths(plan)):
+    for loss, (label, path, rows) in ((lo, pa) for lo in plan.losses for pa in _parity_paths(plan, lo)):
         check = f"determinism {loss} {label} N={n} D={d} {_dname(dt)}"
+        if report.over_budget(check):
+            continue
         try:
-            tensors, kwargs = make_inputs(CASE_BY_NAME[loss], n, d, seed=3)
+            case, inputs = parity_case(loss, n, d, 3, "flat")
             first = None
             same = True
             for _ in range(plan.determinism_runs):
-                with triton_path(path), _panel_height(rows):
-                    lo, grads = _loss_and_grads(loss, tensors, kwargs, "triton", dt, device)
+                with triton_path(path) if path != "own" else contextlib.nullcontext(), _panel_height(rows):
+                    lo, grads = run(case, inputs, "triton", dt, device)
                 cur = [lo] + [g for g in grads.values() if g is not None]
                 if first is None:
                     first = cur
@@ -389,6 +440,8 @@ def check_fp16_large_m(report: Report, plan: Plan, device: str) -> None:
     q = torch.randn(n, d, generator=g)
     k = torch.randn(m, d, generator=g)
     for path in plan.paths:
+        if report.over_budget(f"fp16 vs fp32 info_nce {path} N={n} M={m} D={d}"):
+            continue
         try:
             with triton_path(path):
                 _fp16_one(report, path, q, k, n, m, d, device)
@@ -439,33 +492,94 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def check_timings(report: Report, plan: Plan, device: str) -> None:
-    from .testing import CASE_BY_NAME, make_inputs
+#: The model's record (``bench/gpu_model.py``'s JSON lines) of each timed loss: its name there and the
+#: keys of its route's and its textbook formula's time.
+MODEL_KEYS = {"info_nce": ("info_nce", "ms", "naive_ms"), "simcse": ("simcse", "ms", "naive_ms"),
+              "clip": ("clip", "ms", "naive_ms"), "gist": ("gist", "triton_ms", "textbook_ms"),
+              "matryoshka": ("info_nce_matryoshka", "triton_ms", "formula_ms")}
+#: where the model's committed output lives in a checkout (or FUSED_CONTRASTIVE_GPU_MODEL)
+MODEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
+                          "gpu_model", "gpu_model.txt")
+
+
+def model_predictions(device: str) -> dict[tuple[str, int], tuple[float | None, float | None]]:
+    """``{(loss, N): (route ms, formula ms)}`` of the GPU model for this device's kind (H100 / H200 /
+    A100), read from the model's committed JSON lines; empty where the file or the kind is missing."""
+    import json
+
+    path = os.environ.get("FUSED_CONTRASTIVE_GPU_MODEL", MODEL_FILE)
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
+    kind = next((k for k in ("H200", "H100", "A100") if k in name), None)
+    if kind is None or not os.path.exists(path):
+        return {}
+    recs = {}
+    with open(path) as fh:
+        for line in fh:
+            if line.startswith("{"):
+                r = json.loads(line)
+                if r.get("gpu") == kind and r.get("d", 768) == 768:
+                    recs[(r["loss"], r["n"])] = r
+    out = {}
+    for loss, (key, route, formula) in MODEL_KEYS.items():
+        for (name_, n), r in recs.items():
+            if name_ == key:
+                out[(loss, n)] = (r.get(route), r.get(formula))
+    return out
+
+
+def _textbook(loss: str, case, kwargs):
+    """The textbook computation ``loss`` replaces, as ``fn(leaves) -> loss``."""
+    from .bench import gist as bench_gist
+    from .bench import matryoshka as bench_matryoshka
     from .testing.baselines import formula_of
 
+    if loss == "matryoshka":
+        dims = kwargs["matryoshka_dims"]
+        return lambda x: bench_matryoshka._formula(x["query"], x["keys"], dims)
+    if loss == "gist":
+        ga, gp, gn = kwargs["guide"]
+        return lambda x: bench_gist.textbook(x["anchors"], x["positives"], x["negatives"], ga, gp, gn,
+                                             kwargs["temperature"], kwargs["margin"])
+    formula = formula_of(case.name)
+    return lambda x: formula.fn({**x, **kwargs})
+
+
+def check_timings(report: Report, plan: Plan, device: str) -> None:
+    """Fwd + bwd times (CUDA events, medians of ``timing_repeats``) of the triton backend's route, each
+    triton path forced for the core op, and the textbook formula, with the model's prediction beside."""
     measure = _timer(device)
     dt = plan.timing_dtype
+    model = model_predictions(device)
     for loss in plan.losses:
-        case = CASE_BY_NAME[loss]
-        formula = formula_of(loss)
+        fam = family(loss)
         for n in plan.timing_sizes:
-            tensors, kwargs = make_inputs(case, n, plan.timing_d, seed=7)
+            check = f"timing {loss} N={n} D={plan.timing_d} {_dname(dt)}"
+            if report.over_budget(check):
+                continue
+            try:
+                case, (tensors, kwargs) = parity_case(loss, n, plan.timing_d, 7, "flat")
+            except Exception as e:  # noqa: BLE001
+                report.add(check, False, f"raised {_err(e)}")
+                continue
+            kwargs = {k: (v.to(device=device, dtype=dt) if isinstance(v, Tensor) and v.is_floating_point() else
+                          tuple(g.to(device=device, dtype=dt) for g in v) if k == "guide" else
+                          v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
             leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone()
-                      .requires_grad_(v.dim() > 0) for k, v in tensors.items()}
+                      .requires_grad_(True) for k, v in tensors.items()}
+            textbook = _textbook(loss, case, kwargs)
+            names = ["triton", *(f"triton/{p}" for p in plan.paths if fam == "core"), "naive"]
             row: dict[str, float | None] = {}
-            for name in ("triton", *(f"triton/{p}" for p in plan.paths), "torch", "naive"):
-                def step(name=name, leaves=leaves, kwargs=kwargs, case=case, formula=formula):
+            for name in names:
+                def step(name=name, leaves=leaves, kwargs=kwargs, case=case, textbook=textbook):
                     for v in leaves.values():
                         v.grad = None
                     if name == "naive":
-                        out = formula.fn({**leaves, **kwargs})
-                    elif name.startswith("triton/"):
-                        with triton_path(name.split("/", 1)[1]):
+                        out = textbook(leaves)
+                    else:
+                        with triton_path(name.split("/", 1)[1]) if "/" in name else contextlib.nullcontext():
                             out = case.fn(**leaves, **kwargs, backend="triton")
                             out.backward()
                         return
-                    else:
-                        out = case.fn(**leaves, **kwargs, backend=name)
                     out.backward()
                 try:
                     step()  # warm-up (compiles, cuBLAS heuristics)
@@ -479,13 +593,20 @@ def check_timings(report: Report, plan: Plan, device: str) -> None:
                         torch.cuda.empty_cache()
             report.timings[(loss, n)] = row
             cells = ", ".join(f"{k} {'does not fit' if v is None else f'{v:.2f} ms'}" for k, v in row.items())
-            report.add(f"timing {loss} N={n} D={plan.timing_d} {_dname(dt)}", None,
-                       f"median of {plan.timing_repeats}: {cells}")
-        largest = max(plan.timing_sizes)
-        row = report.timings[(loss, largest)]
-        cands = {k: v for k, v in row.items() if (k.startswith("triton/") or k == "torch") and v is not None}
-        if cands:
-            report.prefer[loss] = min(cands, key=cands.get)
+            pred = model.get((loss, n))
+            mcell = (f"; MODEL triton {pred[0]:.2f} ms, textbook {pred[1]:.2f} ms" if pred and pred[0] and pred[1]
+                     else f"; MODEL triton {pred[0]:.2f} ms" if pred and pred[0] else "; no model row")
+            tri, naive = row.get("triton"), row.get("naive")
+            ratio = f"; triton / textbook {tri / naive:.2f}x" if tri and naive else ""
+            report.add(check, None, f"median of {plan.timing_repeats}: {cells}{ratio}{mcell}")
+            del leaves
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        if fam == "core" and plan.timing_sizes and (loss, max(plan.timing_sizes)) in report.timings:
+            row = report.timings[(loss, max(plan.timing_sizes))]
+            cands = {k: v for k, v in row.items() if k.startswith("triton/") and v is not None}
+            if cands:
+                report.prefer[loss] = min(cands, key=cands.get)
 
 
 def ncu_child(loss: str, n: int, d: int) -> None:
@@ -521,6 +642,51 @@ def check_ncu(report: Report, plan: Plan, device: str) -> None:
         report.add(f"ncu {kernel} ({path}) info_nce N={n} D={d}", None, detail)
 
 
+def _worker(device: str, plan: Plan, oracle: Oracle) -> tuple[list[Result], int]:
+    """One worker process of :func:`_checks_in_workers`: its share of the checks, quietly."""
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        rep = validate(device, dataclasses.replace(plan, jobs=1), oracle, allow_cpu=True)
+    return [r for r in rep.results if not r.check.startswith("cuBLAS")], rep.not_run
+
+
+def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle) -> None:
+    """Parity, determinism and fp16 in ``plan.jobs`` processes, before the timings run alone: the first
+    run on a machine compiles every kernel variant (CPU-bound, seconds each, the GPU idle), so the
+    correctness checks share the CPU cores; nothing is timed while they run. Each worker gets whole
+    (shape, regime, dtype) units of parity, round robin; the first also determinism and fp16."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    units = [(shape, regime, dt) for shape in plan.parity_shapes for regime in plan.regimes for dt in plan.dtypes]
+    remaining = None if report.deadline is None else max(report.deadline - time.monotonic(), 0.0)
+    quiet = dict(timing_sizes=(), ncu=False, budget_s=remaining, jobs=1)
+    plans = []
+    for j in range(plan.jobs):
+        mine = units[j::plan.jobs]
+        sub = dataclasses.replace(plan, **quiet, parity_shapes=(), determinism_runs=0, fp16_shape=None)
+        if j == 0:
+            sub = dataclasses.replace(sub, determinism_runs=plan.determinism_runs, fp16_shape=plan.fp16_shape)
+        plans += [dataclasses.replace(sub, parity_shapes=(shape,), regimes=(regime,), dtypes=(dt,))
+                  for shape, regime, dt in mine[:1]]
+        plans += [dataclasses.replace(sub, determinism_runs=0, fp16_shape=None, parity_shapes=(shape,),
+                                      regimes=(regime,), dtypes=(dt,)) for shape, regime, dt in mine[1:]]
+        if not mine and j == 0:
+            plans.append(sub)
+    with cf.ProcessPoolExecutor(plan.jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_worker, device, p, oracle) for p in plans]
+        for fut in futures:
+            try:
+                results, not_run = fut.result()
+            except Exception as e:  # noqa: BLE001 - a worker that died is a FAIL row; the table follows
+                report.add("a check worker", False, f"raised {_err(e)}")
+                continue
+            report.not_run += not_run
+            for r in results:
+                report.add(r.check, r.ok, r.detail)
+
+
 def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = float64_oracle,
              allow_cpu: bool = False) -> Report:
     """Run every check of ``plan`` on ``device`` and print them; returns the :class:`Report`.
@@ -533,15 +699,23 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
     dev = torch.device(device)
     if dev.type != "cuda" and not allow_cpu:
         raise RuntimeError("--gpu-validate needs a CUDA device")
-    report = Report(device)
+    report = Report(device, deadline=None if plan.budget_s is None else time.monotonic() + plan.budget_s)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     print(f"fused-contrastive GPU validation on {device} ({name}), torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}", flush=True)
-    steps = [("parity", lambda: check_parity(report, plan, device, oracle), True),
+    if plan.jobs > 1:
+        _checks_in_workers(report, plan, device, oracle)
+        plan = dataclasses.replace(plan, parity_shapes=(), determinism_runs=0, fp16_shape=None)
+    # in order of priority (the time budget stops the run in this order): parity at the first shape,
+    # the timings, parity at the other shapes, determinism, fp16 at large M
+    first = dataclasses.replace(plan, parity_shapes=plan.parity_shapes[:1])
+    rest = dataclasses.replace(plan, parity_shapes=plan.parity_shapes[1:])
+    steps = [("parity", lambda: check_parity(report, first, device, oracle), bool(plan.parity_shapes)),
              ("cuBLAS GEMM routes", lambda: check_gemm_routes(report, plan, device), True),
+             ("timings", lambda: check_timings(report, plan, device), bool(plan.timing_sizes)),
+             ("parity", lambda: check_parity(report, rest, device, oracle), len(plan.parity_shapes) > 1),
              ("determinism", lambda: check_determinism(report, plan, device), plan.determinism_runs > 1),
              ("fp16 vs fp32", lambda: check_fp16_large_m(report, plan, device), plan.fp16_shape is not None),
-             ("timings", lambda: check_timings(report, plan, device), bool(plan.timing_sizes)),
              ("ncu", lambda: check_ncu(report, plan, device), plan.ncu)]
     for what, step, wanted in steps:
         if not wanted:
@@ -555,14 +729,16 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
     print("\nverdict table:")
     for r in report.results:
         print(f"  {({True: 'PASS', False: 'FAIL', None: 'info'})[r.ok]:4s}  {r.check:44s} {r.detail}")
+    skipped = (f", {report.not_run} not run (time budget {plan.budget_s:.0f} s spent: they prove nothing)"
+               if report.not_run else "")
     print(f"\nverdict: {'PASS' if report.ok else 'FAIL'} ({sum(r.ok is True for r in report.results)} passed, "
-          f"{len(fails)} failed{': ' + ', '.join(fails) if fails else ''})")
+          f"{len(fails)} failed{skipped}{': ' + ', '.join(fails) if fails else ''})")
     for loss, be in report.prefer.items():
         print(f"auto should prefer on this device for {loss} (measured at N = {max(plan.timing_sizes)}): {be}")
     return report
 
 
-def main(device: str, aot_lib: str | None = None) -> int:
+def main(device: str, aot_lib: str | None = None, budget_s: float | None = 420.0, jobs: int = 1) -> int:
     """``check --gpu-validate``: exit status 0 when every check passes, 1 otherwise, 2 without CUDA.
     ``aot_lib`` (default: ``FUSED_CONTRASTIVE_AOT_LIB``): also check the ahead-of-time library."""
     if not device.startswith("cuda") or not torch.cuda.is_available():
@@ -576,7 +752,7 @@ def main(device: str, aot_lib: str | None = None) -> int:
     from .core import triton_aot
 
     aot_lib = aot_lib or os.environ.get(triton_aot.ENV) or None
-    return 0 if validate(device, Plan(aot_lib=aot_lib)).ok else 1
+    return 0 if validate(device, Plan(aot_lib=aot_lib, budget_s=budget_s, jobs=jobs)).ok else 1
 
 
 if __name__ == "__main__":

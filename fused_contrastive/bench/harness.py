@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..core import reference
-from ..testing.accuracy import check_output, same_dtype_error
+from ..testing.accuracy import amp_of, check_output, same_dtype_error, tolerance
 from .contenders import DTYPES, MEMORY_BOUND_BYTES_PER_S, CaseInputs, Contender, Planned, bind, get_contender, plan
 from .memory import is_oom, meter
 
@@ -110,8 +110,8 @@ def _truth(job: MemoryJob, inputs: CaseInputs) -> dict[str, Any]:
 
 def _compare(loss, grads, truth: dict[str, Any], dtype: torch.dtype, inputs: CaseInputs) -> dict[str, Any]:
     """The differences of one contender from the truth, and whether THE rule accepts them."""
-    outs = [("loss", loss, truth["loss"], 1.0)] + [
-        (f"grad {k}", g, t, 1.0 / min(abs(float(x)), 1.0) ** 2 if x.dim() == 0 else 1.0)
+    outs = [("loss", loss, truth["loss"], 0.0)] + [
+        (f"grad {k}", g, t, amp_of(x))
         for (k, x), g, t in zip(inputs.diff.items(), grads, truth["grads"], strict=True)]
     ok, d_loss, d_grad, worst = True, 0.0, 0.0, ""
     for (name, got, want, amp), e_same in zip(outs, truth["e_same"], strict=True):
@@ -119,9 +119,9 @@ def _compare(loss, grads, truth: dict[str, Any], dtype: torch.dtype, inputs: Cas
             if (got is None) != (want is None):
                 ok, worst = False, f"{name}: missing"
             continue
-        # the same-dtype error enters as a precomputed number: pass the truth plus that error as "same"
-        w, err, tol = check_output(name, got.detach().cpu(), want, None, dtype, amp)
-        tol += 2 * e_same
+        # the same-dtype error enters as a precomputed number (THE rule: accuracy.tolerance)
+        w, err, _ = check_output(name, got.detach().cpu(), want, None, dtype, amp)
+        tol = tolerance(want, e_same, dtype, amp)
         if name == "loss":
             d_loss = err
         else:

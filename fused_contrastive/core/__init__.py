@@ -22,7 +22,6 @@ from torch import Tensor
 from .._tracing import traced_core, tracing_route
 from . import chunked, dense, positives
 from .chunked import tile_elements
-from .norms import prefix_rows
 from .spec import Coeffs, CoreData, CoreSpec, check_problem, compute_dtype
 
 __all__ = ["Coeffs", "CoreData", "CoreSpec", "dense_path", "pieces", "run", "tile_elements"]
@@ -109,9 +108,10 @@ def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
             # K of its calls on the truncated, re-normalised rows are modelled faster than the Matryoshka
             # kernels, whose backward streams like the fused kernels' (bench/gpu_model.py --matryoshka); and
             # past MAX_KERNEL_LEVELS levels (the kernels are compiled and checked up to 8)
-            plain = dataclasses.replace(spec, normalize=False)
-            return torch.stack([run("triton", prefix_rows(a, d, spec.eps),
-                                    None if b is None else prefix_rows(b, d, spec.eps), scale, plain, data, coef,
+            # Each level is the plain op on the truncated rows with the caller's own ``normalize``: the
+            # op normalises them itself (in fp32, and on the panel path in its one-pass row kernel),
+            # which is the truncate-then-normalise of a Matryoshka level
+            return torch.stack([run("triton", a[:, :d], None if b is None else b[:, :d], scale, spec, data, coef,
                                     reduce) for d in levels[0]])
         return triton_matryoshka.run(a, b, scale, spec, data, coef, reduce, levels[0])
     if backend != "torch":

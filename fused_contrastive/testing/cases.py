@@ -16,6 +16,7 @@ Adding a loss: write its function (its family's module of ``losses/``), its refe
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,8 +88,60 @@ class Case:
         return float({"forward": 2, "backward": 4, "forward+backward": 6}[mode]) * r * c * d
 
 
-def _randn(g: torch.Generator, *shape: int) -> Tensor:
-    return torch.randn(*shape, generator=g)
+#: Input regimes of :func:`make_inputs`: the temperature each sets (None: the case's own, on
+#: independent random rows). "peaked" and "sharp" give every row a shared direction and correlate every
+#: pair of rows a case makes positive (both as trained embeddings are: anisotropic, positives closest),
+#: and set every temperature-like argument to 0.05 / 0.01 (``logit_scale`` and CoSENT's ``scale`` to
+#: 20 / 100). The correlation is chosen for the temperature: the positive's logit stands ``log N + 2``
+#: above a typical negative's, so the softmax is peaked on the target (p ~ 0.9, loss ~ 0.1) without
+#: saturating: the loss is a small difference of large logits and the gradient ``p - y`` cancels, the
+#: regime where a 16-bit intermediate shows and a flat random softmax hides it.
+REGIMES: dict[str, float | None] = {"flat": None, "peaked": 0.05, "sharp": 0.01}
+#: In a correlated regime: the latent rows by D, their generator and the shared-direction weight.
+_LATENT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("_LATENT", default=None)
+_NOISE = 0.5  # the noise scale beside a unit-variance latent row
+
+
+def _latent(n: int, t: float, seed: int) -> dict:
+    """The correlated regime's state at N anchors and temperature t: cosines of rows sharing a latent
+    row, ``(a^2 + 1) / (a^2 + 1 + noise^2)``, exceed those of other rows, ``a^2 / (...)``, by
+    ``1 / (a^2 + 1 + noise^2) = (log N + 2) t`` logits / scale."""
+    gap = (torch.log(torch.tensor(float(max(n, 2)))).item() + 2.0) * t
+    a2 = max(1.0 / gap - 1.0 - _NOISE**2, 0.0)
+    return {"gen": torch.Generator().manual_seed(seed + 1_000_003), "a": a2**0.5,
+            "mid": (a2 + 0.5) / (a2 + 1.0 + _NOISE**2), "dirs": {}, "rows": {}}
+
+
+def _randn(g: torch.Generator, *shape: int, group: int = 1) -> Tensor:
+    """Random rows; in a correlated regime (:data:`REGIMES`) row r of every tensor is a shared direction
+    (weight ``a``) plus latent row ``r // group`` (its leading index; later leading dims, e.g. views,
+    share it) plus noise, so rows that share a position (a query and its key, the views of a sample,
+    ``group`` rows in a row for interleaved layouts) are the closest pairs."""
+    x = torch.randn(*shape, generator=g)
+    lat = _LATENT.get()
+    if lat is None or len(shape) < 2:
+        return x
+    rows, d = shape[0], shape[-1]
+    need = -(-rows // group)
+    base = lat["rows"].get(d, torch.empty(0, d))
+    if base.shape[0] < need:
+        base = lat["rows"][d] = torch.cat([base, torch.randn(need - base.shape[0], d, generator=lat["gen"])])
+    if d not in lat["dirs"]:
+        v = torch.randn(d, generator=lat["gen"])
+        lat["dirs"][d] = v / v.norm() * d**0.5  # the norm of a latent row
+    latent = base[torch.arange(rows) // group].reshape(rows, *([1] * (len(shape) - 2)), d)
+    return lat["a"] * lat["dirs"][d] + latent + _NOISE * x
+
+
+def _set_temperature(inputs: Inputs, t: float, mid: float) -> Inputs:
+    """Every temperature-like argument of a case's inputs set for temperature ``t`` (tensors stay 0-dim
+    tensors): ``temperature`` = t, ``logit_scale`` and ``scale`` = 1 / t, a Python-number
+    ``logit_bias`` (SigLIP) = -mid / t, so that positive pairs sit above 0 and negatives below."""
+    tensors, kwargs = inputs
+    want = {"temperature": t, "logit_scale": 1.0 / t, "scale": 1.0 / t, "logit_bias": -mid / t}
+    tensors = {k: (torch.tensor(want[k]) if k in want and v.dim() == 0 else v) for k, v in tensors.items()}
+    kwargs = {k: (want[k] if k in want and isinstance(v, float) else v) for k, v in kwargs.items()}
+    return tensors, kwargs
 
 
 def _classes(bsz: int) -> int:
@@ -171,7 +224,7 @@ def _clip_self(n, d, g):
 
 
 def _simcse(n, d, g):
-    return {"z1": _randn(g, 2 * _half(n), d)}, {"temperature": 0.05}
+    return {"z1": _randn(g, 2 * _half(n), d, group=2)}, {"temperature": 0.05}
 
 
 def _simcse_2view(n, d, g):
@@ -194,7 +247,7 @@ def _gist_relative_none(n, d, g):
 
 
 def _simcse_sup(n, d, g):
-    return {"anchor": _randn(g, 3 * n, d)}, {"temperature": 0.05}
+    return {"anchor": _randn(g, 3 * n, d, group=3)}, {"temperature": 0.05}
 
 
 def _simcse_sup_hard(n, d, g):
@@ -203,7 +256,7 @@ def _simcse_sup_hard(n, d, g):
 
 
 def _simcse_sup_none(n, d, g):
-    return {"anchor": _randn(g, 3 * n, d)}, {"hard_negative_weight": -0.3, "reduction": "none"}
+    return {"anchor": _randn(g, 3 * n, d, group=3)}, {"hard_negative_weight": -0.3, "reduction": "none"}
 
 
 # --- SupCon / DSCL ----------------------------------------------------------------------------
@@ -435,9 +488,23 @@ def shapes_for(case: Case, shapes: list[tuple[int, int]] | None = None) -> list[
     return [(n, d) for n, d in (SHAPES if shapes is None else shapes) if n >= case.min_n]
 
 
-def make_inputs(case: Case, n: int, d: int, seed: int = 0) -> Inputs:
-    """The inputs of ``case`` at N anchors and dimension D (float32, CPU, seeded). ``ValueError`` below
-    the case's ``min_n``."""
+def make_inputs(case: Case, n: int, d: int, seed: int = 0, regime: str = "flat") -> Inputs:
+    """The inputs of ``case`` at N anchors and dimension D (float32, CPU, seeded) in ``regime`` (one of
+    :data:`REGIMES`: "flat", the case's own temperature on independent rows; "peaked" / "sharp":
+    correlated positives at temperature 0.05 / 0.01). ``ValueError`` below the case's ``min_n`` or for
+    an unknown regime."""
     if n < case.min_n:
         raise ValueError(f"case {case.name} needs N >= {case.min_n}, got N = {n}")
-    return case.build(n, d, torch.Generator().manual_seed(seed))
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {regime!r}")
+    t = REGIMES[regime]
+    flat = case.build(n, d, torch.Generator().manual_seed(seed))
+    if t is None or flat[1].get("normalize") is False:  # raw rows: scaled for their own norms, kept flat
+        return flat
+    lat = _latent(n, t, seed)
+    token = _LATENT.set(lat)
+    try:
+        inputs = case.build(n, d, torch.Generator().manual_seed(seed))
+    finally:
+        _LATENT.reset(token)
+    return _set_temperature(inputs, t, lat["mid"])
