@@ -448,3 +448,68 @@ def test_warnings_are_clean_on_the_default_path():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gist_loss(a, p, negs[0], guide=(ga, gp, gns[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# exact duplicates tie with the positive: kept, as sentence-transformers decides it
+# ---------------------------------------------------------------------------------------------
+
+
+def _duplicated(kind: str, seed: int, dtype=torch.float64, b=12, d=6, dg=5):
+    """GIST inputs where row 1 repeats row 0's positive ("positive": the same positive text twice) or
+    row 0's whole (anchor, positive) pair ("pair"), and row 5 repeats row 4's."""
+    a, p, negs, ga, gp, gns = _inputs(b=b, d=d, dg=dg, seed=seed)
+    for i, j in ((0, 1), (4, 5)):
+        p[j], gp[j] = p[i], gp[i]
+        if kind == "pair":
+            a[j], ga[j] = a[i], ga[i]
+    return [x.to(dtype) for x in (a, p, negs[0], ga, gp, gns[0])]
+
+
+def _old_threshold_decides_differently(ga, gp) -> bool:
+    """Whether the former threshold (a separate row-by-row dot product) puts a duplicate of a row's
+    positive on the other side than the tie (the tile's own product, kept)."""
+    ua, up = F.normalize(ga, dim=1), F.normalize(gp, dim=1)
+    tile, sep = ua @ up.T, (ua * up).sum(1)
+    return any(bool(tile[i, j] > sep[i]) for i, j in ((0, 1), (1, 0), (4, 5), (5, 4)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kind", ["positive", "pair"])
+def test_exact_duplicates_tie_and_are_kept_on_every_backend(kind, dtype, monkeypatch):
+    # sentence-transformers' rule: gpos_i is the diagonal of the same guide matrix it thresholds, so
+    # the duplicate of row i's positive (guide cosine == gpos_i exactly) is kept (strict >); the
+    # definition here (cosine_similarity matrices, as theirs) decides it so. Every backend and the
+    # row-chunked torch sweep equal it on 25 seeds; the former separate-dot threshold would not (checked)
+    tol = TOL if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    flipped = 0
+    for seed in range(25):
+        a, p, n, ga, gp, gn = _duplicated(kind, seed, dtype)
+        flipped += _old_threshold_decides_differently(ga, gp)
+        want = gist_definition(a, p, [n], ga, gp, [gn], 0.05, margin=0.0)
+        assert want.dtype == dtype
+        for backend, tiles in (("torch", None), ("torch", "24"), ("reference", None)):
+            if tiles:
+                monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", tiles)  # one row per chunk
+            else:
+                monkeypatch.delenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", raising=False)
+            for red in ("none", "mean"):
+                got = gist_loss(a, p, n, guide=(ga, gp, gn), temperature=0.05, reduction=red, backend=backend)
+                torch.testing.assert_close(got, want if red == "none" else want.mean(), **tol,
+                                           msg=lambda m, s=seed, be=backend, t=tiles: f"seed {s} {be} {t}: {m}")
+    assert flipped >= 2, flipped  # the test is not vacuous: the former threshold flipped some ties
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_info_nce_guide_duplicates_of_the_target_are_kept(dtype):
+    # info_nce(guide=): the same rule, the threshold the target entry of the same guide products
+    flipped = 0
+    tol = TOL if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    for seed in range(25):
+        a, p, _, ga, gp, _ = _duplicated("positive", seed, dtype)
+        flipped += _old_threshold_decides_differently(ga, gp)
+        want, _ = info_nce_definition(a, p, torch.arange(a.shape[0]), ga, gp, t=0.05)
+        for backend in ("torch", "reference"):
+            got = fc.info_nce(a, p, guide=(ga, gp), temperature=0.05, reduction="none", backend=backend)
+            torch.testing.assert_close(got, want.to(got.dtype), **tol)
+    assert flipped >= 2, flipped

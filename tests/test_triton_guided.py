@@ -212,3 +212,33 @@ def test_every_guided_kernel_compiles_without_spills(compiled):
 
 def test_guided_kernels_use_tensor_cores(compiled):
     assert_tensor_cores(compiled)
+
+
+@pytest.mark.parametrize("kind", ["positive", "pair"])
+def test_exact_duplicates_tie_and_are_kept_on_triton(kind):
+    # rows 1 and 33 repeat row 0's / row 32's positive (and, "pair", its anchor), guide and model rows bit
+    # for bit; the threshold is the kernels' own guide product of the target (guided_theta_kernel on the
+    # comparing kernel's tiles), so the duplicates tie exactly and are kept in the forward and in both
+    # recomputing backward kernels: loss and every gradient equal the definition, which keeps them
+    b, m, d, dg = 37, 29, 20, 21
+    a, p, n = (_r(rows, d, seed=s).float() for rows, s in ((b, 1), (b, 2), (m, 3)))
+    ga, gp, gn = (_r(rows, dg, seed=s).float() for rows, s in ((b, 4), (b, 5), (m, 6)))
+    for i, j in ((0, 1), (32, 33)):
+        p[j], gp[j] = p[i], gp[i]
+        if kind == "pair":
+            a[j], ga[j] = a[i], ga[i]
+    la, lp, ln = (x.clone().requires_grad_() for x in (a, p, n))
+    got = gist_loss(la, lp, ln, guide=(ga, gp, gn), temperature=1.0, reduction="none", backend="triton")
+    ra, rp, rn = (x.double().requires_grad_() for x in (a, p, n))
+    want = gist_definition(ra, rp, [rn], ga.double(), gp.double(), [gn.double()], 1.0)
+    _check(got, want.detach(), torch.float32, "loss")
+    # not vacuous: the tie decides these rows (dropping the duplicates changes their loss)
+    dropped = gist_definition(a.double(), p.double(), [n.double()], ga.double(), gp.double(), [gn.double()], 1.0,
+                              margin=1e-9)
+    for i in (0, 1, 32, 33):
+        assert abs(float(want[i] - dropped[i])) > 1e-3, (i, float(want[i]), float(dropped[i]))
+    up = torch.linspace(0.5, 1.5, b, dtype=torch.float64)
+    g1 = torch.autograd.grad((got.double() * up).sum(), [la, lp, ln])
+    g2 = torch.autograd.grad((want * up).sum(), [ra, rp, rn])
+    for x, y, w in zip(g1, g2, "apn", strict=True):
+        _check(x, y, torch.float32, w)
