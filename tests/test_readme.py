@@ -1,5 +1,6 @@
-"""The README stays true: CI runs its test command, it documents every public name, and its layout
-section names every module of the package."""
+"""The README stays true: CI runs its test command, it documents every public name, its layout page
+(docs/layout.md, linked from it) names every module of the package once, its links stay inside the
+repository, and no word of the project's internal process reaches a reader."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def test_every_public_name_is_in_the_readme():
 
 
 def test_layout_section_names_every_module():
-    layout = _readme().split("## Layout", 1)[1]
+    assert "(docs/layout.md)" in _readme(), "the README does not link the layout page"
+    layout = (ROOT / "docs" / "layout.md").read_text()
     pkg = ROOT / "fused_contrastive"
     missing = []
     for path in sorted(pkg.rglob("*.py")):
@@ -43,7 +45,63 @@ def test_layout_section_names_every_module():
             name = rel.name if rel.parent == Path(".") else rel.as_posix()
         if name not in layout and rel.name not in layout:
             missing.append(str(rel))
-    assert not missing, f"modules not described in the README's layout section: {missing}"
+    assert not missing, f"modules not described in docs/layout.md: {missing}"
+    # each module is described once: a path at the start of its own entry, not listed twice
+    entries = re.findall(r"`(fused_contrastive/[\w/]+\.py)`:", layout)
+    assert len(entries) == len(set(entries)), sorted(e for e in entries if entries.count(e) > 1)
+
+
+def _pages() -> dict[str, str]:
+    pages = {"README.md": _readme()}
+    pages.update({f"docs/{p.name}": p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))})
+    return pages
+
+
+def test_links_resolve_inside_the_repository():
+    """Every relative link of the README and the docs pages names a file of the repository (and an
+    anchor of a heading there, when it has one); nothing points outside it."""
+    def anchors(text: str) -> set[str]:
+        out = set()
+        for h in re.findall(r"(?m)^#+ (.*)$", text):
+            a = re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            out.add(a)
+        return out
+
+    pages = _pages()
+    bad = []
+    for name, text in pages.items():
+        base = (ROOT / name).parent
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (base / path).resolve() if path else (ROOT / name).resolve()
+            if ROOT not in dest.parents and dest != ROOT:
+                bad.append(f"{name}: {target} (outside the repository)")
+            elif not dest.exists():
+                bad.append(f"{name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+                bad.append(f"{name}: {target} (no such heading)")
+    assert not bad, bad
+
+
+def test_no_internal_words():
+    """Words of the project's own process mean nothing to a reader."""
+    words = ["seed 00", "seed document", "these machines", "../shared", "this project's cpu machines"]
+    found = [(name, w) for name, text in _pages().items() for w in words if w in text.lower()]
+    assert not found, found
+
+
+def test_first_screen_gets_a_user_going():
+    """What it is, the install (from a checkout), the example that replaces F.cross_entropy, the main
+    job and the tests, in that order, before the API."""
+    text = _readme()
+    order = ["## Quick start", "### Install", "pip install /path/to/fused-contrastive", "textbook = F.cross_entropy(",
+             "fc.info_nce(", "### The main job", "python -m fused_contrastive bench", "### The tests",
+             "python -m pytest -q", "## API"]
+    at = [text.find(w) for w in order]
+    assert all(i >= 0 for i in at) and at == sorted(at), dict(zip(order, at, strict=True))
+    assert not re.search(r"pip install \S*\"fused-contrastive", text), "an install line that is not from a checkout"
 
 
 def test_every_env_variable_is_documented():
