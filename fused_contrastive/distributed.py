@@ -12,8 +12,8 @@ Every public loss that takes ``gather=`` wears :func:`agreed` as its outermost d
 ``@leveled``, whose level checks are argument checks too), and calls :func:`agree` after it has validated
 its arguments and before any other collective: one all-gather per call of a status word, the scale, the
 local sizes and a digest of the whole call. The digest comes from the public function's bound arguments
-(``inspect.signature``, defaults applied): one 48-bit hash per argument of its description (every
-option as written, a tensor as its dtype, dims and trailing shape, since dim 0 is the rank's own rows; a
+(``inspect.signature``, defaults applied): one 48-bit hash of the arguments' descriptions (every
+option as written, a tensor as its dtype and trailing shape, since dim 0 is the rank's own rows; a
 sequence element by element; ``gather`` itself left out), and the value of each 0-dim floating tensor
 (a learnable temperature). So:
 
@@ -50,8 +50,10 @@ _F = TypeVar("_F", bound=Callable)
 _CALL = threading.local()  # the gathered loss call in progress on this thread (see ``agreed``)
 
 
-_SLOTS = 40  # argument digests per call (a loss with more arguments folds the rest into the last slot)
-_UNKNOWN = -1.0  # a digest slot of a rank whose arguments did not bind (its own TypeError is reported)
+_VALUES = 32  # 0-dim tensor arguments compared by value: those among a loss's first _VALUES arguments
+_UNKNOWN = -1.0  # the digest of a rank whose arguments did not bind (its own TypeError is reported)
+_P = inspect.Parameter
+_DTYPE_NAMES: dict = {}
 
 
 def _h48(text: str) -> float:
@@ -63,10 +65,17 @@ def describe(v) -> str:
     """An argument as the ranks' agreement compares it: numbers, strings, flags and None by value; a
     tensor by dtype and trailing shape (``[*, 8]``: dim 0, this rank's rows, may differ between ranks;
     values are not read, see ``_Digest``); a sequence element by element (list and tuple alike)."""
-    if v is None or isinstance(v, (bool, str)):
+    t = type(v)
+    if v is None or t is bool or t is str:
+        return repr(v)
+    if t is int:
+        return str(v)
+    if t is float:
         return repr(v)
     if isinstance(v, Tensor):
-        dt = str(v.dtype).removeprefix("torch.")
+        dt = _DTYPE_NAMES.get(v.dtype)
+        if dt is None:
+            dt = _DTYPE_NAMES[v.dtype] = str(v.dtype).removeprefix("torch.")
         if v.dim() == 0:
             return f"tensor({dt}, 0-dim)"
         return f"tensor({dt}, [{', '.join(['*', *map(str, v.shape[1:])])}])"
@@ -85,53 +94,83 @@ def describe(v) -> str:
     return type(v).__qualname__
 
 
+class _Binder:
+    """A public function's arguments by name, defaults applied (``inspect.Signature.bind`` without its
+    cost, ~50 us a call; a signature with ``*args`` / ``**kwargs`` uses it). ``gather`` and private
+    (``_``) parameters are left out."""
+
+    def __init__(self, fn):
+        try:
+            self.sig: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):
+            self.sig = None
+            return
+        ps = list(self.sig.parameters.values())
+        self.slow = any(p.kind in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD) for p in ps)
+        self.positional = [p.name for p in ps if p.kind in (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)]
+        self.names = {p.name for p in ps if p.kind != _P.POSITIONAL_ONLY}
+        self.keep = [(p.name, p.default) for p in ps if p.name != "gather" and not p.name.startswith("_")]
+
+    def __call__(self, args: tuple, kwargs: dict) -> list[tuple[str, object]] | None:
+        """``[(name, value)]`` in signature order, or None when the call does not bind (it raises)."""
+        if self.sig is None:
+            return None
+        if self.slow:
+            try:
+                bound = self.sig.bind(*args, **kwargs)
+            except TypeError:
+                return None
+            bound.apply_defaults()
+            return [(k, v) for k, v in bound.arguments.items() if k != "gather" and not k.startswith("_")]
+        if len(args) > len(self.positional):
+            return None
+        vals = dict(zip(self.positional, args, strict=False))
+        for k, v in kwargs.items():
+            if k in vals or k not in self.names:
+                return None
+            vals[k] = v
+        out = []
+        for k, default in self.keep:
+            v = vals.get(k, default)
+            if v is _P.empty:
+                return None
+            out.append((k, v))
+        return out
+
+
 class _Digest:
-    """One rank's gathered call: the loss, its argument names (``gather`` and private ones left out),
-    their descriptions and hashes, and the 0-dim floating tensors among them (their values are
-    compared too, on the device: a learnable temperature)."""
+    """One rank's gathered call: the loss, its arguments' names and descriptions (:func:`describe`),
+    one hash of them all (what the exchange compares), and the 0-dim floating tensors among them
+    (their values are compared too, on the device: a learnable temperature). The per-argument text
+    travels only when the hashes or values differ, to name the arguments."""
 
-    __slots__ = ("args", "descs", "hashes", "head", "values")
+    __slots__ = ("args", "descs", "head", "values")
 
-    def __init__(self, name: str, sig: inspect.Signature | None, args: tuple, kwargs: dict):
+    def __init__(self, name: str, binder: _Binder | None, args: tuple, kwargs: dict):
         self.args: list[str] = []
         self.descs: list[str] = []
         self.values: dict[int, Tensor] = {}
-        self.hashes = [_UNKNOWN] * _SLOTS
-        bound = None
-        if sig is not None:
-            try:
-                bound = sig.bind(*args, **kwargs)
-            except TypeError:  # the call itself raises it, and it is reported as this rank's error
-                bound = None
+        bound = None if binder is None else binder(args, kwargs)
         if bound is None:
-            self.head = _h48(name)
+            self.head = _UNKNOWN
             return
-        bound.apply_defaults()
-        for k, v in bound.arguments.items():
-            if k == "gather" or k.startswith("_"):
-                continue
+        for i, (k, v) in enumerate(bound):
             try:
                 d = describe(v)
             except Exception:  # noqa: BLE001 - a description never fails the call
                 d = type(v).__qualname__
-            if len(self.args) == _SLOTS:  # fold the rest into the last slot
-                self.args[-1] += f", {k}"
-                self.descs[-1] += f", {d}"
-            else:
-                self.args.append(k)
-                self.descs.append(d)
-            if isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() and len(self.args) <= _SLOTS:
-                self.values[len(self.args) - 1] = v
-        self.head = _h48(f"{name}({', '.join(self.args)})")
-        for i, (k, d) in enumerate(zip(self.args, self.descs, strict=True)):
-            self.hashes[i] = _h48(f"{k}={d}")
+            self.args.append(k)
+            self.descs.append(d)
+            if i < _VALUES and isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point():
+                self.values[i] = v
+        self.head = _h48(name + "(" + "; ".join(f"{k}={d}" for k, d in zip(self.args, self.descs, strict=True)) + ")")
 
-    def text(self, i: int) -> str:
-        """Slot ``i``'s description, a 0-dim tensor's value included (read on the host: error path)."""
-        d = self.descs[i]
-        if i in self.values:
-            d += f" = {float(self.values[i].detach()):.9g}"
-        return d if len(d) <= 160 else d[:157] + "..."
+    def texts(self) -> list[str]:
+        """The descriptions, 0-dim tensors' values included (read on the host: the error path)."""
+        out = list(self.descs)
+        for i, t in self.values.items():
+            out[i] += f" = {float(t.detach())!r}"
+        return out
 
 
 class _Call:
@@ -143,6 +182,10 @@ class _Call:
 
 def _ranks(rs: list[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def _short(d: str) -> str:
+    return d if len(d) <= 160 else d[:157] + "..."
 
 
 def _same(a: float, b: float) -> bool:
@@ -160,25 +203,22 @@ def _exchange_device(grp: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-_HEAD = 5  # [failed, scale, rows, cols, the loss's hash], then _SLOTS argument hashes, then _SLOTS values
-
-
 def _exchange(call: _Call, failure: BaseException | None, scale=None, rows: int | None = None,
               cols: int | None = None) -> list[list[float]]:
-    """The first collective of a gathered loss call: per rank ``[failed, scale, rows, cols, loss,
-    argument hashes..., 0-dim tensor values...]`` (NaN / -1 where not given). When a rank failed or the
-    digests differ, a second exchange carries the errors' text and the differing arguments'
-    descriptions: a failing rank returns (its caller re-raises its own error, with a note saying what
-    the other ranks were told), every other rank raises a ``ValueError`` naming the failing ranks and
-    the differing arguments with the ranks that passed each value."""
+    """The first collective of a gathered loss call: per rank ``[failed, scale, rows, cols, the call's
+    digest, its 0-dim tensor arguments' values...]`` (NaN / -1 where not given). When a rank failed or
+    the calls differ, a second exchange carries the errors' text and every argument's description: a
+    failing rank returns (its caller re-raises its own error, with a note saying what the other ranks
+    were told), every other rank raises a ``ValueError`` naming the failing ranks and the differing
+    arguments with the ranks that passed each value."""
     call.done = True
     call.sent = (rows, cols)
     grp = call.grp
     dev = _exchange_device(grp)
     dg = call.digest if call.digest is not None else _Digest(call.name, None, (), {})
     host = [1.0 if failure is not None else 0.0, math.nan, -1.0 if rows is None else float(rows),
-            -1.0 if cols is None else float(cols), dg.head, *dg.hashes, *([math.nan] * _SLOTS)]
-    fills = {_HEAD + _SLOTS + i: t for i, t in dg.values.items()}
+            -1.0 if cols is None else float(cols), dg.head, *([math.nan] * _VALUES)]
+    fills = {5 + i: t for i, t in dg.values.items()}
     if isinstance(scale, Tensor):
         fills[1] = scale
     elif scale is not None:
@@ -193,31 +233,29 @@ def _exchange(call: _Call, failure: BaseException | None, scale=None, rows: int 
     table = torch.stack(every).cpu().tolist()
     call.table = table
     failed = [r for r, row in enumerate(table) if row[0]]
-    known = [r for r, row in enumerate(table) if row[_HEAD] != _UNKNOWN]
-    other_loss = len({table[r][4] for r in known}) > 1
-    slots = [] if other_loss or not known else [
-        i for i in range(_SLOTS)
-        if any(table[r][_HEAD + i] != table[known[0]][_HEAD + i]
-               or not _same(table[r][_HEAD + _SLOTS + i], table[known[0]][_HEAD + _SLOTS + i]) for r in known)]
-    if failed or other_loss or slots:
+    known = [r for r, row in enumerate(table) if row[4] != _UNKNOWN]
+    differ_any = any(table[r][4] != table[known[0]][4]
+                     or not all(_same(x, y) for x, y in zip(table[r][5:], table[known[0]][5:], strict=True))
+                     for r in known)
+    if failed or differ_any:
         text = None if failure is None else f"{type(failure).__name__}: {failure}"
-        mine_desc = {i: (dg.args[i] if i < len(dg.args) else f"argument {i}",
-                         dg.text(i) if i < len(dg.args) else "?") for i in slots}
         notes: list = [None] * world
-        dist.all_gather_object(notes, (text, call.name, mine_desc), group=grp)
+        dist.all_gather_object(notes, (text, call.name, dg.args, dg.texts()), group=grp)
         parts = []
-        if other_loss:
+        if len({(notes[r][1], tuple(notes[r][2])) for r in known}) > 1:
             by: dict[str, list[int]] = {}
             for r in known:
                 by.setdefault(notes[r][1], []).append(r)
             parts.append("the ranks called different losses: "
                          + " vs ".join(f"{n} on {_ranks(rs)}" for n, rs in by.items()))
-        for i in slots:
-            arg = notes[known[0]][2][i][0]
-            by = {}
-            for r in known:
-                by.setdefault(notes[r][2][i][1], []).append(r)
-            parts.append(f"{arg} differs: " + " vs ".join(f"{d} on {_ranks(rs)}" for d, rs in by.items()))
+        elif known:
+            for i, arg in enumerate(notes[known[0]][2]):
+                by = {}
+                for r in known:
+                    by.setdefault(notes[r][3][i], []).append(r)
+                if len(by) > 1:
+                    parts.append(f"{arg} differs: "
+                                 + " vs ".join(f"{_short(d)} on {_ranks(rs)}" for d, rs in by.items()))
         differ = "; ".join(parts)
         here = dist.get_rank(grp)
         if failure is not None:
@@ -253,10 +291,7 @@ def agreed(fn: _F) -> _F:
     raised before that collective (an argument check, on one rank or on all) is announced to every rank
     in it, which the healthy ranks are waiting in."""
     name = fn.__name__
-    try:
-        sig: inspect.Signature | None = inspect.signature(fn)
-    except (TypeError, ValueError):
-        sig = None
+    binder = _Binder(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -265,7 +300,7 @@ def agreed(fn: _F) -> _F:
                 or not (dist.is_available() and dist.is_initialized()):
             return fn(*args, **kwargs)
         grp = process_group(gather)
-        call = _CALL.call = _Call(name, grp, _Digest(name, sig, args, kwargs))
+        call = _CALL.call = _Call(name, grp, _Digest(name, binder, args, kwargs))
         try:
             out = fn(*args, **kwargs)
             if not call.done:  # a body that returned without any collective still agrees (and checks)

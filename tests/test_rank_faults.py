@@ -158,3 +158,49 @@ def test_disagreeing_ranks_raise_promptly_naming_the_argument(tmp_path):
         sub = tmp_path / f"w{world}"
         sub.mkdir()
         _check(run_ranks(_worker, world, sub, timeout=150), world)
+
+
+def _gathered_losses():
+    import fused_contrastive.distributed as fd
+
+    out = []
+    for name in dir(fc):
+        f = getattr(fc, name)
+        w = f
+        while w is not None and callable(w):  # an @agreed wrapper keeps its binder in its closure
+            cells = getattr(w, "__closure__", None) or ()
+            if any(isinstance(c.cell_contents, fd._Binder) for c in cells if c.cell_contents is not None):
+                out.append((name, f))
+                break
+            w = getattr(w, "__wrapped__", None)
+    return out
+
+
+def test_every_gathered_loss_digests_its_whole_signature():
+    """The agreement's digest binds arguments as ``inspect.Signature.bind`` does (defaults applied,
+    ``gather`` left out), for every public loss that takes ``gather=``; a call that does not bind is
+    an unknown digest (the call's own TypeError is what that rank reports)."""
+    import inspect
+
+    from fused_contrastive.distributed import _UNKNOWN, _Binder, _Digest
+
+    losses = _gathered_losses()
+    names = {n for n, _ in losses}
+    assert {"info_nce", "clip_loss", "simcse_loss", "simcse_sup_loss", "gist_loss", "supcon_loss", "dscl_loss",
+            "dcl_loss", "dclw_loss", "cosent_loss", "cosent_loss_from_scores", "siglip_loss"} <= names, names
+    x = torch.randn(4, 3)
+    for name, f in losses:
+        sig = inspect.signature(f)
+        assert "gather" in sig.parameters, name
+        required = [p.name for p in sig.parameters.values() if p.default is inspect.Parameter.empty]
+        args = tuple(x for _ in required if sig.parameters[_].kind != inspect.Parameter.KEYWORD_ONLY)
+        kwargs = {p: x for p in required if sig.parameters[p].kind == inspect.Parameter.KEYWORD_ONLY}
+        kwargs["gather"] = True
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        want = [(k, v) for k, v in bound.arguments.items() if k != "gather" and not k.startswith("_")]
+        got = _Binder(f)(args, kwargs)
+        assert [k for k, _ in got] == [k for k, _ in want], name
+        assert all(a is b for (_, a), (_, b) in zip(got, want, strict=True)), name
+        assert _Digest(name, _Binder(f), args, {**kwargs, "no_such_option": 1}).head == _UNKNOWN, name
+        assert _Digest(name, _Binder(f), args, kwargs).head == _Digest(name, _Binder(f), args, kwargs).head
