@@ -210,3 +210,19 @@ def test_tables_mark_noisy_ratios():
     assert torch64[6] == "1.30~"  # x ref: 1.3 [0.65, 1.95] over the reference's 1 [0.98, 1.02]
     ref64 = next(x for x in case if x.startswith("reference ") and x.split()[1] == "64").split()
     assert ref64[6] == "1.00"  # the reference against itself: no mark
+
+
+def test_summary_plot_draws_the_unfitted(tmp_path):
+    """The one-glance figure renders a report whose largest-N panel has a contender without a fit (it is
+    labelled there, not drawn as a bar) and a time ratio within noise."""
+    pytest.importorskip("matplotlib")
+    rows = []
+    for n in (1024, 2048, 4096):
+        rows += _rows("info_nce", "torch", n, 10.0, spread=0.5, peak=1e6 + 1000 * n, kind="ours")
+        rows += _rows("info_nce", "reference", n, 10.0, peak=5e6 + 10 * n * n)
+    rows = [r for r in rows if not (r["contender"] == "reference" and r["n"] == 1024)]  # two sizes: no fit
+    rep = _report(rows, ["info_nce"])
+    head = {h["contender"]: h for h in rep["summary"]["headline"]}
+    assert head["reference"]["largest_batch"] is None and head["torch"]["time_noise"] is True
+    path = R.plot_summary(rep, str(tmp_path))
+    assert path and (tmp_path / "bench_summary.png").stat().st_size > 0

@@ -722,6 +722,7 @@ def plot_summary(report: dict[str, Any], out_dir: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.transforms import blended_transform_factory
 
     head = report["summary"]["headline"]
     if not head:
@@ -737,18 +738,24 @@ def plot_summary(report: dict[str, Any], out_dir: str) -> str | None:
         color = _style(cname, j)[0]
         ys = [i + (j - (len(names) - 1) / 2) * height for i in range(len(cases))]
         for ax, key, f in zip(axes, keys, fmt, strict=True):
-            pts = [(y, (by.get((c, cname)) or {}).get(key)) for y, c in zip(ys, cases, strict=True)]
-            pts = [(y, v) for y, v in pts if v]
+            heads = [(y, by.get((c, cname))) for y, c in zip(ys, cases, strict=True)]
+            pts = [(y, h[key], h) for y, h in heads if h and h.get(key)]
+            if key == "largest_batch":  # ran, but no fit justifies an extrapolation: say so, draw no bar
+                for y, h in heads:
+                    if h and not h.get(key):
+                        ax.text(0.01, y, f"- {cname}: no justified fit", va="center", fontsize=6.5, color=color,
+                                transform=blended_transform_factory(ax.transAxes, ax.transData))
             if not pts:
                 continue
             ax.barh([p[0] for p in pts], [p[1] for p in pts], height=height * 0.9, color=color,
                     label=cname if ax is axes[0] else None)
-            for y, v in pts:
-                ax.text(v, y, " " + f(v), va="center", fontsize=6.5)
+            for y, v, h in pts:
+                noise = "~" if key == "time_vs_reference" and h.get("time_noise") else ""
+                ax.text(v, y, " " + f(v) + noise, va="center", fontsize=6.5)
     axes[0].set_yticks(range(len(cases)))
     axes[0].set_yticklabels([f"{c} (N={by[(c, 'reference')]['n']})" if (c, "reference") in by else c for c in cases])
     axes[0].invert_yaxis()
-    titles = ("forward+backward time / reference (largest N)", "peak memory / reference",
+    titles = ("forward+backward time / reference (largest N; ~ within noise)", "peak memory / reference",
               f"largest N within {report['meta']['mem_budget_bytes'] / GiB:.0f} GiB (EXTRAPOLATED)")
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log")
