@@ -31,8 +31,10 @@ def _cos(x, y):
     return F.cosine_similarity(x[:, None, :], y[None, :, :], dim=-1)
 
 
-def gist_definition(a, p_all, negs, ga, gp_all, gns, t, strategy="absolute", margin=0.0, ca=True, cp=True, off=0):
-    """Per-row GISTEmbed losses of rows ``a`` (global rows off..off+B) from the definition."""
+def gist_definition(a, p_all, negs, ga, gp_all, gns, t, strategy="absolute", margin=0.0, ca=True, cp=True, off=0,
+                    a_cols=None, ga_cols=None):
+    """Per-row GISTEmbed losses of rows ``a`` (global rows off..off+B) from the definition; ``a_cols`` /
+    ``ga_cols``: the anchor-anchor block's columns (default ``a`` / ``ga``: this rank's anchors)."""
     b = a.shape[0]
     rows = torch.arange(b)
     gpos = _cos(ga, gp_all)[rows, off + rows]
@@ -46,7 +48,7 @@ def gist_definition(a, p_all, negs, ga, gp_all, gns, t, strategy="absolute", mar
 
     scores = [block(a, p_all, ga, gp_all, True)]
     if ca:
-        scores.append(block(a, a, ga, ga, False))
+        scores.append(block(a, a if a_cols is None else a_cols, ga, ga if ga_cols is None else ga_cols, False))
     if cp:
         scores.append(block(p_all[off:off + b], p_all, gp_all[off:off + b], gp_all, False))
     scores += [block(a, x, ga, gx, False) for x, gx in zip(negs, gns, strict=True)]
@@ -406,9 +408,10 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
         mine = slice(off, off + b)
         la, lp, ln = (x[mine].clone().requires_grad_() for x in (a, p, negs[0]))
         loss = gist_loss(la, lp, ln, guide=(ga[mine], gp[mine], gns[0][mine]), temperature=0.1, margin=0.05,
-                         gather=True)
+                         gather=True, anchor_anchor="local")
         loss.backward()
-        # the global objective: every rank's rows (its own anchors in the anchor-anchor block) over the total
+        # anchor_anchor="local" (sentence-transformers' gather_across_devices): every rank's rows, its own
+        # anchors in the anchor-anchor block, over the total
         ra, rp, rn = (x.clone().requires_grad_() for x in (a, p, negs[0]))
         parts = []
         for r in range(world):
@@ -513,3 +516,88 @@ def test_info_nce_guide_duplicates_of_the_target_are_kept(dtype):
             got = fc.info_nce(a, p, guide=(ga, gp), temperature=0.05, reduction="none", backend=backend)
             torch.testing.assert_close(got, want.to(got.dtype), **tol)
     assert flipped >= 2, flipped
+
+
+# ---------------------------------------------------------------------------------------------
+# gather=True is the global batch: the anchor-anchor block against every rank's anchors
+# ---------------------------------------------------------------------------------------------
+
+GLOBAL_DIMS, GLOBAL_WEIGHTS = [6, 3, 4], [1.0, 0.5, 2.0]
+
+
+def _global_definition(a, p, n, ga, gp, gn, t, sizes, margin, dims=None, weights=None):
+    """The float64 global-batch GIST loss (mean over every rank's rows; the anchor-anchor block against
+    every anchor), optionally summed over Matryoshka levels (prefixes, re-normalised by the cosine)."""
+    total, out = sum(sizes), 0
+    for d, w in zip(dims or [a.shape[1]], weights or [1.0], strict=True):
+        parts = []
+        for r in range(len(sizes)):
+            o = sum(sizes[:r])
+            s = slice(o, o + sizes[r])
+            parts.append(gist_definition(a[s, :d], p[:, :d], [n[:, :d]], ga[s], gp, [gn], t, margin=margin, off=o,
+                                         a_cols=a[:, :d], ga_cols=ga))
+        out = out + w * torch.cat(parts).sum() / total
+    return out
+
+
+def _global_worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
+        a, p, negs, ga, gp, gns = _inputs(b=total, n_neg=1, d=8, seed=3)
+        n, gn = negs[0], gns[0]
+        mine = slice(off, off + b)
+        res = {"rank": rank}
+        for case, kw in (("default", {}), ("matryoshka", dict(matryoshka_dims=GLOBAL_DIMS,
+                                                              matryoshka_weights=GLOBAL_WEIGHTS))):
+            for backend in ("torch", "reference"):
+                la, lp, ln = (x[mine].clone().requires_grad_() for x in (a, p, n))
+                t = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)  # a learnable temperature
+                loss = gist_loss(la, lp, ln, guide=(ga[mine], gp[mine], gn[mine]), temperature=t, margin=0.05,
+                                 gather=True, backend=backend, **kw)
+                loss.backward()
+                ra, rp, rn = (x.clone().requires_grad_() for x in (a, p, n))
+                t2 = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+                want = _global_definition(ra, rp, rn, ga, gp, gn, t2, sizes, 0.05,
+                                          kw.get("matryoshka_dims"), kw.get("matryoshka_weights"))
+                want.backward()
+                # the rank average is the global loss, DDP's gradient average the global gradient
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                tg = t.grad.clone()
+                dist.all_reduce(tg)
+                grad_err = max(float((x.grad / world - y.grad[mine]).abs().max()) for x, y in
+                               ((la, ra), (lp, rp), (ln, rn)))
+                res[(case, backend)] = dict(loss_err=abs(float(mean) / world - float(want)), loss=float(want),
+                                            grad_err=grad_err, t_err=abs(float(tg) / world - float(t2.grad)),
+                                            scale=max(float(y.grad.abs().max()) for y in (ra, rp, rn)))
+            # the former semantics (a local anchor-anchor block) is not the global loss: the test can tell
+            la, lp, ln = (x[mine].clone() for x in (a, p, n))
+            local = gist_loss(la, lp, ln, guide=(ga[mine], gp[mine], gn[mine]), temperature=0.1, margin=0.05,
+                              gather=True, anchor_anchor="local", **kw).detach()
+            dist.all_reduce(local)
+            res[(case, "local_err")] = abs(float(local) / world - res[(case, "torch")]["loss"])
+        out.put(res)
+    except Exception:
+        out.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_is_the_global_batch_with_uneven_sizes(tmp_path):
+    # gist_loss(gather=True) keeps the library's contract (README "gather"): with uneven local batches,
+    # Matryoshka levels and a learnable temperature, the rank average of the loss is the float64 global
+    # loss and the gradients are its gradients (the anchor-anchor block against every rank's anchors)
+    results = run_ranks(_global_worker, 2, tmp_path, [7, 4], timeout=240)
+    for r in results:
+        assert "error" not in r, r.get("error")
+        for case in ("default", "matryoshka"):
+            for backend in ("torch", "reference"):
+                e = r[(case, backend)]
+                assert e["loss"] > 0.1 and e["scale"] > 1e-3, (r["rank"], case, backend, e)
+                assert e["loss_err"] < 1e-12 and e["grad_err"] < 1e-12 * max(1.0, e["scale"]), (case, backend, e)
+                assert e["t_err"] < 1e-10, (case, backend, e)
+            assert r[(case, "local_err")] > 1e-4, (case, r[(case, "local_err")])  # not vacuous

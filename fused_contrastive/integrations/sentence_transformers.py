@@ -883,6 +883,8 @@ class GISTEmbedLoss(nn.Module):
                          temperature=self.temperature, margin_strategy=self.margin_strategy, margin=self.margin,
                          contrast_anchors=self.contrast_anchors, contrast_positives=self.contrast_positives,
                          gather=_group(self.gather_across_devices) or False,
+                         # theirs gathers only the candidates: each rank's anchor-anchor block stays local
+                         anchor_anchor="local",
                          matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights)
 
     def leveled_forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None,

@@ -39,6 +39,8 @@ from ._scope import EPS, Scope
 __all__ = ["gist_loss"]
 
 MARGIN_STRATEGIES = ("absolute", "relative")
+#: ``gist_loss(anchor_anchor=)``: the anchor-anchor block's columns under ``gather``
+ANCHOR_ANCHOR = ("global", "local")
 
 
 #: ``theta_i`` from ``gpos_i`` (``core.blocks.threshold_of``). ``gpos_i`` itself is never a separate dot
@@ -88,6 +90,7 @@ def gist_loss(
     reduction: str = "mean",
     backend: str = "auto",
     gather=False,
+    anchor_anchor: str = "global",
     _levels=None,
 ) -> Tensor:
     """GISTEmbed loss (guided in-batch negatives; module docstring has the math) without the B x B
@@ -112,7 +115,13 @@ def gist_loss(
             (one fused kernel call per block, the guide tile computed in the kernel; float32 / 16-bit)
             or "reference" (materialises the matrices: the definition). Under ``torch.compile`` /
             ``torch.export`` the definition runs (traceable, materialised: B x 4B scores).
-        gather: gather positives and negatives (and their guide embeddings) over ranks; rows stay local.
+        gather: gather positives and negatives (and their guide embeddings) over ranks, and the
+            anchors for the anchor-anchor block (``anchor_anchor``); rows stay local. The rank average
+            is the loss of the global batch and DDP gives its gradients exactly.
+        anchor_anchor: the anchor-anchor block's columns under ``gather``: ``"global"`` (default: every
+            rank's anchors, the global-batch loss) or ``"local"`` (this rank's anchors only:
+            sentence-transformers' ``GISTEmbedLoss(gather_across_devices=True)``, which gathers only the
+            candidates; the drop-ins pass it). No effect without ``gather`` or ``contrast_anchors``.
 
     Also ``matryoshka_dims`` / ``matryoshka_weights`` / ``return_level_losses``: the model embeddings
     are truncated and re-normalised per level, the guide mask is the same at every level (one call
@@ -142,6 +151,7 @@ def gist_loss(
     V.same_device(anchors=anchors, guide_anchors=ga)
     margin_strategy = V.choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
     margin = V.number("margin", margin, low=-math.inf, strict=True)
+    anchor_anchor = V.choice("anchor_anchor", anchor_anchor, ANCHOR_ANCHOR)
     for name, v in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives),
                     ("normalize", normalize)):
         V.flag(name, v)
@@ -155,23 +165,31 @@ def gist_loss(
     scope.agree(s)
     p_all, off, _ = scope.rows(positives, "positives")
     n_all = [scope.rows(x, "negatives")[0] for x in negs]
+    # the anchor-anchor block's columns: every rank's anchors (the global batch) unless "local"
+    aa_global = contrast_anchors and not scope.local and anchor_anchor == "global"
+    a_all = scope.rows(anchors, "anchors")[0] if aa_global else anchors
     with torch.no_grad():
         gp_all = scope.rows(gp.detach(), "guide_positives")[0]
         gn_all = [scope.rows(x.detach(), "guide_negatives")[0] for x in gn]
+        ga_all = scope.rows(ga.detach(), "guide_anchors")[0] if aa_global else ga
     _, n_total = scope.offset(b, dev)
     rule = (margin_strategy, margin)
     if be == "reference":
         per = _reference(anchors, p_all, n_all, ga, gp_all, gn_all, rule, s, off, contrast_anchors,
-                         contrast_positives, normalize)
+                         contrast_positives, normalize, a_all, ga_all)
         return scope.reduce(per, reduction, n_total)
     xs = [anchors, p_all, *n_all]
+    guides = [ga, gp_all, *gn_all]
     blocks = [Block(rows=0, cols=1, protect=True)]
     if contrast_anchors:
-        blocks.append(Block(rows=0, cols=0))
+        if aa_global:  # this rank's anchors (rows) against the gathered ones (columns, tensor len(xs))
+            xs.append(a_all)
+            guides.append(ga_all)
+        blocks.append(Block(rows=0, cols=len(xs) - 1 if aa_global else 0))
     if contrast_positives:
         blocks.append(Block(rows=1, cols=1, row_start=off))
     blocks += [Block(rows=0, cols=2 + k) for k in range(len(n_all))]
-    masks = Masks(guides=(ga, gp_all, *gn_all), target=torch.arange(b, device=dev) + off, rule=rule)
+    masks = Masks(guides=tuple(guides), target=torch.arange(b, device=dev) + off, rule=rule)
     if reduction == "none":
         return merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, minus_target=True, backend=be)
     per_n = reduction == "mean" and scope.local
@@ -246,18 +264,19 @@ def _nan_rows(per: Tensor, theta: Tensor | None, col_guides) -> Tensor:
 
 
 def _reference(a, p_all, n_all, ga, gp_all, gn_all, rule, s, off, contrast_anchors, contrast_positives,
-               normalize) -> Tensor:
-    """GISTEmbed's definition, materialised ([B] per-row losses)."""
+               normalize, a_all, ga_all) -> Tensor:
+    """GISTEmbed's definition, materialised ([B] per-row losses); ``a_all`` / ``ga_all``: the
+    anchor-anchor block's columns (every rank's anchors, or this rank's)."""
     b = a.shape[0]
     tgt = torch.arange(b, device=a.device) + off
     blocks = [_DenseBlock(a, p_all, ga, gp_all, protect=tgt)]
     if contrast_anchors:
-        blocks.append(_DenseBlock(a, a, ga, ga))
+        blocks.append(_DenseBlock(a, a_all, ga, ga_all))
     if contrast_positives:
         blocks.append(_DenseBlock(p_all[off : off + b], p_all, gp_all[off : off + b], gp_all))
     blocks += [_DenseBlock(a, x, ga, gx) for x, gx in zip(n_all, gn_all, strict=True)]
     per, theta = _dense(blocks, rule, s, normalize, 0, tgt)
-    return _nan_rows(per, theta, [gp_all, *gn_all, *((ga,) if contrast_anchors else ())])
+    return _nan_rows(per, theta, [gp_all, *gn_all, *((ga_all,) if contrast_anchors else ())])
 
 
 def _id_vector(name: str, v, n: int, dev) -> Tensor:
