@@ -10,15 +10,24 @@ is recomputed with the RNG state of its first run (``preserve_rng_state=True``: 
 which SimCSE depends on) and under the same autocast state, and its backward runs at once, so at most
 one chunk's activations are alive. Parameters collect one gradient per step (autograd sums the chunks
 before a parameter's gradient is accumulated), so DDP all-reduces once per step.
+
+Normalisation layers with running statistics (``BatchNorm*``, ``SyncBatchNorm``, ``InstanceNorm*``
+with ``track_running_stats=True``) in training mode would update them twice per chunk, once in the
+forward and once in the recompute; their buffers are put back after the recompute (which normalises
+with the batch statistics, as the forward did: all their backward reads), so the running statistics
+end as one plain forward of each chunk leaves them. This needs the layers to be found: ``encoder`` an ``nn.Module``
+(DDP included) or a bound method of one.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import checkpoint as _checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -45,6 +54,30 @@ def _extra_devices(encoder, leaves: list) -> list[Tensor]:
     have = {x.device for x in leaves if isinstance(x, Tensor)}
     devs = {p.device for p in encoder.parameters() if p.device.type == "cuda"} - have
     return [torch.empty(0, device=d) for d in sorted(devs, key=str)]
+
+
+def _running_stat_layers(encoder) -> list[nn.Module]:
+    """The normalisation layers with running statistics of ``encoder`` (an ``nn.Module``, or a bound
+    method of one); [] for another callable."""
+    module = encoder if isinstance(encoder, nn.Module) else getattr(encoder, "__self__", None)
+    if not isinstance(module, nn.Module):
+        return []
+    return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+
+
+@contextlib.contextmanager
+def _stats_untouched(layers: list[nn.Module]):
+    """The recompute of a chunk: its layers in training mode normalise as in the forward (batch
+    statistics, which is all their backward reads) and their running statistics are put back after it,
+    as the forward left them."""
+    saved = [(b, b.detach().clone()) for m in layers if m.training and m.track_running_stats
+             for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
 
 
 def _ddp_chunk_count(encoder, n: int, chunk_size: int) -> int | None:
@@ -100,7 +133,16 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
     Several inputs per example (anchor, positive and negative texts; two dropout views of the same
     sentences) are several calls; the backward recomputes each call's chunks in reverse order. The
     encoder's forward runs twice per chunk (once here, once in the backward), so a step costs about
-    one extra forward over a step without chunks.
+    one extra forward over a step without chunks. Running statistics of normalisation layers (BatchNorm)
+    are updated once per chunk, as plain forwards of the chunks would (the recompute leaves them alone;
+    see the module docstring).
+
+    Under ``DistributedDataParallel`` with ``broadcast_buffers=True`` (its default) and a module that has
+    buffers, every forward is a collective, so every rank runs as many chunks as the rank with the most
+    rows needs (``ceil(N_max / chunk_size)``); a rank whose batch needs fewer chunks splits it into that
+    many near-equal chunks instead of ``chunk_size``-row ones (sizes differing by at most one, larger
+    first: with ``chunk_size=4`` and 12 rows on another rank, 7 rows become 3 + 2 + 2, not 4 + 3), and
+    a rank with fewer rows than that count raises.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
@@ -132,6 +174,8 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
 
     outs = []
     extra = _extra_devices(encoder, leaves) if preserve_rng_state else []
+    layers = _running_stat_layers(encoder) if torch.is_grad_enabled() else []
+    more = {"context_fn": lambda: (contextlib.nullcontext(), _stats_untouched(layers))} if layers else {}
     starts = list(range(0, n, chunk_size))
     if same is not None and same != len(starts):
         # as many chunks as the rank with the most (each rank has at least that many rows), as even as possible
@@ -147,7 +191,7 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
         tensors = [x for x in chunk_of(start) if isinstance(x, Tensor) and x.dim() > 0]
         if torch.is_grad_enabled():
             outs.append(_checkpoint.checkpoint(run, *tensors, *extra, use_reentrant=False,
-                                               preserve_rng_state=preserve_rng_state))
+                                               preserve_rng_state=preserve_rng_state, **more))
         else:
             outs.append(run(*tensors))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
