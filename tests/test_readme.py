@@ -138,3 +138,22 @@ def test_sentence_transformers_extra_and_import_path():
         warnings.simplefilter("error", DeprecationWarning)
         mod = importlib.import_module(peer.group(1))
     assert hasattr(mod, peer.group(2))
+
+
+def test_api_page_signatures_are_the_functions():
+    """docs/api.md states each public function's full signature: it is the function's own."""
+    import inspect
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    stated = dict(re.findall(r"### `(\w+)`\n\n```text\n(.*?)\n```", text))
+    names = [n for n in fc.__all__ if not n.startswith("__") and n != "nn"]
+    assert sorted(stated) == sorted(names)
+    for name in names:
+        parts, star = [], False
+        for p in inspect.signature(getattr(fc, name)).parameters.values():
+            if p.kind == p.KEYWORD_ONLY and not star:
+                parts.append("*")
+                star = True
+            default = "" if p.default is p.empty else "=" + repr(p.default).replace("'", '"')
+            parts.append(p.name + default)
+        assert stated[name] == f"{name}({', '.join(parts)})", name
