@@ -6,7 +6,7 @@ tokenizer in a temporary directory and trains on generated (anchor, positive) pa
 the same words shuffled. Replace ``build_model`` with ``SentenceTransformer("your/model")`` and the
 dataset with yours for real training.
 
-    pip install 'fused-contrastive[sentence-transformers]' datasets accelerate
+    pip install "/path/to/fused-contrastive[sentence-transformers]"   # a checkout of this project
     python examples/train_sentence_transformers.py --steps 20 --batch-size 64
 """
 
