@@ -166,13 +166,13 @@ def _gathered_losses():
     out = []
     for name in dir(fc):
         f = getattr(fc, name)
-        w = f
+        w, depth = f, 0
         while w is not None and callable(w):  # an @agreed wrapper keeps its binder in its closure
             cells = getattr(w, "__closure__", None) or ()
             if any(isinstance(c.cell_contents, fd._Binder) for c in cells if c.cell_contents is not None):
-                out.append((name, f))
+                out.append((name, f, depth))
                 break
-            w = getattr(w, "__wrapped__", None)
+            w, depth = getattr(w, "__wrapped__", None), depth + 1
     return out
 
 
@@ -185,11 +185,13 @@ def test_every_gathered_loss_digests_its_whole_signature():
     from fused_contrastive.distributed import _UNKNOWN, _Binder, _Digest
 
     losses = _gathered_losses()
-    names = {n for n, _ in losses}
+    names = {n for n, _, _ in losses}
     assert {"info_nce", "clip_loss", "simcse_loss", "simcse_sup_loss", "gist_loss", "supcon_loss", "dscl_loss",
             "dcl_loss", "dclw_loss", "cosent_loss", "cosent_loss_from_scores", "siglip_loss"} <= names, names
+    # @D.agreed is the outermost decorator (above @leveled: its level checks can raise on one rank)
+    assert all(depth == 0 for _, _, depth in losses), losses
     x = torch.randn(4, 3)
-    for name, f in losses:
+    for name, f, _ in losses:
         sig = inspect.signature(f)
         assert "gather" in sig.parameters, name
         required = [p.name for p in sig.parameters.values() if p.default is inspect.Parameter.empty]
