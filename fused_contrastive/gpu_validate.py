@@ -660,7 +660,8 @@ def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle) 
     import multiprocessing as mp
 
     units = [(shape, regime, dt) for shape in plan.parity_shapes for regime in plan.regimes for dt in plan.dtypes]
-    remaining = None if report.deadline is None else max(report.deadline - time.monotonic(), 0.0)
+    # 60 % of what is left: the timings that follow get the rest
+    remaining = None if report.deadline is None else 0.6 * max(report.deadline - time.monotonic(), 0.0)
     quiet = dict(timing_sizes=(), ncu=False, budget_s=remaining, jobs=1)
     plans = []
     for j in range(plan.jobs):

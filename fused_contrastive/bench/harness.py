@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..core import reference
-from ..testing.accuracy import amp_of, check_output, same_dtype_error, tolerance
+from ..testing.accuracy import amp_of, check_output, same_dtype_error
 from .contenders import DTYPES, MEMORY_BOUND_BYTES_PER_S, CaseInputs, Contender, Planned, bind, get_contender, plan
 from .memory import is_oom, meter
 
@@ -120,8 +120,7 @@ def _compare(loss, grads, truth: dict[str, Any], dtype: torch.dtype, inputs: Cas
                 ok, worst = False, f"{name}: missing"
             continue
         # the same-dtype error enters as a precomputed number (THE rule: accuracy.tolerance)
-        w, err, _ = check_output(name, got.detach().cpu(), want, None, dtype, amp)
-        tol = tolerance(want, e_same, dtype, amp)
+        w, err, tol = check_output(name, got.detach().cpu(), want, None, dtype, amp, e_same=e_same)
         if name == "loss":
             d_loss = err
         else:

@@ -5,9 +5,10 @@ A backend computing in ``dtype`` is compared with the **float64 ground truth** (
 run in float64 on the same, dtype-rounded inputs). For every output (the loss and the gradient of
 every differentiable input, a tensor temperature included), elementwise::
 
-    |got - truth| <= min(2 * e_same, slack[dtype] * size) + slack[dtype] * size
+    |got - truth| <= min(2 * e_same, slack[dtype] * size) + slack[dtype] * size + spacing(truth)
 
-where ``size`` is **that output's own size**, ``max |truth|`` over its elements, ``slack``
+plus the spacing of the output's own dtype at ``truth`` (:func:`spacing`: its rounding, which no
+backend avoids), where ``size`` is **that output's own size**, ``max |truth|`` over its elements, ``slack``
 (:data:`SLACK`) a relative error per dtype, and ``e_same`` PyTorch's own error in that dtype: the
 largest error of the reference backend computing *in* ``dtype`` (``reference.computing_in``) against
 the same truth. So a fused backend may be as inaccurate as PyTorch is in the dtype asked for, up to
@@ -21,8 +22,8 @@ twice the slack and never more:
 
 Healthy kernels sit near 5e-3 (bf16) / 5e-4 (fp16) of ``max |truth|``; the tolerance is 1-2e-2 / 2-4e-3.
 
-* An output whose truth is exactly zero everywhere has size 0: it must come out exactly zero (a
-  gradient that no logit reaches is not computed, it is zeros).
+* An output whose truth is exactly zero everywhere has size 0: it must come out zero to within its
+  dtype's smallest step (a gradient that no logit reaches is not computed, it is zeros).
 * The gradient of a 0-dim input ``x`` (a temperature, a scale, a bias) is one number summed from
   terms whose size is ``amp = 1 / min(|x|, 1)^2`` (``dL/dt = -dL/ds / t^2`` of O(1) terms ``dL/ds``):
   its size is ``max(|truth|, amp)``, the size of the terms its rounding comes from.
@@ -76,7 +77,9 @@ def run(case: Case, inputs: Inputs, backend: str, dtype: torch.dtype, device="cp
     the padded inputs' row stride is a multiple of it (16 for the ahead-of-time kernels)."""
     tensors, kwargs = inputs
     leaves = {k: _leaf(v, dtype, device, canary, canary_align) for k, v in tensors.items()}
-    kw = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
+    kw = {k: (v.to(device) if isinstance(v, Tensor) else
+              tuple(x.to(device) if isinstance(x, Tensor) else x for x in v) if isinstance(v, tuple) else v)
+          for k, v in kwargs.items()}
     loss = case.fn(**leaves, **kw, backend=backend)
     total = loss
     if loss.dim() > 0:
@@ -158,22 +161,34 @@ def tolerance(truth: Tensor, e_same: float, dtype: torch.dtype, amp: float = 0.0
     return min(2 * e_same, grant) + grant
 
 
+def spacing(truth: Tensor, dtype: torch.dtype) -> Tensor:
+    """Elementwise, the gap between ``dtype``'s numbers at ``|truth|`` (float64): what storing the
+    output in its dtype costs at least, ``|x| eps`` or, below the smallest normal, the subnormal step (a
+    mean-reduced fp16 gradient at N = 4099 and temperature 0.01 is ~1e-7, where fp16 steps by 6e-8)."""
+    fi = torch.finfo(dtype)
+    t = truth.detach().double().cpu().abs().nan_to_num(posinf=0.0)
+    return torch.maximum(t * fi.eps, torch.full_like(t, fi.smallest_normal * fi.eps))
+
+
 def check_output(name: str, got: Tensor, truth: Tensor, same: Tensor | None, dtype: torch.dtype,
-                 amp: float = 0.0) -> tuple[Worst, float, float]:
-    """(worst element, its error, the tolerance) of one output under THE rule; ``amp``: :func:`amp_of`
-    of the input whose gradient this is (0 for the loss and tensor inputs)."""
+                 amp: float = 0.0, e_same: float | None = None) -> tuple[Worst, float, float]:
+    """(the element nearest to or furthest past its tolerance, its error, its tolerance) of one output
+    under THE rule; ``amp``: :func:`amp_of` of the input whose gradient this is (0 for the loss and
+    tensor inputs); ``e_same``: PyTorch's same-dtype error when known already (else from ``same``)."""
     if got.shape != truth.shape:
         raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(truth.shape)}")
     err = _error(got, truth)
-    e_same = same_dtype_error(same, truth) if same is not None else 0.0
-    tol = tolerance(truth, e_same, dtype, amp)
+    if e_same is None:
+        e_same = same_dtype_error(same, truth) if same is not None else 0.0
+    tol = tolerance(truth, e_same, dtype, amp) + spacing(truth, got.dtype)
     if err.numel() == 0:
-        return Worst(name, (), 0.0, 0.0, 0.0, tol), 0.0, tol
-    flat = int(err.flatten().argmax())
+        return Worst(name, (), 0.0, 0.0, 0.0, 0.0), 0.0, 0.0
+    ratio = err / tol.clamp_min(1e-300)
+    flat = int(ratio.flatten().argmax())
     idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.dim() else ()
     g, t = got.detach().double().cpu().flatten()[flat], truth.detach().double().cpu().flatten()[flat]
-    e = float(err.flatten()[flat])
-    return Worst(name, idx, float(g), float(t), e, tol), e, tol
+    e, tl = float(err.flatten()[flat]), float(tol.flatten()[flat])
+    return Worst(name, idx, float(g), float(t), e, tl), e, tl
 
 
 def _ratio(err: float, tol: float) -> float:
@@ -247,4 +262,4 @@ def loss_and_grads(fn, tensors: dict[str, Tensor], backend: str, upstream: Tenso
 
 
 __all__ = ["SLACK", "Comparison", "Worst", "amp_of", "assert_close", "check_output", "compare", "loss_and_grads", "run",
-           "tolerance"]
+           "spacing", "tolerance"]

@@ -17,6 +17,7 @@ Adding a loss: write its function (its family's module of ``losses/``), its refe
 from __future__ import annotations
 
 import contextvars
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ class Case:
             bound); None: the ``cols`` of ``logits``, else N.
         inductor: the case that represents its loss function in the Inductor compile test (exactly one
             per public loss function).
+        peaked: the correlated regimes apply (:data:`REGIMES`).
     """
 
     name: str
@@ -67,6 +69,9 @@ class Case:
     min_n: int = 1
     m: Callable[[int], int] | None = None
     inductor: bool = False
+    #: whether the correlated regimes of :func:`make_inputs` apply: False where a row's positive is the
+    #: row itself (cosine 1: any temperature saturates its softmax), whose regimes are its flat inputs
+    peaked: bool = True
 
     def cols(self, n: int) -> int:
         """M: the columns of the contrast set at N anchors."""
@@ -89,34 +94,39 @@ class Case:
 
 
 #: Input regimes of :func:`make_inputs`: the temperature each sets (None: the case's own, on
-#: independent random rows). "peaked" and "sharp" give every row a shared direction and correlate every
-#: pair of rows a case makes positive (both as trained embeddings are: anisotropic, positives closest),
-#: and set every temperature-like argument to 0.05 / 0.01 (``logit_scale`` and CoSENT's ``scale`` to
-#: 20 / 100). The correlation is chosen for the temperature: the positive's logit stands ``log N + 2``
-#: above a typical negative's, so the softmax is peaked on the target (p ~ 0.9, loss ~ 0.1) without
-#: saturating: the loss is a small difference of large logits and the gradient ``p - y`` cancels, the
-#: regime where a 16-bit intermediate shows and a flat random softmax hides it.
+#: independent random rows). "peaked" and "sharp" correlate every pair of rows a case makes positive and
+#: set every temperature-like argument to 0.05 / 0.01 (``logit_scale`` and CoSENT's ``scale`` to 20 /
+#: 100). The positives' cosine is chosen for the temperature, N and D (0.5 at 0.05 and 0.17 at 0.01 for
+#: N = 4099, D = 768; up to 0.95 at small D, whose random cosines are wide): the target's logit stands
+#: ``log N + 2`` above the log-mean-exp of the other logits, so the softmax is peaked on it (p ~ 0.9,
+#: loss ~ 0.1) without saturating. The loss is then a small difference of large logits and the gradient
+#: ``p - y`` cancels in its target term: the regime where a 16-bit intermediate shows, and a flat random
+#: softmax hides it. The rows stay isotropic (no shared direction): with every cosine near 0.9 the
+#: gradient is a small difference of nearly parallel unit rows, which no 16-bit GEMM operand resolves.
 REGIMES: dict[str, float | None] = {"flat": None, "peaked": 0.05, "sharp": 0.01}
-#: In a correlated regime: the latent rows by D, their generator and the shared-direction weight.
+#: In a correlated regime: the latent rows by D, their generator and the positives' cosine.
 _LATENT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("_LATENT", default=None)
-_NOISE = 0.5  # the noise scale beside a unit-variance latent row
 
 
 def _latent(n: int, t: float, seed: int) -> dict:
-    """The correlated regime's state at N anchors and temperature t: cosines of rows sharing a latent
-    row, ``(a^2 + 1) / (a^2 + 1 + noise^2)``, exceed those of other rows, ``a^2 / (...)``, by
-    ``1 / (a^2 + 1 + noise^2) = (log N + 2) t`` logits / scale."""
-    gap = (torch.log(torch.tensor(float(max(n, 2)))).item() + 2.0) * t
-    a2 = max(1.0 / gap - 1.0 - _NOISE**2, 0.0)
-    return {"gen": torch.Generator().manual_seed(seed + 1_000_003), "a": a2**0.5,
-            "mid": (a2 + 0.5) / (a2 + 1.0 + _NOISE**2), "dirs": {}, "rows": {}}
+    """The correlated regime's state at N anchors and temperature t (the cosine is set per D at use)."""
+    return {"gen": torch.Generator().manual_seed(seed + 1_000_003), "n": max(n, 2), "t": t, "rows": {}}
+
+
+def positive_cosine(n: int, d: int, t: float) -> float:
+    """The positives' cosine of a correlated regime: ``c / t = LSE + 2``, LSE the log-sum-exp of N random
+    logits of standard deviation ``s = 1 / (t sqrt D)``: ``log N + s^2 / 2`` while the sum is a mean
+    (``s^2 < 2 log N``), else its largest term ``s sqrt(2 log N)``; at most 0.95."""
+    s2, ln = 1.0 / (t * t * max(d, 1)), math.log(n)
+    lse = ln + s2 / 2 if s2 < 2 * ln else math.sqrt(s2 * 2 * ln)
+    return min(0.95, t * (lse + 2.0))
 
 
 def _randn(g: torch.Generator, *shape: int, group: int = 1) -> Tensor:
-    """Random rows; in a correlated regime (:data:`REGIMES`) row r of every tensor is a shared direction
-    (weight ``a``) plus latent row ``r // group`` (its leading index; later leading dims, e.g. views,
-    share it) plus noise, so rows that share a position (a query and its key, the views of a sample,
-    ``group`` rows in a row for interleaved layouts) are the closest pairs."""
+    """Random rows; in a correlated regime (:data:`REGIMES`) row r of every tensor is
+    ``w latent[r // group] + sqrt(1 - w^2) noise`` (its leading index; later leading dims, e.g. views,
+    share it), ``w^2`` the positives' cosine, so rows that share a position (a query and its key, the
+    views of a sample, ``group`` rows in a row for interleaved layouts) are the correlated pairs."""
     x = torch.randn(*shape, generator=g)
     lat = _LATENT.get()
     if lat is None or len(shape) < 2:
@@ -126,17 +136,16 @@ def _randn(g: torch.Generator, *shape: int, group: int = 1) -> Tensor:
     base = lat["rows"].get(d, torch.empty(0, d))
     if base.shape[0] < need:
         base = lat["rows"][d] = torch.cat([base, torch.randn(need - base.shape[0], d, generator=lat["gen"])])
-    if d not in lat["dirs"]:
-        v = torch.randn(d, generator=lat["gen"])
-        lat["dirs"][d] = v / v.norm() * d**0.5  # the norm of a latent row
+    w2 = positive_cosine(lat["n"], d, lat["t"])
     latent = base[torch.arange(rows) // group].reshape(rows, *([1] * (len(shape) - 2)), d)
-    return lat["a"] * lat["dirs"][d] + latent + _NOISE * x
+    return w2**0.5 * latent + (1.0 - w2) ** 0.5 * x
 
 
 def _set_temperature(inputs: Inputs, t: float, mid: float) -> Inputs:
     """Every temperature-like argument of a case's inputs set for temperature ``t`` (tensors stay 0-dim
     tensors): ``temperature`` = t, ``logit_scale`` and ``scale`` = 1 / t, a Python-number
-    ``logit_bias`` (SigLIP) = -mid / t, so that positive pairs sit above 0 and negatives below."""
+    ``logit_bias`` (SigLIP) = -mid / t (mid: half the positives' cosine), so that positive pairs sit above
+    0 and negatives below."""
     tensors, kwargs = inputs
     want = {"temperature": t, "logit_scale": 1.0 / t, "scale": 1.0 / t, "logit_bias": -mid / t}
     tensors = {k: (torch.tensor(want[k]) if k in want and v.dim() == 0 else v) for k, v in tensors.items()}
@@ -403,7 +412,8 @@ CASES: list[Case] = [
          inputs="a [N, D], b [N, D], logit_scale 1/0.07; logits N x N (rows and columns)", logits=_sq),
     Case("clip_scale", L.clip_loss, _clip_scale, covers="learnable logit_scale", inductor=True),
     Case("clip_none", L.clip_loss, _clip_none, covers="per-pair losses"),
-    Case("clip_self", L.info_nce, _clip_self, covers="symmetric with B is A (column term, symmetric logits)"),
+    Case("clip_self", L.info_nce, _clip_self, covers="symmetric with B is A (column term, symmetric logits)",
+         peaked=False),
     Case("simcse", L.simcse_loss, _simcse, bench=True, covers="interleaved views, partner i xor 1, self excluded",
          inputs="interleaved z [N, D] (N/2 sentences x 2 views); logits N x N", logits=_sq, min_n=2, inductor=True),
     Case("simcse_2view", L.simcse_loss, _simcse_2view, bench=True, covers="two views",
@@ -499,12 +509,11 @@ def make_inputs(case: Case, n: int, d: int, seed: int = 0, regime: str = "flat")
         raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {regime!r}")
     t = REGIMES[regime]
     flat = case.build(n, d, torch.Generator().manual_seed(seed))
-    if t is None or flat[1].get("normalize") is False:  # raw rows: scaled for their own norms, kept flat
+    if t is None or not case.peaked or flat[1].get("normalize") is False:  # raw rows: scaled for their norms
         return flat
-    lat = _latent(n, t, seed)
-    token = _LATENT.set(lat)
+    token = _LATENT.set(_latent(n, t, seed))
     try:
         inputs = case.build(n, d, torch.Generator().manual_seed(seed))
     finally:
         _LATENT.reset(token)
-    return _set_temperature(inputs, t, lat["mid"])
+    return _set_temperature(inputs, t, positive_cosine(max(n, 2), d, t) / 2)
