@@ -177,7 +177,7 @@ class _Call:
     def __init__(self, name: str, grp: dist.ProcessGroup, digest: _Digest | None = None):
         self.name, self.grp, self.digest, self.done = name, grp, digest, False
         self.table: list[list[float]] | None = None
-        self.sent: tuple[int | None, int | None] = (None, None)
+        self.sent: tuple[bool, int | None, int | None] = (False, None, None)  # (scale given, rows, cols)
 
 
 def _ranks(rs: list[int]) -> str:
@@ -212,7 +212,7 @@ def _exchange(call: _Call, failure: BaseException | None, scale=None, rows: int 
     were told), every other rank raises a ``ValueError`` naming the failing ranks and the differing
     arguments with the ranks that passed each value."""
     call.done = True
-    call.sent = (rows, cols)
+    call.sent = (scale is not None, rows, cols)
     grp = call.grp
     dev = _exchange_device(grp)
     dg = call.digest if call.digest is not None else _Digest(call.name, None, (), {})
@@ -331,13 +331,14 @@ def agree(grp: dist.ProcessGroup, *, scale=None, rows: int | None = None,
         ``(this rank's row offset, the global row count)`` (``(0, 0)`` without ``rows``).
 
     Within one call (``@leveled``'s per-level route runs the body once per level) the first exchange's
-    table is reused when it already holds what is asked (the same rows and mask width): one exchange
-    per call.
+    table is reused when it already holds what is asked (a scale, the same rows and mask width): one
+    exchange per call.
     """
     call = getattr(_CALL, "call", None)
     if call is None or call.grp is not grp:
         call = _Call("loss", grp)
-    if call.done and call.table is not None and rows in (None, call.sent[0]) and cols in (None, call.sent[1]):
+    if call.done and call.table is not None and (scale is None or call.sent[0]) \
+            and rows in (None, call.sent[1]) and cols in (None, call.sent[2]):
         table = call.table
     else:
         if call.done:
