@@ -223,10 +223,10 @@ def test_cosent_equals_theirs(model, columns, sim, scale, labels):
 
 
 @pytest.mark.parametrize("kw,exc,name", [
-    (dict(directions=()), ValueError, "directions"),
+    (dict(directions=()), ValueError, "direction"),
     (dict(directions=("query_to_doc", "doc_to_docs")), ValueError, "directions"),
     (dict(directions=("doc_to_query",)), ValueError, "query_to_doc"),
-    (dict(directions="query_to_doc"), TypeError, "directions"),
+    (dict(directions="query_to_doc"), ValueError, "directions"),  # a set of characters, as to theirs
     (dict(partition_mode="separate"), ValueError, "partition_mode"),
     (dict(directions=("query_to_doc", "query_to_query"), partition_mode="per_direction"), ValueError, "partition_mode"),
     (dict(hardness_mode="hardest"), ValueError, "hardness_mode"),
@@ -284,7 +284,7 @@ def test_mnrl_rejects_a_non_positive_scale_as_theirs_does(model, scale):
     with pytest.raises(ValueError, match="(?i)scale"):
         peer.MultipleNegativesRankingLoss(model, scale=scale)
     for cls in ("MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"):
-        with pytest.raises(ValueError, match="scale"):
+        with pytest.raises(ValueError, match="^Scale must be a positive value.$"):  # theirs, word for word
             getattr(fused, cls)(model, scale=scale)
 
 

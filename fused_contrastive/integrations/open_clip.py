@@ -48,6 +48,11 @@ __all__ = ["ClipLoss", "SigLipLoss"]
 _DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 
 
+class _DistImplError(ValueError, AssertionError):
+    """A ``dist_impl`` open_clip's ``SigLipLoss`` rejects: theirs asserts (``AssertionError``, no message),
+    so this is an ``AssertionError`` as theirs and a ``ValueError`` naming the option."""
+
+
 def _world(rank: int, world_size: int, cls: str) -> bool:
     """True when the loss is distributed (``world_size > 1``), after checking the arguments against the
     initialised default process group."""
@@ -214,9 +219,9 @@ class SigLipLoss(nn.Module):
 
     def __init__(self, cache_labels: bool = False, rank: int = 0, world_size: int = 1, dist_impl: str | None = None):
         super().__init__()
-        impl = "bidir" if dist_impl is None else dist_impl
+        impl = dist_impl or "bidir"  # as theirs: any false value is the default
         if impl not in _DIST_IMPLS:
-            raise ValueError(f"SigLipLoss: dist_impl must be None or one of {_DIST_IMPLS}, got {dist_impl!r}")
+            raise _DistImplError(f"SigLipLoss: dist_impl must be None or one of {_DIST_IMPLS}, got {dist_impl!r}")
         self.cache_labels = bool(cache_labels)
         self.rank = rank
         self.world_size = world_size

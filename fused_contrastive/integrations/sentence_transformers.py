@@ -5,7 +5,8 @@
     # from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from fused_contrastive.integrations.sentence_transformers import MultipleNegativesRankingLoss
 
-Importing this module imports sentence-transformers (``pip install 'fused-contrastive[sentence-transformers]'``);
+Importing this module imports sentence-transformers (from a checkout of this project:
+``pip install "/path/to/fused-contrastive[sentence-transformers]"``);
 importing ``fused_contrastive`` never does.
 
 Classes (the constructor signatures and the ``forward(sentence_features, labels)`` contract of
@@ -183,28 +184,58 @@ def _peer_computation(owner: nn.Module, peer_cls: type, reason: str, **options) 
     return cached[1]
 
 
+def _check_scale_as_theirs(scale) -> None:
+    """sentence-transformers' own check of ``scale`` (``MultipleNegativesRankingLoss.__init__``): the same
+    exception and words (a CUDA tensor is read once, here), then this library's type checks."""
+    if not scale > 0:
+        raise ValueError("Scale must be a positive value.")
+    _check_scale(scale)
+
+
+def _raise_as_theirs(ours: Exception, peer_cls: type, model: nn.Module, **options) -> None:
+    """Raise what sentence-transformers' ``peer_cls`` raises for ``options`` when it is an exception of
+    ``ours``'s type (its exact words: e.g. a set of valid values printed in its own order, which depends on
+    the process that compiled their module), else ``ours``. Runs only once an option was found bad."""
+    import inspect
+
+    params = inspect.signature(peer_cls.__init__).parameters
+    try:
+        peer_cls(model, **{k: v for k, v in options.items() if k in params})
+    except type(ours) as theirs:
+        raise type(theirs)(*theirs.args) from None
+    except Exception:  # noqa: BLE001 - theirs fails otherwise: ours stands
+        pass
+    raise ours
+
+
 def _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength) -> tuple[str, ...]:
-    if isinstance(directions, str) or not isinstance(directions, Iterable):
-        raise TypeError(f"directions must be a tuple of direction names, got {directions!r}")
-    directions = tuple(directions)
+    """sentence-transformers' checks of ``MultipleNegativesRankingLoss.__init__`` in their order, with
+    their exceptions and words (code and tests written against theirs catch the same errors; a
+    ``directions`` string is a set of characters to them too), then this library's stricter ones."""
+    valid_directions = {"query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"}  # their set (its repr)
     if not directions:
-        raise ValueError("directions must name at least one direction")
-    bad = [d for d in directions if d not in _DIRECTIONS]
-    if bad:
-        raise ValueError(f"directions: unknown {bad}; valid: {_DIRECTIONS}")
+        raise ValueError("At least one direction must be specified.")
+    if not set(directions).issubset(valid_directions):
+        raise ValueError(f"Invalid directions: {set(directions) - valid_directions}. Valid: {valid_directions}")
     if "query_to_doc" not in directions:
-        raise ValueError(f"directions must include 'query_to_doc' (it holds the positive pair), got {directions}")
+        raise ValueError("'query_to_doc' direction is required (contains the positive pair).")
+    directions = tuple(directions)
     if partition_mode not in ("joint", "per_direction"):
-        raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
+        raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode}")
     if partition_mode == "per_direction" and set(directions) & {"query_to_query", "doc_to_doc"}:
-        raise ValueError("partition_mode='per_direction' needs every direction to contain the positive pair; "
-                         f"directions {directions} include 'query_to_query' / 'doc_to_doc': use partition_mode='joint'")
-    if hardness_mode not in _HARDNESS:
-        raise ValueError(f"hardness_mode must be one of {_HARDNESS}, got {hardness_mode!r}")
+        raise ValueError(
+            "partition_mode='per_direction' requires every direction's candidate pool to include the positive pair. "
+            "'query_to_query' and 'doc_to_doc' only contain same-type similarities and never include the positive, "
+            "making the per-direction loss ill-defined. Use partition_mode='joint' instead.")
+    valid_hardness_modes = {None, "in_batch_negatives", "hard_negatives", "all_negatives"}  # their set
+    if hardness_mode not in valid_hardness_modes:
+        raise ValueError(f"hardness_mode must be one of {valid_hardness_modes}, got {hardness_mode!r}")
+    if hardness_strength < 0.0:
+        raise ValueError("hardness_strength must be non-negative.")
     if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
         raise TypeError(f"hardness_strength must be a number, got {type(hardness_strength).__name__}")
-    if not hardness_strength >= 0.0:
-        raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    if not hardness_strength >= 0.0:  # NaN
+        raise ValueError(f"hardness_strength must be a number >= 0, got {hardness_strength}")
     return directions
 
 
@@ -415,14 +446,19 @@ class MultipleNegativesRankingLoss(nn.Module):
         hardness_strength: float = 0.0,
     ) -> None:
         super().__init__()
-        _check_scale(scale)
-        if not (isinstance(scale, Tensor) and scale.device.type != "cpu") and not float(scale) > 0:
-            raise ValueError(f"scale must be > 0, got {float(scale)} (sentence-transformers' class rejects it too)")
+        try:
+            _check_scale_as_theirs(scale)
+            directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        except (TypeError, ValueError, RuntimeError) as ours:
+            _raise_as_theirs(ours, _st_losses.MultipleNegativesRankingLoss, model, scale=scale,
+                             similarity_fct=similarity_fct, gather_across_devices=gather_across_devices,
+                             directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
+                             hardness_strength=hardness_strength)
         self.model = model
         self.scale = scale
         self.similarity_fct = similarity_fct
         self.gather_across_devices = gather_across_devices
-        self.directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        self.directions = directions
         self.partition_mode = partition_mode
         self.hardness_mode = hardness_mode
         self.hardness_strength = hardness_strength
@@ -501,6 +537,8 @@ def _is_static_embedding(model) -> bool:
         first = model[0]
     except (TypeError, IndexError, KeyError):
         return False
+    if type(first).__name__ == "Router":  # its input modules sit one level down (as theirs checks)
+        return any(type(route[0]).__name__ == "StaticEmbedding" for route in first.sub_modules.values())
     return type(first).__name__ == "StaticEmbedding"
 
 
@@ -647,13 +685,19 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None,
         hardness_strength: float = 0.0,
     ) -> None:
+        # sentence-transformers' checks first, in their order and words (the symmetric class says
+        # "CachedMultipleNegativesRankingLoss" too, as theirs)
+        if _is_static_embedding(model):
+            raise ValueError(
+                "CachedMultipleNegativesRankingLoss is not compatible with a SentenceTransformer model based on a "
+                "StaticEmbedding, whose inputs cannot be split into mini-batches along a batch dimension. "
+                "Consider using MultipleNegativesRankingLoss instead.")
+        if mini_batch_num_tokens is not None and mini_batch_num_tokens <= 0:
+            raise ValueError("mini_batch_num_tokens must be a positive integer or None.")
         super().__init__(model, scale=scale, similarity_fct=similarity_fct,
                          gather_across_devices=gather_across_devices, directions=directions,
                          partition_mode=partition_mode, hardness_mode=hardness_mode,
                          hardness_strength=hardness_strength)
-        if _is_static_embedding(model):
-            raise ValueError(f"{type(self).__name__} cannot split the inputs of a StaticEmbedding model into "
-                             "mini-batches; use MultipleNegativesRankingLoss")
         for name, v, optional in (("mini_batch_size", mini_batch_size, False),
                                   ("mini_batch_num_tokens", mini_batch_num_tokens, True)):
             if optional and v is None:
@@ -1033,18 +1077,19 @@ class MatryoshkaLoss(nn.Module):
             raise ValueError("You must provide at least one dimension in matryoshka_dims.")
         if any(dim <= 0 for dim in matryoshka_dims):
             raise ValueError("All dimensions passed to a matryoshka loss must be > 0.")
-        if len(set(matryoshka_dims)) != len(matryoshka_dims):
-            raise ValueError(f"matryoshka_dims must not repeat a dimension, got {list(matryoshka_dims)}")
         if matryoshka_weights is None:
             matryoshka_weights = [1] * len(matryoshka_dims)
         elif len(matryoshka_weights) != len(matryoshka_dims):
             raise ValueError("matryoshka_weights must be the same length as matryoshka_dims.")
         get_dim = getattr(model, "get_embedding_dimension", None)
         full = get_dim() if callable(get_dim) else None
+        if full is not None and any(d > full for d in matryoshka_dims):
+            raise ValueError(f"Dimensions in matryoshka_dims cannot exceed the model's embedding dimension of "
+                             f"{full}.")
+        # this library's own (theirs accepts a repeated dimension: it counts that level twice)
+        if len(set(matryoshka_dims)) != len(matryoshka_dims):
+            raise ValueError(f"matryoshka_dims must not repeat a dimension, got {list(matryoshka_dims)}")
         if full is not None:
-            if any(d > full for d in matryoshka_dims):
-                raise ValueError(f"Dimensions in matryoshka_dims cannot exceed the model's embedding dimension of "
-                                 f"{full}.")
             if full not in matryoshka_dims:
                 warnings.warn(f"The model's embedding dimension {full} is not included in matryoshka_dims: "
                               f"{list(matryoshka_dims)}; the full dimension is not trained", stacklevel=2)
