@@ -6,7 +6,7 @@ Every other test runs against the editable install of the checkout, which import
 a module missing from the wheel (``fused_contrastive/losses/`` once was, and the installed package did
 not import) passes all of them. Here:
 
-* the wheel holds every ``.py`` of ``fused_contrastive/`` and of ``kernels/`` (as
+* the wheel holds every file of ``fused_contrastive/`` and of ``kernels/`` (as
   ``fused_contrastive/kernels/``); the sdist, unpacked, rebuilds a wheel with the same files;
 * each extra's promise holds in its own environment: a fresh venv (no system site-packages) with the
   wheel installed and, in its site-packages, links to exactly the distributions of this interpreter
@@ -86,12 +86,13 @@ def _source_files() -> list[str]:
     return files
 
 
-def expected_modules(root: Path = ROOT) -> set[str]:
-    """Every ``.py`` module of the source tree, at its path inside the wheel."""
+def expected_files(root: Path = ROOT) -> set[str]:
+    """Every file of the package folders of the source tree (``.py`` modules, and any data file the
+    runtime would read: it needs ``package-data``), at its path inside the wheel."""
     out = set()
     for top, dest in PACKAGE_DIRS.items():
-        for f in (root / top).rglob("*.py"):
-            if "__pycache__" not in f.parts:
+        for f in (root / top).rglob("*"):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
                 out.add(f"{dest}/{f.relative_to(root / top).as_posix()}")
     return out
 
@@ -141,8 +142,10 @@ def built(tmp_path_factory) -> Built:
 
 
 def test_wheel_holds_every_module_of_the_source_tree(built):
-    missing = sorted(expected_modules(built.tree) - wheel_files(built.wheel))
-    assert not missing, f"the wheel lacks {len(missing)} module(s) of the source tree: {missing}"
+    want = expected_files(built.tree)
+    assert sum(f.endswith(".py") for f in want) > 50 and "fused_contrastive/kernels/__init__.py" in want
+    missing = sorted(want - wheel_files(built.wheel))
+    assert not missing, f"the wheel lacks {len(missing)} file(s) of the source tree: {missing}"
 
 
 def test_sdist_rebuilds_the_same_wheel(built):
