@@ -86,8 +86,9 @@ def number(name: str, v, *, low: float, strict: bool, allow_tensor: bool = False
     if isinstance(v, Tensor):
         if not allow_tensor:
             raise TypeError(f"{name} must be a float, got a tensor")
-        if v.numel() != 1 or v.dim() > 1:
-            raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape {tuple(v.shape)}")
+        if v.dim() != 0:  # a [1] tensor would broadcast the loss to shape [1]: 0-dim, as documented
+            raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape {tuple(v.shape)} "
+                             f"(use .reshape(()) or .squeeze())")
         if not v.is_floating_point():
             raise TypeError(f"{name} must be a floating tensor, got {v.dtype}")
         if readable(v):
@@ -180,6 +181,36 @@ def target(y, n: int, m: int, ignore_index: int, device: torch.device) -> Tensor
     return y
 
 
+def target_not_excluded(y: Tensor, ignore_index: int) -> None:
+    """With ``exclude_self``, an explicit target equal to the row's own (excluded) column would give an
+    infinite loss: an error for CPU targets (row ``i``'s own column is ``i``). CUDA values are not read
+    (no host sync): there such a row's loss is inf."""
+    if not readable(y):
+        return
+    own = (y == torch.arange(y.shape[0], device=y.device)) & (y != ignore_index)
+    if bool(own.any()):
+        i = int(own.nonzero()[0, 0])
+        raise ValueError(f"target[{i}] = {i} is row {i}'s own column, which exclude_self=True removes from its "
+                         f"softmax (the loss would be inf): pass the index of row {i}'s positive, or "
+                         "exclude_self=False")
+
+
+def same_precision(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
+    """float64 inputs run in float64: mixing one with a lower precision would silently promote the other
+    (16 / 32-bit mixes, e.g. autocast outputs beside float32 rows, compute in float32 as documented)."""
+    if (a.dtype == torch.float64) != (b.dtype == torch.float64):
+        raise TypeError(f"{name_a} is {a.dtype} but {name_b} is {b.dtype}: pass both in float64, or neither")
+
+
+def backend(v) -> str:
+    """A backend name (whether it can run on the inputs is checked when they are known)."""
+    from ._backend import BACKENDS
+
+    if not isinstance(v, str) or v not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {v!r}")
+    return v
+
+
 def reduction(r) -> str:
     if r not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {r!r}")
@@ -222,8 +253,12 @@ def mask(m, bsz: int, device: torch.device, cols: int | None = None) -> Tensor:
         raise ValueError(f"mask must have shape [{bsz}, {bsz}] (bsz = features.shape[0]), got {tuple(m.shape)}")
     if m.device != device:
         raise ValueError(f"mask is on {m.device} but features are on {device}")
-    if readable(m) and m.dtype != torch.bool and m.numel() and float(m.amin()) < 0:
-        raise ValueError("mask must be non-negative (weights of the positives)")
+    if readable(m) and m.dtype != torch.bool and m.numel():
+        if m.is_floating_point() and not bool(torch.isfinite(m).all()):
+            i, j = (int(x) for x in (~torch.isfinite(m)).nonzero()[0])
+            raise ValueError(f"mask must be finite (weights of the positives), got mask[{i}, {j}] = {float(m[i, j])}")
+        if float(m.amin()) < 0:
+            raise ValueError("mask must be non-negative (weights of the positives)")
     return m
 
 

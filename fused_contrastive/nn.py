@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from . import _validate as V
 from .cosent import cosent_loss
 from .losses import (
     _levels,
@@ -84,10 +85,16 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
 
     def __init__(self, *args, **kwargs) -> None:
         nn.Module.__init__(self)
-        bound = init_sig.bind(self, *args, **kwargs)
+        try:
+            bound = init_sig.bind(self, *args, **kwargs)
+        except TypeError as e:  # name the class and what it takes by position
+            by_pos = ", ".join(positional) or "no options"
+            raise TypeError(f"{name}: {e} (by position it takes {by_pos}; the other options by keyword)") from None
         bound.apply_defaults()
         self.kw = {k: v for k, v in bound.arguments.items() if k != "self"}
         _gather_option(self.kw["gather"])
+        if "backend" in self.kw:  # the probe below runs the reference backend: the choice is checked here
+            V.backend(self.kw["backend"])
         tiny = probe(self.kw)  # positional inputs, then (optionally) a dict of forward-option inputs
         extra = tiny[-1] if tiny and isinstance(tiny[-1], dict) else {}
         _validated(fn, *(tiny[:-1] if extra else tiny), **extra, **self.kw)
@@ -132,8 +139,8 @@ SupConLoss = loss_module("SupConLoss", supcon_loss, lambda kw: (_x(2, 2, 2), _LA
 DSCLLoss = loss_module("DSCLLoss", dscl_loss, lambda kw: (_x(2, 2, 2), _LABELS),
                        positional=("beta", "temperature", "base_temperature"),
                        forward_options=("queue", "queue_labels"))
-DCLLoss = loss_module("DCLLoss", dcl_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)))
-DCLWLoss = loss_module("DCLWLoss", dclw_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)))
+DCLLoss = loss_module("DCLLoss", dcl_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)), positional=("temperature",))
+DCLWLoss = loss_module("DCLWLoss", dclw_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)), positional=("temperature",))
 CoSENTLoss = loss_module("CoSENTLoss", cosent_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0), torch.tensor([0.0, 1.0])),
                          positional=("scale",))
 
@@ -160,6 +167,7 @@ class CLIPLoss(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)))
         self.kw = dict(normalize=normalize, reduction=reduction, backend=backend, gather=gather)
         _gather_option(gather)
+        V.backend(backend)
         _validated(clip_loss, _x(2, 2), _x(2, 2).flip(0), 1.0 / init_temperature, **self.kw)
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
@@ -182,6 +190,9 @@ class SigLIPLoss(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(math.log(init_scale)))
         self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)))
         self.kw = dict(normalize=normalize, reduction=reduction, backend=backend, gather=gather)
+        _gather_option(gather)
+        V.backend(backend)
+        _validated(siglip_loss, _x(2, 2), _x(2, 2).flip(0), float(init_scale), float(init_bias), **self.kw)
 
     def forward(self, image: Tensor, text: Tensor) -> Tensor:
         return siglip_loss(image, text, self.logit_scale.exp(), self.logit_bias, **self.kw)

@@ -980,6 +980,11 @@ class CachedGISTEmbedLoss(GISTEmbedLoss):
                                                   or not isinstance(mini_batch_num_tokens, int)
                                                   or mini_batch_num_tokens < 1):
             raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}")
+        # theirs fails at forward with a raw range / index error; the drop-in says so at construction
+        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int):
+            raise TypeError(f"mini_batch_size must be an int, got {type(mini_batch_size).__name__}")
+        if mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
         super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,
                          contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
                          gather_across_devices=gather_across_devices)

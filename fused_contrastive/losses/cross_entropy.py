@@ -20,7 +20,7 @@ from ..core.spec import compute_dtype
 from ._levels import leveled
 from ._scope import DEFAULT_TEMPERATURE as _DEFAULT_TEMPERATURE
 from ._scope import Scope, cross_entropy
-from .guided import guided_info_nce, info_nce_masks
+from .guided import guide_options_unused, guided_info_nce, info_nce_masks
 
 
 def _split_views(name: str, v, has_negative: bool, interleaved: bool):
@@ -83,8 +83,13 @@ def info_nce(
             ``ignore_index`` contribute 0 and leave the mean's denominator.
         temperature / scale: give at most one (``scale = 1 / temperature``); neither means
             temperature 0.05. A float or a 0-dim tensor (differentiable).
-        exclude_self: remove column ``i`` from row ``i``'s softmax (a target equal to the excluded
-            column gives an infinite loss, as the textbook formula does).
+        exclude_self: remove column ``i`` from row ``i``'s softmax. An explicit target equal to the
+            excluded column (``target[i] == i``) raises a ValueError for a CPU target; a CUDA target's
+            values are not read (no host sync per step), and such a row's loss is inf, as the textbook
+            formula's. (Under ``gather`` with ``keys`` given the own column is the global ``offset + i``:
+            not checked.)
+        query / keys dtypes: float64 with float64 only (a TypeError naming both otherwise); 16 / 32-bit
+            mixes compute in float32.
         symmetric: CLIP loss, ``(row CE + column CE) / 2``; needs N == M and ``target=None``.
             With ``reduction="none"`` returns ``(row_i + col_i) / 2`` per pair.
         guide: guided negatives (GISTEmbed's rule): a frozen guide model's embeddings of the same
@@ -92,9 +97,12 @@ def info_nce(
             ``keys=None``); no gradient flows into them. Column j is left out of row i's softmax when
             ``cos(gq_i, gk_j) > theta_i``, ``theta_i = cos(gq_i, gk_{target_i}) - guide_margin``
             ("absolute") or ``... - |cos(gq_i, gk_{target_i})| * guide_margin`` ("relative",
-            ``guide_margin_strategy``); the target column is never left out. Computed per tile, never
-            stored. A row whose guide embedding is not finite gets a NaN loss.
-        ids: duplicate masking, ``(query_ids [N], key_ids [M])`` integer tensors (one [N] tensor when
+            ``guide_margin_strategy``); the target column is never left out. ``cos(gq_i, gk_{target_i})``
+            is the target entry of the same guide products it is compared with, so an exact duplicate
+            of the target ties and is kept (sentence-transformers' rule). Computed per tile, never
+            stored. A row whose guide embedding is not finite gets a NaN loss. ``guide_margin`` /
+            ``guide_margin_strategy`` other than their defaults without ``guide`` raise a ValueError.
+        ids: duplicate masking, ``(query_ids [N], key_ids [M])`` integer (not bool) tensors (one [N] tensor when
             ``keys=None``): column j is left out of row i's softmax when the ids are equal, the target
             column excepted (the same text twice in a batch is not a negative of itself).
             ``guide`` / ``ids`` run the merged-block core (``core/blocks.py``: its PyTorch sweep, or
@@ -109,6 +117,7 @@ def info_nce(
         keys = V.embeddings("keys", keys)
         V.same_dim("query", query, "keys", keys)
         V.same_device(query=query, keys=keys)
+        V.same_precision("query", query, "keys", keys)
     reduction = V.reduction(reduction)
     ignore_index = V.ignore_index(ignore_index)
     exclude_self = (keys is None) if exclude_self is None else V.flag("exclude_self", exclude_self)
@@ -130,6 +139,7 @@ def info_nce(
     elif keys is None and exclude_self and not symmetric:
         raise ValueError("target=None with keys=None means every row's target is its own excluded column; "
                          "pass target (e.g. the index of each row's positive) or keys")
+    guide_options_unused(guide, guide_margin, guide_margin_strategy)
     masked = guide is not None or ids is not None
     if masked:
         if symmetric:
@@ -137,6 +147,8 @@ def info_nce(
         mk = info_nce_masks(query, keys, guide, guide_margin, guide_margin_strategy, ids)
     be = resolve(backend, query, keys)
     scope = Scope(gather)
+    if given and exclude_self and (keys is None or scope.local):  # row i's own column is i (global: same offset)
+        V.target_not_excluded(target, ignore_index)
     if scope.local and not given and not symmetric:
         # the default target arange(N) names column i of row i: it must exist and not be excluded
         if m < n:
@@ -238,6 +250,7 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
         z2 = V.paired("z1", z1, "z2", z2)
     reduction = V.reduction(reduction)
     V.flag("normalize", normalize)
+    guide_options_unused(guide, guide_margin, guide_margin_strategy)
     masked = guide is not None or ids is not None
     mk = info_nce_masks(z1, z2, guide, guide_margin, guide_margin_strategy, ids) if masked else None
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(z1, z2), dev)
@@ -289,6 +302,10 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
         if anchor.shape[0] % 3:
             raise ValueError(f"anchor must hold interleaved triplets (rows a multiple of 3), got {anchor.shape[0]}")
         anchor, positive, negative = anchor[0::3], anchor[1::3], anchor[2::3]
+    if hnw != 0.0 and negative is None:
+        raise ValueError(f"hard_negative_weight={hard_negative_weight!r} needs negative (it is added to each "
+                         "anchor's hard-negative logit): pass negative, or leave hard_negative_weight at 0")
+    guide_options_unused(guide, guide_margin, guide_margin_strategy)
     masked = guide is not None or ids is not None
     if masked:
         if hnw != 0.0:

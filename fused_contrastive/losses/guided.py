@@ -282,13 +282,26 @@ def _reference(a, p_all, n_all, ga, gp_all, gn_all, rule, s, off, contrast_ancho
 def _id_vector(name: str, v, n: int, dev) -> Tensor:
     if not isinstance(v, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of integer ids, got {type(v).__name__}")
-    if v.is_floating_point() or v.is_complex():
-        raise TypeError(f"{name} must hold integer ids, got {v.dtype}")
+    if v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer ids (one per row, equal ids are duplicates), got {v.dtype}")
     if v.dim() != 1 or v.shape[0] != n:
         raise ValueError(f"{name} must have shape [{n}], got {tuple(v.shape)}")
     if v.device != dev:
         raise ValueError(f"{name} is on {v.device} but the embeddings are on {dev}")
     return v.long()
+
+
+def guide_options_unused(guide, guide_margin, guide_margin_strategy) -> None:
+    """``guide_margin`` / ``guide_margin_strategy`` given without ``guide=``: an error, not ignored."""
+    if guide is not None:
+        return
+    V.choice("guide_margin_strategy", guide_margin_strategy, MARGIN_STRATEGIES)
+    V.number("guide_margin", guide_margin, low=-math.inf, strict=True)
+    for name, v, default in (("guide_margin", guide_margin, 0.0), ("guide_margin_strategy", guide_margin_strategy,
+                                                                   "absolute")):
+        if v != default:
+            raise ValueError(f"{name}={v!r} has no effect without guide= (the guide model's embeddings): pass "
+                             f"guide, or leave {name} at {default!r}")
 
 
 def _pair(name: str, v, same: bool) -> tuple:
