@@ -47,8 +47,9 @@ Why the backward rebuilds every prefix instead of keeping K tiles or peeling seg
 
 The gradient GEMM always streams through the fp32 scratch ``ACC`` (no resident accumulator). fp16
 operands take ``PRESCALE`` = 2^8 here (the fused kernels' 2^13 assumes ``|dl / gscale| <= 6``; the level
-factors make ``|H / gscale| <= 3 sum_k FA[k] FB[k]``, about 70 for 768/512/256/128/64 on random rows, and
-70 * 2^8 < 65504). Every launch sets ``maxnreg`` 255: without it ptxas held some variants at 128
+factors make ``|H / gscale| <= 4 sum_k FA[k] FB[k]`` with the target term in the tile (HAS_TGT; gscale
+covers its weights), about 93 for 768/512/256/128/64 on random rows, and 93 * 2^8 < 65504). Every launch
+sets ``maxnreg`` 255: without it ptxas held some variants at 128
 registers and spilled a few bytes. Not supported (the launcher never routes them here): the symmetric
 single-kernel backward (B is A runs as two inputs), the triangular forward, float64.
 """
@@ -175,12 +176,14 @@ def mat_fwd_kernel(
 @triton.jit
 def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
                 EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
-                HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr):
+                HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr, HAS_TGT: tl.constexpr):
     """Level k's gradient tile from its raw prefix products ``acc``: ``(G^k = dl^k FA[k, i] FB[k, j], this
     program's scalars sum_j dl^k cos^k per row, or sum_i per column with COLS)``, dl^k from the saved
     statistics (/ gscale) exactly as ``kernels/lse.py`` forms it. ``PTRS`` / ``MASKS`` are the kernel's
-    pointer and mask arguments."""
-    RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS = PTRS
+    pointer and mask arguments. HAS_TGT: the target logit's term joins the tile, ``TW[k, i]`` (its
+    upstream gradient / gscale, signed) at column ``TGT[i]``, in fp32 before anything is rounded: in a
+    peaked softmax ``p_it - 1`` cancels, and formed from a 16-bit ``p_it`` it lost ~2e-2 of the gradient."""
+    RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW = PTRS
     offset, bias, n0, m0, stride_pm = MASKS
     rmask = rows < N
     cmask = cols < M
@@ -213,6 +216,10 @@ def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
         lsec_c = _stat(LSE_COL + k * M, cols, cmask)
         gc_c = _grad_vec(G_COL + k * M, LSE_COL + k * M, cols, cmask, inv_gs, False)
     dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+    if HAS_TGT:
+        tgt_r = tl.load(TGT + rows, mask=rmask, other=-1)
+        tw_r = tl.load(TW + k * N + rows, mask=rmask, other=0.0) * inv_gs
+        dl += tl.where(cols[None, :] == tgt_r[:, None], tw_r[:, None], 0.0)
     dc = dl * cos
     fa = tl.load(FA + k * N + rows, mask=rmask, other=0.0)
     fb = tl.load(FB + k * M + cols, mask=cmask, other=0.0)
@@ -252,14 +259,14 @@ def _mat_epilogue(X, OUT, ACC, NX, nx_stride, DIMS, rho, kk, rows, n_out, D, str
 @triton.jit
 def mat_bwd_kernel(
     X, SA, SB, RSA, RSB, FA, FB, NX, DIMS, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW,
     DX, ACC, DS_PART,
     N, M, D, n_out, stride_x, stride_sa, stride_sb, stride_dx, offset, bias, n0, m0, stride_pm, eps,
     K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    PRESCALE: tl.constexpr,
+    PRESCALE: tl.constexpr, HAS_TGT: tl.constexpr,
 ):
     """dA for one block of rows (grid cdiv(N, BLOCK_M); X = A, NX = NA, n_out = N) and its share of dL/ds,
     or with COLS dB for one block of columns < n_out (grid cdiv(n_out, BLOCK_N); X = B, NX = NB).
@@ -272,7 +279,7 @@ def mat_bwd_kernel(
     gs = tl.load(GSCALE)
     inv_gs = 1.0 / gs
     kk = tl.arange(0, KP)
-    PTRS = (RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS)
+    PTRS = (RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW)
     MASKS = (offset, bias, n0, m0, stride_pm)
     if COLS:
         own = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -308,7 +315,7 @@ def mat_bwd_kernel(
             acc = _seg_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_base, b_base, rmask, cmask, 0, hi,
                            BLOCK_D, UPCAST, DOT_PREC)
             g_k, v = _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS, EXCLUDE_SELF, HAS_BIAS,
-                                 POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, COLS)
+                                 POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, COLS, HAS_TGT)
             rho = tl.where(kk[None, :] == k, rho + v[:, None], rho)
             if NEED_DX:
                 # the suffix sum H^k = H^{k+1} + G^k, then ACC[own, S_k] += H^k (SY rs_y)[other, S_k] (the

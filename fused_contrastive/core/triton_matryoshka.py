@@ -5,7 +5,9 @@ Work in units of one N x M x D matmul, for every level together: forward 1; back
 dB kernel of ``(sum_k d_k + d_K) / D`` each (every level's prefix rebuilt, one gradient GEMM per segment:
 3.25 for 768/512/256/128/64), 7.5 in all against one loss's 5 and K per-level calls' 11.25. B is A runs
 as two inputs (the plain kernels' symmetric single-kernel backward is not used). The linear positive terms
-(TGT, SET) are O(K N D) and run per level in PyTorch (``positives.LinearTermsFn`` on the truncated, re-normalised rows).
+(TGT, SET) are O(K N D) and run per level in PyTorch (``positives.LinearTermsFn`` on the truncated, re-normalised
+rows); the target term's gradient is added inside the kernels' gradient tiles (HAS_TGT), before any 16-bit
+rounding, where ``p_it - 1`` cancels in a peaked softmax.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from . import positives
 from . import triton_backend as TB
 from .matryoshka import _prefix_norms
 from .norms import prefix_rows
-from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
+from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
 from .triton_configs import matryoshka_config
 
 __all__ = ["TritonLevelsFn", "run"]
@@ -92,14 +94,16 @@ def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool) -> tuple[Tensor, Ten
 
 
 def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a: bool, need_b: bool,
-         need_s: bool):
-    """``(dA, dB, ds)`` of the level statistics' upstream gradients ``g*`` ([K, N] / [K, M] fp32 or None)."""
+         need_s: bool, tgt: tuple[Tensor, Tensor] | None = None):
+    """``(dA, dB, ds)`` of the level statistics' upstream gradients ``g*`` ([K, N] / [K, M] fp32 or None)
+    and, with ``tgt = (target columns [N], signed weights [K, N] fp32)``, of the target logits' terms,
+    which the kernels add inside each gradient tile."""
     p = L.p
     a, b = p.a, p.b
     dev = a.device
     n, d = a.shape
     m = b.shape[0]
-    gs = TB._gscale(g, g_col, g_pos)
+    gs = TB._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
     if gs is None:
         return TB._no_grads(a, b, need_a, need_b, need_s)
     dm = p.dummy
@@ -108,10 +112,12 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
                   LSE=lse, G=g if g is not None else dm,
                   LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
                   LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
+                  TGT=tgt[0] if tgt is not None else dm, TW=tgt[1] if tgt is not None else dm,
                   N=n, M=m, D=d, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0), **TB._mask_args(p, spec),
                   eps=float(spec.eps))
     flags = dict(**_flags(L, spec), KP=triton.next_power_of_2(L.k), HAS_G=g is not None,
-                 HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, PRESCALE=prescale(a.dtype))
+                 HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, PRESCALE=prescale(a.dtype),
+                 HAS_TGT=tgt is not None)
     da = db = ds = None
     if need_a or need_s:
         cfg, block_d = matryoshka_config("bwd_rows", TB._arch(dev), a.dtype, d)
@@ -177,7 +183,8 @@ class TritonLevelsFn(torch.autograd.Function):
                               None if same else p.b, p.sa, None if same else p.sb)
         L.p = p._replace(a=None, b=None, sa=None, sb=None)
         ctx.levels = L
-        c32 = coef.to(torch.float32)
+        ctx.target = data.target if coef.tgt is not None else None
+        c32 = dataclasses.replace(coef.to(torch.float32), tgt=None)  # the target term's value: run()
         return torch.stack([combine(c32, reduce, lse[k], None if lse_col is None else lse_col[k],
                                     None if lse_pos is None else lse_pos[k]) for k in range(L.k)])
 
@@ -204,8 +211,18 @@ class TritonLevelsFn(torch.autograd.Function):
         g = per_level(coef.lse, n, lse)
         g_col = per_level(coef.col, m, lse_col)
         g_pos = per_level(coef.pos, n, lse_pos)
+        tgt = None
+        if coef.tgt is not None:
+            # the target logits' term -c_i TGT^k_i: its weight -c_i go_k at column t_i of every level's tile,
+            # none for a row whose target is its excluded own column (as positives.LinearTermsFn)
+            t, spec = ctx.target, ctx.spec
+            c = coef.tgt.to(torch.float32) if isinstance(coef.tgt, Tensor) else float(coef.tgt)
+            tw = -(drop_zero(c, go[:, None] if go.dim() == 1 else go).expand(k, n))
+            if spec.exclude_self:
+                tw = torch.where(t == torch.arange(n, device=t.device) + spec.offset, 0.0, tw)
+            tgt = (t, tw.contiguous())
         da, db, ds = _bwd(L, scale, ctx.spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a,
-                          (need_b and not same) or (same and need_a), need_s)
+                          (need_b and not same) or (same and need_a), need_s, tgt)
         if same and da is not None:
             da = da + db
         adt, bdt, sdt, sshape = ctx.dtypes
@@ -219,7 +236,9 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
         dims: tuple[int, ...]) -> Tensor:
     """The core op at every level on the Triton kernels: ``[K]`` sums or ``[K, N]`` per-row values
     (float32), level k in row k (``dims`` ascending)."""
-    lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
+    # the target term's gradient is formed inside the kernels' tiles (TritonLevelsFn.backward), its value
+    # below without a graph; the positive-set term keeps its own O(N*D) backward
+    lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos, tgt=coef.tgt)
     lspec, ldata = spec, data
     if spec.exclude_target:  # the target column leaves the softmax as a -inf bias on it, as core.pieces does
         lspec = dataclasses.replace(spec, exclude_target=False, bias=float("-inf"))
@@ -231,9 +250,18 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
     # norms are exact; normalising 16-bit rows in their own dtype put the target logit 2e-4 off the LSE's)
     plain = dataclasses.replace(spec, normalize=False)
     a32, b32 = a.to(torch.float32), None if b is None else b.to(torch.float32)
-    lin = torch.stack([
-        positives.LinearTermsFn.apply(prefix_rows(a32, d, spec.eps),
-                                      None if b32 is None else prefix_rows(b32, d, spec.eps), scale, plain, data,
-                                      coef, reduce, torch.float32)
-        for d in dims])
-    return out - lin
+
+    def linear(c: Coeffs, x: Tensor, y: Tensor | None, s) -> Tensor:
+        return torch.stack([
+            positives.LinearTermsFn.apply(prefix_rows(x, d, spec.eps),
+                                          None if y is None else prefix_rows(y, d, spec.eps), s, plain, data, c,
+                                          reduce, torch.float32)
+            for d in dims])
+    if coef.tgt is not None:
+        with torch.no_grad():
+            tgt = linear(Coeffs(lse=coef.lse, tgt=coef.tgt), a32.detach(), None if b32 is None else b32.detach(),
+                         scale.detach() if isinstance(scale, Tensor) else scale)
+        out = out - tgt
+    if coef.set is not None:
+        out = out - linear(Coeffs(lse=coef.lse, set=coef.set), a32, b32, scale)
+    return out
