@@ -77,11 +77,13 @@ def _run(cmd, *, cwd=None, env=None, timeout=300, check=True) -> subprocess.Comp
 def _source_files() -> list[str]:
     """The checkout's files as a clone of it would have them (tracked and new, not ignored)."""
     if (ROOT / ".git").exists() and shutil.which("git"):
-        out = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT).stdout
-        return [f for f in out.split("\0") if f and (ROOT / f).is_file()]
+        proc = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=False)
+        if proc.returncode == 0:  # else (e.g. git refuses the folder's owner): the walk below
+            return [f for f in proc.stdout.split("\0") if f and (ROOT / f).is_file()]
     files = []
     for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = [d for d in dirnames if d not in _NOT_SOURCE and not d.endswith(".egg-info")]
+        dirnames[:] = [d for d in dirnames
+                       if d not in _NOT_SOURCE and not d.endswith(".egg-info") and not d.startswith(".")]
         files += [os.path.relpath(os.path.join(dirpath, f), ROOT) for f in filenames if not f.endswith(".pyc")]
     return files
 
@@ -136,7 +138,7 @@ def built(tmp_path_factory) -> Built:
     whl = build_wheel(tree, base / "wheel")
     sd = build_sdist(tree, base / "sdist")
     with tarfile.open(sd) as t:
-        t.extractall(base / "unpacked", filter="data")
+        t.extractall(base / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     (unpacked,) = (base / "unpacked").iterdir()
     return Built(tree, whl, sd, build_wheel(unpacked, base / "wheel-from-sdist"))
 
