@@ -88,12 +88,12 @@ def textbook(a, p, n, ga, gp, gn, temperature: float = TEMPERATURE, margin: floa
     return F.cross_entropy(scores, torch.arange(a.shape[0], device=a.device))
 
 
-def contenders(only: str | None = None) -> dict[str, Callable[..., torch.Tensor]]:
-    """Name -> loss of (a, p, n, ga, gp, gn); ``only``: just that one."""
+def contenders(only: str | None = None, backend: str = "torch") -> dict[str, Callable[..., torch.Tensor]]:
+    """Name -> loss of (a, p, n, ga, gp, gn) ("fused" on ``backend``); ``only``: just that one."""
     out = {
         "textbook": textbook,
         "fused": lambda a, p, n, ga, gp, gn: gist_loss(a, p, n, guide=(ga, gp, gn), temperature=TEMPERATURE,
-                                                       margin=MARGIN, backend="torch"),
+                                                       margin=MARGIN, backend=backend),
     }
     return out if only is None else {only: out[only]}
 
@@ -142,9 +142,10 @@ def _peak(args: tuple[dict[str, Any], int, str]) -> int:
     a, n, name = args
     if a["threads"]:
         torch.set_num_threads(a["threads"])
-    fn = contenders(only=name)[name]
-    _step(fn, _inputs(min(n, 256), a["dim"], a["guide_dim"], a["device"]))  # warm-up at a small size
-    x = _inputs(n, a["dim"], a["guide_dim"], a["device"])
+    fn = contenders(only=name, backend=a.get("backend", "torch"))[name]
+    dt = getattr(torch, a.get("dtype", "float32"))
+    _step(fn, _inputs(min(n, 256), a["dim"], a["guide_dim"], a["device"], dt))  # warm-up at a small size
+    x = _inputs(n, a["dim"], a["guide_dim"], a["device"], dt)
     return step_peak(a["device"], lambda: _step(fn, x))
 
 
@@ -154,12 +155,12 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
 
     if a["threads"]:
         torch.set_num_threads(a["threads"])
-    fns = contenders()
+    fns = contenders(backend=a.get("backend", "torch"))
     sync = torch.cuda.synchronize if a["device"].startswith("cuda") else (lambda: None)
     rows = []
     ctx = mp.get_context("spawn")
     for n in tqdm.tqdm(a["sizes"], desc="bench-gist (sizes)", disable=not a.get("progress", True)):
-        x = _inputs(n, a["dim"], a["guide_dim"], a["device"])
+        x = _inputs(n, a["dim"], a["guide_dim"], a["device"], getattr(torch, a.get("dtype", "float32")))
         masked = masked_fractions(x)
         values = {name: float(_step(fn, x)) for name, fn in fns.items()}  # warm-up, and the values
         times: dict[str, list[float]] = {name: [] for name in fns}
@@ -199,7 +200,8 @@ def render(res: dict[str, Any]) -> str:
                       f"{100 * r['masked']['own hard negative']:.1f}%"])
     return "\n".join([
         (f"GISTEmbed loss (blocks a-p, a-a, p-p, a-n; temperature {TEMPERATURE}, absolute margin {MARGIN}), "
-         f"D = {a['dim']}, guide D = {a['guide_dim']}, float32, forward + backward, {a['device']}, medians of "
+         f"D = {a['dim']}, guide D = {a['guide_dim']}, {a.get('dtype', 'float32')}, fused on backend "
+         f"{a.get('backend', 'torch')}, forward + backward, {a['device']}, medians of "
          f"{a['repeats']} alternating repeats; peak memory over the inputs, a fresh process per contender"),
         tabulate(table, headers=head, tablefmt="simple", disable_numparse=True),
     ])
@@ -213,7 +215,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=768, help="model embedding dimension D (default 768)")
     p.add_argument("--guide-dim", type=int, default=384, help="guide embedding dimension Dg (default 384)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps of each contender per B (default 5)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="a torch device (default cpu)")
+    p.add_argument("--backend", default="torch", choices=("torch", "triton", "auto"),
+                   help="backend of the fused loss (default torch; triton: the guided kernels)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="embedding and guide dtype (default float32)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--out", default=None, help="directory for bench_gist.txt / .json (default: print only)")
     return p
@@ -229,7 +235,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.dim < 1 or args.guide_dim < 1 or args.repeats < 1:
         parser.error("--dim, --guide-dim and --repeats must be >= 1")
     res = measure({"sizes": sizes, "dim": args.dim, "guide_dim": args.guide_dim, "repeats": args.repeats,
-                   "device": args.device, "threads": args.threads, "temperature": TEMPERATURE, "margin": MARGIN})
+                   "device": args.device, "threads": args.threads, "temperature": TEMPERATURE, "margin": MARGIN,
+                   "backend": args.backend, "dtype": args.dtype})
     text = render(res)
     print(text)
     if args.out:

@@ -58,12 +58,13 @@ def _st_loss():
     return losses.MultipleNegativesRankingLoss(torch.nn.Identity(), scale=1.0 / TEMPERATURE)
 
 
-def contenders(dims: list[int], only: str | None = None) -> dict[str, Callable[[torch.Tensor, torch.Tensor],
-                                                                           torch.Tensor]]:
-    """Name -> loss of (q, k); ``only``: just that one (a peak-memory process imports nothing else)."""
+def contenders(dims: list[int], only: str | None = None, backend: str = "torch") -> dict[
+        str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """Name -> loss of (q, k) ("plain" and "one-pass" on ``backend``); ``only``: just that one (a
+    peak-memory process imports nothing else)."""
     out = {
-        "plain": lambda q, k: info_nce(q, k, temperature=TEMPERATURE, backend="torch"),
-        "one-pass": lambda q, k: info_nce(q, k, temperature=TEMPERATURE, backend="torch", matryoshka_dims=dims),
+        "plain": lambda q, k: info_nce(q, k, temperature=TEMPERATURE, backend=backend),
+        "one-pass": lambda q, k: info_nce(q, k, temperature=TEMPERATURE, backend=backend, matryoshka_dims=dims),
         "formula": lambda q, k: _formula(q, k, dims),
     }
     if only is not None and only != "sentence-transformers":
@@ -77,10 +78,11 @@ def contenders(dims: list[int], only: str | None = None) -> dict[str, Callable[[
     return out
 
 
-def _inputs(n: int, d: int, device: str):
+def _inputs(n: int, d: int, device: str, dtype: str = "float32"):
     g = torch.Generator().manual_seed(n)
-    q = torch.randn(n, d, generator=g).to(device).requires_grad_()
-    k = torch.randn(n, d, generator=g).to(device).requires_grad_()
+    dt = getattr(torch, dtype)
+    q = torch.randn(n, d, generator=g).to(device=device, dtype=dt).requires_grad_()
+    k = torch.randn(n, d, generator=g).to(device=device, dtype=dt).requires_grad_()
     return q, k
 
 
@@ -95,10 +97,10 @@ def _peak(args: tuple[dict[str, Any], int, str]) -> int:
     a, n, name = args
     if a["threads"]:
         torch.set_num_threads(a["threads"])
-    fn = contenders(a["dims"], only=name)[name]
-    q, k = _inputs(min(n, 256), a["d"], a["device"])
+    fn = contenders(a["dims"], only=name, backend=a.get("backend", "torch"))[name]
+    q, k = _inputs(min(n, 256), a["d"], a["device"], a.get("dtype", "float32"))
     _step(fn, q, k)  # warm-up at a small size (allocator, code paths)
-    q, k = _inputs(n, a["d"], a["device"])
+    q, k = _inputs(n, a["d"], a["device"], a.get("dtype", "float32"))
     return step_peak(a["device"], lambda: _step(fn, q, k))
 
 
@@ -108,12 +110,12 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
 
     if a["threads"]:
         torch.set_num_threads(a["threads"])
-    fns = contenders(a["dims"])
+    fns = contenders(a["dims"], backend=a.get("backend", "torch"))
     sync = torch.cuda.synchronize if a["device"].startswith("cuda") else (lambda: None)
     rows = []
     ctx = mp.get_context("spawn")
     for n in tqdm.tqdm(a["sizes"], desc="bench-matryoshka (sizes)", disable=not a.get("progress", True)):
-        q, k = _inputs(n, a["d"], a["device"])
+        q, k = _inputs(n, a["d"], a["device"], a.get("dtype", "float32"))
         values = {name: float(_step(fn, q, k)) for name, fn in fns.items()}  # warm-up, and the values
         times: dict[str, list[float]] = {name: [] for name in fns}
         for r in range(a["repeats"]):
@@ -147,7 +149,8 @@ def render(res: dict[str, Any]) -> str:
     mem = [[str(r["n"])] + [f"{r['peak_bytes'][x] / (1 << 20):.0f}" for x in names] for r in res["rows"]]
     dims = "/".join(str(d) for d in a["dims"])
     return "\n".join([
-        (f"Matryoshka InfoNCE / MNRL, dims {dims}, D = {a['d']}, float32, forward + backward, {a['device']}, "
+        (f"Matryoshka InfoNCE / MNRL, dims {dims}, D = {a['d']}, {a.get('dtype', 'float32')}, plain and one-pass "
+         f"on backend {a.get('backend', 'torch')}, forward + backward, {a['device']}, "
          f"medians of {a['repeats']} alternating repeats"),
         tabulate(table, headers=head, tablefmt="simple", disable_numparse=True),
         "",
@@ -164,7 +167,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dims", default="768,512,256,128,64", help="matryoshka dims (default 768,512,256,128,64)")
     p.add_argument("--d", type=int, default=768, help="embedding dimension (default 768)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps of each contender per N (default 5)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="a torch device (default cpu)")
+    p.add_argument("--backend", default="torch", choices=("torch", "triton", "auto"),
+                   help="backend of the plain and one-pass losses (default torch; triton: the Matryoshka kernels "
+                        "or the per-level route, whichever the code takes at the size)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="embedding dtype (default float32)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--out", default=None, help="directory for bench_matryoshka.txt / .json (default: print only)")
     return p
@@ -183,7 +191,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not dims or min(dims) < 1 or max(dims) > args.d or len(set(dims)) != len(dims):
         parser.error(f"--dims must be distinct integers in [1, --d={args.d}]")
     res = measure({"sizes": sizes, "dims": dims, "d": args.d, "repeats": args.repeats, "device": args.device,
-                   "threads": args.threads})
+                   "threads": args.threads, "backend": args.backend, "dtype": args.dtype})
     text = render(res)
     print(text)
     if args.out:
