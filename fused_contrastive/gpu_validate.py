@@ -343,7 +343,7 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     granted up to the slack)."""
     from .core import triton_aot
     from .testing import run
-    from .testing.accuracy import amp_of, check_output
+    from .testing.accuracy import amp_of, check_output, rounding_floor
 
     worst_ratio, worst = 0.0, "no outputs"
     problems: list[str] = []
@@ -376,8 +376,11 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
             continue
         if tg is not None:
             outs.append((f"grad {k}", gg, tg, same_grads.get(k), amp_of(tensors[k])))
+    ref = max(1.0, _finite_max(truth_loss))
+    f_loss, f_grad = rounding_floor(tensors, kwargs)
     for name, got, truth, same, amp in outs:
-        w, e, tol = check_output(name, got, truth, same, dt, amp)
+        w, e, tol = check_output(name, got, truth, same, dt, amp, ref=ref,
+                                 floor=f_loss if name == "loss" else (0.0 if amp else f_grad))
         ratio = 0.0 if e == 0 else (e / tol if tol > 0 else math.inf)
         ratio = math.inf if math.isnan(ratio) else ratio
         if ratio >= worst_ratio:
