@@ -59,6 +59,9 @@ from torch import Tensor
 #: ``matryoshka_dims``, see :func:`parity_case`).
 LOSSES = ("info_nce", "simcse", "clip", "supcon_in", "cosent", "siglip", "gist", "matryoshka")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: In fp32 the float64 oracle must agree with PyTorch computing in fp32 to this many times the slack of
+#: THE accuracy rule (a sanity bound on the oracle itself; see _parity_one).
+ORACLE_SANITY = 10.0
 NCU_METRICS = ("lts__t_sector_hit_rate.pct", "dram__bytes_read.sum", "dram__bytes_write.sum",
                "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
 NCU_KERNELS = {"lse_fwd_kernel": "fused", "lse_bwd_rows_kernel": "fused", "lse_bwd_cols_kernel": "fused",
@@ -118,6 +121,8 @@ class Plan:
     #: processes for parity, determinism and fp16 (the timings always run alone, after them): > 1 shares
     #: the first run's kernel compiles among the CPU cores
     jobs: int = 1
+    #: an absolute deadline (``time.time()``) besides ``budget_s``: the worker processes share one
+    until: float | None = None
 
 
 @dataclass
@@ -343,7 +348,7 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     granted up to the slack)."""
     from .core import triton_aot
     from .testing import run
-    from .testing.accuracy import amp_of, check_output, rounding_floor
+    from .testing.accuracy import SLACK, amp_of, check_output, rounding_floor, same_dtype_error
 
     worst_ratio, worst = 0.0, "no outputs"
     problems: list[str] = []
@@ -379,8 +384,16 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     ref = max(1.0, _finite_max(truth_loss))
     f_loss, f_grad = rounding_floor(tensors, kwargs)
     for name, got, truth, same, amp in outs:
-        w, e, tol = check_output(name, got, truth, same, dt, amp, ref=ref,
-                                 floor=f_loss if name == "loss" else (0.0 if amp else f_grad))
+        floor = f_loss if name == "loss" else (0.0 if amp else f_grad)
+        if dt == torch.float32 and same is not None:
+            # in fp32 THE rule grants PyTorch's error against the oracle whole, so a wrong oracle would
+            # widen its own tolerance: the fp32 reference must agree with it to ORACLE_SANITY x the slack
+            e_same = same_dtype_error(same, truth)
+            bound = ORACLE_SANITY * SLACK[dt] * max(_finite_max(truth), amp) + floor
+            if not e_same <= bound:
+                problems.append(f"oracle suspect: the float32 reference differs from it by {e_same:.3g} on "
+                                f"{name} (> {bound:.3g})")
+        w, e, tol = check_output(name, got, truth, same, dt, amp, ref=ref, floor=floor)
         ratio = 0.0 if e == 0 else (e / tol if tol > 0 else math.inf)
         ratio = math.inf if math.isnan(ratio) else ratio
         if ratio >= worst_ratio:
@@ -657,27 +670,25 @@ def _worker(device: str, plan: Plan, oracle: Oracle) -> tuple[list[Result], int]
 def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle) -> None:
     """Parity, determinism and fp16 in ``plan.jobs`` processes, before the timings run alone: the first
     run on a machine compiles every kernel variant (CPU-bound, seconds each, the GPU idle), so the
-    correctness checks share the CPU cores; nothing is timed while they run. Each worker gets whole
-    (shape, regime, dtype) units of parity, round robin; the first also determinism and fp16."""
+    correctness checks share the CPU cores; nothing is timed while they run. The units (determinism,
+    fp16, parity per (shape, regime, dtype)) go to whichever worker is free, all under one wall-clock
+    deadline (60 % of the budget left: the timings get the rest)."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    units = [(shape, regime, dt) for shape in plan.parity_shapes for regime in plan.regimes for dt in plan.dtypes]
-    # 60 % of what is left: the timings that follow get the rest
-    remaining = None if report.deadline is None else 0.6 * max(report.deadline - time.monotonic(), 0.0)
-    quiet = dict(timing_sizes=(), ncu=False, budget_s=remaining, jobs=1)
+    until = None if report.deadline is None else \
+        time.time() + 0.6 * max(report.deadline - time.monotonic(), 0.0)
+    base = dataclasses.replace(plan, timing_sizes=(), ncu=False, budget_s=None, until=until, jobs=1,
+                               parity_shapes=(), determinism_runs=0, fp16_shape=None)
+    # one task per unit, the long ones first, handed to whichever worker is free: determinism, fp16,
+    # then parity per (shape, regime, dtype) in the plan's order of priority
     plans = []
-    for j in range(plan.jobs):
-        mine = units[j::plan.jobs]
-        sub = dataclasses.replace(plan, **quiet, parity_shapes=(), determinism_runs=0, fp16_shape=None)
-        if j == 0:
-            sub = dataclasses.replace(sub, determinism_runs=plan.determinism_runs, fp16_shape=plan.fp16_shape)
-        plans += [dataclasses.replace(sub, parity_shapes=(shape,), regimes=(regime,), dtypes=(dt,))
-                  for shape, regime, dt in mine[:1]]
-        plans += [dataclasses.replace(sub, determinism_runs=0, fp16_shape=None, parity_shapes=(shape,),
-                                      regimes=(regime,), dtypes=(dt,)) for shape, regime, dt in mine[1:]]
-        if not mine and j == 0:
-            plans.append(sub)
+    if plan.determinism_runs > 1:
+        plans.append(dataclasses.replace(base, determinism_runs=plan.determinism_runs))
+    if plan.fp16_shape is not None:
+        plans.append(dataclasses.replace(base, fp16_shape=plan.fp16_shape))
+    plans += [dataclasses.replace(base, parity_shapes=(shape,), regimes=(regime,), dtypes=(dt,))
+              for shape in plan.parity_shapes for regime in plan.regimes for dt in plan.dtypes]
     with cf.ProcessPoolExecutor(plan.jobs, mp_context=mp.get_context("spawn")) as pool:
         futures = [pool.submit(_worker, device, p, oracle) for p in plans]
         for fut in futures:
@@ -703,7 +714,10 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
     dev = torch.device(device)
     if dev.type != "cuda" and not allow_cpu:
         raise RuntimeError("--gpu-validate needs a CUDA device")
-    report = Report(device, deadline=None if plan.budget_s is None else time.monotonic() + plan.budget_s)
+    ends = [time.monotonic() + plan.budget_s] if plan.budget_s is not None else []
+    if plan.until is not None:
+        ends.append(time.monotonic() + (plan.until - time.time()))
+    report = Report(device, deadline=min(ends) if ends else None)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     print(f"fused-contrastive GPU validation on {device} ({name}), torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}", flush=True)
@@ -733,7 +747,7 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
     print("\nverdict table:")
     for r in report.results:
         print(f"  {({True: 'PASS', False: 'FAIL', None: 'info'})[r.ok]:4s}  {r.check:44s} {r.detail}")
-    skipped = (f", {report.not_run} not run (time budget {plan.budget_s:.0f} s spent: they prove nothing)"
+    skipped = (f", {report.not_run} not run (time budget {plan.budget_s or 0:.0f} s spent: they prove nothing)"
                if report.not_run else "")
     print(f"\nverdict: {'PASS' if report.ok else 'FAIL'} ({sum(r.ok is True for r in report.results)} passed, "
           f"{len(fails)} failed{skipped}{': ' + ', '.join(fails) if fails else ''})")

@@ -99,7 +99,7 @@ def test_a_wrong_oracle_fails_the_verdict(capsys):
     assert not rep.ok
     parity = [r for r in rep.results if r.check.startswith("parity")]
     assert [r.ok for r in parity] == [False, False, False]  # both paths, and the panel one in 3 panels
-    assert all("loss" in r.detail for r in parity)
+    assert all("oracle suspect" in r.detail for r in parity)
     assert "verdict: FAIL" in capsys.readouterr().out
 
 
