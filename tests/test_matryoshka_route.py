@@ -1,0 +1,53 @@
+"""The Matryoshka route the code takes on the panel path (``core._leveled``: one plain core-op call per
+level on the truncated rows, the caller's ``normalize`` kept, so the one-pass panel kernel normalises
+them in fp32) is what ``bench/gpu_model.py`` costs (``run_triton`` of the plain loss at each level's
+D): the same kernels with the same compile-time flags, level by level. Recorded on the meta device for
+the H100's arch, nothing runs. Until 0.2 the route passed ``normalize=False`` on rows normalised in the
+input dtype, which switched the one-pass kernel off while the model costed it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fused_contrastive import core  # noqa: E402
+from fused_contrastive.core import triton_backend as TB  # noqa: E402
+from fused_contrastive.core import triton_panel  # noqa: E402
+from fused_contrastive.tools import aot  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_model as GM  # noqa: E402
+
+
+def _key(launch: TB.Launch) -> tuple:
+    return launch.name, tuple(sorted((k, v) for k, v in launch.constexprs.items()))
+
+
+def test_the_per_level_route_is_what_the_model_costs(monkeypatch):
+    n, d = 8192, 768
+    gpu = GM.GPUS["H100"]
+    dims = tuple(sorted(GM.matryoshka_dims(d)))
+    model = [[_key(lz) for lz in GM.run_triton("info_nce", n, dk, gpu, "panel")[0]] for dk in dims]
+
+    a, b, scale, spec, data, coef, reduce = aot.core_call("info_nce", n, d, torch.bfloat16)
+    coef = dataclasses.replace(coef, tgt=None, set=None)  # as the model: the O(N D) target term left out
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
+    monkeypatch.setattr(TB, "COL_PARTIAL_PROGRAMS", 2 * gpu.sms)
+    monkeypatch.setattr(triton_panel, "PANEL_PROGRAMS", 2 * gpu.sms)
+    with aot.recording(gpu.arch) as launches:
+        out = core.run("triton", a, b, scale, spec, data, coef, reduce, levels=(dims, tuple(1.0 for _ in dims)))
+        torch.autograd.grad(out.sum(), [a, b])
+    code = [_key(lz) for lz in launches]
+    want = [k for level in model for k in level]
+    assert code == want, "the Matryoshka route and the model's per-level calls diverge"
+    # and the route is the one-pass panel kernel on normalised rows at every level
+    dl = [dict(c) for name, c in code if name == "panel_dl"]
+    assert len(dl) == len(dims) and all(c.get("NORMALIZE") for c in dl), dl
+    assert os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] == "panel"
