@@ -1,41 +1,45 @@
-"""First run on a GPU: ``python -m fused_contrastive check --gpu-validate``.
+"""Run on a GPU: ``python -m fused_contrastive check --gpu-validate``.
 
-Everything the Triton kernels still need a GPU to confirm, in one command, with a pass/fail verdict,
-on both paths of the triton backend ("fused": the fused kernels of ``kernels/lse.py``; "panel": cuBLAS
-GEMMs on row panels + ``kernels/panel.py``, which ``auto`` picks on CUDA for N M >= 2^24, so N = 4099
-alone would test only the panel path):
+Everything the Triton kernels need a GPU to confirm, in one command, with a pass/fail verdict:
 
-* **parity**: the triton backend against the float64 oracle (the reference backend in float64 on the
-  same dtype-rounded inputs, THE accuracy rule of ``testing.accuracy``) for info_nce, simcse (A is B:
-  the symmetric kernel) and clip at ragged shapes (N = M = 4099, D = 100 and 768) in bf16 / fp16 / fp32,
-  with every kernel output and scratch buffer (the fp32 accumulator rows of the streaming backward,
-  the column-LSE partials) filled with NaN before each launch and the inputs as views into NaN-padded
-  buffers: an element a kernel forgets to write, or a read out of bounds, shows up as NaN; the panel
-  path also with a forced panel height (``Plan.multi_panel_rows``, default 1000: 5 panels at N = 4099),
-  so the fp32 accumulation across panels, the triangular sweep's offsets r0 > 0 and its off-diagonal
-  update meet the oracle too (the default budget gives one panel at these sizes);
+* **parity** of every kernel family (``LOSSES``: the core op on both paths of the triton backend,
+  "fused" = ``kernels/lse.py`` and "panel" = cuBLAS GEMMs on row panels + ``kernels/panel.py``, which
+  ``auto`` picks on CUDA for N M >= 2^24; SupCon's positives; CoSENT, SigLIP and GIST's guided kernels,
+  each run once on its own kernels, path "own"; the Matryoshka kernels on "fused" and the per-level
+  route on "panel") against the float64 oracle (the reference backend in float64 on the same
+  dtype-rounded inputs) under THE accuracy rule of ``testing.accuracy`` (relative to each output's
+  size), at N = 4099 (ragged against every block), D = 768 and 100, bf16 / fp16 / fp32, in the input
+  regimes ``flat`` and ``sharp`` (``testing.cases.REGIMES``: temperature 0.01 / logit scale 100 with
+  correlated positives), with every kernel output and scratch buffer filled with NaN before each launch
+  and the inputs as views into NaN-padded buffers (an unwritten element or an out-of-bounds read shows
+  up as NaN), a row failing also when its family's kernels did not launch; the panel path once more
+  with a forced panel height (``Plan.multi_panel_rows``, default 1000: 5 panels at N = 4099); in fp32,
+  where the rule grants PyTorch's error against the oracle whole, the oracle must agree with the fp32
+  reference to ``ORACLE_SANITY`` x the slack;
 * **cuBLAS fp32-output GEMMs**: which route ``core/triton_panel.gemm_routes`` chose per 16-bit dtype
   (its probe of ``torch.mm`` / ``torch.addmm`` with ``out_dtype``, or the fallback: information);
-* **determinism**: 20 backward runs bitwise identical (bf16, D = 768);
-* **fp16 at M = 65536**: fp16 loss and gradients against the fp32 run of the same kernels (the subnormal
-  softmax weights p ~ 1/M of the fp16 gradient tile);
-* **timings** (CUDA events, medians): triton (its default path, and each path forced) vs torch backend
-  vs the naive formula (the textbook
-  formula of ``testing.baselines``; "does not fit" on out-of-memory), and from them which backend
-  ``auto`` should prefer on this device;
+* **determinism**: 10 forward + backward runs bitwise identical per family and path (bf16, D = 768);
+* **fp16 at M = 65536**: fp16 loss and gradients against the fp32 run of the same kernels;
+* **timings** (CUDA events, medians, fwd + bwd, bf16, N = 16384 and 65536): the triton route of every
+  family (and each path forced for the core op) against the textbook formula it replaces ("does not
+  fit" on out-of-memory), each beside the GPU model's prediction (``bench/gpu_model.py``'s committed
+  JSON lines, or ``FUSED_CONTRASTIVE_GPU_MODEL``), and which path ``auto`` should prefer there;
 * **the ahead-of-time library** (``--aot-lib`` or ``FUSED_CONTRASTIVE_AOT_LIB``: a built
-  ``libfused_contrastive_torch.so``, which has never run on a GPU here): parity, determinism, fp16 and
+  ``libfused_contrastive_torch.so``, which has not run on a GPU yet): parity, determinism, fp16 and
   timings also on its operators, forced to either path ("aot/fused", "aot/panel"); its buffers are its
   own (not NaN-filled), and a shape it does not cover (D = 100) is reported as not covered;
-* **ncu** (when ``ncu`` is on PATH): for each of the main kernels, a child process of this module runs
-  one forward + backward under ``ncu`` and reports the metrics that calibrate ``bench/gpu_model.py``
-  (L2 hit rate, DRAM bytes read / written, tensor-pipe active). Informational, not a pass/fail check.
+* **ncu** (``Plan.ncu``, off by default; when ``ncu`` is on PATH): the metrics that would calibrate the
+  model for the main kernels. Informational.
 
-Every check runs on its own: an exception in one is a FAIL row carrying the error, and the run goes on
-to the end, where the verdict table lists every row; the exit status is 0 (all pass) or 1 (any FAIL).
-Without a CUDA device the command exits with status 2 and a message. The machinery takes the device
-and the sizes as parameters (:class:`Plan`, :func:`validate`), so the test-suite runs the same code on
-the CPU under the Triton interpreter at tiny shapes, including a planted wrong oracle that must fail.
+Bounded (``--budget``, default 420 s; the H100 runs took 264 and 310 s at 300): parity, determinism and
+fp16 run first in ``--jobs`` worker processes (a first run compiles every kernel variant, CPU-bound
+with the GPU idle; nothing is timed meanwhile) within 60 % of the budget, the timings alone after them;
+a row that would start past the budget is listed as not run. Every check runs on its own: an
+exception in one is a FAIL row carrying the error, and the run always ends with the verdict table of
+every row; the exit status is 0 (all pass) or 1 (any FAIL). Without a CUDA device the command exits
+with status 2 and a message. The machinery takes the device and the sizes as parameters
+(:class:`Plan`, :func:`validate`), so the test-suite runs the same code on the CPU under the Triton
+interpreter at tiny shapes, including a planted wrong oracle and unwritten outputs that must fail.
 """
 
 from __future__ import annotations
