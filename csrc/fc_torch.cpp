@@ -35,13 +35,17 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "fc_kernels_gen.h"  // the launcher's constants: FC_PANEL_*, FC_TRI_*, FC_ROW_NORM_* (generated)
 #include "fused_contrastive.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #ifdef FC_TORCH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -281,17 +285,99 @@ Tensor gscale(std::initializer_list<const Tensor *> vs) {
   return at::where(gs > 0, gs, at::ones_like(gs)).reshape({1});
 }
 
-// triton_panel._mm32 / _addmm32_: fp32 results (16-bit operands: cuBLAS's out_dtype GEMM on CUDA)
+// triton_panel.gemm_routes: the fp32-output GEMMs of 16-bit operands (at::mm / at::addmm_out with
+// out_dtype: cuBLAS accumulates in fp32 and writes fp32) run unproven nowhere. The first call per
+// (device, dtype) runs both on tiny tensors of the real call's layout (transposed operands, out= the
+// accumulator) against a float64 product and caches the verdict; on an exception or a mismatch it warns
+// once and takes the upcast fallback (fp32 copies of the operands: correct everywhere). The CPU has no
+// such GEMMs: it takes the fallback unprobed, unless FUSED_CONTRASTIVE_AOT_PROBE_CPU is set (the tests:
+// the probe then runs there, fails, and the fallback is what runs). While a CUDA graph is being captured
+// no probe can run (host copies): the fallback, said once, nothing cached.
+struct GemmRoutes {
+  bool mm = false, addmm = false;  // true: the native out_dtype call
+};
+std::mutex g_routes_mu;
+std::map<std::pair<int, int>, GemmRoutes> g_routes;
+
+std::string probe_gemm(bool add, const Tensor &like) {
+  try {
+    auto gen = at::detail::createCPUGenerator(1234);
+    auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const int64_t k = 72;
+    Tensor x = (at::randn({k, 24}, gen, f32) * 3).to(like.scalar_type());  // used transposed: [24, 72]
+    Tensor y = (at::randn({40, k}, gen, f32) * 3).to(like.scalar_type());  // used transposed: [72, 40]
+    Tensor xd = x.t().to(at::kDouble), yd = y.t().to(at::kDouble);
+    Tensor want = at::mm(xd, yd);
+    // products of 16-bit values need more than 16 bits: a 16-bit output would be off by ~2^-9 relative
+    Tensor bound = at::mm(xd.abs(), yd.abs()) * std::ldexp(1.0, -16);
+    Tensor xt = x.to(like.device()).t(), yt = y.to(like.device()).t();
+    Tensor got;
+    if (!add) {
+      got = at::mm(xt, yt, at::kFloat);
+    } else {
+      Tensor acc0 = at::randn({24, 40}, gen, f32);
+      Tensor acc = acc0.to(like.device(), /*non_blocking=*/false, /*copy=*/true);
+      void *ptr = acc.data_ptr();
+      at::addmm_out(acc, acc, xt, yt, at::kFloat);
+      if (acc.data_ptr() != ptr) return "the result did not land in the accumulator";
+      got = acc;
+      want = want + acc0.to(at::kDouble);
+      bound = bound + acc0.to(at::kDouble).abs() * std::ldexp(1.0, -22);
+    }
+    if (got.scalar_type() != at::kFloat || got.size(0) != 24 || got.size(1) != 40)
+      return "the result is not fp32 [24, 40]";
+    Tensor err = (got.cpu().to(at::kDouble) - want).abs();
+    if (!(err <= bound).all().item<bool>())
+      return "the result differs from the float64 product by up to " + std::to_string(err.max().item<double>());
+  } catch (const c10::Error &e) {
+    std::string w = e.what_without_backtrace();
+    return w.substr(0, w.find('\n'));
+  } catch (const std::exception &e) {
+    return e.what();
+  }
+  return "";
+}
+
+GemmRoutes gemm_routes(const Tensor &x) {
+  const bool probe_cpu = std::getenv("FUSED_CONTRASTIVE_AOT_PROBE_CPU") != nullptr;
+  if (!x.is_cuda() && !probe_cpu) return {};
+  const std::pair<int, int> key{x.is_cuda() ? x.get_device() : -1, static_cast<int>(x.scalar_type())};
+  std::lock_guard<std::mutex> lock(g_routes_mu);
+  auto it = g_routes.find(key);
+  if (it != g_routes.end()) return it->second;
+#ifdef FC_TORCH_CUDA
+  if (x.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    TORCH_WARN_ONCE("fused_contrastive_aot: the first panel-path call with ", x.scalar_type(), " operands on ",
+                    x.device(), " is being captured in a CUDA graph, where the fp32-output GEMMs cannot be probed: "
+                    "it takes the upcast route (fp32 copies of the operands, slower). Run one call before capturing.");
+    return {};
+  }
+#endif
+  GemmRoutes r;
+  const std::string why_mm = probe_gemm(false, x), why_addmm = probe_gemm(true, x);
+  r.mm = why_mm.empty();
+  r.addmm = why_addmm.empty();
+  if (!r.mm)
+    TORCH_WARN("fused_contrastive_aot: no working fp32-output mm of ", x.scalar_type(), " operands on ", x.device(),
+               " (", why_mm, "); the panel path takes the upcast route (correct, more memory traffic)");
+  if (!r.addmm)
+    TORCH_WARN("fused_contrastive_aot: no working fp32-output addmm of ", x.scalar_type(), " operands on ",
+               x.device(), " (", why_addmm, "); the panel path takes the upcast route (correct, more memory traffic)");
+  g_routes[key] = r;
+  return r;
+}
+
+// triton_panel._mm32 / _addmm32_: fp32 results (16-bit operands: the native route where its probe passed)
 Tensor mm32(const Tensor &x, const Tensor &y) {
   if (x.scalar_type() == at::kFloat) return at::mm(x, y);
-  if (!x.is_cuda()) return at::mm(x.to(at::kFloat), y.to(at::kFloat));
+  if (!gemm_routes(x).mm) return at::mm(x.to(at::kFloat), y.to(at::kFloat));
   return at::mm(x, y, at::kFloat);
 }
 
 void addmm32_(Tensor acc, const Tensor &x, const Tensor &y) {
   if (x.scalar_type() == at::kFloat)
     acc.addmm_(x, y);
-  else if (!x.is_cuda())
+  else if (!gemm_routes(x).addmm)
     acc.addmm_(x.to(at::kFloat), y.to(at::kFloat));
   else
     at::addmm_out(acc, acc, x, y, at::kFloat);

@@ -265,8 +265,8 @@ import torch
 from fused_contrastive import gpu_validate as GV
 
 plan = GV.Plan(losses=("info_nce", "simcse"), paths=("aot/fused", "aot/panel"), parity_shapes=((64, 784), (64, 100)),
-               dtypes=(torch.bfloat16,), determinism_runs=0, fp16_shape=None, timing_sizes=(), ncu=False,
-               aot_lib=sys.argv[1])
+               dtypes=(torch.bfloat16,), regimes=("flat",), determinism_runs=0, fp16_shape=None, timing_sizes=(),
+               ncu=False, aot_lib=sys.argv[1])
 rep = GV.validate("cpu", plan, allow_cpu=True)
 print(json.dumps([[r.check, r.ok, r.detail] for r in rep.results]))
 """
@@ -297,3 +297,42 @@ def test_gpu_validate_checks_the_library(build, tmp_path):
             assert ok is None and "not covered" in detail, (check, detail)
         else:
             assert ok is False and "err/tol" in detail, (check, detail)  # wrong values, nothing else
+
+
+_PROBE = r"""
+import sys, warnings
+import torch
+import fused_contrastive as fc
+
+g = torch.Generator().manual_seed(0)
+q = torch.randn(300, 784, generator=g).to(torch.bfloat16).requires_grad_(True)
+k = torch.randn(300, 784, generator=g).to(torch.bfloat16).requires_grad_(True)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    fc.info_nce(q, k, temperature=0.05, backend="triton").backward()
+    fc.info_nce(q, k, temperature=0.05, backend="triton").backward()
+print("\n".join(str(x.message) for x in w))
+"""
+
+
+def test_the_library_probes_its_fp32_output_gemms(build, tmp_path):
+    """The torch operators' panel path probes cuBLAS's fp32-output GEMMs of 16-bit operands once per
+    (device, dtype) like the Python path (``core/triton_panel.gemm_routes``) and falls back to upcast
+    GEMMs with one warning each when a probe fails: forced here on the CPU
+    (FUSED_CONTRASTIVE_AOT_PROBE_CPU), which has no such GEMMs, so the probes fail, the step completes on
+    the fallback, and two calls warn once per GEMM."""
+    lib = build / "libfused_contrastive_torch.so"
+    if not lib.exists():
+        pytest.skip("libfused_contrastive_torch was not built (Torch not found by CMake)")
+    env = dict(os.environ, TRITON_INTERPRET="1", FUSED_CONTRASTIVE_AOT_LIB=str(lib), FUSED_CONTRASTIVE_AOT_FAKE_CPU="1",
+               FUSED_CONTRASTIVE_LIBCUDA=str(build / "libfc_mock_cuda.so"), FC_MOCK_DIR=str(tmp_path), FC_MOCK_CC="90",
+               FC_MOCK_SMS="132", FUSED_CONTRASTIVE_DENSE="0", FUSED_CONTRASTIVE_TRITON_PATH="panel",
+               FUSED_CONTRASTIVE_AOT_PROBE_CPU="1")
+    r = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    text = r.stdout + r.stderr
+    for op in ("mm", "addmm"):
+        said = text.count(f"no working fp32-output {op} of BFloat16 operands")
+        assert said == 1, (op, said, text[-3000:])
+    assert "upcast route" in text
