@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,17 @@ from fused_contrastive.core import triton_backend as TB  # noqa: E402
 from fused_contrastive.core import triton_panel  # noqa: E402
 from fused_contrastive.tools import aot  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import gpu_model as GM  # noqa: E402
+BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+
+
+def _gpu_model(monkeypatch):
+    """``bench/gpu_model.py``, imported here, not at collection: it sets TRITON_INTERPRET=0 at import
+    (the script compiles), which the rest of the session must not see (monkeypatch puts it back)."""
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    monkeypatch.syspath_prepend(BENCH)
+    import gpu_model
+
+    return gpu_model
 
 
 def _key(launch: TB.Launch) -> tuple:
@@ -31,6 +39,7 @@ def _key(launch: TB.Launch) -> tuple:
 
 
 def test_the_per_level_route_is_what_the_model_costs(monkeypatch):
+    GM = _gpu_model(monkeypatch)
     n, d = 8192, 768
     gpu = GM.GPUS["H100"]
     dims = tuple(sorted(GM.matryoshka_dims(d)))
