@@ -38,7 +38,7 @@ from torch import Tensor
 from .._amp import autocast_off
 from .chunked import _ScaleGrad, tile_elements
 from .norms import normalize_backward_, normalize_rows
-from .spec import compute_dtype
+from .spec import compute_dtype, threshold_of
 
 _NEG_INF = float("-inf")
 
@@ -76,12 +76,6 @@ class Masks:
     @property
     def guided(self) -> bool:
         return self.threshold is not None or self.rule is not None
-
-
-def threshold_of(gpos: Tensor, margin_strategy: str, margin: float) -> Tensor:
-    """``theta_i``: ``gpos - margin`` ("absolute") or ``gpos - |gpos| * margin`` ("relative", the
-    sign-independent rule of sentence-transformers 6.2), in ``gpos``'s dtype."""
-    return gpos - margin if margin_strategy == "absolute" else gpos - gpos.abs() * margin
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from torch import Tensor
 from .._amp import autocast_off
 from ..kernels import guided as KG
 from . import triton_backend as TB
-from .spec import CoreData, CoreSpec
+from .spec import CoreData, CoreSpec, threshold_of
 from .triton_configs import guided_config
 
 #: BLOCK_G: the guide dimension is streamed in chunks of this many fp32 values (tf32x3 dots).
@@ -45,8 +45,6 @@ class ThetaSource:
     def theta(self, cfg) -> Tensor:
         key = (cfg.block_m, cfg.block_n, cfg.num_warps)
         if key not in self.cache:
-            from .blocks import threshold_of
-
             n, m = self.ga.shape[0], self.gb.shape[0]
             gpos = TB._alloc((n,), torch.float32, self.ga.device)
             gdt = self.ga.dtype
