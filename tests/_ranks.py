@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue as queue_mod
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,19 @@ def run_ranks(worker: Callable, world: int, tmp_path: Path, *args, timeout: floa
             if p.is_alive():
                 p.kill()
     return sorted(results, key=lambda r: r.get("rank", -1))
+
+
+def timed_calls(calls: Iterable[tuple[str, Callable[[], object]]]) -> dict[str, tuple[tuple[str, str, str] | None,
+                                                                                       float]]:
+    """Run each ``(name, call)`` in order inside a rank: ``{name: (None or (exception type, message,
+    notes), seconds it took)}`` (what the fault tests check: who raised what, and how promptly)."""
+    out = {}
+    for name, call in calls:
+        t0 = time.perf_counter()
+        try:
+            call()
+            err = None
+        except Exception as e:  # noqa: BLE001 - the type and text are what the tests check
+            err = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
+        out[name] = (err, time.perf_counter() - t0)
+    return out

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import fused_contrastive as fc
 from fused_contrastive.distributed import gather_rows, process_group
-from tests._ranks import run_ranks
+from tests._ranks import run_ranks, timed_calls
 
 D = 6
 
@@ -296,20 +296,11 @@ def _bad_calls(rank: int):
 
 
 def _bad_rank_worker(rank: int, world: int, init: str, out) -> None:
-    import time
 
     # a short process-group timeout: without the fix, the healthy ranks fail the test in seconds, not hang
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=20))
     try:
-        res = {"rank": rank, "cases": {}}
-        for name, call, _ in _bad_calls(rank):
-            t0 = time.perf_counter()
-            try:
-                call()
-                err = None
-            except Exception as e:  # noqa: BLE001 - the type and text are what the test checks
-                err = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
-            res["cases"][name] = (err, time.perf_counter() - t0)
+        res = {"rank": rank, "cases": timed_calls((name, call) for name, call, _ in _bad_calls(rank))}
         # the ranks are still in step: a good gathered call gives every rank the global batch
         x = torch.full((2 + rank, 3), float(rank))
         rows, off, sizes = gather_rows(x)

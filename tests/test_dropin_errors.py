@@ -10,9 +10,7 @@ peer (e.g. a repeated Matryoshka dimension), that is tested in the integration t
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -27,6 +25,7 @@ from sentence_transformers.sentence_transformer import losses as peer  # noqa: E
 from fused_contrastive.bench.st_step import build_tiny_model, load_model  # noqa: E402
 from fused_contrastive.integrations import open_clip as fo  # noqa: E402
 from fused_contrastive.integrations import sentence_transformers as fused  # noqa: E402
+from tests._peers import open_clip_loss  # noqa: E402
 
 
 def _raised(build) -> BaseException | None:
@@ -169,20 +168,9 @@ def test_accepted_options_stay_accepted(model):
 # ----------------------------------------------------------------------------------------------
 
 
-def _open_clip_loss():
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "loss.py"
-    mod_spec = importlib.util.spec_from_file_location("open_clip_loss_by_path_errors", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("dist_impl", ["ring", "BIDIR", 3])
 def test_siglip_dist_impl(dist_impl):
-    oc = _open_clip_loss()
+    oc = open_clip_loss()
     if oc is None:
         pytest.skip("open-clip-torch is not installed (pip install --no-deps open-clip-torch)")
     t = _raised(lambda: oc.SigLipLoss(dist_impl=dist_impl))
@@ -195,7 +183,7 @@ def test_siglip_dist_impl(dist_impl):
 
 @pytest.mark.parametrize("dist_impl", [None, "", "bidir", "shift", "reduce", "gather"])
 def test_siglip_dist_impl_accepted_as_theirs(dist_impl):
-    oc = _open_clip_loss()
+    oc = open_clip_loss()
     if oc is None:
         pytest.skip("open-clip-torch is not installed (pip install --no-deps open-clip-torch)")
     assert fo.SigLipLoss(dist_impl=dist_impl).dist_impl == oc.SigLipLoss(dist_impl=dist_impl).dist_impl
@@ -204,7 +192,7 @@ def test_siglip_dist_impl_accepted_as_theirs(dist_impl):
 def test_clip_loss_constructor_rejects_nothing_of_theirs():
     """open_clip's ClipLoss checks no option at construction: nothing to match there (the drop-in's own
     refusals, e.g. ``use_horovod=True``, are tested in tests/test_integration_open_clip.py)."""
-    oc = _open_clip_loss()
+    oc = open_clip_loss()
     if oc is None:
         pytest.skip("open-clip-torch is not installed (pip install --no-deps open-clip-torch)")
     import inspect

@@ -19,23 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fused_contrastive.integrations import open_clip as fo
+from tests._peers import open_clip_loss
 from tests._ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _peer():
-    spec = importlib.util.find_spec("open_clip")  # does not run the package's __init__
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "loss.py"
-    mod_spec = importlib.util.spec_from_file_location("open_clip_loss_by_path", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
-
-
-OC = _peer()
+OC = open_clip_loss()
 needs_peer = pytest.mark.skipif(OC is None, reason="open-clip-torch is not installed "
                                 "(pip install --no-deps open-clip-torch)")
 
@@ -114,7 +104,7 @@ def _dist_worker(rank: int, world: int, init: str, n: int, out) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     try:
-        oc = _peer()
+        oc = open_clip_loss()
         img, txt, s, b = _inputs(n * world, seed=7)
         sl = slice(rank * n, (rank + 1) * n)
         local = [img[sl], txt[sl], s, b]

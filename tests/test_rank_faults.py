@@ -13,7 +13,6 @@ argument and which ranks passed what. Afterwards the ranks are still in step, an
 
 from __future__ import annotations
 
-import time
 import traceback
 from datetime import timedelta
 
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import fused_contrastive as fc
-from tests._ranks import run_ranks
+from tests._ranks import run_ranks, timed_calls
 
 D = 8
 
@@ -92,15 +91,7 @@ def _worker(rank: int, world: int, init: str, out) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
     try:
-        res = {"rank": rank, "cases": {}}
-        for name, call, _, _ in _cases(rank, world):
-            t0 = time.perf_counter()
-            try:
-                call()
-                err = None
-            except Exception as e:  # noqa: BLE001 - the type and text are what the test checks
-                err = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
-            res["cases"][name] = (err, time.perf_counter() - t0)
+        res = {"rank": rank, "cases": timed_calls((name, call) for name, call, _, _ in _cases(rank, world))}
         # still in step; the per-level route (GIST, 3 levels) and the one-pass route agree once per call
         exchanges = []
         real = fd._exchange

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..core import reference
-from ..testing.accuracy import amp_of, check_output, same_dtype_error
+from ..testing.accuracy import amp_of, check_output, rounding_floor, same_dtype_error
 from .contenders import DTYPES, MEMORY_BOUND_BYTES_PER_S, CaseInputs, Contender, Planned, bind, get_contender, plan
 from .memory import is_oom, meter
 
@@ -114,14 +114,18 @@ def _compare(loss, grads, truth: dict[str, Any], dtype: torch.dtype, inputs: Cas
         (f"grad {k}", g, t, amp_of(x))
         for (k, x), g, t in zip(inputs.diff.items(), grads, truth["grads"], strict=True)]
     ok, d_loss, d_grad, worst = True, 0.0, 0.0, ""
+    # THE rule as compare() applies it: the loss's scale for zero outputs, the logits' rounding floor
+    ref = max(1.0, float(truth["loss"].detach().double().abs().nan_to_num(posinf=0.0).max()))
+    f_loss, f_grad = rounding_floor(inputs.diff, inputs.aux)
     for (name, got, want, amp), e_same in zip(outs, truth["e_same"], strict=True):
         if got is None or want is None:
             if (got is None) != (want is None):
                 ok, worst = False, f"{name}: missing"
             continue
-        # the same-dtype error enters as a precomputed number (THE rule: accuracy.tolerance)
-        ref = max(1.0, float(truth["loss"].detach().double().abs().nan_to_num(posinf=0.0).max()))
-        w, err, tol = check_output(name, got.detach().cpu(), want, None, dtype, amp, e_same=e_same, ref=ref)
+        # the same-dtype error enters as a precomputed number
+        floor = f_loss if name == "loss" else (0.0 if amp else f_grad)
+        w, err, tol = check_output(name, got.detach().cpu(), want, None, dtype, amp, e_same=e_same, ref=ref,
+                                   floor=floor)
         if name == "loss":
             d_loss = err
         else:
