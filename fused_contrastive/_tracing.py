@@ -14,10 +14,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["forced", "set_traced_core", "tensors_are_traced", "traced_core", "tracing_route"]
+__all__ = ["forced", "set_traced_core", "set_traced_op", "tensors_are_traced", "traced_core", "traced_op",
+           "tracing_route"]
 
 _FORCE = False
 _TRACED_CORE: Callable | None = None
+_TRACED_OPS: dict[str, Callable] = {}
 
 
 def tracing_route() -> bool:
@@ -56,3 +58,16 @@ def traced_core() -> Callable:
     if _TRACED_CORE is None:  # pragma: no cover - the package's __init__ imports ops
         raise RuntimeError("fused_contrastive.ops is not imported: import fused_contrastive first")
     return _TRACED_CORE
+
+
+def set_traced_op(name: str, fn: Callable) -> None:
+    """Called by ``ops.py``: the Python entry of a registered operator that ``core/`` calls when
+    :func:`tracing_route` (``"merged_lse"``: ``core.blocks.merged_lse``)."""
+    _TRACED_OPS[name] = fn
+
+
+def traced_op(name: str) -> Callable:
+    """The registered operator's entry ``name`` (see :func:`set_traced_op`)."""
+    if name not in _TRACED_OPS:  # pragma: no cover - the package's __init__ imports ops
+        raise RuntimeError("fused_contrastive.ops is not imported: import fused_contrastive first")
+    return _TRACED_OPS[name]

@@ -16,13 +16,18 @@ the loss, traces no Python chunk loop, and never specialises on the batch size:
 ``fused_contrastive::triton_core``
     The same schema as a :func:`torch.library.triton_op`: on CUDA, Inductor traces its host code and
     sees the Triton kernels (through ``wrap_triton``) instead of an opaque call.
+``fused_contrastive::merged_lse``
+    The merged-block core of ``core/blocks.py`` (GIST, ``info_nce(guide=, ids=)``): several column
+    blocks in one softmax per row with the guide / id masks formed per tile, on the torch sweep or the
+    Triton kernels; ``(out, grads of xs, grad_scale)`` like the core op (``merged_lse_backward``
+    recomputes for per-row output).
 ``fused_contrastive::cosent_scores``, ``fused_contrastive::cosent_pairs``
     CoSENT from scores and from embedding pairs, either backend; ``(loss, grads...)`` likewise (the
     loss is a sum over pairs, so its gradients are always formed in the forward). On CUDA the Triton
     path is ``triton_cosent_scores`` / ``triton_cosent_pairs``, the same as ``triton_op`` s.
 
 The implementations call the forward and backward of the autograd Functions in ``core/`` directly
-(autograd does not record inside an operator), through :class:`_Ctx`. Arguments that could change
+(autograd does not record inside an operator), through ``core.spec.DirectCtx``. Arguments that could change
 with the batch size (the offset of the anchors, ``grad_cols``) are ``SymInt``; coefficients that are
 the same number for every row are ``float`` and must not depend on N (the losses pass weights 1 and
 divide outside the op under compile, or a tensor).
@@ -37,27 +42,18 @@ from dataclasses import fields
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import core as _core
 from ._amp import autocast_off
-from ._tracing import forced, set_traced_core, tensors_are_traced, tracing_route
-from .core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
+from ._tracing import forced, set_traced_core, set_traced_op, tensors_are_traced, tracing_route
+from .core.spec import Coeffs, CoreData, CoreSpec, DirectCtx, compute_dtype
 
-__all__ = ["core", "cosent_pairs", "cosent_scores", "forced", "tensors_are_traced", "tracing_route"]
+__all__ = ["core", "cosent_pairs", "cosent_scores", "forced", "merged_lse", "siglip", "tensors_are_traced",
+           "tracing_route"]
 
 _NAN = float("nan")
 _COEF_NAMES = tuple(f.name for f in fields(Coeffs))
-
-
-class _Ctx:
-    """Stands in for ``ctx`` of an autograd Function whose forward and backward are called directly."""
-
-    def __init__(self, needs: Sequence[bool]):
-        self.needs_input_grad = tuple(needs)
-        self.saved_tensors: tuple = ()
-
-    def save_for_backward(self, *tensors) -> None:
-        self.saved_tensors = tensors
 
 
 def _run(parts, need: Sequence[bool], go: Tensor | None):
@@ -65,7 +61,7 @@ def _run(parts, need: Sequence[bool], go: Tensor | None):
     gradients of the first three arguments (a, b, scale) for the upstream gradient ``go``."""
     out, ctxs = None, []
     for fn, args, sign in parts:
-        ctx = _Ctx(tuple(need) + (False,) * (len(args) - 3))
+        ctx = DirectCtx(tuple(need) + (False,) * (len(args) - 3))
         out = _core.signed_sum(out, fn.forward(ctx, *args), sign)
         ctxs.append((fn, ctx, sign))
     grads = [None, None, None]
@@ -319,7 +315,7 @@ def _cosent_pairs_impl(u: Tensor, v: Tensor, labels: Tensor, scale_t: Tensor | N
     if backend == "triton":
         from .core.triton_cosent import TritonPairCosentFn as fn
     scale = scale_t if scale_t is not None else scale_f
-    ctx = _Ctx((need[0], need[1], False, need[2], False, False))
+    ctx = DirectCtx((need[0], need[1], False, need[2], False, False))
     out = fn.forward(ctx, u, v, labels, scale, normalize, eps)
     gu = gv = gs = None
     if any(need):
@@ -419,7 +415,7 @@ def _siglip_fn(backend: str):
 
 def _siglip_forward(fn, image, text, scale_t, scale_f, bias_t, bias_f, normalize, eps, offset, reduce, weight,
                     need):
-    ctx = _Ctx((need[0], need[1], need[2] and scale_t is not None, need[3] and bias_t is not None) + (False,) * 5)
+    ctx = DirectCtx((need[0], need[1], need[2] and scale_t is not None, need[3] and bias_t is not None) + (False,) * 5)
     out = fn.forward(ctx, image, text, scale_t if scale_t is not None else scale_f,
                      bias_t if bias_t is not None else bias_f, normalize, eps, offset, reduce, weight)
     return ctx, out
@@ -512,3 +508,153 @@ def siglip(image: Tensor, text: Tensor, scale, bias, normalize: bool, eps: float
     return _siglip_op(image, text, st, 0.0 if st is not None else float(scale), bt,
                       0.0 if bt is not None else float(bias), normalize, eps, offset, reduce, weight, backend,
                       _needs(image, text, st, bt))[0]
+
+
+
+# ------------------------------------------------------------------------------------------------
+# the merged-block core (GIST, guide / id masks)
+# ------------------------------------------------------------------------------------------------
+
+# xs, guides, ids, target, threshold, weights, scale_t, scale_f, then the blocks column by column
+# (Block's fields; exclude as a value and a flag), the rule, n, the _Config options, backend, need
+# (need[0]: the scale; need[1:]: xs)
+_MERGED_ARGS = ("Tensor[] xs, Tensor?[] guides, Tensor?[] ids, Tensor? target, Tensor? threshold, Tensor? weights, "
+                "Tensor? scale_t, float scale_f, int[] rows, int[] cols, SymInt[] row_start, bool[] protect, "
+                "SymInt[] exclude, bool[] has_exclude, str strategy, float margin, SymInt n, bool normalize, "
+                "float eps, bool minus_target, str backend, bool[] need")
+
+
+def _merged_flatten(xs, cfg, masks, scale, weights, backend: str) -> tuple:
+    from .core.blocks import Masks
+
+    masks = masks or Masks()
+    nx = len(xs)
+
+    def per_tensor(seq):
+        return [seq[t] if t < len(seq) else None for t in range(nx)]
+
+    blocks = cfg.blocks
+    st = scale if isinstance(scale, Tensor) else None
+    strategy, margin = masks.rule if masks.rule is not None else ("", 0.0)
+    need = _needs(st, *xs)
+    return (list(xs), per_tensor(masks.guides), per_tensor(masks.ids), masks.target, masks.threshold, weights, st,
+            0.0 if st is not None else float(scale), [b.rows for b in blocks], [b.cols for b in blocks],
+            [b.row_start for b in blocks], [b.protect for b in blocks], [b.exclude or 0 for b in blocks],
+            [b.exclude is not None for b in blocks], strategy, float(margin), cfg.n, cfg.normalize, float(cfg.eps),
+            cfg.minus_target, backend, need)
+
+
+def _merged_unflatten(args: tuple):
+    """``(Function, scale, cfg, masks, weights, xs, need)`` from the operator's arguments."""
+    from .core.blocks import Block, Masks, _Config, merged_fn
+
+    (xs, guides, ids, target, threshold, weights, scale_t, scale_f, rows, cols, row_start, protect, exclude,
+     has_exclude, strategy, margin, n, normalize, eps, minus_target, backend, need) = args
+    blocks = tuple(Block(r, c, rs, p, e if h else None)
+                   for r, c, rs, p, e, h in zip(rows, cols, row_start, protect, exclude, has_exclude, strict=True))
+    cfg = _Config(blocks, n, normalize, eps, minus_target)
+    masks = Masks(tuple(guides), threshold, tuple(ids), target, (strategy, margin) if strategy else None)
+    scale = scale_t if scale_t is not None else scale_f
+    return merged_fn(backend), scale, cfg, masks, weights, list(xs), list(need)
+
+
+def _merged_grads(grads, xs, scale_t, need, dev) -> tuple[list[Tensor], Tensor]:
+    """The operator's gradient outputs from a Function's backward result ``(d scale, 3 Nones, *d xs)``
+    (None: none computed)."""
+    gx = [None] * len(xs) if grads is None else list(grads[4:])
+    gs = None if grads is None else grads[0]
+    return ([_grad_or_empty(g, x, nd, dev) for g, x, nd in zip(gx, xs, need[1:], strict=True)],
+            _grad_or_empty(gs, scale_t, need[0], dev))
+
+
+@autocast_off
+def _merged_impl(*args) -> tuple[Tensor, list[Tensor], Tensor]:
+    fn, scale, cfg, masks, weights, xs, need = _merged_unflatten(args)
+    ctx = DirectCtx((need[0], False, False, False, *need[1:]))
+    out = fn.forward(ctx, scale, cfg, masks, weights, *xs)
+    grad = weights is not None and any(need)
+    grads = fn.backward(ctx, torch.ones((), dtype=out.dtype, device=out.device)) if grad else None
+    gx, gs = _merged_grads(grads, xs, args[6], [n and grad for n in need], out.device)
+    return out, gx, gs
+
+
+def _merged_fake(*args):
+    xs, weights, scale_t, n, need = args[0], args[5], args[6], args[16], args[-1]
+    reduce = weights is not None
+    grad = reduce and any(need)
+    dev = xs[0].device
+    out = xs[0].new_empty(() if reduce else (n,), dtype=compute_dtype(*xs))
+    return (out, [_fake_grad(x, nd and grad, dev) for x, nd in zip(xs, need[1:], strict=True)],
+            _fake_grad(scale_t, need[0] and grad, dev))
+
+
+@autocast_off
+def _merged_backward_impl(*args) -> tuple[list[Tensor], Tensor]:
+    *fwd, go = args
+    fn, scale, cfg, masks, weights, xs, need = _merged_unflatten(tuple(fwd))
+    ctx = DirectCtx((need[0], False, False, False, *need[1:]))
+    out = fn.forward(ctx, scale, cfg, masks, weights, *xs)
+    grads = fn.backward(ctx, go.to(out.dtype))
+    return _merged_grads(grads, xs, fwd[6], need, go.device)
+
+
+def _merged_backward_fake(*args):
+    xs, scale_t, need = args[0], args[6], args[-2]
+    dev = xs[0].device
+    return ([_fake_grad(x, nd, dev) for x, nd in zip(xs, need[1:], strict=True)], _fake_grad(scale_t, need[0], dev))
+
+
+def _merged_setup(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(*output[1], output[2])
+    # the gradient's structure as autograd checks it: a list for a list argument holding tensors
+    ctx.no_grads = [[None] * len(v) if isinstance(v, list | tuple) and any(isinstance(x, Tensor) for x in v)
+                    else None for v in inputs]
+    ctx.reduce = inputs[5] is not None
+    if ctx.reduce:
+        ctx.save_for_backward(*output[1], output[2])
+        return
+    # per-row output: the backward recomputes from the inputs
+    flat, ctx.spec = tree_flatten(inputs)
+    ctx.pos = [i for i, v in enumerate(flat) if isinstance(v, Tensor)]
+    ctx.save_for_backward(*(flat[i] for i in ctx.pos))
+    ctx.flat = [None if isinstance(v, Tensor) else v for v in flat]
+
+
+def _merged_backward(ctx, go, *_unused):
+    if ctx.reduce:
+        *gx, gs = ctx.saved_tensors
+        need = [gs.numel() > 0, *(g.numel() > 0 for g in gx)]
+        gx = [g * go.to(g.dtype) for g in gx]
+        gs = gs * go.to(gs.dtype)
+    else:
+        flat = list(ctx.flat)
+        for k, i in enumerate(ctx.pos):
+            flat[i] = ctx.saved_tensors[k]
+        args = tree_unflatten(flat, ctx.spec)
+        need = args[-1]
+        gx, gs = torch.ops.fused_contrastive.merged_lse_backward(*args, go)
+    grads = list(ctx.no_grads)  # the inputs' structure (a list argument's gradient is a list)
+    if ctx.needs_input_grad[0]:
+        grads[0] = [g if nd else None for g, nd in zip(gx, need[1:], strict=True)]
+    if ctx.needs_input_grad[6] and need[0]:
+        grads[6] = gs
+    return tuple(grads)
+
+
+_merged_op = torch.library.custom_op("fused_contrastive::merged_lse", _merged_impl, mutates_args=(),
+                                     schema=f"({_MERGED_ARGS}) -> (Tensor, Tensor[], Tensor)")
+_merged_op.register_fake(_merged_fake)
+_merged_bwd_op = torch.library.custom_op("fused_contrastive::merged_lse_backward", _merged_backward_impl,
+                                         mutates_args=(), schema=f"({_MERGED_ARGS}, Tensor go) -> (Tensor[], Tensor)")
+_merged_bwd_op.register_fake(_merged_backward_fake)
+_merged_op.register_autograd(_merged_backward, setup_context=_merged_setup)
+
+
+def merged_lse(xs, cfg, masks, scale, weights: Tensor | None, backend: str) -> Tensor:
+    """``core.blocks.merged_lse`` as the registered operator ``fused_contrastive::merged_lse`` (what it
+    calls under torch.compile / export): ``xs`` the tensors, ``cfg`` its ``_Config`` (blocks, N,
+    normalize, eps, minus_target), ``masks`` its ``Masks``; [N], or 0-dim with ``weights``."""
+    return _merged_op(*_merged_flatten(xs, cfg, masks, scale, weights, backend))[0]
+
+
+set_traced_op("merged_lse", merged_lse)

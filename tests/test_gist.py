@@ -553,11 +553,13 @@ def _global_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
         res = {"rank": rank}
         for case, kw in (("default", {}), ("matryoshka", dict(matryoshka_dims=GLOBAL_DIMS,
                                                               matryoshka_weights=GLOBAL_WEIGHTS))):
-            for backend in ("torch", "reference"):
-                la, lp, ln = (x[mine].clone().requires_grad_() for x in (a, p, n))
-                t = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)  # a learnable temperature
-                loss = gist_loss(la, lp, ln, guide=(ga[mine], gp[mine], gn[mine]), temperature=t, margin=0.05,
-                                 gather=True, backend=backend, **kw)
+            for backend in ("torch", "reference", "triton"):
+                # the kernels (interpreted) take float32: the same inputs rounded, against the float64 truth
+                dt = torch.float32 if backend == "triton" else torch.float64
+                la, lp, ln = (x[mine].to(dt).clone().requires_grad_() for x in (a, p, n))
+                t = torch.tensor(0.1, dtype=dt, requires_grad=True)  # a learnable temperature
+                loss = gist_loss(la, lp, ln, guide=(ga[mine].to(dt), gp[mine].to(dt), gn[mine].to(dt)), temperature=t,
+                                 margin=0.05, gather=True, backend=backend, **kw)
                 loss.backward()
                 ra, rp, rn = (x.clone().requires_grad_() for x in (a, p, n))
                 t2 = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
@@ -590,14 +592,17 @@ def _global_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
 def test_gather_is_the_global_batch_with_uneven_sizes(tmp_path):
     # gist_loss(gather=True) keeps the library's contract (README "gather"): with uneven local batches,
     # Matryoshka levels and a learnable temperature, the rank average of the loss is the float64 global
-    # loss and the gradients are its gradients (the anchor-anchor block against every rank's anchors)
+    # loss and the gradients are its gradients (the anchor-anchor block against every rank's anchors), on the
+    # torch sweep, the reference and the Triton kernels (interpreted, float32)
     results = run_ranks(_global_worker, 2, tmp_path, [7, 4], timeout=240)
     for r in results:
         assert "error" not in r, r.get("error")
         for case in ("default", "matryoshka"):
-            for backend in ("torch", "reference"):
+            for backend in ("torch", "reference", "triton"):
                 e = r[(case, backend)]
+                tol = 1e-12 if backend != "triton" else 2e-5  # float32 inputs: their rounding, scaled
                 assert e["loss"] > 0.1 and e["scale"] > 1e-3, (r["rank"], case, backend, e)
-                assert e["loss_err"] < 1e-12 and e["grad_err"] < 1e-12 * max(1.0, e["scale"]), (case, backend, e)
-                assert e["t_err"] < 1e-10, (case, backend, e)
+                assert e["loss_err"] < tol * max(1.0, e["loss"]), (case, backend, e)
+                assert e["grad_err"] < tol * max(1.0, e["scale"]), (case, backend, e)
+                assert e["t_err"] < tol * 100, (case, backend, e)
             assert r[(case, "local_err")] > 1e-4, (case, r[(case, "local_err")])  # not vacuous

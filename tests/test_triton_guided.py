@@ -158,7 +158,8 @@ _SCRIPT = textwrap.dedent(
     # 16-bit guides), info_nce's id mask with the own column, and every mask at once
     VARIANTS = {"gist-target": dict(guide=True, protect=True), "gist-other": dict(guide=True),
                 "ids-self": dict(ids=True, protect=True, exclude=True),
-                "all": dict(guide=True, ids=True, protect=True, exclude=True)}
+                "all": dict(guide=True, ids=True, protect=True, exclude=True),
+                "gist-rule": dict(guide=True, protect=True, rule=True)}
 
     def record(fam, dt, d, variant, gdt, n=4096, dg=384):
         v = VARIANTS[variant]
@@ -166,9 +167,12 @@ _SCRIPT = textwrap.dedent(
         a, b = torch.empty(n, d, dtype=dt, device=meta), torch.empty(n, d, dtype=dt, device=meta)
         i64 = dict(dtype=torch.int64, device=meta)
         g = v.get("guide", False)
-        mk = TG.BlockMasks(ga=torch.empty(n, dg, dtype=gdt, device=meta) if g else None,
-                           gb=torch.empty(n, dg, dtype=gdt, device=meta) if g else None,
-                           theta=torch.empty(n, device=meta) if g else None,
+        ga = torch.empty(n, dg, dtype=gdt, device=meta) if g else None
+        gb = torch.empty(n, dg, dtype=gdt, device=meta) if g else None
+        theta = torch.empty(n, device=meta) if g else None
+        if v.get("rule"):  # the threshold read from the guide tiles: guided_theta_kernel per launch config
+            theta = TG.ThetaSource(ga, gb, torch.empty(n, **i64), "absolute", 0.0)
+        mk = TG.BlockMasks(ga=ga, gb=gb, theta=theta,
                            idr=torch.empty(n, **i64) if v.get("ids") else None,
                            idc=torch.empty(n, **i64) if v.get("ids") else None,
                            tgt=torch.empty(n, **i64) if v.get("protect") else None,
@@ -178,6 +182,14 @@ _SCRIPT = textwrap.dedent(
             lse, tl, p = TG.block_fwd(a, b, s, mk, True, 1e-12)
             gr = torch.empty(n, device=meta)
             TG.block_bwd(p, s, mk, True, 1e-12, lse, gr, gr if v.get("protect") else None, True, True, True)
+        if v.get("rule"):  # its guided kernels are gist-target's: only the theta launches, one per config
+            seen, out = set(), []
+            for x in launches:
+                key = tuple(sorted(x.constexprs.items())) + (x.num_warps,)
+                if x.name == "theta_guided" and key not in seen:
+                    seen.add(key)
+                    out.append(x)
+            return out
         return [x for x in launches if x.name.startswith("guided")]
 
     def job(args):
@@ -193,6 +205,8 @@ _SCRIPT = textwrap.dedent(
                 for gn in DT for dn, d in shapes for i in range(3)]
         jobs += [(cc, fam, dn, 768, v, "fp32", i) for cc, fam in aot.TARGETS for v in ("ids-self", "all")
                  for dn in DT for i in range(3)]
+        jobs += [(cc, fam, dn, d, "gist-rule", gn, i) for cc, fam in aot.TARGETS for gn in DT for dn, d in shapes
+                 for i in range(len(record(fam, DT[dn], d, "gist-rule", DT[gn])))]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))
     """
@@ -205,8 +219,13 @@ def compiled():
 
 def test_every_guided_kernel_compiles_without_spills(compiled):
     # fp16 runs bf16's code with another operand type (the same registers): bf16 and fp32 are compiled
-    kinds = {(r["kernel"], r["cc"], r["dtype"], r["d"], r["variant"], r["guide"]) for r in compiled}
+    kinds = {(r["kernel"], r["cc"], r["dtype"], r["d"], r["variant"], r["guide"]) for r in compiled
+             if r["variant"] != "gist-rule"}
     assert len(kinds) == 3 * 2 * (2 * 2 * 4 + 2 * 2), len(kinds)
+    # guided_theta_kernel (GIST's threshold from the guide tiles), at every config the guided kernels use
+    theta = {(r["cc"], r["dtype"], r["d"], r["guide"]) for r in compiled if r["variant"] == "gist-rule"}
+    assert len(theta) == 2 * 4 * 2, theta
+    assert all(r["kernel"] == "theta_guided" for r in compiled if r["variant"] == "gist-rule")
     assert_no_spills_within_smem(compiled)
 
 

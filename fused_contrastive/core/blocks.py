@@ -36,9 +36,10 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._tracing import traced_op, tracing_route
 from .chunked import _ScaleGrad, tile_elements
 from .norms import normalize_backward_, normalize_rows
-from .spec import compute_dtype, threshold_of
+from .spec import DirectCtx, compute_dtype, threshold_of
 
 _NEG_INF = float("-inf")
 
@@ -362,14 +363,22 @@ def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Mask
         if xs[blk.rows].shape[0] < blk.row_start + n:
             raise ValueError(f"core.blocks: block rows {blk.row_start}..{blk.row_start + n} exceed tensor {blk.rows} "
                              f"({xs[blk.rows].shape[0]} rows)")
-    if backend == "triton":
-        return _triton(xs, cfg, masks, scale, weights)
-    return MergedLSEFn.apply(scale, cfg, masks, weights, *xs)
+    if tracing_route():  # torch.compile / export: the registered operator (ops.merged_lse), O(N*D) as here
+        return traced_op("merged_lse")(xs, cfg, masks, scale, weights, backend)
+    return merged_fn(backend).apply(scale, cfg, masks, weights, *xs)
 
 
-def _triton(xs: list[Tensor], cfg: _Config, masks: Masks, scale, weights: Tensor | None) -> Tensor:
-    """The blocks on the Triton kernels, one call each, merged by log-sum-exp (differentiable)."""
-    from .triton_guided import BlockMasks, GuidedBlockFn
+def merged_fn(backend: str) -> type[torch.autograd.Function]:
+    """The autograd Function of ``backend`` ("triton": ``TritonMergedFn``, else ``MergedLSEFn``): both
+    take ``(scale, cfg, masks, weights, *xs)``."""
+    return TritonMergedFn if backend == "triton" else MergedLSEFn
+
+
+def _block_masks(xs: tuple[Tensor, ...], cfg: _Config, masks: Masks) -> list:
+    """Each block's ``triton_guided.BlockMasks``: unit guides (16-bit guides stay 16-bit: the kernel's
+    guide dot on tensor-core operands; others fp32), the threshold (a tensor, or a ``ThetaSource`` read
+    from the first protected block's guide tiles), ids, the protected target and own column."""
+    from .triton_guided import BlockMasks, ThetaSource
 
     n = cfg.n
 
@@ -383,36 +392,98 @@ def _triton(xs: list[Tensor], cfg: _Config, masks: Masks, scale, weights: Tensor
     for t, g in enumerate(masks.guides):
         if g is not None and masks.guided:
             u = torch.nn.functional.normalize(g.detach().to(torch.float32), dim=1, eps=cfg.eps)
-            # 16-bit guides stay 16-bit (the kernel's guide dot on tensor-core operands), others fp32
             units[t] = u.to(g.dtype if g.dtype in (torch.float16, torch.bfloat16) else torch.float32).contiguous()
     theta = masks.threshold.to(torch.float32).contiguous() if masks.threshold is not None else None
-    if masks.rule is not None:  # read from the guide tiles of the first protected block (ThetaSource)
-        from .triton_guided import ThetaSource
-
+    if masks.rule is not None:
         pb = next((blk for blk in cfg.blocks if blk.protect and blk.rows in units and blk.cols in units), None)
         if pb is None:
             raise ValueError("core.blocks: Masks.rule needs a protected block with guides on both sides")
         theta = ThetaSource(units[pb.rows][pb.row_start : pb.row_start + n].contiguous(), units[pb.cols],
                             masks.target.contiguous(), *masks.rule)
-    lses, tgt = [], None
+    out = []
     for blk in cfg.blocks:
         rs = blk.row_start
         ga, gb = units.get(blk.rows), units.get(blk.cols)
         guided = ga is not None and gb is not None
         ir, ic = at(masks.ids, blk.rows), at(masks.ids, blk.cols)
         has_ids = ir is not None and ic is not None
-        mk = BlockMasks(ga=ga[rs : rs + n] if guided else None, gb=gb if guided else None,
-                        theta=theta if guided else None,
-                        idr=ir[rs : rs + n].contiguous() if has_ids else None, idc=ic.contiguous() if has_ids else None,
-                        tgt=masks.target.contiguous() if blk.protect else None, exclude=blk.exclude)
-        lse, tl_ = GuidedBlockFn.apply(xs[blk.rows][rs : rs + n], xs[blk.cols], scale, mk, cfg.normalize, cfg.eps)
-        lses.append(lse)
-        if blk.protect and tgt is None:
-            tgt = tl_
-    out = lses[0] if len(lses) == 1 else torch.logsumexp(torch.stack(lses), dim=0)
-    if cfg.minus_target:
-        out = out - tgt
-    bad = bad_rows(cfg, masks)
-    if bad is not None:
-        out = torch.where(bad, float("nan"), out)
-    return out if weights is None else (weights.to(out.dtype) * out).sum()
+        out.append(BlockMasks(ga=ga[rs : rs + n] if guided else None, gb=gb if guided else None,
+                              theta=theta if guided else None,
+                              idr=ir[rs : rs + n].contiguous() if has_ids else None,
+                              idc=ic.contiguous() if has_ids else None,
+                              tgt=masks.target.contiguous() if blk.protect else None, exclude=blk.exclude))
+    return out
+
+
+class TritonMergedFn(torch.autograd.Function):
+    """``MergedLSEFn``'s contract on the Triton kernels: one ``GuidedBlockFn`` forward per block (its
+    ``LSE^k`` [N] and target logit, fp32), merged here by ``LSE_i = log sum_k exp(LSE^k_i)``; the
+    backward hands block k the upstream ``g_i exp(LSE^k_i - LSE_i)`` (its share of the merged softmax)
+    and ``-g_i`` on the target logit, and sums each tensor's gradient over the blocks that read it (a
+    block's rows are a slice of their tensor). Written out rather than left to autograd so that the
+    registered operator (``ops.merged_lse``), which runs below autograd, takes the same code."""
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, scale, cfg: _Config, masks: Masks, weights: Tensor | None, *xs: Tensor):
+        from .triton_guided import GuidedBlockFn
+
+        n = cfg.n
+        need = tuple(ctx.needs_input_grad[4:])
+        need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[0]
+        subs, lses, tgt = [], [], None
+        for blk, mk in zip(cfg.blocks, _block_masks(xs, cfg, masks), strict=True):
+            rs = blk.row_start
+            sub = DirectCtx((need[blk.rows], need[blk.cols], need_s, False, False, False))
+            lse, tl_ = GuidedBlockFn.forward(sub, xs[blk.rows][rs : rs + n], xs[blk.cols], scale, mk, cfg.normalize,
+                                             cfg.eps)
+            subs.append(sub)
+            lses.append(lse)
+            if blk.protect and tgt is None:
+                tgt = tl_
+        stacked = torch.stack(lses)
+        lse = torch.logsumexp(stacked, dim=0)
+        out = lse - tgt if cfg.minus_target else lse
+        bad = bad_rows(cfg, masks)
+        if bad is not None:
+            out = torch.where(bad, float("nan"), out)
+        ctx.subs, ctx.cfg, ctx.bad = subs, cfg, bad
+        ctx.shapes = [(x.shape, x.dtype) for x in xs]
+        ctx.scale_meta = (scale.dtype, scale.shape) if isinstance(scale, Tensor) else None
+        ctx.weights = None if weights is None else weights.to(out.dtype)
+        ctx.stats = (stacked, lse)
+        if weights is None:
+            return out
+        return (ctx.weights * out).sum()
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, go: Tensor):
+        from .triton_guided import GuidedBlockFn
+
+        cfg, n = ctx.cfg, ctx.cfg.n
+        need = tuple(ctx.needs_input_grad[4:])
+        need_s = ctx.scale_meta is not None and ctx.needs_input_grad[0]
+        stacked, lse = ctx.stats
+        g = go.to(torch.float32) * ctx.weights if ctx.weights is not None else go.to(torch.float32)
+        g = g.expand(n) if g.dim() == 0 else g
+        if ctx.bad is not None:  # a NaN row's loss does not depend on the inputs (torch.where)
+            g = torch.where(ctx.bad, torch.zeros_like(g), g)
+        base = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
+        grads: list[Tensor | None] = [torch.zeros(sh, dtype=dt, device=go.device) if nd else None
+                                      for (sh, dt), nd in zip(ctx.shapes, need, strict=True)]
+        ds = None
+        first_protected = next((k for k, blk in enumerate(cfg.blocks) if blk.protect), None)
+        for k, (blk, sub) in enumerate(zip(cfg.blocks, ctx.subs, strict=True)):
+            g_k = (g * torch.exp(stacked[k] - base)).contiguous()
+            g_t = -g if cfg.minus_target and k == first_protected else None
+            da, db, dsk, *_ = GuidedBlockFn.backward(sub, g_k, g_t)
+            rs = blk.row_start
+            if da is not None and grads[blk.rows] is not None:
+                grads[blk.rows][rs : rs + n] += da
+            if db is not None and grads[blk.cols] is not None:
+                grads[blk.cols] += db
+            if dsk is not None:
+                ds = dsk if ds is None else ds + dsk
+        ctx.subs = None  # single use
+        return (ds if need_s else None, None, None, None, *grads)

@@ -51,6 +51,22 @@ def compute_dtype(*xs: Tensor | None) -> torch.dtype:
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
+class DirectCtx:
+    """Stands in for ``ctx`` of an autograd Function whose ``forward`` and ``backward`` are called
+    directly: inside a registered operator (which runs below autograd) and where one Function is
+    built from others' passes (``core.blocks.TritonMergedFn``)."""
+
+    def __init__(self, needs):
+        self.needs_input_grad = tuple(needs)
+        self.saved_tensors: tuple = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class CoreSpec:
     """Static options of the core op (hashable: they are carried through autograd Functions)."""

@@ -80,7 +80,12 @@ def levels(matryoshka_dims, matryoshka_weights, d: int) -> Levels:
         for v in weights:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"matryoshka_weights must hold finite numbers, got {v!r}")
-    asc = sorted(range(len(dims)), key=lambda i: dims[i])
+    asc: list[int] = []  # argsort by comparisons: under torch.compile(dynamic=True) the dims may arrive as
+    for i in range(len(dims)):  # SymInts, which Dynamo compares (one guard each) but cannot sort by key
+        k = len(asc)
+        while k > 0 and dims[asc[k - 1]] > dims[i]:
+            k -= 1
+        asc.insert(k, i)
     pos = {i: p for p, i in enumerate(asc)}
     return Levels(tuple(dims[i] for i in asc), tuple(float(weights[i]) for i in asc),
                   tuple(pos[i] for i in range(len(dims))))

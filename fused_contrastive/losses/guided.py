@@ -30,7 +30,6 @@ from .. import _validate as V
 from .. import distributed as D
 from .._amp import autocast_off
 from .._backend import resolve
-from .._tracing import tracing_route
 from ..core.blocks import Block, Masks, merged_lse, threshold_of
 from ..core.spec import compute_dtype
 from ._levels import leveled
@@ -114,7 +113,8 @@ def gist_loss(
         backend: "auto" (triton on CUDA), "torch" (the eager PyTorch sweep, O(B*D) memory), "triton"
             (one fused kernel call per block, the guide tile computed in the kernel; float32 / 16-bit)
             or "reference" (materialises the matrices: the definition). Under ``torch.compile`` /
-            ``torch.export`` the definition runs (traceable, materialised: B x 4B scores).
+            ``torch.export`` the same backend runs as the registered operator
+            ``fused_contrastive::merged_lse`` (O(B*D) memory, dynamic B).
         gather: gather positives and negatives (and their guide embeddings) over ranks, and the
             anchors for the anchor-anchor block (``anchor_anchor``); rows stay local. The rank average
             is the loss of the global batch and DDP gives its gradients exactly.
@@ -159,8 +159,6 @@ def gist_loss(
     dt = compute_dtype(anchors, positives, *negs)
     s, _ = V.scale_of(temperature, None, 0.01, dt, dev)
     be = resolve(backend, anchors, positives)
-    if tracing_route():  # torch.compile / export: the definition (its python loop over row chunks is eager-only)
-        be = "reference"
     scope = Scope(gather)
     scope.agree(s)
     p_all, off, _ = scope.rows(positives, "positives")
@@ -369,7 +367,7 @@ def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff
     rule = None if gq is None else (mk.strategy, mk.margin)
     excl = qoff if exclude_self else None
     dt = compute_dtype(query, contrast)
-    if be == "reference" or tracing_route():  # under compile / export: the definition
+    if be == "reference":
         blk = _DenseBlock(query, contrast, gq, gk_all, iq, ik_all, protect=t, exclude=excl)
         per, theta = _dense([blk], rule, s, normalize, 0, t)
         per = _nan_rows(per, theta, [] if gk_all is None else [gk_all])
