@@ -400,7 +400,7 @@ void rows_launch(const Panel &C, const Tensor &g, const Tensor &x, const Tensor 
 // panel_dl_kernel's launch without bias, positives or masks; `tri`: a triangular panel (SYM, TRI)
 Kernel dl_kernel(const Panel &C, int64_t grid, int64_t block_r, int64_t block_c, bool excl, bool has_gcol, bool tri) {
   Kernel k("panel_dl", C.dt, grid);
-  k.c("BLOCK_R", block_r).c("BLOCK_C", block_c).c("NORMALIZE", 1).c("EXCLUDE_SELF", excl).c("HAS_BIAS", 0)
+  k.c("BLOCK_R", block_r).c("BLOCK_C", block_c).c("NORMALIZE", 1).c("EXCLUDE_SELF", excl).c("HAS_BIAS", 0).c("BIAS_COS", 0)
       .c("POS_KIND", 0).c("HAS_G", 1).c("HAS_GCOL", has_gcol).c("HAS_GPOS", 0).c("SYM", tri).c("EAGER", 0)
       .c("ONE_PASS", 0).c("NEED_DS", 1).c("FOLD_RB", C.fold).cf("PRESCALE", C.prescale).c("TRI", tri);
   k.p("BIAS_COL", C.dummy).p("ROW_LAB", C.dummy).p("COL_LAB", C.dummy).p("POS_MASK", C.dummy)
@@ -478,7 +478,7 @@ Tensor tri_lse(const Panel &C) {
       .p("COL_PART", col_part).i("N", n).i("M", n).i("D", d).i("stride_sa", rr[0].stride(0))
       .i("stride_sb", rr[0].stride(0)).i("offset", 0).f("bias", 0.0).i("n0", 1).i("m0", 1).i("stride_pm", 1)
       .i("n_row_blocks", cdiv(n_rb, progs) * progs)
-      .c("BLOCK_M", bm).c("BLOCK_N", bn).c("BLOCK_D", bd).c("NORMALIZE", 1).c("EXCLUDE_SELF", 1).c("HAS_BIAS", 0)
+      .c("BLOCK_M", bm).c("BLOCK_N", bn).c("BLOCK_D", bd).c("NORMALIZE", 1).c("EXCLUDE_SELF", 1).c("HAS_BIAS", 0).c("BIAS_COS", 0)
       .c("POS_KIND", 0).s("UPCAST", "0").s("DOT_PREC", C.dt == FC_FLOAT32 ? "tf32x3" : "tf32").c("WANT_COL", 0)
       .c("TRI", 1)
       .run(C.stream);

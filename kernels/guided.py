@@ -98,7 +98,7 @@ def guided_fwd_kernel(
         rsb = _inv_norms(RSB, cols, cmask, NORMALIZE)
         cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
-        l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False)
+        l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False, False)
         l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
                     BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT, GUIDE_UPCAST, GUIDE_PREC)
         m_i, z_i = _online_rows(m_i, z_i, l)
@@ -161,7 +161,7 @@ def guided_bwd_rows_kernel(
         rsb = _inv_norms(RSB, cols, cmask, NORMALIZE)
         cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
-        l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False)
+        l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False, False)
         l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
                     BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT, GUIDE_UPCAST, GUIDE_PREC)
         dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT)
@@ -207,7 +207,7 @@ def guided_bwd_cols_kernel(
         lse_r, g_r, gt_r = _row_grads(LSE, G, GT, GSCALE, rows, rmask, HAS_GT)
         cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
-        l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False)
+        l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False, False)
         l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
                     BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT, GUIDE_UPCAST, GUIDE_PREC)
         dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT)

@@ -225,11 +225,16 @@ def _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
 
 @triton.jit
 def _logits(cos, s, rows, cols, N, M, offset, bias_c, bias,
-            EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """l = s cos (+ bias at column bias_c[i]); -inf at the self column offset + i and on padding."""
+            EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
+    """l = s cos (+ bias at column bias_c[i]; with BIAS_COS the bias is in cosine units, s (cos + bias):
+    the core op's target margin, bias = -margin at the target); -inf at the self column offset + i and
+    on padding."""
     l = cos * s
     if HAS_BIAS:
-        l = tl.where(cols[None, :] == bias_c[:, None], l + bias, l)
+        if BIAS_COS:
+            l = tl.where(cols[None, :] == bias_c[:, None], l + bias * s, l)
+        else:
+            l = tl.where(cols[None, :] == bias_c[:, None], l + bias, l)
     if EXCLUDE_SELF:
         l = tl.where(cols[None, :] == rows[:, None] + offset, NEG_INF, l)
     valid = (rows < N)[:, None] & (cols < M)[None, :]
@@ -326,7 +331,7 @@ def lse_fwd_kernel(
     LSE, LSE_POS, COL_PART,
     N, M, D, stride_sa, stride_sb, offset, bias, n0, m0, stride_pm, n_row_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr, WANT_COL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     TRI: tl.constexpr,
 ):
@@ -374,7 +379,7 @@ def lse_fwd_kernel(
             cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                             BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
             # 3. scale, bias, self / padding masks
-            l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+            l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
             if TRI:  # rows take j >= i (the diagonal as _logits left it), columns strictly i < j (below)
                 l = tl.where(cols[None, :] >= rows[:, None], l, NEG_INF)
             # 4. online row max / sum
@@ -525,7 +530,8 @@ def lse_bwd_rows_kernel(
     DA, ACC, DS_PART,
     N, M, D, stride_a, stride_sa, stride_sb, stride_da, offset, bias, n0, m0, stride_pm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
+    POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, RESIDENT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
@@ -581,7 +587,7 @@ def lse_bwd_rows_kernel(
         # 1. recompute the tile
         cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
-        l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+        l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
         lab_c = cols
         if POS_KIND == 1:
             lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
@@ -598,6 +604,8 @@ def lse_bwd_rows_kernel(
         # 3. temperature gradient
         if NEED_DS:
             ds_acc += tl.sum(dl * cos, axis=1)
+            if HAS_BIAS and BIAS_COS:  # dl/ds at the target is cos + bias (cos - margin)
+                ds_acc += bias * tl.sum(tl.where(cols[None, :] == bias_c[:, None], dl, 0.0), axis=1)
         if NEED_DX:
             # 4. transposed term dl_jk (k = this block's rows) from the same symmetric tile
             if SYM:
@@ -641,7 +649,8 @@ def lse_bwd_cols_kernel(
     DB, ACC,
     N, M, D, stride_b, stride_sa, stride_sb, stride_db, offset, bias, n0, m0, stride_pm, eps, grad_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
+    POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr,
     RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
 ):
@@ -681,7 +690,7 @@ def lse_bwd_cols_kernel(
         # 1. recompute the tile
         cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
-        l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+        l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
         # 2. the row statistics of this row block
         lse_r = _stat(LSE, rows, rmask)
         g_r = tl.zeros([BLOCK_M], dtype=tl.float32)

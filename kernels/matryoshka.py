@@ -142,7 +142,7 @@ def mat_fwd_kernel(
                 rsa = tl.load(RSA + k * N + rows, mask=rmask, other=0.0)
                 rsb = tl.load(RSB + k * M + cols, mask=cmask, other=0.0)
                 l = _logits(acc * rsa[:, None] * rsb[None, :], s, rows, cols, N, M, offset, bias_c, bias,
-                            EXCLUDE_SELF, HAS_BIAS)
+                            EXCLUDE_SELF, HAS_BIAS, False)
                 # 2. level k's online row statistics
                 _online_level(LSE + k * N, Z_RUN + k * N, rows, rmask, j0, l)
                 if POS_KIND != 0:
@@ -193,7 +193,7 @@ def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
     bias_c = rows
     if HAS_BIAS:
         bias_c = tl.load(BIAS_COL + rows, mask=rmask, other=-1)
-    l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+    l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS, False)
     lse_r = _stat(LSE + k * N, rows, rmask)
     g_r = tl.zeros([rows.shape[0]], dtype=tl.float32)
     if HAS_G:

@@ -76,13 +76,20 @@ from .lse import (
 
 @triton.jit
 def _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l, offset, bias_c, bias,
-                  NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """(cos, l, rb) of one [BLOCK_R, BLOCK_C] chunk of the panel from the GEMM's raw products."""
+                  NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BIAS_COS: tl.constexpr):
+    """(cos, l, rb) of one [BLOCK_R, BLOCK_C] chunk of the panel from the GEMM's raw products. BIAS_COS
+    (the core op's target margin, bias = -margin at the bias column): the returned cosine is already
+    shifted there, so that every ``dl * cos`` (the scale's gradient) takes ``c - margin``."""
     rb = _inv_norms(RB, cols, cmask, NORMALIZE)
     raw = tl.load(L + loc.to(tl.int64)[:, None] * stride_l + cols[None, :],
                   mask=lmask[:, None] & cmask[None, :], other=0.0)
     cos = raw * rsp[:, None] * rb[None, :]
-    l = _logits(cos, s, rows, cols, n_end, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS)
+    if BIAS_COS:
+        cos = tl.where(cols[None, :] == bias_c[:, None], cos + bias, cos)
+        l = _logits(cos, s, rows, cols, n_end, M, offset, bias_c, bias, EXCLUDE_SELF, False, False)
+    else:
+        l = _logits(cos, s, rows, cols, n_end, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS, False)
     return cos, l, rb
 
 
@@ -97,8 +104,9 @@ ONE_PASS_SHIFT = tl.constexpr(56.0)
 def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, COL_LAB, POS_MASK,
               loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M, stride_l, offset, n0, m0, stride_pm,
               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
-              HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr,
-              HAS_GPOS: tl.constexpr, SYM: tl.constexpr, EAGER: tl.constexpr, NEED_DS: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
+              HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, EAGER: tl.constexpr,
+              NEED_DS: tl.constexpr,
               FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr):
     """The exact sweep of a block of rows: the statistics (EAGER: a first loop; else the forward's),
     then DL chunk by chunk. Returns the block's per-row temperature-gradient sums."""
@@ -112,7 +120,7 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
             cols = j0 + tl.arange(0, BLOCK_C)
             cmask = cols < M
             cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
-                                       offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS)
+                                       offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
             m_i, z_i = _online_rows(m_i, z_i, l)
             if HAS_GPOS:
                 lab_c = cols
@@ -155,7 +163,7 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
         cols = j0 + tl.arange(0, BLOCK_C)
         cmask = cols < M
         cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
-                                   offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS)
+                                   offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
         lab_c = cols
         if POS_KIND == 1:
             lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
@@ -210,8 +218,8 @@ def panel_dl_kernel(
     LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART,
     M, r0, P, stride_l, stride_dl, offset, bias, n0, m0, stride_pm,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
+    POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     EAGER: tl.constexpr, ONE_PASS: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
     PRESCALE: tl.constexpr, TRI: tl.constexpr,
 ):
@@ -250,7 +258,10 @@ def panel_dl_kernel(
         # e_ij rb_j <= e^56 / eps = 2.1e36), and a redo only where every logit of the row is below c - 100.4
         c = tl.abs(s)
         if HAS_BIAS:
-            c = c + tl.maximum(bias, 0.0)
+            if BIAS_COS:  # the bias in cosine units: s (cos + bias) <= |s| (1 + max(bias, 0))
+                c = c + tl.abs(s) * tl.maximum(bias, 0.0)
+            else:
+                c = c + tl.maximum(bias, 0.0)
         c = c - ONE_PASS_SHIFT
         z_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         t_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -258,7 +269,7 @@ def panel_dl_kernel(
             cols = j0 + tl.arange(0, BLOCK_C)
             cmask = cols < M
             cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
-                                       offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS)
+                                       offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
             e = tl.exp(l - c)
             z_i += tl.sum(e, axis=1)
             if NEED_DS:
@@ -279,7 +290,7 @@ def panel_dl_kernel(
             ds_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT,
                                COL_LAB, POS_MASK, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M,
                                stride_l, offset, n0, m0, stride_pm,
-                               BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, POS_KIND, HAS_G, HAS_GCOL,
+                               BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL,
                                HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, False)
             w_r = tl.full([BLOCK_R], 1.0, tl.float32)
         tl.store(W_OUT + loc, w_r, mask=lmask)
@@ -288,8 +299,8 @@ def panel_dl_kernel(
         ds_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, COL_LAB,
                            POS_MASK, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M, stride_l, offset,
                            n0, m0, stride_pm,
-                           BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS,
-                           SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI)
+                           BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL,
+                           HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
 

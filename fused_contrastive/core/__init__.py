@@ -101,6 +101,9 @@ def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
     if tracing_route():
         raise NotImplementedError("core.run: Matryoshka levels are not traced (the losses run the definition, "
                                   "one plain call per level, under torch.compile)")
+    if spec.margin != 0.0:  # a target margin: the plain op per level (truncated rows, normalised by the op)
+        return torch.stack([run(backend, a[:, :d], None if b is None else b[:, :d], scale, spec, data, coef, reduce)
+                            for d in levels[0]])
     if backend == "triton":
         from . import triton_matryoshka, triton_panel
         if triton_panel.use_panel(a, n, n if b is None else b.shape[0]) or len(levels[0]) > MAX_KERNEL_LEVELS:

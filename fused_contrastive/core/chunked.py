@@ -98,6 +98,11 @@ class _Tiles:
         """(cosine tile, masked logit tile) for rows [r0, r1) and columns [c0, c1)."""
         spec, data = self.spec, self.data
         c = self.arows(r0, r1) @ self.b[c0:c1].T
+        if spec.margin != 0.0:  # c - margin at the targets inside [c0, c1): the scale's gradient reads it
+            tc = data.target[r0:r1] - c0
+            inside = (tc >= 0) & (tc < c1 - c0)
+            shift = torch.where(inside, torch.full_like(c[:, 0], -spec.margin), torch.zeros_like(c[:, 0]))
+            c.scatter_add_(1, tc.clamp(0, c1 - c0 - 1)[:, None], shift[:, None])
         l = c * self.s
         if data.bias_col is not None and spec.bias != 0.0:
             bc = data.bias_col[r0:r1] - c0
@@ -368,7 +373,7 @@ class ChunkedCoreFn(torch.autograd.Function):
         want_col, want_pos = coef.col is not None, coef.pos is not None
         tiles, bh, nb = _setup(a, b, scale, spec, data, dt)
         n = a.shape[0]
-        sym = same and not want_col and (data.bias_col is None or spec.bias == 0.0)
+        sym = same and not want_col and (data.bias_col is None or spec.bias == 0.0) and spec.margin == 0.0
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[2]
         ctx.spec, ctx.data, ctx.coef, ctx.reduce, ctx.sym, ctx.same = spec, data, coef, reduce, sym, same

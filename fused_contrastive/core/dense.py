@@ -144,6 +144,8 @@ class DenseCoreFn(torch.autograd.Function):
         has_bias = data.bias_col is not None and spec.bias != 0.0
         if has_bias:
             l.scatter_add_(1, data.bias_col[:, None], l.new_full((n, 1), spec.bias))
+        if spec.margin != 0.0:  # s (c - margin) at each row's target
+            l.scatter_add_(1, data.target[:, None], (-spec.margin * s) * torch.ones_like(l[:, :1]))
         if spec.exclude_self:
             l.diagonal(spec.offset).fill_(_NEG_INF)
         l_tgt = None
@@ -227,6 +229,8 @@ class DenseCoreFn(torch.autograd.Function):
             if spec.exclude_self:
                 dl.diagonal(spec.offset).zero_()  # a target on the excluded column carries no gradient
         gs = (dl * cos).sum() if need_s else None
+        if need_s and spec.margin != 0.0:  # dl/ds is c - margin at the target
+            gs = gs - spec.margin * dl.gather(1, data.target[:, None]).sum()
         dcos = dl.mul_(s)  # dL/dcos
         # The normalisation backward needs <g_i, x_hat_i> for g = dcos @ B_hat (and its transpose).
         # Read off the tile it is sum_j dcos_ij cos_ij (N x M work), as a row dot N x D work: the tile

@@ -138,9 +138,11 @@ def _positive_sums_by_column(x: Tensor, m: int, spec: CoreSpec, data: CoreData) 
 
 
 def _target_logits(ah: Tensor, bh: Tensor, s, spec: CoreSpec, data: CoreData) -> Tensor:
-    """``TGT`` per row: ``s <a_i, b_{t_i}> + bias [t_i == bias_col_i]``, -inf at an excluded own column."""
+    """``TGT`` per row: ``s (<a_i, b_{t_i}> - margin) + bias [t_i == bias_col_i]``, -inf at an excluded own
+    column."""
     t = data.target
-    tgt = torch.linalg.vecdot(ah, bh[t], dim=1) * s
+    tgt = torch.linalg.vecdot(ah, bh[t], dim=1)
+    tgt = (tgt - spec.margin if spec.margin != 0.0 else tgt) * s
     if data.bias_col is not None and spec.bias != 0.0:
         tgt = tgt + spec.bias * (t == data.bias_col).to(tgt.dtype)
     if not spec.exclude_self:
@@ -202,8 +204,8 @@ class LinearTermsFn(torch.autograd.Function):
             if spec.exclude_self:  # a target on the excluded own column carries no gradient
                 h = torch.where(t == torch.arange(n, device=t.device) + spec.offset, 0.0, h)
             bt = bh[t]
-            if need_s:
-                ds += torch.linalg.vecdot(ah, bt, dim=1).mul_(h).sum()
+            if need_s:  # d TGT / ds = c - margin
+                ds += torch.linalg.vecdot(ah, bt, dim=1).sub_(spec.margin).mul_(h).sum()
             hs = (h * s)[:, None]
             if dah is not None:
                 dah.addcmul_(bt, hs)

@@ -5,6 +5,7 @@ case). With ``a_i = A_i / max(||A_i||, eps)`` (``b_j`` likewise; raw rows when `
 and the scale ``s`` (``1 / temperature``)::
 
     l_ij     = s <a_i, b_j> + bias [j == bias_col_i]          logits (never materialised beyond a tile)
+    l_ij     = s (<a_i, b_j> - margin)          at j == target_i when margin != 0 (additive margin)
     l_ij     = -inf                 where exclude_self and j == offset + i   (the anchor's own column)
     w_ij     = [row_labels_i == col_labels_j]  or  pos_mask[i % n0, j % m0]   (positive weights;
                w_ij = 0 at the excluded own column)
@@ -81,6 +82,11 @@ class CoreSpec:
     # reads l[i, target[i]] as it is: "the positive in the numerator only" (DCL). Needs CoreData.target;
     # not combined with a bias column (the paths that stream tiles exclude it as a -inf bias)
     exclude_target: bool = False
+    # an additive margin in cosine units on each row's target logit: l[i, target[i]] = s (c - margin)
+    # (AM-softmax, LaBSE). Everything reads the shifted logit (the row and column LSEs, the target
+    # term) and the scale's gradient takes c - margin there. Needs CoreData.target; not combined with
+    # exclude_target, a bias column, or positives' terms (pos / set)
+    margin: float = 0.0
 
 
 @dataclass
@@ -132,6 +138,12 @@ def check_problem(n: int, m: int, spec: CoreSpec, data: CoreData, coef: Coeffs, 
         raise ValueError("core: exclude_target needs CoreData.target")
     if spec.exclude_target and data.bias_col is not None and spec.bias != 0.0:
         raise ValueError("core: exclude_target cannot be combined with a bias column")
+    if spec.margin != 0.0:
+        if data.target is None:
+            raise ValueError("core: margin needs CoreData.target (the column it is subtracted at)")
+        if spec.exclude_target or (data.bias_col is not None and spec.bias != 0.0) or coef.pos is not None \
+                or coef.set is not None:
+            raise ValueError("core: margin is not combined with exclude_target, a bias column or pos / set terms")
     if (coef.pos is not None or coef.set is not None) and not data.has_positives:
         raise ValueError("core: coefficients 'pos' / 'set' need row/col labels or pos_mask")
 

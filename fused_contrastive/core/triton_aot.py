@@ -74,7 +74,9 @@ FIELDS = {
     "CoreSpec.grad_cols": "passed to the library (rows of dB written)",
     "CoreSpec.exclude_target": "turned into a -inf bias column before the Triton Function (core.pieces), which "
                                "_mode does not route",
-    "CoreData.target": "not read by the Triton Function (the target term is positives.py's, in PyTorch)",
+    "CoreSpec.margin": "_mode requires 0.0 (the library's kernels take no margin: the JIT kernels run it)",
+    "CoreData.target": "read by the Triton Function only as the margin's bias column, which _mode does not route "
+                       "(the target term is positives.py's, in PyTorch)",
     "CoreData.bias_col": "_mode requires None",
     "CoreData.row_labels": "read only for coefficient pos, which _mode requires None",
     "CoreData.col_labels": "read only for coefficient pos, which _mode requires None",
@@ -88,7 +90,8 @@ FIELDS = {
 
 
 def _mode(b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coeffs) -> str | None:
-    if coef.pos is not None or not spec.normalize or spec.bias != 0.0 or data.bias_col is not None:
+    if coef.pos is not None or not spec.normalize or spec.bias != 0.0 or data.bias_col is not None \
+            or spec.margin != 0.0:
         return None
     if b is None:
         return "self" if spec.exclude_self and spec.offset == 0 and coef.col is None else None

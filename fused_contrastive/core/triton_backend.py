@@ -245,6 +245,8 @@ def _prepare_data(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, w
         else:
             pos_kind, row_lab, col_lab = 1, data.row_labels.contiguous(), data.col_labels.contiguous()
     bias_col = data.bias_col.contiguous() if data.bias_col is not None and spec.bias != 0.0 else None
+    if spec.margin != 0.0:  # the target margin rides on the bias column, in cosine units (BIAS_COS)
+        bias_col = data.target.contiguous()
     return _Prepared(a, bb, None, None, same and bias_col is None, (dummy,) * 6, pos_kind, row_lab,
                      col_lab, pos_mask, bias_col, dummy)
 
@@ -271,7 +273,7 @@ def _sizes(p: _Prepared) -> dict[str, object]:
 
 def _mask_args(p: _Prepared, spec: CoreSpec) -> dict[str, object]:
     two = p.pos_kind == 2
-    return dict(offset=int(spec.offset), bias=float(spec.bias),
+    return dict(offset=int(spec.offset), bias=-float(spec.margin) if spec.margin != 0.0 else float(spec.bias),
                 n0=p.pos_mask.shape[0] if two else 1, m0=p.pos_mask.shape[1] if two else 1,
                 stride_pm=p.pos_mask.stride(0) if two else 1)
 
@@ -279,7 +281,8 @@ def _mask_args(p: _Prepared, spec: CoreSpec) -> dict[str, object]:
 def _flags(p: _Prepared, spec: CoreSpec) -> dict[str, object]:
     dt = p.a.dtype
     return dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
-                HAS_BIAS=p.bias_col is not None, POS_KIND=p.pos_kind, UPCAST=_upcast(dt), DOT_PREC=_dot_prec(dt))
+                HAS_BIAS=p.bias_col is not None, BIAS_COS=spec.margin != 0.0, POS_KIND=p.pos_kind, UPCAST=_upcast(dt),
+                DOT_PREC=_dot_prec(dt))
 
 
 def prescale(dtype: torch.dtype) -> float:

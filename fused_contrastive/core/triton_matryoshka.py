@@ -62,6 +62,8 @@ class _Levels:
 
 def _flags(L: _Levels, spec: CoreSpec) -> dict[str, object]:
     f = TB._flags(L.p, spec)
+    if f.pop("BIAS_COS"):  # core._leveled runs a target margin as one plain call per level
+        raise ValueError("core: the Matryoshka kernels take no target margin")
     del f["NORMALIZE"]
     return dict(**f, K=L.k)
 

@@ -449,7 +449,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     # two passes (its range cannot hold exp(l - |s|))
     one_pass = bool(eager and g_pos is None and spec.normalize and dt != torch.float16)
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
-                 HAS_BIAS=prep.bias_col is not None, POS_KIND=prep.pos_kind, HAS_G=g is not None,
+                 HAS_BIAS=prep.bias_col is not None, BIAS_COS=spec.margin != 0.0, POS_KIND=prep.pos_kind,
+                 HAS_G=g is not None,
                  HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, SYM=bool(sym), EAGER=bool(eager),
                  ONE_PASS=one_pass, NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale,
                  TRI=False)
@@ -540,7 +541,8 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     dm = prep.dummy
     acc = torch.zeros((n, d), dtype=torch.float32, device=dev) if need_a else None
     ds_parts = []
-    flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self), HAS_BIAS=False, POS_KIND=0,
+    flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self), HAS_BIAS=False, BIAS_COS=False,
+                 POS_KIND=0,
                  HAS_G=True, HAS_GCOL=False, HAS_GPOS=False, SYM=True, EAGER=False, ONE_PASS=False,
                  NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=True)
     a_op = pr.b_op  # raw A (folded norms, or no normalisation) or the normalised fp16 copy
