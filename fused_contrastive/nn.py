@@ -12,19 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as V
+from . import losses as L
 from .cosent import cosent_loss
-from .losses import (
-    _levels,
-    clip_loss,
-    dcl_loss,
-    dclw_loss,
-    dscl_loss,
-    gist_loss,
-    info_nce,
-    simcse_loss,
-    simcse_sup_loss,
-    supcon_loss,
-)
+from .losses import _levels
 from .siglip import siglip_loss
 
 
@@ -122,36 +112,43 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
 
 _LABELS = torch.tensor([0, 0])
 
+#: the functional loss each derived module wraps, filled by :func:`_derived` (``tests/test_registry.py``
+#: checks that every public loss function has a module here or among the hand-written classes below, or
+#: is listed as function-only); ``__all__`` follows it
+DERIVED: dict[type[nn.Module], Callable[..., Tensor]] = {}
+
+
+def _derived(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tuple], **kw) -> type[nn.Module]:
+    """:func:`loss_module` for the library's own losses: also registered in :data:`DERIVED` and
+    ``__all__`` (a new loss's module form is this one line)."""
+    cls = loss_module(name, fn, probe, **kw)
+    DERIVED[cls] = fn
+    return cls
+
+
 # one line per functional loss: its module, the options also taken by position, a tiny valid problem
 _MASKS = ("guide", "ids")  # per-batch inputs of the masked rows: forward arguments, not options
-InfoNCELoss = loss_module("InfoNCELoss", info_nce, lambda kw: (
+InfoNCELoss = _derived("InfoNCELoss", L.info_nce, lambda kw: (
     _x(2, 2), _x(2, 2).flip(0), None if kw["symmetric"] is True else torch.tensor([1, 0])), positional=("temperature",),
     forward_options=_MASKS)
-SimCSELoss = loss_module("SimCSELoss", simcse_loss, lambda kw: (_x(4, 2),), positional=("temperature",),
+SimCSELoss = _derived("SimCSELoss", L.simcse_loss, lambda kw: (_x(4, 2),), positional=("temperature",),
+                      forward_options=_MASKS)
+SimCSESupLoss = _derived("SimCSESupLoss", L.simcse_sup_loss, lambda kw: (_x(6, 2),), positional=("temperature",),
                          forward_options=_MASKS)
-SimCSESupLoss = loss_module("SimCSESupLoss", simcse_sup_loss, lambda kw: (_x(6, 2),), positional=("temperature",),
-                            forward_options=_MASKS)
-GISTLoss = loss_module("GISTLoss", gist_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0), None,
-                                                          {"guide": (_x(2, 3), _x(2, 3).flip(0))}),
-                       positional=("temperature",), forward_options=("guide",))
-SupConLoss = loss_module("SupConLoss", supcon_loss, lambda kw: (_x(2, 2, 2), _LABELS),
-                         positional=("temperature", "base_temperature"), forward_options=("queue", "queue_labels"))
-DSCLLoss = loss_module("DSCLLoss", dscl_loss, lambda kw: (_x(2, 2, 2), _LABELS),
-                       positional=("beta", "temperature", "base_temperature"),
-                       forward_options=("queue", "queue_labels"))
-DCLLoss = loss_module("DCLLoss", dcl_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)), positional=("temperature",))
-DCLWLoss = loss_module("DCLWLoss", dclw_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)), positional=("temperature",))
-CoSENTLoss = loss_module("CoSENTLoss", cosent_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0), torch.tensor([0.0, 1.0])),
-                         positional=("scale",))
-
-#: the functional loss each derived module wraps (``tests/test_registry.py`` checks that every public
-#: loss function has a module here or in the hand-written classes below, or is listed as function-only)
-DERIVED = {InfoNCELoss: info_nce, SimCSELoss: simcse_loss, SimCSESupLoss: simcse_sup_loss, SupConLoss: supcon_loss,
-           DSCLLoss: dscl_loss, DCLLoss: dcl_loss, DCLWLoss: dclw_loss, CoSENTLoss: cosent_loss,
-           GISTLoss: gist_loss}
-
-__all__ = ["CLIPLoss", "CoSENTLoss", "DCLLoss", "DCLWLoss", "DSCLLoss", "GISTLoss", "InfoNCELoss", "SigLIPLoss",
-           "SimCSELoss", "SimCSESupLoss", "SupConLoss", "loss_module"]
+GISTLoss = _derived("GISTLoss", L.gist_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0), None,
+                                                       {"guide": (_x(2, 3), _x(2, 3).flip(0))}),
+                    positional=("temperature",), forward_options=("guide",))
+SupConLoss = _derived("SupConLoss", L.supcon_loss, lambda kw: (_x(2, 2, 2), _LABELS),
+                      positional=("temperature", "base_temperature"), forward_options=("queue", "queue_labels"))
+DSCLLoss = _derived("DSCLLoss", L.dscl_loss, lambda kw: (_x(2, 2, 2), _LABELS),
+                    positional=("beta", "temperature", "base_temperature"),
+                    forward_options=("queue", "queue_labels"))
+DCLLoss = _derived("DCLLoss", L.dcl_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)), positional=("temperature",))
+DCLWLoss = _derived("DCLWLoss", L.dclw_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)), positional=("temperature",))
+AMSoftmaxLoss = _derived("AMSoftmaxLoss", L.am_softmax_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)),
+                         positional=("margin", "temperature"))
+CoSENTLoss = _derived("CoSENTLoss", cosent_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0), torch.tensor([0.0, 1.0])),
+                      positional=("scale",))
 
 
 class CLIPLoss(nn.Module):
@@ -168,10 +165,10 @@ class CLIPLoss(nn.Module):
         self.kw = dict(normalize=normalize, reduction=reduction, backend=backend, gather=gather)
         _gather_option(gather)
         V.backend(backend)
-        _validated(clip_loss, _x(2, 2), _x(2, 2).flip(0), 1.0 / init_temperature, **self.kw)
+        _validated(L.clip_loss, _x(2, 2), _x(2, 2).flip(0), 1.0 / init_temperature, **self.kw)
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
-        return clip_loss(a, b, self.logit_scale.exp(), **self.kw)
+        return L.clip_loss(a, b, self.logit_scale.exp(), **self.kw)
 
 
 class SigLIPLoss(nn.Module):
@@ -196,3 +193,8 @@ class SigLIPLoss(nn.Module):
 
     def forward(self, image: Tensor, text: Tensor) -> Tensor:
         return siglip_loss(image, text, self.logit_scale.exp(), self.logit_bias, **self.kw)
+
+
+#: the hand-written modules (they hold learnable parameters), then every derived one
+HAND_WRITTEN = ("CLIPLoss", "SigLIPLoss")
+__all__ = sorted([*HAND_WRITTEN, *(cls.__name__ for cls in DERIVED), "loss_module"])

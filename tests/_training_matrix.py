@@ -74,6 +74,12 @@ def tb_clip(a: Tensor, b: Tensor, scale) -> Tensor:
     return (F.cross_entropy(logits, t) + F.cross_entropy(logits.T, t)) / 2
 
 
+def tb_am_softmax(a: Tensor, b: Tensor, margin: float, scale) -> Tensor:
+    logits = (_cos(a, b) - margin * torch.eye(a.shape[0]).to(a)) * scale
+    t = torch.arange(a.shape[0])
+    return (F.cross_entropy(logits, t) + F.cross_entropy(logits.T, t)) / 2
+
+
 def tb_simcse_sup(a: Tensor, p: Tensor, n: Tensor, t: float, hnw: float) -> Tensor:
     b = a.shape[0]
     logits = torch.cat([_cos(a, p), _cos(a, n)], 1) / t
@@ -214,6 +220,9 @@ CELLS: list[Cell] = [
     Cell("clip_loss", _pairs,
          lambda e, d, m, g: fc.clip_loss(e(d["a"]), e(d["b"]), 10.0, gather=g),
          lambda e, d, m: tb_clip(e(d["a"]), e(d["b"]), 10.0)),
+    Cell("am_softmax_loss", _pairs,
+         lambda e, d, m, g: fc.am_softmax_loss(e(d["a"]), e(d["b"]), margin=0.3, temperature=0.1, gather=g),
+         lambda e, d, m: tb_am_softmax(e(d["a"]), e(d["b"]), 0.3, 10.0)),
     Cell("supcon_loss", _views,
          lambda e, d, m, g: fc.supcon_loss(_two_views(e, d["x"]), d["y"], temperature=0.1, gather=g),
          lambda e, d, m: tb_supcon(_two_views(e, d["x"]), d["y"], 0.1, 0.07)),

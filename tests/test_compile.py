@@ -55,35 +55,23 @@ def _assert_close(got, want, what: str) -> None:
 
 
 def _captured_core_args(case, n: int, backend: str, dtype=torch.float64) -> list[tuple]:
-    """The flat arguments of ``fused_contrastive::core`` when ``case`` runs at N (inputs of ``dtype``
-    that require grad), captured from the loss itself."""
-    seen = []
-    flatten = ops._flatten
+    """The flat arguments of ``fused_contrastive::core`` for every core-op call of ``case`` at N (inputs
+    of ``dtype`` that require grad; ``tools.aot.core_calls``, the one capture of the registry's calls)."""
+    from fused_contrastive.tools.aot import core_calls
 
-    def record(*args):
-        seen.append(flatten(*args))
-        return seen[-1]
-
-    tensors, kw = make_inputs(case, n, D)
-    ops._flatten = record
-    try:
-        with ops.forced():
-            case.fn(**{k: v.to(dtype).requires_grad_() for k, v in tensors.items()}, **kw, backend=backend)
-    finally:
-        ops._flatten = flatten
-    assert len(seen) == 1, f"{case.name}: expected one core-op call, saw {len(seen)}"
-    return seen[0]
+    return [ops._flatten(backend, a, b, scale, spec, data, coef, reduce, ops._needs(a, b, scale))
+            for a, b, scale, spec, data, coef, reduce in core_calls(case.name, n, D, dtype, "cpu", traced=True)]
 
 
 @pytest.mark.parametrize("name", [c.name for c in CORE_CASES])
 def test_opcheck_core(name, path, monkeypatch):
     case = next(c for c in CORE_CASES if c.name == name)
-    args = _captured_core_args(case, 13, "torch")
-    torch.library.opcheck(torch.ops.fused_contrastive.core.default, args)
-    if not args[ops._POS["reduce"]]:  # per-row output: its backward operator too (no double backward: inputs detached)
-        go = torch.randn(args[0].shape[0], dtype=torch.float64)
-        plain = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
-        torch.library.opcheck(torch.ops.fused_contrastive.core_backward.default, (*plain, go))
+    for args in _captured_core_args(case, 13, "torch"):
+        torch.library.opcheck(torch.ops.fused_contrastive.core.default, args)
+        if not args[ops._POS["reduce"]]:  # per-row output: its backward operator too (inputs detached: no double
+            go = torch.randn(args[0].shape[0], dtype=torch.float64)  # backward)
+            plain = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
+            torch.library.opcheck(torch.ops.fused_contrastive.core_backward.default, (*plain, go))
 
 
 @pytest.mark.parametrize("name", ["info_nce_none", "clip_scale", "supcon_in", "dscl_queue"])
@@ -91,9 +79,9 @@ def test_opcheck_core_triton_interpreted(name, monkeypatch):
     """The Triton kernels (interpreter, float32) inside the operator: the chunk-free kernel path."""
     set_path(monkeypatch, "chunked")
     case = next(c for c in CORE_CASES if c.name == name)
-    args = _captured_core_args(case, 9, "triton", torch.float32)
-    assert args[ops._POS["backend"]] == "triton"
-    torch.library.opcheck(torch.ops.fused_contrastive.core.default, args, atol=1e-5, rtol=1e-5)
+    for args in _captured_core_args(case, 9, "triton", torch.float32):
+        assert args[ops._POS["backend"]] == "triton"
+        torch.library.opcheck(torch.ops.fused_contrastive.core.default, args, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", [c.name for c in COSENT_CASES])
@@ -292,6 +280,7 @@ def _module_inputs(n: int, g: torch.Generator):
         "SupConLoss": (fnn.SupConLoss(0.1, variant="in"), (r(n, 2, D),), (labels,)),
         "DSCLLoss": (fnn.DSCLLoss(), (r(n, 2, D),), (labels,)),
         "CoSENTLoss": (fnn.CoSENTLoss(), (r(n, D), r(n, D)), (torch.rand(n, generator=g, dtype=torch.float64),)),
+        "AMSoftmaxLoss": (fnn.AMSoftmaxLoss(0.3, 0.05), (r(n, D), r(n, D)), ()),
         "CLIPLoss": (fnn.CLIPLoss().double(), (r(n, D), r(n, D)), ()),
         "SigLIPLoss": (fnn.SigLIPLoss().double(), (r(n, D), r(n, D)), ()),
         "GISTLoss": (fnn.GISTLoss(0.05, margin=0.05), (r(n, D), r(n, D), r(n, D)), ((r(n, 3), r(n, 3), r(n, 3)),)),

@@ -135,6 +135,12 @@ def _cases(sizes, rank, g):
     add("clip_learnable_scale", lambda a_, p_, s_: fc.clip_loss(a_, p_, s_),
         lambda a_, p_, s_: fc.clip_loss(a_, p_, s_, gather=True),
         [a, p, temp * 100], [mine(a, sizes), mine(p, sizes), temp * 100])
+    add("am_softmax_learnable_t", lambda a_, p_, t_: fc.am_softmax_loss(a_, p_, margin=0.3, temperature=t_),
+        lambda a_, p_, t_: fc.am_softmax_loss(a_, p_, margin=0.3, temperature=t_, gather=True),
+        [a, p, temp], [mine(a, sizes), mine(p, sizes), temp])
+    add("am_softmax_row_sum", lambda a_, p_: fc.am_softmax_loss(a_, p_, margin=0.2, symmetric=False, reduction="sum"),
+        lambda a_, p_: fc.am_softmax_loss(a_, p_, margin=0.2, symmetric=False, reduction="sum", gather=True),
+        [a, p], [mine(a, sizes), mine(p, sizes)])
     add("simcse_interleaved", lambda z_: fc.simcse_loss(z_), lambda z_: fc.simcse_loss(z_, gather=True),
         [z], [mine(z, zsizes)])
     add("simcse_two_view", lambda a_, p_: fc.simcse_loss(a_, p_), lambda a_, p_: fc.simcse_loss(a_, p_, gather=True),

@@ -26,6 +26,13 @@ FUNCTION_ONLY = {
 }
 
 
+# public loss functions without a "gradcheck" case (and why)
+NO_GRADCHECK = {
+    "dclw_loss": "no gradient flows through its weight w (the paper's definition): finite differences see w move",
+    "encode_in_chunks": "not a loss",
+}
+
+
 def _public_losses() -> dict[str, object]:
     return {name: getattr(fc, name) for name in fc.__all__
             if inspect.isfunction(getattr(fc, name)) and name not in ("encode_in_chunks",)}
@@ -163,3 +170,35 @@ def test_every_gathering_loss_has_its_multi_process_cells():
                           (_called_in("_training_matrix.py", "CELLS"), "CELLS in tests/_training_matrix.py")):
         missing = gathering - called
         assert not missing, f"add a gather=True cell for {sorted(missing)} to {where}"
+
+
+def test_every_public_loss_has_a_gradcheck_case():
+    """The test families a case takes are its ``families`` (tests/test_losses.py reads them, no hand
+    list): every public loss function has a "gradcheck" case, or a reason here."""
+    checked = {c.fn for c in CASES if "gradcheck" in c.families}
+    for name, fn in _public_losses().items():
+        assert fn in checked or name in NO_GRADCHECK, (
+            f"{name}: add families=frozenset({{'gradcheck'}}) to one of its cases in {CASES_PY}, or list it in "
+            "NO_GRADCHECK in tests/test_registry.py with the reason")
+    known = {"gradcheck", "degenerate_rows", "huge_rows"}
+    for c in CASES:
+        assert c.families <= known, f"{c.name}: unknown test families {sorted(c.families - known)}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.op == "core"], ids=lambda c: c.name)
+def test_core_calls_is_what_the_loss_makes(case):
+    from fused_contrastive.tools.aot import core_calls
+
+    calls = core_calls(case.name, 8, 4)  # raises when the loss makes another number of calls
+    assert len(calls) == case.core_calls >= 1
+
+
+def test_a_wrong_core_calls_names_the_fix(monkeypatch):
+    import dataclasses
+
+    from fused_contrastive.testing import CASE_BY_NAME
+    from fused_contrastive.tools.aot import core_calls
+
+    monkeypatch.setitem(CASE_BY_NAME, "clip", dataclasses.replace(CASE_BY_NAME["clip"], core_calls=2))
+    with pytest.raises(RuntimeError, match="core_calls=2 but the loss made 1 core-op call.*set core_calls"):
+        core_calls("clip", 8, 4)

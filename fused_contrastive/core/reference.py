@@ -82,6 +82,27 @@ def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reducti
     return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index)
 
 
+def margin_cross_entropy(query, keys, target, s, margin, symmetric, normalize):
+    """Cross-entropy with an additive target margin (AM-softmax; LaBSE, Yang et al. 2019), per query row,
+    from the definition: the logits ``s cos(q_i, k_j)`` with ``s margin`` taken off each row's target
+    ``t_i`` (``am_softmax_loss``'s oracle); the row form is
+    ``CE(logits_i, t_i)``, the symmetric form the mean of it and the column form ``CE(logits^T_{t_i}, i)``
+    (the keys as anchors against the queries; needs every column to be one row's target: ``t`` a
+    permutation, as LaBSE's pairs)."""
+    dt = _dt(query, keys)
+    q = _unit(query, normalize, dt)
+    k = _unit(keys, normalize, dt)
+    cos = q @ k.T
+    sd = _scalar(s, dt)
+    shift = torch.zeros_like(cos).scatter_(1, target[:, None], margin)
+    logits = (cos - shift) * sd
+    rows = F.cross_entropy(logits, target, reduction="none")
+    if not symmetric:
+        return rows
+    cols = F.cross_entropy(logits.T, torch.argsort(target), reduction="none")  # column t_i's target row is i
+    return (rows + cols[target]) / 2
+
+
 def simcse_sup(anchor, positive, negative, s, hard_negative_weight, normalize, reduction, offset=0):
     """``offset``: anchor i's positive and negative are rows ``offset + i`` of ``positive`` / ``negative``
     (which may hold more rows: other ranks' examples)."""

@@ -92,20 +92,25 @@ class Scope:
 def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, target: Tensor, *,
                   offset: int, exclude_self: bool, normalize: bool, reduction: str, n_total: int,
                   valid: Tensor | None = None, symmetric: bool = False, bias_col: Tensor | None = None,
-                  bias: float = 0.0, levels=None) -> Tensor:
+                  bias: float = 0.0, margin: float = 0.0, levels=None) -> Tensor:
     """``CE(logits_i, target_i)`` of every local anchor ``query`` against ``keys`` (None: the anchors
     themselves, B is A), the anchors' own columns at ``offset``, rows outside ``valid`` contributing 0
     (and leaving the mean's denominator), reduced by ``scope`` over ``n_total`` anchors. With
     ``symmetric`` (local only, ``valid`` None) CLIP's ``(row CE + column CE) / 2``: the core op with
     coefficients 1/2 on LSE and on LSEcol, 1 on the target logit. ``levels`` (a ``_levels.Levels``):
-    one value per Matryoshka level (leading dimension K)."""
+    one value per Matryoshka level (leading dimension K). ``margin``: the core op's additive margin on
+    the target logit, ``s (cos - margin)`` (AM-softmax; no ``valid``, ``exclude_self`` or bias)."""
     n = query.shape[0]
+    if be == "reference" and margin != 0.0:
+        per = ref.margin_cross_entropy(query, keys, target, s, margin, symmetric, normalize)
+        return scope.reduce(per, reduction, n_total)
     if be == "reference":
         per = ref.info_nce(query, keys, target, s, exclude_self, symmetric, normalize, "none", -100, offset=offset)
         if valid is not None:
             per = torch.where(valid, per, torch.zeros_like(per))
         return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()))
-    sp = spec(normalize, exclude_self, bias, offset if exclude_self else 0)
+    sp = spec(normalize, exclude_self, bias, offset if exclude_self else 0,
+              **({"margin": float(margin)} if margin != 0.0 else {}))
     data = CoreData(target=target, bias_col=bias_col)
     lv = None if levels is None else levels.core
     keep = reduction != "none"

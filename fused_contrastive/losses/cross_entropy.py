@@ -1,11 +1,13 @@
 """The cross-entropy family: InfoNCE (in-batch negatives, any target), CLIP, SimCSE (unsupervised
-and supervised). Each row is ``CE(logits_i, target_i)`` over cosine logits: the core op with
-coefficients 1 on LSE and on the target logit (CLIP adds the column LSE). Common arguments: see
+and supervised), the additive-margin softmax (LaBSE). Each row is ``CE(logits_i, target_i)`` over
+cosine logits: the core op with coefficients 1 on LSE and on the target logit (CLIP adds the column
+LSE; AM-softmax the op's target margin). Common arguments: see
 :mod:`fused_contrastive.losses`."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -45,7 +47,7 @@ def _key_pair(v):
         return None
     return v[0], (v[1] if len(v) == 2 else torch.cat([v[1], v[2].to(v[1].dtype)]))
 
-__all__ = ["clip_loss", "info_nce", "simcse_loss", "simcse_sup_loss"]
+__all__ = ["am_softmax_loss", "clip_loss", "info_nce", "simcse_loss", "simcse_sup_loss"]
 
 
 @D.agreed
@@ -220,6 +222,71 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
     scope = Scope(gather)
     scope.agree(s)
     return _clip(be, scope, a, b, s, normalize, reduction, _levels)
+
+
+@D.agreed
+@leveled("query", "keys")
+@autocast_off
+def am_softmax_loss(query: Tensor, keys: Tensor, *, margin: float = 0.3, temperature=0.05, symmetric: bool = True,
+                    normalize: bool = True, reduction: str = "mean", backend: str = "auto", gather=False,
+                    _levels=None) -> Tensor:
+    """Additive-margin softmax over in-batch negatives (LaBSE: Yang et al. 2019; Feng et al. 2022), one
+    fused core-op call: with ``c_ij = cos(query_i, keys_j)`` and ``s = 1 / temperature``::
+
+        row_i = -log( e^{s (c_ii - m)} / (e^{s (c_ii - m)} + sum_{j != i} e^{s c_ij}) )
+        col_i = the same over column i (keys_i against every query)
+        loss  = mean_i (row_i + col_i) / 2      (symmetric=True, LaBSE's bidirectional form)
+                mean_i row_i                    (symmetric=False)
+
+    The margin is in cosine units on the pair's own logit, so a learnable temperature's gradient
+    includes it (``d l_ii / ds = c_ii - m``). ``margin=0`` is :func:`clip_loss` with ``logit_scale = s``
+    (symmetric) or :func:`info_nce` (not).
+
+    Args:
+        query: [N, D]; keys: [N, D] (pair i is (query_i, keys_i)); float16 / bfloat16 / float32 /
+            float64.
+        margin: m, a finite float (default 0.3, LaBSE's).
+        temperature: a positive float or a 0-dim tensor (differentiable); default 0.05 (s = 20).
+        symmetric: the mean of the row and the column form (default) or the row form only.
+        normalize / reduction / backend / gather: as for every loss (:mod:`fused_contrastive.losses`);
+            ``gather`` contrasts with every rank's keys (and, symmetric, queries); the rank average is
+            the global-batch loss.
+        matryoshka_dims / matryoshka_weights / return_level_losses: Matryoshka levels (one call per
+            level on the truncated, re-normalised rows).
+
+    Backends: "torch" (dense tile or chunked, O(N*D) memory), "triton" (the fused kernels, or the panel
+    path at large N on CUDA; the ahead-of-time library takes no margin, so the JIT kernels run it),
+    "reference" (materialised).
+
+    Returns:
+        0-dim loss (mean / sum) or [N] per-pair losses (none); float32 (float64 for float64 inputs).
+    """
+    query = V.embeddings("query", query)
+    keys = V.paired("query", query, "keys", keys)
+    reduction = V.reduction(reduction)
+    V.flag("normalize", normalize)
+    V.flag("symmetric", symmetric)
+    margin = float(V.number("margin", margin, low=-math.inf, strict=True))
+    dev = query.device
+    s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(query, keys), dev)
+    be = resolve(backend, query, keys)
+    n = query.shape[0]
+    scope = Scope(gather)
+    scope.agree(s)
+    kw = dict(exclude_self=False, normalize=normalize, margin=margin, levels=_levels)
+    if scope.local:
+        return cross_entropy(be, scope, query, keys, s, torch.arange(n, device=dev), offset=0, reduction=reduction,
+                             n_total=n, symmetric=symmetric, **kw)
+    # across ranks a rank holds only its own pairs: row i against every rank's keys, column i (keys_i)
+    # against every rank's queries, each a row-form call with the margin at the pair's global index
+    k_all, off, total = scope.rows(keys, "keys")
+    t = torch.arange(n, device=dev) + off
+    per = cross_entropy(be, scope, query, k_all, s, t, offset=off, reduction="none", n_total=total, **kw)
+    if symmetric:
+        q_all = scope.rows(query, "query")[0]
+        per = (per + cross_entropy(be, scope, keys, q_all, s, t, offset=off, reduction="none", n_total=total,
+                                   **kw)) / 2
+    return scope.reduce(per, reduction, total, leveled=_levels is not None)
 
 
 @D.agreed

@@ -181,6 +181,16 @@ def clip_formula(a: Tensor, b: Tensor, logit_scale: float) -> Tensor:
     return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
 
+def am_softmax_formula(query: Tensor, keys: Tensor, margin: float, temperature, symmetric: bool = True) -> Tensor:
+    """LaBSE's additive-margin softmax as it is usually written: the N x N scaled cosines with ``s m``
+    taken off the diagonal, ``CE(l, arange)`` (and ``CE(l^T, arange)``, averaged, when symmetric)."""
+    cos = F.normalize(query, dim=1) @ F.normalize(keys, dim=1).T
+    logits = (cos - margin * torch.eye(cos.shape[0], dtype=cos.dtype, device=cos.device)) / temperature
+    target = torch.arange(query.shape[0], device=query.device)
+    rows = F.cross_entropy(logits, target)
+    return (rows + F.cross_entropy(logits.T, target)) / 2 if symmetric else rows
+
+
 def siglip_formula(image: Tensor, text: Tensor, logit_scale, logit_bias) -> Tensor:
     """open_clip's ``SigLipLoss`` on one device, on normalised features: the N x N logits
     ``s x @ y.T + b``, labels ``2 eye - 1``, ``-logsigmoid(labels * logits).sum() / N``."""
@@ -336,6 +346,11 @@ BASELINES: dict[str, list[Baseline]] = {
     "clip": [
         Baseline("formula", "formula", lambda x: clip_formula(x["a"], x["b"], x["logit_scale"]),
                  "open_clip ClipLoss: (CE(l, arange) + CE(l.T, arange)) / 2"),
+    ],
+    "am_softmax": [
+        Baseline("formula", "formula",
+                 lambda x: am_softmax_formula(x["query"], x["keys"], x["margin"], x["temperature"]),
+                 "LaBSE: (CE(l, arange) + CE(l.T, arange)) / 2, l = (cos - m eye) / t"),
     ],
     "siglip": [
         Baseline("formula", "formula",

@@ -56,6 +56,13 @@ class Case:
         inductor: the case that represents its loss function in the Inductor compile test (exactly one
             per public loss function).
         peaked: the correlated regimes apply (:data:`REGIMES`).
+        families: the test families that run this case besides the ones every case runs:
+            "gradcheck" (analytic gradients against finite differences in float64), "degenerate_rows"
+            (zero and duplicated rows), "huge_rows" (rows whose squared norm overflows the dtype). Every
+            public loss function has a "gradcheck" case (``tests/test_registry.py``).
+        core_calls: how many times one call of the loss calls the core op (``core.run``), for op "core"
+            (``tools.aot.core_calls`` checks it: the kernel report, ``opcheck`` and the host-code trace
+            read every call).
     """
 
     name: str
@@ -72,6 +79,8 @@ class Case:
     #: whether the correlated regimes of :func:`make_inputs` apply: False where a row's positive is the
     #: row itself (cosine 1: any temperature saturates its softmax), whose regimes are its flat inputs
     peaked: bool = True
+    core_calls: int = 1
+    families: frozenset[str] = frozenset()
 
     def cols(self, n: int) -> int:
         """M: the columns of the contrast set at N anchors."""
@@ -211,6 +220,15 @@ def _info_nce_none(n, d, g):
 
 def _clip(n, d, g):
     return {"a": _randn(g, n, d), "b": _randn(g, n, d)}, {"logit_scale": 1 / 0.07}
+
+
+def _am_softmax(n, d, g):
+    return {"query": _randn(g, n, d), "keys": _randn(g, n, d)}, {"margin": 0.3, "temperature": 0.05}
+
+
+def _am_softmax_row_none(n, d, g):
+    return ({"query": _randn(g, n, d), "keys": _randn(g, n, d), "temperature": torch.tensor(0.07)},
+            {"margin": 0.2, "symmetric": False, "reduction": "none"})
 
 
 def _clip_scale(n, d, g):
@@ -399,58 +417,81 @@ def _sq(n: int) -> tuple[int, int]:
 
 
 CASES: list[Case] = [
-    Case("info_nce", L.info_nce, _info_nce, bench=True, covers="queries vs keys, arange targets",
+    Case("info_nce", L.info_nce, _info_nce, families=frozenset({"degenerate_rows", "huge_rows"}),
+         bench=True, covers="queries vs keys, arange targets",
          inputs="query [N, D], keys [N, D]; logits N x N", logits=_sq),
-    Case("info_nce_target", L.info_nce, _info_nce_target, covers="M = N + 3, random targets, tensor temperature",
+    Case("info_nce_target", L.info_nce, _info_nce_target, families=frozenset({"gradcheck"}),
+         covers="M = N + 3, random targets, tensor temperature",
          m=lambda n: n + 3),
-    Case("info_nce_self", L.info_nce, _info_nce_self, covers="keys=None (B is A), own column excluded"),
+    Case("info_nce_self", L.info_nce, _info_nce_self, families=frozenset({"gradcheck"}),
+         covers="keys=None (B is A), own column excluded"),
     Case("info_nce_self_none", L.info_nce, _info_nce_self_none, covers="B is A, per-row losses"),
     Case("info_nce_ignore", L.info_nce, _info_nce_ignore, covers="ignore_index rows, sum"),
     Case("info_nce_none", L.info_nce, _info_nce_none, covers="M = N + 29, per-row losses, tensor temperature",
          m=lambda n: n + 29, inductor=True),
-    Case("clip", L.clip_loss, _clip, bench=True, covers="row + column cross-entropy",
+    Case("clip", L.clip_loss, _clip, families=frozenset({"huge_rows"}), bench=True, covers="row + column cross-entropy",
          inputs="a [N, D], b [N, D], logit_scale 1/0.07; logits N x N (rows and columns)", logits=_sq),
-    Case("clip_scale", L.clip_loss, _clip_scale, covers="learnable logit_scale", inductor=True),
+    Case("am_softmax", L.am_softmax_loss, _am_softmax, families=frozenset({"gradcheck", "huge_rows"}), bench=True,
+         covers="LaBSE additive margin 0.3 on the pair logit, row + column forms",
+         inputs="query [N, D], keys [N, D], margin 0.3, temperature 0.05; logits N x N (rows and columns)",
+         logits=_sq, inductor=True),
+    Case("am_softmax_row_none", L.am_softmax_loss, _am_softmax_row_none, families=frozenset({"gradcheck"}),
+         covers="row form, per-pair losses, tensor temperature (its gradient through the margin)"),
+    Case("clip_scale", L.clip_loss, _clip_scale, families=frozenset({"gradcheck"}),
+         covers="learnable logit_scale", inductor=True),
     Case("clip_none", L.clip_loss, _clip_none, covers="per-pair losses"),
-    Case("clip_self", L.info_nce, _clip_self, covers="symmetric with B is A (column term, symmetric logits)",
+    Case("clip_self", L.info_nce, _clip_self, families=frozenset({"gradcheck"}),
+         covers="symmetric with B is A (column term, symmetric logits)",
          peaked=False),
-    Case("simcse", L.simcse_loss, _simcse, bench=True, covers="interleaved views, partner i xor 1, self excluded",
+    Case("simcse", L.simcse_loss, _simcse, families=frozenset({"gradcheck", "degenerate_rows", "huge_rows"}),
+         bench=True, covers="interleaved views, partner i xor 1, self excluded",
          inputs="interleaved z [N, D] (N/2 sentences x 2 views); logits N x N", logits=_sq, min_n=2, inductor=True),
     Case("simcse_2view", L.simcse_loss, _simcse_2view, bench=True, covers="two views",
          inputs="z1 [N, D], z2 [N, D]; logits N x N", logits=_sq),
     Case("simcse_2view_none", L.simcse_loss, _simcse_2view_none, covers="two views, per-row, tensor temperature"),
-    Case("simcse_sup", L.simcse_sup_loss, _simcse_sup, bench=True, covers="interleaved NLI triplets",
+    Case("simcse_sup", L.simcse_sup_loss, _simcse_sup, families=frozenset({"huge_rows"}),
+         bench=True, covers="interleaved NLI triplets",
          inputs="interleaved triplets z [3N, D]; logits N x 2N", logits=lambda n: (n, 2 * n)),
-    Case("simcse_sup_hard", L.simcse_sup_loss, _simcse_sup_hard, covers="hard-negative weight (bias column)",
+    Case("simcse_sup_hard", L.simcse_sup_loss, _simcse_sup_hard, families=frozenset({"gradcheck"}),
+         covers="hard-negative weight (bias column)",
          m=lambda n: 2 * n, inductor=True),
     Case("simcse_sup_none", L.simcse_sup_loss, _simcse_sup_none, covers="negative weight, per-row losses",
          m=lambda n: 2 * n),
     Case("gist", L.gist_loss, _gist, op="guided", covers="GISTEmbed: a-p, a-a, p-p, a-n blocks, guide mask",
          logits=lambda n: (n, 4 * n), inductor=True),
-    Case("gist_relative_none", L.gist_loss, _gist_relative_none, op="guided",
+    Case("gist_relative_none", L.gist_loss, _gist_relative_none, families=frozenset({"gradcheck"}), op="guided",
          covers="relative margin, no anchor block, per-row, tensor temperature", logits=lambda n: (n, 2 * n)),
-    Case("supcon_out", L.supcon_loss, _supcon("out"), bench=True, covers="labels, L_out, B is A",
+    Case("supcon_out", L.supcon_loss, _supcon("out"), families=frozenset({"degenerate_rows"}),
+         bench=True, covers="labels, L_out, B is A",
          inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq, min_n=2),
-    Case("supcon_in", L.supcon_loss, _supcon("in"), bench=True, covers="labels, L_in (LSE over positives)",
+    Case("supcon_in", L.supcon_loss, _supcon("in"), families=frozenset({"gradcheck", "degenerate_rows", "huge_rows"}),
+         bench=True, covers="labels, L_in (LSE over positives)",
          inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq, min_n=2),
-    Case("supcon_temps", L.supcon_loss, _supcon_temps, covers="tensor temperature and base_temperature", min_n=2),
-    Case("supcon_mask_in", L.supcon_loss, _supcon_mask("in", "none"), covers="dense asymmetric mask, L_in, per-row",
+    Case("supcon_temps", L.supcon_loss, _supcon_temps, families=frozenset({"gradcheck"}),
+         covers="tensor temperature and base_temperature", min_n=2),
+    Case("supcon_mask_in", L.supcon_loss, _supcon_mask("in", "none"), families=frozenset({"gradcheck"}),
+         covers="dense asymmetric mask, L_in, per-row",
          min_n=2),
     Case("supcon_mask_out", L.supcon_loss, _supcon_mask("out", "mean"), covers="dense mask, L_out", min_n=2),
-    Case("supcon_one", L.supcon_loss, _supcon_one, covers="contrast_mode one, 3 views", min_n=3),
+    Case("supcon_one", L.supcon_loss, _supcon_one, families=frozenset({"gradcheck"}),
+         covers="contrast_mode one, 3 views", min_n=3),
     Case("supcon_simclr_one", L.supcon_loss, _supcon_simclr_one, covers="no labels (SimCLR), mode one, L_in", min_n=3),
-    Case("supcon_queue", L.supcon_loss, _supcon_queue("out", "mean"), covers="memory-bank queue columns",
+    Case("supcon_queue", L.supcon_loss, _supcon_queue("out", "mean"), families=frozenset({"gradcheck"}),
+         covers="memory-bank queue columns",
          min_n=2, m=lambda n: 2 * (n // 2) + 7),
     Case("supcon_queue_in", L.supcon_loss, _supcon_queue("in", "none"), covers="queue, L_in, per-row",
          min_n=2, m=lambda n: 2 * (n // 2) + 7, inductor=True),
-    Case("dscl", L.dscl_loss, _dscl(False), bench=True, covers="decoupled weights, own view 1",
+    Case("dscl", L.dscl_loss, _dscl(False), families=frozenset({"degenerate_rows", "huge_rows"}),
+         bench=True, covers="decoupled weights, own view 1",
          inputs="features [N, 2, D], labels [N] (up to 100 classes); logits N x 2N", logits=lambda n: (n, 2 * n)),
-    Case("dscl_queue", L.dscl_loss, _dscl(True), covers="decoupled weights with a queue, tensor temperature",
+    Case("dscl_queue", L.dscl_loss, _dscl(True), families=frozenset({"gradcheck"}),
+         covers="decoupled weights with a queue, tensor temperature",
          m=lambda n: 2 * n + 5, inductor=True),
     Case("dcl", L.dcl_loss, _dcl(False), bench=True, covers="both views anchors, self and partner out of the LSE",
          inputs="z1 [N/2, D], z2 [N/2, D]; logits N x N", logits=_sq, min_n=4, m=lambda n: 2 * (n // 2),
          inductor=True),
-    Case("dcl_none", L.dcl_loss, _dcl(False, "none", tensor_t=True), min_n=4, m=lambda n: 2 * (n // 2),
+    Case("dcl_none", L.dcl_loss, _dcl(False, "none", tensor_t=True), families=frozenset({"gradcheck"}),
+         min_n=4, m=lambda n: 2 * (n // 2),
          covers="per-anchor losses, tensor temperature"),
     Case("dcl_raw_sum", L.dcl_loss, _dcl(False, "sum", normalize=False), min_n=4, m=lambda n: 2 * (n // 2),
          covers="normalize=False, sum"),
@@ -459,20 +500,24 @@ CASES: list[Case] = [
          inductor=True),
     Case("dclw_none", L.dclw_loss, _dcl(True, "none", tensor_t=True), min_n=4, m=lambda n: 2 * (n // 2),
          covers="weighted, per-anchor losses, tensor temperature"),
-    Case("cosent", cosent_loss, _cosent, op="cosent", bench=True, covers="pair cosines, grades 0..5",
+    Case("cosent", cosent_loss, _cosent, families=frozenset({"gradcheck", "degenerate_rows", "huge_rows"}),
+         op="cosent", bench=True, covers="pair cosines, grades 0..5",
          inputs="u [N, D], v [N, D], labels [N] (grades 0..5); N x N label pairs", inductor=True),
-    Case("cosent_scores", cosent_loss_from_scores, _cosent_scores, op="cosent",
+    Case("cosent_scores", cosent_loss_from_scores, _cosent_scores, families=frozenset({"gradcheck"}), op="cosent",
          covers="given scores, real labels, tensor scale", inductor=True),
     Case("siglip", siglip_loss, _siglip, op="siglip", bench=True, covers="sigmoid loss, scale 10, bias -10",
          inputs="image [N, D], text [N, D]; logits N x N", logits=_sq, inductor=True),
-    Case("siglip_learn", siglip_loss, _siglip_learn, op="siglip", covers="learnable scale and bias, sum"),
+    Case("siglip_learn", siglip_loss, _siglip_learn, families=frozenset({"gradcheck"}),
+         op="siglip", covers="learnable scale and bias, sum"),
     Case("siglip_raw_none", siglip_loss, _siglip_raw_none, op="siglip",
          covers="normalize=False, learnable bias, per-image losses"),
-    Case("uniformity", uniformity, _uniformity, covers="log mean exp(-2 ||x_i - x_j||^2) of unit rows, N >= 2",
+    Case("uniformity", uniformity, _uniformity, families=frozenset({"gradcheck"}),
+         covers="log mean exp(-2 ||x_i - x_j||^2) of unit rows, N >= 2",
          min_n=2, inductor=True),
     Case("uniformity_raw", uniformity, _uniformity_raw,
          covers="normalize=False, tensor t = 1.5 (augmented rows, B != A)", min_n=2),
-    Case("alignment", alignment, _alignment, op="alignment", covers="mean squared distance of unit pairs",
+    Case("alignment", alignment, _alignment, families=frozenset({"gradcheck"}),
+         op="alignment", covers="mean squared distance of unit pairs",
          inductor=True),
     Case("alignment_raw", alignment, _alignment_raw, op="alignment", covers="alpha 1.5, normalize=False"),
 ]

@@ -93,36 +93,55 @@ def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, wan
     return launches
 
 
-def core_call(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
-    """The arguments the registry case ``case_name`` passes to ``core.run`` at N anchors, ``(a, b, scale,
-    spec, data, coef, reduce)`` with meta tensors (embeddings in ``dtype``; a tensor temperature requires
-    grad), captured by running the loss on meta inputs with ``core.run`` intercepted (so the kernel
-    report and the tracing tests describe the losses exactly as they call the core op, from the one
-    registry)."""
+def core_calls(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bfloat16, device: str = "meta",
+               seed: int = 0, traced: bool = False) -> list[tuple]:
+    """Every call the registry case ``case_name`` makes to ``core.run`` at N anchors, each as ``(a, b,
+    scale, spec, data, coef, reduce)``, captured by running the loss with ``core.run`` intercepted (so
+    the kernel report, the tracing tests and ``opcheck`` describe the losses exactly as they call the
+    core op, from the one registry). The inputs are the case's (embeddings in ``dtype``, requiring grad)
+    on ``device``: "meta" (nothing allocated, nothing computed; the default) or a real device (values
+    from ``case.build(..., seed)``). The intercepted call returns zeros, so nothing after it is checked.
+    ``traced``: the calls as the loss makes them under torch.compile / export (``_tracing.forced``: the
+    registered operator's arguments, e.g. weights of 1 with the mean's division outside)."""
+    import contextlib
+
     from .. import core
+    from .._tracing import forced
     from ..testing import CASE_BY_NAME
 
     case = CASE_BY_NAME[case_name]
     if case.op != "core":
         raise ValueError(f"{case_name} does not run on the core op")
-    tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
-    meta = {k: torch.empty(v.shape, dtype=dtype if v.dim() else v.dtype, device="meta", requires_grad=True)
-            for k, v in tensors.items()}
-    kw = {k: (v.to("meta") if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
+    tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(seed))
+    if device == "meta":
+        inputs = {k: torch.empty(v.shape, dtype=dtype if v.dim() else v.dtype, device="meta", requires_grad=True)
+                  for k, v in tensors.items()}
+    else:
+        inputs = {k: (v.to(device=device, dtype=dtype) if v.dim() else v.to(device)).requires_grad_()
+                  for k, v in tensors.items()}
+    kw = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
     seen = []
 
     def capture(backend, a, b, scale, spec, data, coef, reduce, levels=None):
         seen.append((a, b, scale, spec, data, coef, reduce))
-        return torch.zeros((), device="meta")
+        return torch.zeros(() if reduce else (a.shape[0],), device=a.device)
 
     orig, core.run = core.run, capture
     try:
-        case.fn(**meta, **kw, backend="torch")
+        with forced() if traced else contextlib.nullcontext():
+            case.fn(**inputs, **kw, backend="torch")
     finally:
         core.run = orig
-    if len(seen) != 1:
-        raise RuntimeError(f"{case_name}: expected one core-op call, saw {len(seen)}")
-    return seen[0]
+    if len(seen) != case.core_calls:
+        raise RuntimeError(f"{case_name}: its Case says core_calls={case.core_calls} but the loss made {len(seen)} "
+                           f"core-op call(s): set core_calls=... on its Case in fused_contrastive/testing/cases.py")
+    return seen
+
+
+def core_call(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bfloat16, device: str = "meta") -> tuple:
+    """The first (for most cases the only) call of :func:`core_calls`: ``(a, b, scale, spec, data, coef,
+    reduce)``, what a kernel is compiled for."""
+    return core_calls(case_name, n, d, dtype, device)[0]
 
 
 def core_problem(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bfloat16):
