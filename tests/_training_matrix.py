@@ -74,12 +74,6 @@ def tb_clip(a: Tensor, b: Tensor, scale) -> Tensor:
     return (F.cross_entropy(logits, t) + F.cross_entropy(logits.T, t)) / 2
 
 
-def tb_am_softmax(a: Tensor, b: Tensor, margin: float, scale) -> Tensor:
-    logits = (_cos(a, b) - margin * torch.eye(a.shape[0]).to(a)) * scale
-    t = torch.arange(a.shape[0])
-    return (F.cross_entropy(logits, t) + F.cross_entropy(logits.T, t)) / 2
-
-
 def tb_simcse_sup(a: Tensor, p: Tensor, n: Tensor, t: float, hnw: float) -> Tensor:
     b = a.shape[0]
     logits = torch.cat([_cos(a, p), _cos(a, n)], 1) / t
@@ -220,9 +214,6 @@ CELLS: list[Cell] = [
     Cell("clip_loss", _pairs,
          lambda e, d, m, g: fc.clip_loss(e(d["a"]), e(d["b"]), 10.0, gather=g),
          lambda e, d, m: tb_clip(e(d["a"]), e(d["b"]), 10.0)),
-    Cell("am_softmax_loss", _pairs,
-         lambda e, d, m, g: fc.am_softmax_loss(e(d["a"]), e(d["b"]), margin=0.3, temperature=0.1, gather=g),
-         lambda e, d, m: tb_am_softmax(e(d["a"]), e(d["b"]), 0.3, 10.0)),
     Cell("supcon_loss", _views,
          lambda e, d, m, g: fc.supcon_loss(_two_views(e, d["x"]), d["y"], temperature=0.1, gather=g),
          lambda e, d, m: tb_supcon(_two_views(e, d["x"]), d["y"], 0.1, 0.07)),
@@ -283,6 +274,49 @@ CELLS: list[Cell] = [
          lambda e, d, m: tb_siglip(e(d["a"]), e(d["b"]), m.logit_scale.exp(), m.logit_bias),
          lambda g: fc.nn.SigLIPLoss(5.0, -2.0, gather=g)),
 ]
+
+
+def _registry_cell(case) -> Cell:
+    """A cell generated from a registry case with ``gather_split="rows"``, ``bench=True`` and [N, D]
+    embeddings: each embedding input is the encoder's output for its own token rows, the row-sized
+    options (labels) are data split with them, the rest are the case's options; the textbook is the
+    case's benchmark formula (``testing.baselines.formula_of``), written independently of the library."""
+    from fused_contrastive.testing.baselines import formula_of
+
+    tensors, kw = case.build(N, DIM, torch.Generator().manual_seed(0))
+    emb = [k for k, v in tensors.items() if v.dim() == 2]
+    rowed = {k: v for k, v in kw.items() if isinstance(v, Tensor) and v.dim() >= 1}
+    const = {k: v for k, v in kw.items() if k not in rowed}
+    formula = formula_of(case.name).fn
+
+    def data(g):
+        return {**{k: _tokens(g, N) for k in emb}, **{k: v.clone() for k, v in rowed.items()}}
+
+    def inputs(e, d):
+        return {**{k: e(d[k]) for k in emb}, **{k: d[k] for k in rowed}, **const}
+
+    return Cell(f"{case.fn.__name__}[{case.name}]", data, lambda e, d, m, g: case.fn(**inputs(e, d), gather=g),
+                lambda e, d, m: formula(inputs(e, d)))
+
+
+def registry_cells(hand_written: list[Cell]) -> list[Cell]:
+    """Generated cells for the gathering losses no hand-written cell calls: one per function, from its
+    first case that qualifies (:func:`_registry_cell`)."""
+    from fused_contrastive.testing import CASES
+
+    done = {c.name.split("[")[0] for c in hand_written}
+    out = []
+    for case in CASES:
+        tensors, _ = case.build(4, 3, torch.Generator().manual_seed(0))
+        if (case.gather_split != "rows" or not case.bench or case.fn.__name__ in done
+                or any(v.dim() != 2 for v in tensors.values())):
+            continue
+        out.append(_registry_cell(case))
+        done.add(case.fn.__name__)
+    return out
+
+
+CELLS += registry_cells(CELLS)
 BY_NAME = {c.name: c for c in CELLS}
 
 

@@ -28,7 +28,7 @@ def _recipe_files() -> set[str]:
 def test_every_recipe_file_exists():
     files = _recipe_files()
     assert {"fused_contrastive/core/reference.py", "fused_contrastive/testing/cases.py", "fused_contrastive/nn.py",
-            "README.md", "docs/api.md", "tests/test_distributed.py", "tests/_training_matrix.py"} <= files, files
+            "fused_contrastive/testing/baselines.py", "README.md", "docs/api.md"} <= files, files
     for f in files:
         assert (ROOT / f).is_file(), f"CONTRIBUTING.md names {f}, which does not exist"
 
@@ -40,10 +40,13 @@ def _mentions(pattern: str) -> set[str]:
 
 
 def test_the_last_loss_added_touched_only_the_recipe():
-    """``am_softmax_loss`` / ``AMSoftmaxLoss`` appear only in the recipe's files, the family module that
-    defines it and its own test module: nothing else had to learn its name."""
+    """``am_softmax_loss`` / ``AMSoftmaxLoss`` appear only in the recipe's numbered files (not the
+    hand-written gather cells: its split is a fact), the family module that defines it and its own test
+    module: nothing else had to learn its name."""
     family = Path(losses.cross_entropy.__file__).relative_to(ROOT).as_posix()
-    allowed = _recipe_files() | {family, "CONTRIBUTING.md", "tests/test_am_softmax.py", "tests/test_contributing.py"}
+    hand_cells = {"tests/test_distributed.py", "tests/_training_matrix.py"}
+    allowed = (_recipe_files() - hand_cells) | {family, "CONTRIBUTING.md", "tests/test_am_softmax.py",
+                                                 "tests/test_contributing.py"}
     touched = {f for f in _mentions(r"am_softmax|AMSoftmax") if not f.startswith("bench/results/")}  # measurements
     assert touched, "git grep found nothing: not a checkout?"
     assert touched <= allowed, f"outside CONTRIBUTING.md's recipe: {sorted(touched - allowed)}"
@@ -53,3 +56,13 @@ def test_the_package_exports_every_loss_of_the_losses_package():
     assert set(losses.__all__) <= set(fc.__all__)
     for name in losses.__all__:
         assert getattr(fc, name) is getattr(losses, name)
+
+
+def test_its_multi_process_cells_come_from_the_registry():
+    """Its gather parity cell and its DDP training-matrix cell are generated from ``gather_split`` (and,
+    for the matrix, its benchmark formula as the textbook), not written by hand."""
+    import _training_matrix
+    from test_distributed import registry_cells
+
+    assert "am_softmax_loss[am_softmax]" in _training_matrix.BY_NAME
+    assert "case:am_softmax" in [name for name, *_ in registry_cells([3, 2], 0)]

@@ -135,12 +135,6 @@ def _cases(sizes, rank, g):
     add("clip_learnable_scale", lambda a_, p_, s_: fc.clip_loss(a_, p_, s_),
         lambda a_, p_, s_: fc.clip_loss(a_, p_, s_, gather=True),
         [a, p, temp * 100], [mine(a, sizes), mine(p, sizes), temp * 100])
-    add("am_softmax_learnable_t", lambda a_, p_, t_: fc.am_softmax_loss(a_, p_, margin=0.3, temperature=t_),
-        lambda a_, p_, t_: fc.am_softmax_loss(a_, p_, margin=0.3, temperature=t_, gather=True),
-        [a, p, temp], [mine(a, sizes), mine(p, sizes), temp])
-    add("am_softmax_row_sum", lambda a_, p_: fc.am_softmax_loss(a_, p_, margin=0.2, symmetric=False, reduction="sum"),
-        lambda a_, p_: fc.am_softmax_loss(a_, p_, margin=0.2, symmetric=False, reduction="sum", gather=True),
-        [a, p], [mine(a, sizes), mine(p, sizes)])
     add("simcse_interleaved", lambda z_: fc.simcse_loss(z_), lambda z_: fc.simcse_loss(z_, gather=True),
         [z], [mine(z, zsizes)])
     add("simcse_two_view", lambda a_, p_: fc.simcse_loss(a_, p_), lambda a_, p_: fc.simcse_loss(a_, p_, gather=True),
@@ -207,12 +201,52 @@ def _cases(sizes, rank, g):
     return out
 
 
+def registry_cells(sizes, rank, seed: int = 0):
+    """The parity cells generated from the registry: every case with a ``gather_split`` fact, built at the
+    global batch (float64) and split by its rows ("pairs": two rows per example); 0-dim tensors and the
+    other options are replicated. Same tuples as :func:`_cases`."""
+    from fused_contrastive.testing import CASES
+
+    out = []
+    for case in CASES:
+        if case.gather_split is None:
+            continue
+        per = 2 if case.gather_split == "pairs" else 1
+        total = per * sum(sizes)
+        rows = [per * s for s in sizes]
+        tensors, kw = case.build(total, D, torch.Generator().manual_seed(seed))
+        assert kw.get("reduction", "mean") != "none", f"{case.name}: gather_split needs a reduced loss"
+
+        def as64(v):
+            return v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+        def local(v, _total=total, _rows=rows, _name=case.name):
+            split = isinstance(v, torch.Tensor) and v.dim() >= 1
+            assert not split or v.shape[0] == _total, f"{_name}: an input of {v.shape[0]} rows, not {_total}"
+            return _split(v, _rows, rank) if split else v
+
+        keys = list(tensors)
+        glob = [as64(tensors[k]) for k in keys]
+        kw64 = {k: as64(v) for k, v in kw.items()}
+        kw_local = {k: local(v) for k, v in kw64.items()}
+
+        def glob_fn(*xs, _fn=case.fn, _keys=keys, _kw=kw64):
+            return _fn(**dict(zip(_keys, xs, strict=True)), **_kw)
+
+        def rank_fn(*xs, _fn=case.fn, _keys=keys, _kw=kw_local):
+            return _fn(**dict(zip(_keys, xs, strict=True)), **_kw, gather=True)
+
+        out.append((f"case:{case.name}", glob_fn, rank_fn, glob, [local(x) for x in glob]))
+    return out
+
+
 def _loss_worker(rank: int, world: int, init: str, sizes: list[int], backends: list[str], out) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         res = {"rank": rank, "cases": {}}
         for be in backends:
-            for name, glob_fn, rank_fn, glob, local in _cases(sizes, rank, torch.Generator().manual_seed(0)):
+            for name, glob_fn, rank_fn, glob, local in (_cases(sizes, rank, torch.Generator().manual_seed(0))
+                                                        + registry_cells(sizes, rank)):
                 gl = [x.clone().requires_grad_() for x in glob]
                 lo = [x.clone().requires_grad_() for x in local]
                 want = glob_fn(*gl)

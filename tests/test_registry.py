@@ -159,15 +159,20 @@ def _called_in(path: str, scope: str) -> set[str]:
 
 def test_every_gathering_loss_has_its_multi_process_cells():
     """A public loss that takes ``gather=`` has a cell in the gather parity test (every rank's value and
-    gradients against one process with the global batch; SigLIP's is in its own file) and in the
-    training-step matrix (DDP over gloo with a real encoder): the two multi-process tests list their
-    cells by hand (each needs its own rank split of targets, labels and masks), so this says where a new
-    one goes."""
+    gradients against one process with the global batch) and in the training-step matrix (DDP over gloo
+    with a real encoder). A case with a ``gather_split`` fact gets both from the registry (the matrix's
+    when the case is benchmarked with [N, D] embeddings: its formula is the textbook); the hand-written
+    cells hold the splits that are not a fact yet (targets, masks, queues, views)."""
+    import _training_matrix
+
     gathering = {n for n, fn in _public_losses().items() if "gather" in inspect.signature(fn).parameters}
     assert {"info_nce", "dcl_loss", "supcon_loss", "cosent_loss", "siglip_loss"} <= gathering
-    parity = _called_in("test_distributed.py", "_cases") | _called_in("test_siglip.py", "_gather_worker")
-    for called, where in ((parity, "_cases in tests/test_distributed.py"),
-                          (_called_in("_training_matrix.py", "CELLS"), "CELLS in tests/_training_matrix.py")):
+    generated = {c.fn.__name__ for c in CASES if c.gather_split is not None}
+    parity = _called_in("test_distributed.py", "_cases") | _called_in("test_siglip.py", "_gather_worker") | generated
+    matrix = {c.name.split("[")[0] for c in _training_matrix.CELLS if "[" in c.name}
+    for called, where in ((parity, "_cases in tests/test_distributed.py (or gather_split= on one of its cases)"),
+                          (_called_in("_training_matrix.py", "CELLS") | matrix,
+                           "CELLS in tests/_training_matrix.py (or gather_split= on a benchmarked case)")):
         missing = gathering - called
         assert not missing, f"add a gather=True cell for {sorted(missing)} to {where}"
 

@@ -60,6 +60,11 @@ class Case:
             "gradcheck" (analytic gradients against finite differences in float64), "degenerate_rows"
             (zero and duplicated rows), "huge_rows" (rows whose squared norm overflows the dtype). Every
             public loss function has a "gradcheck" case (``tests/test_registry.py``).
+        gather_split: how the case's inputs split over ranks for ``gather=True`` (None: not stated):
+            "rows" (built at N, every input with N rows is split by the ranks' row counts, the rest is
+            replicated) or "pairs" (built at 2N, interleaved pairs: 2 rows per example). The loss's
+            rank average must be its global-batch value: the multi-process parity test and, for a
+            benchmarked case of [N, D] embeddings, the DDP training matrix run these from the registry.
         core_calls: how many times one call of the loss calls the core op (``core.run``), for op "core"
             (``tools.aot.core_calls`` checks it: the kernel report, ``opcheck`` and the host-code trace
             read every call).
@@ -81,6 +86,7 @@ class Case:
     peaked: bool = True
     core_calls: int = 1
     families: frozenset[str] = frozenset()
+    gather_split: str | None = None
 
     def cols(self, n: int) -> int:
         """M: the columns of the contrast set at N anchors."""
@@ -430,24 +436,26 @@ CASES: list[Case] = [
     Case("info_nce_none", L.info_nce, _info_nce_none, covers="M = N + 29, per-row losses, tensor temperature",
          m=lambda n: n + 29, inductor=True),
     Case("clip", L.clip_loss, _clip, families=frozenset({"huge_rows"}), bench=True, covers="row + column cross-entropy",
-         inputs="a [N, D], b [N, D], logit_scale 1/0.07; logits N x N (rows and columns)", logits=_sq),
+         inputs="a [N, D], b [N, D], logit_scale 1/0.07; logits N x N (rows and columns)", logits=_sq,
+         gather_split="rows"),
     Case("am_softmax", L.am_softmax_loss, _am_softmax, families=frozenset({"gradcheck", "huge_rows"}), bench=True,
          covers="LaBSE additive margin 0.3 on the pair logit, row + column forms",
          inputs="query [N, D], keys [N, D], margin 0.3, temperature 0.05; logits N x N (rows and columns)",
-         logits=_sq, inductor=True),
+         logits=_sq, inductor=True, gather_split="rows"),
     Case("am_softmax_row_none", L.am_softmax_loss, _am_softmax_row_none, families=frozenset({"gradcheck"}),
          covers="row form, per-pair losses, tensor temperature (its gradient through the margin)"),
-    Case("clip_scale", L.clip_loss, _clip_scale, families=frozenset({"gradcheck"}),
+    Case("clip_scale", L.clip_loss, _clip_scale, families=frozenset({"gradcheck"}), gather_split="rows",
          covers="learnable logit_scale", inductor=True),
     Case("clip_none", L.clip_loss, _clip_none, covers="per-pair losses"),
     Case("clip_self", L.info_nce, _clip_self, families=frozenset({"gradcheck"}),
          covers="symmetric with B is A (column term, symmetric logits)",
          peaked=False),
     Case("simcse", L.simcse_loss, _simcse, families=frozenset({"gradcheck", "degenerate_rows", "huge_rows"}),
+         gather_split="pairs",
          bench=True, covers="interleaved views, partner i xor 1, self excluded",
          inputs="interleaved z [N, D] (N/2 sentences x 2 views); logits N x N", logits=_sq, min_n=2, inductor=True),
     Case("simcse_2view", L.simcse_loss, _simcse_2view, bench=True, covers="two views",
-         inputs="z1 [N, D], z2 [N, D]; logits N x N", logits=_sq),
+         inputs="z1 [N, D], z2 [N, D]; logits N x N", logits=_sq, gather_split="rows"),
     Case("simcse_2view_none", L.simcse_loss, _simcse_2view_none, covers="two views, per-row, tensor temperature"),
     Case("simcse_sup", L.simcse_sup_loss, _simcse_sup, families=frozenset({"huge_rows"}),
          bench=True, covers="interleaved NLI triplets",
@@ -501,13 +509,14 @@ CASES: list[Case] = [
     Case("dclw_none", L.dclw_loss, _dcl(True, "none", tensor_t=True), min_n=4, m=lambda n: 2 * (n // 2),
          covers="weighted, per-anchor losses, tensor temperature"),
     Case("cosent", cosent_loss, _cosent, families=frozenset({"gradcheck", "degenerate_rows", "huge_rows"}),
+         gather_split="rows",
          op="cosent", bench=True, covers="pair cosines, grades 0..5",
          inputs="u [N, D], v [N, D], labels [N] (grades 0..5); N x N label pairs", inductor=True),
     Case("cosent_scores", cosent_loss_from_scores, _cosent_scores, families=frozenset({"gradcheck"}), op="cosent",
          covers="given scores, real labels, tensor scale", inductor=True),
     Case("siglip", siglip_loss, _siglip, op="siglip", bench=True, covers="sigmoid loss, scale 10, bias -10",
-         inputs="image [N, D], text [N, D]; logits N x N", logits=_sq, inductor=True),
-    Case("siglip_learn", siglip_loss, _siglip_learn, families=frozenset({"gradcheck"}),
+         inputs="image [N, D], text [N, D]; logits N x N", logits=_sq, inductor=True, gather_split="rows"),
+    Case("siglip_learn", siglip_loss, _siglip_learn, families=frozenset({"gradcheck"}), gather_split="rows",
          op="siglip", covers="learnable scale and bias, sum"),
     Case("siglip_raw_none", siglip_loss, _siglip_raw_none, op="siglip",
          covers="normalize=False, learnable bias, per-image losses"),
