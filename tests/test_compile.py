@@ -128,7 +128,7 @@ def test_the_operator_arguments_are_derived_from_the_spec():
     assert [a.name for a in torch.ops.fused_contrastive.core.default._schema.arguments] == want
     a, b, s = torch.randn(4, 3), torch.randn(6, 3), torch.tensor(2.0)
     spec = CoreSpec(normalize=False, eps=1e-9, exclude_self=True, offset=2, bias=0.5, grad_cols=5,
-                    exclude_target=True)
+                    exclude_target=True, margin=0.25)  # every field off its default (not a valid problem)
     data = CoreData(target=torch.arange(4), bias_col=torch.arange(4), row_labels=torch.arange(4),
                     col_labels=torch.arange(6), pos_mask=torch.ones(4, 6))
     coef = Coeffs(lse=torch.ones(4), col=0.5, pos=None, tgt=torch.full((4,), 2.0), set=-1.0)
