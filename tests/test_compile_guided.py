@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
+from test_compile import _compiled_parity
 from test_memory import LargestTensor
 from torch.utils._pytree import tree_map
 
@@ -133,27 +134,21 @@ def test_opcheck_merged_lse_triton_interpreted(reduction):
 # ------------------------------------------------------------------------------------------------
 
 
-def _grads(out, leaves):
-    return torch.autograd.grad(out.sum(), [x for x in leaves if x.requires_grad])
-
-
 def _parity(fn, build, backend="aot_eager", sizes=(11, 17, 23), tol=None) -> None:
-    tol = tol or dict(rtol=1e-10, atol=1e-12)
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
-    frames = []
-    for n in sizes:
+    """``fn(*args)`` compiled equals eager (``test_compile._compiled_parity``: fullgraph, dynamic, no
+    recompile when N changes); ``build(n) -> (args, leaves)``, the gradients taken for the leaves."""
+    def as_dicts(n):
         args, leaves = build(n)
-        want = fn(*args)
-        want_g = _grads(want, leaves)
-        got = compiled(*args)
-        got_g = _grads(got, leaves)
-        torch.testing.assert_close(got, want, **tol)
-        for gg, wg in zip(got_g, want_g, strict=True):
-            torch.testing.assert_close(gg, wg, **tol)
-        frames.append(counter.frame_count)
-    assert frames[1:] == [frames[0]] * (len(sizes) - 1), f"recompiled when N changed: {frames}"
+        pos = [next(i for i, a in enumerate(args) if a is x) for x in leaves]
+        return {f"arg{i}": args[i] for i in pos}, list(args)
+
+    def call(tensors, args):
+        full = list(args)
+        for k, v in tensors.items():
+            full[int(k[3:])] = v
+        return fn(*full)
+
+    _compiled_parity(call, as_dicts, backend, sizes, tol)
 
 
 def _gist_build(dtype=torch.float64):
