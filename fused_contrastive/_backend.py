@@ -20,8 +20,8 @@ BACKENDS = ("auto", "torch", "triton", "reference")
 #: Ops with a Triton implementation.
 _TRITON_OPS = ("core", "cosent")
 
-_INSTALL_HINT = ("pip install 'fused-contrastive[triton]' (CUDA wheels of PyTorch already bring triton; "
-                 "triton runs on Linux x86_64 / aarch64)")
+_INSTALL_HINT = ('pip install "/path/to/fused-contrastive[triton]" (from a checkout of this project; CUDA wheels of '
+                 "PyTorch already bring triton; triton runs on Linux x86_64 / aarch64)")
 
 
 class TritonStatus(NamedTuple):

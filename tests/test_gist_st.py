@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tests._ranks import run_ranks
 
 st = pytest.importorskip("sentence_transformers",
-                         reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
+                         reason="optional peer: pip install '/path/to/fused-contrastive[sentence-transformers]'")
 
 from sentence_transformers.base.losses.gradcache import _minibatch_ranges
 from sentence_transformers.sentence_transformer import losses as peer

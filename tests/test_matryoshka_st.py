@@ -16,7 +16,7 @@ import pytest
 import torch
 
 st = pytest.importorskip("sentence_transformers",
-                         reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
+                         reason="optional peer: pip install '/path/to/fused-contrastive[sentence-transformers]'")
 
 from sentence_transformers import util
 from sentence_transformers.sentence_transformer import losses as peer

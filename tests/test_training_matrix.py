@@ -175,7 +175,7 @@ ST_CELLS = [(l, w) for l in ST_LOSSES for w in ST_WRAPPERS
 @pytest.fixture(scope="module")
 def st_model():
     pytest.importorskip("sentence_transformers",
-                        reason="optional peer: pip install 'fused-contrastive[sentence-transformers]'")
+                        reason="optional peer: pip install '/path/to/fused-contrastive[sentence-transformers]'")
     import tempfile
 
     from fused_contrastive.bench.st_step import build_tiny_model, load_model

@@ -168,7 +168,7 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
         import tqdm  # noqa: F401
     except ImportError as exc:
         ap.error(f"the benchmark needs the [bench] extra ({exc.name} is missing): "
-                 "pip install 'fused-contrastive[bench]'")
+                 'pip install "/path/to/fused-contrastive[bench]" (a checkout of this project)')
     import json
 
     from . import report

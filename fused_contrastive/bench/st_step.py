@@ -190,7 +190,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import sentence_transformers  # noqa: F401
     except ImportError:
         parser.error("bench-st-step needs sentence-transformers: "
-                     "pip install 'fused-contrastive[sentence-transformers]'")
+                     'pip install "/path/to/fused-contrastive[sentence-transformers]" (a checkout of this project)')
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_model(tmp, hidden=args.hidden, layers=args.layers, heads=2, max_len=max(64, args.seq), dropout=0.1)
         a = {k: getattr(args, k) for k in ("hidden", "layers", "seq", "repeats", "device", "threads")}
