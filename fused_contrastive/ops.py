@@ -510,7 +510,6 @@ def siglip(image: Tensor, text: Tensor, scale, bias, normalize: bool, eps: float
                       _needs(image, text, st, bt))[0]
 
 
-
 # ------------------------------------------------------------------------------------------------
 # the merged-block core (GIST, guide / id masks)
 # ------------------------------------------------------------------------------------------------

@@ -1,30 +1,21 @@
 """``am_softmax_loss`` (LaBSE's additive-margin softmax) and the core op's target margin, against the
-textbook computation written from the math in float64 (the N x N cosines, ``m`` off the diagonal,
-``F.cross_entropy`` both ways), on every path: torch dense and chunked, the reference, the Triton fused
-kernels and the panel path (interpreted), Matryoshka levels, the module form. The registry cases
-``am_softmax`` / ``am_softmax_row_none`` put it through the shared families as well (parity, gradcheck,
-compile, autocast, memory, gather, the training matrix)."""
+textbook computation in float64 (``testing.baselines.am_softmax_formula``, the benchmark's: the N x N
+cosines, ``m`` off the diagonal, ``F.cross_entropy`` both ways), on every path: torch dense and
+chunked, the reference, the Triton fused kernels and the panel path (interpreted), Matryoshka levels,
+the module form. The registry cases ``am_softmax`` / ``am_softmax_row_none`` put it through the shared
+families as well (parity, gradcheck, compile, autocast, memory, gather, the training matrix)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fused_contrastive as fc
 from fused_contrastive import core
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+from fused_contrastive.testing.baselines import am_softmax_formula as textbook
 
 TOL64 = dict(rtol=1e-11, atol=1e-12)
-
-
-def textbook(q, k, margin, temperature, symmetric=True, reduction="mean"):
-    cos = F.normalize(q, dim=1) @ F.normalize(k, dim=1).T
-    logits = (cos - margin * torch.eye(q.shape[0], dtype=cos.dtype)) / temperature
-    t = torch.arange(q.shape[0])
-    rows = F.cross_entropy(logits, t, reduction="none")
-    per = (rows + F.cross_entropy(logits.T, t, reduction="none")) / 2 if symmetric else rows
-    return {"mean": per.mean(), "sum": per.sum(), "none": per}[reduction]
 
 
 def _inputs(n, d, seed, dtype=torch.float64):

@@ -90,10 +90,9 @@ def _opcheck(args: tuple, **tol) -> None:
 _OPCHECK_CALLS = {
     "gist_mean_learnable_t": lambda: _gist()(*_gist_inputs(9), torch.tensor(0.05, dtype=torch.float64,
                                                                               requires_grad=True)),
-    "gist_none_relative": lambda: fc.gist_loss(*_gist_inputs(9)[:3], guide=_gist_inputs(9)[3], margin=0.1,
-                                               margin_strategy="relative", reduction="none"),
-    "gist_no_negatives_sum": lambda: fc.gist_loss(*_gist_inputs(8)[:2], guide=_gist_inputs(8)[3][:2],
-                                                  reduction="sum"),
+    "gist_none_relative": lambda: _gist(reduction="none", margin_strategy="relative")(*_gist_inputs(9), 0.01),
+    "gist_no_negatives_sum": lambda: (lambda a, p, _, g: fc.gist_loss(a, p, guide=g[:2], reduction="sum"))(
+        *_gist_inputs(8)),
     "info_nce_guide_ids": lambda: _info_nce_guided(*_guided_nce_inputs(10), 0.05),
     "info_nce_self_guide": lambda: fc.info_nce(_gist_inputs(10)[0], guide=_gist_inputs(10)[3][0],
                                                target=(torch.arange(10) + 1) % 10, reduction="none"),

@@ -64,9 +64,6 @@ class DirectCtx:
     def save_for_backward(self, *tensors) -> None:
         self.saved_tensors = tensors
 
-    def mark_non_differentiable(self, *tensors) -> None:
-        pass
-
 
 @dataclass(frozen=True)
 class CoreSpec:

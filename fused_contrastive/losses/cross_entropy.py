@@ -266,7 +266,7 @@ def am_softmax_loss(query: Tensor, keys: Tensor, *, margin: float = 0.3, tempera
     reduction = V.reduction(reduction)
     V.flag("normalize", normalize)
     V.flag("symmetric", symmetric)
-    margin = float(V.number("margin", margin, low=-math.inf, strict=True))
+    margin = V.number("margin", margin, low=-math.inf, strict=True)
     dev = query.device
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(query, keys), dev)
     be = resolve(backend, query, keys)

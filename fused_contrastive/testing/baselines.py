@@ -181,14 +181,18 @@ def clip_formula(a: Tensor, b: Tensor, logit_scale: float) -> Tensor:
     return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
 
-def am_softmax_formula(query: Tensor, keys: Tensor, margin: float, temperature, symmetric: bool = True) -> Tensor:
+def am_softmax_formula(query: Tensor, keys: Tensor, margin: float, temperature, symmetric: bool = True,
+                       reduction: str = "mean") -> Tensor:
     """LaBSE's additive-margin softmax as it is usually written: the N x N scaled cosines with ``s m``
-    taken off the diagonal, ``CE(l, arange)`` (and ``CE(l^T, arange)``, averaged, when symmetric)."""
+    taken off the diagonal, ``CE(l, arange)`` (and ``CE(l^T, arange)``, averaged, when symmetric);
+    ``reduction`` as ``F.cross_entropy``'s."""
     cos = F.normalize(query, dim=1) @ F.normalize(keys, dim=1).T
     logits = (cos - margin * torch.eye(cos.shape[0], dtype=cos.dtype, device=cos.device)) / temperature
     target = torch.arange(query.shape[0], device=query.device)
-    rows = F.cross_entropy(logits, target)
-    return (rows + F.cross_entropy(logits.T, target)) / 2 if symmetric else rows
+    per = F.cross_entropy(logits, target, reduction="none")
+    if symmetric:
+        per = (per + F.cross_entropy(logits.T, target, reduction="none")) / 2
+    return {"mean": per.mean(), "sum": per.sum(), "none": per}[reduction]
 
 
 def siglip_formula(image: Tensor, text: Tensor, logit_scale, logit_bias) -> Tensor:
