@@ -76,17 +76,25 @@ NCU_KERNELS = {"lse_fwd_kernel": "fused", "lse_bwd_rows_kernel": "fused", "lse_b
 #: launcher zeroes queue rows before the launch).
 _OUTPUTS = {"row_norm": ("XS", "NORM", "RNORM", "RS"), "lse_fwd": ("LSE", "LSE_POS", "COL_PART"),
             "lse_bwd_rows": ("DA", "ACC", "DS_PART"), "lse_bwd_cols": ("DB", "ACC"),
-            "panel_dl": ("DL", "DS_PART")}
+            "panel_dl": ("DL", "DS_PART"), "epi_gemm": ("DL",)}
 # (panel_dl's LSE_OUT is [N]: each panel writes its own rows only; the triangular forward's COL_PART is
 # pre-filled with -inf by the launcher, its programs write only the columns their rows reach)
 #: The two paths of the triton backend (``core/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
 #: the kernels each must launch, per kernel family; families with kernels of their own run once, on
 #: the path "own" (the path variable does not choose their kernels).
-PATHS = {"fused": {"lse_fwd", "lse_bwd_rows"}, "panel": {"panel_dl"}}
+PATHS = {"fused": {"lse_fwd", "lse_bwd_rows"}, "panel": {"panel_rows"}, "panel-cublas": {"panel_dl", "panel_rows"}}
+#: The kernel that forms a panel's gradient tile on the panel path: the epilogue GEMM (16-bit operands,
+#: the default on CUDA) or the cuBLAS products' panel kernel ("panel-cublas" forces it; fp32 takes it)
+PANEL_TILE_KERNELS = ("epi_gemm", "panel_dl")
+#: Registry cases whose bf16 panels the epilogue GEMM must form (the one-pass sweep or known statistics;
+#: a softmax over positives, supcon_in's, keeps the two-pass panel kernel in its eager sweep)
+EPILOGUE_CASES = ("info_nce", "simcse", "clip")
 EXPECT = {("core", "fused"): PATHS["fused"], ("core", "panel"): PATHS["panel"],
+          ("core", "panel-cublas"): PATHS["panel-cublas"],
           # the Matryoshka kernels where the plain op takes the fused kernels; one plain call per level
           # (its one-pass panel kernel) where it takes the panel path (core._leveled)
-          ("matryoshka", "fused"): {"mat_fwd", "mat_bwd_rows"}, ("matryoshka", "panel"): {"panel_dl"},
+          ("matryoshka", "fused"): {"mat_fwd", "mat_bwd_rows"}, ("matryoshka", "panel"): {"panel_rows"},
+          ("matryoshka", "panel-cublas"): {"panel_dl"},
           ("cosent", "own"): {"pair_cos_fwd", "cosent_scan_fwd", "cosent_scan_bwd"},
           ("siglip", "own"): {"siglip_fwd", "siglip_bwd_rows"},
           ("guided", "own"): {"guided_fwd", "guided_bwd_rows"}}
@@ -97,7 +105,9 @@ class Plan:
     """What to check, and at which sizes (defaults: the first-GPU run)."""
 
     losses: tuple[str, ...] = LOSSES
-    paths: tuple[str, ...] = ("fused", "panel")
+    #: "panel" takes the epilogue GEMM for 16-bit operands on CUDA, "panel-cublas" the cuBLAS products
+    #: and the panel kernel (the form before the epilogue GEMM): both are measured side by side
+    paths: tuple[str, ...] = ("fused", "panel", "panel-cublas")
     #: (N, D) of the parity rows, in order of priority (the time budget stops the run in that order)
     parity_shapes: tuple[tuple[int, int], ...] = ((4099, 768), (4099, 100))
     dtypes: tuple[torch.dtype, ...] = DTYPES
@@ -196,16 +206,19 @@ _AOT_LIB: str | None = None
 
 @contextlib.contextmanager
 def triton_path(path: str) -> Iterator[None]:
-    """Force the triton backend's path: "fused" (the fused kernels) or "panel" (cuBLAS GEMMs + the panel
-    kernels) on the JIT kernels, with the AOT route off; "aot/fused" / "aot/panel": the ahead-of-time
+    """Force the triton backend's path: "fused" (the fused kernels), "panel" (row panels; the epilogue
+    GEMM forms 16-bit gradient tiles) or "panel-cublas" (row panels; cuBLAS products and the panel
+    kernel) on the JIT kernels, with the AOT route off; "aot/fused" / "aot/panel": the ahead-of-time
     library (``FUSED_CONTRASTIVE_AOT_LIB`` = ``Plan.aot_lib``), whose operators take that path."""
     from .core import triton_aot
 
     aot = path.startswith("aot/")
     if aot and not _AOT_LIB:
         raise ValueError(f"path {path!r} needs the library: Plan.aot_lib / --aot-lib")
-    with _env("FUSED_CONTRASTIVE_TRITON_PATH", path.removeprefix("aot/")), \
-            _env(triton_aot.ENV, _AOT_LIB if aot else None):
+    base = path.removeprefix("aot/")
+    gemm = {"panel": "epilogue", "panel-cublas": "cublas"}.get(base)  # forced also on the interpreter
+    with _env("FUSED_CONTRASTIVE_TRITON_PATH", base.removesuffix("-cublas")), \
+            _env("FUSED_CONTRASTIVE_PANEL_GEMM", gemm), _env(triton_aot.ENV, _AOT_LIB if aot else None):
         yield
 
 
@@ -374,8 +387,12 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
             problems.append(f"JIT kernels ran beside the library: {sorted(jit)}")
     elif not EXPECT[(fam, path)] <= set(seen):
         problems.append(f"the kernels did not run (want {sorted(EXPECT[(fam, path)])}, launches: {sorted(set(seen))})")
-    elif rows is not None and seen.count("panel_dl") < math.ceil(n / rows):
-        problems.append(f"{seen.count('panel_dl')} panel launches, expected at least "
+    elif path == "panel" and dt == torch.bfloat16 and case.name in EPILOGUE_CASES and "epi_gemm" not in seen:
+        problems.append(f"the epilogue GEMM did not run (launches: {sorted(set(seen))})")
+    elif path == "panel-cublas" and "epi_gemm" in seen:
+        problems.append("the epilogue GEMM ran on the forced cuBLAS form")
+    elif rows is not None and sum(map(seen.count, PANEL_TILE_KERNELS)) < math.ceil(n / rows):
+        problems.append(f"{sum(map(seen.count, PANEL_TILE_KERNELS))} panel launches, expected at least "
                         f"{math.ceil(n / rows)} panels of {rows} rows")
     outs = [("loss", got_loss, truth_loss, same_loss, 0.0)]
     for k, tg in truth_grads.items():

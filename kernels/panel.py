@@ -78,12 +78,21 @@ from .lse import (
 def _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l, offset, bias_c, bias,
                   NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BIAS_COS: tl.constexpr):
-    """(cos, l, rb) of one [BLOCK_R, BLOCK_C] chunk of the panel from the GEMM's raw products. BIAS_COS
-    (the core op's target margin, bias = -margin at the bias column): the returned cosine is already
-    shifted there, so that every ``dl * cos`` (the scale's gradient) takes ``c - margin``."""
-    rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+    """(cos, l, rb) of one [BLOCK_R, BLOCK_C] chunk of the panel from the GEMM's raw products in L."""
     raw = tl.load(L + loc.to(tl.int64)[:, None] * stride_l + cols[None, :],
                   mask=lmask[:, None] & cmask[None, :], other=0.0)
+    return _logits_of(raw, rows, cols, cmask, rsp, RB, s, n_end, M, offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF,
+                      HAS_BIAS, BIAS_COS)
+
+
+@triton.jit
+def _logits_of(raw, rows, cols, cmask, rsp, RB, s, n_end, M, offset, bias_c, bias,
+               NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
+    """(cos, l, rb) of a tile of raw products ``raw`` [R, C] (fp32; in registers: the epilogue GEMM's
+    accumulator, or loaded from the panel). BIAS_COS (the core op's target margin, bias = -margin at the
+    bias column): the returned cosine is already shifted there, so that every ``dl * cos`` (the scale's
+    gradient) takes ``c - margin``."""
+    rb = _inv_norms(RB, cols, cmask, NORMALIZE)
     cos = raw * rsp[:, None] * rb[None, :]
     if BIAS_COS:
         cos = tl.where(cols[None, :] == bias_c[:, None], cos + bias, cos)
@@ -98,6 +107,97 @@ def _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride
 ONE_PASS_MIN_Z = tl.constexpr(5.421010862427522e-20)
 #: The one-pass sweep's shift below the logits' bound: m = c - ONE_PASS_SHIFT (see ONE_PASS).
 ONE_PASS_SHIFT = tl.constexpr(56.0)
+
+
+@triton.jit
+def _one_pass_shift(s, bias, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
+    """The one-pass sweep's fixed shift ``m = c - ONE_PASS_SHIFT``, ``c`` >= every logit of a unit row:
+    ``|s|``, plus the bias when positive (in cosine units with BIAS_COS: ``|s| (1 + max(bias, 0))``)."""
+    c = tl.abs(s)
+    if HAS_BIAS:
+        if BIAS_COS:
+            c = c + tl.abs(s) * tl.maximum(bias, 0.0)
+        else:
+            c = c + tl.maximum(bias, 0.0)
+    return c - ONE_PASS_SHIFT
+
+
+@triton.jit
+def _exp_chunk(cos, l, rb, sh, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, NEED_MAX: tl.constexpr):
+    """The one-pass per-logit epilogue (shared by the panel kernel and the epilogue GEMM): with the
+    rows' shifts ``sh`` [R], ``e_ij = exp(l_ij - sh_i)``; returns ``(out, z, t, mx)``: the tile to store
+    (``e`` times ``rb_j`` when folding), the rows' partial sums ``z_i = sum_j e_ij`` and
+    ``t_i = sum_j e_ij cos_ij`` (zeros without NEED_DS), and (NEED_MAX) the rows' largest logit."""
+    e = tl.exp(l - sh[:, None])
+    z = tl.sum(e, axis=1)
+    t = tl.zeros_like(z)
+    if NEED_DS:
+        t = tl.sum(e * cos, axis=1)
+    mx = z
+    if NEED_MAX:
+        mx = tl.max(l, axis=1)
+    out = e
+    if FOLD_RB:
+        out = out * rb[None, :]
+    return out, z, t, mx
+
+
+@triton.jit
+def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r, gc_r, lsep_r, gp_r, inv_gs,
+              RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, COL_LAB, POS_MASK, n0, m0, stride_pm,
+              NORMALIZE: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr,
+              HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
+              PRESCALE: tl.constexpr, TRI: tl.constexpr):
+    """The gradient tile of one chunk of logits from known statistics (the per-logit epilogue shared by
+    the panel kernel's second loop and the epilogue GEMM): ``(out, ds)`` with ``out`` the fp32 tile to
+    cast and store (DL of the module docstring: pre-scaled, the inverse norms folded) and ``ds`` [R]
+    the rows' temperature-gradient sums ``sum_j dl_ij cos_ij`` (zeros without NEED_DS)."""
+    ds = tl.sum(tl.zeros_like(l), axis=1)
+    lab_c = cols
+    if POS_KIND == 1:
+        lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
+    lp = l
+    if HAS_GPOS:
+        lp = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
+                         False)
+    lsec_c = lse_r  # placeholders when the column term is absent
+    gc_c = g_r
+    if HAS_GCOL:
+        lsec_c = _stat(LSE_COL, cols, cmask)
+        gc_c = _grad_vec(G_COL, LSE_COL, cols, cmask, inv_gs, False)
+    dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+    if NEED_DS:
+        ds += tl.sum(dl * cos, axis=1)
+    if SYM:
+        # dl_ji (j a column, i this panel's row) from the same symmetric logit: the column's
+        # statistics play the row role (see lse.py, "Symmetric case")
+        lse_c = _stat(LSE, cols, cmask)
+        g_c = tl.zeros_like(lse_c)
+        if HAS_G:
+            g_c = _grad_vec(G, LSE, cols, cmask, inv_gs, False)
+        dlt = tl.zeros_like(l)
+        if HAS_G:
+            dlt += g_c[None, :] * tl.exp(l - lse_c[None, :])
+        if HAS_GCOL:
+            dlt += gc_r[:, None] * tl.exp(l - lsec_r[:, None])
+        if HAS_GPOS:
+            lsep_c = _stat(LSE_POS, cols, cmask)
+            gp_c = _grad_vec(G_POS, LSE_POS, cols, cmask, inv_gs, True)
+            lpt = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
+                              POS_KIND, True)
+            dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
+        if TRI and NEED_DS:
+            # the triangular panel: dl_ji of the columns below the panel belongs to those rows
+            # (in the diagonal block both orders are already in dl)
+            ds += tl.sum(tl.where(cols[None, :] >= n_end, dlt * cos, 0.0), axis=1)
+        dl = dl + dlt
+    # pre-scale (fp16), fold the column's inverse norm (TRI: the row's too); the caller casts
+    out = dl * PRESCALE
+    if FOLD_RB:
+        out = out * rb[None, :]
+        if TRI:
+            out = out * _inv_norms(RB, rows, lmask, NORMALIZE)[:, None]
+    return out, ds
 
 
 @triton.jit
@@ -164,51 +264,13 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
         cmask = cols < M
         cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
                                    offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
-        lab_c = cols
-        if POS_KIND == 1:
-            lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
-        lp = l
-        if HAS_GPOS:
-            lp = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
-                             False)
-        lsec_c = lse_r  # placeholders when the column term is absent
-        gc_c = g_r
-        if HAS_GCOL:
-            lsec_c = _stat(LSE_COL, cols, cmask)
-            gc_c = _grad_vec(G_COL, LSE_COL, cols, cmask, inv_gs, False)
-        dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+        dl_out, ds_c = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r, gc_r,
+                                 lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, COL_LAB, POS_MASK,
+                                 n0, m0, stride_pm, NORMALIZE, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS,
+                                 FOLD_RB, PRESCALE, TRI)
         if NEED_DS:
-            ds_acc += tl.sum(dl * cos, axis=1)
-        if SYM:
-            # dl_ji (j a column, i this panel's row) from the same symmetric logit: the column's
-            # statistics play the row role (see lse.py, "Symmetric case")
-            lse_c = _stat(LSE, cols, cmask)
-            g_c = tl.zeros([BLOCK_C], dtype=tl.float32)
-            if HAS_G:
-                g_c = _grad_vec(G, LSE, cols, cmask, inv_gs, False)
-            dlt = tl.zeros_like(l)
-            if HAS_G:
-                dlt += g_c[None, :] * tl.exp(l - lse_c[None, :])
-            if HAS_GCOL:
-                dlt += gc_r[:, None] * tl.exp(l - lsec_r[:, None])
-            if HAS_GPOS:
-                lsep_c = _stat(LSE_POS, cols, cmask)
-                gp_c = _grad_vec(G_POS, LSE_POS, cols, cmask, inv_gs, True)
-                lpt = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
-                                  POS_KIND, True)
-                dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
-            if TRI and NEED_DS:
-                # the triangular panel: dl_ji of the columns below the panel belongs to those rows
-                # (in the diagonal block both orders are already in dl)
-                ds_acc += tl.sum(tl.where(cols[None, :] >= n_end, dlt * cos, 0.0), axis=1)
-            dl = dl + dlt
-        # 3. pre-scale (fp16), fold the column's inverse norm (TRI: the row's too), cast, store
-        out = dl * PRESCALE
-        if FOLD_RB:
-            out = out * rb[None, :]
-            if TRI:
-                out = out * _inv_norms(RB, rows, lmask, NORMALIZE)[:, None]
-        tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
+            ds_acc += ds_c
+        tl.store(dl_base + cols[None, :], dl_out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
     return ds_acc
 
 
@@ -256,13 +318,7 @@ def panel_dl_kernel(
         # W_i = g_i / (gscale z_i). Why the shift of 56 (module docstring, ONE_PASS): no overflow,
         # e_ij <= e^56 and z_i <= M e^56 < 2^31 e^56 = 4.5e33 < 3.4e38 (fp32 and bf16 range; DL_ij =
         # e_ij rb_j <= e^56 / eps = 2.1e36), and a redo only where every logit of the row is below c - 100.4
-        c = tl.abs(s)
-        if HAS_BIAS:
-            if BIAS_COS:  # the bias in cosine units: s (cos + bias) <= |s| (1 + max(bias, 0))
-                c = c + tl.abs(s) * tl.maximum(bias, 0.0)
-            else:
-                c = c + tl.maximum(bias, 0.0)
-        c = c - ONE_PASS_SHIFT
+        c = _one_pass_shift(s, bias, HAS_BIAS, BIAS_COS)
         z_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         t_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         for j0 in range(0, M, BLOCK_C):
@@ -270,13 +326,10 @@ def panel_dl_kernel(
             cmask = cols < M
             cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
                                        offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
-            e = tl.exp(l - c)
-            z_i += tl.sum(e, axis=1)
-            if NEED_DS:
-                t_i += tl.sum(e * cos, axis=1)
-            out = e
-            if FOLD_RB:
-                out = out * rb[None, :]
+            out, z_c, t_c, _ = _exp_chunk(cos, l, rb, c + tl.zeros([BLOCK_R], dtype=tl.float32), NEED_DS, FOLD_RB,
+                                          False)
+            z_i += z_c
+            t_i += t_c
             tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
         ok = (z_i >= ONE_PASS_MIN_Z) | (loc >= P)
         tl.store(LSE_OUT + rows, c + _log0(z_i), mask=lmask)  # c is the shifted bound m here
@@ -341,3 +394,152 @@ def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, 
             m2 = rmask[:, None] & (dd < D)[None, :]
             x = tl.load(X + r64 * stride_x + dd[None, :], mask=m2, other=0.0).to(tl.float32)
             tl.store(XW + r64 * stride_xw + dd[None, :], (x * (rs * w)[:, None]).to(XW.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB,
+              COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+              P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm, bad,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              UPCAST: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
+              HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
+              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr):
+    """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
+    loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lmask = loc < P
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < M
+    xr = (loc % P).to(tl.int64)
+    yr = (cols % M).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    xp = X + xr[:, None] * stride_x + kk[None, :]
+    yp = Y + yr[None, :] * stride_y + kk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(xp)
+            y = tl.load(yp)
+        else:
+            x = tl.load(xp, mask=(k0 + kk)[None, :] < D, other=0.0)
+            y = tl.load(yp, mask=(k0 + kk)[:, None] < D, other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        acc = tl.dot(x, y, acc)
+        xp += BLOCK_K
+        yp += BLOCK_K
+
+    # the per-logit epilogue, on the fp32 products in registers
+    s = tl.load(SCALE).to(tl.float32)
+    rows = r0 + loc
+    n_end = r0 + P
+    rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
+    bias_c = rows
+    if HAS_BIAS:
+        bias_c = tl.load(BIAS_COL + rows, mask=lmask, other=-1)
+    cos, l, rb = _logits_of(acc, rows, cols, cmask, rsp, RB, s, n_end, M, offset, bias_c, bias, NORMALIZE,
+                            EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
+    smask = bad[:, None] & cmask[None, :]
+    dl_ptr = DL + loc.to(tl.int64)[:, None] * stride_dl + cols[None, :]
+    if MODE == 0:
+        inv_gs = 1.0 / tl.load(GSCALE)
+        lab_r = rows
+        if POS_KIND == 1:
+            lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
+        lse_r = _stat(LSE, rows, lmask)
+        g_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_G:
+            g_r = _grad_vec(G, LSE, rows, lmask, inv_gs, False)
+        lsep_r = lse_r
+        gp_r = g_r
+        if HAS_GPOS:
+            lsep_r = _stat(LSE_POS, rows, lmask)
+            gp_r = _grad_vec(G_POS, LSE_POS, rows, lmask, inv_gs, True)
+        lsec_r = lse_r
+        gc_r = g_r
+        if SYM and HAS_GCOL:
+            lsec_r = _stat(LSE_COL, rows, lmask)
+            gc_r = _grad_vec(G_COL, LSE_COL, rows, lmask, inv_gs, False)
+        out, ds = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r, gc_r,
+                            lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, COL_LAB, POS_MASK,
+                            n0, m0, stride_pm, NORMALIZE, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS,
+                            FOLD_RB, PRESCALE, TRI)
+        tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
+        if NEED_DS:
+            tl.store(DS_PART + pid, tl.sum(tl.where(lmask, ds, 0.0), axis=0))
+    else:
+        if MODE == 1:
+            sh = _one_pass_shift(s, bias, HAS_BIAS, BIAS_COS) + tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            sh = tl.load(SHIFT + loc, mask=lmask, other=0.0)
+        out, z, t, mx = _exp_chunk(cos, l, rb, sh, NEED_DS, FOLD_RB, MODE == 1)
+        tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
+        part = loc.to(tl.int64) * stride_zp + pid_n
+        tl.store(ZP + part, z, mask=bad)
+        if NEED_DS:
+            tl.store(TP + part, t, mask=bad)
+        if MODE == 1:
+            tl.store(MXP + part, mx, mask=bad)
+
+
+@triton.jit
+def epi_gemm_kernel(
+    X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+    P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
+    POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
+    NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr,
+):
+    """The epilogue GEMM: [BLOCK_M, BLOCK_N] tiles of the panel's raw products ``X @ Y^T`` (X the panel's
+    rows [P, D] scaled by powers of two, Y the raw B [M, D]; fp32 accumulation in registers), turned
+    into the gradient tile by the per-logit epilogue and stored in DL's dtype: the fp32 products never
+    reach memory (the cuBLAS form writes and re-reads them, 8 bytes per logit).
+
+    MODE 0 (known statistics: the recomputing backward): ``DL`` = :func:`_dl_chunk` of the tile (as the
+    panel kernel's second loop), ``DS_PART[pid]`` the tile's temperature-gradient sum.
+    MODE 1 (one pass: the eager sweep of a summed loss): ``DL = e_ij`` (times ``rb_j`` when folding)
+    with the fixed shift ``m`` of :func:`_one_pass_shift` and, per row and column tile, the partial
+    sums ``ZP[i, tile] = sum_j e_ij``, ``TP[i, tile] = sum_j e_ij cos_ij`` (NEED_DS) and the largest
+    logit ``MXP[i, tile]``; the host sums the partials in a fixed order (``LSE_i = m + log z_i``, the
+    row weight ``W_i = g_i / (gscale z_i)``).
+    MODE 2 (the redo of MODE 1's rows with ``z_i < 2^-64``: every logit of the row below
+    ``c - 100.4``, see ONE_PASS in the module docstring): one program per row tile; a tile without a
+    ``BAD`` row returns at once, the others walk every column tile and store ``e_ij = exp(l_ij - SHIFT_i)``
+    (``SHIFT_i`` the row's largest logit: ``e <= 1``, ``z_i >= 1``, exact) and the partials, for
+    the BAD rows only.
+
+    Grid: MODE 0 / 1 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
+    the columns together (Y's column tiles stay in L2 across a group); MODE 2 ``cdiv(P, BLOCK_M)``.
+    Indices past the panel are wrapped for the operand loads (no masks: whole 16-byte loads, which the
+    compiler pipelines) and masked at the stores. EVEN_K: D is a multiple of BLOCK_K (no mask along
+    D). UPCAST: fp32 dots of bf16 tiles (the interpreter's bf16 dot is wrong).
+    """
+    pid = tl.program_id(0)
+    n_pn = tl.cdiv(M, BLOCK_N)
+    if MODE == 2:
+        loc = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        bad = tl.load(BAD + loc, mask=loc < P, other=0) != 0
+        if tl.max(bad.to(tl.int32), axis=0) > 0:
+            for pid_n in range(0, n_pn):
+                _epi_tile(pid, pid, pid_n, X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
+                          BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+                          P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
+                          bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
+                          BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI)
+    else:
+        n_pm = tl.cdiv(P, BLOCK_M)
+        group = GROUP_M * n_pn
+        first_m = (pid // group) * GROUP_M
+        size_m = tl.minimum(n_pm - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+        loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
+                  BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+                  P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
+                  loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
+                  BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI)

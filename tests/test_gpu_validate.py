@@ -39,19 +39,21 @@ def test_checks_pass_on_the_interpreter(capsys):
     out = capsys.readouterr().out
     assert rep.ok, out
     checks = [r.check for r in rep.results]
-    # 3 losses x 3 runs (2 triton paths + the panel path in panels of 16 rows) x shapes x dtypes; reruns
-    # per loss and run; fp16 per path; the GEMM route of bf16 (the CPU's: upcast)
-    assert sum(c.startswith("parity") for c in checks) == 3 * 3 * len(SHAPES)
-    assert {c.split()[2] for c in checks if c.startswith("parity")} == {"fused", "panel", f"panel(P={MULTI})"}
-    assert sum(c.startswith("determinism") for c in checks) == 3 * 3
+    # 3 losses x 4 runs (3 triton paths: fused, panel by the epilogue GEMM, panel by cuBLAS products; + the
+    # panel path in panels of 16 rows) x shapes x dtypes; reruns per loss and run; fp16 per path; the GEMM
+    # route of bf16 (the CPU's: upcast)
+    assert sum(c.startswith("parity") for c in checks) == 3 * 4 * len(SHAPES)
+    assert {c.split()[2] for c in checks if c.startswith("parity")} == {"fused", "panel", "panel-cublas",
+                                                                       f"panel(P={MULTI})"}
+    assert sum(c.startswith("determinism") for c in checks) == 3 * 4
     assert [r.detail for r in rep.results if r.check.startswith("cuBLAS")] == ["mm upcast, addmm upcast"]
     assert "verdict table:" in out
-    assert sum(c.startswith("fp16 vs fp32") for c in checks) == 2
+    assert sum(c.startswith("fp16 vs fp32") for c in checks) == 3
     assert "verdict: PASS" in out
     # every timing was measured (nothing ran out of memory here) and auto's preference is one of ours
     assert all(v is not None and v > 0 for row in rep.timings.values() for v in row.values())
     assert set(rep.prefer) == set(CORE)
-    assert set(rep.prefer.values()) <= {"triton/fused", "triton/panel"}
+    assert set(rep.prefer.values()) <= {"triton/fused", "triton/panel", "triton/panel-cublas"}
     # each timing row names the textbook ratio (the model has no row for N = 40: said so)
     timing_rows = [r.detail for r in rep.results if r.check.startswith("timing")]
     assert len(timing_rows) == 3 and all("triton / textbook" in d and "no model row" in d for d in timing_rows)
@@ -69,7 +71,8 @@ def test_every_kernel_family_in_the_sharp_regime(capsys):
     rows = [r.check for r in rep.results if r.check.startswith("parity")]
     assert {c.split()[1] for c in rows} == set(GV.LOSSES)
     assert all(c.endswith("sharp") for c in rows)
-    assert sum(c.startswith("parity matryoshka") for c in rows) == 2  # the kernels and the per-level route
+    # the kernels, and the per-level route on both panel forms
+    assert sum(c.startswith("parity matryoshka") for c in rows) == 3
 
 
 def test_the_time_budget_lists_what_did_not_run(capsys):
@@ -98,7 +101,7 @@ def test_a_wrong_oracle_fails_the_verdict(capsys):
                       oracle=wrong, allow_cpu=True)
     assert not rep.ok
     parity = [r for r in rep.results if r.check.startswith("parity")]
-    assert [r.ok for r in parity] == [False, False, False]  # both paths, and the panel one in 3 panels
+    assert [r.ok for r in parity] == [False] * 4  # every path, and the panel one in 3 panels
     assert all("oracle suspect" in r.detail for r in parity)
     assert "verdict: FAIL" in capsys.readouterr().out
 
@@ -120,8 +123,29 @@ def test_an_unwritten_kernel_output_fails_the_verdict(monkeypatch):
     rep = GV.validate("cpu", _plan(losses=("info_nce",), parity_shapes=SHAPES[1:], dtypes=(torch.float32,),
                                    determinism_runs=0, fp16_shape=None, timing_sizes=()), allow_cpu=True)
     rep.results = [r for r in rep.results if r.check.startswith("parity")]
-    assert [r.ok for r in rep.results] == [False, False, False]
+    assert [r.ok for r in rep.results] == [False] * 4
     assert all("inf" in r.detail for r in rep.results), [r.detail for r in rep.results]
+
+
+def test_an_unwritten_epilogue_gemm_row_fails_the_verdict(monkeypatch):
+    # the epilogue GEMM (16-bit panels) "forgets" the first row of its gradient tile: the NaN pre-fill
+    # must surface on the panel rows, and only there (the cuBLAS form and the fused kernels pass)
+    orig = TB._launch
+
+    def forgetful(lz):
+        if lz.name == "epi_gemm":
+            lz = lz._replace(args={**lz.args, "P": lz.args["P"] - 1, "r0": lz.args["r0"] + 1,
+                                   "X": lz.args["X"][1:], "DL": lz.args["DL"][1:], "RSP": lz.args["RSP"][1:],
+                                   **({"ZP": lz.args["ZP"][1:], "TP": lz.args["TP"][1:], "MXP": lz.args["MXP"][1:]}
+                                      if lz.args["ZP"].dim() == 2 else {})})
+        orig(lz)
+
+    monkeypatch.setattr(TB, "_launch", forgetful)
+    rep = GV.validate("cpu", _plan(losses=("info_nce", "clip"), parity_shapes=SHAPES[:1], determinism_runs=0,
+                                   fp16_shape=None, timing_sizes=()), allow_cpu=True)
+    rows = {r.check.split()[2] + " " + r.check.split()[1]: r.ok for r in rep.results if r.check.startswith("parity")}
+    assert rows == {f"{p} {loss}": p in ("fused", "panel-cublas") for loss in ("info_nce", "clip")
+                    for p in ("fused", "panel", "panel-cublas", f"panel(P={MULTI})")}, rows
 
 
 def test_an_exception_is_a_fail_row_and_the_table_follows(monkeypatch, capsys):
@@ -141,14 +165,14 @@ def test_an_exception_is_a_fail_row_and_the_table_follows(monkeypatch, capsys):
     out = capsys.readouterr().out
     rows = {r.check: r for r in rep.results}
     assert not rep.ok
-    for run in ("panel", f"panel(P={MULTI})"):
+    for run in ("panel", "panel-cublas", f"panel(P={MULTI})"):
         for name in (f"parity info_nce {run} N=37 D=20 float32 flat", f"determinism info_nce {run} N=37 D=20 float32"):
             assert rows[name].ok is False and "CUBLAS_STATUS_NOT_SUPPORTED (planted)" in rows[name].detail, rows[name]
     assert rows["parity info_nce fused N=37 D=20 float32 flat"].ok is True
     assert rows["determinism info_nce fused N=37 D=20 float32"].ok is True
     assert rows["timings (the check itself)"].ok is False and "KeyError" in rows["timings (the check itself)"].detail
     table = out[out.index("verdict table:"):]
-    assert all(c in table for c in rows) and "verdict: FAIL (2 passed, 5 failed" in table, table
+    assert all(c in table for c in rows) and "verdict: FAIL (2 passed, 7 failed" in table, table
 
 
 def test_the_multi_panel_run_must_see_several_panels(monkeypatch):

@@ -8,9 +8,13 @@ float32), and float64 rows are scaled by their largest magnitude before squaring
 does. Only NaN or infinite inputs give NaN. (A float32 row whose norm itself exceeds the float32
 range, elements of ~1e37, normalises with a subnormal inverse norm: imprecise, never NaN.)
 
-The float64 work runs on row blocks of at most :data:`CHUNK_ELEMENTS` elements, so its temporaries
-stay a few MiB whatever N x D is; on CPU tensors it runs only for inputs whose plain norm
-overflowed (see :func:`clamped_norms`).
+The float64 work runs on row blocks of at most :data:`CHUNK_ELEMENTS` elements on the CPU (2 MiB
+temporaries; and only for inputs whose plain norm overflowed, see :func:`clamped_norms`) and
+:data:`DEVICE_CHUNK_ELEMENTS` elsewhere: each block costs four kernel launches, and on an H100 at
+N = 65536, D = 768 the CPU's block size meant 193 blocks per call, four calls per InfoNCE step (the
+target term's forward and backward), ~3000 launches and about 25 ms of a 84 ms step (measured with
+``bench/gpu_profile.py``, bench/results/h100-epilogue/). A device block of 2^24 elements (a 128 MiB
+float64 temporary, less than the [N, D] float32 copies the callers make at that size) takes 3.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-CHUNK_ELEMENTS = 1 << 18  # elements of one float64 temporary (2 MiB)
+CHUNK_ELEMENTS = 1 << 18  # elements of one float64 temporary on the CPU (2 MiB)
+DEVICE_CHUNK_ELEMENTS = 1 << 24  # on other devices (128 MiB; fewer launches, see the module docstring)
 
 
 def _block_norms(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
@@ -41,7 +46,8 @@ def clamped_norms(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
         fast = torch.linalg.vector_norm(x, dim=1, dtype=dtype)
         if not bool(torch.isinf(fast).any()):
             return fast.clamp_min_(eps)
-    step = max(1, CHUNK_ELEMENTS // max(x.shape[1], 1))
+    chunk = CHUNK_ELEMENTS if x.device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
+    step = max(1, chunk // max(x.shape[1], 1))
     if x.shape[0] <= step:
         return _block_norms(x, eps, dtype)
     out = torch.empty(x.shape[0], dtype=dtype, device=x.device)

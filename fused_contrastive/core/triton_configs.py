@@ -221,3 +221,18 @@ def matryoshka_config(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tup
     else:
         cfg = _MATRYOSHKA_BWD[(kernel, "32" if dtype == torch.float32 else "16")]
     return cfg, min(cfg.block_d, d_pad(d))
+
+#: The epilogue GEMM of the panel path (kernels/panel.py ``epi_gemm_kernel``), 16-bit operands:
+#: ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`` per mode. 128 x 128 output tiles over 64-wide D
+#: chunks at 8 warps (two warpgroups, wgmma m64 n128 on sm_90; mma.sync on sm_80) and 3 stages of
+#: operands (96 KB of shared memory): the tile reads (128 + 128) D elements for 2 x 128 x 128 D FLOPs,
+#: 64 FLOP/B of L2 -> SM traffic, as the cuBLAS GEMM's 128 x 128 tiles. The one-pass epilogue holds
+#: the accumulator, the cosine and one exp tile; the known-statistics epilogue of the symmetric form
+#: holds two exp tiles and two row / column statistic pairs: 128 x 64 keeps it without spills
+#: (tests/test_triton_compile.py checks 0 spill bytes on sm_80 and sm_90 for every variant).
+EPI_GEMM = {
+    "one_pass": LaunchConfig(128, 128, 64, 8, 3),
+    "known": LaunchConfig(128, 64, 64, 8, 3),
+}
+#: Row tiles that sweep the column tiles together (L2 reuse of B's tiles across the group).
+EPI_GROUP_M = 8

@@ -105,8 +105,20 @@ from torch import Tensor
 from ..kernels import panel as KP
 from . import triton_backend as TB
 from .spec import Coeffs, combine
-from .triton_backend import Launch, _alloc, _cuda_props, _gscale, _index, _mask_args, _problem_args, _row_norms
+from .triton_backend import (
+    Launch,
+    _alloc,
+    _cuda_props,
+    _gscale,
+    _index,
+    _mask_args,
+    _problem_args,
+    _row_norms,
+    _upcast,
+)
 from .triton_configs import (
+    EPI_GEMM,
+    EPI_GROUP_M,
     PANEL_CHUNK,
     PANEL_ROWS_BLOCK_R,
     PANEL_ROWS_MAX_BLOCK_D,
@@ -115,8 +127,8 @@ from .triton_configs import (
     d_pad,
 )
 
-__all__ = ["BUDGET_BYTES", "GEMM_PROBE_DEVICES", "MIN_ELEMENTS", "NATIVE_GEMMS", "PANEL_ROWS", "P_MIN", "gemm_routes",
-           "panel_rows", "use_panel"]
+__all__ = ["BUDGET_BYTES", "EPILOGUE_DEVICES", "GEMM_PROBE_DEVICES", "MIN_ELEMENTS", "NATIVE_GEMMS", "PANEL_ROWS",
+           "P_MIN", "gemm_routes", "panel_rows", "use_epilogue", "use_panel"]
 
 #: Byte budget of the panel path's extra memory (env ``FUSED_CONTRASTIVE_PANEL_BUDGET`` overrides).
 BUDGET_BYTES = 700_000_000
@@ -147,14 +159,39 @@ def use_panel(a: Tensor, n: int, m: int) -> bool:
     return a.device.type == "cuda" and n * m >= MIN_ELEMENTS
 
 
-def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool) -> int:
-    """P of the module docstring's formula (or :data:`PANEL_ROWS`)."""
+def use_epilogue(dev: torch.device, dt: torch.dtype) -> bool:
+    """Which GEMM forms a panel's gradient tile: the epilogue GEMM (``kernels/panel.py``
+    ``epi_gemm_kernel``: products in registers, the per-logit work as its epilogue, only the 16-bit tile
+    written) or the cuBLAS form (an fp32 panel of products, then ``panel_dl_kernel``). Env
+    ``FUSED_CONTRASTIVE_PANEL_GEMM`` = "epilogue", "cublas" or "auto" (default: the epilogue GEMM on
+    :data:`EPILOGUE_DEVICES`). fp32 operands always take cuBLAS (fp32 GEMMs, or TF32 where the user
+    allowed it; a Triton fp32 dot would round to TF32 or take three passes)."""
+    mode = os.environ.get("FUSED_CONTRASTIVE_PANEL_GEMM", "auto")
+    if mode not in ("auto", "epilogue", "cublas"):
+        raise ValueError(f"FUSED_CONTRASTIVE_PANEL_GEMM must be 'auto', 'epilogue' or 'cublas', got {mode!r}")
+    if dt == torch.float32:
+        return False
+    if mode != "auto":
+        return mode == "epilogue"
+    return dev.type in EPILOGUE_DEVICES
+
+
+#: Device types whose 16-bit panels take the epilogue GEMM under "auto" (meta: the GPU model records
+#: what CUDA runs). The CPU interpreter runs it when the tests ask for it.
+EPILOGUE_DEVICES: tuple[str, ...] = ("cuda", "meta")
+
+
+def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool, epilogue: bool = False) -> int:
+    """P of the module docstring's formula (or :data:`PANEL_ROWS`); ``epilogue``: the epilogue GEMM's
+    panel, which holds no fp32 products (``e M`` bytes per row for the tile plus three fp32 partials
+    per 64 columns, instead of ``(4 + e) M``)."""
     if PANEL_ROWS is not None:
         return max(1, min(n, PANEL_ROWS))
     budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", BUDGET_BYTES))
     e = torch.empty((), dtype=dtype).element_size()
     fixed = (4 * m * d if need_db else 0) + (e * m * d if dtype == torch.float16 else 0)
-    per_row = (4 + e) * m + (4 + 2 * e) * d + 16
+    per_col = e * m + 12 * triton.cdiv(m, 64) if epilogue else (4 + e) * m
+    per_row = per_col + (4 + 2 * e) * d + 16
     p = (budget - fixed) // per_row
     p = p - p % 64 if p >= 64 else p
     return max(1, min(n, max(P_MIN, p)))
@@ -411,6 +448,72 @@ def _rows_launch(launch, g, x, rs, nrm, w, scale_t, gs, out, xw, eps: float, nor
         PANEL_ROWS_WARPS, 1))
 
 
+#: Keyword arguments of ``panel_dl_kernel``'s flags that the epilogue GEMM does not take.
+_PANEL_ONLY_FLAGS = ("EAGER", "ONE_PASS")
+#: The statistics' and problem's pointer arguments the epilogue GEMM shares with ``panel_dl_kernel``.
+_EPI_POINTERS = ("RB", "SCALE", "GSCALE", "BIAS_COL", "ROW_LAB", "COL_LAB", "POS_MASK", "LSE", "G", "LSE_COL", "G_COL",
+                 "LSE_POS", "G_POS")
+
+
+def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dict, flags: dict, margs: dict, r0: int,
+               one_pass: bool, g: Tensor | None, gs: Tensor, shift: Tensor | None, lse_out: Tensor | None, dm: Tensor):
+    """One panel's gradient tile by the epilogue GEMM (``kernels/panel.py`` ``epi_gemm_kernel``):
+    ``(W, ds)`` with ``W`` [P] the row weights (the tile is ``diag(W) DL``) and ``ds`` the panel's
+    temperature-gradient parts (a 1-d fp32 tensor, None without NEED_DS).
+
+    ``x`` [P, D] the panel's operand rows, ``y`` [M, D] the raw B, ``dl`` [P, M] the output tile.
+    Known statistics (``one_pass`` False): one launch (MODE 0), W = 1. One pass: the MODE 1 launch
+    writes ``e_ij`` and the partials, the host sums them per row in a fixed order (O(P M / BLOCK_N)),
+    a MODE 2 launch redoes the rows with ``z_i < 2^-64`` exactly (its row tiles without such a row
+    return at once: no host synchronisation), then ``LSE_i = shift_i + log z_i`` goes to ``lse_out``
+    and ``W_i = g_i / (gscale z_i)`` (0 where ``z_i = 0``: a row without any column); ``shift`` is
+    the fixed shift ``m`` as a 0-dim tensor."""
+    pp, d = x.shape
+    m = y.shape[0]
+    dev = x.device
+    cfg = EPI_GEMM["one_pass" if one_pass else "known"]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
+    n_pm, n_pn = triton.cdiv(pp, bm), triton.cdiv(m, bn)
+    need_s = bool(flags["NEED_DS"])
+    args = dict(X=x, Y=y, DL=dl, RSP=rs.contiguous(), **{k: common[k] for k in _EPI_POINTERS}, P=pp, M=m, D=d, r0=r0,
+                stride_x=x.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0), **margs)
+    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(x.dtype),
+                 **{k: v for k, v in flags.items() if k not in _PANEL_ONLY_FLAGS})
+    if not one_pass:
+        ds_part = _alloc((n_pm * n_pn,), torch.float32, dev) if need_s else dm
+        launch(Launch("epi_gemm", KP.epi_gemm_kernel, (n_pm * n_pn,),
+                      dict(args, ZP=dm, TP=dm, MXP=dm, DS_PART=ds_part, BAD=dm, SHIFT=dm, stride_zp=0),
+                      dict(const, MODE=0), cfg.num_warps, cfg.num_stages))
+        return torch.ones(pp, dtype=torch.float32, device=dev), (ds_part if need_s else None)
+    zp = _alloc((pp, n_pn), torch.float32, dev)
+    tp = _alloc((pp, n_pn), torch.float32, dev) if need_s else dm
+    mxp = _alloc((pp, n_pn), torch.float32, dev)
+    part = dict(args, ZP=zp, TP=tp, MXP=mxp, DS_PART=dm, stride_zp=n_pn)
+    launch(Launch("epi_gemm", KP.epi_gemm_kernel, (n_pm * n_pn,), dict(part, BAD=dm, SHIFT=dm), dict(const, MODE=1),
+                  cfg.num_warps, cfg.num_stages))
+    z = zp.sum(1)
+    mx = mxp.amax(1)
+    bad = z < KP.ONE_PASS_MIN_Z.value
+    sh = torch.where(bad & (mx > float("-inf")), mx, shift)
+    launch(Launch("epi_gemm_redo", KP.epi_gemm_kernel, (n_pm,), dict(part, BAD=bad.to(torch.int8), SHIFT=sh),
+                  dict(const, MODE=2), cfg.num_warps, cfg.num_stages))
+    z = zp.sum(1)
+    lse_out[r0:r0 + pp] = sh + torch.log(z)
+    w = torch.where(z > 0, g[r0:r0 + pp] / (gs * z), torch.zeros_like(z))
+    return w, ((w * tp.sum(1)).sum().reshape(1) if need_s else None)
+
+
+def _one_pass_shift(scale_t: Tensor, spec, has_bias: bool) -> Tensor:
+    """The fixed shift ``m = c - 56`` of the one-pass sweep as a 0-dim fp32 tensor (the kernels'
+    ``_one_pass_shift``: ``c = |s|``, plus the bias when positive, in cosine units for a margin)."""
+    s = scale_t.reshape(()).abs()
+    c = s
+    if has_bias:
+        bias = -float(spec.margin) if spec.margin != 0.0 else float(spec.bias)
+        c = s + s * max(bias, 0.0) if spec.margin != 0.0 else s + max(bias, 0.0)
+    return c - KP.ONE_PASS_SHIFT.value
+
+
 def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
           lse: Tensor | None, lse_col: Tensor | None, lse_pos: Tensor | None,
           g: Tensor | None, g_col: Tensor | None, g_pos: Tensor | None,
@@ -428,7 +531,10 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     dev, dt = a.device, a.dtype
     need_b = need_b and not sym
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
-    p_rows = panel_rows(n, m, d, dt, need_b)
+    one_pass = bool(eager and g_pos is None and spec.normalize and dt != torch.float16)
+    # the epilogue GEMM needs the statistics first: known ones (the recomputing backward) or one pass
+    epi = use_epilogue(dev, dt) and (one_pass or not eager)
+    p_rows = panel_rows(n, m, d, dt, need_b, epi)
     block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
     pr = _Problem(a, b, spec)
     gs = _gscale(g, g_col, g_pos)
@@ -455,21 +561,26 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
                  ONE_PASS=one_pass, NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale,
                  TRI=False)
     bt = b.T
+    shift = _one_pass_shift(scale_t, spec, prep.bias_col is not None) if epi and one_pass else None
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
         x, rs, nrm = pr.rows(r0, r1)
-        lraw = _mm32(x, bt)
         dl = _alloc((pp, m), dt, dev)
-        w = _alloc((pp,), torch.float32, dev)
-        n_prog = triton.cdiv(pp, block_r)
-        ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
-        launch(Launch(
-            "panel_dl", KP.panel_dl_kernel, (n_prog,),
-            dict(L=lraw, DL=dl, W_OUT=w, RSP=rs.contiguous(), **common, DS_PART=ds_part, M=m, r0=r0, P=pp,
-                 stride_l=lraw.stride(0), stride_dl=dl.stride(0), **_mask_args(prep, spec)),
-            dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
-        del lraw
+        if epi:
+            w, ds_part = _epi_panel(launch, x, b, dl, rs, common, flags, _mask_args(prep, spec), r0, one_pass, g, gs,
+                                    shift, lse_out, dm)
+        else:
+            lraw = _mm32(x, bt)
+            w = _alloc((pp,), torch.float32, dev)
+            n_prog = triton.cdiv(pp, block_r)
+            ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
+            launch(Launch(
+                "panel_dl", KP.panel_dl_kernel, (n_prog,),
+                dict(L=lraw, DL=dl, W_OUT=w, RSP=rs.contiguous(), **common, DS_PART=ds_part, M=m, r0=r0, P=pp,
+                     stride_l=lraw.stride(0), stride_dl=dl.stride(0), **_mask_args(prep, spec)),
+                dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
+            del lraw
         if need_s:
             ds_parts.append(ds_part)
         da_raw = _mm32(dl, pr.b_op) if need_a else None
@@ -507,17 +618,21 @@ def use_tri(p, want_col: bool, want_pos: bool) -> bool:
     return bool(p.sym and not want_col and not want_pos)
 
 
-def _tri_panels(pr: _Problem, a: Tensor, p_rows: int):
-    """The triangular sweep's panels: ``(r0, P, C, Lraw, rs)`` with Lraw [P, C] the raw products of rows
-    [r0, r0 + P) against rows [r0, N) (C = N - r0; fp32, one GEMM) and rs their operand's factors."""
+def _tri_panels(pr: _Problem, a: Tensor, p_rows: int, epilogue: bool):
+    """The triangular sweep's panels: ``(r0, P, C, Lraw, rs, x)`` for rows [r0, r0 + P) against rows
+    [r0, N) (C = N - r0): ``x`` the rows' operand and ``rs`` its factors; with the cuBLAS form ``Lraw``
+    [P, C] their raw products (fp32, one GEMM) and ``x`` None, with the epilogue GEMM ``Lraw`` None."""
     n = a.shape[0]
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         x, rs, _ = pr.rows(r0, r1)
-        lraw = _mm32(x, a[r0:].T)
-        del x
-        yield r0, r1 - r0, n - r0, lraw, rs
-        del lraw
+        if epilogue:
+            yield r0, r1 - r0, n - r0, None, rs, x
+        else:
+            lraw = _mm32(x, a[r0:].T)
+            del x
+            yield r0, r1 - r0, n - r0, lraw, rs, None
+            del lraw
 
 
 def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g: Tensor, need_a: bool,
@@ -534,7 +649,8 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     fp16 reads a normalised fp16 copy of A. dL/ds counts the diagonal block's ``G_ji`` once."""
     n, d = a.shape
     dev, dt = a.device, a.dtype
-    p_rows = panel_rows(n, n, d, dt, True)
+    epi = use_epilogue(dev, dt)
+    p_rows = panel_rows(n, n, d, dt, True, epi)
     block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
     pr = _Problem(a, a, spec, need_op=need_a)
     gs = _gscale(g)
@@ -546,20 +662,24 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
                  HAS_G=True, HAS_GCOL=False, HAS_GPOS=False, SYM=True, EAGER=False, ONE_PASS=False,
                  NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=True)
     a_op = pr.b_op  # raw A (folded norms, or no normalisation) or the normalised fp16 copy
-    for r0, pp, c, lraw, rs in _tri_panels(pr, a, p_rows):
+    for r0, pp, c, lraw, rs, x in _tri_panels(pr, a, p_rows, epi):
         r1 = r0 + pp
         h = _alloc((pp, c), dt, dev)
-        n_prog = triton.cdiv(pp, block_r)
-        ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
-        launch(Launch(
-            "panel_dl", KP.panel_dl_kernel, (n_prog,),
-            dict(L=lraw, DL=h, W_OUT=_alloc((pp,), torch.float32, dev), RSP=rs.contiguous(),
-                 RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
-                 LSE=lse[r0:], G=g[r0:], LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm, LSE_OUT=dm, LSE_POS_OUT=dm,
-                 DS_PART=ds_part, M=c, r0=0, P=pp, stride_l=lraw.stride(0), stride_dl=h.stride(0),
-                 **_mask_args(prep, spec)),
-            dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
-        del lraw
+        common = dict(RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
+                      LSE=lse[r0:], G=g[r0:], LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm)
+        if epi:
+            _, ds_part = _epi_panel(launch, x, a[r0:], h, rs, common, flags, _mask_args(prep, spec), 0, False, None,
+                                    gs, None, None, dm)
+        else:
+            n_prog = triton.cdiv(pp, block_r)
+            ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
+            launch(Launch(
+                "panel_dl", KP.panel_dl_kernel, (n_prog,),
+                dict(L=lraw, DL=h, W_OUT=_alloc((pp,), torch.float32, dev), RSP=rs.contiguous(), **common,
+                     LSE_OUT=dm, LSE_POS_OUT=dm, DS_PART=ds_part, M=c, r0=0, P=pp, stride_l=lraw.stride(0),
+                     stride_dl=h.stride(0), **_mask_args(prep, spec)),
+                dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
+        del lraw, x
         if need_s:
             ds_parts.append(ds_part)
         if acc is not None:

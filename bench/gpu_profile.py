@@ -1,0 +1,154 @@
+"""Where the GPU time of the panel path goes: a kernel-time breakdown (``torch.profiler``) of one
+forward + backward per loss and panel-GEMM form, and the epilogue GEMM's launch configurations timed
+side by side. Needs a CUDA device; prints plain text (commit it under ``bench/results/``).
+
+    python bench/gpu_profile.py --n 65536 --losses info_nce,simcse,clip
+
+Every figure is measured in this run, on this device (CUDA events and the profiler's device times,
+medians over ``--repeats``); nothing here is modelled. The inputs are the ``check --gpu-validate``
+timing rows' (``gpu_validate.parity_case``, regime "flat", D = 768, bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+
+import torch
+
+from fused_contrastive.core import triton_configs
+from fused_contrastive.core.triton_configs import LaunchConfig
+from fused_contrastive.gpu_validate import _timer, kernels_only, parity_case, triton_path
+
+#: Launch configurations of the epilogue GEMM tried by ``--configs`` (BLOCK_M, BLOCK_N, BLOCK_K, warps,
+#: stages), per mode; the first of each is the shipped one (``triton_configs.EPI_GEMM``).
+CONFIGS = {
+    "one_pass": [triton_configs.EPI_GEMM["one_pass"], LaunchConfig(128, 128, 64, 8, 4), LaunchConfig(64, 128, 64, 4, 4),
+                 LaunchConfig(64, 128, 64, 4, 3), LaunchConfig(128, 64, 64, 4, 4), LaunchConfig(64, 256, 64, 8, 3),
+                 LaunchConfig(64, 64, 64, 4, 4)],
+    "known": [triton_configs.EPI_GEMM["known"], LaunchConfig(64, 128, 64, 4, 4), LaunchConfig(64, 64, 64, 4, 4),
+              LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(64, 128, 64, 8, 3)],
+}
+#: The loss whose epilogue GEMM runs in each mode (InfoNCE: the one-pass sweep; CLIP: known statistics).
+MODE_LOSS = {"one_pass": "info_nce", "known": "clip"}
+
+
+def _setup(loss: str, n: int, d: int, dt: torch.dtype):
+    case, (tensors, kwargs) = parity_case(loss, n, d, 7, "flat")
+    kwargs = {k: (v.to(device="cuda", dtype=dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else
+                  v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    leaves = {k: (v.to(device="cuda", dtype=dt) if v.dim() else v.to("cuda")).clone().requires_grad_(True)
+              for k, v in tensors.items()}
+
+    def step():
+        for v in leaves.values():
+            v.grad = None
+        case.fn(**leaves, **kwargs, backend="triton").backward()
+
+    return step
+
+
+def _kernel_ms(step, rows: int = 0, title: str = "") -> dict[str, float]:
+    """Device time per kernel name of one ``step()`` under the profiler (printed, ``rows`` of them)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    out = {e.key: e.self_device_time_total / 1e3 for e in events}
+    if rows:
+        print(f"\n## {title}: kernels sum to {sum(out.values()):.2f} ms (device time)")
+        for e in events[:rows]:
+            print(f"  {e.self_device_time_total / 1e3:9.2f} ms  {e.count:5d} calls  {e.key[:110]}")
+    return out
+
+
+def profile(loss: str, n: int, d: int, path: str, rows: int) -> None:
+    """One fwd + bwd under the profiler: the kernels by device time, and their sum."""
+    step = _setup(loss, n, d, torch.bfloat16)
+    with triton_path(path):
+        step()
+        _kernel_ms(step, rows, f"{loss} N={n} D={d} bf16, path {path}")
+    del step
+    torch.cuda.empty_cache()
+
+
+def time_paths(loss: str, n: int, d: int, paths: list[str], repeats: int) -> None:
+    """Medians of fwd + bwd (CUDA events) per path, side by side in this run."""
+    measure = _timer("cuda")
+    step = _setup(loss, n, d, torch.bfloat16)
+    cells = []
+    for path in paths:
+        with triton_path(path):
+            step()
+            cells.append(f"{path} {statistics.median(measure(step) for _ in range(repeats)):.2f} ms")
+    print(f"timing {loss} N={n} D={d} bf16 median of {repeats}: " + ", ".join(cells), flush=True)
+    del step
+    torch.cuda.empty_cache()
+
+
+def sweep_configs(mode: str, n: int, d: int, repeats: int) -> None:
+    """The epilogue GEMM's configurations of ``mode``, each timed on its loss (fwd + bwd, median)."""
+    measure = _timer("cuda")
+    loss = MODE_LOSS[mode]
+    step = _setup(loss, n, d, torch.bfloat16)
+    shipped = triton_configs.EPI_GEMM[mode]
+    try:
+        for cfg in CONFIGS[mode]:
+            triton_configs.EPI_GEMM[mode] = cfg  # the dict the host code reads (shared object)
+            try:
+                with triton_path("panel"):
+                    step()
+                    ms = statistics.median(measure(step) for _ in range(repeats))
+                    kern = _kernel_ms(step)
+                epi = sum(v for k, v in kern.items() if k.startswith("epi_gemm"))
+                print(f"config {mode} {loss} N={n}: {cfg.block_m}x{cfg.block_n}x{cfg.block_d} w{cfg.num_warps} "
+                      f"s{cfg.num_stages}: step {ms:.2f} ms (wall), epi_gemm {epi:.2f} ms, all kernels "
+                      f"{sum(kern.values()):.2f} ms (device)", flush=True)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile / fit: say so, go on
+                print(f"config {mode} {cfg}: raised {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+    finally:
+        triton_configs.EPI_GEMM[mode] = shipped
+    del step
+    torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", default="65536", help="comma-separated batch sizes (default 65536)")
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--losses", default="info_nce,simcse,clip")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=10, help="kernels listed per profile")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--configs", action="store_true", help="time the epilogue GEMM's configurations")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/gpu_profile.py needs a CUDA device", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}")
+    sizes = [int(x) for x in args.n.split(",")]
+    losses = args.losses.split(",")
+    with kernels_only():
+        for n in sizes:
+            for loss in losses:
+                time_paths(loss, n, args.d, ["panel", "panel-cublas"], args.repeats)
+        if not args.no_profile:
+            for loss in losses:
+                for path in ("panel", "panel-cublas"):
+                    with contextlib.suppress(torch.cuda.OutOfMemoryError):
+                        profile(loss, max(sizes), args.d, path, args.rows)
+        if args.configs:
+            for mode in CONFIGS:
+                sweep_configs(mode, max(sizes), args.d, args.repeats)
+    print(f"\nwall {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
