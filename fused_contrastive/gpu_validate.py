@@ -76,7 +76,7 @@ NCU_KERNELS = {"lse_fwd_kernel": "fused", "lse_bwd_rows_kernel": "fused", "lse_b
 #: launcher zeroes queue rows before the launch).
 _OUTPUTS = {"row_norm": ("XS", "NORM", "RNORM", "RS"), "lse_fwd": ("LSE", "LSE_POS", "COL_PART"),
             "lse_bwd_rows": ("DA", "ACC", "DS_PART"), "lse_bwd_cols": ("DB", "ACC"),
-            "panel_dl": ("DL", "DS_PART"), "epi_gemm": ("DL",)}
+            "panel_dl": ("DL", "DS_PART"), "epi_gemm": ("DL",), "epi_gemm_stats": ("ZP", "MXP", "CZ", "CM")}
 # (panel_dl's LSE_OUT is [N]: each panel writes its own rows only; the triangular forward's COL_PART is
 # pre-filled with -inf by the launcher, its programs write only the columns their rows reach)
 #: The two paths of the triton backend (``core/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
@@ -470,8 +470,11 @@ def _rel(a: Tensor, b: Tensor) -> float:
 
 def check_fp16_large_m(report: Report, plan: Plan, device: str) -> None:
     """info_nce with N anchors against M keys: fp16 against fp32 on the same kernels. Tolerances: the
-    loss to 1e-3 relative, each gradient to 4e-3 relative (Frobenius): a few fp16 roundings (eps 4.9e-4)
-    of a sum of M terms accumulated in fp32; the un-scaled subnormal tile measured 4.0e-3 in the review."""
+    loss to 1e-3 relative, each gradient to 4e-3 relative (Frobenius) beyond the error of storing the
+    fp32 gradient itself in fp16 (``_rel(g32.half(), g32)``: the keys' gradients at M = 65536 are mostly
+    fp16 subnormals, whose storage alone was 5.8e-3 of the Frobenius norm on an H100, equal on every path
+    to three digits): a few fp16 roundings (eps 4.9e-4) of a sum of M terms accumulated in fp32; the
+    un-scaled subnormal tile measured 4.0e-3 in the review."""
     n, m, d = plan.fp16_shape
     g = torch.Generator().manual_seed(5)
     q = torch.randn(n, d, generator=g)
@@ -499,11 +502,14 @@ def _fp16_one(report: Report, path: str, q: Tensor, k: Tensor, n: int, m: int, d
     el = _rel(out[torch.float16][0], out[torch.float32][0])
     eq = _rel(out[torch.float16][1], out[torch.float32][1])
     ek = _rel(out[torch.float16][2], out[torch.float32][2])
+    # the error of storing the fp32 gradients in fp16, which no fp16 result can avoid
+    sq = _rel(out[torch.float32][1].half().float(), out[torch.float32][1])
+    sk = _rel(out[torch.float32][2].half().float(), out[torch.float32][2])
     finite = all(bool(torch.isfinite(t).all()) for t in out[torch.float16])
-    ok = finite and el <= 1e-3 and eq <= 4e-3 and ek <= 4e-3
+    ok = finite and el <= 1e-3 and eq <= 4e-3 + sq and ek <= 4e-3 + sk
     report.add(f"fp16 vs fp32 info_nce {path} N={n} M={m} D={d}", ok,
-               f"rel err loss {el:.2e} (<= 1e-3), grad q {eq:.2e}, grad k {ek:.2e} (<= 4e-3)"
-               + ("" if finite else "; NON-FINITE fp16 output"))
+               f"rel err loss {el:.2e} (<= 1e-3), grad q {eq:.2e} (<= 4e-3 + fp16 storage {sq:.2e}), grad k "
+               f"{ek:.2e} (<= 4e-3 + {sk:.2e})" + ("" if finite else "; NON-FINITE fp16 output"))
 
 
 def _timer(device: str):

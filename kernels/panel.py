@@ -397,14 +397,14 @@ def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, 
 
 
 @triton.jit
-def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB,
-              COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
+              BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
               P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm, bad,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
               UPCAST: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
-              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr):
+              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr):
     """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
     loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lmask = loc < P
@@ -468,6 +468,23 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
         if NEED_DS:
             tl.store(DS_PART + pid, tl.sum(tl.where(lmask, ds, 0.0), axis=0))
+    elif MODE == 3:
+        # statistics only: the tile's row (and column) maxima and sums of exp(l - max), exact (no fixed
+        # shift: no redo), merged by the host; nothing of size P x M is written
+        rm = tl.max(l, axis=1)
+        rz = tl.sum(tl.exp(l - tl.where(rm == NEG_INF, 0.0, rm)[:, None]), axis=1)
+        part = loc.to(tl.int64) * stride_zp + pid_n
+        tl.store(MXP + part, rm, mask=lmask)
+        tl.store(ZP + part, rz, mask=lmask)
+        if WANT_COL:
+            lc = l
+            if TRI:  # the triangular sweep's frame: only the columns past the panel (rows of later panels)
+                lc = tl.where(cols[None, :] >= n_end, l, NEG_INF)
+            cm = tl.max(lc, axis=0)
+            cz = tl.sum(tl.exp(lc - tl.where(cm == NEG_INF, 0.0, cm)[None, :]), axis=0)
+            cpart = pid_m.to(tl.int64) * M + cols
+            tl.store(CM + cpart, cm, mask=cmask)
+            tl.store(CZ + cpart, cz, mask=cmask)
     else:
         if MODE == 1:
             sh = _one_pass_shift(s, bias, HAS_BIAS, BIAS_COS) + tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -485,7 +502,7 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP
 
 @triton.jit
 def epi_gemm_kernel(
-    X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
     LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
     P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -493,6 +510,7 @@ def epi_gemm_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr,
+    WANT_COL: tl.constexpr,
 ):
     """The epilogue GEMM: [BLOCK_M, BLOCK_N] tiles of the panel's raw products ``X @ Y^T`` (X the panel's
     rows [P, D] scaled by powers of two, Y the raw B [M, D]; fp32 accumulation in registers), turned
@@ -506,13 +524,19 @@ def epi_gemm_kernel(
     sums ``ZP[i, tile] = sum_j e_ij``, ``TP[i, tile] = sum_j e_ij cos_ij`` (NEED_DS) and the largest
     logit ``MXP[i, tile]``; the host sums the partials in a fixed order (``LSE_i = m + log z_i``, the
     row weight ``W_i = g_i / (gscale z_i)``).
+    MODE 3 (the statistics forward of a column term or per-row output: no gradient tile): per row and
+    column tile the rows' largest logit ``MXP[i, tile]`` and ``ZP[i, tile] = sum_j exp(l_ij - MXP)``, with
+    WANT_COL also per row tile the columns' ``CM[tile, j]`` and ``CZ[tile, j]``: exact for any logits
+    (two exps per logit), merged by the host into LSE_i and LSEcol_j. With TRI (B is A; the panel's frame:
+    rows [r0, r0 + P) against rows [r0, N), r0 = 0 passed) the column statistics cover only the columns
+    past the panel: the row LSE of a later row j gathers them (its logits against this panel's rows).
     MODE 2 (the redo of MODE 1's rows with ``z_i < 2^-64``: every logit of the row below
     ``c - 100.4``, see ONE_PASS in the module docstring): one program per row tile; a tile without a
     ``BAD`` row returns at once, the others walk every column tile and store ``e_ij = exp(l_ij - SHIFT_i)``
     (``SHIFT_i`` the row's largest logit: ``e <= 1``, ``z_i >= 1``, exact) and the partials, for
     the BAD rows only.
 
-    Grid: MODE 0 / 1 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
+    Grid: MODE 0 / 1 / 3 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
     the columns together (Y's column tiles stay in L2 across a group); MODE 2 ``cdiv(P, BLOCK_M)``.
     Indices past the panel are wrapped for the operand loads (no masks: whole 16-byte loads, which the
     compiler pipelines) and masked at the stores. EVEN_K: D is a multiple of BLOCK_K (no mask along
@@ -525,11 +549,11 @@ def epi_gemm_kernel(
         bad = tl.load(BAD + loc, mask=loc < P, other=0) != 0
         if tl.max(bad.to(tl.int32), axis=0) > 0:
             for pid_n in range(0, n_pn):
-                _epi_tile(pid, pid, pid_n, X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
+                _epi_tile(pid, pid, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
                           BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
                           P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                           bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
-                          BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI)
+                          BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL)
     else:
         n_pm = tl.cdiv(P, BLOCK_M)
         group = GROUP_M * n_pn
@@ -538,8 +562,8 @@ def epi_gemm_kernel(
         pid_m = first_m + (pid % group) % size_m
         pid_n = (pid % group) // size_m
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
+        _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
                   BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
                   P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
-                  BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI)
+                  BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL)

@@ -88,37 +88,84 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
         assert r["ms"] == (r["panel_ms"] if r["path"] == "panel" else r["fused_ms"])
         assert sum(k["ms"] for k in r["kernels"]) + r["aten_ms"] == pytest.approx(r["ms"], rel=1e-3)
         assert r["fused_ms"] >= r["floor_ms"] and r["panel_ms"] >= r["floor_ms"]
-        # launches of the panel path, from the panel-height formula of triton_panel.py's docstring
-        # (bf16, default budget 0.70e9)
-        p = min(n, (700_000_000 - 4 * n * D) // (6 * n + 8 * D + 16) // 64 * 64)
-        panels, chunks = -(-n // p), -(-n // ((1 << 22) // D))
-        launches: dict[str, int] = {}
-        for k in r["kernels"]:  # grouped by kernel and config: sum per kernel
-            launches[k["kernel"]] = launches.get(k["kernel"], 0) + k["launches"]
-        assert ("lse_fwd" in launches) == (r["loss"] in ("clip", "simcse")), launches
-        if r["loss"] == "simcse":
-            # the triangular forward (the fused forward kernel over half the tiles: no GEMM), then the
-            # triangular backward: panel [r0, r0 + p) against columns [r0, n), its logits (2 p c D),
-            # H @ A[r0:] (2 p c D) and H[:, p:]^T @ A_P (2 p (c - p) D): 1.5 units plus the diagonal blocks
-            flops = sum(2 * 2 * min(p, n - r0) * (n - r0) * D + 2 * min(p, n - r0) * (n - r0 - p) * D
-                        for r0 in range(0, n, p) if n - r0 > p) + 2 * 2 * (n % p or p) ** 2 * D
-            assert r["panel_gemm_flops"] == flops, (r["panel_gemm_flops"], flops)
-            assert 1.5 < r["panel_gemm_flops"] / (2 * n * n * D) < 1.5 + p / n + 1e-9
-            fwd = next(k for k in r["kernels"] if k["kernel"] == "lse_fwd")
-            assert fwd["launches"] == 1 and 0.5 < fwd["flops"] / (2 * n * n * D) < 0.5 + 0.01, fwd
-            # the forward's row norms (one launch); per backward panel its rows' norms, and B's chunks;
-            # one panel kernel per panel; one row epilogue (dA)
-            assert launches["row_norm"] == 1 + panels + chunks, (launches, p)
-            assert launches["panel_dl"] == panels and launches["panel_rows"] == 1, launches
+        if r["panel_form_taken"] == "cublas":
+            # launches of the panel path, from the panel-height formula of triton_panel.py's docstring
+            # (bf16, default budget 0.70e9)
+            p = min(n, (700_000_000 - 4 * n * D) // (6 * n + 8 * D + 16) // 64 * 64)
+            panels, chunks = -(-n // p), -(-n // ((1 << 22) // D))
+            launches: dict[str, int] = {}
+            for k in r["kernels"]:  # grouped by kernel and config: sum per kernel
+                launches[k["kernel"]] = launches.get(k["kernel"], 0) + k["launches"]
+            assert ("lse_fwd" in launches) == (r["loss"] in ("clip", "simcse")), launches
+            if r["loss"] == "simcse":
+                # the triangular forward (the fused forward kernel over half the tiles: no GEMM), then the
+                # triangular backward: panel [r0, r0 + p) against columns [r0, n), its logits (2 p c D),
+                # H @ A[r0:] (2 p c D) and H[:, p:]^T @ A_P (2 p (c - p) D): 1.5 units plus the diagonal blocks
+                flops = sum(2 * 2 * min(p, n - r0) * (n - r0) * D + 2 * min(p, n - r0) * (n - r0 - p) * D
+                            for r0 in range(0, n, p) if n - r0 > p) + 2 * 2 * (n % p or p) ** 2 * D
+                assert r["panel_gemm_flops"] == flops, (r["panel_gemm_flops"], flops)
+                assert 1.5 < r["panel_gemm_flops"] / (2 * n * n * D) < 1.5 + p / n + 1e-9
+                fwd = next(k for k in r["kernels"] if k["kernel"] == "lse_fwd")
+                assert fwd["launches"] == 1 and 0.5 < fwd["flops"] / (2 * n * n * D) < 0.5 + 0.01, fwd
+                # the forward's row norms (one launch); per backward panel its rows' norms, and B's chunks;
+                # one panel kernel per panel; one row epilogue (dA)
+                assert launches["row_norm"] == 1 + panels + chunks, (launches, p)
+                assert launches["panel_dl"] == panels and launches["panel_rows"] == 1, launches
+            else:
+                # the eager sweep of a summed loss without a column term is 3 units (logits, dl @ B,
+                # dl^T @ A); CLIP 3 after the fused forward's unit
+                assert r["panel_gemm_flops"] == 3 * 2 * n * n * D
+                # the row-norm prologue once per panel of A plus once per chunk of 2^22 elements of B (+ A
+                # and B in CLIP's fused forward); one panel kernel per panel; one row epilogue per panel
+                # plus dB's
+                assert launches["row_norm"] == panels + chunks + (2 if r["loss"] == "clip" else 0), (launches, p)
+                assert launches["panel_dl"] == panels and launches["panel_rows"] == panels + 1, launches
         else:
-            # the eager sweep of a summed loss without a column term is 3 units (logits, dl @ B,
-            # dl^T @ A); CLIP 3 after the fused forward's unit
-            assert r["panel_gemm_flops"] == 3 * 2 * n * n * D
-            # the row-norm prologue once per panel of A plus once per chunk of 2^22 elements of B (+ A
-            # and B in CLIP's fused forward); one panel kernel per panel; one row epilogue per panel
-            # plus dB's
-            assert launches["row_norm"] == panels + chunks + (2 if r["loss"] == "clip" else 0), (launches, p)
-            assert launches["panel_dl"] == panels and launches["panel_rows"] == panels + 1, launches
+            # launches of the panel path (the epilogue GEMM forms the 16-bit tiles), from the panel-height
+            # formula of triton_panel.panel_rows (bf16, default budget 0.70e9): the sweep's panels (with the
+            # dB accumulator) and the statistics forward's (without)
+            per_row = 2 * n + 12 * -(-n // 64) + 8 * D + 16
+            p = min(n, (700_000_000 - 4 * n * D) // per_row // 64 * 64)
+            ps = min(n, 700_000_000 // per_row // 64 * 64)
+            panels, stat_panels, chunks = -(-n // p), -(-n // ps), -(-n // ((1 << 22) // D))
+            launches = {}
+            for k in r["kernels"]:  # grouped by kernel and config: sum per kernel
+                launches[k["kernel"]] = launches.get(k["kernel"], 0) + k["launches"]
+            assert "lse_fwd" not in launches and "panel_dl" not in launches, launches
+            # the statistics forward (MODE 3) where the statistics come first (CLIP's column term, SimCSE's
+            # triangle); InfoNCE's eager one-pass sweep forms them itself
+            want_stats = stat_panels if r["loss"] in ("clip", "simcse") else 0
+            assert launches.get("epi_gemm_stats", 0) == want_stats, launches
+            assert launches["epi_gemm"] == panels, launches
+            if r["loss"] == "simcse":
+                # the triangular statistics forward: panel [r0, r0 + p) against columns [r0, n), half a unit
+                # plus the diagonal blocks (tiles padded to 128); the triangular backward: the epilogue GEMM
+                # forms H from the same panel, cuBLAS H @ A[r0:] (2 p c D) and H[:, p:]^T @ A_P (2 p (c - p) D)
+                fwd = sum(k["flops"] for k in r["kernels"] if k["kernel"] == "epi_gemm_stats")
+                assert 0.5 < fwd / (2 * n * n * D) < 0.5 + ps / n + 0.02, fwd
+                flops = sum(2 * min(p, n - r0) * (n - r0) * D + 2 * min(p, n - r0) * max(0, n - r0 - p) * D
+                            for r0 in range(0, n, p))
+                assert r["panel_gemm_flops"] == flops, (r["panel_gemm_flops"], flops)
+                assert r["panel_gemm_flops"] == 2 * n * n * D  # one unit: sum_k P_k (2 c_k - P_k) = N^2
+                # row norms: the forward's (B's chunks, each statistics panel's rows) and the backward's
+                assert launches["row_norm"] == 2 * chunks + stat_panels + panels, (launches, p, ps)
+                assert launches["panel_rows"] == 1, launches
+            else:
+                # the logits in the epilogue GEMM (1 unit, Triton), dl @ B and dl^T @ A in cuBLAS (2 units)
+                assert r["panel_gemm_flops"] == 2 * 2 * n * n * D
+                # the row-norm prologue once per panel of A plus once per chunk of 2^22 elements of B, in the
+                # sweep and (CLIP) in the statistics forward; one row epilogue per panel plus dB's
+                fwd_norms = stat_panels + chunks if r["loss"] == "clip" else 0
+                assert launches["row_norm"] == panels + chunks + fwd_norms, (launches, p)
+                assert launches["panel_rows"] == panels + 1, launches
+                # InfoNCE's one-pass sweep: one redo launch per panel (its programs return at once)
+                assert launches.get("epi_gemm_redo", 0) == (panels if r["loss"] == "info_nce" else 0), launches
+        # the model decides the panel form: triton_panel.use_epilogue ("auto") takes the one it prefers
+        # (either, within the model's band)
+        assert r["panel_form_should_prefer"] in (r["panel_form_taken"], "either"), (
+            r["loss"], r["gpu"], n, r["panel_form_taken"], r["panel_epilogue_ms"], r["panel_cublas_ms"])
+        assert r["panel_ms"] == (r["panel_epilogue_ms"] if r["panel_form_taken"] == "epilogue" else
+                                 r["panel_cublas_ms"])
         assert r["panel_norm_launches"] == 0  # no ATen norms (core/norms.py) on the panel path
         for k in r["kernels"] + r["fused_kernels"]:
             assert k["ms"] * 1e-3 >= k["flops"] / (peaks[r["gpu"]] * 1e12), k

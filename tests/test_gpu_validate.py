@@ -251,3 +251,34 @@ def test_help_documents_the_aot_flag(capsys):
     with pytest.raises(SystemExit):
         cli.main(["check", "--help"])
     assert "--aot-lib" in capsys.readouterr().out
+
+
+def test_the_fp16_check_grants_the_storage_error_only(monkeypatch):
+    """fp16 against fp32 at large M: the fp16 gradients' own storage error is granted (mostly subnormal
+    key gradients; the same on every path), a 1 % error of the fp16 key gradient beyond it is not."""
+    from fused_contrastive import losses
+
+    plan = _plan(losses=("info_nce",), parity_shapes=(), determinism_runs=0, timing_sizes=(), fp16_shape=(8, 300, 24))
+    good = GV.validate("cpu", plan, allow_cpu=True)
+    rows = [r for r in good.results if r.check.startswith("fp16 vs fp32")]
+    assert len(rows) == 3 and all(r.ok for r in rows), rows
+    assert all("fp16 storage" in r.detail for r in rows)
+
+    class Off(torch.autograd.Function):  # identity forward, a 1 % smaller gradient
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 0.99
+
+    orig = losses.info_nce
+
+    def planted(query, keys, *args, **kw):
+        return orig(query, Off.apply(keys) if keys.dtype == torch.float16 else keys, *args, **kw)
+
+    monkeypatch.setattr(losses, "info_nce", planted)
+    bad = GV.validate("cpu", plan, allow_cpu=True)
+    rows = [r for r in bad.results if r.check.startswith("fp16 vs fp32")]
+    assert len(rows) == 3 and not any(r.ok for r in rows), rows

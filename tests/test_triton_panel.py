@@ -275,6 +275,170 @@ def test_one_pass_at_logit_scale_100_never_redoes(dtype, monkeypatch):
                  what="one-pass row weights")
 
 
+# 1c. The epilogue GEMM (kernels/panel.py ``epi_gemm_kernel``): the panel's products in registers and the
+# per-logit work as the GEMM's epilogue, forced here (FUSED_CONTRASTIVE_PANEL_GEMM=epilogue; "auto" takes
+# it on CUDA only). Every core case of the registry in bf16 and fp16 against float64 (THE accuracy rule),
+# the route per case as documented, the one-pass redo at |s| = 100, the only N x M tensor a 16-bit one.
+
+EPI_CORE = [c for c in CORE_CASES]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", EPI_CORE, ids=[c.name for c in EPI_CORE])
+def test_epilogue_gemm_registry_case(case, dtype, monkeypatch):
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    n, d = ROTATION[EPI_CORE.index(case) % 2]
+    rec = _Launches(monkeypatch)
+    c = compare(case, n, d, dtype, "triton", canary=True)
+    assert c.ok, (n, d, c)
+    tiles = [x for x in rec.launches if x.name in ("epi_gemm", "panel_dl")]
+    assert tiles and not {"lse_bwd_rows", "lse_bwd_cols"} & set(rec.names), rec.names
+    # the epilogue GEMM forms every tile except an eager two-pass sweep's (positives' softmax, fp16) and
+    # those of a loss that runs the core op in fp32 (uniformity's kernel dtype)
+    cublas = [x for x in tiles if x.name == "panel_dl"]
+    assert all((x.constexprs["EAGER"] and not x.constexprs["ONE_PASS"]) or x.args["DL"].dtype == torch.float32
+               for x in cublas), rec.names
+
+
+def test_epilogue_gemm_is_chosen_where_documented(monkeypatch):
+    rec = _Launches(monkeypatch)
+    q, k = torch.randn(50, 16).requires_grad_(), torch.randn(60, 16).requires_grad_()
+
+    def kernels(gemm, dt, loss="info_nce"):
+        rec.launches.clear()
+        if gemm is None:
+            monkeypatch.delenv("FUSED_CONTRASTIVE_PANEL_GEMM", raising=False)
+        else:
+            monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", gemm)
+        if loss == "info_nce":
+            fc.info_nce(q.to(dt), k.to(dt), torch.arange(50), backend="triton").backward()
+        else:
+            fc.clip_loss(q[:50].to(dt), k[:50].to(dt), 10.0, backend="triton").backward()
+        return {(x.name, x.constexprs.get("MODE")) for x in rec.launches if x.name.startswith(("epi", "panel_dl"))}
+
+    one_pass = {("epi_gemm", 1), ("epi_gemm_redo", 2)}
+    assert kernels("epilogue", torch.bfloat16) == one_pass
+    # CLIP: the statistics forward (MODE 3), then the backward from known statistics (MODE 0)
+    assert kernels("epilogue", torch.bfloat16, "clip") == {("epi_gemm_stats", 3), ("epi_gemm", 0)}
+    assert kernels("epilogue", torch.float16) == {("panel_dl", None)}  # fp16's eager sweep: two passes
+    assert kernels("epilogue", torch.float16, "clip") == {("epi_gemm_stats", 3), ("epi_gemm", 0)}
+    assert kernels("epilogue", torch.float32) == {("panel_dl", None)}  # fp32 GEMMs stay cuBLAS
+    assert kernels("cublas", torch.bfloat16) == {("panel_dl", None)}
+    assert kernels(None, torch.bfloat16) == {("panel_dl", None)}  # auto on the CPU
+    assert triton_panel.use_epilogue(torch.device("meta"), torch.bfloat16)  # auto where CUDA would run
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "triton")
+    with pytest.raises(ValueError, match="FUSED_CONTRASTIVE_PANEL_GEMM"):
+        triton_panel.use_epilogue(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("learn", [False, True], ids=["fixed", "learned-scale"])
+def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
+    """The one-pass epilogue's redo (MODE 2), in bf16 at |s| = 100: rows 0-31 near their keys (one pass),
+    rows 32-63 pointing away from every key (logits ~c - 190: exp(l - m) underflows, z_i = 0 < 2^-64),
+    which the redo launch recomputes with the row's own largest logit as the shift. Loss and every
+    gradient against float64 on the same rounded inputs; the row weights against W_i = exp(SHIFT_i - LSE_i)
+    from float64 logits, SHIFT the fixed m = |s| - 56 on rows 0-31 and the row's largest logit on 32-63."""
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    g = torch.Generator().manual_seed(0)
+    n, m, d, s = 64, 80, 32, 100.0
+    u = torch.randn(d, generator=g)
+    u = u / u.norm()
+    k = (u + 0.2 * torch.randn(m, d, generator=g) / d ** 0.5).bfloat16()
+    q = torch.cat([k[:32].float() + 0.05 * torch.randn(32, d, generator=g) / d ** 0.5,
+                   -u + 0.2 * torch.randn(32, d, generator=g) / d ** 0.5]).bfloat16()
+    weights = []
+    orig = triton_panel._epi_panel
+
+    def spy(*args, **kw):
+        out = orig(*args, **kw)
+        weights.append(out[0].clone())
+        return out
+
+    monkeypatch.setattr(triton_panel, "_epi_panel", spy)
+    rec = _Launches(monkeypatch)
+    res = []
+    for be, dt in (("triton", torch.bfloat16), ("reference", torch.float64)):
+        a, b = q.to(dt).requires_grad_(), k.to(dt).requires_grad_()
+        t = torch.tensor(1 / s, dtype=torch.float64 if dt == torch.float64 else torch.float32, requires_grad=True)
+        loss = fc.info_nce(a, b, torch.arange(n), temperature=t if learn else 1 / s, backend=be)
+        res.append((loss, *torch.autograd.grad(loss, (a, b, t) if learn else (a, b))))
+    for got, want, what in zip(res[0], res[1], ("loss", "dq", "dk", "dt"), strict=False):
+        want = want.detach()
+        assert_close(got.detach().double(), want, atol=2e-2 * float(want.abs().max()), rtol=2e-2, what=what)
+    redo = [x for x in rec.launches if x.name == "epi_gemm_redo"]
+    assert redo and sum(int(x.args["BAD"].sum()) for x in redo) == 32  # exactly the far rows
+    w = torch.cat(weights).double()
+    qh, kh = F.normalize(q.double(), dim=1), F.normalize(k.double(), dim=1)
+    logits = s * qh @ kh.T
+    lse = torch.logsumexp(logits, dim=1)
+    shift = torch.cat([torch.full((32,), s - 56, dtype=torch.float64), logits[32:].amax(1)])
+    # mean reduction: g_i / gscale = 1, so W_i = 1 / z_i
+    assert_close(w, torch.exp(shift - lse), rtol=2e-2, atol=0, what="row weights g_i / (gscale z_i)")
+
+
+@pytest.mark.parametrize("name", ["info_nce", "clip", "simcse"])
+def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
+    """On the epilogue route the only [P, M]-shaped tensor any op creates is the 16-bit gradient tile: the
+    probe records the element size of every newly stored 2-d tensor of P rows and at least M / 2 columns
+    (the triangular sweep's panels narrow with each panel). The
+    cuBLAS form creates its fp32 products panel (4 bytes): seen by the same probe, so the check can fail."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Wide(TorchDispatchMode):
+        def __init__(self, rows, cols):
+            super().__init__()
+            self.rows, self.cols, self.seen, self.inside = rows, cols, [], 0
+
+        def note(self, what, t):
+            if (isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == self.rows
+                    and t.shape[1] >= self.cols):
+                self.seen.append((what, t.element_size(), tuple(t.shape)))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if self.inside:
+                return out
+            given = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                     if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                    self.note(str(func), t)
+            return out
+
+    def counted(fn, name):
+        # the GEMM helpers' internals are not counted (the CPU's "upcast" route copies the 16-bit tile to
+        # fp32 for torch.mm; CUDA's native route reads it as it is), their results are
+        def g(*args):
+            probe.inside += 1
+            try:
+                out = fn(*args)
+            finally:
+                probe.inside -= 1
+            probe.note(name, out)
+            return out
+
+        return g
+
+    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
+    p, n, d = 64, 384, 32
+    monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
+    monkeypatch.setattr(triton_panel, "_mm32", counted(triton_panel._mm32, "_mm32"))
+    monkeypatch.setattr(triton_panel, "_addmm32_", counted(triton_panel._addmm32_, "_addmm32_"))
+    case = CASE_BY_NAME[name]
+    tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
+    widths, seen = {}, {}
+    for gemm in ("epilogue", "cublas"):
+        monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", gemm)
+        probe = Wide(p, n // 2)
+        with probe:
+            run(case, (tensors, kwargs), "triton", torch.bfloat16)
+        widths[gemm] = {size for _, size, _ in probe.seen}
+        seen[gemm] = probe.seen
+    assert widths["epilogue"] == {2}, seen["epilogue"]
+    assert 4 in widths["cublas"], seen["cublas"]  # the products panel of the cuBLAS form
+
+
 # 1b'. The fp32-output GEMMs of 16-bit operands (triton_panel.gemm_routes): the probe, its cached
 # verdict and every fallback, forced on the CPU with stand-ins for the out_dtype calls (the CPU has
 # none: torch 2.13 "Could not run 'aten::mm.dtype' ... CPU")
@@ -718,6 +882,7 @@ _COMPILE = textwrap.dedent(
     """
     import json, os
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
+    os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "cublas"  # the panel kernel first; the epilogue GEMM below
     import torch
     from fused_contrastive.core import triton_backend as TB
     from fused_contrastive.core import triton_function as TF
@@ -739,6 +904,9 @@ _COMPILE = textwrap.dedent(
             spec, data, coef = CoreSpec(exclude_self=True), CoreData(pos_mask=mask), Coeffs(1.0, col=1.0, pos=1.0)
         elif variant == "tri":  # the triangular sweep (symmetric SimCSE)
             spec, data, coef = CoreSpec(exclude_self=True), CoreData(), Coeffs(1.0)
+        elif variant == "stats":  # the column term without positives: the epilogue GEMM's statistics forward
+            spec = CoreSpec(exclude_self=True, offset=3, bias=0.5)
+            data, coef = CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=meta)), Coeffs(1.0, col=1.0)
         elif variant.startswith("onepass"):  # every term the one-pass sweep takes
             spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
             data, coef = CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=meta)), Coeffs(1.0)
@@ -770,7 +938,25 @@ _COMPILE = textwrap.dedent(
                                  block_r=x.constexprs.get("BLOCK_R"), tri=bool(x.constexprs.get("TRI")))
                         out.append(r)
     triton_panel.PANEL_PROGRAMS = None
+    # the epilogue GEMM: every mode (one pass and its redo, known statistics: the column term, the
+    # symmetric and the triangular forms) in every 16-bit dtype it takes
+    os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
+    for cc, arch in aot.TARGETS:
+        for variant, dtypes in (("onepass", (torch.bfloat16,)), ("col", (torch.bfloat16, torch.float16)),
+                                ("stats", (torch.bfloat16, torch.float16)),
+                                ("sym", (torch.bfloat16, torch.float16)), ("tri", (torch.bfloat16, torch.float16))):
+            triton_panel.PANEL_ROWS = 1024 if variant == "tri" else None
+            for dt in dtypes:
+                for x in record(arch, dt, variant):
+                    if x.name.startswith("epi_gemm"):
+                        keep = {}
+                        r = aot.compile_launch(x, cc, keep)
+                        ttgir = keep["kernel"].asm["ttgir"]
+                        r.update(variant=variant, dtype=str(dt), mode=x.constexprs["MODE"],
+                                 tri=bool(x.constexprs["TRI"]), cp_async=ttgir.count("async_copy_global_to_local"))
+                        out.append(r)
     triton_panel.PANEL_ROWS = None
+    os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "cublas"
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "fused"
     for cc, arch in aot.TARGETS:  # the fused backward kernels with the 1-byte mask
         for x in record(arch, torch.bfloat16, "col"):
@@ -804,8 +990,32 @@ def test_panel_kernel_compiles_without_spills(compiled):
     assert all(r["shared"] <= 163 * 1024 for r in compiled)
 
 
+def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compiled):
+    epi = [r for r in compiled if r["kernel"].startswith("epi_gemm")]
+    want = {(cc, v, dt) for cc in (80, 90) for v, dts in (("onepass", ("torch.bfloat16",)),
+                                                          ("col", ("torch.bfloat16", "torch.float16")),
+                                                          ("stats", ("torch.bfloat16", "torch.float16")),
+                                                          ("sym", ("torch.bfloat16", "torch.float16")),
+                                                          ("tri", ("torch.bfloat16", "torch.float16")))
+            for dt in dts}
+    assert {(r["cc"], r["variant"], r["dtype"]) for r in epi} == want
+    # modes: 0 known statistics, 1 one pass, 2 its redo, 3 the statistics forward (the column term; the
+    # triangular sweep); the symmetric variant's softmax over positives keeps the fused forward
+    assert {(r["variant"], r["mode"]) for r in epi} == {("onepass", 1), ("onepass", 2), ("col", 0), ("stats", 0),
+                                                       ("stats", 3), ("sym", 0), ("tri", 0), ("tri", 3)}
+    assert {r["variant"] for r in epi if r["tri"]} == {"tri"}
+    bad = [r for r in epi if r["spill_stores"] or r["spill_loads"]]
+    assert not bad, bad
+    # tensor cores (wgmma on sm_90, mma.sync on sm_80) fed by cp.async (the software pipeline), in the
+    # shared memory of each target (sm_80 163 KB, sm_90 227 KB per block)
+    assert all(r["tc"] == ("wgmma" if r["cc"] == 90 else "mma") for r in epi), epi
+    assert all(r["cp_async"] > 0 and r["num_stages"] >= 2 for r in epi), epi
+    assert all(r["shared"] <= (227 if r["cc"] == 90 else 163) * 1024 for r in epi), epi
+
+
 def test_one_byte_mask_kernels_use_tensor_cores(compiled):
-    fused = [r for r in compiled if r["kernel"] not in ("panel_dl", "panel_rows")]
+    fused = [r for r in compiled
+             if r["kernel"] not in ("panel_dl", "panel_rows") and not r["kernel"].startswith("epi_gemm")]
     assert {r["kernel"] for r in fused} == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols"}
     for r in fused:
         assert (r["n_wgmma"] and not r["n_mma"]) if r["cc"] == 90 else r["n_mma"], r

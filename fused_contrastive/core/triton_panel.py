@@ -119,6 +119,7 @@ from .triton_backend import (
 from .triton_configs import (
     EPI_GEMM,
     EPI_GROUP_M,
+    EPI_REDO_ROWS,
     PANEL_CHUNK,
     PANEL_ROWS_BLOCK_R,
     PANEL_ROWS_MAX_BLOCK_D,
@@ -127,8 +128,8 @@ from .triton_configs import (
     d_pad,
 )
 
-__all__ = ["BUDGET_BYTES", "EPILOGUE_DEVICES", "GEMM_PROBE_DEVICES", "MIN_ELEMENTS", "NATIVE_GEMMS", "PANEL_ROWS",
-           "P_MIN", "gemm_routes", "panel_rows", "use_epilogue", "use_panel"]
+__all__ = ["BUDGET_BYTES", "EPILOGUE_DEVICES", "EPILOGUE_MIN_ELEMENTS", "GEMM_PROBE_DEVICES", "MIN_ELEMENTS",
+           "NATIVE_GEMMS", "PANEL_ROWS", "P_MIN", "gemm_routes", "panel_rows", "use_epilogue", "use_panel"]
 
 #: Byte budget of the panel path's extra memory (env ``FUSED_CONTRASTIVE_PANEL_BUDGET`` overrides).
 BUDGET_BYTES = 700_000_000
@@ -159,13 +160,16 @@ def use_panel(a: Tensor, n: int, m: int) -> bool:
     return a.device.type == "cuda" and n * m >= MIN_ELEMENTS
 
 
-def use_epilogue(dev: torch.device, dt: torch.dtype) -> bool:
-    """Which GEMM forms a panel's gradient tile: the epilogue GEMM (``kernels/panel.py``
-    ``epi_gemm_kernel``: products in registers, the per-logit work as its epilogue, only the 16-bit tile
-    written) or the cuBLAS form (an fp32 panel of products, then ``panel_dl_kernel``). Env
-    ``FUSED_CONTRASTIVE_PANEL_GEMM`` = "epilogue", "cublas" or "auto" (default: the epilogue GEMM on
-    :data:`EPILOGUE_DEVICES`). fp32 operands always take cuBLAS (fp32 GEMMs, or TF32 where the user
-    allowed it; a Triton fp32 dot would round to TF32 or take three passes)."""
+def use_epilogue(dev: torch.device, dt: torch.dtype, form: str = "one_pass", elements: int = 0) -> bool:
+    """Which GEMM forms a panel's gradient tile (or the statistics forward's tiles): the epilogue GEMM
+    (``kernels/panel.py`` ``epi_gemm_kernel``: products in registers, the per-logit work as its epilogue,
+    only the 16-bit tile written) or the cuBLAS form (an fp32 panel of products, then ``panel_dl_kernel``;
+    the fused forward kernel for the statistics). Env ``FUSED_CONTRASTIVE_PANEL_GEMM`` = "epilogue",
+    "cublas" or "auto" (default). "auto" on :data:`EPILOGUE_DEVICES`: the epilogue GEMM when the problem's
+    ``elements`` (N x M) reach :data:`EPILOGUE_MIN_ELEMENTS` of its ``form`` ("one_pass": the eager sweep;
+    "known": the statistics forward and the backward from known statistics, A != B; "tri": the
+    triangular sweep) and the arch, else the cuBLAS form. fp32 operands always take cuBLAS (fp32 GEMMs, or
+    TF32 where the user allowed it; a Triton fp32 dot would round to TF32 or take three passes)."""
     mode = os.environ.get("FUSED_CONTRASTIVE_PANEL_GEMM", "auto")
     if mode not in ("auto", "epilogue", "cublas"):
         raise ValueError(f"FUSED_CONTRASTIVE_PANEL_GEMM must be 'auto', 'epilogue' or 'cublas', got {mode!r}")
@@ -173,12 +177,26 @@ def use_epilogue(dev: torch.device, dt: torch.dtype) -> bool:
         return False
     if mode != "auto":
         return mode == "epilogue"
-    return dev.type in EPILOGUE_DEVICES
+    if dev.type not in EPILOGUE_DEVICES:
+        return False
+    cc = 90 if TB._arch(dev) == "sm90" else 80
+    return elements >= EPILOGUE_MIN_ELEMENTS[(form, cc)]
 
 
-#: Device types whose 16-bit panels take the epilogue GEMM under "auto" (meta: the GPU model records
-#: what CUDA runs). The CPU interpreter runs it when the tests ask for it.
+#: Device types whose 16-bit panels "auto" may give the epilogue GEMM (meta: the GPU model records what
+#: CUDA runs). The CPU interpreter runs it when the tests ask for it.
 EPILOGUE_DEVICES: tuple[str, ...] = ("cuda", "meta")
+#: Smallest N x M at which "auto" takes the epilogue GEMM, per (form, compute capability): where
+#: ``bench/gpu_model.py`` prefers it (its records' ``panel_form_should_prefer``; tests/test_gpu_model.py
+#: fails when a route and the model disagree by more than the model's 5 % band) and, on sm_90, where an
+#: H100 measured it faster (bench/results/h100-epilogue/gpu_validate.txt, bf16, D = 768, fwd + bwd:
+#: InfoNCE 5.18 / 5.37 ms epilogue / cuBLAS at N = 16384 and 49.9 / 60.0 at 65536; CLIP 7.23 / 6.96 and
+#: 77.1 / 92.7; SimCSE 6.83 / 5.99 and 43.0 / 50.4).
+EPILOGUE_MIN_ELEMENTS: dict[tuple[str, int], int] = {
+    ("one_pass", 80): 0, ("one_pass", 90): 0,
+    ("known", 80): 0, ("known", 90): 1 << 30,
+    ("tri", 80): 1 << 30, ("tri", 90): 1 << 32,
+}
 
 
 def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool, epilogue: bool = False) -> int:
@@ -478,7 +496,8 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     args = dict(X=x, Y=y, DL=dl, RSP=rs.contiguous(), **{k: common[k] for k in _EPI_POINTERS}, P=pp, M=m, D=d, r0=r0,
                 stride_x=x.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0), **margs)
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(x.dtype),
-                 **{k: v for k, v in flags.items() if k not in _PANEL_ONLY_FLAGS})
+                 **{k: v for k, v in flags.items() if k not in _PANEL_ONLY_FLAGS}, WANT_COL=False)
+    args.update(CZ=dm, CM=dm)
     if not one_pass:
         ds_part = _alloc((n_pm * n_pn,), torch.float32, dev) if need_s else dm
         launch(Launch("epi_gemm", KP.epi_gemm_kernel, (n_pm * n_pn,),
@@ -495,12 +514,68 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     mx = mxp.amax(1)
     bad = z < KP.ONE_PASS_MIN_Z.value
     sh = torch.where(bad & (mx > float("-inf")), mx, shift)
-    launch(Launch("epi_gemm_redo", KP.epi_gemm_kernel, (n_pm,), dict(part, BAD=bad.to(torch.int8), SHIFT=sh),
-                  dict(const, MODE=2), cfg.num_warps, cfg.num_stages))
+    # the redo's row tiles: EPI_REDO_ROWS rows at 8 warps (the partials' column tiles stay BLOCK_N wide);
+    # a 128-row tile with the redo's column loop spilled on sm_90
+    launch(Launch("epi_gemm_redo", KP.epi_gemm_kernel, (triton.cdiv(pp, EPI_REDO_ROWS),),
+                  dict(part, BAD=bad.to(torch.int8), SHIFT=sh), dict(const, MODE=2, BLOCK_M=EPI_REDO_ROWS), 8,
+                  cfg.num_stages))
     z = zp.sum(1)
     lse_out[r0:r0 + pp] = sh + torch.log(z)
     w = torch.where(z > 0, g[r0:r0 + pp] / (gs * z), torch.zeros_like(z))
     return w, ((w * tp.sum(1)).sum().reshape(1) if need_s else None)
+
+
+def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, want_col: bool, tri: bool = False
+                  ) -> tuple[Tensor, Tensor | None]:
+    """``(LSE [N], LSEcol [M] or None)`` by the epilogue GEMM's statistics mode (MODE 3, one matmul unit,
+    two exps per logit, nothing of size P x M written): per panel of rows the tiles' row maxima and
+    sums, and with ``want_col`` their column maxima and sums, merged in a fixed order (``logsumexp`` over
+    the tiles; the columns' over the panels by ``logaddexp``): deterministic and exact for any logits.
+    Replaces the fused forward kernel (``lse_fwd``) for 16-bit panels without a softmax over positives.
+    ``b`` is A itself when B is A. ``tri`` (the triangular sweep: B is A, symmetric logits, row LSE
+    only): panel ``[r0, r1)`` against rows ``[r0, N)`` only (half a unit over the sweep), its row
+    statistics for its rows and its column statistics for the rows past it, merged per row."""
+    n, d = a.shape
+    m = b.shape[0]
+    dev, dt = a.device, a.dtype
+    cfg = EPI_GEMM["stats"]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
+    pr = _Problem(a, b, spec, need_op=False)
+    p_rows = panel_rows(n, m, d, dt, False, True)
+    dm = prep.dummy
+    lse = _alloc((n,), torch.float32, dev)
+    lse_col = torch.full((m,), float("-inf"), dtype=torch.float32, device=dev) if want_col or tri else None
+    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(dt),
+                 MODE=3, NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
+                 HAS_BIAS=prep.bias_col is not None, BIAS_COS=spec.margin != 0.0, POS_KIND=0, HAS_G=False,
+                 HAS_GCOL=False, HAS_GPOS=False, SYM=False, NEED_DS=False, FOLD_RB=False, PRESCALE=1.0, TRI=bool(tri),
+                 WANT_COL=bool(want_col or tri))
+    for r0 in range(0, n, p_rows):
+        r1 = min(n, r0 + p_rows)
+        pp = r1 - r0
+        x, rs, _ = pr.rows(r0, r1)
+        c0 = r0 if tri else 0  # the triangular frame: columns [r0, N) of B = A, indices from 0
+        y, mc = b[c0:], m - c0
+        n_pm, n_pn = triton.cdiv(pp, bm), triton.cdiv(mc, bn)
+        rm = _alloc((pp, n_pn), torch.float32, dev)
+        rz = _alloc((pp, n_pn), torch.float32, dev)
+        cm = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
+        cz = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
+        launch(Launch("epi_gemm_stats", KP.epi_gemm_kernel, (n_pm * n_pn,),
+                      dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm,
+                           RSP=rs.contiguous(), RB=pr.rb[c0:] if pr.rb is not None else dm, SCALE=scale_t,
+                           GSCALE=dm, **_problem_args(prep), LSE=dm, G=dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
+                           P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0), stride_y=y.stride(0),
+                           stride_dl=0, stride_zp=n_pn, **_mask_args(prep, spec)),
+                      const, cfg.num_warps, cfg.num_stages))
+        del x
+        lse[r0:r1] = torch.logsumexp(rm + torch.log(rz), dim=1)
+        if want_col or tri:
+            part = lse_col[c0:]
+            torch.logaddexp(part, torch.logsumexp(cm + torch.log(cz), dim=0), out=part)
+    if tri:  # every row: its panel's row statistics and the column statistics of the panels above it
+        return torch.logaddexp(lse, lse_col), None
+    return lse, lse_col
 
 
 def _one_pass_shift(scale_t: Tensor, spec, has_bias: bool) -> Tensor:
@@ -533,7 +608,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
     one_pass = bool(eager and g_pos is None and spec.normalize and dt != torch.float16)
     # the epilogue GEMM needs the statistics first: known ones (the recomputing backward) or one pass
-    epi = use_epilogue(dev, dt) and (one_pass or not eager)
+    epi = use_epilogue(dev, dt, "one_pass" if one_pass else "known", n * m) and (one_pass or not eager)
     p_rows = panel_rows(n, m, d, dt, need_b, epi)
     block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
     pr = _Problem(a, b, spec)
@@ -649,7 +724,7 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     fp16 reads a normalised fp16 copy of A. dL/ds counts the diagonal block's ``G_ji`` once."""
     n, d = a.shape
     dev, dt = a.device, a.dtype
-    epi = use_epilogue(dev, dt)
+    epi = use_epilogue(dev, dt, "tri", n * n)
     p_rows = panel_rows(n, n, d, dt, True, epi)
     block_r, block_c = panel_blocks(min(n, p_rows), _programs(dev))
     pr = _Problem(a, a, spec, need_op=need_a)
@@ -736,7 +811,15 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         lse_col = None
     elif ctx.tri:
         ctx.eager = None
-        lse, lse_col, lse_pos = TB._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0], None, None
+        lse_col, lse_pos = None, None
+        if use_epilogue(dev, a.dtype, "tri", n * n):
+            lse = stats_forward(TB._launch, p, p.a, p.a, scale_t, spec, False, tri=True)[0]
+        else:
+            lse = TB._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
+    elif use_epilogue(dev, a.dtype, "known", n * bb.shape[0]) and not want_pos:
+        ctx.eager = None
+        lse, lse_col = stats_forward(TB._launch, p, p.a, bb, scale_t, spec, want_col)
+        lse_pos = None
     else:
         ctx.eager = None
         lse, lse_col, lse_pos, _ = TB._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
