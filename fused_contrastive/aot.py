@@ -84,6 +84,12 @@ def _aligned_int(name: str) -> bool:
 #: libfused_contrastive_torch, whose panel sweeps do the GEMMs with ``at::mm``.
 PANEL_KERNELS = ("panel_dl", "panel_rows")
 
+#: The panel path is recorded in its cuBLAS form (``triton_panel.use_epilogue`` off: an fp32 panel of
+#: products from a GEMM, then ``panel_dl``), the form ``csrc/fc_torch.cpp`` mirrors with ``at::mm``. The
+#: Python launcher's default for 16-bit panels on CUDA (and on the meta device it is recorded on) is the
+#: epilogue GEMM (``epi_gemm``), which the C++ host code does not drive.
+PANEL_GEMM_ENV = "FUSED_CONTRASTIVE_PANEL_GEMM"
+
 #: Grid sizes the panel kernels are recorded for (``triton_panel.PANEL_PROGRAMS``): at REC_N rows one per
 #: BLOCK_R of ``triton_panel.panel_blocks`` (16, 8, 4, 2, 1), so every row-block variant is compiled.
 PANEL_PROGRAMS_REC = (32, 64, 128, 256, 1024)
@@ -151,8 +157,10 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     scale = torch.empty((), dtype=torch.float32, device=meta)
     g = torch.empty(n, device=meta)
     prev = TB.COL_PARTIAL_PROGRAMS, TP.PANEL_PROGRAMS
+    prev_gemm = os.environ.get(PANEL_GEMM_ENV)
     TB.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev[0]
     TP.PANEL_PROGRAMS = programs if programs else (2 * sms if sms else prev[1])
+    os.environ[PANEL_GEMM_ENV] = "cublas"  # the form csrc/fc_torch.cpp mirrors (see PANEL_GEMM_ENV)
     try:
         with recording(arch) as launches:
             p = TB._prepare_data(a, b, spec, CoreData(), False)
@@ -170,6 +178,10 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
                                            g_col, None, True, need_b and has_b, True, False)
     finally:
         TB.COL_PARTIAL_PROGRAMS, TP.PANEL_PROGRAMS = prev
+        if prev_gemm is None:
+            os.environ.pop(PANEL_GEMM_ENV, None)
+        else:
+            os.environ[PANEL_GEMM_ENV] = prev_gemm
     if roots is not None:
         roots.update(A=a, B=b, LSE=lse, LSE_COL=lse_col, G=g, G_COL=g_col, DA=da, DB=db)
     return launches
