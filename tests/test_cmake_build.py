@@ -59,7 +59,8 @@ def test_ctest_passes(build):
     assert "100% tests passed" in out
     # the tests that must exist (a renamed or dropped test would otherwise pass silently)
     for name in ("fc_no_driver", "fc_no_device", "fc_no_context", "fc_arch_75", "fc_d_not_16",
-                 "fc_dtype_fp32_not_built", "fc_python_parity", "fc_torch_parity", "fc_consumer_run"):
+                 "fc_dtype_fp32_not_built", "fc_margin_self", "fc_margin_no_target", "fc_margin_misaligned_target",
+                 "fc_python_parity", "fc_torch_parity", "fc_consumer_run"):
         assert f" {name} " in out, name
     assert "Passed" in out
 
@@ -87,8 +88,11 @@ def test_manifest_covers_the_python_launcher(build):
                         assert [p["name"] for p in man["layouts"][ln.name]] == params
     keys = {(v["cc"], v["kernel"], v["ckey"]) for v in man["variants"]}
     for cc in (80, 90):
-        # 3 modes x 5 row blocks of panel_dl (the modes' flags differ); the triangular forward
-        assert len({k for c, kn, k in keys if c == cc and kn == "panel_dl"}) == 15
+        # 5 modes x 5 row blocks of panel_dl (the modes' flags differ); the triangular forward
+        assert len({k for c, kn, k in keys if c == cc and kn == "panel_dl"}) == 25
+        # the margin modes' kernels: the bias column in cosine units, fused and panel
+        margin_kernels = {kn for c, kn, k in keys if c == cc and "BIAS_COS=1" in k and "HAS_BIAS=1" in k}
+        assert margin_kernels == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols", "panel_dl"}, margin_kernels
         assert any(kn == "lse_fwd" and "TRI=1" in k for c, kn, k in keys if c == cc)
         assert {kn for c, kn, _ in keys if c == cc} >= set(aot.PANEL_KERNELS) | {"row_norm"}
     per_arch = {cc: len({v for c, v in built if c == cc}) for cc in (80, 90)}
@@ -117,7 +121,8 @@ def test_torch_operators_run_the_panel_path(build):
     out = _run([sys.executable, "-m", "fused_contrastive.aot", "check", "--gen", str(build / "gen"), "--torch-lib",
                 str(lib), "--mock", str(build / "libfc_mock_cuda.so"), "--work", str(build / "pytest_torch_check")],
                ROOT, 600, env=dict(os.environ, TRITON_INTERPRET="0"))
-    assert "(12 on the panel path)" in out and out.rstrip().endswith("OK"), out[-3000:]
+    # 6 problems per (arch, dtype): 3 modes, B is A at the default budget, a queue, dB off; the 2 margin modes
+    assert "(16 on the panel path)" in out and out.rstrip().endswith("OK"), out[-3000:]
     # each panel kernel (panel_dl, panel_rows, the triangular forward) of each arch (2) byte-identical
     # to a fresh triton.compile
     assert "6 launched panel-kernel cubins recompiled from scratch" in out, out[-3000:]
@@ -336,3 +341,4 @@ def test_the_library_probes_its_fp32_output_gemms(build, tmp_path):
         said = text.count(f"no working fp32-output {op} of BFloat16 operands")
         assert said == 1, (op, said, text[-3000:])
     assert "upcast route" in text
+
