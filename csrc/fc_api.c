@@ -13,6 +13,7 @@
 
 #include <cuda.h>
 #include <dlfcn.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -267,20 +268,34 @@ static fc_status config_for(fc_kernel k, int cc, fc_dtype dt, int64_t d, int wid
 }
 
 static const fc_variant *find_variant(fc_kernel k, int cc, fc_dtype dt, int64_t d, int sym, int want_col,
-                                      int exclude_self) {
+                                      int exclude_self, int margin) {
   int dpad = d_pad(d) > FC_RESIDENT_MAX_D ? 0 : (int)d_pad(d);
   for (int i = 0; i < FC_N_VARIANTS; ++i) {
     const fc_variant *v = &fc_variants[i];
     if (v->kernel == k && v->cc == cc && v->dtype == (int)dt && v->dpad == dpad && v->sym == sym &&
-        v->want_col == want_col && v->exclude_self == exclude_self)
+        v->want_col == want_col && v->exclude_self == exclude_self && v->margin == margin)
       return v;
   }
   return NULL;
 }
 
+/* `name` is one of the ';'-separated entries of `list` (not a substring of one: "info_nce" is not in
+   "info_nce_margin") */
+static int in_list(const char *list, const char *name) {
+  size_t k = strlen(name);
+  for (const char *s = list; *s;) {
+    const char *e = strchr(s, ';');
+    size_t len = e ? (size_t)(e - s) : strlen(s);
+    if (len == k && !strncmp(s, name, k)) return 1;
+    if (!e) break;
+    s = e + 1;
+  }
+  return 0;
+}
+
 typedef struct {
   fc_kernel kernel;
-  int sym, want_col, exclude_self;
+  int sym, want_col, exclude_self, margin; /* margin: the HAS_BIAS + BIAS_COS variants (fc_problem.margin) */
   int64_t grid;
   fc_args args;
 } fc_launch;
@@ -291,13 +306,14 @@ static fc_status launch_variant(const fc_device *dev, const fc_variant *v, const
 /* Check every parameter (set, in range, aligned as compiled) and launch; `check_only` validates only. */
 static fc_status launch(const fc_device *dev, const fc_problem *p, const fc_launch *L, CUstream stream,
                         int check_only) {
-  const fc_variant *v = find_variant(L->kernel, dev->cc, p->dtype, p->d, L->sym, L->want_col, L->exclude_self);
+  const fc_variant *v =
+      find_variant(L->kernel, dev->cc, p->dtype, p->d, L->sym, L->want_col, L->exclude_self, L->margin);
   if (!v)
     return fail(FC_ERR_UNSUPPORTED_SHAPE,
                 "no %s kernel built for sm_%d, dtype %d, D = %lld (D_PAD %lld) with sym=%d want_col=%d "
-                "exclude_self=%d (built: %s)",
+                "exclude_self=%d margin=%d (built: %s)",
                 fc_kernel_names[L->kernel], dev->cc, (int)p->dtype, (long long)p->d, (long long)d_pad(p->d), L->sym,
-                L->want_col, L->exclude_self, fc_build_info());
+                L->want_col, L->exclude_self, L->margin, fc_build_info());
   return launch_variant(dev, v, L, stream, check_only);
 }
 
@@ -369,7 +385,7 @@ static fc_status launch_variant(const fc_device *dev, const fc_variant *v, const
 
 typedef struct {
   int64_t n, m, d, elsize;
-  int same, want_col, excl;
+  int same, want_col, excl, margin;
   int64_t col_progs, fwd_rb;
   fc_choice fwd, rows, cols;
   /* workspace offsets (bytes) */
@@ -388,14 +404,29 @@ static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P
   if ((unsigned)p->mode > FC_MODE_SELF) return fail(FC_ERR_UNSUPPORTED_MODE, "mode %d is not a fc_mode", (int)p->mode);
   if ((unsigned)p->dtype > FC_BFLOAT16) return fail(FC_ERR_UNSUPPORTED_DTYPE, "dtype %d is not a fc_dtype", (int)p->dtype);
   static const char *mode_names[] = {"info_nce", "clip", "self"};
-  if (!strstr(FC_MODES_BUILT, mode_names[p->mode]))
-    return fail(FC_ERR_UNSUPPORTED_MODE, "mode %s not built (modes: %s)", mode_names[p->mode], FC_MODES_BUILT);
+  if (p->margin == 0.0f) {
+    if (!in_list(FC_MODES_BUILT, mode_names[p->mode]))
+      return fail(FC_ERR_UNSUPPORTED_MODE, "mode %s not built (modes: %s)", mode_names[p->mode], FC_MODES_BUILT);
+  } else { /* the target margin: its own kernel variants (HAS_BIAS, BIAS_COS), feature set "<mode>_margin" */
+    if (!isfinite(p->margin))
+      return fail(FC_ERR_INVALID_ARGUMENT, "margin = %g: must be finite", (double)p->margin);
+    if (p->mode == FC_MODE_SELF)
+      return fail(FC_ERR_UNSUPPORTED_MODE, "margin: not supported in FC_MODE_SELF (FC_MODE_INFO_NCE and "
+                  "FC_MODE_CLIP take a target margin)");
+    char want[32];
+    snprintf(want, sizeof want, "%s_margin", mode_names[p->mode]);
+    if (!in_list(FC_MODES_BUILT, want))
+      return fail(FC_ERR_UNSUPPORTED_MODE, "margin: mode %s not built (modes: %s)", want, FC_MODES_BUILT);
+    if (!p->target) return fail(FC_ERR_INVALID_ARGUMENT, "target is NULL (required when margin != 0)");
+    if ((uintptr_t)p->target % 16) return fail(FC_ERR_MISALIGNED, "target is not 16-byte aligned");
+  }
   static const char *dt_names[] = {"fp32", "fp16", "bf16"};
   if (!strstr(FC_DTYPES_BUILT, dt_names[p->dtype]))
     return fail(FC_ERR_UNSUPPORTED_DTYPE, "dtype %s not built (dtypes: %s)", dt_names[p->dtype], FC_DTYPES_BUILT);
   P->same = p->mode == FC_MODE_SELF;
   P->want_col = p->mode == FC_MODE_CLIP;
   P->excl = p->mode == FC_MODE_SELF;
+  P->margin = p->margin != 0.0f;
   P->n = p->n;
   P->m = P->same ? p->n : p->m;
   P->d = p->d;
@@ -410,9 +441,10 @@ static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P
     return fail(FC_ERR_INVALID_ARGUMENT, "row strides must be >= d");
   if (P->same && p->offset != 0) return fail(FC_ERR_INVALID_ARGUMENT, "offset must be 0 when B is A");
   fc_status st;
-  /* triton_configs.fwd_kernel: no mode has a bias or positives, so row statistics alone ("fwd_wide")
-     unless CLIP's column LSE is wanted */
-  if ((st = config_for(FC_K_lse_fwd, dev->cc, p->dtype, p->d, !P->want_col, &P->fwd)) != FC_OK) return st;
+  /* triton_configs.fwd_kernel: no mode has positives, so row statistics alone ("fwd_wide") unless CLIP's
+     column LSE is wanted or the margin's bias column is there */
+  if ((st = config_for(FC_K_lse_fwd, dev->cc, p->dtype, p->d, !P->want_col && !P->margin, &P->fwd)) != FC_OK)
+    return st;
   if ((st = config_for(FC_K_lse_bwd_rows, dev->cc, p->dtype, p->d, 0, &P->rows)) != FC_OK) return st;
   if ((st = config_for(FC_K_lse_bwd_cols, dev->cc, p->dtype, p->d, 0, &P->cols)) != FC_OK) return st;
   /* _lse_fwd / _col_programs: with a column LSE at most 2 x SMs programs, balanced */
@@ -494,7 +526,7 @@ static void common_args(const fc_plan *P, const fc_problem *p, void *ws, fc_args
   set_p(a, FC_ARG_RSA, at(ws, P->o_rsa));
   set_p(a, FC_ARG_RSB, at(ws, P->same ? P->o_rsa : P->o_rsb));
   set_p(a, FC_ARG_SCALE, p->scale);
-  set_p(a, FC_ARG_BIAS_COL, dummy);
+  set_p(a, FC_ARG_BIAS_COL, P->margin ? (const void *)p->target : dummy); /* the margin's column: target_i */
   set_p(a, FC_ARG_ROW_LAB, dummy);
   set_p(a, FC_ARG_COL_LAB, dummy);
   set_p(a, FC_ARG_POS_MASK, dummy);
@@ -504,7 +536,7 @@ static void common_args(const fc_plan *P, const fc_problem *p, void *ws, fc_args
   set_i(a, FC_ARG_stride_sa, P->d);
   set_i(a, FC_ARG_stride_sb, P->d);
   set_i(a, FC_ARG_offset, p->offset);
-  set_f(a, FC_ARG_bias, 0.0);
+  set_f(a, FC_ARG_bias, P->margin ? -(double)p->margin : 0.0); /* in cosine units (BIAS_COS): -margin */
   set_i(a, FC_ARG_n0, 1);
   set_i(a, FC_ARG_m0, 1);
   set_i(a, FC_ARG_stride_pm, 1);
@@ -544,6 +576,7 @@ fc_status fc_forward(const fc_problem *p, void *ws, size_t ws_bytes, float *lse,
   F->sym = P.same;
   F->want_col = P.want_col;
   F->exclude_self = P.excl;
+  F->margin = P.margin;
   F->grid = P.col_progs;
   common_args(&P, p, ws, &F->args);
   set_p(&F->args, FC_ARG_LSE, lse);
@@ -615,6 +648,7 @@ fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, 
   R->sym = P.same;
   R->want_col = P.want_col;
   R->exclude_self = P.excl;
+  R->margin = P.margin;
   R->grid = cdiv(P.n, P.rows.cfg->block_m);
   bwd_common(&P, p, g, ws, &R->args);
   set_p(&R->args, FC_ARG_A, p->a);
@@ -633,6 +667,7 @@ fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, 
     C->sym = 0;
     C->want_col = P.want_col;
     C->exclude_self = P.excl;
+    C->margin = P.margin;
     C->grid = cdiv(gcols, P.cols.cfg->block_n);
     bwd_common(&P, p, g, ws, &C->args);
     set_p(&C->args, FC_ARG_B, p->b);

@@ -3,9 +3,12 @@
  *
  *   fc_run MODE DTYPE N M D GRAD_COLS WANT_DB [expect STATUS]
  *
- * MODE info_nce|clip|self, DTYPE fp32|fp16|bf16, GRAD_COLS -1 for all columns, WANT_DB 0|1. Prints one
- * JSON object: the pointers it passed (so the checker can name every launch argument) and the sizes the
- * API reported. With `expect STATUS` the first failing call must fail with that status (exit 0 if so).
+ * MODE info_nce|clip|self, optionally suffixed _margin (the generator's margin feature sets: margin 0.25,
+ * fused_contrastive.aot.REC_MARGIN, with a target vector), DTYPE fp32|fp16|bf16, GRAD_COLS -1 for all
+ * columns, WANT_DB 0|1. FC_RUN_TARGET=null|misaligned (error tests) passes a NULL / misaligned target
+ * with the margin. Prints one JSON object: the pointers it passed (so the checker can name every launch
+ * argument) and the sizes the API reported. With `expect STATUS` the first failing call must fail with
+ * that status (exit 0 if so).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,9 +24,13 @@ int main(int argc, char **argv) {
     return 2;
   }
   const char *modes[] = {"info_nce", "clip", "self"}, *dts[] = {"fp32", "fp16", "bf16"};
-  int mode = -1, dt = -1;
+  int mode = -1, dt = -1, margin = 0;
   for (int i = 0; i < 3; ++i) {
-    if (!strcmp(argv[1], modes[i])) mode = i;
+    size_t k = strlen(modes[i]);
+    if (!strncmp(argv[1], modes[i], k) && (!argv[1][k] || !strcmp(argv[1] + k, "_margin"))) {
+      mode = i;
+      margin = argv[1][k] != 0;
+    }
     if (!strcmp(argv[2], dts[i])) dt = i;
   }
   if (mode < 0 || dt < 0) {
@@ -45,6 +52,11 @@ int main(int argc, char **argv) {
   p.scale = P(0x30000000);
   p.eps = 1e-12f;
   p.offset = 0;
+  if (margin) {
+    const char *t = getenv("FC_RUN_TARGET");
+    p.margin = 0.25f;
+    p.target = (t && !strcmp(t, "null")) ? NULL : P(0x37000000 + ((t && !strcmp(t, "misaligned")) ? 8 : 0));
+  }
   fc_backward_args g;
   memset(&g, 0, sizeof g);
   g.lse = P(0x31000000);
@@ -103,13 +115,15 @@ int main(int argc, char **argv) {
   }
   printf("{\"build\": \"%s\", \"workspace\": %llu, \"workspace_bytes\": %zu, \"col_part\": %llu, \"col_rows\": %lld, "
          "\"ds_rows\": %lld, \"ptrs\": {\"A\": %llu, \"B\": %llu, \"SCALE\": %llu, \"LSE\": %llu, \"LSE_COL\": %llu, "
-         "\"G\": %llu, \"G_COL\": %llu, \"GSCALE\": %llu, \"DA\": %llu, \"DB\": %llu, \"DS_PART\": %llu}}\n",
+         "\"G\": %llu, \"G_COL\": %llu, \"GSCALE\": %llu, \"DA\": %llu, \"DB\": %llu, \"DS_PART\": %llu, "
+         "\"BIAS_COL\": %llu}}\n",
          fc_build_info(), (unsigned long long)(uintptr_t)ws, bytes, (unsigned long long)(uintptr_t)part,
          (long long)col_rows, (long long)ds_rows, (unsigned long long)(uintptr_t)p.a,
          (unsigned long long)(uintptr_t)p.b, (unsigned long long)(uintptr_t)p.scale,
          (unsigned long long)(uintptr_t)g.lse, (unsigned long long)(uintptr_t)g.lse_col,
          (unsigned long long)(uintptr_t)g.g, (unsigned long long)(uintptr_t)g.g_col,
          (unsigned long long)(uintptr_t)g.gscale, (unsigned long long)(uintptr_t)g.da,
-         (unsigned long long)(uintptr_t)g.db, (unsigned long long)(uintptr_t)g.ds_part);
+         (unsigned long long)(uintptr_t)g.db, (unsigned long long)(uintptr_t)g.ds_part,
+         (unsigned long long)(uintptr_t)p.target);
   return 0;
 }

@@ -5,9 +5,11 @@
 // the Python launcher's _lse_fwd / _lse_bwd), not the whole fused_contrastive::triton_core schema: the
 // loss coefficients, targets and positive terms stay in the Python package.
 //
-//   lse(Tensor a, Tensor? b, Tensor scale, str mode, float eps) -> (Tensor lse, Tensor lse_col, Tensor ws)
+//   lse(Tensor a, Tensor? b, Tensor scale, str mode, float eps, float margin=0., Tensor? target=None)
+//       -> (Tensor lse, Tensor lse_col, Tensor ws)
 //   lse_backward(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse,
-//                Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols)
+//                Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, float margin=0.,
+//                Tensor? target=None)
 //       -> (Tensor da, Tensor db, Tensor ds)
 //   build_info() -> str    (fc_build_info(): the archs, dtypes, D classes and modes built)
 //
@@ -20,7 +22,10 @@
 // over the upper triangle's tiles) and the triangular backward sweep (ws
 // empty).
 //
-// mode: "info_nce" | "clip" | "self" (b None). lse_col is empty outside "clip"; ws is the workspace the
+// mode: "info_nce" | "clip" | "self" (b None). margin (cosine units) with target ([n] integer, row i's
+// target column in [0, m), on a's device; not range-checked: no host synchronisation): the additive
+// target margin of fc_problem, in "info_nce" and "clip" (the fused kernels and the panel path alike);
+// lse_backward takes the margin and target lse was given. lse_col is empty outside "clip"; ws is the workspace the
 // backward needs (pass it back unmodified); db is empty when not asked for (and in "self": da then holds
 // both roles of A); ds is dL/dscale (0-dim fp32). Registered for CUDA. For the tests only, the same
 // implementation is registered for CPU and runs when FUSED_CONTRASTIVE_AOT_FAKE_CPU is set: CPU data
@@ -90,11 +95,11 @@ Tensor rows_ok(const Tensor &x, const char *name) {
 
 struct Problem {
   fc_problem p{};
-  Tensor a, b, scale;
+  Tensor a, b, scale, target;  // target: [n] int64, 16-byte aligned (the margin's columns), or undefined
 };
 
 Problem make_problem(const Tensor &a_, const std::optional<Tensor> &b_, const Tensor &scale, const std::string &mode,
-                     double eps) {
+                     double eps, double margin, const std::optional<Tensor> &target) {
   Problem P;
   P.p.mode = mode_of(mode);
   P.a = rows_ok(a_, "a");
@@ -118,6 +123,23 @@ Problem make_problem(const Tensor &a_, const std::optional<Tensor> &b_, const Te
   P.p.scale = P.scale.data_ptr<float>();
   P.p.eps = static_cast<float>(eps);
   P.p.offset = 0;
+  TORCH_CHECK_VALUE(std::isfinite(margin), "fused_contrastive_aot: margin must be finite, got ", margin);
+  P.p.margin = static_cast<float>(margin);
+  if (margin != 0.0) {
+    TORCH_CHECK_VALUE(P.p.mode != FC_MODE_SELF, "fused_contrastive_aot: margin is supported in modes \"info_nce\" "
+                      "and \"clip\", not \"self\"");
+    TORCH_CHECK_VALUE(target.has_value(), "fused_contrastive_aot: margin != 0 needs target ([n] target columns)");
+    const Tensor &t = *target;
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == P.p.n, "fused_contrastive_aot: target must have shape [n] = [",
+                      P.p.n, "], got ", t.sizes());
+    TORCH_CHECK_TYPE(!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type()) &&
+                         t.scalar_type() != at::kBool,
+                     "fused_contrastive_aot: target must be an integer tensor, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.device() == P.a.device(), "fused_contrastive_aot: target must be on a's device");
+    P.target = t.to(at::kLong).contiguous();
+    if (reinterpret_cast<uintptr_t>(P.target.data_ptr()) % 16) P.target = P.target.clone();  // a fresh allocation
+    P.p.target = P.target.data_ptr<int64_t>();
+  }
   return P;
 }
 
@@ -194,6 +216,8 @@ struct Panel {
   bool fold;     // the kernels fold B's inverse norms into the gradient tile (bf16 / fp32)
   Tensor scale;  // [1] fp32
   Tensor dummy;  // stands in for every absent pointer (never dereferenced)
+  double margin;  // the target margin (cosine units; 0: none) at columns target ([n] int64)
+  Tensor target;
   void *stream;
   int programs;  // 2 per SM (triton_panel._programs)
 };
@@ -212,6 +236,8 @@ Panel make_panel(const Problem &P) {
   C.prescale = C.dt == FC_FLOAT16 ? FC_PANEL_FP16_PRESCALE : 1.0;
   C.scale = P.scale;
   C.dummy = at::empty({1}, P.a.options().dtype(at::kFloat));
+  C.margin = P.p.margin;
+  C.target = P.target;
   C.stream = stream_of(P.a);
   int cc = 0, sms = 0;
   check(fc_device_props(&cc, &sms), "fc_device_props");
@@ -397,15 +423,17 @@ void rows_launch(const Panel &C, const Tensor &g, const Tensor &x, const Tensor 
       .run(C.stream);
 }
 
-// panel_dl_kernel's launch without bias, positives or masks; `tri`: a triangular panel (SYM, TRI)
+// panel_dl_kernel's launch without positives or masks; `tri`: a triangular panel (SYM, TRI). The bias
+// column is the target margin's (HAS_BIAS and BIAS_COS: bias = -margin at column target_i), if any
 Kernel dl_kernel(const Panel &C, int64_t grid, int64_t block_r, int64_t block_c, bool excl, bool has_gcol, bool tri) {
+  const bool margin = C.margin != 0.0;
   Kernel k("panel_dl", C.dt, grid);
-  k.c("BLOCK_R", block_r).c("BLOCK_C", block_c).c("NORMALIZE", 1).c("EXCLUDE_SELF", excl).c("HAS_BIAS", 0).c("BIAS_COS", 0)
-      .c("POS_KIND", 0).c("HAS_G", 1).c("HAS_GCOL", has_gcol).c("HAS_GPOS", 0).c("SYM", tri).c("EAGER", 0)
-      .c("ONE_PASS", 0).c("NEED_DS", 1).c("FOLD_RB", C.fold).cf("PRESCALE", C.prescale).c("TRI", tri);
-  k.p("BIAS_COL", C.dummy).p("ROW_LAB", C.dummy).p("COL_LAB", C.dummy).p("POS_MASK", C.dummy)
+  k.c("BLOCK_R", block_r).c("BLOCK_C", block_c).c("NORMALIZE", 1).c("EXCLUDE_SELF", excl).c("HAS_BIAS", margin)
+      .c("BIAS_COS", margin).c("POS_KIND", 0).c("HAS_G", 1).c("HAS_GCOL", has_gcol).c("HAS_GPOS", 0).c("SYM", tri)
+      .c("EAGER", 0).c("ONE_PASS", 0).c("NEED_DS", 1).c("FOLD_RB", C.fold).cf("PRESCALE", C.prescale).c("TRI", tri);
+  k.p("BIAS_COL", margin ? C.target : C.dummy).p("ROW_LAB", C.dummy).p("COL_LAB", C.dummy).p("POS_MASK", C.dummy)
       .p("LSE_POS", C.dummy).p("G_POS", C.dummy).p("LSE_OUT", C.dummy).p("LSE_POS_OUT", C.dummy)
-      .i("offset", 0).f("bias", 0.0).i("n0", 1).i("m0", 1).i("stride_pm", 1);
+      .i("offset", 0).f("bias", margin ? -C.margin : 0.0).i("n0", 1).i("m0", 1).i("stride_pm", 1);
   return k;
 }
 
@@ -527,12 +555,13 @@ void *ws_ptr(const Tensor &ws) {
 }
 
 std::tuple<Tensor, Tensor, Tensor> lse(const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale,
-                                       std::string mode, double eps) {
+                                       std::string mode, double eps, double margin,
+                                       const std::optional<Tensor> &target) {
 #ifdef FC_TORCH_CUDA
   c10::cuda::OptionalCUDAGuard guard;
   if (a.is_cuda()) guard.set_device(a.device());
 #endif
-  Problem P = make_problem(a, b, scale, mode, eps);
+  Problem P = make_problem(a, b, scale, mode, eps, margin, target);
   if (P.p.mode == FC_MODE_SELF && use_panel(P.a, P.p.n, P.p.n)) {  // the triangular forward: no workspace
     Tensor l = tri_lse(make_panel(P));
     return {l, at::empty({0}, l.options()), at::empty({0}, P.a.options().dtype(at::kByte))};
@@ -558,12 +587,13 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward(const Tensor &a, const std::opti
                                                 std::string mode, double eps, const Tensor &ws, const Tensor &lse_,
                                                 const std::optional<Tensor> &lse_col, const Tensor &g,
                                                 const std::optional<Tensor> &g_col, bool need_b,
-                                                std::optional<c10::SymInt> grad_cols) {
+                                                std::optional<c10::SymInt> grad_cols, double margin,
+                                                const std::optional<Tensor> &target) {
 #ifdef FC_TORCH_CUDA
   c10::cuda::OptionalCUDAGuard guard;
   if (a.is_cuda()) guard.set_device(a.device());
 #endif
-  Problem P = make_problem(a, b, scale, mode, eps);
+  Problem P = make_problem(a, b, scale, mode, eps, margin, target);
   auto f32 = [&](const Tensor &t) { return t.to(P.a.device(), at::kFloat).contiguous(); };
   const bool clip = P.p.mode == FC_MODE_CLIP;
   TORCH_CHECK_VALUE(clip == (lse_col.has_value() && g_col.has_value()),
@@ -633,9 +663,11 @@ static std::string build_info() { return fc_build_info(); }  // "archs=80;90 dty
 
 TORCH_LIBRARY(fused_contrastive_aot, m) {
   m.def("build_info() -> str", &build_info);
-  m.def("lse(Tensor a, Tensor? b, Tensor scale, str mode, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("lse(Tensor a, Tensor? b, Tensor scale, str mode, float eps, float margin=0., Tensor? target=None) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("lse_backward(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
-        "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols) -> (Tensor, Tensor, Tensor)");
+        "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, float margin=0., "
+        "Tensor? target=None) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fused_contrastive_aot, CUDA, m) {
@@ -645,19 +677,22 @@ TORCH_LIBRARY_IMPL(fused_contrastive_aot, CUDA, m) {
 
 namespace {
 std::tuple<Tensor, Tensor, Tensor> lse_cpu(const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale,
-                                           std::string mode, double eps) {
+                                           std::string mode, double eps, double margin,
+                                           const std::optional<Tensor> &target) {
   const bool fake = std::getenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU") != nullptr;
   TORCH_CHECK(fake, "fused_contrastive_aot::lse runs on CUDA tensors (the kernels are GPU code)");
-  return lse(a, b, scale, std::move(mode), eps);
+  return lse(a, b, scale, std::move(mode), eps, margin, target);
 }
 std::tuple<Tensor, Tensor, Tensor> lse_backward_cpu(const Tensor &a, const std::optional<Tensor> &b,
                                                     const Tensor &scale, std::string mode, double eps, const Tensor &ws,
                                                     const Tensor &l, const std::optional<Tensor> &lc, const Tensor &g,
                                                     const std::optional<Tensor> &gc, bool need_b,
-                                                    std::optional<c10::SymInt> grad_cols) {
+                                                    std::optional<c10::SymInt> grad_cols, double margin,
+                                                    const std::optional<Tensor> &target) {
   const bool fake = std::getenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU") != nullptr;
   TORCH_CHECK(fake, "fused_contrastive_aot::lse_backward runs on CUDA tensors (the kernels are GPU code)");
-  return lse_backward(a, b, scale, std::move(mode), eps, ws, l, lc, g, gc, need_b, std::move(grad_cols));
+  return lse_backward(a, b, scale, std::move(mode), eps, ws, l, lc, g, gc, need_b, std::move(grad_cols), margin,
+                      target);
 }
 }  // namespace
 

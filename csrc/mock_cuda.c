@@ -10,7 +10,11 @@
  * The device is described by FC_MOCK_CC (e.g. 90, 80, 86, 75; default 90), FC_MOCK_SMS (default 132),
  * FC_MOCK_SMEM_OPTIN (default 232448); FC_MOCK_NO_DEVICE=1 makes cuInit fail as without a GPU,
  * FC_MOCK_NO_CONTEXT=1 reports no current context. Nothing is ever executed or dereferenced on the
- * "device".
+ * "device", unless a test installs a launch hook (fc_mock_set_exec): it receives every launch after it
+ * is logged (the module image, the kernel's name, grid and the parameter bytes by the cubin's layout)
+ * and may run it itself, e.g. the same kernel under the Triton interpreter on host memory that stands
+ * in for device memory (tests/_aot_exec.py); a non-zero return fails the launch
+ * (CUDA_ERROR_LAUNCH_FAILED).
  */
 #include <cuda.h>
 #include <pthread.h>
@@ -55,6 +59,13 @@ static mock_module modules[MAX_MODULES];
 static int n_modules;
 static mock_func funcs[MAX_FUNCS];
 static int n_funcs;
+
+/* The launch hook (NULL: launches are only logged). */
+typedef int (*fc_mock_exec_fn)(const void *image, size_t image_size, const char *name, unsigned grid_x, int nparams,
+                               const int *sizes, void **params);
+static fc_mock_exec_fn exec_hook;
+
+__attribute__((visibility("default"))) void fc_mock_set_exec(fc_mock_exec_fn fn) { exec_hook = fn; }
 
 static uint64_t rd(const unsigned char *p, int bytes) {
   uint64_t v = 0;
@@ -231,5 +242,8 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, un
   n += snprintf(b + n, sizeof b - (size_t)n, "], \"extra_param\": %s}", params[f->nparams] ? "true" : "false");
   log_line(b);
   pthread_mutex_unlock(&mu);
+  if (r == CUDA_SUCCESS && exec_hook &&
+      exec_hook(modules[f->module].image, modules[f->module].size, f->name, gx, f->nparams, f->size, params))
+    r = CUDA_ERROR_LAUNCH_FAILED;
   return r;
 }

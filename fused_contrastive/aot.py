@@ -35,7 +35,12 @@ dense-mask kernels are not compiled): normalised rows, no bias, no positive term
 
 * ``info_nce``: B given, row LSE (InfoNCE / MNRL with keys, SimCSE supervised);
 * ``clip``: B given, row and column LSE (CLIP's two directions from one pass);
-* ``self``: B is A with the self column excluded (SimCSE unsupervised in-batch, symmetric backward).
+* ``self``: B is A with the self column excluded (SimCSE unsupervised in-batch, symmetric backward);
+* ``info_nce_margin`` / ``clip_margin``: ``info_nce`` / ``clip`` with an additive margin in cosine units
+  on each row's target logit, ``l_it = s (c_it - margin)`` (``CoreSpec.margin`` with
+  ``CoreData.target``; AM-softmax / LaBSE): the kernels with ``HAS_BIAS`` and ``BIAS_COS`` (the margin
+  rides on the bias column, ``bias = -margin`` at column ``target_i``). The C API selects them when
+  ``fc_problem.margin != 0``; the margin and the targets are runtime arguments.
 
 The backward always computes dA and the scale gradient partials (NEED_DX, NEED_DS), dB when asked
 (``info_nce``/``clip``). Triton must be imported with ``TRITON_INTERPRET=0`` (the ``main`` entry
@@ -53,12 +58,24 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-#: mode -> (B given, column LSE, exclude_self); see the module docstring.
-MODES: dict[str, tuple[bool, bool, bool]] = {
-    "info_nce": (True, False, False),
-    "clip": (True, True, False),
-    "self": (False, False, True),
+#: mode -> (B given, column LSE, exclude_self, target margin); see the module docstring.
+MODES: dict[str, tuple[bool, bool, bool, bool]] = {
+    "info_nce": (True, False, False, False),
+    "clip": (True, True, False, False),
+    "self": (False, False, True, False),
+    "info_nce_margin": (True, False, False, True),
+    "clip_margin": (True, True, False, True),
 }
+
+#: The margin the margin modes are recorded with (a runtime argument: any value runs the same cubins;
+#: exact in fp32, so the launch checks compare it bit for bit).
+REC_MARGIN = 0.25
+
+
+def base_mode(mode: str) -> str:
+    """The C API's mode of a feature set: ``"info_nce_margin"`` -> ``"info_nce"`` (FC_MODE_INFO_NCE with
+    ``fc_problem.margin != 0``)."""
+    return mode.removesuffix("_margin")
 
 #: D classes: a padded D of a resident config ("16" .. "128": its own BLOCK_D) or "big" (D_PAD > 128,
 #: streamed in fixed chunks). Recorded at these D (the largest of each class).
@@ -84,6 +101,12 @@ def _aligned_int(name: str) -> bool:
 #: libfused_contrastive_torch, whose panel sweeps do the GEMMs with ``at::mm``.
 PANEL_KERNELS = ("panel_dl", "panel_rows")
 
+#: The panel path is recorded in its cuBLAS form (``triton_panel.use_epilogue`` off: an fp32 panel of
+#: products from a GEMM, then ``panel_dl``), the form ``csrc/fc_torch.cpp`` mirrors with ``at::mm``. The
+#: Python launcher's default for 16-bit panels on CUDA (and on the meta device it is recorded on) is the
+#: epilogue GEMM (``epi_gemm``), which the C++ host code does not drive.
+PANEL_GEMM_ENV = "FUSED_CONTRASTIVE_PANEL_GEMM"
+
 #: Grid sizes the panel kernels are recorded for (``triton_panel.PANEL_PROGRAMS``): at REC_N rows one per
 #: BLOCK_R of ``triton_panel.panel_blocks`` (16, 8, 4, 2, 1), so every row-block variant is compiled.
 PANEL_PROGRAMS_REC = (32, 64, 128, 256, 1024)
@@ -107,35 +130,41 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
            programs: int | None = None, roots: dict | None = None):
     """The launches of one forward + backward of ``mode`` through the Python launcher (meta tensors).
     ``sms``: the device's SM count (the column-LSE forward uses 2 x SMs programs on a GPU). ``path``:
-    "fused" (the fused kernels) or "panel" (:func:`record_panel`; ``programs``, ``roots`` are its)."""
+    "fused" (the fused kernels) or "panel" (:func:`record_panel`; ``programs``, ``roots`` are its).
+    The margin modes are recorded with ``margin = REC_MARGIN`` and an int64 target vector [n]."""
+    import torch
+
     from .core import triton_backend as TB
     from .core.spec import CoreData, CoreSpec
     from .tools.aot import record_core
 
-    has_b, want_col, excl = MODES[mode]
-    spec = CoreSpec(eps=eps, exclude_self=excl, offset=offset, grad_cols=grad_cols)
+    has_b, want_col, excl, margin = MODES[mode]
+    spec = CoreSpec(eps=eps, exclude_self=excl, offset=offset, grad_cols=grad_cols,
+                    margin=REC_MARGIN if margin else 0.0)
+    data = CoreData(target=torch.empty(n, dtype=torch.int64, device="meta") if margin else None)
     if path == "panel":
-        return record_panel(mode, dtype, n, m, d, arch, spec, need_b, sms, programs, roots)
+        return record_panel(mode, dtype, n, m, d, arch, spec, need_b, sms, programs, roots, data)
     if path != "fused":
         raise ValueError(f"path must be 'fused' or 'panel', got {path!r}")
     prev = TB.COL_PARTIAL_PROGRAMS
     TB.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev
     try:
-        return record_core(spec, CoreData(), has_b, want_col, False, _torch_dtype(dtype), n, m if has_b else n, d,
+        return record_core(spec, data, has_b, want_col, False, _torch_dtype(dtype), n, m if has_b else n, d,
                            arch, need_a=True, need_b=need_b and has_b, need_s=True)
     finally:
         TB.COL_PARTIAL_PROGRAMS = prev
 
 
 def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec, need_b: bool, sms: int | None,
-                 programs: int | None, roots: dict | None):
+                 programs: int | None, roots: dict | None, data=None):
     """The panel path's launches for the statistics-level op (per-row LSEs, upstream gradients given):
     what ``triton_panel.forward`` / ``backward`` launch without a reduction. "info_nce" / "clip": the
     fused forward (``_lse_fwd``), then the recomputing panel sweep; "self" (B is A, no bias: symmetric
     logits): the triangular forward (``_lse_fwd`` with ``tri``) and sweep (``tri_backward``).
     ``programs``: the panel kernels' target grid (``PANEL_PROGRAMS``; 2 x SMs on a GPU). ``roots`` (a dict,
     filled): the tensors a caller owns (A, B, LSE, LSE_COL, G, G_COL, DA, DB), so a launch argument can be
-    traced to one of them."""
+    traced to one of them; TARGET too in the margin modes). ``data``: the CoreData (the margin modes'
+    target), default empty."""
     import torch
 
     from .core import triton_backend as TB
@@ -143,7 +172,8 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     from .core.spec import CoreData
     from .tools.aot import recording
 
-    has_b, want_col, _ = MODES[mode]
+    has_b, want_col = MODES[mode][:2]
+    data = data if data is not None else CoreData()
     meta = torch.device("meta")
     dt = _torch_dtype(dtype)
     a = torch.empty((n, d), dtype=dt, device=meta)
@@ -151,27 +181,33 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     scale = torch.empty((), dtype=torch.float32, device=meta)
     g = torch.empty(n, device=meta)
     prev = TB.COL_PARTIAL_PROGRAMS, TP.PANEL_PROGRAMS
+    prev_gemm = os.environ.get(PANEL_GEMM_ENV)
     TB.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev[0]
     TP.PANEL_PROGRAMS = programs if programs else (2 * sms if sms else prev[1])
+    os.environ[PANEL_GEMM_ENV] = "cublas"  # the form csrc/fc_torch.cpp mirrors (see PANEL_GEMM_ENV)
     try:
         with recording(arch) as launches:
-            p = TB._prepare_data(a, b, spec, CoreData(), False)
+            p = TB._prepare_data(a, b, spec, data, False)
             scale_t = TB._scale32(scale, meta)
             lse_col = g_col = db = None
             # the backward is a second operator call in C++: its own dummy pointer (never dereferenced)
-            pb = TB._prepare_data(a, b, spec, CoreData(), False)
+            pb = TB._prepare_data(a, b, spec, data, False)
             if TP.use_tri(p, want_col, False):
-                lse = TB._lse_fwd(a, None, scale, spec, CoreData(), False, False, tri=True)[0]
+                lse = TB._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
                 da, _ = TP.tri_backward(TB._launch, pb, p.a, spec, scale_t, lse, g, True, True)
             else:
-                lse, lse_col, _, _ = TB._lse_fwd(a, b, scale, spec, CoreData(), want_col, False)
+                lse, lse_col, _, _ = TB._lse_fwd(a, b, scale, spec, data, want_col, False)
                 g_col = torch.empty(m, device=meta) if want_col else None
                 da, db, _, _, _ = TP.sweep(TB._launch, pb, p.a, p.b, False, scale_t, spec, lse, lse_col, None, g,
                                            g_col, None, True, need_b and has_b, True, False)
     finally:
         TB.COL_PARTIAL_PROGRAMS, TP.PANEL_PROGRAMS = prev
+        if prev_gemm is None:
+            os.environ.pop(PANEL_GEMM_ENV, None)
+        else:
+            os.environ[PANEL_GEMM_ENV] = prev_gemm
     if roots is not None:
-        roots.update(A=a, B=b, LSE=lse, LSE_COL=lse_col, G=g, G_COL=g_col, DA=da, DB=db)
+        roots.update(A=a, B=b, LSE=lse, LSE_COL=lse_col, G=g, G_COL=g_col, DA=da, DB=db, TARGET=data.target)
     return launches
 
 
@@ -258,8 +294,9 @@ def variant_key(launch) -> str:
 
 
 def _flag_key(launch, mode: str, dclass: str) -> dict:
-    has_b, want_col, excl = MODES[mode]
-    return dict(kernel=launch.name, dclass=dclass, sym=not has_b, want_col=want_col, exclude_self=excl)
+    has_b, want_col, excl, margin = MODES[mode]
+    return dict(kernel=launch.name, dclass=dclass, sym=not has_b, want_col=want_col, exclude_self=excl,
+                margin=margin)
 
 
 def _recordings(mode: str, dt: str, dc: str, fam: str):
@@ -272,7 +309,7 @@ def _recordings(mode: str, dt: str, dc: str, fam: str):
 
 def plan(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[str]) -> tuple[list, dict]:
     """(variant table, compile jobs by (cc, variant key)) of a build. Fused-path kernels are looked up by
-    (D class, sym, want_col, exclude_self) as the C launcher chooses them; the panel kernels by their
+    (D class, sym, want_col, exclude_self, margin) as the C launcher chooses them; the panel kernels by their
     constexpr key (:func:`ckey`, the same for every D class where it does not depend on D)."""
     table, todo = [], {}
     seen, by_ckey = set(), {}
@@ -290,11 +327,12 @@ def plan(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[s
                             # fused launcher must not pick): by constexpr key only
                             if launch.name in PANEL_KERNELS or launch.constexprs.get("TRI"):
                                 fk = dict(cc=cc, dtype=dt, kernel=launch.name, dclass="-", sym=-1, want_col=-1,
-                                          exclude_self=-1)
+                                          exclude_self=-1, margin=-1)
                             else:
                                 fk = dict(cc=cc, dtype=dt, **_flag_key(launch, mode, dc))
                                 if launch.name == "row_norm":
-                                    fk.update(sym=False, want_col=False, exclude_self=False)  # flags do not apply
+                                    # flags do not apply
+                                    fk.update(sym=False, want_col=False, exclude_self=False, margin=False)
                             ident = tuple(sorted(dict(fk, ckey=ck).items()))
                             if ident in seen:
                                 continue
@@ -368,7 +406,8 @@ def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: li
                     PANEL_FP16_PRESCALE=TP.FP16_PRESCALE),
         configs=configs, layouts=layouts,
         variants=[dict(e, **{k: compiled[(e["cc"], e["variant"])][k]
-                             for k in ("symbol", "num_warps", "shared", "file", "sha256")}) for e in table],
+                             for k in ("symbol", "num_warps", "shared", "file", "sha256")},
+                       arg_types=[q["type"] for q in compiled[(e["cc"], e["variant"])]["layout"]]) for e in table],
         compile_seconds={f"sm{r['cc']}_{r['variant']}": round(r["seconds"], 2) for r in results},
         plan_seconds=round(t_plan, 2), total_seconds=None)
     _write_c(manifest, compiled, out)
@@ -390,9 +429,9 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
     h += ["typedef enum {"] + [f"  FC_K_{k}," for k in kernels] + ["  FC_K_COUNT", "} fc_kernel;", ""]
     h += ["typedef struct { fc_argname name; fc_argtype type; int div16; } fc_param;",
           "typedef struct { int n; const fc_param *params; } fc_layout;",
-          "/* fused-path kernels are chosen by (dpad, sym, want_col, exclude_self); the panel kernels (-1 there)",
-          "   by ckey, their constexprs as NAME=value sorted by name (fc_launch_kernel) */",
-          "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self;",
+          "/* fused-path kernels are chosen by (dpad, sym, want_col, exclude_self, margin); the panel kernels",
+          "   (-1 there) by ckey, their constexprs as NAME=value sorted by name (fc_launch_kernel) */",
+          "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self, margin;",
           "  const char *ckey, *variant, *symbol; int num_warps, shared;",
           "  const unsigned char *cubin; size_t cubin_size;",
           "} fc_variant;",
@@ -433,7 +472,8 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
         dpad = -1 if v["dclass"] == "-" else 0 if v["dclass"] == "big" else int(v["dclass"])
         sym = f"fc_cubin_sm{v['cc']}_{_c_ident(v['variant'])}"
         rows.append(f"  {{{v['cc']}, {dt_idx[v['dtype']]}, FC_K_{v['kernel']}, {dpad}, {int(v['sym'])}, "
-                    f"{int(v['want_col'])}, {int(v['exclude_self'])}, \"{v['ckey']}\", \"{v['variant']}\", "
+                    f"{int(v['want_col'])}, {int(v['exclude_self'])}, {int(v['margin'])}, \"{v['ckey']}\", "
+                    f"\"{v['variant']}\", "
                     f"\"{v['symbol']}\", "
                     f"{v['num_warps']}, {v['shared']}, {sym}, sizeof({sym})}},")
     c += ["const fc_variant fc_variants[FC_N_VARIANTS] = {"] + rows + ["};"]
@@ -464,7 +504,7 @@ def _scenarios(man: dict) -> list[dict]:
                 for mode in man["modes"]:
                     # ragged N, M (not multiples of any block); CLIP on 3 SMs: 1000 rows = 8 row blocks of 128
                     # -> 6 programs cap -> 4 programs of 2 row blocks (the persistent loop)
-                    n, m, sms = (1000, 200, 3) if mode == "clip" else (300, 200, 132)
+                    n, m, sms = (1000, 200, 3) if base_mode(mode) == "clip" else (300, 200, 132)
                     out.append(dict(cc=cc, dtype=dt, mode=mode, n=n, m=m, d=CHECK_D[dc], grad_cols=-1,
                                     db=mode != "self", sms=sms))
         if "info_nce" in man["modes"]:
@@ -713,6 +753,13 @@ def _panel_scenarios(man: dict) -> list[dict]:
                             sms=4, path="panel", budget="1"))
             out.append(dict(cc=cc, dtype=dt, mode="clip", n=150, m=300, d=CHECK_D[dc], grad_cols=-1, db=False,
                             sms=4, path="panel", budget="1"))
+            # the margin modes: the bias-column variants of panel_dl (two row-block sizes, a queue)
+            if "info_nce_margin" in man["modes"]:
+                out.append(dict(cc=cc, dtype=dt, mode="info_nce_margin", n=300, m=200, d=CHECK_D[dc], grad_cols=150,
+                                db=True, sms=2, path="panel", budget="1"))
+            if "clip_margin" in man["modes"]:
+                out.append(dict(cc=cc, dtype=dt, mode="clip_margin", n=150, m=300, d=CHECK_D[dc], grad_cols=-1,
+                                db=True, sms=132, path="panel", budget="1"))
     return out
 
 
@@ -749,14 +796,16 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
         a = torch.empty(n, d, dtype=dt)
         b = None if sc["mode"] == "self" else torch.empty(m, d, dtype=dt)
         scale = torch.tensor(20.0)
-        clip = sc["mode"] == "clip"
+        mode, margin = base_mode(sc["mode"]), (REC_MARGIN if MODES[sc["mode"]][3] else 0.0)
+        target = torch.arange(n) % m if margin else None
+        clip = mode == "clip"
         gcols = None if sc["grad_cols"] < 0 else sc["grad_cols"]
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof_c:
-            lse, lse_col, ws = op.lse(a, b, scale, sc["mode"], 1e-12)
+            lse, lse_col, ws = op.lse(a, b, scale, mode, 1e-12, margin, target)
             g = torch.ones(n)
             g_col = torch.ones(m) if clip else None
-            da, db, _ = op.lse_backward(a, b, scale, sc["mode"], 1e-12, ws, lse, lse_col if clip else None, g,
-                                        g_col, sc["db"], gcols)
+            da, db, _ = op.lse_backward(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
+                                        g_col, sc["db"], gcols, margin, target)
         if sc.get("path") == "panel":  # the GEMMs between the kernels: same order and shapes as Python's
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof_py:
                 record(sc["mode"], sc["dtype"], n, m, d, _ARCH_FAMILY[sc["cc"]], need_b=sc["db"], grad_cols=gcols,
@@ -770,7 +819,8 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
         ptrs = dict(A=a.data_ptr(), B=b.data_ptr() if b is not None else 0, LSE=lse.data_ptr(),
                     LSE_COL=lse_col.data_ptr() if clip else 0, G=g.data_ptr(),
                     G_COL=g_col.data_ptr() if clip else 0, DA=da.data_ptr(),
-                    DB=db.data_ptr() if db.numel() else 0)
+                    DB=db.data_ptr() if db.numel() else 0, TARGET=target.data_ptr() if margin else 0,
+                    BIAS_COL=target.data_ptr() if margin else 0)
         info = dict(ptrs=ptrs, workspace=wsp, workspace_bytes=max(0, ws.numel() - 256),
                     roots={k: v for k, v in ptrs.items() if v})
         e, pairs = compare_calls(sc, man, calls, start, info, internal=("GSCALE", "DS_PART", "SCALE"))

@@ -8,13 +8,19 @@
  *
  * Math (normalised rows a_i = A_i / max(||A_i||, eps), b_j likewise, runtime scale s):
  *   l_ij = s <a_i, b_j>        (-inf at j == offset + i in FC_MODE_SELF)
+ *   l_ij = s (<a_i, b_j> - margin)  at j == target[i] when margin != 0 (additive margin, cosine units)
  *   LSE_i = log sum_j exp(l_ij),   LSEcol_j = log sum_i exp(l_ij)  (FC_MODE_CLIP)
- * A loss adds its linear positive term (e.g. -l_ii) itself; it is O(N*D).
+ * A loss adds its linear positive term (e.g. -l_ii, with the margin: -s (<a_i, b_i> - margin)) itself;
+ * it is O(N*D). With a margin, dL/ds takes <a_i, b_t> - margin at the target (fc_backward's ds_part does).
  *
  * Modes (the compiled feature set; positives by labels / masks, bias and queue masks are not shipped):
  *   FC_MODE_INFO_NCE  B given, row LSE                      (InfoNCE / MNRL with keys)
  *   FC_MODE_CLIP      B given, row LSE and column LSE       (CLIP: both directions from one pass)
  *   FC_MODE_SELF      B is A, the self column excluded     (SimCSE-style in-batch, symmetric backward)
+ * FC_MODE_INFO_NCE and FC_MODE_CLIP also take a target margin (fc_problem.margin, .target): AM-softmax /
+ * LaBSE, its row form (FC_MODE_INFO_NCE, target[i] = i) and its symmetric form (FC_MODE_CLIP, the margin
+ * on the diagonal: target[i] = i with n == m). Those are their own kernels, built as the feature sets
+ * "info_nce_margin" / "clip_margin" of FC_MODES; margin == 0 runs the plain kernels (target ignored).
  *
  * Conventions: every pointer is a CUDA device pointer (CUdeviceptr cast to void*), 16-byte aligned;
  * rows have a contiguous inner dimension; D and every row stride must be multiples of 16 elements; N, M,
@@ -69,6 +75,15 @@ typedef struct fc_problem {
   const float *scale;    /* 1 float on the device: s (1 / temperature); a runtime value, never recompiles */
   float eps;             /* norm clamp, e.g. 1e-12 */
   int64_t offset;        /* FC_MODE_SELF: row i's excluded column is offset + i (0 when B is A) */
+  /* Additive target margin (cosine units, finite; 0 = none, the default of a zeroed struct): row i's logit
+     at column target[i] is s (<a_i, b_target[i]> - margin), in the row LSE, the column LSE (FC_MODE_CLIP)
+     and the gradients (dL/ds takes <a_i, b_t> - margin there). FC_MODE_INFO_NCE and FC_MODE_CLIP only:
+     FC_ERR_UNSUPPORTED_MODE in FC_MODE_SELF or when the "<mode>_margin" kernels were not built. */
+  float margin;
+  /* [n] int64 on the device, 16-byte aligned: row i's target column, in [0, m). Required when margin != 0
+     (FC_ERR_INVALID_ARGUMENT if NULL, FC_ERR_MISALIGNED), ignored otherwise. The values are device memory
+     and are not checked: a value outside [0, m) matches no column, so that row gets no margin. */
+  const int64_t *target;
 } fc_problem;
 
 typedef struct fc_backward_args {

@@ -59,7 +59,8 @@ def test_ctest_passes(build):
     assert "100% tests passed" in out
     # the tests that must exist (a renamed or dropped test would otherwise pass silently)
     for name in ("fc_no_driver", "fc_no_device", "fc_no_context", "fc_arch_75", "fc_d_not_16",
-                 "fc_dtype_fp32_not_built", "fc_python_parity", "fc_torch_parity", "fc_consumer_run"):
+                 "fc_dtype_fp32_not_built", "fc_margin_self", "fc_margin_no_target", "fc_margin_misaligned_target",
+                 "fc_python_parity", "fc_torch_parity", "fc_consumer_run"):
         assert f" {name} " in out, name
     assert "Passed" in out
 
@@ -87,8 +88,11 @@ def test_manifest_covers_the_python_launcher(build):
                         assert [p["name"] for p in man["layouts"][ln.name]] == params
     keys = {(v["cc"], v["kernel"], v["ckey"]) for v in man["variants"]}
     for cc in (80, 90):
-        # 3 modes x 5 row blocks of panel_dl (the modes' flags differ); the triangular forward
-        assert len({k for c, kn, k in keys if c == cc and kn == "panel_dl"}) == 15
+        # 5 modes x 5 row blocks of panel_dl (the modes' flags differ); the triangular forward
+        assert len({k for c, kn, k in keys if c == cc and kn == "panel_dl"}) == 25
+        # the margin modes' kernels: the bias column in cosine units, fused and panel
+        margin_kernels = {kn for c, kn, k in keys if c == cc and "BIAS_COS=1" in k and "HAS_BIAS=1" in k}
+        assert margin_kernels == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols", "panel_dl"}, margin_kernels
         assert any(kn == "lse_fwd" and "TRI=1" in k for c, kn, k in keys if c == cc)
         assert {kn for c, kn, _ in keys if c == cc} >= set(aot.PANEL_KERNELS) | {"row_norm"}
     per_arch = {cc: len({v for c, v in built if c == cc}) for cc in (80, 90)}
@@ -117,7 +121,8 @@ def test_torch_operators_run_the_panel_path(build):
     out = _run([sys.executable, "-m", "fused_contrastive.aot", "check", "--gen", str(build / "gen"), "--torch-lib",
                 str(lib), "--mock", str(build / "libfc_mock_cuda.so"), "--work", str(build / "pytest_torch_check")],
                ROOT, 600, env=dict(os.environ, TRITON_INTERPRET="0"))
-    assert "(12 on the panel path)" in out and out.rstrip().endswith("OK"), out[-3000:]
+    # 6 problems per (arch, dtype): 3 modes, B is A at the default budget, a queue, dB off; the 2 margin modes
+    assert "(16 on the panel path)" in out and out.rstrip().endswith("OK"), out[-3000:]
     # each panel kernel (panel_dl, panel_rows, the triangular forward) of each arch (2) byte-identical
     # to a fresh triton.compile
     assert "6 launched panel-kernel cubins recompiled from scratch" in out, out[-3000:]
@@ -336,3 +341,100 @@ def test_the_library_probes_its_fp32_output_gemms(build, tmp_path):
         said = text.count(f"no working fp32-output {op} of BFloat16 operands")
         assert said == 1, (op, said, text[-3000:])
     assert "upcast route" in text
+
+
+_AM_SOFTMAX = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[3])
+import torch
+import _aot_exec
+import fused_contrastive as fc
+from fused_contrastive.core import triton_aot
+from fused_contrastive.testing.baselines import am_softmax_formula
+
+ex = _aot_exec.install(sys.argv[1], sys.argv[2])
+lib = os.environ[triton_aot.ENV]
+
+
+def run(q, k, symmetric, margin, aot):
+    # one loss and its gradients (queries, keys, temperature) on backend="triton": the library's operators
+    # (aot) or, with the route off, the JIT kernels (interpreted; the Python launcher's host code)
+    os.environ[triton_aot.ENV] = lib
+    if not aot:
+        del os.environ[triton_aot.ENV]
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    t = torch.tensor(0.1, requires_grad=True)
+    calls, launched = triton_aot.CALLS, len(ex.launches)
+    loss = fc.am_softmax_loss(q, k, margin=margin, temperature=t, symmetric=symmetric, backend="triton")
+    loss.backward()
+    return [loss, q.grad, k.grad, t.grad], triton_aot.CALLS - calls, sorted(set(ex.launches[launched:]))
+
+
+def textbook(q, k, symmetric, margin):
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    t64 = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    ref = am_softmax_formula(q64, k64, margin, t64, symmetric=symmetric)
+    ref.backward()
+    return [ref, q64.grad, k64.grad, t64.grad]
+
+
+def errs(got, want):  # max |got - want| / max |want| of loss, dq, dk, dt
+    return [((x.detach().double() - y.detach().double()).abs().max() / y.detach().double().abs().max()).item()
+            for x, y in zip(got, want)]
+
+
+out = []
+for path, d in (("fused", 112), ("fused", 784), ("panel", 112)):
+    os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path
+    for symmetric in (False, True):
+        g = torch.Generator().manual_seed(d + symmetric)
+        q = torch.randn(40, d, generator=g).to(torch.bfloat16)
+        k = (q.float() + 0.7 * torch.randn(40, d, generator=g)).to(torch.bfloat16)
+        got, calls, kernels = run(q, k, symmetric, 0.3, True)
+        jit, jit_calls, _ = run(q, k, symmetric, 0.3, False)
+        out.append(dict(path=path, d=d, symmetric=symmetric, calls=calls, jit_calls=jit_calls, kernels=kernels,
+                        err=errs(got, textbook(q, k, symmetric, 0.3)), err_jit=errs(got, jit),
+                        err_no_margin=errs(got, textbook(q, k, symmetric, 0.0))))
+print(json.dumps(dict(cases=out, errors=ex.errors)))
+"""
+
+
+def test_the_library_computes_am_softmax(build, tmp_path):
+    """am_softmax_loss (LaBSE's additive margin: the row form as FC_MODE_INFO_NCE, the symmetric form as
+    FC_MODE_CLIP, with the margin at the diagonal target) on the library's torch operators, with values:
+    the mock driver hands every launch to tests/_aot_exec.py, which runs the launched variant's kernel
+    under the Triton interpreter on the CPU tensors that stand in for device memory. The call is routed to
+    the library (triton_aot.CALLS; the kernels launched: the fused ones at a resident and a streamed D,
+    the panel path's panel_dl), and its loss and gradients (queries, keys, temperature) match the float64
+    textbook formula, and miss the same formula without the margin. The gradients of bf16 rows carry
+    bf16 gradient tiles (a few % of the largest entry, against the textbook); the JIT kernels on the same
+    inputs, whose host code is the Python launcher's, give the library's values to fp32 rounding where
+    both run the same algorithm."""
+    lib = build / "libfused_contrastive_torch.so"
+    if not lib.exists():
+        pytest.skip("libfused_contrastive_torch was not built (Torch not found by CMake)")
+    env = dict(os.environ, TRITON_INTERPRET="1", FUSED_CONTRASTIVE_AOT_LIB=str(lib), FUSED_CONTRASTIVE_AOT_FAKE_CPU="1",
+               FUSED_CONTRASTIVE_LIBCUDA=str(build / "libfc_mock_cuda.so"), FC_MOCK_DIR=str(tmp_path), FC_MOCK_CC="90",
+               FC_MOCK_SMS="2", FUSED_CONTRASTIVE_DENSE="0", FUSED_CONTRASTIVE_PANEL_BUDGET="20000")
+    r = subprocess.run([sys.executable, "-c", _AM_SOFTMAX, str(build / "libfc_mock_cuda.so"),
+                        str(build / "gen" / "manifest.json"), str(ROOT / "tests")], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=900, check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not res["errors"], res["errors"][0]
+    assert len(res["cases"]) == 6
+    for c in res["cases"]:
+        case = (c["path"], c["d"], c["symmetric"])
+        assert (c["calls"], c["jit_calls"]) == (1, 0), case  # on the library; then on the JIT kernels
+        want = {"row_norm", "lse_fwd"} | ({"panel_dl", "panel_rows"} if c["path"] == "panel"
+                                          else {"lse_bwd_rows", "lse_bwd_cols"})
+        assert set(c["kernels"]) == want, (case, c["kernels"])
+        loss, dq, dk, dt = c["err"]
+        assert loss < 1e-4 and dt < 1e-3 and dq < 0.1 and dk < 0.1, (case, c["err"])
+        if c["path"] == "panel" and not c["symmetric"]:
+            # the JIT's panel path takes the row form's forward inside its backward sweep (the eager
+            # one-pass sweep); the library runs the fused forward, then the recomputing sweep: other roundings
+            assert max(c["err_jit"]) < 5e-2, (case, c["err_jit"])
+        else:  # the same kernels on the same host logic: the same roundings
+            assert max(c["err_jit"]) < 1e-5, (case, c["err_jit"])
+        assert min(c["err_no_margin"]) > 0.5, (case, c["err_no_margin"])

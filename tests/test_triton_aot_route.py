@@ -11,6 +11,8 @@ import fused_contrastive as fc
 from fused_contrastive.core import triton_aot
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 
+_T = torch.arange(4)
+
 
 @pytest.mark.parametrize(("b_given", "spec", "data", "coef", "want"), [
     (True, CoreSpec(), CoreData(), Coeffs(lse=1.0), "info_nce"),
@@ -24,6 +26,12 @@ from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     (True, CoreSpec(), CoreData(row_labels=torch.zeros(4), col_labels=torch.zeros(4)), Coeffs(lse=1.0, pos=-1.0),
      None),
     (False, CoreSpec(exclude_self=True), CoreData(), Coeffs(lse=1.0, col=1.0), None),
+    # the target margin (am_softmax_loss): its row form is info_nce, its symmetric form clip
+    (True, CoreSpec(margin=0.3), CoreData(target=_T), Coeffs(lse=1.0, tgt=1.0), "info_nce"),
+    (True, CoreSpec(margin=-0.2), CoreData(target=_T), Coeffs(lse=0.5, col=0.5, tgt=1.0), "clip"),
+    (True, CoreSpec(margin=0.3), CoreData(), Coeffs(lse=1.0), None),  # no target: nowhere to put it
+    (False, CoreSpec(exclude_self=True, margin=0.3), CoreData(target=_T), Coeffs(lse=1.0, tgt=1.0), None),
+    (True, CoreSpec(margin=0.3, exclude_self=True), CoreData(target=_T), Coeffs(lse=1.0, tgt=1.0), None),
 ])
 def test_covered_feature_set(b_given, spec, data, coef, want):
     b = torch.zeros(4, 16) if b_given else None
@@ -34,6 +42,29 @@ def test_off_without_the_variable(monkeypatch):
     monkeypatch.delenv(triton_aot.ENV, raising=False)
     a = torch.zeros(4, 16, dtype=torch.bfloat16)
     assert triton_aot.route(a, a, CoreSpec(), CoreData(), Coeffs(lse=1.0)) is None
+
+
+@pytest.mark.parametrize(("modes", "want"), [
+    ({"info_nce", "clip", "self", "info_nce_margin", "clip_margin"}, ("info_nce", "clip")),
+    ({"info_nce", "clip", "self"}, (None, None)),  # built without the margin kernels: the JIT runs it
+    ({"info_nce_margin"}, ("info_nce", None)),
+])
+def test_a_margin_call_is_routed_where_its_kernels_are_built(monkeypatch, modes, want):
+    """route() sends a target-margin call to the library exactly when the library lists the feature set
+    "<mode>_margin" (its kernels with the bias column in cosine units), the plain modes not being enough;
+    the same call without a margin needs the plain mode."""
+    info = dict(archs=frozenset({"90"}), dtypes=frozenset({"bf16"}), dclasses=frozenset({"128", "big"}),
+                modes=frozenset(modes))
+    monkeypatch.setenv(triton_aot.ENV, "libfused_contrastive_torch.so")
+    monkeypatch.setenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU", "1")
+    monkeypatch.setattr(triton_aot, "build_info", lambda path: info)
+    a = torch.zeros(4, 112, dtype=torch.bfloat16)
+    data = CoreData(target=torch.arange(4))
+    got = tuple(triton_aot.route(a, a, CoreSpec(margin=0.3), data, Coeffs(lse=w, col=c, tgt=1.0))
+                for w, c in ((1.0, None), (0.5, 0.5)))
+    assert got == want
+    plain = triton_aot.route(a, a, CoreSpec(), CoreData(), Coeffs(lse=1.0))
+    assert plain == ("info_nce" if "info_nce" in modes else None)
 
 
 def test_unloadable_library_is_an_error(monkeypatch, tmp_path):

@@ -13,6 +13,9 @@ Covered (everything else takes the JIT route as before, with the same results):
 * the library's modes: B given with a row LSE ("info_nce", e.g. InfoNCE / MNRL, SimCSE with two
   views) or with a row and a column LSE ("clip"), or B is A with the own column excluded ("self",
   e.g. InfoNCE of a batch against itself);
+* a target margin (``CoreSpec.margin`` at ``CoreData.target``: AM-softmax, its row form as "info_nce"
+  and its symmetric form as "clip") where the library was built with the feature set
+  "info_nce_margin" / "clip_margin" (``build_info()["modes"]``);
 * CUDA tensors whose arch (sm_80 for 8.x, sm_90 for 9.0), dtype and D class the library was built for
   (``build_info()``); D and the row strides multiples of 16, 16-byte aligned rows, N, M < 2^31;
 * eager mode (under ``torch.compile`` the registered Triton op runs).
@@ -74,9 +77,10 @@ FIELDS = {
     "CoreSpec.grad_cols": "passed to the library (rows of dB written)",
     "CoreSpec.exclude_target": "turned into a -inf bias column before the Triton Function (core.pieces), which "
                                "_mode does not route",
-    "CoreSpec.margin": "_mode requires 0.0 (the library's kernels take no margin: the JIT kernels run it)",
-    "CoreData.target": "read by the Triton Function only as the margin's bias column, which _mode does not route "
-                       "(the target term is positives.py's, in PyTorch)",
+    "CoreSpec.margin": "passed to the library (fc_problem.margin) in modes info_nce / clip, where route finds the "
+                       "'<mode>_margin' kernels built; _mode does not route it with B is A",
+    "CoreData.target": "passed to the library as the margin's columns (fc_problem.target) when margin != 0 (the "
+                       "target term is positives.py's, in PyTorch)",
     "CoreData.bias_col": "_mode requires None",
     "CoreData.row_labels": "read only for coefficient pos, which _mode requires None",
     "CoreData.col_labels": "read only for coefficient pos, which _mode requires None",
@@ -90,8 +94,12 @@ FIELDS = {
 
 
 def _mode(b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coeffs) -> str | None:
-    if coef.pos is not None or not spec.normalize or spec.bias != 0.0 or data.bias_col is not None \
-            or spec.margin != 0.0:
+    """The library's mode ("info_nce", "clip", "self") of a core-op call, or None where its kernels do
+    not cover the call (a margin needs B given and a target; :func:`route` then also needs the
+    "<mode>_margin" kernels built)."""
+    if coef.pos is not None or not spec.normalize or spec.bias != 0.0 or data.bias_col is not None:
+        return None
+    if spec.margin != 0.0 and (b is None or data.target is None):
         return None
     if b is None:
         return "self" if spec.exclude_self and spec.offset == 0 and coef.col is None else None
@@ -120,7 +128,7 @@ def route(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coe
         return None
     info = build_info(path)
     mode = _mode(b, spec, data, coef)
-    if mode is None or mode not in info["modes"]:
+    if mode is None or (mode + "_margin" if spec.margin != 0.0 else mode) not in info["modes"]:
         return None
     if a.device.type == "cuda":
         if _arch(a.device) not in info["archs"]:
@@ -141,14 +149,26 @@ def _scale_tensor(scale) -> Tensor:
     return scale.detach() if isinstance(scale, Tensor) else torch.tensor(float(scale), dtype=torch.float32)
 
 
-def forward(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, coef: Coeffs, reduce: bool,
-            mode: str) -> Tensor:
-    """TritonCoreFn.forward on the library's operators (``a``, ``b`` in the kernel dtype)."""
+def _margin_args(spec: CoreSpec, data: CoreData) -> tuple[float, Tensor | None]:
+    """The operators' ``margin`` (cosine units) and ``target`` ([N] int64, the margin's columns; None
+    without a margin)."""
+    if spec.margin == 0.0:
+        return 0.0, None
+    return float(spec.margin), data.target
+
+
+def forward(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
+            reduce: bool, mode: str) -> Tensor:
+    """TritonCoreFn.forward on the library's operators (``a``, ``b`` in the kernel dtype; ``data``: the
+    margin's targets, when ``spec.margin != 0``)."""
     global CALLS
     CALLS += 1
-    lse, lse_col, ws = torch.ops.fused_contrastive_aot.lse(a, b, _scale_tensor(scale), mode, float(spec.eps))
+    margin, target = _margin_args(spec, data)
+    lse, lse_col, ws = torch.ops.fused_contrastive_aot.lse(a, b, _scale_tensor(scale), mode, float(spec.eps), margin,
+                                                           target)
     clip = mode == "clip"
     ctx.path, ctx.mode, ctx.spec, ctx.coef, ctx.dtypes = "aot", mode, spec, coef, dtypes
+    ctx.margin, ctx.target = margin, target
     ctx.scale = None if isinstance(scale, Tensor) else scale
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col if clip else None, a, b, ws)
     return combine(coef.to(torch.float32), reduce, lse, lse_col if clip else None)
@@ -167,7 +187,7 @@ def backward(ctx, go: Tensor):
     g_col = coef_grad(ctx.coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
     da, db, ds = torch.ops.fused_contrastive_aot.lse_backward(
         a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
-        ctx.spec.grad_cols)
+        ctx.spec.grad_cols, ctx.margin, ctx.target)
     adt, bdt, sdt, sshape = ctx.dtypes
     return (da.to(adt) if need_a else None,
             db.to(bdt) if need_b and b is not None and db.numel() else None,

@@ -40,7 +40,7 @@ class TritonCoreFn(torch.autograd.Function):
                   scale.shape if isinstance(scale, Tensor) else None)
         aot_mode = triton_aot.route(ak, bk, spec, data, coef)
         if aot_mode is not None:  # the ahead-of-time library (FUSED_CONTRASTIVE_AOT_LIB): no JIT
-            return triton_aot.forward(ctx, ak, bk, dtypes, scale, spec, coef, reduce, aot_mode)
+            return triton_aot.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce, aot_mode)
         if triton_panel.use_panel(ak, n, m):
             return triton_panel.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce)
         ctx.path = "fused"

@@ -255,7 +255,7 @@ def am_softmax_loss(query: Tensor, keys: Tensor, *, margin: float = 0.3, tempera
             level on the truncated, re-normalised rows).
 
     Backends: "torch" (dense tile or chunked, O(N*D) memory), "triton" (the fused kernels, or the panel
-    path at large N on CUDA; the ahead-of-time library takes no margin, so the JIT kernels run it),
+    path at large N on CUDA; or the ahead-of-time library where it was built with the margin kernels),
     "reference" (materialised).
 
     Returns:
