@@ -343,98 +343,98 @@ def test_the_library_probes_its_fp32_output_gemms(build, tmp_path):
     assert "upcast route" in text
 
 
-_AM_SOFTMAX = r"""
+_MARGIN_CASES = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[3])
 import torch
 import _aot_exec
-import fused_contrastive as fc
 from fused_contrastive.core import triton_aot
-from fused_contrastive.testing.baselines import am_softmax_formula
+from fused_contrastive.testing import CASES
+from fused_contrastive.testing.accuracy import run
+from fused_contrastive.tools.aot import core_calls
 
 ex = _aot_exec.install(sys.argv[1], sys.argv[2])
 lib = os.environ[triton_aot.ENV]
+# the registry's losses whose core-op call carries the target margin (a fact of each case, not a name)
+cases = [c for c in CASES if c.op == "core" and any(call[3].margin != 0.0 for call in core_calls(c.name, 8, 16))]
 
 
-def run(q, k, symmetric, margin, aot):
-    # one loss and its gradients (queries, keys, temperature) on backend="triton": the library's operators
-    # (aot) or, with the route off, the JIT kernels (interpreted; the Python launcher's host code)
+def on_triton(case, inputs, aot):
+    # loss and gradients on backend="triton": the library's operators (aot) or, with the route off, the
+    # JIT kernels (interpreted; the Python launcher's host code)
     os.environ[triton_aot.ENV] = lib
     if not aot:
         del os.environ[triton_aot.ENV]
-    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
-    t = torch.tensor(0.1, requires_grad=True)
     calls, launched = triton_aot.CALLS, len(ex.launches)
-    loss = fc.am_softmax_loss(q, k, margin=margin, temperature=t, symmetric=symmetric, backend="triton")
-    loss.backward()
-    return [loss, q.grad, k.grad, t.grad], triton_aot.CALLS - calls, sorted(set(ex.launches[launched:]))
+    loss, grads = run(case, inputs, "triton", torch.bfloat16)
+    return [loss, *grads.values()], triton_aot.CALLS - calls, sorted(set(ex.launches[launched:]))
 
 
-def textbook(q, k, symmetric, margin):
-    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
-    t64 = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
-    ref = am_softmax_formula(q64, k64, margin, t64, symmetric=symmetric)
-    ref.backward()
-    return [ref, q64.grad, k64.grad, t64.grad]
+def reference(case, inputs):  # float64 on the same bf16-rounded embeddings
+    tensors, kwargs = inputs
+    rounded = {k: (v.to(torch.bfloat16).double() if v.dim() else v.double()) for k, v in tensors.items()}
+    loss, grads = run(case, (rounded, kwargs), "reference", torch.float64)
+    return [loss, *grads.values()]
 
 
-def errs(got, want):  # max |got - want| / max |want| of loss, dq, dk, dt
-    return [((x.detach().double() - y.detach().double()).abs().max() / y.detach().double().abs().max()).item()
-            for x, y in zip(got, want)]
+def errs(got, want):  # max |got - want| / max |want| of the loss and each gradient
+    return [((x.double() - y.double()).abs().max() / y.double().abs().max()).item() for x, y in zip(got, want)]
 
 
 out = []
-for path, d in (("fused", 112), ("fused", 784), ("panel", 112)):
-    os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path
-    for symmetric in (False, True):
-        g = torch.Generator().manual_seed(d + symmetric)
-        q = torch.randn(40, d, generator=g).to(torch.bfloat16)
-        k = (q.float() + 0.7 * torch.randn(40, d, generator=g)).to(torch.bfloat16)
-        got, calls, kernels = run(q, k, symmetric, 0.3, True)
-        jit, jit_calls, _ = run(q, k, symmetric, 0.3, False)
-        out.append(dict(path=path, d=d, symmetric=symmetric, calls=calls, jit_calls=jit_calls, kernels=kernels,
-                        err=errs(got, textbook(q, k, symmetric, 0.3)), err_jit=errs(got, jit),
-                        err_no_margin=errs(got, textbook(q, k, symmetric, 0.0))))
-print(json.dumps(dict(cases=out, errors=ex.errors)))
+for case in cases:
+    for path, d in (("fused", 112), ("fused", 784), ("panel", 112)):
+        os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path
+        # the case's own inputs (random rows: a softmax far from saturation, where bf16 gradient tiles keep
+        # a few % of the largest gradient; a peaked one cancels p_ii against the target's -1)
+        tensors, kwargs = case.build(40, d, torch.Generator().manual_seed(d))
+        got, calls, kernels = on_triton(case, (tensors, kwargs), True)
+        jit, jit_calls, _ = on_triton(case, (tensors, kwargs), False)
+        out.append(dict(case=case.name, path=path, d=d, calls=calls, jit_calls=jit_calls, kernels=kernels,
+                        err=errs(got, reference(case, (tensors, kwargs))), err_jit=errs(got, jit),
+                        err_no_margin=errs(got, reference(case, (tensors, {**kwargs, "margin": 0.0})))))
+print(json.dumps(dict(cases=out, n_cases=len(cases), errors=ex.errors)))
 """
 
 
-def test_the_library_computes_am_softmax(build, tmp_path):
-    """am_softmax_loss (LaBSE's additive margin: the row form as FC_MODE_INFO_NCE, the symmetric form as
-    FC_MODE_CLIP, with the margin at the diagonal target) on the library's torch operators, with values:
-    the mock driver hands every launch to tests/_aot_exec.py, which runs the launched variant's kernel
-    under the Triton interpreter on the CPU tensors that stand in for device memory. The call is routed to
-    the library (triton_aot.CALLS; the kernels launched: the fused ones at a resident and a streamed D,
-    the panel path's panel_dl), and its loss and gradients (queries, keys, temperature) match the float64
-    textbook formula, and miss the same formula without the margin. The gradients of bf16 rows carry
-    bf16 gradient tiles (a few % of the largest entry, against the textbook); the JIT kernels on the same
-    inputs, whose host code is the Python launcher's, give the library's values to fp32 rounding where
-    both run the same algorithm."""
+def test_the_library_computes_the_target_margin(build, tmp_path):
+    """Every registry loss whose core call carries the target margin (additive-margin softmax: its row form
+    as FC_MODE_INFO_NCE, its symmetric form as FC_MODE_CLIP, the margin at the diagonal target), on the
+    library's torch operators, with values: the mock driver hands every launch to tests/_aot_exec.py,
+    which runs the launched variant's kernel under the Triton interpreter on the CPU tensors that stand
+    in for device memory. The call is routed to the library (triton_aot.CALLS; the kernels launched: the
+    fused ones at a resident and a streamed D, the panel path's panel_dl), and its loss and gradients
+    (embeddings, a tensor temperature) match the float64 reference on the same bf16 inputs, and the
+    reference without the margin is far off. The gradients of bf16 rows carry bf16 gradient tiles (a few
+    % of the largest entry); the JIT kernels on the same inputs, whose host code is the Python launcher's, give the
+    library's values to fp32 rounding where both run the same algorithm."""
     lib = build / "libfused_contrastive_torch.so"
     if not lib.exists():
         pytest.skip("libfused_contrastive_torch was not built (Torch not found by CMake)")
     env = dict(os.environ, TRITON_INTERPRET="1", FUSED_CONTRASTIVE_AOT_LIB=str(lib), FUSED_CONTRASTIVE_AOT_FAKE_CPU="1",
                FUSED_CONTRASTIVE_LIBCUDA=str(build / "libfc_mock_cuda.so"), FC_MOCK_DIR=str(tmp_path), FC_MOCK_CC="90",
-               FC_MOCK_SMS="2", FUSED_CONTRASTIVE_DENSE="0", FUSED_CONTRASTIVE_PANEL_BUDGET="20000")
-    r = subprocess.run([sys.executable, "-c", _AM_SOFTMAX, str(build / "libfc_mock_cuda.so"),
+               FC_MOCK_SMS="2", FUSED_CONTRASTIVE_DENSE="0", FUSED_CONTRASTIVE_PANEL_BUDGET="20000",
+               FUSED_CONTRASTIVE_PANEL_GEMM="cublas")
+    r = subprocess.run([sys.executable, "-c", _MARGIN_CASES, str(build / "libfc_mock_cuda.so"),
                         str(build / "gen" / "manifest.json"), str(ROOT / "tests")], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=900, check=False)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert not res["errors"], res["errors"][0]
-    assert len(res["cases"]) == 6
+    assert res["n_cases"] >= 2 and len(res["cases"]) == 3 * res["n_cases"]  # the row and the symmetric form
     for c in res["cases"]:
-        case = (c["path"], c["d"], c["symmetric"])
+        case = (c["case"], c["path"], c["d"])
         assert (c["calls"], c["jit_calls"]) == (1, 0), case  # on the library; then on the JIT kernels
         want = {"row_norm", "lse_fwd"} | ({"panel_dl", "panel_rows"} if c["path"] == "panel"
                                           else {"lse_bwd_rows", "lse_bwd_cols"})
         assert set(c["kernels"]) == want, (case, c["kernels"])
-        loss, dq, dk, dt = c["err"]
-        assert loss < 1e-4 and dt < 1e-3 and dq < 0.1 and dk < 0.1, (case, c["err"])
-        if c["path"] == "panel" and not c["symmetric"]:
-            # the JIT's panel path takes the row form's forward inside its backward sweep (the eager
-            # one-pass sweep); the library runs the fused forward, then the recomputing sweep: other roundings
+        loss, *grads = c["err"]
+        assert loss < 1e-4 and all(g < 0.1 for g in grads), (case, c["err"])
+        if c["path"] == "panel":
+            # the JIT's panel path may take a summed row form's forward inside its backward sweep (the
+            # eager one-pass sweep); the library runs the fused forward, then the recomputing sweep
             assert max(c["err_jit"]) < 5e-2, (case, c["err_jit"])
         else:  # the same kernels on the same host logic: the same roundings
             assert max(c["err_jit"]) < 1e-5, (case, c["err_jit"])
-        assert min(c["err_no_margin"]) > 0.5, (case, c["err_no_margin"])
+        # the same reference without the margin: the loss misses it by far more than the library's error
+        assert max(c["err_no_margin"]) > 0.5 and c["err_no_margin"][0] > 100 * loss, (case, c["err_no_margin"])

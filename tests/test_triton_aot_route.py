@@ -26,7 +26,7 @@ _T = torch.arange(4)
     (True, CoreSpec(), CoreData(row_labels=torch.zeros(4), col_labels=torch.zeros(4)), Coeffs(lse=1.0, pos=-1.0),
      None),
     (False, CoreSpec(exclude_self=True), CoreData(), Coeffs(lse=1.0, col=1.0), None),
-    # the target margin (am_softmax_loss): its row form is info_nce, its symmetric form clip
+    # the target margin (an additive-margin softmax): its row form is info_nce, its symmetric form clip
     (True, CoreSpec(margin=0.3), CoreData(target=_T), Coeffs(lse=1.0, tgt=1.0), "info_nce"),
     (True, CoreSpec(margin=-0.2), CoreData(target=_T), Coeffs(lse=0.5, col=0.5, tgt=1.0), "clip"),
     (True, CoreSpec(margin=0.3), CoreData(), Coeffs(lse=1.0), None),  # no target: nowhere to put it
