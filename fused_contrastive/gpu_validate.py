@@ -69,7 +69,7 @@ ORACLE_SANITY = 10.0
 NCU_METRICS = ("lts__t_sector_hit_rate.pct", "dram__bytes_read.sum", "dram__bytes_write.sum",
                "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
 NCU_KERNELS = {"lse_fwd_kernel": "fused", "lse_bwd_rows_kernel": "fused", "lse_bwd_cols_kernel": "fused",
-               "panel_dl_kernel": "panel"}
+               "panel_dl_kernel": "panel", "epi_gemm_kernel": "panel"}
 
 #: Outputs of each kernel that it must write completely (filled with NaN before the launch): the
 #: scratch ACC and the column partials included. DB only when every column gets a gradient (the
