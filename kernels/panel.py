@@ -55,6 +55,13 @@ two loops over Lraw) plus, with a dense positive mask, ``P M`` (uint8) or ``4 P 
 few dozen, 1-6 exps (one per statistic with a gradient, doubled by SYM; ONE_PASS: 1). The GEMMs and
 the workspace are accounted in ``triton_panel.py``'s docstring. ``panel_rows_kernel`` is the row-wise
 epilogue of the GEMMs (the normalisation backward of dA or dB and the weighted dB operand).
+
+``epi_gemm_kernel`` is the other form of the logits GEMM and this kernel together (16-bit operands): a
+Triton GEMM whose tiles of ``X_P @ B^T`` stay in registers and go through the same per-logit code
+(``_exp_chunk`` for the one pass, ``_dl_chunk`` for known statistics) as its epilogue, so only ``DL``
+(2 bytes per logit) and per-tile partials are written; it also has a statistics-only mode (the forward
+of a column term or per-row output, and the triangular sweep's). See its docstring and
+``docs/panel-path.md``.
 """
 
 import triton

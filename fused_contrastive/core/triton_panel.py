@@ -22,6 +22,12 @@ Sweep over row panels of P rows (whole rows, all M columns), panel ``P_k = [r0, 
 
 Six launches per panel (row norms, 2 GEMMs + addmm, 2 Triton kernels), a handful per call.
 
+**The epilogue GEMM** (16-bit operands, :func:`use_epilogue`): steps 2 and 3 become one Triton GEMM,
+``kernels/panel.py`` ``epi_gemm_kernel``, whose epilogue forms DL (and W) from the products in registers
+(:func:`_epi_panel`); the fp32 ``Lraw`` is never allocated (``panel_rows(..., epilogue=True)``: about 2.7x
+taller panels for the same budget). Its statistics mode (:func:`stats_forward`) replaces the fused
+forward kernel where the statistics come first (a column term, per-row output, the triangular sweep).
+
 **One pass** (``ONE_PASS``: a summed loss without a column term and without a softmax over positives,
 unit rows, bf16 / fp32 operands: InfoNCE, SimCSE, DSCL, ...): every logit is at most
 ``c = |s| (+ bias)``, so the kernel writes ``e_ij = exp(l_ij - m)``, ``m = c - 56`` (``e_ij <= e^56``:
