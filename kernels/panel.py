@@ -79,6 +79,7 @@ from .lse import (
     _pos_logits,
     _stat,
 )
+from .siglip import _dz, _flipped, _softplus
 
 
 @triton.jit
@@ -404,7 +405,7 @@ def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, 
 
 
 @triton.jit
-def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
+def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
               BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
               P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm, bad,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -475,6 +476,25 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
         if NEED_DS:
             tl.store(DS_PART + pid, tl.sum(tl.where(lmask, ds, 0.0), axis=0))
+    elif MODE == 4:
+        # SigLIP (kernels/siglip.py's math; ``offset`` places row i's positive at column offset + i, the
+        # logit bias is LBIAS[0]): the tile's per-row loss sums softplus(w) -> ZP; with HAS_G the gradient
+        # tile dz = g_i sign sigmoid(w) / gscale (pre-scaled, rb_j folded) -> DL and the per-row sums of
+        # dz cos (the scale's gradient) -> TP and of dz (the bias's) -> MXP
+        b = tl.load(LBIAS).to(tl.float32)
+        w, valid, pos = _flipped(cos, s, b, rows, cols, n_end, M, offset)
+        part = loc.to(tl.int64) * stride_zp + pid_n
+        tl.store(ZP + part, tl.sum(tl.where(valid, _softplus(w), 0.0), axis=1), mask=lmask)
+        if HAS_G:
+            g_r = tl.load(G + rows, mask=lmask, other=0.0) / tl.load(GSCALE)
+            dz = _dz(cos, s, b, g_r, rows, cols, n_end, M, offset)
+            if NEED_DS:
+                tl.store(TP + part, tl.sum(dz * cos, axis=1), mask=lmask)
+                tl.store(MXP + part, tl.sum(dz, axis=1), mask=lmask)
+            out = dz * PRESCALE
+            if FOLD_RB:
+                out = out * rb[None, :]
+            tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
     elif MODE == 3:
         # statistics only: the tile's row (and column) maxima and sums of exp(l - max), exact (no fixed
         # shift: no redo), merged by the host; nothing of size P x M is written
@@ -509,7 +529,8 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
 
 @triton.jit
 def epi_gemm_kernel(
-    X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB,
+    POS_MASK,
     LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
     P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -537,13 +558,16 @@ def epi_gemm_kernel(
     (two exps per logit), merged by the host into LSE_i and LSEcol_j. With TRI (B is A; the panel's frame:
     rows [r0, r0 + P) against rows [r0, N), r0 = 0 passed) the column statistics cover only the columns
     past the panel: the row LSE of a later row j gathers them (its logits against this panel's rows).
+    MODE 4 (SigLIP's sigmoid loss, ``kernels/siglip.py``'s math): per row and column tile the loss sum
+    ``ZP`` and, with HAS_G (the upstream gradients in G), the gradient tile ``DL`` and the sums for the
+    scale's (``TP``) and the bias's (``MXP``) gradients (NEED_DS); LBIAS[0] is the logit bias.
     MODE 2 (the redo of MODE 1's rows with ``z_i < 2^-64``: every logit of the row below
     ``c - 100.4``, see ONE_PASS in the module docstring): one program per row tile; a tile without a
     ``BAD`` row returns at once, the others walk every column tile and store ``e_ij = exp(l_ij - SHIFT_i)``
     (``SHIFT_i`` the row's largest logit: ``e <= 1``, ``z_i >= 1``, exact) and the partials, for
     the BAD rows only.
 
-    Grid: MODE 0 / 1 / 3 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
+    Grid: MODE 0 / 1 / 3 / 4 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
     the columns together (Y's column tiles stay in L2 across a group); MODE 2 ``cdiv(P, BLOCK_M)``.
     Indices past the panel are wrapped for the operand loads (no masks: whole 16-byte loads, which the
     compiler pipelines) and masked at the stores. EVEN_K: D is a multiple of BLOCK_K (no mask along
@@ -556,8 +580,8 @@ def epi_gemm_kernel(
         bad = tl.load(BAD + loc, mask=loc < P, other=0) != 0
         if tl.max(bad.to(tl.int32), axis=0) > 0:
             for pid_n in range(0, n_pn):
-                _epi_tile(pid, pid, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
-                          BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+                _epi_tile(pid, pid, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE,
+                          GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
                           P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                           bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                           BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL)
@@ -569,7 +593,7 @@ def epi_gemm_kernel(
         pid_m = first_m + (pid % group) % size_m
         pid_n = (pid % group) // size_m
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, RSP, RB, SCALE, GSCALE,
+        _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
                   BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
                   P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,

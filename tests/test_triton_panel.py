@@ -331,6 +331,27 @@ def test_epilogue_gemm_is_chosen_where_documented(monkeypatch):
         triton_panel.use_epilogue(torch.device("cpu"), torch.bfloat16)
 
 
+SIGLIP_CASES = [c for c in CASES if c.op == "siglip" or c.fn.__name__ == "siglip_loss"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", SIGLIP_CASES, ids=[c.name for c in SIGLIP_CASES])
+def test_epilogue_gemm_siglip(case, dtype, monkeypatch):
+    """SigLIP's sigmoid loss on the epilogue GEMM (MODE 4: the losses, then the gradient tile and the
+    scale's and bias's sums) in several panels, against float64; the fused kernels do not run."""
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    rec = _Launches(monkeypatch)
+    c = compare(case, 97, 100, dtype, "triton", canary=True)
+    assert c.ok, c
+    sweeps = [x for x in rec.launches if x.name == "epi_gemm_siglip"]
+    assert len(sweeps) >= 2 * 3 and {x.constexprs["MODE"] for x in sweeps} == {4}, rec.names  # 3 panels, 2 sweeps
+    assert not {"siglip_fwd", "siglip_bwd_rows", "siglip_bwd_cols"} & set(rec.names), rec.names
+    # fp32 keeps the fused kernels
+    rec.launches.clear()
+    assert compare(case, 40, 16, torch.float32, "triton").ok
+    assert "siglip_fwd" in rec.names and "epi_gemm_siglip" not in rec.names, rec.names
+
+
 @pytest.mark.parametrize("learn", [False, True], ids=["fixed", "learned-scale"])
 def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
     """The one-pass epilogue's redo (MODE 2), in bf16 at |s| = 100: rows 0-31 near their keys (one pass),
@@ -956,6 +977,23 @@ _COMPILE = textwrap.dedent(
                                  tri=bool(x.constexprs["TRI"]), cp_async=ttgir.count("async_copy_global_to_local"))
                         out.append(r)
     triton_panel.PANEL_ROWS = None
+    # SigLIP on the epilogue GEMM (MODE 4): the forward (losses only) and the backward (the gradient tile)
+    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+    for cc, arch in aot.TARGETS:
+        for dt in (torch.bfloat16, torch.float16):
+            x = torch.empty(n, 768, dtype=dt, device=meta, requires_grad=True)
+            y = torch.empty(m, 768, dtype=dt, device=meta, requires_grad=True)
+            sc = torch.empty((), device=meta, requires_grad=True)
+            bi = torch.empty((), device=meta, requires_grad=True)
+            with aot.recording(arch) as launches:
+                TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, True, 1.0 / n).backward()
+            for x in launches:
+                if x.name.startswith("epi_gemm"):
+                    keep = {}
+                    r = aot.compile_launch(x, cc, keep)
+                    r.update(variant="siglip", dtype=str(dt), mode=x.constexprs["MODE"], tri=False,
+                             cp_async=keep["kernel"].asm["ttgir"].count("async_copy_global_to_local"))
+                    out.append(r)
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "cublas"
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "fused"
     for cc, arch in aot.TARGETS:  # the fused backward kernels with the 1-byte mask
@@ -996,13 +1034,17 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
                                                           ("col", ("torch.bfloat16", "torch.float16")),
                                                           ("stats", ("torch.bfloat16", "torch.float16")),
                                                           ("sym", ("torch.bfloat16", "torch.float16")),
-                                                          ("tri", ("torch.bfloat16", "torch.float16")))
+                                                          ("tri", ("torch.bfloat16", "torch.float16")),
+                                                          ("siglip", ("torch.bfloat16", "torch.float16")))
             for dt in dts}
     assert {(r["cc"], r["variant"], r["dtype"]) for r in epi} == want
     # modes: 0 known statistics, 1 one pass, 2 its redo, 3 the statistics forward (the column term; the
-    # triangular sweep); the symmetric variant's softmax over positives keeps the fused forward
+    # triangular sweep), 4 SigLIP; the symmetric variant's softmax over positives keeps the fused forward
     assert {(r["variant"], r["mode"]) for r in epi} == {("onepass", 1), ("onepass", 2), ("col", 0), ("stats", 0),
-                                                       ("stats", 3), ("sym", 0), ("tri", 0), ("tri", 3)}
+                                                       ("stats", 3), ("sym", 0), ("tri", 0), ("tri", 3),
+                                                       ("siglip", 4)}
+    # SigLIP's forward (losses only) and backward (the gradient tile) are two compiles of MODE 4
+    assert len([r for r in epi if r["variant"] == "siglip"]) == 2 * 2 * 2
     assert {r["variant"] for r in epi if r["tri"]} == {"tri"}
     bad = [r for r in epi if r["spill_stores"] or r["spill_loads"]]
     assert not bad, bad

@@ -234,10 +234,14 @@ def matryoshka_config(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tup
 #: spill bytes on sm_80 and sm_90 for every mode. Statistics (the forward of CLIP): 128 x 128 at 8 warps,
 #: 3 stages: CLIP's two epilogue GEMMs took 42.8 ms against 45.8 at 4 stages, 46.3 at 64 x 128 and 46.1
 #: at 128 x 64 with 4 warps.
+#: SigLIP (MODE 4; not timed on a GPU yet): the forward (losses only) as the one pass; the backward's
+#: gradient tile, its sigmoid and four row sums at 128 x 128 spilled 36-672 bytes, none at 64 x 128.
 EPI_GEMM = {
     "one_pass": LaunchConfig(128, 128, 64, 8, 4),
     "known": LaunchConfig(64, 128, 64, 8, 3),
     "stats": LaunchConfig(128, 128, 64, 8, 3),
+    "siglip_fwd": LaunchConfig(128, 128, 64, 8, 4),
+    "siglip_bwd": LaunchConfig(64, 128, 64, 8, 3),
 }
 #: Row tiles that sweep the column tiles together (L2 reuse of B's tiles across the group).
 EPI_GROUP_M = 8

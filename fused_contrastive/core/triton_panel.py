@@ -503,7 +503,7 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
                 stride_x=x.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0), **margs)
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(x.dtype),
                  **{k: v for k, v in flags.items() if k not in _PANEL_ONLY_FLAGS}, WANT_COL=False)
-    args.update(CZ=dm, CM=dm)
+    args.update(CZ=dm, CM=dm, LBIAS=dm)
     if not one_pass:
         ds_part = _alloc((n_pm * n_pn,), torch.float32, dev) if need_s else dm
         launch(Launch("epi_gemm", KP.epi_gemm_kernel, (n_pm * n_pn,),
@@ -568,7 +568,7 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
         cm = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
         cz = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
         launch(Launch("epi_gemm_stats", KP.epi_gemm_kernel, (n_pm * n_pn,),
-                      dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm,
+                      dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm, LBIAS=dm,
                            RSP=rs.contiguous(), RB=pr.rb[c0:] if pr.rb is not None else dm, SCALE=scale_t,
                            GSCALE=dm, **_problem_args(prep), LSE=dm, G=dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
                            P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0), stride_y=y.stride(0),
@@ -582,6 +582,85 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
     if tri:  # every row: its panel's row statistics and the column statistics of the panels above it
         return torch.logaddexp(lse, lse_col), None
     return lse, lse_col
+
+
+def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, normalize: bool, eps: float,
+                 offset: int, g: Tensor | None, need_x: bool, need_y: bool, need_s: bool):
+    """SigLIP on row panels (``kernels/panel.py`` ``epi_gemm_kernel`` MODE 4; the math in
+    ``kernels/siglip.py``): ``(loss [N], dX, dY, ds, db)`` for images ``x`` [N, D] and texts ``y`` [M, D]
+    in one 16-bit dtype, ``scale_t`` / ``bias_t`` [1] fp32. Without ``g`` (the forward): the per-image
+    losses only, one matmul unit. With ``g`` [N] fp32 (the upstream gradient of each image's loss): per
+    panel the epilogue GEMM writes the loss sums and the gradient tile ``dz`` (16-bit, pre-scaled and
+    ``rb_j`` folded as the core op's ``DL``), then the core sweep's cuBLAS GEMMs and row epilogue give dX
+    and the dY accumulator: 3 units, 4 with the forward's (the fused kernels take 5, their backward
+    streaming through an fp32 scratch). ds / db are 0-dim fp32 tensors (no host sync), None unless
+    ``need_s``; dX / dY None unless asked."""
+    from .spec import CoreSpec
+
+    n, d = x.shape
+    m = y.shape[0]
+    dev, dt = x.device, x.dtype
+    spec = CoreSpec(normalize=normalize, eps=eps)
+    need = g is not None
+    pr = _Problem(x, y, spec, need_op=need and need_x)
+    p_rows = panel_rows(n, m, d, dt, need and need_y, True)
+    cfg = EPI_GEMM["siglip_bwd" if need else "siglip_fwd"]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
+    dm = torch.empty(1, dtype=torch.float32, device=dev)
+    gs = _gscale(g) if need else None
+    loss = _alloc((n,), torch.float32, dev)
+    dx = _alloc((n, d), dt, dev) if need and need_x else None
+    acc = torch.zeros((m, d), dtype=torch.float32, device=dev) if need and need_y else None
+    n_pn = triton.cdiv(m, bn)
+    ds_parts, db_parts = [], []
+    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(dt),
+                 MODE=4, NORMALIZE=bool(normalize), EXCLUDE_SELF=False, HAS_BIAS=False, BIAS_COS=False, POS_KIND=0,
+                 HAS_G=need, HAS_GCOL=False, HAS_GPOS=False, SYM=False, NEED_DS=bool(need and need_s),
+                 FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=False, WANT_COL=False)
+    for r0 in range(0, n, p_rows):
+        r1 = min(n, r0 + p_rows)
+        pp = r1 - r0
+        xp, rs, nrm = pr.rows(r0, r1)
+        n_pm = triton.cdiv(pp, bm)
+        zp = _alloc((pp, n_pn), torch.float32, dev)
+        tp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
+        bp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
+        dl = _alloc((pp, m), dt, dev) if need else dm
+        launch(Launch("epi_gemm_siglip", KP.epi_gemm_kernel, (n_pm * n_pn,),
+                      dict(X=xp, Y=y, DL=dl, ZP=zp, TP=tp, MXP=bp, CZ=dm, CM=dm, DS_PART=dm, BAD=dm, SHIFT=dm,
+                           LBIAS=bias_t, RSP=rs.contiguous(), RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t,
+                           GSCALE=gs if need else dm, BIAS_COL=dm, ROW_LAB=dm, COL_LAB=dm, POS_MASK=dm, LSE=dm,
+                           G=g if need else dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm, P=pp, M=m, D=d, r0=r0,
+                           stride_x=xp.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0) if need else 0,
+                           stride_zp=n_pn, offset=int(offset), bias=0.0, n0=1, m0=1, stride_pm=1),
+                      const, cfg.num_warps, cfg.num_stages))
+        loss[r0:r1] = zp.sum(1)
+        if need and need_s:
+            ds_parts.append(tp.sum().reshape(1))
+            db_parts.append(bp.sum().reshape(1))
+        if need:
+            w = torch.ones(pp, dtype=torch.float32, device=dev)
+            da_raw = _mm32(dl, pr.b_op) if need_x else None
+            xw = _alloc((pp, d), dt, dev) if acc is not None else None
+            if da_raw is not None or xw is not None:
+                _rows_launch(launch, da_raw, xp, rs, nrm, w, scale_t, gs, dx[r0:r1] if need_x else None, xw, eps,
+                             normalize, pr.prescale, dm)
+            del da_raw
+            if acc is not None:
+                _addmm32_(acc, dl.T, xw)
+            del xw
+        del xp, dl
+    dy = None
+    if acc is not None:
+        dy = _alloc((m, d), dt, dev)
+        wcol = pr.nb if pr.fold else torch.ones(m, dtype=torch.float32, device=dev)
+        _rows_launch(launch, acc, y, pr.rb, pr.nb, wcol, scale_t, gs, dy, None, eps, normalize, pr.prescale, dm)
+        del acc
+    ds = db = None
+    if need and need_s:
+        ds = torch.cat(ds_parts).sum() * gs.reshape(())
+        db = torch.cat(db_parts).sum() * gs.reshape(())
+    return loss, dx, dy, ds, db
 
 
 def _one_pass_shift(scale_t: Tensor, spec, has_bias: bool) -> Tensor:

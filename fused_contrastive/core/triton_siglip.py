@@ -25,9 +25,10 @@ from torch import Tensor
 from .._amp import autocast_off
 from ..kernels import siglip as K
 from . import triton_backend as TB
+from . import triton_panel
 from .triton_configs import config_for
 
-__all__ = ["TritonSigLipFn"]
+__all__ = ["TritonSigLipFn", "use_panel_route"]
 
 
 class _Prepared(NamedTuple):
@@ -128,6 +129,13 @@ def siglip_bwd(p: _Prepared, scale, bias, g: Tensor, offset: int, eps: float, ne
     return dx, dy, ds, db
 
 
+def use_panel_route(x: Tensor, n: int, m: int, dt: torch.dtype) -> bool:
+    """SigLIP takes the panel path's epilogue GEMM (``triton_panel.siglip_sweep``) where the core op takes
+    the panel path (``triton_panel.use_panel``: CUDA, N x M >= 2^24, or forced) with its epilogue GEMM
+    (``use_epilogue``: 16-bit operands), else the fused kernels below."""
+    return triton_panel.use_panel(x, n, m) and triton_panel.use_epilogue(x.device, dt, "one_pass", n * m)
+
+
 class TritonSigLipFn(torch.autograd.Function):
     """SigLIP on the Triton kernels, the contract of ``core.siglip.SigLipFn``: per-image losses [N]
     (``reduce`` False) or ``weight * sum_i loss_i`` (0-dim), float32; gradients in each input's dtype
@@ -140,13 +148,23 @@ class TritonSigLipFn(torch.autograd.Function):
     def forward(ctx, image: Tensor, text: Tensor, scale, bias, normalize: bool, eps: float, offset: int,
                 reduce: bool, weight: float):
         dt = TB.kernel_dtype(image, text)
-        loss, p = siglip_fwd(image.to(dt), text.to(dt), scale, bias, normalize, eps, offset)
         ctx.opts = (eps, offset, reduce, weight)
-        ctx.prep = p._replace(x=None, y=None, sx=None, sy=None)
         ctx.numbers = (None if isinstance(scale, Tensor) else scale, None if isinstance(bias, Tensor) else bias)
         ctx.dtypes = (image.dtype, text.dtype,
                       (scale.dtype, scale.shape) if isinstance(scale, Tensor) else None,
                       (bias.dtype, bias.shape) if isinstance(bias, Tensor) else None)
+        ctx.panel = use_panel_route(image, image.shape[0], text.shape[0], dt)
+        if ctx.panel:
+            x, y = TB._rows_ok(image.to(dt)), TB._rows_ok(text.to(dt))
+            dev = x.device
+            loss = triton_panel.siglip_sweep(TB._launch, x, y, TB._scale32(scale, dev), TB._scale32(bias, dev),
+                                             normalize, eps, offset, None, False, False, False)[0]
+            ctx.normalize = bool(normalize)
+            ctx.save_for_backward(scale if isinstance(scale, Tensor) else None,
+                                  bias if isinstance(bias, Tensor) else None, x, y)
+            return loss.sum() * weight if reduce else loss
+        loss, p = siglip_fwd(image.to(dt), text.to(dt), scale, bias, normalize, eps, offset)
+        ctx.prep = p._replace(x=None, y=None, sx=None, sy=None)
         ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, bias if isinstance(bias, Tensor) else None,
                               p.x, p.y, p.sx, p.sy)
         return loss.sum() * weight if reduce else loss
@@ -156,15 +174,25 @@ class TritonSigLipFn(torch.autograd.Function):
     @autocast_off
     def backward(ctx, go: Tensor):
         need_x, need_y, need_s, need_b = ctx.needs_input_grad[:4]
-        scale, bias, x, y, sx, sy = ctx.saved_tensors
         eps, offset, reduce, weight = ctx.opts
         xdt, ydt, sdt, bdt = ctx.dtypes
-        p = ctx.prep._replace(x=x, y=y, sx=sx, sy=sy)
         go = go.to(torch.float32)
-        g = (go * weight).expand(x.shape[0]).contiguous() if reduce else go.contiguous()
-        dx, dy, ds, db = siglip_bwd(p, scale if scale is not None else ctx.numbers[0],
-                                    bias if bias is not None else ctx.numbers[1], g, offset, eps, need_x, need_y,
-                                    need_s and sdt is not None, need_b and bdt is not None)
+        if ctx.panel:
+            scale, bias, x, y = ctx.saved_tensors
+            dev = x.device
+            g = (go * weight).expand(x.shape[0]).contiguous() if reduce else go.contiguous()
+            need_s, need_b = need_s and sdt is not None, need_b and bdt is not None
+            _, dx, dy, ds, db = triton_panel.siglip_sweep(
+                TB._launch, x, y, TB._scale32(scale if scale is not None else ctx.numbers[0], dev),
+                TB._scale32(bias if bias is not None else ctx.numbers[1], dev), ctx.normalize, eps, offset, g,
+                need_x, need_y, need_s or need_b)
+        else:
+            scale, bias, x, y, sx, sy = ctx.saved_tensors
+            p = ctx.prep._replace(x=x, y=y, sx=sx, sy=sy)
+            g = (go * weight).expand(x.shape[0]).contiguous() if reduce else go.contiguous()
+            dx, dy, ds, db = siglip_bwd(p, scale if scale is not None else ctx.numbers[0],
+                                        bias if bias is not None else ctx.numbers[1], g, offset, eps, need_x,
+                                        need_y, need_s and sdt is not None, need_b and bdt is not None)
         return (dx.to(xdt) if need_x else None, dy.to(ydt) if need_y else None,
                 ds.to(sdt[0]).reshape(sdt[1]) if need_s and sdt is not None else None,
                 db.to(bdt[0]).reshape(bdt[1]) if need_b and bdt is not None else None,
