@@ -46,6 +46,7 @@ Every assumption is printed with the tables; this is a model, the numbers need a
 (``python -m fused_contrastive check --gpu-validate`` prints the ncu metrics that would calibrate it).
 
 Usage: python bench/gpu_model.py [--sizes 16384,65536] [--d 768] [--gpus A100,H100,H200] [--no-compare]
+[--matryoshka] [--gist] [--siglip]
 Output: the tables (labelled MODEL), then one JSON object per line for every (loss, gpu, n).
 """
 
@@ -1302,6 +1303,83 @@ def gist_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
     return recs
 
 
+def run_siglip_triton(n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.Launch], list]:
+    """The launches (recorded) and ATen ops of ``siglip_loss``'s Triton Function, forward + backward with
+    gradients to both towers, the scale and the bias, bf16, on ``path``: "fused" (its fused kernels) or
+    "panel" (the panel path's epilogue GEMM, MODE 4: what CUDA runs at these sizes)."""
+    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+
+    x, y = _meta((n, d)), _meta((n, d))
+    sc, bi = _meta((), torch.float32), _meta((), torch.float32)
+    env = {"FUSED_CONTRASTIVE_TRITON_PATH": "panel" if path == "panel" else "fused",
+           "FUSED_CONTRASTIVE_PANEL_GEMM": "epilogue"}
+    prev = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with aot.recording(gpu.arch) as launches, OpCounter() as ops:
+            out = TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, True, 1.0 / n)
+            torch.autograd.grad(out, [x, y, sc, bi])
+            del out
+    finally:
+        for k, v in prev.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    return list(launches), ops.ops
+
+
+@functools.cache
+def count_siglip_textbook(n: int, d: int) -> tuple[list, int]:
+    """ATen ops of the textbook SigLIP (``testing.baselines.siglip_formula``: open_clip's SigLipLoss on one
+    device), bf16 features, forward + backward."""
+    from fused_contrastive.testing.baselines import siglip_formula
+
+    x, y = _meta((n, d)), _meta((n, d))
+    sc, bi = _meta((), torch.float32), _meta((), torch.float32)
+    with OpCounter() as c, norms_tagged(c):
+        out = siglip_formula(x, y, sc, bi)
+        torch.autograd.grad(out, [x, y, sc, bi])
+        del out
+    return c.ops, c.peak
+
+
+def siglip_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
+    """MODEL of SigLIP's sigmoid loss (N images against N texts, learnable scale and bias) on a GPU: the
+    route CUDA takes (the panel path's epilogue GEMM, ``triton_panel.siglip_sweep``: 4 matmul units), its
+    fused kernels (``kernels/siglip.py``: 5, the backward streaming through an fp32 scratch) and the
+    textbook formula, modelled as the core op's; floor 3 units (logits, dX, dY)."""
+    print(f"--- MODEL SigLIP (sigmoid loss, learnable scale and bias), D = {d}, bf16, fwd + bwd (ms, central "
+          "[optimistic - pessimistic]; no GPU used)")
+    print(f"  {'gpu':5s} {'N':>6s} {'floor':>7s} {'panel (route)':>24s} {'fused kernels':>24s} {'textbook':>24s}")
+    recs = []
+    for g in gpus:
+        gpu = GPUS[g]
+        for n in sizes:
+            runs = {p: run_siglip_triton(n, d, gpu, p) for p in ("panel", "fused")}
+            nops, npeak = count_siglip_textbook(n, d)
+            got = {}
+            for sc in SCENARIOS:
+                with scenario(sc):
+                    got[sc] = tuple(sum(kernel_model(lz, gpu)["ms"] for lz in runs[p][0])
+                                    + aten_model(runs[p][1], gpu)["ms"] for p in ("panel", "fused")) \
+                        + (aten_model(nops, gpu)["ms"],)
+            floor = 3 * 2 * n * n * d / (gpu.bf16_tflops * 1e12) * 1e3
+            peak = npeak + 2 * n * d * 2
+
+            def cell(i, got=got):
+                return f"{got['central'][i]:.1f} [{got['optimistic'][i]:.1f} - {got['pessimistic'][i]:.1f}]"
+            print(f"  {g:5s} {n:6d} {floor:7.2f} {cell(0):>24s} {cell(1):>24s} {cell(2):>24s}")
+            recs.append(dict(loss="siglip", gpu=g, n=n, d=d, ms=round(got["central"][0], 3),
+                             ms_range=[round(got["optimistic"][0], 3), round(got["pessimistic"][0], 3)],
+                             fused_ms=round(got["central"][1], 3), floor_ms=round(floor, 4),
+                             naive_ms=round(got["central"][2], 3) if peak <= gpu.mem_gb * 1e9 else None,
+                             naive_ms_if_memory=round(got["central"][2], 3), naive_peak_bytes=peak,
+                             model="MODEL, not a measurement"))
+    print()
+    return recs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="16384,65536", help="N = M values (comma-separated)")
@@ -1315,6 +1393,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gist", action="store_true",
                     help="also model the GISTEmbed loss (four guided blocks) on the Triton kernels, the torch backend "
                          "and the textbook computation")
+    ap.add_argument("--siglip", action="store_true",
+                    help="also model SigLIP's sigmoid loss on the panel path's epilogue GEMM, its fused kernels and "
+                         "the textbook formula")
     ap.add_argument("--no-torch", action="store_true",
                     help="skip the torch backend (its op count on the meta device takes ~1 s per 10k launches)")
     args = ap.parse_args(argv)
@@ -1331,6 +1412,8 @@ def main(argv=None) -> int:
                                   args.gpus.split(","))
     if args.gist:
         extra += gist_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
+    if args.siglip:
+        extra += siglip_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
     for r in results:
         print(json.dumps(r["rec"]))
     for r in extra:
