@@ -307,6 +307,29 @@ def _grad_vec(G, LSE_PTR, idx, mask, inv_gs, ZERO_ON_NEG_INF: tl.constexpr):
 
 
 @triton.jit
+def _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, mask, inv_gs, HAS_G: tl.constexpr,
+               HAS_GPOS: tl.constexpr, COL_ROLE: tl.constexpr):
+    """The rows' statistics and upstream coefficients for a gradient tile: ``(lse, g, lse_pos, g_pos,
+    lse_col, g_col)`` (``g`` 0 without HAS_G; the positives' pair and, with COL_ROLE (the symmetric
+    case's column term), the column-role pair of the same rows, else copies of the row pair)."""
+    lse_r = _stat(LSE, rows, mask)
+    g_r = tl.zeros_like(lse_r)
+    if HAS_G:
+        g_r = _grad_vec(G, LSE, rows, mask, inv_gs, False)
+    lsep_r = lse_r
+    gp_r = g_r
+    if HAS_GPOS:
+        lsep_r = _stat(LSE_POS, rows, mask)
+        gp_r = _grad_vec(G_POS, LSE_POS, rows, mask, inv_gs, True)
+    lsec_r = lse_r
+    gc_r = g_r
+    if COL_ROLE:
+        lsec_r = _stat(LSE_COL, rows, mask)
+        gc_r = _grad_vec(G_COL, LSE_COL, rows, mask, inv_gs, False)
+    return lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r
+
+
+@triton.jit
 def _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r,
              HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr):
     """dl_ij = g_i p_ij + gc_j pc_ij + gp_i q_ij (all /gscale) on a tile."""
@@ -560,20 +583,8 @@ def lse_bwd_rows_kernel(
     if POS_KIND == 1:
         lab_r = tl.load(ROW_LAB + rows, mask=rmask, other=0)
     # per-row statistics of this block (and, for SYM, the column-role ones of the same rows)
-    lse_r = _stat(LSE, rows, rmask)
-    g_r = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_G:
-        g_r = _grad_vec(G, LSE, rows, rmask, inv_gs, False)
-    lsep_r = lse_r
-    gp_r = g_r
-    if HAS_GPOS:
-        lsep_r = _stat(LSE_POS, rows, rmask)
-        gp_r = _grad_vec(G_POS, LSE_POS, rows, rmask, inv_gs, True)
-    lsec_r = lse_r
-    gc_r = g_r
-    if SYM and HAS_GCOL:
-        lsec_r = _stat(LSE_COL, rows, rmask)
-        gc_r = _grad_vec(G_COL, LSE_COL, rows, rmask, inv_gs, False)
+    lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r = _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, rmask, inv_gs,
+                                                        HAS_G, HAS_GPOS, SYM and HAS_GCOL)
 
     if RESIDENT:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

@@ -77,6 +77,7 @@ from .lse import (
     _norm_bwd_rows,
     _online_rows,
     _pos_logits,
+    _row_stats,
     _stat,
 )
 from .siglip import _dz, _flipped, _softplus
@@ -249,21 +250,11 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
             lsep_r = tl.where(lsep_full == NEG_INF, 0.0, lsep_full)
             # a row without positives carries no softmax over positives (its term is dropped)
             gp_r = tl.where(lsep_full == NEG_INF, 0.0, tl.load(G_POS + rows, mask=lmask, other=0.0) * inv_gs)
+        lsec_r = lse_r  # (no column term in an eager sweep)
+        gc_r = g_r
     else:
-        lse_r = _stat(LSE, rows, lmask)
-        g_r = tl.zeros([BLOCK_R], dtype=tl.float32)
-        if HAS_G:
-            g_r = _grad_vec(G, LSE, rows, lmask, inv_gs, False)
-        lsep_r = lse_r
-        gp_r = g_r
-        if HAS_GPOS:
-            lsep_r = _stat(LSE_POS, rows, lmask)
-            gp_r = _grad_vec(G_POS, LSE_POS, rows, lmask, inv_gs, True)
-    lsec_r = lse_r
-    gc_r = g_r
-    if SYM and HAS_GCOL:
-        lsec_r = _stat(LSE_COL, rows, lmask)
-        gc_r = _grad_vec(G_COL, LSE_COL, rows, lmask, inv_gs, False)
+        lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r = _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, lmask,
+                                                            inv_gs, HAS_G, HAS_GPOS, SYM and HAS_GCOL)
 
     # 2. the gradient tile, chunk by chunk
     ds_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -455,20 +446,8 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
         lab_r = rows
         if POS_KIND == 1:
             lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
-        lse_r = _stat(LSE, rows, lmask)
-        g_r = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if HAS_G:
-            g_r = _grad_vec(G, LSE, rows, lmask, inv_gs, False)
-        lsep_r = lse_r
-        gp_r = g_r
-        if HAS_GPOS:
-            lsep_r = _stat(LSE_POS, rows, lmask)
-            gp_r = _grad_vec(G_POS, LSE_POS, rows, lmask, inv_gs, True)
-        lsec_r = lse_r
-        gc_r = g_r
-        if SYM and HAS_GCOL:
-            lsec_r = _stat(LSE_COL, rows, lmask)
-            gc_r = _grad_vec(G_COL, LSE_COL, rows, lmask, inv_gs, False)
+        lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r = _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, lmask,
+                                                            inv_gs, HAS_G, HAS_GPOS, SYM and HAS_GCOL)
         out, ds = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r, gc_r,
                             lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, COL_LAB, POS_MASK,
                             n0, m0, stride_pm, NORMALIZE, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS,
