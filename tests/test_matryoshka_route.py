@@ -56,7 +56,9 @@ def test_the_per_level_route_is_what_the_model_costs(monkeypatch):
     code = [_key(lz) for lz in launches]
     want = [k for level in model for k in level]
     assert code == want, "the Matryoshka route and the model's per-level calls diverge"
-    # and the route is the one-pass panel kernel on normalised rows at every level
-    dl = [dict(c) for name, c in code if name == "panel_dl"]
-    assert len(dl) == len(dims) and all(c.get("NORMALIZE") for c in dl), dl
+    # and the route is the one-pass tile on normalised rows at every level: the epilogue GEMM's one pass
+    # (MODE 1) where CUDA takes it, the panel kernel's ONE_PASS on the cuBLAS form
+    tiles = [dict(c) for name, c in code if name in ("panel_dl", "epi_gemm")]
+    assert len(tiles) == len(dims), tiles
+    assert all(c.get("NORMALIZE") and (c.get("ONE_PASS") or c.get("MODE") == 1) for c in tiles), tiles
     assert os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] == "panel"
