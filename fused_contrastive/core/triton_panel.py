@@ -639,22 +639,12 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
             ds_parts.append(tp.sum().reshape(1))
             db_parts.append(bp.sum().reshape(1))
         if need:
-            w = torch.ones(pp, dtype=torch.float32, device=dev)
-            da_raw = _mm32(dl, pr.b_op) if need_x else None
-            xw = _alloc((pp, d), dt, dev) if acc is not None else None
-            if da_raw is not None or xw is not None:
-                _rows_launch(launch, da_raw, xp, rs, nrm, w, scale_t, gs, dx[r0:r1] if need_x else None, xw, eps,
-                             normalize, pr.prescale, dm)
-            del da_raw
-            if acc is not None:
-                _addmm32_(acc, dl.T, xw)
-            del xw
+            _panel_gemms(launch, pr, dl, torch.ones(pp, dtype=torch.float32, device=dev), xp, rs, nrm, scale_t, gs,
+                         dx[r0:r1] if need_x else None, acc, m, dm)
         del xp, dl
     dy = None
     if acc is not None:
-        dy = _alloc((m, d), dt, dev)
-        wcol = pr.nb if pr.fold else torch.ones(m, dtype=torch.float32, device=dev)
-        _rows_launch(launch, acc, y, pr.rb, pr.nb, wcol, scale_t, gs, dy, None, eps, normalize, pr.prescale, dm)
+        dy = _db_from_acc(launch, pr, acc, y, m, scale_t, gs, dm)
         del acc
     ds = db = None
     if need and need_s:
@@ -663,15 +653,49 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     return loss, dx, dy, ds, db
 
 
-def _one_pass_shift(scale_t: Tensor, spec, has_bias: bool) -> Tensor:
+def _one_pass_shift(scale_t: Tensor, spec, has_bias: bool, bias: float) -> Tensor:
     """The fixed shift ``m = c - 56`` of the one-pass sweep as a 0-dim fp32 tensor (the kernels'
-    ``_one_pass_shift``: ``c = |s|``, plus the bias when positive, in cosine units for a margin)."""
+    ``_one_pass_shift``: ``c = |s|``, plus the kernels' ``bias`` argument (``_mask_args``) when positive,
+    in cosine units for a margin)."""
     s = scale_t.reshape(()).abs()
     c = s
     if has_bias:
-        bias = -float(spec.margin) if spec.margin != 0.0 else float(spec.bias)
         c = s + s * max(bias, 0.0) if spec.margin != 0.0 else s + max(bias, 0.0)
     return c - KP.ONE_PASS_SHIFT.value
+
+
+def _panel_gemms(launch, pr: "_Problem", dl: Tensor, w: Tensor, x: Tensor, rs: Tensor, nrm, scale_t: Tensor,
+                 gs: Tensor, da_rows: Tensor | None, acc: Tensor | None, gcols: int, dm: Tensor) -> None:
+    """The cuBLAS half of one panel, after its gradient tile ``diag(w) dl`` [P, M] is formed: dA of the
+    panel rows into ``da_rows`` (the normalisation backward of ``(w dl @ B) s gs / PRESCALE``, by
+    ``panel_rows_kernel``, which also writes ``XW = diag(w) A_hat_P``) and ``acc[:gcols] += dl[:, :gcols]^T
+    @ XW`` (the fp32 dB accumulator; None: no dB)."""
+    p, d = x.shape
+    da_raw = _mm32(dl, pr.b_op) if da_rows is not None else None
+    xw = _alloc((p, d), x.dtype, x.device) if acc is not None else None
+    if da_raw is not None or xw is not None:
+        _rows_launch(launch, da_raw, x, rs, nrm, w, scale_t, gs, da_rows, xw, pr.spec.eps, pr.normalize,
+                     pr.prescale, dm)
+    del da_raw
+    if acc is not None:
+        _addmm32_(acc, dl[:, :gcols].T, xw)
+
+
+def _db_from_acc(launch, pr: "_Problem", acc: Tensor, b: Tensor, gcols: int, scale_t: Tensor, gs: Tensor,
+                 dm: Tensor) -> Tensor:
+    """dB [M, D] in B's dtype from the sweep's fp32 accumulator of its first ``gcols`` rows: the
+    normalisation backward of ``acc s gs / PRESCALE``, times the norm of each row where the tile folded its
+    inverse norm; rows past ``gcols`` (queue columns) get no gradient."""
+    m, d = b.shape
+    db = _alloc((m, d), b.dtype, b.device)
+    if gcols < m:
+        db[gcols:].zero_()
+    if gcols > 0:
+        wcol = pr.nb[:gcols] if pr.fold else torch.ones(gcols, dtype=torch.float32, device=b.device)
+        _rows_launch(launch, acc, b[:gcols], pr.rb[:gcols] if pr.rb is not None else None,
+                     pr.nb[:gcols] if pr.nb is not None else None, wcol, scale_t, gs, db[:gcols], None, pr.spec.eps,
+                     pr.normalize, pr.prescale, dm)
+    return db
 
 
 def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
@@ -721,15 +745,16 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
                  ONE_PASS=one_pass, NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale,
                  TRI=False)
     bt = b.T
-    shift = _one_pass_shift(scale_t, spec, prep.bias_col is not None) if epi and one_pass else None
+    margs = _mask_args(prep, spec)
+    shift = _one_pass_shift(scale_t, spec, prep.bias_col is not None, margs["bias"]) if epi and one_pass else None
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
         x, rs, nrm = pr.rows(r0, r1)
         dl = _alloc((pp, m), dt, dev)
         if epi:
-            w, ds_part = _epi_panel(launch, x, b, dl, rs, common, flags, _mask_args(prep, spec), r0, one_pass, g, gs,
-                                    shift, lse_out, dm)
+            w, ds_part = _epi_panel(launch, x, b, dl, rs, common, flags, margs, r0, one_pass, g, gs, shift,
+                                    lse_out, dm)
         else:
             lraw = _mm32(x, bt)
             w = _alloc((pp,), torch.float32, dev)
@@ -738,33 +763,16 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
             launch(Launch(
                 "panel_dl", KP.panel_dl_kernel, (n_prog,),
                 dict(L=lraw, DL=dl, W_OUT=w, RSP=rs.contiguous(), **common, DS_PART=ds_part, M=m, r0=r0, P=pp,
-                     stride_l=lraw.stride(0), stride_dl=dl.stride(0), **_mask_args(prep, spec)),
+                     stride_l=lraw.stride(0), stride_dl=dl.stride(0), **margs),
                 dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
             del lraw
         if need_s:
             ds_parts.append(ds_part)
-        da_raw = _mm32(dl, pr.b_op) if need_a else None
-        xw = _alloc((pp, d), dt, dev) if acc is not None else None
-        if da_raw is not None or xw is not None:
-            # dA_P = normalisation backward of (W DL @ B) s gs / PRESCALE; XW = W A_hat_P for the dB GEMM
-            _rows_launch(launch, da_raw, x, rs, nrm, w, scale_t, gs, da[r0:r1] if need_a else None, xw,
-                         spec.eps, spec.normalize, pr.prescale, dm)
-        del da_raw, x
-        if acc is not None:
-            _addmm32_(acc, dl[:, :gcols].T, xw)
-        del dl, xw
+        _panel_gemms(launch, pr, dl, w, x, rs, nrm, scale_t, gs, da[r0:r1] if need_a else None, acc, gcols, dm)
+        del dl, x
     db = None
     if need_b:
-        db = _alloc((m, d), dt, dev)
-        if gcols < m:
-            db[gcols:].zero_()  # queue columns get no gradient
-        if gcols > 0:
-            # dB = normalisation backward of acc s gs / PRESCALE, times the norm of each row when the
-            # kernel folded its inverse norm into DL
-            wcol = pr.nb[:gcols] if pr.fold else torch.ones(gcols, dtype=torch.float32, device=dev)
-            _rows_launch(launch, acc, b[:gcols], pr.rb[:gcols] if pr.rb is not None else None,
-                         pr.nb[:gcols] if pr.nb is not None else None, wcol, scale_t, gs, db[:gcols], None,
-                         spec.eps, spec.normalize, pr.prescale, dm)
+        db = _db_from_acc(launch, pr, acc, b, gcols, scale_t, gs, dm)
         del acc
     ds = None
     if need_s:
