@@ -545,7 +545,8 @@ def _is_oom(e: BaseException) -> bool:
 #: The model's record (``bench/gpu_model.py``'s JSON lines) of each timed loss: its name there and the
 #: keys of its route's and its textbook formula's time.
 MODEL_KEYS = {"info_nce": ("info_nce", "ms", "naive_ms"), "simcse": ("simcse", "ms", "naive_ms"),
-              "clip": ("clip", "ms", "naive_ms"), "gist": ("gist", "triton_ms", "textbook_ms"),
+              "clip": ("clip", "ms", "naive_ms"), "siglip": ("siglip", "ms", "naive_ms"),
+              "gist": ("gist", "triton_ms", "textbook_ms"),
               "matryoshka": ("info_nce_matryoshka", "triton_ms", "formula_ms")}
 #: where the model's committed output lives in a checkout (or FUSED_CONTRASTIVE_GPU_MODEL)
 MODEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
