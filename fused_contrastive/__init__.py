@@ -1,7 +1,7 @@
 """fused-contrastive: contrastive losses (InfoNCE, SimCSE, CLIP, SupCon, DSCL, CoSENT) that never
 materialise the N x M similarity matrix. See README.md for the API table."""
 
-from . import losses, nn  # noqa: F401 - losses: its __all__ below
+from . import losses, maxsim, nn  # noqa: F401 - losses: its __all__ below; maxsim: late interaction
 from .cosent import cosent_loss, cosent_loss_from_scores
 from .encode import encode_in_chunks
 from .losses import *  # noqa: F403 - the InfoNCE-family losses: losses.__all__

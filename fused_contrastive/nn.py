@@ -15,6 +15,7 @@ from . import _validate as V
 from . import losses as L
 from .cosent import cosent_loss
 from .losses import _levels
+from .maxsim import maxsim_info_nce
 from .siglip import siglip_loss
 
 
@@ -195,6 +196,35 @@ class SigLIPLoss(nn.Module):
         return siglip_loss(image, text, self.logit_scale.exp(), self.logit_bias, **self.kw)
 
 
-#: the hand-written modules (they hold learnable parameters), then every derived one
-HAND_WRITTEN = ("CLIPLoss", "SigLIPLoss")
+class MaxSimInfoNCELoss(nn.Module):
+    """:func:`fused_contrastive.maxsim.maxsim_info_nce` (late interaction, ColBERT's MaxSim, with in-batch
+    negatives) holding its options; ``forward(query_tokens, doc_tokens, target=None, *, query_mask=None,
+    doc_mask=None, negatives=None, negative_mask=None)`` with query_tokens [N, Lq, D], doc_tokens
+    [M, Ld, D] and the masks [N, Lq] / [M, Ld] (the per-batch inputs). ``scale`` (default 1, PyLate's)
+    or ``temperature``; ``learn_scale=True`` makes ``log(scale)`` a parameter."""
+
+    def __init__(self, scale: float | None = None, *, temperature: float | None = None, learn_scale: bool = False,
+                 length_normalize: bool = False, normalize: bool = True, reduction: str = "mean",
+                 ignore_index: int = -100, backend: str = "auto", gather=False):
+        super().__init__()
+        s, _ = V.scale_of(temperature, scale, 1.0, torch.float64, torch.device("cpu"))
+        V.flag("learn_scale", learn_scale)
+        self.log_scale = nn.Parameter(torch.tensor(math.log(float(s)))) if learn_scale else None
+        self.scale = float(s)
+        self.kw = dict(length_normalize=length_normalize, normalize=normalize, reduction=reduction,
+                       ignore_index=ignore_index, backend=backend, gather=gather)
+        _gather_option(gather)
+        V.backend(backend)
+        _validated(maxsim_info_nce, _x(2, 2, 2), _x(2, 3, 2).flip(0), scale=self.scale, **self.kw)
+
+    def forward(self, query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | None = None, *,
+                query_mask: Tensor | None = None, doc_mask: Tensor | None = None, negatives: Tensor | None = None,
+                negative_mask: Tensor | None = None) -> Tensor:
+        s = self.log_scale.exp() if self.log_scale is not None else self.scale
+        return maxsim_info_nce(query_tokens, doc_tokens, target, query_mask=query_mask, doc_mask=doc_mask,
+                               negatives=negatives, negative_mask=negative_mask, scale=s, **self.kw)
+
+
+#: the hand-written modules (they hold learnable parameters or take per-batch masks), then every derived one
+HAND_WRITTEN = ("CLIPLoss", "MaxSimInfoNCELoss", "SigLIPLoss")
 __all__ = sorted([*HAND_WRITTEN, *(cls.__name__ for cls in DERIVED), "loss_module"])
