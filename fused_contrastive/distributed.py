@@ -61,10 +61,11 @@ def _h48(text: str) -> float:
     return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big"))
 
 
-def describe(v) -> str:
+def describe(v, lead: int = 1) -> str:
     """An argument as the ranks' agreement compares it: numbers, strings, flags and None by value; a
     tensor by dtype and trailing shape (``[*, 8]``: dim 0, this rank's rows, may differ between ranks;
-    values are not read, see ``_Digest``); a sequence element by element (list and tuple alike)."""
+    with ``lead=2`` dim 1 too, ``[*, *, 8]``: a token count padded per rank; values are not read, see
+    ``_Digest``); a sequence element by element (list and tuple alike)."""
     t = type(v)
     if v is None or t is bool or t is str:
         return repr(v)
@@ -78,7 +79,8 @@ def describe(v) -> str:
             dt = _DTYPE_NAMES[v.dtype] = str(v.dtype).removeprefix("torch.")
         if v.dim() == 0:
             return f"tensor({dt}, 0-dim)"
-        return f"tensor({dt}, [{', '.join(['*', *map(str, v.shape[1:])])}])"
+        lead = min(lead, v.dim())
+        return f"tensor({dt}, [{', '.join(['*'] * lead + [str(x) for x in v.shape[lead:]])}])"
     if isinstance(v, numbers.Integral):
         return str(int(v))
     if isinstance(v, numbers.Real):
@@ -146,7 +148,7 @@ class _Digest:
 
     __slots__ = ("args", "descs", "head", "values")
 
-    def __init__(self, name: str, binder: _Binder | None, args: tuple, kwargs: dict):
+    def __init__(self, name: str, binder: _Binder | None, args: tuple, kwargs: dict, ragged: tuple[str, ...] = ()):
         self.args: list[str] = []
         self.descs: list[str] = []
         self.values: dict[int, Tensor] = {}
@@ -156,7 +158,7 @@ class _Digest:
             return
         for i, (k, v) in enumerate(bound):
             try:
-                d = describe(v)
+                d = describe(v, 2 if k in ragged else 1)
             except Exception:  # noqa: BLE001 - a description never fails the call
                 d = type(v).__qualname__
             self.args.append(k)
@@ -284,12 +286,15 @@ def _exchange(call: _Call, failure: BaseException | None, scale=None, rows: int 
     return table
 
 
-def agreed(fn: _F) -> _F:
+def agreed(fn: _F | None = None, *, ragged: tuple[str, ...] = ()) -> _F:
     """Decorator of a public loss with a ``gather=`` keyword, outermost (see the module docstring):
     under a process group, the call's digest (from ``fn``'s signature, so every argument, the
     Matryoshka ones of ``@leveled`` included) goes with the loss's first collective, and an exception
     raised before that collective (an argument check, on one rank or on all) is announced to every rank
-    in it, which the healthy ranks are waiting in."""
+    in it, which the healthy ranks are waiting in. ``@agreed(ragged=(names))``: those tensor arguments
+    may also differ in dim 1 between ranks (token embeddings padded to each rank's longest sequence)."""
+    if fn is None:
+        return functools.partial(agreed, ragged=ragged)  # type: ignore[return-value]
     name = fn.__name__
     binder = _Binder(fn)
 
@@ -300,7 +305,7 @@ def agreed(fn: _F) -> _F:
                 or not (dist.is_available() and dist.is_initialized()):
             return fn(*args, **kwargs)
         grp = process_group(gather)
-        call = _CALL.call = _Call(name, grp, _Digest(name, binder, args, kwargs))
+        call = _CALL.call = _Call(name, grp, _Digest(name, binder, args, kwargs, ragged))
         try:
             out = fn(*args, **kwargs)
             if not call.done:  # a body that returned without any collective still agrees (and checks)

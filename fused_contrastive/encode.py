@@ -117,7 +117,8 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
 
     Args:
         encoder: an ``nn.Module`` or callable mapping one chunk of ``batch`` (the same structure, every
-            tensor sliced along dim 0) to its ``[n, D]`` embeddings tensor.
+            tensor sliced along dim 0) to its ``[n, D]`` embeddings tensor (or ``[n, L, D]`` token
+            embeddings for late interaction, ``fused_contrastive.maxsim``: L the same in every chunk).
         batch: a tensor ``[N, ...]``, or a dict / tuple / list of tensors that share the batch size N
             along dim 0 (e.g. a tokenizer's output; non-tensor entries are passed to every chunk
             unchanged).
@@ -127,7 +128,7 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
             only for encoders without randomness (saves the state capture).
 
     Returns:
-        ``[N, D]`` embeddings, connected to autograd when grad mode is on. Under ``torch.no_grad()``
+        ``[N, D]`` (or ``[N, L, D]``) embeddings, connected to autograd when grad mode is on. Under ``torch.no_grad()``
         the chunks are simply encoded one after another.
 
     Several inputs per example (anchor, positive and negative texts; two dropout views of the same
@@ -166,10 +167,10 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
         args = [next(it) if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves]
         out = encoder(tree_unflatten(args, spec))
         rows = tensors[0].shape[0]
-        if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != rows:
+        if not isinstance(out, Tensor) or out.dim() < 2 or out.shape[0] != rows:
             what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
-            raise TypeError(f"encoder must return the [n, D] embeddings tensor of its chunk (n = {rows}), "
-                            f"got {what}")
+            raise TypeError(f"encoder must return the [n, D] embeddings tensor of its chunk (n = {rows}; or "
+                            f"[n, L, D] token embeddings), got {what}")
         return out
 
     outs = []
@@ -194,4 +195,8 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
                                                preserve_rng_state=preserve_rng_state, **more))
         else:
             outs.append(run(*tensors))
+    shapes = {tuple(o.shape[1:]) for o in outs}
+    if len(shapes) > 1:
+        raise ValueError(f"encoder returned chunks of different trailing shapes {sorted(shapes)}: token embeddings "
+                         "[n, L, D] must share L across chunks (pad the batch to one length before chunking)")
     return torch.cat(outs) if len(outs) > 1 else outs[0]

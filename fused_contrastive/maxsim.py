@@ -353,7 +353,7 @@ def _gather_docs(docs: Tensor, valid: Tensor, grp, name: str) -> tuple[Tensor, T
     return out, vout, off, sizes
 
 
-@D.agreed
+@D.agreed(ragged=("query_tokens", "doc_tokens", "query_mask", "doc_mask", "negatives", "negative_mask"))
 @autocast_off
 def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | None = None, *,
                     query_mask: Tensor | None = None, doc_mask: Tensor | None = None,
