@@ -56,9 +56,15 @@ Offsets of N*Lq*M and N*Lq*D are int64.
 
 Numerics: fp32 accumulation; 16-bit products are exact in fp32, fp32 inputs use ``tf32x3`` dots
 (~fp32). NaN similarities: ``tl.max`` ignores NaN (GPU maxnum, interpreter nanmax), so a NaN token
-is never the argmax unless every valid token is NaN. Padding document tokens and padding query rows
-are loaded as 0 (masked loads: their memory is never read), so NaN / garbage padding is harmless;
-in the backward, terms with a zero coefficient (w = 0, G = 0) load nothing.
+is skipped by the maximum where the document has a finite one (NaN inputs are otherwise unspecified,
+unlike the reference, which propagates them). Invalid document tokens and the tile's rows a >= Lq
+are loaded as 0 (masked loads: their memory is never read), so NaN / garbage document padding is
+harmless. Query tokens with w = 0 are read in the forward (their idx is the definition's, and
+``0 * max`` is NaN for a NaN token, as in the definition); in the backward, terms with a zero
+coefficient (w = 0 or G = 0) load nothing.
+
+Tested under the CPU interpreter (tests/test_triton_maxsim.py, float64 oracle) and by ahead-of-time
+compilation for sm_80 / sm_90 only; not run on a GPU yet.
 
 Interpreter: its bf16 ``tl.dot`` is wrong, so UPCAST (bf16 under ``TRITON_INTERPRET=1`` only) casts
 the bf16 tiles to fp32 before each dot (the values are bf16 either way); its fp32 -> bf16 cast does not

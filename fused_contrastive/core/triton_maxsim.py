@@ -24,17 +24,21 @@ Work, in units of one N*Lq x M*Ld x D matmul (2 N Lq M Ld D FLOPs): forward 1 (t
 dd 1 (tensor cores, the weighted one-hot matmul); dq 1/Ld of a unit as fp32 FMAs on gathered rows
 (``DQ_GATHER``, the default) or 1 unit as the one-hot matmul on tensor cores.
 
-Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90).
-tests/test_triton_maxsim.py compiles the three kernels ahead of time for sm_80 / sm_90 at D = 128,
-Lq = 32, Ld = 180 (0 spills, shared memory within the part's limit, mma.sync / wgmma):
+Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90; not
+tuned by measurement: no GPU run yet). tests/test_triton_maxsim.py compiles them ahead of time for
+sm_80 / sm_90 (0 spills, shared memory within the part's limit, mma.sync / wgmma) at the ColBERT shape
+D = 128, Lq = 32, Ld = 180 in bf16 / fp16 / fp32, and the forward's other regimes:
 
-* forward, 16-bit: 128 query-token rows (G = 128 / LQ_PAD queries; LQ_PAD itself for Lq > 128, up to
-  256) x 64-token chunks, 8 warps (two warpgroups: wgmma M = 64 each), the query rows resident for
-  D_PAD <= 256 (one K chunk), 3 stages (2 above D_PAD 128: the resident rows and three staged
-  document chunks would pass the A100's shared memory); larger D streams 64-wide chunks. fp32: 64
-  rows x 64 tokens, 32-wide D chunks (tf32x3 splits each operand in two: more registers), 8 warps.
-* dq: 64 rows x up to 128 columns (D chunks on a second grid axis), 4 warps.
-* dd: 64 tokens x 64 query rows per matmul step x up to 128 columns (D chunks on a grid axis), 4 warps.
+* forward, 16-bit: 128 query-token rows (G = 128 / LQ_PAD queries; for 128 < Lq <= 256 one query of
+  LQ_PAD rows and 32-token chunks) x 64-token chunks, 8 warps (two warpgroups: wgmma M = 64 each), the
+  query rows resident for D_PAD <= 256 (one K chunk), 3 stages (2 above D_PAD 128: the resident rows and
+  three staged document chunks would pass the A100's shared memory); larger D streams 64-wide chunks.
+  sm_80 196 registers, sm_90 124 (bf16, D = 128). fp32: 64 rows x 64 tokens x 16-wide D chunks, 8 warps
+  (tf32x3 splits each operand in two; 32-wide chunks spilled on sm_80).
+* dq (gather): 64 rows x up to 128 columns (D chunks on a second grid axis), 8 warps, 80 registers (4
+  warps spilled 4 bytes on sm_90 at D = 64). The one-hot form: 64 rows x 64 tokens x 128 columns, 8
+  warps (fp32: 64 x 32 x 32 at 4 warps; wider tiles spilled).
+* dd: 64 tokens x 64 query rows per matmul step x up to 128 columns (fp32: 32), 4 warps.
 """
 
 from __future__ import annotations
