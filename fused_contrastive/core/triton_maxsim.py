@@ -1,0 +1,237 @@
+"""Triton path of late interaction (ColBERT's MaxSim): the launchers of ``fused_contrastive.kernels.maxsim``
+(whose docstring has the math, the tie rule and the numerics). Plain functions, no autograd:
+
+* :func:`maxsim_forward` ``(q, d, w, dvalid, scale, empty_score) -> (S, idx, lse)``;
+* :func:`maxsim_backward` ``(q, d, w, idx, G) -> (dq, dd)``.
+
+Shapes and dtypes: ``q`` [N, Lq, D], ``d`` [M, Ld, D] (fp32 / fp16 / bf16; both cast to their promoted
+dtype; the inner dimension is made contiguous, other strides are passed to the kernels), ``w`` [N, Lq]
+(read as fp32), ``dvalid`` [M, Ld] bool (False = padding token). Outputs: ``S`` [N, M] fp32
+(``S_ij = sum_a w_ia max_{b valid} <q_ia, d_jb>``, ``empty_score`` for a document without a valid
+token), ``idx`` [N, Lq, M] (the lowest maximising token index; 0 for an empty document; int16 for
+Ld < 2^15, else int32), ``lse`` [N] fp32 (``logsumexp_j scale * S_ij``, online in the forward kernel;
+``scale`` a float or a 0-dim / 1-element tensor read by the kernel from its pointer: no host sync);
+``dq`` [N, Lq, D] and ``dd`` [M, Ld, D] fp32.
+
+Memory: nothing of size N*Lq*M*Ld; the forward allocates S, idx and an fp32 [splits, N] buffer of
+per-split LSEs (merged by ``torch.logsumexp`` over the splits: fixed order, deterministic); the
+backward allocates dq and dd only. Every output is allocated with ``triton_backend._alloc`` (NaN-filled
+under ``POISON_OUTPUTS``; the argmax with its dtype's minimum), and every launch goes through
+``triton_backend._launch`` (so ``tools.aot.recording`` sees exactly these argument lists, and
+``wrap_triton`` under tracing).
+
+Work, in units of one N*Lq x M*Ld x D matmul (2 N Lq M Ld D FLOPs): forward 1 (tensor cores); backward
+dd 1 (tensor cores, the weighted one-hot matmul); dq 1/Ld of a unit as fp32 FMAs on gathered rows
+(``DQ_GATHER``, the default) or 1 unit as the one-hot matmul on tensor cores.
+
+Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90; not
+tuned by measurement: no GPU run yet). tests/test_triton_maxsim.py compiles them ahead of time for
+sm_80 / sm_90 (0 spills, shared memory within the part's limit, mma.sync / wgmma) at the ColBERT shape
+D = 128, Lq = 32, Ld = 180 in bf16 / fp16 / fp32, and the forward's other regimes:
+
+* forward, 16-bit: 128 query-token rows (G = 128 / LQ_PAD queries; for 128 < Lq <= 256 one query of
+  LQ_PAD rows and 32-token chunks) x 64-token chunks, 8 warps (two warpgroups: wgmma M = 64 each), the
+  query rows resident for D_PAD <= 256 (one K chunk), 3 stages (2 above D_PAD 128: the resident rows and
+  three staged document chunks would pass the A100's shared memory); larger D streams 64-wide chunks.
+  sm_80 196 registers, sm_90 124 (bf16, D = 128). fp32: 64 rows x 64 tokens x 16-wide D chunks, 8 warps
+  (tf32x3 splits each operand in two; 32-wide chunks spilled on sm_80).
+* dq (gather): 64 rows x up to 128 columns (D chunks on a second grid axis), 8 warps, 80 registers (4
+  warps spilled 4 bytes on sm_90 at D = 64). The one-hot form: 64 rows x 64 tokens x 128 columns, 8
+  warps (fp32: 64 x 32 x 32 at 4 warps; wider tiles spilled).
+* dd: 64 tokens x 64 query rows per matmul step x up to 128 columns (fp32: 32), 4 warps.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+from torch import Tensor
+
+from ..kernels import maxsim as K
+from . import triton_backend as TB
+from .triton_configs import DTYPE_NAMES, d_pad
+
+__all__ = ["DQ_GATHER", "FWD_SPLITS", "maxsim_backward", "maxsim_forward"]
+
+
+class MaxSimConfig(NamedTuple):
+    """Tiles and launch options of one kernel: ``rows`` query-token rows per tile (the forward's
+    target G * LQ_PAD), ``block_t`` document tokens, ``block_d`` the D chunk (0: D_PAD, resident)."""
+
+    rows: int
+    block_t: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+
+FWD_16 = MaxSimConfig(128, 64, 0, 8, 3)
+FWD_32 = MaxSimConfig(64, 64, 16, 8, 3)
+#: The forward keeps the query rows resident up to this D_PAD (16-bit); above it, D chunks of 64.
+FWD_RESIDENT_MAX_D = 256
+BWD_Q = MaxSimConfig(64, 64, 128, 8, 2)
+BWD_Q_DOT = MaxSimConfig(64, 64, 128, 8, 3)
+BWD_Q_DOT_32 = MaxSimConfig(64, 32, 32, 4, 3)
+BWD_D = MaxSimConfig(64, 64, 128, 4, 3)
+BWD_D_32 = MaxSimConfig(64, 64, 32, 4, 3)
+#: Largest Lq (LQ_PAD rows of one query must fit one forward tile).
+MAX_LQ = 256
+
+#: dq by gathering each row's argmax token (fp32 FMAs, exact) instead of the one-hot matmul.
+DQ_GATHER = True
+#: Document splits of the forward (each program walks M / splits documents; the launcher merges the
+#: splits' LSEs). None: enough programs for 2 per SM on a GPU (at most M), 2 under the interpreter (so
+#: small tests merge splits).
+FWD_SPLITS: int | None = None
+
+_SMS = {"sm80": 108, "sm90": 132}  # recorded launches (meta tensors): A100, H100
+
+
+def _kernel_dtype(q: Tensor, d: Tensor) -> torch.dtype:
+    for x in (q, d):
+        if x.dtype not in DTYPE_NAMES:
+            raise TypeError(f"the MaxSim kernels take float32, float16 or bfloat16 tokens, got {x.dtype}")
+    return torch.promote_types(q.dtype, d.dtype)
+
+
+def _tokens_ok(x: Tensor, dt: torch.dtype) -> Tensor:
+    x = x.to(dt)
+    return x if x.stride(2) == 1 or x.shape[2] <= 1 else x.contiguous()
+
+
+def _check(q: Tensor, d: Tensor, w: Tensor) -> tuple[int, int, int, int, int]:
+    if q.dim() != 3 or d.dim() != 3 or q.shape[2] != d.shape[2]:
+        raise ValueError(f"q [N, Lq, D] and d [M, Ld, D] with one D, got {tuple(q.shape)} and {tuple(d.shape)}")
+    n, lq, dim = q.shape
+    m, ld, _ = d.shape
+    if tuple(w.shape) != (n, lq):
+        raise ValueError(f"w must be [N, Lq] = {[n, lq]}, got {tuple(w.shape)}")
+    if lq > MAX_LQ:
+        raise NotImplementedError(f"the MaxSim kernels take Lq <= {MAX_LQ} query tokens, got {lq}")
+    return n, lq, m, ld, dim
+
+
+def _alloc_index(shape, dtype: torch.dtype, device) -> Tensor:
+    """``triton_backend._alloc`` for the integer argmax: filled with the dtype's minimum (never a token
+    index) under ``POISON_OUTPUTS``."""
+    if TB.POISON_OUTPUTS:
+        return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _splits(n_groups: int, m: int, dev: torch.device) -> int:
+    if FWD_SPLITS is not None:
+        want = FWD_SPLITS
+    elif TB._RECORDER is not None or dev.type == "cuda":
+        sms = _SMS[TB._RECORDER.arch] if TB._RECORDER is not None else TB._cuda_props(TB._index(dev))[1]
+        want = triton.cdiv(2 * sms, n_groups)
+    else:
+        want = 2
+    return max(1, min(m, want))
+
+
+def _fwd_config(dt: torch.dtype, lq_pad: int, dim: int) -> tuple[MaxSimConfig, int, int, bool]:
+    """(config, G, BLOCK_D, RESIDENT) of the forward."""
+    dp = d_pad(dim)
+    if dt == torch.float32:
+        cfg = FWD_32
+        block_d, resident = min(cfg.block_d, dp), cfg.block_d >= dp
+    else:
+        cfg = FWD_16
+        resident = dp <= FWD_RESIDENT_MAX_D
+        block_d = dp if resident else 64
+        if dp > 128:
+            cfg = cfg._replace(num_stages=2)
+    if lq_pad > cfg.rows:  # one query per program: fewer tokens per chunk keep the tile's registers
+        cfg = cfg._replace(block_t=max(16, cfg.block_t * cfg.rows // lq_pad))
+    return cfg, max(1, cfg.rows // lq_pad), block_d, resident
+
+
+def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty_score: float
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(S [N, M] fp32, idx [N, Lq, M] int16 / int32, lse [N] fp32)``; see the module docstring."""
+    n, lq, m, ld, dim = _check(q, d, w)
+    if tuple(dvalid.shape) != (m, ld):
+        raise ValueError(f"dvalid must be [M, Ld] = {[m, ld]}, got {tuple(dvalid.shape)}")
+    dev = q.device
+    dt = _kernel_dtype(q, d)
+    q, d = _tokens_ok(q, dt), _tokens_ok(d, dt)
+    w = w.to(device=dev, dtype=torch.float32).contiguous()
+    dv = (dvalid if dvalid.dtype == torch.bool else dvalid != 0).contiguous().view(torch.uint8)
+    idt = torch.int16 if ld < (1 << 15) else torch.int32
+    s = TB._alloc((n, m), torch.float32, dev)
+    idx = _alloc_index((n, lq, m), idt, dev)
+    if n == 0 or m == 0:
+        return s, idx, torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+    lq_pad = max(1, 1 << max(lq - 1, 0).bit_length())
+    cfg, g, block_d, resident = _fwd_config(dt, lq_pad, dim)
+    n_groups = triton.cdiv(n, g)
+    splits = _splits(n_groups, m, dev)
+    per = triton.cdiv(m, splits)
+    splits = triton.cdiv(m, per)
+    part = TB._alloc((splits, n), torch.float32, dev)
+    TB._launch(TB.Launch(
+        "maxsim_fwd", K.maxsim_fwd_kernel, (n_groups, splits),
+        dict(Q=q, DOC=d, W=w, DV=dv, SCALE=TB._scale32(scale, dev), S=s, IDX=idx, LSE_PART=part,
+             N=n, M=m, LQ=lq, LD=ld, D=dim, docs_per_split=per, stride_qn=q.stride(0), stride_qa=q.stride(1),
+             stride_dm=d.stride(0), stride_dt=d.stride(1), empty_score=float(empty_score)),
+        dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident,
+             UPCAST=TB._upcast(dt), DOT_PREC=TB._dot_prec(dt)),
+        cfg.num_warps, cfg.num_stages))
+    lse = part[0] if splits == 1 else torch.logsumexp(part, dim=0)
+    return s, idx, lse
+
+
+def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dvalid: Tensor | None = None,
+                    gather: bool | None = None) -> tuple[Tensor, Tensor]:
+    """``(dq [N, Lq, D], dd [M, Ld, D])`` fp32 for the upstream gradient ``G`` [N, M] of S (0 at empty
+    documents: the caller guarantees it) and the forward's ``idx``.
+
+    ``gather`` (default :data:`DQ_GATHER`) picks dq's form (see the kernel docstring). ``dvalid`` is
+    read only by the one-hot form of dq (``gather=False``), to keep padding tokens out of its loads;
+    without it their values must be finite."""
+    n, lq, m, ld, dim = _check(q, d, w)
+    if tuple(idx.shape) != (n, lq, m) or tuple(G.shape) != (n, m):
+        raise ValueError(f"idx must be [N, Lq, M] = {[n, lq, m]} and G [N, M], got {tuple(idx.shape)}, "
+                         f"{tuple(G.shape)}")
+    gather = DQ_GATHER if gather is None else bool(gather)
+    dev = q.device
+    dt = _kernel_dtype(q, d)
+    q, d = _tokens_ok(q, dt), _tokens_ok(d, dt)
+    w = w.to(device=dev, dtype=torch.float32).contiguous()
+    g = G.to(device=dev, dtype=torch.float32).contiguous()
+    idx = idx.contiguous()
+    dq = TB._alloc((n, lq, dim), torch.float32, dev)
+    dd = TB._alloc((m, ld, dim), torch.float32, dev)
+    rows = n * lq
+    if rows == 0 or m == 0 or ld == 0 or dim == 0:
+        return dq.zero_(), dd.zero_()
+    dp = d_pad(dim)
+    upcast, prec = TB._upcast(dt), TB._dot_prec(dt)
+    has_dv = dvalid is not None and not gather
+    dv = (dvalid != 0).contiguous().view(torch.uint8) if has_dv else w  # w: a stand-in, never read
+    cfg = BWD_Q if gather else (BWD_Q_DOT_32 if dt == torch.float32 else BWD_Q_DOT)
+    block_d = min(cfg.block_d, dp)
+    TB._launch(TB.Launch(
+        "maxsim_bwd_query", K.maxsim_bwd_query_kernel, (triton.cdiv(rows, cfg.rows), triton.cdiv(dim, block_d)),
+        dict(DOC=d, W=w, IDX=idx, G=g, DV=dv, DQ=dq, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_dm=d.stride(0),
+             stride_dt=d.stride(1)),
+        dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, GATHER=gather, HAS_DV=has_dv, UPCAST=upcast,
+             DOT_PREC=prec),
+        cfg.num_warps, cfg.num_stages))
+    # one global scale of the coefficients G_ij w_ia (device tensors, no sync): |P| <= PRESCALE
+    gs = g.abs().amax() * w.abs().amax()
+    gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
+    cfg = BWD_D_32 if dt == torch.float32 else BWD_D
+    block_d = min(cfg.block_d, dp)
+    TB._launch(TB.Launch(
+        "maxsim_bwd_doc", K.maxsim_bwd_doc_kernel,
+        (m, triton.cdiv(ld, cfg.block_t), triton.cdiv(dim, block_d)),
+        dict(Q=q, W=w, IDX=idx, G=g, GSCALE=gs, DD=dd, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_qn=q.stride(0),
+             stride_qa=q.stride(1)),
+        dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, UPCAST=upcast, DOT_PREC=prec,
+             PRESCALE=TB.prescale(dt)),
+        cfg.num_warps, cfg.num_stages))
+    return dq, dd
