@@ -18,7 +18,7 @@ from torch import Tensor
 BACKENDS = ("auto", "torch", "triton", "reference")
 
 #: Ops with a Triton implementation.
-_TRITON_OPS = ("core", "cosent")
+_TRITON_OPS = ("core", "cosent", "maxsim")
 
 _INSTALL_HINT = ('pip install "/path/to/fused-contrastive[triton]" (from a checkout of this project; CUDA wheels of '
                  "PyTorch already bring triton; triton runs on Linux x86_64 / aarch64)")
@@ -43,7 +43,7 @@ def triton_status() -> TritonStatus:
             _STATUS = TritonStatus(False, None, False)
         else:
             try:
-                from .core import triton_backend, triton_cosent, triton_function  # noqa: F401
+                from .core import triton_backend, triton_cosent, triton_function, triton_maxsim  # noqa: F401
             except Exception as exc:  # noqa: BLE001 - any failure here is a broken install
                 _STATUS = TritonStatus(True, f"{type(exc).__name__}: {exc}", False)
             else:
@@ -67,7 +67,8 @@ def triton_usable_on(device: torch.device) -> bool:
 
 
 def resolve(backend: str, *tensors: Tensor | None, op: str = "core") -> str:
-    """The backend that runs ``op`` ("core": every InfoNCE-family loss; "cosent") on ``tensors``.
+    """The backend that runs ``op`` ("core": every InfoNCE-family loss; "cosent"; "maxsim": late
+    interaction) on ``tensors``.
 
     ``"auto"``: the environment variable ``FUSED_CONTRASTIVE_BACKEND`` when set (any name but "auto"
     there is used as if passed), else "triton" for CUDA tensors when the op has a Triton kernel, the

@@ -15,8 +15,9 @@ Gradient rule at ties: ``max`` is not differentiable where two document tokens t
 the gradient of that term goes to the first of them (the lowest token index), on every backend and
 in the reference (``reference`` below takes that index explicitly).
 
-A document with no valid token scores ``EMPTY_DOC_SCORE`` (-1e9, before the scale, as
-sentence-transformers' MaxSim scorers do): it ranks below every real document and gets no gradient.
+A document with no valid token scores ``EMPTY_DOC_SCORE`` (-1e9, before the scale; divided by the
+query's token count under MeanMaxSim), as sentence-transformers' MaxSim scorers do: it ranks below every
+real document and gets no gradient.
 
 ``backend="torch"`` runs the chunked PyTorch path below (any device); ``backend="triton"`` the kernels
 of ``core/triton_maxsim.py`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``); ``backend="reference"``
@@ -78,6 +79,20 @@ def query_weights(query_mask: Tensor | None, n: int, lq: int, length_normalize: 
     return w
 
 
+def empty_scores(w: Tensor, length_normalize: bool) -> Tensor:
+    """[N]: the score of a document without any valid token, per query: ``EMPTY_DOC_SCORE``, divided by
+    the query's count of non-zero weights under MeanMaxSim (sentence-transformers fills it, then divides
+    every score by the count)."""
+    if not length_normalize:
+        return torch.full((w.shape[0],), EMPTY_DOC_SCORE, dtype=w.dtype, device=w.device)
+    return EMPTY_DOC_SCORE / (w != 0).sum(dim=1).clamp(min=1).to(w.dtype)
+
+
+def _fill(s: Tensor, valid: Tensor, fill: Tensor) -> Tensor:
+    """``s`` with the empty documents' columns set to ``fill`` [N]."""
+    return torch.where(valid.any(dim=1)[None, :], s, fill.to(s.dtype)[:, None])
+
+
 def _valid(doc_mask: Tensor | None, m: int, ld: int, device: torch.device) -> Tensor:
     return torch.ones(m, ld, dtype=torch.bool, device=device) if doc_mask is None else doc_mask != 0
 
@@ -98,7 +113,7 @@ def index_dtype(ld: int) -> torch.dtype:
 
 # --- the reference (oracle) -------------------------------------------------------------------------
 
-def reference_scores(q: Tensor, d: Tensor, w: Tensor, valid: Tensor) -> Tensor:
+def reference_scores(q: Tensor, d: Tensor, w: Tensor, valid: Tensor, fill: Tensor | None = None) -> Tensor:
     """``S`` [N, M] from the materialised [N, M, Lq, Ld] similarities (float64 for float64 inputs, else
     float32, or ``core.reference.computing_in``'s dtype), the maximum's gradient at the first maximising
     token (taken explicitly, not left to ``torch.max``)."""
@@ -112,7 +127,7 @@ def reference_scores(q: Tensor, d: Tensor, w: Tensor, valid: Tensor) -> Tensor:
     best = sims.gather(-1, first).squeeze(-1)  # [N, M, Lq]
     best = best.masked_fill(empty[None, :, None], 0.0)
     s = torch.einsum("nma,na->nm", best, w.to(dt))
-    return s.masked_fill(empty[None, :], EMPTY_DOC_SCORE)
+    return _fill(s, valid, empty_scores(w, False) if fill is None else fill)
 
 
 def reference(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | None = None, *,
@@ -127,7 +142,7 @@ def reference(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | None = 
     q = ref._unit(query_tokens, normalize, dt)
     d = ref._unit(doc_tokens, normalize, dt)
     w = query_weights(query_mask, n, lq, length_normalize, dt, q.device)
-    s = reference_scores(q, d, w, _valid(doc_mask, m, ld, q.device))
+    s = reference_scores(q, d, w, _valid(doc_mask, m, ld, q.device), empty_scores(w, length_normalize))
     t = torch.arange(n, device=q.device) if target is None else target.long()
     logits = ref._scalar(scale, dt) * s
     return torch.nn.functional.cross_entropy(logits, t, reduction=reduction, ignore_index=ignore_index)
@@ -200,13 +215,19 @@ def grads_torch(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, g: Tensor) -> tupl
 
 # --- the autograd Function --------------------------------------------------------------------------
 
-def _scores(backend: str, q, d, w, valid, scale_t):
-    """``(S, idx, lse)`` of the backend: lse_i = logsumexp_j scale S_ij."""
+def _scores(backend: str, q, d, w, valid, scale_t, fill: Tensor, length_normalize: bool):
+    """``(S, idx, lse)`` of the backend: lse_i = logsumexp_j scale S_ij, the empty documents at ``fill``."""
     if backend == "triton":
         from .core import triton_maxsim
 
-        return triton_maxsim.maxsim_forward(q, d, w.float(), valid, scale_t.float().reshape(1), EMPTY_DOC_SCORE)
-    s, idx = scores_torch(q, d, w, valid)
+        s, idx, lse = triton_maxsim.maxsim_forward(q, d, w.float(), valid, scale_t.float().reshape(1),
+                                                   EMPTY_DOC_SCORE)
+        if not length_normalize:  # the kernels' online LSE saw the same empty score
+            return s, idx, lse
+        s = _fill(s, valid, fill)
+    else:
+        s, idx = scores_torch(q, d, w, valid)
+        s = _fill(s, valid, fill) if length_normalize else s
     return s, idx, torch.logsumexp(scale_t.to(s.dtype) * s, dim=1)
 
 
@@ -226,8 +247,8 @@ class MaxSimCEFn(torch.autograd.Function):
     when it requires one). Saves ``S`` [N, M], the argmax indices [N, Lq, M] and ``lse`` [N]."""
 
     @staticmethod
-    def forward(ctx, q, d, scale_t, w, valid, t, keep, backend):
-        s, idx, lse = _scores(backend, q, d, w, valid, scale_t)
+    def forward(ctx, q, d, scale_t, w, valid, t, keep, fill, length_normalize, backend):
+        s, idx, lse = _scores(backend, q, d, w, valid, scale_t, fill, length_normalize)
         sc = scale_t.to(s.dtype)
         rows = torch.arange(q.shape[0], device=q.device)
         loss = torch.where(keep, lse.to(s.dtype) - sc * s[rows, t], torch.zeros((), dtype=s.dtype, device=q.device))
@@ -255,19 +276,22 @@ class MaxSimCEFn(torch.autograd.Function):
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             dq, dd = _grads(ctx.backend, q, d, w, idx, gs)
             dq, dd = dq.to(q.dtype), dd.to(d.dtype)
-        return dq, dd, dscale, None, None, None, None, None
+        return dq, dd, dscale, None, None, None, None, None, None, None
 
 
 class _ScoresFn(torch.autograd.Function):
     """``S`` [N, M] of :func:`maxsim_scores` with the same saved index and backward."""
 
     @staticmethod
-    def forward(ctx, q, d, w, valid, backend):
+    def forward(ctx, q, d, w, valid, fill, backend):
         if backend == "triton":
+            from .core import triton_maxsim
+
             one = torch.ones(1, dtype=torch.float32, device=q.device)
-            s, idx, _ = _scores(backend, q, d, w, valid, one)
+            s, idx, _ = triton_maxsim.maxsim_forward(q, d, w.float(), valid, one, EMPTY_DOC_SCORE)
         else:
             s, idx = scores_torch(q, d, w, valid)
+        s = _fill(s, valid, fill)
         ctx.save_for_backward(q, d, w, valid, idx)
         ctx.backend = backend
         return s
@@ -277,7 +301,7 @@ class _ScoresFn(torch.autograd.Function):
         q, d, w, valid, idx = ctx.saved_tensors
         g = g.masked_fill(~valid.any(dim=1)[None, :], 0.0)
         dq, dd = _grads(ctx.backend, q, d, w, idx, g.to(torch.float64 if q.dtype == torch.float64 else torch.float32))
-        return dq.to(q.dtype), dd.to(d.dtype), None, None, None
+        return dq.to(q.dtype), dd.to(d.dtype), None, None, None, None
 
 
 # --- the public functions ---------------------------------------------------------------------------
@@ -321,7 +345,8 @@ def maxsim_scores(query_tokens: Tensor, doc_tokens: Tensor, *, query_mask: Tenso
         query_mask: [N, Lq] bool (or 0 / 1 integer) mask of real query tokens, or float weights
             (multiplied into each token's maximum, as sentence-transformers does); None: every token.
         doc_mask: [M, Ld] bool (or 0 / 1 integer) mask of real document tokens; None: every token.
-            A document without any valid token scores ``EMPTY_DOC_SCORE`` (-1e9).
+            A document without any valid token scores ``EMPTY_DOC_SCORE`` (-1e9; divided by the query's
+            count under ``length_normalize``).
         length_normalize: divide each query's sum by its count of non-zero ``query_mask`` entries
             (MeanMaxSim). Default False.
         normalize: L2-normalise every token first. Default False here (scores of the vectors as given).
@@ -329,7 +354,7 @@ def maxsim_scores(query_tokens: Tensor, doc_tokens: Tensor, *, query_mask: Tenso
     """
     query_tokens, doc_tokens, query_mask, doc_mask = _prepare(query_tokens, doc_tokens, query_mask, doc_mask,
                                                               normalize, length_normalize)
-    be = resolve(backend, query_tokens, doc_tokens, op="maxsim")
+    be = _backend(backend, query_tokens, doc_tokens)
     n, lq, _ = query_tokens.shape
     m, ld, _ = doc_tokens.shape
     dt = torch.float64 if query_tokens.dtype == torch.float64 else torch.float32
@@ -339,8 +364,24 @@ def maxsim_scores(query_tokens: Tensor, doc_tokens: Tensor, *, query_mask: Tenso
     if be == "reference":
         q = ref._unit(query_tokens, normalize, torch.float64)
         d = ref._unit(doc_tokens, normalize, torch.float64)
-        return reference_scores(q, d, w.double(), valid)
-    return _ScoresFn.apply(_unit(query_tokens, normalize), _unit(doc_tokens, normalize), w, valid, be)
+        return reference_scores(q, d, w.double(), valid, empty_scores(w.double(), length_normalize))
+    return _ScoresFn.apply(_unit(query_tokens, normalize), _unit(doc_tokens, normalize), w, valid,
+                           empty_scores(w, length_normalize), be)
+
+
+def _backend(backend: str, query_tokens: Tensor, doc_tokens: Tensor) -> str:
+    """``resolve`` for op "maxsim", with the kernels' limit on Lq: "auto" takes the PyTorch path above
+    it, an explicit "triton" raises."""
+    be = resolve(backend, query_tokens, doc_tokens, op="maxsim")
+    if be == "triton":
+        from .core.triton_maxsim import MAX_LQ
+
+        if query_tokens.shape[1] > MAX_LQ:
+            if backend == "triton":
+                raise ValueError(f'backend="triton" takes at most {MAX_LQ} query tokens (query_tokens has '
+                                 f'{query_tokens.shape[1]}); use backend="torch" or "auto"')
+            return "torch"
+    return be
 
 
 def _gather_docs(docs: Tensor, valid: Tensor, grp, name: str) -> tuple[Tensor, Tensor, int, list[int]]:
@@ -377,7 +418,8 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
         query_mask: [N, Lq] bool (or 0 / 1 integer) mask of real query tokens, or float weights; None:
             every token.
         doc_mask: [M, Ld] bool (or 0 / 1 integer) mask of real document tokens; None: every token. A
-            document without any valid token scores -1e9 (``EMPTY_DOC_SCORE``) before the scale.
+            document without any valid token scores -1e9 (``EMPTY_DOC_SCORE``) before the scale (divided by the
+            query's count under ``length_normalize``).
         negatives: [K, Ln, D] hard-negative documents (any Ln), columns M .. M + K - 1 of every query;
             ``negative_mask`` [K, Ln] their mask. None: none.
         temperature / scale: at most one (``scale = 1 / temperature``); neither means scale 1 (the
@@ -417,7 +459,7 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
         negative_mask = _mask("negative_mask", negative_mask, tuple(negatives.shape[:2]), dev, weights=False)
     elif negative_mask is not None:
         raise ValueError("negative_mask was given without negatives")
-    be = resolve(backend, query_tokens, doc_tokens, op="maxsim")
+    be = _backend(backend, query_tokens, doc_tokens)
     grp = D.process_group(gather)
     if grp is not None and be == "reference":
         raise ValueError('backend="reference" does not gather; use backend="torch" with gather')
@@ -453,7 +495,8 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
     w = query_weights(query_mask, n, lq, length_normalize, dt, dev)
     scale_t = s if isinstance(s, Tensor) else torch.tensor(float(s), dtype=dt, device=dev)
     per = MaxSimCEFn.apply(_unit(query_tokens, normalize), _unit(docs, normalize), scale_t.reshape(()), w,
-                           valid, torch.where(keep, t, 0), keep, be)
+                           valid, torch.where(keep, t, 0), keep, empty_scores(w, length_normalize), length_normalize,
+                           be)
     if reduction == "none":
         return per
     total = per.sum()

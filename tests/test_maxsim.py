@@ -37,16 +37,17 @@ def oracle(q, d, target, qmask=None, dmask=None, scale=1.0, length_normalize=Fal
     w = torch.ones(n, lq, dtype=F64) if qmask is None else qmask.to(F64)
     if qmask is not None and not qmask.is_floating_point():
         w = (qmask != 0).to(F64)
+    count = (w != 0).sum(1).clamp(min=1).to(F64)
     if length_normalize:
-        w = w / (w != 0).sum(1, keepdim=True).clamp(min=1)
+        w = w / count[:, None]
     valid = torch.ones(m, ld, dtype=torch.bool) if dmask is None else dmask.bool()
     rows = []
     for i in range(n):
         row = []
         for j in range(m):
             toks = [b for b in range(ld) if valid[j, b]]
-            if not toks:
-                row.append(torch.tensor(-1e9, dtype=F64))
+            if not toks:  # sentence-transformers' fill, divided by the count like every MeanMaxSim score
+                row.append(torch.tensor(-1e9, dtype=F64) / (count[i] if length_normalize else 1.0))
                 continue
             total = torch.zeros((), dtype=F64)
             for a in range(lq):
@@ -128,6 +129,40 @@ def test_loss_and_gradients_match_the_definition(name, backend):
         _close(g, h)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["masks", "mean_maxsim", "negatives", "none"])
+def test_the_triton_kernels_under_the_loss(name, dtype):
+    """The loss on backend="triton" (the interpreter) against the float64 oracle of the same rounded
+    inputs: the loss to fp32 accumulation, the gradients to the input dtype's rounding (the kernels
+    return them in it; dd's one-hot operand is rounded once)."""
+    c = CASES[name]
+    q, d, qm, dm, neg, nm = _data(k=c.get("k", 0), dtype=dtype)
+    t = torch.tensor(c.get("target", range(4)))
+    kw = dict(length_normalize=c.get("length_normalize", False), reduction=c.get("reduction", "mean"))
+    out = MS.maxsim_info_nce(q, d, t, query_mask=qm, doc_mask=dm, negatives=neg, negative_mask=nm, scale=2.0,
+                             backend="triton", **kw)
+    q64, d64 = q.detach().double().requires_grad_(), d.detach().double().requires_grad_()
+    n64 = neg.detach().double().requires_grad_() if neg is not None else None
+    dd = torch.cat([F.pad(d64, (0, 0, 0, 2)), n64]) if neg is not None else d64
+    dmm = torch.cat([F.pad(dm, (0, 2)), nm]) if neg is not None else dm
+    # the kernels see the unit tokens rounded to the input dtype: so does the oracle
+    unit = lambda x: (x / x.norm(dim=-1, keepdim=True)).to(dtype).double()  # noqa: E731
+    want = oracle(unit(q64), unit(dd), t, qm, dmm, 2.0, normalize=False, **kw)
+    assert torch.allclose(out.double(), want.detach(), rtol=2e-5, atol=2e-5), (out, want)
+    if out.dim():
+        out = (out * torch.arange(1, 5)).sum()
+    got = torch.autograd.grad(out, [x for x in (q, d, neg) if x is not None])
+    want = MS.maxsim_info_nce(q64, d64, t, query_mask=qm, doc_mask=dm, negatives=n64, negative_mask=nm, scale=2.0,
+                              backend="reference", **kw)
+    if want.dim():
+        want = (want * torch.arange(1, 5)).sum()
+    ref_g = torch.autograd.grad(want, [x for x in (q64, d64, n64) if x is not None])
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    for a, b in zip(got, ref_g, strict=True):
+        assert a.dtype == dtype
+        assert (a.double() - b).abs().max() <= tol * b.abs().max(), ((a.double() - b).abs().max(), b.abs().max())
+
+
 def test_float_query_weights_and_scores():
     q, d, qm, dm, _, _ = _data()
     wts = torch.rand(4, 3, generator=torch.Generator().manual_seed(3), dtype=F64) * qm
@@ -138,15 +173,24 @@ def test_float_query_weights_and_scores():
     _close(s, MS.maxsim_scores(q, d, query_mask=wts, doc_mask=dm, backend="reference"))
 
 
-def test_an_empty_document_scores_minus_1e9_and_gets_no_gradient():
+@pytest.mark.parametrize("length_normalize", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_empty_document_scores_minus_1e9_and_gets_no_gradient(backend, length_normalize):
     q, d, qm, dm, _, _ = _data()
     dm[3] = False
-    s = MS.maxsim_scores(q, d, query_mask=qm, doc_mask=dm, backend="torch")
-    assert torch.all(s[:, 3] == -1e9)
-    loss = MS.maxsim_info_nce(q, d, torch.tensor([0, 1, 2, 4]), query_mask=qm, doc_mask=dm, backend="torch")
-    _close(loss, oracle(q, d, torch.tensor([0, 1, 2, 4]), qm, dm))
-    (gd,) = torch.autograd.grad(loss, d)
-    assert torch.all(gd[3] == 0) and gd[0].abs().sum() > 0
+    dtype = F64 if backend == "torch" else torch.float32
+    q, d = q.detach().to(dtype).requires_grad_(), d.detach().to(dtype).requires_grad_()
+    s = MS.maxsim_scores(q, d, query_mask=qm, doc_mask=dm, length_normalize=length_normalize, backend=backend)
+    count = qm.sum(1).to(s.dtype)
+    assert torch.equal(s[:, 3], -1e9 / count if length_normalize else torch.full_like(s[:, 3], -1e9))
+    for t in ([0, 1, 2, 4], [0, 1, 2, 3]):  # the empty document as a negative, then as a positive
+        t = torch.tensor(t)
+        loss = MS.maxsim_info_nce(q, d, t, query_mask=qm, doc_mask=dm, length_normalize=length_normalize,
+                                  backend=backend)
+        want = oracle(q, d, t, qm, dm, length_normalize=length_normalize)
+        assert torch.allclose(loss.double(), want, rtol=1e-6), (loss, want)
+        (gd,) = torch.autograd.grad(loss, d)
+        assert torch.all(gd[3] == 0) and gd[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])

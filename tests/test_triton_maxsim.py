@@ -291,8 +291,6 @@ _COMPILE = textwrap.dedent(
     from fused_contrastive.core import triton_maxsim as TM
     from fused_contrastive.tools import aot
 
-    _sig = aot._sig_type  # int16 pointers (the argmax of Ld < 2^15) are not in tools.aot's table
-    aot._sig_type = lambda v: "*i16" if isinstance(v, torch.Tensor) and v.dtype == torch.int16 else _sig(v)
     DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
     def record(fam, dname, d, lq, gather):

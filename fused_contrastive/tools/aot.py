@@ -282,8 +282,8 @@ def run_job(job: Job) -> dict[str, object]:
 def _sig_type(v) -> str:
     if isinstance(v, Tensor):
         return "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                      torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.int8: "i8",
-                      torch.uint8: "u8"}[v.dtype]
+                      torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
+                      torch.int8: "i8", torch.uint8: "u8"}[v.dtype]
     if isinstance(v, bool):
         return "i1"
     if isinstance(v, int):
