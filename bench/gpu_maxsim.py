@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_contrastive import maxsim as MS
+from fused_contrastive.core import triton_maxsim as TM
 from fused_contrastive.gpu_validate import _timer
 
 
@@ -31,7 +32,7 @@ def inputs(n: int, lq: int, ld: int, d: int, dtype, seed: int = 0, device="cuda"
     q = torch.randn(n, lq, d, generator=g)
     docs = torch.randn(n, ld, d, generator=g)
     docs[:, :lq] += 0.5 * q  # document i shares some direction with query i
-    qlen = torch.randint(8, lq + 1, (n,), generator=g)
+    qlen = torch.randint(min(8, lq), lq + 1, (n,), generator=g)
     dlen = torch.randint(max(1, ld // 4), ld + 1, (n,), generator=g)
     qm = torch.arange(lq)[None] < qlen[:, None]
     dm = torch.arange(ld)[None] < dlen[:, None]
@@ -54,10 +55,15 @@ def parity(n: int, lq: int, ld: int, d: int) -> bool:
         want = MS.maxsim_info_nce(q64, d64, query_mask=qm, doc_mask=dm, scale=4.0, normalize=False,
                                   backend="reference")
         gq64, gd64 = torch.autograd.grad(want, (q64, d64))
-        for be in ("triton", "torch"):
+        want = want.detach()
+        for be in ("triton", "triton/dq-onehot", "torch"):
             ql, dl = q.clone().requires_grad_(), docs.clone().requires_grad_()
-            got = MS.maxsim_info_nce(ql, dl, query_mask=qm, doc_mask=dm, scale=4.0, normalize=False, backend=be)
+            TM.DQ_GATHER = be != "triton/dq-onehot"
+            got = MS.maxsim_info_nce(ql, dl, query_mask=qm, doc_mask=dm, scale=4.0, normalize=False,
+                                     backend=be.split("/")[0])
             gq, gd = torch.autograd.grad(got, (ql, dl))
+            TM.DQ_GATHER = True
+            got = got.detach()
             # the float64 oracle of the same rounded inputs: fp32 accumulation leaves ~1e-6 relative, and
             # the gradients come back rounded to the input dtype
             tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
@@ -66,13 +72,13 @@ def parity(n: int, lq: int, ld: int, d: int) -> bool:
             ed = float((gd.double() - gd64).abs().max() / gd64.abs().max())
             good = el < 1e-5 and eq < tol and ed < tol
             ok &= good
-            print(f"parity {be:6s} {str(dtype)[6:]:8s} N={n} Lq={lq} Ld={ld} D={d}: loss rel err {el:.2e}, "
+            print(f"parity {be:16s} {str(dtype)[6:]:8s} N={n} Lq={lq} Ld={ld} D={d}: loss rel err {el:.2e}, "
                   f"dq {eq:.2e}, dd {ed:.2e} (of the largest entry; bound {tol:g}) {'PASS' if good else 'FAIL'}",
                   flush=True)
     return ok
 
 
-def timing(n: int, lq: int, ld: int, d: int, repeats: int, with_torch: bool) -> None:
+def timing(n: int, lq: int, ld: int, d: int, repeats: int, with_torch: bool, profile: bool = True) -> None:
     measure = _timer("cuda")
     q, docs, qm, dm = inputs(n, lq, ld, d, torch.bfloat16)
     leaves = [q.requires_grad_(), docs.requires_grad_()]
@@ -81,6 +87,8 @@ def timing(n: int, lq: int, ld: int, d: int, repeats: int, with_torch: bool) -> 
     need = 3 * n * n * lq * ld * 2  # bf16 similarities, the max's gradient, the masked copy
     runs = [("triton", lambda: MS.maxsim_info_nce(q, docs, query_mask=qm, doc_mask=dm, normalize=False,
                                                   backend="triton")),
+            ("triton/dq-onehot", lambda: MS.maxsim_info_nce(q, docs, query_mask=qm, doc_mask=dm, normalize=False,
+                                                            backend="triton")),
             ("torch", lambda: MS.maxsim_info_nce(q, docs, query_mask=qm, doc_mask=dm, normalize=False,
                                                  backend="torch")),
             ("textbook", lambda: textbook(q, docs, qm, dm, 1.0))]
@@ -96,6 +104,7 @@ def timing(n: int, lq: int, ld: int, d: int, repeats: int, with_torch: bool) -> 
                 x.grad = None
             fn().backward()
 
+        TM.DQ_GATHER = name != "triton/dq-onehot"
         try:
             step()
             torch.cuda.synchronize()
@@ -105,6 +114,15 @@ def timing(n: int, lq: int, ld: int, d: int, repeats: int, with_torch: bool) -> 
             cells.append(f"{name} {ms:.2f} ms (peak {peak:.0f} MiB)")
         except torch.cuda.OutOfMemoryError:
             cells.append(f"{name} out of memory")
+        if name == "triton" and profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                            key=lambda e: -e.self_device_time_total)
+            print(f"kernels of one triton step at N={n}: " + "; ".join(
+                f"{e.key[:40]} {e.self_device_time_total / 1e3:.2f} ms" for e in events[:6]), flush=True)
+        TM.DQ_GATHER = True
         torch.cuda.empty_cache()
     print(f"timing N=M={n} Lq={lq} Ld={ld} D={d} bf16 fwd+bwd, median of {repeats}: " + "; ".join(cells), flush=True)
 

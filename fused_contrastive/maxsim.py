@@ -231,11 +231,11 @@ def _scores(backend: str, q, d, w, valid, scale_t, fill: Tensor, length_normaliz
     return s, idx, torch.logsumexp(scale_t.to(s.dtype) * s, dim=1)
 
 
-def _grads(backend: str, q, d, w, idx, g):
+def _grads(backend: str, q, d, w, valid, idx, g):
     if backend == "triton":
         from .core import triton_maxsim
 
-        return triton_maxsim.maxsim_backward(q, d, w.float(), idx, g.float())
+        return triton_maxsim.maxsim_backward(q, d, w.float(), idx, g.float(), valid)
     return grads_torch(q, d, w, idx, g)
 
 
@@ -274,7 +274,7 @@ class MaxSimCEFn(torch.autograd.Function):
             dscale = (g * ps).sum().to(scale_t.dtype)
         dq = dd = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dq, dd = _grads(ctx.backend, q, d, w, idx, gs)
+            dq, dd = _grads(ctx.backend, q, d, w, valid, idx, gs)
             dq, dd = dq.to(q.dtype), dd.to(d.dtype)
         return dq, dd, dscale, None, None, None, None, None, None, None
 
@@ -300,7 +300,8 @@ class _ScoresFn(torch.autograd.Function):
     def backward(ctx, g):
         q, d, w, valid, idx = ctx.saved_tensors
         g = g.masked_fill(~valid.any(dim=1)[None, :], 0.0)
-        dq, dd = _grads(ctx.backend, q, d, w, idx, g.to(torch.float64 if q.dtype == torch.float64 else torch.float32))
+        g = g.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        dq, dd = _grads(ctx.backend, q, d, w, valid, idx, g)
         return dq.to(q.dtype), dd.to(d.dtype), None, None, None, None
 
 
