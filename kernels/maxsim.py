@@ -98,12 +98,62 @@ def _doc_tile(d_base, stride_dt, t, tv, dk, D, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _fwd_chunk(q, q_base, rmask, DOC, DV, j, t0, LD, D, stride_dm, stride_dt, dk, best, arg, nvalid,
+               ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, RESIDENT: tl.constexpr,
+               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The forward's step: the similarities of the rows with tokens [t0, t0 + BLOCK_T) of document j
+    (fp32, one ``tl.dot``; invalid tokens -inf), folded into the running maximum / first argmax."""
+    d_base = DOC + tl.cast(j, tl.int64) * stride_dm
+    t = t0 + tl.arange(0, BLOCK_T)
+    tv = tl.load(DV + tl.cast(j, tl.int64) * LD + t, mask=t < LD, other=0) != 0
+    nvalid += tv.to(tl.int32)
+    sims = tl.zeros([ROWS, BLOCK_T], dtype=tl.float32)
+    if RESIDENT:
+        sims = tl.dot(q, tl.trans(_doc_tile(d_base, stride_dt, t, tv, dk, D, UPCAST)), sims,
+                      input_precision=DOT_PREC)
+    else:
+        for d0 in range(0, D, BLOCK_D):
+            dc = d0 + dk
+            qc = tl.load(q_base[:, None] + dc[None, :], mask=rmask[:, None] & (dc < D)[None, :], other=0.0)
+            if UPCAST:
+                qc = qc.to(tl.float32)
+            sims = tl.dot(qc, tl.trans(_doc_tile(d_base, stride_dt, t, tv, dc, D, UPCAST)), sims,
+                          input_precision=DOT_PREC)
+    # running maximum and first argmax: the lowest index among the chunk's maxima, and an earlier
+    # chunk keeps a tie (strictly greater replaces)
+    sims = tl.where(tv[None, :], sims, NEG_INF)
+    cmax = tl.max(sims, axis=1)
+    carg = tl.min(tl.where(sims == cmax[:, None], t[None, :], BIG_INDEX), axis=1)
+    upd = cmax > best
+    return tl.where(upd, cmax, best), tl.where(upd, carg, arg), nvalid
+
+
+@triton.jit
+def _fwd_doc_end(S, idx_base, stride_ij, j, M, w, rmask, best, arg, nvalid, gi, gmask, s, empty_score, m_l, z_l,
+                 G: tl.constexpr, LQ_PAD: tl.constexpr):
+    """The end of document j: S_ij = sum_a w_ia max_b sim (empty document: empty_score, idx 0) stored
+    with idx, and the online LSE of s S_ij updated (running max m, sum z; exp(-inf - -inf) guarded)."""
+    nonempty = tl.max(nvalid, axis=0) > 0
+    contrib = w * tl.where(rmask & nonempty, best, 0.0)
+    sc = tl.sum(tl.reshape(contrib, [G, LQ_PAD]), axis=1)
+    sc = tl.where(nonempty, sc, empty_score)
+    tl.store(S + gi.to(tl.int64) * M + j, sc, mask=gmask)
+    tl.store(idx_base + tl.cast(j, tl.int64) * stride_ij, arg.to(idx_base.dtype.element_ty), mask=rmask)
+    x = sc * s
+    m_new = tl.maximum(m_l, x)
+    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+    z_l = z_l * tl.exp(m_l - m_safe) + tl.exp(x - m_safe)
+    return m_new, z_l
+
+
+
+@triton.jit
 def maxsim_fwd_kernel(
     Q, DOC, W, DV, SCALE, S, IDX, LSE_PART,
     N, M, LQ, LD, D, docs_per_split,
     stride_qn, stride_qa, stride_dm, stride_dt, empty_score,
     G: tl.constexpr, LQ_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    RESIDENT: tl.constexpr, FLAT: tl.constexpr, IDX_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """S [N, M], IDX [N, Lq, M] for documents [split * docs_per_split, ...) of queries [pid G, pid G + G),
     and LSE_PART[split, i] (grid: (cdiv(N, G), splits)). W [N, Lq] fp32, DV [M, Ld] uint8 contiguous.
@@ -123,61 +173,54 @@ def maxsim_fwd_kernel(
     flat = qi.to(tl.int64) * LQ + qa  # the row of [N * Lq]: W, IDX
     q_base = Q + qi.to(tl.int64) * stride_qn + qa.to(tl.int64) * stride_qa
     w = tl.load(W + flat, mask=rmask, other=0.0)
-    idx_base = IDX + flat * M
+    if IDX_T:  # IDX [M, N * Lq]: the element (r, j) at j * N * Lq + r
+        idx_base = IDX + flat
+        stride_ij = N * LQ
+    else:  # IDX [N * Lq, M]
+        idx_base = IDX + flat * M
+        stride_ij = 1
     dk = tl.arange(0, BLOCK_D)
     if RESIDENT:
         q = tl.load(q_base[:, None] + dk[None, :], mask=rmask[:, None] & (dk < D)[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+    else:
+        q = 0.0  # unused: the chunks re-read the rows
     gi = pid * G + tl.arange(0, G)
     gmask = gi < N
     m_l = tl.full([G], NEG_INF, tl.float32)  # online LSE of s S_ij over this split's documents
     z_l = tl.zeros([G], dtype=tl.float32)
     j_lo = split * docs_per_split
     j_hi = tl.minimum(j_lo + docs_per_split, M)
-    for j in range(j_lo, j_hi):
-        d_base = DOC + tl.cast(j, tl.int64) * stride_dm
+    if FLAT:
+        # one loop over the split's (document, token chunk) pairs: the loads of the next document's
+        # first chunk are software-pipelined behind the current document's last chunk and epilogue
+        cpd = tl.maximum(tl.cdiv(LD, BLOCK_T), 1)  # chunks per document (one masked chunk for Ld = 0)
         best = tl.full([ROWS], NEG_INF, tl.float32)
         arg = tl.zeros([ROWS], dtype=tl.int32)
         nvalid = tl.zeros([BLOCK_T], dtype=tl.int32)
-        for t0 in range(0, LD, BLOCK_T):
-            # 2. similarities of the rows with tokens [t0, t0 + BLOCK_T) of document j (fp32)
-            t = t0 + tl.arange(0, BLOCK_T)
-            tv = tl.load(DV + tl.cast(j, tl.int64) * LD + t, mask=t < LD, other=0) != 0
-            nvalid += tv.to(tl.int32)
-            sims = tl.zeros([ROWS, BLOCK_T], dtype=tl.float32)
-            if RESIDENT:
-                sims = tl.dot(q, tl.trans(_doc_tile(d_base, stride_dt, t, tv, dk, D, UPCAST)), sims,
-                              input_precision=DOT_PREC)
-            else:
-                for d0 in range(0, D, BLOCK_D):
-                    dc = d0 + dk
-                    qc = tl.load(q_base[:, None] + dc[None, :], mask=rmask[:, None] & (dc < D)[None, :], other=0.0)
-                    if UPCAST:
-                        qc = qc.to(tl.float32)
-                    sims = tl.dot(qc, tl.trans(_doc_tile(d_base, stride_dt, t, tv, dc, D, UPCAST)), sims,
-                                  input_precision=DOT_PREC)
-            # 3. running maximum and first argmax: the lowest index among the chunk's maxima, and an
-            # earlier chunk keeps a tie (strictly greater replaces)
-            sims = tl.where(tv[None, :], sims, NEG_INF)
-            cmax = tl.max(sims, axis=1)
-            carg = tl.min(tl.where(sims == cmax[:, None], t[None, :], BIG_INDEX), axis=1)
-            upd = cmax > best
-            best = tl.where(upd, cmax, best)
-            arg = tl.where(upd, carg, arg)
-        # 4. S_ij = sum_a w_ia max_b sim (empty document: empty_score, idx 0), stored with idx
-        nonempty = tl.max(nvalid, axis=0) > 0
-        contrib = w * tl.where(rmask & nonempty, best, 0.0)
-        sc = tl.sum(tl.reshape(contrib, [G, LQ_PAD]), axis=1)
-        sc = tl.where(nonempty, sc, empty_score)
-        tl.store(S + gi.to(tl.int64) * M + j, sc, mask=gmask)
-        tl.store(idx_base + j, arg.to(IDX.dtype.element_ty), mask=rmask)
-        # 5. online LSE of s S_ij (running max m, sum z; exp(-inf - -inf) guarded)
-        x = sc * s
-        m_new = tl.maximum(m_l, x)
-        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-        z_l = z_l * tl.exp(m_l - m_safe) + tl.exp(x - m_safe)
-        m_l = m_new
+        for c in range(0, (j_hi - j_lo) * cpd):
+            jd = c // cpd
+            k = c - jd * cpd
+            j = j_lo + jd
+            best, arg, nvalid = _fwd_chunk(q, q_base, rmask, DOC, DV, j, k * BLOCK_T, LD, D, stride_dm, stride_dt,
+                                           dk, best, arg, nvalid, ROWS, BLOCK_T, BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
+            if k == cpd - 1:
+                m_l, z_l = _fwd_doc_end(S, idx_base, stride_ij, j, M, w, rmask, best, arg, nvalid, gi, gmask, s,
+                                        empty_score, m_l, z_l, G, LQ_PAD)
+                best = tl.full([ROWS], NEG_INF, tl.float32)
+                arg = tl.zeros([ROWS], dtype=tl.int32)
+                nvalid = tl.zeros([BLOCK_T], dtype=tl.int32)
+    else:
+        for j in range(j_lo, j_hi):
+            best = tl.full([ROWS], NEG_INF, tl.float32)
+            arg = tl.zeros([ROWS], dtype=tl.int32)
+            nvalid = tl.zeros([BLOCK_T], dtype=tl.int32)
+            for t0 in range(0, LD, BLOCK_T):
+                best, arg, nvalid = _fwd_chunk(q, q_base, rmask, DOC, DV, j, t0, LD, D, stride_dm, stride_dt, dk,
+                                               best, arg, nvalid, ROWS, BLOCK_T, BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
+            m_l, z_l = _fwd_doc_end(S, idx_base, stride_ij, j, M, w, rmask, best, arg, nvalid, gi, gmask, s,
+                                    empty_score, m_l, z_l, G, LQ_PAD)
     zero = z_l == 0.0  # no document in this split (or every s S_ij = -inf): LSE = -inf, without log(0)
     lse = tl.where(zero, NEG_INF, m_l + tl.log(tl.where(zero, 1.0, z_l)))
     tl.store(LSE_PART + tl.cast(split, tl.int64) * N + gi, lse, mask=gmask)
@@ -187,7 +230,7 @@ def maxsim_fwd_kernel(
 def maxsim_bwd_query_kernel(
     DOC, W, IDX, G, DV, DQ,
     N, M, LQ, LD, D, stride_dm, stride_dt,
-    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr, IDX_T: tl.constexpr,
     HAS_DV: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dq_ia = w_ia sum_j G_ij d_{j, idx_iaj} for ROWS flat query-token rows r = i * Lq + a and columns
@@ -209,9 +252,14 @@ def maxsim_bwd_query_kernel(
     w = tl.load(W + r64, mask=rmask, other=0.0)
     live_r = rmask & (w != 0.0)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    idx_t = IDX + r  # IDX_T: the rows' indices of document j at idx_t + j * N * Lq
     for j in range(0, M):
         d_base = DOC + tl.cast(j, tl.int64) * stride_dm
-        b = tl.load(IDX + r64 * M + j, mask=rmask, other=0).to(tl.int32)
+        if IDX_T:
+            b = tl.load(idx_t, mask=rmask, other=0).to(tl.int32)
+            idx_t += nr
+        else:
+            b = tl.load(IDX + r64 * M + j, mask=rmask, other=0).to(tl.int32)
         g = tl.load(G + qi.to(tl.int64) * M + j, mask=rmask, other=0.0)
         live = live_r & (g != 0.0)  # G_ij = 0 (an empty document): nothing loaded, no term
         if GATHER:
@@ -235,49 +283,87 @@ def maxsim_bwd_query_kernel(
 
 
 @triton.jit
+def _dd_step(acc, t, b, cb, x, DOT_PREC: tl.constexpr):
+    """acc [BLOCK_T, BLOCK_D] += P^T @ x with the weighted one-hot ``P^T_tr = [b_r = t] cb_r`` (cb already
+    in the operand dtype: a select, no per-element cast)."""
+    p = tl.where(t[:, None] == b[None, :], cb[None, :], tl.zeros_like(cb)[None, :])
+    return tl.dot(p, x, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def maxsim_bwd_doc_kernel(
     Q, W, IDX, G, GSCALE, DD,
     N, M, LQ, LD, D, stride_qn, stride_qa,
-    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NT: tl.constexpr, IDX_T: tl.constexpr,
+    UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
 ):
-    """dd_jb = sum_{(i, a): idx_iaj = b} G_ij w_ia q_ia for tokens [pid_t BLOCK_T, ...) of document j and
-    columns [pid_d BLOCK_D, ...) (grid: (M, cdiv(Ld, BLOCK_T), cdiv(D, BLOCK_D))); DD [M, Ld, D] fp32.
+    """dd_jb = sum_{(i, a): idx_iaj = b} G_ij w_ia q_ia for the NT chunks of BLOCK_T tokens from
+    pid_t NT BLOCK_T of document j and columns [pid_d BLOCK_D, ...) (grid: (M, cdiv(cdiv(Ld, BLOCK_T), NT),
+    cdiv(D, BLOCK_D))); DD [M, Ld, D] fp32. NT in 1..4: each loaded block of query rows (and its argmax
+    indices / coefficients) serves NT accumulators, so the rows are re-read cdiv(Ld, NT BLOCK_T) times
+    per document instead of cdiv(Ld, BLOCK_T).
 
-    Over all N * Lq query-token rows in blocks of ROWS: ``acc += P^T @ q_rows``, ``P^T_tr = [idx_rj = t]
-    G_ij w_r PRESCALE / gscale`` cast to the operand dtype; the epilogue multiplies by gscale / PRESCALE.
+    Over all N * Lq query-token rows in blocks of ROWS: ``acc_k += P_k^T @ q_rows``, ``P^T_tr = [idx_rj = t]
+    c_r``, ``c_r = G_ij w_r PRESCALE / gscale`` rounded once to the operand dtype; the epilogue multiplies
+    by gscale / PRESCALE.
     """
+    tl.static_assert(NT >= 1 and NT <= 4)
     j = tl.program_id(0)  # neighbouring programs read the same lines of IDX
     pid_t = tl.program_id(1)
     pid_d = tl.program_id(2)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < LD
+    t = pid_t * (NT * BLOCK_T) + tl.arange(0, BLOCK_T)
     dk = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = dk < D
     gs = tl.load(GSCALE)
     mult = PRESCALE / gs
     nr = N * LQ
-    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    if NT > 1:
+        acc1 = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    if NT > 2:
+        acc2 = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    if NT > 3:
+        acc3 = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for r0 in range(0, nr, ROWS):
         r = r0 + tl.arange(0, ROWS)
         rmask = r < nr
         r64 = r.to(tl.int64)
         qi = r // LQ
         qa = r - qi * LQ
-        b = tl.load(IDX + r64 * M + j, mask=rmask, other=-1).to(tl.int32)
-        g = tl.load(G + qi.to(tl.int64) * M + j, mask=rmask, other=0.0)
+        if IDX_T:  # IDX [M, N * Lq], G^T [M, N]: contiguous in r
+            b = tl.load(IDX + (tl.cast(j, tl.int64) * nr + r), mask=rmask, other=-1).to(tl.int32)
+            g = tl.load(G + (tl.cast(j, tl.int64) * N + qi), mask=rmask, other=0.0)
+        else:  # IDX [N * Lq, M], G [N, M]
+            b = tl.load(IDX + r64 * M + j, mask=rmask, other=-1).to(tl.int32)
+            g = tl.load(G + qi.to(tl.int64) * M + j, mask=rmask, other=0.0)
         w = tl.load(W + r64, mask=rmask, other=0.0)
         c = g * w * mult
-        live = rmask & (c != 0.0)  # rows without a term load nothing
-        p = tl.where((t[:, None] == b[None, :]) & live[None, :], c[None, :], 0.0)
+        live = rmask & (c != 0.0)  # rows without a term load nothing (and their c is 0)
         x = tl.load(Q + qi.to(tl.int64)[:, None] * stride_qn + qa.to(tl.int64)[:, None] * stride_qa + dk[None, :],
                     mask=live[:, None] & dmask[None, :], other=0.0)
         if UPCAST:  # interpreter, bf16: the operand rounded as the GPU's cast rounds it
-            p = _rne_bf16(p)
+            cb = _rne_bf16(c)
             x = x.to(tl.float32)
         else:
-            p = p.to(Q.dtype.element_ty)
-        acc = tl.dot(p, x, acc, input_precision=DOT_PREC)
-    out = acc * (gs / PRESCALE)
+            cb = c.to(Q.dtype.element_ty)
+        acc0 = _dd_step(acc0, t, b, cb, x, DOT_PREC)
+        if NT > 1:
+            acc1 = _dd_step(acc1, t + BLOCK_T, b, cb, x, DOT_PREC)
+        if NT > 2:
+            acc2 = _dd_step(acc2, t + 2 * BLOCK_T, b, cb, x, DOT_PREC)
+        if NT > 3:
+            acc3 = _dd_step(acc3, t + 3 * BLOCK_T, b, cb, x, DOT_PREC)
+    _dd_store(DD, acc0 * (gs / PRESCALE), j, t, dk, dmask, LD, D)
+    if NT > 1:
+        _dd_store(DD, acc1 * (gs / PRESCALE), j, t + BLOCK_T, dk, dmask, LD, D)
+    if NT > 2:
+        _dd_store(DD, acc2 * (gs / PRESCALE), j, t + 2 * BLOCK_T, dk, dmask, LD, D)
+    if NT > 3:
+        _dd_store(DD, acc3 * (gs / PRESCALE), j, t + 3 * BLOCK_T, dk, dmask, LD, D)
+
+
+@triton.jit
+def _dd_store(DD, out, j, t, dk, dmask, LD, D):
     tl.store(DD + (tl.cast(j, tl.int64) * LD + t.to(tl.int64))[:, None] * D + dk[None, :], out,
-             mask=tmask[:, None] & dmask[None, :])
+             mask=(t < LD)[:, None] & dmask[None, :])

@@ -210,6 +210,10 @@ def test_exact_ties_take_the_lowest_index(dtype, gather):
     """Duplicate document tokens (dyadic values: every similarity is exact in every dtype): the argmax is
     the lowest valid duplicate, within a chunk and across chunks (tokens 5, 9 and 70, 130), an invalid
     lower duplicate (token 2) is skipped, and the gradient goes to the chosen token only."""
+    _check_exact_ties(dtype, gather)
+
+
+def _check_exact_ties(dtype, gather):
     g = torch.Generator().manual_seed(7)
     n, m, lq, ld, dim = 3, 4, 6, 140, 16
     d = (torch.randint(-4, 5, (m, ld, dim), generator=g) / 4).to(dtype)
@@ -246,6 +250,14 @@ def test_tiny_and_degenerate_shapes():
     assert (dq == 0).all() and (dd == 0).all()
 
 
+@pytest.mark.parametrize("ld", [100, 250, 300])
+def test_dd_chunks_per_program(ld):
+    # dd's programs take up to BWD_D.chunks token chunks of 64: Ld = 100 (2 chunks, one program), 250 (4,
+    # one), 300 (5: two programs of 3, the last chunk of the second beyond Ld)
+    q, d, w, dv = _problem(2, 2, 5, ld, 16, torch.bfloat16, 30 + ld, p_valid=0.6)
+    _run_and_check(q, d, w, dv, 1.0)
+
+
 def test_int32_indices_past_32767_tokens(monkeypatch):
     # Ld = 2^15 + 256: int32 indices; the maximum of document 0 at token 33000 > 32767. Chunks of 1024
     # tokens (the interpreter's time goes per chunk and per program; the kernels take any power of two)
@@ -279,6 +291,50 @@ def test_scale_as_float_0dim_and_1element_tensor():
     torch.testing.assert_close(outs[0].double(), _oracle(q, d, w, dv, -0.5)["lse"], rtol=1e-5, atol=1e-5)
 
 
+# --- the launch settings of a device sweep -------------------------------------------------------------
+
+SETTINGS = [name for name, _ in TM.sweep_settings()]
+
+
+def test_sweep_settings_are_distinct_and_restored():
+    named = TM.sweep_settings()
+    assert len(named) == len({n for n, _ in named}) <= 8 and {"baseline", "default"} <= {n for n, _ in named}
+    # "default" is the module's defaults; every setting restores the attributes after its block
+    before = {k: getattr(TM, k) for _, st in named for k in st}
+    assert all(getattr(TM, k) == v for k, v in dict(named)["default"].items())
+    for name, st in named:
+        with TM.settings(name) as got:
+            assert got == st and all(getattr(TM, k) == v for k, v in st.items())
+        assert {k: getattr(TM, k) for k in before} == before
+    with pytest.raises(ValueError, match="unknown MaxSim setting"):
+        with TM.settings("nope"):
+            pass
+    with pytest.raises(ValueError, match="not attributes"):
+        with TM.settings({"NOPE": 1}):
+            pass
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_every_sweep_setting_is_exact(setting):
+    """Each setting of :func:`TM.sweep_settings` on the cases that reach its differences: 16-bit inputs (its
+    configs), random masks with an empty document and several query groups / document splits, documents of
+    three chunks with NaN padding, exact ties within and across chunks (bf16, fp16: both dq forms), fp32
+    (the layouts and the flat loop), and Ld = 0."""
+    with TM.settings(setting):
+        q, d, w, dv = _problem(11, 9, 6, 13, 24, torch.bfloat16, 21, empty=(3,), pad_q=2)
+        _run_and_check(q, d, w, dv, 2.5)
+        q, d, w, dv = _problem(3, 4, 8, 150, 16, torch.bfloat16, 22, p_valid=0.5, empty=(2,), nan_pad=True)
+        _run_and_check(q, d, w, dv, 0.7)
+        _check_exact_ties(torch.float16, False)
+        _check_exact_ties(torch.bfloat16, True)
+        q, d, w, dv = _problem(3, 5, 3, 70, 16, torch.float32, 23, empty=(4,))
+        _run_and_check(q, d, w, dv, 1.0)
+        q, d, w = torch.randn(2, 4, 16).bfloat16(), torch.zeros(3, 0, 16).bfloat16(), torch.ones(2, 4)
+        S, idx, lse = TM.maxsim_forward(q, d, w, torch.zeros(3, 0, dtype=torch.bool), 1.0, EMPTY)
+        assert (S == torch.tensor(EMPTY, dtype=torch.float32)).all() and idx.shape == (2, 4, 3) and (idx == 0).all()
+        torch.testing.assert_close(lse, torch.full((2,), EMPTY + math.log(3)), rtol=1e-6, atol=0)
+
+
 # --- ahead-of-time compiles ---------------------------------------------------------------------------
 
 _COMPILE = textwrap.dedent(
@@ -293,7 +349,11 @@ _COMPILE = textwrap.dedent(
 
     DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def record(fam, dname, d, lq, gather):
+    def record(fam, dname, d, lq, gather, setting="default"):
+        with TM.settings(setting):
+            return _record(fam, dname, d, lq, gather)
+
+    def _record(fam, dname, d, lq, gather):
         meta, dt, n, ld = torch.device("meta"), DT[dname], 1024, 180
         q = torch.empty(n, lq, d, dtype=dt, device=meta)
         doc = torch.empty(n, ld, d, dtype=dt, device=meta)
@@ -305,9 +365,9 @@ _COMPILE = textwrap.dedent(
         return [x for x in launches if gather or x.name == "maxsim_bwd_query"]
 
     def job(args):
-        cc, fam, dname, d, lq, gather, i = args
-        out = aot.compile_launch(record(fam, dname, d, lq, gather)[i], cc)
-        out.update(dtype=dname, d=d, lq=lq, gather=gather)
+        cc, fam, dname, d, lq, gather, i, setting = args
+        out = aot.compile_launch(record(fam, dname, d, lq, gather, setting)[i], cc)
+        out.update(dtype=dname, d=d, lq=lq, gather=gather, setting=setting)
         return out
 
     if __name__ == "__main__":
@@ -316,9 +376,13 @@ _COMPILE = textwrap.dedent(
         # chunks, Lq = 256 (one query per program, 32-token chunks)
         shapes = [("bf16", 128, 32), ("fp32", 128, 32), ("fp16", 128, 32), ("bf16", 256, 32), ("bf16", 768, 32),
                   ("fp32", 768, 32), ("bf16", 128, 256)]
-        jobs = [(cc, fam, dn, d, lq, True, i) for cc, fam in aot.TARGETS for dn, d, lq in shapes for i in range(3)
-                if i == 0 or (dn, d, lq) in shapes[:3]]
-        jobs += [(cc, fam, dn, 128, 32, False, 0) for cc, fam in aot.TARGETS for dn in ("bf16", "fp32")]
+        jobs = [(cc, fam, dn, d, lq, True, i, "default") for cc, fam in aot.TARGETS for dn, d, lq in shapes
+                for i in range(3) if i == 0 or (dn, d, lq) in shapes[:3]]
+        jobs += [(cc, fam, dn, 128, 32, False, 0, "default") for cc, fam in aot.TARGETS for dn in ("bf16", "fp32")]
+        # every other sweep setting at the ColBERT shape in bf16: the forward and dd (dq: the layouts)
+        jobs += [(cc, fam, "bf16", 128, 32, True, i, name) for cc, fam in aot.TARGETS
+                 for name, _ in TM.sweep_settings() if name != "default" for i in (0, 1, 2)
+                 if i != 1 or name in ("baseline", "idx-nlm")]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))
     """
@@ -331,13 +395,18 @@ def compiled():
 
 
 def test_maxsim_kernels_compile_for_sm80_and_sm90(compiled):
-    have = {(r["kernel"], r["cc"], r["dtype"], r["d"], r["lq"], r["gather"]) for r in compiled}
+    have = {(r["kernel"], r["cc"], r["dtype"], r["d"], r["lq"], r["gather"]) for r in compiled
+            if r["setting"] == "default"}
     colbert = {(k, cc, dn, 128, 32, True) for k in ("maxsim_fwd", "maxsim_bwd_query", "maxsim_bwd_doc")
                for cc in (80, 90) for dn in ("bf16", "fp32", "fp16")}
     onehot = {("maxsim_bwd_query", cc, dn, 128, 32, False) for cc in (80, 90) for dn in ("bf16", "fp32")}
     fwd = {("maxsim_fwd", cc, dn, d, lq, True) for cc in (80, 90)
            for dn, d, lq in (("bf16", 256, 32), ("bf16", 768, 32), ("fp32", 768, 32), ("bf16", 128, 256))}
     assert have == colbert | onehot | fwd, sorted(have ^ (colbert | onehot | fwd))
+    swept = {(r["setting"], r["kernel"], r["cc"]) for r in compiled if r["setting"] != "default"}
+    assert swept == {(name, k, cc) for name, _ in TM.sweep_settings() if name != "default" for cc in (80, 90)
+                     for k in ("maxsim_fwd", "maxsim_bwd_doc", "maxsim_bwd_query")
+                     if k != "maxsim_bwd_query" or name in ("baseline", "idx-nlm")}
     assert_no_spills_within_smem(compiled)
     # the similarity matmul, the dd one-hot matmul and the one-hot form of dq on tensor cores; dq's
     # default gathers the argmax rows (fp32 FMAs, no matmul to put on tensor cores)

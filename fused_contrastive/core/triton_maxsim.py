@@ -43,6 +43,8 @@ D = 128, Lq = 32, Ld = 180 in bf16 / fp16 / fp32, and the forward's other regime
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -53,18 +55,21 @@ from ..kernels import maxsim as K
 from . import triton_backend as TB
 from .triton_configs import DTYPE_NAMES, d_pad
 
-__all__ = ["DQ_GATHER", "FWD_SPLITS", "maxsim_backward", "maxsim_forward"]
+__all__ = ["DQ_GATHER", "FWD_FLAT", "FWD_SPLITS", "IDX_T", "maxsim_backward", "maxsim_forward", "settings",
+           "sweep_settings"]
 
 
 class MaxSimConfig(NamedTuple):
     """Tiles and launch options of one kernel: ``rows`` query-token rows per tile (the forward's
-    target G * LQ_PAD), ``block_t`` document tokens, ``block_d`` the D chunk (0: D_PAD, resident)."""
+    target G * LQ_PAD), ``block_t`` document tokens, ``block_d`` the D chunk (0: D_PAD, resident);
+    ``chunks`` (dd only) the most token chunks of one document per program (1 to 4)."""
 
     rows: int
     block_t: int
     block_d: int
     num_warps: int
     num_stages: int
+    chunks: int = 1
 
 
 FWD_16 = MaxSimConfig(128, 64, 0, 8, 3)
@@ -74,7 +79,7 @@ FWD_RESIDENT_MAX_D = 256
 BWD_Q = MaxSimConfig(64, 64, 128, 8, 2)
 BWD_Q_DOT = MaxSimConfig(64, 64, 128, 8, 3)
 BWD_Q_DOT_32 = MaxSimConfig(64, 32, 32, 4, 3)
-BWD_D = MaxSimConfig(64, 64, 128, 4, 3)
+BWD_D = MaxSimConfig(64, 64, 128, 8, 3, 4)
 BWD_D_32 = MaxSimConfig(64, 64, 32, 4, 3)
 #: Largest Lq (LQ_PAD rows of one query must fit one forward tile).
 MAX_LQ = 256
@@ -85,6 +90,19 @@ DQ_GATHER = True
 #: splits' LSEs). None: enough programs for 2 per SM on a GPU (at most M), 2 under the interpreter (so
 #: small tests merge splits).
 FWD_SPLITS: int | None = None
+#: The forward walks its split's (document, token chunk) pairs in one loop (the next document's loads
+#: pipelined behind this one's last chunk and epilogue) instead of a loop over documents around a loop
+#: over their chunks.
+FWD_FLAT = True
+#: The argmax stored document-major, ``[M, N * Lq]`` (returned as the ``[N, Lq, M]`` view
+#: ``permute(1, 2, 0)``), and dd reads ``G^T``: the forward's stores of a program's rows and the
+#: backward's loads of a block of rows for one document are contiguous (False: ``[N, Lq, M]``
+#: contiguous, one 32-byte sector per element). The backward takes either layout (by strides).
+IDX_T = True
+
+#: The settings before the tuning (commit 24a4e55), for comparisons in one run.
+_BASELINE = dict(FWD_FLAT=False, IDX_T=False, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
+                 BWD_D=MaxSimConfig(64, 64, 128, 4, 3, 1))
 
 _SMS = {"sm80": 108, "sm90": 132}  # recorded launches (meta tensors): A100, H100
 
@@ -119,6 +137,12 @@ def _alloc_index(shape, dtype: torch.dtype, device) -> Tensor:
     if TB.POISON_OUTPUTS:
         return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _is_idx_t(idx: Tensor) -> bool:
+    """Whether ``idx`` [N, Lq, M] is the document-major layout of :data:`IDX_T` (``[M, N, Lq]`` contiguous,
+    permuted); otherwise the backward reads it as ``[N, Lq, M]`` contiguous (copying it if it is not)."""
+    return idx.permute(2, 0, 1).is_contiguous() and (IDX_T or not idx.is_contiguous())
 
 
 def _splits(n_groups: int, m: int, dev: torch.device) -> int:
@@ -162,7 +186,10 @@ def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty
     dv = (dvalid if dvalid.dtype == torch.bool else dvalid != 0).contiguous().view(torch.uint8)
     idt = torch.int16 if ld < (1 << 15) else torch.int32
     s = TB._alloc((n, m), torch.float32, dev)
-    idx = _alloc_index((n, lq, m), idt, dev)
+    if IDX_T:
+        idx = _alloc_index((m, n, lq), idt, dev).permute(1, 2, 0)
+    else:
+        idx = _alloc_index((n, lq, m), idt, dev)
     if n == 0 or m == 0:
         return s, idx, torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
     lq_pad = max(1, 1 << max(lq - 1, 0).bit_length())
@@ -177,7 +204,7 @@ def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty
         dict(Q=q, DOC=d, W=w, DV=dv, SCALE=TB._scale32(scale, dev), S=s, IDX=idx, LSE_PART=part,
              N=n, M=m, LQ=lq, LD=ld, D=dim, docs_per_split=per, stride_qn=q.stride(0), stride_qa=q.stride(1),
              stride_dm=d.stride(0), stride_dt=d.stride(1), empty_score=float(empty_score)),
-        dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident,
+        dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident, FLAT=FWD_FLAT, IDX_T=IDX_T,
              UPCAST=TB._upcast(dt), DOT_PREC=TB._dot_prec(dt)),
         cfg.num_warps, cfg.num_stages))
     lse = part[0] if splits == 1 else torch.logsumexp(part, dim=0)
@@ -202,7 +229,9 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
     q, d = _tokens_ok(q, dt), _tokens_ok(d, dt)
     w = w.to(device=dev, dtype=torch.float32).contiguous()
     g = G.to(device=dev, dtype=torch.float32).contiguous()
-    idx = idx.contiguous()
+    idx_t = _is_idx_t(idx)
+    if not idx_t:
+        idx = idx.contiguous()
     dq = TB._alloc((n, lq, dim), torch.float32, dev)
     dd = TB._alloc((m, ld, dim), torch.float32, dev)
     rows = n * lq
@@ -218,7 +247,7 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
         "maxsim_bwd_query", K.maxsim_bwd_query_kernel, (triton.cdiv(rows, cfg.rows), triton.cdiv(dim, block_d)),
         dict(DOC=d, W=w, IDX=idx, G=g, DV=dv, DQ=dq, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_dm=d.stride(0),
              stride_dt=d.stride(1)),
-        dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, GATHER=gather, HAS_DV=has_dv, UPCAST=upcast,
+        dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, GATHER=gather, IDX_T=idx_t, HAS_DV=has_dv, UPCAST=upcast,
              DOT_PREC=prec),
         cfg.num_warps, cfg.num_stages))
     # one global scale of the coefficients G_ij w_ia (device tensors, no sync): |P| <= PRESCALE
@@ -226,12 +255,58 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
     gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
     cfg = BWD_D_32 if dt == torch.float32 else BWD_D
     block_d = min(cfg.block_d, dp)
+    chunks = triton.cdiv(ld, cfg.block_t)
+    t_progs = triton.cdiv(chunks, max(1, min(4, cfg.chunks)))
+    nt = triton.cdiv(chunks, t_progs)  # the fewest chunks per program for that many programs
+    gt = g.t().contiguous() if idx_t else g  # [M, N]: a block of rows' coefficients for one j adjacent
     TB._launch(TB.Launch(
         "maxsim_bwd_doc", K.maxsim_bwd_doc_kernel,
-        (m, triton.cdiv(ld, cfg.block_t), triton.cdiv(dim, block_d)),
-        dict(Q=q, W=w, IDX=idx, G=g, GSCALE=gs, DD=dd, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_qn=q.stride(0),
+        (m, t_progs, triton.cdiv(dim, block_d)),
+        dict(Q=q, W=w, IDX=idx, G=gt, GSCALE=gs, DD=dd, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_qn=q.stride(0),
              stride_qa=q.stride(1)),
-        dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, UPCAST=upcast, DOT_PREC=prec,
+        dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, NT=nt, IDX_T=idx_t, UPCAST=upcast, DOT_PREC=prec,
              PRESCALE=TB.prescale(dt)),
         cfg.num_warps, cfg.num_stages))
     return dq, dd
+
+
+# --- settings for a device sweep ------------------------------------------------------------------------
+
+def sweep_settings() -> list[tuple[str, dict[str, object]]]:
+    """``(name, {module attribute: value})`` settings of the 16-bit kernels a GPU sweep should time
+    (apply one with :func:`settings`); each dict names every attribute it relies on, so they compose
+    with nothing left over from another. ``baseline`` is the configuration before the tuning, ``default``
+    the module's defaults; the others change one thing of ``default``."""
+    new = dict(FWD_FLAT=True, IDX_T=True, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
+               BWD_D=MaxSimConfig(64, 64, 128, 8, 3, 4))
+    return [
+        ("baseline", dict(_BASELINE)),
+        ("default", dict(new)),
+        ("fwd-nested", dict(new, FWD_FLAT=False)),
+        ("idx-nlm", dict(new, IDX_T=False)),
+        ("fwd-r256t32", dict(new, FWD_16=MaxSimConfig(256, 32, 0, 8, 3))),
+        ("fwd-r256t64", dict(new, FWD_16=MaxSimConfig(256, 64, 0, 8, 3))),
+        ("fwd-stages4", dict(new, FWD_16=MaxSimConfig(128, 64, 0, 8, 4))),
+        ("dd-rows128", dict(new, BWD_D=MaxSimConfig(128, 64, 128, 8, 3, 4))),
+    ]
+
+
+@contextlib.contextmanager
+def settings(setting: str | dict[str, object]) -> Iterator[dict[str, object]]:
+    """Within the block, this module's attributes as in ``setting`` (a name of :func:`sweep_settings` or
+    a dict of attribute -> value); restored after."""
+    if isinstance(setting, str):
+        named = dict(sweep_settings())
+        if setting not in named:
+            raise ValueError(f"unknown MaxSim setting {setting!r}; valid: {sorted(named)}")
+        setting = named[setting]
+    g = globals()
+    unknown = [k for k in setting if k not in g or k.startswith("__")]
+    if unknown:
+        raise ValueError(f"not attributes of the MaxSim launcher: {unknown}")
+    old = {k: g[k] for k in setting}
+    g.update(setting)
+    try:
+        yield dict(setting)
+    finally:
+        g.update(old)
