@@ -325,17 +325,20 @@ def maxsim_bwd_doc_kernel(
         acc2 = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     if NT > 3:
         acc3 = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    b_next = _dd_index(IDX, j, tl.arange(0, ROWS), nr, M, IDX_T)
     for r0 in range(0, nr, ROWS):
         r = r0 + tl.arange(0, ROWS)
         rmask = r < nr
         r64 = r.to(tl.int64)
         qi = r // LQ
         qa = r - qi * LQ
-        if IDX_T:  # IDX [M, N * Lq], G^T [M, N]: contiguous in r
-            b = tl.load(IDX + (tl.cast(j, tl.int64) * nr + r), mask=rmask, other=-1).to(tl.int32)
+        # the argmax of this block, loaded one step ahead (a plain load: the pipeliner leaves it
+        # synchronous in the loop), and the next block's
+        b = b_next
+        b_next = _dd_index(IDX, j, r + ROWS, nr, M, IDX_T)
+        if IDX_T:  # G^T [M, N]: contiguous in r
             g = tl.load(G + (tl.cast(j, tl.int64) * N + qi), mask=rmask, other=0.0)
-        else:  # IDX [N * Lq, M], G [N, M]
-            b = tl.load(IDX + r64 * M + j, mask=rmask, other=-1).to(tl.int32)
+        else:  # G [N, M]
             g = tl.load(G + qi.to(tl.int64) * M + j, mask=rmask, other=0.0)
         w = tl.load(W + r64, mask=rmask, other=0.0)
         c = g * w * mult
@@ -361,6 +364,16 @@ def maxsim_bwd_doc_kernel(
         _dd_store(DD, acc2 * (gs / PRESCALE), j, t + 2 * BLOCK_T, dk, dmask, LD, D)
     if NT > 3:
         _dd_store(DD, acc3 * (gs / PRESCALE), j, t + 3 * BLOCK_T, dk, dmask, LD, D)
+
+
+@triton.jit
+def _dd_index(IDX, j, r, nr, M, IDX_T: tl.constexpr):
+    """idx of rows r (< N * Lq; -1 beyond) for document j: IDX [M, N * Lq] (IDX_T) or [N * Lq, M]."""
+    if IDX_T:
+        b = tl.load(IDX + (tl.cast(j, tl.int64) * nr + r), mask=r < nr, other=-1)
+    else:
+        b = tl.load(IDX + r.to(tl.int64) * M + j, mask=r < nr, other=-1)
+    return b.to(tl.int32)
 
 
 @triton.jit
