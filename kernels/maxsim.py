@@ -153,7 +153,7 @@ def maxsim_fwd_kernel(
     N, M, LQ, LD, D, docs_per_split,
     stride_qn, stride_qa, stride_dm, stride_dt, empty_score,
     G: tl.constexpr, LQ_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    RESIDENT: tl.constexpr, FLAT: tl.constexpr, IDX_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    RESIDENT: tl.constexpr, FLAT: tl.constexpr, IDX_T: tl.constexpr, Q_REGS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """S [N, M], IDX [N, Lq, M] for documents [split * docs_per_split, ...) of queries [pid G, pid G + G),
     and LSE_PART[split, i] (grid: (cdiv(N, G), splits)). W [N, Lq] fp32, DV [M, Ld] uint8 contiguous.
@@ -184,6 +184,8 @@ def maxsim_fwd_kernel(
         q = tl.load(q_base[:, None] + dk[None, :], mask=rmask[:, None] & (dk < D)[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+        if Q_REGS:  # not a load's result: the compiler keeps the dot's A operand in registers (wgmma)
+            q = tl.where(rmask[:, None], q, tl.zeros_like(q))
     else:
         q = 0.0  # unused: the chunks re-read the rows
     gi = pid * G + tl.arange(0, G)

@@ -94,6 +94,9 @@ FWD_SPLITS: int | None = None
 #: pipelined behind this one's last chunk and epilogue) instead of a loop over documents around a loop
 #: over their chunks.
 FWD_FLAT = True
+#: The forward's resident query rows as the similarity matmul's register operand (wgmma reads only the
+#: document tile from shared memory; more registers) instead of a shared-memory operand.
+FWD_Q_REGS = False
 #: The argmax stored document-major, ``[M, N * Lq]`` (returned as the ``[N, Lq, M]`` view
 #: ``permute(1, 2, 0)``), and dd reads ``G^T``: the forward's stores of a program's rows and the
 #: backward's loads of a block of rows for one document are contiguous (False: ``[N, Lq, M]``
@@ -101,7 +104,7 @@ FWD_FLAT = True
 IDX_T = True
 
 #: The settings before the tuning (commit 24a4e55), for comparisons in one run.
-_BASELINE = dict(FWD_FLAT=False, IDX_T=False, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
+_BASELINE = dict(FWD_FLAT=False, IDX_T=False, FWD_Q_REGS=False, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
                  BWD_D=MaxSimConfig(64, 64, 128, 4, 3, 1))
 
 _SMS = {"sm80": 108, "sm90": 132}  # recorded launches (meta tensors): A100, H100
@@ -204,7 +207,7 @@ def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty
         dict(Q=q, DOC=d, W=w, DV=dv, SCALE=TB._scale32(scale, dev), S=s, IDX=idx, LSE_PART=part,
              N=n, M=m, LQ=lq, LD=ld, D=dim, docs_per_split=per, stride_qn=q.stride(0), stride_qa=q.stride(1),
              stride_dm=d.stride(0), stride_dt=d.stride(1), empty_score=float(empty_score)),
-        dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident, FLAT=FWD_FLAT, IDX_T=IDX_T,
+        dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident, FLAT=FWD_FLAT, IDX_T=IDX_T, Q_REGS=FWD_Q_REGS,
              UPCAST=TB._upcast(dt), DOT_PREC=TB._dot_prec(dt)),
         cfg.num_warps, cfg.num_stages))
     lse = part[0] if splits == 1 else torch.logsumexp(part, dim=0)
@@ -277,7 +280,7 @@ def sweep_settings() -> list[tuple[str, dict[str, object]]]:
     (apply one with :func:`settings`); each dict names every attribute it relies on, so they compose
     with nothing left over from another. ``baseline`` is the configuration before the tuning, ``default``
     the module's defaults; the others change one thing of ``default``."""
-    new = dict(FWD_FLAT=True, IDX_T=True, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
+    new = dict(FWD_FLAT=True, IDX_T=True, FWD_Q_REGS=False, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
                BWD_D=MaxSimConfig(64, 64, 128, 8, 3, 4))
     return [
         ("baseline", dict(_BASELINE)),
@@ -286,7 +289,7 @@ def sweep_settings() -> list[tuple[str, dict[str, object]]]:
         ("idx-nlm", dict(new, IDX_T=False)),
         ("fwd-r256t32", dict(new, FWD_16=MaxSimConfig(256, 32, 0, 8, 3))),
         ("fwd-r256t64", dict(new, FWD_16=MaxSimConfig(256, 64, 0, 8, 3))),
-        ("fwd-stages4", dict(new, FWD_16=MaxSimConfig(128, 64, 0, 8, 4))),
+        ("fwd-qregs", dict(new, FWD_Q_REGS=True)),
         ("dd-rows128", dict(new, BWD_D=MaxSimConfig(128, 64, 128, 8, 3, 4))),
     ]
 
