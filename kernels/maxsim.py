@@ -28,31 +28,46 @@ Kernels:
   query-token rows (LQ_PAD = next power of two >= Lq; rows a >= Lq are padding) stay resident (or are
   re-read per D chunk) while it walks its documents; per document, per chunk of BLOCK_T tokens, the
   [rows, BLOCK_T] similarity tile is one ``tl.dot`` (tensor cores), invalid tokens are set to -inf,
-  and the running maximum / first argmax per row are updated. At the end of a document the rows'
-  ``w * max`` are summed per query (a reshape to [G, LQ_PAD]) and S, idx are stored, and the online
-  LSE of ``s S_ij`` (running max and sum per query) is updated; the split's LSE is stored in
-  ``LSE_PART[split, i]`` and the launcher merges the splits with ``logsumexp`` (fixed order).
+  and the running maximum / first argmax per row are updated (a max, then the min of the indices
+  equal to it, per chunk). At the end of a document the rows' ``w * max`` are summed per query (a
+  reshape to [G, LQ_PAD]) and S, idx are stored, and the online LSE of ``s S_ij`` (running max and
+  sum per query) is updated; the split's LSE is stored in ``LSE_PART[split, i]`` and the launcher
+  merges the splits with ``logsumexp`` (fixed order). FLAT: one loop over the split's (document,
+  chunk) pairs, cdiv(Ld, BLOCK_T) chunks per document (at least 1), the end-of-document step under a
+  branch on the last chunk, so the software pipeline (num_stages) runs across documents; otherwise a
+  loop over documents around a loop over their chunks (the pipeline refills per document). Q_REGS
+  (resident rows only): the rows are the matmul's register operand (sm_90 wgmma then reads only the
+  document tile from shared memory; more registers) instead of a shared-memory operand.
   Work: one N*Lq x M*Ld x D matmul (2 N Lq M Ld D FLOPs, Ld rounded up to BLOCK_T, Lq to LQ_PAD).
+  Traffic: every program reads every document of its split, cdiv(N, G) M Ld D elements in all (e.g.
+  N/4 of them at Lq = 32 and 128 rows); each query row once per split.
 * ``maxsim_bwd_query_kernel``  one program per (block of ROWS query-token rows, D chunk), over all
   documents. GATHER (the default): per document the row's argmax token ``d_{j, idx}`` is loaded
   directly (a gather of ROWS rows of BLOCK_D elements) and ``acc += G_ij d_{j, idx}`` in fp32 FMAs:
   exact to fp32 rounding, N Lq M D FMAs and no matmul (1/Ld of the forward's work). Without GATHER,
   the tensor-core form: per chunk of BLOCK_T tokens ``tmp += onehot(idx) @ d_chunk`` (the one-hot in
   the operand dtype is exact, so tmp is d_{j, idx} exactly), then ``acc += G_ij tmp`` per document:
-  one unit of the forward's matmul.
-* ``maxsim_bwd_doc_kernel``  one program per (document j, chunk of BLOCK_T tokens, D chunk), over all
-  N*Lq query-token rows in blocks of ROWS: ``acc [BLOCK_T, BLOCK_D] += P^T @ q_rows`` with the weighted
-  one-hot ``P^T_tr = [idx_rj = t] G_ij w_r`` built in registers (one tensor-core matmul, the same
-  work as the forward). ``P`` is the matmul operand, so it is cast to the input dtype: its entries
-  are divided by one global ``gscale = max|G| max|w|`` and multiplied by the power of two PRESCALE
-  (2^13 for fp16, else 1) before the cast, and the fp32 epilogue multiplies by ``gscale / PRESCALE``:
-  each term is rounded once to the operand dtype (relative 2^-9 for bf16, 2^-12 for fp16; fp32 uses
-  tf32x3, ~fp32), like the gradient tiles of the core kernels (``lse._accumulate``).
+  one unit of the forward's matmul. Traffic (gather): N Lq M argmax rows of D elements, and the
+  argmax itself (contiguous per document with IDX_T, else one 32-byte sector per element).
+* ``maxsim_bwd_doc_kernel``  one program per (document j, NT chunks of BLOCK_T tokens, D chunk), over
+  all N*Lq query-token rows in blocks of ROWS: ``acc_k [BLOCK_T, BLOCK_D] += P_k^T @ q_rows`` for its
+  NT (1 to 4) chunks with the weighted one-hot ``P^T_tr = [idx_rj = t] G_ij w_r`` built in registers
+  (one tensor-core matmul, the same work as the forward, Ld rounded up to NT BLOCK_T per program).
+  ``P`` is the matmul operand, so it is in the input dtype: the coefficients are divided by one
+  global ``gscale = max|G| max|w|`` and multiplied by the power of two PRESCALE (2^13 for fp16, else 1)
+  and cast once per row, and the fp32 epilogue multiplies by ``gscale / PRESCALE``: each term is
+  rounded once to the operand dtype (relative 2^-9 for bf16, 2^-12 for fp16; fp32 uses tf32x3,
+  ~fp32), like the gradient tiles of the core kernels (``lse._accumulate``). Traffic: every program
+  reads all N Lq query rows (its D chunk), so the rows are read M cdiv(cdiv(Ld, BLOCK_T), NT) times
+  in all (NT = 3 at Ld = 180, BLOCK_T = 64: M times, a third of NT = 1), and the argmax column of its
+  document (contiguous with IDX_T; else one 32-byte sector per element), loaded one block ahead.
 
 Deterministic: no atomics; every output element has one owning program and a fixed summation order.
-Memory: nothing of size N*Lq*M*Ld exists; the forward writes S [N, M] fp32, idx [N, Lq, M] (int16 for
-Ld < 2^15, else int32) and LSE_PART [splits, N]; the backward reads them back (no recompute).
-Offsets of N*Lq*M and N*Lq*D are int64.
+Memory: nothing of size N*Lq*M*Ld exists; the forward writes S [N, M] fp32, idx (int16 for Ld < 2^15,
+else int32) and LSE_PART [splits, N]; the backward reads them back (no recompute). IDX_T (a constexpr
+of every kernel): idx is stored document-major, [M, N*Lq] (element (r = i Lq + a, j) at j N Lq + r),
+and dd reads G^T [M, N]; otherwise idx is [N*Lq, M] and G [N, M]. Offsets of N*Lq*M and N*Lq*D are
+int64.
 
 Numerics: fp32 accumulation; 16-bit products are exact in fp32, fp32 inputs use ``tf32x3`` dots
 (~fp32). NaN similarities: ``tl.max`` ignores NaN (GPU maxnum, interpreter nanmax), so a NaN token
@@ -63,8 +78,10 @@ harmless. Query tokens with w = 0 are read in the forward (their idx is the defi
 ``0 * max`` is NaN for a NaN token, as in the definition); in the backward, terms with a zero
 coefficient (w = 0 or G = 0) load nothing.
 
-Tested under the CPU interpreter (tests/test_triton_maxsim.py, float64 oracle) and by ahead-of-time
-compilation for sm_80 / sm_90 only; not run on a GPU yet.
+Tested under the CPU interpreter (tests/test_triton_maxsim.py, float64 oracle; every setting of
+``triton_maxsim.sweep_settings()``) and by ahead-of-time compilation for sm_80 / sm_90. The H100 run of
+commit 24a4e55 timed the nested forward, the [N, Lq, M] layout and one chunk per dd program; the FLAT,
+IDX_T, Q_REGS and NT > 1 forms have not run on a GPU yet.
 
 Interpreter: its bf16 ``tl.dot`` is wrong, so UPCAST (bf16 under ``TRITON_INTERPRET=1`` only) casts
 the bf16 tiles to fp32 before each dot (the values are bf16 either way); its fp32 -> bf16 cast does not
@@ -153,13 +170,16 @@ def maxsim_fwd_kernel(
     N, M, LQ, LD, D, docs_per_split,
     stride_qn, stride_qa, stride_dm, stride_dt, empty_score,
     G: tl.constexpr, LQ_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    RESIDENT: tl.constexpr, FLAT: tl.constexpr, IDX_T: tl.constexpr, Q_REGS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    RESIDENT: tl.constexpr, FLAT: tl.constexpr, IDX_T: tl.constexpr, Q_REGS: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    """S [N, M], IDX [N, Lq, M] for documents [split * docs_per_split, ...) of queries [pid G, pid G + G),
-    and LSE_PART[split, i] (grid: (cdiv(N, G), splits)). W [N, Lq] fp32, DV [M, Ld] uint8 contiguous.
+    """S [N, M], IDX ([M, N * Lq] with IDX_T, else [N * Lq, M]) for documents [split * docs_per_split, ...)
+    of queries [pid G, pid G + G), and LSE_PART[split, i] (grid: (cdiv(N, G), splits)). W [N, Lq] fp32,
+    DV [M, Ld] uint8 contiguous.
 
-    RESIDENT: BLOCK_D >= D, the [G * LQ_PAD, BLOCK_D] query rows are loaded once; otherwise every
-    similarity tile streams D in BLOCK_D chunks (both operands re-read; fp32 inputs).
+    RESIDENT: BLOCK_D >= D, the [G * LQ_PAD, BLOCK_D] query rows are loaded once (Q_REGS: kept as the
+    dot's register operand); otherwise every similarity tile streams D in BLOCK_D chunks (both operands
+    re-read; fp32 inputs). FLAT: one loop over (document, chunk) pairs (see the module docstring).
     """
     ROWS: tl.constexpr = G * LQ_PAD
     pid = tl.program_id(0)
@@ -236,7 +256,8 @@ def maxsim_bwd_query_kernel(
     HAS_DV: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dq_ia = w_ia sum_j G_ij d_{j, idx_iaj} for ROWS flat query-token rows r = i * Lq + a and columns
-    [pid_d BLOCK_D, ...) (grid: (cdiv(N * Lq, ROWS), cdiv(D, BLOCK_D))); DQ [N * Lq, D] fp32.
+    [pid_d BLOCK_D, ...) (grid: (cdiv(N * Lq, ROWS), cdiv(D, BLOCK_D))); DQ [N * Lq, D] fp32; IDX
+    [M, N * Lq] (IDX_T: a block of rows contiguous per document) or [N * Lq, M]; G [N, M].
 
     GATHER: the argmax rows are loaded directly (fp32 FMAs, no matmul). Otherwise the one-hot matmul
     over every token chunk (tensor cores); HAS_DV then masks invalid tokens out of the loaded chunks

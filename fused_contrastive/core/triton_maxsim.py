@@ -9,7 +9,9 @@ dtype; the inner dimension is made contiguous, other strides are passed to the k
 (read as fp32), ``dvalid`` [M, Ld] bool (False = padding token). Outputs: ``S`` [N, M] fp32
 (``S_ij = sum_a w_ia max_{b valid} <q_ia, d_jb>``, ``empty_score`` for a document without a valid
 token), ``idx`` [N, Lq, M] (the lowest maximising token index; 0 for an empty document; int16 for
-Ld < 2^15, else int32), ``lse`` [N] fp32 (``logsumexp_j scale * S_ij``, online in the forward kernel;
+Ld < 2^15, else int32; under :data:`IDX_T` the view ``permute(1, 2, 0)`` of an [M, N, Lq] tensor, which
+the backward reads in place; any other layout it reads as [N, Lq, M] contiguous, copying if needed),
+``lse`` [N] fp32 (``logsumexp_j scale * S_ij``, online in the forward kernel;
 ``scale`` a float or a 0-dim / 1-element tensor read by the kernel from its pointer: no host sync);
 ``dq`` [N, Lq, D] and ``dd`` [M, Ld, D] fp32.
 
@@ -24,21 +26,32 @@ Work, in units of one N*Lq x M*Ld x D matmul (2 N Lq M Ld D FLOPs): forward 1 (t
 dd 1 (tensor cores, the weighted one-hot matmul); dq 1/Ld of a unit as fp32 FMAs on gathered rows
 (``DQ_GATHER``, the default) or 1 unit as the one-hot matmul on tensor cores.
 
-Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90; not
-tuned by measurement: no GPU run yet). tests/test_triton_maxsim.py compiles them ahead of time for
-sm_80 / sm_90 (0 spills, shared memory within the part's limit, mma.sync / wgmma) at the ColBERT shape
-D = 128, Lq = 32, Ld = 180 in bf16 / fp16 / fp32, and the forward's other regimes:
+Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90). Only
+the ``baseline`` setting of :func:`sweep_settings` has run on a GPU (H100, commit 24a4e55: bf16,
+N = M = 4096, Lq = 32, Ld = 180, D = 128: forward 118.7 ms, dd 129.7, dq 22.7); the defaults below are
+the untimed successors chosen from the compiled code (registers, shared memory, pipelining), to be
+compared with it by a device sweep (:func:`sweep_settings`, :func:`settings`). tests/test_triton_maxsim.py
+compiles them ahead of time for sm_80 / sm_90 (0 spills, shared memory within the part's limit,
+mma.sync / wgmma) at the ColBERT shape D = 128, Lq = 32, Ld = 180 in bf16 / fp16 / fp32, the forward's
+other regimes, and every sweep setting in bf16 at the ColBERT shape. Registers below: bf16, D = 128,
+triton 3.9's ptxas (sm_80 / sm_90):
 
 * forward, 16-bit: 128 query-token rows (G = 128 / LQ_PAD queries; for 128 < Lq <= 256 one query of
   LQ_PAD rows and 32-token chunks) x 64-token chunks, 8 warps (two warpgroups: wgmma M = 64 each), the
   query rows resident for D_PAD <= 256 (one K chunk), 3 stages (2 above D_PAD 128: the resident rows and
   three staged document chunks would pass the A100's shared memory); larger D streams 64-wide chunks.
-  sm_80 196 registers, sm_90 124 (bf16, D = 128). fp32: 64 rows x 64 tokens x 16-wide D chunks, 8 warps
-  (tf32x3 splits each operand in two; 32-wide chunks spilled on sm_80).
-* dq (gather): 64 rows x up to 128 columns (D chunks on a second grid axis), 8 warps, 80 registers (4
-  warps spilled 4 bytes on sm_90 at D = 64). The one-hot form: 64 rows x 64 tokens x 128 columns, 8
-  warps (fp32: 64 x 32 x 32 at 4 warps; wider tiles spilled).
-* dd: 64 tokens x 64 query rows per matmul step x up to 128 columns (fp32: 32), 4 warps.
+  The flat (document, chunk) loop (:data:`FWD_FLAT`): 161 / 123 registers, 65 / 80 KiB shared (the
+  nested loops: 196 / 124). 256 rows x 32 tokens: 166 / 117; 256 x 64: 255 / 175; the rows as the
+  register operand (:data:`FWD_Q_REGS`): 161 / 166. fp32: 64 rows x 64 tokens x 16-wide D chunks, 8
+  warps (tf32x3 splits each operand in two; 32-wide chunks spilled on sm_80).
+* dq (gather): 64 rows x up to 128 columns (D chunks on a second grid axis), 8 warps, 64 / 76 registers
+  with :data:`IDX_T` (80 / 80 without; 4 warps spilled 4 bytes on sm_90 at D = 64). The one-hot form:
+  64 rows x 64 tokens x 128 columns, 8 warps (fp32: 64 x 32 x 32 at 4 warps; wider tiles spilled).
+* dd: 64 tokens x 64 query rows per matmul step x up to 128 columns, up to 4 token chunks of one
+  document per program (3 at Ld = 180: one program per document and D chunk), 8 warps: 233 / 222
+  registers, 25 / 41 KiB shared (one chunk at 4 warps, the old config: 168 / 160; 128 rows per step:
+  255 / 249). fp32: 64 x 64 x 32-wide D chunks, one chunk per program, 4 warps (several chunks
+  spilled 120 to 3600 bytes).
 """
 
 from __future__ import annotations
@@ -55,8 +68,8 @@ from ..kernels import maxsim as K
 from . import triton_backend as TB
 from .triton_configs import DTYPE_NAMES, d_pad
 
-__all__ = ["DQ_GATHER", "FWD_FLAT", "FWD_SPLITS", "IDX_T", "maxsim_backward", "maxsim_forward", "settings",
-           "sweep_settings"]
+__all__ = ["DQ_GATHER", "FWD_FLAT", "FWD_Q_REGS", "FWD_SPLITS", "IDX_T", "maxsim_backward", "maxsim_forward",
+           "settings", "sweep_settings"]
 
 
 class MaxSimConfig(NamedTuple):
@@ -100,10 +113,13 @@ FWD_Q_REGS = False
 #: The argmax stored document-major, ``[M, N * Lq]`` (returned as the ``[N, Lq, M]`` view
 #: ``permute(1, 2, 0)``), and dd reads ``G^T``: the forward's stores of a program's rows and the
 #: backward's loads of a block of rows for one document are contiguous (False: ``[N, Lq, M]``
-#: contiguous, one 32-byte sector per element). The backward takes either layout (by strides).
+#: contiguous, one 32-byte sector per element). The backward reads either layout (told apart by the
+#: strides of the idx it is given), whatever this flag says then.
 IDX_T = True
 
-#: The settings before the tuning (commit 24a4e55), for comparisons in one run.
+#: The configuration of commit 24a4e55 (the H100 run), for comparisons in one run. The kernels' code is
+#: not quite that commit's: dd casts each row's coefficient once (a select per element, the same
+#: rounding) and loads the argmax block one step ahead.
 _BASELINE = dict(FWD_FLAT=False, IDX_T=False, FWD_Q_REGS=False, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
                  BWD_D=MaxSimConfig(64, 64, 128, 4, 3, 1))
 
@@ -207,8 +223,8 @@ def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty
         dict(Q=q, DOC=d, W=w, DV=dv, SCALE=TB._scale32(scale, dev), S=s, IDX=idx, LSE_PART=part,
              N=n, M=m, LQ=lq, LD=ld, D=dim, docs_per_split=per, stride_qn=q.stride(0), stride_qa=q.stride(1),
              stride_dm=d.stride(0), stride_dt=d.stride(1), empty_score=float(empty_score)),
-        dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident, FLAT=FWD_FLAT, IDX_T=IDX_T, Q_REGS=FWD_Q_REGS,
-             UPCAST=TB._upcast(dt), DOT_PREC=TB._dot_prec(dt)),
+        dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident, FLAT=FWD_FLAT,
+             IDX_T=IDX_T, Q_REGS=FWD_Q_REGS, UPCAST=TB._upcast(dt), DOT_PREC=TB._dot_prec(dt)),
         cfg.num_warps, cfg.num_stages))
     lse = part[0] if splits == 1 else torch.logsumexp(part, dim=0)
     return s, idx, lse
@@ -250,8 +266,8 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
         "maxsim_bwd_query", K.maxsim_bwd_query_kernel, (triton.cdiv(rows, cfg.rows), triton.cdiv(dim, block_d)),
         dict(DOC=d, W=w, IDX=idx, G=g, DV=dv, DQ=dq, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_dm=d.stride(0),
              stride_dt=d.stride(1)),
-        dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, GATHER=gather, IDX_T=idx_t, HAS_DV=has_dv, UPCAST=upcast,
-             DOT_PREC=prec),
+        dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, GATHER=gather, IDX_T=idx_t, HAS_DV=has_dv,
+             UPCAST=upcast, DOT_PREC=prec),
         cfg.num_warps, cfg.num_stages))
     # one global scale of the coefficients G_ij w_ia (device tensors, no sync): |P| <= PRESCALE
     gs = g.abs().amax() * w.abs().amax()
@@ -277,9 +293,19 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
 
 def sweep_settings() -> list[tuple[str, dict[str, object]]]:
     """``(name, {module attribute: value})`` settings of the 16-bit kernels a GPU sweep should time
-    (apply one with :func:`settings`); each dict names every attribute it relies on, so they compose
-    with nothing left over from another. ``baseline`` is the configuration before the tuning, ``default``
-    the module's defaults; the others change one thing of ``default``."""
+    (apply one with :func:`settings`; each names all the attributes it sets, so nothing is left over
+    from another). The forward and dd kernels are timed separately, so one run of each setting answers
+    for both; dq changes only with the layout (``idx-nlm``).
+
+    * ``baseline``: the configuration of the H100 run of commit 24a4e55 (nested forward loops, idx
+      [N, Lq, M], dd one 64-token chunk per program at 4 warps);
+    * ``default``: the module's defaults (flat forward loop, idx [M, N*Lq], dd 3 chunks per program at
+      Ld = 180, 8 warps);
+    * ``fwd-nested``, ``idx-nlm``: ``default`` with the nested forward loops / the old idx layout;
+    * ``fwd-r256t32``, ``fwd-r256t64``: 256 query rows per forward program (half the document reads),
+      32- / 64-token chunks; ``fwd-qregs``: the rows as the register operand of the matmul;
+    * ``dd-rows128``: dd's matmul steps over 128 query rows (K = 128) instead of 64.
+    """
     new = dict(FWD_FLAT=True, IDX_T=True, FWD_Q_REGS=False, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
                BWD_D=MaxSimConfig(64, 64, 128, 8, 3, 4))
     return [
