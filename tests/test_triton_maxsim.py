@@ -298,7 +298,7 @@ SETTINGS = [name for name, _ in TM.sweep_settings()]
 
 def test_sweep_settings_are_distinct_and_restored():
     named = TM.sweep_settings()
-    assert len(named) == len({n for n, _ in named}) <= 8 and {"baseline", "default"} <= {n for n, _ in named}
+    assert len(named) == len({n for n, _ in named}) <= 9 and {"baseline", "default"} <= {n for n, _ in named}
     # "default" is the module's defaults; every setting restores the attributes after its block
     before = {k: getattr(TM, k) for _, st in named for k in st}
     assert all(getattr(TM, k) == v for k, v in dict(named)["default"].items())

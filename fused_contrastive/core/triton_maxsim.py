@@ -42,7 +42,8 @@ triton 3.9's ptxas (sm_80 / sm_90):
   three staged document chunks would pass the A100's shared memory); larger D streams 64-wide chunks.
   The flat (document, chunk) loop (:data:`FWD_FLAT`): 161 / 123 registers, 65 / 80 KiB shared (the
   nested loops: 196 / 124). 256 rows x 32 tokens: 166 / 117; 256 x 64: 255 / 175; the rows as the
-  register operand (:data:`FWD_Q_REGS`): 161 / 166. fp32: 64 rows x 64 tokens x 16-wide D chunks, 8
+  register operand (:data:`FWD_Q_REGS`): 161 / 166, with 256 x 32: 166 / 174 (256 x 64 at 16 warps
+  spilled 24 bytes on sm_80). fp32: 64 rows x 64 tokens x 16-wide D chunks, 8
   warps (tf32x3 splits each operand in two; 32-wide chunks spilled on sm_80).
 * dq (gather): 64 rows x up to 128 columns (D chunks on a second grid axis), 8 warps, 64 / 76 registers
   with :data:`IDX_T` (80 / 80 without; 4 warps spilled 4 bytes on sm_90 at D = 64). The one-hot form:
@@ -303,7 +304,8 @@ def sweep_settings() -> list[tuple[str, dict[str, object]]]:
       Ld = 180, 8 warps);
     * ``fwd-nested``, ``idx-nlm``: ``default`` with the nested forward loops / the old idx layout;
     * ``fwd-r256t32``, ``fwd-r256t64``: 256 query rows per forward program (half the document reads),
-      32- / 64-token chunks; ``fwd-qregs``: the rows as the register operand of the matmul;
+      32- / 64-token chunks; ``fwd-qregs``: the rows as the register operand of the matmul (sm_90: the
+      wgmma's shared-memory reads halved); ``fwd-r256t32-qregs``: both;
     * ``dd-rows128``: dd's matmul steps over 128 query rows (K = 128) instead of 64.
     """
     new = dict(FWD_FLAT=True, IDX_T=True, FWD_Q_REGS=False, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
@@ -315,6 +317,7 @@ def sweep_settings() -> list[tuple[str, dict[str, object]]]:
         ("idx-nlm", dict(new, IDX_T=False)),
         ("fwd-r256t32", dict(new, FWD_16=MaxSimConfig(256, 32, 0, 8, 3))),
         ("fwd-r256t64", dict(new, FWD_16=MaxSimConfig(256, 64, 0, 8, 3))),
+        ("fwd-r256t32-qregs", dict(new, FWD_16=MaxSimConfig(256, 32, 0, 8, 3), FWD_Q_REGS=True)),
         ("fwd-qregs", dict(new, FWD_Q_REGS=True)),
         ("dd-rows128", dict(new, BWD_D=MaxSimConfig(128, 64, 128, 8, 3, 4))),
     ]
