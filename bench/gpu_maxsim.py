@@ -130,6 +130,52 @@ def timing(n: int, lq: int, ld: int, d: int, repeats: int, with_torch: bool, pro
     print(f"timing N=M={n} Lq={lq} Ld={ld} D={d} bf16 fwd+bwd, median of {repeats}: " + "; ".join(cells), flush=True)
 
 
+def sweep(n: int, lq: int, ld: int, d: int, repeats: int, parity_n: int, only: list[str] | None = None) -> None:
+    """Every setting of ``triton_maxsim.sweep_settings()`` (kernel variants and launch configurations):
+    bf16 parity against the float64 oracle at ``parity_n``, then fwd + bwd at N = ``n`` (median) and the
+    device time of each kernel, side by side in this run."""
+    measure = _timer("cuda")
+    q, docs, qm, dm = inputs(n, lq, ld, d, torch.bfloat16)
+    q.requires_grad_()
+    docs.requires_grad_()
+    pq, pd, pqm, pdm = inputs(parity_n, lq, ld, d, torch.bfloat16, seed=1)
+    q64, d64 = pq.double().requires_grad_(), pd.double().requires_grad_()
+    want = MS.maxsim_info_nce(q64, d64, query_mask=pqm, doc_mask=pdm, scale=4.0, normalize=False,
+                              backend="reference")
+    gq64, gd64 = torch.autograd.grad(want, (q64, d64))
+
+    def step():
+        q.grad = docs.grad = None
+        MS.maxsim_info_nce(q, docs, query_mask=qm, doc_mask=dm, normalize=False, backend="triton").backward()
+
+    for name, _ in TM.sweep_settings():
+        if only and name not in only:
+            continue
+        try:
+            with TM.settings(name):
+                ql, dl = pq.clone().requires_grad_(), pd.clone().requires_grad_()
+                got = MS.maxsim_info_nce(ql, dl, query_mask=pqm, doc_mask=pdm, scale=4.0, normalize=False,
+                                         backend="triton")
+                gq, gd = torch.autograd.grad(got, (ql, dl))
+                err = max(abs(float(got.detach()) - float(want.detach())) / max(1.0, abs(float(want.detach()))),
+                          float((gq.double() - gq64).abs().max() / gq64.abs().max()),
+                          float((gd.double() - gd64).abs().max() / gd64.abs().max()))
+                step()
+                ms = statistics.median(measure(step) for _ in range(repeats))
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    step()
+                    torch.cuda.synchronize()
+            kern = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
+                    if e.key.startswith("maxsim")}
+            print(f"sweep {name:12s} N={n}: fwd+bwd {ms:.2f} ms; " + ", ".join(
+                f"{k.removesuffix('_kernel')} {v:.2f}" for k, v in sorted(kern.items()))
+                + f"; parity bf16 N={parity_n} max rel err {err:.2e} {'PASS' if err < 1.6e-2 else 'FAIL'}",
+                flush=True)
+        except Exception as e:  # noqa: BLE001 - a setting that fails: say so, go on
+            print(f"sweep {name}: raised {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", default="1024,4096", help="comma-separated N = M of the timings")
@@ -139,12 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parity-n", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--torch-max-n", type=int, default=1024, help="time the PyTorch path up to this N")
+    ap.add_argument("--sweep", type=int, default=0, metavar="N",
+                    help="time every setting of triton_maxsim.sweep_settings() at this N instead")
+    ap.add_argument("--only", default="", help="with --sweep: these settings only (comma-separated)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu_maxsim.py needs a CUDA device", file=sys.stderr)
         return 2
     t0 = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}")
+    if args.sweep:
+        sweep(args.sweep, args.lq, args.ld, args.d, args.repeats, args.parity_n,
+              [x for x in args.only.split(",") if x])
+        print(f"\nwall {time.time() - t0:.0f} s")
+        return 0
     ok = parity(args.parity_n, args.lq, args.ld, args.d)
     for n in (int(x) for x in args.n.split(",")):
         timing(n, args.lq, args.ld, args.d, args.repeats, n <= args.torch_max_n)

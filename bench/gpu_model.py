@@ -46,7 +46,7 @@ Every assumption is printed with the tables; this is a model, the numbers need a
 (``python -m fused_contrastive check --gpu-validate`` prints the ncu metrics that would calibrate it).
 
 Usage: python bench/gpu_model.py [--sizes 16384,65536] [--d 768] [--gpus A100,H100,H200] [--no-compare]
-[--matryoshka] [--gist] [--siglip]
+[--matryoshka] [--gist] [--siglip] [--maxsim]
 Output: the tables (labelled MODEL), then one JSON object per line for every (loss, gpu, n).
 """
 
@@ -554,6 +554,12 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
         trips.update(matryoshka_trips(MATRYOSHKA_DIMS[tuple(a["DIMS"].shape)], c["BLOCK_D"]))
     if launch.name.startswith("epi_gemm"):
         trips["__n_pn__"] = math.ceil(m / c["BLOCK_N"])
+    if launch.name.startswith("maxsim_"):
+        # loops with computed bounds: the forward's walk over its split's documents (from j_lo to j_hi),
+        # the document kernel's walk over all N * Lq query-token rows (from 0)
+        # (these keys are iteration counts: the step is not applied to them)
+        trips.update(__segment_walk__=a.get("docs_per_split", m),
+                     __prefix_walk__=math.ceil(n * a.get("LQ", 1) / c.get("ROWS", 1)))
     q, rem = divmod(a.get("n_row_blocks", grid), grid)
 
     def walk(if_weight: float) -> dict[str, float]:
@@ -580,7 +586,7 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     slots = max(1, ctas) * gpu.sms
     tail = wave_spread(grid, slots, gpu.sms)
     clk = gpu.clock_ghz * 1e9
-    operand = next((v for k, v in a.items() if k in ("SA", "X", "DL")), a.get("L"))
+    operand = next((v for k, v in a.items() if k in ("SA", "X", "DL", "Q", "DOC")), a.get("L"))
     es = operand.element_size()
     # HBM: every tensor argument once (inputs read, outputs written), the streamed operand per wave
     hbm = float(sum(_nbytes(v) for v in a.values() if isinstance(v, torch.Tensor) and v.numel() > 1))
@@ -1380,6 +1386,80 @@ def siglip_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
     return recs
 
 
+def run_maxsim_triton(n: int, lq: int, ld: int, d: int, gpu: GPU) -> tuple[list[TB.Launch], list]:
+    """The launches (recorded) and ATen ops of ``maxsim_info_nce``'s Triton route (``maxsim.MaxSimCEFn``
+    on ``core/triton_maxsim.py``'s kernels), forward + backward to both towers, bf16, unit tokens, every
+    token valid, N queries of Lq tokens against N documents of Ld tokens."""
+    from fused_contrastive import maxsim as MS
+
+    q, docs = _meta((n, lq, d)), _meta((n, ld, d))
+    w = torch.ones(n, lq, device="meta")
+    valid = torch.ones(n, ld, dtype=torch.bool, device="meta")
+    t = torch.arange(n, device="meta")
+    keep = torch.ones(n, dtype=torch.bool, device="meta")
+    scale = torch.ones((), device="meta")
+    with aot.recording(gpu.arch) as launches, OpCounter() as ops:
+        out = MS.MaxSimCEFn.apply(q, docs, scale, w, valid, t, keep, MS.empty_scores(w, False), False, "triton")
+        torch.autograd.grad(out.sum(), [q, docs])
+        del out
+    return list(launches), ops.ops
+
+
+@functools.cache
+def count_maxsim_textbook(n: int, lq: int, ld: int, d: int) -> tuple[list, int]:
+    """ATen ops of the textbook late-interaction loss (sentence-transformers' MaxSim scoring in one chunk:
+    ``einsum`` of every token similarity in bf16, the masked maximum, the fp32 sum over query tokens,
+    ``cross_entropy``), forward + backward."""
+    q, docs = _meta((n, lq, d)), _meta((n, ld, d))
+    dmask = torch.ones(n, ld, dtype=torch.bool, device="meta")
+    with OpCounter() as c:
+        sims = torch.einsum("nad,mbd->nmab", q, docs)
+        sims = sims.masked_fill(~dmask[None, :, None, :], -3e38)
+        s = sims.max(dim=-1).values.float().sum(-1)
+        out = torch.nn.functional.cross_entropy(s, torch.arange(n, device="meta"))
+        torch.autograd.grad(out, [q, docs])
+        del out, sims, s
+    return c.ops, c.peak
+
+
+def maxsim_report(sizes: list[int], lq: int, ld: int, d: int, gpus: list[str]) -> list[dict]:
+    """MODEL of late interaction (``maxsim_info_nce``, in-batch negatives) on a GPU: the Triton kernels
+    (forward: the token-tile GEMM with the maximum, the sum over query tokens and the online LSE; backward:
+    dq by a gather of the maximising rows, dd by the weighted one-hot matmul) against the textbook; floor 2
+    units of the token matmul (2 N Lq N Ld D FLOPs each: the similarities, dd; dq is a gather)."""
+    print(f"--- MODEL late interaction (MaxSim InfoNCE), Lq = {lq}, Ld = {ld}, D = {d}, bf16, fwd + bwd (ms, "
+          "central [optimistic - pessimistic]; no GPU used)")
+    print(f"  {'gpu':5s} {'N':>6s} {'floor':>7s} {'triton (route)':>24s} {'textbook':>24s}  kernels (central ms)")
+    recs = []
+    for g in gpus:
+        gpu = GPUS[g]
+        for n in sizes:
+            launches, ops = run_maxsim_triton(n, lq, ld, d, gpu)
+            nops, npeak = count_maxsim_textbook(n, lq, ld, d)
+            got, per = {}, {}
+            for sc in SCENARIOS:
+                with scenario(sc):
+                    ks = [kernel_model(lz, gpu) for lz in launches]
+                    got[sc] = (sum(k["ms"] for k in ks) + aten_model(ops, gpu)["ms"], aten_model(nops, gpu)["ms"])
+                    if sc == "central":
+                        per = {k["kernel"]: (round(k["ms"], 2), k["bound"]) for k in ks}
+            floor = 2 * 2 * n * lq * n * ld * d / (gpu.bf16_tflops * 1e12) * 1e3
+            fits = npeak <= gpu.mem_gb * 1e9
+
+            def cell(i, got=got):
+                return f"{got['central'][i]:.1f} [{got['optimistic'][i]:.1f} - {got['pessimistic'][i]:.1f}]"
+            naive = cell(1) if fits else f"(needs {npeak / 1e9:.0f} GB)"
+            print(f"  {g:5s} {n:6d} {floor:7.2f} {cell(0):>24s} {naive:>24s}  "
+                  + ", ".join(f"{k} {v[0]} ({v[1]})" for k, v in per.items()))
+            recs.append(dict(loss="maxsim", gpu=g, n=n, lq=lq, ld=ld, d=d, ms=round(got["central"][0], 3),
+                             ms_range=[round(got["optimistic"][0], 3), round(got["pessimistic"][0], 3)],
+                             floor_ms=round(floor, 4), naive_ms=round(got["central"][1], 3) if fits else None,
+                             naive_ms_if_memory=round(got["central"][1], 3), naive_peak_bytes=npeak,
+                             kernels={k: v[0] for k, v in per.items()}, model="MODEL, not a measurement"))
+    print()
+    return recs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="16384,65536", help="N = M values (comma-separated)")
@@ -1396,6 +1476,9 @@ def main(argv=None) -> int:
     ap.add_argument("--siglip", action="store_true",
                     help="also model SigLIP's sigmoid loss on the panel path's epilogue GEMM, its fused kernels and "
                          "the textbook formula")
+    ap.add_argument("--maxsim", action="store_true",
+                    help="also model late interaction (maxsim_info_nce) at N = 1024 and 4096, Lq = 32, Ld = 180, "
+                         "D = 128 on its Triton kernels and the textbook computation")
     ap.add_argument("--no-torch", action="store_true",
                     help="skip the torch backend (its op count on the meta device takes ~1 s per 10k launches)")
     args = ap.parse_args(argv)
@@ -1414,6 +1497,8 @@ def main(argv=None) -> int:
         extra += gist_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
     if args.siglip:
         extra += siglip_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
+    if args.maxsim:
+        extra += maxsim_report([1024, 4096], 32, 180, 128, args.gpus.split(","))
     for r in results:
         print(json.dumps(r["rec"]))
     for r in extra:

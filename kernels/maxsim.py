@@ -79,9 +79,9 @@ harmless. Query tokens with w = 0 are read in the forward (their idx is the defi
 coefficient (w = 0 or G = 0) load nothing.
 
 Tested under the CPU interpreter (tests/test_triton_maxsim.py, float64 oracle; every setting of
-``triton_maxsim.sweep_settings()``) and by ahead-of-time compilation for sm_80 / sm_90. The H100 run of
-commit 24a4e55 timed the nested forward, the [N, Lq, M] layout and one chunk per dd program; the FLAT,
-IDX_T, Q_REGS and NT > 1 forms have not run on a GPU yet.
+``triton_maxsim.sweep_settings()``) and by ahead-of-time compilation for sm_80 / sm_90; every setting ran on an H100 too
+(bench/gpu_maxsim.py --sweep: bf16 parity against the float64 oracle and the timings in
+bench/results/h100-maxsim/).
 
 Interpreter: its bf16 ``tl.dot`` is wrong, so UPCAST (bf16 under ``TRITON_INTERPRET=1`` only) casts
 the bf16 tiles to fp32 before each dot (the values are bf16 either way); its fp32 -> bf16 cast does not

@@ -26,18 +26,20 @@ Work, in units of one N*Lq x M*Ld x D matmul (2 N Lq M Ld D FLOPs): forward 1 (t
 dd 1 (tensor cores, the weighted one-hot matmul); dq 1/Ld of a unit as fp32 FMAs on gathered rows
 (``DQ_GATHER``, the default) or 1 unit as the one-hot matmul on tensor cores.
 
-Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90). Only
-the ``baseline`` setting of :func:`sweep_settings` has run on a GPU (H100, commit 24a4e55: bf16,
-N = M = 4096, Lq = 32, Ld = 180, D = 128: forward 118.7 ms, dd 129.7, dq 22.7); the defaults below are
-the untimed successors chosen from the compiled code (registers, shared memory, pipelining), to be
-compared with it by a device sweep (:func:`sweep_settings`, :func:`settings`). tests/test_triton_maxsim.py
-compiles them ahead of time for sm_80 / sm_90 (0 spills, shared memory within the part's limit,
-mma.sync / wgmma) at the ColBERT shape D = 128, Lq = 32, Ld = 180 in bf16 / fp16 / fp32, the forward's
-other regimes, and every sweep setting in bf16 at the ColBERT shape. Registers below: bf16, D = 128,
-triton 3.9's ptxas (sm_80 / sm_90):
+Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90), chosen on
+an H100 (bf16, N = M = 4096, Lq = 32, Ld = 180, D = 128; bench/results/h100-maxsim/): the first run
+(commit 24a4e55, the ``baseline`` setting) took forward 118.7 ms, dd 129.7, dq 22.7; two sweeps of
+:func:`sweep_settings` then timed the variants side by side, and the defaults are the best combination
+measured (forward + backward 247 ms against the baseline's 267 in the same run: forward 111, dd 110,
+dq 25). tests/test_triton_maxsim.py compiles them ahead of time for sm_80 / sm_90 (0 spills, shared
+memory within the part's limit, mma.sync / wgmma) at the ColBERT shape D = 128, Lq = 32, Ld = 180 in
+bf16 / fp16 / fp32, the forward's other regimes, and every sweep setting in bf16 at the ColBERT shape.
+Registers below: bf16, D = 128, triton 3.9's ptxas (sm_80 / sm_90):
 
-* forward, 16-bit: 128 query-token rows (G = 128 / LQ_PAD queries; for 128 < Lq <= 256 one query of
-  LQ_PAD rows and 32-token chunks) x 64-token chunks, 8 warps (two warpgroups: wgmma M = 64 each), the
+* forward, 16-bit (default 256 query-token rows x 32-token chunks, flat loop: 166 / 117 registers, 80 /
+  88 KiB shared; described here at the former 128 x 64): 128 query-token rows (G = 128 / LQ_PAD queries;
+  for 128 < Lq <= 256 one query of LQ_PAD rows and 32-token chunks) x 64-token chunks, 8 warps (two
+  warpgroups: wgmma M = 64 each), the
   query rows resident for D_PAD <= 256 (one K chunk), 3 stages (2 above D_PAD 128: the resident rows and
   three staged document chunks would pass the A100's shared memory); larger D streams 64-wide chunks.
   The flat (document, chunk) loop (:data:`FWD_FLAT`): 161 / 123 registers, 65 / 80 KiB shared (the
@@ -48,9 +50,10 @@ triton 3.9's ptxas (sm_80 / sm_90):
 * dq (gather): 64 rows x up to 128 columns (D chunks on a second grid axis), 8 warps, 64 / 76 registers
   with :data:`IDX_T` (80 / 80 without; 4 warps spilled 4 bytes on sm_90 at D = 64). The one-hot form:
   64 rows x 64 tokens x 128 columns, 8 warps (fp32: 64 x 32 x 32 at 4 warps; wider tiles spilled).
-* dd: 64 tokens x 64 query rows per matmul step x up to 128 columns, up to 4 token chunks of one
-  document per program (3 at Ld = 180: one program per document and D chunk), 8 warps: 233 / 222
-  registers, 25 / 41 KiB shared (one chunk at 4 warps, the old config: 168 / 160; 128 rows per step:
+* dd: 64 tokens x 64 query rows per matmul step x up to 128 columns, one token chunk per program at 4
+  warps (the default, measured fastest: 168 / 160 registers); the form with up to 4 token chunks of one
+  document per program (3 at Ld = 180), 8 warps: 233 / 222 registers, 25 / 41 KiB shared, measured
+  slower (143 ms against 110; 128 rows per step:
   255 / 249). fp32: 64 x 64 x 32-wide D chunks, one chunk per program, 4 warps (several chunks
   spilled 120 to 3600 bytes).
 """
@@ -86,14 +89,17 @@ class MaxSimConfig(NamedTuple):
     chunks: int = 1
 
 
-FWD_16 = MaxSimConfig(128, 64, 0, 8, 3)
+#: 16-bit forward and dd configurations from two H100 sweeps (bench/results/h100-maxsim/sweep*.txt, N = M =
+#: 4096, Lq = 32, Ld = 180, D = 128): 256 query rows x 32-token chunks (forward 111 ms against 122 at 128 x 64),
+#: dd one 64-token chunk per program at 4 warps (110 ms; 3 chunks at 8 warps: 143)
+FWD_16 = MaxSimConfig(256, 32, 0, 8, 3)
 FWD_32 = MaxSimConfig(64, 64, 16, 8, 3)
 #: The forward keeps the query rows resident up to this D_PAD (16-bit); above it, D chunks of 64.
 FWD_RESIDENT_MAX_D = 256
 BWD_Q = MaxSimConfig(64, 64, 128, 8, 2)
 BWD_Q_DOT = MaxSimConfig(64, 64, 128, 8, 3)
 BWD_Q_DOT_32 = MaxSimConfig(64, 32, 32, 4, 3)
-BWD_D = MaxSimConfig(64, 64, 128, 8, 3, 4)
+BWD_D = MaxSimConfig(64, 64, 128, 4, 3, 1)
 BWD_D_32 = MaxSimConfig(64, 64, 32, 4, 3)
 #: Largest Lq (LQ_PAD rows of one query must fit one forward tile).
 MAX_LQ = 256
@@ -298,28 +304,23 @@ def sweep_settings() -> list[tuple[str, dict[str, object]]]:
     from another). The forward and dd kernels are timed separately, so one run of each setting answers
     for both; dq changes only with the layout (``idx-nlm``).
 
-    * ``baseline``: the configuration of the H100 run of commit 24a4e55 (nested forward loops, idx
-      [N, Lq, M], dd one 64-token chunk per program at 4 warps);
-    * ``default``: the module's defaults (flat forward loop, idx [M, N*Lq], dd 3 chunks per program at
-      Ld = 180, 8 warps);
+    * ``baseline``: the configuration of the first H100 run (commit 24a4e55: nested forward loops at
+      128 x 64, idx [N, Lq, M], dd one 64-token chunk per program at 4 warps);
+    * ``default``: the module's defaults, the best of two H100 sweeps (flat forward loop at 256 query
+      rows x 32 tokens, idx [M, N*Lq], dd as the baseline): 247 ms against the baseline's 267 in one run;
     * ``fwd-nested``, ``idx-nlm``: ``default`` with the nested forward loops / the old idx layout;
-    * ``fwd-r256t32``, ``fwd-r256t64``: 256 query rows per forward program (half the document reads),
-      32- / 64-token chunks; ``fwd-qregs``: the rows as the register operand of the matmul (sm_90: the
-      wgmma's shared-memory reads halved); ``fwd-r256t32-qregs``: both;
-    * ``dd-rows128``: dd's matmul steps over 128 query rows (K = 128) instead of 64.
+    * ``fwd-r128t64``: 128 rows x 64 tokens (the flat loop measured 178 ms there, the nested 117-122);
+    * ``dd-chunks3``: dd's programs take 3 token chunks of a document at 8 warps (143 ms; 110 with one).
     """
-    new = dict(FWD_FLAT=True, IDX_T=True, FWD_Q_REGS=False, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
-               BWD_D=MaxSimConfig(64, 64, 128, 8, 3, 4))
+    best = dict(FWD_FLAT=True, IDX_T=True, FWD_Q_REGS=False, FWD_16=MaxSimConfig(256, 32, 0, 8, 3),
+                BWD_D=MaxSimConfig(64, 64, 128, 4, 3, 1))
     return [
         ("baseline", dict(_BASELINE)),
-        ("default", dict(new)),
-        ("fwd-nested", dict(new, FWD_FLAT=False)),
-        ("idx-nlm", dict(new, IDX_T=False)),
-        ("fwd-r256t32", dict(new, FWD_16=MaxSimConfig(256, 32, 0, 8, 3))),
-        ("fwd-r256t64", dict(new, FWD_16=MaxSimConfig(256, 64, 0, 8, 3))),
-        ("fwd-r256t32-qregs", dict(new, FWD_16=MaxSimConfig(256, 32, 0, 8, 3), FWD_Q_REGS=True)),
-        ("fwd-qregs", dict(new, FWD_Q_REGS=True)),
-        ("dd-rows128", dict(new, BWD_D=MaxSimConfig(128, 64, 128, 8, 3, 4))),
+        ("default", dict(best)),
+        ("fwd-nested", dict(best, FWD_FLAT=False)),
+        ("idx-nlm", dict(best, IDX_T=False)),
+        ("fwd-r128t64", dict(best, FWD_16=MaxSimConfig(128, 64, 0, 8, 3))),
+        ("dd-chunks3", dict(best, BWD_D=MaxSimConfig(64, 64, 128, 8, 3, 4))),
     ]
 
 
