@@ -557,9 +557,14 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     if launch.name.startswith("maxsim_"):
         # loops with computed bounds: the forward's walk over its split's documents (from j_lo to j_hi),
         # the document kernel's walk over all N * Lq query-token rows (from 0)
-        # (these keys are iteration counts: the step is not applied to them)
-        trips.update(__segment_walk__=a.get("docs_per_split", m),
-                     __prefix_walk__=math.ceil(n * a.get("LQ", 1) / c.get("ROWS", 1)))
+        # (these keys are iteration counts: the step is not applied to them). The forward's flat loop
+        # (FWD_FLAT) runs from 0 over its split's (document, token chunk) pairs; dd's from 0 over the
+        # N * Lq query-token rows in steps of ROWS
+        if launch.name == "maxsim_fwd":
+            per = a.get("docs_per_split", m)
+            trips.update(__segment_walk__=per, __prefix_walk__=per * max(1, math.ceil(a["LD"] / c["BLOCK_T"])))
+        else:
+            trips.update(__prefix_walk__=math.ceil(n * a.get("LQ", 1) / c.get("ROWS", 1)))
     q, rem = divmod(a.get("n_row_blocks", grid), grid)
 
     def walk(if_weight: float) -> dict[str, float]:
