@@ -134,6 +134,15 @@ def similarity_bytes(n: int, m: int, lq: int, ld: int) -> int:
     return n * m * lq * ld * 4
 
 
+def _load() -> float | None:
+    """The machine's 1-minute load average (other processes compete for the cores: timings under a load
+    above the thread count are slower and noisier)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def _log(msg: str, a: dict[str, Any]) -> None:
     if a.get("progress", True):
         print(msg, file=sys.stderr, flush=True)
@@ -145,6 +154,7 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(a["threads"])
     fns = contenders(peers=a["peers"])
     lq, ld, d = a["lq"], a["ld"], a["d"]
+    load0 = _load()
     avail = mem_available()
     n_cal = min(CALIBRATION_N, min(a["sizes"]))
     _, cal_peak = _measured_step(materialised, _inputs(n_cal, lq, ld, d))
@@ -176,10 +186,10 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
         _log(f"N = {n}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items()), a)
         rows.append({"n": n, "median_s": {k: med.get(k) for k in fns}, "times_s": times,
                      "peak_bytes": {k: peaks.get(k) for k in fns}, "loss": {k: values.get(k) for k in fns},
-                     "predicted_materialised_bytes": predicted, "skipped": skipped})
+                     "predicted_materialised_bytes": predicted, "skipped": skipped, "loadavg_1min": _load()})
     config = {**a, "scale": SCALE, "dtype": "float32", "device": "cpu", "torch": torch.__version__,
               "threads_used": torch.get_num_threads(), "mem_available_bytes": avail, "calibration_n": n_cal,
-              "materialised_factor": factor, "contenders": list(fns)}
+              "materialised_factor": factor, "contenders": list(fns), "loadavg_1min_start": load0}
     if a["peers"]:
         import sentence_transformers
 
@@ -238,6 +248,11 @@ def render(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         for name, why in r["skipped"].items():
             lines.append(f"N = {r['n']}: {name} {why}")
+    loads = [x for x in [a.get("loadavg_1min_start"), *(r.get("loadavg_1min") for r in res["rows"])] if x is not None]
+    if loads:
+        after = ", ".join(f"{x:.2f}" for x in loads[1:])
+        lines.append(f"1-minute load average of the machine from {loads[0]:.2f} at the start to {after} after each "
+                     f"N (this run's {a['threads_used']} threads count in it; more is other processes)")
     t = TARGET
     row = next((r for r in res["rows"] if r["n"] == t["n"]), None)
     if (a["lq"], a["ld"], a["d"]) == (t["lq"], t["ld"], t["d"]) and row and row["median_s"]["materialised"]:
