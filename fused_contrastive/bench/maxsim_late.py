@@ -135,8 +135,8 @@ def similarity_bytes(n: int, m: int, lq: int, ld: int) -> int:
 
 
 def _load() -> float | None:
-    """The machine's 1-minute load average (other processes compete for the cores: timings under a load
-    above the thread count are slower and noisier)."""
+    """The machine's 1-minute load average (recorded beside the timings; a host's contention that the
+    guest does not see moves them as well)."""
     try:
         return os.getloadavg()[0]
     except OSError:
@@ -252,7 +252,7 @@ def render(res: dict[str, Any]) -> str:
     if loads:
         after = ", ".join(f"{x:.2f}" for x in loads[1:])
         lines.append(f"1-minute load average of the machine from {loads[0]:.2f} at the start to {after} after each "
-                     f"N (this run's {a['threads_used']} threads count in it; more is other processes)")
+                     f"N (this run's own threads count in it)")
     t = TARGET
     row = next((r for r in res["rows"] if r["n"] == t["n"]), None)
     if (a["lq"], a["ld"], a["d"]) == (t["lq"], t["ld"], t["d"]) and row and row["median_s"]["materialised"]:
