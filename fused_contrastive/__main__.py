@@ -5,7 +5,9 @@ the float64 ground truth; ``bench`` runs the benchmark suite; ``bench-encode`` t
 ``encode_in_chunks`` against a plain step; ``bench-gather`` computes what ``gather=`` sends per rank;
 ``bench-matryoshka`` times the one-pass Matryoshka loss against one plain loss and the K-loss computations;
 ``bench-gist`` times the fused GISTEmbed loss against the textbook computation with B x B matrices;
-``bench-st-step`` times a sentence-transformers training step with their loss and the fused one.
+``bench-st-step`` times a sentence-transformers training step with their loss and the fused one;
+``bench-maxsim`` times the fused MaxSim (late-interaction) loss against the materialised token
+similarities and sentence-transformers' loss.
 ``--help`` on either lists its options.
 """
 
@@ -25,12 +27,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 #: PyTorch or the Triton kernels), forced with FUSED_CONTRASTIVE_DENSE=0.
 PATHS = ("dense", "tiled")
 COMMANDS = ("check", "bench", "bench-encode", "bench-gather", "bench-matryoshka", "bench-gist",
-            "bench-st-step")
+            "bench-st-step", "bench-maxsim")
 #: What each sub-command imports beyond torch, by the extra that installs it (``pyproject.toml``). A
 #: sub-command whose extra is missing says so in one line and exits 2; ``check`` needs none.
 EXTRAS = {"bench": ("numpy", "tqdm", "tabulate")}
 NEEDS = {"bench": ("bench",), "bench-encode": ("bench",), "bench-gather": ("bench",), "bench-matryoshka": ("bench",),
-         "bench-gist": ("bench",), "bench-st-step": ("bench", "sentence-transformers")}
+         "bench-gist": ("bench",), "bench-st-step": ("bench", "sentence-transformers"), "bench-maxsim": ("bench",)}
 EXTRA_MODULES = {**EXTRAS, "sentence-transformers": ("sentence_transformers", "transformers")}
 
 
@@ -227,6 +229,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from .bench import gather as bench_gather
     from .bench import gist as bench_gist
     from .bench import matryoshka as bench_matryoshka
+    from .bench import maxsim_late as bench_maxsim
     from .bench import st_step as bench_st_step
 
     parser = argparse.ArgumentParser(
@@ -237,7 +240,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     subs = {"check": _check_parser(sub), "bench": bench_cli.add_parser(sub),
             "bench-encode": bench_encode.add_parser(sub), "bench-gather": bench_gather.add_parser(sub),
             "bench-matryoshka": bench_matryoshka.add_parser(sub), "bench-gist": bench_gist.add_parser(sub),
-            "bench-st-step": bench_st_step.add_parser(sub)}
+            "bench-st-step": bench_st_step.add_parser(sub), "bench-maxsim": bench_maxsim.add_parser(sub)}
     return parser, subs
 
 
@@ -277,6 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench import st_step as bench_st_step
 
         return bench_st_step.run(args, subs["bench-st-step"])
+    if args.command == "bench-maxsim":
+        from .bench import maxsim_late as bench_maxsim
+
+        return bench_maxsim.run(args, subs["bench-maxsim"])
     if args.command is None:
         parser.error(f"choose a sub-command: {', '.join(COMMANDS)}")
     return check(args, subs["check"])

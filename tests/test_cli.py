@@ -74,12 +74,13 @@ def test_version_and_help():
     assert out.returncode == 0 and out.stdout.strip() == f"fused-contrastive {fc.__version__}"
     out = _cli("--help")
     assert out.returncode == 0 and out.stdout.startswith("usage:")
-    assert "{check,bench,bench-encode,bench-gather,bench-matryoshka,bench-gist,bench-st-step}" in out.stdout
+    assert ("{check,bench,bench-encode,bench-gather,bench-matryoshka,bench-gist,bench-st-step,bench-maxsim}"
+            in out.stdout)
     for sub in cli.COMMANDS:  # every sub-command named in the top-level help, its own help plain text
         assert sub in out.stdout.split("usage:")[1].split("\n\n")[0], sub
     for sub, option in (("check", "--losses"), ("bench", "--losses"), ("bench-encode", "--chunk"),
                         ("bench-gather", "--world"), ("bench-matryoshka", "--dims"), ("bench-gist", "--guide-dim"),
-                        ("bench-st-step", "--batches")):
+                        ("bench-st-step", "--batches"), ("bench-maxsim", "--no-peers")):
         out = _cli(sub, "--help")
         assert out.returncode == 0 and option in out.stdout, (sub, out.stdout)
         for markup in ("``", ":func:", ":class:", "python -m fused_contrastive"):
@@ -87,7 +88,7 @@ def test_version_and_help():
 
 
 @pytest.mark.parametrize("sub", ["check", "bench", "bench-encode", "bench-gather", "bench-matryoshka", "bench-gist",
-                                 "bench-st-step"])
+                                 "bench-st-step", "bench-maxsim"])
 def test_an_unknown_option_is_answered_by_the_sub_commands_usage(sub):
     out = _cli(sub, "--foo")
     assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -7,14 +7,19 @@
   budget, lowered to the memory available) is enforced as an address-space limit over the baseline,
   so a case that exceeds it fails with an allocation error instead of meeting the OOM killer.
 * CUDA: ``torch.cuda.max_memory_allocated`` over ``memory_allocated`` after the inputs.
+* Any device, in process and deterministic: :class:`LiveBytes`, the high-water mark of the bytes of the
+  tensor storages that ATen ops create while it is active (freed ones subtracted when they die).
 """
 
 from __future__ import annotations
 
 import gc
 import resource
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def proc_status() -> dict[str, int]:
@@ -127,3 +132,40 @@ def step_peak(device: str, step) -> int:
     m.sync()
     return m.peak()
 
+
+class LiveBytes(TorchDispatchMode):
+    """``with LiveBytes() as m: step()`` -> ``m.peak``: the largest sum of the bytes of live tensor storages
+    created inside the block (``m.live``: those still alive). Every ATen op's outputs are seen (backward
+    ops included); an output whose storage is new (not one of the op's inputs' and not already counted)
+    adds its ``nbytes`` until the storage dies (a ``weakref.finalize`` on it: views and tensors saved for
+    backward keep it alive). Tensors that existed before the block count nothing, so the peak excludes
+    the inputs and includes the gradients the step allocates. Deterministic (no allocator or page-cache
+    state); memory a kernel allocates outside ATen's ops (a library's scratch) is not seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _freed(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = set()
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor) and not a.is_sparse:
+                given.add(a.untyped_storage()._cdata)
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.is_sparse:
+                continue
+            s = t.untyped_storage()
+            key = s._cdata
+            if key in given or key in self._sizes or s.nbytes() == 0:
+                continue
+            self._sizes[key] = s.nbytes()
+            self.live += s.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(s, self._freed, key)
+        return out

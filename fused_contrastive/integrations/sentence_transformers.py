@@ -23,6 +23,10 @@ sentence-transformers 6.x; tested against 6.2.0, loss and parameter gradients eq
   loss and gradients as their GradCache implementation, dropout masks included).
 * :class:`CoSENTLoss` (``similarity_fct`` ``pairwise_cos_sim`` or ``pairwise_dot_score``) on
   :func:`fused_contrastive.cosent_loss` (O(B log B)).
+* :class:`MultiVectorMultipleNegativesRankingLoss` and :class:`CachedMultiVectorMultipleNegativesRankingLoss`
+  (``sentence_transformers.multi_vector_encoder.losses``, late interaction): subclasses of theirs whose
+  scoring and cross-entropy run on :func:`fused_contrastive.maxsim.maxsim_info_nce` (no token similarity
+  tensor); defined in ``sentence_transformers_multi_vector.py``, whose docstring has the details.
 
 Options the fused kernels do not cover run sentence-transformers' own computation on the embeddings
 (``compute_loss_from_embeddings`` of their class, built with the same options), with a one-time warning
@@ -1196,3 +1200,9 @@ _CITE_COSENT = """
     url={https://kexue.fm/archives/8847},
 }
 """
+
+
+from .sentence_transformers_multi_vector import (  # noqa: E402, F401 - the late-interaction drop-ins, re-exported
+    CachedMultiVectorMultipleNegativesRankingLoss,
+    MultiVectorMultipleNegativesRankingLoss,
+)
