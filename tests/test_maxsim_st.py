@@ -207,16 +207,11 @@ def _empty_rows_case(seed: int, empty_positive: bool):
     return reps, masks
 
 
-#: an empty positive under MeanMaxSim: theirs divides the empty document's -1e9 by the query's token
-#: count (the division follows the fill), fused_contrastive.maxsim keeps EMPTY_DOC_SCORE = -1e9; the
-#: gradients agree (the positive's probability is 0 either way), the row's loss (~ scale * 1e9 / n_q vs
-#: scale * 1e9) does not
-_MEAN_EMPTY_POSITIVE = pytest.mark.xfail(strict=True, reason="MeanMaxSim's empty-document score: theirs "
-                                         "-1e9 / n_q, maxsim.EMPTY_DOC_SCORE undivided")
 
 
+# an empty positive under MeanMaxSim: -1e9 divided by the query's token count, theirs and ours
 @pytest.mark.parametrize("fn,empty_positive", [("colbert", True), ("colbert", False), ("mean", False),
-                                               pytest.param("mean", True, marks=_MEAN_EMPTY_POSITIVE)])
+                                               ("mean", True)])
 def test_loss_step_on_empty_documents_and_queries(f64, model, fn, empty_positive):
     # the cached class's loss step on given embeddings (mini-batches of 2, 2, 1 rows): loss and the
     # embeddings' gradients, with empty documents (-1e9, no gradient) and an empty query (all scores 0)
