@@ -52,7 +52,7 @@ def _records(text: str, matryoshka: bool = False, gist: bool = False) -> list[di
     recs = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     kind = "info_nce_matryoshka" if matryoshka else ("gist" if gist else None)
     if kind is None:
-        return [r for r in recs if r["loss"] not in ("info_nce_matryoshka", "gist", "siglip")]
+        return [r for r in recs if r["loss"] not in ("info_nce_matryoshka", "gist", "siglip", "maxsim")]
     return [r for r in recs if r["loss"] == kind]
 
 
@@ -401,3 +401,24 @@ def test_committed_siglip_model_runs_the_epilogue_route_above_its_floor():
         assert r["floor_ms"] == pytest.approx(floor, rel=1e-4)
         lo, hi = r["ms_range"]
         assert floor <= lo <= r["ms"] <= hi < r["fused_ms"], r
+
+
+def test_committed_maxsim_model_sits_above_its_floor_and_the_textbook_does_not_fit_at_4096():
+    """Late interaction (``--maxsim``, Lq = 32, Ld = 180, D = 128): the floor is 2 units of the token matmul
+    (2 N Lq N Ld D FLOPs each: the similarities and dd; dq is a gather) by hand; the Triton route is
+    modelled at or above it; the textbook holds the [N, N, Lq, Ld] bf16 similarities (by hand: 2 bytes
+    each), which fit an 80 GB part at N = 1024 and no part at N = 4096."""
+    recs = [json.loads(line) for line in COMMITTED.read_text().splitlines() if line.startswith("{")]
+    ms = [r for r in recs if r["loss"] == "maxsim"]
+    peaks = _peaks(COMMITTED.read_text())
+    assert {(r["gpu"], r["n"]) for r in ms} == {(g, n) for g in peaks for n in (1024, 4096)}
+    for r in ms:
+        n, lq, ld, d = r["n"], r["lq"], r["ld"], r["d"]
+        assert (lq, ld, d) == (32, 180, 128)
+        floor = 2 * 2 * n * lq * n * ld * d / (peaks[r["gpu"]] * 1e12) * 1e3
+        assert r["floor_ms"] == pytest.approx(floor, rel=1e-4)
+        lo, hi = r["ms_range"]
+        assert floor <= lo <= r["ms"] <= hi, r
+        assert r["naive_peak_bytes"] >= n * n * lq * ld * 2, r
+        assert (r["naive_ms"] is None) == (n == 4096), r
+        assert r["model"] == "MODEL, not a measurement"
