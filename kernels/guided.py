@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .lse import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
+from .panel import ONE_PASS_SHIFT
 
 
 @triton.jit
@@ -245,3 +246,126 @@ def guided_theta_kernel(
                          BLOCK_M, BLOCK_N, BLOCK_G, GUIDE_UPCAST, GUIDE_PREC)
         gpos += tl.sum(tl.where(cols[None, :] == tgt_r[:, None], gsim, 0.0), axis=1)
     tl.store(GPOS + rows, gpos, mask=rmask)
+
+
+@triton.jit
+def _guided_epi_tile(pid_m, pid_n, X, Y, DL, ZP, TP, MXP, ETP, CTP, SHIFT, RSP, RB, SCALE, GA, GB, THETA, ID_R, ID_C,
+                     TGT, P, M, D, Dg, r0, stride_x, stride_y, stride_ga, stride_gb, stride_dl, stride_zp, offset,
+                     bad, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr,
+                     EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
+                     PROTECT: tl.constexpr, SPLIT_T: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
+                     GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr):
+    """One output tile of :func:`guided_epi_kernel` (its docstring): the products, the guide tile and
+    mask, the fixed-shift exponentials."""
+    loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lmask = loc < P
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < M
+    xr = (loc % P).to(tl.int64)
+    yr = (cols % M).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    xp = X + xr[:, None] * stride_x + kk[None, :]
+    yp = Y + yr[None, :] * stride_y + kk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(xp)
+            y = tl.load(yp)
+        else:
+            x = tl.load(xp, mask=(k0 + kk)[None, :] < D, other=0.0)
+            y = tl.load(yp, mask=(k0 + kk)[:, None] < D, other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        acc = tl.dot(x, y, acc)
+        xp += BLOCK_K
+        yp += BLOCK_K
+
+    s = tl.load(SCALE).to(tl.float32)
+    rows = r0 + loc  # the block's row index (the guide rows, thresholds, ids and targets are indexed by it)
+    n_end = r0 + P
+    rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
+    rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+    cos = acc * rsp[:, None] * rb[None, :]
+    l = _logits(cos, s, rows, cols, n_end, M, offset, rows, 0.0, EXCLUDE_SELF, False, False)
+    theta_r, idr, tgt_r = _row_data(THETA, ID_R, TGT, rows, lmask, BLOCK_M, HAS_GUIDE, HAS_IDS, PROTECT)
+    l = _masked(l, rows, cols, n_end, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
+                BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT, GUIDE_UPCAST, GUIDE_PREC)
+    if MODE == 1:
+        sh = tl.abs(s) - ONE_PASS_SHIFT + tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        sh = tl.load(SHIFT + loc, mask=lmask, other=0.0)
+    e = tl.exp(l - sh[:, None])
+    part = loc.to(tl.int64) * stride_zp + pid_n
+    if SPLIT_T:
+        # the target column leaves the 16-bit tile: its exponential (fp32) and cosine go to the partials,
+        # and the host forms its gradient coefficient without the cancellation of p_t - 1 in 16 bits
+        is_t = cols[None, :] == tgt_r[:, None]
+        tl.store(ETP + part, tl.sum(tl.where(is_t, e, 0.0), axis=1), mask=bad)
+        tl.store(CTP + part, tl.sum(tl.where(is_t, cos, 0.0), axis=1), mask=bad)
+        e = tl.where(is_t, 0.0, e)
+    tl.store(ZP + part, tl.sum(e, axis=1), mask=bad)
+    if NEED_DS:
+        tl.store(TP + part, tl.sum(e * cos, axis=1), mask=bad)
+    if MODE == 1:
+        tl.store(MXP + part, tl.max(l, axis=1), mask=bad)
+    out = e
+    if FOLD_RB:
+        out = out * rb[None, :]
+    tl.store(DL + loc.to(tl.int64)[:, None] * stride_dl + cols[None, :], out.to(DL.dtype.element_ty),
+             mask=bad[:, None] & cmask[None, :])
+
+
+@triton.jit
+def guided_epi_kernel(
+    X, Y, DL, ZP, TP, MXP, ETP, CTP, BAD, SHIFT, RSP, RB, SCALE, GA, GB, THETA, ID_R, ID_C, TGT,
+    P, M, D, Dg, r0, stride_x, stride_y, stride_ga, stride_gb, stride_dl, stride_zp, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
+    NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
+    PROTECT: tl.constexpr, SPLIT_T: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
+    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr,
+):
+    """The epilogue GEMM of one masked block on a panel of rows (host: ``core/triton_guided_panel.py``):
+    [BLOCK_M, BLOCK_N] tiles of ``X @ Y^T`` (X the panel's rows [P, D] scaled by powers of two, Y the
+    block's raw columns [M, D]; fp32 accumulation in registers), then in registers the cosines, the
+    guide tile and the exclusion mask (``_masked``: the guide dot, thresholds, ids, the protected target
+    kept, the own column), and the one-pass exponentials ``e_ij = exp(l_ij - m)`` with the core panel's
+    fixed shift ``m = |s| - ONE_PASS_SHIFT`` shared by every block of a row (kernels/panel.py, ONE_PASS:
+    unit rows, ``e <= e^56``, no running maximum, so the blocks' partial sums simply add). Only the
+    16-bit tile ``DL = e`` (times ``rb_j`` with FOLD_RB) and per row and column tile the fp32 partials
+    ``ZP = sum_j e_ij``, ``TP = sum_j e_ij cos_ij`` (NEED_DS) and ``MXP = max_j l_ij`` (MODE 1) reach
+    memory. SPLIT_T (the block whose target logit the loss subtracts): the target column is stored as 0
+    and its ``e`` and cosine go to ``ETP`` / ``CTP`` instead (fp32; every other tile writes 0 there).
+
+    MODE 1: grid ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)`` in groups of GROUP_M row tiles. MODE 2 (the redo
+    of rows whose merged ``z_i < 2^-64``, shift ``SHIFT_i`` = the row's largest logit over every block):
+    grid ``cdiv(P, BLOCK_M)``, a row tile without a ``BAD`` row returns at once, the others rewrite their
+    BAD rows' tiles and partials. Row vectors THETA, ID_R, TGT and the guide rows GA are indexed by the
+    block's row ``r0 + i``, RSP by the panel row ``i``; RB, ID_C, GB by the column."""
+    pid = tl.program_id(0)
+    n_pn = tl.cdiv(M, BLOCK_N)
+    if MODE == 2:
+        loc = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        bad = tl.load(BAD + loc, mask=loc < P, other=0) != 0
+        if tl.max(bad.to(tl.int32), axis=0) > 0:
+            for pid_n in range(0, n_pn):
+                _guided_epi_tile(pid, pid_n, X, Y, DL, ZP, TP, MXP, ETP, CTP, SHIFT, RSP, RB, SCALE, GA, GB, THETA,
+                                 ID_R, ID_C, TGT, P, M, D, Dg, r0, stride_x, stride_y, stride_ga, stride_gb, stride_dl,
+                                 stride_zp, offset, bad, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_G, EVEN_K, UPCAST, MODE,
+                                 NORMALIZE, EXCLUDE_SELF, HAS_GUIDE, HAS_IDS, PROTECT, SPLIT_T, NEED_DS, FOLD_RB,
+                                 GUIDE_UPCAST, GUIDE_PREC)
+    else:
+        n_pm = tl.cdiv(P, BLOCK_M)
+        group = GROUP_M * n_pn
+        first_m = (pid // group) * GROUP_M
+        size_m = tl.minimum(n_pm - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+        loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        _guided_epi_tile(pid_m, pid_n, X, Y, DL, ZP, TP, MXP, ETP, CTP, SHIFT, RSP, RB, SCALE, GA, GB, THETA, ID_R,
+                         ID_C, TGT, P, M, D, Dg, r0, stride_x, stride_y, stride_ga, stride_gb, stride_dl, stride_zp,
+                         offset, loc < P, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_G, EVEN_K, UPCAST, MODE, NORMALIZE,
+                         EXCLUDE_SELF, HAS_GUIDE, HAS_IDS, PROTECT, SPLIT_T, NEED_DS, FOLD_RB, GUIDE_UPCAST,
+                         GUIDE_PREC)

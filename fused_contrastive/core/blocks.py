@@ -431,6 +431,21 @@ class TritonMergedFn(torch.autograd.Function):
         n = cfg.n
         need = tuple(ctx.needs_input_grad[4:])
         need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[0]
+        ctx.scale_meta = (scale.dtype, scale.shape) if isinstance(scale, Tensor) else None
+        ctx.eager = None
+        from .triton_guided_panel import guided_panel_sweep, use_guided_panel
+
+        if (any(need) or need_s) and use_guided_panel(xs, cfg, weights):
+            # a summed bf16 loss on CUDA: the epilogue-GEMM panels form the gradients in this pass
+            bad = bad_rows(cfg, masks)
+            w = weights.to(torch.float32)
+            if bad is not None:  # a NaN row's loss does not depend on the inputs
+                w = torch.where(bad, torch.zeros_like(w), w)
+            per, grads, ds = guided_panel_sweep(xs, cfg, masks, scale, w, need, need_s, _block_masks(xs, cfg, masks))
+            if bad is not None:
+                per = torch.where(bad, float("nan"), per)
+            ctx.eager = (grads, ds)
+            return (weights.to(per.dtype) * per).sum()
         subs, lses, tgt = [], [], None
         for blk, mk in zip(cfg.blocks, _block_masks(xs, cfg, masks), strict=True):
             rs = blk.row_start
@@ -449,7 +464,6 @@ class TritonMergedFn(torch.autograd.Function):
             out = torch.where(bad, float("nan"), out)
         ctx.subs, ctx.cfg, ctx.bad = subs, cfg, bad
         ctx.shapes = [(x.shape, x.dtype) for x in xs]
-        ctx.scale_meta = (scale.dtype, scale.shape) if isinstance(scale, Tensor) else None
         ctx.weights = None if weights is None else weights.to(out.dtype)
         ctx.stats = (stacked, lse)
         if weights is None:
@@ -461,9 +475,15 @@ class TritonMergedFn(torch.autograd.Function):
     def backward(ctx, go: Tensor):
         from .triton_guided import GuidedBlockFn
 
-        cfg, n = ctx.cfg, ctx.cfg.n
         need = tuple(ctx.needs_input_grad[4:])
         need_s = ctx.scale_meta is not None and ctx.needs_input_grad[0]
+        if ctx.eager is not None:  # the panel route's gradients of the summed loss, times the upstream scalar
+            grads, ds = ctx.eager
+            ctx.eager = None  # single use: scaled in place
+            gs = [None if gx is None else gx.mul_(go.to(gx.dtype)) for gx in grads]
+            dsc = (ds * go).to(ctx.scale_meta[0]).reshape(ctx.scale_meta[1]) if need_s and ds is not None else None
+            return (dsc, None, None, None, *gs)
+        cfg, n = ctx.cfg, ctx.cfg.n
         stacked, lse = ctx.stats
         g = go.to(torch.float32) * ctx.weights if ctx.weights is not None else go.to(torch.float32)
         g = g.expand(n) if g.dim() == 0 else g

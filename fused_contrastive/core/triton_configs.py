@@ -243,6 +243,17 @@ EPI_GEMM = {
     "siglip_fwd": LaunchConfig(128, 128, 64, 8, 4),
     "siglip_bwd": LaunchConfig(64, 128, 64, 8, 3),
 }
+#: The guided blocks' epilogue GEMM (kernels/guided.py ``guided_epi_kernel``, the GIST / guided InfoNCE
+#: panel route), chosen from the sm_80 / sm_90 compiles (no GPU timing yet): the model tile and the guide tile
+#: are both live in the epilogue (two fp32 accumulators), so 128 x 128 tiles spilled 4-1268 bytes on both
+#: archs (fp32 guides the most) and 64 x 128 at 8 warps compiles without spills (wgmma m64 on sm_90). The
+#: redo (MODE 2, a loop over the column tiles) spilled 16-560 bytes on sm_80 at 64 rows and none at 32
+#: (mma.sync); sm_90 keeps 64 rows (wgmma); 4 warps spilled 300-1200 bytes on both.
+GUIDED_EPI = {
+    "one_pass": LaunchConfig(64, 128, 64, 8, 3),
+    "redo_sm80": LaunchConfig(32, 128, 64, 8, 3),
+    "redo_sm90": LaunchConfig(64, 128, 64, 8, 3),
+}
 #: Row tiles that sweep the column tiles together (L2 reuse of B's tiles across the group).
 EPI_GROUP_M = 8
 #: Rows per program of the one-pass redo launch (MODE 2, 8 warps, the one-pass BLOCK_N).

@@ -26,6 +26,9 @@ from .triton_configs import guided_config
 
 #: BLOCK_G: the guide dimension is streamed in chunks of this many fp32 values (tf32x3 dots).
 GUIDE_BLOCK = 16
+#: BLOCK_G of 16-bit guides on the panel route's epilogue GEMM (``core/triton_guided_panel.py``): whole
+#: 64-wide k-steps of the tensor-core dot (the fused kernels keep GUIDE_BLOCK for every guide dtype).
+GUIDE_BLOCK_16 = 64
 
 
 @dataclass
@@ -42,8 +45,8 @@ class ThetaSource:
     margin: float
     cache: dict = field(default_factory=dict)
 
-    def theta(self, cfg) -> Tensor:
-        key = (cfg.block_m, cfg.block_n, cfg.num_warps)
+    def theta(self, cfg, block_g: int = GUIDE_BLOCK) -> Tensor:
+        key = (cfg.block_m, cfg.block_n, cfg.num_warps, block_g)
         if key not in self.cache:
             n, m = self.ga.shape[0], self.gb.shape[0]
             gpos = TB._alloc((n,), torch.float32, self.ga.device)
@@ -52,7 +55,7 @@ class ThetaSource:
                 "theta_guided", KG.guided_theta_kernel, (triton.cdiv(n, cfg.block_m),),
                 dict(GA=self.ga, GB=self.gb, TGT=self.tgt, GPOS=gpos, N=n, M=m, Dg=self.ga.shape[1],
                      stride_ga=self.ga.stride(0), stride_gb=self.gb.stride(0)),
-                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=GUIDE_BLOCK, GUIDE_UPCAST=TB._upcast(gdt),
+                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=block_g, GUIDE_UPCAST=TB._upcast(gdt),
                      GUIDE_PREC=TB._dot_prec(gdt)),
                 cfg.num_warps, cfg.num_stages))
             self.cache[key] = threshold_of(gpos, self.strategy, self.margin).contiguous()

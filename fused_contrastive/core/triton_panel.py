@@ -202,6 +202,7 @@ EPILOGUE_MIN_ELEMENTS: dict[tuple[str, int], int] = {
     ("one_pass", 80): 0, ("one_pass", 90): 0,
     ("known", 80): 0, ("known", 90): 1 << 30,
     ("tri", 80): 1 << 30, ("tri", 90): 1 << 32,
+    ("guided", 80): 0, ("guided", 90): 0,
 }
 
 
