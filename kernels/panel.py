@@ -463,8 +463,9 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
         b = tl.load(LBIAS).to(tl.float32)
         w, valid, pos = _flipped(cos, s, b, rows, cols, n_end, M, offset)
         part = loc.to(tl.int64) * stride_zp + pid_n
-        tl.store(ZP + part, tl.sum(tl.where(valid, _softplus(w), 0.0), axis=1), mask=lmask)
-        if HAS_G:
+        if not HAS_G:  # the forward: the losses (the backward's caller has them)
+            tl.store(ZP + part, tl.sum(tl.where(valid, _softplus(w), 0.0), axis=1), mask=lmask)
+        else:
             g_r = tl.load(G + rows, mask=lmask, other=0.0) / tl.load(GSCALE)
             dz = _dz(cos, s, b, g_r, rows, cols, n_end, M, offset)
             if NEED_DS:
