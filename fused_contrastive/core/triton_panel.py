@@ -590,8 +590,8 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     """SigLIP on row panels (``kernels/panel.py`` ``epi_gemm_kernel`` MODE 4; the math in
     ``kernels/siglip.py``): ``(loss [N], dX, dY, ds, db)`` for images ``x`` [N, D] and texts ``y`` [M, D]
     in one 16-bit dtype, ``scale_t`` / ``bias_t`` [1] fp32. Without ``g`` (the forward): the per-image
-    losses only, one matmul unit. With ``g`` [N] fp32 (the upstream gradient of each image's loss): per
-    panel the epilogue GEMM writes the loss sums and the gradient tile ``dz`` (16-bit, pre-scaled and
+    losses only, one matmul unit. With ``g`` [N] fp32 (the upstream gradient of each image's loss; the
+    loss is then None: the forward has it): per panel the epilogue GEMM writes the gradient tile ``dz`` (16-bit, pre-scaled and
     ``rb_j`` folded as the core op's ``DL``), then the core sweep's cuBLAS GEMMs and row epilogue give dX
     and the dY accumulator: 3 units, 4 with the forward's (the fused kernels take 5, their backward
     streaming through an fp32 scratch). ds / db are 0-dim fp32 tensors (no host sync), None unless
@@ -609,7 +609,7 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
     dm = torch.empty(1, dtype=torch.float32, device=dev)
     gs = _gscale(g) if need else None
-    loss = _alloc((n,), torch.float32, dev)
+    loss = _alloc((n,), torch.float32, dev) if not need else None
     dx = _alloc((n, d), dt, dev) if need and need_x else None
     acc = torch.zeros((m, d), dtype=torch.float32, device=dev) if need and need_y else None
     n_pn = triton.cdiv(m, bn)
@@ -623,7 +623,7 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
         pp = r1 - r0
         xp, rs, nrm = pr.rows(r0, r1)
         n_pm = triton.cdiv(pp, bm)
-        zp = _alloc((pp, n_pn), torch.float32, dev)
+        zp = _alloc((pp, n_pn), torch.float32, dev) if not need else dm  # the forward's losses only
         tp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
         bp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
         dl = _alloc((pp, m), dt, dev) if need else dm
@@ -635,7 +635,8 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
                            stride_x=xp.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0) if need else 0,
                            stride_zp=n_pn, offset=int(offset), bias=0.0, n0=1, m0=1, stride_pm=1),
                       const, cfg.num_warps, cfg.num_stages))
-        loss[r0:r1] = zp.sum(1)
+        if not need:
+            loss[r0:r1] = zp.sum(1)
         if need and need_s:
             ds_parts.append(tp.sum().reshape(1))
             db_parts.append(bp.sum().reshape(1))
