@@ -89,7 +89,8 @@ def _gist_vs_definition(a, p, n, ga, gp, gn, temperature, rel_loss, rel_grad, **
     return got, (la.grad, lp.grad, ln.grad, t.grad)
 
 
-@pytest.mark.parametrize("cfg", [dict(margin=0.05), dict(margin_strategy="relative", margin=0.2, contrast_anchors=False),
+@pytest.mark.parametrize("cfg", [dict(margin=0.05),
+                                 dict(margin_strategy="relative", margin=0.2, contrast_anchors=False),
                                  dict(margin=0.0, contrast_positives=False)],
                          ids=["absolute", "relative-no-anchors", "no-positives"])
 def test_gist_on_the_route_equals_the_definition(cfg, route):

@@ -78,23 +78,30 @@ def use_guided_panel(xs, cfg, weights: Tensor | None) -> bool:
                                                                                       elements)
 
 
-def panel_rows(n: int, col_rows: list[int], d: int, groups: int, col_tensors: list[int], row_tensors: list[int],
-               block_m: int, block_n: int, split: bool, need_s: bool) -> int:
+#: Fewest rows of a panel whatever the budget says (rounded to the row tile): the K tiles of a panel row
+#: are alive together (its weight needs every block's sum before any ``E^T @ XW``), so a small budget
+#: would otherwise shrink the panels of a large problem to a few rows, where the dC GEMMs re-read the
+#: columns and their fp32 accumulators per panel and the launches multiply (bench/gpu_model.py, H100,
+#: GIST at N = 65536: 1638 ms in 64-row panels, 246 in 1152-row ones).
+P_MIN = 1024
+
+
+def panel_rows(n: int, col_rows: list[int], d: int, groups: int, grad_rows: int, block_m: int, block_n: int,
+               split: bool, need_s: bool) -> int:
     """Rows per panel from the core panel path's byte budget (``FUSED_CONTRASTIVE_PANEL_BUDGET``, default
-    ``triton_panel.BUDGET_BYTES``): ``fixed = 4 D (sum of the column tensors' rows + the row tensors'
-    rows)`` (the fp32 accumulators and gradients), per panel row ``2 sum_k M_k`` (the bf16 tiles) + the
-    partials (4 bytes x 2-5 per column tile) + ``12 D`` per row group (operand copy, the dR GEMM's fp32
-    output and XW). A multiple of ``block_m`` (the threshold kernel's row tiles line up), at least one
-    row tile."""
+    ``triton_panel.BUDGET_BYTES``): ``fixed = 4 D grad_rows`` (the fp32 accumulators of the tensors with a
+    gradient), per panel row ``2 sum_k M_k`` (the bf16 tiles) + the partials (4 bytes x 2-5 per column
+    tile of each block) + ``8 D`` per row group (the operand copy, the dR GEMM's fp32 output, XW). A
+    multiple of ``block_m`` (the threshold kernel's row tiles line up), at least :data:`P_MIN`."""
     if PANEL_ROWS is not None:
         return max(1, min(n, triton.cdiv(PANEL_ROWS, block_m) * block_m))
     budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", TPN.BUDGET_BYTES))
-    fixed = 4 * d * (sum(col_tensors) + sum(row_tensors))
+    fixed = 4 * d * grad_rows
     parts = 3 + (1 if need_s else 0) + (2 if split else 0)
-    per_row = sum(2 * m + 4 * parts * triton.cdiv(m, block_n) for m in col_rows) + 12 * d * groups + 32
+    per_row = sum(2 * m + 4 * parts * triton.cdiv(m, block_n) for m in col_rows) + 8 * d * groups + 32
     p = max(0, budget - fixed) // per_row
     p = p - p % block_m
-    return max(1, min(n, max(block_m, p)))
+    return max(1, min(n, max(triton.cdiv(P_MIN, block_m) * block_m, p)))
 
 
 class _Cols:
@@ -122,30 +129,30 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     eps = cfg.eps
     launch = TB._launch
     cfg_e: LaunchConfig = GUIDED_EPI["one_pass"]
-    cfg_r: LaunchConfig = GUIDED_EPI["redo_sm90" if TB._arch(dev) == "sm90" else "redo_sm80"]  # its BLOCK_N is the partials' column tile: cfg_e's
+    # the redo's BLOCK_N is the partials' column tile: cfg_e's
+    cfg_r: LaunchConfig = GUIDED_EPI["redo_sm90" if TB._arch(dev) == "sm90" else "redo_sm80"]
     bm, bn, bk = cfg_e.block_m, cfg_e.block_n, cfg_e.block_d
     split_k = next((k for k, blk in enumerate(cfg.blocks) if blk.protect), None) if cfg.minus_target else None
     groups = sorted({(blk.rows, blk.row_start) for blk in cfg.blocks})
     col_ts = sorted({blk.cols for blk in cfg.blocks})
     need_cols = {c: need[c] for c in col_ts}
     p_rows = panel_rows(n, [xs[blk.cols].shape[0] for blk in cfg.blocks], d, len(groups),
-                        [xs[c].shape[0] for c in col_ts if need_cols[c]], [xs[t].shape[0] for t in range(len(xs))
-                                                                            if need[t]],
-                        bm, bn, split_k is not None, need_s)
+                        sum(x.shape[0] for x, nd in zip(xs, need, strict=True) if nd), bm, bn, split_k is not None,
+                        need_s)
     scale_t = TB._scale32(scale, dev)
     one = torch.ones(1, dtype=torch.float32, device=dev)  # gscale: W carries the weights in fp32
     dm = torch.empty(1, dtype=torch.float32, device=dev)
     shift = scale_t.reshape(()).abs() - KP.ONE_PASS_SHIFT.value
     w_all = weights.to(torch.float32)
-    cols = {c: _Cols(xs[c], eps) for c in col_ts}
-    g32 = [torch.zeros(x.shape, dtype=torch.float32, device=dev) if nd else None for x, nd in zip(xs, need, strict=True)]
-    acc = {c: torch.zeros(xs[c].shape, dtype=torch.float32, device=dev) for c in col_ts if need_cols[c]}
+    # norms of every column tensor and every tensor with a gradient (its accumulator is in their frame)
+    cols = {c: _Cols(xs[c], eps) for c in sorted(set(col_ts) | {t for t, nd in enumerate(need) if nd})}
+    # one fp32 accumulator per tensor with a gradient, rows j holding rb_j (dL / dx_hat_j) / s: the column
+    # roles' E^T @ XW (rb folded into E) and the row roles' W (E @ C_hat) times rb, both added here, then
+    # one normalisation backward per tensor after the sweep
+    acc = {t: torch.zeros(xs[t].shape, dtype=torch.float32, device=dev) for t, nd in enumerate(need) if nd}
     loss = TB._alloc((n,), torch.float32, dev)
     ds_parts = []
-    kargs = []
-    for blk, mk in zip(cfg.blocks, block_masks, strict=True):
-        margs, mflags = _mask_args(mk, dm, cfg_e)
-        kargs.append((margs, mflags))
+    kargs = [_mask_args(mk, dm, cfg_e) for mk in block_masks]
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
@@ -185,7 +192,7 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
         bad = z < KP.ONE_PASS_MIN_Z.value
         sh = torch.where(bad & (mx > float("-inf")), mx, shift)
         bad8 = bad.to(torch.int8)
-        for dl, zp, tp, mxp, etp, ctp, args, const in tiles:
+        for *_, args, const in tiles:
             launch(TB.Launch("guided_epi_redo", KG.guided_epi_kernel, (triton.cdiv(pp, cfg_r.block_m),),
                              dict(args, BAD=bad8, SHIFT=sh), dict(const, MODE=2, BLOCK_M=cfg_r.block_m),
                              cfg_r.num_warps, cfg_r.num_stages))
@@ -209,30 +216,26 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
             if split_k is not None:  # the target's d/ds: (W e_t - w) cos_t = -W zx cos_t
                 tx = tx - zx * ct
             ds_parts.append((wrow * tx).sum().reshape(1))
-        # per row tensor: dR_hat = W (sum_k E_k @ C_hat_k - zx c_hat_t), its normalisation backward and XW
+        # per row tensor: dR_hat = s W (sum_k E_k @ C_hat_k - zx c_hat_t), into its accumulator (times rb),
+        # and XW = diag(W) R_hat for the column roles' GEMMs
         xw = {}
         for t, o in groups:
             xsc, rs, nrm = ops[(t, o)]
             mine = [k for k, blk in enumerate(cfg.blocks) if (blk.rows, blk.row_start) == (t, o)]
-            any_c = any(need_cols[cfg.blocks[k].cols] for k in mine)
-            if not need[t] and not any_c:
+            if any(need_cols[cfg.blocks[k].cols] for k in mine):
+                xw[(t, o)] = TB._alloc((pp, d), dt, dev)
+                TPN._rows_launch(launch, None, xsc, rs, nrm, wrow, scale_t, one, None, xw[(t, o)], eps, True, 1.0, dm)
+            if not need[t]:
                 continue
             raw = None
-            if need[t]:
-                for k in mine:
-                    blk = cfg.blocks[k]
-                    part = TPN._mm32(tiles[k][0], xs[blk.cols])
-                    raw = part if raw is None else raw.add_(part)
-                    if k == split_k:
-                        tgt = block_masks[k].tgt[r0:r1]
-                        c = cols[blk.cols]
-                        raw.sub_((zx * c.rb[tgt])[:, None] * xs[blk.cols][tgt].float())
-            out = torch.empty((pp, d), dtype=torch.float32, device=dev) if need[t] else None
-            xw_t = TB._alloc((pp, d), dt, dev) if any_c else None
-            TPN._rows_launch(launch, raw, xsc, rs, nrm, wrow, scale_t, one, out, xw_t, eps, True, 1.0, dm)
-            if out is not None:
-                g32[t][o + r0:o + r1] += out
-            xw[(t, o)] = xw_t
+            for k in mine:
+                blk = cfg.blocks[k]
+                part = TPN._mm32(tiles[k][0], xs[blk.cols])
+                raw = part if raw is None else raw.add_(part)
+                if k == split_k:
+                    tgt = block_masks[k].tgt[r0:r1]
+                    raw.sub_((zx * cols[blk.cols].rb[tgt])[:, None] * xs[blk.cols][tgt].float())
+            acc[t][o + r0:o + r1].add_(raw.mul_((wrow * cols[t].rb[o + r0:o + r1])[:, None]))
             del raw
         for k, blk in enumerate(cfg.blocks):
             if not need_cols[blk.cols]:
@@ -244,13 +247,12 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
                 coef = -(wrow * zx) * cols[blk.cols].rb[tgt] * rs
                 acc[blk.cols].index_add_(0, tgt, coef[:, None] * xsc.float())
         del tiles, ops, xw
-    for c, a in acc.items():  # dC: the accumulator holds rb_j sum_i dl_ij r_hat_i; times the norm, then
-        out = torch.empty_like(a)  # the normalisation backward (panel_rows_kernel), into the gradient
-        TPN._rows_launch(launch, a, xs[c], cols[c].rb, cols[c].nb, cols[c].nb, scale_t, one, out, None, eps, True, 1.0,
-                         dm)
-        g32[c] += out
-        del out
-    grads = [None if g is None else g.to(x.dtype) for g, x in zip(g32, xs, strict=True)]
+    grads: list[Tensor | None] = [None] * len(xs)
+    for t, a in acc.items():  # times the norm (undoes rb), s, then the normalisation backward, in x's dtype
+        grads[t] = TB._alloc(xs[t].shape, xs[t].dtype, dev)
+        TPN._rows_launch(launch, a, xs[t], cols[t].rb, cols[t].nb, cols[t].nb, scale_t, one, grads[t], None, eps, True,
+                         1.0, dm)
+    del acc
     ds = torch.cat(ds_parts).sum() if need_s and ds_parts else (torch.zeros((), device=dev) if need_s else None)
     return loss, grads, ds
 
@@ -259,7 +261,7 @@ def _mask_args(mk, dm: Tensor, cfg: LaunchConfig) -> tuple[dict, dict]:
     """The kernel's mask arguments of one block (``triton_guided.BlockMasks``): guide rows / columns,
     threshold (a ``ThetaSource`` reads it with this launch's tiles: the same products as the compare),
     ids, target, own column."""
-    from .triton_guided import GUIDE_BLOCK_16, GUIDE_BLOCK, ThetaSource
+    from .triton_guided import GUIDE_BLOCK, GUIDE_BLOCK_16, ThetaSource
 
     gdt = mk.ga.dtype if mk.ga is not None else torch.float32
     block_g = GUIDE_BLOCK_16 if gdt in (torch.float16, torch.bfloat16) else GUIDE_BLOCK

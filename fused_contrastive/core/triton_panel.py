@@ -591,10 +591,10 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     ``kernels/siglip.py``): ``(loss [N], dX, dY, ds, db)`` for images ``x`` [N, D] and texts ``y`` [M, D]
     in one 16-bit dtype, ``scale_t`` / ``bias_t`` [1] fp32. Without ``g`` (the forward): the per-image
     losses only, one matmul unit. With ``g`` [N] fp32 (the upstream gradient of each image's loss; the
-    loss is then None: the forward has it): per panel the epilogue GEMM writes the gradient tile ``dz`` (16-bit, pre-scaled and
-    ``rb_j`` folded as the core op's ``DL``), then the core sweep's cuBLAS GEMMs and row epilogue give dX
-    and the dY accumulator: 3 units, 4 with the forward's (the fused kernels take 5, their backward
-    streaming through an fp32 scratch). ds / db are 0-dim fp32 tensors (no host sync), None unless
+    loss is then None: the forward has it): per panel the epilogue GEMM writes the gradient tile ``dz``
+    (16-bit, pre-scaled and ``rb_j`` folded as the core op's ``DL``), then the core sweep's cuBLAS GEMMs
+    and row epilogue give dX and the dY accumulator: 3 units, 4 with the forward's (the fused kernels take
+    5, their backward streaming through an fp32 scratch). ds / db are 0-dim fp32 tensors (no host sync), None unless
     ``need_s``; dX / dY None unless asked."""
     from .spec import CoreSpec
 
