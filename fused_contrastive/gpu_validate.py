@@ -98,7 +98,9 @@ EXPECT = {("core", "fused"): PATHS["fused"], ("core", "panel"): PATHS["panel"],
           ("cosent", "own"): {"pair_cos_fwd", "cosent_scan_fwd", "cosent_scan_bwd"},
           # SigLIP: its fused kernels, or (16-bit, CUDA, N x M >= 2^24) the panel path's epilogue GEMM
           ("siglip", "own"): ({"siglip_fwd", "siglip_bwd_rows"}, {"epi_gemm_siglip", "panel_rows"}),
-          ("guided", "own"): {"guided_fwd", "guided_bwd_rows"}}
+          # the guided blocks: their fused kernels, or (a summed bf16 loss on CUDA, N x sum M >= 2^24) the
+          # epilogue GEMM of core/triton_guided_panel.py
+          ("guided", "own"): ({"guided_fwd", "guided_bwd_rows"}, {"guided_epi", "panel_rows"})}
 
 
 def _alternatives(want) -> tuple[set, ...]:
@@ -546,7 +548,7 @@ def _is_oom(e: BaseException) -> bool:
 #: keys of its route's and its textbook formula's time.
 MODEL_KEYS = {"info_nce": ("info_nce", "ms", "naive_ms"), "simcse": ("simcse", "ms", "naive_ms"),
               "clip": ("clip", "ms", "naive_ms"), "siglip": ("siglip", "ms", "naive_ms"),
-              "gist": ("gist", "triton_ms", "textbook_ms"),
+              "gist": ("gist", "ms", "naive_ms"),
               "matryoshka": ("info_nce_matryoshka", "triton_ms", "formula_ms")}
 #: where the model's committed output lives in a checkout (or FUSED_CONTRASTIVE_GPU_MODEL)
 MODEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",

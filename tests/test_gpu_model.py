@@ -388,6 +388,116 @@ def test_committed_gist_model_counts_the_matmul_work_by_hand():
         assert r["textbook_fits"] == (n == 16384), r
 
 
+#: The per-block fused kernels of the guided losses (core/triton_guided.py), which the panel route replaces.
+GUIDED_FUSED = {"guided_fwd", "guided_bwd_rows", "guided_bwd_cols"}
+
+
+def _gist_panel_rows(n: int, d: int) -> int:
+    """Rows per panel of GIST's guided panel route, by hand from the formula of
+    core/triton_guided_panel.py panel_rows (bf16, default budget 0.70e9, one-pass tiles 64 x 128): four
+    N-column blocks, each ``2 M`` bytes of tile + 4 bytes x 5 partials per column tile (z, row maximum, the
+    target's e and cosine; no temperature gradient), 8 D bytes per row group (anchors, positives), 32;
+    fixed: 4 D bytes per row of the three tensors with a gradient (their fp32 accumulators); at least 1024
+    rows (P_MIN) whatever the budget."""
+    per_row = 4 * (2 * n + 4 * 5 * -(-n // 128)) + 8 * d * 2 + 32
+    p = max(0, 700_000_000 - 4 * d * 3 * n) // per_row // 64 * 64
+    return min(n, max(1024, p))
+
+
+def test_committed_gist_model_runs_the_guided_panel_route_above_its_floor():
+    """GIST (``--gist``): the record's route is what backend="triton" runs on CUDA for the summed bf16 loss,
+    the guided panel route (core/triton_guided_panel.py: the epilogue GEMM guided_epi per panel and block,
+    cuBLAS dR and dC), not the fused kernels; its time sits at or above the floor counted here by hand from
+    the blocks (a-p, a-a, p-p, a-n, every one N x N, guide dimension D / 2): the logits 1 + 1/2 + 1/2 + 1 (the
+    symmetric blocks as half a product), the guide cosines the same times Dg / D, the gradients 2 + 1 + 1 + 2
+    (one GEMM per side; (G + G^T) X for a symmetric block): 10.5 units of 2 N^2 D, 4.4 ms on an H100 at
+    N = 16384. The route's tensor-core work by hand: the epilogue GEMM 1 unit + a guide tile per block, the
+    threshold kernel one 64 x 128 guide tile per 64 rows (targets on the diagonal), nothing in the redo
+    (its programs return at once in the central figure); cuBLAS 2 units per block. The route is modelled
+    faster than the fused kernels at both sizes."""
+    text = COMMITTED.read_text()
+    peaks = _peaks(text)
+    recs = _records(text, gist=True)
+    assert {(r["gpu"], r["n"]) for r in recs} == {(g, n) for g in peaks for n in (16384, 65536)}
+    keys = {"loss", "gpu", "n", "path", "ms", "ms_range", "ms_worst_data", "pct_peak", "floor_ms", "floor_units",
+            "naive_ms", "naive_ms_if_memory", "naive_peak_bytes", "fused_ms", "route_kernels", "route_tc_flops",
+            "route_gemm_flops", "route_panel_rows", "triton_ms", "triton_range", "torch_ms", "textbook_ms",
+            "textbook_fits", "kernels"}
+    for r in recs:
+        assert keys <= set(r), keys - set(r)
+        n, d, dg = r["n"], r["d"], r["guide_d"]
+        assert (d, dg) == (D, D // 2) and r["loss"] == "gist" and r["model"] == "MODEL, not a measurement"
+        units = (1 + 0.5 + 0.5 + 1) * (1 + dg / d) + (2 + 1 + 1 + 2)
+        assert units == 10.5 == r["floor_units"]
+        floor = units * 2 * n * n * d / (peaks[r["gpu"]] * 1e12) * 1e3
+        assert r["floor_ms"] == pytest.approx(floor, rel=1e-4)
+        if r["gpu"] == "H100" and n == 16384:
+            assert round(floor, 1) == 4.4
+        lo, hi = r["ms_range"]
+        assert floor <= lo <= r["ms"] <= hi and r["ms"] <= r["ms_worst_data"], r
+        assert r["pct_peak"] == pytest.approx(100 * floor / r["ms"], rel=1e-3, abs=0.006)  # printed to 0.01
+        # the route: the guided panel route's launches, no fused guided kernel
+        assert r["path"] == "panel"
+        names = {k["kernel"] for k in r["route_kernels"]}
+        assert "guided_epi" in names and "guided_epi_redo" in names and not names & GUIDED_FUSED, names
+        assert r["route_panel_rows"] == _gist_panel_rows(n, d)
+        panels = -(-n // r["route_panel_rows"])
+        k = {x["kernel"]: x for x in r["route_kernels"]}
+        assert k["guided_epi"]["launches"] == k["guided_epi_redo"]["launches"] == 4 * panels
+        assert k["guided_epi"]["flops"] == 4 * 2 * n * n * (d + dg)
+        assert k["guided_epi_redo"]["flops"] == 0
+        assert k["theta_guided"]["flops"] == (n // 64) * 2 * 64 * 128 * dg
+        assert r["route_tc_flops"] == sum(x["flops"] for x in r["route_kernels"])
+        assert r["route_gemm_flops"] == 4 * 2 * 2 * n * n * d
+        assert all(x["spills"] == 0 for x in r["route_kernels"]), r["route_kernels"]
+        for x in r["route_kernels"]:  # no kernel faster than its own FLOPs at peak
+            assert x["ms"] * 1e-3 >= x["flops"] / (peaks[r["gpu"]] * 1e12), x
+        # the fused kernels (triton_ms, the key gpu_validate reads) and the textbook beside it
+        assert r["fused_ms"] == r["triton_ms"] >= floor
+        assert r["naive_ms_if_memory"] == r["textbook_ms"]
+        assert r["naive_peak_bytes"] == r["textbook_peak_bytes"]
+        assert (r["naive_ms"] is None) == (not r["textbook_fits"]) == (n == 65536), r
+        assert r["ms"] < r["fused_ms"], (r["gpu"], r["n"], r["ms"], r["fused_ms"])
+
+
+def test_gist_panel_route_records_its_launches_by_hand():
+    # the route as the model records it on the meta device (no compile): per panel and block one epilogue
+    # GEMM and its redo (sm_80's redo tiles 32 rows, sm_90's 64), one threshold kernel, per panel and row
+    # group (anchors, positives) the row norms and panel_rows, per column tensor its norms in chunks of
+    # 2^22 elements and one panel_rows; cuBLAS: dR and dC of every block and panel (2 units per block)
+    code = r'''
+import json, sys
+from collections import Counter
+sys.path.insert(0, "bench")
+import gpu_model as G
+out = {}
+for g in ("A100", "H100"):
+    launches, ops = G.run_gist_panel(16384, 768, G.GPUS[g])
+    epi = [lz for lz in launches if lz.name == "guided_epi"]
+    redo = [lz for lz in launches if lz.name == "guided_epi_redo"]
+    out[g] = dict(names=Counter(lz.name for lz in launches), p=epi[0].args["P"], redo_grid=redo[0].grid[0],
+                  gemm=sum(2 * m * n * k for _, _, gm, _ in ops if gm for m, n, k in [gm[:3]]),
+                  gemm_dtypes=sorted({str(gm[3]) for _, _, gm, _ in ops if gm}))
+print(json.dumps(out))
+'''
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, check=False,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    n = 16384
+    p = _gist_panel_rows(n, D)
+    panels = -(-n // p)
+    chunks = -(-n // ((1 << 22) // D))
+    for g, redo_rows in (("A100", 32), ("H100", 64)):
+        w = got[g]
+        assert w["p"] == p
+        assert w["names"] == {"guided_epi": 4 * panels, "guided_epi_redo": 4 * panels, "theta_guided": 1,
+                              "row_norm": 2 * panels + 3 * chunks, "panel_rows": 2 * panels + 3}, (g, w)
+        assert w["redo_grid"] == -(-p // redo_rows)
+        assert w["gemm"] == 4 * 2 * 2 * n * n * D and w["gemm_dtypes"] == ["torch.bfloat16"], (g, w)
+
+
 def test_committed_siglip_model_runs_the_epilogue_route_above_its_floor():
     """SigLIP (``--siglip``): 3 matmul units of floor (logits, dX, dY) by hand; the route CUDA takes (the
     panel path's epilogue GEMM, 4 units) modelled at or above it and below its fused kernels (5 units, a
