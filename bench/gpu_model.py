@@ -1226,6 +1226,16 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
                              plain_triton_tc_flops=tri["plain"][3], triton_tc_flops=tri["levels"][3],
                              triton_kernels=[dict(kernel=k, regs=r, spills=sp) for k, r, sp in tri["levels"][4]],
                              model="MODEL, not a measurement"))
+            # the same in the form of the other losses' records: "ms" the route backend="triton" takes (one
+            # plain call per level on the panel path, the Matryoshka kernels on the fused path), the floor of
+            # one plain loss (the levels' segment products sum to one product per GEMM: 3 units of 2 N^2 D
+            # at the bf16 peak), "naive_ms" the K-loss formula (None where it does not fit)
+            floor = 3 * 2 * n * n * d / (gpu.bf16_tflops * 1e12) * 1e3
+            recs.append(dict(loss=f"matryoshka{len(matryoshka_dims(d))}", gpu=g, n=n, d=d, dims=matryoshka_dims(d),
+                             route=recs[-1]["triton_route"], ms=round(tri[route][0], 3),
+                             ms_range=[round(tri[route][1], 3), round(tri[route][2], 3)], floor_ms=round(floor, 4),
+                             naive_ms=round(got["formula"][0], 3) if fits else None,
+                             naive_ms_if_memory=round(got["formula"][0], 3), model="MODEL, not a measurement"))
     print()
     return recs
 

@@ -549,7 +549,7 @@ def _is_oom(e: BaseException) -> bool:
 MODEL_KEYS = {"info_nce": ("info_nce", "ms", "naive_ms"), "simcse": ("simcse", "ms", "naive_ms"),
               "clip": ("clip", "ms", "naive_ms"), "siglip": ("siglip", "ms", "naive_ms"),
               "gist": ("gist", "ms", "naive_ms"),
-              "matryoshka": ("info_nce_matryoshka", "triton_ms", "formula_ms")}
+              "matryoshka": ("matryoshka5", "ms", "naive_ms")}
 #: where the model's committed output lives in a checkout (or FUSED_CONTRASTIVE_GPU_MODEL)
 MODEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
                           "gpu_model", "gpu_model.txt")

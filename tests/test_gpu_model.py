@@ -52,7 +52,7 @@ def _records(text: str, matryoshka: bool = False, gist: bool = False) -> list[di
     recs = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     kind = "info_nce_matryoshka" if matryoshka else ("gist" if gist else None)
     if kind is None:
-        return [r for r in recs if r["loss"] not in ("info_nce_matryoshka", "gist", "siglip", "maxsim")]
+        return [r for r in recs if r["loss"] not in ("info_nce_matryoshka", "matryoshka5", "gist", "siglip", "maxsim")]
     return [r for r in recs if r["loss"] == kind]
 
 
@@ -364,6 +364,19 @@ def test_committed_matryoshka_model_has_one_loss_of_matmul_work():
             lo, hi = r[f"{key}_range"]
             assert lo <= r[f"{key}_torch_ms" if key == "one_pass" else f"{key}_ms"] <= hi, key
         assert r["formula_fits"] == (r["formula_peak_bytes"] <= {"A100": 80e9, "H100": 80e9, "H200": 141e9}[r["gpu"]])
+    # the same rows in the other losses' form ("matryoshka5": ms = the route taken, the floor of one plain
+    # loss by hand, the formula's time where it fits)
+    peaks = _peaks(text)
+    five = {(r["gpu"], r["n"]): r for r in (json.loads(line) for line in text.splitlines() if line.startswith("{"))
+            if r["loss"] == "matryoshka5"}
+    assert set(five) == {(r["gpu"], r["n"]) for r in recs}
+    for r in recs:
+        f = five[(r["gpu"], r["n"])]
+        assert f["ms"] == (r["k_calls_triton_ms"] if r["n"] > 2048 else r["triton_ms"]) and f["route"] == r["triton_route"]
+        assert f["floor_ms"] == pytest.approx(3 * 2 * r["n"] ** 2 * r["d"] / (peaks[r["gpu"]] * 1e12) * 1e3, rel=1e-4,
+                                              abs=5e-5)  # printed to 4 decimals
+        assert f["floor_ms"] <= f["ms_range"][0] <= f["ms"] <= f["ms_range"][1]
+        assert f["naive_ms"] == (r["formula_ms"] if r["formula_fits"] else None)
 
 
 def test_committed_gist_model_counts_the_matmul_work_by_hand():
