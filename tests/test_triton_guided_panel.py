@@ -329,6 +329,63 @@ def test_the_route_writes_no_wide_n_by_m_tensor(route, monkeypatch):
     assert any(size == 4 for _, size, _ in probe.seen), probe.seen
 
 
+def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    from tests.test_gist import _global_definition
+
+    os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
+    os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
+    TGP.PANEL_ROWS = 64
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        names: Counter = Counter()
+        orig = TB._launch
+        TB._launch = lambda lz: (names.update([lz.name]), orig(lz))[1]
+        total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
+        a, p, n, ga, gp, gn = _gist_case(b=total, m=total, d=40, dg=10, seed=7)
+        mine = slice(off, off + b)
+        la, lp, ln = (x[mine].clone().requires_grad_() for x in (a, p, n))
+        t = torch.tensor(0.05, requires_grad=True)
+        loss = gist_loss(la, lp, ln, guide=(ga[mine], gp[mine], gn[mine]), temperature=t, margin=0.05, gather=True,
+                         backend="triton")
+        loss.backward()
+        ra, rp, rn = (x.double().requires_grad_() for x in (a, p, n))
+        t2 = torch.tensor(0.05, dtype=torch.float64, requires_grad=True)
+        want = _global_definition(ra, rp, rn, ga.double(), gp.double(), gn.double(), t2, sizes, 0.05)
+        want.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # the rank average is the global loss, DDP's gradient average the global gradient
+        tg = t.grad.clone()
+        dist.all_reduce(tg)
+        errs = {name: float((x.grad.double() / world - y.grad[mine]).abs().max() / y.grad.abs().max())
+                for name, x, y in (("anchors", la, ra), ("positives", lp, rp), ("negatives", ln, rn))}
+        errs["temperature"] = abs(float(tg) / world - float(t2.grad)) / abs(float(t2.grad))
+        out.put({"rank": rank, "loss_err": abs(float(mean) / world - float(want)) / abs(float(want)), "errs": errs,
+                 "epi": names["guided_epi"]})
+    except Exception:
+        out.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_over_ranks_on_the_route(tmp_path):
+    # gist_loss(gather=True) on the route, two gloo ranks with uneven batches (130 and 70 rows: three and two
+    # panels): the anchor-anchor block against every rank's anchors, the positive-positive block's rows
+    # starting at the rank's offset; the rank average against the float64 global loss and its gradients
+    from tests._ranks import run_ranks
+
+    results = run_ranks(_gather_worker, 2, tmp_path, [130, 70], timeout=300)
+    for r in results:
+        assert r["epi"] == 4 * (3 if r["rank"] == 0 else 2), r
+        assert r["loss_err"] < 1e-4, r
+        assert all(e < 2e-2 for e in r["errs"].values()), r
+
+
 _SCRIPT = textwrap.dedent(
     """
     import json
