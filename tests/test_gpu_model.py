@@ -372,7 +372,8 @@ def test_committed_matryoshka_model_has_one_loss_of_matmul_work():
     assert set(five) == {(r["gpu"], r["n"]) for r in recs}
     for r in recs:
         f = five[(r["gpu"], r["n"])]
-        assert f["ms"] == (r["k_calls_triton_ms"] if r["n"] > 2048 else r["triton_ms"]) and f["route"] == r["triton_route"]
+        assert f["ms"] == (r["k_calls_triton_ms"] if r["n"] > 2048 else r["triton_ms"])
+        assert f["route"] == r["triton_route"]
         assert f["floor_ms"] == pytest.approx(3 * 2 * r["n"] ** 2 * r["d"] / (peaks[r["gpu"]] * 1e12) * 1e3, rel=1e-4,
                                               abs=5e-5)  # printed to 4 decimals
         assert f["floor_ms"] <= f["ms_range"][0] <= f["ms"] <= f["ms_range"][1]
@@ -407,13 +408,14 @@ GUIDED_FUSED = {"guided_fwd", "guided_bwd_rows", "guided_bwd_cols"}
 
 def _gist_panel_rows(n: int, d: int) -> int:
     """Rows per panel of GIST's guided panel route, by hand from the formula of
-    core/triton_guided_panel.py panel_rows (bf16, default budget 0.70e9, one-pass tiles 64 x 128): four
+    core/triton_guided_panel.py panel_rows (bf16, default budget 0.70e9, a multiple of 128 rows: the 16-bit
+    guides' blocks without the split target take 128 x 128 tiles, the split block 64 x 128): four
     N-column blocks, each ``2 M`` bytes of tile + 4 bytes x 5 partials per column tile (z, row maximum, the
     target's e and cosine; no temperature gradient), 8 D bytes per row group (anchors, positives), 32;
     fixed: 4 D bytes per row of the three tensors with a gradient (their fp32 accumulators); at least 1024
     rows (P_MIN) whatever the budget."""
     per_row = 4 * (2 * n + 4 * 5 * -(-n // 128)) + 8 * d * 2 + 32
-    p = max(0, 700_000_000 - 4 * d * 3 * n) // per_row // 64 * 64
+    p = max(0, 700_000_000 - 4 * d * 3 * n) // per_row // 128 * 128  # 128-row tiles of the wide blocks
     return min(n, max(1024, p))
 
 
@@ -425,9 +427,9 @@ def test_committed_gist_model_runs_the_guided_panel_route_above_its_floor():
     symmetric blocks as half a product), the guide cosines the same times Dg / D, the gradients 2 + 1 + 1 + 2
     (one GEMM per side; (G + G^T) X for a symmetric block): 10.5 units of 2 N^2 D, 4.4 ms on an H100 at
     N = 16384. The route's tensor-core work by hand: the epilogue GEMM 1 unit + a guide tile per block, the
-    threshold kernel one 64 x 128 guide tile per 64 rows (targets on the diagonal), nothing in the redo
-    (its programs return at once in the central figure); cuBLAS 2 units per block. The route is modelled
-    faster than the fused kernels at both sizes."""
+    threshold kernel per tile shape one guide tile of 128 columns per row tile (targets on the diagonal),
+    nothing in the redo (its programs return at once in the central figure); cuBLAS 2 units per block. The
+    route is modelled faster than the fused kernels at both sizes."""
     text = COMMITTED.read_text()
     peaks = _peaks(text)
     recs = _records(text, gist=True)
@@ -459,7 +461,9 @@ def test_committed_gist_model_runs_the_guided_panel_route_above_its_floor():
         assert k["guided_epi"]["launches"] == k["guided_epi_redo"]["launches"] == 4 * panels
         assert k["guided_epi"]["flops"] == 4 * 2 * n * n * (d + dg)
         assert k["guided_epi_redo"]["flops"] == 0
-        assert k["theta_guided"]["flops"] == (n // 64) * 2 * 64 * 128 * dg
+        # one threshold launch per tile shape (64 and 128 rows), each one guide tile of its rows against the
+        # 128 columns that hold their targets (on the diagonal, the row tiles aligned)
+        assert k["theta_guided"]["flops"] == 2 * (n // 64) * 2 * 64 * 128 * dg
         assert r["route_tc_flops"] == sum(x["flops"] for x in r["route_kernels"])
         assert r["route_gemm_flops"] == 4 * 2 * 2 * n * n * d
         assert all(x["spills"] == 0 for x in r["route_kernels"]), r["route_kernels"]
@@ -505,7 +509,7 @@ print(json.dumps(out))
     for g, redo_rows in (("A100", 32), ("H100", 64)):
         w = got[g]
         assert w["p"] == p
-        assert w["names"] == {"guided_epi": 4 * panels, "guided_epi_redo": 4 * panels, "theta_guided": 1,
+        assert w["names"] == {"guided_epi": 4 * panels, "guided_epi_redo": 4 * panels, "theta_guided": 2,
                               "row_norm": 2 * panels + 3 * chunks, "panel_rows": 2 * panels + 3}, (g, w)
         assert w["redo_grid"] == -(-p // redo_rows)
         assert w["gemm"] == 4 * 2 * 2 * n * n * D and w["gemm_dtypes"] == ["torch.bfloat16"], (g, w)

@@ -49,6 +49,8 @@ def route(monkeypatch):
 
     def rec(launch):
         names[launch.name] += 1
+        if launch.name == "guided_epi":  # by row tile: 64, or 128 for 16-bit guides without the split target
+            names[f"guided_epi/{launch.constexprs['BLOCK_M']}"] += 1
         if launch.name == "guided_epi_redo":  # rows the redo rewrites (per block)
             names["redone rows"] += int(launch.args["BAD"].sum())
         return orig(launch)
@@ -112,12 +114,13 @@ def test_gist_on_the_route_equals_the_definition(cfg, route):
 def test_16_bit_guides_on_the_route(route):
     # guides on axis vectors: cosines exactly 0 or 1 in any precision, so the bf16 guide tile and the
     # float64 definition drop the same columns (margin 0.1: no compare near its threshold)
-    b, d = 96, 40
+    # (the blocks without the split target take 128-row tiles with 16-bit guides: panels of 128 rows)
+    b, d = 150, 40
     a, p, n = (_r(b, d, seed=s).to(BF) for s in (1, 2, 3))
     cl = torch.arange(3 * b) % 5
     g = torch.eye(16)[torch.cat([cl[:b], cl[b:2 * b].roll(1), cl[2 * b:]])].to(BF)
     _gist_vs_definition(a, p, n, g[:b], g[b:2 * b], g[2 * b:], 0.05, 1e-4, 2e-2, margin=0.1)
-    assert route["guided_epi"] == 8
+    assert route["guided_epi"] == 8 and route["guided_epi/128"] == 6 and route["guided_epi/64"] == 2, route
 
 
 def test_all_excluded_rows_are_exactly_zero_on_the_route(route):

@@ -253,9 +253,13 @@ EPI_GEMM = {
 #: are both live in the epilogue (two fp32 accumulators), so 128 x 128 tiles spilled 4-1268 bytes on both
 #: archs (fp32 guides the most) and 64 x 128 at 8 warps compiles without spills (wgmma m64 on sm_90). The
 #: redo (MODE 2, a loop over the column tiles) spilled 16-560 bytes on sm_80 at 64 rows and none at 32
-#: (mma.sync); sm_90 keeps 64 rows (wgmma); 4 warps spilled 300-1200 bytes on both.
+#: (mma.sync); sm_90 keeps 64 rows (wgmma); 4 warps spilled 300-1200 bytes on both. "one_pass_wide": the
+#: blocks with 16-bit guides that do not split out the target column (GIST's a-a, p-p and a-n) compile
+#: without spills at 128 x 128 with 32-wide guide k-steps (254 registers on sm_80 and sm_90; the split
+#: block spilled 4-40 bytes there, fp32 guides 56-312): half the operand re-reads of the 64-row tiles.
 GUIDED_EPI = {
     "one_pass": LaunchConfig(64, 128, 64, 8, 3),
+    "one_pass_wide": LaunchConfig(128, 128, 64, 8, 3),
     "redo_sm80": LaunchConfig(32, 128, 64, 8, 3),
     "redo_sm90": LaunchConfig(64, 128, 64, 8, 3),
 }

@@ -26,9 +26,10 @@ from .triton_configs import guided_config
 
 #: BLOCK_G: the guide dimension is streamed in chunks of this many fp32 values (tf32x3 dots).
 GUIDE_BLOCK = 16
-#: BLOCK_G of 16-bit guides on the panel route's epilogue GEMM (``core/triton_guided_panel.py``): whole
-#: 64-wide k-steps of the tensor-core dot (the fused kernels keep GUIDE_BLOCK for every guide dtype).
-GUIDE_BLOCK_16 = 64
+#: BLOCK_G of 16-bit guides on the panel route's epilogue GEMM (``core/triton_guided_panel.py``): 32-wide
+#: k-steps of the tensor-core dot (64 spilled its 128 x 128 tiles on sm_80; the fused kernels keep
+#: GUIDE_BLOCK for every guide dtype).
+GUIDE_BLOCK_16 = 32
 
 
 @dataclass

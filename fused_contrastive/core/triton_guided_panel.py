@@ -129,16 +129,20 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     eps = cfg.eps
     launch = TB._launch
     cfg_e: LaunchConfig = GUIDED_EPI["one_pass"]
+    cfg_w: LaunchConfig = GUIDED_EPI["one_pass_wide"]  # 16-bit guides, no split target: 128-row tiles
     # the redo's BLOCK_N is the partials' column tile: cfg_e's
     cfg_r: LaunchConfig = GUIDED_EPI["redo_sm90" if TB._arch(dev) == "sm90" else "redo_sm80"]
-    bm, bn, bk = cfg_e.block_m, cfg_e.block_n, cfg_e.block_d
+    bn, bk = cfg_e.block_n, cfg_e.block_d  # every config shares BLOCK_N (the partials' column tile) and BLOCK_K
     split_k = next((k for k, blk in enumerate(cfg.blocks) if blk.protect), None) if cfg.minus_target else None
+    # each block's launch config: the wide tiles where they compile without spills
+    cfgs = [cfg_w if (k != split_k and mk.ga is not None and mk.ga.dtype in (torch.float16, torch.bfloat16))
+            else cfg_e for k, mk in enumerate(block_masks)]
     groups = sorted({(blk.rows, blk.row_start) for blk in cfg.blocks})
     col_ts = sorted({blk.cols for blk in cfg.blocks})
     need_cols = {c: need[c] for c in col_ts}
     p_rows = panel_rows(n, [xs[blk.cols].shape[0] for blk in cfg.blocks], d, len(groups),
-                        sum(x.shape[0] for x, nd in zip(xs, need, strict=True) if nd), bm, bn, split_k is not None,
-                        need_s)
+                        sum(x.shape[0] for x, nd in zip(xs, need, strict=True) if nd), max(c.block_m for c in cfgs),
+                        bn, split_k is not None, need_s)
     scale_t = TB._scale32(scale, dev)
     one = torch.ones(1, dtype=torch.float32, device=dev)  # gscale: W carries the weights in fp32
     dm = torch.empty(1, dtype=torch.float32, device=dev)
@@ -152,11 +156,10 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     acc = {t: torch.zeros(xs[t].shape, dtype=torch.float32, device=dev) for t, nd in enumerate(need) if nd}
     loss = TB._alloc((n,), torch.float32, dev)
     ds_parts = []
-    kargs = [_mask_args(mk, dm, cfg_e) for mk in block_masks]
+    kargs = [_mask_args(mk, dm, c) for mk, c in zip(block_masks, cfgs, strict=True)]
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
-        n_pm = triton.cdiv(pp, bm)
         ops = {}
         for t, o in groups:  # the panel's operand rows of each row tensor: scaled copy, factor, norm
             xsc, nrm, _, rs = TB._row_norms(xs[t][o + r0:o + r1], eps)
@@ -175,14 +178,16 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
             etp = TB._alloc((pp, n_pn), torch.float32, dev) if split else dm
             ctp = TB._alloc((pp, n_pn), torch.float32, dev) if split else dm
             margs, mflags = kargs[k]
+            ck = cfgs[k]
+            n_pm = triton.cdiv(pp, ck.block_m)
             args = dict(X=xsc, Y=y, DL=dl, ZP=zp, TP=tp, MXP=mxp, ETP=etp, CTP=ctp, RSP=rs, RB=cols[blk.cols].rb,
                         SCALE=scale_t, **margs, P=pp, M=m, D=d, r0=r0, stride_x=xsc.stride(0), stride_y=y.stride(0),
                         stride_dl=dl.stride(0), stride_zp=n_pn)
-            const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0,
+            const = dict(BLOCK_M=ck.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0,
                          UPCAST=TB._upcast(dt), NORMALIZE=True, **mflags, SPLIT_T=split, NEED_DS=bool(need_s),
                          FOLD_RB=True)
             launch(TB.Launch("guided_epi", KG.guided_epi_kernel, (n_pm * n_pn,), dict(args, BAD=dm, SHIFT=dm),
-                             dict(const, MODE=1), cfg_e.num_warps, cfg_e.num_stages))
+                             dict(const, MODE=1), ck.num_warps, ck.num_stages))
             tiles.append((dl, zp, tp, mxp, etp, ctp, args, const))
         # the merge over the blocks; rows whose every e underflowed are redone with their own maximum
         z = sum(tt[1].sum(1) for tt in tiles)
