@@ -123,6 +123,28 @@ def test_16_bit_guides_on_the_route(route):
     assert route["guided_epi"] == 8 and route["guided_epi/128"] == 6 and route["guided_epi/64"] == 2, route
 
 
+def test_exact_duplicates_of_the_target_tie_and_are_kept_on_the_route(route):
+    # rows 1 and 70 repeat row 0's / row 69's positive, model and guide rows bit for bit (70: in the second
+    # panel and another row tile); the threshold is the route's own guide product of the target (each block's
+    # tiles and k-steps), so the duplicates tie exactly and are kept in every block that holds them. fp32
+    # guides (tf32x3 dots): the float64 definition decides every other column as the kernel does (16-bit
+    # guides round the unit guide rows, which moves columns near a threshold: see the axis-vector test)
+    gdt = torch.float32
+    b, m, d, dg = 150, 40, 32, 12
+    a, p, n = (_r(rows, d, seed=s).to(BF) for rows, s in ((b, 1), (b, 2), (m, 3)))
+    ga, gp, gn = (_r(rows, dg, seed=s).to(gdt) for rows, s in ((b, 4), (b, 5), (m, 6)))
+    for i, j in ((0, 1), (69, 70)):
+        p[j], gp[j] = p[i], gp[i]
+        a[i], a[j] = p[i], p[i]  # anchors on their positive: the tie decides about half of these rows' softmax
+    got, _ = _gist_vs_definition(a, p, n, ga, gp, gn, 0.05, 1e-4, 2e-2)
+    # not vacuous: dropping the duplicates (an epsilon of margin) changes the loss by far more than the error
+    dropped = gist_definition(a.double(), p.double(), [n.double()], ga.double(), gp.double(), [gn.double()], 0.05,
+                              margin=1e-9).mean()
+    kept = gist_definition(a.double(), p.double(), [n.double()], ga.double(), gp.double(), [gn.double()], 0.05).mean()
+    assert abs(float(kept - dropped)) > 1e-3 * abs(float(kept))
+    assert abs(float(got.detach()) - float(kept)) < 1e-5 * abs(float(kept))
+
+
 def test_all_excluded_rows_are_exactly_zero_on_the_route(route):
     # margin 3: every in-batch and hard negative is excluded, each row keeps its target alone: the loss is
     # log1p(0) = 0 and every gradient exactly 0 (the target's coefficient is -W zx = 0, its tile entry 0)
