@@ -67,6 +67,7 @@ import subprocess
 import sys
 import weakref
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -1343,20 +1344,12 @@ def run_gist_panel(n: int, d: int, gpu: GPU, learnable_scale: bool = False) -> t
     w = torch.full((n,), 1.0 / n, dtype=torch.float32, device="meta")
     scale = _meta((), torch.float32) if learnable_scale else 1.0 / GIST_TEMPERATURE
     env = {"FUSED_CONTRASTIVE_TRITON_PATH": "panel", "FUSED_CONTRASTIVE_PANEL_GEMM": "auto"}
-    prev = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with aot.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
-            out = merged_lse([a, p, neg], gist_blocks(), n, scale, masks, normalize=True, eps=1e-12, weights=w,
-                             minus_target=True, backend="triton")
-            torch.autograd.grad(out, [a, p, neg] + ([scale] if learnable_scale else []))
-            del out
-    finally:
-        for k, v in prev.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
+    with mock.patch.dict(os.environ, env), aot.recording(gpu.arch) as launches, OpCounter() as ops, \
+            norms_tagged(ops):
+        out = merged_lse([a, p, neg], gist_blocks(), n, scale, masks, normalize=True, eps=1e-12, weights=w,
+                         minus_target=True, backend="triton")
+        torch.autograd.grad(out, [a, p, neg] + ([scale] if learnable_scale else []))
+        del out
     names = {lz.name for lz in launches}
     if "guided_epi" not in names or names & set(GIST_FUSED_KERNELS):
         raise AssertionError(f"GIST did not take the guided panel route on the meta device: launches {sorted(names)} "
@@ -1498,19 +1491,10 @@ def run_siglip_triton(n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.Laun
     sc, bi = _meta((), torch.float32), _meta((), torch.float32)
     env = {"FUSED_CONTRASTIVE_TRITON_PATH": "panel" if path == "panel" else "fused",
            "FUSED_CONTRASTIVE_PANEL_GEMM": "epilogue"}
-    prev = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with aot.recording(gpu.arch) as launches, OpCounter() as ops:
-            out = TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, True, 1.0 / n)
-            torch.autograd.grad(out, [x, y, sc, bi])
-            del out
-    finally:
-        for k, v in prev.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
+    with mock.patch.dict(os.environ, env), aot.recording(gpu.arch) as launches, OpCounter() as ops:
+        out = TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, True, 1.0 / n)
+        torch.autograd.grad(out, [x, y, sc, bi])
+        del out
     return list(launches), ops.ops
 
 

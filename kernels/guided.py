@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .lse import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
-from .panel import ONE_PASS_SHIFT
+from .panel import ONE_PASS_SHIFT, _tile_products
 
 
 @triton.jit
@@ -262,25 +262,7 @@ def _guided_epi_tile(pid_m, pid_n, X, Y, DL, ZP, TP, MXP, ETP, CTP, SHIFT, RSP, 
     lmask = loc < P
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < M
-    xr = (loc % P).to(tl.int64)
-    yr = (cols % M).to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
-    xp = X + xr[:, None] * stride_x + kk[None, :]
-    yp = Y + yr[None, :] * stride_y + kk[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(xp)
-            y = tl.load(yp)
-        else:
-            x = tl.load(xp, mask=(k0 + kk)[None, :] < D, other=0.0)
-            y = tl.load(yp, mask=(k0 + kk)[:, None] < D, other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            y = y.to(tl.float32)
-        acc = tl.dot(x, y, acc)
-        xp += BLOCK_K
-        yp += BLOCK_K
+    acc = _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
 
     s = tl.load(SCALE).to(tl.float32)
     rows = r0 + loc  # the block's row index (the guide rows, thresholds, ids and targets are indexed by it)

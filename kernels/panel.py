@@ -396,19 +396,13 @@ def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, 
 
 
 @triton.jit
-def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
-              BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
-              P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm, bad,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              UPCAST: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
-              HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
-              HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
-              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr):
-    """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
-    loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    lmask = loc < P
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < M
+def _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    """The fp32 tile ``X[loc] @ Y[cols]^T`` [BLOCK_M, BLOCK_N] of an epilogue GEMM (this module's and the
+    guided blocks' in kernels/guided.py), accumulated in registers over D in BLOCK_K steps. Indices past
+    the ends are wrapped (``loc % P``, ``cols % M``): whole 16-byte operand loads without masks, which the
+    compiler pipelines; the caller masks its stores. EVEN_K: D is a multiple of BLOCK_K (no mask along D).
+    UPCAST: fp32 dots of bf16 tiles (the interpreter's bf16 dot is wrong)."""
     xr = (loc % P).to(tl.int64)
     yr = (cols % M).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -428,6 +422,24 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
         acc = tl.dot(x, y, acc)
         xp += BLOCK_K
         yp += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
+              BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+              P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm, bad,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              UPCAST: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
+              HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
+              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr):
+    """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
+    loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lmask = loc < P
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < M
+    acc = _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
 
     # the per-logit epilogue, on the fp32 products in registers
     s = tl.load(SCALE).to(tl.float32)

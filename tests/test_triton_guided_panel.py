@@ -23,6 +23,7 @@ from fused_contrastive.core import triton_panel
 from fused_contrastive.core.blocks import Block, Masks, merged_lse
 from fused_contrastive.losses.guided import gist_loss
 from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
+from tests._wide import WideTensors
 from tests.test_gist import gist_definition, info_nce_definition
 
 try:
@@ -300,44 +301,10 @@ def test_the_route_writes_no_wide_n_by_m_tensor(route, monkeypatch):
     of every new 2-d tensor of P rows and at least M / 2 columns (the GEMM helpers' internals not counted:
     the CPU's "upcast" route copies the tile to fp32 for torch.mm, CUDA's native route reads it as it is).
     The probe sees the fp32 tiles of the per-row torch sweep, so it can fail."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     b, m = 128, 120
-
-    class Wide(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen, self.inside = [], 0
-
-        def note(self, what, t):
-            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == 64 and t.shape[1] >= m // 2:
-                self.seen.append((what, t.element_size(), tuple(t.shape)))
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not self.inside:
-                given = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                         if isinstance(a, torch.Tensor)}
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
-                        self.note(str(func), t)
-            return out
-
-    probe = Wide()
-
-    def counted(fn, name):
-        def g(*args):
-            probe.inside += 1
-            try:
-                out = fn(*args)
-            finally:
-                probe.inside -= 1
-            probe.note(name, out)
-            return out
-        return g
-
-    monkeypatch.setattr(triton_panel, "_mm32", counted(triton_panel._mm32, "mm32"))
-    monkeypatch.setattr(triton_panel, "_addmm32_", counted(triton_panel._addmm32_, "addmm32"))
+    probe = WideTensors(64, m // 2)
+    monkeypatch.setattr(triton_panel, "_mm32", probe.counted(triton_panel._mm32, "mm32"))
+    monkeypatch.setattr(triton_panel, "_addmm32_", probe.counted(triton_panel._addmm32_, "addmm32"))
     a, p, n, ga, gp, gn = _gist_case(b=b, m=m, d=32, dg=8)
     xs = [x.clone().requires_grad_() for x in (a, p, n)]
     with probe:

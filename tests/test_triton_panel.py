@@ -32,6 +32,7 @@ from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare
 from fused_contrastive.testing.accuracy import run
 from tests._compiles import run_compile_script
+from tests._wide import WideTensors
 
 CORE_CASES = [c for c in CASES if c.op == "core"]
 PANEL = 40  # rows per panel in the parity tests: 97 rows -> 40 + 40 + 17, 130 -> 4 panels
@@ -403,55 +404,19 @@ def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
     probe records the element size of every newly stored 2-d tensor of P rows and at least M / 2 columns
     (the triangular sweep's panels narrow with each panel). The
     cuBLAS form creates its fp32 products panel (4 bytes): seen by the same probe, so the check can fail."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Wide(TorchDispatchMode):
-        def __init__(self, rows, cols):
-            super().__init__()
-            self.rows, self.cols, self.seen, self.inside = rows, cols, [], 0
-
-        def note(self, what, t):
-            if (isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == self.rows
-                    and t.shape[1] >= self.cols):
-                self.seen.append((what, t.element_size(), tuple(t.shape)))
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if self.inside:
-                return out
-            given = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                     if isinstance(a, torch.Tensor)}
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
-                    self.note(str(func), t)
-            return out
-
-    def counted(fn, name):
-        # the GEMM helpers' internals are not counted (the CPU's "upcast" route copies the 16-bit tile to
-        # fp32 for torch.mm; CUDA's native route reads it as it is), their results are
-        def g(*args):
-            probe.inside += 1
-            try:
-                out = fn(*args)
-            finally:
-                probe.inside -= 1
-            probe.note(name, out)
-            return out
-
-        return g
-
     monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
     p, n, d = 64, 384, 32
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
-    monkeypatch.setattr(triton_panel, "_mm32", counted(triton_panel._mm32, "_mm32"))
-    monkeypatch.setattr(triton_panel, "_addmm32_", counted(triton_panel._addmm32_, "_addmm32_"))
+    probe = WideTensors(p, n // 2)
+    monkeypatch.setattr(triton_panel, "_mm32", probe.counted(triton_panel._mm32, "_mm32"))
+    monkeypatch.setattr(triton_panel, "_addmm32_", probe.counted(triton_panel._addmm32_, "_addmm32_"))
     case = CASE_BY_NAME[name]
     tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
     widths, seen = {}, {}
     for gemm in ("epilogue", "cublas"):
         monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", gemm)
-        probe = Wide(p, n // 2)
+        probe.seen = []
         with probe:
             run(case, (tensors, kwargs), "triton", torch.bfloat16)
         widths[gemm] = {size for _, size, _ in probe.seen}

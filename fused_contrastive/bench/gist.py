@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import math
 import multiprocessing as mp
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -53,6 +51,7 @@ import torch.nn.functional as F
 from ..losses.guided import gist_loss
 from .helptext import help_text
 from .memory import step_peak
+from .outputs import publish, sizes_arg
 
 TEMPERATURE = 0.01
 MARGIN = 0.0
@@ -226,23 +225,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    try:
-        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    except ValueError:
-        parser.error("--sizes must be comma-separated integers")
-    if not sizes or min(sizes) < 2:
-        parser.error("--sizes must hold integers >= 2")
+    sizes = sizes_arg(parser, args.sizes)
     if args.dim < 1 or args.guide_dim < 1 or args.repeats < 1:
         parser.error("--dim, --guide-dim and --repeats must be >= 1")
     res = measure({"sizes": sizes, "dim": args.dim, "guide_dim": args.guide_dim, "repeats": args.repeats,
                    "device": args.device, "threads": args.threads, "temperature": TEMPERATURE, "margin": MARGIN,
                    "backend": args.backend, "dtype": args.dtype})
     text = render(res)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_gist.txt"), "w") as fh:
-            fh.write(text + "\n")
-        with open(os.path.join(args.out, "bench_gist.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
+    publish(text, res, args.out, "bench_gist")
     return 0

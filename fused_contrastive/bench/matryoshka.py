@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import multiprocessing as mp
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +37,7 @@ from .. import info_nce
 from ..losses._levels import shrink
 from .helptext import help_text
 from .memory import step_peak
+from .outputs import publish
 
 TEMPERATURE = 0.05
 
@@ -193,11 +192,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     res = measure({"sizes": sizes, "dims": dims, "d": args.d, "repeats": args.repeats, "device": args.device,
                    "threads": args.threads, "backend": args.backend, "dtype": args.dtype})
     text = render(res)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_matryoshka.txt"), "w") as fh:
-            fh.write(text + "\n")
-        with open(os.path.join(args.out, "bench_matryoshka.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
+    publish(text, res, args.out, "bench_matryoshka")
     return 0

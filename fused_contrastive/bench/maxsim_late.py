@@ -33,7 +33,6 @@ prediction exceeds 60 % of MemAvailable (``/proc/meminfo``) the row says "does n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -47,6 +46,7 @@ import torch.nn.functional as F
 from ..maxsim import EMPTY_DOC_SCORE, maxsim_info_nce
 from .helptext import help_text
 from .memory import LiveBytes, mem_available
+from .outputs import publish, sizes_arg
 
 SCALE = 1.0
 NAMES = ("ours", "materialised", "sentence-transformers")
@@ -281,12 +281,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    try:
-        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    except ValueError:
-        parser.error("--sizes must be comma-separated integers")
-    if not sizes or min(sizes) < 2:
-        parser.error("--sizes must hold integers >= 2")
+    sizes = sizes_arg(parser, args.sizes)
     if min(args.lq, args.ld, args.d, args.repeats) < 1:
         parser.error("--lq, --ld, --d and --repeats must be >= 1")
     peers = not args.no_peers and peers_available()
@@ -295,11 +290,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     res = measure({"sizes": sizes, "lq": args.lq, "ld": args.ld, "d": args.d, "repeats": args.repeats,
                    "threads": args.threads, "peers": peers})
     text = render(res)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_maxsim.txt"), "w") as fh:
-            fh.write(text + "\n")
-        with open(os.path.join(args.out, "bench_maxsim.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
+    publish(text, res, args.out, "bench_maxsim")
     return 0

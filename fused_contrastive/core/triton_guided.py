@@ -83,10 +83,12 @@ def _guide_dtype(mk: BlockMasks) -> torch.dtype:
     return mk.ga.dtype if mk.ga is not None else torch.float32
 
 
-def _mask_args(mk: BlockMasks, dummy: Tensor, cfg) -> tuple[dict, dict]:
+def _mask_args(mk: BlockMasks, dummy: Tensor, cfg, block_g: int = GUIDE_BLOCK) -> tuple[dict, dict]:
+    """The kernels' mask arguments and flags of one block; a ``ThetaSource`` threshold is read with the
+    launch's own tiles (``cfg``) and guide k-steps (``block_g``)."""
     ga = mk.ga if mk.ga is not None else dummy
     gb = mk.gb if mk.gb is not None else dummy
-    theta = mk.theta.theta(cfg) if isinstance(mk.theta, ThetaSource) else mk.theta
+    theta = mk.theta.theta(cfg, block_g) if isinstance(mk.theta, ThetaSource) else mk.theta
     args = dict(GA=ga, GB=gb, THETA=theta if theta is not None else dummy,
                 ID_R=mk.idr if mk.idr is not None else dummy, ID_C=mk.idc if mk.idc is not None else dummy,
                 TGT=mk.tgt if mk.tgt is not None else dummy,
@@ -94,7 +96,7 @@ def _mask_args(mk: BlockMasks, dummy: Tensor, cfg) -> tuple[dict, dict]:
                 stride_ga=ga.stride(0) if mk.ga is not None else 1, stride_gb=gb.stride(0) if mk.gb is not None else 1,
                 offset=int(mk.exclude or 0))
     gdt = mk.ga.dtype if mk.ga is not None else torch.float32
-    flags = dict(BLOCK_G=GUIDE_BLOCK, EXCLUDE_SELF=mk.exclude is not None, HAS_GUIDE=mk.ga is not None,
+    flags = dict(BLOCK_G=block_g, EXCLUDE_SELF=mk.exclude is not None, HAS_GUIDE=mk.ga is not None,
                  HAS_IDS=mk.idr is not None, PROTECT=mk.tgt is not None, GUIDE_UPCAST=TB._upcast(gdt),
                  GUIDE_PREC=TB._dot_prec(gdt))
     return args, flags

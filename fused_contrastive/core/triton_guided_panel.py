@@ -46,7 +46,9 @@ from torch import Tensor
 from ..kernels import guided as KG
 from ..kernels import panel as KP
 from . import triton_backend as TB
+from . import triton_guided as TG
 from . import triton_panel as TPN
+from .spec import CoreSpec
 from .triton_configs import EPI_GROUP_M, GUIDED_EPI, LaunchConfig
 
 #: Test hook: a fixed panel height (rounded to the row tile; None: from the budget).
@@ -104,18 +106,6 @@ def panel_rows(n: int, col_rows: list[int], d: int, groups: int, grad_rows: int,
     return max(1, min(n, max(triton.cdiv(P_MIN, block_m) * block_m, p)))
 
 
-class _Cols:
-    """A column tensor's inverse norms (the epilogue's ``rb``) and norms, in chunks (triton_panel's)."""
-
-    def __init__(self, x: Tensor, eps: float):
-        m = x.shape[0]
-        self.nb = TB._alloc((m,), torch.float32, x.device)
-        self.rb = TB._alloc((m,), torch.float32, x.device)
-        step = max(1, TPN.NORM_CHUNK_ELEMENTS // max(x.shape[1], 1))
-        for c0 in range(0, m, step):
-            TB._row_norms(x[c0:c0 + step], eps, self.nb[c0:c0 + step], self.rb[c0:c0 + step])
-
-
 def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tensor, need: tuple[bool, ...],
                        need_s: bool, block_masks: list) -> tuple[Tensor, list[Tensor | None], Tensor | None]:
     """``(per-row loss [N] fp32, gradients of sum_i w_i loss_i per tensor (its dtype; None where not
@@ -135,8 +125,8 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     bn, bk = cfg_e.block_n, cfg_e.block_d  # every config shares BLOCK_N (the partials' column tile) and BLOCK_K
     split_k = next((k for k, blk in enumerate(cfg.blocks) if blk.protect), None) if cfg.minus_target else None
     # each block's launch config: the wide tiles where they compile without spills
-    cfgs = [cfg_w if (k != split_k and mk.ga is not None and mk.ga.dtype in (torch.float16, torch.bfloat16))
-            else cfg_e for k, mk in enumerate(block_masks)]
+    g16 = [mk.ga is not None and mk.ga.dtype in (torch.float16, torch.bfloat16) for mk in block_masks]
+    cfgs = [cfg_w if (k != split_k and g16[k]) else cfg_e for k in range(len(block_masks))]
     groups = sorted({(blk.rows, blk.row_start) for blk in cfg.blocks})
     col_ts = sorted({blk.cols for blk in cfg.blocks})
     need_cols = {c: need[c] for c in col_ts}
@@ -149,14 +139,18 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     shift = scale_t.reshape(()).abs() - KP.ONE_PASS_SHIFT.value
     w_all = weights.to(torch.float32)
     # norms of every column tensor and every tensor with a gradient (its accumulator is in their frame)
-    cols = {c: _Cols(xs[c], eps) for c in sorted(set(col_ts) | {t for t, nd in enumerate(need) if nd})}
+    # (the panel path's column norms in chunks: nb, rb; bf16 needs no normalised copy)
+    cols = {c: TPN._Problem(xs[c], xs[c], CoreSpec(normalize=True, eps=eps), need_op=False)
+            for c in sorted(set(col_ts) | {t for t, nd in enumerate(need) if nd})}
     # one fp32 accumulator per tensor with a gradient, rows j holding rb_j (dL / dx_hat_j) / s: the column
     # roles' E^T @ XW (rb folded into E) and the row roles' W (E @ C_hat) times rb, both added here, then
     # one normalisation backward per tensor after the sweep
     acc = {t: torch.zeros(xs[t].shape, dtype=torch.float32, device=dev) for t, nd in enumerate(need) if nd}
     loss = TB._alloc((n,), torch.float32, dev)
     ds_parts = []
-    kargs = [_mask_args(mk, dm, c) for mk, c in zip(block_masks, cfgs, strict=True)]
+    # the mask arguments per block; 16-bit guides take GUIDE_BLOCK_16-wide k-steps of the guide dot
+    kargs = [TG._mask_args(mk, dm, c, TG.GUIDE_BLOCK_16 if is16 else TG.GUIDE_BLOCK)
+             for mk, c, is16 in zip(block_masks, cfgs, g16, strict=True)]
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
@@ -260,24 +254,3 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     del acc
     ds = torch.cat(ds_parts).sum() if need_s and ds_parts else (torch.zeros((), device=dev) if need_s else None)
     return loss, grads, ds
-
-
-def _mask_args(mk, dm: Tensor, cfg: LaunchConfig) -> tuple[dict, dict]:
-    """The kernel's mask arguments of one block (``triton_guided.BlockMasks``): guide rows / columns,
-    threshold (a ``ThetaSource`` reads it with this launch's tiles: the same products as the compare),
-    ids, target, own column."""
-    from .triton_guided import GUIDE_BLOCK, GUIDE_BLOCK_16, ThetaSource
-
-    gdt = mk.ga.dtype if mk.ga is not None else torch.float32
-    block_g = GUIDE_BLOCK_16 if gdt in (torch.float16, torch.bfloat16) else GUIDE_BLOCK
-    theta = mk.theta.theta(cfg, block_g) if isinstance(mk.theta, ThetaSource) else mk.theta
-    args = dict(GA=mk.ga if mk.ga is not None else dm, GB=mk.gb if mk.gb is not None else dm,
-                THETA=theta if theta is not None else dm,
-                ID_R=mk.idr if mk.idr is not None else dm, ID_C=mk.idc if mk.idc is not None else dm,
-                TGT=mk.tgt if mk.tgt is not None else dm, Dg=mk.ga.shape[1] if mk.ga is not None else 1,
-                stride_ga=mk.ga.stride(0) if mk.ga is not None else 1,
-                stride_gb=mk.gb.stride(0) if mk.gb is not None else 1, offset=int(mk.exclude or 0))
-    flags = dict(BLOCK_G=block_g, EXCLUDE_SELF=mk.exclude is not None, HAS_GUIDE=mk.ga is not None,
-                 HAS_IDS=mk.idr is not None, PROTECT=mk.tgt is not None, GUIDE_UPCAST=TB._upcast(gdt),
-                 GUIDE_PREC=TB._dot_prec(gdt))
-    return args, flags
