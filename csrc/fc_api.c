@@ -657,6 +657,8 @@ fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, 
   set_p(&R->args, FC_ARG_DA, g->da);
   set_p(&R->args, FC_ARG_ACC, at(ws, P.rows.resident ? P.o_dummy : P.o_acc_rows));
   set_p(&R->args, FC_ARG_DS_PART, g->ds_part);
+  set_p(&R->args, FC_ARG_TGT, at(ws, P.o_dummy));  /* SPLIT_T is off in every compiled variant */
+  set_p(&R->args, FC_ARG_TV, at(ws, P.o_dummy));
   set_i(&R->args, FC_ARG_stride_a, p->stride_a);
   set_i(&R->args, FC_ARG_stride_da, g->stride_da);
   if (g->db) {
@@ -675,6 +677,7 @@ fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, 
     set_p(&C->args, FC_ARG_NB, at(ws, P.o_nb));
     set_p(&C->args, FC_ARG_DB, g->db);
     set_p(&C->args, FC_ARG_ACC, at(ws, P.cols.resident ? P.o_dummy : P.o_acc_cols));
+    set_p(&C->args, FC_ARG_TGT, at(ws, P.o_dummy));
     set_i(&C->args, FC_ARG_stride_b, p->stride_b);
     set_i(&C->args, FC_ARG_stride_db, g->stride_db);
     set_i(&C->args, FC_ARG_grad_cols, gcols);

@@ -194,11 +194,11 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
             pb = TB._prepare_data(a, b, spec, data, False)
             if TP.use_tri(p, want_col, False):
                 lse = TB._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
-                da, _ = TP.tri_backward(TB._launch, pb, p.a, spec, scale_t, lse, g, True, True)
+                da, _, _ = TP.tri_backward(TB._launch, pb, p.a, spec, scale_t, lse, g, True, True)
             else:
                 lse, lse_col, _, _ = TB._lse_fwd(a, b, scale, spec, data, want_col, False)
                 g_col = torch.empty(m, device=meta) if want_col else None
-                da, db, _, _, _ = TP.sweep(TB._launch, pb, p.a, p.b, False, scale_t, spec, lse, lse_col, None, g,
+                da, db, _, _, _, _ = TP.sweep(TB._launch, pb, p.a, p.b, False, scale_t, spec, lse, lse_col, None, g,
                                            g_col, None, True, need_b and has_b, True, False)
     finally:
         TB.COL_PARTIAL_PROGRAMS, TP.PANEL_PROGRAMS = prev

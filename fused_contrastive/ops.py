@@ -58,20 +58,13 @@ _COEF_NAMES = tuple(f.name for f in fields(Coeffs))
 
 def _run(parts, need: Sequence[bool], go: Tensor | None):
     """Forward of every ``(Function, args, sign)`` part, summed with its sign; with ``go``, also the
-    gradients of the first three arguments (a, b, scale) for the upstream gradient ``go``."""
-    out, ctxs = None, []
-    for fn, args, sign in parts:
-        ctx = DirectCtx(tuple(need) + (False,) * (len(args) - 3))
-        out = _core.signed_sum(out, fn.forward(ctx, *args), sign)
-        ctxs.append((fn, ctx, sign))
-    grads = [None, None, None]
-    if go is not None:
-        for fn, ctx, sign in ctxs:
-            gs = fn.backward(ctx, go if sign > 0 else -go)
-            for i in range(3):
-                if gs[i] is not None:
-                    grads[i] = gs[i] if grads[i] is None else grads[i] + gs[i]
-    return out, grads
+    gradients of the first three arguments (a, b, scale) for the upstream gradient ``go``, summed in
+    fp32 before one cast to a's and b's dtypes (``core.PiecesFn``)."""
+    out, subs = _core.forward_parts(parts, need)
+    if go is None:
+        return out, [None, None, None]
+    a, b = parts[0][1][:2]
+    return out, _core.backward_parts(subs, go, (a.dtype, None if b is None else b.dtype))
 
 
 def _empty(like: Tensor | None, device: torch.device) -> Tensor:

@@ -550,14 +550,14 @@ def _accumulate(acc, ACC, dl, SY, stride_sy, rows_o, rsy, idx_y, n_out, n_y, D, 
 def lse_bwd_rows_kernel(
     A, SA, SB, RA, NA, RSA, RSB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
     LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
-    DA, ACC, DS_PART,
+    DA, ACC, DS_PART, TGT, TV,
     N, M, D, stride_a, stride_sa, stride_sb, stride_da, offset, bias, n0, m0, stride_pm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, RESIDENT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr, SPLIT_T: tl.constexpr,
 ):
     """dA for one block of rows (grid: cdiv(N, BLOCK_M)), plus its share of dL/ds.
 
@@ -568,6 +568,12 @@ def lse_bwd_rows_kernel(
       4. SYM (B is A): H = dl + dl^T from the same tile (see the module docstring), else H = dl;
       5. dA_I += H @ B_hat_J (registers, or this program's scratch rows when D is large).
     Epilogue: dA = s gscale dA, then the normalisation backward, stored in A's dtype.
+
+    SPLIT_T: each row's target column ``TGT[i]`` is left out of dl (after step 3) and its fp32 value
+    goes to ``TV[i]`` instead (with SYM, also column j's transposed term where ``TGT[j]`` is this row:
+    row j reports it): the caller applies it in fp32 with the target term (``core.PiecesFn``), where it
+    nearly cancels for a peaked softmax; rounded into the 16-bit H it would leave ``~2^-9`` of the
+    target's row.
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -591,6 +597,10 @@ def lse_bwd_rows_kernel(
     else:
         acc = tl.zeros([1, 1], dtype=tl.float32)  # unused: the accumulator is the ACC scratch
     ds_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    tv_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    tgt_r = rows
+    if SPLIT_T:
+        tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32)
     for j0 in range(0, M, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
         cmask = cols < M
@@ -617,6 +627,10 @@ def lse_bwd_rows_kernel(
             ds_acc += tl.sum(dl * cos, axis=1)
             if HAS_BIAS and BIAS_COS:  # dl/ds at the target is cos + bias (cos - margin)
                 ds_acc += bias * tl.sum(tl.where(cols[None, :] == bias_c[:, None], dl, 0.0), axis=1)
+        if SPLIT_T:
+            hit = cols[None, :] == tgt_r[:, None]
+            tv_acc += tl.sum(tl.where(hit, dl, 0.0), axis=1)
+            dl = tl.where(hit, 0.0, dl)
         if NEED_DX:
             # 4. transposed term dl_jk (k = this block's rows) from the same symmetric tile
             if SYM:
@@ -640,6 +654,9 @@ def lse_bwd_rows_kernel(
                     dlt += gc_r[:, None] * tl.exp(l - lsec_r[:, None])
                 if HAS_GPOS:
                     dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
+                if SPLIT_T:  # column j's own target weight (at this row, its target) is reported by row j
+                    tgt_c = tl.load(TGT + cols, mask=cmask, other=-1).to(tl.int32)
+                    dlt = tl.where(tgt_c[None, :] == rows[:, None], 0.0, dlt)
                 h = dl + dlt
             else:
                 h = dl
@@ -648,6 +665,8 @@ def lse_bwd_rows_kernel(
                               BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
+    if SPLIT_T:
+        tl.store(TV + rows, tv_acc, mask=rmask)
     if NEED_DX:
         _norm_bwd_epilogue(A, DA, ACC, NA, RA, rows, N, D, stride_a, stride_da, acc, s * gs / PRESCALE, eps,
                            BLOCK_M, BLOCK_D, NORMALIZE, RESIDENT)
@@ -657,19 +676,21 @@ def lse_bwd_rows_kernel(
 def lse_bwd_cols_kernel(
     B, SA, SB, RB, NB, RSA, RSB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
     LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
-    DB, ACC,
+    DB, ACC, TGT,
     N, M, D, stride_b, stride_sa, stride_sb, stride_db, offset, bias, n0, m0, stride_pm, eps, grad_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr,
     RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
+    SPLIT_T: tl.constexpr,
 ):
     """dB for one block of columns < grad_cols (grid: cdiv(grad_cols, BLOCK_N)).
 
     For each row block I: recompute the tile (same code as the forward), dl as in the row kernel,
     dB_J += dl^T @ A_hat_I. Epilogue: dB = s gscale dB, normalisation backward, stored in B's dtype
-    (only rows j < grad_cols; the launcher zeroes the queue rows after them).
+    (only rows j < grad_cols; the launcher zeroes the queue rows after them). SPLIT_T: each row's
+    target column ``TGT[i]`` is left out of dl (as in the row kernel, which reports its value).
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -719,6 +740,9 @@ def lse_bwd_cols_kernel(
             lp = _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND, False)
         # 3. dl, then dB_J += dl^T @ A_hat_I
         dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+        if SPLIT_T:
+            tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32)
+            dl = tl.where(cols[None, :] == tgt_r[:, None], 0.0, dl)
         acc = _accumulate(acc, ACC, tl.trans(dl), SA, stride_sa, cols, rsa, rows, grad_cols, N, D, i0,
                           BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
     _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, grad_cols, D, stride_b, stride_db, acc, s * gs / PRESCALE, eps,

@@ -111,6 +111,24 @@ def _logits_of(raw, rows, cols, cmask, rsp, RB, s, n_end, M, offset, bias_c, bia
     return cos, l, rb
 
 
+@triton.jit
+def _row_logit(raw, rows, c, rsp, RB, s, n_end, M, offset, bias_c, bias, NORMALIZE: tl.constexpr,
+               EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
+    """The logit of each row ``i`` at its own column ``c[i]`` ([R] vectors; ``raw`` the raw products
+    there): :func:`_logits_of`'s operations in the same order, so the same fp32 value as the tile's."""
+    cm = (c >= 0) & (c < M)
+    rb = _inv_norms(RB, c, cm, NORMALIZE)
+    cos = raw * rsp * rb
+    if BIAS_COS:
+        cos = tl.where(c == bias_c, cos + bias, cos)
+    l = cos * s
+    if HAS_BIAS and not BIAS_COS:
+        l = tl.where(c == bias_c, l + bias, l)
+    if EXCLUDE_SELF:
+        l = tl.where(c == rows + offset, NEG_INF, l)
+    return tl.where((rows < n_end) & cm, l, NEG_INF)
+
+
 #: The one-pass sweep's fallback threshold: a row block is redone in two passes when a row's sum
 #: z_i = sum_j exp(l_ij - m) is below 2^-64 (see ONE_PASS in the module docstring).
 ONE_PASS_MIN_Z = tl.constexpr(5.421010862427522e-20)
@@ -132,11 +150,14 @@ def _one_pass_shift(s, bias, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
 
 
 @triton.jit
-def _exp_chunk(cos, l, rb, sh, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, NEED_MAX: tl.constexpr):
+def _exp_chunk(cos, l, rb, sh, cols, tgt_r, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, NEED_MAX: tl.constexpr,
+               SPLIT_T: tl.constexpr):
     """The one-pass per-logit epilogue (shared by the panel kernel and the epilogue GEMM): with the
-    rows' shifts ``sh`` [R], ``e_ij = exp(l_ij - sh_i)``; returns ``(out, z, t, mx)``: the tile to store
-    (``e`` times ``rb_j`` when folding), the rows' partial sums ``z_i = sum_j e_ij`` and
-    ``t_i = sum_j e_ij cos_ij`` (zeros without NEED_DS), and (NEED_MAX) the rows' largest logit."""
+    rows' shifts ``sh`` [R], ``e_ij = exp(l_ij - sh_i)``; returns ``(out, z, t, mx, tv)``: the tile to
+    store (``e`` times ``rb_j`` when folding), the rows' partial sums ``z_i = sum_j e_ij`` and
+    ``t_i = sum_j e_ij cos_ij`` (zeros without NEED_DS), (NEED_MAX) the rows' largest logit, and
+    (SPLIT_T) ``e`` at each row's target column ``tgt_r`` if it is in the chunk (else 0), which is then
+    left out of the tile (not out of z or t)."""
     e = tl.exp(l - sh[:, None])
     z = tl.sum(e, axis=1)
     t = tl.zeros_like(z)
@@ -145,22 +166,42 @@ def _exp_chunk(cos, l, rb, sh, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, NEE
     mx = z
     if NEED_MAX:
         mx = tl.max(l, axis=1)
+    e, tv = _split_target(e, cols, tgt_r, SPLIT_T)
     out = e
     if FOLD_RB:
         out = out * rb[None, :]
-    return out, z, t, mx
+    return out, z, t, mx, tv
+
+
+@triton.jit
+def _split_target(x, cols, tgt_r, SPLIT_T: tl.constexpr):
+    """``(x without each row's target column, the rows' values there)`` (SPLIT_T; else ``(x, 0)``): the
+    target's fp32 weight goes to the caller, which applies it with the core op's target term, where
+    the two nearly cancel for a peaked softmax (``core.PiecesFn``); rounded into the 16-bit tile it
+    would leave ``~2^-9`` of the target's row."""
+    tv = tl.sum(tl.zeros_like(x), axis=1)
+    if SPLIT_T:
+        hit = cols[None, :] == tgt_r[:, None]
+        tv = tl.sum(tl.where(hit, x, 0.0), axis=1)
+        x = tl.where(hit, 0.0, x)
+    return x, tv
 
 
 @triton.jit
 def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r, gc_r, lsep_r, gp_r, inv_gs,
-              RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, COL_LAB, POS_MASK, n0, m0, stride_pm,
+              RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT,
               NORMALIZE: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr,
               HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
-              PRESCALE: tl.constexpr, TRI: tl.constexpr):
+              PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr):
     """The gradient tile of one chunk of logits from known statistics (the per-logit epilogue shared by
-    the panel kernel's second loop and the epilogue GEMM): ``(out, ds)`` with ``out`` the fp32 tile to
-    cast and store (DL of the module docstring: pre-scaled, the inverse norms folded) and ``ds`` [R]
-    the rows' temperature-gradient sums ``sum_j dl_ij cos_ij`` (zeros without NEED_DS)."""
+    the panel kernel's second loop and the epilogue GEMM): ``(out, ds, tv, tvc)`` with ``out`` the
+    fp32 tile to cast and store (DL of the module docstring: pre-scaled, the inverse norms folded),
+    ``ds`` [R] the rows' temperature-gradient sums ``sum_j dl_ij cos_ij`` (zeros without NEED_DS) and,
+    with SPLIT_T, ``tv`` [R] ``dl`` at each row's target column ``tgt_r`` if it is in the chunk, left out
+    of the tile (:func:`_split_target`); with SYM also the transposed term of column j at the row
+    ``TGT[j]`` is left out (column j's own target weight), its value summed in ``tvc`` [C] where that row
+    is in the block (the triangular sweep's caller reports the nonzero ones for the columns past the
+    panel, whose rows have no row term here; zeros otherwise)."""
     ds = tl.sum(tl.zeros_like(l), axis=1)
     lab_c = cols
     if POS_KIND == 1:
@@ -177,6 +218,8 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
     dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
     if NEED_DS:
         ds += tl.sum(dl * cos, axis=1)
+    dl, tv = _split_target(dl, cols, tgt_r, SPLIT_T)
+    tvc = tl.sum(tl.zeros_like(l), axis=0)
     if SYM:
         # dl_ji (j a column, i this panel's row) from the same symmetric logit: the column's
         # statistics play the row role (see lse.py, "Symmetric case")
@@ -199,6 +242,11 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
             # the triangular panel: dl_ji of the columns below the panel belongs to those rows
             # (in the diagonal block both orders are already in dl)
             ds += tl.sum(tl.where(cols[None, :] >= n_end, dlt * cos, 0.0), axis=1)
+        if SPLIT_T:
+            tgt_c = tl.load(TGT + cols, mask=cmask, other=-1).to(tl.int32)
+            hitc = (tgt_c[None, :] == rows[:, None]) & lmask[:, None]
+            tvc = tl.sum(tl.where(hitc, dlt, 0.0), axis=0)
+            dlt = tl.where(hitc, 0.0, dlt)
         dl = dl + dlt
     # pre-scale (fp16), fold the column's inverse norm (TRI: the row's too); the caller casts
     out = dl * PRESCALE
@@ -206,19 +254,21 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
         out = out * rb[None, :]
         if TRI:
             out = out * _inv_norms(RB, rows, lmask, NORMALIZE)[:, None]
-    return out, ds
+    return out, ds, tv, tvc
 
 
 @triton.jit
 def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, COL_LAB, POS_MASK,
-              loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M, stride_l, offset, n0, m0, stride_pm,
+              TGT, TV, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M, stride_l, offset, n0, m0,
+              stride_pm, tgt_r,
               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, EAGER: tl.constexpr,
               NEED_DS: tl.constexpr,
-              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr):
+              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr):
     """The exact sweep of a block of rows: the statistics (EAGER: a first loop; else the forward's),
-    then DL chunk by chunk. Returns the block's per-row temperature-gradient sums."""
+    then DL chunk by chunk. Returns the block's per-row temperature-gradient sums and (SPLIT_T) the
+    rows' ``dl`` at their target columns, left out of DL."""
     # 1. row statistics: from the forward, or (EAGER) from a first loop over this panel's full rows
     if EAGER:
         m_i = tl.full([BLOCK_R], NEG_INF, dtype=tl.float32)
@@ -258,31 +308,36 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
 
     # 2. the gradient tile, chunk by chunk
     ds_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    tv_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for j0 in range(0, M, BLOCK_C):
         cols = j0 + tl.arange(0, BLOCK_C)
         cmask = cols < M
         cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
                                    offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
-        dl_out, ds_c = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r, gc_r,
-                                 lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, COL_LAB, POS_MASK,
-                                 n0, m0, stride_pm, NORMALIZE, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS,
-                                 FOLD_RB, PRESCALE, TRI)
+        dl_out, ds_c, tv_c, tvc = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
+                                                lsec_r, gc_r, lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS,
+                                                G_POS, COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT, NORMALIZE,
+                                                POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE,
+                                                TRI, SPLIT_T)
         if NEED_DS:
             ds_acc += ds_c
+        tv_acc += tv_c
+        if SPLIT_T and TRI:  # the columns past the panel: their own target weight, at this block's row
+            tl.store(TV + cols, tvc, mask=cmask & (cols >= n_end) & (tvc != 0.0))
         tl.store(dl_base + cols[None, :], dl_out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
-    return ds_acc
+    return ds_acc, tv_acc
 
 
 @triton.jit
 def panel_dl_kernel(
     L, DL, W_OUT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART, TGT, TV,
     M, r0, P, stride_l, stride_dl, offset, bias, n0, m0, stride_pm,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     EAGER: tl.constexpr, ONE_PASS: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
-    PRESCALE: tl.constexpr, TRI: tl.constexpr,
+    PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr,
 ):
     """DL (the gradient tile of panel rows [r0, r0 + P), operand dtype) and the row weights W_OUT [P]
     from the raw products L [P, M]: the true gradient tile is ``diag(W_OUT) DL`` (W_OUT = 1 except on
@@ -292,7 +347,10 @@ def panel_dl_kernel(
     r0 + i, RSP and W_OUT by the panel row i; column vectors by the column. With EAGER, G / G_POS are
     the coefficients and LSE_OUT / LSE_POS_OUT receive the rows' statistics. TRI (with SYM): a
     triangular panel in its own frame (r0 = 0, the host passes every vector from the panel's first
-    row on, L holds the columns from that row on), see ``triton_panel.tri_backward``.
+    row on, L holds the columns from that row on), see ``triton_panel.tri_backward``. SPLIT_T (as
+    :func:`epi_gemm_kernel`'s, SYM and TRI included): each row's target column ``TGT[r0 + i]`` is left
+    out of DL and its fp32 value (in DL's units before PRESCALE and the folded norm; the true weight is
+    ``W_OUT[i] gscale TV[i]``) goes to ``TV[i]`` (:func:`_split_target`).
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -310,6 +368,10 @@ def panel_dl_kernel(
     if POS_KIND == 1:
         lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
     dl_base = DL + loc.to(tl.int64)[:, None] * stride_dl
+    tgt_r = rows
+    if SPLIT_T:
+        tgt_r = tl.load(TGT + rows, mask=lmask, other=-1).to(tl.int32)
+    tv_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     if ONE_PASS:
         # 0. one read of the panel: e_ij = exp(l_ij - m), m = c - ONE_PASS_SHIFT, with the fixed bound
         # c >= every logit of the row (|s| for unit rows, + the bias), stored as DL (times rb_j when
@@ -325,10 +387,11 @@ def panel_dl_kernel(
             cmask = cols < M
             cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
                                        offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
-            out, z_c, t_c, _ = _exp_chunk(cos, l, rb, c + tl.zeros([BLOCK_R], dtype=tl.float32), NEED_DS, FOLD_RB,
-                                          False)
+            out, z_c, t_c, _, tv_c = _exp_chunk(cos, l, rb, c + tl.zeros([BLOCK_R], dtype=tl.float32), cols, tgt_r,
+                                                NEED_DS, FOLD_RB, False, SPLIT_T)
             z_i += z_c
             t_i += t_c
+            tv_acc += tv_c
             tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
         ok = (z_i >= ONE_PASS_MIN_Z) | (loc >= P)
         tl.store(LSE_OUT + rows, c + _log0(z_i), mask=lmask)  # c is the shifted bound m here
@@ -339,22 +402,24 @@ def panel_dl_kernel(
         # small e_ij lost precision, so the block is redone exactly in two passes below
         redo = tl.min(ok.to(tl.int32), axis=0) == 0
         if redo:
-            ds_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT,
-                               COL_LAB, POS_MASK, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M,
-                               stride_l, offset, n0, m0, stride_pm,
-                               BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL,
-                               HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, False)
+            ds_acc, tv_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT,
+                                       LSE_POS_OUT, COL_LAB, POS_MASK, TGT, TV, loc, lmask, rows, n_end, rsp, s, inv_gs,
+                                       bias_c, bias, lab_r, M, stride_l, offset, n0, m0, stride_pm, tgt_r,
+                                       BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G,
+                                       HAS_GCOL, HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, False, SPLIT_T)
             w_r = tl.full([BLOCK_R], 1.0, tl.float32)
         tl.store(W_OUT + loc, w_r, mask=lmask)
     else:
         tl.store(W_OUT + loc, tl.full([BLOCK_R], 1.0, tl.float32), mask=lmask)
-        ds_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, COL_LAB,
-                           POS_MASK, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias, lab_r, M, stride_l, offset,
-                           n0, m0, stride_pm,
-                           BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL,
-                           HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI)
+        ds_acc, tv_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT,
+                                   COL_LAB, POS_MASK, TGT, TV, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias,
+                                   lab_r, M, stride_l, offset, n0, m0, stride_pm, tgt_r,
+                                   BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G,
+                                   HAS_GCOL, HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
+    if SPLIT_T:  # (a target before the triangular frame, < 0 there, is reported by its own panel)
+        tl.store(TV + loc, tv_acc, mask=lmask & (tgt_r >= 0))
 
 
 @triton.jit
@@ -427,19 +492,40 @@ def _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M: tl.con
 
 @triton.jit
 def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
-              BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+              BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV,
               P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm, bad,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
               UPCAST: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
-              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr):
+              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr,
+              SPLIT_T: tl.constexpr):
     """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
     loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lmask = loc < P
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < M
     acc = _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+    if SPLIT_T and (MODE == 1 or MODE == 2):
+        # the one pass: each row's e_t = exp(l_t - sh) at its target column, from the raw product read off
+        # the accumulator before the epilogue (a where over the e tile there spilled on sm_90), by the
+        # tile's own fp32 operations (bitwise its value); the tile's entry is zeroed after its store
+        lm = loc < P
+        rows0 = r0 + loc
+        tgt0 = tl.load(TGT + rows0, mask=lm, other=-1).to(tl.int32)
+        traw = tl.sum(tl.where(cols[None, :] == tgt0[:, None], acc, 0.0), axis=1)
+        s0 = tl.load(SCALE).to(tl.float32)
+        bc0 = rows0
+        if HAS_BIAS:
+            bc0 = tl.load(BIAS_COL + rows0, mask=lm, other=-1)
+        if MODE == 1:
+            sh0 = _one_pass_shift(s0, bias, HAS_BIAS, BIAS_COS) + tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            sh0 = tl.load(SHIFT + loc, mask=lm, other=0.0)
+        lt = _row_logit(traw, rows0, tgt0, tl.load(RSP + loc, mask=lm, other=0.0), RB, s0, r0 + P, M, offset, bc0,
+                        bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
+        here0 = bad & (tgt0 >= pid_n * BLOCK_N) & (tgt0 < pid_n * BLOCK_N + BLOCK_N)
+        tl.store(TV + loc, tl.exp(lt - sh0), mask=here0)
 
     # the per-logit epilogue, on the fp32 products in registers
     s = tl.load(SCALE).to(tl.float32)
@@ -453,6 +539,11 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
                             EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
     smask = bad[:, None] & cmask[None, :]
     dl_ptr = DL + loc.to(tl.int64)[:, None] * stride_dl + cols[None, :]
+    tgt_r = rows
+    t_here = lmask
+    if SPLIT_T:  # the rows whose target column is in this tile store its value (one tile per row)
+        tgt_r = tl.load(TGT + rows, mask=lmask, other=-1).to(tl.int32)
+        t_here = bad & (tgt_r >= pid_n * BLOCK_N) & (tgt_r < pid_n * BLOCK_N + BLOCK_N)
     if MODE == 0:
         inv_gs = 1.0 / tl.load(GSCALE)
         lab_r = rows
@@ -460,11 +551,15 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
             lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
         lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r = _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, lmask,
                                                             inv_gs, HAS_G, HAS_GPOS, SYM and HAS_GCOL)
-        out, ds = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r, gc_r,
-                            lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, COL_LAB, POS_MASK,
-                            n0, m0, stride_pm, NORMALIZE, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS,
-                            FOLD_RB, PRESCALE, TRI)
+        out, ds, tv, tvc = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r,
+                                         gc_r, lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+                                         COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT, NORMALIZE, POS_KIND, HAS_G,
+                                         HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T)
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
+        if SPLIT_T:
+            tl.store(TV + loc, tv, mask=t_here)
+            if TRI:  # the columns past the panel: their own target weight, at this tile's row
+                tl.store(TV + cols, tvc, mask=cmask & (cols >= n_end) & (tvc != 0.0))
         if NEED_DS:
             tl.store(DS_PART + pid, tl.sum(tl.where(lmask, ds, 0.0), axis=0))
     elif MODE == 4:
@@ -509,8 +604,12 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
             sh = _one_pass_shift(s, bias, HAS_BIAS, BIAS_COS) + tl.zeros([BLOCK_M], dtype=tl.float32)
         else:
             sh = tl.load(SHIFT + loc, mask=lmask, other=0.0)
-        out, z, t, mx = _exp_chunk(cos, l, rb, sh, NEED_DS, FOLD_RB, MODE == 1)
+        out, z, t, mx, _ = _exp_chunk(cos, l, rb, sh, cols, tgt_r, NEED_DS, FOLD_RB, MODE == 1, False)
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
+        if SPLIT_T:  # the target's entry, stored above from another thread: 0 after the barrier
+            tl.debug_barrier()
+            tl.store(DL + loc.to(tl.int64) * stride_dl + tgt_r, tl.zeros([BLOCK_M], DL.dtype.element_ty),
+                     mask=t_here)
         part = loc.to(tl.int64) * stride_zp + pid_n
         tl.store(ZP + part, z, mask=bad)
         if NEED_DS:
@@ -523,14 +622,14 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
 def epi_gemm_kernel(
     X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB,
     POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV,
     P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr,
-    WANT_COL: tl.constexpr,
+    WANT_COL: tl.constexpr, SPLIT_T: tl.constexpr,
 ):
     """The epilogue GEMM: [BLOCK_M, BLOCK_N] tiles of the panel's raw products ``X @ Y^T`` (X the panel's
     rows [P, D] scaled by powers of two, Y the raw B [M, D]; fp32 accumulation in registers), turned
@@ -558,6 +657,11 @@ def epi_gemm_kernel(
     ``BAD`` row returns at once, the others walk every column tile and store ``e_ij = exp(l_ij - SHIFT_i)``
     (``SHIFT_i`` the row's largest logit: ``e <= 1``, ``z_i >= 1``, exact) and the partials, for
     the BAD rows only.
+    SPLIT_T (MODE 0 / 1 / 2): each row's target column ``TGT[r0 + i]`` is left out of DL; its fp32 value,
+    in DL's units before PRESCALE and the folded norm (``e_ij`` in MODE 1 / 2), goes to ``TV[i]`` from
+    the one column tile that holds it (:func:`_split_target`). With SYM, column j's transposed term at
+    the row ``TGT[j]`` is left out too (row j reports it; with TRI, for the columns past the panel,
+    this tile stores it in ``TV[j]``: TGT and TV then in the panel's frame, as the other vectors).
 
     Grid: MODE 0 / 1 / 3 / 4 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
     the columns together (Y's column tiles stay in L2 across a group); MODE 2 ``cdiv(P, BLOCK_M)``.
@@ -574,9 +678,10 @@ def epi_gemm_kernel(
             for pid_n in range(0, n_pn):
                 _epi_tile(pid, pid, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE,
                           GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
-                          P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
-                          bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
-                          BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL)
+                          TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
+                          stride_pm, bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF,
+                          HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI,
+                          WANT_COL, SPLIT_T)
     else:
         n_pm = tl.cdiv(P, BLOCK_M)
         group = GROUP_M * n_pn
@@ -587,6 +692,7 @@ def epi_gemm_kernel(
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
                   BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
-                  P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
+                  TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
-                  BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL)
+                  BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
+                  SPLIT_T)

@@ -69,6 +69,9 @@ def test_every_shipped_config_was_compiled(compiled):
     # the forward's configs without positives were compiled without them: "fwd" with the column term
     # and the bias ("nopos"), the sm_90 row-statistics tiles ("fwd_wide") by the "wide" feature set
     assert any(r["variant"] == "nopos" for r in compiled["results"])
+    # the backward with each row's target column split out of its tiles (what a loss with a target runs)
+    assert {(r["kernel"], r["variant"]) for r in compiled["results"] if "split" in r["variant"]} == {
+        ("lse_bwd_rows", "split"), ("lse_bwd_cols", "split"), ("lse_bwd_rows", "sym_split")}
     wide = [r for r in compiled["results"] if r["variant"] == "wide"]
     assert {(r["cc"], r["dtype"]) for r in wide} == {(90, "fp16"), (90, "bf16")}
     assert all(r["block"].startswith("M128 N256 ") and r["num_warps"] == 8 for r in wide)

@@ -869,9 +869,10 @@ _COMPILE = textwrap.dedent(
     import json, os
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "cublas"  # the panel kernel first; the epilogue GEMM below
+    import dataclasses
     import torch
+    from fused_contrastive import core
     from fused_contrastive.core import triton_backend as TB
-    from fused_contrastive.core import triton_function as TF
     from fused_contrastive.core import triton_panel
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import aot
@@ -900,8 +901,12 @@ _COMPILE = textwrap.dedent(
             spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
             data = CoreData(pos_mask=mask, bias_col=torch.empty(n, dtype=torch.int64, device=meta))
             coef = Coeffs(1.0, pos=1.0, col=1.0 if variant == "col" else None)
+        # with a target term, as the losses call it: the log-sum-exp kernels leave each row's target
+        # column out of their tiles (SPLIT_T, core.PiecesFn) where no softmax over positives runs
+        data = dataclasses.replace(data, target=torch.empty(n, dtype=torch.int64, device=meta))
+        coef = dataclasses.replace(coef, tgt=1.0)
         with aot.recording(arch) as launches:
-            TF.TritonCoreFn.apply(a, b, s, spec, data, coef, True).backward()
+            core.run("triton", a, b, s, spec, data, coef, True).backward()
         return launches
 
     out = []
@@ -921,7 +926,8 @@ _COMPILE = textwrap.dedent(
                             or (x.name == "lse_fwd" and variant in ("col", "tri"))):
                         r = aot.compile_launch(x, cc)
                         r.update(variant=variant, dtype=str(dt), one_pass=bool(x.constexprs.get("ONE_PASS")),
-                                 block_r=x.constexprs.get("BLOCK_R"), tri=bool(x.constexprs.get("TRI")))
+                                 block_r=x.constexprs.get("BLOCK_R"), tri=bool(x.constexprs.get("TRI")),
+                                 split=bool(x.constexprs.get("SPLIT_T")))
                         out.append(r)
     triton_panel.PANEL_PROGRAMS = None
     # the epilogue GEMM: every mode (one pass and its redo, known statistics: the column term, the
@@ -939,7 +945,8 @@ _COMPILE = textwrap.dedent(
                         r = aot.compile_launch(x, cc, keep)
                         ttgir = keep["kernel"].asm["ttgir"]
                         r.update(variant=variant, dtype=str(dt), mode=x.constexprs["MODE"],
-                                 tri=bool(x.constexprs["TRI"]), cp_async=ttgir.count("async_copy_global_to_local"))
+                                 tri=bool(x.constexprs["TRI"]), cp_async=ttgir.count("async_copy_global_to_local"),
+                                 split=bool(x.constexprs["SPLIT_T"]))
                         out.append(r)
     triton_panel.PANEL_ROWS = None
     # SigLIP on the epilogue GEMM (MODE 4): the forward (losses only) and the backward (the gradient tile)
@@ -965,7 +972,7 @@ _COMPILE = textwrap.dedent(
         for x in record(arch, torch.bfloat16, "col"):
             if x.name in ("lse_bwd_rows", "lse_bwd_cols"):
                 r = aot.compile_launch(x, cc)
-                r.update(variant="fused-u8", dtype="bf16")
+                r.update(variant="fused-u8", dtype="bf16", split=bool(x.constexprs["SPLIT_T"]))
                 out.append(r)
     print(json.dumps(out))
     """
@@ -988,6 +995,9 @@ def test_panel_kernel_compiles_without_spills(compiled):
     assert {r["variant"] for r in panel if r["one_pass"]} == {"onepass", "onepass-r4", "onepass-r1"}
     assert {r["block_r"] for r in panel if r["variant"].startswith("onepass")} == {16, 4, 1}
     assert {r["cc"] for r in compiled if r["kernel"] == "panel_rows"} == {80, 90}
+    # each row's target column left out of the tiles (a loss with a target term; never beside a softmax
+    # over positives, which "eager", "col" and "sym" carry)
+    assert all(r["split"] == (r["variant"] in ("onepass", "onepass-r4", "onepass-r1", "tri")) for r in panel), panel
     bad = [r for r in compiled if r["spill_stores"] or r["spill_loads"]]
     assert not bad, bad
     assert all(r["shared"] <= 163 * 1024 for r in compiled)
@@ -1011,6 +1021,10 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
     # SigLIP's forward (losses only) and backward (the gradient tile) are two compiles of MODE 4
     assert len([r for r in epi if r["variant"] == "siglip"]) == 2 * 2 * 2
     assert {r["variant"] for r in epi if r["tri"]} == {"tri"}
+    # the gradient tiles' modes with each row's target column split out, as a loss with a target runs them
+    # (not beside a softmax over positives: "col" and "sym" carry one)
+    assert all(r.get("split", False) == (r["mode"] in (0, 1, 2) and r["variant"] not in ("col", "sym"))
+               for r in epi), epi
     bad = [r for r in epi if r["spill_stores"] or r["spill_loads"]]
     assert not bad, bad
     # tensor cores (wgmma on sm_90, mma.sync on sm_80) fed by cp.async (the software pipeline), in the

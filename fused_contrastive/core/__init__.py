@@ -22,9 +22,10 @@ from torch import Tensor
 from .._tracing import traced_core, tracing_route
 from . import chunked, dense, positives
 from .chunked import tile_elements
-from .spec import Coeffs, CoreData, CoreSpec, check_problem, compute_dtype
+from .spec import Coeffs, CoreData, CoreSpec, DirectCtx, check_problem, compute_dtype
 
-__all__ = ["Coeffs", "CoreData", "CoreSpec", "dense_path", "pieces", "run", "tile_elements"]
+__all__ = ["Coeffs", "CoreData", "CoreSpec", "PiecesFn", "backward_parts", "dense_path", "forward_parts", "pieces",
+           "run", "tile_elements"]
 
 
 def dense_path(n: int, m: int) -> bool:
@@ -83,11 +84,79 @@ def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: 
         return _leveled(backend, a, b, scale, spec, data, coef, reduce, levels)
     if tracing_route():
         return traced_core()(backend, a, b, scale, spec, data, coef, reduce)
-    out = None
-    for fn, args, sign in pieces(backend, a, b, scale, spec, data, coef, reduce):
-        y = fn.apply(*args)
-        out = signed_sum(out, y, sign)
-    return out
+    parts = pieces(backend, a, b, scale, spec, data, coef, reduce)
+    if len(parts) == 1:
+        fn, args, _ = parts[0]
+        return fn.apply(*args)
+    return PiecesFn.apply(a, b, scale, parts)
+
+
+def forward_parts(parts, need) -> tuple[Tensor, list]:
+    """The forward of every ``(Function, args, sign)`` of :func:`pieces`, called directly (through
+    ``spec.DirectCtx``), summed with its sign: ``(out, subs)``, ``subs`` what :func:`backward_parts`
+    takes. ``need``: whether a, b and the scale need gradients. With more than one piece each is asked
+    for gradients of at least fp32 (``ctx.wide``; every piece casts its gradients to ``ctx.dtypes``)."""
+    out, subs = None, []
+    # a target term beside the log-sum-exp terms: the latter leave the target column out of their
+    # 16-bit tiles where their path can, and report its fp32 weight (``ctx.moved_target``)
+    split = any(fn is positives.LinearTermsFn and args[5].tgt is not None for fn, args, _ in parts)
+    for fn, args, sign in parts:
+        ctx = DirectCtx(tuple(need) + (False,) * (len(args) - 3))
+        ctx.wide = len(parts) > 1
+        ctx.split_target = split and fn is not positives.LinearTermsFn
+        out = signed_sum(out, fn.forward(ctx, *args), sign)
+        if ctx.wide and hasattr(ctx, "dtypes"):  # (float64 stays float64)
+            adt, bdt, sdt, sshape = ctx.dtypes
+            ctx.dtypes = (torch.promote_types(adt, torch.float32),
+                          None if bdt is None else torch.promote_types(bdt, torch.float32), sdt, sshape)
+        subs.append((fn, ctx, sign))
+    return out, subs
+
+
+def backward_parts(subs, go: Tensor, dtypes) -> list[Tensor | None]:
+    """The gradients of a, b and the scale for the upstream gradient ``go`` from the pieces that
+    :func:`forward_parts` ran (newest first, as autograd would), summed in fp32 and cast once to
+    ``dtypes`` (a's and b's; the scale's comes in its own dtype)."""
+    grads: list[Tensor | None] = [None, None, None]
+    moved = None
+    for fn, ctx, sign in reversed(subs):
+        if fn is positives.LinearTermsFn:
+            ctx.target_extra = moved  # added to its target coefficient: the two meet in fp32
+        gs = fn.backward(ctx, go if sign > 0 else -go)
+        if getattr(ctx, "moved_target", None) is not None:
+            moved = ctx.moved_target if moved is None else moved + ctx.moved_target
+            ctx.moved_target = None
+        for i in range(3):
+            if gs[i] is not None:
+                grads[i] = gs[i] if grads[i] is None else grads[i] + gs[i]
+    for i in range(2):
+        if grads[i] is not None and dtypes[i] is not None:
+            grads[i] = grads[i].to(dtypes[i])
+    return grads
+
+
+class PiecesFn(torch.autograd.Function):
+    """The core op's pieces (:func:`pieces`: the linear target / positive terms and the log-sum-exp
+    terms) as one autograd node, so that their gradients are summed in fp32 before one rounding to
+    the inputs' dtype. Apart they would not be: autograd rounds each piece's gradient to a 16-bit
+    input's dtype, and with a softmax peaked on the target (``p_t -> 1``, a small loss) the two
+    nearly cancel (their sum is ``(p_t - 1)`` times the target's row), leaving the rounding of
+    each, ``~2^-9`` of the row, as the whole error (docs/panel-path.md, "16-bit gradients of a peaked
+    softmax"). ``a`` [N, D], ``b`` [M, D] or None, ``scale`` a number or a 0-dim tensor; ``parts``
+    the list :func:`pieces` returned for them."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor | None, scale, parts) -> Tensor:
+        out, ctx.subs = forward_parts(parts, ctx.needs_input_grad[:3])
+        ctx.dtypes = (a.dtype, None if b is None else b.dtype)
+        # the inputs through save_for_backward: in-place edits between forward and backward are caught
+        ctx.save_for_backward(a, b, scale if isinstance(scale, Tensor) else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, go: Tensor):
+        ctx.saved_tensors  # noqa: B018 (the version check of the inputs)
+        return (*backward_parts(ctx.subs, go, ctx.dtypes), None)
 
 
 #: The most levels the Matryoshka kernels take (compiled without spills at 1, 5 and 8 levels); more run as

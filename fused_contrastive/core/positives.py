@@ -179,6 +179,7 @@ class LinearTermsFn(torch.autograd.Function):
             term = _weighted(coef.set, set_, dt)
             out = term if out is None else out + term
         ctx.spec, ctx.data, ctx.coef, ctx.dt = spec, data, coef, dt
+        ctx.dtypes = (a.dtype, None if b is None else b.dtype, None, None)  # the gradients' (core.PiecesFn may widen)
         ctx.scale = None if isinstance(scale, Tensor) else scale
         ctx.save_for_backward(a, b, scale if isinstance(scale, Tensor) else None)
         return out.sum() if reduce else out
@@ -206,6 +207,12 @@ class LinearTermsFn(torch.autograd.Function):
             bt = bh[t]
             if need_s:  # d TGT / ds = c - margin
                 ds += torch.linalg.vecdot(ah, bt, dim=1).sub_(spec.margin).mul_(h).sum()
+            extra = getattr(ctx, "target_extra", None)
+            if extra is not None:
+                # the log-sum-exp terms' weight on the target logit, left out of their 16-bit tiles
+                # (core.PiecesFn): here it meets this term's coefficient in fp32 (their temperature
+                # gradient already counts it)
+                h = h + extra.to(dt)
             hs = (h * s)[:, None]
             if dah is not None:
                 dah.addcmul_(bt, hs)
@@ -225,8 +232,8 @@ class LinearTermsFn(torch.autograd.Function):
             gb_s = dah if b is None else dbh
             if gb_s is not None:
                 gb_s += _positive_sums_by_column((h * s)[:, None] * ah, bh.shape[0], spec, data)
-        ga = normalize_backward_(dah, ah, na, spec.eps).to(a.dtype) if dah is not None else None
-        gb = normalize_backward_(dbh, bh, nb, spec.eps).to(b.dtype) if dbh is not None else None
+        ga = normalize_backward_(dah, ah, na, spec.eps).to(ctx.dtypes[0]) if dah is not None else None
+        gb = normalize_backward_(dbh, bh, nb, spec.eps).to(ctx.dtypes[1]) if dbh is not None else None
         gs = ds.to(scale.dtype).reshape(scale.shape) if need_s else None
         return ga, gb, gs, None, None, None, None, None
 

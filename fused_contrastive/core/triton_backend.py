@@ -383,8 +383,13 @@ def _no_grads(a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_s: bool):
 
 def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor | None,
              lse_pos: Tensor | None, g: Tensor | None, g_col: Tensor | None,
-             g_pos: Tensor | None, need_a: bool, need_b: bool, need_s: bool):
-    """Backward launcher: ``(dA, dB, ds)`` (None where not needed); dA, dB in the kernels' input dtype.
+             g_pos: Tensor | None, need_a: bool, need_b: bool, need_s: bool, wide: bool = False,
+             target: Tensor | None = None):
+    """Backward launcher: ``(dA, dB, ds)`` (None where not needed); dA, dB in the kernels' input dtype
+    (fp32 with ``wide``: the core op sums its pieces' gradients before one rounding, ``core.PiecesFn``).
+    With ``target`` [N] (int64) each row's target column is left out of dA and dB
+    and ``(dA, dB, ds, tw)`` comes back, ``tw`` [N] fp32 the gradient of the LSE terms with respect to
+    the target logit ``l[i, target[i]]`` (what the caller applies with the target term).
 
     ``p`` comes from :func:`_lse_fwd`; ``g*`` are fp32 upstream gradients of LSE, LSEcol, LSEpos
     (None when absent). With ``p.sym`` dA holds both roles of A and dB is None. ``ds`` is a 0-dim
@@ -397,7 +402,11 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
     need_b = need_b and not p.sym
     gs = _gscale(g, g_col, g_pos)
     if gs is None:
-        return _no_grads(a, b, need_a, need_b, need_s)
+        out = _no_grads(a, b, need_a, need_b, need_s)
+        return out if target is None else (*out, torch.zeros(n, dtype=torch.float32, device=dev))
+    split = target is not None
+    tv = torch.empty(n, dtype=torch.float32, device=dev) if split else None
+    tgt = target.contiguous() if split else None
     na, ra, nb, rb, rsa, rsb = p.norms
     dm = p.dummy
     common = dict(SCALE=_scale32(scale, dev), GSCALE=gs, **_problem_args(p),
@@ -405,20 +414,21 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
                   LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
                   LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm)
     flags = dict(**_flags(p, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
-                 PRESCALE=prescale(a.dtype))
+                 PRESCALE=prescale(a.dtype), SPLIT_T=split)
     arch = _arch(dev)
     da = db = ds = None
 
-    if need_a or need_s:
+    if need_a or need_s or split:  # (the row kernel also reports the target columns' weights)
         cfg, block_d, resident = config_for("bwd_rows", arch, a.dtype, d)
         n_rb = triton.cdiv(n, cfg.block_m)
-        da = _alloc((n, d), a.dtype, dev) if need_a else dm
+        da = _alloc((n, d), torch.float32 if wide else a.dtype, dev) if need_a else dm
         acc = dm if (resident or not need_a) else torch.empty((n, d), dtype=torch.float32, device=dev)
         ds_part = _alloc((n_rb,), torch.float32, dev) if need_s else dm
         _launch(Launch(
             "lse_bwd_rows", K.lse_bwd_rows_kernel, (n_rb,),
             dict(A=a, SA=p.sa, SB=p.sb, RA=ra, NA=na, RSA=rsa, RSB=rsb, **common, DA=da, ACC=acc, DS_PART=ds_part,
-                 **_sizes(p), stride_a=a.stride(0), stride_da=da.stride(0) if need_a else 0,
+                 TGT=tgt if split else dm, TV=tv if split else dm, **_sizes(p), stride_a=a.stride(0),
+                 stride_da=da.stride(0) if need_a else 0,
                  **_mask_args(p, spec), eps=float(spec.eps)),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, SYM=p.sym,
                  NEED_DX=bool(need_a), NEED_DS=bool(need_s), RESIDENT=resident),
@@ -429,18 +439,21 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
     if need_b:
         gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
         cfg, block_d, resident = config_for("bwd_cols", arch, b.dtype, d)
-        db = _alloc((m, d), b.dtype, dev)
+        db = _alloc((m, d), torch.float32 if wide else b.dtype, dev)
         if gcols < m:
             db[gcols:].zero_()  # queue columns get no gradient
         if gcols > 0:
             acc = dm if resident else torch.empty((gcols, d), dtype=torch.float32, device=dev)
             _launch(Launch(
                 "lse_bwd_cols", K.lse_bwd_cols_kernel, (triton.cdiv(gcols, cfg.block_n),),
-                dict(B=b, SA=p.sa, SB=p.sb, RB=rb, NB=nb, RSA=rsa, RSB=rsb, **common, DB=db, ACC=acc, **_sizes(p),
+                dict(B=b, SA=p.sa, SB=p.sb, RB=rb, NB=nb, RSA=rsa, RSB=rsb, **common, DB=db, ACC=acc,
+                     TGT=tgt if split else dm, **_sizes(p),
                      stride_b=b.stride(0), stride_db=db.stride(0), **_mask_args(p, spec), eps=float(spec.eps),
                      grad_cols=gcols),
                 dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, RESIDENT=resident),
                 cfg.num_warps, cfg.num_stages))
+    if split:
+        return da, db, ds, tv * gs.reshape(())
     return da, db, ds
 
 

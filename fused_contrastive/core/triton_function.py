@@ -45,6 +45,9 @@ class TritonCoreFn(torch.autograd.Function):
             return triton_panel.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce)
         ctx.path = "fused"
         lse, lse_col, lse_pos, p = TB._lse_fwd(ak, bk, scale, spec, data, coef.col is not None, coef.pos is not None)
+        # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term; no loss
+        # combines one with a softmax over positives, whose symmetric kernel would then spill)
+        ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
         ctx.spec, ctx.coef = spec, coef
         # the tensors go through save_for_backward (in-place edits of the inputs are caught); the rest
         # of the prepared inputs (labels, masks, norms: O(N + M)) rides on ctx
@@ -76,14 +79,19 @@ class TritonCoreFn(torch.autograd.Function):
         g = TB._coef_grad(coef.lse, go, n, lse)
         g_col = TB._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
         g_pos = TB._coef_grad(coef.pos, go, n, lse_pos)
+        wide, split = getattr(ctx, "wide", False), ctx.split
         if same and not p.sym:
             # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
-            da, db, ds = TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
-                                  need_a, need_a, need_s)
-            da = None if da is None else da + db
+            out = TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s, wide,
+                              split)
         else:
-            da, db, ds = TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
-                                  need_a, need_b and not same, need_s)
+            out = TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+                              need_a, need_b and not same, need_s, wide, split)
+        da, db, ds = out[:3]
+        if split is not None:
+            ctx.moved_target = out[3]  # what core.PiecesFn applies with the target term
+        if same and not p.sym:
+            da = None if da is None else da + db
         adt, bdt, sdt, sshape = ctx.dtypes
         ga = da.to(adt) if need_a and da is not None else None
         gb = db.to(bdt) if need_b and not same and db is not None else None

@@ -477,7 +477,7 @@ def _rows_launch(launch, g, x, rs, nrm, w, scale_t, gs, out, xw, eps: float, nor
 _PANEL_ONLY_FLAGS = ("EAGER", "ONE_PASS")
 #: The statistics' and problem's pointer arguments the epilogue GEMM shares with ``panel_dl_kernel``.
 _EPI_POINTERS = ("RB", "SCALE", "GSCALE", "BIAS_COL", "ROW_LAB", "COL_LAB", "POS_MASK", "LSE", "G", "LSE_COL", "G_COL",
-                 "LSE_POS", "G_POS")
+                 "LSE_POS", "G_POS", "TGT", "TV")
 
 
 def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dict, flags: dict, margs: dict, r0: int,
@@ -556,7 +556,7 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
                  MODE=3, NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
                  HAS_BIAS=prep.bias_col is not None, BIAS_COS=spec.margin != 0.0, POS_KIND=0, HAS_G=False,
                  HAS_GCOL=False, HAS_GPOS=False, SYM=False, NEED_DS=False, FOLD_RB=False, PRESCALE=1.0, TRI=bool(tri),
-                 WANT_COL=bool(want_col or tri))
+                 WANT_COL=bool(want_col or tri), SPLIT_T=False)
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
@@ -572,7 +572,8 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
                       dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm, LBIAS=dm,
                            RSP=rs.contiguous(), RB=pr.rb[c0:] if pr.rb is not None else dm, SCALE=scale_t,
                            GSCALE=dm, **_problem_args(prep), LSE=dm, G=dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
-                           P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0), stride_y=y.stride(0),
+                           TGT=dm, TV=dm, P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0),
+                           stride_y=y.stride(0),
                            stride_dl=0, stride_zp=n_pn, **_mask_args(prep, spec)),
                       const, cfg.num_warps, cfg.num_stages))
         del x
@@ -617,7 +618,7 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(dt),
                  MODE=4, NORMALIZE=bool(normalize), EXCLUDE_SELF=False, HAS_BIAS=False, BIAS_COS=False, POS_KIND=0,
                  HAS_G=need, HAS_GCOL=False, HAS_GPOS=False, SYM=False, NEED_DS=bool(need and need_s),
-                 FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=False, WANT_COL=False)
+                 FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=False, WANT_COL=False, SPLIT_T=False)
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
@@ -631,7 +632,8 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
                       dict(X=xp, Y=y, DL=dl, ZP=zp, TP=tp, MXP=bp, CZ=dm, CM=dm, DS_PART=dm, BAD=dm, SHIFT=dm,
                            LBIAS=bias_t, RSP=rs.contiguous(), RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t,
                            GSCALE=gs if need else dm, BIAS_COL=dm, ROW_LAB=dm, COL_LAB=dm, POS_MASK=dm, LSE=dm,
-                           G=g if need else dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm, P=pp, M=m, D=d, r0=r0,
+                           G=g if need else dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm, TGT=dm, TV=dm, P=pp, M=m,
+                           D=d, r0=r0,
                            stride_x=xp.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0) if need else 0,
                            stride_zp=n_pn, offset=int(offset), bias=0.0, n0=1, m0=1, stride_pm=1),
                       const, cfg.num_warps, cfg.num_stages))
@@ -684,12 +686,12 @@ def _panel_gemms(launch, pr: "_Problem", dl: Tensor, w: Tensor, x: Tensor, rs: T
 
 
 def _db_from_acc(launch, pr: "_Problem", acc: Tensor, b: Tensor, gcols: int, scale_t: Tensor, gs: Tensor,
-                 dm: Tensor) -> Tensor:
-    """dB [M, D] in B's dtype from the sweep's fp32 accumulator of its first ``gcols`` rows: the
+                 dm: Tensor, wide: bool = False) -> Tensor:
+    """dB [M, D] in B's dtype (fp32 with ``wide``) from the sweep's fp32 accumulator of its first ``gcols`` rows: the
     normalisation backward of ``acc s gs / PRESCALE``, times the norm of each row where the tile folded its
     inverse norm; rows past ``gcols`` (queue columns) get no gradient."""
     m, d = b.shape
-    db = _alloc((m, d), b.dtype, b.device)
+    db = _alloc((m, d), torch.float32 if wide else b.dtype, b.device)
     if gcols < m:
         db[gcols:].zero_()
     if gcols > 0:
@@ -703,9 +705,15 @@ def _db_from_acc(launch, pr: "_Problem", acc: Tensor, b: Tensor, gcols: int, sca
 def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
           lse: Tensor | None, lse_col: Tensor | None, lse_pos: Tensor | None,
           g: Tensor | None, g_col: Tensor | None, g_pos: Tensor | None,
-          need_a: bool, need_b: bool, need_s: bool, eager: bool):
-    """One panel sweep: ``(dA, dB, ds, LSE, LSEpos)`` (dA / dB in the operand dtype, ds 0-dim fp32;
-    LSE / LSEpos only with ``eager``, else None; None where not asked).
+          need_a: bool, need_b: bool, need_s: bool, eager: bool, wide: bool = False,
+          target: Tensor | None = None):
+    """One panel sweep: ``(dA, dB, ds, LSE, LSEpos, tw)`` (dA / dB in the operand dtype, fp32 with ``wide``;
+    ds 0-dim fp32; LSE / LSEpos only with ``eager``, else None; None where not asked).
+
+    ``target`` [N] (int64): each row's target column is left out of the gradient
+    tiles, and ``tw`` [N] fp32 is the gradient with respect to the target logit ``l[i, target[i]]``
+    (for the coefficients ``g``; what the caller applies with the target term, ``core.PiecesFn``);
+    else ``tw`` is None.
 
     ``prep`` is the fused path's ``_Prepared`` (labels, mask, bias columns, dummy); ``launch`` is
     ``triton_backend._launch`` (so the AOT recorder sees these launches). With ``eager``, ``g`` /
@@ -727,7 +735,9 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     dm = prep.dummy
     lse_out = torch.empty(n, dtype=torch.float32, device=dev) if eager else None
     lsep_out = torch.empty(n, dtype=torch.float32, device=dev) if eager and g_pos is not None else None
-    da = _alloc((n, d), dt, dev) if need_a else None
+    split = target is not None
+    tw = torch.empty(n, dtype=torch.float32, device=dev) if split else None
+    da = _alloc((n, d), torch.float32 if wide else dt, dev) if need_a else None
     acc = torch.zeros((gcols, d), dtype=torch.float32, device=dev) if need_b and gcols > 0 else None
     ds_parts = []
     common = dict(RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
@@ -735,7 +745,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
                   LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
                   LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
                   LSE_OUT=lse_out if lse_out is not None else dm,
-                  LSE_POS_OUT=lsep_out if lsep_out is not None else dm)
+                  LSE_POS_OUT=lsep_out if lsep_out is not None else dm, TGT=target.contiguous() if split else dm)
     # one read of each panel (the fixed-bound exponentials, see kernels/panel.py) where the bound is
     # known (unit rows) and a single softmax forms the gradient (no positives' softmax); fp16 keeps the
     # two passes (its range cannot hold exp(l - |s|))
@@ -745,7 +755,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
                  HAS_G=g is not None,
                  HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, SYM=bool(sym), EAGER=bool(eager),
                  ONE_PASS=one_pass, NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale,
-                 TRI=False)
+                 TRI=False, SPLIT_T=split)
     bt = b.T
     margs = _mask_args(prep, spec)
     shift = _one_pass_shift(scale_t, spec, prep.bias_col is not None, margs["bias"]) if epi and one_pass else None
@@ -754,9 +764,10 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
         pp = r1 - r0
         x, rs, nrm = pr.rows(r0, r1)
         dl = _alloc((pp, m), dt, dev)
+        tv = _alloc((pp,), torch.float32, dev) if split else dm
         if epi:
-            w, ds_part = _epi_panel(launch, x, b, dl, rs, common, flags, margs, r0, one_pass, g, gs, shift,
-                                    lse_out, dm)
+            w, ds_part = _epi_panel(launch, x, b, dl, rs, dict(common, TV=tv), flags, margs, r0, one_pass, g, gs,
+                                    shift, lse_out, dm)
         else:
             lraw = _mm32(x, bt)
             w = _alloc((pp,), torch.float32, dev)
@@ -764,22 +775,24 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
             ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
             launch(Launch(
                 "panel_dl", KP.panel_dl_kernel, (n_prog,),
-                dict(L=lraw, DL=dl, W_OUT=w, RSP=rs.contiguous(), **common, DS_PART=ds_part, M=m, r0=r0, P=pp,
+                dict(L=lraw, DL=dl, W_OUT=w, RSP=rs.contiguous(), **common, TV=tv, DS_PART=ds_part, M=m, r0=r0, P=pp,
                      stride_l=lraw.stride(0), stride_dl=dl.stride(0), **margs),
                 dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
             del lraw
         if need_s:
             ds_parts.append(ds_part)
+        if split:  # the target columns' true weights W_i gscale tv_i (tv is in the tile's units)
+            tw[r0:r1] = tv * w * gs.reshape(())
         _panel_gemms(launch, pr, dl, w, x, rs, nrm, scale_t, gs, da[r0:r1] if need_a else None, acc, gcols, dm)
         del dl, x
     db = None
     if need_b:
-        db = _db_from_acc(launch, pr, acc, b, gcols, scale_t, gs, dm)
+        db = _db_from_acc(launch, pr, acc, b, gcols, scale_t, gs, dm, wide)
         del acc
     ds = None
     if need_s:
         ds = (torch.cat(ds_parts).sum() * gs.reshape(())) if ds_parts else torch.zeros((), device=dev)
-    return da, db, ds, lse_out, lsep_out
+    return da, db, ds, lse_out, lsep_out, tw
 
 
 def use_tri(p, want_col: bool, want_pos: bool) -> bool:
@@ -806,7 +819,8 @@ def _tri_panels(pr: _Problem, a: Tensor, p_rows: int, epilogue: bool):
 
 
 def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g: Tensor, need_a: bool,
-                 need_s: bool) -> tuple[Tensor | None, Tensor | None]:
+                 need_s: bool, wide: bool = False, target: Tensor | None = None
+                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward of the triangular sweep: ``(dA, ds)`` of B-is-A logits from the upper triangle only.
 
     The gradient of symmetric logits is ``dA_hat = s (G + G^T) A_hat`` with ``G_ij = g_i p_ij``. Per panel
@@ -816,7 +830,12 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     panel of its smaller row. Logits half a unit + the two GEMMs one unit: with the forward's half
     unit, 2 matmul units (the eager sweep takes 3). bf16 / fp32 fold both inverse norms into H, so
     both GEMMs read the raw A and the accumulator holds ``dA_hat_i rb_i`` (undone by the epilogue);
-    fp16 reads a normalised fp16 copy of A. dL/ds counts the diagonal block's ``G_ji`` once."""
+    fp16 reads a normalised fp16 copy of A. dL/ds counts the diagonal block's ``G_ji`` once.
+
+    Returns ``(dA, ds, tw)``. With ``target`` [N] (int64) every row's own target weight ``G_{i, t_i}`` is
+    left out of H (at ``(i, t_i)``, and transposed at ``(t_i, i)``) and comes back in ``tw`` [N] fp32
+    (as :func:`sweep`'s): from the row's panel when ``t_i`` is in its frame, else from the panel of
+    ``t_i`` (the pair's transposed term there); else ``tw`` is None."""
     n, d = a.shape
     dev, dt = a.device, a.dtype
     epi = use_epilogue(dev, dt, "tri", n * n)
@@ -827,16 +846,19 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     dm = prep.dummy
     acc = torch.zeros((n, d), dtype=torch.float32, device=dev) if need_a else None
     ds_parts = []
+    split = target is not None
+    tv = torch.zeros(n, dtype=torch.float32, device=dev) if split else None
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self), HAS_BIAS=False, BIAS_COS=False,
                  POS_KIND=0,
                  HAS_G=True, HAS_GCOL=False, HAS_GPOS=False, SYM=True, EAGER=False, ONE_PASS=False,
-                 NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=True)
+                 NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=True, SPLIT_T=split)
     a_op = pr.b_op  # raw A (folded norms, or no normalisation) or the normalised fp16 copy
     for r0, pp, c, lraw, rs, x in _tri_panels(pr, a, p_rows, epi):
         r1 = r0 + pp
         h = _alloc((pp, c), dt, dev)
         common = dict(RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
-                      LSE=lse[r0:], G=g[r0:], LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm)
+                      LSE=lse[r0:], G=g[r0:], LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
+                      TGT=(target[r0:] - r0).contiguous() if split else dm, TV=tv[r0:] if split else dm)
         if epi:
             _, ds_part = _epi_panel(launch, x, a[r0:], h, rs, common, flags, _mask_args(prep, spec), 0, False, None,
                                     gs, None, None, dm)
@@ -859,7 +881,7 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
         del h
     da = None
     if acc is not None:
-        da = _alloc((n, d), dt, dev)
+        da = _alloc((n, d), torch.float32 if wide else dt, dev)
         wrow = pr.nb if pr.fold else torch.ones(n, dtype=torch.float32, device=dev)
         _rows_launch(launch, acc, a, pr.rb, pr.nb, wrow, scale_t, gs, da, None, spec.eps, spec.normalize,
                      pr.prescale, dm)
@@ -867,7 +889,7 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     ds = None
     if need_s:
         ds = torch.cat(ds_parts).sum() * gs.reshape(()) if ds_parts else torch.zeros((), device=dev)
-    return da, ds
+    return da, ds, (tv * gs.reshape(()) if split else None)
 
 
 def _vec(c, n: int, dev) -> Tensor:
@@ -893,16 +915,19 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
     scale_t = TB._scale32(scale, dev)
     ctx.tri = use_tri(p, want_col, want_pos)
+    # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term)
+    ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
     eager = reduce and not want_col and not ctx.tri and (need_a or need_b or need_s)
     if eager:
         g = _vec(coef.lse, n, dev)
         g_pos = _vec(coef.pos, n, dev) if want_pos else None
-        da, db, ds, lse, lse_pos = sweep(TB._launch, p, p.a, bb, False, scale_t, spec, None, None, None,
-                                         g, None, g_pos, need_a, need_b or (same and need_a), need_s, True)
+        da, db, ds, lse, lse_pos, tw = sweep(TB._launch, p, p.a, bb, False, scale_t, spec, None, None, None,
+                                             g, None, g_pos, need_a, need_b or (same and need_a), need_s, True,
+                                             getattr(ctx, "wide", False), ctx.split)
         if same and da is not None:
             da = da + db  # B is A with a bias: both roles of A
             db = None
-        ctx.eager = (da, db, ds)
+        ctx.eager = (da, db, ds, tw)
         lse_col = None
     elif ctx.tri:
         ctx.eager = None
@@ -937,8 +962,10 @@ def backward(ctx, go: Tensor):
                 None, None, None, None)
 
     if ctx.eager is not None:
-        da, db, ds = ctx.eager
+        da, db, ds, tw = ctx.eager
         ctx.eager = None  # a second backward (retain_graph) recomputes from the saved statistics
+        if tw is not None:
+            ctx.moved_target = tw * go  # what core.PiecesFn applies with the target term
         return out(da.mul_(go.to(da.dtype)) if da is not None else None,
                    db.mul_(go.to(db.dtype)) if db is not None else None,
                    ds * go if ds is not None else None)
@@ -953,16 +980,22 @@ def backward(ctx, go: Tensor):
         need_s = need_s and isinstance(scale, Tensor)
         if g is None:
             g = torch.zeros(n, dtype=torch.float32, device=a.device)
-        da, ds = tri_backward(TB._launch, p, a, spec, TB._scale32(scale, a.device), lse, g, need_a, need_s)
+        da, ds, tw = tri_backward(TB._launch, p, a, spec, TB._scale32(scale, a.device), lse, g, need_a, need_s,
+                                  getattr(ctx, "wide", False), ctx.split)
+        if tw is not None:
+            ctx.moved_target = tw  # what core.PiecesFn applies with the target term
         return out(da, None, ds)
     g_col = TB._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
     g_pos = TB._coef_grad(coef.pos, go, n, lse_pos)
     bb = a if same else b
     sym = p.sym
     need_s = need_s and isinstance(scale, Tensor)
-    da, db, ds, _, _ = sweep(TB._launch, p, a, bb, sym, TB._scale32(scale, a.device), spec, lse, lse_col,
-                             lse_pos, g, g_col, g_pos, need_a, (need_b and not same) or (same and not sym and need_a),
-                             need_s, False)
+    da, db, ds, _, _, tw = sweep(TB._launch, p, a, bb, sym, TB._scale32(scale, a.device), spec, lse, lse_col,
+                                 lse_pos, g, g_col, g_pos, need_a,
+                                 (need_b and not same) or (same and not sym and need_a), need_s, False,
+                                 getattr(ctx, "wide", False), ctx.split)
+    if tw is not None:
+        ctx.moved_target = tw  # what core.PiecesFn applies with the target term
     if same and not sym and da is not None:
         da = da + db
         db = None

@@ -32,8 +32,9 @@ from ..core.triton_configs import CONFIGS, DTYPE_NAMES
 #: the symmetric backward (compiled for the row kernel's SYM path), "nopos" is "full" without the
 #: softmax over positives (the forward's "fwd" config; "full" compiles "fwd_pos"), "wide" is the most
 #: the row-statistics forward takes (the "fwd_wide" config: the self column with an offset, no bias,
-#: no column term, no positives).
-VARIANTS = ("plain", "full", "sym", "nopos", "wide")
+#: no column term, no positives). "split" / "sym_split" are "nopos" and the symmetric backward with each
+#: row's target column split out of the backward's tiles (SPLIT_T: a loss with a target term on the JIT).
+VARIANTS = ("plain", "full", "sym", "nopos", "wide", "split", "sym_split")
 
 #: The D of each bucket compiled ahead of time: the largest D_PAD of the bucket (its worst case).
 BUCKET_D = {"d64": 64, "d128": 128, "big": 768}
@@ -71,15 +72,22 @@ def variant_problem(variant: str, n: int, m: int, device="meta") -> tuple[CoreSp
         return spec, CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=dev)), True, True, False
     if variant == "wide":
         return CoreSpec(exclude_self=True, offset=3, grad_cols=m // 2), CoreData(), True, False, False
+    tgt = torch.empty(n, dtype=torch.int64, device=dev)
+    if variant == "split":  # "nopos" with the target column split out of the backward's tiles
+        spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
+        return spec, CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=dev), target=tgt), True, True, False
+    if variant == "sym_split":  # the symmetric backward with the split, every term it takes with one
+        return CoreSpec(exclude_self=True), CoreData(target=tgt), False, True, False
     raise ValueError(f"unknown AOT variant {variant!r}; valid: {VARIANTS}")
 
 
 def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, want_pos: bool,
                 dtype: torch.dtype, n: int, m: int, d: int, arch: str, need_a: bool = True, need_b: bool = True,
-                need_s: bool = True) -> list[TB.Launch]:
+                need_s: bool = True, split: bool = False) -> list[TB.Launch]:
     """The launches of one forward + backward of the core op's kernels, recorded on the meta device:
     exactly the argument lists of the runtime launches. The backward gets an upstream gradient for
-    every statistic the forward produces."""
+    every statistic the forward produces. ``split``: the backward leaves each row's target column out
+    of its tiles (``core.PiecesFn`` with a target term; the JIT only, the C API's kernels never do)."""
     meta = torch.device("meta")
     a = torch.empty((n, d), dtype=dtype, device=meta)
     b = torch.empty((m, d), dtype=dtype, device=meta) if has_b else None
@@ -89,7 +97,8 @@ def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, wan
         g = torch.empty(n, device=meta)
         g_col = None if lse_col is None else torch.empty(lse_col.shape, device=meta)
         TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
-                    need_a, need_b and has_b, need_s)
+                    need_a, need_b and has_b, need_s, target=torch.empty(n, dtype=torch.int64, device=meta) if split
+                    else None)
     return launches
 
 
@@ -175,9 +184,12 @@ def record_case(case_name: str, n: int, d: int, arch: str, dtype: torch.dtype = 
 
 
 def record_variant(variant: str, dtype: torch.dtype, n: int, m: int, d: int, arch: str) -> list[TB.Launch]:
-    """:func:`record_core` of an AOT feature set (see :data:`VARIANTS`)."""
+    """:func:`record_core` of an AOT feature set (see :data:`VARIANTS`); "split" / "sym_split" with the
+    target column split out of the backward's tiles, as the JIT runs a loss with a target term (never
+    beside a softmax over positives: ``triton_function``)."""
     spec, data, has_b, want_col, want_pos = variant_problem(variant, n, m)
-    return record_core(spec, data, has_b, want_col, want_pos, dtype, n, m if has_b else n, d, arch)
+    return record_core(spec, data, has_b, want_col, want_pos, dtype, n, m if has_b else n, d, arch,
+                       split=variant in ("split", "sym_split"))
 
 
 def record_cosent(dtype: torch.dtype, b: int, d: int, arch: str) -> list[TB.Launch]:
@@ -227,17 +239,19 @@ def jobs() -> list[Job]:
     for cc, fam in TARGETS:
         for dt, dname in DTYPE_NAMES.items():
             for bucket, d in BUCKET_D.items():
-                for variant in ("full", "sym", "nopos", "wide"):
+                for variant in ("full", "sym", "nopos", "wide", "split", "sym_split"):
                     for i, launch in enumerate(record_variant(variant, dt, 4096, 4096, d, fam)):
-                        if variant == "sym" and launch.name != "lse_bwd_rows":
+                        if variant in ("sym", "sym_split") and launch.name != "lse_bwd_rows":
                             continue
+                        if variant == "split" and not launch.name.startswith("lse_bwd"):
+                            continue  # (its forward is "nopos"'s)
                         if variant == "nopos" and (launch.name != "lse_fwd" or CONFIGS[("fwd", fam, dname, bucket)]
                                                    == CONFIGS[("fwd_pos", fam, dname, bucket)]):
                             continue  # "full" compiled the same config with more terms
                         if variant == "wide" and (launch.name != "lse_fwd" or CONFIGS[("fwd_wide", fam, dname, bucket)]
                                                   == CONFIGS[("fwd", fam, dname, bucket)]):
                             continue  # "nopos" (or "full") compiled the same config with more terms
-                        key = (cc, launch.name, dname, variant if launch.name == "lse_bwd_rows" else "",
+                        key = (cc, launch.name, dname, variant if launch.name.startswith("lse_bwd") else "",
                                tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages)
                         if key not in found:
                             found[key] = [cc, variant, dname, d, i, []]
