@@ -9,8 +9,9 @@ Everything the Triton kernels need a GPU to confirm, in one command, with a pass
   route on "panel") against the float64 oracle (the reference backend in float64 on the same
   dtype-rounded inputs) under THE accuracy rule of ``testing.accuracy`` (relative to each output's
   size), at N = 4099 (ragged against every block), D = 768 and 100, bf16 / fp16 / fp32, in the input
-  regimes ``flat`` and ``sharp`` (``testing.cases.REGIMES``: temperature 0.01 / logit scale 100 with
-  correlated positives), with every kernel output and scratch buffer filled with NaN before each launch
+  regimes ``flat``, ``sharp`` (``testing.cases.REGIMES``: temperature 0.01 / logit scale 100 with
+  correlated positives) and ``saturated`` (p_t ~ 0.9999, a loss of ~1e-4 per row: 16-bit gradient
+  pieces that cancel), with every kernel output and scratch buffer filled with NaN before each launch
   and the inputs as views into NaN-padded buffers (an unwritten element or an out-of-bounds read shows
   up as NaN), a row failing also when its family's kernels did not launch; the panel path once more
   with a forced panel height (``Plan.multi_panel_rows``, default 1000: 5 panels at N = 4099); in fp32,
@@ -120,8 +121,9 @@ class Plan:
     parity_shapes: tuple[tuple[int, int], ...] = ((4099, 768), (4099, 100))
     dtypes: tuple[torch.dtype, ...] = DTYPES
     #: input regimes of the parity rows (``testing.cases.REGIMES``): "sharp" is temperature 0.01 (logit
-    #: scale 100) with correlated positives, where a 16-bit intermediate shows
-    regimes: tuple[str, ...] = ("flat", "sharp")
+    #: scale 100) with correlated positives, where a 16-bit intermediate shows; "saturated" a softmax at
+    #: p_t ~ 0.9999, where the core op's two pieces cancel (their 16-bit rounding would swamp the gradient)
+    regimes: tuple[str, ...] = ("flat", "sharp", "saturated")
     determinism_shape: tuple[int, int] = (4099, 768)
     determinism_runs: int = 10  # < 2: skip
     fp16_shape: tuple[int, int, int] | None = (4096, 65536, 768)  # N anchors, M keys, D (None: skip)

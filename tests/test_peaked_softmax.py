@@ -126,18 +126,21 @@ def test_fp16(backend):
            lambda x, y: F.cross_entropy(_cos(x, y) / T, lab), a, p)
 
 
-def test_am_softmax_margin(backend):
-    """A target margin (the bias column is the target; its logit shifted in cosine units)."""
+def test_target_margin(backend):
+    """A target margin (additive-margin softmax: the bias column is the target, its logit shifted in
+    cosine units), on the core op."""
     a, p = _pairs(noise=0.4)
     lab = torch.arange(N)
     m = 0.1
+    spec = CoreSpec(margin=m)
+    data = CoreData(target=lab)
+    coef = Coeffs(lse=1.0, tgt=1.0)
 
     def ref(x, y):
         c = _cos(x, y)
-        return F.cross_entropy((c - m * torch.eye(N, dtype=c.dtype)) / T, lab)
+        return F.cross_entropy((c - m * torch.eye(N, dtype=c.dtype)) / T, lab, reduction="sum")
 
-    _check(lambda x, y: fc.am_softmax_loss(x, y, margin=m, temperature=T, symmetric=False, backend=backend), ref,
-           a, p)
+    _check(lambda x, y: core.run(backend, x, y, 1 / T, spec, data, coef, True), ref, a, p, rows=N)
 
 
 @pytest.mark.parametrize("mutual", [True, False], ids=["pairs", "cycles"])
@@ -160,3 +163,36 @@ def test_symmetric_targets_across_panels(backend, mutual):
         return F.cross_entropy((_cos(y, y) / T).masked_fill(eye, float("-inf")), tgt, reduction="sum")
 
     _check(lambda y: core.run(backend, y, None, 1 / T, spec, data, coef, True), ref, x, rows=N, peaked=mutual)
+
+
+def _apart(parts, need):
+    """The planted defect: ``core.forward_parts`` as it was before, each piece's gradient rounded to the
+    input dtype on its own and no target column kept out of the 16-bit tiles."""
+    from fused_contrastive.core.spec import DirectCtx
+
+    out, subs = None, []
+    for fn, args, sign in parts:
+        ctx = DirectCtx(tuple(need) + (False,) * (len(args) - 3))
+        out = core.signed_sum(out, fn.forward(ctx, *args), sign)
+        subs.append((fn, ctx, sign))
+    return out, subs
+
+
+@pytest.mark.parametrize("path", ["torch", "fused", "panel-epilogue"])
+def test_the_accuracy_rule_fails_the_pieces_rounded_apart(path, monkeypatch):
+    """THE accuracy rule (``testing.compare``, the verdict ``check --gpu-validate`` gives on a GPU) in the
+    "saturated" regime (p_t ~ 0.9999): the healthy op passes, the same op with its pieces' gradients
+    rounded apart (the code before core.PiecesFn) fails."""
+    from fused_contrastive.testing import CASE_BY_NAME, compare
+
+    name, env = PATHS[path]
+    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 48)
+    case = CASE_BY_NAME["info_nce"]
+    healthy = compare(case, 97, 64, torch.bfloat16, name, regime="saturated")
+    assert healthy.ok, str(healthy)
+    monkeypatch.setattr(core, "forward_parts", _apart)
+    planted = compare(case, 97, 64, torch.bfloat16, name, regime="saturated")
+    assert not planted.ok, str(planted)

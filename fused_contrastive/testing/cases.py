@@ -118,23 +118,30 @@ class Case:
 #: ``p - y`` cancels in its target term: the regime where a 16-bit intermediate shows, and a flat random
 #: softmax hides it. The rows stay isotropic (no shared direction): with every cosine near 0.9 the
 #: gradient is a small difference of nearly parallel unit rows, which no 16-bit GEMM operand resolves.
-REGIMES: dict[str, float | None] = {"flat": None, "peaked": 0.05, "sharp": 0.01}
+#: "saturated" is "peaked" with the target's logit ``log N + 9`` above (:data:`REGIME_MARGIN`: p ~ 0.9999,
+#: a loss of ~1e-4 per row, as SimCSE reaches in training): the log-sum-exp piece's weight on the target
+#: and the target term's -1 cancel to ``1e-4``, which 16-bit rounding of either (``2^-9``) swamps.
+REGIMES: dict[str, float | None] = {"flat": None, "peaked": 0.05, "sharp": 0.01, "saturated": 0.05}
+#: How far the target's logit stands above the others' log-sum-exp in each correlated regime (2 unless listed).
+REGIME_MARGIN: dict[str, float] = {"saturated": 9.0}
 #: In a correlated regime: the latent rows by D, their generator and the positives' cosine.
 _LATENT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("_LATENT", default=None)
 
 
-def _latent(n: int, t: float, seed: int) -> dict:
-    """The correlated regime's state at N anchors and temperature t (the cosine is set per D at use)."""
-    return {"gen": torch.Generator().manual_seed(seed + 1_000_003), "n": max(n, 2), "t": t, "rows": {}}
+def _latent(n: int, t: float, seed: int, margin: float = 2.0) -> dict:
+    """The correlated regime's state at N anchors, temperature t and target margin (the cosine is set
+    per D at use)."""
+    return {"gen": torch.Generator().manual_seed(seed + 1_000_003), "n": max(n, 2), "t": t, "rows": {},
+            "margin": margin}
 
 
-def positive_cosine(n: int, d: int, t: float) -> float:
-    """The positives' cosine of a correlated regime: ``c / t = LSE + 2``, LSE the log-sum-exp of N random
-    logits of standard deviation ``s = 1 / (t sqrt D)``: ``log N + s^2 / 2`` while the sum is a mean
-    (``s^2 < 2 log N``), else its largest term ``s sqrt(2 log N)``; at most 0.95."""
+def positive_cosine(n: int, d: int, t: float, margin: float = 2.0) -> float:
+    """The positives' cosine of a correlated regime: ``c / t = LSE + margin``, LSE the log-sum-exp of N
+    random logits of standard deviation ``s = 1 / (t sqrt D)``: ``log N + s^2 / 2`` while the sum is a
+    mean (``s^2 < 2 log N``), else its largest term ``s sqrt(2 log N)``; at most 0.95."""
     s2, ln = 1.0 / (t * t * max(d, 1)), math.log(n)
     lse = ln + s2 / 2 if s2 < 2 * ln else math.sqrt(s2 * 2 * ln)
-    return min(0.95, t * (lse + 2.0))
+    return min(0.95, t * (lse + margin))
 
 
 def _randn(g: torch.Generator, *shape: int, group: int = 1) -> Tensor:
@@ -151,7 +158,7 @@ def _randn(g: torch.Generator, *shape: int, group: int = 1) -> Tensor:
     base = lat["rows"].get(d, torch.empty(0, d))
     if base.shape[0] < need:
         base = lat["rows"][d] = torch.cat([base, torch.randn(need - base.shape[0], d, generator=lat["gen"])])
-    w2 = positive_cosine(lat["n"], d, lat["t"])
+    w2 = positive_cosine(lat["n"], d, lat["t"], lat["margin"])
     latent = base[torch.arange(rows) // group].reshape(rows, *([1] * (len(shape) - 2)), d)
     return w2**0.5 * latent + (1.0 - w2) ** 0.5 * x
 
@@ -555,7 +562,8 @@ def shapes_for(case: Case, shapes: list[tuple[int, int]] | None = None) -> list[
 def make_inputs(case: Case, n: int, d: int, seed: int = 0, regime: str = "flat") -> Inputs:
     """The inputs of ``case`` at N anchors and dimension D (float32, CPU, seeded) in ``regime`` (one of
     :data:`REGIMES`: "flat", the case's own temperature on independent rows; "peaked" / "sharp":
-    correlated positives at temperature 0.05 / 0.01). ``ValueError`` below the case's ``min_n`` or for
+    correlated positives at temperature 0.05 / 0.01; "saturated": "peaked" with the target's logit far
+    above the rest, p ~ 0.9999). ``ValueError`` below the case's ``min_n`` or for
     an unknown regime."""
     if n < case.min_n:
         raise ValueError(f"case {case.name} needs N >= {case.min_n}, got N = {n}")
@@ -565,9 +573,10 @@ def make_inputs(case: Case, n: int, d: int, seed: int = 0, regime: str = "flat")
     flat = case.build(n, d, torch.Generator().manual_seed(seed))
     if t is None or not case.peaked or flat[1].get("normalize") is False:  # raw rows: scaled for their norms
         return flat
-    token = _LATENT.set(_latent(n, t, seed))
+    margin = REGIME_MARGIN.get(regime, 2.0)
+    token = _LATENT.set(_latent(n, t, seed, margin))
     try:
         inputs = case.build(n, d, torch.Generator().manual_seed(seed))
     finally:
         _LATENT.reset(token)
-    return _set_temperature(inputs, t, positive_cosine(max(n, 2), d, t) / 2)
+    return _set_temperature(inputs, t, positive_cosine(max(n, 2), d, t, margin) / 2)
