@@ -77,8 +77,11 @@ def _check(fn, ref, *xs, rows=1, peaked=True):
     """``rows``: how many rows the reference's loss sums (1 for a mean)."""
     err, loss = _errors(fn, ref, *xs)
     if peaked:
-        assert loss / rows < 5e-3, loss  # the regime this file is about (~1e-4 to 2e-3 per row)
-    assert err < BOUND, err
+        assert loss / rows < 5e-3, loss  # the regime this file is about (~1e-4 to 3e-3 per row)
+        assert err < BOUND, err
+    else:  # a mild softmax (p ~ 0.5): bf16 gradient tiles keep ~2^-9 per entry (measured up to 1.8 %); a
+        # target weight lost or counted twice is off by the order of the largest entry
+        assert err < 2.5 * BOUND, err
 
 
 def test_info_nce_mean(backend):
