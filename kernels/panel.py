@@ -509,7 +509,7 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
     if SPLIT_T and (MODE == 1 or MODE == 2):
         # the one pass: each row's e_t = exp(l_t - sh) at its target column, from the raw product read off
         # the accumulator before the epilogue (a where over the e tile there spilled on sm_90), by the
-        # tile's own fp32 operations (bitwise its value); the tile's entry is zeroed after its store
+        # tile's own fp32 operations (bitwise its value); the host zeroes the tile's entry afterwards
         lm = loc < P
         rows0 = r0 + loc
         tgt0 = tl.load(TGT + rows0, mask=lm, other=-1).to(tl.int32)
@@ -606,10 +606,6 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
             sh = tl.load(SHIFT + loc, mask=lmask, other=0.0)
         out, z, t, mx, _ = _exp_chunk(cos, l, rb, sh, cols, tgt_r, NEED_DS, FOLD_RB, MODE == 1, False)
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
-        if SPLIT_T:  # the target's entry, stored above from another thread: 0 after the barrier
-            tl.debug_barrier()
-            tl.store(DL + loc.to(tl.int64) * stride_dl + tgt_r, tl.zeros([BLOCK_M], DL.dtype.element_ty),
-                     mask=t_here)
         part = loc.to(tl.int64) * stride_zp + pid_n
         tl.store(ZP + part, z, mask=bad)
         if NEED_DS:
@@ -659,9 +655,11 @@ def epi_gemm_kernel(
     the BAD rows only.
     SPLIT_T (MODE 0 / 1 / 2): each row's target column ``TGT[r0 + i]`` is left out of DL; its fp32 value,
     in DL's units before PRESCALE and the folded norm (``e_ij`` in MODE 1 / 2), goes to ``TV[i]`` from
-    the one column tile that holds it (:func:`_split_target`). With SYM, column j's transposed term at
-    the row ``TGT[j]`` is left out too (row j reports it; with TRI, for the columns past the panel,
-    this tile stores it in ``TV[j]``: TGT and TV then in the panel's frame, as the other vectors).
+    the one column tile that holds it (:func:`_split_target`). MODE 1 / 2 store the entry itself (their
+    e tile has no registers to spare on sm_90): the host zeroes it after the launches. With SYM, column
+    j's transposed term at the row ``TGT[j]`` is left out too (row j reports it; with TRI, for the
+    columns past the panel, this tile stores it in ``TV[j]``: TGT and TV then in the panel's frame, as
+    the other vectors).
 
     Grid: MODE 0 / 1 / 3 / 4 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
     the columns together (Y's column tiles stay in L2 across a group); MODE 2 ``cdiv(P, BLOCK_M)``.

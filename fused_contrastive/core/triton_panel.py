@@ -527,6 +527,8 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
                   dict(part, BAD=bad.to(torch.int8), SHIFT=sh), dict(const, MODE=2, BLOCK_M=EPI_REDO_ROWS), 8,
                   cfg.num_stages))
     z = zp.sum(1)
+    if flags["SPLIT_T"]:  # MODE 1 / 2 reported e at each row's target column but left it in the tile
+        dl[torch.arange(pp, device=dev), common["TGT"][r0:r0 + pp]] = 0
     lse_out[r0:r0 + pp] = sh + torch.log(z)
     w = torch.where(z > 0, g[r0:r0 + pp] / (gs * z), torch.zeros_like(z))
     return w, ((w * tp.sum(1)).sum().reshape(1) if need_s else None)
