@@ -29,6 +29,7 @@ import os
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
@@ -417,14 +418,24 @@ class Runner:
             self._ex.shutdown(wait=True)
             self._ex = None
 
-    def abort(self) -> None:
+    def abort(self, within: float = 20.0) -> None:
         """Kill the running worker and shut the pool down, joined (its queues and semaphores released:
-        nothing for the resource tracker to report as leaked)."""
-        if self._ex is not None:
+        nothing for the resource tracker to report as leaked). A signal can land just as a task ends, while
+        the pool (one task per worker) starts the next worker: one started after the first kill would
+        keep the joined shutdown waiting, so the shutdown runs in a thread and every child the pool
+        starts meanwhile is killed too, for at most ``within`` seconds."""
+        if self._ex is None:
+            return
+        ex, self._ex = self._ex, None
+        for p in mp.active_children():
+            p.kill()
+        closing = threading.Thread(target=ex.shutdown, kwargs=dict(wait=True, cancel_futures=True), daemon=True)
+        closing.start()
+        deadline = time.monotonic() + within
+        while closing.is_alive() and time.monotonic() < deadline:
+            closing.join(0.5)
             for p in mp.active_children():
                 p.kill()
-            self._ex.shutdown(wait=True, cancel_futures=True)
-            self._ex = None
 
 
 # ------------------------------------------------------------------------------------------------
