@@ -8,8 +8,9 @@ The core op (see ``fused_contrastive/core/spec.py``), with ``a_i = A_i r_i``, ``
     LSEcol_j = log sum_i exp(l_ij)                       (WANT_COL, CLIP)
     LSEpos_i = log sum_j w_ij exp(l_ij)                  (POS_KIND: 1 label equality, 2 dense mask)
 
-The linear positive terms of the contract (``TGT``, ``SET``) are O(N*D) and computed in PyTorch
-(``core/positives.py``); these kernels compute the log-sum-exp terms and their backward.
+The linear positive terms of the contract (``TGT``, ``SET``) are O(N*D) and come from
+``core/positives.py`` (the target term alone on the triton backend: ``kernels/target.py``); these kernels
+compute the log-sum-exp terms and their backward.
 
 Kernels (launchers and the autograd Function are in ``fused_contrastive/core/triton_backend.py``,
 launch configs in ``fused_contrastive/core/triton_configs.py``):

@@ -20,7 +20,7 @@ so an entry without ``error`` is host code that never reads device data: the con
 graphs. The tensors are fake tensors over the ``meta`` device, which stands in for CUDA: this
 PyTorch build has no CUDA device guard, so fake ``cuda`` tensors cannot even be indexed here; every
 branch of the host code that is taken for CUDA tensors is taken for meta tensors too (both are "not
-the CPU"). ``--plant`` adds a ``.item()`` to the row normalisation (shared by both backends) to show
+the CPU"). ``--plant`` adds a ``.item()`` to the row normalisation and to the target logits (both backends) to show
 that the trace catches one.
 """
 
@@ -129,6 +129,16 @@ def main(plant: bool, backends: tuple[str, ...] = ("torch", "triton")) -> dict:
         norms.normalize_rows = planted
         for mod in (core.chunked, core.positives):
             mod.normalize_rows = planted
+        # the triton backend's target term normalises in its row kernel: the read is planted where both
+        # backends turn the target cosines into logits too
+        orig_tgt = core.positives._target_from_cos
+
+        def planted_tgt(cos, *args, **kwargs):
+            if float(cos.float().sum()) > 1e300:
+                pass
+            return orig_tgt(cos, *args, **kwargs)
+
+        core.positives._target_from_cos = planted_tgt
 
     report = {}
     for case in covering_cases([c.name for c in CASES if c.op == "core"]):

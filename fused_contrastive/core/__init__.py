@@ -53,7 +53,10 @@ def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, dat
     out = []
     if coef.tgt is not None or coef.set is not None:
         dt = torch.float32 if backend == "triton" else compute_dtype(a, b)
-        out.append((positives.LinearTermsFn, (a, b, scale, spec, data, coef, reduce, dt), -1.0))
+        # the target term's row kernels (kernels/target.py) on the triton backend, unless the ahead-of-time
+        # library is in use (its calls are meant to compile nothing at run time)
+        kernel = backend == "triton" and not os.environ.get("FUSED_CONTRASTIVE_AOT_LIB")
+        out.append((positives.LinearTermsFn, (a, b, scale, spec, data, coef, reduce, dt, kernel), -1.0))
     lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
     if spec.exclude_target:  # the streaming paths leave the target column out as a -inf bias on it
         spec = dataclasses.replace(spec, exclude_target=False, bias=float("-inf"))
@@ -122,6 +125,7 @@ def backward_parts(subs, go: Tensor, dtypes) -> list[Tensor | None]:
     for fn, ctx, sign in reversed(subs):
         if fn is positives.LinearTermsFn:
             ctx.target_extra = moved  # added to its target coefficient: the two meet in fp32
+            ctx.grads_in = grads  # fp32 gradients of the pieces before it, which it may add to in place
         gs = fn.backward(ctx, go if sign > 0 else -go)
         if getattr(ctx, "moved_target", None) is not None:
             moved = ctx.moved_target if moved is None else moved + ctx.moved_target

@@ -13,11 +13,15 @@ N x M work: with ``l_ij = s <a_i, b_j> + bias [j == bias_col_i]``,
   ``V[c] = sum_{j % m0 = c} b_j`` (an [n0, m0] x [m0, D] matmul).
 
 The backward is explicit (:class:`LinearTermsFn`; no autograd graph inside, so the same code runs
-inside the registered custom ops of ``fused_contrastive.ops``). With ``h_i`` the upstream gradient
-times the coefficient: ``dA_hat_i = s h_i P_i`` and ``dB_hat_j = s sum_i h_i w_ij a_hat_i`` (the same
-class sums, over rows, read at each column's label; or ``mask^T`` applied to the rows folded by
-``i % n0``), the target logit adds ``s h_i`` at ``(i, t_i)``, then the normalisation backward. Only
-the inputs are saved; the unit rows are recomputed in backward (O(N*D)).
+inside the registered custom ops of ``fused_contrastive.ops``). On the triton backend the target term
+alone (no SET) runs as two row kernels (``kernels/target.py``: the cosine per row, then the gradients,
+added in place to the other pieces' fp32 gradients of ``core.PiecesFn``) instead of the unit rows of A
+and B and their normalisation backward in PyTorch (~20 passes over N x D fp32 tensors at N = M).
+With ``h_i`` the upstream gradient times the coefficient: ``dA_hat_i = s h_i P_i`` and
+``dB_hat_j = s sum_i h_i w_ij a_hat_i`` (the same class sums, over rows, read at each column's label; or
+``mask^T`` applied to the rows folded by ``i % n0``), the target logit adds ``s h_i`` at ``(i, t_i)``,
+then the normalisation backward. Only the inputs are saved; the unit rows are recomputed in backward
+(O(N*D)).
 """
 
 from __future__ import annotations
@@ -140,14 +144,18 @@ def _positive_sums_by_column(x: Tensor, m: int, spec: CoreSpec, data: CoreData) 
 def _target_logits(ah: Tensor, bh: Tensor, s, spec: CoreSpec, data: CoreData) -> Tensor:
     """``TGT`` per row: ``s (<a_i, b_{t_i}> - margin) + bias [t_i == bias_col_i]``, -inf at an excluded own
     column."""
+    return _target_from_cos(torch.linalg.vecdot(ah, bh[data.target], dim=1), ah.shape[0], s, spec, data)
+
+
+def _target_from_cos(cos: Tensor, n: int, s, spec: CoreSpec, data: CoreData) -> Tensor:
+    """``TGT`` per row from ``cos_i = <a_i, b_{t_i}>`` (see :func:`_target_logits`)."""
     t = data.target
-    tgt = torch.linalg.vecdot(ah, bh[t], dim=1)
-    tgt = (tgt - spec.margin if spec.margin != 0.0 else tgt) * s
+    tgt = (cos - spec.margin if spec.margin != 0.0 else cos) * s
     if data.bias_col is not None and spec.bias != 0.0:
         tgt = tgt + spec.bias * (t == data.bias_col).to(tgt.dtype)
     if not spec.exclude_self:
         return tgt
-    return torch.where(t == torch.arange(ah.shape[0], device=t.device) + spec.offset, float("-inf"), tgt)
+    return torch.where(t == torch.arange(n, device=t.device) + spec.offset, float("-inf"), tgt)
 
 
 def _weighted(c, v: Tensor, dt: torch.dtype) -> Tensor:
@@ -165,12 +173,21 @@ class LinearTermsFn(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
-                reduce: bool, dt: torch.dtype) -> Tensor:
-        ah, _ = normalize_rows(a, spec.eps, dt, spec.normalize)
-        bh = ah if b is None else normalize_rows(b, spec.eps, dt, spec.normalize)[0]
+                reduce: bool, dt: torch.dtype, kernel: bool = False) -> Tensor:
         s = scale.detach().to(dt) if isinstance(scale, Tensor) else float(scale)
+        # the target term alone on the triton backend: two row kernels (kernels/target.py) instead of
+        # the unit rows of A and B and their gradients in PyTorch (~20 passes over N x D fp32 tensors)
+        ctx.kernel = kernel and coef.set is None and coef.tgt is not None and dt == torch.float32
         out = None
-        if coef.tgt is not None:
+        if ctx.kernel:
+            from .triton_target import target_cos
+
+            cos = target_cos(a, a if b is None else b, data.target, spec.eps, spec.normalize)
+            out = _weighted(coef.tgt, _target_from_cos(cos, a.shape[0], s, spec, data), dt)
+        else:
+            ah, _ = normalize_rows(a, spec.eps, dt, spec.normalize)
+            bh = ah if b is None else normalize_rows(b, spec.eps, dt, spec.normalize)[0]
+        if coef.tgt is not None and not ctx.kernel:
             out = _weighted(coef.tgt, _target_logits(ah, bh, s, spec, data), dt)
         if coef.set is not None:
             set_ = torch.linalg.vecdot(ah, _positive_sums(ah, bh, spec, data), dim=1) * s
@@ -193,6 +210,9 @@ class LinearTermsFn(torch.autograd.Function):
         need_s = need_s and scale is not None
         s = float(ctx.scale) if scale is None else scale.detach().to(dt)
         n = a.shape[0]
+        if ctx.kernel:
+            return (*_target_backward_kernel(ctx, a, b, s, g, need_a, need_b, need_s, scale), None, None, None, None,
+                    None, None)
         ah, na = normalize_rows(a, spec.eps, dt, spec.normalize)
         bh, nb = (ah, na) if b is None else normalize_rows(b, spec.eps, dt, spec.normalize)
         g = g.to(dt).expand(n)
@@ -235,7 +255,52 @@ class LinearTermsFn(torch.autograd.Function):
         ga = normalize_backward_(dah, ah, na, spec.eps).to(ctx.dtypes[0]) if dah is not None else None
         gb = normalize_backward_(dbh, bh, nb, spec.eps).to(ctx.dtypes[1]) if dbh is not None else None
         gs = ds.to(scale.dtype).reshape(scale.shape) if need_s else None
-        return ga, gb, gs, None, None, None, None, None
+        return ga, gb, gs, None, None, None, None, None, None
+
+
+def _target_h(g: Tensor, coef, spec: CoreSpec, data: CoreData, n: int, dt: torch.dtype) -> Tensor:
+    """The target term's coefficient times the upstream gradient per row, 0 where the target is the
+    row's excluded own column (its logit is -inf: no gradient)."""
+    h = _weighted(coef.tgt, g.to(dt).expand(n), dt)
+    if spec.exclude_self:
+        t = data.target
+        h = torch.where(t == torch.arange(n, device=t.device) + spec.offset, 0.0, h)
+    return h
+
+
+def _target_backward_kernel(ctx, a: Tensor, b: Tensor | None, s, g: Tensor, need_a: bool, need_b: bool,
+                            need_s: bool, scale: Tensor | None) -> tuple:
+    """(dA, dB, d scale) of the target term by the row kernel (``ctx.kernel``; the term alone, fp32)."""
+    from .triton_target import target_backward
+
+    spec, data, coef, dt = ctx.spec, ctx.data, ctx.coef, ctx.dt
+    n, t = a.shape[0], data.target
+    h = _target_h(g, coef, spec, data, n, dt)
+    hk = h
+    extra = getattr(ctx, "target_extra", None)
+    if extra is not None:  # the log-sum-exp terms' weight on the target logit (core.PiecesFn), in fp32
+        hk = h + extra.to(dt)
+    need_b = need_b and b is not None
+    # core.PiecesFn's fp32 gradients of the other pieces (``ctx.grads_in``): this term is added to them in
+    # place (the kernel's dA, index_add_ for the target rows) and returns None for them instead
+    into = getattr(ctx, "grads_in", None) or [None, None]
+    into = [x if x is not None and x.dtype == torch.float32 and x.stride(-1) == 1 else None for x in into[:2]]
+    acc_a = into[0] if need_a else None
+    cos, da, dbr = target_backward(a, a if b is None else b, t, (hk * s).contiguous(), spec.eps, spec.normalize,
+                                   acc_a)
+    gs = None
+    if need_s:  # d TGT / ds = c - margin
+        gs = (h * (cos - spec.margin)).sum().to(scale.dtype).reshape(scale.shape)
+    db = None
+    if b is None:  # B is A: row t_i's part lands in dA
+        if need_a:
+            da.index_add_(0, t, dbr)
+    elif need_b:
+        if into[1] is not None:
+            into[1].index_add_(0, t, dbr)
+        else:
+            db = torch.zeros(b.shape, dtype=torch.float32, device=b.device).index_add_(0, t, dbr).to(ctx.dtypes[1])
+    return (da.to(ctx.dtypes[0]) if need_a and acc_a is None else None), db, gs
 
 
 def linear_terms(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
@@ -243,4 +308,4 @@ def linear_terms(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreD
     """``c.tgt TGT + c.set SET`` per row ([N]) or summed (0-dim); None when neither term is asked for."""
     if coef.tgt is None and coef.set is None:
         return None
-    return LinearTermsFn.apply(a, b, scale, spec, data, coef, reduce, dt)
+    return LinearTermsFn.apply(a, b, scale, spec, data, coef, reduce, dt, False)

@@ -129,6 +129,11 @@ def fwd_kernel(pos: bool, want_col: bool, tri: bool, has_bias: bool) -> str:
 ROW_NORM_BLOCK_R = 32
 ROW_NORM_MAX_BLOCK_D = 128
 ROW_NORM_WARPS = 4
+#: The target term's row kernel (kernels/target.py): rows per program, widest D chunk, warps (two
+#: passes over the row and its target row, O(N*D); bandwidth-bound like the row-norm prologue).
+TARGET_BLOCK_R = 16
+TARGET_MAX_BLOCK_D = 128
+TARGET_WARPS = 4
 
 
 def d_pad(d: int) -> int:
@@ -263,7 +268,15 @@ GUIDED_EPI = {
     "redo_sm80": LaunchConfig(32, 128, 64, 8, 3),
     "redo_sm90": LaunchConfig(64, 128, 64, 8, 3),
 }
+#: The guided route's merge over the blocks (kernels/guided.py ``guided_rows_kernel``, 4 warps): rows per
+#: program and column-tile partials per step.
+GUIDED_ROWS_BLOCK_R = 16
+GUIDED_ROWS_BLOCK_C = 128
 #: Row tiles that sweep the column tiles together (L2 reuse of B's tiles across the group).
 EPI_GROUP_M = 8
 #: Rows per program of the one-pass redo launch (MODE 2, 8 warps, the one-pass BLOCK_N).
 EPI_REDO_ROWS = 64
+#: The one pass's per-row bookkeeping (kernels/panel.py ``epi_rows_kernel``, 4 warps): rows per program and
+#: column-tile partials per step.
+EPI_ROWS_BLOCK_R = 16
+EPI_ROWS_BLOCK_C = 128

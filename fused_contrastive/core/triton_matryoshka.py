@@ -257,7 +257,7 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
         return torch.stack([
             positives.LinearTermsFn.apply(prefix_rows(x, d, spec.eps),
                                           None if y is None else prefix_rows(y, d, spec.eps), s, plain, data, c,
-                                          reduce, torch.float32)
+                                          reduce, torch.float32, False)
             for d in dims])
     if coef.tgt is not None:
         with torch.no_grad():
