@@ -461,6 +461,59 @@ def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, 
 
 
 @triton.jit
+def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW, TV, TW, DL, TGT,
+                    P, n_pn, r0, stride_zp, stride_dl,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FINISH: tl.constexpr, NEED_DS: tl.constexpr,
+                    SPLIT_T: tl.constexpr):
+    """The per-row bookkeeping of the epilogue GEMM's one pass (``core/triton_panel.py`` ``_epi_panel``), one
+    launch before and one after the redo instead of a dozen ATen ops per panel. Row i of the panel
+    (global row ``r0 + i``), ``z_i = sum_k ZP[i, k]`` over its ``n_pn`` column tiles' partials:
+
+    * FINISH off: ``BAD_i = z_i < 2^-64`` (int8) and the redo's shift ``SH_i``: the row's largest logit
+      ``max_k MXP[i, k]`` where BAD (and finite), else the fixed shift ``SHIFT0[0]``;
+    * FINISH on (after the redo rewrote the partials of the BAD rows): ``LSE_OUT[r0 + i] = SH_i + log z_i``,
+      the row weight ``W_OUT_i = G[r0 + i] / (GSCALE z_i)`` (0 for ``z_i = 0``: a row without any column),
+      with NEED_DS ``DSW_i = W_i sum_k TP[i, k]`` (the temperature gradient's part, summed by the host),
+      with SPLIT_T the target logit's weight ``TW_i = TV_i W_i GSCALE`` and a zero written over the
+      target entry ``DL[i, TGT[r0 + i]]`` (MODE 1 / 2 left ``e_it`` there).
+    Partials are summed in a fixed order (deterministic)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < P
+    r64 = rows.to(tl.int64)
+    z = tl.zeros([BLOCK_R], dtype=tl.float32)
+    mx = tl.full([BLOCK_R], NEG_INF, tl.float32)
+    t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, n_pn, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        m2 = rmask[:, None] & (cc < n_pn)[None, :]
+        off = r64[:, None] * stride_zp + cc[None, :]
+        z += tl.sum(tl.load(ZP + off, mask=m2, other=0.0), axis=1)
+        if FINISH:
+            if NEED_DS:
+                t += tl.sum(tl.load(TP + off, mask=m2, other=0.0), axis=1)
+        else:
+            mx = tl.maximum(mx, tl.max(tl.load(MXP + off, mask=m2, other=NEG_INF), axis=1))
+    if not FINISH:
+        bad = z < ONE_PASS_MIN_Z
+        sh = tl.where(bad & (mx > NEG_INF), mx, tl.load(SHIFT0))
+        tl.store(BAD + rows, bad.to(tl.int8), mask=rmask)
+        tl.store(SH + rows, sh, mask=rmask)
+    else:
+        gs = tl.load(GSCALE)
+        tl.store(LSE_OUT + r0 + rows, tl.load(SH + rows, mask=rmask, other=0.0) + tl.log(z), mask=rmask)
+        g = tl.load(G + r0 + rows, mask=rmask, other=0.0)
+        w = tl.where(z > 0, g / (gs * z), 0.0)
+        tl.store(W_OUT + rows, w, mask=rmask)
+        if NEED_DS:
+            tl.store(DSW + rows, w * t, mask=rmask)
+        if SPLIT_T:
+            tl.store(TW + rows, tl.load(TV + rows, mask=rmask, other=0.0) * w * gs, mask=rmask)
+            tgt = tl.load(TGT + r0 + rows, mask=rmask, other=0).to(tl.int64)
+            tl.store(DL + r64 * stride_dl + tgt, tl.zeros([BLOCK_R], dtype=DL.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
 def _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
     """The fp32 tile ``X[loc] @ Y[cols]^T`` [BLOCK_M, BLOCK_N] of an epilogue GEMM (this module's and the

@@ -317,8 +317,10 @@ def test_epilogue_gemm_is_chosen_where_documented(monkeypatch):
             fc.clip_loss(q[:50].to(dt), k[:50].to(dt), 10.0, backend="triton").backward()
         return {(x.name, x.constexprs.get("MODE")) for x in rec.launches if x.name.startswith(("epi", "panel_dl"))}
 
-    one_pass = {("epi_gemm", 1), ("epi_gemm_redo", 2)}
+    # the one pass: MODE 1, its redo (MODE 2) and the per-row bookkeeping around it (epi_rows, twice per panel)
+    one_pass = {("epi_gemm", 1), ("epi_gemm_redo", 2), ("epi_rows", None)}
     assert kernels("epilogue", torch.bfloat16) == one_pass
+    assert sum(x.name == "epi_rows" for x in rec.launches) == 2 * sum(x.name == "epi_gemm" for x in rec.launches)
     # CLIP: the statistics forward (MODE 3), then the backward from known statistics (MODE 0)
     assert kernels("epilogue", torch.bfloat16, "clip") == {("epi_gemm_stats", 3), ("epi_gemm", 0)}
     assert kernels("epilogue", torch.float16) == {("panel_dl", None)}  # fp16's eager sweep: two passes
@@ -940,6 +942,11 @@ _COMPILE = textwrap.dedent(
             triton_panel.PANEL_ROWS = 1024 if variant == "tri" else None
             for dt in dtypes:
                 for x in record(arch, dt, variant):
+                    if x.name in ("epi_rows", "target_rows"):  # the row kernels around the one pass (and the
+                        r = aot.compile_launch(x, cc)         # target term's: every loss here has one)
+                        r.update(variant=variant, dtype=str(dt), finish=x.constexprs.get("FINISH"),
+                                 bwd=x.constexprs.get("BWD"), acc=x.constexprs.get("ACC"))
+                        out.append(r)
                     if x.name.startswith("epi_gemm"):
                         keep = {}
                         r = aot.compile_launch(x, cc, keep)
@@ -1034,9 +1041,22 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
     assert all(r["shared"] <= (227 if r["cc"] == 90 else 163) * 1024 for r in epi), epi
 
 
+def test_row_kernels_compile_without_spills(compiled):
+    """The one pass's per-row bookkeeping (epi_rows, before and after the redo) and the target term's row
+    kernel (its forward, and its backward adding into the other pieces' fp32 gradient) on both archs."""
+    rows = [r for r in compiled if r["kernel"] in ("epi_rows", "target_rows")]
+    assert {(r["cc"], r["finish"]) for r in rows if r["kernel"] == "epi_rows"} == {
+        (cc, f) for cc in (80, 90) for f in (False, True)}
+    assert {(r["cc"], r["bwd"], r["acc"]) for r in rows if r["kernel"] == "target_rows"} == {
+        (cc, bwd, acc) for cc in (80, 90) for bwd, acc in ((False, False), (True, True))}
+    bad = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    assert not bad, bad
+
+
 def test_one_byte_mask_kernels_use_tensor_cores(compiled):
     fused = [r for r in compiled
-             if r["kernel"] not in ("panel_dl", "panel_rows") and not r["kernel"].startswith("epi_gemm")]
+             if r["kernel"] not in ("panel_dl", "panel_rows", "epi_rows", "target_rows")
+             and not r["kernel"].startswith("epi_gemm")]
     assert {r["kernel"] for r in fused} == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols"}
     for r in fused:
         assert (r["n_wgmma"] and not r["n_mma"]) if r["cc"] == 90 else r["n_mma"], r

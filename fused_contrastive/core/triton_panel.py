@@ -126,6 +126,8 @@ from .triton_configs import (
     EPI_GEMM,
     EPI_GROUP_M,
     EPI_REDO_ROWS,
+    EPI_ROWS_BLOCK_C,
+    EPI_ROWS_BLOCK_R,
     PANEL_CHUNK,
     PANEL_ROWS_BLOCK_R,
     PANEL_ROWS_MAX_BLOCK_D,
@@ -481,18 +483,20 @@ _EPI_POINTERS = ("RB", "SCALE", "GSCALE", "BIAS_COL", "ROW_LAB", "COL_LAB", "POS
 
 
 def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dict, flags: dict, margs: dict, r0: int,
-               one_pass: bool, g: Tensor | None, gs: Tensor, shift: Tensor | None, lse_out: Tensor | None, dm: Tensor):
+               one_pass: bool, g: Tensor | None, gs: Tensor, shift: Tensor | None, lse_out: Tensor | None, dm: Tensor,
+               tw: Tensor | None = None):
     """One panel's gradient tile by the epilogue GEMM (``kernels/panel.py`` ``epi_gemm_kernel``):
     ``(W, ds)`` with ``W`` [P] the row weights (the tile is ``diag(W) DL``) and ``ds`` the panel's
     temperature-gradient parts (a 1-d fp32 tensor, None without NEED_DS).
 
     ``x`` [P, D] the panel's operand rows, ``y`` [M, D] the raw B, ``dl`` [P, M] the output tile.
     Known statistics (``one_pass`` False): one launch (MODE 0), W = 1. One pass: the MODE 1 launch
-    writes ``e_ij`` and the partials, the host sums them per row in a fixed order (O(P M / BLOCK_N)),
-    a MODE 2 launch redoes the rows with ``z_i < 2^-64`` exactly (its row tiles without such a row
-    return at once: no host synchronisation), then ``LSE_i = shift_i + log z_i`` goes to ``lse_out``
-    and ``W_i = g_i / (gscale z_i)`` (0 where ``z_i = 0``: a row without any column); ``shift`` is
-    the fixed shift ``m`` as a 0-dim tensor."""
+    writes ``e_ij`` and the partials; ``epi_rows_kernel`` sums them per row in a fixed order
+    (O(P M / BLOCK_N)) and flags the rows with ``z_i < 2^-64``, a MODE 2 launch redoes those exactly (its
+    row tiles without such a row return at once: no host synchronisation), then ``epi_rows_kernel`` again
+    writes ``LSE_i = shift_i + log z_i`` to ``lse_out``, ``W_i = g_i / (gscale z_i)`` (0 where ``z_i = 0``:
+    a row without any column) and, with SPLIT_T, the target weights to ``tw`` [P] (the panel's slice) and
+    zeroes the target entries of ``dl``; ``shift`` is the fixed shift ``m`` as a 0-dim tensor."""
     pp, d = x.shape
     m = y.shape[0]
     dev = x.device
@@ -517,21 +521,23 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     part = dict(args, ZP=zp, TP=tp, MXP=mxp, DS_PART=dm, stride_zp=n_pn)
     launch(Launch("epi_gemm", KP.epi_gemm_kernel, (n_pm * n_pn,), dict(part, BAD=dm, SHIFT=dm), dict(const, MODE=1),
                   cfg.num_warps, cfg.num_stages))
-    z = zp.sum(1)
-    mx = mxp.amax(1)
-    bad = z < KP.ONE_PASS_MIN_Z.value
-    sh = torch.where(bad & (mx > float("-inf")), mx, shift)
+    bad = torch.empty((pp,), dtype=torch.int8, device=dev)  # (the poisoned outputs of _alloc are NaN: float only)
+    sh = _alloc((pp,), torch.float32, dev)
+    w = _alloc((pp,), torch.float32, dev)
+    dsw = _alloc((pp,), torch.float32, dev) if need_s else dm
+    split = bool(flags["SPLIT_T"])  # MODE 1 / 2 reported e at each row's target column but left it in the tile
+    rows_args = dict(ZP=zp, MXP=mxp, TP=tp, SHIFT0=shift, BAD=bad, SH=sh, LSE_OUT=lse_out, G=g, GSCALE=gs, W_OUT=w,
+                     DSW=dsw, TV=common["TV"], TW=tw if split else dm, DL=dl, TGT=common["TGT"], P=pp, n_pn=n_pn, r0=r0,
+                     stride_zp=n_pn, stride_dl=dl.stride(0))
+    rows_const = dict(BLOCK_R=EPI_ROWS_BLOCK_R, BLOCK_C=EPI_ROWS_BLOCK_C, NEED_DS=need_s, SPLIT_T=split)
+    rows_grid = (triton.cdiv(pp, EPI_ROWS_BLOCK_R),)
+    launch(Launch("epi_rows", KP.epi_rows_kernel, rows_grid, rows_args, dict(rows_const, FINISH=False), 4, 1))
     # the redo's row tiles: EPI_REDO_ROWS rows at 8 warps (the partials' column tiles stay BLOCK_N wide);
     # a 128-row tile with the redo's column loop spilled on sm_90
     launch(Launch("epi_gemm_redo", KP.epi_gemm_kernel, (triton.cdiv(pp, EPI_REDO_ROWS),),
-                  dict(part, BAD=bad.to(torch.int8), SHIFT=sh), dict(const, MODE=2, BLOCK_M=EPI_REDO_ROWS), 8,
-                  cfg.num_stages))
-    z = zp.sum(1)
-    if flags["SPLIT_T"]:  # MODE 1 / 2 reported e at each row's target column but left it in the tile
-        dl[torch.arange(pp, device=dev), common["TGT"][r0:r0 + pp]] = 0
-    lse_out[r0:r0 + pp] = sh + torch.log(z)
-    w = torch.where(z > 0, g[r0:r0 + pp] / (gs * z), torch.zeros_like(z))
-    return w, ((w * tp.sum(1)).sum().reshape(1) if need_s else None)
+                  dict(part, BAD=bad, SHIFT=sh), dict(const, MODE=2, BLOCK_M=EPI_REDO_ROWS), 8, cfg.num_stages))
+    launch(Launch("epi_rows", KP.epi_rows_kernel, rows_grid, rows_args, dict(rows_const, FINISH=True), 4, 1))
+    return w, (dsw if need_s else None)
 
 
 def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, want_col: bool, tri: bool = False
@@ -769,7 +775,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
         tv = _alloc((pp,), torch.float32, dev) if split else dm
         if epi:
             w, ds_part = _epi_panel(launch, x, b, dl, rs, dict(common, TV=tv), flags, margs, r0, one_pass, g, gs,
-                                    shift, lse_out, dm)
+                                    shift, lse_out, dm, tw[r0:r1] if split else None)
         else:
             lraw = _mm32(x, bt)
             w = _alloc((pp,), torch.float32, dev)
@@ -783,8 +789,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
             del lraw
         if need_s:
             ds_parts.append(ds_part)
-        if split:  # the target columns' true weights W_i gscale tv_i (tv is in the tile's units)
-            tw[r0:r1] = tv * w * gs.reshape(())
+        if split and not (epi and one_pass):  # the target columns' true weights W_i gscale tv_i (tv is in the
+            tw[r0:r1] = tv * w * gs.reshape(())  # tile's units; the one-pass epilogue GEMM writes them itself)
         _panel_gemms(launch, pr, dl, w, x, rs, nrm, scale_t, gs, da[r0:r1] if need_a else None, acc, gcols, dm)
         del dl, x
     db = None
