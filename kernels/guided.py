@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .lse import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
-from .panel import ONE_PASS_SHIFT, _tile_products
+from .panel import ONE_PASS_MIN_Z, ONE_PASS_SHIFT, _tile_products
 
 
 @triton.jit
@@ -351,3 +351,105 @@ def guided_epi_kernel(
                          offset, loc < P, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_G, EVEN_K, UPCAST, MODE, NORMALIZE,
                          EXCLUDE_SELF, HAS_GUIDE, HAS_IDS, PROTECT, SPLIT_T, NEED_DS, FOLD_RB, GUIDE_UPCAST,
                          GUIDE_PREC)
+
+
+@triton.jit
+def guided_rows_kernel(ZP, TP, MXP, ETP, CTP, SHIFT0, BAD, SH, LOSS, W, WROW, ZX, DSW, SCALE,
+                       P, n_all, n_t, r0, stride_zp, min_te,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FINISH: tl.constexpr, SPLIT: tl.constexpr,
+                       NEED_DS: tl.constexpr):
+    """The merge over the blocks of one panel of the guided route (``core/triton_guided_panel.py``, its
+    step 2), one launch before and one after the redo instead of ~60 ATen ops per panel. Row i of the
+    panel (global row ``r0 + i``): ``zx_i = sum_k ZP[i, k]`` over the ``n_all`` column tiles of every block
+    (their partials side by side in one buffer), with SPLIT the target's ``e_it = sum_k ETP[i, k]`` and
+    ``c_it = sum_k CTP[i, k]`` over the protected block's ``n_t`` tiles (0 in every tile but one);
+    ``z_i = zx_i + e_it``.
+
+    * FINISH off: ``BAD_i = z_i < 2^-64`` (int8) and the redo's shift ``SH_i`` (the row's largest logit over
+      every block where BAD and finite, else ``SHIFT0[0]``);
+    * FINISH on: ``LOSS[r0 + i]`` = ``log1p(zx_i / e_it)`` (``LSE_i - l_it`` without its cancellation) or,
+      where ``e_it <= min_te``, ``SH_i + log z_i - s c_it`` (without SPLIT ``SH_i + log z_i``); the row weight
+      ``WROW_i = W[r0 + i] / z_i`` (0 unless z is finite and positive and the weight nonzero), ``ZX_i``, and
+      with NEED_DS ``DSW_i = WROW_i (sum_k TP[i, k] - zx_i c_it)`` (the temperature gradient's part).
+    Partials are summed in a fixed order (deterministic)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < P
+    r64 = rows.to(tl.int64)
+    zx = tl.zeros([BLOCK_R], dtype=tl.float32)
+    tx = tl.zeros([BLOCK_R], dtype=tl.float32)
+    mx = tl.full([BLOCK_R], NEG_INF, tl.float32)
+    for c0 in range(0, n_all, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        m2 = rmask[:, None] & (cc < n_all)[None, :]
+        off = r64[:, None] * stride_zp + cc[None, :]
+        zx += tl.sum(tl.load(ZP + off, mask=m2, other=0.0), axis=1)
+        if FINISH:
+            if NEED_DS:
+                tx += tl.sum(tl.load(TP + off, mask=m2, other=0.0), axis=1)
+        else:
+            mx = tl.maximum(mx, tl.max(tl.load(MXP + off, mask=m2, other=NEG_INF), axis=1))
+    et = tl.zeros([BLOCK_R], dtype=tl.float32)
+    ct = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if SPLIT:
+        for c0 in range(0, n_t, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            m2 = rmask[:, None] & (cc < n_t)[None, :]
+            off = r64[:, None] * stride_zp + cc[None, :]
+            et += tl.sum(tl.load(ETP + off, mask=m2, other=0.0), axis=1)
+            if FINISH:
+                ct += tl.sum(tl.load(CTP + off, mask=m2, other=0.0), axis=1)
+    z = zx + et
+    if not FINISH:
+        bad = z < ONE_PASS_MIN_Z
+        tl.store(BAD + rows, bad.to(tl.int8), mask=rmask)
+        tl.store(SH + rows, tl.where(bad & (mx > NEG_INF), mx, tl.load(SHIFT0)), mask=rmask)
+    else:
+        lse = tl.load(SH + rows, mask=rmask, other=0.0) + tl.log(z)
+        if SPLIT:
+            s = tl.load(SCALE).to(tl.float32)
+            big = et > min_te
+            x = zx / tl.where(big, et, 1.0)
+            # log1p(x) = log(u) x / (u - 1), u = 1 + x: a few ulps for any x >= 0 (x where u rounds to 1)
+            u = 1.0 + x
+            du = u - 1.0
+            ratio = tl.where(du == 0.0, x, tl.log(u) * (x / tl.where(du == 0.0, 1.0, du)))
+            loss = tl.where(big, ratio, lse - s * ct)
+        else:
+            loss = lse
+        tl.store(LOSS + r0 + rows, loss, mask=rmask)
+        w = tl.load(W + r0 + rows, mask=rmask, other=0.0)
+        # "z is finite and positive" (NaN fails both comparisons); a zero weight passes no gradient
+        ok = (z > 0) & (z < float("inf")) & (w != 0)
+        wrow = tl.where(ok, w / tl.where(ok, z, 1.0), 0.0)
+        tl.store(WROW + rows, wrow, mask=rmask)
+        tl.store(ZX + rows, zx, mask=rmask)
+        if NEED_DS:
+            if SPLIT:  # the target's d/ds: (W e_t - w) cos_t = -W zx cos_t
+                tx = tx - zx * ct
+            tl.store(DSW + rows, wrow * tx, mask=rmask)
+
+
+@triton.jit
+def guided_acc_kernel(ACC, RAW, C, TGT, CT, F, P, D, stride_acc, stride_raw, stride_c,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_T: tl.constexpr):
+    """A row tensor's panel of the guided route into its fp32 accumulator (step 3 of
+    ``core/triton_guided_panel.py``), one pass instead of six ATen ops: ``ACC_i += F_i (RAW_i - CT_i
+    C[TGT_i])`` for the P rows (RAW the fp32 ``sum_k E_k @ C_hat_k`` of the panel, ``F_i = W_i rb_i``; with
+    HAS_T the target's term, ``CT_i = zx_i rb_t`` times the raw target row of C, 16-bit)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < P
+    r64 = rows.to(tl.int64)
+    f = tl.load(F + rows, mask=rmask, other=0.0)
+    if HAS_T:
+        tgt = tl.load(TGT + rows, mask=rmask, other=0).to(tl.int64)
+        ct = tl.load(CT + rows, mask=rmask, other=0.0)
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (dd < D)[None, :]
+        raw = tl.load(RAW + r64[:, None] * stride_raw + dd[None, :], mask=m2, other=0.0)
+        if HAS_T:
+            raw -= ct[:, None] * tl.load(C + tgt[:, None] * stride_c + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        pa = ACC + r64[:, None] * stride_acc + dd[None, :]
+        tl.store(pa, tl.load(pa, mask=m2, other=0.0) + raw * f[:, None], mask=m2)

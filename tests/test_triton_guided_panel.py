@@ -417,7 +417,7 @@ _SCRIPT = textwrap.dedent(
         seen, out = set(), []
         for x in launches:
             key = (x.name, tuple(sorted(x.constexprs.items())), x.num_warps)
-            if x.name.startswith("guided_epi") and key not in seen:
+            if x.name.startswith(("guided_epi", "guided_rows", "guided_acc")) and key not in seen:
                 seen.add(key)
                 out.append(x)
         return out
@@ -426,7 +426,12 @@ _SCRIPT = textwrap.dedent(
         cc, fam, gname, variant, i = args
         lz = record(fam, gname, variant)[i]
         out = aot.compile_launch(lz, cc)
-        out.update(guide=gname, variant=variant, split=bool(lz.constexprs["SPLIT_T"]), mode=lz.constexprs["MODE"])
+        c = lz.constexprs
+        # guided_rows (the merge over the blocks): "merge" before the redo, "finish" after it
+        # guided_acc (a row tensor's panel into its accumulator): "acc", with or without the target's term
+        mode = c["MODE"] if "MODE" in c else ("acc" if "HAS_T" in c else ("finish" if c["FINISH"] else "merge"))
+        out.update(guide=gname, variant=variant, split=bool(c.get("SPLIT_T", c.get("SPLIT", c.get("HAS_T")))),
+                   mode=mode, kernel=lz.name)
         return out
 
     if __name__ == "__main__":
@@ -445,11 +450,21 @@ def compiled():
 
 def test_route_kernels_compile_without_spills(compiled):
     # per arch and guide dtype: GIST's split (target) and plain blocks, info_nce's ids-and-self block, each
-    # in MODE 1 (the one pass) and MODE 2 (the redo)
-    kinds = {(r["cc"], r["guide"], r["variant"], r["split"], r["mode"]) for r in compiled}
-    assert len(kinds) == 2 * 2 * 3 * 2 == len(compiled), sorted(kinds)
+    # in MODE 1 (the one pass) and MODE 2 (the redo); the merge over the blocks before and after the redo
+    epi = [r for r in compiled if r["kernel"] not in ("guided_rows", "guided_acc")]
+    kinds = {(r["cc"], r["guide"], r["variant"], r["split"], r["mode"]) for r in epi}
+    assert len(kinds) == 2 * 2 * 3 * 2 == len(epi), sorted(kinds)
+    rows = {(r["cc"], r["guide"], r["variant"], r["split"], r["mode"])
+            for r in compiled if r["kernel"] == "guided_rows"}
+    assert rows == {(cc, g, v, True, m) for cc in (80, 90) for g in ("bf16", "fp32") for v in ("gist", "ids")
+                    for m in ("merge", "finish")}, sorted(rows)
+    # GIST's anchors (with the target's term) and positives (without); ids' anchors (with it)
+    accs = {(r["cc"], r["guide"], r["variant"], r["split"]) for r in compiled if r["kernel"] == "guided_acc"}
+    assert accs == {(cc, g, v, t) for cc in (80, 90) for g in ("bf16", "fp32") for v, t in
+                    (("gist", True), ("gist", False), ("ids", True))}, sorted(accs)
     assert_no_spills_within_smem(compiled)
 
 
 def test_route_kernels_use_tensor_cores(compiled):
-    assert_tensor_cores(compiled)
+    # (the merge and the accumulation are row kernels: no matmul)
+    assert_tensor_cores([r for r in compiled if r["kernel"] not in ("guided_rows", "guided_acc")])

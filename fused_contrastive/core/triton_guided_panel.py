@@ -16,15 +16,17 @@ For a panel of rows ``[r0, r0 + P)`` of every block (all blocks share the rows `
    ``z^k_i = sum_j e^k_ij``, ``t^k_i = sum_j e^k_ij cos^k_ij`` and the row maximum; the block whose
    target the loss subtracts (the first protected one, ``minus_target``) leaves the target column out of
    ``E`` and returns its ``e_it`` and ``cos_it`` in fp32;
-2. the merge, O(P): ``zx_i = sum_k z^k_i`` (every column but the target), ``z_i = zx_i + e_it``; a row
+2. the merge, O(P) (``guided_rows_kernel``, before and after the redo; every block's partials side by side
+   in one buffer): ``zx_i = sum_k z^k_i`` (every column but the target), ``z_i = zx_i + e_it``; a row
    with ``z_i < 2^-64`` (every logit below ``|s| - 100.4``) is redone exactly by MODE 2 with its
    largest logit over every block as the shift; ``LSE_i = m_i + log z_i``, the row's loss
    ``log1p(zx_i / e_it)`` (``LSE_i - l_it`` without its cancellation; exactly 0 for a row whose every
    other column is excluded, as the textbook's), or ``LSE_i - l_it`` where ``e_it`` is tiny, and the
    row weight ``W_i = w_i / z_i``;
 3. per row tensor, ``dR_hat = W (sum_k E_k @ C_hat_k - zx e_t-row)``: the target's gradient
-   ``W_i e_it - w_i = -W_i zx_i`` in fp32 (the 16-bit tile never holds ``p_t - 1``), then the
-   normalisation backward (``panel_rows_kernel``, which also writes ``XW = diag(W) R_hat``);
+   ``W_i e_it - w_i = -W_i zx_i`` in fp32 (the 16-bit tile never holds ``p_t - 1``), added to its fp32
+   accumulator by ``guided_acc_kernel`` (``sum_k E_k @ C_k`` accumulated by cuBLAS); ``XW = diag(W) R_hat``
+   by ``panel_rows_kernel``;
 4. per block, ``acc[cols_k] += E_k^T @ XW`` (fp32 accumulator per column tensor), the target term by
    ``index_add_``; after the sweep the normalisation backward of each accumulator.
 
@@ -49,7 +51,7 @@ from . import triton_backend as TB
 from . import triton_guided as TG
 from . import triton_panel as TPN
 from .spec import CoreSpec
-from .triton_configs import EPI_GROUP_M, GUIDED_EPI, LaunchConfig
+from .triton_configs import EPI_GROUP_M, GUIDED_EPI, GUIDED_ROWS_BLOCK_C, GUIDED_ROWS_BLOCK_R, LaunchConfig, d_pad
 
 #: Test hook: a fixed panel height (rounded to the row tile; None: from the budget).
 PANEL_ROWS: int | None = None
@@ -158,63 +160,64 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
         for t, o in groups:  # the panel's operand rows of each row tensor: scaled copy, factor, norm
             xsc, nrm, _, rs = TB._row_norms(xs[t][o + r0:o + r1], eps)
             ops[(t, o)] = (xsc, rs, nrm)
+        # every block's row partials side by side in one buffer per kind (the merge reads them in one pass)
+        n_pns = [triton.cdiv(xs[blk.cols].shape[0], bn) for blk in cfg.blocks]
+        offs = [sum(n_pns[:k]) for k in range(len(n_pns))]
+        n_all = sum(n_pns)
+        zp = TB._alloc((pp, n_all), torch.float32, dev)
+        tp = TB._alloc((pp, n_all), torch.float32, dev) if need_s else None
+        mxp = TB._alloc((pp, n_all), torch.float32, dev)
+        etp = TB._alloc((pp, n_all), torch.float32, dev) if split_k is not None else None
+        ctp = TB._alloc((pp, n_all), torch.float32, dev) if split_k is not None else None
         tiles = []
         for k, blk in enumerate(cfg.blocks):
             xsc, rs, _ = ops[(blk.rows, blk.row_start)]
             y = xs[blk.cols]
             m = y.shape[0]
-            n_pn = triton.cdiv(m, bn)
+            n_pn = n_pns[k]
             split = k == split_k
             dl = TB._alloc((pp, m), dt, dev)
-            zp = TB._alloc((pp, n_pn), torch.float32, dev)
-            tp = TB._alloc((pp, n_pn), torch.float32, dev) if need_s else dm
-            mxp = TB._alloc((pp, n_pn), torch.float32, dev)
-            etp = TB._alloc((pp, n_pn), torch.float32, dev) if split else dm
-            ctp = TB._alloc((pp, n_pn), torch.float32, dev) if split else dm
+            o = offs[k]
             margs, mflags = kargs[k]
             ck = cfgs[k]
             n_pm = triton.cdiv(pp, ck.block_m)
-            args = dict(X=xsc, Y=y, DL=dl, ZP=zp, TP=tp, MXP=mxp, ETP=etp, CTP=ctp, RSP=rs, RB=cols[blk.cols].rb,
-                        SCALE=scale_t, **margs, P=pp, M=m, D=d, r0=r0, stride_x=xsc.stride(0), stride_y=y.stride(0),
-                        stride_dl=dl.stride(0), stride_zp=n_pn)
+            args = dict(X=xsc, Y=y, DL=dl, ZP=zp[:, o:], TP=tp[:, o:] if need_s else dm, MXP=mxp[:, o:],
+                        ETP=etp[:, o:] if split else dm, CTP=ctp[:, o:] if split else dm, RSP=rs,
+                        RB=cols[blk.cols].rb, SCALE=scale_t, **margs, P=pp, M=m, D=d, r0=r0, stride_x=xsc.stride(0),
+                        stride_y=y.stride(0), stride_dl=dl.stride(0), stride_zp=n_all)
             const = dict(BLOCK_M=ck.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0,
                          UPCAST=TB._upcast(dt), NORMALIZE=True, **mflags, SPLIT_T=split, NEED_DS=bool(need_s),
                          FOLD_RB=True)
             launch(TB.Launch("guided_epi", KG.guided_epi_kernel, (n_pm * n_pn,), dict(args, BAD=dm, SHIFT=dm),
                              dict(const, MODE=1), ck.num_warps, ck.num_stages))
-            tiles.append((dl, zp, tp, mxp, etp, ctp, args, const))
-        # the merge over the blocks; rows whose every e underflowed are redone with their own maximum
-        z = sum(tt[1].sum(1) for tt in tiles)
-        if split_k is not None:
-            z = z + tiles[split_k][4].sum(1)
-        mx = torch.stack([tt[3].amax(1) for tt in tiles]).amax(0)
-        bad = z < KP.ONE_PASS_MIN_Z.value
-        sh = torch.where(bad & (mx > float("-inf")), mx, shift)
-        bad8 = bad.to(torch.int8)
-        for *_, args, const in tiles:
+            tiles.append((dl, args, const))
+        # the merge over the blocks (guided_rows_kernel, before and after the redo); rows whose every e
+        # underflowed are redone with their own maximum
+        bad8 = torch.empty((pp,), dtype=torch.int8, device=dev)
+        sh = TB._alloc((pp,), torch.float32, dev)
+        wrow = TB._alloc((pp,), torch.float32, dev)
+        zx = TB._alloc((pp,), torch.float32, dev)
+        dsw = TB._alloc((pp,), torch.float32, dev) if need_s else dm
+        o_t = offs[split_k] if split_k is not None else 0
+        rows_args = dict(ZP=zp, TP=tp if need_s else dm, MXP=mxp, ETP=etp[:, o_t:] if split_k is not None else dm,
+                         CTP=ctp[:, o_t:] if split_k is not None else dm, SHIFT0=shift, BAD=bad8, SH=sh, LOSS=loss,
+                         W=w_all, WROW=wrow, ZX=zx, DSW=dsw, SCALE=scale_t, P=pp, n_all=n_all,
+                         n_t=n_pns[split_k] if split_k is not None else 0, r0=r0, stride_zp=n_all,
+                         min_te=MIN_TARGET_E)
+        rows_const = dict(BLOCK_R=GUIDED_ROWS_BLOCK_R, BLOCK_C=GUIDED_ROWS_BLOCK_C, SPLIT=split_k is not None,
+                          NEED_DS=bool(need_s))
+        rows_grid = (triton.cdiv(pp, GUIDED_ROWS_BLOCK_R),)
+        launch(TB.Launch("guided_rows", KG.guided_rows_kernel, rows_grid, rows_args, dict(rows_const, FINISH=False),
+                         4, 1))
+        for _, args, const in tiles:
             launch(TB.Launch("guided_epi_redo", KG.guided_epi_kernel, (triton.cdiv(pp, cfg_r.block_m),),
                              dict(args, BAD=bad8, SHIFT=sh), dict(const, MODE=2, BLOCK_M=cfg_r.block_m),
                              cfg_r.num_warps, cfg_r.num_stages))
-        zx = sum(tt[1].sum(1) for tt in tiles)
-        w = w_all[r0:r1]
-        if split_k is not None:
-            et = tiles[split_k][4].sum(1)
-            ct = tiles[split_k][5].sum(1)
-            z = zx + et
-            lse = sh + torch.log(z)
-            tl_ = scale_t.reshape(()) * ct
-            ratio = torch.log1p(zx / torch.where(et > MIN_TARGET_E, et, torch.ones_like(et)))
-            loss[r0:r1] = torch.where(et > MIN_TARGET_E, ratio, lse - tl_)
-        else:
-            z = zx
-            loss[r0:r1] = sh + torch.log(z)
-        ok = torch.isfinite(z) & (z > 0) & (w != 0)
-        wrow = torch.where(ok, w / torch.where(ok, z, torch.ones_like(z)), torch.zeros_like(z))
+        launch(TB.Launch("guided_rows", KG.guided_rows_kernel, rows_grid, rows_args, dict(rows_const, FINISH=True),
+                         4, 1))
         if need_s:
-            tx = sum(tt[2].sum(1) for tt in tiles)
-            if split_k is not None:  # the target's d/ds: (W e_t - w) cos_t = -W zx cos_t
-                tx = tx - zx * ct
-            ds_parts.append((wrow * tx).sum().reshape(1))
+            ds_parts.append(dsw)
+        del zp, tp, mxp, etp, ctp
         # per row tensor: dR_hat = s W (sum_k E_k @ C_hat_k - zx c_hat_t), into its accumulator (times rb),
         # and XW = diag(W) R_hat for the column roles' GEMMs
         xw = {}
@@ -227,14 +230,23 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
             if not need[t]:
                 continue
             raw = None
-            for k in mine:
+            for k in mine:  # sum_k E_k @ C_k in fp32 (cuBLAS, accumulating)
                 blk = cfg.blocks[k]
-                part = TPN._mm32(tiles[k][0], xs[blk.cols])
-                raw = part if raw is None else raw.add_(part)
-                if k == split_k:
-                    tgt = block_masks[k].tgt[r0:r1]
-                    raw.sub_((zx * cols[blk.cols].rb[tgt])[:, None] * xs[blk.cols][tgt].float())
-            acc[t][o + r0:o + r1].add_(raw.mul_((wrow * cols[t].rb[o + r0:o + r1])[:, None]))
+                if raw is None:
+                    raw = TPN._mm32(tiles[k][0], xs[blk.cols])
+                else:
+                    TPN._addmm32_(raw, tiles[k][0], xs[blk.cols])
+            # acc += W rb (raw - zx rb_t C_t): the target's term in fp32 (guided_acc_kernel, one pass)
+            ks = [k for k in mine if k == split_k]
+            tgt = block_masks[ks[0]].tgt[r0:r1] if ks else dm
+            cm = xs[cfg.blocks[ks[0]].cols] if ks else xs[t]
+            ct = zx * cols[cfg.blocks[ks[0]].cols].rb[tgt] if ks else dm
+            dst = acc[t][o + r0:o + r1]
+            f = wrow * cols[t].rb[o + r0:o + r1]
+            launch(TB.Launch("guided_acc", KG.guided_acc_kernel, (triton.cdiv(pp, GUIDED_ROWS_BLOCK_R),),
+                             dict(ACC=dst, RAW=raw, C=cm, TGT=tgt, CT=ct, F=f, P=pp, D=d, stride_acc=dst.stride(0),
+                                  stride_raw=raw.stride(0), stride_c=cm.stride(0)),
+                             dict(BLOCK_R=GUIDED_ROWS_BLOCK_R, BLOCK_D=min(d_pad(d), 128), HAS_T=bool(ks)), 4, 1))
             del raw
         for k, blk in enumerate(cfg.blocks):
             if not need_cols[blk.cols]:
