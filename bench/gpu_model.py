@@ -73,8 +73,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fused_contrastive import core
 from fused_contrastive.core import triton_backend as TB
-from fused_contrastive.core import triton_function as TF
 from fused_contrastive.core import triton_panel
 from fused_contrastive.tools import aot
 
@@ -503,10 +503,12 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.
     the 16-bit gradient tiles (and the statistics) from the epilogue GEMM, cuBLAS for dA / dB;
     "panel-cublas": the logits by cuBLAS too, then the panel kernel (the fused forward for statistics)).
     Returns the Triton launches (recorded, not run) and the ATen ops around them (:class:`OpCounter`).
-    The arguments are the loss's own core-op call (``tools.aot.core_call``); the O(N D) linear
-    positive terms the loss adds outside the core op are not included."""
+    The arguments are the loss's own core-op call (``tools.aot.core_call``), run as ``core.run`` runs it
+    (the log-sum-exp terms and the O(N D) linear target / positive terms as one ``core.PiecesFn``; the
+    one-tile dense path off, as at every size the model is asked for)."""
     a, b, scale, spec, data, coef, reduce = aot.core_call(loss, n, d, torch.bfloat16)
-    coef = dataclasses.replace(coef, tgt=None, set=None)
+    prev_dense = os.environ.get("FUSED_CONTRASTIVE_DENSE")
+    os.environ["FUSED_CONTRASTIVE_DENSE"] = "0"
     prev_env = os.environ.get("FUSED_CONTRASTIVE_TRITON_PATH")
     prev_gemm = os.environ.get("FUSED_CONTRASTIVE_PANEL_GEMM")
     prev_p, prev_pp = TB.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS
@@ -519,12 +521,13 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.
     triton_panel.PANEL_PROGRAMS = 2 * gpu.sms  # what the panel kernel's block choice uses on a CUDA device
     try:
         with aot.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
-            out = TF.TritonCoreFn.apply(a, b, scale, spec, data, coef, reduce)
-            torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
+            out = core.run("triton", a, b, scale, spec, data, coef, reduce)
+            torch.autograd.grad(out if reduce else out.sum(), [x for x in (a, b) if x is not None and x.requires_grad])
             del out
     finally:
         TB.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS = prev_p, prev_pp
-        for name, prev in (("FUSED_CONTRASTIVE_TRITON_PATH", prev_env), ("FUSED_CONTRASTIVE_PANEL_GEMM", prev_gemm)):
+        for name, prev in (("FUSED_CONTRASTIVE_TRITON_PATH", prev_env), ("FUSED_CONTRASTIVE_PANEL_GEMM", prev_gemm),
+                           ("FUSED_CONTRASTIVE_DENSE", prev_dense)):
             if prev is None:
                 del os.environ[name]
             else:
@@ -624,10 +627,22 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     slots = max(1, ctas) * gpu.sms
     tail = wave_spread(grid, slots, gpu.sms)
     clk = gpu.clock_ghz * 1e9
-    operand = next((v for k, v in a.items() if k in ("SA", "X", "DL", "Q", "DOC", "GA")), a.get("L"))
+    operand = next((v for k, v in a.items() if k in ("SA", "X", "DL", "Q", "DOC", "GA")), a.get("L", a.get("A")))
+    if operand is None:  # the row kernels without a matmul (their element size sets no tensor-core peak)
+        operand = next(v for v in a.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
     es = operand.element_size()
     # HBM: every tensor argument once (inputs read, outputs written), the streamed operand per wave
     hbm = float(sum(_nbytes(v) for v in a.values() if isinstance(v, torch.Tensor) and v.numel() > 1))
+    if launch.name == "epi_rows":
+        # the gradient tile DL is an argument for the one zero per row written over its target entry: one
+        # 32-byte sector per row, not the [P, M] tile
+        hbm -= _nbytes(a["DL"]) - 32 * a["P"] * bool(c["SPLIT_T"])
+    if launch.name == "target_rows" and c["ACC"]:
+        hbm += _nbytes(a["DA"])  # the gradient it adds to is read, then written
+    if launch.name == "guided_acc":
+        # C is read at the P target rows only (none without HAS_T); the accumulator is read, then written
+        c_rows = a["P"] * a["D"] * a["C"].element_size() if c["HAS_T"] else 0
+        hbm += c_rows - _nbytes(a["C"]) + _nbytes(a["ACC"])
     l2_b = gpu.l2_mb * 1e6
     hbm_pess = hbm
     ws = 0.0
@@ -732,7 +747,9 @@ class OpCounter(TorchDispatchMode):
         if name in ("aten.mm", "aten.addmm", "aten.addmm_"):  # addmm_: the chunked path's dB, the segments
             x, y = (args[0], args[1]) if name == "aten.mm" else (args[1], args[2])
             gemm = (x.shape[0], y.shape[1], x.shape[1], x.dtype, name != "aten.mm", outs[0].element_size())
-        if name.endswith("_") or "out" in (kwargs or {}):  # in place: the output is one of the inputs
+        if name == "aten.index_put_":  # writes only the indexed elements: the values and the indices move
+            moved = 2 * _nbytes(args[2]) + sum(_nbytes(t) for t in args[1] if isinstance(t, torch.Tensor))
+        elif name.endswith("_") or "out" in (kwargs or {}):  # in place: the output is one of the inputs
             moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         else:
             moved = sum(_nbytes(t) for t in ins + outs)

@@ -158,8 +158,12 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
                 fwd_norms = stat_panels + chunks if r["loss"] == "clip" else 0
                 assert launches["row_norm"] == panels + chunks + fwd_norms, (launches, p)
                 assert launches["panel_rows"] == panels + 1, launches
-                # InfoNCE's one-pass sweep: one redo launch per panel (its programs return at once)
+                # InfoNCE's one-pass sweep: one redo launch per panel (its programs return at once), and the
+                # per-row bookkeeping (epi_rows) before and after it
                 assert launches.get("epi_gemm_redo", 0) == (panels if r["loss"] == "info_nce" else 0), launches
+                assert launches.get("epi_rows", 0) == (2 * panels if r["loss"] == "info_nce" else 0), launches
+        # the target term (each of these losses has one): its row kernel's forward and backward, on every path
+        assert launches["target_rows"] == 2, launches
         # the model decides the panel form: triton_panel.use_epilogue ("auto") takes the one it prefers
         # (either, within the model's band)
         assert r["panel_form_should_prefer"] in (r["panel_form_taken"], "either"), (
@@ -480,8 +484,10 @@ def test_committed_gist_model_runs_the_guided_panel_route_above_its_floor():
 def test_gist_panel_route_records_its_launches_by_hand():
     # the route as the model records it on the meta device (no compile): per panel and block one epilogue
     # GEMM and its redo (sm_80's redo tiles 32 rows, sm_90's 64), one threshold kernel, per panel and row
-    # group (anchors, positives) the row norms and panel_rows, per column tensor its norms in chunks of
-    # 2^22 elements and one panel_rows; cuBLAS: dR and dC of every block and panel (2 units per block)
+    # group (anchors, positives) the row norms, panel_rows and guided_acc (into its accumulator), per panel
+    # the merge over the blocks before and after the redo (guided_rows), per column tensor its norms in
+    # chunks of 2^22 elements and one panel_rows; cuBLAS: dR and dC of every block and panel (2 units per
+    # block)
     code = r'''
 import json, sys
 from collections import Counter
@@ -510,7 +516,8 @@ print(json.dumps(out))
         w = got[g]
         assert w["p"] == p
         assert w["names"] == {"guided_epi": 4 * panels, "guided_epi_redo": 4 * panels, "theta_guided": 2,
-                              "row_norm": 2 * panels + 3 * chunks, "panel_rows": 2 * panels + 3}, (g, w)
+                              "row_norm": 2 * panels + 3 * chunks, "panel_rows": 2 * panels + 3,
+                              "guided_rows": 2 * panels, "guided_acc": 2 * panels}, (g, w)
         assert w["redo_grid"] == -(-p // redo_rows)
         assert w["gemm"] == 4 * 2 * 2 * n * n * D and w["gemm_dtypes"] == ["torch.bfloat16"], (g, w)
 

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import fused_contrastive as fc
+from fused_contrastive import core
 from fused_contrastive.core import triton_target  # imports triton: the test extra installs it (no skip)
+from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 
 EPS = 1e-6
 
@@ -108,17 +110,24 @@ def test_losses_target_piece_matches_the_torch_backend(loss, path, monkeypatch):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
-def test_info_nce_margin_on_the_target_kernel(monkeypatch):
-    """A target margin (am_softmax) subtracts from the target cosine: forward and the temperature
-    gradient ``h (c - margin)`` against the torch backend."""
+def test_target_margin_and_learnable_scale_on_the_target_kernel(monkeypatch):
+    """A target margin (additive-margin softmax) subtracts from the target cosine: the core op's forward
+    and the scale's gradient ``h (c - margin)`` against the torch backend, with shuffled targets and
+    exclude_self (a row whose target is its own column passes no gradient)."""
     monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(40, 24, generator=g), torch.randn(40, 24, generator=g)
+    tgt = torch.randperm(40, generator=g)
+    tgt[5] = 5  # its own column, excluded
+    spec = CoreSpec(margin=0.3, exclude_self=True)
+    data = CoreData(target=tgt)
+    coef = Coeffs(lse=1.0, tgt=1.0)
     out = {}
     for be in ("torch", "triton"):
         x, y = q.clone().requires_grad_(), k.clone().requires_grad_()
-        val = fc.am_softmax_loss(x, y, margin=0.3, backend=be)
+        s = torch.tensor(8.0, requires_grad=True)
+        val = core.run(be, x, y, s, spec, data, coef, True)
         val.backward()
-        out[be] = (val.detach(), x.grad, y.grad)
+        out[be] = (val.detach(), x.grad, y.grad, s.grad)
     for got, want in zip(out["triton"], out["torch"], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)

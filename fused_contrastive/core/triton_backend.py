@@ -46,6 +46,7 @@ from torch import Tensor
 
 from .._tracing import tensors_are_traced
 from ..kernels import lse as K
+from ..kernels import target as _target_kernels  # noqa: F401 (decorated with the others: interpreted or compiled alike)
 from .spec import CoreData, CoreSpec, coef_grad
 from .triton_configs import (
     DTYPE_NAMES,
