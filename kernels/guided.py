@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .lse import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
-from .panel import ONE_PASS_MIN_Z, ONE_PASS_SHIFT, _tile_products
+from .panel import ONE_PASS_SHIFT, _redo_flags, _row_partials, _tile_products
 
 
 @triton.jit
@@ -376,37 +376,19 @@ def guided_rows_kernel(ZP, TP, MXP, ETP, CTP, SHIFT0, BAD, SH, LOSS, W, WROW, ZX
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < P
     r64 = rows.to(tl.int64)
-    zx = tl.zeros([BLOCK_R], dtype=tl.float32)
-    tx = tl.zeros([BLOCK_R], dtype=tl.float32)
-    mx = tl.full([BLOCK_R], NEG_INF, tl.float32)
-    for c0 in range(0, n_all, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)
-        m2 = rmask[:, None] & (cc < n_all)[None, :]
-        off = r64[:, None] * stride_zp + cc[None, :]
-        zx += tl.sum(tl.load(ZP + off, mask=m2, other=0.0), axis=1)
-        if FINISH:
-            if NEED_DS:
-                tx += tl.sum(tl.load(TP + off, mask=m2, other=0.0), axis=1)
-        else:
-            mx = tl.maximum(mx, tl.max(tl.load(MXP + off, mask=m2, other=NEG_INF), axis=1))
+    zx = _row_partials(ZP, r64, rmask, n_all, stride_zp, BLOCK_R, BLOCK_C, False)
     et = tl.zeros([BLOCK_R], dtype=tl.float32)
-    ct = tl.zeros([BLOCK_R], dtype=tl.float32)
     if SPLIT:
-        for c0 in range(0, n_t, BLOCK_C):
-            cc = c0 + tl.arange(0, BLOCK_C)
-            m2 = rmask[:, None] & (cc < n_t)[None, :]
-            off = r64[:, None] * stride_zp + cc[None, :]
-            et += tl.sum(tl.load(ETP + off, mask=m2, other=0.0), axis=1)
-            if FINISH:
-                ct += tl.sum(tl.load(CTP + off, mask=m2, other=0.0), axis=1)
+        et = _row_partials(ETP, r64, rmask, n_t, stride_zp, BLOCK_R, BLOCK_C, False)
     z = zx + et
     if not FINISH:
-        bad = z < ONE_PASS_MIN_Z
-        tl.store(BAD + rows, bad.to(tl.int8), mask=rmask)
-        tl.store(SH + rows, tl.where(bad & (mx > NEG_INF), mx, tl.load(SHIFT0)), mask=rmask)
+        _redo_flags(z, _row_partials(MXP, r64, rmask, n_all, stride_zp, BLOCK_R, BLOCK_C, True), SHIFT0, BAD, SH,
+                    rows, rmask)
     else:
         lse = tl.load(SH + rows, mask=rmask, other=0.0) + tl.log(z)
+        ct = tl.zeros([BLOCK_R], dtype=tl.float32)
         if SPLIT:
+            ct = _row_partials(CTP, r64, rmask, n_t, stride_zp, BLOCK_R, BLOCK_C, False)
             s = tl.load(SCALE).to(tl.float32)
             big = et > min_te
             x = zx / tl.where(big, et, 1.0)
@@ -425,6 +407,7 @@ def guided_rows_kernel(ZP, TP, MXP, ETP, CTP, SHIFT0, BAD, SH, LOSS, W, WROW, ZX
         tl.store(WROW + rows, wrow, mask=rmask)
         tl.store(ZX + rows, zx, mask=rmask)
         if NEED_DS:
+            tx = _row_partials(TP, r64, rmask, n_all, stride_zp, BLOCK_R, BLOCK_C, False)
             if SPLIT:  # the target's d/ds: (W e_t - w) cos_t = -W zx cos_t
                 tx = tx - zx * ct
             tl.store(DSW + rows, wrow * tx, mask=rmask)

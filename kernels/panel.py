@@ -461,6 +461,36 @@ def panel_rows_kernel(G, X, RS, NRM, W, SCALE, GSCALE, OUT, XW, R, D, stride_g, 
 
 
 @triton.jit
+def _row_partials(X, r64, rmask, n, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, MAX: tl.constexpr):
+    """Per row of a block of rows: the sum (MAX: the largest) of the ``n`` fp32 partials ``X[i, 0:n]``
+    (row stride ``stride``), BLOCK_C at a time in a fixed order: the row kernels' merge of the epilogue
+    GEMMs' per-column-tile partials (this module's ``epi_rows_kernel``, kernels/guided.py's
+    ``guided_rows_kernel``)."""
+    if MAX:
+        acc = tl.full([BLOCK_R], NEG_INF, tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, n, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        m2 = rmask[:, None] & (cc < n)[None, :]
+        off = r64[:, None] * stride + cc[None, :]
+        if MAX:
+            acc = tl.maximum(acc, tl.max(tl.load(X + off, mask=m2, other=NEG_INF), axis=1))
+        else:
+            acc += tl.sum(tl.load(X + off, mask=m2, other=0.0), axis=1)
+    return acc
+
+
+@triton.jit
+def _redo_flags(z, mx, SHIFT0, BAD, SH, rows, rmask):
+    """The one pass's redo decision per row: ``BAD_i = z_i < 2^-64`` (int8) and the redo's shift ``SH_i``,
+    the row's largest logit ``mx_i`` where BAD and finite, else the fixed shift ``SHIFT0[0]``."""
+    bad = z < ONE_PASS_MIN_Z
+    tl.store(BAD + rows, bad.to(tl.int8), mask=rmask)
+    tl.store(SH + rows, tl.where(bad & (mx > NEG_INF), mx, tl.load(SHIFT0)), mask=rmask)
+
+
+@triton.jit
 def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW, TV, TW, DL, TGT,
                     P, n_pn, r0, stride_zp, stride_dl,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FINISH: tl.constexpr, NEED_DS: tl.constexpr,
@@ -481,24 +511,10 @@ def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < P
     r64 = rows.to(tl.int64)
-    z = tl.zeros([BLOCK_R], dtype=tl.float32)
-    mx = tl.full([BLOCK_R], NEG_INF, tl.float32)
-    t = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, n_pn, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)
-        m2 = rmask[:, None] & (cc < n_pn)[None, :]
-        off = r64[:, None] * stride_zp + cc[None, :]
-        z += tl.sum(tl.load(ZP + off, mask=m2, other=0.0), axis=1)
-        if FINISH:
-            if NEED_DS:
-                t += tl.sum(tl.load(TP + off, mask=m2, other=0.0), axis=1)
-        else:
-            mx = tl.maximum(mx, tl.max(tl.load(MXP + off, mask=m2, other=NEG_INF), axis=1))
+    z = _row_partials(ZP, r64, rmask, n_pn, stride_zp, BLOCK_R, BLOCK_C, False)
     if not FINISH:
-        bad = z < ONE_PASS_MIN_Z
-        sh = tl.where(bad & (mx > NEG_INF), mx, tl.load(SHIFT0))
-        tl.store(BAD + rows, bad.to(tl.int8), mask=rmask)
-        tl.store(SH + rows, sh, mask=rmask)
+        _redo_flags(z, _row_partials(MXP, r64, rmask, n_pn, stride_zp, BLOCK_R, BLOCK_C, True), SHIFT0, BAD, SH,
+                    rows, rmask)
     else:
         gs = tl.load(GSCALE)
         tl.store(LSE_OUT + r0 + rows, tl.load(SH + rows, mask=rmask, other=0.0) + tl.log(z), mask=rmask)
@@ -506,7 +522,8 @@ def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW
         w = tl.where(z > 0, g / (gs * z), 0.0)
         tl.store(W_OUT + rows, w, mask=rmask)
         if NEED_DS:
-            tl.store(DSW + rows, w * t, mask=rmask)
+            tl.store(DSW + rows, w * _row_partials(TP, r64, rmask, n_pn, stride_zp, BLOCK_R, BLOCK_C, False),
+                     mask=rmask)
         if SPLIT_T:
             tl.store(TW + rows, tl.load(TV + rows, mask=rmask, other=0.0) * w * gs, mask=rmask)
             tgt = tl.load(TGT + r0 + rows, mask=rmask, other=0).to(tl.int64)

@@ -25,6 +25,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _chunk(pa, pb, rmask, d0, D, BLOCK_D: tl.constexpr):
+    """Columns ``[d0, d0 + BLOCK_D)`` of the rows (``pa``) and their target rows (``pb``) in fp32, with the
+    column offsets and the mask."""
+    dd = d0 + tl.arange(0, BLOCK_D)
+    m2 = rmask[:, None] & (dd < D)[None, :]
+    x = tl.load(pa + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+    y = tl.load(pb + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+    return x, y, dd, m2
+
+
+@triton.jit
 def target_rows_kernel(A, B, TGT, H, COS, DA, DB, N, D, stride_a, stride_b, stride_da, stride_db, eps,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, NORMALIZE: tl.constexpr, BWD: tl.constexpr,
                        ACC: tl.constexpr):
@@ -43,10 +54,7 @@ def target_rows_kernel(A, B, TGT, H, COS, DA, DB, N, D, stride_a, stride_b, stri
     ssq_b = tl.zeros([BLOCK_R], dtype=tl.float32)
     dot = tl.zeros([BLOCK_R], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        dd = d0 + tl.arange(0, BLOCK_D)
-        m2 = rmask[:, None] & (dd < D)[None, :]
-        x = tl.load(pa + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-        y = tl.load(pb + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        x, y, _, _ = _chunk(pa, pb, rmask, d0, D, BLOCK_D)
         if NORMALIZE:
             # running row maxima; the sums rescaled when a chunk raises them
             new_a = tl.maximum(big_a, tl.max(tl.abs(x), axis=1))
@@ -90,10 +98,7 @@ def target_rows_kernel(A, B, TGT, H, COS, DA, DB, N, D, stride_a, stride_b, stri
             ha = h * fa / sa
             hb = h * fb / sb
         for d0 in range(0, D, BLOCK_D):
-            dd = d0 + tl.arange(0, BLOCK_D)
-            m2 = rmask[:, None] & (dd < D)[None, :]
-            x = tl.load(pa + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-            y = tl.load(pb + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+            x, y, dd, m2 = _chunk(pa, pb, rmask, d0, D, BLOCK_D)
             if NORMALIZE:
                 xh = (x / sa[:, None]) * fa[:, None]
                 yh = (y / sb[:, None]) * fb[:, None]

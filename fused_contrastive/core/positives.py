@@ -187,8 +187,8 @@ class LinearTermsFn(torch.autograd.Function):
         else:
             ah, _ = normalize_rows(a, spec.eps, dt, spec.normalize)
             bh = ah if b is None else normalize_rows(b, spec.eps, dt, spec.normalize)[0]
-        if coef.tgt is not None and not ctx.kernel:
-            out = _weighted(coef.tgt, _target_logits(ah, bh, s, spec, data), dt)
+            if coef.tgt is not None:
+                out = _weighted(coef.tgt, _target_logits(ah, bh, s, spec, data), dt)
         if coef.set is not None:
             set_ = torch.linalg.vecdot(ah, _positive_sums(ah, bh, spec, data), dim=1) * s
             if data.bias_col is not None and spec.bias != 0.0:
@@ -221,9 +221,7 @@ class LinearTermsFn(torch.autograd.Function):
         ds = torch.zeros((), dtype=dt, device=a.device) if need_s else None
         if coef.tgt is not None:
             t = data.target
-            h = _weighted(coef.tgt, g, dt)
-            if spec.exclude_self:  # a target on the excluded own column carries no gradient
-                h = torch.where(t == torch.arange(n, device=t.device) + spec.offset, 0.0, h)
+            h = _target_h(g, coef, spec, data, n, dt)  # (0 for a target on the excluded own column)
             bt = bh[t]
             if need_s:  # d TGT / ds = c - margin
                 ds += torch.linalg.vecdot(ah, bt, dim=1).sub_(spec.margin).mul_(h).sum()
