@@ -1500,16 +1500,21 @@ def gist_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
 
 def run_siglip_triton(n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.Launch], list]:
     """The launches (recorded) and ATen ops of ``siglip_loss``'s Triton Function, forward + backward with
-    gradients to both towers, the scale and the bias, bf16, on ``path``: "fused" (its fused kernels) or
-    "panel" (the panel path's epilogue GEMM, MODE 4: what CUDA runs at these sizes)."""
+    gradients to both towers, the scale and the bias, bf16, on ``path``: "fused" (its fused kernels),
+    "panel" (the panel path's epilogue GEMM: what CUDA runs at these sizes; the mean loss, whose one pass,
+    MODE 5, forms the losses and the gradient tile together) or "panel_rows" (the same path for per-row
+    losses, summed by the caller: a losses sweep, MODE 4, then a gradient sweep)."""
     from fused_contrastive.core.triton_siglip import TritonSigLipFn
 
     x, y = _meta((n, d)), _meta((n, d))
     sc, bi = _meta((), torch.float32), _meta((), torch.float32)
-    env = {"FUSED_CONTRASTIVE_TRITON_PATH": "panel" if path == "panel" else "fused",
+    env = {"FUSED_CONTRASTIVE_TRITON_PATH": "fused" if path == "fused" else "panel",
            "FUSED_CONTRASTIVE_PANEL_GEMM": "epilogue"}
     with mock.patch.dict(os.environ, env), aot.recording(gpu.arch) as launches, OpCounter() as ops:
-        out = TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, True, 1.0 / n)
+        if path == "panel_rows":
+            out = TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, False, 1.0).sum()
+        else:
+            out = TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, True, 1.0 / n)
         torch.autograd.grad(out, [x, y, sc, bi])
         del out
     return list(launches), ops.ops
@@ -1532,35 +1537,42 @@ def count_siglip_textbook(n: int, d: int) -> tuple[list, int]:
 
 def siglip_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
     """MODEL of SigLIP's sigmoid loss (N images against N texts, learnable scale and bias) on a GPU: the
-    route CUDA takes (the panel path's epilogue GEMM, ``triton_panel.siglip_sweep``: 4 matmul units), its
-    fused kernels (``kernels/siglip.py``: 5, the backward streaming through an fp32 scratch) and the
-    textbook formula, modelled as the core op's; floor 3 units (logits, dX, dY)."""
+    route CUDA takes for the mean loss (the panel path's epilogue GEMM, ``triton_panel.siglip_sweep``: one pass,
+    MODE 5, that forms the losses and the gradient tile, then the cuBLAS GEMMs: 3 matmul units), the same
+    path for per-row losses (a losses sweep and a gradient sweep: 4 units), its fused kernels
+    (``kernels/siglip.py``: 5, the backward streaming through an fp32 scratch) and the textbook formula,
+    modelled as the core op's; floor 3 units (logits, dX, dY)."""
+    paths = ("panel", "panel_rows", "fused")
     print(f"--- MODEL SigLIP (sigmoid loss, learnable scale and bias), D = {d}, bf16, fwd + bwd (ms, central "
           "[optimistic - pessimistic]; no GPU used)")
-    print(f"  {'gpu':5s} {'N':>6s} {'floor':>7s} {'panel (route)':>24s} {'fused kernels':>24s} {'textbook':>24s}")
+    print(f"  {'gpu':5s} {'N':>6s} {'floor':>7s} {'one pass (route)':>24s} {'two sweeps':>24s} "
+          f"{'fused kernels':>24s} {'textbook':>24s}")
     recs = []
     for g in gpus:
         gpu = GPUS[g]
         for n in sizes:
-            runs = {p: run_siglip_triton(n, d, gpu, p) for p in ("panel", "fused")}
+            runs = {p: run_siglip_triton(n, d, gpu, p) for p in paths}
             nops, npeak = count_siglip_textbook(n, d)
             got = {}
             for sc in SCENARIOS:
                 with scenario(sc):
                     got[sc] = tuple(sum(kernel_model(lz, gpu)["ms"] for lz in runs[p][0])
-                                    + aten_model(runs[p][1], gpu)["ms"] for p in ("panel", "fused")) \
+                                    + aten_model(runs[p][1], gpu)["ms"] for p in paths) \
                         + (aten_model(nops, gpu)["ms"],)
             floor = 3 * 2 * n * n * d / (gpu.bf16_tflops * 1e12) * 1e3
             peak = npeak + 2 * n * d * 2
 
             def cell(i, got=got):
                 return f"{got['central'][i]:.1f} [{got['optimistic'][i]:.1f} - {got['pessimistic'][i]:.1f}]"
-            print(f"  {g:5s} {n:6d} {floor:7.2f} {cell(0):>24s} {cell(1):>24s} {cell(2):>24s}")
+            print(f"  {g:5s} {n:6d} {floor:7.2f} {cell(0):>24s} {cell(1):>24s} {cell(2):>24s} {cell(3):>24s}")
             recs.append(dict(loss="siglip", gpu=g, n=n, d=d, ms=round(got["central"][0], 3),
                              ms_range=[round(got["optimistic"][0], 3), round(got["pessimistic"][0], 3)],
-                             fused_ms=round(got["central"][1], 3), floor_ms=round(floor, 4),
-                             naive_ms=round(got["central"][2], 3) if peak <= gpu.mem_gb * 1e9 else None,
-                             naive_ms_if_memory=round(got["central"][2], 3), naive_peak_bytes=peak,
+                             two_sweeps_ms=round(got["central"][1], 3),
+                             fused_ms=round(got["central"][2], 3), floor_ms=round(floor, 4),
+                             naive_ms=round(got["central"][3], 3) if peak <= gpu.mem_gb * 1e9 else None,
+                             naive_ms_if_memory=round(got["central"][3], 3), naive_peak_bytes=peak,
+                             route_kernels=sorted({(lz.name, lz.constexprs.get("MODE")) for lz in runs["panel"][0]
+                                                   if lz.name.startswith("epi_gemm")}),
                              model="MODEL, not a measurement"))
     print()
     return recs

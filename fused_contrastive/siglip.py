@@ -21,7 +21,7 @@ from ._amp import autocast_off
 from ._backend import resolve
 from .core import reference as ref
 from .core.siglip import SigLipFn
-from .core.spec import compute_dtype
+from .core.spec import compute_dtype, graph_free
 
 __all__ = ["siglip_loss"]
 
@@ -134,7 +134,7 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias, *, normali
         if ops.tracing_route():  # torch.compile / export: one opaque operator (no guard on N)
             out = ops.siglip(image, text, s, b, normalize, _EPS, off, keep, weight, be)
         else:
-            out = fn.apply(image, text, s, b, normalize, _EPS, off, keep, weight)
+            out = fn.apply(*graph_free(image, text, s, b), normalize, _EPS, off, keep, weight)
         if grp is None:
             return out / n if (reduction == "mean" and not per_n) else out
     return _per_rank(out, reduction, n_total, world) if grp is not None else out

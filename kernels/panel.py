@@ -632,17 +632,18 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
                 tl.store(TV + cols, tvc, mask=cmask & (cols >= n_end) & (tvc != 0.0))
         if NEED_DS:
             tl.store(DS_PART + pid, tl.sum(tl.where(lmask, ds, 0.0), axis=0))
-    elif MODE == 4:
+    elif MODE == 4 or MODE == 5:
         # SigLIP (kernels/siglip.py's math; ``offset`` places row i's positive at column offset + i, the
-        # logit bias is LBIAS[0]): the tile's per-row loss sums softplus(w) -> ZP; with HAS_G the gradient
+        # logit bias is LBIAS[0]): the tile's per-row loss sums softplus(w) -> ZP (MODE 4 without HAS_G: the
+        # forward; MODE 5: the one pass of a summed loss, with the gradient tile); with HAS_G the gradient
         # tile dz = g_i sign sigmoid(w) / gscale (pre-scaled, rb_j folded) -> DL and the per-row sums of
         # dz cos (the scale's gradient) -> TP and of dz (the bias's) -> MXP
         b = tl.load(LBIAS).to(tl.float32)
         w, valid, pos = _flipped(cos, s, b, rows, cols, n_end, M, offset)
         part = loc.to(tl.int64) * stride_zp + pid_n
-        if not HAS_G:  # the forward: the losses (the backward's caller has them)
+        if MODE == 5 or not HAS_G:
             tl.store(ZP + part, tl.sum(tl.where(valid, _softplus(w), 0.0), axis=1), mask=lmask)
-        else:
+        if HAS_G:
             g_r = tl.load(G + rows, mask=lmask, other=0.0) / tl.load(GSCALE)
             dz = _dz(cos, s, b, g_r, rows, cols, n_end, M, offset)
             if NEED_DS:
@@ -716,8 +717,10 @@ def epi_gemm_kernel(
     rows [r0, r0 + P) against rows [r0, N), r0 = 0 passed) the column statistics cover only the columns
     past the panel: the row LSE of a later row j gathers them (its logits against this panel's rows).
     MODE 4 (SigLIP's sigmoid loss, ``kernels/siglip.py``'s math): per row and column tile the loss sum
-    ``ZP`` and, with HAS_G (the upstream gradients in G), the gradient tile ``DL`` and the sums for the
+    ``ZP`` or, with HAS_G (the upstream gradients in G), the gradient tile ``DL`` and the sums for the
     scale's (``TP``) and the bias's (``MXP``) gradients (NEED_DS); LBIAS[0] is the logit bias.
+    MODE 5 (SigLIP's one pass, HAS_G: a summed loss, whose upstream gradient is one scalar known up to
+    that factor in the forward): MODE 4's loss sums and its gradient tile from the same products.
     MODE 2 (the redo of MODE 1's rows with ``z_i < 2^-64``: every logit of the row below
     ``c - 100.4``, see ONE_PASS in the module docstring): one program per row tile; a tile without a
     ``BAD`` row returns at once, the others walk every column tile and store ``e_ij = exp(l_ij - SHIFT_i)``
@@ -731,7 +734,7 @@ def epi_gemm_kernel(
     columns past the panel, this tile stores it in ``TV[j]``: TGT and TV then in the panel's frame, as
     the other vectors).
 
-    Grid: MODE 0 / 1 / 3 / 4 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
+    Grid: MODE 0 / 1 / 3 / 4 / 5 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
     the columns together (Y's column tiles stay in L2 across a group); MODE 2 ``cdiv(P, BLOCK_M)``.
     Indices past the panel are wrapped for the operand loads (no masks: whole 16-byte loads, which the
     compiler pipelines) and masked at the stores. EVEN_K: D is a multiple of BLOCK_K (no mask along

@@ -523,9 +523,11 @@ print(json.dumps(out))
 
 
 def test_committed_siglip_model_runs_the_epilogue_route_above_its_floor():
-    """SigLIP (``--siglip``): 3 matmul units of floor (logits, dX, dY) by hand; the route CUDA takes (the
-    panel path's epilogue GEMM, 4 units) modelled at or above it and below its fused kernels (5 units, a
-    streaming backward: measured 555 ms at N = 65536 on an H100, bench/results/h100-epilogue)."""
+    """SigLIP (``--siglip``): 3 matmul units of floor (logits, dX, dY) by hand; the route CUDA takes for the
+    mean loss (the panel path's epilogue GEMM in one pass, MODE 5: 3 units) modelled at or above it, below
+    the same path's two sweeps (per-row losses: 4 units; the model decides that the summed loss takes the
+    one pass) and below its fused kernels (5 units, a streaming backward: measured 555 ms at N = 65536 on
+    an H100, bench/results/h100-epilogue)."""
     recs = [json.loads(line) for line in COMMITTED.read_text().splitlines() if line.startswith("{")]
     sig = [r for r in recs if r["loss"] == "siglip"]
     peaks = _peaks(COMMITTED.read_text())
@@ -535,6 +537,8 @@ def test_committed_siglip_model_runs_the_epilogue_route_above_its_floor():
         assert r["floor_ms"] == pytest.approx(floor, rel=1e-4)
         lo, hi = r["ms_range"]
         assert floor <= lo <= r["ms"] <= hi < r["fused_ms"], r
+        assert r["ms"] < r["two_sweeps_ms"] < r["fused_ms"], r
+        assert r["route_kernels"] == [["epi_gemm_siglip", 5]], r
 
 
 def test_committed_maxsim_model_sits_above_its_floor_and_the_textbook_does_not_fit_at_4096():

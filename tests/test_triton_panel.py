@@ -30,7 +30,7 @@ import fused_contrastive as fc
 from fused_contrastive.core import chunked, triton_backend, triton_function, triton_panel
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare
-from fused_contrastive.testing.accuracy import run
+from fused_contrastive.testing.accuracy import make_inputs, run
 from tests._compiles import run_compile_script
 from tests._wide import WideTensors
 
@@ -340,19 +340,64 @@ SIGLIP_CASES = [c for c in CASES if c.op == "siglip" or c.fn.__name__ == "siglip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", SIGLIP_CASES, ids=[c.name for c in SIGLIP_CASES])
 def test_epilogue_gemm_siglip(case, dtype, monkeypatch):
-    """SigLIP's sigmoid loss on the epilogue GEMM (MODE 4: the losses, then the gradient tile and the
-    scale's and bias's sums) in several panels, against float64; the fused kernels do not run."""
+    """SigLIP's sigmoid loss on the epilogue GEMM in several panels, against float64; the fused kernels do
+    not run. A summed loss (mean, sum) takes one sweep (MODE 5: the losses and the gradient tile for an
+    upstream 1, scaled in the backward); per-row losses two (MODE 4: the losses, then the gradient tile
+    for the upstream vector)."""
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
     rec = _Launches(monkeypatch)
     c = compare(case, 97, 100, dtype, "triton", canary=True)
     assert c.ok, c
     sweeps = [x for x in rec.launches if x.name == "epi_gemm_siglip"]
-    assert len(sweeps) >= 2 * 3 and {x.constexprs["MODE"] for x in sweeps} == {4}, rec.names  # 3 panels, 2 sweeps
+    summed = make_inputs(case, 4, 4, 0)[1].get("reduction", "mean") != "none"
+    want = [5] * 3 if summed else [4] * 6  # 3 panels of 40 + 40 + 17 rows
+    assert [x.constexprs["MODE"] for x in sweeps] == want, rec.names
+    assert all(x.constexprs["HAS_G"] == (x.constexprs["MODE"] == 5 or i >= 3) for i, x in enumerate(sweeps))
     assert not {"siglip_fwd", "siglip_bwd_rows", "siglip_bwd_cols"} & set(rec.names), rec.names
     # fp32 keeps the fused kernels
     rec.launches.clear()
     assert compare(case, 40, 16, torch.float32, "triton").ok
     assert "siglip_fwd" in rec.names and "epi_gemm_siglip" not in rec.names, rec.names
+
+
+def test_epilogue_gemm_siglip_eager_scales_by_the_upstream_gradient(monkeypatch):
+    """The one-pass SigLIP sweep (MODE 5) forms the gradients of a summed loss for an upstream 1 in the
+    forward; the backward scales them by the upstream scalar (here 0.37), a second backward (retain_graph)
+    recomputes them by the two-sweep route, and a forward without gradients forms the losses alone (MODE 4,
+    no gradient tile). Each against the float64 definition (tests/test_siglip.py ``_truth``)."""
+    from test_siglip import _truth
+
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    rec = _Launches(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    x64 = torch.randn(97, 40, generator=g, dtype=torch.float64)
+    y64 = torch.randn(97, 40, generator=g, dtype=torch.float64)
+    s64 = torch.tensor(7.5, dtype=torch.float64, requires_grad=True)
+    b64 = torch.tensor(-3.0, dtype=torch.float64, requires_grad=True)
+    xr, yr = x64.bfloat16().double().requires_grad_(), y64.bfloat16().double().requires_grad_()
+    want_loss = _truth(xr, yr, s64, b64, reduction="sum")
+    want = torch.autograd.grad(0.37 * want_loss, (xr, yr, s64, b64))
+    x, y = x64.bfloat16().requires_grad_(), y64.bfloat16().requires_grad_()
+    s, b = torch.tensor(7.5, requires_grad=True), torch.tensor(-3.0, requires_grad=True)
+    loss = fc.siglip_loss(x, y, s, b, reduction="sum", backend="triton")
+    assert [t.constexprs["MODE"] for t in rec.launches if t.name == "epi_gemm_siglip"] == [5] * 3
+    rec.launches.clear()
+    first = torch.autograd.grad(0.37 * loss, (x, y, s, b), retain_graph=True)
+    assert not [t for t in rec.launches if t.name == "epi_gemm_siglip"], rec.names  # the forward had them
+    second = torch.autograd.grad(0.37 * loss, (x, y, s, b))
+    assert [t.constexprs["MODE"] for t in rec.launches if t.name == "epi_gemm_siglip"] == [4] * 3
+    assert_close(loss.double(), want_loss, rtol=2e-3, atol=0, what="loss")
+    for got in (first, second):
+        for name, gg, ww in zip(("image", "text", "scale", "bias"), got, want, strict=True):
+            assert gg.dtype == (torch.bfloat16 if gg.dim() else torch.float32), name
+            tol = 2e-2 * float(ww.abs().max())  # bf16 gradient tiles and outputs
+            assert_close(gg.double(), ww, rtol=0, atol=tol, what=f"grad {name}")
+    rec.launches.clear()
+    with torch.no_grad():
+        plain = fc.siglip_loss(x, y, s, b, reduction="sum", backend="triton")
+    sweeps = [t for t in rec.launches if t.name == "epi_gemm_siglip"]
+    assert [(t.constexprs["MODE"], t.constexprs["HAS_G"]) for t in sweeps] == [(4, False)] * 3, rec.names
+    assert torch.equal(plain, loss.detach())  # the same loss sums in the same order
 
 
 @pytest.mark.parametrize("learn", [False, True], ids=["fixed", "learned-scale"])
@@ -956,16 +1001,18 @@ _COMPILE = textwrap.dedent(
                                  split=bool(x.constexprs["SPLIT_T"]))
                         out.append(r)
     triton_panel.PANEL_ROWS = None
-    # SigLIP on the epilogue GEMM (MODE 4): the forward (losses only) and the backward (the gradient tile)
+    # SigLIP on the epilogue GEMM: per-row losses (MODE 4: the losses, then the gradient tile) and the mean
+    # (MODE 5: both in one pass)
     from fused_contrastive.core.triton_siglip import TritonSigLipFn
     for cc, arch in aot.TARGETS:
-        for dt in (torch.bfloat16, torch.float16):
+        for dt, reduce in ((torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True),
+                           (torch.float16, True)):
             x = torch.empty(n, 768, dtype=dt, device=meta, requires_grad=True)
             y = torch.empty(m, 768, dtype=dt, device=meta, requires_grad=True)
             sc = torch.empty((), device=meta, requires_grad=True)
             bi = torch.empty((), device=meta, requires_grad=True)
             with aot.recording(arch) as launches:
-                TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, True, 1.0 / n).backward()
+                TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, reduce, 1.0 / n).sum().backward()
             for x in launches:
                 if x.name.startswith("epi_gemm"):
                     keep = {}
@@ -1021,12 +1068,14 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
             for dt in dts}
     assert {(r["cc"], r["variant"], r["dtype"]) for r in epi} == want
     # modes: 0 known statistics, 1 one pass, 2 its redo, 3 the statistics forward (the column term; the
-    # triangular sweep), 4 SigLIP; the symmetric variant's softmax over positives keeps the fused forward
+    # triangular sweep), 4 SigLIP, 5 its one pass; the symmetric variant's softmax over positives keeps the
+    # fused forward
     assert {(r["variant"], r["mode"]) for r in epi} == {("onepass", 1), ("onepass", 2), ("col", 0), ("stats", 0),
                                                        ("stats", 3), ("sym", 0), ("tri", 0), ("tri", 3),
-                                                       ("siglip", 4)}
-    # SigLIP's forward (losses only) and backward (the gradient tile) are two compiles of MODE 4
-    assert len([r for r in epi if r["variant"] == "siglip"]) == 2 * 2 * 2
+                                                       ("siglip", 4), ("siglip", 5)}
+    # SigLIP's forward (losses only) and backward (the gradient tile) are two compiles of MODE 4, its one
+    # pass (both) one of MODE 5, per arch and dtype
+    assert sorted(r["mode"] for r in epi if r["variant"] == "siglip") == [4] * 8 + [5] * 4
     assert {r["variant"] for r in epi if r["tri"]} == {"tri"}
     # the gradient tiles' modes with each row's target column split out, as a loss with a target runs them
     # (not beside a softmax over positives: "col" and "sym" carry one)

@@ -22,7 +22,7 @@ from torch import Tensor
 from .._tracing import traced_core, tracing_route
 from . import chunked, dense, positives
 from .chunked import tile_elements
-from .spec import Coeffs, CoreData, CoreSpec, DirectCtx, check_problem, compute_dtype
+from .spec import Coeffs, CoreData, CoreSpec, DirectCtx, check_problem, compute_dtype, graph_free
 
 __all__ = ["Coeffs", "CoreData", "CoreSpec", "PiecesFn", "backward_parts", "dense_path", "forward_parts", "pieces",
            "run", "tile_elements"]
@@ -83,6 +83,7 @@ def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: 
     when it fits (:func:`dense_path`). Under ``torch.compile`` / ``torch.export`` the same work runs
     as the registered custom op ``fused_contrastive::core`` (``fused_contrastive.ops``).
     """
+    a, b, scale = graph_free(a, b, scale)
     if levels is not None:
         return _leveled(backend, a, b, scale, spec, data, coef, reduce, levels)
     if tracing_route():

@@ -39,7 +39,7 @@ from .._amp import autocast_off
 from .._tracing import traced_op, tracing_route
 from .chunked import _ScaleGrad, tile_elements
 from .norms import normalize_backward_, normalize_rows
-from .spec import DirectCtx, compute_dtype, threshold_of
+from .spec import DirectCtx, compute_dtype, graph_free, threshold_of
 
 _NEG_INF = float("-inf")
 
@@ -365,6 +365,7 @@ def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Mask
                              f"({xs[blk.rows].shape[0]} rows)")
     if tracing_route():  # torch.compile / export: the registered operator (ops.merged_lse), O(N*D) as here
         return traced_op("merged_lse")(xs, cfg, masks, scale, weights, backend)
+    scale, *xs = graph_free(scale, *xs)
     return merged_fn(backend).apply(scale, cfg, masks, weights, *xs)
 
 

@@ -52,6 +52,17 @@ def compute_dtype(*xs: Tensor | None) -> torch.dtype:
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
+def graph_free(*xs):
+    """``xs`` with every tensor detached when autograd records nothing (``torch.no_grad``,
+    ``torch.inference_mode``), else unchanged. An autograd Function cannot tell from inside: its forward
+    always runs with grad mode off and ``ctx.needs_input_grad`` follows ``requires_grad`` alone, so the
+    eager routes (a summed loss forms its gradients in the forward) would do two matmul units of work
+    that no backward reads. The losses' entry points pass their inputs through this first."""
+    if torch.is_grad_enabled():
+        return xs
+    return tuple(x.detach() if isinstance(x, Tensor) else x for x in xs)
+
+
 class DirectCtx:
     """Stands in for ``ctx`` of an autograd Function whose ``forward`` and ``backward`` are called
     directly: inside a registered operator (which runs below autograd) and where one Function is

@@ -245,13 +245,18 @@ def matryoshka_config(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tup
 #: both sweeps together). Its epilogue no longer computes the losses (the forward has them): 119-123
 #: registers instead of 194-207 at 64 x 128 and 1254 PTX instructions instead of 2597 on sm_90, and the
 #: one pass's 128 x 128 tiles at 8 warps and 4 stages now compile without spills (204-217 registers): taken
-#: from the compile, not yet timed on a GPU.
+#: from the compile, not yet timed on a GPU. "siglip_eager" (MODE 5, the losses and the gradient tile of a
+#: summed loss in one pass): both epilogues' tiles spilled 168-516 bytes at 128 x 128 (8 warps; 64-352 at
+#: 16 warps), none at 64 x 128 or 128 x 64 (162-225 registers); 64 x 128 at 4 stages, from the compile and
+#: the model (bench/gpu_model.py --siglip: 45.5 ms at N = 65536 on an H100 against 53.6 for the two
+#: sweeps), not yet timed on a GPU.
 EPI_GEMM = {
     "one_pass": LaunchConfig(128, 128, 64, 8, 4),
     "known": LaunchConfig(64, 128, 64, 8, 3),
     "stats": LaunchConfig(128, 128, 64, 8, 3),
     "siglip_fwd": LaunchConfig(128, 128, 64, 8, 4),
     "siglip_bwd": LaunchConfig(128, 128, 64, 8, 4),
+    "siglip_eager": LaunchConfig(64, 128, 64, 8, 4),
 }
 #: The guided blocks' epilogue GEMM (kernels/guided.py ``guided_epi_kernel``, the GIST / guided InfoNCE
 #: panel route), chosen from the sm_80 / sm_90 compiles (no GPU timing yet): the model tile and the guide tile

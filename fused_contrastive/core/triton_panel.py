@@ -595,16 +595,18 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
 
 
 def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, normalize: bool, eps: float,
-                 offset: int, g: Tensor | None, need_x: bool, need_y: bool, need_s: bool):
+                 offset: int, g: Tensor | None, need_x: bool, need_y: bool, need_s: bool, with_loss: bool = False):
     """SigLIP on row panels (``kernels/panel.py`` ``epi_gemm_kernel`` MODE 4; the math in
     ``kernels/siglip.py``): ``(loss [N], dX, dY, ds, db)`` for images ``x`` [N, D] and texts ``y`` [M, D]
     in one 16-bit dtype, ``scale_t`` / ``bias_t`` [1] fp32. Without ``g`` (the forward): the per-image
     losses only, one matmul unit. With ``g`` [N] fp32 (the upstream gradient of each image's loss; the
-    loss is then None: the forward has it): per panel the epilogue GEMM writes the gradient tile ``dz``
+    loss is then None unless ``with_loss``): per panel the epilogue GEMM writes the gradient tile ``dz``
     (16-bit, pre-scaled and ``rb_j`` folded as the core op's ``DL``), then the core sweep's cuBLAS GEMMs
-    and row epilogue give dX and the dY accumulator: 3 units, 4 with the forward's (the fused kernels take
-    5, their backward streaming through an fp32 scratch). ds / db are 0-dim fp32 tensors (no host sync), None unless
-    ``need_s``; dX / dY None unless asked."""
+    and row epilogue give dX and the dY accumulator: 3 units. ``with_loss`` (MODE 5, the eager forward of
+    a summed loss: ``g`` is its weight per row) forms the losses in the same epilogue: 3 units for the step
+    where a forward and a backward sweep take 4 (the fused kernels take 5, their backward streaming through
+    an fp32 scratch). ds / db are 0-dim fp32 tensors (no host sync), None unless ``need_s``; dX / dY None
+    unless asked."""
     from .spec import CoreSpec
 
     n, d = x.shape
@@ -614,17 +616,19 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     need = g is not None
     pr = _Problem(x, y, spec, need_op=need and need_x)
     p_rows = panel_rows(n, m, d, dt, need and need_y, True)
-    cfg = EPI_GEMM["siglip_bwd" if need else "siglip_fwd"]
+    with_loss = with_loss or not need
+    cfg = EPI_GEMM["siglip_eager" if need and with_loss else "siglip_bwd" if need else "siglip_fwd"]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
     dm = torch.empty(1, dtype=torch.float32, device=dev)
     gs = _gscale(g) if need else None
-    loss = _alloc((n,), torch.float32, dev) if not need else None
+    loss = _alloc((n,), torch.float32, dev) if with_loss else None
     dx = _alloc((n, d), dt, dev) if need and need_x else None
     acc = torch.zeros((m, d), dtype=torch.float32, device=dev) if need and need_y else None
     n_pn = triton.cdiv(m, bn)
     ds_parts, db_parts = [], []
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(dt),
-                 MODE=4, NORMALIZE=bool(normalize), EXCLUDE_SELF=False, HAS_BIAS=False, BIAS_COS=False, POS_KIND=0,
+                 MODE=5 if need and with_loss else 4, NORMALIZE=bool(normalize), EXCLUDE_SELF=False, HAS_BIAS=False,
+                 BIAS_COS=False, POS_KIND=0,
                  HAS_G=need, HAS_GCOL=False, HAS_GPOS=False, SYM=False, NEED_DS=bool(need and need_s),
                  FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=False, WANT_COL=False, SPLIT_T=False)
     for r0 in range(0, n, p_rows):
@@ -632,7 +636,7 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
         pp = r1 - r0
         xp, rs, nrm = pr.rows(r0, r1)
         n_pm = triton.cdiv(pp, bm)
-        zp = _alloc((pp, n_pn), torch.float32, dev) if not need else dm  # the forward's losses only
+        zp = _alloc((pp, n_pn), torch.float32, dev) if with_loss else dm
         tp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
         bp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
         dl = _alloc((pp, m), dt, dev) if need else dm
@@ -645,7 +649,7 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
                            stride_x=xp.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0) if need else 0,
                            stride_zp=n_pn, offset=int(offset), bias=0.0, n0=1, m0=1, stride_pm=1),
                       const, cfg.num_warps, cfg.num_stages))
-        if not need:
+        if with_loss:
             loss[r0:r1] = zp.sum(1)
         if need and need_s:
             ds_parts.append(tp.sum().reshape(1))

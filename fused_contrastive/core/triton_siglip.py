@@ -154,11 +154,24 @@ class TritonSigLipFn(torch.autograd.Function):
                       (scale.dtype, scale.shape) if isinstance(scale, Tensor) else None,
                       (bias.dtype, bias.shape) if isinstance(bias, Tensor) else None)
         ctx.panel = use_panel_route(image, image.shape[0], text.shape[0], dt)
+        ctx.eager = None
         if ctx.panel:
             x, y = TB._rows_ok(image.to(dt)), TB._rows_ok(text.to(dt))
             dev = x.device
-            loss = triton_panel.siglip_sweep(TB._launch, x, y, TB._scale32(scale, dev), TB._scale32(bias, dev),
-                                             normalize, eps, offset, None, False, False, False)[0]
+            need_x, need_y = ctx.needs_input_grad[:2]
+            need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[2]
+            need_b = isinstance(bias, Tensor) and ctx.needs_input_grad[3]
+            if reduce and (need_x or need_y or need_s or need_b):
+                # a summed loss: its upstream gradient is one scalar, so the sweep that forms the losses
+                # forms the gradients for an upstream 1 too (MODE 5: 3 matmul units for the step, not 4)
+                g = torch.full((x.shape[0],), float(weight), dtype=torch.float32, device=dev)
+                loss, dx, dy, ds, db = triton_panel.siglip_sweep(
+                    TB._launch, x, y, TB._scale32(scale, dev), TB._scale32(bias, dev), normalize, eps, offset, g,
+                    need_x, need_y, need_s or need_b, with_loss=True)
+                ctx.eager = (dx, dy, ds if need_s else None, db if need_b else None)
+            else:
+                loss = triton_panel.siglip_sweep(TB._launch, x, y, TB._scale32(scale, dev), TB._scale32(bias, dev),
+                                                 normalize, eps, offset, None, False, False, False)[0]
             ctx.normalize = bool(normalize)
             ctx.save_for_backward(scale if isinstance(scale, Tensor) else None,
                                   bias if isinstance(bias, Tensor) else None, x, y)
@@ -177,7 +190,16 @@ class TritonSigLipFn(torch.autograd.Function):
         eps, offset, reduce, weight = ctx.opts
         xdt, ydt, sdt, bdt = ctx.dtypes
         go = go.to(torch.float32)
-        if ctx.panel:
+        if ctx.eager is not None:
+            # the forward's gradients for an upstream 1, times the upstream scalar (the buffers are ours and
+            # dropped here: a second backward, retain_graph, recomputes below)
+            dx, dy, ds, db = ctx.eager
+            ctx.eager = None
+            dx = dx.mul_(go.to(dx.dtype)) if dx is not None else None
+            dy = dy.mul_(go.to(dy.dtype)) if dy is not None else None
+            ds = ds * go if ds is not None else None
+            db = db * go if db is not None else None
+        elif ctx.panel:
             scale, bias, x, y = ctx.saved_tensors
             dev = x.device
             g = (go * weight).expand(x.shape[0]).contiguous() if reduce else go.contiguous()
