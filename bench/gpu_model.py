@@ -639,6 +639,8 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
         hbm -= _nbytes(a["DL"]) - 32 * a["P"] * bool(c["SPLIT_T"])
     if launch.name == "target_rows" and c["ACC"]:
         hbm += _nbytes(a["DA"])  # the gradient it adds to is read, then written
+    if launch.name == "stats_merge" and c["ACC"]:
+        hbm += _nbytes(a["OUT"])  # the statistics so far are read, then written
     if launch.name == "guided_acc":
         # C is read at the P target rows only (none without HAS_T); the accumulator is read, then written
         c_rows = a["P"] * a["D"] * a["C"].element_size() if c["HAS_T"] else 0

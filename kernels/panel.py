@@ -531,6 +531,48 @@ def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW
 
 
 @triton.jit
+def stats_merge_kernel(MX, Z, OUT, n_out, n_part, stride_o, stride_p,
+                       BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr, ACC: tl.constexpr):
+    """The merge of the epilogue GEMM's statistics partials (MODE 3; ``core/triton_panel.py``
+    ``stats_forward``), one launch per panel and direction instead of a dozen ATen ops: for each of
+    ``n_out`` outputs ``o`` (a row of the panel, or a column), its ``n_part`` partials (the row's column
+    tiles, or the column's row tiles) ``MX[o, k]`` (the largest logit) and ``Z[o, k]`` (the sum of
+    ``exp(l - MX)``) at ``o * stride_o + k * stride_p`` give
+
+        LSE_o = mu_o + log sum_k exp(MX[o, k] + log Z[o, k] - mu_o),   mu_o = max_k (MX[o, k] + log Z[o, k])
+
+    (-inf when every partial is empty: ``Z = 0`` or ``MX = -inf``), stored to ``OUT[o]`` or, with ACC,
+    merged into it: ``OUT[o] = logaddexp(OUT[o], LSE_o)`` (the columns' statistics over the panels). Two
+    passes over the partials, BLOCK_P at a time in a fixed order (deterministic)."""
+    pid = tl.program_id(0)
+    o = pid * BLOCK_O + tl.arange(0, BLOCK_O)
+    omask = o < n_out
+    base = o.to(tl.int64)[:, None] * stride_o
+    mu = tl.full([BLOCK_O], NEG_INF, tl.float32)
+    for k0 in range(0, n_part, BLOCK_P):
+        k = k0 + tl.arange(0, BLOCK_P)
+        m2 = omask[:, None] & (k < n_part)[None, :]
+        off = base + k.to(tl.int64)[None, :] * stride_p
+        v = tl.load(MX + off, mask=m2, other=NEG_INF) + tl.log(tl.load(Z + off, mask=m2, other=0.0))
+        mu = tl.maximum(mu, tl.max(v, axis=1))
+    sh = tl.where(mu == NEG_INF, 0.0, mu)
+    acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+    for k0 in range(0, n_part, BLOCK_P):
+        k = k0 + tl.arange(0, BLOCK_P)
+        m2 = omask[:, None] & (k < n_part)[None, :]
+        off = base + k.to(tl.int64)[None, :] * stride_p
+        v = tl.load(MX + off, mask=m2, other=NEG_INF) + tl.log(tl.load(Z + off, mask=m2, other=0.0))
+        acc += tl.sum(tl.exp(v - sh[:, None]), axis=1)
+    lse = sh + tl.log(acc)  # acc = 0 (no partial): -inf
+    if ACC:
+        old = tl.load(OUT + o, mask=omask, other=NEG_INF)
+        top = tl.maximum(old, lse)
+        ts = tl.where(top == NEG_INF, 0.0, top)
+        lse = ts + tl.log(tl.exp(old - ts) + tl.exp(lse - ts))
+    tl.store(OUT + o, lse, mask=omask)
+
+
+@triton.jit
 def _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
     """The fp32 tile ``X[loc] @ Y[cols]^T`` [BLOCK_M, BLOCK_N] of an epilogue GEMM (this module's and the

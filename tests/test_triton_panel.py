@@ -987,10 +987,10 @@ _COMPILE = textwrap.dedent(
             triton_panel.PANEL_ROWS = 1024 if variant == "tri" else None
             for dt in dtypes:
                 for x in record(arch, dt, variant):
-                    if x.name in ("epi_rows", "target_rows"):  # the row kernels around the one pass (and the
-                        r = aot.compile_launch(x, cc)         # target term's: every loss here has one)
-                        r.update(variant=variant, dtype=str(dt), finish=x.constexprs.get("FINISH"),
-                                 bwd=x.constexprs.get("BWD"), acc=x.constexprs.get("ACC"))
+                    if x.name in ("epi_rows", "target_rows", "stats_merge"):  # the row kernels around the
+                        r = aot.compile_launch(x, cc)  # one pass, the statistics merge (and the target term's:
+                        r.update(variant=variant, dtype=str(dt), finish=x.constexprs.get("FINISH"),  # every
+                                 bwd=x.constexprs.get("BWD"), acc=x.constexprs.get("ACC"))  # loss here has one)
                         out.append(r)
                     if x.name.startswith("epi_gemm"):
                         keep = {}
@@ -1093,9 +1093,12 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
 def test_row_kernels_compile_without_spills(compiled):
     """The one pass's per-row bookkeeping (epi_rows, before and after the redo) and the target term's row
     kernel (its forward, and its backward adding into the other pieces' fp32 gradient) on both archs."""
-    rows = [r for r in compiled if r["kernel"] in ("epi_rows", "target_rows")]
+    rows = [r for r in compiled if r["kernel"] in ("epi_rows", "target_rows", "stats_merge")]
     assert {(r["cc"], r["finish"]) for r in rows if r["kernel"] == "epi_rows"} == {
         (cc, f) for cc in (80, 90) for f in (False, True)}
+    # the statistics merge: the rows' (ACC off) and the columns' (ACC on: into their statistics so far)
+    assert {(r["cc"], r["acc"]) for r in rows if r["kernel"] == "stats_merge"} == {
+        (cc, acc) for cc in (80, 90) for acc in (False, True)}
     assert {(r["cc"], r["bwd"], r["acc"]) for r in rows if r["kernel"] == "target_rows"} == {
         (cc, bwd, acc) for cc in (80, 90) for bwd, acc in ((False, False), (True, True))}
     bad = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
@@ -1104,7 +1107,7 @@ def test_row_kernels_compile_without_spills(compiled):
 
 def test_one_byte_mask_kernels_use_tensor_cores(compiled):
     fused = [r for r in compiled
-             if r["kernel"] not in ("panel_dl", "panel_rows", "epi_rows", "target_rows")
+             if r["kernel"] not in ("panel_dl", "panel_rows", "epi_rows", "target_rows", "stats_merge")
              and not r["kernel"].startswith("epi_gemm")]
     assert {r["kernel"] for r in fused} == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols"}
     for r in fused:

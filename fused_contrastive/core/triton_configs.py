@@ -285,3 +285,7 @@ EPI_REDO_ROWS = 64
 #: column-tile partials per step.
 EPI_ROWS_BLOCK_R = 16
 EPI_ROWS_BLOCK_C = 128
+#: The merge of the statistics partials (kernels/panel.py ``stats_merge_kernel``, 4 warps): outputs per
+#: program and partials per step.
+STATS_MERGE_BLOCK_O = 32
+STATS_MERGE_BLOCK_P = 64

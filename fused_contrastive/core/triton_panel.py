@@ -133,6 +133,8 @@ from .triton_configs import (
     PANEL_ROWS_MAX_BLOCK_D,
     PANEL_ROWS_WARPS,
     PANEL_WARPS,
+    STATS_MERGE_BLOCK_O,
+    STATS_MERGE_BLOCK_P,
     d_pad,
 )
 
@@ -585,10 +587,16 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
                            stride_dl=0, stride_zp=n_pn, **_mask_args(prep, spec)),
                       const, cfg.num_warps, cfg.num_stages))
         del x
-        lse[r0:r1] = torch.logsumexp(rm + torch.log(rz), dim=1)
+        # the partials merged by stats_merge_kernel: the rows' over their column tiles, the columns' over the
+        # panel's row tiles and into their statistics so far
+        bo, bp = STATS_MERGE_BLOCK_O, STATS_MERGE_BLOCK_P
+        launch(Launch("stats_merge", KP.stats_merge_kernel, (triton.cdiv(pp, bo),),
+                      dict(MX=rm, Z=rz, OUT=lse[r0:r1], n_out=pp, n_part=n_pn, stride_o=n_pn, stride_p=1),
+                      dict(BLOCK_O=bo, BLOCK_P=bp, ACC=False), 4, 1))
         if want_col or tri:
-            part = lse_col[c0:]
-            torch.logaddexp(part, torch.logsumexp(cm + torch.log(cz), dim=0), out=part)
+            launch(Launch("stats_merge", KP.stats_merge_kernel, (triton.cdiv(mc, bo),),
+                          dict(MX=cm, Z=cz, OUT=lse_col[c0:], n_out=mc, n_part=n_pm, stride_o=1, stride_p=mc),
+                          dict(BLOCK_O=bo, BLOCK_P=bp, ACC=True), 4, 1))
     if tri:  # every row: its panel's row statistics and the column statistics of the panels above it
         return torch.logaddexp(lse, lse_col), None
     return lse, lse_col
