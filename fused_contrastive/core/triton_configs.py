@@ -248,7 +248,7 @@ def matryoshka_config(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tup
 #: from the compile, not yet timed on a GPU. "siglip_eager" (MODE 5, the losses and the gradient tile of a
 #: summed loss in one pass): both epilogues' tiles spilled 168-516 bytes at 128 x 128 (8 warps; 64-352 at
 #: 16 warps), none at 64 x 128 or 128 x 64 (162-225 registers); 64 x 128 at 4 stages, from the compile and
-#: the model (bench/gpu_model.py --siglip: 45.5 ms at N = 65536 on an H100 against 53.6 for the two
+#: the model (bench/gpu_model.py --siglip: 45.8 ms at N = 65536 on an H100 against 53.8 for the two
 #: sweeps), not yet timed on a GPU.
 EPI_GEMM = {
     "one_pass": LaunchConfig(128, 128, 64, 8, 4),
