@@ -400,6 +400,35 @@ def test_epilogue_gemm_siglip_eager_scales_by_the_upstream_gradient(monkeypatch)
     assert torch.equal(plain, loss.detach())  # the same loss sums in the same order
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_epilogue_gemm_siglip_eager_offset_wider_texts(dtype, monkeypatch):
+    """The one pass (MODE 5) where the positives sit at column ``offset + i`` of a wider text set (the
+    layout ``gather=`` hands it: this rank's images against every rank's texts), raw rows (no
+    normalisation), a learnable scale and bias: loss and all four gradients against float64 autograd of the
+    definition (tests/test_siglip.py ``_truth``)."""
+    from test_siglip import _truth
+
+    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    rec = _Launches(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    x64 = (torch.randn(100, 24, generator=g, dtype=torch.float64) * 0.3).to(dtype).double()
+    y64 = (torch.randn(150, 24, generator=g, dtype=torch.float64) * 0.3).to(dtype).double()
+    leaves64 = [x64.requires_grad_(), y64.requires_grad_(), torch.tensor(3.0, dtype=torch.float64, requires_grad=True),
+                torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)]
+    want_loss = _truth(*leaves64, normalize=False, reduction="sum", offset=19) / 100
+    want = torch.autograd.grad(want_loss, leaves64)
+    leaves = [x64.detach().to(dtype).requires_grad_(), y64.detach().to(dtype).requires_grad_(),
+              torch.tensor(3.0, requires_grad=True), torch.tensor(-2.0, requires_grad=True)]
+    loss = TritonSigLipFn.apply(*leaves, False, 1e-12, 19, True, 1.0 / 100)
+    got = torch.autograd.grad(loss, leaves)
+    assert [t.constexprs["MODE"] for t in rec.launches if t.name == "epi_gemm_siglip"] == [5] * 3, rec.names
+    assert_close(loss.double(), want_loss, rtol=2e-3, atol=0, what="loss")
+    for name, gg, ww in zip(("image", "text", "scale", "bias"), got, want, strict=True):
+        assert_close(gg.double(), ww, rtol=0, atol=2e-2 * float(ww.abs().max()), what=f"grad {name}")
+
+
 @pytest.mark.parametrize("learn", [False, True], ids=["fixed", "learned-scale"])
 def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
     """The one-pass epilogue's redo (MODE 2), in bf16 at |s| = 100: rows 0-31 near their keys (one pass),
