@@ -3,6 +3,7 @@ forward + backward per loss and panel-GEMM form, and the epilogue GEMM's launch 
 side by side. Needs a CUDA device; prints plain text (commit it under ``bench/results/``).
 
     python bench/gpu_profile.py --n 65536 --losses info_nce,simcse,clip
+    python bench/gpu_profile.py --n 65536 --losses siglip --siglip-forms --configs siglip_eager
 
 Every figure is measured in this run, on this device (CUDA events and the profiler's device times,
 medians over ``--repeats``); nothing here is modelled. The inputs are the ``check --gpu-validate``
@@ -26,29 +27,40 @@ from fused_contrastive.gpu_validate import _timer, kernels_only, parity_case, tr
 #: Launch configurations of the epilogue GEMM tried by ``--configs`` (BLOCK_M, BLOCK_N, BLOCK_K, warps,
 #: stages), per mode; the first of each is the shipped one (``triton_configs.EPI_GEMM``).
 CONFIGS = {
-    "one_pass": [triton_configs.EPI_GEMM["one_pass"], LaunchConfig(128, 128, 64, 8, 4), LaunchConfig(64, 128, 64, 4, 4),
+    "one_pass": [triton_configs.EPI_GEMM["one_pass"], LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(64, 128, 64, 4, 4),
                  LaunchConfig(64, 128, 64, 4, 3), LaunchConfig(128, 64, 64, 4, 4), LaunchConfig(64, 256, 64, 8, 3),
                  LaunchConfig(64, 64, 64, 4, 4)],
     "known": [triton_configs.EPI_GEMM["known"], LaunchConfig(64, 128, 64, 4, 4), LaunchConfig(64, 64, 64, 4, 4),
               LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(128, 64, 64, 8, 3)],
-    "stats": [triton_configs.EPI_GEMM["stats"], LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(64, 128, 64, 8, 3),
+    "stats": [triton_configs.EPI_GEMM["stats"], LaunchConfig(128, 128, 64, 8, 4), LaunchConfig(64, 128, 64, 8, 3),
               LaunchConfig(128, 64, 64, 4, 4)],
+    # SigLIP's one pass (MODE 5): both epilogues live; 128 x 128 spilled at compile time (kept to measure it)
+    "siglip_eager": [triton_configs.EPI_GEMM["siglip_eager"], LaunchConfig(128, 64, 64, 8, 4),
+                     LaunchConfig(64, 128, 64, 8, 3), LaunchConfig(64, 128, 64, 4, 4),
+                     LaunchConfig(128, 128, 64, 8, 4)],
 }
-#: The loss whose epilogue GEMM runs in each mode (InfoNCE: the one-pass sweep; CLIP: known statistics).
-MODE_LOSS = {"one_pass": "info_nce", "known": "clip", "stats": "clip"}
+#: The loss whose epilogue GEMM runs in each mode (InfoNCE: the one-pass sweep; CLIP: known statistics; SigLIP's
+#: mean: its one pass).
+MODE_LOSS = {"one_pass": "info_nce", "known": "clip", "stats": "clip", "siglip_eager": "siglip"}
 
 
-def _setup(loss: str, n: int, d: int, dt: torch.dtype):
+def _setup(loss: str, n: int, d: int, dt: torch.dtype, device: str = "cuda", per_row: bool = False):
+    """One fwd + bwd of the ``check --gpu-validate`` timing row of ``loss`` as a closure. ``per_row``: the
+    per-row losses (``reduction="none"``), summed and divided by N by the caller (the same value as the
+    mean; for SigLIP the two-sweep form where the mean takes the one pass)."""
     case, (tensors, kwargs) = parity_case(loss, n, d, 7, "flat")
-    kwargs = {k: (v.to(device="cuda", dtype=dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else
-                  v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-    leaves = {k: (v.to(device="cuda", dtype=dt) if v.dim() else v.to("cuda")).clone().requires_grad_(True)
+    kwargs = {k: (v.to(device=device, dtype=dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else
+                  v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    if per_row:
+        kwargs["reduction"] = "none"
+    leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone().requires_grad_(True)
               for k, v in tensors.items()}
 
     def step():
         for v in leaves.values():
             v.grad = None
-        case.fn(**leaves, **kwargs, backend="triton").backward()
+        out = case.fn(**leaves, **kwargs, backend="triton")
+        (out.sum() / out.shape[0] if per_row else out).backward()
 
     return step
 
@@ -93,6 +105,23 @@ def time_paths(loss: str, n: int, d: int, paths: list[str], repeats: int) -> Non
     torch.cuda.empty_cache()
 
 
+def time_siglip_forms(n: int, d: int, repeats: int) -> None:
+    """SigLIP's two forms on the epilogue GEMM, fwd + bwd medians side by side in this run: the mean's one
+    pass (MODE 5, the losses and the gradient tile together: 3 matmul units) and per-row losses summed by
+    the caller (MODE 4, a losses sweep then a gradient sweep: 4 units). The route takes the one pass where
+    ``bench/gpu_model.py --siglip`` models it faster; this is the measurement to check that against."""
+    measure = _timer("cuda")
+    cells = []
+    for label, per_row in (("one pass (mean)", False), ("two sweeps (per-row losses)", True)):
+        step = _setup("siglip", n, d, torch.bfloat16, per_row=per_row)
+        with triton_path("panel"):
+            step()
+            cells.append(f"{label} {statistics.median(measure(step) for _ in range(repeats)):.2f} ms")
+        del step
+        torch.cuda.empty_cache()
+    print(f"timing siglip N={n} D={d} bf16 median of {repeats}: " + ", ".join(cells), flush=True)
+
+
 def sweep_configs(mode: str, n: int, d: int, repeats: int) -> None:
     """The epilogue GEMM's configurations of ``mode``, each timed on its loss (fwd + bwd, median)."""
     measure = _timer("cuda")
@@ -128,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=10, help="kernels listed per profile")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--configs", default="", help="time the epilogue GEMM's configurations of these modes "
-                    "(comma-separated: one_pass, known, stats)")
+                    "(comma-separated: one_pass, known, stats, siglip_eager)")
+    ap.add_argument("--siglip-forms", action="store_true",
+                    help="time SigLIP's one pass (the mean) against its two sweeps (per-row losses) side by side")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu_profile.py needs a CUDA device", file=sys.stderr)
@@ -146,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                 for path in ("panel", "panel-cublas"):
                     with contextlib.suppress(torch.cuda.OutOfMemoryError):
                         profile(loss, max(sizes), args.d, path, args.rows)
+        if args.siglip_forms:
+            for n in sizes:
+                time_siglip_forms(n, args.d, args.repeats)
         for mode in filter(None, args.configs.split(",")):
             sweep_configs(mode, max(sizes), args.d, args.repeats)
     print(f"\nwall {time.time() - t0:.0f} s")

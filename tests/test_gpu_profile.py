@@ -1,0 +1,53 @@
+"""``bench/gpu_profile.py`` (a CUDA-only measurement script) wired as its labels say, checked on the CPU
+under the Triton interpreter: the two SigLIP forms it times side by side run the one pass (MODE 5) and
+the two sweeps (MODE 4, then MODE 4 with the upstream gradients), with the same loss value; each mode's
+list of configurations starts with the shipped one and names the loss that runs that mode."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_contrastive.core import triton_backend, triton_configs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "bench" / "gpu_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def profile_mod():
+    return _load()
+
+
+def test_config_lists_start_with_the_shipped_configuration(profile_mod):
+    assert set(profile_mod.CONFIGS) == set(profile_mod.MODE_LOSS)
+    for mode, cfgs in profile_mod.CONFIGS.items():
+        assert cfgs[0] == triton_configs.EPI_GEMM[mode], mode
+        assert len(set(cfgs)) == len(cfgs), mode  # each timed once
+
+
+def test_siglip_forms_run_the_one_pass_and_the_two_sweeps(profile_mod, monkeypatch):
+    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # small N: not the one-tile path
+    seen = []
+    orig = triton_backend._launch
+    monkeypatch.setattr(triton_backend, "_launch", lambda x: (seen.append(x), orig(x))[1])
+    losses = {}
+    for per_row, want in ((False, [(5, True)]), (True, [(4, False), (4, True)])):
+        seen.clear()
+        step = profile_mod._setup("siglip", 48, 16, torch.bfloat16, device="cpu", per_row=per_row)
+        with profile_mod.triton_path("panel"):
+            step()
+        assert [(x.constexprs["MODE"], x.constexprs["HAS_G"]) for x in seen if x.name == "epi_gemm_siglip"] == want
+        losses[per_row] = torch.cat([x.args["ZP"].sum(1) for x in seen if x.name == "epi_gemm_siglip"
+                                     and (x.constexprs["MODE"] == 5 or not x.constexprs["HAS_G"])])
+    # the same per-image losses (the forms' products and softplus are the same code)
+    torch.testing.assert_close(losses[False], losses[True], rtol=0, atol=0)
