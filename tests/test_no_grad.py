@@ -14,33 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_siglip import _truth as siglip_truth  # tests/ is on sys.path (rootdir-relative imports)
 
 import fused_contrastive as fc
 from fused_contrastive.core import triton_backend, triton_panel
 from fused_contrastive.testing import assert_close
+from tests._flops import MatmulFlops
 
-A = torch.ops.aten
 N, D = 256, 32
 UNIT = 2 * N * N * D  # one N x N x D matmul, by hand
-
-
-class MatmulFlops(TorchDispatchMode):
-    """FLOPs of every 2-D / batched matmul an op runs (2 m n k each)."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (A.mm.default, A.addmm.default):
-            a, b = (args[0], args[1]) if func is A.mm.default else (args[1], args[2])
-            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        elif func in (A.bmm.default, A.baddbmm.default):
-            a, b = (args[0], args[1]) if func is A.bmm.default else (args[1], args[2])
-            self.flops += 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-        return out
 
 
 def _leaves():
@@ -50,13 +32,11 @@ def _leaves():
 
 
 def _truth(name, q, k):
-    """The float64 definitions (textbook formulas, written here)."""
-    q, k = F.normalize(q.detach(), dim=1), F.normalize(k.detach(), dim=1)
+    """The float64 definitions, differentiable: InfoNCE's textbook formula, SigLIP's from
+    tests/test_siglip.py (``_truth``, its softplus terms from the label matrix)."""
     if name == "info_nce":
-        return F.cross_entropy(q @ k.T / 0.05, torch.arange(N))
-    z = 10.0 * (q @ k.T) - 10.0
-    label = 2 * torch.eye(N, dtype=torch.float64) - 1
-    return torch.logaddexp(torch.zeros_like(z), -label * z).sum() / N
+        return F.cross_entropy(F.normalize(q, dim=1) @ F.normalize(k, dim=1).T / 0.05, torch.arange(N))
+    return siglip_truth(q, k, 10.0, -10.0)
 
 
 LOSSES = {
@@ -77,27 +57,15 @@ def test_torch_backend_forward_under_no_grad_is_one_matmul_unit(name, monkeypatc
     assert off.flops == UNIT, off.flops / UNIT  # the logits alone
     assert not plain.requires_grad
     assert_close(plain, with_grad.detach(), atol=1e-12, rtol=1e-12, what="loss")
-    assert_close(plain, _truth(name, q, k), atol=1e-10, rtol=1e-10, what="loss vs definition")
+    assert_close(plain, _truth(name, q.detach(), k.detach()), atol=1e-10, rtol=1e-10, what="loss vs definition")
     with torch.inference_mode():
         assert_close(LOSSES[name](q, k, "torch"), plain, atol=1e-12, rtol=1e-12, what="inference_mode")
     # and with gradients on, the eager gradients are the definition's
     with_grad.backward()
     q64, k64 = (t.detach().clone().requires_grad_() for t in (q, k))
-    want = torch.autograd.grad(_truth_graph(name, q64, k64), (q64, k64))
+    want = torch.autograd.grad(_truth(name, q64, k64), (q64, k64))
     assert_close(q.grad, want[0], atol=1e-10, rtol=1e-8, what="grad q")
     assert_close(k.grad, want[1], atol=1e-10, rtol=1e-8, what="grad k")
-
-
-def _truth_graph(name, q, k):
-    qn, kn = F.normalize(q, dim=1), F.normalize(k, dim=1)
-    if name == "info_nce":
-        return F.cross_entropy(qn @ kn.T / 0.05, torch.arange(N))
-    z = 10.0 * (qn @ kn.T) - 10.0
-    label = 2 * torch.eye(N, dtype=torch.float64) - 1
-    return torch.logaddexp(torch.zeros_like(z), -label * z).sum() / N
-
-
-pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))

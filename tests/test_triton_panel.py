@@ -32,6 +32,7 @@ from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare
 from fused_contrastive.testing.accuracy import make_inputs, run
 from tests._compiles import run_compile_script
+from tests._flops import MatmulFlops
 from tests._wide import WideTensors
 
 CORE_CASES = [c for c in CASES if c.op == "core"]
@@ -713,28 +714,16 @@ def test_triangular_sweep_matmul_flops(monkeypatch):
     kernel); per backward panel [r0, r1) of P rows and C = N - r0 columns, the logits (2 P C D),
     H @ A[r0:] (2 P C D) and H[:, P:]^T @ A_P (2 P (C - P) D) - 1.5 matmul units plus half the diagonal
     blocks; with the forward, 2 units where the eager sweep spends 3."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Flops(TorchDispatchMode):
-        total = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):
-                x, y = (args[0], args[1]) if func == torch.ops.aten.mm.default else (args[1], args[2])
-                Flops.total += 2 * x.shape[0] * x.shape[1] * y.shape[1]
-            return func(*args, **kwargs)
-
     n, d, p = 130, 24, 40
     feats = torch.randn(n, d).requires_grad_()
-    with Flops():
+    with MatmulFlops() as counted:
         fc.simcse_loss(feats, backend="triton").backward()
     hand = 0
     for r0 in range(0, n, p):
         pp, c = min(p, n - r0), n - r0
         hand += 2 * 2 * pp * c * d + 2 * pp * (c - pp) * d
     unit = 2 * n * n * d
-    assert Flops.total == hand, (Flops.total, hand)
+    assert counted.flops == hand, (counted.flops, hand)
     assert 1.5 * unit < hand < 2 * unit  # 1.5 units + the diagonal blocks (P / N of a unit)
 
 

@@ -624,8 +624,9 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     need = g is not None
     pr = _Problem(x, y, spec, need_op=need and need_x)
     p_rows = panel_rows(n, m, d, dt, need and need_y, True)
+    one_pass = need and with_loss  # MODE 5
     with_loss = with_loss or not need
-    cfg = EPI_GEMM["siglip_eager" if need and with_loss else "siglip_bwd" if need else "siglip_fwd"]
+    cfg = EPI_GEMM["siglip_eager" if one_pass else "siglip_bwd" if need else "siglip_fwd"]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
     dm = torch.empty(1, dtype=torch.float32, device=dev)
     gs = _gscale(g) if need else None
@@ -635,7 +636,7 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     n_pn = triton.cdiv(m, bn)
     ds_parts, db_parts = [], []
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(dt),
-                 MODE=5 if need and with_loss else 4, NORMALIZE=bool(normalize), EXCLUDE_SELF=False, HAS_BIAS=False,
+                 MODE=5 if one_pass else 4, NORMALIZE=bool(normalize), EXCLUDE_SELF=False, HAS_BIAS=False,
                  BIAS_COS=False, POS_KIND=0,
                  HAS_G=need, HAS_GCOL=False, HAS_GPOS=False, SYM=False, NEED_DS=bool(need and need_s),
                  FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=False, WANT_COL=False, SPLIT_T=False)
