@@ -77,6 +77,18 @@ def _seg_dot(acc, a_base, b_base, rmask, cmask, lo, hi,
 
 
 @triton.jit
+def _bound(DIMS, k, ALIGNED: tl.constexpr):
+    """The level boundary ``d_k`` (``DIMS[k]``). ALIGNED (the host checked every boundary is a multiple of 16):
+    told to the compiler, so that the D masks ``lo <= d < hi`` are constant over 16 coordinates and the operand
+    loads become 16-byte vectors (pipelined by ``cp.async``); without it every masked element is its own
+    16-bit load."""
+    v = tl.load(DIMS + k)
+    if ALIGNED:
+        v = tl.multiple_of(v, 16)
+    return v
+
+
+@triton.jit
 def _col(x, kk, k):
     """Column k of a [R, KP] tensor, as [R]."""
     return tl.sum(tl.where(kk[None, :] == k, x, 0.0), axis=1)
@@ -109,7 +121,7 @@ def mat_fwd_kernel(
     N, M, stride_sa, stride_sb, offset, bias, n0, m0, stride_pm, n_row_blocks,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, WANT_COL: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """LSE [K, N] (+ LSE_POS [K, N], + this program's partial column LSEs COL_PART[pid] [K, M]) for row
     blocks pid, pid + P, ... (grid (P,); without WANT_COL P = n_row_blocks). The running maxima live in
@@ -137,8 +149,8 @@ def mat_fwd_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k in range(K):  # a loop, not unrolled: nothing per level stays live across the levels
                 # 1. the next segment of the walk along D: acc holds level k's raw prefix products
-                acc = _seg_dot(acc, a_base, b_base, rmask, cmask, tl.load(DIMS + k), tl.load(DIMS + k + 1),
-                               BLOCK_D, UPCAST, DOT_PREC)
+                acc = _seg_dot(acc, a_base, b_base, rmask, cmask, _bound(DIMS, k, ALIGNED),
+                               _bound(DIMS, k + 1, ALIGNED), BLOCK_D, UPCAST, DOT_PREC)
                 rsa = tl.load(RSA + k * N + rows, mask=rmask, other=0.0)
                 rsb = tl.load(RSB + k * M + cols, mask=cmask, other=0.0)
                 l = _logits(acc * rsa[:, None] * rsb[None, :], s, rows, cols, N, M, offset, bias_c, bias,
@@ -232,13 +244,14 @@ def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
 
 @triton.jit
 def _mat_epilogue(X, OUT, ACC, NX, nx_stride, DIMS, rho, kk, rows, n_out, D, stride_x, stride_o, mult, eps,
-                  K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PRESCALE: tl.constexpr):
+                  K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PRESCALE: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """OUT_ic = mult (ACC_ic / (PRESCALE n^K_i) - X_ic sum_{k: c < d_k, n^k_i > eps} rho^k_i / (n^k_i)^2),
     0 for c >= d_K; cast to OUT's dtype. ``NX`` [K, nx_stride] holds the clamped prefix norms n^k, ``rho``
     [BLOCK_R, KP] the scalars of level k in column k."""
     rmask = rows < n_out
     n_top = tl.load(NX + (K - 1) * nx_stride + rows, mask=rmask, other=1.0)
-    top = tl.load(DIMS + K)
+    top = _bound(DIMS, K, ALIGNED)
     x_base = X + rows.to(tl.int64)[:, None] * stride_x
     o_base = OUT + rows.to(tl.int64)[:, None] * stride_o
     a_base = ACC + rows.to(tl.int64)[:, None] * D
@@ -251,7 +264,7 @@ def _mat_epilogue(X, OUT, ACC, NX, nx_stride, DIMS, rho, kk, rows, n_out, D, str
         for k in range(K):
             nk = tl.load(NX + k * nx_stride + rows, mask=rmask, other=1.0)
             ck = tl.where(nk > eps, _col(rho, kk, k) / (nk * nk), 0.0)
-            corr += tl.where((dd < tl.load(DIMS + k + 1))[None, :], ck[:, None], 0.0)
+            corr += tl.where((dd < _bound(DIMS, k + 1, ALIGNED))[None, :], ck[:, None], 0.0)
         x = tl.load(x_base + dd[None, :], mask=live, other=0.0).to(tl.float32)
         tl.store(o_base + dd[None, :], ((g - x * corr) * mult).to(OUT.dtype.element_ty), mask=m2)
 
@@ -266,7 +279,7 @@ def mat_bwd_kernel(
     EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    PRESCALE: tl.constexpr, HAS_TGT: tl.constexpr,
+    PRESCALE: tl.constexpr, HAS_TGT: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """dA for one block of rows (grid cdiv(N, BLOCK_M); X = A, NX = NA, n_out = N) and its share of dL/ds,
     or with COLS dB for one block of columns < n_out (grid cdiv(n_out, BLOCK_N); X = B, NX = NB).
@@ -307,8 +320,8 @@ def mat_bwd_kernel(
         h = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for j in range(K):
             k = K - 1 - j
-            lo = tl.load(DIMS + k)
-            hi = tl.load(DIMS + k + 1)
+            lo = _bound(DIMS, k, ALIGNED)
+            hi = _bound(DIMS, k + 1, ALIGNED)
             # level k's raw prefix products, walked afresh over [0, d_k): no cancellation (peeling the
             # segment products off the top level's tile instead lost ~1e-7 |A_i| |B_j| / (n^k_i m^k_j) of
             # the cosine: 0.36 of a gradient of 0.14 for a row with a 1-wide level and a small first coordinate)
@@ -351,7 +364,7 @@ def mat_bwd_kernel(
     if NEED_DX:
         if COLS:
             _mat_epilogue(X, DX, ACC, NX, M, DIMS, rho, kk, own, n_out, D, stride_x, stride_dx, s * gs, eps,
-                          K, BLOCK_N, BLOCK_D, PRESCALE)
+                          K, BLOCK_N, BLOCK_D, PRESCALE, ALIGNED)
         else:
             _mat_epilogue(X, DX, ACC, NX, N, DIMS, rho, kk, own, n_out, D, stride_x, stride_dx, s * gs, eps,
-                          K, BLOCK_M, BLOCK_D, PRESCALE)
+                          K, BLOCK_M, BLOCK_D, PRESCALE, ALIGNED)

@@ -92,18 +92,37 @@ def _r(*shape, seed):
 
 
 RAGGED = (20, 64, 100, 144)  # D = 144: 20 and 100 off the 16- and 64-wide chunk edges, 64 on one
+# every boundary a multiple of 16 (the kernels take ALIGNED: 16-byte operand loads), 48 and 80 inside 32- and
+# 64-wide D chunks
+ALIGNED = (16, 48, 80, 144)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("loss", ["info_nce", "clip", "supcon_in"])
 def test_ragged_shapes_and_16_bit_inputs(dtype, loss):
+    _ragged_case(dtype, loss, RAGGED)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("loss", ["info_nce", "clip"])
+def test_boundaries_on_16_wide_chunks(dtype, loss):
+    from fused_contrastive.core import triton_matryoshka as TM
+
+    a = torch.zeros(4, 144, dtype=dtype)
+    flags = {dims: TM._flags(TM._Levels(a, None, CoreSpec(), CoreData(target=torch.arange(4)), False, dims),
+                             CoreSpec())["ALIGNED"] for dims in (RAGGED, ALIGNED)}
+    assert flags == {RAGGED: False, ALIGNED: True}
+    _ragged_case(dtype, loss, ALIGNED)
+
+
+def _ragged_case(dtype, loss, dims):
     n, m, d = 37, 29, 144  # nothing on a tile edge
     q, k = _r(n, d, seed=1).to(dtype), _r(m if loss == "info_nce" else n, d, seed=2).to(dtype)
     tgt = torch.randint(0, m, (n,), generator=torch.Generator().manual_seed(3))
     lab = torch.randint(0, 5, (n,), generator=torch.Generator().manual_seed(4))
     weights = [0.5, 1.0, 2.0, 1.0]
 
-    def call(x, y, t, be, dims=RAGGED, w=weights):
+    def call(x, y, t, be, dims=dims, w=weights):
         if loss == "info_nce":
             return fc.info_nce(x, y, target=tgt, temperature=t, backend=be, matryoshka_dims=dims,
                                matryoshka_weights=w)
@@ -119,7 +138,7 @@ def test_ragged_shapes_and_16_bit_inputs(dtype, loss):
     rq, rk = q.double().requires_grad_(), k.double().requires_grad_()
     t2 = torch.tensor(tv, dtype=F64, requires_grad=True)
     want = sum(w * call(_shrink(rq, dd), _shrink(rk, dd), t2, "reference", None, None)
-               for dd, w in zip(RAGGED, weights, strict=True))
+               for dd, w in zip(dims, weights, strict=True))
     _check(got, want.detach(), dtype, "loss")
     g1 = torch.autograd.grad(got, [lq, lk, t])
     g2 = torch.autograd.grad(want, [rq, rk, t2])
@@ -260,6 +279,14 @@ def test_every_matryoshka_kernel_compiles_without_spills(compiled):
 
 def test_matryoshka_kernels_use_tensor_cores(compiled):
     assert_tensor_cores(compiled)
+
+
+def test_matryoshka_operands_load_in_16_byte_vectors(compiled):
+    # the compiled levels (768, 512, ..., 32) are multiples of 16: every operand read is a 16-byte
+    # cp.async of the software pipeline or a 16-byte vector load, none a scalar 16-bit load (before
+    # ALIGNED: 24-48 scalar ld.global.b16 per kernel and no cp.async)
+    for r in compiled:
+        assert r["ld_b16"] == 0 and r["cp_async_16"] > 0, r
 
 
 def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch):

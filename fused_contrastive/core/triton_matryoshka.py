@@ -65,7 +65,9 @@ def _flags(L: _Levels, spec: CoreSpec) -> dict[str, object]:
     if f.pop("BIAS_COS"):  # core._leveled runs a target margin as one plain call per level
         raise ValueError("core: the Matryoshka kernels take no target margin")
     del f["NORMALIZE"]
-    return dict(**f, K=L.k)
+    # every boundary a multiple of 16 (768/512/256/128/64): the kernels' D masks are constant over 16
+    # coordinates, and told so (kernels/matryoshka.py ``_bound``) their operand loads are 16-byte vectors
+    return dict(**f, K=L.k, ALIGNED=all(d % 16 == 0 for d in L.dims))
 
 
 def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:

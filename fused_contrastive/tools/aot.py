@@ -354,4 +354,16 @@ def compile_launch(launch: TB.Launch, cc: int, keep: dict[str, object] | None = 
     tc = "wgmma" if n_wgmma else ("mma" if n_mma else "none")
     return dict(kernel=launch.name, cc=cc, num_warps=launch.num_warps, num_stages=launch.num_stages,
                 block=" ".join(f"{k[6:]}{v}" for k, v in launch.constexprs.items() if k.startswith("BLOCK_")),
-                shared=ck.metadata.shared, tc=tc, n_mma=n_mma, n_wgmma=n_wgmma, **ptxas_stats(ptx, cc))
+                shared=ck.metadata.shared, tc=tc, n_mma=n_mma, n_wgmma=n_wgmma, **load_widths(ptx),
+                **ptxas_stats(ptx, cc))
+
+
+def load_widths(ptx: str) -> dict[str, int]:
+    """How a kernel's PTX reads global memory: ``ld_b16`` scalar 16-bit loads (one element of a 16-bit
+    operand each), ``ld_v4`` 16-byte vector loads, ``cp_async_16`` / ``cp_async_small`` asynchronous copies
+    to shared memory (the software pipeline's) of 16 bytes and of fewer."""
+    sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x[0-9a-f]+|\d+)\s*[,;]", ptx)
+    n16 = sum(int(x, 0) == 16 for x in sizes)
+    return dict(ld_b16=len(re.findall(r"\bld\.global(?:\.[a-zA-Z0-9:_]+)*\.[bsu]16\b", ptx)),
+                ld_v4=len(re.findall(r"\bld\.global(?:\.[a-zA-Z0-9:_]+)*\.v4\.[bfu]32\b", ptx)),
+                cp_async_16=n16, cp_async_small=len(sizes) - n16)
