@@ -332,6 +332,59 @@ def _is_if(line: str) -> bool:
     return "scf.if" in line or line.startswith("} else")
 
 
+_SSA = re.compile(r"%([\w#]+)")
+#: Ops that take an integer tensor as a pointer offset or a mask: the address and mask arithmetic of memory
+#: accesses, issued once per vector by the compiled code, not once per element.
+_ADDRESS_USERS = ("tt.addptr", "tt.load", "ttg.async_copy_global_to_local")
+#: Integer ops that pass an address / mask value on (the value's users decide).
+_INT_PASS = ("tt.splat", "tt.broadcast", "tt.expand_dims", "ttg.convert_layout")
+
+
+def _address_only(ttgir: str) -> set[str]:
+    """The SSA names of integer tensors that only feed memory accesses' offsets and masks (directly or
+    through other integer ops): ``tt.addptr`` offsets, load / copy masks, store masks and pointers. Their
+    arithmetic is per 16-byte vector, not per element (the software pipeliner's prologue copies, outside
+    the D loop, compute their masks this way). A value that reaches anything else (a select of data, a
+    float conversion, a loop's yield) is counted."""
+    defs: dict[str, tuple[str, bool]] = {}
+    users: dict[str, list[tuple[str, str | None, int]]] = {}
+    for raw in ttgir.splitlines():
+        line = raw.strip()
+        if line.startswith("//"):
+            continue
+        if "=" in line and line.startswith("%") and not line.startswith("%", 1):
+            lhs, rhs = line.split("=", 1)
+            name = lhs.strip()[1:].split(":")[0]
+            op = rhs.strip().split(" ", 1)[0]
+            m_t = _TENSOR.search(_result_type(line))
+            defs[name] = (op, bool(m_t and m_t[2] is None and m_t[3][0] == "i"))
+            body, res = rhs.split(":", 1)[0], name
+        else:
+            op = line.split(" ", 1)[0]
+            body, res = line.split(":", 1)[0], None
+        for pos, u in enumerate(_SSA.findall(body.split(" ", 1)[1] if " " in body.strip() else "")):
+            users.setdefault(u, []).append((op, res, pos))
+    memo: dict[str, bool] = {}
+
+    def only(name: str) -> bool:
+        if name in memo:
+            return memo[name]
+        memo[name] = False  # a cycle (loop-carried) counts
+        ok = bool(users.get(name))
+        for op, res, pos in users.get(name, ()):
+            if op in _ADDRESS_USERS or (op == "tt.store" and pos != 1):
+                continue
+            if res is not None and res in defs and defs[res][1] and (op.startswith("arith.") or op in _INT_PASS):
+                if only(res):
+                    continue
+            ok = False
+            break
+        memo[name] = ok
+        return ok
+
+    return {n for n, (_, is_int) in defs.items() if is_int and only(n)}
+
+
 def _result_type(line: str) -> str:
     return line.rsplit("->", 1)[-1] if "->" in line else line.rsplit(":", 1)[-1]
 
@@ -353,6 +406,7 @@ def walk_ttgir(ttgir: str, trips: dict[str, int], if_weight: float = 1.0) -> dic
         if m:
             mmas[m[1]] = (int(m[2]), int(m[3]), int(m[4]))
     out = dict(flops=0.0, gload=0.0, gload_vec=0.0, gstore=0.0, smem=0.0, exp=0.0, log=0.0, alu=0.0)
+    addr = _address_only(ttgir)
     stack: list[float] = []
     in_d_loop: list[bool] = []
     prologue_copies: list[tuple[float, int]] = []  # pipeliner prologue copies (outside a D loop)
@@ -432,8 +486,10 @@ def walk_ttgir(ttgir: str, trips: dict[str, int], if_weight: float = 1.0) -> dic
         elif op.startswith("arith.") and op != "arith.constant":
             m_t = _TENSOR.search(_result_type(line))
             # inside a D loop only the float work (the streaming accumulator, the row epilogues); its
-            # integer ops are address and mask arithmetic, one per 16-byte vector, not counted
-            if m_t and not (in_d_loop and in_d_loop[-1] and m_t[3][0] == "i"):
+            # integer ops are address and mask arithmetic, one per 16-byte vector, not counted; nor,
+            # anywhere, the integer ops that only feed memory accesses' offsets and masks (_address_only)
+            name = line.split("=", 1)[0].strip()[1:].split(":")[0]
+            if m_t and not (in_d_loop and in_d_loop[-1] and m_t[3][0] == "i") and name not in addr:
                 out["alu"] += mult * _elems(m_t[1])
     # tt.store has no result: counted here with its enclosing loops
     stack, mult = [], 1.0

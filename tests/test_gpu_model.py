@@ -225,7 +225,7 @@ def test_streaming_backward_l2_bytes_follow_the_loop_structure(fresh):
 def test_ttgir_walk_counts_ops_times_enclosing_trip_counts():
     # a hand-written TTGIR: an outer loop over M (step 64), an inner loop over D (step 32) with one
     # 64x32 bf16 load, one dot 64x64x32, one exp and one multiply of a 64x64 tile and an integer address
-    # op per inner iteration; after it a compare, a select, a row reduction, a constant and a store
+    # op per inner iteration; after it a compare, a select, a row reduction, a constant and a masked store
     code = r'''
 import json, sys
 sys.path.insert(0, "bench")
@@ -250,7 +250,9 @@ module {
         tt.reduce.return %s2 : f32
       }) : (tensor<64x64xf32, #mma>) -> tensor<64xf32, #ttg.slice<{dim = 1, parent = #mma}>>
       %k = arith.constant dense<0.0> : tensor<64x64xf32, #mma>
-      tt.store %o, %v : tensor<64x!tt.ptr<f32>, #blocked>
+      %m1 = arith.cmpi slt, %u2, %u2 : tensor<64xi32, #blocked>
+      %m2 = arith.andi %m1, %m1 : tensor<64xi1, #blocked>
+      tt.store %o, %v, %m2 : tensor<64x!tt.ptr<f32>, #blocked>
       scf.yield %x : f32
     }
     tt.return
@@ -268,7 +270,8 @@ print(json.dumps(G.walk_ttgir(ir, dict(M=640, D=96))))
     assert w["exp"] == outer * inner * 64 * 64
     assert w["gstore"] == outer * 64 * 4
     # ALU elements: the float op in the D loop (not its integer address op), and per column tile the
-    # compare, the select and the 64 x 64 elements the reduction reads (not its scalar body, not a constant)
+    # compare, the select and the 64 x 64 elements the reduction reads (not its scalar body, not a constant,
+    # not the store's mask: two integer ops that only feed a memory access, one per vector on the GPU)
     assert w["alu"] == outer * inner * 64 * 64 + outer * 3 * 64 * 64
 
 
