@@ -4,6 +4,7 @@ side by side. Needs a CUDA device; prints plain text (commit it under ``bench/re
 
     python bench/gpu_profile.py --n 65536 --losses info_nce,simcse,clip
     python bench/gpu_profile.py --n 65536 --losses siglip --siglip-forms --configs siglip_eager
+    python bench/gpu_profile.py --n 2048 --losses "" --no-profile --matryoshka-loads
 
 Every figure is measured in this run, on this device (CUDA events and the profiler's device times,
 medians over ``--repeats``); nothing here is modelled. The inputs are the ``check --gpu-validate``
@@ -122,6 +123,67 @@ def time_siglip_forms(n: int, d: int, repeats: int) -> None:
     print(f"timing siglip N={n} D={d} bf16 median of {repeats}: " + ", ".join(cells), flush=True)
 
 
+#: The Matryoshka levels of ``--matryoshka-loads`` (every boundary a multiple of 16: the kernels' ALIGNED form).
+MATRYOSHKA_DIMS = (768, 512, 256, 128, 64)
+
+
+@contextlib.contextmanager
+def matryoshka_aligned(on: bool):
+    """The Matryoshka kernels with their 16-byte operand loads (``on``, what the code takes for boundaries that
+    are multiples of 16) or with the scalar loads of boundaries the compiler cannot prove aligned (``ALIGNED``
+    forced off: the form before 16-byte loads, the same results)."""
+    from fused_contrastive.core import triton_matryoshka as TM
+
+    orig = TM._flags
+
+    def flags(levels, spec):
+        f = orig(levels, spec)
+        return dict(f, ALIGNED=f["ALIGNED"] and on)
+
+    TM._flags = flags
+    try:
+        yield
+    finally:
+        TM._flags = orig
+
+
+def _matryoshka_setup(n: int, d: int, device: str = "cuda"):
+    """One fwd + bwd of Matryoshka InfoNCE (``MATRYOSHKA_DIMS`` cut to D) on the triton backend, bf16."""
+    import fused_contrastive as fc
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    q, k = (torch.randn(n, d, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_(True)
+            for _ in range(2))
+    dims = [x * d // 768 for x in MATRYOSHKA_DIMS]
+
+    def step():
+        q.grad = k.grad = None
+        fc.info_nce(q, k, temperature=0.05, backend="triton", matryoshka_dims=dims).backward()
+
+    step.leaves = (q, k)
+    return step
+
+
+def time_matryoshka_loads(n: int, d: int, repeats: int) -> None:
+    """The Matryoshka kernels (what the triton backend runs for levels below the panel path's size) with
+    16-byte operand loads against the scalar ones, fwd + bwd medians alternating in this run."""
+    measure = _timer("cuda")
+    step = _matryoshka_setup(n, d)
+    times = {True: [], False: []}
+    for on in (True, False):
+        with matryoshka_aligned(on):
+            step()  # compile
+    for _ in range(repeats):
+        for on in (True, False):
+            with matryoshka_aligned(on):
+                times[on].append(measure(step))
+    a, s = statistics.median(times[True]), statistics.median(times[False])
+    print(f"timing matryoshka5 info_nce N={n} D={d} bf16 median of {repeats}: 16-byte loads {a:.2f} ms, "
+          f"scalar loads {s:.2f} ms, ratio {s / a:.2f}x", flush=True)
+    del step
+    torch.cuda.empty_cache()
+
+
 def sweep_configs(mode: str, n: int, d: int, repeats: int) -> None:
     """The epilogue GEMM's configurations of ``mode``, each timed on its loss (fwd + bwd, median)."""
     measure = _timer("cuda")
@@ -160,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(comma-separated: one_pass, known, stats, siglip_eager)")
     ap.add_argument("--siglip-forms", action="store_true",
                     help="time SigLIP's one pass (the mean) against its two sweeps (per-row losses) side by side")
+    ap.add_argument("--matryoshka-loads", action="store_true",
+                    help="time the Matryoshka kernels with 16-byte operand loads against scalar ones (use an N "
+                    "below the panel path's, N * N < 2^24, where the triton backend runs these kernels)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu_profile.py needs a CUDA device", file=sys.stderr)
@@ -167,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}")
     sizes = [int(x) for x in args.n.split(",")]
-    losses = args.losses.split(",")
+    losses = [x for x in args.losses.split(",") if x]
     with kernels_only():
         for n in sizes:
             for loss in losses:
@@ -180,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.siglip_forms:
             for n in sizes:
                 time_siglip_forms(n, args.d, args.repeats)
+        if args.matryoshka_loads:
+            for n in sizes:
+                time_matryoshka_loads(n, args.d, args.repeats)
         for mode in filter(None, args.configs.split(",")):
             sweep_configs(mode, max(sizes), args.d, args.repeats)
     print(f"\nwall {time.time() - t0:.0f} s")

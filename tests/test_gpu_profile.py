@@ -1,7 +1,8 @@
 """``bench/gpu_profile.py`` (a CUDA-only measurement script) wired as its labels say, checked on the CPU
 under the Triton interpreter: the two SigLIP forms it times side by side run the one pass (MODE 5) and
 the two sweeps (MODE 4, then MODE 4 with the upstream gradients), with the same loss value; each mode's
-list of configurations starts with the shipped one and names the loss that runs that mode."""
+list of configurations starts with the shipped one and names the loss that runs that mode; the Matryoshka
+timing runs its kernels with the 16-byte loads and with the scalar ones, to the same gradients."""
 
 from __future__ import annotations
 
@@ -51,3 +52,22 @@ def test_siglip_forms_run_the_one_pass_and_the_two_sweeps(profile_mod, monkeypat
                                      and (x.constexprs["MODE"] == 5 or not x.constexprs["HAS_G"])])
     # the same per-image losses (the forms' products and softplus are the same code)
     torch.testing.assert_close(losses[False], losses[True], rtol=0, atol=0)
+
+
+def test_matryoshka_loads_time_the_aligned_and_the_scalar_form(profile_mod, monkeypatch):
+    # --matryoshka-loads: the same Matryoshka kernels with ALIGNED on (the code's choice for boundaries that
+    # are multiples of 16) and forced off, the same loss and gradients (the hint changes no arithmetic)
+    seen = []
+    orig = triton_backend._launch
+    monkeypatch.setattr(triton_backend, "_launch", lambda x: (seen.append(x), orig(x))[1])
+    got = {}
+    for on in (True, False):
+        seen.clear()
+        step = profile_mod._matryoshka_setup(40, 192, device="cpu")  # levels 192/128/64/32/16
+        with profile_mod.matryoshka_aligned(on):
+            step()
+        mats = [x for x in seen if x.name.startswith("mat_")]
+        assert {x.name for x in mats} == {"mat_fwd", "mat_bwd_rows", "mat_bwd_cols"}
+        assert {x.constexprs["ALIGNED"] for x in mats} == {on}
+        got[on] = torch.cat([t.grad.float().flatten() for t in step.leaves])
+    torch.testing.assert_close(got[True], got[False], rtol=0, atol=0)
