@@ -5,7 +5,9 @@ cosine is ``cos^k_ij = <A_i[:d_k], B_j[:d_k]> / (n^k_i m^k_j)`` with the clamped
 ``n^k_i = max(||A_i[:d_k]||, eps)`` (``m^k_j`` likewise); its logits, masks and statistics are those of
 ``kernels/lse.py`` on that cosine (the same tile helpers). Boundaries need not fall on a D-chunk edge: a
 walk over a segment ``S_k = [d_{k-1}, d_k)`` starts at the chunk that holds d_{k-1} and masks the chunk to
-the segment (a straddled chunk is read once per segment).
+the segment (a straddled chunk is read once per segment). ``ALIGNED`` (every boundary a multiple of 16, set
+by the host): the boundaries are declared so (``_bound``), the masks are then constant over 16 coordinates and
+the operands arrive in 16-byte pipelined copies; otherwise each masked element is a scalar load.
 
 Per-level host data (``core/triton_matryoshka.py``), fp32 [K, N] (rows) or [K, M] (columns):
 
