@@ -115,6 +115,21 @@ def test_boundaries_on_16_wide_chunks(dtype, loss):
     _ragged_case(dtype, loss, ALIGNED)
 
 
+def test_level_boundaries_are_made_once_per_level_set():
+    # the kernels' DIMS tensor is cached per (levels, device): on CUDA a fresh one was a host-to-device copy
+    # per call; two calls with the same levels share it, other levels get their own
+    from fused_contrastive.core import triton_matryoshka as TM
+
+    a = torch.zeros(4, 144)
+
+    def dims_t(dims):
+        return TM._Levels(a, None, CoreSpec(), CoreData(target=torch.arange(4)), False, dims).dims_t
+
+    first = dims_t(ALIGNED)
+    assert dims_t(ALIGNED) is first and dims_t(RAGGED) is not first
+    assert first.tolist() == [0, *ALIGNED] and first.dtype == torch.int32
+
+
 def _ragged_case(dtype, loss, dims):
     n, m, d = 37, 29, 144  # nothing on a tile edge
     q, k = _r(n, d, seed=1).to(dtype), _r(m if loss == "info_nce" else n, d, seed=2).to(dtype)

@@ -13,6 +13,7 @@ rounding, where ``p_it - 1`` cancels in a peaked softmax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -46,6 +47,14 @@ def _level_data(x: Tensor, sx: Tensor, dims: list[int], eps: float) -> tuple[Ten
     return rs.T.contiguous(), f.T.contiguous(), nrm.T.contiguous()
 
 
+@functools.lru_cache(maxsize=64)
+def _dims_tensor(dims: tuple[int, ...], device: torch.device) -> Tensor:
+    """``[0, *dims]`` (int32) on ``device``, made once per level set and device and only read by the kernels:
+    a fresh one per call was a synchronous copy from pageable host memory on every step, and cannot be made
+    while a CUDA graph is being captured."""
+    return torch.tensor([0, *dims], dtype=torch.int32, device=device)
+
+
 class _Levels:
     """Kernel-ready inputs of one call (built in forward, kept for backward)."""
 
@@ -55,7 +64,7 @@ class _Levels:
         self.dims = list(dims)
         self.k = len(dims)
         dev = a.device
-        self.dims_t = torch.tensor([0, *dims], dtype=torch.int32, device=dev)
+        self.dims_t = _dims_tensor(tuple(int(d) for d in dims), dev)
         self.ra = _level_data(self.p.a, self.p.sa, self.dims, spec.eps)
         self.rb = self.ra if b is None else _level_data(self.p.b, self.p.sb, self.dims, spec.eps)
 
