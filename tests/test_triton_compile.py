@@ -8,7 +8,8 @@ switched on (the most registers), we check:
 * it compiles, with 0 bytes of register spills (ptxas ``-v``, same flags as triton's own call);
 * the PTX uses tensor cores for the matmuls: ``mma.sync`` on sm_80, ``wgmma.mma_async`` on sm_90
   (and no ``mma.sync`` fallback there);
-* the shared memory fits the architecture (163 KB on sm_80 / A100, 227 KB on sm_90 / H100).
+* the shared memory fits the architecture (163 KB on sm_80 / A100, 227 KB on sm_90 / H100);
+* no scalar 16-bit global load (the operands are read in vectors).
 
 conftest.py turns the interpreter on for the whole session (the jit functions are then interpreted
 and cannot be compiled), so the compiles run in one subprocess with ``TRITON_INTERPRET=0`` (two
@@ -114,6 +115,14 @@ def test_tensor_cores_for_the_matmuls(compiled):
             bad.append(f"{_label(r)}: no mma.sync")
         if r["cc"] == 90 and (not r["n_wgmma"] or r["n_mma"]):
             bad.append(f"{_label(r)}: {r['n_wgmma']} wgmma, {r['n_mma']} mma.sync (want wgmma only)")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_scalar_16_bit_loads(compiled):
+    # every global read of a 16-bit operand is a vector (16-byte loads or the pipeline's cp.async): a mask the
+    # compiler cannot prove constant over 8 elements turns each element into its own load (the Matryoshka
+    # kernels had 24-48 per kernel), which the GPU model does not price
+    bad = [f"{_label(r)}: {r['ld_b16']} scalar 16-bit loads" for r in compiled["results"] if r["ld_b16"]]
     assert not bad, "\n".join(bad)
 
 
