@@ -1276,6 +1276,9 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
                 tri[key] = (ends["central"][0], ends["optimistic"][0], ends["pessimistic"][0], ends["central"][1],
                             ends["central"][2])
             route = "calls" if path == "panel" else "levels"
+            # the K calls level by level (central): where the route's time goes
+            by_level = [round(sum(kernel_model(lz, gpu)["ms"] for lz in launches) + aten_model(ops, gpu)["ms"], 3)
+                        for launches, ops in runs[2][1]]
 
             def cell(v):
                 return f"{v[0]:.1f} [{v[1]:.1f} - {v[2]:.1f}]"
@@ -1284,6 +1287,8 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
                   f"{cell(got['one_pass']):>22s} "
                   f"{got['one_pass'][0] / got['plain'][0]:5.2f}x {cell(got['formula']):>22s} "
                   f"{_fmt_b(got['formula'][3]):>12s}{'' if fits else ' DOES NOT FIT'}")
+            print("         K calls by level (central ms): " + ", ".join(
+                f"d={dk} {ms:.2f}" for dk, ms in zip(matryoshka_dims(d), by_level, strict=True)))
             recs.append(dict(loss="info_nce_matryoshka", gpu=g, n=n, d=d, dims=matryoshka_dims(d),
                              plain_torch_ms=round(got["plain"][0], 3), one_pass_torch_ms=round(got["one_pass"][0], 3),
                              one_pass_range=[round(got["one_pass"][1], 3), round(got["one_pass"][2], 3)],
@@ -1293,7 +1298,7 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
                              one_pass_launches=got["one_pass"][5],
                              triton_path=path, triton_route=("one plain call per level" if route == "calls"
                                                              else "Matryoshka kernels"),
-                             k_calls_triton_ms=round(tri["calls"][0], 3),
+                             k_calls_triton_ms=round(tri["calls"][0], 3), k_calls_by_level_ms=by_level,
                              k_calls_triton_range=[round(tri["calls"][1], 3), round(tri["calls"][2], 3)],
                              plain_triton_ms=round(tri["plain"][0], 3),
                              plain_triton_range=[round(tri["plain"][1], 3), round(tri["plain"][2], 3)],

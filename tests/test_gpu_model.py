@@ -371,6 +371,11 @@ def test_committed_matryoshka_model_has_one_loss_of_matmul_work():
             lo, hi = r[f"{key}_range"]
             assert lo <= r[f"{key}_torch_ms" if key == "one_pass" else f"{key}_ms"] <= hi, key
         assert r["formula_fits"] == (r["formula_peak_bytes"] <= {"A100": 80e9, "H100": 80e9, "H200": 141e9}[r["gpu"]])
+        # the K calls level by level: they add up to the route's time, and the top level (d = D) is the
+        # plain loss (the same call)
+        by_level = r["k_calls_by_level_ms"]
+        assert len(by_level) == len(r["dims"]) and by_level[0] == pytest.approx(r["plain_triton_ms"], abs=1e-3)
+        assert sum(by_level) == pytest.approx(r["k_calls_triton_ms"], abs=5e-3)
     # the same rows in the other losses' form ("matryoshka5": ms = the route taken, the floor of one plain
     # loss by hand, the formula's time where it fits)
     peaks = _peaks(text)
