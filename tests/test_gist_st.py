@@ -393,6 +393,21 @@ def test_gather_across_devices_two_ranks(paths, tmp_path):
 TIE_SEEDS = (21, 121)
 
 
+def _duplicates_copied(forward):
+    """``forward`` whose ``sentence_embedding`` rows of identical inputs (ids and mask) are bitwise copies of
+    the first such row of the batch."""
+    def wrapped(features, *args, **kwargs):
+        out = forward(features, *args, **kwargs)
+        key = torch.cat([features["input_ids"], features["attention_mask"]], dim=1)
+        _, inverse = torch.unique(key, dim=0, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), key.shape[0], dtype=torch.long)
+        first = first.scatter_reduce(0, inverse, torch.arange(key.shape[0]), reduce="amin")
+        out["sentence_embedding"] = out["sentence_embedding"][first[inverse]]
+        return out
+
+    return wrapped
+
+
 def _tie_columns(model, kind: str):
     a, p = _sentences(B, TIE_SEEDS[0]), _sentences(B, TIE_SEEDS[1])
     p[1] = p[0]  # "positive": row 0's positive text is row 1's too (rows 0 and 1: one mini-batch of 2)
@@ -404,7 +419,7 @@ def _tie_columns(model, kind: str):
 @pytest.mark.parametrize("variant", ["plain", "mbs2"])
 @pytest.mark.parametrize("kind", ["positive", "pair"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-def test_exact_duplicates_tie_as_theirs(paths, model, guides, dtype, kind, variant):
+def test_exact_duplicates_tie_as_theirs(paths, model, guides, dtype, kind, variant, monkeypatch):
     # the duplicate's guide cosine equals row 0's positive's exactly (theirs: the diagonal of the same
     # guide matrix, a tie kept by the strict >); ours reads the threshold from the same guide products
     if dtype == torch.float64:
@@ -412,6 +427,11 @@ def test_exact_duplicates_tie_as_theirs(paths, model, guides, dtype, kind, varia
     else:
         m, g = load_model(paths["model"]).float().eval(), load_model(paths["same"]).float().eval()
     feats = _tie_columns(m, kind)
+    # exact duplicates in every batch either loss embeds: on some CPUs the same text embedded twice in one
+    # mini-batch differs in the last bit (row-blocked GEMMs), and a 1-ulp near-tie is then broken by each
+    # side's own rounding (theirs normalises before its product, ours scales the products); the guide's
+    # duplicate rows are therefore copies of their first occurrence, whatever batch they are embedded in
+    monkeypatch.setattr(g, "forward", _duplicates_copied(g.forward))
     with torch.no_grad():  # the precondition: the duplicated texts embed bit for bit alike
         ge = [g(dict(f))["sentence_embedding"] for f in feats]
         assert torch.equal(ge[1][0], ge[1][1]) and (kind == "positive") != torch.equal(ge[0][0], ge[0][1])
