@@ -106,27 +106,24 @@ def test_ragged_shapes_and_16_bit_inputs(dtype, loss):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("loss", ["info_nce", "clip"])
 def test_boundaries_on_16_wide_chunks(dtype, loss):
-    from fused_contrastive.core import triton_matryoshka as TM
-
-    a = torch.zeros(4, 144, dtype=dtype)
-    flags = {dims: TM._flags(TM._Levels(a, None, CoreSpec(), CoreData(target=torch.arange(4)), False, dims),
-                             CoreSpec())["ALIGNED"] for dims in (RAGGED, ALIGNED)}
-    assert flags == {RAGGED: False, ALIGNED: True}
     _ragged_case(dtype, loss, ALIGNED)
 
 
-def test_level_boundaries_are_made_once_per_level_set():
-    # the kernels' DIMS tensor is cached per (levels, device): on CUDA a fresh one was a host-to-device copy
-    # per call; two calls with the same levels share it, other levels get their own
+def test_level_boundaries_flag_and_tensor():
+    # ALIGNED is set for boundaries that are all multiples of 16 only; the kernels' DIMS tensor is cached per
+    # (levels, device): on CUDA a fresh one was a host-to-device copy per call, so two calls with the same
+    # levels share it and other levels get their own
     from fused_contrastive.core import triton_matryoshka as TM
 
     a = torch.zeros(4, 144)
 
-    def dims_t(dims):
-        return TM._Levels(a, None, CoreSpec(), CoreData(target=torch.arange(4)), False, dims).dims_t
+    def levels(dims):
+        return TM._Levels(a, None, CoreSpec(), CoreData(target=torch.arange(4)), False, dims)
 
-    first = dims_t(ALIGNED)
-    assert dims_t(ALIGNED) is first and dims_t(RAGGED) is not first
+    assert {d: TM._flags(levels(d), CoreSpec())["ALIGNED"] for d in (RAGGED, ALIGNED)} == {RAGGED: False,
+                                                                                           ALIGNED: True}
+    first = levels(ALIGNED).dims_t
+    assert levels(ALIGNED).dims_t is first and levels(RAGGED).dims_t is not first
     assert first.tolist() == [0, *ALIGNED] and first.dtype == torch.int32
 
 
