@@ -5,6 +5,7 @@ side by side. Needs a CUDA device; prints plain text (commit it under ``bench/re
     python bench/gpu_profile.py --n 65536 --losses info_nce,simcse,clip
     python bench/gpu_profile.py --n 65536 --losses siglip --siglip-forms --configs siglip_eager
     python bench/gpu_profile.py --n 2048 --losses "" --no-profile --matryoshka-loads
+    python bench/gpu_profile.py --n 65536 --losses info_nce,clip,siglip --no-profile --epi-forms
 
 Every figure is measured in this run, on this device (CUDA events and the profiler's device times,
 medians over ``--repeats``); nothing here is modelled. The inputs are the ``check --gpu-validate``
@@ -21,9 +22,9 @@ import time
 
 import torch
 
-from fused_contrastive.core import triton_configs
+from fused_contrastive.core import triton_configs, triton_panel
 from fused_contrastive.core.triton_configs import LaunchConfig
-from fused_contrastive.gpu_validate import _timer, kernels_only, parity_case, triton_path
+from fused_contrastive.gpu_validate import _env, _timer, kernels_only, parity_case, triton_path
 
 #: Launch configurations of the epilogue GEMM tried by ``--configs`` (BLOCK_M, BLOCK_N, BLOCK_K, warps,
 #: stages), per mode; the first of each is the shipped one (``triton_configs.EPI_GEMM``).
@@ -63,6 +64,7 @@ def _setup(loss: str, n: int, d: int, dt: torch.dtype, device: str = "cuda", per
         out = case.fn(**leaves, **kwargs, backend="triton")
         (out.sum() / out.shape[0] if per_row else out).backward()
 
+    step.leaves = tuple(leaves.values())
     return step
 
 
@@ -121,6 +123,39 @@ def time_siglip_forms(n: int, d: int, repeats: int) -> None:
         del step
         torch.cuda.empty_cache()
     print(f"timing siglip N={n} D={d} bf16 median of {repeats}: " + ", ".join(cells), flush=True)
+
+
+def time_epi_forms(loss: str, n: int, d: int, repeats: int, device: str = "cuda") -> None:
+    """The epilogue GEMM's tile-loop forms (``triton_panel.EPI_FORMS``: one program per tile, persistent,
+    persistent with TMA operand tiles) on ``loss``'s panel route, fwd + bwd medians alternating in this run,
+    the epilogue GEMMs' device time of each (profiler) and whether its gradients equal the tiles form's
+    bitwise (they compute the same tiles in the same order)."""
+    measure = _timer(device)
+    step = _setup(loss, n, d, torch.bfloat16, device=device)
+    times = {f: [] for f in triton_panel.EPI_FORMS}
+    grads, epi = {}, {}
+    with triton_path("panel"):
+        for form in triton_panel.EPI_FORMS:
+            with _env(triton_panel.EPI_FORM_ENV, form):
+                step()  # compile
+                grads[form] = [t.grad.clone() for t in step.leaves if t.grad is not None]
+                epi[form] = sum(v for k, v in _kernel_ms(step).items() if k.startswith("epi_gemm"))
+        for _ in range(repeats):
+            for form in triton_panel.EPI_FORMS:
+                with _env(triton_panel.EPI_FORM_ENV, form):
+                    times[form].append(measure(step))
+    base = statistics.median(times["tiles"])
+    cells = []
+    for form in triton_panel.EPI_FORMS:
+        ms = statistics.median(times[form])
+        same = all(torch.equal(a, b) for a, b in zip(grads[form], grads["tiles"], strict=True))
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads[form], grads["tiles"],
+                                                                              strict=True))
+        cells.append(f"{form} {ms:.2f} ms ({base / ms:.2f}x tiles; epi_gemm {epi[form]:.2f} ms device; gradients "
+                     f"{'bitwise equal' if same else f'differ by up to {diff:.3g}'})")
+    print(f"timing epi forms {loss} N={n} D={d} bf16 median of {repeats}: " + ", ".join(cells), flush=True)
+    del step
+    torch.cuda.empty_cache()
 
 
 #: The Matryoshka levels of ``--matryoshka-loads`` (every boundary a multiple of 16: the kernels' ALIGNED form).
@@ -222,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(comma-separated: one_pass, known, stats, siglip_eager)")
     ap.add_argument("--siglip-forms", action="store_true",
                     help="time SigLIP's one pass (the mean) against its two sweeps (per-row losses) side by side")
+    ap.add_argument("--epi-forms", action="store_true",
+                    help="time the epilogue GEMM's tile-loop forms (tiles, persistent, tma) on each of --losses")
     ap.add_argument("--matryoshka-loads", action="store_true",
                     help="time the Matryoshka kernels with 16-byte operand loads against scalar ones (use an N "
                     "below the panel path's, N * N < 2^24, where the triton backend runs these kernels)")
@@ -245,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.siglip_forms:
             for n in sizes:
                 time_siglip_forms(n, args.d, args.repeats)
+        if args.epi_forms:
+            for n in sizes:
+                for loss in losses:
+                    time_epi_forms(loss, n, args.d, args.repeats)
         if args.matryoshka_loads:
             for n in sizes:
                 time_matryoshka_loads(n, args.d, args.repeats)

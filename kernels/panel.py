@@ -603,6 +603,24 @@ def _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M: tl.con
 
 
 @triton.jit
+def _tile_products_tma(X, Y, pid_m, pid_n, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    """:func:`_tile_products` with X and Y given as tensor descriptors (block shapes [BLOCK_M, BLOCK_K] and
+    [BLOCK_N, BLOCK_K], made by the host): the operand tiles are TMA copies on sm_90 (one instruction per
+    tile, no address arithmetic in the threads). Rows and columns past the ends of the descriptors' shapes
+    read as 0 (the hardware's bounds check), so no index is wrapped and no mask is needed along D."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        x = X.load([pid_m * BLOCK_M, k0])
+        y = Y.load([pid_n * BLOCK_N, k0])
+        if UPCAST:
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        acc = tl.dot(x, y.T, acc)
+    return acc
+
+
+@triton.jit
 def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
               BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV,
               P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm, bad,
@@ -611,13 +629,17 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
               FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr,
-              SPLIT_T: tl.constexpr):
+              SPLIT_T: tl.constexpr, TMA: tl.constexpr):
     """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
     loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lmask = loc < P
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < M
-    acc = _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+    if TMA:
+        acc = _tile_products_tma(X, Y, pid_m, pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    else:
+        acc = _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                             UPCAST)
     if SPLIT_T and (MODE == 1 or MODE == 2):
         # the one pass: each row's e_t = exp(l_t - sh) at its target column, from the raw product read off
         # the accumulator before the epilogue (a where over the e tile there spilled on sm_90), by the
@@ -728,6 +750,17 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
 
 
 @triton.jit
+def _grouped_tile(t, P, n_pn, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile ``t`` of the epilogue GEMM as (row tile, column tile): groups of GROUP_M row tiles sweep the
+    column tiles together, so Y's column tiles stay in L2 across a group."""
+    n_pm = tl.cdiv(P, BLOCK_M)
+    group = GROUP_M * n_pn
+    first_m = (t // group) * GROUP_M
+    size_m = tl.minimum(n_pm - first_m, GROUP_M)
+    return first_m + (t % group) % size_m, (t % group) // size_m
+
+
+@triton.jit
 def epi_gemm_kernel(
     X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB,
     POS_MASK,
@@ -738,7 +771,7 @@ def epi_gemm_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr,
-    WANT_COL: tl.constexpr, SPLIT_T: tl.constexpr,
+    WANT_COL: tl.constexpr, SPLIT_T: tl.constexpr, PERSIST: tl.constexpr, TMA: tl.constexpr,
 ):
     """The epilogue GEMM: [BLOCK_M, BLOCK_N] tiles of the panel's raw products ``X @ Y^T`` (X the panel's
     rows [P, D] scaled by powers of two, Y the raw B [M, D]; fp32 accumulation in registers), turned
@@ -781,6 +814,13 @@ def epi_gemm_kernel(
     Indices past the panel are wrapped for the operand loads (no masks: whole 16-byte loads, which the
     compiler pipelines) and masked at the stores. EVEN_K: D is a multiple of BLOCK_K (no mask along
     D). UPCAST: fp32 dots of bf16 tiles (the interpreter's bf16 dot is wrong).
+    PERSIST (MODE 0 / 1 / 3 / 4 / 5): a persistent grid (the host launches about one program per resident
+    CTA) whose programs take the tiles ``pid, pid + grid, ...`` in the grouped order above, one flattened
+    loop, so the next tile's operand copies are in flight during this tile's epilogue. TMA (with
+    PERSIST or without; MODE 2 never): X and Y are tensor descriptors of ``x`` [P, D] and ``y`` [M, D] with
+    block shapes [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] (the host makes them; sm_90 and later), and
+    the operand tiles are TMA copies (:func:`_tile_products_tma`). Every form accumulates each tile's
+    products over D in the same BLOCK_K steps and applies the same epilogue to them.
     """
     pid = tl.program_id(0)
     n_pn = tl.cdiv(M, BLOCK_N)
@@ -794,18 +834,27 @@ def epi_gemm_kernel(
                           TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
                           stride_pm, bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF,
                           HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI,
-                          WANT_COL, SPLIT_T)
+                          WANT_COL, SPLIT_T, TMA)
+    elif PERSIST:
+        # one program per SM (or per resident CTA): the programs walk the tiles in steps of the grid, in the
+        # same grouped order; flatten lets the software pipeline issue the next tile's operand copies while
+        # this tile's epilogue runs (the fill is ~1/4 of a 12-step D loop at D = 768)
+        n_t = tl.cdiv(P, BLOCK_M) * n_pn
+        for t in tl.range(pid, n_t, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _grouped_tile(t, P, n_pn, BLOCK_M, GROUP_M)
+            loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _epi_tile(t, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE,
+                      GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
+                      TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
+                      loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
+                      BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
+                      SPLIT_T, TMA)
     else:
-        n_pm = tl.cdiv(P, BLOCK_M)
-        group = GROUP_M * n_pn
-        first_m = (pid // group) * GROUP_M
-        size_m = tl.minimum(n_pm - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % size_m
-        pid_n = (pid % group) // size_m
+        pid_m, pid_n = _grouped_tile(pid, P, n_pn, BLOCK_M, GROUP_M)
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
                   BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
                   TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                   BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                  SPLIT_T)
+                  SPLIT_T, TMA)

@@ -71,3 +71,23 @@ def test_matryoshka_loads_time_the_aligned_and_the_scalar_form(profile_mod, monk
         assert {x.constexprs["ALIGNED"] for x in mats} == {on}
         got[on] = torch.cat([t.grad.float().flatten() for t in step.leaves])
     torch.testing.assert_close(got[True], got[False], rtol=0, atol=0)
+
+
+def test_epi_forms_time_the_three_tile_loops(profile_mod, monkeypatch, capsys):
+    # --epi-forms: each form of the epilogue GEMM's tile loop runs (the launches say which), and the printed
+    # verdict compares its gradients with the tiles form's (the kernels are the same code: bitwise equal)
+    from fused_contrastive.core import triton_panel
+
+    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 40)
+    monkeypatch.setattr(profile_mod, "_timer", lambda dev: lambda step: (step(), 1.0)[1])
+    monkeypatch.setattr(profile_mod, "_kernel_ms", lambda step: (step(), {"epi_gemm_kernel": 0.5})[1])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    seen = []
+    orig = triton_backend._launch
+    monkeypatch.setattr(triton_backend, "_launch", lambda x: (seen.append(x), orig(x))[1])
+    profile_mod.time_epi_forms("info_nce", 97, 32, 1, device="cpu")
+    forms = {(x.constexprs["PERSIST"], x.constexprs["TMA"]) for x in seen if x.name == "epi_gemm"}
+    assert forms == {(False, False), (True, False), (True, True)}
+    out = capsys.readouterr().out
+    assert out.count("bitwise equal") == 3, out

@@ -258,6 +258,23 @@ EPI_GEMM = {
     "siglip_bwd": LaunchConfig(128, 128, 64, 8, 4),
     "siglip_eager": LaunchConfig(64, 128, 64, 8, 4),
 }
+#: Pipeline depth (num_stages) of the epilogue GEMM's persistent forms (``triton_panel.EPI_FORMS``) per
+#: (EPI_GEMM config, arch, TMA operands), chosen from the sm_80 / sm_90 compiles of the launches
+#: ``bench/gpu_model.py`` records at N = 65536 (bf16, D = 768; no GPU timing yet): the deepest pipeline up to
+#: the tiles form's whose compile has no spills. The flattened tile loop keeps more registers live than one
+#: tile (159-255 against 127-196), so some depths spill: TMA "one_pass" 28-44 bytes at 3-4 stages (0 at 2),
+#: cp.async "one_pass" on sm_90 32 bytes at 2-3 (0 at 4), "siglip_eager" on sm_80 28 at 4. None: the
+#: launch keeps the tiles form ("siglip_bwd", the gradient sweep of per-row SigLIP losses, spilled 16-200
+#: bytes at every depth on both archs). Every persistent compile uses more than 128 registers at 8 warps,
+#: so one CTA fits per SM: the persistent grid is the SM count.
+EPI_PERSIST_STAGES: dict[tuple[str, str, bool], int | None] = {
+    ("one_pass", "sm90", False): 4, ("one_pass", "sm80", False): 4, ("one_pass", "sm90", True): 2,
+    ("known", "sm90", False): 3, ("known", "sm80", False): 3, ("known", "sm90", True): 3,
+    ("stats", "sm90", False): 3, ("stats", "sm80", False): 3, ("stats", "sm90", True): 3,
+    ("siglip_fwd", "sm90", False): 4, ("siglip_fwd", "sm80", False): 4, ("siglip_fwd", "sm90", True): 4,
+    ("siglip_eager", "sm90", False): 4, ("siglip_eager", "sm80", False): 3, ("siglip_eager", "sm90", True): 4,
+    ("siglip_bwd", "sm90", False): None, ("siglip_bwd", "sm80", False): None, ("siglip_bwd", "sm90", True): None,
+}
 #: The guided blocks' epilogue GEMM (kernels/guided.py ``guided_epi_kernel``, the GIST / guided InfoNCE
 #: panel route), chosen from the sm_80 / sm_90 compiles (no GPU timing yet): the model tile and the guide tile
 #: are both live in the epilogue (two fp32 accumulators), so 128 x 128 tiles spilled 4-1268 bytes on both

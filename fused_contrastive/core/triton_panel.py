@@ -125,6 +125,7 @@ from .triton_backend import (
 from .triton_configs import (
     EPI_GEMM,
     EPI_GROUP_M,
+    EPI_PERSIST_STAGES,
     EPI_REDO_ROWS,
     EPI_ROWS_BLOCK_C,
     EPI_ROWS_BLOCK_R,
@@ -208,6 +209,77 @@ EPILOGUE_MIN_ELEMENTS: dict[tuple[str, int], int] = {
     ("tri", 80): 1 << 30, ("tri", 90): 1 << 32,
     ("guided", 80): 0, ("guided", 90): 0,
 }
+
+
+#: Forms of the epilogue GEMM's tile loop (env ``FUSED_CONTRASTIVE_EPI_FORM``; ``kernels/panel.py``
+#: ``epi_gemm_kernel``'s PERSIST and TMA): "tiles" (the default: one program per output tile, operands by
+#: 16-byte ``cp.async`` copies), "persistent" (one program per resident CTA walking the tiles in one
+#: flattened loop, so the next tile's operand copies overlap this tile's epilogue) and "tma" (persistent,
+#: operand tiles by TMA where the device has it: sm_90 and later, and the operands' rows are 16-byte
+#: aligned; "persistent" elsewhere). The forms compute the same tiles. The default stays "tiles" until a
+#: GPU has timed the others side by side (``bench/gpu_profile.py --epi-forms``): what they change is
+#: pipeline latency, which ``bench/gpu_model.py`` does not model, so the model prices them alike.
+EPI_FORMS = ("tiles", "persistent", "tma")
+EPI_FORM_ENV = "FUSED_CONTRASTIVE_EPI_FORM"
+#: Test hook: the persistent forms' grid (None: CTAs per SM x SMs on CUDA, the model's GPU when recording;
+#: 3 programs on the interpreter, so that each walks several tiles).
+EPI_PROGRAMS: int | None = None
+#: SMs of the GPU a recording (the meta device) stands for, per arch: an H100 SXM, an A100.
+RECORD_SMS = {"sm90": 132, "sm80": 108}
+
+
+def epi_form() -> str:
+    """The epilogue GEMM's tile-loop form asked for by env :data:`EPI_FORM_ENV` (default "tiles")."""
+    form = os.environ.get(EPI_FORM_ENV, "tiles")
+    if form not in EPI_FORMS:
+        raise ValueError(f"{EPI_FORM_ENV} must be one of {', '.join(map(repr, EPI_FORMS))}, got {form!r}")
+    return form
+
+
+def _tma_ok(x: Tensor, y: Tensor) -> bool:
+    """Whether TMA can copy ``x``'s and ``y``'s rows: sm_90 or later (the recorder's arch on the meta
+    device; the interpreter emulates it), unit inner stride, 16-byte aligned rows and bases, and a host
+    that is not being traced (a descriptor is not a tensor to ``torch.compile``)."""
+    dev = x.device
+    if TB.tensors_are_traced() or (dev.type != "cpu" and TB._arch(dev) != "sm90"):
+        return False
+    for t in (x, y):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16:
+            return False
+        if dev.type != "meta" and t.data_ptr() % 16:
+            return False
+    return True
+
+
+def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles: int) -> None:
+    """Launch the epilogue GEMM (MODE 0 / 1 / 3 / 4 / 5) over ``n_tiles`` tiles in the form of
+    :func:`epi_form`, with the launch configuration ``EPI_GEMM[config]`` (its pipeline depth from
+    ``EPI_PERSIST_STAGES`` in the persistent forms; a config without one keeps the tiles form): ``args`` /
+    ``const`` those of the one-tile-per-program form (X and Y tensors)."""
+    cfg = EPI_GEMM[config]
+    form = epi_form()
+    dev = args["X"].device
+    arch = TB._arch(dev)
+    tma = form == "tma" and _tma_ok(args["X"], args["Y"])
+    # (TMA implies sm_90; the interpreter, which runs the sm_80 table, emulates it)
+    stages = EPI_PERSIST_STAGES[(config, "sm90" if tma else arch, tma)] if form != "tiles" else None
+    if stages is None:  # the tiles form: one program per tile
+        launch(Launch(name, KP.epi_gemm_kernel, (n_tiles,), args, dict(const, PERSIST=False, TMA=False),
+                      cfg.num_warps, cfg.num_stages))
+        return
+    programs = EPI_PROGRAMS
+    if programs is None:  # one CTA per SM (EPI_PERSIST_STAGES); the meta device records for the model's GPUs
+        programs = (3 if dev.type == "cpu" else _cuda_props(_index(dev))[1] if dev.type == "cuda"
+                    else RECORD_SMS[arch])
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        bm, bn, bk = const["BLOCK_M"], const["BLOCK_N"], const["BLOCK_K"]
+        x, y = args["X"], args["Y"]
+        args = dict(args, X=TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, bk]),
+                    Y=TensorDescriptor(y, list(y.shape), list(y.stride()), [bn, bk]))
+    launch(Launch(name, KP.epi_gemm_kernel, (max(1, min(n_tiles, programs)),), args,
+                  dict(const, PERSIST=True, TMA=tma), cfg.num_warps, stages))
 
 
 def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool, epilogue: bool = False) -> int:
@@ -513,16 +585,15 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     args.update(CZ=dm, CM=dm, LBIAS=dm)
     if not one_pass:
         ds_part = _alloc((n_pm * n_pn,), torch.float32, dev) if need_s else dm
-        launch(Launch("epi_gemm", KP.epi_gemm_kernel, (n_pm * n_pn,),
-                      dict(args, ZP=dm, TP=dm, MXP=dm, DS_PART=ds_part, BAD=dm, SHIFT=dm, stride_zp=0),
-                      dict(const, MODE=0), cfg.num_warps, cfg.num_stages))
+        _epi_launch(launch, "epi_gemm",
+                    dict(args, ZP=dm, TP=dm, MXP=dm, DS_PART=ds_part, BAD=dm, SHIFT=dm, stride_zp=0),
+                    dict(const, MODE=0), "known", n_pm * n_pn)
         return torch.ones(pp, dtype=torch.float32, device=dev), (ds_part if need_s else None)
     zp = _alloc((pp, n_pn), torch.float32, dev)
     tp = _alloc((pp, n_pn), torch.float32, dev) if need_s else dm
     mxp = _alloc((pp, n_pn), torch.float32, dev)
     part = dict(args, ZP=zp, TP=tp, MXP=mxp, DS_PART=dm, stride_zp=n_pn)
-    launch(Launch("epi_gemm", KP.epi_gemm_kernel, (n_pm * n_pn,), dict(part, BAD=dm, SHIFT=dm), dict(const, MODE=1),
-                  cfg.num_warps, cfg.num_stages))
+    _epi_launch(launch, "epi_gemm", dict(part, BAD=dm, SHIFT=dm), dict(const, MODE=1), "one_pass", n_pm * n_pn)
     bad = torch.empty((pp,), dtype=torch.int8, device=dev)  # (the poisoned outputs of _alloc are NaN: float only)
     sh = _alloc((pp,), torch.float32, dev)
     w = _alloc((pp,), torch.float32, dev)
@@ -537,7 +608,8 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     # the redo's row tiles: EPI_REDO_ROWS rows at 8 warps (the partials' column tiles stay BLOCK_N wide);
     # a 128-row tile with the redo's column loop spilled on sm_90
     launch(Launch("epi_gemm_redo", KP.epi_gemm_kernel, (triton.cdiv(pp, EPI_REDO_ROWS),),
-                  dict(part, BAD=bad, SHIFT=sh), dict(const, MODE=2, BLOCK_M=EPI_REDO_ROWS), 8, cfg.num_stages))
+                  dict(part, BAD=bad, SHIFT=sh), dict(const, MODE=2, BLOCK_M=EPI_REDO_ROWS, PERSIST=False, TMA=False),
+                  8, cfg.num_stages))
     launch(Launch("epi_rows", KP.epi_rows_kernel, rows_grid, rows_args, dict(rows_const, FINISH=True), 4, 1))
     return w, (dsw if need_s else None)
 
@@ -578,14 +650,14 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
         rz = _alloc((pp, n_pn), torch.float32, dev)
         cm = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
         cz = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
-        launch(Launch("epi_gemm_stats", KP.epi_gemm_kernel, (n_pm * n_pn,),
+        _epi_launch(launch, "epi_gemm_stats",
                       dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm, LBIAS=dm,
                            RSP=rs.contiguous(), RB=pr.rb[c0:] if pr.rb is not None else dm, SCALE=scale_t,
                            GSCALE=dm, **_problem_args(prep), LSE=dm, G=dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
                            TGT=dm, TV=dm, P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0),
                            stride_y=y.stride(0),
                            stride_dl=0, stride_zp=n_pn, **_mask_args(prep, spec)),
-                      const, cfg.num_warps, cfg.num_stages))
+                    const, "stats", n_pm * n_pn)
         del x
         # the partials merged by stats_merge_kernel: the rows' over their column tiles, the columns' over the
         # panel's row tiles and into their statistics so far
@@ -626,7 +698,8 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     p_rows = panel_rows(n, m, d, dt, need and need_y, True)
     one_pass = need and with_loss  # MODE 5
     with_loss = with_loss or not need
-    cfg = EPI_GEMM["siglip_eager" if one_pass else "siglip_bwd" if need else "siglip_fwd"]
+    config = "siglip_eager" if one_pass else "siglip_bwd" if need else "siglip_fwd"
+    cfg = EPI_GEMM[config]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
     dm = torch.empty(1, dtype=torch.float32, device=dev)
     gs = _gscale(g) if need else None
@@ -649,7 +722,7 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
         tp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
         bp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
         dl = _alloc((pp, m), dt, dev) if need else dm
-        launch(Launch("epi_gemm_siglip", KP.epi_gemm_kernel, (n_pm * n_pn,),
+        _epi_launch(launch, "epi_gemm_siglip",
                       dict(X=xp, Y=y, DL=dl, ZP=zp, TP=tp, MXP=bp, CZ=dm, CM=dm, DS_PART=dm, BAD=dm, SHIFT=dm,
                            LBIAS=bias_t, RSP=rs.contiguous(), RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t,
                            GSCALE=gs if need else dm, BIAS_COL=dm, ROW_LAB=dm, COL_LAB=dm, POS_MASK=dm, LSE=dm,
@@ -657,7 +730,7 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
                            D=d, r0=r0,
                            stride_x=xp.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0) if need else 0,
                            stride_zp=n_pn, offset=int(offset), bias=0.0, n0=1, m0=1, stride_pm=1),
-                      const, cfg.num_warps, cfg.num_stages))
+                    const, config, n_pm * n_pn)
         if with_loss:
             loss[r0:r1] = zp.sum(1)
         if need and need_s:

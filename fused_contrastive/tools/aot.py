@@ -293,11 +293,15 @@ def run_job(job: Job) -> dict[str, object]:
     return out
 
 
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8"}
+
+
 def _sig_type(v) -> str:
     if isinstance(v, Tensor):
-        return "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                      torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
-                      torch.int8: "i8", torch.uint8: "u8"}[v.dtype]
+        return "*" + _DTYPES[v.dtype]
+    if hasattr(v, "block_shape") and isinstance(getattr(v, "base", None), Tensor):  # a host TensorDescriptor
+        return f"tensordesc<{_DTYPES[v.base.dtype]}{list(v.block_shape)}>"
     if isinstance(v, bool):
         return "i1"
     if isinstance(v, int):
@@ -361,9 +365,11 @@ def compile_launch(launch: TB.Launch, cc: int, keep: dict[str, object] | None = 
 def load_widths(ptx: str) -> dict[str, int]:
     """How a kernel's PTX reads global memory: ``ld_b16`` scalar 16-bit loads (one element of a 16-bit
     operand each), ``ld_v4`` 16-byte vector loads, ``cp_async_16`` / ``cp_async_small`` asynchronous copies
-    to shared memory (the software pipeline's) of 16 bytes and of fewer."""
+    to shared memory (the software pipeline's) of 16 bytes and of fewer, ``tma`` bulk tensor copies (TMA,
+    sm_90: one instruction per operand tile)."""
     sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x[0-9a-f]+|\d+)\s*[,;]", ptx)
     n16 = sum(int(x, 0) == 16 for x in sizes)
     return dict(ld_b16=len(re.findall(r"\bld\.global(?:\.[a-zA-Z0-9:_]+)*\.[bsu]16\b", ptx)),
                 ld_v4=len(re.findall(r"\bld\.global(?:\.[a-zA-Z0-9:_]+)*\.v4\.[bfu]32\b", ptx)),
-                cp_async_16=n16, cp_async_small=len(sizes) - n16)
+                cp_async_16=n16, cp_async_small=len(sizes) - n16,
+                tma=len(re.findall(r"\bcp\.async\.bulk\.tensor\.", ptx)))
