@@ -1715,6 +1715,85 @@ def maxsim_report(sizes: list[int], lq: int, ld: int, d: int, gpus: list[str]) -
     return recs
 
 
+#: The H100's timings of the one-pass epilogue GEMM's launch configurations (``bench/gpu_profile.py
+#: --configs one_pass``, InfoNCE at N = 65536, bf16, D = 768; triton 3.6, an earlier form of the kernel), which
+#: ``--epi-configs`` sets the model beside.
+EPI_CONFIGS_MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h100-epilogue",
+                                    "profile_configs.txt")
+_CONFIG_LINE = re.compile(r"^config one_pass info_nce N=(\d+): (\d+)x(\d+)x(\d+) w(\d+) s(\d+): step [\d.]+ ms "
+                          r"\(wall\), epi_gemm ([\d.]+) ms")
+#: Configurations no GPU has timed yet, modelled beside the measured ones (BLOCK_M, BLOCK_N, warps, stages;
+#: BLOCK_K 64): 128 x 256 tiles at 16 warps compile for sm_90 with 128 registers and no spills.
+EPI_CONFIG_CANDIDATES = ((128, 256, 16, 3),)
+
+
+def measured_epi_configs(path: str = EPI_CONFIGS_MEASURED) -> list[dict]:
+    """The measured rows of ``path``: ``n``, the configuration (``block_m``, ``block_n``, ``block_k``,
+    ``warps``, ``stages``) and ``epi_ms``, the device time of every epilogue-GEMM launch of one step."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            m = _CONFIG_LINE.match(line)
+            if m:
+                n, bm, bn, bk, w, st = (int(x) for x in m.groups()[:6])
+                out.append(dict(n=n, block_m=bm, block_n=bn, block_k=bk, warps=w, stages=st, epi_ms=float(m[7])))
+    return out
+
+
+def _one_pass_epi_ms(n: int, d: int, gpu: GPU, cfg) -> tuple[float, int]:
+    """MODEL (central) of the epilogue-GEMM launches of one InfoNCE step with the one-pass config ``cfg``
+    (what the profiler's "epi_gemm" sums: the one pass and its redo), and the one pass's CTAs per SM."""
+    from fused_contrastive.core import triton_configs
+
+    shipped = triton_configs.EPI_GEMM["one_pass"]
+    triton_configs.EPI_GEMM["one_pass"] = cfg  # the dict the host code reads (shared object)
+    try:
+        launches, _ = run_triton("info_nce", n, d, gpu, "panel-epilogue")
+    finally:
+        triton_configs.EPI_GEMM["one_pass"] = shipped
+    with scenario("central"):
+        ks = [(lz, kernel_model(lz, gpu)) for lz in launches if lz.name.startswith("epi_gemm")]
+    ctas = min(k["ctas_sm"] for lz, k in ks if lz.constexprs["MODE"] == 1)
+    return sum(k["ms"] for _, k in ks), ctas
+
+
+def epi_configs_report(d: int = 768, gpu_name: str = "H100") -> list[dict]:
+    """The model's time for the one-pass epilogue GEMM in each launch configuration an H100 timed
+    (:data:`EPI_CONFIGS_MEASURED`) beside that measurement, and for the untimed :data:`EPI_CONFIG_CANDIDATES`:
+    whether the model ranks the configurations as the GPU did, before it is trusted to choose one."""
+    from fused_contrastive.core.triton_configs import EPI_GEMM, LaunchConfig
+
+    gpu = GPUS[gpu_name]
+    rows = measured_epi_configs()
+    print(f"--- MODEL beside MEASURED: the one-pass epilogue GEMM's launch configurations, InfoNCE, {gpu_name}, "
+          f"bf16, D = {d} (ms of epi_gemm per fwd + bwd; measured: {os.path.relpath(EPI_CONFIGS_MEASURED)}, an "
+          "earlier form of the kernel)")
+    print(f"  {'N':>6s} {'config':>18s} {'CTAs/SM':>7s} {'MODEL':>8s} {'measured':>9s} {'measured/MODEL':>15s}")
+    recs = []
+    cands = [dict(n=rows[0]["n"] if rows else 65536, block_m=bm, block_n=bn, block_k=64, warps=w, stages=st,
+                  epi_ms=None) for bm, bn, w, st in EPI_CONFIG_CANDIDATES]
+    for r in rows + cands:
+        cfg = LaunchConfig(r["block_m"], r["block_n"], r["block_k"], r["warps"], r["stages"])
+        ms, ctas = _one_pass_epi_ms(r["n"], d, gpu, cfg)
+        label = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_d} w{cfg.num_warps} s{cfg.num_stages}"
+        label += " *" if cfg == EPI_GEMM["one_pass"] else ""
+        meas = r["epi_ms"]
+        ratio = f"{meas / ms:15.2f}" if meas is not None else f"{'(not timed)':>15s}"
+        print(f"  {r['n']:6d} {label:>18s} {ctas:7d} {ms:8.2f} {meas if meas is not None else '-':>9} {ratio}")
+        recs.append(dict(kind="epi_config", loss="info_nce", gpu=gpu_name, n=r["n"], d=d, config=label.rstrip(" *"),
+                         ctas_sm=ctas, model_ms=round(ms, 3), measured_ms=meas,
+                         model="MODEL beside a measurement" if meas is not None else "MODEL, not a measurement"))
+    timed = [x for x in recs if x["measured_ms"] is not None]
+    if timed:
+        by_model = [x["config"] for x in sorted(timed, key=lambda x: x["model_ms"])]
+        by_gpu = [x["config"] for x in sorted(timed, key=lambda x: x["measured_ms"])]
+        print(f"  ranked by the MODEL: {', '.join(by_model)}")
+        print(f"  ranked by the GPU:   {', '.join(by_gpu)}")
+        print("  (* the shipped configuration)")
+    print()
+    return recs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="16384,65536", help="N = M values (comma-separated)")
@@ -1735,15 +1814,19 @@ def main(argv=None) -> int:
     ap.add_argument("--maxsim", action="store_true",
                     help="also model late interaction (maxsim_info_nce) at N = 1024 and 4096, Lq = 32, Ld = 180, "
                          "D = 128 on its Triton kernels and the textbook computation")
+    ap.add_argument("--epi-configs", action="store_true",
+                    help="also model the one-pass epilogue GEMM in each launch configuration an H100 timed, beside "
+                         "that measurement (and the untimed candidates)")
     ap.add_argument("--no-torch", action="store_true",
                     help="skip the torch backend (its op count on the meta device takes ~1 s per 10k launches)")
     args = ap.parse_args(argv)
     results = []
-    for loss in args.losses.split(","):
+    for loss in filter(None, args.losses.split(",")):  # --losses "": only the reports asked for below
         for g in args.gpus.split(","):
             for n in (int(x) for x in args.sizes.split(",")):
                 results.append(model_loss(loss, n, args.d, GPUS[g], with_torch=not args.no_torch))
-    print_report(results, args.d, not args.no_compare)
+    if results:
+        print_report(results, args.d, not args.no_compare)
     extra = []
     if args.matryoshka:
         # and N = 2048, below the panel path's threshold (N * M < 2^24): there the Matryoshka kernels run
@@ -1755,6 +1838,8 @@ def main(argv=None) -> int:
         extra += siglip_report([int(x) for x in args.sizes.split(",")], args.d, args.gpus.split(","))
     if args.maxsim:
         extra += maxsim_report([1024, 4096], 32, 180, 128, args.gpus.split(","))
+    if args.epi_configs:
+        extra += epi_configs_report(args.d)
     for r in results:
         print(json.dumps(r["rec"]))
     for r in extra:

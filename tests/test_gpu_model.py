@@ -568,3 +568,30 @@ def test_committed_maxsim_model_sits_above_its_floor_and_the_textbook_does_not_f
         assert r["naive_peak_bytes"] >= n * n * lq * ld * 2, r
         assert (r["naive_ms"] is None) == (n == 4096), r
         assert r["model"] == "MODEL, not a measurement"
+
+
+EPI_CONFIGS = ROOT / "bench" / "results" / "gpu_model" / "epi_configs.txt"
+H100_MEASURED = ROOT / "bench" / "results" / "h100-epilogue" / "profile_configs.txt"
+
+
+def test_epi_configs_sets_the_model_beside_every_measured_configuration():
+    """``--epi-configs``: the one-pass epilogue GEMM modelled in every launch configuration the H100 timed
+    (read here from its output independently of the script's parser), each above one matmul unit at the
+    H100's bf16 peak (989.4 TFLOP/s, its datasheet), the untimed candidates labelled as such, and the
+    committed output is this run's."""
+    out = _run(["--losses", "", "--epi-configs"])
+    recs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    measured = re.findall(r"^config one_pass info_nce N=65536: (\S+) w(\d+) s(\d+): step .*? epi_gemm ([\d.]+) ms",
+                          H100_MEASURED.read_text(), flags=re.M)
+    assert len(measured) >= 5
+    assert sorted((r["config"], r["measured_ms"]) for r in recs if r["measured_ms"] is not None) == sorted(
+        (f"{c} w{w} s{s}", float(ms)) for c, w, s, ms in measured)
+    floor = 2 * 65536 ** 2 * 768 / 989.4e12 * 1e3
+    assert all(r["model_ms"] > floor for r in recs), recs
+    assert [r["config"] for r in recs if r["measured_ms"] is None] == ["128x256x64 w16 s3"]
+    assert all(r["model"].startswith("MODEL") for r in recs)
+    committed = [json.loads(line) for line in EPI_CONFIGS.read_text().splitlines() if line.startswith("{")]
+    assert [(r["config"], r["measured_ms"], r["ctas_sm"]) for r in committed] == [
+        (r["config"], r["measured_ms"], r["ctas_sm"]) for r in recs]
+    for a, b in zip(committed, recs, strict=True):
+        assert a["model_ms"] == pytest.approx(b["model_ms"], rel=0.01), (a, b)
