@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .lse import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
-from .panel import ONE_PASS_SHIFT, _redo_flags, _row_partials, _tile_products
+from .panel import ONE_PASS_SHIFT, _grouped_tile, _redo_flags, _row_partials, _tile_products
 
 
 @triton.jit
@@ -307,7 +307,7 @@ def guided_epi_kernel(
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
     PROTECT: tl.constexpr, SPLIT_T: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
-    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr,
+    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr, PERSIST: tl.constexpr,
 ):
     """The epilogue GEMM of one masked block on a panel of rows (host: ``core/triton_guided_panel.py``):
     [BLOCK_M, BLOCK_N] tiles of ``X @ Y^T`` (X the panel's rows [P, D] scaled by powers of two, Y the
@@ -325,7 +325,9 @@ def guided_epi_kernel(
     of rows whose merged ``z_i < 2^-64``, shift ``SHIFT_i`` = the row's largest logit over every block):
     grid ``cdiv(P, BLOCK_M)``, a row tile without a ``BAD`` row returns at once, the others rewrite their
     BAD rows' tiles and partials. Row vectors THETA, ID_R, TGT and the guide rows GA are indexed by the
-    block's row ``r0 + i``, RSP by the panel row ``i``; RB, ID_C, GB by the column."""
+    block's row ``r0 + i``, RSP by the panel row ``i``; RB, ID_C, GB by the column. PERSIST (MODE 1): a
+    persistent grid whose programs take the tiles ``pid, pid + grid, ...`` in the same grouped order, in one
+    flattened loop (kernels/panel.py ``epi_gemm_kernel``'s PERSIST): the same tiles, the same results."""
     pid = tl.program_id(0)
     n_pn = tl.cdiv(M, BLOCK_N)
     if MODE == 2:
@@ -338,6 +340,16 @@ def guided_epi_kernel(
                                  stride_zp, offset, bad, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_G, EVEN_K, UPCAST, MODE,
                                  NORMALIZE, EXCLUDE_SELF, HAS_GUIDE, HAS_IDS, PROTECT, SPLIT_T, NEED_DS, FOLD_RB,
                                  GUIDE_UPCAST, GUIDE_PREC)
+    elif PERSIST:
+        n_t = tl.cdiv(P, BLOCK_M) * n_pn
+        for t in tl.range(pid, n_t, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _grouped_tile(t, P, n_pn, BLOCK_M, GROUP_M)
+            loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _guided_epi_tile(pid_m, pid_n, X, Y, DL, ZP, TP, MXP, ETP, CTP, SHIFT, RSP, RB, SCALE, GA, GB, THETA, ID_R,
+                             ID_C, TGT, P, M, D, Dg, r0, stride_x, stride_y, stride_ga, stride_gb, stride_dl, stride_zp,
+                             offset, loc < P, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_G, EVEN_K, UPCAST, MODE, NORMALIZE,
+                             EXCLUDE_SELF, HAS_GUIDE, HAS_IDS, PROTECT, SPLIT_T, NEED_DS, FOLD_RB, GUIDE_UPCAST,
+                             GUIDE_PREC)
     else:
         n_pm = tl.cdiv(P, BLOCK_M)
         group = GROUP_M * n_pn

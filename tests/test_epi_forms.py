@@ -106,6 +106,57 @@ def test_forms_equal_the_tiles_form_bitwise(loss, form, monkeypatch):
     assert all(x.constexprs["TMA"] is False for x in launches if not x.constexprs["PERSIST"])
 
 
+def _gist(gdt):
+    """GISTEmbed's loss and gradients on the guided blocks' epilogue GEMM (40-row panels of 16 x 32 tiles),
+    and its guided_epi launches."""
+    from fused_contrastive.core import triton_guided_panel as TGP
+    from fused_contrastive.losses.guided import gist_loss
+
+    g = torch.Generator().manual_seed(1)
+    a, p, n = (torch.randn(r, 72, generator=g).bfloat16().requires_grad_() for r in (97, 97, 83))
+    guides = tuple(torch.randn(r, 21, generator=g).to(gdt) for r in (97, 97, 83))
+    seen = []
+    orig = triton_backend._launch
+
+    def launch(x):
+        seen.append(x)
+        orig(x)
+
+    triton_backend._launch, prev = launch, triton_backend._launch
+    prev_rows, TGP.PANEL_ROWS = TGP.PANEL_ROWS, 40
+    try:
+        loss = gist_loss(a, p, n, guide=guides, temperature=0.05, backend="triton")
+        loss.backward()
+    finally:
+        triton_backend._launch, TGP.PANEL_ROWS = prev, prev_rows
+    return [loss.detach(), a.grad, p.grad, n.grad], [x for x in seen if x.name.startswith("guided_epi")]
+
+
+@pytest.mark.parametrize("gdt", [torch.bfloat16, torch.float32], ids=["bf16-guides", "fp32-guides"])
+def test_guided_persistent_form_equals_the_tiles_form_bitwise(gdt, monkeypatch):
+    # the guided blocks' epilogue GEMM (GIST's four blocks, its split target block): "persistent" and "tma"
+    # both run its persistent form (no descriptors for the guides), bitwise the tiles form's results
+    from fused_contrastive.core import triton_guided_panel as TGP
+
+    for name in list(TGP.GUIDED_EPI):
+        monkeypatch.setitem(TGP.GUIDED_EPI, name, SMALL)
+    # every block persistent here (the interpreter runs sm_80's table, where some keep the tiles form: the
+    # compile test below checks that table)
+    for key in list(TGP.GUIDED_PERSIST_STAGES):
+        monkeypatch.setitem(TGP.GUIDED_PERSIST_STAGES, key, 2)
+    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "tiles")
+    want, tiles = _gist(gdt)
+    assert max(x.grid[0] for x in tiles if x.name == "guided_epi") > 3
+    for form in ("persistent", "tma"):
+        monkeypatch.setenv(triton_panel.EPI_FORM_ENV, form)
+        got, launches = _gist(gdt)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (form, float((a.float() - b.float()).abs().max()))
+        epi = [x for x in launches if x.name == "guided_epi"]
+        assert epi and all(x.constexprs["PERSIST"] and x.grid[0] <= 3 for x in epi), [x.grid for x in epi]
+        assert not any(x.constexprs["PERSIST"] for x in launches if x.name == "guided_epi_redo")
+
+
 @pytest.mark.parametrize("form", ["persistent", "tma"])
 @pytest.mark.parametrize("name", ["info_nce", "clip_scale"])
 def test_forms_against_float64(name, form, monkeypatch):
@@ -157,7 +208,43 @@ _COMPILE = textwrap.dedent(
                 TritonSigLipFn.apply(q, k, s, b, True, 1e-12, 0, loss == "siglip", 1.0 / n).sum().backward()
         return launches
 
+    def record_guided(arch, gdt, variant, d=768, dg=384):
+        # GIST's four blocks (the threshold rule, the split target block) and info_nce's ids-and-self block
+        from fused_contrastive.core.blocks import Block, Masks, merged_lse
+        a, p, ng = (torch.empty(n, d, dtype=torch.bfloat16, device=meta).requires_grad_() for _ in range(3))
+        s = torch.empty((), device=meta, requires_grad=True)
+        w = torch.empty(n, device=meta)
+        i64 = torch.empty(n, dtype=torch.int64, device=meta)
+        with aot.recording(arch) as launches:
+            if variant == "gist":
+                gs = tuple(torch.empty(n, dg, dtype=gdt, device=meta) for _ in range(3))
+                blocks = [Block(0, 1, protect=True), Block(0, 0), Block(1, 1), Block(0, 2)]
+                masks = Masks(guides=gs, target=i64, rule=("absolute", 0.0))
+                merged_lse([a, p, ng], blocks, n, s, masks, weights=w, minus_target=True, backend="triton")
+            else:
+                gs = tuple(torch.empty(n, dg, dtype=gdt, device=meta) for _ in range(2))
+                masks = Masks(guides=gs, ids=(i64, i64), target=i64, rule=("absolute", 0.0))
+                merged_lse([a, p], [Block(0, 1, protect=True, exclude=0)], n, s, masks, weights=w,
+                           minus_target=True, backend="triton")
+        return launches
+
     out = []
+    os.environ["FUSED_CONTRASTIVE_EPI_FORM"] = "persistent"
+    for cc, arch in aot.TARGETS:
+        for gname, gdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            for variant in ("gist", "ids"):
+                seen = set()
+                for x in record_guided(arch, gdt, variant):
+                    if x.name != "guided_epi":
+                        continue
+                    key = (x.constexprs["BLOCK_M"], x.constexprs["SPLIT_T"], x.constexprs["PERSIST"])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    r = aot.compile_launch(x, cc)
+                    r.update(form="guided", guide=gname, loss=variant, split=x.constexprs["SPLIT_T"],
+                             persist=x.constexprs["PERSIST"], grid=x.grid[0], block_m=x.constexprs["BLOCK_M"])
+                    out.append(r)
     for form in ("persistent", "tma"):
         os.environ["FUSED_CONTRASTIVE_EPI_FORM"] = form
         triton_panel.PANEL_ROWS = 1024  # several panels (the triangular sweep's among them)
@@ -186,6 +273,7 @@ def compiled():
 
 
 def test_persistent_forms_compile_without_spills(compiled):
+    compiled = [r for r in compiled if r["form"] != "guided"]
     persistent = [r for r in compiled if r["persist"]]
     # every mode the persistent forms take, on both archs and in both forms
     assert {(r["form"], r["cc"], r["mode"]) for r in persistent} == {
@@ -205,3 +293,20 @@ def test_persistent_forms_compile_without_spills(compiled):
     # losses, whose persistent compile spilled at every depth (EPI_PERSIST_STAGES)
     assert {(r["mode"], r["has_g"]) for r in compiled if not r["persist"]} == {(2, True), (4, True)}
     assert all(v is None for (name, _, _), v in EPI_PERSIST_STAGES.items() if name == "siglip_bwd")
+
+
+def test_guided_persistent_form_compiles_without_spills(compiled):
+    guided = [r for r in compiled if r["form"] == "guided"]
+    # GIST's blocks (the split target block and, with 16-bit guides, the 128-row blocks) and the ids block
+    assert {(r["cc"], r["guide"], r["loss"]) for r in guided} == {
+        (cc, g, v) for cc in (80, 90) for g in ("bf16", "fp32") for v in ("gist", "ids")}
+    assert_no_spills_within_smem(guided)
+    assert_tensor_cores(guided)
+    persistent = [r for r in guided if r["persist"]]
+    assert all(r["grid"] == {90: 132, 80: 108}[r["cc"]] and r["regs"] * 32 * r["num_warps"] * 2 > 65536
+               for r in persistent), persistent
+    # every block persistent on sm_90; on sm_80 the blocks whose persistent compile spilled keep the tiles form
+    # (GUIDED_PERSIST_STAGES: 16-bit guides' 128-row blocks, fp32 guides' split target block)
+    assert all(r["persist"] for r in guided if r["cc"] == 90)
+    assert {(r["guide"], r["block_m"], r["split"]) for r in guided if r["cc"] == 80 and not r["persist"]} == {
+        ("bf16", 128, False), ("fp32", 64, True)}

@@ -290,6 +290,18 @@ GUIDED_EPI = {
     "redo_sm80": LaunchConfig(32, 128, 64, 8, 3),
     "redo_sm90": LaunchConfig(64, 128, 64, 8, 3),
 }
+#: Pipeline depth of the guided epilogue GEMM's persistent form (``triton_panel.EPI_FORMS``; "tma" runs it too,
+#: the guide operands have no descriptors) per (GUIDED_EPI config, arch, 16-bit guides, split target block),
+#: from the sm_80 / sm_90 compiles of GIST's and the ids-and-self blocks' launches at N = 4096 (bf16
+#: embeddings, bf16 / fp32 guides; no GPU timing yet): the tiles form's 3 stages where they compile without
+#: spills. On sm_90 every block does (221-254 registers); on sm_80 the 128-row blocks of 16-bit guides
+#: (104-148 bytes at 2-3 stages) and the split blocks of fp32 guides (44-244) spill: None, those keep the tiles
+#: form.
+GUIDED_PERSIST_STAGES: dict[tuple[str, str, bool, bool], int | None] = {
+    (name, arch, g16, split): 3
+    for name in ("one_pass", "one_pass_wide") for arch in ("sm80", "sm90") for g16 in (False, True)
+    for split in (False, True)}
+GUIDED_PERSIST_STAGES.update({("one_pass_wide", "sm80", True, False): None, ("one_pass", "sm80", False, True): None})
 #: The guided route's merge over the blocks (kernels/guided.py ``guided_rows_kernel``, 4 warps): rows per
 #: program and column-tile partials per step.
 GUIDED_ROWS_BLOCK_R = 16

@@ -51,7 +51,15 @@ from . import triton_backend as TB
 from . import triton_guided as TG
 from . import triton_panel as TPN
 from .spec import CoreSpec
-from .triton_configs import EPI_GROUP_M, GUIDED_EPI, GUIDED_ROWS_BLOCK_C, GUIDED_ROWS_BLOCK_R, LaunchConfig, d_pad
+from .triton_configs import (
+    EPI_GROUP_M,
+    GUIDED_EPI,
+    GUIDED_PERSIST_STAGES,
+    GUIDED_ROWS_BLOCK_C,
+    GUIDED_ROWS_BLOCK_R,
+    LaunchConfig,
+    d_pad,
+)
 
 #: Test hook: a fixed panel height (rounded to the row tile; None: from the budget).
 PANEL_ROWS: int | None = None
@@ -128,7 +136,12 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     split_k = next((k for k, blk in enumerate(cfg.blocks) if blk.protect), None) if cfg.minus_target else None
     # each block's launch config: the wide tiles where they compile without spills
     g16 = [mk.ga is not None and mk.ga.dtype in (torch.float16, torch.bfloat16) for mk in block_masks]
-    cfgs = [cfg_w if (k != split_k and g16[k]) else cfg_e for k in range(len(block_masks))]
+    names = ["one_pass_wide" if (k != split_k and g16[k]) else "one_pass" for k in range(len(block_masks))]
+    cfgs = [cfg_w if name == "one_pass_wide" else cfg_e for name in names]
+    # the tile loop's form (triton_panel.EPI_FORMS; "tma" is "persistent" here: the guide operands have no
+    # descriptors) and each block's persistent pipeline depth (None: that block keeps the tiles form)
+    persist = [GUIDED_PERSIST_STAGES[(name, TB._arch(dev), g16[k], k == split_k)] if TPN.epi_form() != "tiles"
+               else None for k, name in enumerate(names)]
     groups = sorted({(blk.rows, blk.row_start) for blk in cfg.blocks})
     col_ts = sorted({blk.cols for blk in cfg.blocks})
     need_cols = {c: need[c] for c in col_ts}
@@ -188,8 +201,13 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
             const = dict(BLOCK_M=ck.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0,
                          UPCAST=TB._upcast(dt), NORMALIZE=True, **mflags, SPLIT_T=split, NEED_DS=bool(need_s),
                          FOLD_RB=True)
-            launch(TB.Launch("guided_epi", KG.guided_epi_kernel, (n_pm * n_pn,), dict(args, BAD=dm, SHIFT=dm),
-                             dict(const, MODE=1), ck.num_warps, ck.num_stages))
+            if persist[k] is None:
+                launch(TB.Launch("guided_epi", KG.guided_epi_kernel, (n_pm * n_pn,), dict(args, BAD=dm, SHIFT=dm),
+                                 dict(const, MODE=1, PERSIST=False), ck.num_warps, ck.num_stages))
+            else:
+                grid = (max(1, min(n_pm * n_pn, TPN.persistent_programs(dev))),)
+                launch(TB.Launch("guided_epi", KG.guided_epi_kernel, grid, dict(args, BAD=dm, SHIFT=dm),
+                                 dict(const, MODE=1, PERSIST=True), ck.num_warps, persist[k]))
             tiles.append((dl, args, const))
         # the merge over the blocks (guided_rows_kernel, before and after the redo); rows whose every e
         # underflowed are redone with their own maximum
@@ -211,7 +229,7 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
                          4, 1))
         for _, args, const in tiles:
             launch(TB.Launch("guided_epi_redo", KG.guided_epi_kernel, (triton.cdiv(pp, cfg_r.block_m),),
-                             dict(args, BAD=bad8, SHIFT=sh), dict(const, MODE=2, BLOCK_M=cfg_r.block_m),
+                             dict(args, BAD=bad8, SHIFT=sh), dict(const, MODE=2, BLOCK_M=cfg_r.block_m, PERSIST=False),
                              cfg_r.num_warps, cfg_r.num_stages))
         launch(TB.Launch("guided_rows", KG.guided_rows_kernel, rows_grid, rows_args, dict(rows_const, FINISH=True),
                          4, 1))

@@ -251,6 +251,17 @@ def _tma_ok(x: Tensor, y: Tensor) -> bool:
     return True
 
 
+def persistent_programs(dev: torch.device) -> int:
+    """Programs of a persistent epilogue GEMM (this module's and the guided blocks'): :data:`EPI_PROGRAMS`
+    when set, else one CTA per SM (every persistent compile uses more than 128 registers at 8 warps: see
+    ``triton_configs.EPI_PERSIST_STAGES``), the model's GPU on the meta device, 3 on the interpreter."""
+    if EPI_PROGRAMS is not None:
+        return EPI_PROGRAMS
+    if dev.type == "cpu":
+        return 3
+    return _cuda_props(_index(dev))[1] if dev.type == "cuda" else RECORD_SMS[TB._arch(dev)]
+
+
 def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles: int) -> None:
     """Launch the epilogue GEMM (MODE 0 / 1 / 3 / 4 / 5) over ``n_tiles`` tiles in the form of
     :func:`epi_form`, with the launch configuration ``EPI_GEMM[config]`` (its pipeline depth from
@@ -267,10 +278,7 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
         launch(Launch(name, KP.epi_gemm_kernel, (n_tiles,), args, dict(const, PERSIST=False, TMA=False),
                       cfg.num_warps, cfg.num_stages))
         return
-    programs = EPI_PROGRAMS
-    if programs is None:  # one CTA per SM (EPI_PERSIST_STAGES); the meta device records for the model's GPUs
-        programs = (3 if dev.type == "cpu" else _cuda_props(_index(dev))[1] if dev.type == "cuda"
-                    else RECORD_SMS[arch])
+    programs = persistent_programs(dev)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
