@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,3 +311,26 @@ def test_guided_persistent_form_compiles_without_spills(compiled):
     assert all(r["persist"] for r in guided if r["cc"] == 90)
     assert {(r["guide"], r["block_m"], r["split"]) for r in guided if r["cc"] == 80 and not r["persist"]} == {
         ("bf16", 128, False), ("fp32", 64, True)}
+
+
+def test_the_gpu_model_refuses_the_persistent_forms():
+    # bench/gpu_model.py prices the tiles form only: a persistent launch is refused by name, not priced wrong
+    script = textwrap.dedent(
+        """
+        import json, os, sys, warnings
+        warnings.simplefilter("ignore")
+        sys.path.insert(0, BENCH)
+        os.environ["FUSED_CONTRASTIVE_EPI_FORM"] = "persistent"
+        import gpu_model as GM
+        launches, _ = GM.run_triton("info_nce", 4096, 768, GM.GPUS["H100"], "panel-epilogue")
+        persistent = [x for x in launches if x.constexprs.get("PERSIST")]
+        try:
+            GM.kernel_model(persistent[0], GM.GPUS["H100"])
+            print(json.dumps([len(persistent), "priced"]))
+        except NotImplementedError as e:
+            print(json.dumps([len(persistent), str(e)]))
+        """
+    )
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    n, msg = run_compile_script(script.replace("BENCH", repr(str(bench))), 600)
+    assert n > 0 and "does not price the persistent tile loop" in msg, (n, msg)
