@@ -221,8 +221,8 @@ EPILOGUE_MIN_ELEMENTS: dict[tuple[str, int], int] = {
 #: pipeline latency, which ``bench/gpu_model.py`` does not model, so the model prices them alike.
 EPI_FORMS = ("tiles", "persistent", "tma")
 EPI_FORM_ENV = "FUSED_CONTRASTIVE_EPI_FORM"
-#: Test hook: the persistent forms' grid (None: CTAs per SM x SMs on CUDA, the model's GPU when recording;
-#: 3 programs on the interpreter, so that each walks several tiles).
+#: Test hook: the persistent forms' grid (None: :func:`persistent_programs`, one program per SM on CUDA, the
+#: model's GPU when recording, 3 programs on the interpreter, so that each walks several tiles).
 EPI_PROGRAMS: int | None = None
 #: SMs of the GPU a recording (the meta device) stands for, per arch: an H100 SXM, an A100.
 RECORD_SMS = {"sm90": 132, "sm80": 108}
@@ -659,12 +659,11 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
         cm = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
         cz = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
         _epi_launch(launch, "epi_gemm_stats",
-                      dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm, LBIAS=dm,
-                           RSP=rs.contiguous(), RB=pr.rb[c0:] if pr.rb is not None else dm, SCALE=scale_t,
-                           GSCALE=dm, **_problem_args(prep), LSE=dm, G=dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
-                           TGT=dm, TV=dm, P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0),
-                           stride_y=y.stride(0),
-                           stride_dl=0, stride_zp=n_pn, **_mask_args(prep, spec)),
+                    dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm, LBIAS=dm,
+                         RSP=rs.contiguous(), RB=pr.rb[c0:] if pr.rb is not None else dm, SCALE=scale_t,
+                         GSCALE=dm, **_problem_args(prep), LSE=dm, G=dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
+                         TGT=dm, TV=dm, P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0),
+                         stride_y=y.stride(0), stride_dl=0, stride_zp=n_pn, **_mask_args(prep, spec)),
                     const, "stats", n_pm * n_pn)
         del x
         # the partials merged by stats_merge_kernel: the rows' over their column tiles, the columns' over the
@@ -731,13 +730,13 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
         bp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
         dl = _alloc((pp, m), dt, dev) if need else dm
         _epi_launch(launch, "epi_gemm_siglip",
-                      dict(X=xp, Y=y, DL=dl, ZP=zp, TP=tp, MXP=bp, CZ=dm, CM=dm, DS_PART=dm, BAD=dm, SHIFT=dm,
-                           LBIAS=bias_t, RSP=rs.contiguous(), RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t,
-                           GSCALE=gs if need else dm, BIAS_COL=dm, ROW_LAB=dm, COL_LAB=dm, POS_MASK=dm, LSE=dm,
-                           G=g if need else dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm, TGT=dm, TV=dm, P=pp, M=m,
-                           D=d, r0=r0,
-                           stride_x=xp.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0) if need else 0,
-                           stride_zp=n_pn, offset=int(offset), bias=0.0, n0=1, m0=1, stride_pm=1),
+                    dict(X=xp, Y=y, DL=dl, ZP=zp, TP=tp, MXP=bp, CZ=dm, CM=dm, DS_PART=dm, BAD=dm, SHIFT=dm,
+                         LBIAS=bias_t, RSP=rs.contiguous(), RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t,
+                         GSCALE=gs if need else dm, BIAS_COL=dm, ROW_LAB=dm, COL_LAB=dm, POS_MASK=dm, LSE=dm,
+                         G=g if need else dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm, TGT=dm, TV=dm, P=pp, M=m,
+                         D=d, r0=r0,
+                         stride_x=xp.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0) if need else 0,
+                         stride_zp=n_pn, offset=int(offset), bias=0.0, n0=1, m0=1, stride_pm=1),
                     const, config, n_pm * n_pn)
         if with_loss:
             loss[r0:r1] = zp.sum(1)
