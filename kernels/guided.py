@@ -351,12 +351,7 @@ def guided_epi_kernel(
                              EXCLUDE_SELF, HAS_GUIDE, HAS_IDS, PROTECT, SPLIT_T, NEED_DS, FOLD_RB, GUIDE_UPCAST,
                              GUIDE_PREC)
     else:
-        n_pm = tl.cdiv(P, BLOCK_M)
-        group = GROUP_M * n_pn
-        first_m = (pid // group) * GROUP_M
-        size_m = tl.minimum(n_pm - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % size_m
-        pid_n = (pid % group) // size_m
+        pid_m, pid_n = _grouped_tile(pid, P, n_pn, BLOCK_M, GROUP_M)
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _guided_epi_tile(pid_m, pid_n, X, Y, DL, ZP, TP, MXP, ETP, CTP, SHIFT, RSP, RB, SCALE, GA, GB, THETA, ID_R,
                          ID_C, TGT, P, M, D, Dg, r0, stride_x, stride_y, stride_ga, stride_gb, stride_dl, stride_zp,

@@ -11,6 +11,7 @@ triangular sweep, SigLIP's one pass and its losses sweep) gives outputs bitwise 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -46,11 +47,9 @@ def _small_tiles(monkeypatch):
         yield
 
 
-def _run(loss: str, dtype=torch.bfloat16, n: int = 97, d: int = 72):
-    """Loss and gradients of one fwd + bwd, and the epilogue GEMM launches it made."""
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
-    k = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+@contextlib.contextmanager
+def _launches():
+    """Every Triton launch made inside, recorded while it still runs."""
     seen = []
     orig = triton_backend._launch
 
@@ -58,8 +57,19 @@ def _run(loss: str, dtype=torch.bfloat16, n: int = 97, d: int = 72):
         seen.append(x)
         orig(x)
 
-    triton_backend._launch, prev = launch, triton_backend._launch
+    triton_backend._launch = launch
     try:
+        yield seen
+    finally:
+        triton_backend._launch = orig
+
+
+def _run(loss: str, dtype=torch.bfloat16, n: int = 97, d: int = 72):
+    """Loss and gradients of one fwd + bwd, and the epilogue GEMM launches it made."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    with _launches() as seen:
         if loss == "info_nce":
             out = fc.info_nce(q, k, torch.arange(n), backend="triton")
         elif loss == "clip":
@@ -72,8 +82,6 @@ def _run(loss: str, dtype=torch.bfloat16, n: int = 97, d: int = 72):
             out = fc.siglip_loss(q, k, torch.tensor(5.0), torch.tensor(-2.0), reduction="none",
                                  backend="triton").sum()
         out.backward()
-    finally:
-        triton_backend._launch = prev
     outs = [t for t in (out.detach(), q.grad, k.grad) if t is not None]
     return outs, [x for x in seen if x.name.startswith("epi_gemm")]
 
@@ -113,20 +121,13 @@ def _gist(gdt):
     g = torch.Generator().manual_seed(1)
     a, p, n = (torch.randn(r, 72, generator=g).bfloat16().requires_grad_() for r in (97, 97, 83))
     guides = tuple(torch.randn(r, 21, generator=g).to(gdt) for r in (97, 97, 83))
-    seen = []
-    orig = triton_backend._launch
-
-    def launch(x):
-        seen.append(x)
-        orig(x)
-
-    triton_backend._launch, prev = launch, triton_backend._launch
     prev_rows, TGP.PANEL_ROWS = TGP.PANEL_ROWS, 40
     try:
-        loss = gist_loss(a, p, n, guide=guides, temperature=0.05, backend="triton")
-        loss.backward()
+        with _launches() as seen:
+            loss = gist_loss(a, p, n, guide=guides, temperature=0.05, backend="triton")
+            loss.backward()
     finally:
-        triton_backend._launch, TGP.PANEL_ROWS = prev, prev_rows
+        TGP.PANEL_ROWS = prev_rows
     return [loss.detach(), a.grad, p.grad, n.grad], [x for x in seen if x.name.startswith("guided_epi")]
 
 
