@@ -4,7 +4,9 @@ oracle with NaN-filled outputs and scratch, bitwise reruns, fp16 against fp32, t
 faults (a wrong oracle, a kernel output row left unwritten) that must turn the verdict to FAIL.
 
 Shapes: N = 37 with D = 20 (one D chunk, the resident backward) and N = 70 with D = 130 (D_PAD = 256:
-the streaming backward with the fp32 scratch), both ragged against the 64-row blocks.
+the streaming backward with the fp32 scratch), both ragged against the 64-row blocks. The bitwise reruns
+take the small one: the interpreter runs programs one after another, so here they check the wiring (two
+runs compared, a FAIL when they differ: ``test_runs_that_differ_fail_the_determinism_check``), not the GPU's ordering.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ CORE = ("info_nce", "simcse", "clip")
 
 def _plan(**kw) -> GV.Plan:
     base = dict(losses=CORE, parity_shapes=SHAPES, dtypes=(torch.bfloat16,), regimes=("flat",),
-                determinism_shape=(70, 130), determinism_runs=2, fp16_shape=(8, 300, 24), timing_sizes=(40,),
+                determinism_shape=(37, 20), determinism_runs=2, fp16_shape=(8, 300, 24), timing_sizes=(40,),
                 timing_d=16, timing_repeats=1, ncu=False, multi_panel_rows=MULTI, budget_s=None, jobs=1)
     base.update(kw)
     return GV.Plan(**base)
@@ -173,6 +175,33 @@ def test_an_exception_is_a_fail_row_and_the_table_follows(monkeypatch, capsys):
     assert rows["timings (the check itself)"].ok is False and "KeyError" in rows["timings (the check itself)"].detail
     table = out[out.index("verdict table:"):]
     assert all(c in table for c in rows) and "verdict: FAIL (2 passed, 7 failed" in table, table
+
+
+def test_runs_that_differ_fail_the_determinism_check(monkeypatch):
+    """A path whose second run differs from its first in one gradient element by one ulp (planted: the
+    interpreter itself is sequential) is a FAIL naming the difference; the same stand-in returning the same
+    bits every time passes, so the check decides on the bits and not on anything else."""
+    from fused_contrastive import testing
+
+    calls = []
+
+    def run(case, inputs, backend, dt, device):
+        calls.append(backend)
+        g = torch.linspace(-1.0, 1.0, 8)
+        if flip and len(calls) % 2 == 0:  # every path's second run
+            g[3] = torch.nextafter(g[3], torch.tensor(2.0))
+        return torch.tensor(0.5), {"query": g, "keys": None}
+
+    monkeypatch.setattr(testing, "run", run)
+    plan = _plan(losses=("info_nce",), parity_shapes=(), determinism_runs=2, fp16_shape=None, timing_sizes=())
+    for flip in (True, False):
+        calls.clear()
+        rep = GV.validate("cpu", plan, allow_cpu=True)
+        rows = [r for r in rep.results if r.check.startswith("determinism")]
+        assert len(rows) == 4 and len(calls) == 8, (rows, calls)
+        assert all(r.ok is (not flip) for r in rows), rows
+        assert all(("DIFFER bitwise" in r.detail) is flip for r in rows), rows
+        assert rep.ok is (not flip)
 
 
 def test_the_multi_panel_run_must_see_several_panels(monkeypatch):

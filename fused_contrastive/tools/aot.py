@@ -13,6 +13,7 @@ Triton must be imported with ``TRITON_INTERPRET=0`` (interpreted jit functions c
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import subprocess
@@ -325,8 +326,21 @@ def source(launch: TB.Launch):
     return ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
 
 
+#: ptxas_stats by (sha-256 of the PTX, cc), for this process: a recording repeats a kernel once per panel or
+#: call, and ptxas is most of a compile survey's time (the panel path's survey compiles 242 launches, 110 distinct).
+_PTXAS_SEEN: dict[tuple[str, int], dict[str, int]] = {}
+
+
 def ptxas_stats(ptx: str, cc: int) -> dict[str, int]:
-    """Registers and spill bytes: re-runs the ptxas triton used, with triton's flags plus -v."""
+    """Registers and spill bytes: re-runs the ptxas triton used, with triton's flags plus -v (once per
+    distinct PTX and cc in a process)."""
+    key = (hashlib.sha256(ptx.encode()).hexdigest(), cc)
+    if key not in _PTXAS_SEEN:
+        _PTXAS_SEEN[key] = _run_ptxas(ptx, cc)
+    return dict(_PTXAS_SEEN[key])
+
+
+def _run_ptxas(ptx: str, cc: int) -> dict[str, int]:
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
