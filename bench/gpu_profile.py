@@ -249,7 +249,7 @@ def sweep_configs(mode: str, n: int, d: int, repeats: int) -> None:
     torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", default="65536", help="comma-separated batch sizes (default 65536)")
     ap.add_argument("--d", type=int, default=768)
@@ -266,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matryoshka-loads", action="store_true",
                     help="time the Matryoshka kernels with 16-byte operand loads against scalar ones (use an N "
                     "below the panel path's, N * N < 2^24, where the triton backend runs these kernels)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu_profile.py needs a CUDA device", file=sys.stderr)
         return 2
