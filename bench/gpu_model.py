@@ -195,6 +195,20 @@ def assumed(name: str) -> float:
 
 
 @contextlib.contextmanager
+def _env(name: str, value: str):
+    """``os.environ[name] = value`` within the block (the previous value, or none, put back)."""
+    prev = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if prev is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = prev
+
+
+@contextlib.contextmanager
 def scenario(name: str):
     """Model with every assumption of :data:`ASSUMED` at its ``name`` value ("optimistic", "central" or
     "pessimistic")."""
@@ -1243,8 +1257,10 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
           "against the plain loss on that backend, and the K-loss formula (ms, central [optimistic - pessimistic]; "
           "no GPU used)")
     print("  triton: 'plain' the plain loss on the triton backend's path for the size ('path': fused kernels, or "
-          "the panel path where N * M >= 2^24), 'kernels' the Matryoshka kernels, 'K calls' one plain call per level "
-          "on that path; 'ratio' what the backend runs (K calls on the panel path, the kernels otherwise) / plain")
+          "the panel path where N * M >= 2^24), 'kernels' the Matryoshka kernels (their forward, and the backward "
+          "auto takes: the suffix backward for 16-bit inputs from N * M = 2^20, core/triton_matryoshka.py), 'K calls' "
+          "one plain call per level on that path; 'ratio' what the backend runs (K calls on the panel path, the "
+          "kernels otherwise) / plain")
     print(f"  {'gpu':5s} {'N':>6s} {'path':>5s} {'plain triton':>22s} {'Matryoshka kernels':>22s} "
           f"{'K triton calls':>22s} {'ratio':>6s} {'plain torch':>22s} {'one-pass torch':>22s} {'ratio':>6s} "
           f"{'K-loss formula':>22s} {'formula peak':>12s}")
@@ -1266,9 +1282,14 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
             # the triton backend's route: the panel path's K plain calls where the plain op takes it (CUDA,
             # N * M >= 2^24), the Matryoshka kernels otherwise (core._leveled)
             path = "panel" if n * n >= triton_panel.MIN_ELEMENTS else "fused"
+            levels = run_matryoshka_triton(n, d, gpu)  # the Matryoshka kernels with the backward "auto" takes
+            suffix = any(lz.name == "mat_epi" for lz in levels[0])
+            with _env("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "kernels" if suffix else "suffix"):
+                other = run_matryoshka_triton(n, d, gpu)  # and with the other backward, for comparison
             runs = [("plain", [_recorded("info_nce", n, d, g, path)]),
-                    ("levels", [run_matryoshka_triton(n, d, gpu)]),
-                    ("calls", [_recorded("info_nce", n, dk, g, path) for dk in matryoshka_dims(d)])]
+                    ("levels", [levels]),
+                    ("calls", [_recorded("info_nce", n, dk, g, path) for dk in matryoshka_dims(d)]),
+                    ("other", [other])]
             tri = {}
             for key, recs_ in runs:
                 ends = {}
@@ -1294,6 +1315,9 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
                   f"{_fmt_b(got['formula'][3]):>12s}{'' if fits else ' DOES NOT FIT'}")
             print("         K calls by level (central ms): " + ", ".join(
                 f"d={dk} {ms:.2f}" for dk, ms in zip(matryoshka_dims(d), by_level, strict=True)))
+            names = ("the kernels' own backward", "the suffix backward")
+            print(f"         Matryoshka kernels with {names[suffix]} (what auto takes for them): "
+                  f"{cell(tri['levels'])}; with {names[not suffix]}: {cell(tri['other'])}")
             recs.append(dict(loss="info_nce_matryoshka", gpu=g, n=n, d=d, dims=matryoshka_dims(d),
                              plain_torch_ms=round(got["plain"][0], 3), one_pass_torch_ms=round(got["one_pass"][0], 3),
                              one_pass_range=[round(got["one_pass"][1], 3), round(got["one_pass"][2], 3)],
@@ -1301,8 +1325,12 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
                              formula_fits=fits, plain_gemm_flops=got["plain"][4],
                              one_pass_gemm_flops=got["one_pass"][4], formula_gemm_flops=got["formula"][4],
                              one_pass_launches=got["one_pass"][5],
-                             triton_path=path, triton_route=("one plain call per level" if route == "calls"
-                                                             else "Matryoshka kernels"),
+                             triton_path=path, triton_route=("one plain call per level" if route == "calls" else
+                                                             "Matryoshka kernels" + (", suffix backward" if suffix
+                                                                                     else "")),
+                             suffix_backward=suffix,
+                             other_backward_ms=round(tri["other"][0], 3),
+                             other_backward_range=[round(tri["other"][1], 3), round(tri["other"][2], 3)],
                              k_calls_triton_ms=round(tri["calls"][0], 3), k_calls_by_level_ms=by_level,
                              k_calls_triton_range=[round(tri["calls"][1], 3), round(tri["calls"][2], 3)],
                              plain_triton_ms=round(tri["plain"][0], 3),

@@ -203,22 +203,52 @@ def _matryoshka_setup(n: int, d: int, device: str = "cuda"):
     return step
 
 
+@contextlib.contextmanager
+def matryoshka_route(route: str):
+    """``FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE`` = ``route`` within the block (the previous value put back)."""
+    import os
+
+    prev = os.environ.get("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE")
+    os.environ["FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE"] = route
+    try:
+        yield
+    finally:
+        if prev is None:
+            del os.environ["FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE"]
+        else:
+            os.environ["FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE"] = prev
+
+
+#: The forms --matryoshka-loads times side by side: (label, route, 16-byte loads).
+MATRYOSHKA_FORMS = (("16-byte loads", "kernels", True), ("scalar loads", "kernels", False),
+                    ("suffix backward", "suffix", True))
+
+
 def time_matryoshka_loads(n: int, d: int, repeats: int) -> None:
-    """The Matryoshka kernels (what the triton backend runs for levels below the panel path's size) with
-    16-byte operand loads against the scalar ones, fwd + bwd medians alternating in this run."""
+    """The Matryoshka kernels (what the triton backend runs for levels below the panel path's size): their
+    own backward with 16-byte operand loads and with the scalar ones, and the suffix backward (what "auto"
+    takes for 16-bit inputs from N x M = 2^20), fwd + bwd medians alternating in this run, and how far the
+    suffix backward's gradients are from the kernels' (max |difference| / max |gradient|)."""
     measure = _timer("cuda")
     step = _matryoshka_setup(n, d)
-    times = {True: [], False: []}
-    for on in (True, False):
-        with matryoshka_aligned(on):
+    times = {label: [] for label, _, _ in MATRYOSHKA_FORMS}
+    grads = {}
+    for label, route, on in MATRYOSHKA_FORMS:
+        with matryoshka_route(route), matryoshka_aligned(on):
             step()  # compile
+            grads[label] = torch.cat([t.grad.float().flatten() for t in step.leaves])
     for _ in range(repeats):
-        for on in (True, False):
-            with matryoshka_aligned(on):
-                times[on].append(measure(step))
-    a, s = statistics.median(times[True]), statistics.median(times[False])
-    print(f"timing matryoshka5 info_nce N={n} D={d} bf16 median of {repeats}: 16-byte loads {a:.2f} ms, "
-          f"scalar loads {s:.2f} ms, ratio {s / a:.2f}x", flush=True)
+        for label, route, on in MATRYOSHKA_FORMS:
+            with matryoshka_route(route), matryoshka_aligned(on):
+                times[label].append(measure(step))
+    med = {label: statistics.median(v) for label, v in times.items()}
+    ref = grads["16-byte loads"]
+    rel = float((grads["suffix backward"] - ref).abs().max() / ref.abs().max())
+    print(f"timing matryoshka5 info_nce N={n} D={d} bf16 median of {repeats}: "
+          + ", ".join(f"{label} {ms:.2f} ms" for label, ms in med.items())
+          + f"; scalar / 16-byte {med['scalar loads'] / med['16-byte loads']:.2f}x, suffix / kernels' backward "
+          f"{med['suffix backward'] / med['16-byte loads']:.2f}x; suffix gradients off the kernels' by {rel:.1e} "
+          "of max |grad|", flush=True)
     del step
     torch.cuda.empty_cache()
 
@@ -264,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--epi-forms", action="store_true",
                     help="time the epilogue GEMM's tile-loop forms (tiles, persistent, tma) on each of --losses")
     ap.add_argument("--matryoshka-loads", action="store_true",
-                    help="time the Matryoshka kernels with 16-byte operand loads against scalar ones (use an N "
+                    help="time the Matryoshka kernels with 16-byte operand loads against scalar ones, and their "
+                    "suffix backward (use an N "
                     "below the panel path's, N * N < 2^24, where the triton backend runs these kernels)")
     return ap
 

@@ -65,7 +65,7 @@ STEPS: tuple[Step, ...] = (
     Step("gist", (*_PROFILE, "--n", "16384", "--losses", "gist", "--no-profile", "--epi-forms"),
          "the guided blocks' tile loops (GIST's route)"),
     Step("matryoshka", (*_PROFILE, "--n", "2048,4000", "--losses", "", "--no-profile", "--matryoshka-loads"),
-         "the Matryoshka kernels' 16-byte operand loads against scalar ones"),
+         "the Matryoshka kernels' 16-byte operand loads against scalar ones, and their suffix backward"),
 )
 
 

@@ -92,9 +92,11 @@ PANEL_TILE_KERNELS = ("epi_gemm", "panel_dl")
 EPILOGUE_CASES = ("info_nce", "simcse", "clip")
 EXPECT = {("core", "fused"): PATHS["fused"], ("core", "panel"): PATHS["panel"],
           ("core", "panel-cublas"): PATHS["panel-cublas"],
-          # the Matryoshka kernels where the plain op takes the fused kernels; one plain call per level
-          # (its one-pass panel kernel) where it takes the panel path (core._leveled)
-          ("matryoshka", "fused"): {"mat_fwd", "mat_bwd_rows"}, ("matryoshka", "panel"): {"panel_rows"},
+          # the Matryoshka kernels where the plain op takes the fused kernels (their own backward, or the
+          # suffix backward: 16-bit on CUDA from N x M = 2^20, core/triton_matryoshka.use_suffix); one plain
+          # call per level (its one-pass panel kernel) where it takes the panel path (core._leveled)
+          ("matryoshka", "fused"): ({"mat_fwd", "mat_bwd_rows"}, {"mat_fwd", "mat_epi"}),
+          ("matryoshka", "panel"): {"panel_rows"},
           ("matryoshka", "panel-cublas"): {"panel_dl"},
           ("cosent", "own"): {"pair_cos_fwd", "cosent_scan_fwd", "cosent_scan_bwd"},
           # SigLIP: its fused kernels, or (16-bit, CUDA, N x M >= 2^24) the panel path's epilogue GEMM

@@ -37,7 +37,13 @@ Kernels:
   Matmul work per kernel: ``(sum_k d_k + d_K) / D`` units, 3.25 for 768/512/256/128/64, against the
   fused kernels' 2 for one loss and ``2 sum_k d_k / D`` = 4.5 for K of their calls.
 
-Why the backward rebuilds every prefix instead of keeping K tiles or peeling segments:
+* ``mat_epi_kernel``: the suffix backward's panel kernel (16-bit operands, ``core/triton_matryoshka.py``
+  ``_bwd_suffix``): one output tile of a row panel per program, one walk along D; each level's gradient
+  tile is parked in 16 bits at its boundary, and after the walk the suffix sums ``H^r = sum_{k >= r} G^k``
+  are written ([K, P, M]) for cuBLAS to multiply into each segment of both sides. 1 unit of matmul work for
+  every level, the gradient GEMMs outside (see its docstring).
+
+Why the kernels' own backward rebuilds every prefix instead of keeping K tiles or peeling segments:
 
 * keeping the K levels' gradient tiles live until the top-down suffix sums (2 units per kernel) needs K
   fp32 tiles in registers: compiled for sm_80 at K = 8 it spilled 60-490 bytes even at 32 x 32 tiles, and
@@ -60,6 +66,7 @@ import triton
 import triton.language as tl
 
 from .lse import NEG_INF, _dlogits, _grad_vec, _log0, _logits, _lse_add, _online_rows, _pos_logits, _stat
+from .panel import _grouped_tile
 
 
 @triton.jit
@@ -192,8 +199,8 @@ def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
                 EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
                 HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr, HAS_TGT: tl.constexpr):
     """Level k's gradient tile from its raw prefix products ``acc``: ``(G^k = dl^k FA[k, i] FB[k, j], this
-    program's scalars sum_j dl^k cos^k per row, or sum_i per column with COLS)``, dl^k from the saved
-    statistics (/ gscale) exactly as ``kernels/lse.py`` forms it. ``PTRS`` / ``MASKS`` are the kernel's
+    program's scalars sum_j dl^k cos^k per row, or sum_i per column with COLS, the tile dl^k cos^k)``, dl^k
+    from the saved statistics (/ gscale) exactly as ``kernels/lse.py`` forms it. ``PTRS`` / ``MASKS`` are the kernel's
     pointer and mask arguments. HAS_TGT: the target logit's term joins the tile, ``TW[k, i]`` (its
     upstream gradient / gscale, signed) at column ``TGT[i]``, in fp32 before anything is rounded: in a
     peaked softmax ``p_it - 1`` cancels, and formed from a 16-bit ``p_it`` it lost ~2e-2 of the gradient."""
@@ -241,7 +248,7 @@ def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
         v = tl.sum(dc, axis=0)
     else:
         v = tl.sum(dc, axis=1)
-    return dl * fa[:, None] * fb[None, :], v
+    return dl * fa[:, None] * fb[None, :], v, dc
 
 
 @triton.jit
@@ -329,8 +336,8 @@ def mat_bwd_kernel(
             # the cosine: 0.36 of a gradient of 0.14 for a row with a 1-wide level and a small first coordinate)
             acc = _seg_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_base, b_base, rmask, cmask, 0, hi,
                            BLOCK_D, UPCAST, DOT_PREC)
-            g_k, v = _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS, EXCLUDE_SELF, HAS_BIAS,
-                                 POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, COLS, HAS_TGT)
+            g_k, v, _ = _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS, EXCLUDE_SELF, HAS_BIAS,
+                                    POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, COLS, HAS_TGT)
             rho = tl.where(kk[None, :] == k, rho + v[:, None], rho)
             if NEED_DX:
                 # the suffix sum H^k = H^{k+1} + G^k, then ACC[own, S_k] += H^k (SY rs_y)[other, S_k] (the
@@ -370,3 +377,117 @@ def mat_bwd_kernel(
         else:
             _mat_epilogue(X, DX, ACC, NX, N, DIMS, rho, kk, own, n_out, D, stride_x, stride_dx, s * gs, eps,
                           K, BLOCK_M, BLOCK_D, PRESCALE, ALIGNED)
+
+
+# ------------------------------------------------------------------------------------------------
+# backward: the suffix sums of one panel (the "suffix" route)
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _park(k: tl.constexpr, x, p0, p1, p2, p3, p4, p5, p6):
+    """Slot k of the parked tiles set to ``x`` (k a constexpr: the other slots pass through)."""
+    if k == 0:
+        p0 = x
+    if k == 1:
+        p1 = x
+    if k == 2:
+        p2 = x
+    if k == 3:
+        p3 = x
+    if k == 4:
+        p4 = x
+    if k == 5:
+        p5 = x
+    if k == 6:
+        p6 = x
+    return p0, p1, p2, p3, p4, p5, p6
+
+
+@triton.jit
+def _slot(k: tl.constexpr, p0, p1, p2, p3, p4, p5, p6):
+    """Parked slot k (k a constexpr)."""
+    x = p0
+    if k == 1:
+        x = p1
+    if k == 2:
+        x = p2
+    if k == 3:
+        x = p3
+    if k == 4:
+        x = p4
+    if k == 5:
+        x = p5
+    if k == 6:
+        x = p6
+    return x
+
+
+@triton.jit
+def mat_epi_kernel(
+    SA, SB, RSA, RSB, FA, FB, DIMS, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW,
+    H, RHO_R, RHO_C,
+    N, M, P, r0, stride_sa, stride_sb, offset, bias, n0, m0, stride_pm,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP_M: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, HAS_TGT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """The suffix sums of one panel, rows ``r0 .. r0 + P`` against every column: one output tile per program
+    (grid ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, groups of GROUP_M row tiles sweep the columns together).
+
+    One walk along D: after segment S_k the accumulator holds level k's raw prefix products, whose gradient
+    tile ``G^k = dl^k FA[k, i] FB[k, j]`` (``_level_grad``, from the saved statistics) is parked in H's
+    dtype (times PRESCALE) for k < K - 1; after the walk, top down, ``H^r = sum_{k >= r} G^k`` in fp32 from
+    the top level's fp32 tile and the parked ones, stored (times PRESCALE, H's dtype) to
+    ``H[r, i - r0, j]`` ([K, P, M]). 1 unit of matmul work for every level, against the fused backward's
+    per-level rebuilds; the host then multiplies ``H^r`` into segment S_r of both sides (cuBLAS, 1 unit per
+    side). Each level's ``dl^k cos^k`` is summed per row into ``RHO_R[i - r0, column tile, k]`` ([P, n_pn,
+    KP]) and per column into ``RHO_C[row tile, k, j]`` ([n_pm, KP, M]): the normalisation backward's and
+    the scale's scalars. At most 8 levels (7 parked tiles).
+
+    Precision: each parked ``G^k`` is rounded once to H's dtype before the fp32 sums, so ``H^r`` carries up
+    to ``K - r`` roundings of its terms instead of one. Every term of one entry has the same sign when the
+    loss has only softmax terms with positive coefficients and the target term (``p - 1`` for every level),
+    so the rounding errors add in relative terms and do not cancel: at most about ``K / 2`` units in the
+    last place of the entry, against the other routes' half unit."""
+    pid = tl.program_id(0)
+    n_pn = tl.cdiv(M, BLOCK_N)
+    pid_m, pid_n = _grouped_tile(pid, P, n_pn, BLOCK_M, GROUP_M)
+    loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lmask = loc < P
+    rows = r0 + loc
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < M
+    smask = lmask[:, None] & cmask[None, :]
+    s = tl.load(SCALE).to(tl.float32)
+    inv_gs = 1.0 / tl.load(GSCALE)
+    PTRS = (RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW)
+    MASKS = (offset, bias, n0, m0, stride_pm)
+    a_base = SA + rows.to(tl.int64)[:, None] * stride_sa
+    b_base = SB + cols.to(tl.int64)[:, None] * stride_sb
+    h_base = H + loc.to(tl.int64)[:, None] * M + cols[None, :]
+    plane = P.to(tl.int64) * M
+    rr = RHO_R + (loc.to(tl.int64) * n_pn + pid_n) * KP
+    rc = RHO_C + pid_m.to(tl.int64) * KP * M + cols
+    z = tl.zeros([BLOCK_M, BLOCK_N], dtype=H.dtype.element_ty)
+    p0, p1, p2, p3, p4, p5, p6 = z, z, z, z, z, z, z
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    h = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc = _seg_dot(acc, a_base, b_base, lmask, cmask, _bound(DIMS, k, ALIGNED), _bound(DIMS, k + 1, ALIGNED),
+                       BLOCK_D, UPCAST, DOT_PREC)
+        g, _, dc = _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS, EXCLUDE_SELF, HAS_BIAS, POS_KIND,
+                               HAS_G, HAS_GCOL, HAS_GPOS, False, HAS_TGT)
+        dc = tl.where(smask, dc, 0.0)
+        tl.store(rr + k, tl.sum(dc, axis=1), mask=lmask)
+        tl.store(rc + k * M, tl.sum(dc, axis=0), mask=cmask)
+        if k == K - 1:
+            h = g * PRESCALE
+        else:
+            p0, p1, p2, p3, p4, p5, p6 = _park(k, (g * PRESCALE).to(H.dtype.element_ty), p0, p1, p2, p3, p4, p5, p6)
+    tl.store(h_base + (K - 1) * plane, h.to(H.dtype.element_ty), mask=smask)
+    for j in tl.static_range(K - 1):
+        h += _slot(K - 2 - j, p0, p1, p2, p3, p4, p5, p6).to(tl.float32)
+        tl.store(h_base + (K - 2 - j) * plane, h.to(H.dtype.element_ty), mask=smask)

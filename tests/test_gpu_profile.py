@@ -61,16 +61,22 @@ def test_matryoshka_loads_time_the_aligned_and_the_scalar_form(profile_mod, monk
     orig = triton_backend._launch
     monkeypatch.setattr(triton_backend, "_launch", lambda x: (seen.append(x), orig(x))[1])
     got = {}
-    for on in (True, False):
+    assert [(r, on) for _, r, on in profile_mod.MATRYOSHKA_FORMS] == [("kernels", True), ("kernels", False),
+                                                                      ("suffix", True)]
+    for label, route, on in profile_mod.MATRYOSHKA_FORMS:
         seen.clear()
         step = profile_mod._matryoshka_setup(40, 192, device="cpu")  # levels 192/128/64/32/16
-        with profile_mod.matryoshka_aligned(on):
+        with profile_mod.matryoshka_route(route), profile_mod.matryoshka_aligned(on):
             step()
         mats = [x for x in seen if x.name.startswith("mat_")]
-        assert {x.name for x in mats} == {"mat_fwd", "mat_bwd_rows", "mat_bwd_cols"}
+        bwd = {"mat_bwd_rows", "mat_bwd_cols"} if route == "kernels" else {"mat_epi"}
+        assert {x.name for x in mats} == {"mat_fwd"} | bwd, label
         assert {x.constexprs["ALIGNED"] for x in mats} == {on}
-        got[on] = torch.cat([t.grad.float().flatten() for t in step.leaves])
-    torch.testing.assert_close(got[True], got[False], rtol=0, atol=0)
+        got[label] = torch.cat([t.grad.float().flatten() for t in step.leaves])
+    torch.testing.assert_close(got["16-byte loads"], got["scalar loads"], rtol=0, atol=0)
+    # the suffix backward: the same gradients up to its bf16 roundings (not the same arithmetic)
+    ref = got["16-byte loads"]
+    assert 0 < float((got["suffix backward"] - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
 def test_epi_forms_time_the_three_tile_loops(profile_mod, monkeypatch, capsys):

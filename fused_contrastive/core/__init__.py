@@ -180,7 +180,9 @@ def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
                             for d in levels[0]])
     if backend == "triton":
         from . import triton_matryoshka, triton_panel
-        if triton_panel.use_panel(a, n, n if b is None else b.shape[0]) or len(levels[0]) > MAX_KERNEL_LEVELS:
+        route = triton_matryoshka.route()  # env FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE (triton_matryoshka.ROUTES)
+        if (route == "calls" or len(levels[0]) > MAX_KERNEL_LEVELS
+                or (route == "auto" and triton_panel.use_panel(a, n, n if b is None else b.shape[0]))):
             # where the plain loss takes the panel path (cuBLAS GEMMs on row panels: CUDA, N * M >= 2^24),
             # K of its calls on the truncated, re-normalised rows are modelled faster than the Matryoshka
             # kernels, whose backward streams like the fused kernels' (bench/gpu_model.py --matryoshka); and

@@ -218,6 +218,17 @@ _MATRYOSHKA_BWD = {
 }
 
 
+#: The suffix route's panel kernel (``mat_epi_kernel``: one walk along D per output tile, the levels' gradient
+#: tiles parked in the operand dtype, 16-bit operands only), from the sm_80 / sm_90 compiles at 5 levels with
+#: the target term, the positives' softmax and the column term (tests/test_matryoshka_suffix.py; not timed on
+#: a GPU): 64 x 64 tiles over 64-wide D chunks at 8 warps, 3 stages, 0 spills (226-255 registers; wgmma on
+#: sm_90). 64 x 128 (8 warps, 2-3 stages), 128 x 64 and 64 x 64 at 4 warps spilled 120-944 bytes: the parked
+#: tiles, the top level's fp32 tile and the epilogue's temporaries are live together. At 8 levels 64 x 64 also
+#: spilled (56-80 bytes): the route takes at most :data:`MATRYOSHKA_SUFFIX_LEVELS`.
+MATRYOSHKA_SUFFIX = LaunchConfig(64, 64, 64, 8, 3)
+MATRYOSHKA_SUFFIX_LEVELS = 5
+
+
 def matryoshka_config(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tuple[LaunchConfig, int]:
     """(config, BLOCK_D) of a Matryoshka kernel ("fwd", "bwd_rows" or "bwd_cols") for D-dimensional rows of
     ``dtype``."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -21,14 +22,21 @@ from torch import Tensor
 
 from .._amp import autocast_off
 from ..kernels import matryoshka as KM
-from . import positives
+from . import positives, triton_panel
 from . import triton_backend as TB
 from .matryoshka import _prefix_norms
 from .norms import prefix_rows
 from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
-from .triton_configs import matryoshka_config
+from .triton_configs import (
+    EPI_GROUP_M,
+    MATRYOSHKA_SUFFIX,
+    MATRYOSHKA_SUFFIX_LEVELS,
+    LaunchConfig,
+    d_pad,
+    matryoshka_config,
+)
 
-__all__ = ["TritonLevelsFn", "run"]
+__all__ = ["ROUTES", "TritonLevelsFn", "route", "run", "suffix_rows", "use_suffix"]
 
 #: The register ceiling of every Matryoshka launch: without it ptxas held some variants at 128 registers
 #: and spilled 4-36 bytes (sm_80); with it the same code takes 150-255 registers and spills nothing
@@ -165,6 +173,158 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     return da, db, ds
 
 
+#: Routes of the Matryoshka levels on the triton backend (env ``FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE``, read per
+#: call by ``core.run``): "auto" (default) one plain call per level where the plain loss takes the panel path
+#: or past ``core.MAX_KERNEL_LEVELS`` levels, the Matryoshka kernels otherwise, with the suffix backward where
+#: :func:`use_suffix` says (16-bit, N x M from :data:`SUFFIX_MIN_ELEMENTS`, on CUDA); "calls" one plain call per
+#: level; "kernels" the Matryoshka kernels (forward and backward); "suffix" their forward and the suffix
+#: backward (:func:`_bwd_suffix`; 16-bit inputs and at most ``MATRYOSHKA_SUFFIX_LEVELS`` levels, else the
+#: kernels' backward). "kernels" and "suffix" take at most ``core.MAX_KERNEL_LEVELS`` levels (more run as
+#: "calls").
+ROUTES = ("auto", "calls", "kernels", "suffix")
+
+
+def route() -> str:
+    r = os.environ.get("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "auto")
+    if r not in ROUTES:
+        raise ValueError(f"FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE must be one of {', '.join(map(repr, ROUTES))}, "
+                         f"got {r!r}")
+    return r
+
+
+#: Smallest N x M at which "auto" takes the suffix backward (on CUDA; 16-bit, at most
+#: MATRYOSHKA_SUFFIX_LEVELS levels): bench/gpu_model.py --matryoshka models it faster than the kernels' own
+#: backward from N = M = 1024 (H100: 1.23 against 1.36 ms; 2048: 1.41 against 2.13; 4000: 1.85 against 3.61;
+#: A100 likewise) and slower at 256 (1.13 against 0.78: its cuBLAS launches per segment and panel), so the
+#: threshold sits at 1024 x 1024. Above the panel path's threshold "auto" runs one plain call per level
+#: (modelled faster than both: 105 ms at N = 65536 on an H100 against 129 for the suffix route).
+SUFFIX_MIN_ELEMENTS = 1 << 20
+#: Device types on which "auto" may take the suffix backward (meta: the GPU model records what CUDA runs);
+#: the CPU interpreter runs it when the tests ask for it.
+SUFFIX_DEVICES = ("cuda", "meta")
+
+
+def use_suffix(dev: torch.device, dtype: torch.dtype, k: int, elements: int) -> bool:
+    """Whether the Matryoshka kernels' call takes the suffix backward (:func:`_bwd_suffix`): its kernel takes
+    16-bit operands and at most :data:`MATRYOSHKA_SUFFIX_LEVELS` levels (compiled without spills); then
+    route "suffix", or "auto" on :data:`SUFFIX_DEVICES` from :data:`SUFFIX_MIN_ELEMENTS` (N x M)."""
+    if dtype == torch.float32 or k > MATRYOSHKA_SUFFIX_LEVELS:
+        return False
+    r = route()
+    return r == "suffix" or (r == "auto" and dev.type in SUFFIX_DEVICES and elements >= SUFFIX_MIN_ELEMENTS)
+
+
+#: Test hooks of the suffix backward: its launch configuration and panel height (None: MATRYOSHKA_SUFFIX, and
+#: triton_panel.PANEL_ROWS or the byte budget).
+SUFFIX_CONFIG: LaunchConfig | None = None
+
+
+def suffix_rows(n: int, m: int, d: int, k: int, dtype: torch.dtype, need_b: bool) -> int:
+    """Rows per panel of the suffix backward: its K 16-bit tiles of the panel ([K, P, M]), the per-tile
+    scalars and the panel's dA rows (fp32) within the panel path's byte budget (``triton_panel.panel_rows``'s
+    budget and hooks), beside dB's fp32 accumulators; a multiple of 64, at least ``triton_panel.P_MIN``."""
+    if triton_panel.PANEL_ROWS is not None:
+        return max(1, min(n, triton_panel.PANEL_ROWS))
+    budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", triton_panel.BUDGET_BYTES))
+    e = torch.empty((), dtype=dtype).element_size()
+    kp = triton.next_power_of_2(k)
+    fixed = 4 * m * d if need_b else 0
+    per_row = k * e * m + 4 * kp * (triton.cdiv(m, 64) + triton.cdiv(m, 64)) + 4 * d
+    p = (budget - fixed) // per_row
+    p = p - p % 64 if p >= 64 else p
+    return max(1, min(n, max(triton_panel.P_MIN, p)))
+
+
+def _finish(x: Tensor, acc: list[Tensor], nx: Tensor, rho: Tensor, bounds: list[int], eps: float, mult: Tensor,
+            pre: float) -> Tensor:
+    """The normalisation backward of one side from its segment products ``acc[r]`` ([R, |S_r|] fp32, the
+    suffix sums times the other side's top-level unit rows, pre-scaled by ``pre``): ``out_ic = mult
+    (acc_ic / (pre n^K_i) - x_ic sum_{k >= r, n^k_i > eps} rho^k_i / (n^k_i)^2)`` for c in segment r, 0 past
+    d_K; ``nx`` [K, R] the clamped prefix norms, ``rho`` [R, K]. (The Matryoshka kernels' ``_mat_epilogue``.)"""
+    k = nx.shape[0]
+    c = torch.where(nx > eps, rho.T / (nx * nx), 0.0)
+    tail = c.flip(0).cumsum(0).flip(0)  # tail[r] = sum_{k >= r} c_k
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    n_top = nx[k - 1][:, None]
+    for r in range(k):
+        lo, hi = bounds[r], bounds[r + 1]
+        seg = acc[r] / (pre * n_top) - x[:, lo:hi].to(torch.float32) * tail[r][:, None]
+        out[:, lo:hi] = (seg * mult).to(x.dtype)
+    return out
+
+
+def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a: bool,
+                need_b: bool, need_s: bool, tgt: tuple[Tensor, Tensor] | None = None):
+    """:func:`_bwd`'s gradients by suffix sums: per panel of rows, ``kernels/matryoshka.py``
+    ``mat_epi_kernel`` writes ``H^r = sum_{k >= r} G^k`` (16-bit, [K, P, M]: 1 unit of matmul work for
+    every level, one walk along D per tile) and the levels' row and column scalars; then cuBLAS multiplies
+    ``H^r`` into segment S_r of each side, ``dA[:, S_r] = H^r Y_hat[:, S_r]`` and ``dB[:, S_r] += H^r^T
+    X_hat[P, S_r]`` (the other side's top-level unit rows; fp32 outputs, ``triton_panel``'s probed GEMM
+    routes): 1 unit per side, whatever K is, against the kernels' ``(sum_k d_k + d_K) / D`` per side. Memory:
+    the panel's K tiles within the panel path's byte budget (:func:`suffix_rows`), O((N + M) D) besides.
+    16-bit inputs."""
+    p = L.p
+    a, b = p.a, p.b
+    dev = a.device
+    n, d = a.shape
+    m = b.shape[0]
+    gs = TB._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
+    if gs is None:
+        return TB._no_grads(a, b, need_a, need_b, need_s)
+    dt, k, dm = a.dtype, L.k, p.dummy
+    kp = triton.next_power_of_2(k)
+    cfg = SUFFIX_CONFIG or MATRYOSHKA_SUFFIX
+    gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
+    need_cols = need_b and gcols > 0
+    bounds = [0, *L.dims]
+    pre = prescale(dt)
+    s32 = TB._scale32(scale, dev)
+    # the other side's top-level unit rows, in the operand dtype (as the kernels' gradient dots take them)
+    yhat = (p.sb.to(torch.float32) * L.rb[0][k - 1][:, None]).to(dt) if need_a else None
+    xhat = (p.sa.to(torch.float32) * L.ra[0][k - 1][:, None]).to(dt) if need_cols else None
+    segs = list(zip(bounds[:-1], bounds[1:], strict=True))
+    acc_a = [torch.empty((n, hi - lo), dtype=torch.float32, device=dev) for lo, hi in segs] if need_a else None
+    acc_b = [torch.zeros((gcols, hi - lo), dtype=torch.float32, device=dev) for lo, hi in segs] if need_cols else None
+    rho_a = torch.empty((n, k), dtype=torch.float32, device=dev)
+    rho_b = torch.zeros((m, k), dtype=torch.float32, device=dev)
+    args = dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], FA=L.ra[1], FB=L.rb[1], DIMS=L.dims_t, SCALE=s32,
+                GSCALE=gs, **TB._problem_args(p), LSE=lse, G=g if g is not None else dm,
+                LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
+                LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
+                TGT=tgt[0] if tgt is not None else dm, TW=tgt[1] if tgt is not None else dm,
+                N=n, M=m, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0), **TB._mask_args(p, spec))
+    const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=min(cfg.block_d, d_pad(d)), GROUP_M=EPI_GROUP_M,
+                 **_flags(L, spec), KP=kp, HAS_G=g is not None, HAS_GCOL=g_col is not None,
+                 HAS_GPOS=g_pos is not None, HAS_TGT=tgt is not None, PRESCALE=pre)
+    rows = suffix_rows(n, m, d, k, dt, need_cols)
+    for r0 in range(0, n, rows):
+        pr = min(rows, n - r0)
+        n_pm, n_pn = triton.cdiv(pr, cfg.block_m), triton.cdiv(m, cfg.block_n)
+        h = TB._alloc((k, pr, m), dt, dev)
+        rho_r = TB._alloc((pr, n_pn, kp), torch.float32, dev)
+        rho_c = TB._alloc((n_pm, kp, m), torch.float32, dev)
+        TB._launch(TB.Launch("mat_epi", KM.mat_epi_kernel, (n_pm * n_pn,),
+                             dict(args, H=h, RHO_R=rho_r, RHO_C=rho_c, P=pr, r0=r0), const,
+                             cfg.num_warps, cfg.num_stages, MAXNREG))
+        rho_a[r0:r0 + pr] = rho_r[:, :, :k].sum(1)
+        rho_b += rho_c[:, :k].sum(0).T
+        for r, (lo, hi) in enumerate(segs):
+            if need_a:
+                acc_a[r][r0:r0 + pr] = triton_panel._mm32(h[r], yhat[:, lo:hi])
+            if need_cols:
+                triton_panel._addmm32_(acc_b[r], h[r][:, :gcols].T, xhat[r0:r0 + pr, lo:hi])
+    mult = s32.reshape(()) * gs.reshape(())
+    ds = rho_a.sum() * gs.reshape(()) if need_s else None
+    da = _finish(a, acc_a, L.ra[2], rho_a, bounds, float(spec.eps), mult, pre) if need_a else None
+    db = None
+    if need_b:
+        db = torch.zeros((m, d), dtype=b.dtype, device=dev)  # queue columns past grad_cols get no gradient
+        if need_cols:
+            db[:gcols] = _finish(b[:gcols], acc_b, L.rb[2][:, :gcols], rho_b[:gcols], bounds, float(spec.eps), mult,
+                                 pre)
+    return da, db, ds
+
+
 def prescale(dtype: torch.dtype) -> float:
     """The gradient operand's power-of-two pre-scale: 2^8 for fp16 (``kernels/matryoshka.py`` derives the
     headroom), 1 otherwise."""
@@ -196,6 +356,7 @@ class TritonLevelsFn(torch.autograd.Function):
                               None if same else p.b, p.sa, None if same else p.sb)
         L.p = p._replace(a=None, b=None, sa=None, sb=None)
         ctx.levels = L
+        ctx.suffix = use_suffix(a.device, dt, L.k, p.a.shape[0] * (p.a if same else p.b).shape[0])
         ctx.target = data.target if coef.tgt is not None else None
         c32 = dataclasses.replace(coef.to(torch.float32), tgt=None)  # the target term's value: run()
         return torch.stack([combine(c32, reduce, lse[k], None if lse_col is None else lse_col[k],
@@ -234,8 +395,9 @@ class TritonLevelsFn(torch.autograd.Function):
             if spec.exclude_self:
                 tw = torch.where(t == torch.arange(n, device=t.device) + spec.offset, 0.0, tw)
             tgt = (t, tw.contiguous())
-        da, db, ds = _bwd(L, scale, ctx.spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a,
-                          (need_b and not same) or (same and need_a), need_s, tgt)
+        da, db, ds = (_bwd_suffix if ctx.suffix else _bwd)(L, scale, ctx.spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+                                                         need_a, (need_b and not same) or (same and need_a), need_s,
+                                                         tgt)
         if same and da is not None:
             da = da + db
         adt, bdt, sdt, sshape = ctx.dtypes
