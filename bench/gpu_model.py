@@ -195,20 +195,6 @@ def assumed(name: str) -> float:
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str):
-    """``os.environ[name] = value`` within the block (the previous value, or none, put back)."""
-    prev = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if prev is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = prev
-
-
-@contextlib.contextmanager
 def scenario(name: str):
     """Model with every assumption of :data:`ASSUMED` at its ``name`` value ("optimistic", "central" or
     "pessimistic")."""
@@ -1284,7 +1270,7 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
             path = "panel" if n * n >= triton_panel.MIN_ELEMENTS else "fused"
             levels = run_matryoshka_triton(n, d, gpu)  # the Matryoshka kernels with the backward "auto" takes
             suffix = any(lz.name == "mat_epi" for lz in levels[0])
-            with _env("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "kernels" if suffix else "suffix"):
+            with mock.patch.dict(os.environ, {"FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE": "kernels" if suffix else "suffix"}):
                 other = run_matryoshka_triton(n, d, gpu)  # and with the other backward, for comparison
             runs = [("plain", [_recorded("info_nce", n, d, g, path)]),
                     ("levels", [levels]),

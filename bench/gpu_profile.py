@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -203,20 +205,9 @@ def _matryoshka_setup(n: int, d: int, device: str = "cuda"):
     return step
 
 
-@contextlib.contextmanager
 def matryoshka_route(route: str):
-    """``FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE`` = ``route`` within the block (the previous value put back)."""
-    import os
-
-    prev = os.environ.get("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE")
-    os.environ["FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE"] = route
-    try:
-        yield
-    finally:
-        if prev is None:
-            del os.environ["FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE"]
-        else:
-            os.environ["FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE"] = prev
+    """``FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE`` = ``route`` within the block (the environment put back after)."""
+    return mock.patch.dict(os.environ, {"FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE": route})
 
 
 #: The forms --matryoshka-loads times side by side: (label, route, 16-byte loads).

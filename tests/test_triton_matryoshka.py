@@ -348,6 +348,13 @@ def test_bf16_gradients_in_a_saturated_softmax(seed, monkeypatch):
     2e-2 of max |grad| against the float64 definition on the same bf16 inputs (measured 0.85-1.3e-2)."""
     monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
+    assert max(saturated_errors(seed)) <= 2e-2
+
+
+def saturated_errors(seed: int) -> list[float]:
+    """max |error| / max |grad| of both bf16 gradients of Matryoshka InfoNCE on the triton backend against the
+    float64 definition on the same bf16 inputs, temperature 0.05, positives at cosine ~0.8 (N = 48, levels
+    16 / 32 / 64)."""
     g = torch.Generator().manual_seed(seed)
     q0 = torch.randn(48, 64, generator=g)
     k0 = q0 + 0.5 * torch.randn(48, 64, generator=g)
@@ -357,5 +364,5 @@ def test_bf16_gradients_in_a_saturated_softmax(seed, monkeypatch):
         k = k0.to(torch.bfloat16).to(dtype).requires_grad_()
         fc.info_nce(q, k, temperature=0.05, matryoshka_dims=[16, 32, 64], backend=backend).backward()
         grads[name] = (q.grad.double(), k.grad.double())
-    for got, want in zip(grads["got"], grads["truth"], strict=True):
-        assert float((got - want).abs().max() / want.abs().max()) <= 2e-2
+    return [float((got - want).abs().max() / want.abs().max())
+            for got, want in zip(grads["got"], grads["truth"], strict=True)]

@@ -114,6 +114,26 @@ def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool) -> tuple[Tensor, Ten
     return lse, lse_col, lse_pos
 
 
+def _grad_args(L: _Levels, s32: Tensor, spec: CoreSpec, gs: Tensor, lse, lse_col, lse_pos, g, g_col, g_pos,
+               tgt) -> dict[str, object]:
+    """The arguments both backwards' kernels take (``_level_grad``'s pointers, the sizes and masks)."""
+    p = L.p
+    dm = p.dummy
+    return dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], FA=L.ra[1], FB=L.rb[1], DIMS=L.dims_t, SCALE=s32,
+                GSCALE=gs, **TB._problem_args(p), LSE=lse, G=g if g is not None else dm,
+                LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
+                LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
+                TGT=tgt[0] if tgt is not None else dm, TW=tgt[1] if tgt is not None else dm,
+                N=p.a.shape[0], M=p.b.shape[0], stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0),
+                **TB._mask_args(p, spec))
+
+
+def _grad_flags(L: _Levels, spec: CoreSpec, g, g_col, g_pos, tgt) -> dict[str, object]:
+    """The compile-time flags both backwards' kernels take."""
+    return dict(**_flags(L, spec), KP=triton.next_power_of_2(L.k), HAS_G=g is not None, HAS_GCOL=g_col is not None,
+                HAS_GPOS=g_pos is not None, PRESCALE=prescale(L.p.a.dtype), HAS_TGT=tgt is not None)
+
+
 def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a: bool, need_b: bool,
          need_s: bool, tgt: tuple[Tensor, Tensor] | None = None):
     """``(dA, dB, ds)`` of the level statistics' upstream gradients ``g*`` ([K, N] / [K, M] fp32 or None)
@@ -128,17 +148,9 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     if gs is None:
         return TB._no_grads(a, b, need_a, need_b, need_s)
     dm = p.dummy
-    common = dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], FA=L.ra[1], FB=L.rb[1], DIMS=L.dims_t,
-                  SCALE=TB._scale32(scale, dev), GSCALE=gs, **TB._problem_args(p),
-                  LSE=lse, G=g if g is not None else dm,
-                  LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
-                  LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
-                  TGT=tgt[0] if tgt is not None else dm, TW=tgt[1] if tgt is not None else dm,
-                  N=n, M=m, D=d, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0), **TB._mask_args(p, spec),
-                  eps=float(spec.eps))
-    flags = dict(**_flags(L, spec), KP=triton.next_power_of_2(L.k), HAS_G=g is not None,
-                 HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, PRESCALE=prescale(a.dtype),
-                 HAS_TGT=tgt is not None)
+    common = dict(_grad_args(L, TB._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt),
+                  D=d, eps=float(spec.eps))
+    flags = _grad_flags(L, spec, g, g_col, g_pos, tgt)
     da = db = ds = None
     if need_a or need_s:
         cfg, block_d = matryoshka_config("bwd_rows", TB._arch(dev), a.dtype, d)
@@ -229,7 +241,8 @@ def suffix_rows(n: int, m: int, d: int, k: int, dtype: torch.dtype, need_b: bool
     e = torch.empty((), dtype=dtype).element_size()
     kp = triton.next_power_of_2(k)
     fixed = 4 * m * d if need_b else 0
-    per_row = k * e * m + 4 * kp * (triton.cdiv(m, 64) + triton.cdiv(m, 64)) + 4 * d
+    cfg = SUFFIX_CONFIG or MATRYOSHKA_SUFFIX  # per row: its tiles, RHO_R's column tiles, its share of RHO_C
+    per_row = k * e * m + 4 * kp * (triton.cdiv(m, cfg.block_n) + triton.cdiv(m, cfg.block_m)) + 4 * d
     p = (budget - fixed) // per_row
     p = p - p % 64 if p >= 64 else p
     return max(1, min(n, max(triton_panel.P_MIN, p)))
@@ -271,7 +284,7 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     gs = TB._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
     if gs is None:
         return TB._no_grads(a, b, need_a, need_b, need_s)
-    dt, k, dm = a.dtype, L.k, p.dummy
+    dt, k = a.dtype, L.k
     kp = triton.next_power_of_2(k)
     cfg = SUFFIX_CONFIG or MATRYOSHKA_SUFFIX
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
@@ -287,15 +300,9 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     acc_b = [torch.zeros((gcols, hi - lo), dtype=torch.float32, device=dev) for lo, hi in segs] if need_cols else None
     rho_a = torch.empty((n, k), dtype=torch.float32, device=dev)
     rho_b = torch.zeros((m, k), dtype=torch.float32, device=dev)
-    args = dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], FA=L.ra[1], FB=L.rb[1], DIMS=L.dims_t, SCALE=s32,
-                GSCALE=gs, **TB._problem_args(p), LSE=lse, G=g if g is not None else dm,
-                LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
-                LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
-                TGT=tgt[0] if tgt is not None else dm, TW=tgt[1] if tgt is not None else dm,
-                N=n, M=m, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0), **TB._mask_args(p, spec))
+    args = _grad_args(L, s32, spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt)
     const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=min(cfg.block_d, d_pad(d)), GROUP_M=EPI_GROUP_M,
-                 **_flags(L, spec), KP=kp, HAS_G=g is not None, HAS_GCOL=g_col is not None,
-                 HAS_GPOS=g_pos is not None, HAS_TGT=tgt is not None, PRESCALE=pre)
+                 **_grad_flags(L, spec, g, g_col, g_pos, tgt))
     rows = suffix_rows(n, m, d, k, dt, need_cols)
     for r0 in range(0, n, rows):
         pr = min(rows, n - r0)
