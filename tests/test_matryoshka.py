@@ -6,6 +6,7 @@ routes that are not the one-pass PyTorch path (compile, gather over gloo, autoca
 
 from __future__ import annotations
 
+import os
 import traceback
 import warnings
 
@@ -214,11 +215,14 @@ def test_compiled_levels_equal_eager():
         torch.testing.assert_close(qa.grad, qb.grad, rtol=1e-11, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_autocast_training_step_with_levels(backend):
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-suffix"])
+def test_autocast_training_step_with_levels(backend, monkeypatch):
     # bf16 embeddings from an autocast encoder: the one-pass loss (the torch pass, or the Matryoshka kernels
-    # under the interpreter) against the definition on the same bf16 embeddings (float32 math in both), and
-    # the encoder's gradient through the same bf16 backward
+    # under the interpreter, with their own backward or the suffix backward) against the definition on the
+    # same bf16 embeddings (float32 math in both), and the encoder's gradient through the same bf16 backward
+    if backend == "triton-suffix":
+        monkeypatch.setenv("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "suffix")
+        backend = "triton"
     torch.manual_seed(0)
     enc = torch.nn.Linear(24, 16)
     x, y = torch.randn(32, 24), torch.randn(32, 24)
@@ -277,6 +281,24 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
                 res[name + "_triton"] = (float(loss), float(want),
                                          bool(torch.allclose(qt.grad.double(), qr.grad[mine] * world, rtol=1e-4,
                                                              atol=1e-5)))
+                # bf16 rows on the suffix backward (16-bit only), against the float64 definition on the
+                # same bf16 rows
+                os.environ["FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE"] = "suffix"
+                try:
+                    qb, kb = q.bfloat16(), k.bfloat16()
+                    qt, kt = qb[mine].clone().requires_grad_(), kb[mine].clone().requires_grad_()
+                    loss = fn(qt, kt, backend="triton", gather=True, matryoshka_dims=[12, 6, 3],
+                              matryoshka_weights=[1, 2, 3])
+                    loss.backward()
+                finally:
+                    del os.environ["FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE"]
+                qr, kr = qb.double().requires_grad_(), kb.double().requires_grad_()
+                want16 = sum(w * fn(_shrink(qr, d), _shrink(kr, d), backend="reference")
+                             for d, w in ((12, 1), (6, 2), (3, 3)))
+                want16.backward()
+                ref = qr.grad[mine] * world
+                res[name + "_suffix"] = (float(loss), float(want16),
+                                         float((qt.grad.double() - ref).abs().max() / ref.abs().max()))
         out.put(res)
     except Exception:
         out.put({"rank": rank, "error": traceback.format_exc()})
@@ -300,6 +322,10 @@ def test_gather_with_levels_two_ranks_uneven(tmp_path):
             assert r[name][2], (name, r["rank"])
             v = sum(x[name][0] for x in results) / 2
             assert abs(v - r[name][1]) < 1e-5 * max(1.0, abs(r[name][1])), (name, v, r[name][1])
+        for name in ("info_nce_suffix", "clip_suffix"):  # bf16 on the suffix backward (the bf16 gradient
+            assert r[name][2] <= 6e-2, (name, r["rank"], r[name][2])  # tolerance of test_triton_matryoshka.TOLS)
+            v = sum(x[name][0] for x in results) / 2
+            assert abs(v - r[name][1]) < 1e-2 * max(1.0, abs(r[name][1])), (name, v, r[name][1])
 
 
 def test_triton_backend_takes_the_levels_in_one_pass(monkeypatch):
