@@ -284,8 +284,10 @@ def test_one_pass_at_logit_scale_100_never_redoes(dtype, monkeypatch):
 # 16-bit one.
 
 EPI_CORE = [c for c in CORE_CASES]
-# every case in bf16; fp16 (the same kernels with the other operand type and its pre-scale) on half of them,
-# two of every four in registry order so that both ROTATION shapes are met (CI time: 90 runs took 7 minutes)
+# every case in bf16, over the first two ROTATION shapes; fp16 (the same kernels with the other operand type
+# and its pre-scale) on half of them, at 97 x 100 (three panels, D ragged against the 64-wide steps) only: the
+# 130 x 300 shape's D streaming in the row kernels is the same code in both 16-bit types (CI time: 90 runs
+# took 7 minutes)
 EPI_RUNS = [(c, torch.bfloat16) for c in EPI_CORE] + [(c, torch.float16) for i, c in enumerate(EPI_CORE)
                                                       if i % 4 in (1, 2)]
 
@@ -294,7 +296,7 @@ EPI_RUNS = [(c, torch.bfloat16) for c in EPI_CORE] + [(c, torch.float16) for i, 
                                                       for c, t in EPI_RUNS])
 def test_epilogue_gemm_registry_case(case, dtype, monkeypatch):
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
-    n, d = ROTATION[EPI_CORE.index(case) % 2]
+    n, d = ROTATION[EPI_CORE.index(case) % 2] if dtype == torch.bfloat16 else ROTATION[0]
     rec = _Launches(monkeypatch)
     c = compare(case, n, d, dtype, "triton", canary=True)
     assert c.ok, (n, d, c)
