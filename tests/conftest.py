@@ -10,9 +10,18 @@ budget, so the problem is split into many row chunks and symmetric blocks).
 
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
+# Under pytest-xdist each worker is a process with PyTorch's own intra-op thread pool, one thread per core by
+# default: with as many workers as cores (the README's -n auto) the pools oversubscribe the machine and the
+# tests' many small ops wait on each other's threads (test_autocast, test_siglip and test_am_softmax on 2
+# workers on 2 cores: 68 s with the default, 41 s with one thread each). Each worker, and what it starts,
+# takes cores // workers threads unless OMP_NUM_THREADS is set already; it is read when torch is imported.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def set_path(monkeypatch, path: str, tile: int = 300) -> None:
@@ -28,35 +37,3 @@ def set_path(monkeypatch, path: str, tile: int = 300) -> None:
 def path(request, monkeypatch):
     set_path(monkeypatch, request.param)
     return request.param
-
-
-# The README's command deals the test files out to the workers one file at a time (--dist loadfile), by
-# default largest test count first, so files with few but slow tests (the end-to-end benchmarks, the
-# compile surveys, the C++ build) came last and one worker ran them while the other sat idle. The slowest
-# files start first instead (longest first: seconds of test time in one 2-worker run of the whole suite,
-# ``--durations=120``, summed per file and rounded), then the rest in xdist's own order.
-SLOW_FILES = (
-    ("test_triton_panel.py", 240), ("test_gpu_validate.py", 170), ("test_bench_cli.py", 150),
-    ("test_epi_forms.py", 120), ("test_integration_sentence_transformers.py", 100), ("test_cmake_build.py", 100),
-    ("test_compile.py", 90), ("test_gpu_model.py", 80), ("test_distributed.py", 70),
-    ("test_triton_guided_panel.py", 70), ("test_packaging.py", 60), ("test_training_matrix.py", 50),
-    ("test_triton_compile.py", 45), ("test_cli.py", 45), ("test_compile_guided.py", 40),
-    ("test_epi_forms_compile.py", 40), ("test_gist.py", 35), ("test_matryoshka.py", 30),
-)
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(session, config, items):
-    files = [item.nodeid.split("::")[0] for item in items]
-    count = {f: files.count(f) for f in set(files)}
-    rank = {name: i for i, (name, _) in enumerate(SLOW_FILES)}
-
-    def key(i: int) -> tuple:
-        name = files[i].rsplit("/", 1)[-1]
-        return (rank.get(name, len(rank)), -count[files[i]], files[i], i)
-
-    items[:] = [items[i] for i in sorted(range(len(items)), key=key)]

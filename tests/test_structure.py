@@ -139,13 +139,3 @@ def test_nothing_points_outside_the_repository():
             if outside.search(line):
                 hits.append(f"{f}:{i}: {line.strip()[:100]}")
     assert not hits, "references outside the repository:\n" + "\n".join(hits)
-
-
-def test_the_slow_files_that_start_first_exist():
-    # tests/conftest.py deals these files out first; a renamed file would silently drop out of that order
-    from tests.conftest import SLOW_FILES
-
-    here = pathlib.Path(__file__).parent
-    assert [name for name, _ in SLOW_FILES if not (here / name).is_file()] == []
-    seconds = [s for _, s in SLOW_FILES]
-    assert seconds == sorted(seconds, reverse=True)
