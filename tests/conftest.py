@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Under pytest-xdist each worker is a process with PyTorch's own intra-op thread pool, one thread per core by
 # default: with as many workers as cores (the README's -n auto) the pools oversubscribe the machine and the
-# tests' many small ops wait on each other's threads (test_autocast, test_siglip and test_am_softmax on 2
+# tests' many small ops wait on each other's threads (test_autocast, test_siglip and one more loss's file on 2
 # workers on 2 cores: 68 s with the default, 41 s with one thread each). Each worker, and what it starts,
 # takes cores // workers threads unless OMP_NUM_THREADS is set already; it is read when torch is imported.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
