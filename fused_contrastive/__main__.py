@@ -7,7 +7,8 @@ the float64 ground truth; ``bench`` runs the benchmark suite; ``bench-encode`` t
 ``bench-gist`` times the fused GISTEmbed loss against the textbook computation with B x B matrices;
 ``bench-st-step`` times a sentence-transformers training step with their loss and the fused one;
 ``bench-maxsim`` times the fused MaxSim (late-interaction) loss against the materialised token
-similarities and sentence-transformers' loss.
+similarities and sentence-transformers' loss; ``bench-gpu`` (CUDA) times every loss's default route
+beside the textbook formula, its compiled form, the route options and the GPU-only peer libraries.
 ``--help`` on either lists its options.
 """
 
@@ -27,7 +28,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 #: PyTorch or the Triton kernels), forced with FUSED_CONTRASTIVE_DENSE=0.
 PATHS = ("dense", "tiled")
 COMMANDS = ("check", "bench", "bench-encode", "bench-gather", "bench-matryoshka", "bench-gist",
-            "bench-st-step", "bench-maxsim")
+            "bench-st-step", "bench-maxsim", "bench-gpu")
 #: What each sub-command imports beyond torch, by the extra that installs it (``pyproject.toml``). A
 #: sub-command whose extra is missing says so in one line and exits 2; ``check`` needs none.
 EXTRAS = {"bench": ("numpy", "tqdm", "tabulate")}
@@ -228,6 +229,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from .bench import encode as bench_encode
     from .bench import gather as bench_gather
     from .bench import gist as bench_gist
+    from .bench import gpu as bench_gpu
     from .bench import matryoshka as bench_matryoshka
     from .bench import maxsim_late as bench_maxsim
     from .bench import st_step as bench_st_step
@@ -240,7 +242,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     subs = {"check": _check_parser(sub), "bench": bench_cli.add_parser(sub),
             "bench-encode": bench_encode.add_parser(sub), "bench-gather": bench_gather.add_parser(sub),
             "bench-matryoshka": bench_matryoshka.add_parser(sub), "bench-gist": bench_gist.add_parser(sub),
-            "bench-st-step": bench_st_step.add_parser(sub), "bench-maxsim": bench_maxsim.add_parser(sub)}
+            "bench-st-step": bench_st_step.add_parser(sub), "bench-maxsim": bench_maxsim.add_parser(sub),
+            "bench-gpu": bench_gpu.add_parser(sub)}
     return parser, subs
 
 
@@ -284,6 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench import maxsim_late as bench_maxsim
 
         return bench_maxsim.run(args, subs["bench-maxsim"])
+    if args.command == "bench-gpu":
+        from .bench import gpu as bench_gpu
+
+        return bench_gpu.run_cli(args, subs["bench-gpu"])
     if args.command is None:
         parser.error(f"choose a sub-command: {', '.join(COMMANDS)}")
     return check(args, subs["check"])
