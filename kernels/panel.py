@@ -465,12 +465,20 @@ def _row_partials(X, r64, rmask, n, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.c
     """Per row of a block of rows: the sum (MAX: the largest) of the ``n`` fp32 partials ``X[i, 0:n]``
     (row stride ``stride``), BLOCK_C at a time in a fixed order: the row kernels' merge of the epilogue
     GEMMs' per-column-tile partials (this module's ``epi_rows_kernel``, kernels/guided.py's
-    ``guided_rows_kernel``)."""
+    ``guided_rows_kernel``).
+
+    The first chunk starts the accumulator (a loaded value, not a constant): Triton 3.6's thread-locality
+    pass rewrites a loop whose reduction accumulator starts at a constant and asserts when the loop's result
+    has more than one use, as the callers' results do (it stopped the H200's compile of both kernels; newer
+    Tritons drop the rewrite there instead). The sums and maxima are the same numbers."""
+    cc = tl.arange(0, BLOCK_C)
+    m2 = rmask[:, None] & (cc < n)[None, :]
+    off = r64[:, None] * stride + cc[None, :]
     if MAX:
-        acc = tl.full([BLOCK_R], NEG_INF, tl.float32)
+        acc = tl.max(tl.load(X + off, mask=m2, other=NEG_INF), axis=1)
     else:
-        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, n, BLOCK_C):
+        acc = tl.sum(tl.load(X + off, mask=m2, other=0.0), axis=1)
+    for c0 in range(BLOCK_C, n, BLOCK_C):
         cc = c0 + tl.arange(0, BLOCK_C)
         m2 = rmask[:, None] & (cc < n)[None, :]
         off = r64[:, None] * stride + cc[None, :]

@@ -103,16 +103,20 @@ def _env(key: str, value: str) -> dict[str, str]:
 
 
 FORMS: tuple[Form, ...] = (
+    Form("epi=tiles", "the epilogue GEMM's one-program-per-tile loop (SigLIP's default on sm_90 is TMA)",
+         lambda loss, n, d: loss == "siglip", _env("EPI_FORM", "tiles")),
     Form("epi=persistent", "the epilogue GEMM's persistent tile loop (default: one program per tile)",
-         lambda loss, n, d: loss in EPILOGUE and d == 768 and (n == 65536 or (loss == "gist" and n == 16384)),
-         _env("EPI_FORM", "persistent")),
+         lambda loss, n, d: loss in EPILOGUE and d == 768
+         and (n == 65536 or (loss in ("gist", "siglip") and n == 16384)), _env("EPI_FORM", "persistent")),
     Form("epi=tma", "the persistent tile loop with TMA operand tiles",
          lambda loss, n, d: loss in EPILOGUE and d == 768 and (n == 65536 or (loss == "gist" and n == 16384)),
          _env("EPI_FORM", "tma")),
     Form("gemm=epilogue", "the epilogue GEMM forms every 16-bit panel (auto: by N x M and form)",
-         lambda loss, n, d: loss in CORE + ("gist",) and d == 768, _env("PANEL_GEMM", "epilogue")),
+         lambda loss, n, d: loss in CORE + ("gist",), _env("PANEL_GEMM", "epilogue")),
     Form("gemm=cublas", "cuBLAS fp32 products and the panel kernel form every panel",
-         lambda loss, n, d: loss in CORE + ("siglip", "gist") and d == 768, _env("PANEL_GEMM", "cublas")),
+         lambda loss, n, d: loss in CORE, _env("PANEL_GEMM", "cublas")),
+    Form("tile=2^24", "the one-tile dense path (PyTorch ops on the whole N x M tile) up to N x M = 2^24 "
+         "(default 2^21)", lambda loss, n, d: loss in CORE and n == 4096, _env("TILE_ELEMENTS", str(1 << 24))),
     Form("path=fused", "the fused kernels instead of the panel path (auto: panels from N x M = 2^24)",
          lambda loss, n, d: loss != "maxsim" and n == 4096 and d == 768, _env("TRITON_PATH", "fused")),
     Form("budget=2GB", "a panel budget of 2 GB (default 0.7 GB): taller panels, less dB traffic",
