@@ -28,10 +28,27 @@ __all__ = ["Coeffs", "CoreData", "CoreSpec", "PiecesFn", "backward_parts", "dens
            "run", "tile_elements"]
 
 
-def dense_path(n: int, m: int) -> bool:
+#: The one-tile path's size limit (N x M) on CUDA for a problem without a column term, when
+#: ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` is unset: at N = M = 4096 (D = 768, bf16, fwd + bwd) one H200 measured it
+#: faster than the kernels for InfoNCE (2.77 against 3.39 ms), SimCSE (2.26 / 3.72), SupCon L_in (3.68 / 3.93),
+#: Matryoshka InfoNCE at five levels (8.38 / 17.02) and InfoNCE at D = 256 (2.36 / 2.97), and slower for CLIP
+#: (7.84 / 4.27) and Matryoshka CLIP (32.6 / 17.1), whose column term keeps them on the kernels
+#: (``bench/results/h200-bench-gpu-2/bench_gpu.txt``, the ``fused_contrastive[tile=2^24]`` rows). Between
+#: the CPU's limit (:func:`chunked.tile_elements`, 2^21) and this one nothing has been timed.
+CUDA_DENSE_ELEMENTS = 1 << 24
+
+
+def dense_path(n: int, m: int, device: torch.device | None = None, col: bool = False) -> bool:
     """Whether an N x M problem takes the one-tile path: the whole logit tile fits the tile budget
-    (``N * M <= tile_elements()``), unless ``FUSED_CONTRASTIVE_DENSE=0`` turns the path off."""
-    return os.environ.get("FUSED_CONTRASTIVE_DENSE", "1") != "0" and n * m <= tile_elements()
+    (``N * M <= tile_elements()``; on CUDA without a column term, ``col``, up to :data:`CUDA_DENSE_ELEMENTS` unless
+    ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` sets the budget), unless ``FUSED_CONTRASTIVE_DENSE=0`` turns the path off."""
+    if os.environ.get("FUSED_CONTRASTIVE_DENSE", "1") == "0":
+        return False
+    limit = tile_elements()
+    if (device is not None and device.type == "cuda" and not col
+            and not os.environ.get("FUSED_CONTRASTIVE_TILE_ELEMENTS")):
+        limit = max(limit, CUDA_DENSE_ELEMENTS)
+    return n * m <= limit
 
 
 def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
@@ -44,7 +61,7 @@ def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, dat
     n = a.shape[0]
     m = n if b is None else b.shape[0]
     check_problem(n, m, spec, data, coef, reduce)
-    if dense_path(n, m):
+    if dense_path(n, m, a.device, coef.col is not None):
         return [(dense.DenseCoreFn, (a, b, scale, spec, data, coef, reduce), 1.0)]
     if backend not in ("torch", "triton"):
         raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
@@ -181,8 +198,10 @@ def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
     if backend == "triton":
         from . import triton_matryoshka, triton_panel
         route = triton_matryoshka.route()  # env FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE (triton_matryoshka.ROUTES)
+        m = n if b is None else b.shape[0]
         if (route == "calls" or len(levels[0]) > MAX_KERNEL_LEVELS
-                or (route == "auto" and triton_panel.use_panel(a, n, n if b is None else b.shape[0]))):
+                or (route == "auto" and triton_panel.use_panel(a, n, m)
+                    and not (coef.col is not None and n * m <= triton_matryoshka.COL_KERNELS_MAX_ELEMENTS))):
             # where the plain loss takes the panel path (cuBLAS GEMMs on row panels: CUDA, N * M >= 2^24),
             # K of its calls on the truncated, re-normalised rows are modelled faster than the Matryoshka
             # kernels, whose backward streams like the fused kernels' (bench/gpu_model.py --matryoshka); and
