@@ -1,0 +1,183 @@
+"""Every route decision the Triton backend makes by default, with the measurement that shows it wins.
+
+A route is a choice between forms of the same computation (the one-tile path or the kernels, the panel path or
+the fused kernels, cuBLAS products or the epilogue GEMM, a tile loop, a launch configuration...): :data:`ROUTES`
+lists each one that a default takes, its condition, the setting that encodes it, and its evidence: rows of a
+committed ``bench-gpu`` run (``bench/results/*/bench_gpu.jsonl``) in which the chosen form was timed beside each
+alternative in one run, or a quoted line of a committed measurement, or :attr:`Route.unmeasured` saying that no
+GPU has timed it (then it is the default only where no measured form exists). ``tests/test_routes.py`` reads
+the evidence: every quoted row must exist and agree with its float64 definition, and no alternative may be
+faster than the chosen form by more than :data:`TIE` (these runs' spread between repeats of one contender).
+
+``python -m fused_contrastive.routes`` prints the table (the README's "Routes" section quotes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: An alternative within this factor of the chosen form's time is a tie: one H200 run measured two contenders
+#: that run the same code 5.6 % apart (SimCSE at N = 16384: the default and ``fused_contrastive[gemm=cublas]``,
+#: both the cuBLAS form, 6.68 and 7.06 ms).
+TIE = 1.05
+
+RUN1 = "bench/results/h200-bench-gpu-1/bench_gpu.jsonl"
+RUN2 = "bench/results/h200-bench-gpu-2/bench_gpu.jsonl"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows of one bench-gpu run at (loss, N, D): ``chosen`` (the contender that ran the default form; at
+    the time of the run the default may have been another form, then ``chosen`` names the form's row) against
+    each of ``alternatives``."""
+
+    file: str
+    loss: str
+    n: int
+    d: int
+    chosen: str
+    alternatives: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Quote:
+    """A line of a committed measurement (not a bench-gpu row) that the route rests on."""
+
+    file: str
+    line: str
+
+
+@dataclass(frozen=True)
+class Route:
+    family: str
+    decision: str
+    default: str
+    condition: str
+    #: where the code encodes it (module and constant)
+    setting: str
+    evidence: tuple[Rows | Quote, ...] = ()
+    #: why no GPU measurement backs it (then ``evidence`` is empty)
+    unmeasured: str | None = None
+    note: str = ""
+
+
+def _rows(file: str, loss: str, ns: tuple[int, ...], chosen: str, *alts: str, d: int = 768) -> tuple[Rows, ...]:
+    return tuple(Rows(file, loss, n, d, chosen, tuple(alts)) for n in ns)
+
+
+OURS = "fused_contrastive"
+
+ROUTES: tuple[Route, ...] = (
+    Route("core", "one-tile path on CUDA", "one materialised N x M tile (PyTorch ops)",
+          "CUDA, no column term, N x M <= 2^24 (2^21 elsewhere; FUSED_CONTRASTIVE_TILE_ELEMENTS overrides)",
+          "core.CUDA_DENSE_ELEMENTS",
+          _rows(RUN2, "info_nce", (4096,), f"{OURS}[tile=2^24]", OURS)
+          + _rows(RUN2, "info_nce", (4096,), f"{OURS}[tile=2^24]", OURS, d=256)
+          + _rows(RUN2, "simcse", (4096,), f"{OURS}[tile=2^24]", OURS)
+          + _rows(RUN2, "supcon_in", (4096,), f"{OURS}[tile=2^24]", OURS)
+          + _rows(RUN2, "matryoshka5", (4096,), f"{OURS}[tile=2^24]", OURS, f"{OURS}[matryoshka=suffix]"),
+          note="between 2^21 and 2^24 untimed; the textbook is still faster at 4096 (1.42x for InfoNCE)"),
+    Route("core", "kernels for a column term at N x M = 2^24", "the panel path's kernels",
+          "CUDA, a column term (CLIP), N x M = 2^24", "core.dense_path (col)",
+          _rows(RUN2, "clip", (4096,), OURS, f"{OURS}[tile=2^24]")
+          + _rows(RUN2, "clip", (4096,), OURS, f"{OURS}[tile=2^24]", d=256)),
+    Route("core", "panel path or fused kernels", "the panel path (row panels, cuBLAS / epilogue GEMMs)",
+          "CUDA, N x M >= 2^24", "core.triton_panel.MIN_ELEMENTS",
+          _rows(RUN1, "clip", (4096,), OURS, f"{OURS}[path=fused]")
+          + _rows(RUN1, "supcon_in", (4096,), OURS, f"{OURS}[path=fused]"),
+          note="SimCSE measured the fused kernels 7 % faster at 4096 (3.86 / 4.16 ms): it now takes the "
+               "one-tile path there (2.26 ms)"),
+    Route("core", "gradient tiles of a summed loss without column term (one pass)", "the epilogue GEMM",
+          "16-bit operands on CUDA, every N x M", "core.triton_panel.EPILOGUE_MIN_ELEMENTS[('one_pass', cc)]",
+          _rows(RUN2, "info_nce", (16384, 65536), OURS, f"{OURS}[gemm=cublas]")
+          + _rows(RUN2, "info_nce", (16384, 65536), OURS, f"{OURS}[gemm=cublas]", d=256)
+          + _rows(RUN2, "matryoshka5", (16384, 65536), OURS, f"{OURS}[gemm=cublas]")),
+    Route("core", "gradient tiles with a column term (known statistics)", "cuBLAS products below 2^30, the "
+          "epilogue GEMM from 2^30 (sm_90)", "16-bit operands on CUDA",
+          "core.triton_panel.EPILOGUE_MIN_ELEMENTS[('known', 90)]",
+          _rows(RUN2, "clip", (4096, 16384), OURS, f"{OURS}[gemm=epilogue]")
+          + _rows(RUN2, "clip", (16384,), OURS, f"{OURS}[gemm=epilogue]", d=256)
+          + _rows(RUN2, "clip", (65536,), OURS, f"{OURS}[gemm=cublas]")
+          + _rows(RUN2, "clip", (65536,), OURS, f"{OURS}[gemm=cublas]", d=256),
+          note="Matryoshka CLIP at N = 16384 measured the epilogue GEMM 1.43x faster on its levels (21.1 / 30.2 "
+               "ms, both runs): which level widths gain is not measured, so the rule is unchanged"),
+    Route("core", "gradient tiles of the triangular sweep (B is A: SimCSE)", "cuBLAS products below 2^32, "
+          "the epilogue GEMM from 2^32 (sm_90)", "16-bit operands on CUDA",
+          "core.triton_panel.EPILOGUE_MIN_ELEMENTS[('tri', 90)]",
+          _rows(RUN2, "simcse", (16384,), OURS, f"{OURS}[gemm=epilogue]")
+          + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[gemm=cublas]")),
+    Route("core", "the epilogue GEMM's tile loop", "one program per tile", "every config but SigLIP's one pass "
+          "on sm_90", "core.triton_panel.EPI_FORM_DEFAULT",
+          _rows(RUN2, "info_nce", (65536,), OURS, f"{OURS}[epi=persistent]", f"{OURS}[epi=tma]")
+          + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[epi=persistent]", f"{OURS}[epi=tma]")
+          + _rows(RUN2, "clip", (65536,), OURS, f"{OURS}[epi=persistent]", f"{OURS}[epi=tma]")
+          + _rows(RUN2, "matryoshka5", (65536,), OURS, f"{OURS}[epi=persistent]", f"{OURS}[epi=tma]")
+          + _rows(RUN2, "matryoshka5_clip", (65536,), OURS, f"{OURS}[epi=persistent]", f"{OURS}[epi=tma]")
+          + _rows(RUN2, "gist", (16384,), OURS, f"{OURS}[epi=persistent]", f"{OURS}[epi=tma]"),
+          note="the persistent loop ties within 5 % for InfoNCE, Matryoshka and GIST (1.01-1.05x) and loses for "
+               "CLIP (0.83x); TMA loses everywhere but SigLIP"),
+    Route("core", "the one pass's launch configuration", "128 x 128 x 64 tiles, 8 warps, 4 stages",
+          "sm_90", "core.triton_configs.EPI_GEMM['one_pass']",
+          _rows(RUN2, "info_nce", (16384, 65536), OURS, f"{OURS}[one_pass=128x256w16]")),
+    Route("core", "the panel budget", "0.7 GB", "every panel route", "core.triton_panel.BUDGET_BYTES",
+          _rows(RUN2, "info_nce", (65536,), OURS, f"{OURS}[budget=2GB]", f"{OURS}[budget=6GB]")
+          + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[budget=2GB]")
+          + _rows(RUN2, "clip", (65536,), OURS, f"{OURS}[budget=2GB]")
+          + _rows(RUN2, "siglip", (65536,), OURS, f"{OURS}[budget=2GB]")
+          + _rows(RUN2, "matryoshka5", (65536,), OURS, f"{OURS}[budget=2GB]"),
+          note="2 GB is 2-4 % faster for four losses (a tie) at 2.8x the memory (1.85 against 0.66 GB), 6 % "
+               "slower for SimCSE"),
+    Route("siglip", "the one pass's tile loop", "persistent, TMA operand tiles", "sm_90",
+          "core.triton_panel.EPI_FORM_DEFAULT[('siglip_eager', 'sm90')]",
+          _rows(RUN2, "siglip", (4096, 16384), OURS, f"{OURS}[epi=tiles]")
+          + _rows(RUN2, "siglip", (16384, 65536), OURS, f"{OURS}[epi=tiles]", f"{OURS}[epi=persistent]")),
+    Route("siglip", "panel route or fused kernels", "the panel path's epilogue GEMM (one pass)",
+          "16-bit on CUDA, N x M >= 2^24", "core.triton_siglip.use_panel_route",
+          _rows(RUN1, "siglip", (4096, 16384, 65536), OURS, f"{OURS}[gemm=cublas]")),
+    Route("matryoshka", "levels above the panel threshold without a column term", "one plain call per level",
+          "CUDA, N x M >= 2^24 (then each call's own route: the one-tile path at 2^24)",
+          "core._leveled, core.triton_matryoshka.route",
+          _rows(RUN2, "matryoshka5", (16384,), OURS, f"{OURS}[matryoshka=suffix]")
+          + _rows(RUN1, "matryoshka5", (16384,), f"{OURS}[gemm=cublas]", f"{OURS}[matryoshka=kernels]")),
+    Route("matryoshka", "levels with a column term up to 2^24", "the Matryoshka kernels, suffix backward",
+          "CUDA, a column term, N x M <= 2^24", "core.triton_matryoshka.COL_KERNELS_MAX_ELEMENTS",
+          _rows(RUN2, "matryoshka5_clip", (4096,), f"{OURS}[matryoshka=suffix]", OURS, f"{OURS}[tile=2^24]")
+          + _rows(RUN2, "matryoshka5_clip", (16384,), OURS, f"{OURS}[matryoshka=suffix]")),
+    Route("matryoshka", "the suffix backward below the panel threshold", "the suffix backward",
+          "16-bit on CUDA, 2^20 <= N x M < 2^24, at most 5 levels",
+          "core.triton_matryoshka.SUFFIX_MIN_ELEMENTS",
+          unmeasured="no GPU has timed N x M below 2^24; chosen by bench/gpu_model.py, which is 1.3x optimistic "
+                     "for this library's routes (the kernels' own backward measured 3.5x slower than the suffix "
+                     "route at 4096 and 4.1x at 16384)"),
+    Route("guided", "GIST's route", "the guided epilogue GEMM on row panels", "summed bf16 loss on CUDA, "
+          "N x sum M >= 2^24", "core.triton_guided_panel.use_guided_panel",
+          _rows(RUN2, "gist", (16384,), OURS, f"{OURS}[epi=tma]"),
+          note="its fused kernels took 189.2 ms at N = 16384 and 24.1 at 4096 in the first run, where the "
+               "default could not compile (the second run: 20.4 and 6.8)"),
+    Route("maxsim", "MaxSim's kernels", "r256t32 forward, gathered dq", "CUDA",
+          "core.triton_maxsim.DQ_GATHER", (Quote("bench/results/h100-maxsim/sweep2.txt", "r256t32-dd1"),),
+          note="an H100 sweep; on the H200 the kernels beat late-interaction-kernels (0.76-0.88x) and "
+               "flash-maxsim (0.69-0.75x)"),
+    Route("core", "every sm_80 threshold", "as sm_90 or the model's", "sm_80 (A100)",
+          "core.triton_panel.EPILOGUE_MIN_ELEMENTS[(form, 80)], triton_configs sm_80 tables",
+          unmeasured="no A100 has been lent; bench/gpu_model.py chose them"),
+)
+
+
+def table() -> str:
+    """The routes as a Markdown table (family, decision, default, condition, evidence)."""
+    lines = ["| family | decision | default | condition | evidence |", "|---|---|---|---|---|"]
+    for r in ROUTES:
+        if r.unmeasured:
+            ev = f"unmeasured: {r.unmeasured}"
+        else:
+            files = sorted({e.file for e in r.evidence})
+            ev = ", ".join(f"`{f}`" for f in files)
+            if r.note:
+                ev += f"; {r.note}"
+        lines.append(f"| {r.family} | {r.decision} | {r.default} | {r.condition} | {ev} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
