@@ -79,6 +79,9 @@ def recordings(sizes: list[int], d: int = 768) -> list[tuple[str, Callable[[GM.G
     return out
 
 
+_all_recordings = recordings  # (tests narrow ``recordings`` and reach the full list here)
+
+
 def _with(fn, **env: str):
     with _env(**env):
         return fn()
@@ -138,8 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"triton {triton.__version__}: {len(found)} distinct launches from {len(recordings(sizes))} routes x "
           f"{len(ccs)} archs", flush=True)
     _ITEMS[:] = sorted(found.values(), key=lambda t: (t[1], t[0].name))
-    with cf.ProcessPoolExecutor(max(1, args.jobs), mp_context=multiprocessing.get_context("fork")) as ex:
-        results = list(ex.map(_compile, range(len(_ITEMS))))
+    if args.jobs <= 1:
+        results = [_compile(i) for i in range(len(_ITEMS))]
+    else:
+        with cf.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as ex:
+            results = list(ex.map(_compile, range(len(_ITEMS))))
     fails = [r for r in results if r[3].startswith("FAIL")]
     for name, cc, label, res in results:
         print(f"sm_{cc} {name:<22} ({label}): {res}")

@@ -1,18 +1,19 @@
 """One lent GPU session's measurements, in order of what they decide, within one wall-clock budget.
 
     python bench/gpu_session.py --out DIR                  # every step, --budget 540 s
-    python bench/gpu_session.py --out DIR --steps configs,siglip,gist,matryoshka   # what a first call left
+    python bench/gpu_session.py --out DIR --steps configs,siglip   # what a first call left
     python bench/gpu_session.py --list                     # the steps and their commands
 
 A developer session may be lent one GPU for a few minutes, a command at a time (600 s at most each). This
 runs the commands the open GPU questions need (the README's "Running on a GPU") one after another, each
 in its own process group with the time the budget has left, writing what each prints, as it prints it, to
-``DIR/<step>.txt`` and a summary to ``DIR/session.json``: seven files and the summary, so everything comes
-back from a device tool that returns at most eight files. A step that would start with under ``--min-step``
-seconds left is not run; a step that outlives the budget is killed, its output so far kept and marked. The
-last line names the steps left for a second call. Commit the files under ``bench/results/``.
+``DIR/<step>.txt`` and a summary to ``DIR/session.json``: eight files with bench-gpu's own three
+(``DIR/bench_gpu/``), so everything comes back from a device tool that returns at most eight files. A step
+that would start with under ``--min-step`` seconds left is not run; a step that outlives the budget is
+killed, its output so far kept and marked. The last line names the steps left for a second call. Commit the
+files under ``bench/results/``.
 
-Nothing here is a measurement of its own: the steps measure (``check --gpu-validate``,
+Nothing here is a measurement of its own: the steps measure (``bench-gpu``, ``check --gpu-validate``,
 ``bench/gpu_profile.py``), this only sequences them and records each one's exit status and wall time.
 """
 
@@ -42,8 +43,8 @@ class Step:
     budget_cap: float = 0.0
     budget_margin: float = 40.0
 
-    def command(self, left: float) -> list[str]:
-        argv = list(self.argv)
+    def command(self, left: float, out: Path | str = "DIR") -> list[str]:
+        argv = [a.replace("{out}", str(out)) for a in self.argv]
         if self.budget_flag is not None:
             argv += [self.budget_flag, f"{max(30.0, min(self.budget_cap, left - self.budget_margin)):.0f}"]
         return argv
@@ -51,21 +52,22 @@ class Step:
 
 _PROFILE = (sys.executable, "bench/gpu_profile.py")
 
-#: In order of what each decides; the first two are the ones a single call must not miss.
+#: In order of what each decides; the first two are the ones a single call must not miss. bench-gpu writes its
+#: table, JSON lines and plot to ``DIR/bench_gpu/`` (three files) beside its printed log: with the three other
+#: steps' logs and the summary, eight files, what the device tool returns. The tile loops, the panel budget, the
+#: Matryoshka routes and the 128 x 256 one pass are bench-gpu's forms (``bench/gpu.py`` FORMS), timed beside the
+#: defaults there, so they are no steps of their own.
 STEPS: tuple[Step, ...] = (
+    Step("bench_gpu", (sys.executable, "-m", "fused_contrastive", "bench-gpu", "--out", "{out}/bench_gpu"),
+         "every loss's default route beside the textbook, its compiled form, the route options and the peers",
+         budget_flag="--budget", budget_cap=330.0),
     Step("validate", (sys.executable, "-m", "fused_contrastive", "check", "--gpu-validate", "--jobs", "8"),
          "the verdict: parity of every kernel family against float64, reruns, fp16, timings beside the model",
          budget_flag="--budget", budget_cap=240.0),
-    Step("epi_forms", (*_PROFILE, "--n", "65536", "--losses", "info_nce,clip,siglip", "--no-profile", "--epi-forms"),
-         "the epilogue GEMM's tile loops (tiles, persistent, tma) side by side: decides the default form"),
     Step("configs", (*_PROFILE, "--n", "65536", "--losses", "", "--no-profile", "--configs", "one_pass,stats"),
-         "the one pass's and the statistics forward's launch configurations, 128 x 256 x 16 warps among them"),
+         "the one pass's and the statistics forward's launch configurations"),
     Step("siglip", (*_PROFILE, "--n", "65536", "--losses", "siglip", "--siglip-forms", "--configs", "siglip_eager"),
          "SigLIP's one pass against its two sweeps, and the one pass's configurations"),
-    Step("gist", (*_PROFILE, "--n", "16384", "--losses", "gist", "--no-profile", "--epi-forms"),
-         "the guided blocks' tile loops (GIST's route)"),
-    Step("matryoshka", (*_PROFILE, "--n", "2048,4000", "--losses", "", "--no-profile", "--matryoshka-loads"),
-         "the Matryoshka kernels' 16-byte operand loads against scalar ones, and their suffix backward"),
 )
 
 
@@ -79,7 +81,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def run_step(step: Step, out: Path, left: float) -> dict:
     """Run ``step`` with ``left`` seconds at most, its output streamed to ``out / f"{step.name}.txt"``."""
-    cmd = step.command(left)
+    cmd = step.command(left, out)
     path = out / f"{step.name}.txt"
     t0 = time.monotonic()
     with path.open("w") as f:

@@ -164,10 +164,8 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
                 assert launches.get("epi_rows", 0) == (2 * panels if r["loss"] == "info_nce" else 0), launches
         # the target term (each of these losses has one): its row kernel's forward and backward, on every path
         assert launches["target_rows"] == 2, launches
-        # the model decides the panel form: triton_panel.use_epilogue ("auto") takes the one it prefers
-        # (either, within the model's band)
-        assert r["panel_form_should_prefer"] in (r["panel_form_taken"], "either"), (
-            r["loss"], r["gpu"], n, r["panel_form_taken"], r["panel_epilogue_ms"], r["panel_cublas_ms"])
+        # which panel form "auto" takes is decided by measurements (fused_contrastive/routes.py and its test),
+        # not by the model: it prints the form it would prefer, and what it prices is the form taken
         assert r["panel_ms"] == (r["panel_epilogue_ms"] if r["panel_form_taken"] == "epilogue" else
                                  r["panel_cublas_ms"])
         assert r["panel_norm_launches"] == 0  # no ATen norms (core/norms.py) on the panel path

@@ -87,15 +87,18 @@ def test_every_step_parses_with_its_own_script(gs):
     profile = _load("gpu_profile").build_parser()
     parser, _ = cli.build_parser()
     for step in gs.STEPS:
-        argv = step.command(540.0)
-        if argv[1:3] == ["-m", "fused_contrastive"]:
+        argv = step.command(540.0, "OUT")
+        if argv[1:4] == ["-m", "fused_contrastive", "bench-gpu"]:
+            args = parser.parse_args(argv[3:])
+            assert args.budget == 330.0 and args.out == "OUT/bench_gpu", step
+        elif argv[1:3] == ["-m", "fused_contrastive"]:
             args = parser.parse_args(argv[3:])
             assert args.gpu_validate and args.budget == 240.0 and args.jobs == 8, step
         else:
             assert argv[1] == "bench/gpu_profile.py", step
             profile.parse_args(argv[2:])  # SystemExit(2) on a flag the script does not have
     # the device tool returns at most eight files, named in letters, digits, '.', '_' and '-'
-    assert len(gs.STEPS) + 1 <= 8
+    assert len(gs.STEPS) + 1 + 3 <= 8  # each step's log, the summary and bench-gpu's three files
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", s.name) for s in gs.STEPS)
     assert len({s.name for s in gs.STEPS}) == len(gs.STEPS)
 
@@ -103,7 +106,7 @@ def test_every_step_parses_with_its_own_script(gs):
 def test_the_readme_lists_the_steps(gs):
     # the README's GPU commands are the session's steps (one place to look, the same flags)
     readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index("## Running on a GPU"):readme.index("### Measured on an H100")]
+    block = readme[readme.index("## Running on a GPU"):readme.index("### Measured on an H200")]
     listed = {" ".join(line.split("#")[0].split()) for line in block.splitlines()
               if line.startswith("python bench/gpu_profile.py")}
     ours = {" ".join(["python", *s.argv[1:]]).replace("--losses  ", '--losses "" ') for s in gs.STEPS

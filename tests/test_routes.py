@@ -85,3 +85,10 @@ def test_the_table_lists_every_route():
     assert text.count("\n") == len(R.ROUTES) + 1
     for r in R.ROUTES:
         assert r.decision in text
+
+
+def test_the_readme_quotes_the_table():
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        readme = fh.read()
+    begin, end = "<!-- routes table:", "<!-- end of the routes table"
+    assert readme[readme.index(begin):readme.index(end)].split("\n", 1)[1].strip() == R.table()

@@ -659,6 +659,54 @@ def read_jsonl(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return meta, rows
 
 
+# --- the README's table -----------------------------------------------------------------------------------
+
+#: The committed bench-gpu runs the README's table quotes, newest first: a row (loss, N, D, contender) comes
+#: from the first run that measured it (the second H200 run; the first for MaxSim and the compiled textbook).
+README_RUNS = ("bench/results/h200-bench-gpu-2/bench_gpu.jsonl", "bench/results/h200-bench-gpu-1/bench_gpu.jsonl")
+
+
+def current_rows(root: str, files: Sequence[str] = README_RUNS) -> list[dict[str, Any]]:
+    """The rows of ``files`` merged (the first file's row of a (loss, N, D, contender) wins), with this library's
+    row at each (loss, N, D) being that of the form its default takes now: where ``fused_contrastive.routes``
+    quotes another contender's row of that run as the default's evidence (a default changed after the run),
+    that row, marked ``"form"``."""
+    from .. import routes
+
+    merged: dict[tuple, dict[str, Any]] = {}
+    for f in files:
+        _, rows = read_jsonl(os.path.join(root, f))
+        by = {(r["loss"], r["n"], r["d"], r["contender"]): r for r in rows}
+        for ev in (e for rt in routes.ROUTES for e in rt.evidence if getattr(e, "file", None) == f):
+            if ev.chosen != OURS and (ev.loss, ev.n, ev.d, ev.chosen) in by:
+                by[(ev.loss, ev.n, ev.d, OURS)] = dict(by[(ev.loss, ev.n, ev.d, ev.chosen)], contender=OURS,
+                                                      form=ev.chosen)
+        for key, r in by.items():
+            merged.setdefault(key, r)
+    return list(merged.values())
+
+
+def readme_table(root: str, files: Sequence[str] = README_RUNS) -> str:
+    """The README's Markdown table of the committed runs (:func:`current_rows`): per loss, D and N this
+    library's default route, the textbook (eager and compiled) and the fastest agreeing peer, with the ratios
+    this library / the other and the peak memory above the inputs."""
+    rows = current_rows(root, files)
+    forms = {(r["loss"], r["d"], r["n"]): r.get("form") for r in rows if r["contender"] == OURS}
+    textbook = {(r["loss"], r["d"], r["n"]): r.get("status") for r in rows if r["contender"] == TEXTBOOK}
+    out = ["| loss | D | N | this library ms | textbook ms | ratio | compiled ms | ratio | fastest peer | peer ms "
+           "| ratio | peak MB: this library / textbook / peer |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = {name: i for i, name in enumerate(GL.LOSSES)}
+    for srow in sorted(summary_rows(rows), key=lambda s: (order.get(s["loss"], 99), -s["d"], s["n"])):
+        mark = " †" if forms.get((srow["loss"], srow["d"], srow["n"])) else ""
+        peaks = " / ".join(_f(srow[k], "{:.0f}") for k in ("ours_peak_mb", "textbook_peak_mb", "peer_peak_mb"))
+        status = textbook.get((srow["loss"], srow["d"], srow["n"]))
+        tb = _f(srow["textbook_ms"]) if srow["textbook_ms"] is not None or status != "does not fit" else status
+        out.append(f"| {srow['loss']} | {srow['d']} | {srow['n']} | {_f(srow['ours_ms'])}{mark} | {tb} | "
+                   f"{_f(srow['vs_textbook'])} | {_f(srow['compiled_ms'])} | {_f(srow['vs_compiled'])} | "
+                   f"{srow['peer'] or '-'} | {_f(srow['peer_ms'])} | {_f(srow['vs_peer'])} | {peaks} |")
+    return "\n".join(out)
+
+
 # --- command line -----------------------------------------------------------------------------------------
 
 
