@@ -36,6 +36,7 @@ from . import _validate as V
 from . import distributed as D
 from ._amp import autocast_off
 from ._backend import resolve
+from ._first_order import first_order
 from .core import reference as ref
 
 __all__ = ["EMPTY_DOC_SCORE", "maxsim_info_nce", "maxsim_scores"]
@@ -263,6 +264,7 @@ class MaxSimCEFn(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @first_order("MaxSimCEFn")
     def backward(ctx, g):
         q, d, scale_t, w, valid, t, keep, s, idx, lse = ctx.saved_tensors
         dt = s.dtype
@@ -303,6 +305,7 @@ class _ScoresFn(torch.autograd.Function):
         return s
 
     @staticmethod
+    @first_order("_ScoresFn")
     def backward(ctx, g):
         q, d, w, valid, idx = ctx.saved_tensors
         g = g.masked_fill(~valid.any(dim=1)[None, :], 0.0)

@@ -83,13 +83,13 @@ def test_version_and_help(capsys):
     assert out.returncode == 0 and out.stdout.strip() == f"fused-contrastive {fc.__version__}"
     out = _cli("--help")
     assert out.returncode == 0 and out.stdout.startswith("usage:")
-    assert ("{check,bench,bench-encode,bench-gather,bench-matryoshka,bench-gist,bench-st-step,bench-maxsim}"
-            in out.stdout)
+    assert ("{check,bench,bench-encode,bench-gather,bench-matryoshka,bench-gist,bench-st-step,bench-maxsim,"
+            "bench-gpu}" in out.stdout)
     for sub in cli.COMMANDS:  # every sub-command named in the top-level help, its own help plain text
         assert sub in out.stdout.split("usage:")[1].split("\n\n")[0], sub
     for sub, option in (("check", "--losses"), ("bench", "--losses"), ("bench-encode", "--chunk"),
                         ("bench-gather", "--world"), ("bench-matryoshka", "--dims"), ("bench-gist", "--guide-dim"),
-                        ("bench-st-step", "--batches"), ("bench-maxsim", "--no-peers")):
+                        ("bench-st-step", "--batches"), ("bench-maxsim", "--no-peers"), ("bench-gpu", "--forms")):
         code, text, _ = _in_process(capsys, sub, "--help")
         assert code == 0 and option in text, (sub, text)
         for markup in ("``", ":func:", ":class:", "python -m fused_contrastive"):

@@ -1060,7 +1060,9 @@ _COMPILE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def compiled():
-    return run_compile_script(_COMPILE, 900, FUSED_CONTRASTIVE_DENSE="0")
+    # the tiles form of every launch (the persistent and TMA forms, SigLIP's one-pass default on sm_90
+    # among them, are tests/test_epi_forms_compile.py's)
+    return run_compile_script(_COMPILE, 900, FUSED_CONTRASTIVE_DENSE="0", FUSED_CONTRASTIVE_EPI_FORM="tiles")
 
 
 def test_panel_kernel_compiles_without_spills(compiled):

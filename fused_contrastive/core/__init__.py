@@ -19,6 +19,7 @@ import os
 import torch
 from torch import Tensor
 
+from .._first_order import first_order
 from .._tracing import traced_core, tracing_route
 from . import chunked, dense, positives
 from .chunked import tile_elements
@@ -176,6 +177,7 @@ class PiecesFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("PiecesFn")
     def backward(ctx, go: Tensor):
         ctx.saved_tensors  # noqa: B018 (the version check of the inputs)
         return (*backward_parts(ctx.subs, go, ctx.dtypes), None)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from .._tracing import traced_op, tracing_route
 from .chunked import _ScaleGrad, tile_elements
 from .norms import normalize_backward_, normalize_rows
@@ -326,6 +327,7 @@ class MergedLSEFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("MergedLSEFn")
     def backward(ctx, go: Tensor):
         need = tuple(ctx.needs_input_grad[4:])
         need_s = isinstance(ctx.scale, Tensor) and ctx.needs_input_grad[0]
@@ -473,6 +475,7 @@ class TritonMergedFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("TritonMergedFn")
     def backward(ctx, go: Tensor):
         from .triton_guided import GuidedBlockFn
 

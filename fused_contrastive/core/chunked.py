@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from .norms import clamped_norms, normalize_backward_, normalize_rows
 from .spec import Coef, Coeffs, CoreData, CoreSpec, combine, compute_dtype
 
@@ -402,6 +403,7 @@ class ChunkedCoreFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("ChunkedCoreFn")
     def backward(ctx, go: Tensor):
         spec, data, coef = ctx.spec, ctx.data, ctx.coef
         need_a, need_b, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]

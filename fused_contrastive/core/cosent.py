@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from .chunked import tile_elements
 from .norms import clamped_norms
 
@@ -114,6 +115,7 @@ class ScoresCosentFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("ScoresCosentFn")
     def backward(ctx, g: Tensor):
         (sf,) = ctx.saved_tensors
         need_x, _, need_s = ctx.needs_input_grad[:3]
@@ -152,6 +154,7 @@ class PairCosentFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("PairCosentFn")
     def backward(ctx, g: Tensor):
         uh, vh, nu, nv, c = ctx.saved_tensors
         need_u, need_v, _, need_s = ctx.needs_input_grad[:4]

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from .._tracing import tensors_are_traced
 from .norms import clamped_norms
 from .spec import Coeffs, CoreData, CoreSpec, drop_zero
@@ -206,6 +207,7 @@ class DenseCoreFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("DenseCoreFn")
     def backward(ctx, g: Tensor):
         ah, bh, na, nb, lsm, lsmc, lpp, cos, w = ctx.saved_tensors
         spec, data, coef, s = ctx.spec, ctx.data, ctx.coef, ctx.s

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from .chunked import _row_chunk, _safe, _vec
 from .norms import clamped_norms
 from .spec import Coeffs, CoreData, CoreSpec, combine, compute_dtype
@@ -402,6 +403,7 @@ class MatryoshkaCoreFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("MatryoshkaCoreFn")
     def backward(ctx, go: Tensor):
         need_a, need_b, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         a, b, scale, lse, lse_col, lse_pos = ctx.saved_tensors

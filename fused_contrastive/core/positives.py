@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from .._tracing import tracing_route
 from .chunked import tile_elements
 from .norms import normalize_backward_, normalize_rows
@@ -203,6 +204,7 @@ class LinearTermsFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("LinearTermsFn")
     def backward(ctx, g: Tensor):
         a, b, scale = ctx.saved_tensors
         spec, data, coef, dt = ctx.spec, ctx.data, ctx.coef, ctx.dt

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from .chunked import tile_elements
 from .norms import normalize_backward_, normalize_rows
 from .spec import compute_dtype
@@ -147,6 +148,7 @@ class SigLipFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("SigLipFn")
     def backward(ctx, go: Tensor):
         need_x, need_y, need_s, need_b = ctx.needs_input_grad[:4]
         xdt, ydt, sdt, bdt = ctx.dtypes

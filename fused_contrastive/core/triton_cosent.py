@@ -22,6 +22,7 @@ import triton
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from ..kernels import cosent as K
 from . import triton_backend as TB
 
@@ -119,6 +120,7 @@ class TritonScoresCosentFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("TritonScoresCosentFn")
     def backward(ctx, g: Tensor):
         x, s = ctx.saved_tensors
         need_x, _, need_s = ctx.needs_input_grad[:3]
@@ -146,6 +148,7 @@ class TritonPairCosentFn(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @first_order("TritonPairCosentFn")
     def backward(ctx, g: Tensor):
         u, v, c, nu, nv, s = ctx.saved_tensors
         need_u, need_v, _, need_s = ctx.needs_input_grad[:4]

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from . import triton_aot, triton_panel
 from . import triton_backend as TB
 from .spec import Coeffs, CoreData, CoreSpec, combine
@@ -62,6 +63,7 @@ class TritonCoreFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     @autocast_off
+    @first_order("TritonCoreFn")
     def backward(ctx, go: Tensor):
         if ctx.path == "panel":
             return triton_panel.backward(ctx, go)

@@ -19,6 +19,7 @@ import triton
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from ..kernels import guided as KG
 from . import triton_backend as TB
 from .spec import CoreData, CoreSpec, threshold_of
@@ -195,6 +196,7 @@ class GuidedBlockFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     @autocast_off
+    @first_order("GuidedBlockFn")
     def backward(ctx, g_lse: Tensor, g_tl: Tensor):
         need_a, need_b, need_s = ctx.needs_input_grad[:3]
         scale, lse, a, b, sa, sb = ctx.saved_tensors

@@ -21,6 +21,7 @@ import triton
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from ..kernels import matryoshka as KM
 from . import positives, triton_panel
 from . import triton_backend as TB
@@ -379,6 +380,7 @@ class TritonLevelsFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     @autocast_off
+    @first_order("TritonLevelsFn")
     def backward(ctx, go: Tensor):
         need_a, need_b, need_s = ctx.needs_input_grad[:3]
         scale, lse, lse_col, lse_pos, a, b, sa, sb = ctx.saved_tensors

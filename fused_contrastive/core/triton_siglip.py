@@ -23,6 +23,7 @@ import triton
 from torch import Tensor
 
 from .._amp import autocast_off
+from .._first_order import first_order
 from ..kernels import siglip as K
 from . import triton_backend as TB
 from . import triton_panel
@@ -185,6 +186,7 @@ class TritonSigLipFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     @autocast_off
+    @first_order("TritonSigLipFn")
     def backward(ctx, go: Tensor):
         need_x, need_y, need_s, need_b = ctx.needs_input_grad[:4]
         eps, offset, reduce, weight = ctx.opts
