@@ -89,12 +89,25 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
         tiny = probe(self.kw)  # positional inputs, then (optionally) a dict of forward-option inputs
         extra = tiny[-1] if tiny and isinstance(tiny[-1], dict) else {}
         _validated(fn, *(tiny[:-1] if extra else tiny), **extra, **self.kw)
+        # a tensor option (a learnable temperature) belongs to the module: an nn.Parameter is registered as a
+        # parameter (parameters(), state_dict(), .to(), an optimizer built from the module train it), another
+        # tensor as a buffer; forward reads the registered one, so a loaded state or a move takes effect
+        self._tensor_options = []
+        for k, v in self.kw.items():
+            if isinstance(v, nn.Parameter):
+                self.register_parameter(k, v)
+            elif isinstance(v, Tensor):
+                self.register_buffer(k, v)
+            else:
+                continue
+            self._tensor_options.append(k)
 
     def forward(self, *args, **kwargs) -> Tensor:
         bound = fwd_sig.bind(self, *args, **kwargs)
         bound.apply_defaults()
         got = bound.arguments
-        return fn(*(got[p.name] for p in tensors), **{k: got[k] for k in forward_options}, **self.kw)
+        kw = {k: (getattr(self, k) if k in self._tensor_options else v) for k, v in self.kw.items()}
+        return fn(*(got[p.name] for p in tensors), **{k: got[k] for k in forward_options}, **kw)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.kw.items() if v is not params[k].default)
@@ -181,9 +194,10 @@ class SigLIPLoss(nn.Module):
     def __init__(self, init_scale: float = 10.0, init_bias: float = -10.0, *, normalize: bool = True,
                  reduction: str = "mean", backend: str = "auto", gather=False):
         super().__init__()
-        if not (isinstance(init_scale, (int, float)) and 0 < init_scale < math.inf):
+        if isinstance(init_scale, bool) or not (isinstance(init_scale, (int, float)) and 0 < init_scale < math.inf):
             raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-        if not (isinstance(init_bias, (int, float)) and -math.inf < init_bias < math.inf):
+        if isinstance(init_bias, bool) or not (isinstance(init_bias, (int, float))
+                                               and -math.inf < init_bias < math.inf):
             raise ValueError(f"init_bias must be a finite number, got {init_bias!r}")
         self.logit_scale = nn.Parameter(torch.tensor(math.log(init_scale)))
         self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)))
@@ -209,8 +223,23 @@ class MaxSimInfoNCELoss(nn.Module):
         super().__init__()
         s, _ = V.scale_of(temperature, scale, 1.0, torch.float64, torch.device("cpu"))
         V.flag("learn_scale", learn_scale)
-        self.log_scale = nn.Parameter(torch.tensor(math.log(float(s)))) if learn_scale else None
-        self.scale = float(s)
+        given = next(((k, v) for k, v in (("scale", scale), ("temperature", temperature)) if isinstance(v, Tensor)),
+                     None)
+        if given is not None and learn_scale:
+            raise ValueError(f"learn_scale=True makes log(scale) a parameter of its own: give {given[0]} as a number "
+                             f"with it, or a tensor (an nn.Parameter to learn it) without it")
+        s = float(s.detach()) if isinstance(s, Tensor) else float(s)
+        self.log_scale = nn.Parameter(torch.tensor(math.log(s))) if learn_scale else None
+        self.scale = s
+        # a tensor scale / temperature is kept (registered: a parameter when it is one, else a buffer) and
+        # passed as given, so its gradient reaches it
+        self._given = None
+        if given is not None:
+            self._given = given[0]
+            if isinstance(given[1], nn.Parameter):
+                self.register_parameter(f"given_{given[0]}", given[1])
+            else:
+                self.register_buffer(f"given_{given[0]}", given[1])
         self.kw = dict(length_normalize=length_normalize, normalize=normalize, reduction=reduction,
                        ignore_index=ignore_index, backend=backend, gather=gather)
         _gather_option(gather)
@@ -220,9 +249,12 @@ class MaxSimInfoNCELoss(nn.Module):
     def forward(self, query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | None = None, *,
                 query_mask: Tensor | None = None, doc_mask: Tensor | None = None, negatives: Tensor | None = None,
                 negative_mask: Tensor | None = None) -> Tensor:
-        s = self.log_scale.exp() if self.log_scale is not None else self.scale
+        if self._given is not None:
+            how = {self._given: getattr(self, f"given_{self._given}")}
+        else:
+            how = {"scale": self.log_scale.exp() if self.log_scale is not None else self.scale}
         return maxsim_info_nce(query_tokens, doc_tokens, target, query_mask=query_mask, doc_mask=doc_mask,
-                               negatives=negatives, negative_mask=negative_mask, scale=s, **self.kw)
+                               negatives=negatives, negative_mask=negative_mask, **how, **self.kw)
 
 
 #: the hand-written modules (they hold learnable parameters or take per-batch masks), then every derived one
