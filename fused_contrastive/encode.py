@@ -65,18 +65,24 @@ def _running_stat_layers(encoder) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
 
 
-@contextlib.contextmanager
-def _stats_untouched(layers: list[nn.Module]):
+class _StatsUntouched:
     """The recompute of a chunk: its layers in training mode normalise as in the forward (batch
     statistics, which is all their backward reads) and their running statistics are put back after it,
-    as the forward left them."""
-    saved = [(b, b.detach().clone()) for m in layers if m.training and m.track_running_stats
-             for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-    try:
-        yield
-    finally:
+    as the forward left them. A class, not a generator: ``checkpoint`` enters the one object its
+    ``context_fn`` gave at every recompute, and a second backward through a retained graph recomputes
+    again (a generator-based context manager can be entered once)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers
+        self.saved: list[list[tuple[Tensor, Tensor]]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append([(b, b.detach().clone()) for m in self.layers if m.training and m.track_running_stats
+                           for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
+
+    def __exit__(self, *exc) -> None:
         with torch.no_grad():
-            for b, v in saved:
+            for b, v in self.saved.pop():
                 b.copy_(v)
 
 
@@ -176,7 +182,7 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
     outs = []
     extra = _extra_devices(encoder, leaves) if preserve_rng_state else []
     layers = _running_stat_layers(encoder) if torch.is_grad_enabled() else []
-    more = {"context_fn": lambda: (contextlib.nullcontext(), _stats_untouched(layers))} if layers else {}
+    more = {"context_fn": lambda: (contextlib.nullcontext(), _StatsUntouched(layers))} if layers else {}
     starts = list(range(0, n, chunk_size))
     if same is not None and same != len(starts):
         # as many chunks as the rank with the most (each rank has at least that many rows), as even as possible

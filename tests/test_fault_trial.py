@@ -72,3 +72,64 @@ def test_siglip_module_refuses_a_bool_scale_as_clip_does():
         fnn.SigLIPLoss(init_bias=False)
     with pytest.raises(ValueError, match="init_temperature"):
         fnn.CLIPLoss(init_temperature=True)
+
+
+# --- 5: a second backward through a retained graph ---------------------------------------------------------
+
+
+def _gist(dtype=torch.float32, n=6, d=4):
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, d, generator=g, dtype=dtype).requires_grad_() for _ in range(3)]
+    guide = tuple(torch.randn(n, 3, generator=g, dtype=dtype) for _ in range(3))
+    return xs, guide
+
+
+@pytest.mark.parametrize("how", ["torch", "triton", "triton-panel", "info_nce-guide", "info_nce-ids"])
+def test_a_second_backward_through_a_retained_graph_adds_the_same_gradients(how, monkeypatch):
+    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    dtype = torch.float32
+    if how == "triton-panel":  # the guided epilogue route (a summed bf16 loss on CUDA), forced on the interpreter
+        monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
+        monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+        dtype = torch.bfloat16
+    (a, p, n), guide = _gist(dtype)
+    backend = "torch" if how.startswith(("torch", "info_nce")) else "triton"
+    if how == "info_nce-guide":
+        loss = fc.info_nce(a, p, guide=guide[:2], backend=backend)
+    elif how == "info_nce-ids":
+        loss = fc.info_nce(a, p, ids=(torch.tensor([0, 1, 1, 2, 3, 3]), torch.tensor([0, 1, 2, 2, 3, 4])),
+                           backend=backend)
+    else:
+        loss = fc.gist_loss(a, p, n, guide=guide, backend=backend)
+    loss.backward(retain_graph=True)
+    (3 * loss).backward()  # (crashed: "not enough values to unpack" / the blocks' contexts already released)
+    # the same as one backward of 4 x the loss, computed in float64 by the reference backend
+    ref = [x.detach().double().requires_grad_() for x in (a, p, n)]
+    g64 = [gg.double() for gg in guide]
+    if how == "info_nce-guide":
+        want = fc.info_nce(ref[0], ref[1], guide=g64[:2], backend="reference")
+    elif how == "info_nce-ids":
+        want = fc.info_nce(ref[0], ref[1], ids=(torch.tensor([0, 1, 1, 2, 3, 3]), torch.tensor([0, 1, 2, 2, 3, 4])),
+                           backend="reference")
+    else:
+        want = fc.gist_loss(*ref, guide=tuple(g64), backend="reference")
+    (4 * want).backward()
+    slack = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for x, r in zip((a, p), ref[:2], strict=True):
+        err = (x.grad.double() - r.grad).abs().max()
+        assert err <= slack * r.grad.abs().max(), (how, float(err), float(r.grad.abs().max()))
+
+
+def test_a_second_backward_through_chunked_encoding_with_batchnorm():
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    x = torch.randn(16, 4)
+    z = fc.encode_in_chunks(enc, x, 4)
+    stats = enc[1].running_mean.clone(), enc[1].running_var.clone()
+    loss = fc.info_nce(z[:8], z[8:])
+    loss.backward(retain_graph=True)
+    first = enc[0].weight.grad.clone()
+    loss.backward()  # (AttributeError: '_GeneratorContextManager' object has no attribute 'args')
+    torch.testing.assert_close(enc[0].weight.grad, 2 * first)
+    # the recomputes left the running statistics as the forward did
+    assert torch.equal(enc[1].running_mean, stats[0]) and torch.equal(enc[1].running_var, stats[1])

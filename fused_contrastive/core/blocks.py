@@ -313,12 +313,17 @@ class MergedLSEFn(torch.autograd.Function):
             w = weights.to(dt)
             lse, tgt, grads, ds = _sweep(p, None, w if (any(need) or need_s) else None, need, need_s)
             ctx.eager = (_input_grads(p, grads, xs), ds)
+            # a second backward through a retained graph recomputes from the statistics (the first one scales
+            # the eager buffers in place): the row weights times its upstream scalar are the rows' upstream
+            ctx.weights = w
+            ctx.save_for_backward(lse, *xs)
             out = lse if tgt is None else lse - tgt
             if bad is not None:
                 out = torch.where(bad, float("nan"), out)
             return (w * out).sum()
         lse, tgt, _, _ = _sweep(p, None, None, need, False)
         ctx.eager = None
+        ctx.weights = None
         ctx.save_for_backward(lse, *xs)
         out = lse if tgt is None else lse - tgt
         if bad is not None:
@@ -339,7 +344,8 @@ class MergedLSEFn(torch.autograd.Function):
             return (dsc, None, None, None, *gs)
         lse, *xs = ctx.saved_tensors
         p = _Problem(tuple(xs), ctx.cfg, ctx.masks, ctx.scale, lse.dtype)
-        _, _, grads, ds = _sweep(p, lse, go.to(lse.dtype), need, need_s)
+        g = go.to(lse.dtype) if ctx.weights is None else go.to(lse.dtype) * ctx.weights
+        _, _, grads, ds = _sweep(p, lse, g, need, need_s)
         gs = _input_grads(p, grads, tuple(xs))
         dsc = None if ds is None else ds.to(ctx.scale.dtype).reshape(ctx.scale.shape)
         return (dsc if need_s else None, None, None, None, *gs)
@@ -429,15 +435,17 @@ class TritonMergedFn(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def forward(ctx, scale, cfg: _Config, masks: Masks, weights: Tensor | None, *xs: Tensor):
-        from .triton_guided import GuidedBlockFn
-
-        n = cfg.n
         need = tuple(ctx.needs_input_grad[4:])
         need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[0]
         ctx.scale_meta = (scale.dtype, scale.shape) if isinstance(scale, Tensor) else None
         ctx.eager = None
         from .triton_guided_panel import guided_panel_sweep, use_guided_panel
 
+        # the inputs (and a tensor scale) for a second backward through a retained graph, which recomputes the
+        # blocks' statistics (the first backward consumes what the forward left: eager buffers scaled in
+        # place, the blocks' contexts released)
+        ctx.save_for_backward(*xs, *((scale,) if isinstance(scale, Tensor) else ()))
+        ctx.masks, ctx.scale_given = masks, scale
         if (any(need) or need_s) and use_guided_panel(xs, cfg, weights):
             # a summed bf16 loss on CUDA: the epilogue-GEMM panels form the gradients in this pass
             bad = bad_rows(cfg, masks)
@@ -448,7 +456,21 @@ class TritonMergedFn(torch.autograd.Function):
             if bad is not None:
                 per = torch.where(bad, float("nan"), per)
             ctx.eager = (grads, ds)
+            ctx.cfg, ctx.weights, ctx.subs = cfg, weights.to(per.dtype), None
             return (weights.to(per.dtype) * per).sum()
+        out = TritonMergedFn._blocks(ctx, scale, cfg, masks, xs, need, need_s)
+        ctx.weights = None if weights is None else weights.to(out.dtype)
+        if weights is None:
+            return out
+        return (ctx.weights * out).sum()
+
+    @staticmethod
+    def _blocks(ctx, scale, cfg: _Config, masks: Masks, xs, need, need_s) -> Tensor:
+        """The blocks' forwards (``GuidedBlockFn``, each with a context of its own kept on ``ctx``) and their
+        merge: the per-row output."""
+        from .triton_guided import GuidedBlockFn
+
+        n = cfg.n
         subs, lses, tgt = [], [], None
         for blk, mk in zip(cfg.blocks, _block_masks(xs, cfg, masks), strict=True):
             rs = blk.row_start
@@ -467,11 +489,8 @@ class TritonMergedFn(torch.autograd.Function):
             out = torch.where(bad, float("nan"), out)
         ctx.subs, ctx.cfg, ctx.bad = subs, cfg, bad
         ctx.shapes = [(x.shape, x.dtype) for x in xs]
-        ctx.weights = None if weights is None else weights.to(out.dtype)
         ctx.stats = (stacked, lse)
-        if weights is None:
-            return out
-        return (ctx.weights * out).sum()
+        return out
 
     @staticmethod
     @autocast_off
@@ -487,6 +506,12 @@ class TritonMergedFn(torch.autograd.Function):
             gs = [None if gx is None else gx.mul_(go.to(gx.dtype)) for gx in grads]
             dsc = (ds * go).to(ctx.scale_meta[0]).reshape(ctx.scale_meta[1]) if need_s and ds is not None else None
             return (dsc, None, None, None, *gs)
+        if ctx.subs is None:  # a second backward through a retained graph: the blocks' statistics again
+            saved = ctx.saved_tensors
+            xs = saved[:len(ctx.needs_input_grad) - 4]
+            scale = saved[-1] if isinstance(ctx.scale_given, Tensor) else ctx.scale_given
+            with torch.no_grad():
+                TritonMergedFn._blocks(ctx, scale, ctx.cfg, ctx.masks, xs, need, need_s)
         cfg, n = ctx.cfg, ctx.cfg.n
         stacked, lse = ctx.stats
         g = go.to(torch.float32) * ctx.weights if ctx.weights is not None else go.to(torch.float32)
