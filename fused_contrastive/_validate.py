@@ -159,9 +159,10 @@ def real_labels(name: str, y, n: int, device: torch.device) -> Tensor:
     return y.to(torch.int64) if y.dtype == torch.bool else y
 
 
-def target(y, n: int, m: int, ignore_index: int, device: torch.device) -> Tensor:
-    """Class-index target in [0, m) or ``ignore_index``. The range is checked for CPU tensors;
-    on CUDA an out-of-range index trips the gather's device-side assert instead of a host sync."""
+def target(y, n: int, m: int | None, ignore_index: int, device: torch.device) -> Tensor:
+    """Class-index target in [0, m) or ``ignore_index``. The range is checked for CPU tensors (not
+    with ``m`` None: the shape and dtype only); on CUDA an out-of-range index trips the gather's
+    device-side assert instead of a host sync."""
     if not isinstance(y, Tensor):
         raise TypeError(f"target must be a torch.Tensor of class indices, got {type(y).__name__}")
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
@@ -172,7 +173,7 @@ def target(y, n: int, m: int, ignore_index: int, device: torch.device) -> Tensor
     if y.device != device:
         raise ValueError(f"target is on {y.device} but query is on {device}")
     y = y.long()
-    if readable(y):
+    if m is not None and readable(y):
         bad = (y != ignore_index) & ((y < 0) | (y >= m))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -181,18 +182,20 @@ def target(y, n: int, m: int, ignore_index: int, device: torch.device) -> Tensor
     return y
 
 
-def target_not_excluded(y: Tensor, ignore_index: int) -> None:
+def target_not_excluded(y: Tensor, ignore_index: int, what: str | None = None) -> None:
     """With ``exclude_self``, an explicit target equal to the row's own (excluded) column would give an
-    infinite loss: an error for CPU targets (row ``i``'s own column is ``i``). CUDA values are not read
-    (no host sync): there such a row's loss is inf."""
+    infinite loss: an error for CPU targets (row ``i``'s own column is ``i``; ``what`` says which column
+    that is when ``y`` was shifted to another numbering). CUDA values are not read (no host sync): there
+    such a row's loss is inf."""
     if not readable(y):
         return
     own = (y == torch.arange(y.shape[0], device=y.device)) & (y != ignore_index)
     if bool(own.any()):
         i = int(own.nonzero()[0, 0])
-        raise ValueError(f"target[{i}] = {i} is row {i}'s own column, which exclude_self=True removes from its "
-                         f"softmax (the loss would be inf): pass the index of row {i}'s positive, or "
-                         "exclude_self=False")
+        named = f"target[{i}] = {i} is row {i}'s own column" if what is None else \
+            f"target[{i}] names row {i}'s own column, {what}"
+        raise ValueError(f"{named}, which exclude_self=True removes from its softmax (the loss would be inf): pass "
+                         f"the index of row {i}'s positive, or exclude_self=False")
 
 
 def same_precision(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:

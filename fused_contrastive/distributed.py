@@ -85,6 +85,15 @@ def describe(v, lead: int = 1) -> str:
         return str(int(v))
     if isinstance(v, numbers.Real):
         return repr(float(v))
+    if isinstance(v, range):
+        return repr(v)
+    if isinstance(v, (set, frozenset)):
+        return "{" + ", ".join(sorted(describe(x) for x in v)) + "}"
+    if type(v).__module__ == "numpy" and hasattr(v, "tolist"):  # an array or a numpy scalar: by value
+        vals = v.tolist()
+        if isinstance(vals, list) and v.size > 64:
+            return f"ndarray({v.dtype}, {list(v.shape)}, sha256 {hashlib.sha256(v.tobytes()).hexdigest()[:12]})"
+        return f"ndarray({v.dtype}, {describe(vals)})" if isinstance(vals, list) else describe(vals)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(describe(x) for x in v) + "]"
     if isinstance(v, dict):
@@ -165,6 +174,13 @@ class _Digest:
             self.descs.append(d)
             if i < _VALUES and isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point():
                 self.values[i] = v
+        # whether this rank's loss will have a backward: a rank without one (no_grad, inference mode, inputs
+        # that do not require grad) would leave the others waiting in the gathers' backward
+        leaves = [x for _, v in bound for x in (v if isinstance(v, (list, tuple)) else (v,))]
+        graph = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in leaves)
+        self.args.append("(backward)")
+        self.descs.append("a graph: this rank backpropagates" if graph else
+                          "no graph: no_grad, inference mode or inputs that do not require grad")
         self.head = _h48(name + "(" + "; ".join(f"{k}={d}" for k, d in zip(self.args, self.descs, strict=True)) + ")")
 
     def texts(self) -> list[str]:
@@ -310,7 +326,7 @@ def agreed(fn: _F | None = None, *, ragged: tuple[str, ...] = ()) -> _F:
             out = fn(*args, **kwargs)
             if not call.done:  # a body that returned without any collective still agrees (and checks)
                 _exchange(call, None)
-            return out
+            return _finite_everywhere(out, grp)
         except Exception as exc:
             if not call.done:
                 _exchange(call, exc)  # adds a note to exc; raises a ValueError naming differing arguments
@@ -319,6 +335,53 @@ def agreed(fn: _F | None = None, *, ragged: tuple[str, ...] = ()) -> _F:
             _CALL.call = None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _finite_everywhere(out, grp: dist.ProcessGroup):
+    """``out`` (a loss, or a tuple of them), NaN on every rank when any rank's is not finite: one all-reduce of a
+    flag, kept on the device (no host read). Without it a NaN in one rank's rows makes only that rank's loss
+    non-finite, and the common ``if torch.isfinite(loss): loss.backward()`` leaves the other ranks waiting in
+    the gathers' backward."""
+    parts = out if isinstance(out, tuple) else (out,)
+    tensors = [t for t in parts if isinstance(t, Tensor) and t.is_floating_point()]
+    if not tensors:
+        return out
+    dev = _exchange_device(grp)
+    ok = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all().to(device=dev, dtype=torch.float32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=grp)
+    fixed = [torch.where(ok.to(t.device) > 0, t, torch.full_like(t, math.nan))
+             if isinstance(t, Tensor) and t.is_floating_point() else t for t in parts]
+    return tuple(fixed) if isinstance(out, tuple) else fixed[0]
+
+
+def all_checked(grp: dist.ProcessGroup, check: Callable[[], object], what: str):
+    """``check()`` (an argument check that needs what a collective told this rank: a target's range against
+    the gathered columns) on every rank at once: one all-gather of a flag, read on the host; when any rank's
+    check raised, every rank raises (the failing ranks their own error, with a note; the others a ValueError
+    naming them and their errors) instead of the healthy ranks waiting in the next collective. Returns
+    ``check()``'s value."""
+    err, value = None, None
+    try:
+        value = check()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        err = exc
+    dev = _exchange_device(grp)
+    world = dist.get_world_size(grp)
+    mine = torch.tensor([0.0 if err is None else 1.0], device=dev)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=grp)
+    failed = [r for r, x in enumerate(torch.cat(every).cpu().tolist()) if x]
+    if not failed:
+        return value
+    notes: list = [None] * world
+    dist.all_gather_object(notes, None if err is None else f"{type(err).__name__}: {err}", group=grp)
+    here = dist.get_rank(grp)
+    if err is not None:
+        err.add_note(f"{what}(gather=...): every rank of the process group was told, and raises too "
+                     f"(this is rank {here})")
+        raise err
+    bad = "; ".join(f"rank {r}: {notes[r]}" for r in failed)
+    raise ValueError(f"{what}(gather=...): another rank rejected its arguments (this is rank {here}): {bad}")
 
 
 def agree(grp: dist.ProcessGroup, *, scale=None, rows: int | None = None,

@@ -477,13 +477,19 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
     negs = None
     if negatives is not None:
         negs = (negatives, _valid(negative_mask, negatives.shape[0], negatives.shape[1], dev))
-    off, world = 0, 1
+    if target is not None:  # its shape and dtype: local facts, checked before any collective
+        V.target(target, n, None, ignore_index, dev)
+    qoff, n_total, world = 0, n, 1
     if grp is not None:
-        D.agree(grp, scale=s)
-        docs, valid, off, _ = _gather_docs(docs, valid, grp, "doc_tokens")
+        # the query offset: the default target pairs global query qoff + i with global document qoff + i, as
+        # the single-process loss over the concatenated batch does (the documents' offset differs from it
+        # when a rank holds more or fewer documents than queries)
+        qoff, n_total = D.agree(grp, scale=s, rows=n)
+        docs, valid, _, _ = _gather_docs(docs, valid, grp, "doc_tokens")
         if negs is not None:
             negs = _gather_docs(*negs, grp, "negatives")[:2]
         world = D.world_size(grp)
+    m_docs = docs.shape[0]
     if negs is not None:
         ld = max(docs.shape[1], negs[0].shape[1])
         docs, valid = _pad_tokens(docs, valid, ld)
@@ -491,10 +497,13 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
         docs, valid = torch.cat([docs, nx]), torch.cat([valid, nv])
     m = docs.shape[0]
     if target is None:
-        if off + n > m:
-            raise ValueError(f"target=None pairs query i with document i, which needs at least {off + n} documents "
-                             f"(got {m}); pass target")
-        t = torch.arange(off, off + n, device=dev)
+        # every rank knows every rank's query count and the documents': each raises (or none does)
+        if n_total > m_docs:
+            raise ValueError(f"target=None pairs query i with document i, which needs at least {n_total} documents "
+                             f"(got {m_docs}{' over the ranks' if grp is not None else ''}); pass target")
+        t = torch.arange(qoff, qoff + n, device=dev)
+    elif grp is not None:  # its range against the gathered columns: every rank is told if one fails
+        t = D.all_checked(grp, lambda: V.target(target, n, m, ignore_index, dev), "maxsim_info_nce")
     else:
         t = V.target(target, n, m, ignore_index, dev)
     keep = t != ignore_index

@@ -133,3 +133,113 @@ def test_a_second_backward_through_chunked_encoding_with_batchnorm():
     torch.testing.assert_close(enc[0].weight.grad, 2 * first)
     # the recomputes left the running statistics as the forward did
     assert torch.equal(enc[1].running_mean, stats[0]) and torch.equal(enc[1].running_var, stats[1])
+
+
+# --- 1, 2, 6, 8: gathered calls on 3 gloo ranks with uneven batches ---------------------------------------
+
+
+def _gathered_calls(rank: int):
+    """(name, call) of each fault: a call every rank makes at the same point (the world is 3)."""
+    import numpy as np
+
+    def q(n=3 + rank, d=8, seed=rank):
+        return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+
+    def maxsim_target():  # 1: rank 1's target is out of range, found only after the gathers
+        t = torch.arange(3 + rank) + 3 * rank
+        if rank == 1:
+            t[0] = 999
+        return fc.maxsim.maxsim_info_nce(torch.randn(3 + rank, 3, 8), torch.randn(3 + rank, 4, 8), t, gather=True)
+
+    def info_nce_few_keys():  # 1: fewer global keys than queries with the default target
+        return fc.info_nce(q(), torch.randn(1 if rank else 3, 8), gather=True)
+
+    def own_column():  # 9: with keys and exclude_self the own column is the global key qoff + i
+        # targets index this rank's keys (as many as its queries here: key i is global column qoff + i)
+        t = torch.arange(3 + rank)  # on rank 2 every row names its own (excluded) column
+        if rank != 2:
+            t = (t + 1) % (3 + rank)  # fine on ranks 0 and 1
+        return fc.info_nce(q(), q(seed=10 + rank), t, exclude_self=True, gather=True)
+
+    def nan_rows():  # 2: a NaN in one rank's queries: every rank's loss is NaN, so a guard skips everywhere
+        x = q()
+        if rank == 1:
+            x[0, 0] = float("nan")
+        loss = fc.info_nce(x.requires_grad_(), q(seed=20 + rank).requires_grad_(), gather=True)
+        if torch.isfinite(loss):
+            loss.backward()
+        return float(loss)
+
+    def no_grad_rank():  # 2: one rank without a graph: every rank raises in the forward, none waits in backward
+        with torch.no_grad() if rank == 2 else torch.enable_grad():
+            loss = fc.info_nce(q().requires_grad_(), q(seed=30 + rank).requires_grad_(), gather=True)
+        loss.backward()
+
+    def weights_array():  # 6: matryoshka_weights as a NumPy array, different on rank 1
+        w = np.array([1.0, 0.5]) if rank != 1 else np.array([1.0, 0.25])
+        return fc.info_nce(q(), q(seed=40 + rank), matryoshka_dims=[8, 4], matryoshka_weights=w, gather=True)
+
+    def dims_range():  # 6: matryoshka_dims as a range, different on rank 1
+        dims = range(8, 0, -4) if rank != 1 else range(8, 0, -2)
+        return fc.info_nce(q(), q(seed=50 + rank), matryoshka_dims=dims, gather=True)
+
+    return [("maxsim_target", maxsim_target), ("info_nce_few_keys", info_nce_few_keys), ("own_column", own_column),
+            ("nan_rows", nan_rows), ("no_grad_rank", no_grad_rank), ("weights_array", weights_array),
+            ("dims_range", dims_range)]
+
+
+def _maxsim_pairs(rank: int, world: int):
+    """8: rank r holds 2 + r queries and 4 - r documents: the gathered loss must equal the single-process one."""
+    g = torch.Generator().manual_seed(7)
+    nq, nd = [2 + r for r in range(world)], [4 - r for r in range(world)]
+    q = torch.randn(sum(nq), 3, 5, generator=g, dtype=torch.float64)
+    d = torch.randn(sum(nd), 4, 5, generator=g, dtype=torch.float64)
+    qo, do = sum(nq[:rank]), sum(nd[:rank])
+    mine = fc.maxsim.maxsim_info_nce(q[qo:qo + nq[rank]], d[do:do + nd[rank]], reduction="none", gather=True)
+    want = fc.maxsim.maxsim_info_nce(q, d, reduction="none")[qo:qo + nq[rank]]
+    return float((mine - want).abs().max())
+
+
+def _fault_worker(rank: int, world: int, init: str, out) -> None:
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests._ranks import timed_calls
+
+    # a short process-group timeout: a rank left waiting fails in seconds instead of hanging the suite
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=15))
+    try:
+        res = {"rank": rank, "cases": timed_calls(_gathered_calls(rank)), "maxsim_pairs": _maxsim_pairs(rank, world)}
+        out.put(res)
+    except Exception:  # noqa: BLE001 - reported: the parent fails at once
+        out.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_faults_after_the_agreement_raise_on_every_rank_promptly(tmp_path):
+    from tests._ranks import run_ranks
+
+    results = run_ranks(_fault_worker, 3, tmp_path, timeout=150)
+    for res in results:
+        c = res["cases"]
+        for name in ("maxsim_target", "info_nce_few_keys", "own_column", "no_grad_rank", "weights_array",
+                     "dims_range"):
+            err, took = c[name]
+            assert err is not None, (name, res["rank"], "did not raise")
+            assert took < 10, (name, res["rank"], took)  # told, not left waiting for the 15 s timeout
+        kind, text, notes = c["maxsim_target"][0]
+        assert ("target[0] = 999" in text) if res["rank"] == 1 else ("rank 1" in text and "999" in text)
+        assert "fewer keys" in c["info_nce_few_keys"][0][1]
+        assert ("own column" in c["own_column"][0][1]) if res["rank"] == 2 else ("rank 2" in c["own_column"][0][1]), \
+            (res["rank"], c["own_column"])
+        assert "(backward)" in c["no_grad_rank"][0][1] and "rank 2" in c["no_grad_rank"][0][1]
+        assert "matryoshka_weights" in c["weights_array"][0][1]
+        assert "matryoshka_dims" in c["dims_range"][0][1]
+        # a NaN on rank 1 makes every rank's loss NaN: the finite guard skipped the backward on all of them
+        err, took = c["nan_rows"]
+        assert err is None and took < 10, err
+        # 8: queries pair with the documents of their global index
+        assert res["maxsim_pairs"] < 1e-12, res

@@ -164,6 +164,16 @@ def info_nce(
         return _clip(be, scope, query, query if keys is None else keys, s, normalize, reduction, _levels)
     contrast, koff, m_total = scope.rows(query if keys is None else keys, "query" if keys is None else "keys")
     qoff, n_total = (koff, m_total) if keys is None else scope.offset(n, dev)
+    if not scope.local and not given and not symmetric and n_total > m_total:
+        # every rank knows every rank's query and key counts: each raises (none waits in a collective)
+        raise ValueError(f"target=None means global row i's target is global key i, but the ranks hold fewer keys "
+                         f"({m_total}) than queries ({n_total}); pass target or as many keys as queries")
+    if not scope.local and given and exclude_self and keys is not None:
+        # row i's own (excluded) column is the global key qoff + i; a target naming it gives an infinite loss
+        def own_column():
+            glob = torch.where(target == ignore_index, target, target + koff - qoff)
+            V.target_not_excluded(glob, ignore_index, what="global key qoff + i (this rank's query offset)")
+        D.all_checked(scope.grp, own_column, "info_nce")
     valid = None
     if not given:  # arange over the (global) batch: row qoff + i
         t = torch.arange(n, device=dev) + qoff
