@@ -167,16 +167,22 @@ CoSENTLoss = _derived("CoSENTLoss", cosent_loss, lambda kw: (_x(2, 2), _x(2, 2).
 
 class CLIPLoss(nn.Module):
     """CLIP loss with a learnable temperature: ``logit_scale`` (a parameter, initialised to
-    ``log(1 / 0.07)``) is used as ``exp(logit_scale)``; ``forward(a, b)`` with a, b [N, D]."""
+    ``log(1 / 0.07)``) is used as ``exp(logit_scale)``; ``forward(a, b)`` with a, b [N, D]. The Matryoshka
+    keywords (``matryoshka_dims``, ``matryoshka_weights``, ``return_level_losses``) are
+    :func:`fused_contrastive.clip_loss`'s."""
 
     def __init__(self, init_temperature: float = 0.07, *, normalize: bool = True, reduction: str = "mean",
-                 backend: str = "auto", gather=False):
+                 backend: str = "auto", gather=False, matryoshka_dims=None, matryoshka_weights=None,
+                 return_level_losses: bool = False):
         super().__init__()
         if isinstance(init_temperature, bool) or not (isinstance(init_temperature, (int, float))
                                                       and 0 < init_temperature < math.inf):
             raise ValueError(f"init_temperature must be a finite number > 0, got {init_temperature!r}")
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)))
         self.kw = dict(normalize=normalize, reduction=reduction, backend=backend, gather=gather)
+        if matryoshka_dims is not None or matryoshka_weights is not None or return_level_losses:
+            self.kw.update(matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
+                           return_level_losses=return_level_losses)
         _gather_option(gather)
         V.backend(backend)
         _validated(L.clip_loss, _x(2, 2), _x(2, 2).flip(0), 1.0 / init_temperature, **self.kw)

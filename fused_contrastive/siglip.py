@@ -72,7 +72,7 @@ def _per_rank(out: Tensor, reduction: str, n_total: int, world: int) -> Tensor:
 
 @D.agreed
 @autocast_off
-def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias, *, normalize: bool = True,
+def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias=None, *, normalize: bool = True,
                 reduction: str = "mean", gather=False, backend: str = "auto") -> Tensor:
     """SigLIP's sigmoid loss: ``-(1/N) sum_ij log sigmoid(label_ij (s <x_i, y_j> + b))`` with
     ``label_ij = +1`` for the pair (i == j) and -1 otherwise, without materialising the N x N logits.
@@ -84,7 +84,7 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias, *, normali
             ``logit_scale.exp()``): a finite float > 0 or a 0-dim tensor (differentiable; its value is
             checked on the CPU only).
         logit_bias: b, a finite float (any sign; SigLIP initialises it to -10) or a 0-dim tensor
-            (differentiable).
+            (differentiable); None (the default): no bias, as open_clip's ``SigLipLoss`` without one.
         normalize: L2-normalise rows first (``x / max(||x||, 1e-12)``, overflow-free). False uses the
             raw dot products (open_clip's ``SigLipLoss`` receives already normalised features).
         reduction: ``"mean"`` (default: the sum over all N x N terms divided by N, the number of images,
@@ -108,7 +108,7 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias, *, normali
     dev = image.device
     dt = compute_dtype(image, text)
     s = _finite("logit_scale", logit_scale, positive=True, device=dev)
-    b = _finite("logit_bias", logit_bias, positive=False, device=dev)
+    b = _finite("logit_bias", 0.0 if logit_bias is None else logit_bias, positive=False, device=dev)
     s = s.to(device=dev, dtype=dt) if isinstance(s, Tensor) else s
     b = b.to(device=dev, dtype=dt) if isinstance(b, Tensor) else b
     be = resolve(backend, image, text)  # op "core": the SigLIP kernels ship beside the core kernels

@@ -243,3 +243,34 @@ def test_faults_after_the_agreement_raise_on_every_rank_promptly(tmp_path):
         assert err is None and took < 10, err
         # 8: queries pair with the documents of their global index
         assert res["maxsim_pairs"] < 1e-12, res
+
+
+# --- 12: the drop-ins accept what their peers accept --------------------------------------------------------
+
+
+def test_open_clip_drop_ins_take_a_one_element_logit_scale():
+    from fused_contrastive.integrations.open_clip import ClipLoss, SigLipLoss
+
+    a, b = (torch.nn.functional.normalize(x, dim=1) for x in _qk())
+    s1 = torch.tensor([14.0], requires_grad=True)  # open_clip's models keep it as a [1] parameter
+    loss = ClipLoss()(a, b, s1)
+    loss.backward()
+    torch.testing.assert_close(loss, fc.clip_loss(a, b, 14.0, normalize=False))
+    assert s1.grad is not None and s1.grad.shape == (1,)
+    got = SigLipLoss()(a, b, torch.tensor([10.0]), torch.tensor([-10.0]))
+    torch.testing.assert_close(got, fc.siglip_loss(a, b, 10.0, -10.0, normalize=False))
+
+
+def test_siglip_loss_takes_no_bias_as_open_clip_does():
+    a, b = _qk()
+    torch.testing.assert_close(fc.siglip_loss(a, b, 10.0, None), fc.siglip_loss(a, b, 10.0, 0.0))
+    torch.testing.assert_close(fc.siglip_loss(a, b, 10.0), fc.siglip_loss(a, b, 10.0, 0.0))
+
+
+def test_the_clip_module_takes_matryoshka_levels():
+    a, b = _qk(d=8)
+    m = fnn.CLIPLoss(matryoshka_dims=[8, 4], matryoshka_weights=[1.0, 0.5])
+    torch.testing.assert_close(m(a, b), fc.clip_loss(a, b, 1 / 0.07, matryoshka_dims=[8, 4],
+                                                     matryoshka_weights=[1.0, 0.5]))
+    with pytest.raises(ValueError, match="matryoshka_dims"):
+        fnn.CLIPLoss(matryoshka_dims=[0])

@@ -270,7 +270,7 @@ def test_torch_backend_never_allocates_n_by_n():
     (dict(logit_bias=math.nan), ValueError, "logit_bias must be finite"),
     (dict(logit_bias=torch.tensor(math.inf)), ValueError, "logit_bias must be finite"),
     (dict(logit_bias=torch.tensor(1)), TypeError, "logit_bias must be a floating tensor"),
-    (dict(logit_bias=None), TypeError, "logit_bias must be a float or a 0-dim tensor"),
+    (dict(logit_bias="0"), TypeError, "logit_bias must be a float or a 0-dim tensor"),
     (dict(reduction="avg"), ValueError, "reduction must be one of"),
     (dict(normalize=1), TypeError, "normalize must be a bool"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),

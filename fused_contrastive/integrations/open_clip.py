@@ -109,6 +109,12 @@ def _fused_scale(logit_scale, cls: str) -> bool:
     return False
 
 
+def _scalar(v):
+    """open_clip's models keep ``logit_scale`` (and ``logit_bias``) as a one-element parameter, often of shape
+    [1]: as open_clip's losses do, take it as the scalar it holds (a differentiable view)."""
+    return v.reshape(()) if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == 1 else v
+
+
 def _with_zero_grad(loss: Tensor, logit_bias) -> Tensor:
     """A bias added to every logit of a softmax row cancels: its gradient is exactly 0. Keep it in the
     graph (as open_clip's autograd does) so that an optimiser sees a zero gradient, not None. Only a
@@ -160,6 +166,7 @@ class ClipLoss(nn.Module):
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale, logit_bias=None,
                 output_dict: bool = False):
         distributed = _world(self.rank, self.world_size, "ClipLoss")
+        logit_scale = _scalar(logit_scale)
         if not _fused_scale(logit_scale, "ClipLoss"):
             loss = self._textbook(image_features, text_features, logit_scale, distributed)
         elif distributed:
@@ -231,7 +238,8 @@ class SigLipLoss(nn.Module):
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale, logit_bias,
                 output_dict: bool = False):
         gather = _world(self.rank, self.world_size, "SigLipLoss")
-        bias = 0.0 if logit_bias is None else logit_bias
+        logit_scale = _scalar(logit_scale)
+        bias = 0.0 if logit_bias is None else _scalar(logit_bias)
         if not _fused_scale(logit_scale, "SigLipLoss"):  # open_clip's formula on the materialised logits
             txt, off = _gathered(text_features, True, True, "text_features") if gather else (text_features, 0)
             loss = _siglip_textbook(image_features, txt, logit_scale, bias, False, "mean", offset=off)
