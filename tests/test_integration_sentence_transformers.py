@@ -276,6 +276,8 @@ def test_mnrl_options_outside_the_kernels_run_theirs(model, columns, cls, kw, wa
     extra = dict(mini_batch_size=3) if cls.startswith("Cached") else {}
     ours = getattr(fused, cls)(model, **kw, **extra)
     theirs = peer.MultipleNegativesRankingLoss(model, **kw)
+    # the config names the scoring function as theirs does (a partial by its function: was "partial")
+    assert ours.get_config_dict()["similarity_fct"] == theirs.get_config_dict()["similarity_fct"]
     _peer_run(model, theirs, ours, columns[:3], None, warns)
 
 

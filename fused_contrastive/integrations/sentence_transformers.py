@@ -127,6 +127,19 @@ Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_do
 
 
 def _fct_name(fn) -> str:
+    """The config dict's name of a scoring callable: sentence-transformers' own rendering where it has one
+    (``similarity_fct_name``: a ``functools.partial`` by its function and keywords, a bound ``similarity``
+    by what it resolves to), so the drop-in's config equals its peer's."""
+    try:
+        from sentence_transformers.util.misc import similarity_fct_name
+    except ImportError:
+        similarity_fct_name = None
+    if similarity_fct_name is not None:
+        return similarity_fct_name(fn)
+    if isinstance(fn, functools.partial):
+        args = ", ".join(f"{k}={v!r}" for k, v in fn.keywords.items())
+        name = getattr(fn.func, "__name__", type(fn.func).__name__)
+        return f"{name}({args})" if args else name
     return getattr(fn, "__name__", type(fn).__name__)
 
 
