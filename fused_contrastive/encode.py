@@ -142,7 +142,8 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
     encoder's forward runs twice per chunk (once here, once in the backward), so a step costs about
     one extra forward over a step without chunks. Running statistics of normalisation layers (BatchNorm)
     are updated once per chunk, as plain forwards of the chunks would (the recompute leaves them alone;
-    see the module docstring).
+    see the module docstring), also when ``encoder`` is a function wrapping a module (its layers are found
+    as the chunks run).
 
     Under ``DistributedDataParallel`` with ``broadcast_buffers=True`` (its default) and a module that has
     buffers, every forward is a collective, so every rank runs as many chunks as the rank with the most
@@ -182,7 +183,18 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
     outs = []
     extra = _extra_devices(encoder, leaves) if preserve_rng_state else []
     layers = _running_stat_layers(encoder) if torch.is_grad_enabled() else []
-    more = {"context_fn": lambda: (contextlib.nullcontext(), _StatsUntouched(layers))} if layers else {}
+    # another callable (``lambda b: model(**b)``, a partial) hides its module: the normalisation layers it runs
+    # are found while the chunks' forwards run (a global forward hook for their duration), so the recomputes
+    # leave their running statistics alone as a module's (they were updated twice per chunk)
+    discover = torch.is_grad_enabled() and not isinstance(encoder, nn.Module) \
+        and not isinstance(getattr(encoder, "__self__", None), nn.Module)
+    more = {"context_fn": lambda: (contextlib.nullcontext(), _StatsUntouched(layers))} if layers or discover else {}
+    hook = None
+    if discover:
+        def found(module, _inputs):
+            if isinstance(module, _NormBase) and module.track_running_stats and all(module is not m for m in layers):
+                layers.append(module)
+        hook = nn.modules.module.register_module_forward_pre_hook(found)
     starts = list(range(0, n, chunk_size))
     if same is not None and same != len(starts):
         # as many chunks as the rank with the most (each rank has at least that many rows), as even as possible
@@ -194,13 +206,17 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
         def chunk_of(start: int) -> list:  # noqa: F811 - the uneven split replaces the fixed one
             return [x[start:start + bounds[start]] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves]
 
-    for start in starts:
-        tensors = [x for x in chunk_of(start) if isinstance(x, Tensor) and x.dim() > 0]
-        if torch.is_grad_enabled():
-            outs.append(_checkpoint.checkpoint(run, *tensors, *extra, use_reentrant=False,
-                                               preserve_rng_state=preserve_rng_state, **more))
-        else:
-            outs.append(run(*tensors))
+    try:
+        for start in starts:
+            tensors = [x for x in chunk_of(start) if isinstance(x, Tensor) and x.dim() > 0]
+            if torch.is_grad_enabled():
+                outs.append(_checkpoint.checkpoint(run, *tensors, *extra, use_reentrant=False,
+                                                   preserve_rng_state=preserve_rng_state, **more))
+            else:
+                outs.append(run(*tensors))
+    finally:
+        if hook is not None:
+            hook.remove()
     shapes = {tuple(o.shape[1:]) for o in outs}
     if len(shapes) > 1:
         raise ValueError(f"encoder returned chunks of different trailing shapes {sorted(shapes)}: token embeddings "

@@ -274,3 +274,24 @@ def test_the_clip_module_takes_matryoshka_levels():
                                                      matryoshka_weights=[1.0, 0.5]))
     with pytest.raises(ValueError, match="matryoshka_dims"):
         fnn.CLIPLoss(matryoshka_dims=[0])
+
+
+# --- 7: a callable around a module updates BatchNorm statistics once per chunk -------------------------------
+
+
+@pytest.mark.parametrize("wrap", ["lambda", "partial"])
+def test_a_function_around_a_module_updates_running_statistics_once_per_chunk(wrap):
+    import functools
+
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    plain = copy.deepcopy(enc)
+    x = torch.randn(16, 4)
+    for i in range(0, 16, 4):  # what plain forwards of the chunks do to the statistics
+        plain(x[i:i + 4])
+    fn = (lambda b: enc(b)) if wrap == "lambda" else functools.partial(enc.forward)
+    z = fc.encode_in_chunks(fn, x, 4)
+    fc.info_nce(z[:8], z[8:]).backward()  # the backward recomputes every chunk
+    assert int(enc[1].num_batches_tracked) == 4  # (was 8: the recomputes updated them again)
+    torch.testing.assert_close(enc[1].running_mean, plain[1].running_mean)
+    torch.testing.assert_close(enc[1].running_var, plain[1].running_var)
