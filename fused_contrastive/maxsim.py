@@ -160,7 +160,9 @@ def _chunks(n: int, m: int, per_pair: int, device: torch.device) -> tuple[int, i
     CPU) or ``DEVICE_CHUNK_ELEMENTS``."""
     budget = CHUNK_ELEMENTS if device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
     pairs = max(1, budget // max(per_pair, 1))
-    cols = min(m, max(1, int(math.isqrt(pairs))))
+    # the floor of the square root through a float (exact below 2^52; math.isqrt takes no symbolic size, and
+    # under torch.compile(dynamic=True) the token counts are symbolic)
+    cols = min(m, max(1, int(pairs ** 0.5)))
     rows = min(n, max(1, pairs // cols))
     return rows, cols
 

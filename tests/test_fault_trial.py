@@ -295,3 +295,20 @@ def test_a_function_around_a_module_updates_running_statistics_once_per_chunk(wr
     assert int(enc[1].num_batches_tracked) == 4  # (was 8: the recomputes updated them again)
     torch.testing.assert_close(enc[1].running_mean, plain[1].running_mean)
     torch.testing.assert_close(enc[1].running_var, plain[1].running_var)
+
+
+# --- 10: maxsim_info_nce compiles with fullgraph and dynamic shapes -----------------------------------------
+
+
+def test_maxsim_compiles_whole_with_dynamic_shapes():
+    torch._dynamo.reset()
+    f = torch.compile(fc.maxsim.maxsim_info_nce, fullgraph=True, dynamic=True, backend="aot_eager")
+    for n in (3, 5):  # (failed: math.isqrt of a symbolic size in the chunk plan)
+        q = torch.randn(n, 4, 5, dtype=torch.float64, requires_grad=True)
+        d = torch.randn(n, 6, 5, dtype=torch.float64, requires_grad=True)
+        got = f(q, d)
+        gq, = torch.autograd.grad(got, q)
+        want = fc.maxsim.maxsim_info_nce(q, d, backend="reference")
+        wq, = torch.autograd.grad(want, q)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(gq, wq)
