@@ -60,6 +60,7 @@ def paired(name_a: str, a: Tensor, name_b: str, b) -> Tensor:
     b = embeddings(name_b, b)
     same_dim(name_a, a, name_b, b)
     same_device(**{name_a: a, name_b: b})
+    same_precision(name_a, a, name_b, b)  # one rule for every loss: float64 with float64 only
     if a.shape[0] != b.shape[0]:
         raise ValueError(f"{name_b} must have as many rows as {name_a} (pair i is ({name_a}_i, {name_b}_i)), "
                          f"got {name_a} {a.shape[0]} and {name_b} {b.shape[0]}")

@@ -93,6 +93,7 @@ def cosent_loss(u: Tensor, v: Tensor, labels: Tensor, *, scale=20.0, normalize: 
     if u.shape != v.shape:
         raise ValueError(f"v must have the shape of u {tuple(u.shape)}, got {tuple(v.shape)}")
     V.same_device(u=u, v=v)
+    V.same_precision("u", u, "v", v)
     V.flag("normalize", normalize)
     labels = V.real_labels("labels", labels, u.shape[0], u.device)
     sc = V.positive_number("scale", scale, device=u.device)

@@ -36,6 +36,7 @@ import hashlib
 import inspect
 import math
 import numbers
+import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -178,6 +179,10 @@ class _Digest:
         # that do not require grad) would leave the others waiting in the gathers' backward
         leaves = [x for _, v in bound for x in (v if isinstance(v, (list, tuple)) else (v,))]
         graph = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in leaves)
+        # the environment variable that picks the backend: set on one rank only, the ranks would compute on
+        # different backends (and fail in a later collective, naming neither)
+        self.args.append("(FUSED_CONTRASTIVE_BACKEND)")
+        self.descs.append(repr(os.environ.get("FUSED_CONTRASTIVE_BACKEND", "")))
         self.args.append("(backward)")
         self.descs.append("a graph: this rank backpropagates" if graph else
                           "no graph: no_grad, inference mode or inputs that do not require grad")
@@ -428,7 +433,8 @@ def _first_collective(grp: dist.ProcessGroup) -> None:
     if call is not None and not call.done:
         _exchange(call, None)
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
+           torch.int16, torch.int8, torch.uint8)
 
 
 def process_group(gather) -> dist.ProcessGroup | None:

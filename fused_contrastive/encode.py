@@ -172,8 +172,16 @@ def encode_in_chunks(encoder: Callable[[Any], Tensor], batch: Batch, chunk_size:
     def run(*tensors: Tensor) -> Tensor:
         it = iter(tensors[:k])  # the rest are the device markers of _extra_devices
         args = [next(it) if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves]
-        out = encoder(tree_unflatten(args, spec))
         rows = tensors[0].shape[0]
+        try:
+            out = encoder(tree_unflatten(args, spec))
+        except ValueError as exc:
+            if rows == 1 and "more than 1 value per channel" in str(exc):
+                raise ValueError(f"encode_in_chunks: a chunk of 1 row (the last one: {n} rows in chunks of "
+                                 f"{chunk_size}) reached a normalisation layer in training mode, which needs more "
+                                 f"than one row; choose a chunk_size that leaves at least 2 rows in the last "
+                                 f"chunk") from exc
+            raise
         if not isinstance(out, Tensor) or out.dim() < 2 or out.shape[0] != rows:
             what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
             raise TypeError(f"encoder must return the [n, D] embeddings tensor of its chunk (n = {rows}; or "

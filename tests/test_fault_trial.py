@@ -312,3 +312,48 @@ def test_maxsim_compiles_whole_with_dynamic_shapes():
         wq, = torch.autograd.grad(want, q)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(gq, wq)
+
+
+# --- 9: clear and consistent errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    lambda a, b: fc.clip_loss(a, b, 10.0), lambda a, b: fc.siglip_loss(a, b, 10.0, -10.0),
+    lambda a, b: fc.simcse_loss(a, b), lambda a, b: fc.dcl_loss(a, b),
+    lambda a, b: fc.cosent_loss(a, b, torch.arange(6.0)), lambda a, b: fc.info_nce(a, b),
+    lambda a, b: fc.gist_loss(a, b, guide=(torch.randn(6, 3), torch.randn(6, 3))),
+], ids=["clip", "siglip", "simcse", "dcl", "cosent", "info_nce", "gist"])
+def test_float64_beside_a_lower_precision_raises_in_every_loss(call):
+    a, b = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4)
+    with pytest.raises(TypeError, match="float64"):  # (clip, siglip, ... promoted silently; info_nce raised)
+        call(a, b)
+
+
+def test_guide_parts_in_different_dtypes_compute_in_the_widest():
+    g = torch.Generator().manual_seed(2)
+    a, p, n = (torch.randn(6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    guide = [torch.randn(6, 3, generator=g, dtype=torch.float64) for _ in range(3)]
+    want = fc.gist_loss(a, p, n, guide=tuple(guide))
+    mixed = (guide[0].float(), guide[1], guide[2].float())  # (a raw matmul dtype error)
+    torch.testing.assert_close(fc.gist_loss(a, p, n, guide=mixed), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_one_row_chunk_under_batchnorm_names_the_chunking():
+    enc = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    with pytest.raises(ValueError, match="chunk of 1 row.*chunk_size"):
+        fc.encode_in_chunks(enc, torch.randn(9, 4), 4)
+
+
+def test_the_backend_environment_is_part_of_a_gathered_call():
+    from fused_contrastive.distributed import _Binder, _Digest
+
+    def loss(x, *, gather=False):
+        return x
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FUSED_CONTRASTIVE_BACKEND", "torch")
+        a = _Digest("loss", _Binder(loss), (torch.ones(2),), {})
+        mp.delenv("FUSED_CONTRASTIVE_BACKEND")
+        b = _Digest("loss", _Binder(loss), (torch.ones(2),), {})
+    # two ranks, one with the variable set: their digests differ, and the error names the variable
+    assert a.head != b.head and "(FUSED_CONTRASTIVE_BACKEND)" in a.args

@@ -149,6 +149,13 @@ def gist_loss(
     if len(gn) != len(negs) or any(x.shape[0] != y.shape[0] for x, y in zip(gn, negs, strict=False)):
         raise ValueError("guide[2] (guide_negatives) must match negatives tensor for tensor, row for row")
     V.same_device(anchors=anchors, guide_anchors=ga)
+    for name, x in (("positives", positives), *(("negatives", x) for x in negs)):
+        V.same_precision("anchors", anchors, name, x)
+    # one guide model, one dtype: parts given in different dtypes (a cast on one side) compute in the widest
+    gdt = ga.dtype
+    for x in (gp, *gn):
+        gdt = torch.promote_types(gdt, x.dtype)
+    ga, gp, gn = ga.to(gdt), gp.to(gdt), [x.to(gdt) for x in gn]
     margin_strategy = V.choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
     margin = V.number("margin", margin, low=-math.inf, strict=True)
     anchor_anchor = V.choice("anchor_anchor", anchor_anchor, ANCHOR_ANCHOR)
