@@ -183,9 +183,12 @@ def _gathered_calls(rank: int):
         dims = range(8, 0, -4) if rank != 1 else range(8, 0, -2)
         return fc.info_nce(q(), q(seed=50 + rank), matryoshka_dims=dims, gather=True)
 
-    return [("maxsim_target", maxsim_target), ("info_nce_few_keys", info_nce_few_keys), ("own_column", own_column),
-            ("nan_rows", nan_rows), ("no_grad_rank", no_grad_rank), ("weights_array", weights_array),
-            ("dims_range", dims_range)]
+    def cosent_int8():  # 9: integer labels of any width are accepted under gather as locally
+        return float(fc.cosent_loss(q(), q(seed=60 + rank), torch.arange(3 + rank, dtype=torch.int8), gather=True))
+
+    return [("cosent_int8", cosent_int8), ("maxsim_target", maxsim_target),
+            ("info_nce_few_keys", info_nce_few_keys), ("own_column", own_column), ("nan_rows", nan_rows),
+            ("no_grad_rank", no_grad_rank), ("weights_array", weights_array), ("dims_range", dims_range)]
 
 
 def _maxsim_pairs(rank: int, world: int):
@@ -238,6 +241,7 @@ def test_faults_after_the_agreement_raise_on_every_rank_promptly(tmp_path):
         assert "(backward)" in c["no_grad_rank"][0][1] and "rank 2" in c["no_grad_rank"][0][1]
         assert "matryoshka_weights" in c["weights_array"][0][1]
         assert "matryoshka_dims" in c["dims_range"][0][1]
+        assert c["cosent_int8"][0] is None, c["cosent_int8"]  # (was "gather_rows: unsupported dtype")
         # a NaN on rank 1 makes every rank's loss NaN: the finite guard skipped the backward on all of them
         err, took = c["nan_rows"]
         assert err is None and took < 10, err
