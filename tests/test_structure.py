@@ -11,7 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "fused_contrastive"
 
 # what core/ may import from the rest of the package: leaves that import nothing of the package
-CORE_MAY_IMPORT = {"fused_contrastive._amp", "fused_contrastive._tracing", "fused_contrastive.kernels"}
+# the leaf helpers every autograd Function wears (_amp: autocast; _first_order: double backward) and the kernels
+CORE_MAY_IMPORT = {"fused_contrastive._amp", "fused_contrastive._first_order", "fused_contrastive._tracing",
+                   "fused_contrastive.kernels"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
