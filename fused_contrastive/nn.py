@@ -66,7 +66,10 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
         raise TypeError(f"{name}: {sorted(unknown)} are not options of {fn.__name__}")
     first = [params[o].replace(kind=P.POSITIONAL_OR_KEYWORD) for o in positional]
     rest = [p for p in options if p.name not in positional]
-    init_sig = inspect.Signature([P("self", P.POSITIONAL_OR_KEYWORD), *first, *rest])
+    # a function that takes a tensor temperature: the module can own it as a parameter (learn_temperature)
+    learnable = any(p.name == "temperature" for p in options)
+    extra = [P("learn_temperature", P.KEYWORD_ONLY, default=False)] if learnable else []
+    init_sig = inspect.Signature([P("self", P.POSITIONAL_OR_KEYWORD), *first, *rest, *extra])
     # forward options after the tensors, None by default (a required one, GIST's guide, raises in fn)
     def fwd_param(k: str) -> inspect.Parameter:
         d = params[k].default
@@ -83,6 +86,17 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
             raise TypeError(f"{name}: {e} (by position it takes {by_pos}; the other options by keyword)") from None
         bound.apply_defaults()
         self.kw = {k: v for k, v in bound.arguments.items() if k != "self"}
+        learn = self.kw.pop("learn_temperature", False)
+        V.flag("learn_temperature", learn)
+        if learn:  # log(temperature) a parameter: exp keeps the temperature > 0 whatever the optimizer does
+            t = self.kw["temperature"]
+            if isinstance(t, Tensor) or self.kw.get("scale") is not None:
+                raise ValueError("learn_temperature=True makes log(temperature) a parameter of the module: give "
+                                 "temperature as a number (its initial value), or pass an nn.Parameter as temperature "
+                                 "without learn_temperature")
+            t0 = _DEFAULT_TEMPERATURE if t is None else t
+            V.positive_number("temperature", t0, device=torch.device("cpu"))
+            self.kw["temperature"] = float(t0)
         _gather_option(self.kw["gather"])
         if "backend" in self.kw:  # the probe below runs the reference backend: the choice is checked here
             V.backend(self.kw["backend"])
@@ -92,6 +106,7 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
         # a tensor option (a learnable temperature) belongs to the module: an nn.Parameter is registered as a
         # parameter (parameters(), state_dict(), .to(), an optimizer built from the module train it), another
         # tensor as a buffer; forward reads the registered one, so a loaded state or a move takes effect
+        self.log_temperature = nn.Parameter(torch.tensor(math.log(self.kw["temperature"]))) if learn else None
         self._tensor_options = []
         for k, v in self.kw.items():
             if isinstance(v, nn.Parameter):
@@ -107,10 +122,13 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
         bound.apply_defaults()
         got = bound.arguments
         kw = {k: (getattr(self, k) if k in self._tensor_options else v) for k, v in self.kw.items()}
+        if self.log_temperature is not None:
+            kw["temperature"] = self.log_temperature.exp()
         return fn(*(got[p.name] for p in tensors), **{k: got[k] for k in forward_options}, **kw)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.kw.items() if v is not params[k].default)
+        out = ", ".join(f"{k}={v!r}" for k, v in self.kw.items() if v is not params[k].default)
+        return out + (", learn_temperature=True" if self.log_temperature is not None else "")
 
     __init__.__signature__ = init_sig
     forward.__signature__ = fwd_sig
@@ -125,6 +143,9 @@ def loss_module(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tu
 
 
 _LABELS = torch.tensor([0, 0])
+#: the temperature a module with ``learn_temperature=True`` starts from when its function's default is None
+#: (``info_nce``: "neither temperature nor scale means 0.05")
+_DEFAULT_TEMPERATURE = 0.05
 
 #: the functional loss each derived module wraps, filled by :func:`_derived` (``tests/test_registry.py``
 #: checks that every public loss function has a module here or among the hand-written classes below, or

@@ -361,3 +361,22 @@ def test_the_backend_environment_is_part_of_a_gathered_call():
         b = _Digest("loss", _Binder(loss), (torch.ones(2),), {})
     # two ranks, one with the variable set: their digests differ, and the error names the variable
     assert a.head != b.head and "(FUSED_CONTRASTIVE_BACKEND)" in a.args
+
+
+@pytest.mark.parametrize("cls,args,t0", [(fnn.InfoNCELoss, (), 0.05), (fnn.SupConLoss, (0.1,), 0.1),
+                                         (fnn.SimCSELoss, (), 0.05), (fnn.DCLLoss, (0.2,), 0.2)])
+def test_learn_temperature_makes_the_module_own_it(cls, args, t0):
+    m = cls(*args, learn_temperature=True)
+    assert [n for n, _ in m.named_parameters()] == ["log_temperature"]
+    assert float(m.log_temperature.exp()) == pytest.approx(t0)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 2, 4, generator=g) if cls is fnn.SupConLoss else torch.randn(8, 4, generator=g)
+    inputs = (x, torch.tensor([0, 1, 0, 1, 2, 2])) if cls is fnn.SupConLoss else \
+        (x[:4], x[4:]) if cls in (fnn.InfoNCELoss, fnn.DCLLoss) else (x,)
+    fixed = cls(*(args or ()), **({} if args else {"temperature": t0}))
+    loss = m(*inputs)
+    torch.testing.assert_close(loss, fixed(*inputs))
+    loss.backward()
+    assert m.log_temperature.grad is not None and m.log_temperature.grad != 0
+    with pytest.raises(ValueError, match="learn_temperature"):
+        cls(nn.Parameter(torch.tensor(0.1)), learn_temperature=True)

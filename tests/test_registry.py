@@ -118,7 +118,8 @@ def test_derived_modules_take_their_functions_options(cls):
     fn_opts = {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY
                and k not in fwd}
     init = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
-    assert init == fn_opts
+    # and, where the function takes a temperature, learn_temperature (the module owns log(temperature))
+    assert init == {**fn_opts, **({"learn_temperature": False} if "temperature" in fn_opts else {})}
 
 
 def test_the_host_code_trace_cases_cover_every_structural_fact():
