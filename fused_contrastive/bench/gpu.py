@@ -268,23 +268,11 @@ def run_step(c: Contender, fn: Callable[[GL.Problem], Tensor], p: GL.Problem) ->
 
 
 def timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
-    """``measure(step) -> ms``: CUDA events around the step (the device idle before it), else wall time."""
-    if device.type == "cuda":
-        def measure(step) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end)
-        return measure
+    """``measure(step) -> ms``: CUDA events around the step (the device idle before it), else wall time
+    (``check --gpu-validate``'s timer)."""
+    from ..gpu_validate import _timer
 
-    def measure_cpu(step) -> float:
-        t0 = time.perf_counter()
-        step()
-        return (time.perf_counter() - t0) * 1e3
-    return measure_cpu
+    return _timer(str(device))
 
 
 def peak_bytes(device: torch.device, step: Callable[[], Any]) -> int:
