@@ -35,8 +35,8 @@ CONFIGS = {
     "one_pass": [triton_configs.EPI_GEMM["one_pass"], LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(64, 128, 64, 4, 4),
                  LaunchConfig(64, 128, 64, 4, 3), LaunchConfig(128, 64, 64, 4, 4), LaunchConfig(64, 256, 64, 8, 3),
                  LaunchConfig(64, 64, 64, 4, 4),
-                 # not yet timed: 128 x 256 at 16 warps (128 registers, no spills on sm_90; bench/gpu_model.py
-                 # --epi-configs models it 20 % under the shipped one, and is 1.3-1.5x optimistic for such tiles)
+                 # 128 x 256 at 16 warps (128 registers, no spills on sm_90): the H200 timed it 1.00-1.03x the
+                 # shipped one (bench/results/h200-bench-gpu-2, fused_contrastive[one_pass=128x256w16])
                  LaunchConfig(128, 256, 64, 16, 3)],
     "known": [triton_configs.EPI_GEMM["known"], LaunchConfig(64, 128, 64, 4, 4), LaunchConfig(64, 64, 64, 4, 4),
               LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(128, 64, 64, 8, 3)],

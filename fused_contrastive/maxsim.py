@@ -504,7 +504,8 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
             raise ValueError(f"target=None pairs query i with document i, which needs at least {n_total} documents "
                              f"(got {m_docs}{' over the ranks' if grp is not None else ''}); pass target")
         t = torch.arange(qoff, qoff + n, device=dev)
-    elif grp is not None:  # its range against the gathered columns: every rank is told if one fails
+    elif grp is not None and V.readable(target):  # its range against the gathered columns: every rank is told
+        # if one fails (a CUDA target's values are not read: nothing to tell, no collective, no host sync)
         t = D.all_checked(grp, lambda: V.target(target, n, m, ignore_index, dev), "maxsim_info_nce")
     else:
         t = V.target(target, n, m, ignore_index, dev)

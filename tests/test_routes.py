@@ -92,3 +92,19 @@ def test_the_readme_quotes_the_table():
         readme = fh.read()
     begin, end = "<!-- routes table:", "<!-- end of the routes table"
     assert readme[readme.index(begin):readme.index(end)].split("\n", 1)[1].strip() == R.table()
+
+
+def test_the_one_tile_route_is_what_the_code_takes(monkeypatch):
+    import torch
+
+    from fused_contrastive import core
+
+    monkeypatch.delenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", raising=False)
+    monkeypatch.delenv("FUSED_CONTRASTIVE_DENSE", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # (a device object: no GPU needed to ask)
+    assert core.dense_path(4096, 4096, cuda, col=False)  # the measured win (4096 x 4096 = 2^24)
+    assert not core.dense_path(4096, 4097, cuda, col=False)  # past the measured size
+    assert not core.dense_path(4096, 4096, cuda, col=True)  # CLIP measured slower there
+    assert not core.dense_path(4096, 4096, cpu, col=False)  # the CPU keeps its own tile budget
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "1024")  # an explicit budget wins
+    assert not core.dense_path(4096, 4096, cuda, col=False)

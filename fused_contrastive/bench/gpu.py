@@ -38,9 +38,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -54,9 +54,10 @@ from torch import Tensor
 
 from . import gpu_losses as GL
 from . import gpu_peers as GP
-from .harness import williams_orders
+from .harness import _sync, williams_orders
 from .helptext import help_text
 from .memory import LiveBytes, is_oom
+from .report import device_name
 
 OURS = "fused_contrastive"
 TEXTBOOK = "textbook"
@@ -246,11 +247,6 @@ class Clock:
         return self.budget - self.elapsed()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -310,25 +306,14 @@ def agreement(value: float, truth: float, e_same: float, spec: GL.LossSpec) -> t
     return err <= tol, err, tol
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def _versions() -> dict[str, str | None]:
-    from .. import __version__
-    from .report import git_commit
+    """The benchmark report's versions and commit, and each peer's (None: not installed)."""
+    from .report import git_commit, versions
 
-    def ver(mod: str) -> str | None:
-        try:
-            return str(getattr(__import__(mod), "__version__", "?"))
-        except Exception:  # noqa: BLE001
-            return None
-    out = {"fused_contrastive": __version__, "commit": git_commit(), "torch": torch.__version__,
-           "triton": ver("triton")}
+    out = dict(versions(), commit=git_commit())
     for peer in GP.PEERS:
-        out[peer.package] = ver(peer.module) if peer.missing() is None else None
+        out[peer.package] = getattr(importlib.import_module(peer.module), "__version__", "?") \
+            if peer.missing() is None else None
     return out
 
 
@@ -464,7 +449,7 @@ def run(cfg: Config, plan: Sequence[Group] | None = None,
     device = torch.device(cfg.device)
     plan = list(plan if plan is not None else default_plan())
     clock = Clock(cfg.budget)
-    meta = {"gpu": _device_name(device), "device": str(device), "budget_s": cfg.budget, "repeats": cfg.repeats,
+    meta = {"gpu": device_name(str(device)), "device": str(device), "budget_s": cfg.budget, "repeats": cfg.repeats,
             "versions": _versions(), "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     rec = Recorder(cfg.out, cfg.print_fn, meta)
     cfg.print_fn(f"bench-gpu on {meta['gpu']}: {len(plan)} groups, budget {cfg.budget:.0f} s; versions "

@@ -196,30 +196,23 @@ def _arange(x: Tensor) -> Tensor:
     return torch.arange(x.shape[0], device=x.device)
 
 
-def _cos(x: Tensor, y: Tensor) -> Tensor:
-    return F.normalize(x, dim=-1) @ F.normalize(y, dim=-1).T
-
-
-def textbook_info_nce(q, k, t):
-    return F.cross_entropy(_cos(q, k) / t, _arange(q))
-
-
-def textbook_clip(a, b, s):
-    logits = s * _cos(a, b)
-    return (F.cross_entropy(logits, _arange(a)) + F.cross_entropy(logits.T, _arange(a))) / 2
-
-
 def _textbook(name: str) -> Callable[..., Tensor]:
     """``f(*leaves, **extra-as-needed)``: positional leaves, so that ``torch.compile`` sees plain tensors."""
-    from ..testing.baselines import seed_simcse_unsup, siglip_formula, supcon_in_formula
+    from ..testing.baselines import (
+        clip_formula,
+        info_nce_formula,
+        seed_simcse_unsup,
+        siglip_formula,
+        supcon_in_formula,
+    )
     from .gist import textbook as gist_textbook
 
     if name == "info_nce":
-        return textbook_info_nce
+        return info_nce_formula
     if name == "simcse":
         return seed_simcse_unsup
     if name == "clip":
-        return textbook_clip
+        return clip_formula
     if name == "siglip":
         return siglip_formula
     if name == "supcon_in":
@@ -227,9 +220,9 @@ def _textbook(name: str) -> Callable[..., Tensor]:
     if name == "gist":
         return gist_textbook
     if name == "matryoshka5":
-        return lambda q, k, t, dims: sum(textbook_info_nce(q[:, :m], k[:, :m], t) for m in dims)
+        return lambda q, k, t, dims: sum(info_nce_formula(q[:, :m], k[:, :m], t) for m in dims)
     if name == "matryoshka5_clip":
-        return lambda a, b, s, dims: sum(textbook_clip(a[:, :m], b[:, :m], s) for m in dims)
+        return lambda a, b, s, dims: sum(clip_formula(a[:, :m], b[:, :m], s) for m in dims)
     if name == "maxsim":
         return textbook_maxsim
     raise KeyError(name)

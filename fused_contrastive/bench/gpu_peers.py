@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .gpu_losses import Problem
+from .gpu_losses import Problem, _arange
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,6 @@ def _siglip_kernel(p: Problem):
     bias = torch.tensor(p.extra["logit_bias"], device=p.device, dtype=torch.float32)
     return lambda p: fused_siglip_loss(F.normalize(p.leaves["image"], dim=-1), F.normalize(p.leaves["text"], dim=-1),
                                        log_t, bias)
-
-
-def _arange(x: Tensor) -> Tensor:
-    return torch.arange(x.shape[0], device=x.device)
 
 
 def _lik_maxsim(p: Problem):

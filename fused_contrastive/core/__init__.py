@@ -46,8 +46,7 @@ def dense_path(n: int, m: int, device: torch.device | None = None, col: bool = F
     if os.environ.get("FUSED_CONTRASTIVE_DENSE", "1") == "0":
         return False
     limit = tile_elements()
-    if (device is not None and device.type == "cuda" and not col
-            and not os.environ.get("FUSED_CONTRASTIVE_TILE_ELEMENTS")):
+    if device is not None and device.type == "cuda" and not col and not chunked.tile_elements_set():
         limit = max(limit, CUDA_DENSE_ELEMENTS)
     return n * m <= limit
 

@@ -35,6 +35,11 @@ _NEG_INF = float("-inf")
 _DEFAULT_TILE_ELEMENTS = 1 << 21  # 8 MiB of float32 per tile
 
 
+def tile_elements_set() -> bool:
+    """Whether env ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` sets the tile budget (then no route overrides it)."""
+    return bool(os.environ.get("FUSED_CONTRASTIVE_TILE_ELEMENTS"))
+
+
 def tile_elements() -> int:
     """Elements of one transient logit tile (env ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` overrides)."""
     env = os.environ.get("FUSED_CONTRASTIVE_TILE_ELEMENTS")

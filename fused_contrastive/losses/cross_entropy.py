@@ -168,7 +168,7 @@ def info_nce(
         # every rank knows every rank's query and key counts: each raises (none waits in a collective)
         raise ValueError(f"target=None means global row i's target is global key i, but the ranks hold fewer keys "
                          f"({m_total}) than queries ({n_total}); pass target or as many keys as queries")
-    if not scope.local and given and exclude_self and keys is not None:
+    if not scope.local and given and exclude_self and keys is not None and V.readable(target):
         # row i's own (excluded) column is the global key qoff + i; a target naming it gives an infinite loss
         def own_column():
             glob = torch.where(target == ignore_index, target, target + koff - qoff)
