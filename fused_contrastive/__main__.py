@@ -27,6 +27,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 #: "dense": the one-tile path of problems that fit the tile budget; "tiled": the O(N*D) path (chunked
 #: PyTorch or the Triton kernels), forced with FUSED_CONTRASTIVE_DENSE=0.
 PATHS = ("dense", "tiled")
+#: How long ``check`` takes with its default options, as measured (printed by ``check`` and its help)
+DEFAULT_CHECK_TIME = "708 rows take 2-3 minutes on an idle 2-core CPU"
 COMMANDS = ("check", "bench", "bench-encode", "bench-gather", "bench-matryoshka", "bench-gist",
             "bench-st-step", "bench-maxsim", "bench-gpu")
 #: What each sub-command imports beyond torch, by the extra that installs it (``pyproject.toml``). A
@@ -112,7 +114,9 @@ def _check_parser(sub) -> argparse.ArgumentParser:
         description="Run every case of the registry on every backend available on the device, on random "
                     "data, against the float64 ground truth (the reference backend in float64). A row "
                     "passes when each output's error is within twice PyTorch's own error in that dtype plus "
-                    "a small slack (fused_contrastive.testing.accuracy). Exit status 1 if any row fails.")
+                    "a small slack (fused_contrastive.testing.accuracy). Exit status 1 if any row fails. "
+                    f"With the default options {DEFAULT_CHECK_TIME} (fewer --shapes / --dtypes / --losses: "
+                    "less); it prints its row count first and the time taken last.")
     p.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="a torch device this machine has (default: cuda if available, else cpu)")
     p.add_argument("--shapes", type=lambda t: [_shape(s) for s in _csv(t)], default=[(1, 3), (97, 64), (256, 768)],
@@ -168,12 +172,7 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print("note: triton takes no float64; those rows are skipped")
     print(f"fused-contrastive check on {args.device} (torch {torch.__version__}); backends: {', '.join(backends)}; "
           "errors against the float64 ground truth, tolerance 2 x PyTorch's same-dtype error + slack")
-    head = (f"{'case':22s} {'backend':15s} {'N x D':>9s} {'dtype':9s} {'loss err':>9s} {'tol':>8s} "
-            f"{'grad err':>9s} {'tol':>8s}  result")
-    print(head)
-    print("-" * len(head))
-    failures = rows = 0
-    t0 = time.perf_counter()
+    plan = []  # (case, backend, path, label, N, D, dtype), or a note (str) where a case does not run at a shape
     for name in args.losses:
         case = CASE_BY_NAME[name]
         for be in backends:
@@ -183,28 +182,39 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 label = f"{be}/{path if path == 'dense' else ('kernels' if be == 'triton' else 'chunked')}"
                 for n, d in args.shapes:
                     if n < case.min_n:  # e.g. uniformity (pairs i != j): not built at a different N silently
-                        print(f"{name:22s} {label:15s} {f'{n}x{d}':>9s} {'-':9s} {'':38s}  n/a (the case needs "
-                              f"N >= {case.min_n})", flush=True)
+                        plan.append(f"{name:22s} {label:15s} {f'{n}x{d}':>9s} {'-':9s} {'':38s}  n/a (the case "
+                                    f"needs N >= {case.min_n})")
                         continue
-                    for dt in dtypes:
-                        if be == "triton" and dt == torch.float64:
-                            continue
-                        rows += 1
-                        try:
-                            with _path(path):
-                                c = compare(case, n, d, dt, be, device=args.device)
-                            ok = c.ok
-                            cols = f"{c.loss_err:9.2e} {c.loss_tol:8.1e} {c.grad_err:9.2e} {c.grad_tol:8.1e}"
-                            detail = "" if ok else f"  {c}"
-                        except Exception as exc:  # noqa: BLE001 - a crash is a failure row, not fatal
-                            ok, cols, detail = False, "error".ljust(38), f"  {type(exc).__name__}: {exc}"[:200]
-                        failures += not ok
-                        dname = str(dt).replace("torch.", "")
-                        print(f"{name:22s} {label:15s} {f'{n}x{d}':>9s} {dname:9s} {cols}  "
-                              f"{'PASS' if ok else 'FAIL'}{detail}", flush=True)
+                    plan += [(case, be, path, label, n, d, dt) for dt in dtypes
+                             if not (be == "triton" and dt == torch.float64)]
+    rows = sum(1 for p in plan if not isinstance(p, str))
     if rows == 0:
         print("nothing to check: no case runs on the selected backends")
         return 1
+    print(f"{rows} rows to check (with the default options {DEFAULT_CHECK_TIME}; the last line gives the time)")
+    head = (f"{'case':22s} {'backend':15s} {'N x D':>9s} {'dtype':9s} {'loss err':>9s} {'tol':>8s} "
+            f"{'grad err':>9s} {'tol':>8s}  result")
+    print(head)
+    print("-" * len(head))
+    failures = 0
+    t0 = time.perf_counter()
+    for p in plan:
+        if isinstance(p, str):
+            print(p, flush=True)
+            continue
+        case, be, path, label, n, d, dt = p
+        try:
+            with _path(path):
+                c = compare(case, n, d, dt, be, device=args.device)
+            ok = c.ok
+            cols = f"{c.loss_err:9.2e} {c.loss_tol:8.1e} {c.grad_err:9.2e} {c.grad_tol:8.1e}"
+            detail = "" if ok else f"  {c}"
+        except Exception as exc:  # noqa: BLE001 - a crash is a failure row, not fatal
+            ok, cols, detail = False, "error".ljust(38), f"  {type(exc).__name__}: {exc}"[:200]
+        failures += not ok
+        dname = str(dt).replace("torch.", "")
+        print(f"{case.name:22s} {label:15s} {f'{n}x{d}':>9s} {dname:9s} {cols}  "
+              f"{'PASS' if ok else 'FAIL'}{detail}", flush=True)
     print(f"{rows} rows, {'all passed' if not failures else f'{failures} FAILED'} in {time.perf_counter() - t0:.1f} s")
     return 1 if failures else 0
 

@@ -154,3 +154,49 @@ def test_check_rejects_a_device_this_machine_lacks_up_front():
         assert r.returncode == 2, (dev, r.returncode, r.stdout[-500:])
         assert "--device" in r.stderr and says in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert "FAIL" not in r.stdout, r.stdout
+
+
+def test_check_says_how_long_it_takes(monkeypatch, capsys):
+    """check's help and first line say how long the default run takes; its row count is the default plan's
+    (708 rows on a torch-only machine, the count the stated time was measured with), and the last line the time."""
+    import re
+    import types
+
+    from fused_contrastive import testing
+
+    assert "2-3 minutes" in cli.DEFAULT_CHECK_TIME and "708 rows" in cli.DEFAULT_CHECK_TIME
+    code, text, _ = _in_process(capsys, "check", "--help")
+    assert code == 0 and "2-3 minutes" in " ".join(text.split())
+    # every row passes instantly: the plan, not the losses, is under test here
+    monkeypatch.setattr(testing, "compare", lambda *a, **k: types.SimpleNamespace(
+        ok=True, loss_err=0.0, loss_tol=1.0, grad_err=0.0, grad_tol=1.0))
+    assert cli.main(["check", "--backends", "torch"]) == 0
+    out = capsys.readouterr().out
+    first = re.search(r"^(\d+) rows to check \(with the default options (.*)\)$", out, re.MULTILINE)
+    assert first and first.group(2).startswith(cli.DEFAULT_CHECK_TIME), out[:400]
+    passed = [line for line in out.splitlines() if line.endswith("PASS")]
+    assert int(first.group(1)) == len(passed) == 708
+    assert re.search(r"^708 rows, all passed in [\d.]+ s$", out, re.MULTILINE)
+
+
+def test_the_cli_hides_torchs_numpy_warning_only(tmp_path):
+    """Without NumPy (an install without an extra) torch warns "Failed to initialize NumPy" at import: the
+    command line silences that one message in its own process; importing the library keeps it."""
+    import os
+
+    stub = tmp_path / "numpy"
+    stub.mkdir()
+    (stub / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=False,
+                              env=env)
+
+    bare = run("-c", "import fused_contrastive; import numpy")
+    assert "Failed to initialize NumPy" in bare.stderr, bare.stderr  # the stub blocks NumPy; torch warns
+    assert "ModuleNotFoundError" in bare.stderr
+    for args in (["--version"], ["check", "--losses", "info_nce", "--shapes", "4x3", "--dtypes", "float32"]):
+        out = run("-m", "fused_contrastive", *args)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "NumPy" not in out.stderr, (args, out.stderr)
