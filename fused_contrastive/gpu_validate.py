@@ -24,7 +24,8 @@ Everything the Triton kernels need a GPU to confirm, in one command, with a pass
 * **timings** (CUDA events, medians, fwd + bwd, bf16, N = 16384 and 65536): the triton route of every
   family (and each path forced for the core op) against the textbook formula it replaces ("does not
   fit" on out-of-memory), each beside the GPU model's prediction (``bench/gpu_model.py``'s committed
-  JSON lines, or ``FUSED_CONTRASTIVE_GPU_MODEL``), and which path ``auto`` should prefer there;
+  JSON lines, extracted into the package, or ``FUSED_CONTRASTIVE_GPU_MODEL``), and which path ``auto`` should
+  prefer there;
 * **the ahead-of-time library** (``--aot-lib`` or ``FUSED_CONTRASTIVE_AOT_LIB``: a built
   ``libfused_contrastive_torch.so``, which has not run on a GPU yet): parity, determinism, fp16 and
   timings also on its operators, forced to either path ("aot/fused", "aot/panel"); its buffers are its
@@ -554,28 +555,47 @@ MODEL_KEYS = {"info_nce": ("info_nce", "ms", "naive_ms"), "simcse": ("simcse", "
               "clip": ("clip", "ms", "naive_ms"), "siglip": ("siglip", "ms", "naive_ms"),
               "gist": ("gist", "ms", "naive_ms"),
               "matryoshka": ("matryoshka5", "ms", "naive_ms")}
-#: where the model's committed output lives in a checkout (or FUSED_CONTRASTIVE_GPU_MODEL)
-MODEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
-                          "gpu_model", "gpu_model.txt")
+#: The GPU model's records that the verdict sets beside its timings, as the package ships them (package data, so
+#: that a regular install has the column): the records of MODEL_KEYS' losses at D = 768 for MODEL_GPUS, with
+#: only the keys read here, extracted by :func:`model_extract` from the model's committed output (MODEL_SOURCE,
+#: ``bench/gpu_model.py``'s JSON lines). tests/test_gpu_validate.py keeps the two equal;
+#: FUSED_CONTRASTIVE_GPU_MODEL names another output of the model (the full file or such an extract).
+MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_model_times.jsonl")
+MODEL_SOURCE = "bench/results/gpu_model/gpu_model.txt"
+MODEL_GPUS = ("H200", "H100", "A100")
+
+
+def _model_lines(path: str) -> list[dict]:
+    import json
+
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.startswith("{")]
+
+
+def model_extract(path: str) -> str:
+    """The JSON lines :data:`MODEL_FILE` holds, extracted from the GPU model's output at ``path``: one record
+    per (loss, GPU kind, N) of :data:`MODEL_KEYS` at D = 768, with the keys :func:`model_predictions` reads."""
+    import json
+
+    keep = {key: (route, formula) for key, route, formula in MODEL_KEYS.values()}
+    out = []
+    for r in _model_lines(path):
+        if r.get("gpu") in MODEL_GPUS and r.get("d", 768) == 768 and r.get("loss") in keep:
+            fields = ("loss", "gpu", "n", "d", *keep[r["loss"]])
+            out.append(json.dumps({k: r[k] for k in fields if k in r}, sort_keys=True))
+    return "".join(line + "\n" for line in out)
 
 
 def model_predictions(device: str) -> dict[tuple[str, int], tuple[float | None, float | None]]:
     """``{(loss, N): (route ms, formula ms)}`` of the GPU model for this device's kind (H100 / H200 /
-    A100), read from the model's committed JSON lines; empty where the file or the kind is missing."""
-    import json
-
+    A100), read from the model's records (:data:`MODEL_FILE`, or ``FUSED_CONTRASTIVE_GPU_MODEL``); empty
+    where the file or the kind is missing."""
     path = os.environ.get("FUSED_CONTRASTIVE_GPU_MODEL", MODEL_FILE)
     name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
-    kind = next((k for k in ("H200", "H100", "A100") if k in name), None)
+    kind = next((k for k in MODEL_GPUS if k in name), None)
     if kind is None or not os.path.exists(path):
         return {}
-    recs = {}
-    with open(path) as fh:
-        for line in fh:
-            if line.startswith("{"):
-                r = json.loads(line)
-                if r.get("gpu") == kind and r.get("d", 768) == 768:
-                    recs[(r["loss"], r["n"])] = r
+    recs = {(r["loss"], r["n"]): r for r in _model_lines(path) if r.get("gpu") == kind and r.get("d", 768) == 768}
     out = {}
     for loss, (key, route, formula) in MODEL_KEYS.items():
         for (name_, n), r in recs.items():

@@ -313,3 +313,27 @@ def test_the_fp16_check_grants_the_storage_error_only(monkeypatch):
     bad = GV.validate("cpu", plan, allow_cpu=True)
     rows = [r for r in bad.results if r.check.startswith("fp16 vs fp32")]
     assert len(rows) == 3 and not any(r.ok for r in rows), rows
+
+
+def test_the_model_column_ships_in_the_package(monkeypatch):
+    """The GPU model's times the verdict sets beside its own come from the package (a regular install has no
+    bench/results/): the packaged extract is the committed model output's, and it gives the full file's values."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    source = root / GV.MODEL_SOURCE
+    assert Path(GV.MODEL_FILE).parent == Path(GV.__file__).parent  # inside the package: it ships in the wheel
+    assert Path(GV.MODEL_FILE).read_text() == GV.model_extract(str(source)), (
+        "fused_contrastive/gpu_model_times.jsonl is stale: regenerate it with gpu_validate.model_extract")
+    full = [json.loads(line) for line in source.read_text().splitlines() if line.startswith("{")]
+    monkeypatch.delenv("FUSED_CONTRASTIVE_GPU_MODEL", raising=False)
+    want = {}
+    for kind in GV.MODEL_GPUS:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, kind=kind: f"NVIDIA {kind} 80GB")
+        want[kind] = {(loss, r["n"]): (r[route], r[formula]) for loss, (key, route, formula) in GV.MODEL_KEYS.items()
+                      for r in full if r["loss"] == key and r["gpu"] == kind and r.get("d", 768) == 768}
+        assert GV.model_predictions("cuda:0") == want[kind] and len(want[kind]) >= 12, kind  # 6 losses, 2+ sizes
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setenv("FUSED_CONTRASTIVE_GPU_MODEL", str(source))  # the full file reads the same
+    assert GV.model_predictions("cuda:0") == want["H200"]

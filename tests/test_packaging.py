@@ -148,6 +148,8 @@ def test_wheel_holds_every_module_of_the_source_tree(built):
     assert sum(f.endswith(".py") for f in want) > 50 and "fused_contrastive/kernels/__init__.py" in want
     missing = sorted(want - wheel_files(built.wheel))
     assert not missing, f"the wheel lacks {len(missing)} file(s) of the source tree: {missing}"
+    # check --gpu-validate's model column: the GPU model's times ship as package data
+    assert "fused_contrastive/gpu_model_times.jsonl" in wheel_files(built.wheel)
 
 
 def test_sdist_rebuilds_the_same_wheel(built):
