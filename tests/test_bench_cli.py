@@ -181,7 +181,8 @@ def test_bench_matryoshka_end_to_end(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-matryoshka", "--sizes", "48",
                           "--dims", "32,8,16", "--d", "32", "--repeats", "2", "--out", str(tmp_path)],
                          check=True, capture_output=True, text=True, env=env, timeout=300)
-    assert "one-pass / plain" in out.stdout and "peak memory" in out.stdout
+    assert "one-pass / plain" in out.stdout and "one-pass / formula" in out.stdout and "peak memory" in out.stdout
+    assert "formula / plain" not in out.stdout  # one direction: this library's one-pass loss / the other
     res = json.loads((tmp_path / "bench_matryoshka.json").read_text())
     (row,) = res["rows"]
     names = set(row["loss"])

@@ -29,7 +29,8 @@ def _rows(loss, contender, n, ms, spread=0.02, peak=None, input_bytes=None, stat
             "time_ms_p75": None if t is None else t * (1 + spread), "peak_bytes": peak,
             "input_bytes": 2 * n * D * 4 if input_bytes is None else input_bytes, "time_ratio_vs_reference": None,
             "memory_ratio_vs_reference": None, "time_ratio_vs_formula": None, "memory_ratio_vs_formula": None,
-            "max_abs_diff_loss": 1e-7, "max_abs_diff_grad": 1e-9, "within_tolerance": True, "worst": "",
+            "ours_time_ratio": None, "ours_memory_ratio": None, "max_abs_diff_loss": 1e-7, "max_abs_diff_grad": 1e-9,
+            "within_tolerance": True, "worst": "",
             "fraction_of_matmul_peak": None, "first_step_seconds": None})
     return out
 
@@ -125,6 +126,13 @@ def test_largest_batches_by_hand():
     assert head["reference"]["largest_batch"] is None
     assert head["reference"]["largest_batch_reason"].startswith("fewer than 3 sizes")
     assert head["torch"]["largest_batch"] == 2404656
+    # the headline's ratios are this library / each contender at N = 4096 (the reference's largest):
+    # time 160 / 192 (12 x 4^2), peak (1e6 + 1000 x 4096) / (6e6 + 11 x 4096^2); 160 / 192 against the formula
+    assert head["reference"]["ours_time_vs"] == pytest.approx(160 / 192)
+    assert head["reference"]["ours_memory_vs"] == pytest.approx((1e6 + 1000 * 4096) / (6e6 + 11 * 4096 ** 2))
+    assert head["formula"]["ours_time_vs"] == pytest.approx(160 / 192)
+    assert head["formula"]["ours_memory_vs"] == pytest.approx((1e6 + 1000 * 4096) / (5e6 + 10 * 4096 ** 2))
+    assert head["torch"]["ours_time_vs"] == 1.0
     text = R.format_report(rep)
     assert "largest N '-': no fit that justifies one (fewer than 3 sizes: info_nce reference)" in text
     line = next(x for x in text.splitlines() if x.startswith("torch ") and "2048,4096" in x)
@@ -157,6 +165,8 @@ def test_verdict_by_hand():
     rows += _rows("info_nce", "formula", 4096, 100.0, peak=80e6)
     rows += _rows("info_nce", "torch", 8192, None, peak=None, status="skipped", kind="ours")
     rows += _rows("info_nce", "formula", 8192, 400.0, peak=320e6)
+    # a peer library at 4096: 50 / 200 = 0.25 of its time, 20e6 / 40e6 = 0.5 of its peak
+    rows += _rows("info_nce", "pml-ntxent", 4096, 200.0, peak=40e6, kind="peer")
     # clip: 9.8 [9.604, 9.996] over 10 [9.8, 10.2]: range 9.604/10.2 = 0.94 .. 9.996/9.8 = 1.02: noise;
     # peak 1.2x: more memory
     rows += _rows("clip", "torch", 1024, 9.8, peak=12e6, kind="ours")
@@ -177,7 +187,9 @@ def test_verdict_by_hand():
     assert v["cosent"]["n"] is None
     text = R.format_report(rep)
     lines = [x.strip() for x in text.splitlines()]
-    assert "info_nce: torch / textbook formula at N=4096: time 0.50x (faster), peak memory 0.25x (less)" in lines
+    assert ("info_nce: torch / textbook formula at N=4096: time 0.50x (faster), peak memory 0.25x (less); "
+            "/ pml-ntxent: time 0.25x, peak memory 0.50x") in lines
+    assert "clip: torch / textbook formula" in text and not v["clip"]["peers"]
     assert "clip: torch / textbook formula at N=1024: time 0.98x~ (within noise), peak memory 1.20x (more)" in lines
     assert "simcse: triton / textbook formula at N=1024: time 1.50x (slower), peak memory 0.25x (less)" in lines
     assert "cosent: no size where both torch and the textbook formula ran" in lines
@@ -206,10 +218,13 @@ def test_tables_mark_noisy_ratios():
     large = text[next(i for i, x in enumerate(text) if x.startswith("LARGE N")) + 3]
     assert large.split()[:3] == ["info_nce", "4096", "0.50"]
     case = text[next(i for i, x in enumerate(text) if x.startswith("== info_nce")) + 1:]
-    torch64 = next(x for x in case if x.startswith("torch ") and x.split()[1] == "64").split()
-    assert torch64[6] == "1.30~"  # x ref: 1.3 [0.65, 1.95] over the reference's 1 [0.98, 1.02]
+    assert "ours / it" in case[0]  # the direction, in the header
     ref64 = next(x for x in case if x.startswith("reference ") and x.split()[1] == "64").split()
-    assert ref64[6] == "1.00"  # the reference against itself: no mark
+    assert ref64[6] == "1.30~" and ref64[9] == "0.50"  # ours / it: torch's 1.3 [0.65, 1.95] over 1 [0.98, 1.02]
+    torch64 = next(x for x in case if x.startswith("torch ") and x.split()[1] == "64").split()
+    assert torch64[6] == "1.00"  # this library against itself: no mark
+    ref4096 = next(x for x in case if x.startswith("reference ") and x.split()[1] == "4096").split()
+    assert ref4096[6] == "0.50"  # 0.5 [0.49, 0.51] over 1 [0.98, 1.02]: not noise
 
 
 def test_summary_plot_draws_the_unfitted(tmp_path):
@@ -223,6 +238,7 @@ def test_summary_plot_draws_the_unfitted(tmp_path):
     rows = [r for r in rows if not (r["contender"] == "reference" and r["n"] == 1024)]  # two sizes: no fit
     rep = _report(rows, ["info_nce"])
     head = {h["contender"]: h for h in rep["summary"]["headline"]}
-    assert head["reference"]["largest_batch"] is None and head["torch"]["time_noise"] is True
+    assert head["reference"]["largest_batch"] is None and head["reference"]["time_noise"] is True
+    assert head["torch"]["time_noise"] is False  # this library against itself
     path = R.plot_summary(rep, str(tmp_path))
     assert path and (tmp_path / "bench_summary.png").stat().st_size > 0

@@ -82,8 +82,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Microbenchmarks of every loss: this library's backends next to the reference, the textbook "
                     "formula each loss replaces, the seed documents' formulas and the peer libraries; time "
                     "(fwd, bwd, fwd+bwd; medians over repeats, contenders interleaved), peak memory (a fresh "
-                    "process per case), differences under the project's accuracy rule. Prints the headline, "
-                    "the small-batch table (torch vs formula, N <= 1024) and a table per loss; writes "
+                    "process per case), differences under the project's accuracy rule. Prints the verdict, the "
+                    "headline, the small-batch table (torch vs formula, N <= 1024) and a table per loss, every "
+                    "ratio this library / the other (below 1: this library is faster / holds less); writes "
                     "bench.txt, bench.json, bench_summary.png and a PNG per loss. N is the number of anchors "
                     "(rows of the similarity matrix).")
     ap.add_argument("--losses", type=_cases, default=None, metavar="LOSS,...",

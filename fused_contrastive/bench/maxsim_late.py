@@ -239,7 +239,8 @@ def render(res: dict[str, Any]) -> str:
         (f"MaxSim in-batch-negatives loss (N = M, Lq = {a['lq']}, Ld = {a['ld']}, D = {a['d']}, scale {a['scale']}, "
          f"float32, padding masks), forward + backward, CPU ({a['threads_used']} threads, torch {a['torch']}"
          + (f", sentence-transformers {a['sentence_transformers']}" if st else ", sentence-transformers not run")
-         + f"), medians of {a['repeats']} alternating repeats; peak = live tensor bytes of one step (LiveBytes)"),
+         + f"), medians of {a['repeats']} alternating repeats; peak = live tensor bytes of one step (LiveBytes); "
+         "ratios = ours / the other (this library / the other; below 1: this library is faster / holds less)"),
         (f"materialised peak factor {a['materialised_factor']:.3f} x N*M*Lq*Ld*4 bytes (calibrated at N = "
          f"{a['calibration_n']}); it runs where the prediction is <= {FIT_SHARE:.0%} of MemAvailable "
          + (f"({a['mem_available_bytes'] / 1e9:.1f} GB)" if a["mem_available_bytes"] else "(unknown)")),

@@ -1,8 +1,11 @@
 """What a benchmark run reports: rows, ratios, the largest batch within a memory budget, the tables,
 the JSON and the plots.
 
-* **Ratios** are measured in the same run: contender / reference and contender / formula, time and
-  peak memory, same mode and N.
+* **Ratios** are measured in the same run and printed in one direction: **this library / the other**
+  (this library's backend, triton where it ran, else torch, over the other contender), time and peak
+  memory, same mode and N; below 1 this library is faster / holds less. ``bench.json`` also keeps each
+  row's ratios to the reference and the formula (``*_ratio_vs_reference`` / ``*_vs_formula``: that
+  row / that base) and to this library (``ours_*_ratio``: this library / that row).
 * **Throughput**: every contender is credited with the FLOPs of the textbook formula's matmuls
   (``Case.flops``: forward ``2 R C D``, backward ``4 R C D``, forward+backward ``6 R C D`` with R x C the
   logits' shape); TFLOP/s = FLOPs / median time, and the fraction of the matmul peak measured at the
@@ -15,7 +18,7 @@ the JSON and the plots.
   N = 0 below zero is not a physical fit) or a non-positive ``b``.
 * **Verdict** (:func:`verdicts`): per loss, this library's backend (triton where it ran, else torch)
   against the textbook formula it replaces, forward+backward time and peak memory at the largest N
-  both ran.
+  both ran, and against the peer library where one ran there (pytorch-metric-learning).
 * **Noise**: a time ratio ``a / b`` is *within noise* (marked ``~``) when its range from the two
   contenders' quartiles, ``p25_a / p75_b .. p75_a / p25_b``, includes 1: their spread exceeds the
   ratio's distance from 1.
@@ -110,6 +113,7 @@ def rows_of(p: Planned, cfg, res: dict[str, Any]) -> list[dict[str, Any]]:
             "time_ms_p75": None, "time_ms_min": None, "time_ms_max": None, "peak_bytes": None,
             "input_bytes": res.get("input_bytes"), "time_ratio_vs_reference": None,
             "memory_ratio_vs_reference": None, "time_ratio_vs_formula": None, "memory_ratio_vs_formula": None,
+            "ours_time_ratio": None, "ours_memory_ratio": None,
             "loss_value": res.get("loss_value"), "max_abs_diff_loss": res.get("max_abs_diff_loss"),
             "max_abs_diff_grad": res.get("max_abs_diff_grad"), "within_tolerance": res.get("within_tolerance"),
             "worst": res.get("worst", ""), "flops": case.flops(p.n, cfg.dim, mode), "tflops": None,
@@ -131,7 +135,20 @@ def rows_of(p: Planned, cfg, res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Time and peak ratios of every row to the reference's and the formula's, same case, N and mode."""
+    """Time and peak ratios of every row to the reference's and the formula's (that row / the base), and this
+    library's to every row (``ours_time_ratio`` / ``ours_memory_ratio``: this library / that row), same case,
+    N and mode."""
+    for case in dict.fromkeys(r["loss"] for r in rows):
+        ours = backend_of(rows, case)
+        by = {(r["n"], r["mode"]): r for r in rows if r["loss"] == case and r["contender"] == ours}
+        for r in rows:
+            o = by.get((r["n"], r["mode"])) if r["loss"] == case else None
+            if o is None:
+                continue
+            if o["time_ms"] is not None and r["time_ms"]:
+                r["ours_time_ratio"] = o["time_ms"] / r["time_ms"]
+            if o["peak_bytes"] is not None and r["peak_bytes"]:
+                r["ours_memory_ratio"] = o["peak_bytes"] / r["peak_bytes"]
     for base in ("reference", "formula"):
         by = {(r["loss"], r["n"], r["mode"]): r for r in rows if r["contender"] == base}
         for r in rows:
@@ -286,6 +303,11 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      memory_ratio=(a["peak_bytes"] / b["peak_bytes"]) if a["peak_bytes"] and b["peak_bytes"]
                      else None, backend_ms=a["time_ms"], formula_ms=b["time_ms"], backend_peak=a["peak_bytes"],
                      formula_peak=b["peak_bytes"])
+        entry["peers"] = [
+            {"contender": p["contender"], "time_ratio": a["time_ms"] / p["time_ms"], "time_noise": within_noise(a, p),
+             "memory_ratio": (a["peak_bytes"] / p["peak_bytes"]) if a["peak_bytes"] and p["peak_bytes"] else None}
+            for p in rows if p["loss"] == case and p["n"] == n and p["mode"] == "forward+backward"
+            and p["kind"] == "peer" and p["time_ms"]]
     return out
 
 
@@ -345,8 +367,9 @@ def compiled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def headline(rows: list[dict[str, Any]], largest: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per case, at the largest N the reference ran: every contender's time and peak relative to the
-    reference, and its largest batch within the budget (extrapolated)."""
+    """Per case, at the largest N the reference ran: this library's time and peak over every contender's
+    (``ours_time_vs`` / ``ours_memory_vs``: this library / that contender; 1 on this library's own row), and
+    each contender's largest batch within the budget (extrapolated)."""
     out = []
     for case in dict.fromkeys(r["loss"] for r in rows):
         ns = [r["n"] for r in rows if r["loss"] == case and r["contender"] == "reference" and r["time_ms"]]
@@ -357,10 +380,11 @@ def headline(rows: list[dict[str, Any]], largest: list[dict[str, Any]]) -> list[
             if r["loss"] != case or r["n"] != n or r["mode"] != "forward+backward" or r["time_ms"] is None:
                 continue
             lb = next((e for e in largest if e["loss"] == case and e["contender"] == r["contender"]), None)
+            ours = _fb(rows, case, backend_of(rows, case), n)
             out.append({"loss": case, "n": n, "contender": r["contender"], "kind": r["kind"],
-                        "time_vs_reference": r["time_ratio_vs_reference"],
-                        "time_noise": within_noise(r, _fb(rows, case, "reference", n)),
-                        "memory_vs_reference": r["memory_ratio_vs_reference"],
+                        "ours_time_vs": r["ours_time_ratio"],
+                        "time_noise": bool(ours) and ours is not r and within_noise(ours, r),
+                        "ours_memory_vs": r["ours_memory_ratio"],
                         "largest_batch": lb["n_max"] if lb else None,
                         "largest_batch_reason": (lb.get("reason") if lb else "no entry") or ""})
     return out
@@ -370,7 +394,6 @@ def assemble(cfg, rows: list[dict[str, Any]], peak: dict[str, Any], load_start: 
              wall: float) -> dict[str, Any]:
     import time as _time
 
-    add_ratios(rows)
     for r in rows:
         if r["tflops"] is not None and peak.get("flops_per_s"):
             r["fraction_of_matmul_peak"] = r["tflops"] * 1e12 / peak["flops_per_s"]
@@ -400,6 +423,7 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
     (verdicts, headline, small batches, large N, compiled), in place; returns ``report``. Rendering
     calls it, so a report read back from an older ``bench.json`` is shown by the current rules."""
     rows = report["rows"]
+    add_ratios(rows)
     largest = largest_batches(rows, report["meta"]["mem_budget_bytes"])
     report["largest_batch"] = largest
     report["summary"] = {"verdict": verdicts(rows), "small_batch": small_batch(rows), "large_n": large_n(rows),
@@ -446,8 +470,10 @@ def verdict_line(v: dict[str, Any]) -> str:
     m = v["memory_ratio"]
     mem = "-" if m is None else f"{_x(m)}x ({'less' if m < 1 else 'more' if m > 1 else 'same'})"
     mark = "~" if v["time_noise"] else ""
+    peers = "".join(f"; / {p['contender']}: time {_xn(p['time_ratio'], p['time_noise'])}x, peak memory "
+                    f"{_x(p['memory_ratio'])}x" for p in v.get("peers") or ())
     return (f"{v['loss']}: {v['backend']} / textbook formula at N={v['n']}: time {_x(t)}x{mark} ({speed}), "
-            f"peak memory {mem}")
+            f"peak memory {mem}{peers}")
 
 
 def _e(x: float | None) -> str:
@@ -494,18 +520,20 @@ def format_report(report: dict[str, Any]) -> str:
     out.append(NOISE_LEGEND)
     summ = report["summary"]
     if summ["verdict"]:
-        out += ["", ("VERDICT: this library's backend against the textbook formula it replaces, forward+backward "
-                     "at the largest N both ran (ratio < 1: faster / less memory)")]
+        out += ["", ("VERDICT: this library's backend / the textbook formula it replaces (and / the peer library "
+                     "where one ran), forward+backward at the largest N both ran (ratio < 1: this library is faster "
+                     "/ holds less)")]
         out += ["  " + verdict_line(v) for v in summ["verdict"]]  # one line per loss
     if summ["headline"]:
-        out += ["", ("HEADLINE: each contender relative to the reference at the largest N the reference ran "
-                     "(forward+backward); largest batch within "
-                     f"{meta['mem_budget_bytes'] / GiB:.0f} GiB EXTRAPOLATED from measured peaks")]
-        tab = [[h["loss"], h["n"], h["contender"], _xn(h["time_vs_reference"], h.get("time_noise")),
-                _x(h["memory_vs_reference"]), _n(h["largest_batch"]) if h["largest_batch"] else "-"]
+        out += ["", ("HEADLINE: this library / each contender, forward+backward time and peak memory at the largest "
+                     "N the reference ran (ratio < 1: this library is faster / holds less); each contender's "
+                     f"largest batch within {meta['mem_budget_bytes'] / GiB:.0f} GiB EXTRAPOLATED from measured "
+                     "peaks")]
+        tab = [[h["loss"], h["n"], h["contender"], _xn(h["ours_time_vs"], h.get("time_noise")),
+                _x(h["ours_memory_vs"]), _n(h["largest_batch"]) if h["largest_batch"] else "-"]
                for h in summ["headline"]]
-        out.append(tabulate(tab, headers=["loss", "N", "contender", "time x ref", "peak x ref", "largest N"],
-                            tablefmt="simple", disable_numparse=True))
+        out.append(tabulate(tab, headers=["loss", "N", "contender", "time: ours / it", "peak: ours / it",
+                                          "its largest N"], tablefmt="simple", disable_numparse=True))
         why: dict[str, list[str]] = {}
         for h in summ["headline"]:
             if not h["largest_batch"]:
@@ -522,14 +550,14 @@ def format_report(report: dict[str, Any]) -> str:
                          if (case, n) in by else "-" for n in ns]
                for case in dict.fromkeys(s["loss"] for s in summ["small_batch"])]
         reps = min(s["repeats"] for s in summ["small_batch"])
-        out += ["", (f"SMALL BATCHES: torch backend / textbook formula, forward+backward time, D={meta['dim']}, "
-                     f"{meta['dtype']}, medians of >= {reps} repeats side by side (target <= 1.05)"),
+        out += ["", (f"SMALL BATCHES: this library (torch backend) / textbook formula, forward+backward time, "
+                     f"D={meta['dim']}, {meta['dtype']}, medians of >= {reps} repeats side by side (target <= 1.05)"),
                 tabulate(tab, headers=["loss"] + [f"N={n}" for n in ns], tablefmt="simple", disable_numparse=True)]
     if summ["large_n"]:
         tab = [[s["loss"], s["n"], _xn(s["torch_vs_formula_time"], s.get("torch_vs_formula_time_noise")),
                 _x(s["torch_vs_formula_peak"]), _ms(s["torch_ms"]),
                 _ms(s["formula_ms"]), _bytes(s["torch_peak"]), _bytes(s["formula_peak"])] for s in summ["large_n"]]
-        out += ["", f"LARGE N (>= {LARGE_N}): torch backend / textbook formula, forward+backward",
+        out += ["", f"LARGE N (>= {LARGE_N}): this library (torch backend) / textbook formula, forward+backward",
                 tabulate(tab, headers=["loss", "N", "time x", "peak x", "torch ms", "formula ms", "torch peak",
                                        "formula peak"], tablefmt="simple", disable_numparse=True)]
     if summ.get("compiled"):
@@ -542,7 +570,8 @@ def format_report(report: dict[str, Any]) -> str:
                 _ms(s["formula_compiled_ms"]), sec(s["torch_first_step_s"]), sec(s["formula_first_step_s"])]
                for s in summ["compiled"]]
         out += ["", ("COMPILED (torch.compile, Inductor defaults): forward+backward time ratios, medians side by "
-                     "side; first step = cold step incl. compile"),
+                     "side: compiled / eager of each, and this library compiled / the formula compiled; first step "
+                     "= cold step incl. compile"),
                 tabulate(tab, headers=["loss", "N", "torch c/e", "formula c/e", "torch c / formula c", "torch c ms",
                                        "formula c ms", "torch 1st", "formula 1st"], tablefmt="simple",
                          disable_numparse=True)]
@@ -570,14 +599,16 @@ def format_report(report: dict[str, Any]) -> str:
                 eff = f"{100 * fb['fraction_of_matmul_peak']:.0f}" if fb["fraction_of_matmul_peak"] else "-"
                 tol = "" if fb["within_tolerance"] is None else ("ok" if fb["within_tolerance"] else "DIFF!")
                 status = fb["status"] if fb["status"] == "ok" else f"{fb['status']}: {fb['reason'][:50]}"
-                noise = within_noise(fb, _fb(rows, case, "reference", n))
+                ours = _fb(rows, case, backend_of(rows, case), n)
+                noise = bool(ours) and ours is not fb and within_noise(ours, fb)
                 lines.append([cname, n, _ms(f["time_ms"]), _ms(b["time_ms"]), _ms(fb["time_ms"]), spread,
-                              _xn(fb["time_ratio_vs_reference"], noise), eff, _bytes(fb["peak_bytes"]),
-                              _x(fb["memory_ratio_vs_reference"]), _e(fb["max_abs_diff_loss"]),
+                              _xn(fb["ours_time_ratio"], noise), eff, _bytes(fb["peak_bytes"]),
+                              _x(fb["ours_memory_ratio"]), _e(fb["max_abs_diff_loss"]),
                               _e(fb["max_abs_diff_grad"]), f"{status} {tol}".strip()])
-        out += ["", f"== {case}: {CASE_BY_NAME[case].inputs}",
-                tabulate(lines, headers=["contender", "N", "fwd ms", "bwd ms", "fwd+bwd", "±%", "x ref", "eff%",
-                                         "peak", "x ref", "|dloss|", "|dgrad|", "status"],
+        out += ["", f"== {case}: {CASE_BY_NAME[case].inputs} (ours / it: this library's {backend_of(rows, case)} "
+                    "over that contender)",
+                tabulate(lines, headers=["contender", "N", "fwd ms", "bwd ms", "fwd+bwd", "±%", "ours / it", "eff%",
+                                         "peak", "ours / it", "|dloss|", "|dgrad|", "status"],
                          tablefmt="simple", disable_numparse=True)]
     if skipped:
         out += ["", "not run:"] + [f"  {c} ({len(ns)} cases): {why}" for (c, why), ns in skipped.items()]
@@ -732,7 +763,7 @@ def plot_summary(report: dict[str, Any], out_dir: str) -> str | None:
     by = {(h["loss"], h["contender"]): h for h in head}
     fig, axes = plt.subplots(1, 3, figsize=(16, 0.5 * len(cases) * max(1, len(names) / 2.5) + 2.2), sharey=True)
     height = 0.8 / len(names)
-    keys = ("time_vs_reference", "memory_vs_reference", "largest_batch")
+    keys = ("ours_time_vs", "ours_memory_vs", "largest_batch")
     fmt = (lambda v: f"{v:.2f}x", lambda v: f"{v:.2f}x", lambda v: _n(v))
     for j, cname in enumerate(names):
         color = _style(cname, j)[0]
@@ -750,12 +781,13 @@ def plot_summary(report: dict[str, Any], out_dir: str) -> str | None:
             ax.barh([p[0] for p in pts], [p[1] for p in pts], height=height * 0.9, color=color,
                     label=cname if ax is axes[0] else None)
             for y, v, h in pts:
-                noise = "~" if key == "time_vs_reference" and h.get("time_noise") else ""
+                noise = "~" if key == "ours_time_vs" and h.get("time_noise") else ""
                 ax.text(v, y, " " + f(v) + noise, va="center", fontsize=6.5)
     axes[0].set_yticks(range(len(cases)))
     axes[0].set_yticklabels([f"{c} (N={by[(c, 'reference')]['n']})" if (c, "reference") in by else c for c in cases])
     axes[0].invert_yaxis()
-    titles = ("forward+backward time / reference (largest N; ~ within noise)", "peak memory / reference",
+    titles = ("forward+backward time: this library / it (largest N; ~ within noise)",
+              "peak memory: this library / it",
               f"largest N within {report['meta']['mem_budget_bytes'] / GiB:.0f} GiB (EXTRAPOLATED)")
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log")
