@@ -5,7 +5,7 @@
     python bench/gpu_session.py --list                     # the steps and their commands
 
 A developer session may be lent one GPU for a few minutes, a command at a time (600 s at most each). This
-runs the commands the open GPU questions need (the README's "Running on a GPU") one after another, each
+runs the commands the open GPU questions need (docs/gpu-measurements.md, "Running on a GPU") one after another, each
 in its own process group with the time the budget has left, writing what each prints, as it prints it, to
 ``DIR/<step>.txt`` and a summary to ``DIR/session.json``: eight files with bench-gpu's own three
 (``DIR/bench_gpu/``), so everything comes back from a device tool that returns at most eight files. A step

@@ -92,7 +92,7 @@ def uniformity(x: Tensor, t=2.0, *, normalize: bool = True, backend: str = "auto
         normalize: L2-normalise the rows first (default True: the metric is defined on the unit
             sphere). With False the raw Euclidean distances are used.
         backend: "auto" (default), "torch", "triton" or "reference" (the textbook formula on the
-            materialised distance matrix; for tests), as for the losses (README, "Choosing a backend").
+            materialised distance matrix; for tests), as for the losses (docs/backends.md).
 
     Returns:
         0-dim tensor, float32 (float64 for float64 inputs), differentiable. Lower is more uniform;

@@ -9,7 +9,7 @@ GPU has timed it (then it is the default only where no measured form exists). ``
 the evidence: every quoted row must exist and agree with its float64 definition, and no alternative may be
 faster than the chosen form by more than :data:`TIE` (these runs' spread between repeats of one contender).
 
-``python -m fused_contrastive.routes`` prints the table (the README's "Routes" section quotes it).
+``python -m fused_contrastive.routes`` prints the table (docs/gpu-measurements.md's "Routes" section quotes it).
 """
 
 from __future__ import annotations

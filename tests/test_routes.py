@@ -88,7 +88,7 @@ def test_the_table_lists_every_route():
 
 
 def test_the_readme_quotes_the_table():
-    with open(os.path.join(ROOT, "README.md")) as fh:
+    with open(os.path.join(ROOT, "docs", "gpu-measurements.md")) as fh:  # the README links the routes there
         readme = fh.read()
     begin, end = "<!-- routes table:", "<!-- end of the routes table"
     assert readme[readme.index(begin):readme.index(end)].split("\n", 1)[1].strip() == R.table()

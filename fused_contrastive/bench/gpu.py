@@ -632,10 +632,11 @@ def read_jsonl(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return meta, rows
 
 
-# --- the README's table -----------------------------------------------------------------------------------
+# --- the measured table (docs/gpu-measurements.md) ---------------------------------------------------------
 
-#: The committed bench-gpu runs the README's table quotes, newest first: a row (loss, N, D, contender) comes
-#: from the first run that measured it (the second H200 run; the first for MaxSim and the compiled textbook).
+#: The committed bench-gpu runs docs/gpu-measurements.md's table quotes, newest first: a row (loss, N, D,
+#: contender) comes from the first run that measured it (the second H200 run; the first for MaxSim and the
+#: compiled textbook).
 README_RUNS = ("bench/results/h200-bench-gpu-2/bench_gpu.jsonl", "bench/results/h200-bench-gpu-1/bench_gpu.jsonl")
 
 
@@ -660,7 +661,7 @@ def current_rows(root: str, files: Sequence[str] = README_RUNS) -> list[dict[str
 
 
 def readme_table(root: str, files: Sequence[str] = README_RUNS) -> str:
-    """The README's Markdown table of the committed runs (:func:`current_rows`): per loss, D and N this
+    """docs/gpu-measurements.md's Markdown table of the committed runs (:func:`current_rows`): per loss, D and N this
     library's default route, the textbook (eager and compiled) and the fastest agreeing peer, with the ratios
     this library / the other and the peak memory above the inputs."""
     rows = current_rows(root, files)

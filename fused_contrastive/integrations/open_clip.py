@@ -15,7 +15,7 @@ Under ``torch.distributed`` (``world_size > 1``) every combination of open_clip'
 in value and gradient (the all-gather's backward sums every rank's gradient into the rows' owner, as
 ``torch.distributed.nn.all_gather`` does). open_clip assumes the same local batch size on every rank;
 here unequal sizes also work, with the true row offsets, and a mean is then the global-batch mean
-scaled by the world size, as the library's ``gather=`` contract says (README, "Negatives across ranks"):
+scaled by the world size, as the library's ``gather=`` contract says (docs/distributed.md):
 
 * ``ClipLoss(local_loss=True, gather_with_grad=True)``: this rank's rows against every rank's columns,
   the library's ``gather=`` path (``clip_loss(..., gather=True)``);
