@@ -165,6 +165,10 @@ def test_check_says_how_long_it_takes(monkeypatch, capsys):
     from fused_contrastive import testing
 
     assert "2-3 minutes" in cli.DEFAULT_CHECK_TIME and "708 rows" in cli.DEFAULT_CHECK_TIME
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert cli.DEFAULT_CHECK_TIME in readme  # the README's "Check a new machine" says the same
     code, text, _ = _in_process(capsys, "check", "--help")
     assert code == 0 and "2-3 minutes" in " ".join(text.split())
     # every row passes instantly: the plan, not the losses, is under test here
