@@ -164,6 +164,26 @@ def test_the_table_covers_cpu_gpu_peers_and_where_it_does_not_help():
     assert any(r[2] == PENDING for r in rows)  # what is not measured yet says so
 
 
+def largest_batch_problems(readme: str) -> list[str]:
+    """The README's extrapolated largest InfoNCE batch against the committed run's ``largest_batch`` entries."""
+    m = re.search(r"The largest InfoNCE batch within (\d+) GiB .*?\s+peaks at N = ([\d, and]+): (\d+) for this\s+"
+                  r"library against (\d+) for the textbook formula", readme, re.DOTALL)
+    if not m:
+        return ["no largest-batch sentence"]
+    run = json.loads((ROOT / "bench/results/cpu-2core-default/bench.json").read_text())
+    by = {e["contender"]: e for e in run["largest_batch"] if e["loss"] == "info_nce"}
+    fit = [int(x) for x in re.findall(r"\d+", m[2])]
+    want = (run["meta"]["mem_budget_bytes"] / 2**30, by["torch"]["fit_n"], by["torch"]["n_max"], by["formula"]["n_max"])
+    got = (int(m[1]), fit, int(m[3]), int(m[4]))
+    return [] if got == want and by["formula"]["fit_n"] == fit else [f"README {got}, the run {want}"]
+
+
+def test_the_largest_batch_is_the_committed_runs():
+    assert largest_batch_problems(_readme()) == []
+    planted = _readme().replace("614077 for this library", "614078 for this library")
+    assert largest_batch_problems(planted)
+
+
 @pytest.mark.parametrize("edit", [
     ("| 2666 ms, 189 MiB |", "| 2666 ms, 188 MiB |"),  # a peak
     ("| 2666 ms, 189 MiB |", "| 2667 ms, 189 MiB |"),  # a time
