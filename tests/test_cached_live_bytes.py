@@ -1,9 +1,10 @@
 """The cached sentence-transformers drop-ins never hold more than the class they replace: the live tensor
 bytes of one training step (forward and backward, ``bench.memory.LiveBytes``: deterministic, every ATen
 op's new storages until they die) of ours against sentence-transformers' own class on the same tiny BERT
-and batch, with and without their / our MatryoshkaLoss around it. A planted extra copy of the embeddings
-(one [B, D] tensor per column kept through the step) and the loss run without the mini-batch tile
-budget (the drop-ins before issue 60: 2^21-element tiles) both make the comparison fail."""
+and batch: the cached MNRL, the symmetric one, MatryoshkaLoss around the cached MNRL, and the cached
+multi-vector MNRL. A planted extra copy of the embeddings (one [B, D] tensor per column kept through the
+step), the loss run without the mini-batch tile budget (the drop-ins before issue 60: 2^21-element
+tiles) and, for the multi-vector loss, the whole batch in one fused call make the comparison fail."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import warnings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+import torch
 
 st = pytest.importorskip("sentence_transformers",
                          reason="optional peer: pip install '/path/to/fused-contrastive[sentence-transformers]'")
@@ -112,3 +114,41 @@ def test_mini_batch_tiles_sets_and_restores_the_budget(monkeypatch):
     with fused._mini_batch_tiles(2, 300):
         assert tile_elements() == 600
     assert os.environ["FUSED_CONTRASTIVE_TILE_ELEMENTS"] == "1000"
+
+
+# ------------------------------------------------------------------------------------------------
+# the cached multi-vector (late interaction) MNRL
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def multi_vector(tmp_path_factory):
+    """(tiny MultiVectorEncoder, its two columns of B sentences): their modules, 16-dim unit tokens."""
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    path = build_tiny_model(str(tmp_path_factory.mktemp("tiny_bert_mv")), hidden=32, layers=1)
+    torch.manual_seed(0)
+    enc = Transformer(path)
+    dense = Dense(in_features=enc.get_embedding_dimension(), out_features=16, bias=False,
+                  activation_function=torch.nn.Identity(), module_input_name="token_embeddings")
+    model = MultiVectorEncoder(modules=[enc, dense, MultiVectorMask(skiplist_words=[]),
+                                        Normalize(module_input_name="token_embeddings")], device="cpu").eval()
+    return model, [model.preprocess(sentences(B, 6, seed=s)) for s in (1, 2)]
+
+
+def test_cached_multi_vector_holds_no_more_than_theirs(multi_vector):
+    from sentence_transformers.multi_vector_encoder import losses as mv_peer
+
+    from fused_contrastive.integrations import sentence_transformers_multi_vector as mv
+
+    model, cols = multi_vector
+    their_peak, their_value = _step(model, mv_peer.CachedMultiVectorMultipleNegativesRankingLoss(model), cols)
+    ours, value = _step(model, mv.CachedMultiVectorMultipleNegativesRankingLoss(model), cols)
+    assert value == pytest.approx(their_value, rel=1e-5)
+    assert ours <= their_peak, f"ours {ours} B > theirs {their_peak} B"
+    # the whole batch in one fused call (the drop-in before issue 60): its [B, Lq, B] argmax indices
+    one = mv.CachedMultiVectorMultipleNegativesRankingLoss(model, score_mini_batch_size=B)
+    assert _step(model, one, cols)[0] > their_peak
