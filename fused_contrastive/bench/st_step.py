@@ -172,8 +172,9 @@ def render(res: dict[str, Any]) -> str:
     a = res["config"]
     table = []
 
-    def mib(b: int) -> str:
-        return f"{b / (1 << 20):.3g}"
+    def mib(b: int) -> str:  # 3 significant digits, no exponent
+        v = b / (1 << 20)
+        return f"{v:.3g}" if v < 1000 else f"{v:.0f}"
 
     def ratio(ours: float, theirs: float) -> str:
         return f"{ours / theirs:.2f}" if theirs else "-"
