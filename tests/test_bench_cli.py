@@ -236,3 +236,29 @@ def test_bench_gist_end_to_end(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-gist", "--guide-dim", "0"],
                          check=False, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--guide-dim" in bad.stderr
+
+
+def test_quick_defaults_show_the_memory_claim(monkeypatch):
+    """``bench --quick`` runs three losses at 2048 and 4096, where one N x N float32 logit matrix
+    (64 MiB at 4096) outweighs the inputs (two [N, 768] float32: 24 MiB), and this library's largest
+    batch is fitted on three sizes >= 1024; under load it takes one thread per process."""
+    import argparse
+
+    from fused_contrastive.bench import cli
+    from fused_contrastive.bench.report import MIN_FIT_SIZES
+
+    parser = argparse.ArgumentParser()
+    ap = cli.add_parser(parser.add_subparsers())
+    monkeypatch.setattr("fused_contrastive.bench.report.loadavg", lambda: 0.0)
+    cfg = cli.config(ap.parse_args(["--quick"]), ap)
+    assert cfg.sizes == [64, 256, 1024] and cfg.threads is None and cfg.threads_note == ""
+    assert cfg.extra_sizes == {"info_nce": [2048, 4096], "clip": [2048, 4096], "supcon_out": [2048, 4096]}
+    n, d = max(cfg.extra_sizes["info_nce"]), cfg.dim
+    assert n * n * 4 > 2 * n * d * 4 * 2.5
+    sizes = sorted(set(cfg.sizes) | set(cfg.extra_sizes["clip"]))
+    assert len([x for x in sizes if x >= 1024]) >= MIN_FIT_SIZES
+    monkeypatch.setattr("fused_contrastive.bench.report.loadavg", lambda: 64.0 * (os.cpu_count() or 1))
+    cfg = cli.config(ap.parse_args(["--quick"]), ap)
+    assert cfg.threads == 1 and "1 thread per process" in cfg.threads_note
+    assert cli.config(ap.parse_args(["--quick", "--threads", "2"]), ap).threads == 2
+    assert cli.config(ap.parse_args(["--quick", "--sizes", "64,128"]), ap).extra_sizes == {}

@@ -73,6 +73,82 @@ def test_within_noise_by_hand():
     assert R._xn(0.98, True) == "0.98~" and R._xn(0.5, False) == "0.50" and R._xn(None, True) == "-"
 
 
+def test_sign_test_rank_by_hand():
+    # coverage of [k-th smallest, k-th largest] = 1 - 2 P(Bin(n, 1/2) <= k - 1):
+    # n = 4: k = 1 gives 1 - 2/16 = 0.875 < 0.90: the whole range (k = 1) all the same
+    assert R.sign_test_rank(3) == R.sign_test_rank(4) == 1
+    # n = 5: k = 1: 1 - 2/32 = 0.9375; k = 2: 1 - 2 * 6/32 = 0.625
+    assert R.sign_test_rank(5) == 1
+    # n = 10: k = 2: 1 - 2 * 11/1024 = 0.9785; k = 3: 1 - 2 * 56/1024 = 0.8906
+    assert R.sign_test_rank(10) == 2
+    # n = 30: P(X <= 9) = 0.02139 (k = 10: coverage 0.957), P(X <= 10) = 0.04937 (k = 11: 0.901),
+    # P(X <= 11) = 0.10024 (k = 12: 0.800); the sums of C(30, j) / 2^30 written out
+    assert R.sign_test_rank(30) == 11
+    assert R.sign_test_rank(10, coverage=0.99) == 1  # k = 2 gives 0.9785 < 0.99
+
+
+def _times(ms):
+    return {"time_ms": sorted(ms)[len(ms) // 2], "time_ms_p25": None, "time_ms_p75": None, "times_ms": ms}
+
+
+def test_noise_band_pairs_the_rounds():
+    # a machine that slows down round after round slows both: every per-round ratio is 0.5, a real 2x,
+    # which the quartile rule (2/8 = 0.25 .. 4/4 = 1.0) would call noise
+    a, b = [1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.0, 6.0, 8.0, 10.0]
+    assert R.noise_band(_times(a), _times(b)) == pytest.approx((0.5, 0.5))
+    assert R.within_noise(_times(a), _times(b)) is False
+    quart = {"time_ms": 3.0, "time_ms_p25": 2.0, "time_ms_p75": 4.0}
+    assert R.within_noise(quart, {"time_ms": 6.0, "time_ms_p25": 4.0, "time_ms_p75": 8.0}) is True
+    # ten rounds with ratios 0.8 0.9 0.95 0.97 0.98 0.99 1.01 1.02 1.2 1.5 (k = 2): band 0.9 .. 1.2, noise
+    ratios = [1.01, 0.8, 1.5, 0.97, 0.9, 1.2, 0.98, 1.02, 0.95, 0.99]
+    b = [2.0 + i for i in range(10)]
+    a = [r * x for r, x in zip(ratios, b, strict=True)]
+    assert R.noise_band(_times(a), _times(b)) == pytest.approx((0.9, 1.2))
+    assert R.within_noise(_times(a), _times(b)) is True
+    # one round under 1 among ten over 1.02 is an outlier the band leaves out (k = 2): not noise
+    ratios = [0.95, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08, 1.09, 1.10]
+    a = [r * x for r, x in zip(ratios, b, strict=True)]
+    assert R.noise_band(_times(a), _times(b)) == pytest.approx((1.02, 1.09))
+    assert R.within_noise(_times(a), _times(b)) is False
+
+
+def test_small_batch_table_marks_the_target_misses():
+    rows = []
+    # N = 64: 1.04 (meets 1.05); N = 256: 1.2 beyond noise (misses); N = 1024: 0.9 (meets)
+    for n, ms in ((64, 1.04), (256, 1.2), (1024, 0.9)):
+        rows += _rows("simcse", "torch", n, ms, spread=0.01, peak=1e6, kind="ours")
+        rows += _rows("simcse", "formula", n, 1.0, spread=0.01, peak=2e6)
+    text = R.format_report(_report(rows, ["simcse"])).splitlines()
+    i = next(i for i, x in enumerate(text) if x.startswith("SMALL BATCHES"))
+    assert "this library (torch backend) / the textbook formula" in text[i] and "target <= 1.05" in text[i]
+    assert text[i + 3].split() == ["simcse", "1.04", "1.20!", "0.90"]
+    assert text[i + 4] == "1 of 3 cells miss the target <= 1.05 (1 beyond noise): simcse N=256 1.20!"
+
+
+def test_load_warning_names_one_thread():
+    rows = _rows("simcse", "torch", 64, 1.0, peak=1e6, kind="ours") + _rows("simcse", "formula", 64, 1.0, peak=2e6)
+    rep = _report(rows, ["simcse"])
+    rep["meta"]["loadavg_1min"] = {"start": 1000.0}
+    text = R.format_report(rep)
+    assert "WARNING: 1-min load average 1000.0" in text and "rerun with --threads 1" in text
+    rep["meta"].update(torch_threads=1, threads_note="host loaded (...): 1 thread per process")
+    text = R.format_report(rep)
+    assert "WARNING: 1-min load average" in text and "--threads 1" not in text
+    assert "host loaded (...): 1 thread per process" in text.splitlines()
+    rep["meta"]["loadavg_1min"] = {"start": 0.0}
+    assert "WARNING" not in R.format_report(rep)
+
+
+def test_threads_for_a_loaded_host():
+    from fused_contrastive.bench.cli import threads_for
+
+    n, note = threads_for(None, "cpu", load=3.0, cpus=2)  # load 3 > half of 2 CPUs
+    assert n == 1 and "1-min load average 3.0 on 2 CPUs" in note and "--threads" in note
+    assert threads_for(None, "cpu", load=1.0, cpus=2) == (None, "")  # exactly half: not loaded
+    assert threads_for(2, "cpu", load=9.0, cpus=2) == (2, "")  # the user's choice stands
+    assert threads_for(None, "cuda", load=9.0, cpus=2) == (None, "")
+
+
 # ------------------------------------------------------------------------------------------------
 # largest batch within the budget
 # ------------------------------------------------------------------------------------------------
@@ -214,7 +290,7 @@ def test_tables_mark_noisy_ratios():
     assert [(s["n"], s["torch_vs_formula_time_noise"]) for s in ln] == [(4096, False)]
     text = R.format_report(rep).splitlines()
     small = text[next(i for i, x in enumerate(text) if x.startswith("SMALL BATCHES")) + 3]
-    assert small.split() == ["info_nce", "1.30~"]
+    assert small.split() == ["info_nce", "1.30~!"]  # over the target 1.05, within noise
     large = text[next(i for i, x in enumerate(text) if x.startswith("LARGE N")) + 3]
     assert large.split()[:3] == ["info_nce", "4096", "0.50"]
     case = text[next(i for i, x in enumerate(text) if x.startswith("== info_nce")) + 1:]

@@ -438,15 +438,21 @@ def test_example_script_runs():
 def test_bench_st_step_cli():
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-st-step", "--batches", "6",
-                          "--hidden", "16", "--layers", "1", "--seq", "4", "--repeats", "1"],
+                          "--losses", "cached-matryoshka", "--hidden", "16", "--layers", "1", "--seq", "4",
+                          "--repeats", "1"],
                          check=False, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
-    assert "ratios = fused / peer" in lines[0]  # one direction: this library / the other
-    assert lines[1].split() == ["batch", "peer", "ms", "fused", "ms", "time", "fused", "/", "peer", "peer", "MiB",
-                                "fused", "MiB", "peak", "fused", "/", "peer"]
-    row = lines[3].split()
-    assert row[0] == "6" and float(row[1]) > 0 and float(row[2]) > 0 and row[3].endswith("x")
+    assert lines[1].startswith("ratios: this library / sentence-transformers")
+    assert lines[2].split() == ["loss", "batch", "st", "ms", "ours", "ms", "time", "x", "st", "live", "MiB", "ours",
+                                "live", "MiB", "live", "x", "st", "RSS", "MiB", "ours", "RSS", "MiB", "RSS", "x"]
+    rows = [x.split() for x in lines[4:]]
+    assert [r[:2] for r in rows] == [["cached-matryoshka", "6"]]  # (one loss: two fresh processes each)
+    r = rows[0]
+    st_ms, ours_ms, st_live, ours_live = float(r[2]), float(r[3]), float(r[5]), float(r[6])
+    assert st_ms > 0 and ours_ms > 0 and st_live > 0 and ours_live > 0, r
+    # ours / theirs, from the printed 3 significant digits
+    assert float(r[7]) == pytest.approx(ours_live / st_live, rel=0.01, abs=0.006), r
     bad = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-st-step", "--batches", "1"],
                          check=False, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--batches" in bad.stderr

@@ -19,12 +19,16 @@ from ..testing import BENCH_CASES, CASE_BY_NAME
 # Defaults per device and run length. CPU sizes are small because one 4096 x 4096 x 768 matmul takes
 # ~0.6 s on the 2-core reference machine; N <= 1024 makes the small-batch table, 4096 the large-N
 # table; info_nce also runs at 8192 (the largest-batch fit needs two sizes whose N x N temporaries
-# exceed glibc's 32 MiB mmap threshold). CUDA sizes are the issue's.
+# exceed glibc's 32 MiB mmap threshold). --quick adds 2048 and 4096 for three losses (InfoNCE, CLIP,
+# SupCon): at 4096 the textbook's N x N temporaries (64 MiB each) outweigh the inputs (25 MiB), so the
+# verdict shows the memory claim, and this library's largest batch is fitted on 1024, 2048, 4096.
+# CUDA sizes are the issue's.
+QUICK_LARGE = ("info_nce", "clip", "supcon_out")
 DEFAULTS = {
     ("cpu", False): dict(sizes=(64, 128, 256, 512, 1024, 2048, 4096), repeats=30, min_repeats=5,
                          max_iter_seconds=10.0, max_case_seconds=6.0, extra_sizes={"info_nce": (8192,)}),
     ("cpu", True): dict(sizes=(64, 256, 1024), repeats=10, min_repeats=3, max_iter_seconds=2.0,
-                        max_case_seconds=2.0),
+                        max_case_seconds=2.0, extra_sizes={c: (2048, 4096) for c in QUICK_LARGE}),
     ("cuda", False): dict(sizes=(1024, 4096, 16384), repeats=30, min_repeats=10, max_iter_seconds=30.0,
                           max_case_seconds=20.0),
     ("cuda", True): dict(sizes=(1024, 4096), repeats=10, min_repeats=5, max_iter_seconds=5.0, max_case_seconds=5.0),
@@ -91,7 +95,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help=f"among {', '.join(BENCH)} (default all of these)")
     ap.add_argument("--sizes", type=_sizes, default=None, metavar="N,...",
                     help="even N >= 4; default CPU 64,128,256,512,1024,2048,4096 and 8192 for info_nce "
-                         "(quick 64,256,1024), CUDA 1024,4096,16384 (quick 1024,4096)")
+                         f"(quick 64,256,1024 and 2048,4096 for {','.join(QUICK_LARGE)}), CUDA 1024,4096,16384 "
+                         "(quick 1024,4096)")
     ap.add_argument("--dim", type=_positive(int), default=768, help="embedding dimension D (default 768)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     ap.add_argument("--backends", type=_backends, default=["torch", "triton"], metavar="BACKEND,...",
@@ -108,7 +113,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help="repeats never drop below this for slow steps (default CPU 5, quick 3)")
     ap.add_argument("--warmup", type=_positive(int), default=1, help="untimed steps per contender (default 1)")
     ap.add_argument("--out", default="bench_out", help="output directory (default bench_out)")
-    ap.add_argument("--quick", action="store_true", help="three small sizes and 10 repeats: a few minutes on CPU")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"three small sizes, 2048 and 4096 for {', '.join(QUICK_LARGE)} (the memory claim), 10 "
+                         "repeats: a few minutes on CPU")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:i]")
     ap.add_argument("--mem-budget-gb", type=_positive(float), default=16.0,
                     help="budget of the largest-batch extrapolation and memory cap of every case (lowered to "
@@ -122,7 +129,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=_positive(float), default=900.0, help="kill a case after this many seconds")
     ap.add_argument("--isolate", choices=("auto", "process", "inline"), default="auto",
                     help="fresh process per case (auto: on CPU, needed for its peak RSS) or inline")
-    ap.add_argument("--threads", type=_positive(int), help="torch.set_num_threads in every case")
+    ap.add_argument("--threads", type=_positive(int),
+                    help="torch.set_num_threads in every case (default: torch's, or 1 on CPU when the host is "
+                         "loaded: 1-min load average above half the CPUs)")
     ap.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     ap.add_argument("--from-json", metavar="DIR",
@@ -148,6 +157,7 @@ def config(a: argparse.Namespace, ap: argparse.ArgumentParser):
     if avail is not None:
         cap = min(cap, max(avail - 2 * (1 << 30), 1 << 30))
     repeats = a.repeats or dflt["repeats"]
+    threads, note = threads_for(a.threads, device)
     return Config(
         cases=cases, sizes=sorted(set(a.sizes or dflt["sizes"])), dim=a.dim, dtype=a.dtype, device=device,
         backends=sorted(set(a.backends) | {"reference"} | ({"torch-compiled", "formula-compiled"} if a.compile
@@ -156,9 +166,28 @@ def config(a: argparse.Namespace, ap: argparse.ArgumentParser):
         mem_budget=budget, mem_cap=cap, max_iter_seconds=a.max_iter_seconds or dflt["max_iter_seconds"],
         max_case_seconds=a.max_case_seconds or dflt["max_case_seconds"], timeout=a.timeout,
         isolate=(a.isolate == "process") or (a.isolate == "auto" and not device.startswith("cuda")),
-        plots=not a.no_plots, progress=not a.no_progress, threads=a.threads,
+        plots=not a.no_plots, progress=not a.no_progress, threads=threads, threads_note=note,
         extra_sizes={} if a.sizes else {k: list(v) for k, v in dflt.get("extra_sizes", {}).items() if k in cases},
     )
+
+
+def threads_for(threads: int | None, device: str, load: float | None = None,
+                cpus: int | None = None) -> tuple[int | None, str]:
+    """``(threads per process, note)``: ``--threads`` when given; on CPU with a loaded host
+    (``report.loaded``: 1-min load average above half the CPUs) 1, so that no contender's multi-threaded
+    regions wait for a core another process holds (on 2 loaded cores, 2 threads made small-batch
+    ratios range from 0.00 to 6.84 and the quick run take 8 m 41 s; 1 thread gave sane ratios in
+    2 m 54 s); else None (torch's default)."""
+    from .report import loadavg, loaded
+
+    if threads is not None or device != "cpu":
+        return threads, ""
+    load = loadavg() if load is None else load
+    cpus = cpus or os.cpu_count() or 1
+    if loaded(load, cpus):
+        return 1, (f"host loaded (1-min load average {load:.1f} on {cpus} CPUs): 1 thread per process "
+                   "(--threads N to override)")
+    return None, ""
 
 
 def run(a: argparse.Namespace, ap: argparse.ArgumentParser) -> int:

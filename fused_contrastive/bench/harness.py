@@ -469,6 +469,8 @@ class Config:
     progress: bool = True
     threads: int | None = None
     extra_sizes: dict[str, list[int]] = field(default_factory=dict)
+    #: why ``threads`` was chosen when the user did not say (the report prints it)
+    threads_note: str = ""
 
 
 #: Seconds a fresh process costs before the case runs (fork from the forkserver, imports done there).

@@ -1,13 +1,20 @@
 """``python -m fused_contrastive bench-st-step``: one sentence-transformers training step (forward, loss,
-backward) of a small BERT built offline, with sentence-transformers' ``MultipleNegativesRankingLoss``
-and with this library's drop-in of the same name, side by side at several batch sizes.
+backward) of a small BERT built offline, with sentence-transformers' own loss class and with this
+library's drop-in of the same name, side by side at several batch sizes, for three losses (``--losses``):
+``mnrl`` (``MultipleNegativesRankingLoss``), ``cached`` (``CachedMultipleNegativesRankingLoss``,
+``mini_batch_size`` 32) and ``cached-matryoshka`` (``MatryoshkaLoss`` around the cached loss, dims
+hidden, hidden/2, hidden/4). Every ratio is this library / sentence-transformers (< 1: ours faster or
+smaller).
 
-Time: the two losses alternate in one process (ABBA rounds), medians over the repeats. Peak memory:
-each step in a fresh process, the resident-set high-water mark over the baseline after the model and
-the tokenized batch exist (``bench/memory.py``'s CPU meter; on CUDA ``max_memory_allocated``). The
-encoder's activations are the same for both; the difference is the loss's B x B similarity matrix
-(and its softmax and gradient) against the fused loss's O(B*D) working set. sentence-transformers is
-imported only when the sub-command runs.
+Time: the two losses alternate in one process (ABBA rounds), medians over the repeats. Live bytes:
+the high-water mark of the tensor storages one step creates (``bench/memory.py``'s ``LiveBytes``:
+deterministic, in process; parameter gradients included, the model and the tokenized batch not).
+Peak memory: each step in a fresh process, the resident-set high-water mark over the baseline after
+the model and the tokenized batch exist (``bench/memory.py``'s CPU meter; on CUDA
+``max_memory_allocated``). The encoder's activations are the same for both; the difference is the
+loss's B x B similarity matrix (and its softmax and gradient) against the fused loss's O(B*D) working
+set, and for the cached losses (whose loss works on ``mini_batch_size`` rows at a time either way) the
+gradient cache and the loss's tiles. sentence-transformers is imported only when the sub-command runs.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from typing import Any
 import torch
 
 from .helptext import help_text
-from .memory import step_peak
+from .memory import LiveBytes, step_peak
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+LOSSES = ("mnrl", "cached", "cached-matryoshka")
+MINI_BATCH = 32  # the cached losses' mini_batch_size (theirs and ours)
 
 
 def build_tiny_model(path: str, *, hidden: int = 32, layers: int = 2, heads: int = 2, words: int = 90,
@@ -75,15 +84,22 @@ def sentences(n: int, words: int, vocab: int = 90, seed: int = 0) -> list[str]:
     return [" ".join(f"w{k}" for k in row) for row in ids]
 
 
-def _loss(model, which: str):
+def _loss(model, which: str, kind: str = "mnrl"):
+    """sentence-transformers' loss (``which="peer"``) or this library's drop-in (``"fused"``) of ``kind``."""
     if which == "peer":
         try:
-            from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+            from sentence_transformers.sentence_transformer import losses as lib
         except ImportError:  # sentence-transformers < 6
-            from sentence_transformers.losses import MultipleNegativesRankingLoss
+            from sentence_transformers import losses as lib
     else:
-        from ..integrations.sentence_transformers import MultipleNegativesRankingLoss
-    return MultipleNegativesRankingLoss(model)
+        from ..integrations import sentence_transformers as lib
+    if kind == "mnrl":
+        return lib.MultipleNegativesRankingLoss(model)
+    cached = lib.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH)
+    if kind == "cached":
+        return cached
+    dim = model.get_embedding_dimension()
+    return lib.MatryoshkaLoss(model, cached, [dim, dim // 2, dim // 4])
 
 
 def _setup(a: dict[str, Any], batch: int):
@@ -101,12 +117,20 @@ def _step(model, loss, feats) -> None:
     loss([dict(f) for f in feats], None).backward()
 
 
-def _peak(args: tuple[dict[str, Any], int, str]) -> int:
-    a, batch, which = args
+def _live(model, loss, feats) -> int:
+    """Live bytes (``LiveBytes`` peak) of one step."""
+    model.zero_grad(set_to_none=True)
+    with LiveBytes() as m:
+        _step(model, loss, feats)
+    return m.peak
+
+
+def _peak(args: tuple[dict[str, Any], int, str, str]) -> int:
+    a, batch, which, kind = args
     if a["threads"]:
         torch.set_num_threads(a["threads"])
     model, feats = _setup(a, batch)
-    loss = _loss(model, which)
+    loss = _loss(model, which, kind)
     _step(model, loss, [{k: v[:8] if isinstance(v, torch.Tensor) else v for k, v in f.items()} for f in feats])
     model.zero_grad(set_to_none=True)
     return step_peak(a["device"], lambda: _step(model, loss, feats))
@@ -119,9 +143,9 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
     sync = torch.cuda.synchronize if a["device"].startswith("cuda") else (lambda: None)
     ctx = mp.get_context("spawn")
     rows = []
-    for batch in a["batches"]:
+    for kind, batch in ((k, b) for k in a.get("losses", ("mnrl",)) for b in a["batches"]):
         model, feats = _setup(a, batch)
-        losses = {w: _loss(model, w) for w in ("peer", "fused")}
+        losses = {w: _loss(model, w, kind) for w in ("peer", "fused")}
         times: dict[str, list[float]] = {w: [] for w in losses}
         for loss in losses.values():  # warm-up
             _step(model, loss, feats)
@@ -132,38 +156,54 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
                 _step(model, losses[w], feats)
                 sync()
                 times[w].append(time.perf_counter() - t0)
+        live = {w: _live(model, losses[w], feats) for w in losses}
         peaks = {}
         for w in losses:
             with cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as ex:
-                peaks[w] = ex.submit(_peak, (a, batch, w)).result()
-        rows.append({"batch": batch, "median_s": {w: statistics.median(v) for w, v in times.items()},
-                     "times_s": times, "peak_bytes": peaks})
+                peaks[w] = ex.submit(_peak, (a, batch, w, kind)).result()
+        rows.append({"loss": kind, "batch": batch, "median_s": {w: statistics.median(v) for w, v in times.items()},
+                     "times_s": times, "live_bytes": live, "peak_bytes": peaks})
     return {"config": a, "rows": rows}
 
 
 def render(res: dict[str, Any]) -> str:
+    """The table: per loss and batch, time, live bytes and peak memory of theirs and ours, and ours / theirs."""
     from tabulate import tabulate  # the [bench] extra: imported when the table is made
     a = res["config"]
     table = []
+
+    def mib(b: int) -> str:  # 3 significant digits, no exponent
+        v = b / (1 << 20)
+        return f"{v:.3g}" if v < 1000 else f"{v:.0f}"
+
+    def ratio(ours: float, theirs: float) -> str:
+        return f"{ours / theirs:.2f}" if theirs else "-"
+
     for r in res["rows"]:
-        t, p = r["median_s"], r["peak_bytes"]
-        table.append([r["batch"], f"{t['peer'] * 1e3:.0f}", f"{t['fused'] * 1e3:.0f}", f"{t['fused'] / t['peer']:.2f}x",
-                      f"{p['peer'] / (1 << 20):.0f}", f"{p['fused'] / (1 << 20):.0f}",
-                      f"{p['fused'] / max(p['peer'], 1):.2f}x"])
+        t, lv, p = r["median_s"], r["live_bytes"], r["peak_bytes"]
+        table.append([r.get("loss", "mnrl"), r["batch"], f"{t['peer'] * 1e3:.0f}", f"{t['fused'] * 1e3:.0f}",
+                      ratio(t["fused"], t["peer"]), mib(lv["peer"]), mib(lv["fused"]), ratio(lv["fused"], lv["peer"]),
+                      mib(p["peer"]), mib(p["fused"]), ratio(p["fused"], p["peer"])])
     return "\n".join([
-        (f"sentence-transformers training step (anchor, positive) with MultipleNegativesRankingLoss, BERT "
-         f"hidden {a['hidden']}, {a['layers']} layers, {a['seq']} tokens per sentence, {a['device']}, medians of "
-         f"{a['repeats']} alternating repeats; peak = memory of the step over the model and inputs; ratios = "
-         "fused / peer (this library / sentence-transformers; below 1: this library is faster / holds less)"),
-        tabulate(table, headers=["batch", "peer ms", "fused ms", "time fused / peer", "peer MiB", "fused MiB",
-                                 "peak fused / peer"],
+        (f"sentence-transformers training step (anchor, positive): their class (st) against this library's drop-in "
+         f"(ours); BERT hidden {a['hidden']}, {a['layers']} layers, {a['seq']} tokens per sentence, {a['device']}, "
+         f"{a.get('threads') or torch.get_num_threads()} threads, medians of {a['repeats']} alternating repeats; "
+         f"cached: mini_batch_size {MINI_BATCH}, cached-matryoshka: MatryoshkaLoss(cached) at dims {a['hidden']}, "
+         f"{a['hidden'] // 2}, {a['hidden'] // 4}"),
+        ("ratios: this library / sentence-transformers (< 1: ours faster or smaller); live = tensor bytes one step "
+         "creates (LiveBytes, deterministic); RSS = resident-set peak of the step in a fresh process, over the model "
+         "and inputs"),
+        tabulate(table, headers=["loss", "batch", "st ms", "ours ms", "time x", "st live MiB", "ours live MiB",
+                                 "live x", "st RSS MiB", "ours RSS MiB", "RSS x"],
                  tablefmt="simple", disable_numparse=True),
     ])
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench-st-step", help="a sentence-transformers training step: their MNRL against the fused one",
-                       description=help_text(__doc__))
+    p = sub.add_parser("bench-st-step", help="a sentence-transformers training step: their (cached) MNRL against "
+                       "the fused drop-ins", description=help_text(__doc__))
+    p.add_argument("--losses", default=",".join(LOSSES),
+                   help=f"comma-separated among {', '.join(LOSSES)} (default all)")
     p.add_argument("--batches", default="256,1024,4096", help="comma-separated batch sizes (default 256,1024,4096)")
     p.add_argument("--hidden", type=int, default=128, help="BERT hidden size (default 128)")
     p.add_argument("--layers", type=int, default=2, help="BERT layers (default 2)")
@@ -184,6 +224,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name in ("hidden", "layers", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    losses = [x.strip() for x in args.losses.split(",") if x.strip()]
+    if not losses or any(x not in LOSSES for x in losses):
+        parser.error(f"--losses must be comma-separated among {', '.join(LOSSES)}, got {args.losses!r}")
+    if "cached-matryoshka" in losses and args.hidden < 4:
+        parser.error("--hidden must be >= 4 for cached-matryoshka (dims hidden, hidden/2, hidden/4)")
     if args.seq < 3:
         parser.error("--seq must be >= 3 ([CLS], one word, [SEP])")
     if args.hidden % 2:
@@ -196,6 +241,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_model(tmp, hidden=args.hidden, layers=args.layers, heads=2, max_len=max(64, args.seq), dropout=0.1)
         a = {k: getattr(args, k) for k in ("hidden", "layers", "seq", "repeats", "device", "threads")}
-        a.update(batches=batches, model_path=tmp)
+        a.update(batches=batches, model_path=tmp, losses=losses)
         print(render(measure(a)))
     return 0

@@ -67,7 +67,9 @@ have equal sizes; unequal sizes, which they do not handle, are handled). Without
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
+import os
 import random
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -659,11 +661,45 @@ def _embed_cached(encode: Callable[[dict[str, Any]], Tensor], features: dict[str
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
+def _joined(parts: Sequence[Tensor]) -> Tensor:
+    """One column's mini-batch embeddings as one tensor: the tensor itself when there is one (a
+    ``torch.cat`` of one tensor is a copy, held beside the original through the loss step)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
+_TILE_ENV = "FUSED_CONTRASTIVE_TILE_ELEMENTS"
+
+
+@contextlib.contextmanager
+def _mini_batch_tiles(rows: int, columns: int):
+    """The core op's logit tiles at most ``rows x columns`` elements inside the block (the tile budget
+    ``FUSED_CONTRASTIVE_TILE_ELEMENTS``, set for the block and restored after it; a smaller budget the
+    user set is kept). sentence-transformers' cached losses score ``mini_batch_size`` rows against every
+    candidate column at a time; under this budget the fused loss's working set is that block too,
+    instead of its default 2^21-element tiles (8 MiB each, several alive), which made the cached drop-ins
+    hold more than the class they replace. The budget is read in the forward and the backward, so the
+    block must hold both (:func:`_through_wrapper` back-propagates the loss inside it)."""
+    before = os.environ.get(_TILE_ENV)
+    budget = max(1, rows) * max(1, columns)
+    if before:
+        budget = min(budget, core.tile_elements())  # (validates the user's value)
+    os.environ[_TILE_ENV] = str(budget)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_TILE_ENV, None)
+        else:
+            os.environ[_TILE_ENV] = before
+
+
 def _through_wrapper(calculate_loss: Callable, embeddings: list[Tensor], *rest) -> Tensor:
-    """A gradient-cache loss whose ``calculate_loss`` a wrapper (sentence-transformers' MatryoshkaLoss)
-    replaced: run it on detached leaves, which it back-propagates into (``with_backward=True``), then
-    carry their gradients into the embeddings' graph (one more backward through the chunked encoder,
-    when the caller's backward reaches it)."""
+    """The gradient-cache step of a cached loss (GradCache, as sentence-transformers' cached losses):
+    run ``calculate_loss`` (possibly replaced by a wrapper, sentence-transformers' MatryoshkaLoss) on
+    detached leaves, which it back-propagates into at once (``with_backward=True``: the loss's graph and
+    tiles are freed here, under the loss's own tile budget), then carry their gradients into the
+    embeddings' graph (one more backward through the chunked encoder, when the caller's backward
+    reaches it)."""
     leaves = [e.detach().requires_grad_() for e in embeddings]
     loss = calculate_loss([[x] for x in leaves], *rest, with_backward=True)
     link = loss.new_zeros(())
@@ -745,11 +781,39 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         """sentence-transformers' gradient-cache protocol: the loss of the batch from its per-column lists
         of mini-batch embeddings ``reps[column][minibatch]`` [b, D]; with ``with_backward`` the loss is
         back-propagated into ``reps`` and returned detached."""
-        loss = self.compute_loss_from_embeddings([torch.cat(list(mbs)) for mbs in reps], labels)
-        if with_backward:
-            loss.backward()
-            return loss.detach()
+        embeddings = [_joined(mbs) for mbs in reps]
+        with self.loss_tiles(embeddings):
+            loss = self.compute_loss_from_embeddings(embeddings, labels)
+            if with_backward:
+                loss.backward()
+                return loss.detach()
         return loss
+
+    def loss_tiles(self, embeddings: Sequence[Tensor]):
+        """The tile budget of the loss step (:func:`_mini_batch_tiles`): ``mini_batch_size`` rows against
+        every candidate column (the documents' columns, or the batch for the other directions), the block
+        sentence-transformers' class scores at a time."""
+        b = embeddings[0].shape[0]
+        return _mini_batch_tiles(self.mini_batch_size, max(b, b * (len(embeddings) - 1)))
+
+    def leveled_loss(self, embeddings: list[Tensor], labels: Tensor | None, dims: Sequence[int],
+                     weights: Sequence[float]) -> Tensor:
+        """:meth:`MultipleNegativesRankingLoss.leveled_loss` as a gradient-cache step (the loss
+        back-propagated into the embeddings at once, under :meth:`loss_tiles`)."""
+        base = super().leveled_loss
+
+        def step(reps: list[list[Tensor]], labels, *, with_backward: bool = False) -> Tensor:
+            leaves = [_joined(m) for m in reps]
+            with self.loss_tiles(leaves):
+                loss = base(leaves, labels, dims, weights)
+                if with_backward:
+                    loss.backward()
+                    return loss.detach()
+            return loss
+
+        if not torch.is_grad_enabled():
+            return step([[e] for e in embeddings], labels)
+        return _through_wrapper(step, embeddings, labels)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         features = list(sentence_features)
@@ -757,10 +821,8 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
             raise ValueError(f"{type(self).__name__} needs at least 2 input columns (anchor, positive), "
                              f"got {len(features)}")
         embeddings = [self.embed_column(f) for f in features]
-        if "calculate_loss" not in self.__dict__ or not torch.is_grad_enabled():
-            if "calculate_loss" in self.__dict__:  # wrapped (MatryoshkaLoss), evaluation: no backward
-                return self.calculate_loss([[e] for e in embeddings], labels)
-            return self.compute_loss_from_embeddings(embeddings, labels)
+        if not torch.is_grad_enabled():  # evaluation: no backward
+            return self.calculate_loss([[e] for e in embeddings], labels)
         return _through_wrapper(self.calculate_loss, embeddings, labels)
 
     def get_config_dict(self) -> dict[str, Any]:
@@ -1036,19 +1098,44 @@ class CachedGISTEmbedLoss(GISTEmbedLoss):
         """sentence-transformers' gradient-cache protocol: the loss from per-column lists of mini-batch
         embeddings ``reps[column][minibatch]`` and the guide's ``reps_guided``; with ``with_backward`` the
         loss is back-propagated into ``reps`` and returned detached."""
-        loss = self.loss_from_embeddings([torch.cat(list(m)) for m in reps], [torch.cat(list(m)) for m in reps_guided])
-        if with_backward:
-            loss.backward()
-            return loss.detach()
+        return self._step(reps, reps_guided, with_backward)
+
+    def _step(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], with_backward: bool,
+              **levels) -> Tensor:
+        """The loss step under :meth:`loss_tiles` (back-propagated into ``reps`` with ``with_backward``)."""
+        embeddings = [_joined(m) for m in reps]
+        with self.loss_tiles(embeddings):
+            loss = self.loss_from_embeddings(embeddings, [_joined(m) for m in reps_guided], **levels)
+            if with_backward:
+                loss.backward()
+                return loss.detach()
         return loss
+
+    def loss_tiles(self, embeddings: Sequence[Tensor]):
+        """The tile budget of the loss step (:func:`_mini_batch_tiles`): ``mini_batch_size`` rows against
+        every column of the batch, the block sentence-transformers' class scores at a time."""
+        return _mini_batch_tiles(self.mini_batch_size, embeddings[0].shape[0] * len(embeddings))
+
+    def leveled_forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None,
+                        dims: Sequence[int], weights: Sequence[float]) -> Tensor:
+        """:meth:`GISTEmbedLoss.leveled_forward` as a gradient-cache step (see :meth:`forward`)."""
+        features = list(sentence_features)
+        self._columns(len(features))
+        embeddings, guides = self.embed(features)
+        levels = dict(matryoshka_dims=dims, matryoshka_weights=weights)
+        if not torch.is_grad_enabled():
+            return self._step([[e] for e in embeddings], [[g] for g in guides], False, **levels)
+
+        def step(reps, reps_guided, *, with_backward: bool = False) -> Tensor:
+            return self._step(reps, reps_guided, with_backward, **levels)
+
+        return _through_wrapper(step, embeddings, [[g] for g in guides])
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
         self._columns(len(features))
         embeddings, guides = self.embed(features)
-        if "calculate_loss" not in self.__dict__:
-            return self.loss_from_embeddings(embeddings, guides)
-        if not torch.is_grad_enabled():  # wrapped (MatryoshkaLoss), evaluation: no backward
+        if not torch.is_grad_enabled():  # evaluation: no backward
             return self.calculate_loss([[e] for e in embeddings], [[g] for g in guides])
         return _through_wrapper(self.calculate_loss, embeddings, [[g] for g in guides])
 

@@ -14,9 +14,11 @@ cross-entropy are replaced:
 * :class:`MultiVectorMultipleNegativesRankingLoss`: ``forward`` embeds as theirs and computes the loss in
   one fused call.
 * :class:`CachedMultiVectorMultipleNegativesRankingLoss`: ``calculate_loss`` (the GradCache loss step)
-  computes the whole batch in one fused call (and back-propagates it to the cached embeddings when
-  ``with_backward``): the fused loss needs no score mini-batches, so ``score_mini_batch_size`` only
-  matters on their computation.
+  computes the batch in blocks of ``score_mini_batch_size`` queries against every candidate, one fused
+  call per block, each back-propagated to the cached embeddings at once when ``with_backward``, as
+  theirs: the fused call's working set (the scores and the argmax indices, O(rows·Lq·B·N)) is then one
+  block's, so the drop-in never holds more than their class (one call over the whole batch held 3x
+  theirs at B = 256). Under ``gather_across_devices`` the local batch is one block.
 
 The math. Their scorer takes the queries ``(B, Lq, D)`` and the candidate columns stacked to
 ``(B, N, T, D)`` (the positives, then the hard negatives) and returns ``(B, B·N)`` MaxSim scores in
@@ -143,7 +145,7 @@ def _pad_width(x: Tensor, mask: Tensor, width: int) -> tuple[Tensor, Tensor]:
 
 def multi_vector_mnrl(queries: Tensor, query_mask: Tensor, docs: list[Tensor], doc_masks: list[Tensor], *,
                       scale=1.0, length_normalize: bool = False, group: dist.ProcessGroup | None = None,
-                      backend: str = "auto") -> Tensor:
+                      backend: str = "auto", first_row: int = 0, batch_size: int | None = None) -> Tensor:
     """sentence-transformers' ``MultiVectorMultipleNegativesRankingLoss`` on token embeddings, fused.
 
     Args:
@@ -154,16 +156,30 @@ def multi_vector_mnrl(queries: Tensor, query_mask: Tensor, docs: list[Tensor], d
         scale: ``1 / temperature``.
         length_normalize: MeanMaxSim (each score divided by its query's count of real tokens).
         group: gather the candidates over this process group (None: the local batch).
+        first_row / batch_size: ``queries`` are rows ``first_row ..`` of a batch of ``batch_size`` queries
+            (their positives the documents of those rows) and the result is their share of its mean (the
+            sum of their cross-entropies / ``batch_size``): a block of the batch. Defaults: the whole
+            batch. Not with ``group``.
 
     Returns the 0-dim mean cross-entropy (under ``group``: the local sum scaled so that the average over
     ranks is the global-batch mean).
     """
+    block = first_row != 0 or batch_size is not None
+    if block and group is not None:
+        raise ValueError("first_row / batch_size compute a block of the local batch: not with group")
     negatives = negative_mask = None
     if len(docs) > 1:
         width = max(d.shape[1] for d in docs[1:])
         padded = [_pad_width(d, m, width) for d, m in zip(docs[1:], doc_masks[1:], strict=True)]
         negatives = torch.cat([d for d, _ in padded])  # [B * (N - 1), T, D]: the order of columns is free
         negative_mask = torch.cat([m for _, m in padded])
+    if block:
+        n = queries.shape[0]
+        target = torch.arange(first_row, first_row + n, device=queries.device)
+        return maxsim_info_nce(queries, docs[0], target, query_mask=query_mask, doc_mask=doc_masks[0],
+                               negatives=negatives, negative_mask=negative_mask, scale=scale,
+                               length_normalize=length_normalize, normalize=False, backend=backend,
+                               reduction="sum") / (n if batch_size is None else batch_size)
     return maxsim_info_nce(queries, docs[0], None, query_mask=query_mask, doc_mask=doc_masks[0], negatives=negatives,
                            negative_mask=negative_mask, scale=scale, length_normalize=length_normalize,
                            normalize=False, backend=backend, gather=group if group is not None else False)
@@ -195,8 +211,8 @@ class MultiVectorMultipleNegativesRankingLoss(_mv_losses.MultiVectorMultipleNega
 
 class CachedMultiVectorMultipleNegativesRankingLoss(_mv_losses.CachedMultiVectorMultipleNegativesRankingLoss):
     """sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss`` (its constructor, options
-    and GradCache mechanics), whose loss step computes the whole batch in one
-    :func:`fused_contrastive.maxsim.maxsim_info_nce` call (no score mini-batches needed)."""
+    and GradCache mechanics), whose loss step runs :func:`fused_contrastive.maxsim.maxsim_info_nce` on
+    blocks of ``score_mini_batch_size`` queries (the module docstring says why)."""
 
     def calculate_loss(self, reps: list[list[Tensor]], masks_chunks: list[list[Tensor]], *,
                        with_backward: bool = False) -> Tensor:
@@ -206,10 +222,25 @@ class CachedMultiVectorMultipleNegativesRankingLoss(_mv_losses.CachedMultiVector
                 _warn_peer(self, reason)
             return super().calculate_loss(reps, masks_chunks, with_backward=with_backward)
         catted = [cat_padded_token_embeddings(r, m) for r, m in zip(reps, masks_chunks, strict=True)]
-        loss = multi_vector_mnrl(catted[0][0], catted[0][1], [e for e, _ in catted[1:]], [m for _, m in catted[1:]],
-                                 scale=self.scale, length_normalize=fused_length_normalize(self.similarity_fct),
-                                 group=_group(self.gather_across_devices))
-        if with_backward:
-            loss.backward()
-            loss = loss.detach()
-        return loss
+        (queries, query_mask), docs = catted[0], catted[1:]
+        kw = dict(scale=self.scale, length_normalize=fused_length_normalize(self.similarity_fct))
+        group = _group(self.gather_across_devices)
+        if group is not None:  # the local batch in one block (the gathered columns need every rank's call)
+            loss = multi_vector_mnrl(queries, query_mask, [e for e, _ in docs], [m for _, m in docs], group=group,
+                                     **kw)
+            if with_backward:
+                loss.backward()
+                loss = loss.detach()
+            return loss
+        b = queries.shape[0]
+        step = max(1, int(self.score_mini_batch_size))
+        total = None
+        for begin in range(0, b, step):
+            end = min(begin + step, b)
+            part = multi_vector_mnrl(queries[begin:end], query_mask[begin:end], [e for e, _ in docs],
+                                     [m for _, m in docs], first_row=begin, batch_size=b, **kw)
+            if with_backward:
+                part.backward()
+                part = part.detach()
+            total = part if total is None else total + part
+        return total
