@@ -16,6 +16,7 @@ from .. import core, ops
 from .. import distributed as D
 from ..core import reference as ref
 from ..core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
+from . import _row_terms as rows
 
 EPS = 1e-12
 DEFAULT_TEMPERATURE = 0.05
@@ -92,23 +93,37 @@ class Scope:
 def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, target: Tensor, *,
                   offset: int, exclude_self: bool, normalize: bool, reduction: str, n_total: int,
                   valid: Tensor | None = None, symmetric: bool = False, bias_col: Tensor | None = None,
-                  bias: float = 0.0, margin: float = 0.0, levels=None) -> Tensor:
+                  bias: float = 0.0, margin: float = 0.0, levels=None, label_smoothing: float = 0.0,
+                  tau_plus=None) -> Tensor:
     """``CE(logits_i, target_i)`` of every local anchor ``query`` against ``keys`` (None: the anchors
     themselves, B is A), the anchors' own columns at ``offset``, rows outside ``valid`` contributing 0
     (and leaving the mean's denominator), reduced by ``scope`` over ``n_total`` anchors. With
     ``symmetric`` (local only, ``valid`` None) CLIP's ``(row CE + column CE) / 2``: the core op with
     coefficients 1/2 on LSE and on LSEcol, 1 on the target logit. ``levels`` (a ``_levels.Levels``):
     one value per Matryoshka level (leading dimension K). ``margin``: the core op's additive margin on
-    the target logit, ``s (cos - margin)`` (AM-softmax; no ``valid``, ``exclude_self`` or bias)."""
+    the target logit, ``s (cos - margin)`` (AM-softmax; no ``valid``, ``exclude_self`` or bias).
+    ``label_smoothing``: ``F.cross_entropy``'s, over the columns of each row's softmax (``_row_terms``);
+    ``tau_plus`` (a float in (0, 1) or an [N] tensor; no bias or margin): the debiased loss instead."""
     n = query.shape[0]
+    if tau_plus is not None:
+        return _debiased(be, scope, query, keys, s, target, tau_plus, offset=offset, exclude_self=exclude_self,
+                         normalize=normalize, reduction=reduction, n_total=n_total, valid=valid,
+                         symmetric=symmetric, levels=levels, label_smoothing=label_smoothing)
     if be == "reference" and margin != 0.0:
-        per = ref.margin_cross_entropy(query, keys, target, s, margin, symmetric, normalize)
+        per = ref.margin_cross_entropy(query, keys, target, s, margin, symmetric, normalize, label_smoothing)
         return scope.reduce(per, reduction, n_total)
     if be == "reference":
-        per = ref.info_nce(query, keys, target, s, exclude_self, symmetric, normalize, "none", -100, offset=offset)
+        per = ref.info_nce(query, keys, target, s, exclude_self, symmetric, normalize, "none", -100, offset=offset,
+                           label_smoothing=label_smoothing)
         if valid is not None:
             per = torch.where(valid, per, torch.zeros_like(per))
         return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()))
+    smooth = None
+    if label_smoothing:
+        tgt, mean, mean_t = rows.logit_terms(query, keys, s, target, offset=offset, exclude_self=exclude_self,
+                                             normalize=normalize, bias_col=bias_col, bias=bias, margin=margin,
+                                             levels=levels, transposed=symmetric)
+        smooth = rows.smoothing(label_smoothing, tgt, mean, mean_t)
     sp = spec(normalize, exclude_self, bias, offset if exclude_self else 0,
               **({"margin": float(margin)} if margin != 0.0 else {}))
     data = CoreData(target=target, bias_col=bias_col)
@@ -122,10 +137,55 @@ def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, 
         c = 1.0 / n if per_n else 1.0
         coef = Coeffs(lse=0.5 * c, col=0.5 * c, tgt=c) if symmetric else Coeffs(lse=c, tgt=c)
         out = core.run(be, query, keys, s, sp, data, coef, reduce=keep, levels=lv)
+        if smooth is not None:
+            out = out + _weighted(smooth * c, keep)
         return out if per_n else scope.reduce(out, reduction, n_total, leveled=lv is not None)
     w = valid.to(compute_dtype(query, keys))
     out = core.run(be, query, keys, s, sp, data, Coeffs(lse=w, tgt=w), reduce=keep, levels=lv)
+    if smooth is not None:
+        out = out + _weighted(smooth * w, keep)
     return scope.reduce(out, reduction, scope.sum(valid.sum()), leveled=lv is not None)
+
+
+def _weighted(per: Tensor, keep: bool) -> Tensor:
+    """Per-row terms ([N] or [K, N]) summed over the rows when the core op's output is (``keep``)."""
+    return per.sum(-1) if keep else per
+
+
+def _debiased(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, target: Tensor, tau, *, offset: int,
+              exclude_self: bool, normalize: bool, reduction: str, n_total: int, valid: Tensor | None,
+              symmetric: bool, levels, label_smoothing: float) -> Tensor:
+    """The debiased contrastive loss (Chuang et al. 2020) of every local anchor (``_row_terms.debiased``),
+    plus ``label_smoothing``'s term when given (the sum, memeff's composition). ``symmetric``: CLIP's pair
+    ``(row + column) / 2`` (local; ``keys`` given, target the diagonal), the column direction as the
+    transposed problem (a second core-op call). Ignored rows (``valid`` False) give 0 and leave the mean."""
+    n = query.shape[0]
+    m = n if keys is None else keys.shape[0]
+    if m - 1 - int(exclude_self) < 1:
+        raise ValueError(f"tau_plus needs at least one negative per row (every column but the target and the "
+                         f"excluded own column), got {m} columns{' with the own column excluded' * exclude_self}")
+    dt = compute_dtype(query, keys)
+    if be == "reference":
+        per = ref.debiased(query, keys, target, s, tau, exclude_self, symmetric, normalize, offset=offset,
+                           label_smoothing=label_smoothing)
+    else:
+        lv = None if levels is None else levels.core
+        sp = spec(normalize, exclude_self, 0.0, offset if exclude_self else 0, exclude_target=True)
+        data = CoreData(target=target)
+        tgt, mean, mean_t = rows.logit_terms(query, keys, s, target, offset=offset, exclude_self=exclude_self,
+                                             normalize=normalize, levels=levels, transposed=symmetric)
+        n_neg = rows.negatives(n, m, offset, exclude_self, query.device, dt)
+        r = core.run(be, query, keys, s, sp, data, Coeffs(lse=1.0, tgt=1.0), reduce=False, levels=lv)
+        per = rows.debiased(r, tgt, s, tau, n_neg)
+        if symmetric:
+            rc = core.run(be, keys, query, s, sp, data, Coeffs(lse=1.0, tgt=1.0), reduce=False, levels=lv)
+            per = (per + rows.debiased(rc, tgt, s, tau, n_neg)) / 2
+        if label_smoothing:
+            per = per + rows.smoothing(label_smoothing, tgt, mean, mean_t)
+    if valid is not None:
+        per = torch.where(valid, per, torch.zeros_like(per))
+    return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()),
+                        leveled=levels is not None)
 
 
 def temperature_factor(t, base_temperature, out: Tensor):
