@@ -231,3 +231,24 @@ def test_needs_a_negative():
     q, k, _ = _inputs(1, 1, 3, 7, torch.float32)
     with pytest.raises(ValueError, match="tau_plus needs at least one negative"):
         fc.info_nce(q, k, tau_plus=0.1)
+
+
+def test_modules():
+    """InfoNCELoss takes both options; CLIPLoss holds a float prior that forward's tau_plus overrides."""
+    a, b, g = _inputs(6, 6, 3, 8, torch.float64)
+    logits = _unit(a) @ _unit(b).T / 0.05
+    want = debiased_def(logits, torch.arange(6), 0.2, 20.0, eps=0.1).mean()
+    torch.testing.assert_close(fc.nn.InfoNCELoss(tau_plus=0.2, label_smoothing=0.1)(a, b), want, rtol=1e-12,
+                               atol=1e-12)
+    mod = fc.nn.CLIPLoss(0.05, tau_plus=0.2, label_smoothing=0.1).double()
+    r = torch.arange(6)
+    clip = lambda tau: ((debiased_def(logits, r, tau, 20.0, eps=0.1)  # noqa: E731
+                         + debiased_def(logits.T, r, tau, 20.0, eps=0.1)) / 2).mean()
+    # (the parameter is log(20) rounded to float32: 2e-8 relative)
+    torch.testing.assert_close(mod(a, b), clip(0.2), rtol=1e-6, atol=1e-6)
+    prior = torch.rand(6, generator=g, dtype=torch.float64) * 0.5
+    torch.testing.assert_close(mod(a, b, tau_plus=prior), clip(prior), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="tau_plus"):
+        fc.nn.CLIPLoss(tau_plus=1.5)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fc.nn.InfoNCELoss(label_smoothing=1.0)

@@ -1,7 +1,8 @@
 """``label_smoothing=`` on every single-target loss, against the float64 definition written here:
 ``F.cross_entropy(logits_i, t_i, label_smoothing=eps)`` on the logits with the excluded columns deleted
 (loss and every gradient: the embeddings and a learnable temperature), on every backend (reference,
-torch's dense and chunked paths, triton under the interpreter), with ``reduction="none"`` / ``"mean"``,
+torch's dense and chunked paths, triton under the interpreter; the additive-margin loss's in its own test
+module), with ``reduction="none"`` / ``"mean"``,
 ``ignore_index`` and Matryoshka levels."""
 
 from __future__ import annotations
@@ -175,26 +176,6 @@ def test_simcse_sup_with_hard_negatives(backend, hnw, path, backend_setup):
     _check(got, _run(definition, a.double(), p.double(), n.double(), upstream=up), tol)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_am_softmax(backend, symmetric, path, backend_setup):
-    dt, tol = backend_setup(backend)
-    q, k, g = _inputs(9, 9, 6, 5, dt)
-    up = torch.rand(9, generator=g, dtype=torch.float64)
-    t = torch.tensor(0.1, dtype=dt)
-
-    def definition(q_, k_, t_):
-        cos = _unit(q_) @ _unit(k_).T
-        logits = (cos - 0.3 * torch.eye(9, dtype=torch.float64)) / t_
-        rows = smoothed(logits, torch.arange(9), EPS)
-        return (rows + smoothed(logits.T, torch.arange(9), EPS)) / 2 if symmetric else rows
-
-    got = _run(lambda q_, k_, t_: fc.am_softmax_loss(q_, k_, margin=0.3, temperature=t_, symmetric=symmetric,
-                                                     label_smoothing=EPS, reduction="none", backend=backend),
-               q, k, t, upstream=up)
-    _check(got, _run(definition, q.double(), k.double(), t.double(), upstream=up), tol)
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("loss", ["info_nce", "clip_loss"])
 def test_matryoshka_levels(backend, loss, path, backend_setup):
@@ -245,8 +226,7 @@ def test_modules_take_it():
 @pytest.mark.parametrize("fn", [lambda q, k, **kw: fc.info_nce(q, k, **kw),
                                 lambda q, k, **kw: fc.clip_loss(q, k, 10.0, **kw),
                                 lambda q, k, **kw: fc.simcse_loss(q, k, **kw),
-                                lambda q, k, **kw: fc.simcse_sup_loss(q, k, **kw),
-                                lambda q, k, **kw: fc.am_softmax_loss(q, k, **kw)])
+                                lambda q, k, **kw: fc.simcse_sup_loss(q, k, **kw)])
 @pytest.mark.parametrize("bad,err", [(1.0, ValueError), (-0.1, ValueError), (float("nan"), ValueError),
                                      ("0.1", TypeError), (True, TypeError)])
 def test_bad_values_name_the_argument(fn, bad, err):

@@ -24,7 +24,6 @@ LOSSES = {
 SQUARE = {  # N == M: the pairs are the diagonal
     "clip": lambda q, k, **kw: fc.clip_loss(q, k, 10.0, **kw),
     "clip-none": lambda q, k, **kw: fc.clip_loss(q, k, 10.0, reduction="none", **kw).sum(),
-    "am_softmax": lambda q, k, **kw: fc.am_softmax_loss(q, k, **kw),
     "siglip": lambda q, k, **kw: fc.siglip_loss(q, k, 10.0, -10.0, **kw),
     "simcse_sup": lambda q, k, **kw: fc.simcse_sup_loss(q, k, **kw),
 }

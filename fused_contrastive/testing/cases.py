@@ -275,7 +275,7 @@ def _clip_smoothed(n, d, g):
 
 def _clip_debiased(n, d, g):
     return ({"a": _randn(g, n, d), "b": _randn(g, n, d), "logit_scale": torch.tensor(5.0)},
-            {"tau_plus": 0.1, "reduction": "none"})
+            {"tau_plus": 0.1})
 
 
 def _am_softmax_smoothed(n, d, g):
@@ -501,7 +501,7 @@ CASES: list[Case] = [
     Case("clip_smoothed", L.clip_loss, _clip_smoothed, families=frozenset({"gradcheck"}), gather_split="rows",
          covers="label_smoothing 0.1 both directions, learnable logit_scale"),
     Case("clip_debiased", L.clip_loss, _clip_debiased, families=frozenset({"gradcheck"}), gather_split="rows",
-         covers="tau_plus 0.1 both directions, learnable logit_scale, per-pair losses", min_n=2, core_calls=2),
+         covers="tau_plus 0.1 both directions, learnable logit_scale", min_n=2, core_calls=2),
     Case("am_softmax_smoothed", L.am_softmax_loss, _am_softmax_smoothed, gather_split="rows",
          covers="label_smoothing 0.1 on the margin logits, row + column forms"),
     Case("clip", L.clip_loss, _clip, families=frozenset({"huge_rows"}), bench=True, covers="row + column cross-entropy",
