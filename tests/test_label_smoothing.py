@@ -117,23 +117,26 @@ def test_info_nce_own_column_is_deleted(backend, path, backend_setup):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("form", ["clip_loss", "symmetric"])
-def test_clip_both_directions(backend, form, path, backend_setup):
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_clip_both_directions(backend, form, reduction, path, backend_setup):
+    """Per pair (the column means computed apart) and summed (one SET statistic carries both halves)."""
     dt, tol = backend_setup(backend)
     a, b, g = _inputs(9, 9, 7, 2, dt)
     up = torch.rand(9, generator=g, dtype=torch.float64)
     scale = torch.tensor(8.0, dtype=dt)
     if form == "clip_loss":
         def fn(a_, b_, s_):
-            return fc.clip_loss(a_, b_, s_, label_smoothing=EPS, reduction="none", backend=backend)
+            return fc.clip_loss(a_, b_, s_, label_smoothing=EPS, reduction=reduction, backend=backend)
     else:
         def fn(a_, b_, s_):
-            return fc.info_nce(a_, b_, symmetric=True, scale=s_, label_smoothing=EPS, reduction="none",
+            return fc.info_nce(a_, b_, symmetric=True, scale=s_, label_smoothing=EPS, reduction=reduction,
                                backend=backend)
 
     def definition(a_, b_, s_):
         logits = _unit(a_) @ _unit(b_).T * s_
         t = torch.arange(9)
-        return (smoothed(logits, t, EPS) + smoothed(logits.T, t, EPS)) / 2
+        per = (smoothed(logits, t, EPS) + smoothed(logits.T, t, EPS)) / 2
+        return per if reduction == "none" else per.mean()
 
     _check(_run(fn, a, b, scale, upstream=up), _run(definition, a.double(), b.double(), scale.double(), upstream=up),
            tol)

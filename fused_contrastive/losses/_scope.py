@@ -118,8 +118,15 @@ def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, 
         if valid is not None:
             per = torch.where(valid, per, torch.zeros_like(per))
         return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()))
+    keep = reduction != "none"
+    # label smoothing inside the core op where it can be: 1 - eps on the target logit and eps / |C_i| on the
+    # SET statistic with one weight for every column (the mean logit: O(N*D) on the streaming paths, a row sum
+    # of the tile on the one-tile path; the op's SET sums the unshifted logits, so a target margin adds its
+    # constant here); outside it (O(N*D) autograd, ``_row_terms``) for CLIP's per-pair values (SET is a row
+    # statistic)
+    inside = bool(label_smoothing) and (keep or not symmetric)
     smooth = None
-    if label_smoothing:
+    if label_smoothing and not inside:
         tgt, mean, mean_t = rows.logit_terms(query, keys, s, target, offset=offset, exclude_self=exclude_self,
                                              normalize=normalize, bias_col=bias_col, bias=bias, margin=margin,
                                              levels=levels, transposed=symmetric)
@@ -128,7 +135,8 @@ def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, 
               **({"margin": float(margin)} if margin != 0.0 else {}))
     data = CoreData(target=target, bias_col=bias_col)
     lv = None if levels is None else levels.core
-    keep = reduction != "none"
+    if inside:
+        data.pos_mask = torch.ones(1, 1, dtype=compute_dtype(query, keys), device=query.device)
     if valid is None:
         # the same weight on every row: a local mean is the sum with weights 1/N (no division after;
         # under compile the weights are 1 and the sum is divided after: a weight 1/N would be a
@@ -136,15 +144,41 @@ def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, 
         per_n = reduction == "mean" and scope.local and not ops.tracing_route()
         c = 1.0 / n if per_n else 1.0
         coef = Coeffs(lse=0.5 * c, col=0.5 * c, tgt=c) if symmetric else Coeffs(lse=c, tgt=c)
+        if inside:
+            coef = _smoothed(coef, label_smoothing, query, keys, offset, exclude_self, c)
         out = core.run(be, query, keys, s, sp, data, coef, reduce=keep, levels=lv)
         if smooth is not None:
             out = out + _weighted(smooth * c, keep)
+        if inside and margin != 0.0:  # the mean logit's - s margin / M at the target (SET reads s c)
+            per = label_smoothing * margin / (n if keys is None else keys.shape[0]) * c
+            out = out + s * (per * n if keep else torch.full((n,), per, dtype=out.dtype, device=out.device))
         return out if per_n else scope.reduce(out, reduction, n_total, leveled=lv is not None)
     w = valid.to(compute_dtype(query, keys))
-    out = core.run(be, query, keys, s, sp, data, Coeffs(lse=w, tgt=w), reduce=keep, levels=lv)
+    coef = Coeffs(lse=w, tgt=w)
+    if inside:
+        coef = _smoothed(coef, label_smoothing, query, keys, offset, exclude_self, w)
+    out = core.run(be, query, keys, s, sp, data, coef, reduce=keep, levels=lv)
     if smooth is not None:
         out = out + _weighted(smooth * w, keep)
     return scope.reduce(out, reduction, scope.sum(valid.sum()), leveled=lv is not None)
+
+
+def _smoothed(coef: Coeffs, eps: float, query: Tensor, keys: Tensor | None, offset: int, exclude_self: bool,
+              c) -> Coeffs:
+    """``coef`` (unsmoothed, row weight ``c``: a number or an [N] tensor) with label smoothing: ``(1 - eps)`` of
+    the target term and ``eps c / |C_i|`` on SET with one weight for every column, i.e. ``eps c`` times the mean
+    logit over the softmax's columns. With a column term (CLIP, summed) the column means add up to the row
+    means' total, so SET's ``eps c / M`` per row carries both halves."""
+    n = query.shape[0]
+    m = n if keys is None else keys.shape[0]
+    if not exclude_self:
+        per = eps / m
+    elif offset + n <= m:  # every row's own column exists
+        per = eps / (m - 1)
+    else:
+        _, has = rows.columns(n, m, offset, exclude_self, query.device)
+        per = eps / (m - has.to(compute_dtype(query, keys)))
+    return Coeffs(lse=coef.lse, col=coef.col, tgt=coef.tgt * (1 - eps), set=c * per)
 
 
 def _weighted(per: Tensor, keep: bool) -> Tensor:

@@ -1,0 +1,86 @@
+"""What ``label_smoothing=`` and ``tau_plus=`` cost against the same loss without them, measured on the CPU
+(torch backend: the one-tile path and the chunked path, ``FUSED_CONTRASTIVE_DENSE=0``), forward + backward of a
+summed loss with both embeddings trained, medians over repeats taken side by side in one process (the
+contenders of a row alternate in every repeat, so drifts of a shared machine hit all of them alike). The
+clock is the process's CPU time (``time.process_time``) on one thread by default: on a machine shared with
+other jobs wall time measures their load, CPU time the work (``--wall`` for wall time).
+
+Usage: python bench/option_costs.py [--n 1024] [--d 256] [--repeats 15] [--threads 1] [--wall]
+
+Prints one table: per loss and path the plain loss's median time and each option's ratio to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import fused_contrastive as fc
+
+
+def _losses(n: int, d: int, g: torch.Generator):
+    def rows(k):
+        return torch.randn(k, d, generator=g)
+
+    return {
+        "info_nce": ((rows(n), rows(n)), lambda q, k, **o: fc.info_nce(q, k, backend="torch", **o), True),
+        "clip_loss": ((rows(n), rows(n)), lambda a, b, **o: fc.clip_loss(a, b, 1 / 0.07, backend="torch", **o), True),
+        "simcse_loss (interleaved)": ((rows(n),), lambda z, **o: fc.simcse_loss(z, backend="torch", **o), False),
+        "simcse_sup_loss (hard negatives)": (
+            (rows(n), rows(n), rows(n)),
+            lambda a, p, m, **o: fc.simcse_sup_loss(a, p, m, hard_negative_weight=0.5, backend="torch", **o), False),
+        "am_softmax_loss": ((rows(n), rows(n)), lambda q, k, **o: fc.am_softmax_loss(q, k, backend="torch", **o),
+                            False),
+    }
+
+
+OPTIONS = {"label_smoothing=0.1": dict(label_smoothing=0.1), "tau_plus=0.1": dict(tau_plus=0.1),
+           "both": dict(label_smoothing=0.1, tau_plus=0.1)}
+
+
+def _step(fn, xs, opts, clock=time.process_time) -> float:
+    leaves = [x.clone().requires_grad_() for x in xs]
+    t0 = clock()
+    fn(*leaves, **opts).backward()
+    return clock() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=1024)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: PyTorch's default)")
+    ap.add_argument("--wall", action="store_true", help="wall time instead of the process's CPU time")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    clock = time.perf_counter if a.wall else time.process_time
+    g = torch.Generator().manual_seed(0)
+    print(f"# option costs, CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}; N = M = {a.n}, D = {a.d}, float32, forward + backward, median of "
+          f"{a.repeats}, {'wall' if a.wall else 'CPU'} time")
+    print(f"{'loss':34s} {'path':8s} {'plain ms':>9s} " + " ".join(f"{o:>20s}" for o in OPTIONS))
+    for name, (xs, fn, debiased) in _losses(a.n, a.d, g).items():
+        opts = {"plain": {}, **{k: v for k, v in OPTIONS.items() if debiased or "tau_plus" not in v}}
+        for path in ("dense", "chunked"):
+            os.environ["FUSED_CONTRASTIVE_DENSE"] = "1" if path == "dense" else "0"
+            for o in opts.values():  # warm-up
+                _step(fn, xs, o)
+            times: dict[str, list[float]] = {k: [] for k in opts}
+            for _ in range(a.repeats):
+                for k, o in opts.items():
+                    times[k].append(_step(fn, xs, o, clock))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            cells = [f"{med[k] / med['plain']:>19.3f}x" if k in med else f"{'-':>20s}" for k in OPTIONS]
+            print(f"{name:34s} {path:8s} {med['plain'] * 1e3:9.2f} " + " ".join(cells))
+    os.environ.pop("FUSED_CONTRASTIVE_DENSE", None)
+
+
+if __name__ == "__main__":
+    main()
