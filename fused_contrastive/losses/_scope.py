@@ -123,8 +123,9 @@ def cross_entropy(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, 
     # SET statistic with one weight for every column (the mean logit: O(N*D) on the streaming paths, a row sum
     # of the tile on the one-tile path; the op's SET sums the unshifted logits, so a target margin adds its
     # constant here); outside it (O(N*D) autograd, ``_row_terms``) for CLIP's per-pair values (SET is a row
-    # statistic)
-    inside = bool(label_smoothing) and (keep or not symmetric)
+    # statistic) and under compile / export (a coefficient eps / M would be a constant of the graph, recompiled
+    # for every batch size; Inductor fuses the O(N*D) term's elementwise work)
+    inside = bool(label_smoothing) and (keep or not symmetric) and not ops.tracing_route()
     smooth = None
     if label_smoothing and not inside:
         tgt, mean, mean_t = rows.logit_terms(query, keys, s, target, offset=offset, exclude_self=exclude_self,
