@@ -102,3 +102,29 @@ def test_triton_kernels_skip_the_frozen_side(name, frozen, launches):
         assert "lse_bwd_cols" in names and "lse_bwd_rows" not in names, launches
         torch.testing.assert_close(gk2, gk, rtol=1e-5, atol=1e-7)
         assert gq2 is None
+
+
+_GUIDE = torch.randn(N, 4, generator=torch.Generator().manual_seed(1))
+OTHER_KERNELS = {
+    "matryoshka": lambda q, k, **kw: fc.info_nce(q, k, matryoshka_dims=[D, D // 2], **kw),
+    "siglip": SQUARE["siglip"],
+    "guided": lambda q, k, **kw: fc.gist_loss(q, k, guide=(_GUIDE, _GUIDE.flip(0)), contrast_anchors=False,
+                                              contrast_positives=False, **kw),
+    "ids": lambda q, k, **kw: fc.info_nce(q, k, ids=(torch.arange(N), torch.arange(N)), **kw),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_KERNELS))
+@pytest.mark.parametrize("frozen", ["keys", "queries"])
+def test_other_kernels_skip_the_frozen_side(name, frozen, launches):
+    """The Matryoshka, SigLIP and guided kernels: no column-gradient kernel for frozen keys (images), no row
+    kernel for frozen queries."""
+    q, k = _inputs(N)
+    _, gq, gk = _units_and_grads(OTHER_KERNELS[name], q, k, True, True, "triton")
+    launches.clear()
+    _, gq2, gk2 = _units_and_grads(OTHER_KERNELS[name], q, k, frozen != "queries", frozen != "keys", "triton")
+    names = [n for n, _ in launches]
+    skipped, kept = ("_bwd_cols", "_bwd_rows") if frozen == "keys" else ("_bwd_rows", "_bwd_cols")
+    assert not any(n.endswith(skipped) for n in names) and any(n.endswith(kept) for n in names), names
+    torch.testing.assert_close(gq2 if frozen == "keys" else gk2, gq if frozen == "keys" else gk, rtol=1e-5,
+                               atol=1e-7)
