@@ -249,11 +249,12 @@ class MaxSimInfoNCELoss(nn.Module):
     negatives) holding its options; ``forward(query_tokens, doc_tokens, target=None, *, query_mask=None,
     doc_mask=None, negatives=None, negative_mask=None)`` with query_tokens [N, Lq, D], doc_tokens
     [M, Ld, D] and the masks [N, Lq] / [M, Ld] (the per-batch inputs). ``scale`` (default 1, PyLate's)
-    or ``temperature``; ``learn_scale=True`` makes ``log(scale)`` a parameter."""
+    or ``temperature``; ``learn_scale=True`` makes ``log(scale)`` a parameter; ``label_smoothing`` (default 0.0)
+    is the function's."""
 
     def __init__(self, scale: float | None = None, *, temperature: float | None = None, learn_scale: bool = False,
                  length_normalize: bool = False, normalize: bool = True, reduction: str = "mean",
-                 ignore_index: int = -100, backend: str = "auto", gather=False):
+                 ignore_index: int = -100, backend: str = "auto", gather=False, label_smoothing: float = 0.0):
         super().__init__()
         s, _ = V.scale_of(temperature, scale, 1.0, torch.float64, torch.device("cpu"))
         V.flag("learn_scale", learn_scale)
@@ -275,7 +276,7 @@ class MaxSimInfoNCELoss(nn.Module):
             else:
                 self.register_buffer(f"given_{given[0]}", given[1])
         self.kw = dict(length_normalize=length_normalize, normalize=normalize, reduction=reduction,
-                       ignore_index=ignore_index, backend=backend, gather=gather)
+                       ignore_index=ignore_index, backend=backend, gather=gather, label_smoothing=label_smoothing)
         _gather_option(gather)
         V.backend(backend)
         _validated(maxsim_info_nce, _x(2, 2, 2), _x(2, 3, 2).flip(0), scale=self.scale, **self.kw)

@@ -236,3 +236,34 @@ def test_bad_values_name_the_argument(fn, bad, err):
     q, k, _ = _inputs(4, 4, 3, 9)
     with pytest.raises(err, match="label_smoothing"):
         fn(q, k, label_smoothing=bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_maxsim(backend, reduction, backend_setup):
+    """Late interaction: F.cross_entropy(scale * S, target, label_smoothing=eps) on the MaxSim scores written
+    here (ColBERT's sum over query tokens of the best document token), hard negatives, an ignored row, a
+    masked document token and a learnable scale."""
+    dt, tol = backend_setup(backend)
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(6, 3, 4, generator=g, dtype=torch.float64).to(dt)
+    d = torch.randn(6, 5, 4, generator=g, dtype=torch.float64).to(dt)
+    neg = torch.randn(2, 4, 4, generator=g, dtype=torch.float64).to(dt)
+    dmask = torch.ones(6, 5, dtype=torch.bool)
+    dmask[2, 3:] = False
+    target = torch.tensor([0, 1, 2, -100, 4, 7])
+    up = torch.rand(6, generator=g, dtype=torch.float64) if reduction == "none" else None
+    sc = torch.tensor(3.0, dtype=dt)
+
+    def definition(q_, d_, n_, s_):
+        qn, dn, nn_ = (F.normalize(x, dim=-1) for x in (q_, d_, n_))
+        sim = torch.einsum("iad,jbd->ijab", qn, dn).masked_fill(~dmask[None, :, None, :], float("-inf"))
+        scores = torch.cat([sim.amax(-1).sum(-1), torch.einsum("iad,jbd->ijab", qn, nn_).amax(-1).sum(-1)], dim=1)
+        return F.cross_entropy(s_ * scores, target, label_smoothing=EPS, reduction=reduction)
+
+    def fn(q_, d_, n_, s_):
+        return fc.maxsim.maxsim_info_nce(q_, d_, target, doc_mask=dmask, negatives=n_, scale=s_, label_smoothing=EPS,
+                                         reduction=reduction, backend=backend)
+
+    _check(_run(fn, q, d, neg, sc, upstream=up),
+           _run(definition, q.double(), d.double(), neg.double(), sc.double(), upstream=up), tol)
