@@ -47,15 +47,21 @@ def columns(n: int, m: int, offset: int, exclude_self: bool, device) -> tuple[Te
 
 def logit_terms(query: Tensor, keys: Tensor | None, s, target: Tensor, *, offset: int = 0,
                 exclude_self: bool = False, normalize: bool = True, bias_col: Tensor | None = None,
-                bias: float = 0.0, margin: float = 0.0, levels=None, transposed: bool = False
-                ) -> tuple[Tensor, Tensor, Tensor | None]:
+                bias: float = 0.0, margin: float = 0.0, levels=None, transposed: bool = False, means: bool = True
+                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``(TGT, MEAN, MEAN_T)``: per row ``l_{i t_i}`` and ``mean_{j in C_i} l_ij`` ([N], or [K, N] with
     Matryoshka ``levels``), ``C_i`` the columns of row i's softmax (all M but the excluded own column
     ``offset + i``); ``MEAN_T`` (``transposed``: N == M, target the diagonal) the mean of column i over every
-    row (CLIP's second direction), else None. ``keys`` None: B is A. ``s`` a number or a 0-dim tensor."""
+    row (CLIP's second direction), else None. ``keys`` None: B is A. ``s`` a number or a 0-dim tensor.
+    ``means`` False: TGT alone (MEAN None), from the target rows of the keys only."""
     dt = compute_dtype(query, keys)
     dims = None if levels is None else levels.dims
     qs = _units(query, normalize, dt, dims)
+    if not means:  # the target rows alone: N unit rows of the keys, not M
+        ts = _units((query if keys is None else keys)[target], normalize, dt, dims)
+        tgt = torch.stack([torch.linalg.vecdot(a, b) for a, b in zip(qs, ts, strict=True)])
+        tgt = tgt * (s.to(dt) if isinstance(s, Tensor) else s)
+        return (tgt if levels is not None else tgt[0]), None, None
     ks = qs if keys is None else _units(keys, normalize, dt, dims)
     n = query.shape[0]
     m = n if keys is None else keys.shape[0]

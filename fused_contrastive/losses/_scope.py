@@ -208,7 +208,8 @@ def _debiased(be: str, scope: Scope, query: Tensor, keys: Tensor | None, s, targ
         sp = spec(normalize, exclude_self, 0.0, offset if exclude_self else 0, exclude_target=True)
         data = CoreData(target=target)
         tgt, mean, mean_t = rows.logit_terms(query, keys, s, target, offset=offset, exclude_self=exclude_self,
-                                             normalize=normalize, levels=levels, transposed=symmetric)
+                                             normalize=normalize, levels=levels, transposed=symmetric,
+                                             means=bool(label_smoothing))
         n_neg = rows.negatives(n, m, offset, exclude_self, query.device, dt)
         r = core.run(be, query, keys, s, sp, data, Coeffs(lse=1.0, tgt=1.0), reduce=False, levels=lv)
         per = rows.debiased(r, tgt, s, tau, n_neg)
