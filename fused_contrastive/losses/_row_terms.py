@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.norms import prefix_rows, unit_rows
@@ -120,4 +119,6 @@ def debiased(r: Tensor, tgt: Tensor, s, tau, n_neg: Tensor) -> Tensor:
     unclamped = torch.where(ok, unclamped, -math.inf)
     sd = s.to(dt) if isinstance(s, Tensor) else s
     floor = log_n - sd - tgt
-    return F.softplus(torch.maximum(unclamped, floor))
+    z = torch.maximum(unclamped, floor)
+    # softplus(z) = log(1 + e^z) exactly (F.softplus returns z itself past z = 20, off by e^-z)
+    return torch.logaddexp(z, torch.zeros_like(z))
