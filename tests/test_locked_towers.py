@@ -50,7 +50,8 @@ def test_a_frozen_side_costs_one_unit_less(name, path):
     sides = [("keys", True, False), ("queries", False, True)]
     for what, tq, tk in sides:
         units, gq2, gk2 = _units_and_grads(fn, q, k, tq, tk, "torch")
-        assert units == both - 1, (what, units, both)
+        # (O(N·D) matmuls, a [1, 1] weight mask's, are ~1e-3 of a unit: not units)
+        assert abs(units - (both - 1)) < 1e-2, (what, units, both)
         assert (gq2 is None) != tq and (gk2 is None) != tk
         torch.testing.assert_close(gq2 if tq else gk2, gq if tq else gk, rtol=1e-5, atol=1e-7)
 
