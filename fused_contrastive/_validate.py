@@ -290,3 +290,38 @@ def queue(q, queue_labels, labels_: Tensor | None, d: int, device: torch.device,
     if labels_ is None:
         raise ValueError("queue_labels given but labels is None")
     return q, labels(name="queue_labels", y=queue_labels, n=q.shape[0], device=device)
+
+
+def label_smoothing(v) -> float:
+    """``F.cross_entropy``'s ``label_smoothing``: a float in [0, 1)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"label_smoothing must be a float in [0, 1), got {type(v).__name__}")
+    if not 0.0 <= v < 1.0:  # also False for NaN
+        raise ValueError(f"label_smoothing must be in [0, 1), got {v}")
+    return float(v)
+
+
+def tau_plus(v, n: int, device: torch.device) -> float | Tensor:
+    """The debiased loss's class prior: a float in [0, 1), or a floating [N] tensor of per-row priors on
+    the query's device (its values checked in [0, 1) when it is on the CPU). A tensor is detached: no
+    gradient flows into a prior."""
+    if isinstance(v, Tensor):
+        if not v.is_floating_point():
+            raise TypeError(f"tau_plus must be a float or a floating tensor, got {v.dtype}")
+        if v.dim() != 1 or v.shape[0] != n:
+            raise ValueError(f"tau_plus as a tensor must have shape [{n}] (one prior per query row), got "
+                             f"{tuple(v.shape)}")
+        if v.device != device:
+            raise ValueError(f"tau_plus is on {v.device} but query is on {device}")
+        v = v.detach()
+        if readable(v):
+            bad = ~((v >= 0) & (v < 1))
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise ValueError(f"tau_plus must be in [0, 1), got tau_plus[{i}] = {float(v[i])}")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"tau_plus must be a float in [0, 1) or an [N] tensor, got {type(v).__name__}")
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"tau_plus must be in [0, 1), got {v}")
+    return float(v)

@@ -138,7 +138,7 @@ def reference_scores(q: Tensor, d: Tensor, w: Tensor, valid: Tensor, fill: Tenso
 def reference(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | None = None, *,
               query_mask: Tensor | None = None, doc_mask: Tensor | None = None, scale=1.0,
               length_normalize: bool = False, normalize: bool = True, reduction: str = "mean",
-              ignore_index: int = -100) -> Tensor:
+              ignore_index: int = -100, label_smoothing: float = 0.0) -> Tensor:
     """The textbook computation of :func:`maxsim_info_nce` (no gather, no negatives argument: append
     the negatives to ``doc_tokens``): materialised similarities, ``F.cross_entropy`` of ``scale * S``."""
     dt = ref._dt(query_tokens, doc_tokens)
@@ -150,7 +150,8 @@ def reference(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | None = 
     s = reference_scores(q, d, w, _valid(doc_mask, m, ld, q.device), empty_scores(w, length_normalize))
     t = torch.arange(n, device=q.device) if target is None else target.long()
     logits = ref._scalar(scale, dt) * s
-    return torch.nn.functional.cross_entropy(logits, t, reduction=reduction, ignore_index=ignore_index)
+    return torch.nn.functional.cross_entropy(logits, t, reduction=reduction, ignore_index=ignore_index,
+                                             label_smoothing=label_smoothing)
 
 
 # --- the chunked PyTorch path -----------------------------------------------------------------------
@@ -249,20 +250,22 @@ def _grads(backend: str, q, d, w, valid, idx, g):
 
 
 class MaxSimCEFn(torch.autograd.Function):
-    """Per-query losses ``lse_i - scale S_{i, t_i}`` [N] (0 where ``t_i`` is ignored) of token vectors
+    """Per-query losses ``lse_i - scale ((1 - eps) S_{i, t_i} + eps mean_j S_ij)`` [N] (0 where ``t_i`` is
+    ignored; ``eps`` the label smoothing, the mean a row mean of the saved scores) of token vectors
     ``q`` [N, Lq, D] and ``d`` [M, Ld, D] (already normalised when the loss normalises), query-token weights
     ``w`` [N, Lq], document-token validity ``valid`` [M, Ld], targets ``t`` [N] (ignored rows hold any
     column) and ``keep`` [N] bool, and the scale ``scale_t`` (a 0-dim tensor; its gradient is returned
     when it requires one). Saves ``S`` [N, M], the argmax indices [N, Lq, M] and ``lse`` [N]."""
 
     @staticmethod
-    def forward(ctx, q, d, scale_t, w, valid, t, keep, fill, length_normalize, backend):
+    def forward(ctx, q, d, scale_t, w, valid, t, keep, fill, length_normalize, backend, eps=0.0):
         s, idx, lse = _scores(backend, q, d, w, valid, scale_t, fill, length_normalize)
         sc = scale_t.to(s.dtype)
         rows = torch.arange(q.shape[0], device=q.device)
-        loss = torch.where(keep, lse.to(s.dtype) - sc * s[rows, t], torch.zeros((), dtype=s.dtype, device=q.device))
+        picked = s[rows, t] if not eps else (1 - eps) * s[rows, t] + eps * s.mean(dim=1)
+        loss = torch.where(keep, lse.to(s.dtype) - sc * picked, torch.zeros((), dtype=s.dtype, device=q.device))
         ctx.save_for_backward(q, d, scale_t, w, valid, t, keep, s, idx, lse)
-        ctx.backend = backend
+        ctx.backend, ctx.eps = backend, eps
         return loss
 
     @staticmethod
@@ -274,19 +277,22 @@ class MaxSimCEFn(torch.autograd.Function):
         g = torch.where(keep, g.to(dt), torch.zeros((), dtype=dt, device=g.device))
         p = torch.exp(sc * s - lse.to(dt)[:, None])
         rows = torch.arange(q.shape[0], device=q.device)
-        gs = p.clone()
-        gs[rows, t] -= 1.0
+        eps = ctx.eps
+        gs = p - eps / s.shape[1] if eps else p.clone()  # the uniform part of a smoothed target
+        gs[rows, t] -= 1.0 - eps
         empty = ~valid.any(dim=1)
         gs = (sc * g)[:, None] * gs.masked_fill(empty[None, :], 0.0)
         dscale = None
         if ctx.needs_input_grad[2]:
-            ps = (p * s.masked_fill(empty[None, :], 0.0)).sum(dim=1) - s[rows, t]
+            ps = (p * s.masked_fill(empty[None, :], 0.0)).sum(dim=1) - (1 - eps) * s[rows, t]
+            if eps:  # (an empty document's fill score is a logit of the softmax too)
+                ps = ps - eps * s.mean(dim=1)
             dscale = (g * ps).sum().to(scale_t.dtype)
         dq = dd = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             dq, dd = _grads(ctx.backend, q, d, w, valid, idx, gs)
             dq, dd = dq.to(q.dtype), dd.to(d.dtype)
-        return dq, dd, dscale, None, None, None, None, None, None, None
+        return dq, dd, dscale, None, None, None, None, None, None, None, None
 
 
 class _ScoresFn(torch.autograd.Function):
@@ -413,7 +419,7 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
                     negatives: Tensor | None = None, negative_mask: Tensor | None = None,
                     temperature=None, scale=None, length_normalize: bool = False, normalize: bool = True,
                     reduction: str = "mean", ignore_index: int = -100, backend: str = "auto",
-                    gather=False) -> Tensor:
+                    gather=False, label_smoothing: float = 0.0) -> Tensor:
     """In-batch-negatives cross-entropy over late-interaction (MaxSim) scores, the drop-in for
     ``F.cross_entropy(scale * colbert_scores(q, d), target)`` without the N·Lq x M·Ld token similarities.
 
@@ -450,6 +456,9 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
             document of any rank; a mean returns the local sum times ``world / (global non-ignored
             rows)``, a sum the local sum times ``world`` (so DDP's average over ranks is the global-batch
             loss), ``"none"`` the local rows' losses.
+        label_smoothing: ``F.cross_entropy``'s, in [0, 1) (default 0): the target ``(1 - eps) onehot + eps / M``
+            over every column of the softmax (the documents, then the negatives; a document without tokens
+            too, at its fill score), from the row mean of the scores the loss forms anyway (O(N·M)).
 
     Returns:
         0-dim loss (mean / sum) or [N] per-query losses; float32 (float64 for float64 inputs).
@@ -463,6 +472,7 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
     ignore_index = V.ignore_index(ignore_index)
     dt = torch.float64 if query_tokens.dtype == torch.float64 else torch.float32
     s, _t = V.scale_of(temperature, scale, 1.0, dt, dev)
+    eps = V.label_smoothing(label_smoothing)
     if negatives is not None:
         negatives = _tokens("negatives", negatives)
         V.same_dim("query_tokens", query_tokens, "negatives", negatives)
@@ -513,12 +523,12 @@ def maxsim_info_nce(query_tokens: Tensor, doc_tokens: Tensor, target: Tensor | N
     if be == "reference":
         return reference(query_tokens, docs, torch.where(keep, t, ignore_index), query_mask=query_mask,
                          doc_mask=valid, scale=s, length_normalize=length_normalize, normalize=normalize,
-                         reduction=reduction, ignore_index=ignore_index)
+                         reduction=reduction, ignore_index=ignore_index, label_smoothing=eps)
     w = query_weights(query_mask, n, lq, length_normalize, dt, dev)
     scale_t = s if isinstance(s, Tensor) else torch.tensor(float(s), dtype=dt, device=dev)
     per = MaxSimCEFn.apply(_unit(query_tokens, normalize), _unit(docs, normalize), scale_t.reshape(()), w,
                            valid, torch.where(keep, t, 0), keep, empty_scores(w, length_normalize), length_normalize,
-                           be)
+                           be, eps)
     if reduction == "none":
         return per
     total = per.sum()

@@ -188,28 +188,35 @@ CoSENTLoss = _derived("CoSENTLoss", cosent_loss, lambda kw: (_x(2, 2), _x(2, 2).
 
 class CLIPLoss(nn.Module):
     """CLIP loss with a learnable temperature: ``logit_scale`` (a parameter, initialised to
-    ``log(1 / 0.07)``) is used as ``exp(logit_scale)``; ``forward(a, b)`` with a, b [N, D]. The Matryoshka
-    keywords (``matryoshka_dims``, ``matryoshka_weights``, ``return_level_losses``) are
+    ``log(1 / 0.07)``) is used as ``exp(logit_scale)``; ``forward(a, b, tau_plus=None)`` with a, b [N, D]. The
+    Matryoshka keywords (``matryoshka_dims``, ``matryoshka_weights``, ``return_level_losses``),
+    ``label_smoothing`` (default 0.0) and ``tau_plus`` (default 0.0; a float here, ``forward``'s ``tau_plus``
+    overrides it for one call: a float or an [N] tensor of per-pair priors) are
     :func:`fused_contrastive.clip_loss`'s."""
 
     def __init__(self, init_temperature: float = 0.07, *, normalize: bool = True, reduction: str = "mean",
                  backend: str = "auto", gather=False, matryoshka_dims=None, matryoshka_weights=None,
-                 return_level_losses: bool = False):
+                 return_level_losses: bool = False, label_smoothing: float = 0.0, tau_plus: float = 0.0):
         super().__init__()
         if isinstance(init_temperature, bool) or not (isinstance(init_temperature, (int, float))
                                                       and 0 < init_temperature < math.inf):
             raise ValueError(f"init_temperature must be a finite number > 0, got {init_temperature!r}")
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)))
-        self.kw = dict(normalize=normalize, reduction=reduction, backend=backend, gather=gather)
+        self.kw = dict(normalize=normalize, reduction=reduction, backend=backend, gather=gather,
+                       label_smoothing=label_smoothing)
         if matryoshka_dims is not None or matryoshka_weights is not None or return_level_losses:
             self.kw.update(matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
                            return_level_losses=return_level_losses)
+        if isinstance(tau_plus, Tensor):
+            raise TypeError("tau_plus of CLIPLoss must be a float (pass a per-pair [N] tensor to forward)")
+        self.tau_plus = V.tau_plus(tau_plus, 2, torch.device("cpu"))
         _gather_option(gather)
         V.backend(backend)
-        _validated(L.clip_loss, _x(2, 2), _x(2, 2).flip(0), 1.0 / init_temperature, **self.kw)
+        _validated(L.clip_loss, _x(2, 2), _x(2, 2).flip(0), 1.0 / init_temperature, tau_plus=self.tau_plus, **self.kw)
 
-    def forward(self, a: Tensor, b: Tensor) -> Tensor:
-        return L.clip_loss(a, b, self.logit_scale.exp(), **self.kw)
+    def forward(self, a: Tensor, b: Tensor, tau_plus: float | Tensor | None = None) -> Tensor:
+        tau = self.tau_plus if tau_plus is None else tau_plus
+        return L.clip_loss(a, b, self.logit_scale.exp(), tau_plus=tau, **self.kw)
 
 
 class SigLIPLoss(nn.Module):
@@ -242,11 +249,12 @@ class MaxSimInfoNCELoss(nn.Module):
     negatives) holding its options; ``forward(query_tokens, doc_tokens, target=None, *, query_mask=None,
     doc_mask=None, negatives=None, negative_mask=None)`` with query_tokens [N, Lq, D], doc_tokens
     [M, Ld, D] and the masks [N, Lq] / [M, Ld] (the per-batch inputs). ``scale`` (default 1, PyLate's)
-    or ``temperature``; ``learn_scale=True`` makes ``log(scale)`` a parameter."""
+    or ``temperature``; ``learn_scale=True`` makes ``log(scale)`` a parameter; ``label_smoothing`` (default 0.0)
+    is the function's."""
 
     def __init__(self, scale: float | None = None, *, temperature: float | None = None, learn_scale: bool = False,
                  length_normalize: bool = False, normalize: bool = True, reduction: str = "mean",
-                 ignore_index: int = -100, backend: str = "auto", gather=False):
+                 ignore_index: int = -100, backend: str = "auto", gather=False, label_smoothing: float = 0.0):
         super().__init__()
         s, _ = V.scale_of(temperature, scale, 1.0, torch.float64, torch.device("cpu"))
         V.flag("learn_scale", learn_scale)
@@ -268,7 +276,7 @@ class MaxSimInfoNCELoss(nn.Module):
             else:
                 self.register_buffer(f"given_{given[0]}", given[1])
         self.kw = dict(length_normalize=length_normalize, normalize=normalize, reduction=reduction,
-                       ignore_index=ignore_index, backend=backend, gather=gather)
+                       ignore_index=ignore_index, backend=backend, gather=gather, label_smoothing=label_smoothing)
         _gather_option(gather)
         V.backend(backend)
         _validated(maxsim_info_nce, _x(2, 2, 2), _x(2, 3, 2).flip(0), scale=self.scale, **self.kw)

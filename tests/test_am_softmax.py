@@ -124,3 +124,38 @@ def test_core_margin_contract():
     with pytest.raises(ValueError, match="margin is not combined"):
         core.run("torch", a, a, 10.0, CoreSpec(margin=0.1, exclude_target=True), CoreData(target=torch.arange(4)),
                  Coeffs(lse=1.0, tgt=1.0), True)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_label_smoothing_against_f_cross_entropy(backend, symmetric, reduction, path, monkeypatch):
+    """``label_smoothing=0.15``: ``F.cross_entropy(..., label_smoothing=)`` on the margin logits, each
+    direction (loss, both embeddings' and the temperature's gradients)."""
+    import torch.nn.functional as F
+
+    if backend == "triton":
+        monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # the kernels, not the one-tile path
+    dt, tol = (torch.float32, 2e-4) if backend == "triton" else (torch.float64, 1e-9)
+    q, k = _inputs(9, 6, 5)
+    up = torch.rand(9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    if reduction == "mean":
+        up = torch.tensor(1 / 9, dtype=torch.float64)  # the mean's weights, summed by _grads
+
+    def definition(q_, k_, t_):
+        cos = F.normalize(q_, dim=1) @ F.normalize(k_, dim=1).T
+        logits = (cos - 0.3 * torch.eye(9, dtype=torch.float64)) / t_
+        rows = F.cross_entropy(logits, torch.arange(9), label_smoothing=0.15, reduction="none")
+        cols = F.cross_entropy(logits.T, torch.arange(9), label_smoothing=0.15, reduction="none")
+        return (rows + cols) / 2 if symmetric else rows
+
+    t = torch.tensor(0.1, dtype=torch.float64)
+    got, gg = _grads(lambda q_, k_, t_: fc.am_softmax_loss(q_, k_, margin=0.3, temperature=t_, symmetric=symmetric,
+                                                          label_smoothing=0.15, reduction=reduction,
+                                                          backend=backend) * (up.to(dt) if reduction == "none" else 1),
+                      q.to(dt), k.to(dt), t.to(dt))
+    want, gw = _grads(lambda q_, k_, t_: (definition(q_, k_, t_) * up).sum(), q, k, t)
+    want = want if reduction == "mean" else definition(q, k, t) * up
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    for a, b in zip(gg, gw, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * max(1.0, float(b.abs().max())))

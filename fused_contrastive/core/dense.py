@@ -81,6 +81,19 @@ def _cross_entropy_form(coef: Coeffs) -> bool:
     return coef.lse == coef.tgt
 
 
+def uniform_weight(data: CoreData, coef: Coeffs) -> bool:
+    """Whether the positive weights are one number for every column (a [1, 1] mask) and only ``SET`` reads
+    them: then ``SET_i = w s sum_{j in C_i} cos_ij`` is a row sum of the cosine tile and its gradient a
+    per-row constant on the logit tile (label smoothing's mean logit), no weight tile."""
+    return coef.set is not None and coef.pos is None and data.pos_mask is not None and data.pos_mask.shape == (1, 1)
+
+
+def _own_cos(cos: Tensor, offset: int) -> Tensor:
+    """``cos[i, offset + i]`` per row, 0 where that column does not exist."""
+    diag = cos.diagonal(offset)
+    return torch.cat([diag, diag.new_zeros(cos.shape[0] - diag.shape[0])]) if diag.shape[0] < cos.shape[0] else diag
+
+
 def _positive_weights(data: CoreData, spec: CoreSpec, n: int, m: int, dt: torch.dtype, dev) -> Tensor:
     """w_ij as a dense [N, M] tile, 0 at the excluded own column: a bool tile for label positives
     (weights 0 / 1), a ``dt`` tile for a dense mask (real weights)."""
@@ -186,12 +199,24 @@ class DenseCoreFn(torch.autograd.Function):
                 lse_col = torch.logsumexp(l, dim=0) if empty else l.amax(dim=0) - lsmc.amax(dim=0)
                 col = drop_zero(coef.col, lse_col, empty)
                 out = out + col if not reduce else out  # a summed column term is added below
-            if coef.set is not None and w is None:
+            uni = uniform_weight(data, coef)
+            if coef.set is not None and w is None and not uni:
                 w = _positive_weights(data, spec, n, m, dt, a.device)
             if coef.tgt is not None:
                 picked = l.gather(1, data.target[:, None])[:, 0] if l_tgt is None else l_tgt
                 out = out - drop_zero(coef.tgt, picked, spec.exclude_self)
-            if coef.set is not None:
+            if coef.set is not None and uni:  # one weight for every column but the excluded own one
+                w00 = data.pos_mask.reshape(()).to(dt)
+                rows = cos.sum(dim=1)
+                if spec.exclude_self:
+                    rows = rows - _own_cos(cos, spec.offset)
+                set_ = rows * (s * w00)
+                if has_bias:
+                    own = torch.arange(n, device=a.device) + spec.offset
+                    hit = (data.bias_col != own) if spec.exclude_self else torch.ones_like(data.bias_col, dtype=bool)
+                    set_ = set_ + (spec.bias * w00) * hit.to(dt)
+                out = out - drop_zero(coef.set, set_, False)
+            elif coef.set is not None:
                 set_ = (cos * w).sum(dim=1) * s
                 if has_bias:
                     set_ = set_ + spec.bias * w.gather(1, data.bias_col[:, None])[:, 0].to(cos.dtype)
@@ -224,7 +249,11 @@ class DenseCoreFn(torch.autograd.Function):
             safe = torch.where(lpp == _NEG_INF, 0.0, lpp)  # a row without positives: exp(-inf) = 0 below
             q = _softmax((_positive_logits(lsm, w) - safe[:, None]).exp_(), 1, need_s)
             dl.add_(q.mul_(_per_row(coef.pos, g)))
-        if coef.set is not None:
+        if coef.set is not None and w is None:  # one weight for every column (uniform_weight)
+            dl.sub_(_per_row(coef.set, g) * data.pos_mask.reshape(()).to(dl.dtype))
+            if spec.exclude_self:
+                dl.diagonal(spec.offset).zero_()
+        elif coef.set is not None:
             dl.sub_(w * _per_row(coef.set, g))
         if coef.tgt is not None:
             dl.scatter_add_(1, data.target[:, None], _per_row(coef.tgt, g).neg().expand(cos.shape[0], 1))
@@ -232,7 +261,11 @@ class DenseCoreFn(torch.autograd.Function):
                 dl.diagonal(spec.offset).zero_()  # a target on the excluded column carries no gradient
         gs = (dl * cos).sum() if need_s else None
         if need_s and spec.margin != 0.0:  # dl/ds is c - margin at the target
-            gs = gs - spec.margin * dl.gather(1, data.target[:, None]).sum()
+            at_t = dl.gather(1, data.target[:, None]).sum()
+            if coef.set is not None:  # ... but for the uniform SET, which sums the unshifted s c (spec.py)
+                at_t = at_t + (_per_row(coef.set, g) * data.pos_mask.reshape(()).to(dl.dtype)).sum() \
+                    * (1 if _per_row(coef.set, g).dim() else cos.shape[0])
+            gs = gs - spec.margin * at_t
         dcos = dl.mul_(s)  # dL/dcos
         # The normalisation backward needs <g_i, x_hat_i> for g = dcos @ B_hat (and its transpose).
         # Read off the tile it is sum_j dcos_ij cos_ij (N x M work), as a row dot N x D work: the tile

@@ -66,7 +66,19 @@ def _self_mask(n: int, m: int, offset: int, device) -> Tensor:
     return torch.arange(m, device=device)[None, :] == (torch.arange(n, device=device) + offset)[:, None]
 
 
-def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index, offset=0):
+def smoothed_cross_entropy(logits: Tensor, target: Tensor, label_smoothing: float) -> Tensor:
+    """Per row ``F.cross_entropy(logits_i, target_i, label_smoothing=eps)`` over the finite columns only (an
+    excluded column is -inf here; the textbook form would spread ``eps / M`` onto it and return inf):
+    ``(1 - eps) (LSE - l_t) + eps (LSE - mean of the finite logits)``."""
+    lse = torch.logsumexp(logits, dim=1)
+    kept = logits > float("-inf")
+    mean = torch.where(kept, logits, torch.zeros_like(logits)).sum(dim=1) / kept.sum(dim=1)
+    picked = logits.gather(1, target[:, None])[:, 0]
+    return (1 - label_smoothing) * (lse - picked) + label_smoothing * (lse - mean)
+
+
+def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index, offset=0,
+             label_smoothing=0.0):
     """``offset``: the anchors' own columns are ``offset + i`` (anchors that are a slice of the keys)."""
     dt = _dt(query, keys)
     q = _unit(query, normalize, dt)
@@ -74,15 +86,58 @@ def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reducti
     logits = (q @ k.T) * _scalar(s, dt)
     if exclude_self:
         logits = logits.masked_fill(_self_mask(q.shape[0], k.shape[0], offset, q.device), float("-inf"))
+        if label_smoothing:
+            return _reduce(smoothed_cross_entropy(logits, target, label_smoothing), reduction)
+    ce = dict(label_smoothing=label_smoothing)
     if symmetric:
-        rows = F.cross_entropy(logits, target, reduction="none")
-        cols = F.cross_entropy(logits.T, target, reduction="none")
+        rows = F.cross_entropy(logits, target, reduction="none", **ce)
+        cols = F.cross_entropy(logits.T, target, reduction="none", **ce)
         per = (rows + cols) / 2
         return per if reduction == "none" else (per.sum() if reduction == "sum" else per.mean())
-    return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index)
+    return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index, **ce)
 
 
-def margin_cross_entropy(query, keys, target, s, margin, symmetric, normalize):
+def debiased(query, keys, target, s, tau_plus, exclude_self, symmetric, normalize, offset=0, label_smoothing=0.0):
+    """The debiased contrastive loss (Chuang et al. 2020, eq. 6) per row from its definition, on the
+    materialised logits shifted by their row maximum ``c_i`` (so that no ``e^l`` overflows)::
+
+        loss_i = -l_pos + log(e^{l_pos} + n_neg max((mean_neg e^{l_j} - tau e^{l_pos}) / (1 - tau), e^{-s}))
+
+    negatives every column but the target and the excluded own column; ``symmetric``: the mean of the row
+    and the column (transposed) loss per pair; plus ``label_smoothing`` times ``l_pos - mean_j l_ij`` over the
+    softmax's columns (memeff's sum)."""
+    dt = _dt(query, keys)
+    q = _unit(query, normalize, dt)
+    k = q if keys is None else _unit(keys, normalize, dt)
+    sd = _scalar(s, dt)
+    logits = (q @ k.T) * sd
+    tau = tau_plus.to(dt) if isinstance(tau_plus, Tensor) else tau_plus
+    cols = torch.arange(k.shape[0], device=q.device)[None, :]
+
+    def one(lg: Tensor, excl: Tensor) -> Tensor:
+        pos = lg.gather(1, target[:, None])[:, 0]
+        neg = ~excl & (cols != target[:, None])
+        c = lg.detach().amax(dim=1)
+        e = torch.where(neg, (lg - c[:, None]).exp(), torch.zeros_like(lg))
+        n_neg = neg.sum(dim=1).to(dt)
+        est = (e.sum(dim=1) / n_neg - tau * (pos - c).exp()) / (1 - tau)
+        ng = n_neg * torch.maximum(est, torch.exp(-sd - c))
+        per = -(pos - c) + torch.log((pos - c).exp() + ng)
+        if label_smoothing:
+            kept = ~excl
+            mean = torch.where(kept, lg, torch.zeros_like(lg)).sum(dim=1) / kept.sum(dim=1)
+            per = per + label_smoothing * (pos - mean)
+        return per
+
+    own = _self_mask(q.shape[0], k.shape[0], offset, q.device) if exclude_self else \
+        torch.zeros(logits.shape, dtype=torch.bool, device=q.device)
+    per = one(logits, own)
+    if symmetric:
+        per = (per + one(logits.T, own)) / 2
+    return per
+
+
+def margin_cross_entropy(query, keys, target, s, margin, symmetric, normalize, label_smoothing=0.0):
     """Cross-entropy with an additive target margin (AM-softmax; LaBSE, Yang et al. 2019), per query row,
     from the definition: the logits ``s cos(q_i, k_j)`` with ``s margin`` taken off each row's target
     ``t_i`` (``am_softmax_loss``'s oracle); the row form is
@@ -96,14 +151,16 @@ def margin_cross_entropy(query, keys, target, s, margin, symmetric, normalize):
     sd = _scalar(s, dt)
     shift = torch.zeros_like(cos).scatter_(1, target[:, None], margin)
     logits = (cos - shift) * sd
-    rows = F.cross_entropy(logits, target, reduction="none")
+    rows = F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
     if not symmetric:
         return rows
-    cols = F.cross_entropy(logits.T, torch.argsort(target), reduction="none")  # column t_i's target row is i
+    cols = F.cross_entropy(logits.T, torch.argsort(target), reduction="none",  # column t_i's target row is i
+                           label_smoothing=label_smoothing)
     return (rows + cols[target]) / 2
 
 
-def simcse_sup(anchor, positive, negative, s, hard_negative_weight, normalize, reduction, offset=0):
+def simcse_sup(anchor, positive, negative, s, hard_negative_weight, normalize, reduction, offset=0,
+               label_smoothing=0.0):
     """``offset``: anchor i's positive and negative are rows ``offset + i`` of ``positive`` / ``negative``
     (which may hold more rows: other ranks' examples)."""
     dt = _dt(anchor, positive, negative)
@@ -112,7 +169,8 @@ def simcse_sup(anchor, positive, negative, s, hard_negative_weight, normalize, r
     own = _self_mask(a.shape[0], n.shape[0], offset, a.device).to(dt)
     neg = (a @ n.T) * sd + hard_negative_weight * own
     logits = torch.cat([(a @ p.T) * sd, neg], dim=1)
-    return F.cross_entropy(logits, torch.arange(a.shape[0], device=a.device) + offset, reduction=reduction)
+    return F.cross_entropy(logits, torch.arange(a.shape[0], device=a.device) + offset, reduction=reduction,
+                           label_smoothing=label_smoothing)
 
 
 def dcl_rows(anchors, contrast, s, own, partner, weight, normalize):

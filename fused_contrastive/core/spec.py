@@ -92,8 +92,10 @@ class CoreSpec:
     exclude_target: bool = False
     # an additive margin in cosine units on each row's target logit: l[i, target[i]] = s (c - margin)
     # (AM-softmax, LaBSE). Everything reads the shifted logit (the row and column LSEs, the target
-    # term) and the scale's gradient takes c - margin there. Needs CoreData.target; not combined with
-    # exclude_target, a bias column, or positives' terms (pos / set)
+    # term) and the scale's gradient takes c - margin there, but SET, which a margin takes only with one
+    # weight for every column (a [1, 1] pos_mask: label smoothing's mean logit), sums the unshifted s c
+    # (the caller adds the constant). Needs CoreData.target; not combined with exclude_target, a bias
+    # column, or other positives' terms
     margin: float = 0.0
 
 
@@ -149,9 +151,11 @@ def check_problem(n: int, m: int, spec: CoreSpec, data: CoreData, coef: Coeffs, 
     if spec.margin != 0.0:
         if data.target is None:
             raise ValueError("core: margin needs CoreData.target (the column it is subtracted at)")
+        uniform_set = coef.set is not None and data.pos_mask is not None and tuple(data.pos_mask.shape) == (1, 1)
         if spec.exclude_target or (data.bias_col is not None and spec.bias != 0.0) or coef.pos is not None \
-                or coef.set is not None:
-            raise ValueError("core: margin is not combined with exclude_target, a bias column or pos / set terms")
+                or (coef.set is not None and not uniform_set):
+            raise ValueError("core: margin is not combined with exclude_target, a bias column, pos terms or set "
+                             "terms other than one weight for every column")
     if (coef.pos is not None or coef.set is not None) and not data.has_positives:
         raise ValueError("core: coefficients 'pos' / 'set' need row/col labels or pos_mask")
 

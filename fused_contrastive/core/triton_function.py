@@ -82,6 +82,11 @@ class TritonCoreFn(torch.autograd.Function):
         g_col = TB._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
         g_pos = TB._coef_grad(coef.pos, go, n, lse_pos)
         wide, split = getattr(ctx, "wide", False), ctx.split
+        if split is not None and not need_a and not need_s and a.dtype == torch.float32:
+            # a frozen A (LiT's locked image tower): the row kernel would run only to report the target
+            # column's fp32 weight, which fp32 tiles (tf32x3 dots) do not need apart: the column kernel
+            # takes the target column as it is, and nothing recomputes the tiles for A
+            split = None
         if same and not p.sym:
             # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
             out = TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s, wide,

@@ -71,6 +71,8 @@ def info_nce(
     guide_margin: float = 0.0,
     guide_margin_strategy: str = "absolute",
     ids: Tensor | Sequence[Tensor] | None = None,
+    label_smoothing: float = 0.0,
+    tau_plus: float | Tensor = 0.0,
     _levels=None,
 ) -> Tensor:
     """InfoNCE / in-batch-negatives loss, the drop-in for
@@ -109,6 +111,21 @@ def info_nce(
             column excepted (the same text twice in a batch is not a negative of itself).
             ``guide`` / ``ids`` run the merged-block core (``core/blocks.py``: its PyTorch sweep, or
             its Triton kernels on backend="triton") and are not supported with ``symmetric=True``.
+        label_smoothing: ``F.cross_entropy``'s, in [0, 1) (default 0): each row's target becomes
+            ``(1 - eps) onehot + eps / |C_i|`` over the columns ``C_i`` its softmax runs over (an excluded own
+            column is deleted, not smoothed onto: the textbook form with a -inf column returns inf). Ignored
+            rows stay 0. O(N*D) extra work (the row mean of the logits from the sum of the unit keys).
+        tau_plus: the debiased contrastive loss (Chuang et al. 2020), a class prior in [0, 1) or an [N]
+            tensor of per-row priors (no gradient); 0.0 (default) is the plain loss. Per row, with ``n``
+            negatives (every column but the target and the excluded own column)::
+
+                loss_i = -l_pos + log(e^{l_pos} + n max((mean_neg e^{l_j} - tau e^{l_pos}) / (1 - tau), e^{-s}))
+
+            ``s`` the scale (the paper's floor ``e^{-1/t}``); computed in log space, exact gradients on both
+            sides of the floor. With ``symmetric=True`` (CLIP) both directions, averaged; with
+            ``label_smoothing`` the sum ``debiased_i + eps (l_pos - mean_{j in C_i} l_ij)`` (memeff 0.3.1's
+            composition). A tensor prior needs no floor to differ from the plain loss; a float 0.0 is the
+            plain loss exactly. Not with ``guide`` / ``ids``.
 
     Returns:
         0-dim loss (mean/sum) or [N] per-row losses (none).
@@ -127,6 +144,8 @@ def info_nce(
     V.flag("normalize", normalize)
     n = query.shape[0]
     m = n if keys is None else keys.shape[0]
+    eps = V.label_smoothing(label_smoothing)
+    tau = _tau(tau_plus, n, dev)
     s, _ = V.scale_of(temperature, scale, _DEFAULT_TEMPERATURE, compute_dtype(query, keys), dev)
     if symmetric:
         if target is not None:
@@ -144,6 +163,11 @@ def info_nce(
     guide_options_unused(guide, guide_margin, guide_margin_strategy)
     masked = guide is not None or ids is not None
     if masked:
+        if tau is not None:
+            raise ValueError("tau_plus is not supported with guide= / ids= (the debiased loss counts every column "
+                             "but the target as a negative)")
+        if eps:
+            raise ValueError("label_smoothing is not supported with guide= / ids= yet")
         if symmetric:
             raise ValueError("guide= and ids= mask the rows' softmax; they are not supported with symmetric=True")
         mk = info_nce_masks(query, keys, guide, guide_margin, guide_margin_strategy, ids)
@@ -161,7 +185,7 @@ def info_nce(
                              "column (key i): pass target, or exclude_self=False")
     scope.agree(s)
     if symmetric:
-        return _clip(be, scope, query, query if keys is None else keys, s, normalize, reduction, _levels)
+        return _clip(be, scope, query, query if keys is None else keys, s, normalize, reduction, _levels, eps, tau)
     contrast, koff, m_total = scope.rows(query if keys is None else keys, "query" if keys is None else "keys")
     qoff, n_total = (koff, m_total) if keys is None else scope.offset(n, dev)
     if not scope.local and not given and not symmetric and n_total > m_total:
@@ -186,21 +210,31 @@ def info_nce(
     # locally keys=None is "B is A" (one normalisation, the triangular sweep where it applies)
     b = None if keys is None and scope.local else contrast
     return cross_entropy(be, scope, query, b, s, t, offset=qoff, exclude_self=exclude_self, normalize=normalize,
-                         reduction=reduction, n_total=n_total, valid=valid, levels=_levels)
+                         reduction=reduction, n_total=n_total, valid=valid, levels=_levels, label_smoothing=eps,
+                         tau_plus=tau)
 
 
-def _clip(be: str, scope: Scope, a: Tensor, b: Tensor, s, normalize: bool, reduction: str, levels=None) -> Tensor:
+def _tau(tau_plus, n: int, device):
+    """``tau_plus`` checked (``V.tau_plus``): None for the plain loss (a float 0), else the float or [N] tensor."""
+    tau = V.tau_plus(tau_plus, n, device)
+    return None if isinstance(tau, float) and tau == 0.0 else tau
+
+
+def _clip(be: str, scope: Scope, a: Tensor, b: Tensor, s, normalize: bool, reduction: str, levels=None,
+          label_smoothing: float = 0.0, tau_plus=None) -> Tensor:
     """CLIP's ``(row CE + column CE) / 2`` per pair. Locally one core-op call (the column term is the
-    op's column statistic); across ranks a rank holds only its own columns, so pair i's row term is
-    ``CE(a_i, B_global)`` and its column term ``CE(b_i, A_global)``."""
+    op's column statistic; with ``tau_plus`` two, one per direction); across ranks a rank holds only its own
+    columns, so pair i's row term is ``CE(a_i, B_global)`` and its column term ``CE(b_i, A_global)``."""
     n = a.shape[0]
     if scope.local:
         return cross_entropy(be, scope, a, b, s, torch.arange(n, device=a.device), offset=0, exclude_self=False,
-                             normalize=normalize, reduction=reduction, n_total=n, symmetric=True, levels=levels)
+                             normalize=normalize, reduction=reduction, n_total=n, symmetric=True, levels=levels,
+                             label_smoothing=label_smoothing, tau_plus=tau_plus)
     a_all, off, total = scope.rows(a, "a")
     b_all, _, _ = scope.rows(b, "b")
     t = torch.arange(n, device=a.device) + off
-    kw = dict(offset=off, exclude_self=False, normalize=normalize, reduction="none", n_total=total, levels=levels)
+    kw = dict(offset=off, exclude_self=False, normalize=normalize, reduction="none", n_total=total, levels=levels,
+              label_smoothing=label_smoothing, tau_plus=tau_plus)
     per = (cross_entropy(be, scope, a, b_all, s, t, **kw) + cross_entropy(be, scope, b, a_all, s, t, **kw)) / 2
     return scope.reduce(per, reduction, total, leveled=levels is not None)
 
@@ -209,7 +243,8 @@ def _clip(be: str, scope: Scope, a: Tensor, b: Tensor, s, normalize: bool, reduc
 @leveled("a", "b")
 @autocast_off
 def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, reduction: str = "mean",
-              backend: str = "auto", gather=False, _levels=None) -> Tensor:
+              backend: str = "auto", gather=False, label_smoothing: float = 0.0, tau_plus: float | Tensor = 0.0,
+              _levels=None) -> Tensor:
     """CLIP loss: ``(CE(l, arange) + CE(l^T, arange)) / 2`` with ``l = logit_scale * cos(a, b)``, i.e.
     ``info_nce(a, b, symmetric=True, scale=logit_scale)``.
 
@@ -217,6 +252,10 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
         a: [N, D] e.g. image embeddings; b: [N, D] text embeddings (pair i is (a_i, b_i)).
         logit_scale: the multiplier of the cosines (already exponentiated, e.g. ``exp(log_scale)``),
             a float or a 0-dim tensor (differentiable).
+        label_smoothing: ``F.cross_entropy``'s in both directions, in [0, 1) (default 0; HF's ALIGN and
+            BLIP-2's ITC use 0.1).
+        tau_plus: the debiased loss in both directions (see :func:`info_nce`), a float in [0, 1) or an [N]
+            tensor of per-pair priors; the floor is ``e^{-logit_scale}``.
 
     Returns:
         0-dim loss (mean/sum) or [N] per-pair losses ``(row_i + col_i) / 2`` (none).
@@ -228,10 +267,12 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
     s = V.positive_number("logit_scale", logit_scale, device=a.device)
     if isinstance(s, Tensor):
         s = s.to(device=a.device, dtype=compute_dtype(a, b))
+    eps = V.label_smoothing(label_smoothing)
+    tau = _tau(tau_plus, a.shape[0], a.device)
     be = resolve(backend, a, b)
     scope = Scope(gather)
     scope.agree(s)
-    return _clip(be, scope, a, b, s, normalize, reduction, _levels)
+    return _clip(be, scope, a, b, s, normalize, reduction, _levels, eps, tau)
 
 
 @D.agreed
@@ -239,7 +280,7 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale, *, normalize: bool = True, redu
 @autocast_off
 def am_softmax_loss(query: Tensor, keys: Tensor, *, margin: float = 0.3, temperature=0.05, symmetric: bool = True,
                     normalize: bool = True, reduction: str = "mean", backend: str = "auto", gather=False,
-                    _levels=None) -> Tensor:
+                    label_smoothing: float = 0.0, _levels=None) -> Tensor:
     """Additive-margin softmax over in-batch negatives (LaBSE: Yang et al. 2019; Feng et al. 2022), one
     fused core-op call: with ``c_ij = cos(query_i, keys_j)`` and ``s = 1 / temperature``::
 
@@ -263,6 +304,7 @@ def am_softmax_loss(query: Tensor, keys: Tensor, *, margin: float = 0.3, tempera
             the global-batch loss.
         matryoshka_dims / matryoshka_weights / return_level_losses: Matryoshka levels (one call per
             level on the truncated, re-normalised rows).
+        label_smoothing: ``F.cross_entropy``'s on the margin logits (each direction), in [0, 1) (default 0).
 
     Backends: "torch" (dense tile or chunked, O(N*D) memory), "triton" (the fused kernels, or the panel
     path at large N on CUDA; or the ahead-of-time library where it was built with the margin kernels),
@@ -277,13 +319,14 @@ def am_softmax_loss(query: Tensor, keys: Tensor, *, margin: float = 0.3, tempera
     V.flag("normalize", normalize)
     V.flag("symmetric", symmetric)
     margin = V.number("margin", margin, low=-math.inf, strict=True)
+    eps = V.label_smoothing(label_smoothing)
     dev = query.device
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(query, keys), dev)
     be = resolve(backend, query, keys)
     n = query.shape[0]
     scope = Scope(gather)
     scope.agree(s)
-    kw = dict(exclude_self=False, normalize=normalize, margin=margin, levels=_levels)
+    kw = dict(exclude_self=False, normalize=normalize, margin=margin, levels=_levels, label_smoothing=eps)
     if scope.local:
         return cross_entropy(be, scope, query, keys, s, torch.arange(n, device=dev), offset=0, reduction=reduction,
                              n_total=n, symmetric=symmetric, **kw)
@@ -306,7 +349,7 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
                 reduction: str = "mean", backend: str = "auto", gather=False,
                 guide: Tensor | Sequence[Tensor] | None = None, guide_margin: float = 0.0,
                 guide_margin_strategy: str = "absolute", ids: Tensor | Sequence[Tensor] | None = None,
-                _levels=None) -> Tensor:
+                label_smoothing: float = 0.0, _levels=None) -> Tensor:
     """Unsupervised SimCSE.
 
     * ``z2=None``: ``z1`` is the interleaved batch [2B, D] (rows 2i and 2i+1 are two dropout views of
@@ -315,6 +358,9 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
 
     ``guide`` / ``guide_margin`` / ``guide_margin_strategy`` / ``ids``: ``info_nce``'s masks on the rows
     (a pair ``(for z1, for z2)``, or one tensor for the interleaved ``z1``), the positive kept.
+
+    ``label_smoothing``: ``F.cross_entropy``'s, in [0, 1) (default 0), over each row's softmax columns (the
+    interleaved form's own column deleted, as :func:`info_nce`'s); not with ``guide`` / ``ids`` yet.
 
     Returns a 0-dim loss, or per-anchor losses ([2B] or [B]) with ``reduction="none"``.
     """
@@ -327,8 +373,11 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
         z2 = V.paired("z1", z1, "z2", z2)
     reduction = V.reduction(reduction)
     V.flag("normalize", normalize)
+    eps = V.label_smoothing(label_smoothing)
     guide_options_unused(guide, guide_margin, guide_margin_strategy)
     masked = guide is not None or ids is not None
+    if masked and eps:
+        raise ValueError("label_smoothing is not supported with guide= / ids= yet")
     mk = info_nce_masks(z1, z2, guide, guide_margin, guide_margin_strategy, ids) if masked else None
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(z1, z2), dev)
     be = resolve(backend, z1, z2)
@@ -343,7 +392,7 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
                                normalize=normalize, reduction=reduction)
     b = None if z2 is None and scope.local else contrast
     return cross_entropy(be, scope, z1, b, s, t, offset=off, exclude_self=z2 is None, normalize=normalize,
-                         reduction=reduction, n_total=total, levels=_levels)
+                         reduction=reduction, n_total=total, levels=_levels, label_smoothing=eps)
 
 
 @D.agreed
@@ -354,7 +403,7 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
                     reduction: str = "mean", backend: str = "auto", gather=False,
                     guide: Tensor | Sequence[Tensor] | None = None, guide_margin: float = 0.0,
                     guide_margin_strategy: str = "absolute", ids: Tensor | Sequence[Tensor] | None = None,
-                    _levels=None) -> Tensor:
+                    label_smoothing: float = 0.0, _levels=None) -> Tensor:
     """Supervised SimCSE (NLI triplets).
 
     * ``positive=None``: ``anchor`` is the interleaved triplets [3B, D]: rows 3k, 3k+1, 3k+2 are
@@ -369,8 +418,12 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     ``guide`` / ``guide_margin`` / ``guide_margin_strategy`` / ``ids``: ``info_nce``'s masks on the rows,
     given like the embeddings (``(for anchor, for positive[, for negative])``, or one tensor for the
     interleaved triplets); the positive kept. Not combined with ``hard_negative_weight``.
+
+    ``label_smoothing``: ``F.cross_entropy``'s over the 2B (B) logits, in [0, 1) (default 0); not with
+    ``guide`` / ``ids`` yet.
     """
     hnw = V.number("hard_negative_weight", hard_negative_weight, low=float("-inf"), strict=True)
+    eps = V.label_smoothing(label_smoothing)
     if positive is None:
         if negative is not None:
             raise ValueError("negative needs positive: pass anchor, positive and negative, or only the "
@@ -387,6 +440,8 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     if masked:
         if hnw != 0.0:
             raise ValueError("guide= / ids= are not supported with a hard_negative_weight")
+        if eps:
+            raise ValueError("label_smoothing is not supported with guide= / ids= yet")
         guide, ids = (_split_views(name, v, negative is not None, interleaved=isinstance(v, Tensor))
                       for name, v in (("guide", guide), ("ids", ids)))
     anchor = V.embeddings("anchor", anchor)
@@ -417,11 +472,12 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
                                normalize=normalize, reduction=reduction, keys_gathered=True)
     if negative is None:
         return cross_entropy(be, scope, anchor, pos, s, t, offset=off, exclude_self=False, normalize=normalize,
-                             reduction=reduction, n_total=total, levels=_levels)
+                             reduction=reduction, n_total=total, levels=_levels, label_smoothing=eps)
     neg, _, _ = scope.rows(negative.to(positive.dtype), "negative")
     if be == "reference":
-        return scope.reduce(ref.simcse_sup(anchor, pos, neg, s, hnw, normalize, "none", offset=off), reduction,
-                            total)
+        return scope.reduce(ref.simcse_sup(anchor, pos, neg, s, hnw, normalize, "none", offset=off,
+                                           label_smoothing=eps), reduction, total)
     return cross_entropy(be, scope, anchor, torch.cat([pos, neg]), s, t, offset=off, exclude_self=False,
                          normalize=normalize, reduction=reduction, n_total=total,
-                         bias_col=t + total if hnw != 0.0 else None, bias=hnw, levels=_levels)
+                         bias_col=t + total if hnw != 0.0 else None, bias=hnw, levels=_levels,
+                         label_smoothing=eps)

@@ -228,6 +228,31 @@ def _info_nce_none(n, d, g):
             {"target": torch.randint(0, m, (n,), generator=g), "reduction": "none"})
 
 
+def _info_nce_smoothed(n, d, g):
+    m = n + 3
+    tgt = torch.randint(0, m, (n,), generator=g)
+    tgt[1::4] = -100
+    return ({"query": _randn(g, n, d), "keys": _randn(g, m, d), "temperature": torch.tensor(0.07)},
+            {"target": tgt, "label_smoothing": 0.1})
+
+
+def _info_nce_self_smoothed_none(n, d, g):
+    tgt = (torch.arange(n) + torch.randint(1, max(n, 2), (n,), generator=g)) % n
+    return {"query": _randn(g, n, d)}, {"target": tgt, "label_smoothing": 0.2, "reduction": "none"}
+
+
+def _info_nce_debiased(n, d, g):
+    return ({"query": _randn(g, n, d), "keys": _randn(g, n, d), "temperature": torch.tensor(0.1)},
+            {"tau_plus": 0.1})
+
+
+def _info_nce_debiased_self_none(n, d, g):
+    tgt = (torch.arange(n) + torch.randint(1, max(n, 2), (n,), generator=g)) % n
+    prior = torch.rand(n, generator=g) * 0.3
+    return ({"query": _randn(g, n, d)},
+            {"target": tgt, "tau_plus": prior, "label_smoothing": 0.1, "reduction": "none", "temperature": 0.2})
+
+
 # --- CLIP -------------------------------------------------------------------------------------
 
 
@@ -242,6 +267,20 @@ def _am_softmax(n, d, g):
 def _am_softmax_row_none(n, d, g):
     return ({"query": _randn(g, n, d), "keys": _randn(g, n, d), "temperature": torch.tensor(0.07)},
             {"margin": 0.2, "symmetric": False, "reduction": "none"})
+
+
+def _clip_smoothed(n, d, g):
+    return {"a": _randn(g, n, d), "b": _randn(g, n, d), "logit_scale": torch.tensor(14.3)}, {"label_smoothing": 0.1}
+
+
+def _clip_debiased(n, d, g):
+    return ({"a": _randn(g, n, d), "b": _randn(g, n, d), "logit_scale": torch.tensor(5.0)},
+            {"tau_plus": 0.1})
+
+
+def _am_softmax_smoothed(n, d, g):
+    return ({"query": _randn(g, n, d), "keys": _randn(g, n, d)},
+            {"margin": 0.3, "temperature": 0.05, "label_smoothing": 0.1})
 
 
 def _clip_scale(n, d, g):
@@ -275,6 +314,10 @@ def _simcse_2view_none(n, d, g):
     return {"z1": _randn(g, n, d), "z2": _randn(g, n, d), "temperature": torch.tensor(0.05)}, {"reduction": "none"}
 
 
+def _simcse_smoothed(n, d, g):
+    return {"z1": _randn(g, 2 * _half(n), d, group=2)}, {"temperature": 0.05, "label_smoothing": 0.1}
+
+
 def _gist(n, d, g):
     return ({"anchors": _randn(g, n, d), "positives": _randn(g, n, d), "negatives": _randn(g, n, d)},
             {"guide": (_randn(g, n, 3), _randn(g, n, 3), _randn(g, n, 3)), "temperature": 0.05, "margin": 0.05})
@@ -293,6 +336,11 @@ def _simcse_sup(n, d, g):
 def _simcse_sup_hard(n, d, g):
     return ({"anchor": _randn(g, n, d), "positive": _randn(g, n, d), "negative": _randn(g, n, d),
              "temperature": torch.tensor(0.05)}, {"hard_negative_weight": 0.5})
+
+
+def _simcse_sup_smoothed(n, d, g):
+    return ({"anchor": _randn(g, n, d), "positive": _randn(g, n, d), "negative": _randn(g, n, d),
+             "temperature": torch.tensor(0.05)}, {"hard_negative_weight": 0.5, "label_smoothing": 0.1})
 
 
 def _simcse_sup_none(n, d, g):
@@ -442,6 +490,20 @@ CASES: list[Case] = [
     Case("info_nce_ignore", L.info_nce, _info_nce_ignore, covers="ignore_index rows, sum"),
     Case("info_nce_none", L.info_nce, _info_nce_none, covers="M = N + 29, per-row losses, tensor temperature",
          m=lambda n: n + 29, inductor=True),
+    Case("info_nce_smoothed", L.info_nce, _info_nce_smoothed, families=frozenset({"gradcheck"}),
+         covers="label_smoothing 0.1, M = N + 3, ignored rows, tensor temperature", m=lambda n: n + 3),
+    Case("info_nce_self_smoothed_none", L.info_nce, _info_nce_self_smoothed_none,
+         covers="label_smoothing 0.2 with the own column deleted, per-row losses", min_n=2),
+    Case("info_nce_debiased", L.info_nce, _info_nce_debiased, families=frozenset({"gradcheck"}),
+         covers="tau_plus 0.1 (debiased), tensor temperature", min_n=2, gather_split="rows"),
+    Case("info_nce_debiased_self_none", L.info_nce, _info_nce_debiased_self_none, families=frozenset({"gradcheck"}),
+         covers="per-row tau_plus with label_smoothing, own column excluded, per-row losses", min_n=3),
+    Case("clip_smoothed", L.clip_loss, _clip_smoothed, families=frozenset({"gradcheck"}), gather_split="rows",
+         covers="label_smoothing 0.1 both directions, learnable logit_scale"),
+    Case("clip_debiased", L.clip_loss, _clip_debiased, families=frozenset({"gradcheck"}), gather_split="rows",
+         covers="tau_plus 0.1 both directions, learnable logit_scale", min_n=2, core_calls=2),
+    Case("am_softmax_smoothed", L.am_softmax_loss, _am_softmax_smoothed, gather_split="rows",
+         covers="label_smoothing 0.1 on the margin logits, row + column forms"),
     Case("clip", L.clip_loss, _clip, families=frozenset({"huge_rows"}), bench=True, covers="row + column cross-entropy",
          inputs="a [N, D], b [N, D], logit_scale 1/0.07; logits N x N (rows and columns)", logits=_sq,
          gather_split="rows"),
@@ -461,6 +523,8 @@ CASES: list[Case] = [
          gather_split="pairs",
          bench=True, covers="interleaved views, partner i xor 1, self excluded",
          inputs="interleaved z [N, D] (N/2 sentences x 2 views); logits N x N", logits=_sq, min_n=2, inductor=True),
+    Case("simcse_smoothed", L.simcse_loss, _simcse_smoothed, gather_split="pairs", min_n=4,
+         covers="label_smoothing 0.1, interleaved views, own column deleted"),
     Case("simcse_2view", L.simcse_loss, _simcse_2view, bench=True, covers="two views",
          inputs="z1 [N, D], z2 [N, D]; logits N x N", logits=_sq, gather_split="rows"),
     Case("simcse_2view_none", L.simcse_loss, _simcse_2view_none, covers="two views, per-row, tensor temperature"),
@@ -470,6 +534,8 @@ CASES: list[Case] = [
     Case("simcse_sup_hard", L.simcse_sup_loss, _simcse_sup_hard, families=frozenset({"gradcheck"}),
          covers="hard-negative weight (bias column)",
          m=lambda n: 2 * n, inductor=True),
+    Case("simcse_sup_smoothed", L.simcse_sup_loss, _simcse_sup_smoothed, families=frozenset({"gradcheck"}),
+         covers="label_smoothing 0.1 with the hard-negative bias column", m=lambda n: 2 * n),
     Case("simcse_sup_none", L.simcse_sup_loss, _simcse_sup_none, covers="negative weight, per-row losses",
          m=lambda n: 2 * n),
     Case("gist", L.gist_loss, _gist, op="guided", covers="GISTEmbed: a-p, a-a, p-p, a-n blocks, guide mask",
