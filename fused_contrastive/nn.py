@@ -165,7 +165,7 @@ def _derived(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tuple
 _MASKS = ("guide", "ids")  # per-batch inputs of the masked rows: forward arguments, not options
 InfoNCELoss = _derived("InfoNCELoss", L.info_nce, lambda kw: (
     _x(2, 2), _x(2, 2).flip(0), None if kw["symmetric"] is True else torch.tensor([1, 0])), positional=("temperature",),
-    forward_options=_MASKS)
+    forward_options=(*_MASKS, "row_negatives"))
 SimCSELoss = _derived("SimCSELoss", L.simcse_loss, lambda kw: (_x(4, 2),), positional=("temperature",),
                       forward_options=_MASKS)
 SimCSESupLoss = _derived("SimCSESupLoss", L.simcse_sup_loss, lambda kw: (_x(6, 2),), positional=("temperature",),

@@ -66,14 +66,19 @@ def _self_mask(n: int, m: int, offset: int, device) -> Tensor:
     return torch.arange(m, device=device)[None, :] == (torch.arange(n, device=device) + offset)[:, None]
 
 
-def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index, offset=0):
-    """``offset``: the anchors' own columns are ``offset + i`` (anchors that are a slice of the keys)."""
+def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index, offset=0,
+             row_negatives=None):
+    """``offset``: the anchors' own columns are ``offset + i`` (anchors that are a slice of the keys).
+    ``row_negatives`` [N, K, D]: row i's own K extra columns ``s <q_i, n_ik>``, appended to row i's logits."""
     dt = _dt(query, keys)
     q = _unit(query, normalize, dt)
     k = q if keys is None else _unit(keys, normalize, dt)
     logits = (q @ k.T) * _scalar(s, dt)
     if exclude_self:
         logits = logits.masked_fill(_self_mask(q.shape[0], k.shape[0], offset, q.device), float("-inf"))
+    if row_negatives is not None:
+        own = torch.einsum("nd,nkd->nk", q, _unit(row_negatives, normalize, dt)) * _scalar(s, dt)
+        logits = torch.cat([logits, own], dim=1)
     if symmetric:
         rows = F.cross_entropy(logits, target, reduction="none")
         cols = F.cross_entropy(logits.T, target, reduction="none")
