@@ -51,14 +51,15 @@ def row_logits(query: Tensor, row_negatives: Tensor, s, normalize: bool) -> Tens
     """``r_ik = s <q_i, n_ik>`` [N, K] in the compute dtype (differentiable in all three)."""
     dt = compute_dtype(query, row_negatives)
     sc = s.to(dt) if isinstance(s, Tensor) else s
-    return torch.einsum("nd,nkd->nk", _units(query, normalize, dt), _units(row_negatives, normalize, dt)) * sc
+    # elementwise products and a sum (no matmul: autocast re-types matmuls, also in the backward)
+    return (_units(query, normalize, dt)[:, None, :] * _units(row_negatives, normalize, dt)).sum(-1) * sc
 
 
 def target_logit(query: Tensor, target_rows: Tensor, s, normalize: bool) -> Tensor:
     """``l_{i t_i} = s <q_i, k_{t_i}>`` [N] from each row's target key row ``target_rows`` [N, D]."""
     dt = compute_dtype(query, target_rows)
     sc = s.to(dt) if isinstance(s, Tensor) else s
-    return torch.linalg.vecdot(_units(query, normalize, dt), _units(target_rows, normalize, dt), dim=1) * sc
+    return (_units(query, normalize, dt) * _units(target_rows, normalize, dt)).sum(-1) * sc
 
 
 def merged(ce: Tensor, tgt: Tensor, r: Tensor, keep: Tensor | None = None, valid: Tensor | None = None) -> Tensor:
