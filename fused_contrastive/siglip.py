@@ -4,6 +4,8 @@
 ``backend="triton"`` the fused kernels of ``core/triton_siglip.py`` (CUDA, or CPU under
 ``TRITON_INTERPRET=1``); ``backend="reference"`` the textbook formula on the materialised logits
 (:func:`reference`, the test oracle). ``"auto"`` chooses like every other loss (``_backend.resolve``).
+Group positives (``image_groups`` / ``text_groups``): every backend's loss with every pair a negative plus
+``core.siglip.positives_correction`` over the positive pairs (``ops.siglip_groups`` under tracing).
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from . import ops
 from ._amp import autocast_off
 from ._backend import resolve
 from .core import reference as ref
-from .core.norms import unit_rows
-from .core.siglip import SigLipFn
+from .core.siglip import SigLipFn, positives_correction
 from .core.spec import compute_dtype, graph_free
 
 __all__ = ["siglip_loss"]
@@ -87,46 +88,6 @@ def _groups(name: str, g, rows: int, device: torch.device) -> Tensor:
     if g.device != device:
         raise ValueError(f"{name} is on {g.device} but the embeddings are on {device}")
     return g.long()
-
-
-def _counts(ids: Tensor, of: Tensor) -> Tensor:
-    """For each id in ``ids``, how many entries of ``of`` equal it (O((N + M) log M), no N x M)."""
-    srt = torch.sort(of).values
-    return torch.searchsorted(srt, ids, right=True) - torch.searchsorted(srt, ids)
-
-
-def group_pairs(ig: Tensor, tg: Tensor, ig_all: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The positive pairs of group ids: ``(rows, cols, v)`` [P] with ``ig[rows] == tg[cols]`` for every
-    such pair and its weight ``v = 1 / (2 k_i) + 1 / (2 k'_j)`` (``k_i``: entries of ``tg`` in row i's
-    group; ``k'_j``: entries of ``ig_all``, every rank's images, in column j's group). O(N + M + P); reading
-    P is one host sync (as ``torch.unique`` in siglip-kernel's SigLIP+)."""
-    tg_sorted, perm = torch.sort(tg, stable=True)
-    lo = torch.searchsorted(tg_sorted, ig)
-    k = torch.searchsorted(tg_sorted, ig, right=True) - lo
-    p = int(k.sum())
-    rows = torch.repeat_interleave(torch.arange(ig.shape[0], device=ig.device), k, output_size=p)
-    start = torch.cumsum(k, 0) - k
-    cols = perm[lo[rows] + torch.arange(p, device=ig.device) - start[rows]]
-    k_col = _counts(tg, ig_all)
-    v = 0.5 / k[rows].double() + 0.5 / k_col[cols].double()
-    return rows, cols, v
-
-
-def _positives_correction(image: Tensor, text: Tensor, s, b, normalize: bool, pairs) -> Tensor:
-    """Per image [N]: ``sum_{j positive} (v_ij softplus(-z_ij) - softplus(z_ij))``, what turns the loss with
-    every pair a negative into the loss with group positives (differentiable; O(P D) for P pairs)."""
-    rows, cols, v = pairs
-    dt = compute_dtype(image, text)
-    x, y = image.to(dt), text.to(dt)
-    if normalize:
-        x, y = unit_rows(x[rows], _EPS), unit_rows(y[cols], _EPS)
-    else:
-        x, y = x[rows], y[cols]
-    z = (x * y).sum(-1) * (s.to(dt) if isinstance(s, Tensor) else s) + (
-        b.to(dt) if isinstance(b, Tensor) else b)
-    # softplus(w) = -logsigmoid(-w): exact for any finite w (F.softplus cuts over to w at 20)
-    term = F.logsigmoid(-z) - v.to(dt) * F.logsigmoid(z)
-    return torch.zeros(image.shape[0], dtype=dt, device=image.device).index_add(0, rows, term)
 
 
 def _per_rank(out: Tensor, reduction: str, n_total: int, world: int) -> Tensor:
@@ -224,8 +185,11 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias=None, *, im
     else:
         if grouped:  # every pair a negative in the kernels (no column is row i's offset + i), positives after
             off = text.shape[0]
-            corr = _positives_correction(*graph_free(image, text, s, b), normalize,
-                                         group_pairs(image_groups, text_groups, ig_all))
+            if ops.tracing_route():  # torch.compile / export: its pair count is data-dependent (one opaque op)
+                corr = ops.siglip_groups(image, text, s, b, normalize, image_groups, text_groups, ig_all)
+            else:
+                corr = positives_correction(*graph_free(image, text, s, b), normalize, image_groups, text_groups,
+                                            ig_all)
         keep = reduction != "none"
         # a mean is the sum with weight 1/N; under torch.compile the weight is 1 and the sum is divided
         # afterwards (a weight 1/N would be a constant of the compiled graph: one recompile per N)

@@ -34,7 +34,7 @@ from torch import Tensor
 from .._amp import autocast_off
 from .._first_order import first_order
 from .chunked import tile_elements
-from .norms import normalize_backward_, normalize_rows
+from .norms import normalize_backward_, normalize_rows, unit_rows
 from .spec import compute_dtype
 
 
@@ -174,3 +174,81 @@ class SigLipFn(torch.autograd.Function):
                 _grad_out(ds, *sdt) if need_s and sdt is not None else None,
                 _grad_out(db, *bdt) if need_b and bdt is not None else None,
                 None, None, None, None, None)
+
+
+# --- group positives (``siglip_loss(image_groups=, text_groups=)``) ---------------------------------------
+
+#: the losses' row-normalisation floor
+EPS = 1e-12
+
+
+def _counts(ids: Tensor, of: Tensor) -> Tensor:
+    """For each id in ``ids``, how many entries of ``of`` equal it (O((N + M) log M), no N x M)."""
+    srt = torch.sort(of).values
+    return torch.searchsorted(srt, ids, right=True) - torch.searchsorted(srt, ids)
+
+
+def group_pairs(ig: Tensor, tg: Tensor, ig_all: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The positive pairs of group ids: ``(rows, cols, v)`` [P] with ``ig[rows] == tg[cols]`` for every
+    such pair and its weight ``v = 1 / (2 k_i) + 1 / (2 k'_j)`` (``k_i``: entries of ``tg`` in row i's
+    group; ``k'_j``: entries of ``ig_all``, every rank's images, in column j's group). O(N + M + P); reading
+    P is one host sync (as ``torch.unique`` in siglip-kernel's SigLIP+)."""
+    tg_sorted, perm = torch.sort(tg, stable=True)
+    lo = torch.searchsorted(tg_sorted, ig)
+    k = torch.searchsorted(tg_sorted, ig, right=True) - lo
+    p = int(k.sum())
+    rows = torch.repeat_interleave(torch.arange(ig.shape[0], device=ig.device), k, output_size=p)
+    start = torch.cumsum(k, 0) - k
+    cols = perm[lo[rows] + torch.arange(p, device=ig.device) - start[rows]]
+    k_col = _counts(tg, ig_all)
+    v = 0.5 / k[rows].double() + 0.5 / k_col[cols].double()
+    return rows, cols, v
+
+
+def positives_correction(image: Tensor, text: Tensor, s, b, normalize: bool, image_groups: Tensor,
+                         text_groups: Tensor, all_image_groups: Tensor) -> Tensor:
+    """Per image [N]: ``sum_{j positive} (v_ij softplus(-z_ij) - softplus(z_ij))``, what turns the loss with
+    every pair a negative into the loss with group positives (differentiable; O(P D) for P pairs; under
+    tracing the operator ``ops.siglip_groups`` runs it)."""
+    rows, cols, v = group_pairs(image_groups, text_groups, all_image_groups)
+    dt = compute_dtype(image, text)
+    x, y = image.to(dt), text.to(dt)
+    if normalize:
+        x, y = unit_rows(x[rows], EPS), unit_rows(y[cols], EPS)
+    else:
+        x, y = x[rows], y[cols]
+    z = (x * y).sum(-1) * (s.to(dt) if isinstance(s, Tensor) else s) + (
+        b.to(dt) if isinstance(b, Tensor) else b)
+    # softplus(w) = -logsigmoid(-w): exact for any finite w (F.softplus cuts over to w at 20)
+    term = F.logsigmoid(-z) - v.to(dt) * F.logsigmoid(z)
+    return torch.zeros(image.shape[0], dtype=dt, device=image.device).index_add(0, rows, term)
+
+
+def positives_correction_grads(image: Tensor, text: Tensor, s, b, normalize: bool, image_groups: Tensor,
+                               text_groups: Tensor, all_image_groups: Tensor, go: Tensor, need: list[bool]):
+    """The gradients of :func:`positives_correction` for the upstream ``go`` [N] (image, text, scale, bias;
+    None where not in ``need``), written out for the registered operator (whose implementation autograd does
+    not record): ``d term / dz = -(sigmoid(z) + v sigmoid(-z))``, then the cosines' and the normalisation's
+    backward."""
+    rows, cols, v = group_pairs(image_groups, text_groups, all_image_groups)
+    dt = compute_dtype(image, text)
+    xh, nx = normalize_rows(image, EPS, dt, normalize)
+    yh, ny = normalize_rows(text, EPS, dt, normalize)
+    sv = s.detach().to(dt) if isinstance(s, Tensor) else s
+    bv = b.detach().to(dt) if isinstance(b, Tensor) else b
+    xr, yc = xh[rows], yh[cols]
+    c = (xr * yc).sum(-1)
+    z = c * sv + bv
+    dz = -go.to(dt)[rows] * (torch.sigmoid(z) + v.to(dt) * torch.sigmoid(-z))
+    gx = gy = gs = gb = None
+    if need[0]:
+        gx = normalize_backward_(torch.zeros_like(xh).index_add_(0, rows, dz[:, None] * yc * sv), xh, nx, EPS)
+    if need[1]:
+        gy = normalize_backward_(torch.zeros_like(yh).index_add_(0, cols, dz[:, None] * xr * sv), yh, ny, EPS)
+    if need[2]:
+        gs = (dz * c).sum()
+    if need[3]:
+        gb = dz.sum()
+    return (None if gx is None else gx.to(image.dtype), None if gy is None else gy.to(text.dtype),
+            None if gs is None else gs.to(s.dtype).reshape(s.shape),
+            None if gb is None else gb.to(b.dtype).reshape(b.shape))
