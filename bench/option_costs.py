@@ -1,14 +1,15 @@
 """CPU cost of a loss option beside the same loss without it: the median wall time of one forward + backward
 (float32, ``backend="torch"``, fresh leaves each repeat), side by side, with the ratio.
 
-    python bench/option_costs.py [--n 1024] [--d 256] [--k 7] [--repeats 7] [--only NAME ...]
+    python bench/option_costs.py [--n 1024] [--d 256] [--k 7] [--repeats 7] [--threads 1] [--only NAME ...]
 
 Rows (issue 59's options): ``info_nce`` with ``row_negatives`` [N, K, D] against ``info_nce``;
 ``qwen3_embedding_loss`` with and without row negatives, and without them against ``info_nce`` (the q-d block
 alone, no mask); ``siglip_loss`` with unique ``image_groups`` / ``text_groups`` (the same loss) against the
 plain call, and with 5 captions per image (M = 5N texts, every image's 5 a group) against the all-negative
 loss at N x 5N that its kernels run (``text_groups`` none shared: the positive correction's cost alone).
-Timings on a shared machine are noisy: the medians of ``--repeats`` runs, one process.
+Timings on a shared machine are noisy: the medians of ``--repeats`` runs, one process, one intra-op thread by
+default (on an oversubscribed machine a thread pool's synchronisation, not the arithmetic, dominates small ops).
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def main(argv=None) -> None:
     p.add_argument("--d", type=int, default=256)
     p.add_argument("--k", type=int, default=7, help="row negatives per row")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--only", nargs="*", default=None, help="row names containing one of these words")
     a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
     print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, float32, N = {a.n}, D = {a.d}, "
           f"K = {a.k}; median of {a.repeats} forward + backward")
     print(f"{'with the option':42s} {'ms':>9s}   {'without':40s} {'ms':>9s}  ratio")

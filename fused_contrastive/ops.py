@@ -508,12 +508,11 @@ def _siglip_groups_impl(image: Tensor, text: Tensor, scale_t: Tensor | None, sca
                         bias_f: float, image_groups: Tensor, text_groups: Tensor, all_image_groups: Tensor,
                         normalize: bool) -> Tensor:
     """SigLIP's group positives' correction per image [N] (``core.siglip.positives_correction``)."""
-    from .core.siglip import positives_correction
+    from .core.siglip import correction_forward, group_pairs
 
-    with torch.no_grad():
-        return positives_correction(image, text, scale_t if scale_t is not None else scale_f,
-                                    bias_t if bias_t is not None else bias_f, normalize, image_groups, text_groups,
-                                    all_image_groups)
+    return correction_forward(image, text, scale_t if scale_t is not None else scale_f,
+                              bias_t if bias_t is not None else bias_f, normalize,
+                              group_pairs(image_groups, text_groups, all_image_groups))
 
 
 @autocast_off
@@ -521,12 +520,12 @@ def _siglip_groups_backward_impl(image: Tensor, text: Tensor, scale_t: Tensor | 
                                  bias_t: Tensor | None, bias_f: float, image_groups: Tensor, text_groups: Tensor,
                                  all_image_groups: Tensor, normalize: bool, need: list[bool],
                                  go: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Its gradients for the upstream ``go`` [N] (``core.siglip.positives_correction_grads``, recomputed)."""
-    from .core.siglip import positives_correction_grads
+    """Its gradients for the upstream ``go`` [N] (``core.siglip.correction_grads``, recomputed)."""
+    from .core.siglip import correction_grads, group_pairs
 
-    grads = positives_correction_grads(image, text, scale_t if scale_t is not None else scale_f,
-                                       bias_t if bias_t is not None else bias_f, normalize, image_groups, text_groups,
-                                       all_image_groups, go, need)
+    grads = correction_grads(image, text, scale_t if scale_t is not None else scale_f,
+                             bias_t if bias_t is not None else bias_f, normalize,
+                             group_pairs(image_groups, text_groups, all_image_groups), go, need)
     dev = image.device
     return tuple(_grad_or_empty(g, x, n, dev) for g, x, n in zip(grads, (image, text, scale_t, bias_t), need,
                                                                   strict=True))

@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from .. import _validate as V
-from ..core.norms import unit_rows
+from .._amp import autocast_off
+from .._first_order import first_order
+from ..core.norms import clamped_norms, normalize_backward_, normalize_rows, unit_rows
 from ..core.spec import compute_dtype
 from ._scope import EPS
 
@@ -47,12 +49,53 @@ def _units(x: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
     return unit_rows(x.reshape(-1, x.shape[-1]), EPS).reshape(x.shape)
 
 
+class _RowLogitsFn(torch.autograd.Function):
+    """``r_ik = s <q_hat_i, n_ik> / max(||n_ik||, eps)`` [N, K] in the compute dtype, with its gradient written
+    out: no normalised copy of the negatives (one norm pass and one batched product forward; one batched
+    product, one outer product and one fused update backward; autocast off)."""
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, query: Tensor, negs: Tensor, s, normalize: bool) -> Tensor:
+        n, k, d = negs.shape
+        dt = compute_dtype(query, negs)
+        qh, nq = normalize_rows(query, EPS, dt, normalize)
+        nf = negs.to(dt)
+        c = torch.bmm(nf, qh[:, :, None])[..., 0]
+        nn = clamped_norms(nf.reshape(n * k, d), EPS, dt).view(n, k) if normalize else None
+        if nn is not None:
+            c = c / nn
+        ctx.save_for_backward(qh, nq, nf, nn, c, s if isinstance(s, Tensor) else None)
+        ctx.meta = (None if isinstance(s, Tensor) else s, query.dtype, negs.dtype)
+        return c * (s.detach().to(dt) if isinstance(s, Tensor) else s)
+
+    @staticmethod
+    @autocast_off
+    @first_order("RowLogitsFn")
+    def backward(ctx, g: Tensor):
+        qh, nq, nf, nn, c, s_t = ctx.saved_tensors
+        s_f, qdt, ndt = ctx.meta
+        g = g.to(c.dtype)
+        a = g * (s_t.detach().to(c.dtype) if s_t is not None else s_f)  # d loss / d <q_hat, n_hat>
+        if nn is not None:
+            a = a / nn
+        dq = dn = ds = None
+        if ctx.needs_input_grad[0]:
+            dq = normalize_backward_(torch.bmm(a[:, None, :], nf)[:, 0], qh, nq, EPS).to(qdt)
+        if ctx.needs_input_grad[1]:
+            dn = a[:, :, None] * qh[:, None, :]
+            if nn is not None:  # the normalisation's projection, none for a clamped row (a linear map there)
+                proj = torch.where(nn > EPS, a * c / nn, torch.zeros_like(a))
+                dn.addcmul_(nf, proj[:, :, None], value=-1.0)
+            dn = dn.to(ndt)
+        if s_t is not None and ctx.needs_input_grad[2]:
+            ds = (g * c).sum().to(s_t.dtype).reshape(s_t.shape)
+        return dq, dn, ds, None
+
+
 def row_logits(query: Tensor, row_negatives: Tensor, s, normalize: bool) -> Tensor:
     """``r_ik = s <q_i, n_ik>`` [N, K] in the compute dtype (differentiable in all three)."""
-    dt = compute_dtype(query, row_negatives)
-    sc = s.to(dt) if isinstance(s, Tensor) else s
-    # elementwise products and a sum (no matmul: autocast re-types matmuls, also in the backward)
-    return (_units(query, normalize, dt)[:, None, :] * _units(row_negatives, normalize, dt)).sum(-1) * sc
+    return _RowLogitsFn.apply(query, row_negatives, s, normalize)
 
 
 def target_logit(query: Tensor, target_rows: Tensor, s, normalize: bool) -> Tensor:
