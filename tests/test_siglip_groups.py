@@ -126,7 +126,7 @@ def test_siglip_kernel_siglip_plus_gives_the_same_loss(monkeypatch):
     ox, oy, ot, ob = _leaf(x, torch.float32), _leaf(y, torch.float32), _leaf(lt, torch.float32), _leaf(b, torch.float32)
     ours = fc.siglip_loss(ox, oy, ot.exp(), ob, image_groups=IG, text_groups=TG)
     (ours / 11).backward()
-    want = definition(x, y, float(lt.exp()), float(b), IG, TG).sum() / 7
+    want = definition(x, y, float(lt.detach().exp()), float(b.detach()), IG, TG).sum() / 7
     assert float(ours) == pytest.approx(float(want), rel=1e-6)
     assert float(theirs) * 11 == pytest.approx(float(want), rel=1e-5)
     for a, c in ((ox, xs), (oy, ys), (ot, lt), (ob, b)):
