@@ -165,7 +165,7 @@ def _derived(name: str, fn: Callable[..., Tensor], probe: Callable[[dict], tuple
 _MASKS = ("guide", "ids")  # per-batch inputs of the masked rows: forward arguments, not options
 InfoNCELoss = _derived("InfoNCELoss", L.info_nce, lambda kw: (
     _x(2, 2), _x(2, 2).flip(0), None if kw["symmetric"] is True else torch.tensor([1, 0])), positional=("temperature",),
-    forward_options=_MASKS)
+    forward_options=(*_MASKS, "row_negatives"))
 SimCSELoss = _derived("SimCSELoss", L.simcse_loss, lambda kw: (_x(4, 2),), positional=("temperature",),
                       forward_options=_MASKS)
 SimCSESupLoss = _derived("SimCSESupLoss", L.simcse_sup_loss, lambda kw: (_x(6, 2),), positional=("temperature",),
@@ -180,6 +180,8 @@ DSCLLoss = _derived("DSCLLoss", L.dscl_loss, lambda kw: (_x(2, 2, 2), _LABELS),
                     forward_options=("queue", "queue_labels"))
 DCLLoss = _derived("DCLLoss", L.dcl_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)), positional=("temperature",))
 DCLWLoss = _derived("DCLWLoss", L.dclw_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)), positional=("temperature",))
+Qwen3EmbeddingLoss = _derived("Qwen3EmbeddingLoss", L.qwen3_embedding_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)),
+                              positional=("temperature",))
 AMSoftmaxLoss = _derived("AMSoftmaxLoss", L.am_softmax_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0)),
                          positional=("margin", "temperature"))
 CoSENTLoss = _derived("CoSENTLoss", cosent_loss, lambda kw: (_x(2, 2), _x(2, 2).flip(0), torch.tensor([0.0, 1.0])),
@@ -240,8 +242,11 @@ class SigLIPLoss(nn.Module):
         V.backend(backend)
         _validated(siglip_loss, _x(2, 2), _x(2, 2).flip(0), float(init_scale), float(init_bias), **self.kw)
 
-    def forward(self, image: Tensor, text: Tensor) -> Tensor:
-        return siglip_loss(image, text, self.logit_scale.exp(), self.logit_bias, **self.kw)
+    def forward(self, image: Tensor, text: Tensor, image_groups: Tensor | None = None,
+                text_groups: Tensor | None = None) -> Tensor:
+        """``image_groups`` / ``text_groups``: :func:`fused_contrastive.siglip_loss`'s group positives."""
+        return siglip_loss(image, text, self.logit_scale.exp(), self.logit_bias, image_groups=image_groups,
+                           text_groups=text_groups, **self.kw)
 
 
 class MaxSimInfoNCELoss(nn.Module):

@@ -49,8 +49,8 @@ from ._amp import autocast_off
 from ._tracing import forced, set_traced_core, set_traced_op, tensors_are_traced, tracing_route
 from .core.spec import Coeffs, CoreData, CoreSpec, DirectCtx, compute_dtype
 
-__all__ = ["core", "cosent_pairs", "cosent_scores", "forced", "merged_lse", "siglip", "tensors_are_traced",
-           "tracing_route"]
+__all__ = ["core", "cosent_pairs", "cosent_scores", "forced", "merged_lse", "siglip", "siglip_groups",
+           "tensors_are_traced", "tracing_route"]
 
 _NAN = float("nan")
 _COEF_NAMES = tuple(f.name for f in fields(Coeffs))
@@ -501,6 +501,82 @@ def siglip(image: Tensor, text: Tensor, scale, bias, normalize: bool, eps: float
     return _siglip_op(image, text, st, 0.0 if st is not None else float(scale), bt,
                       0.0 if bt is not None else float(bias), normalize, eps, offset, reduce, weight, backend,
                       _needs(image, text, st, bt))[0]
+
+
+@autocast_off
+def _siglip_groups_impl(image: Tensor, text: Tensor, scale_t: Tensor | None, scale_f: float, bias_t: Tensor | None,
+                        bias_f: float, image_groups: Tensor, text_groups: Tensor, all_image_groups: Tensor,
+                        normalize: bool) -> Tensor:
+    """SigLIP's group positives' correction per image [N] (``core.siglip.positives_correction``)."""
+    from .core.siglip import correction_forward, group_pairs
+
+    return correction_forward(image, text, scale_t if scale_t is not None else scale_f,
+                              bias_t if bias_t is not None else bias_f, normalize,
+                              group_pairs(image_groups, text_groups, all_image_groups))
+
+
+@autocast_off
+def _siglip_groups_backward_impl(image: Tensor, text: Tensor, scale_t: Tensor | None, scale_f: float,
+                                 bias_t: Tensor | None, bias_f: float, image_groups: Tensor, text_groups: Tensor,
+                                 all_image_groups: Tensor, normalize: bool, need: list[bool],
+                                 go: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Its gradients for the upstream ``go`` [N] (``core.siglip.correction_grads``, recomputed)."""
+    from .core.siglip import correction_grads, group_pairs
+
+    grads = correction_grads(image, text, scale_t if scale_t is not None else scale_f,
+                             bias_t if bias_t is not None else bias_f, normalize,
+                             group_pairs(image_groups, text_groups, all_image_groups), go, need)
+    dev = image.device
+    return tuple(_grad_or_empty(g, x, n, dev) for g, x, n in zip(grads, (image, text, scale_t, bias_t), need,
+                                                                  strict=True))
+
+
+_siglip_groups_op = torch.library.custom_op("fused_contrastive::siglip_groups", _siglip_groups_impl, mutates_args=())
+_siglip_groups_backward_op = torch.library.custom_op("fused_contrastive::siglip_groups_backward",
+                                                     _siglip_groups_backward_impl, mutates_args=())
+
+
+@_siglip_groups_op.register_fake
+def _(image, text, scale_t, scale_f, bias_t, bias_f, image_groups, text_groups, all_image_groups, normalize):
+    return image.new_empty((image.shape[0],), dtype=compute_dtype(image, text))
+
+
+@_siglip_groups_backward_op.register_fake
+def _(image, text, scale_t, scale_f, bias_t, bias_f, image_groups, text_groups, all_image_groups, normalize, need, go):
+    dev = image.device
+    return tuple(_fake_grad(x, n, dev) for x, n in zip((image, text, scale_t, bias_t), need, strict=True))
+
+
+def _siglip_groups_setup(ctx, inputs, output) -> None:
+    ctx.args = inputs
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[4])
+
+
+def _siglip_groups_autograd_backward(ctx, go):
+    image, text, scale_t, bias_t = ctx.saved_tensors
+    _, _, _, scale_f, _, bias_f, ig, tg, ig_all, normalize = ctx.args
+    need = [ctx.needs_input_grad[i] and x is not None for i, x in ((0, image), (1, text), (2, scale_t), (4, bias_t))]
+    grads = _siglip_groups_backward_op(image, text, scale_t, scale_f, bias_t, bias_f, ig, tg, ig_all, normalize, need,
+                                       go)
+    out = [None] * 10
+    for g, pos, n in zip(grads, (0, 1, 2, 4), need, strict=True):
+        if n:
+            out[pos] = g
+    return tuple(out)
+
+
+_siglip_groups_op.register_autograd(_siglip_groups_autograd_backward, setup_context=_siglip_groups_setup)
+
+
+def siglip_groups(image: Tensor, text: Tensor, scale, bias, normalize: bool, image_groups: Tensor,
+                  text_groups: Tensor, all_image_groups: Tensor) -> Tensor:
+    """``core.siglip.positives_correction`` as ``fused_contrastive::siglip_groups`` (what ``siglip_loss`` calls
+    under torch.compile / export: its pair count is data-dependent, so the operator is opaque)."""
+    st = scale if isinstance(scale, Tensor) else None
+    bt = bias if isinstance(bias, Tensor) else None
+    return _siglip_groups_op(image, text, st, 0.0 if st is not None else float(scale), bt,
+                             0.0 if bt is not None else float(bias), image_groups, text_groups, all_image_groups,
+                             normalize)
 
 
 # ------------------------------------------------------------------------------------------------

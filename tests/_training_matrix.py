@@ -129,6 +129,21 @@ def tb_gist(a: Tensor, p: Tensor, n: Tensor, ga: Tensor, gp: Tensor, gn: Tensor,
     return F.cross_entropy(logits, rows)
 
 
+def tb_qwen3(q: Tensor, d: Tensor, h: Tensor, t: float, margin: float) -> Tensor:
+    """The Qwen3-Embedding InfoNCE: row i = [cos(q_i, d) | cos(q_i, h_i) | cos(q_i, q_j) | cos(d_i, d_j)] / t
+    (j != i in the last two), a candidate dropped where its cosine is > cos(q_i, d_i) + margin, the positive
+    kept."""
+    n = q.shape[0]
+    eye = torch.eye(n, dtype=torch.bool)
+    cqd = _cos(q, d)
+    bound = cqd.diagonal()[:, None] + margin
+    own = (F.normalize(q, dim=-1)[:, None, :] * F.normalize(h, dim=-1)).sum(-1)
+    blocks = [(cqd, (cqd > bound) & ~eye), (own, own > bound), (_cos(q, q), (_cos(q, q) > bound) | eye),
+              (_cos(d, d), (_cos(d, d) > bound) | eye)]
+    logits = torch.cat([(c / t).masked_fill(m, float("-inf")) for c, m in blocks], dim=1)
+    return F.cross_entropy(logits, torch.arange(n))
+
+
 def _guide(tokens: Tensor) -> Tensor:
     """A frozen guide model: fixed random token embeddings, mean-pooled (no gradient)."""
     w = torch.randn(VOCAB, 5, generator=torch.Generator().manual_seed(11))
@@ -236,6 +251,10 @@ CELLS: list[Cell] = [
                                          margin=0.01, contrast_anchors=False, gather=g),
          lambda e, d, m: tb_gist(e(d["a"]), e(d["b"]), e(d["c"]), _guide(d["a"]), _guide(d["b"]), _guide(d["c"]),
                                  0.1, 0.01)),
+    Cell("qwen3_embedding_loss", _triples,  # each query's own hard negative: the third tokens' embedding
+         lambda e, d, m, g: fc.qwen3_embedding_loss(e(d["a"]), e(d["b"]), e(d["c"])[:, None], temperature=0.1,
+                                                    margin=0.05, gather=g),
+         lambda e, d, m: tb_qwen3(e(d["a"]), e(d["b"]), e(d["c"])[:, None], 0.1, 0.05)),
     Cell("dcl_loss", _pairs,
          lambda e, d, m, g: fc.dcl_loss(e(d["a"]), e(d["b"]), temperature=0.2, gather=g),
          lambda e, d, m: dcl_formula(e(d["a"]), e(d["b"]), 0.2)),

@@ -35,7 +35,13 @@ NO_GRADCHECK = {
 
 def _public_losses() -> dict[str, object]:
     return {name: getattr(fc, name) for name in fc.__all__
-            if inspect.isfunction(getattr(fc, name)) and name not in ("encode_in_chunks",)}
+            if inspect.isfunction(getattr(fc, name)) and name not in NOT_EMBEDDING_LOSSES}
+
+
+#: public functions outside the [rows, D] embedding-loss registry: an encoder wrapper, and late interaction
+#: (token tensors [N, L, D] with masks; its cases, its float64 definition and its backends are
+#: tests/test_maxsim.py's and tests/test_triton_maxsim.py's)
+NOT_EMBEDDING_LOSSES = ("encode_in_chunks", "maxsim_info_nce", "maxsim_scores")
 
 
 def test_every_public_loss_has_cases_and_one_inductor_case():

@@ -78,16 +78,20 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, label_smoothing: floa
 
 
 def info_nce(query, keys, target, s, exclude_self, symmetric, normalize, reduction, ignore_index, offset=0,
-             label_smoothing=0.0):
-    """``offset``: the anchors' own columns are ``offset + i`` (anchors that are a slice of the keys)."""
+             label_smoothing=0.0, row_negatives=None):
+    """``offset``: the anchors' own columns are ``offset + i`` (anchors that are a slice of the keys).
+    ``row_negatives`` [N, K, D]: row i's own K extra columns ``s <q_i, n_ik>``, appended to row i's logits."""
     dt = _dt(query, keys)
     q = _unit(query, normalize, dt)
     k = q if keys is None else _unit(keys, normalize, dt)
     logits = (q @ k.T) * _scalar(s, dt)
     if exclude_self:
         logits = logits.masked_fill(_self_mask(q.shape[0], k.shape[0], offset, q.device), float("-inf"))
-        if label_smoothing:
-            return _reduce(smoothed_cross_entropy(logits, target, label_smoothing), reduction)
+    if row_negatives is not None:
+        own = torch.einsum("nd,nkd->nk", q, _unit(row_negatives, normalize, dt)) * _scalar(s, dt)
+        logits = torch.cat([logits, own], dim=1)
+    if exclude_self and label_smoothing:
+        return _reduce(smoothed_cross_entropy(logits, target, label_smoothing), reduction)
     ce = dict(label_smoothing=label_smoothing)
     if symmetric:
         rows = F.cross_entropy(logits, target, reduction="none", **ce)
@@ -287,3 +291,40 @@ def cosent(scores: Tensor, labels: Tensor, scale) -> Tensor:
     pairs = labels[:, None] > labels[None, :]
     terms = torch.cat([torch.zeros(1, dtype=dt, device=u.device), diff[pairs]])
     return torch.logsumexp(terms, dim=0)
+
+
+def qwen3_embedding(query, docs, d_all, q_all, row_negatives, s, margin, query_query, doc_doc, normalize, offset):
+    """The Qwen3-Embedding InfoNCE per query row (``losses/qwen3.py`` has the math), materialised: the blocks
+    ``[q d_all^T | q q_all^T | d d_all^T | <q_i, n_ik>] * s`` side by side, a column at ``-inf`` when its
+    cosine (no gradient) is ``> cos(q_i, d_i) + margin``, the positive (column ``offset + i`` of the first
+    block) always kept, the own columns of the q-q and d-d blocks always dropped."""
+    dt = _dt(query, docs)
+    n = query.shape[0]
+    idx = torch.arange(n, device=query.device)
+    own = idx + offset
+    sc = _scalar(s, dt)
+
+    def cos_of(x):
+        return _unit(x.detach(), True, dt)
+
+    cq, cd = cos_of(query), cos_of(docs)
+    gpos = (cq * cd).sum(-1)
+    q = _unit(query, normalize, dt)
+
+    def block(rows, cols, c_rows, c_cols, *, protect: bool):
+        logits = (rows @ cols.T) * sc
+        drop = (c_rows @ c_cols.T) > (gpos + margin)[:, None]
+        drop[idx, own] = not protect  # the positive kept; the own query / document dropped
+        return logits.masked_fill(drop, float("-inf"))
+
+    parts = [block(q, _unit(d_all, normalize, dt), cq, cos_of(d_all), protect=True)]
+    if query_query:
+        parts.append(block(q, _unit(q_all, normalize, dt), cq, cos_of(q_all), protect=False))
+    if doc_doc:
+        parts.append(block(_unit(docs, normalize, dt), _unit(d_all, normalize, dt), cd, cos_of(d_all), protect=False))
+    if row_negatives is not None:
+        own_neg = torch.einsum("nd,nkd->nk", q, _unit(row_negatives, normalize, dt)) * sc
+        drop = torch.einsum("nd,nkd->nk", cq, cos_of(row_negatives)) > (gpos + margin)[:, None]
+        parts.append(own_neg.masked_fill(drop, float("-inf")))
+    logits = torch.cat(parts, dim=1)
+    return torch.logsumexp(logits, dim=1) - logits[idx, own]

@@ -174,3 +174,118 @@ class SigLipFn(torch.autograd.Function):
                 _grad_out(ds, *sdt) if need_s and sdt is not None else None,
                 _grad_out(db, *bdt) if need_b and bdt is not None else None,
                 None, None, None, None, None)
+
+
+# --- group positives (``siglip_loss(image_groups=, text_groups=)``) ---------------------------------------
+
+#: the losses' row-normalisation floor
+EPS = 1e-12
+
+
+def _counts(ids: Tensor, of: Tensor) -> Tensor:
+    """For each id in ``ids``, how many entries of ``of`` equal it (O((N + M) log M), no N x M)."""
+    srt = torch.sort(of).values
+    return torch.searchsorted(srt, ids, right=True) - torch.searchsorted(srt, ids)
+
+
+def group_pairs(ig: Tensor, tg: Tensor, ig_all: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The positive pairs of group ids: ``(rows, cols, v)`` [P], ordered by row, with ``ig[rows] == tg[cols]``
+    for every such pair and its weight ``v = 1 / (2 k_i) + 1 / (2 k'_j)`` (``k_i``: entries of ``tg`` in row i's
+    group; ``k'_j``: entries of ``ig_all``, every rank's images, in column j's group). O(N + M + P); reading
+    P is one host sync (as ``torch.unique`` in siglip-kernel's SigLIP+)."""
+    tg_sorted, perm = torch.sort(tg, stable=True)
+    lo = torch.searchsorted(tg_sorted, ig)
+    k = torch.searchsorted(tg_sorted, ig, right=True) - lo
+    p = int(k.sum())
+    rows = torch.repeat_interleave(torch.arange(ig.shape[0], device=ig.device), k, output_size=p)
+    start = torch.cumsum(k, 0) - k
+    cols = perm[lo[rows] + torch.arange(p, device=ig.device) - start[rows]]
+    k_col = _counts(tg, ig_all)
+    v = 0.5 / k[rows].double() + 0.5 / k_col[cols].double()
+    return rows, cols, v
+
+
+def _pair_cosines(image: Tensor, text: Tensor, normalize: bool, rows: Tensor, cols: Tensor):
+    """``(x_hat, norms_x, y_hat, norms_y, cosines of the pairs)`` in the compute dtype."""
+    dt = compute_dtype(image, text)
+    xh, nx = normalize_rows(image, EPS, dt, normalize)
+    yh, ny = normalize_rows(text, EPS, dt, normalize)
+    return xh, nx, yh, ny, (xh[rows] * yh[cols]).sum(-1)
+
+
+def _segment_sum(src: Tensor, idx: Tensor, n: int, ordered: bool = False) -> Tensor:
+    """``zeros(n, D).index_add_(0, idx, src)`` as a segment sum over ``idx``'s sorted order (a 2-D index_add is
+    a serial scatter on the CPU); ``ordered``: ``idx`` is ascending already."""
+    if not ordered:
+        order = torch.argsort(idx, stable=True)
+        src = src[order]
+    return torch.segment_reduce(src, "sum", lengths=torch.bincount(idx, minlength=n))
+
+
+def _num(v, dt):
+    return v.detach().to(dt) if isinstance(v, Tensor) else v
+
+
+def positives_correction(image: Tensor, text: Tensor, s, b, normalize: bool, image_groups: Tensor,
+                         text_groups: Tensor, all_image_groups: Tensor) -> Tensor:
+    """Per image [N]: ``sum_{j positive} (v_ij softplus(-z_ij) - softplus(z_ij))``, what turns the loss with
+    every pair a negative into the loss with group positives (:class:`SigLipGroupsFn`: differentiable in the
+    embeddings, scale and bias; O(P D) for P pairs; under tracing the operator ``ops.siglip_groups`` runs it)."""
+    return SigLipGroupsFn.apply(image, text, s, b, normalize, group_pairs(image_groups, text_groups, all_image_groups))
+
+
+def correction_forward(image: Tensor, text: Tensor, s, b, normalize: bool, pairs) -> Tensor:
+    """:func:`positives_correction`'s value for the pairs ``(rows, cols, v)`` of :func:`group_pairs`."""
+    rows, _, v = pairs
+    *_, c = _pair_cosines(image, text, normalize, rows, pairs[1])
+    z = c * _num(s, c.dtype) + _num(b, c.dtype)
+    # softplus(w) = -logsigmoid(-w): exact for any finite w (F.softplus cuts over to w at 20)
+    term = F.logsigmoid(-z) - v.to(c.dtype) * F.logsigmoid(z)
+    return torch.zeros(image.shape[0], dtype=c.dtype, device=image.device).index_add_(0, rows, term)
+
+
+def correction_grads(image: Tensor, text: Tensor, s, b, normalize: bool, pairs, go: Tensor, need):
+    """Its gradients for the upstream ``go`` [N] (image, text, scale, bias; None where not in ``need``):
+    ``d term / dz = -(sigmoid(z) + v sigmoid(-z))``, then the cosines' and the normalisation's backward."""
+    rows, cols, v = pairs
+    xh, nx, yh, ny, c = _pair_cosines(image, text, normalize, rows, cols)
+    dt = c.dtype
+    sv = _num(s, dt)
+    z = c * sv + _num(b, dt)
+    dz = -go.to(dt)[rows] * (torch.sigmoid(z) + v.to(dt) * torch.sigmoid(-z))
+    gx = gy = gs = gb = None
+    if need[0]:
+        # the pairs come ordered by row (group_pairs)
+        gx = normalize_backward_(_segment_sum(dz[:, None] * yh[cols] * sv, rows, xh.shape[0], ordered=True), xh, nx,
+                                 EPS)
+        gx = gx.to(image.dtype)
+    if need[1]:
+        gy = normalize_backward_(_segment_sum(dz[:, None] * xh[rows] * sv, cols, yh.shape[0]), yh, ny, EPS)
+        gy = gy.to(text.dtype)
+    if need[2]:
+        gs = (dz * c).sum().to(s.dtype).reshape(s.shape)
+    if need[3]:
+        gb = dz.sum().to(b.dtype).reshape(b.shape)
+    return gx, gy, gs, gb
+
+
+class SigLipGroupsFn(torch.autograd.Function):
+    """:func:`positives_correction` [N] for given pairs, with its gradient written out (autocast off)."""
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, image: Tensor, text: Tensor, s, b, normalize: bool, pairs) -> Tensor:
+        ctx.save_for_backward(image, text, *(x if isinstance(x, Tensor) else None for x in (s, b)), *pairs)
+        ctx.numbers = (s, b, normalize)
+        return correction_forward(image, text, s, b, normalize, pairs)
+
+    @staticmethod
+    @autocast_off
+    @first_order("SigLipGroupsFn")
+    def backward(ctx, go: Tensor):
+        image, text, s_t, b_t, *pairs = ctx.saved_tensors
+        s, b, normalize = ctx.numbers
+        s, b = (s_t if s_t is not None else s), (b_t if b_t is not None else b)
+        need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], s_t is not None and ctx.needs_input_grad[2],
+                b_t is not None and ctx.needs_input_grad[3]]
+        return (*correction_grads(image, text, s, b, normalize, pairs, go, need), None, None)

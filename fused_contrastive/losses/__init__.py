@@ -1,8 +1,9 @@
 """The InfoNCE-family losses, by family: :mod:`.cross_entropy` (``info_nce``, ``clip_loss``,
 ``simcse_loss``, ``simcse_sup_loss``), :mod:`.decoupled` (``dcl_loss``, ``dclw_loss``),
-:mod:`.supervised` (``supcon_loss``, ``dscl_loss``) and :mod:`.guided` (``gist_loss``, and ``info_nce``'s
-``guide=`` / ``ids=`` masks on the merged-block core of ``core/blocks.py``); :mod:`._scope` holds what
-they share (one body per loss: a local call is a world of one rank). Each is the core op of ``core/spec.py`` (per row:
+:mod:`.supervised` (``supcon_loss``, ``dscl_loss``), :mod:`.qwen3` (``qwen3_embedding_loss``) and
+:mod:`.guided` (``gist_loss``, and ``info_nce``'s ``guide=`` / ``ids=`` masks on the merged-block core of
+``core/blocks.py``); :mod:`._scope` holds what they share (one body per loss: a local call is a world of one
+rank). Each is the core op of ``core/spec.py`` (per row:
 coefficients times ``LSE``, ``LSEcol``, ``LSEpos`` minus coefficients times the target logit ``TGT`` and the weighted
 positive logits ``SET``) with the coefficients, constants and denominator the loss defines.
 
@@ -28,10 +29,11 @@ precision) or 0-dim tensors (differentiable). Tensor values are validated only o
 value would be a host sync).
 """
 
-from . import cross_entropy, decoupled, guided, supervised
+from . import cross_entropy, decoupled, guided, qwen3, supervised
 from .cross_entropy import *  # noqa: F403 - each family module's __all__ is its public losses
 from .decoupled import *  # noqa: F403
 from .guided import *  # noqa: F403
+from .qwen3 import *  # noqa: F403
 from .supervised import *  # noqa: F403
 
-__all__ = sorted([*cross_entropy.__all__, *decoupled.__all__, *guided.__all__, *supervised.__all__])
+__all__ = sorted([*cross_entropy.__all__, *decoupled.__all__, *guided.__all__, *qwen3.__all__, *supervised.__all__])

@@ -19,6 +19,7 @@ from .._amp import autocast_off
 from .._backend import resolve
 from ..core import reference as ref
 from ..core.spec import compute_dtype
+from . import _row_negatives as RN
 from ._levels import leveled
 from ._scope import DEFAULT_TEMPERATURE as _DEFAULT_TEMPERATURE
 from ._scope import Scope, cross_entropy
@@ -51,7 +52,7 @@ __all__ = ["am_softmax_loss", "clip_loss", "info_nce", "simcse_loss", "simcse_su
 
 
 @D.agreed
-@leveled("query", "keys", per_level_if=("guide", "ids"))
+@leveled("query", "keys", "row_negatives", per_level_if=("guide", "ids", "row_negatives"))
 @autocast_off
 def info_nce(
     query: Tensor,
@@ -73,6 +74,7 @@ def info_nce(
     ids: Tensor | Sequence[Tensor] | None = None,
     label_smoothing: float = 0.0,
     tau_plus: float | Tensor = 0.0,
+    row_negatives: Tensor | None = None,
     _levels=None,
 ) -> Tensor:
     """InfoNCE / in-batch-negatives loss, the drop-in for
@@ -126,6 +128,12 @@ def info_nce(
             ``label_smoothing`` the sum ``debiased_i + eps (l_pos - mean_{j in C_i} l_ij)`` (memeff 0.3.1's
             composition). A tensor prior needs no floor to differ from the plain loss; a float 0.0 is the
             plain loss exactly. Not with ``guide`` / ``ids``.
+        row_negatives: [N, K, D] row-specific hard negatives (default None): row i's softmax also runs
+            over its own K negatives ``s cos(query_i, row_negatives[i, k])`` (and no other row's), beside
+            the shared columns: ``F.cross_entropy(cat([logits_i, own_i]), target_i)``. O(N K D) beside the
+            shared part, on every backend; under ``gather`` they stay with their row (never gathered).
+            Not combined with ``symmetric``, ``guide`` or ``ids``; with ``matryoshka_dims`` they are
+            truncated and re-normalised with the other embeddings (one call per level).
 
     Returns:
         0-dim loss (mean/sum) or [N] per-row losses (none).
@@ -162,6 +170,14 @@ def info_nce(
                          "pass target (e.g. the index of each row's positive) or keys")
     guide_options_unused(guide, guide_margin, guide_margin_strategy)
     masked = guide is not None or ids is not None
+    if row_negatives is not None:
+        row_negatives = RN.checked(row_negatives, query)
+        if eps or tau is not None:
+            raise ValueError(f"{'label_smoothing' if eps else 'tau_plus'} is not supported with row_negatives yet "
+                             "(the row's own negatives would have to join the uniform part / the negatives' count)")
+        if symmetric or masked:
+            raise ValueError("row_negatives (each row's own negatives) is not supported with "
+                             f"{'symmetric=True' if symmetric else 'guide= / ids='}")
     if masked:
         if tau is not None:
             raise ValueError("tau_plus is not supported with guide= / ids= (the debiased loss counts every column "
@@ -209,6 +225,10 @@ def info_nce(
                                normalize=normalize, reduction=reduction)
     # locally keys=None is "B is A" (one normalisation, the triangular sweep where it applies)
     b = None if keys is None and scope.local else contrast
+    if row_negatives is not None:
+        return _row_negative_ce(be, scope, query, b, contrast, s, t, row_negatives, qoff=qoff,
+                                exclude_self=exclude_self, normalize=normalize, reduction=reduction,
+                                n_total=n_total, valid=valid)
     return cross_entropy(be, scope, query, b, s, t, offset=qoff, exclude_self=exclude_self, normalize=normalize,
                          reduction=reduction, n_total=n_total, valid=valid, levels=_levels, label_smoothing=eps,
                          tau_plus=tau)
@@ -218,6 +238,24 @@ def _tau(tau_plus, n: int, device):
     """``tau_plus`` checked (``V.tau_plus``): None for the plain loss (a float 0), else the float or [N] tensor."""
     tau = V.tau_plus(tau_plus, n, device)
     return None if isinstance(tau, float) and tau == 0.0 else tau
+
+
+def _row_negative_ce(be: str, scope: Scope, query: Tensor, b: Tensor | None, contrast: Tensor, s, t: Tensor,
+                     row_negatives: Tensor, *, qoff: int, exclude_self: bool, normalize: bool, reduction: str,
+                     n_total: int, valid: Tensor | None) -> Tensor:
+    """``info_nce`` with row-specific negatives (``_row_negatives``): the shared part's per-row
+    cross-entropy from any backend merged with each row's own negatives; the reference backend
+    materialises ``[logits_i | own_i]``."""
+    if be == "reference":
+        per = ref.info_nce(query, b, t, s, exclude_self, False, normalize, "none", -100, offset=qoff,
+                           row_negatives=row_negatives)
+        per = per if valid is None else torch.where(valid, per, torch.zeros_like(per))
+    else:
+        ce = cross_entropy(be, scope, query, b, s, t, offset=qoff, exclude_self=exclude_self, normalize=normalize,
+                           reduction="none", n_total=n_total, valid=valid)
+        per = RN.merged(ce, RN.target_logit(query, contrast[t], s, normalize),
+                        RN.row_logits(query, row_negatives, s, normalize), valid=valid)
+    return scope.reduce(per, reduction, n_total if valid is None else scope.sum(valid.sum()))
 
 
 def _clip(be: str, scope: Scope, a: Tensor, b: Tensor, s, normalize: bool, reduction: str, levels=None,

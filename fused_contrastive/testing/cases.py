@@ -251,6 +251,10 @@ def _info_nce_debiased_self_none(n, d, g):
     prior = torch.rand(n, generator=g) * 0.3
     return ({"query": _randn(g, n, d)},
             {"target": tgt, "tau_plus": prior, "label_smoothing": 0.1, "reduction": "none", "temperature": 0.2})
+def _info_nce_rowneg(n, d, g):
+    # each row's own 3 hard negatives: independent rows (not correlated with the row's pair in a regime)
+    return ({"query": _randn(g, n, d), "keys": _randn(g, n, d), "row_negatives": torch.randn(n, 3, d, generator=g),
+             "temperature": torch.tensor(0.07)}, {})
 
 
 # --- CLIP -------------------------------------------------------------------------------------
@@ -327,6 +331,16 @@ def _gist_relative_none(n, d, g):
     return ({"anchors": _randn(g, n, d), "positives": _randn(g, n, d), "temperature": torch.tensor(0.05)},
             {"guide": (_randn(g, n, 3), _randn(g, n, 3)), "margin_strategy": "relative", "margin": 0.1,
              "contrast_anchors": False, "reduction": "none"})
+
+
+def _qwen3(n, d, g):
+    return ({"query": _randn(g, n, d), "docs": _randn(g, n, d), "row_negatives": torch.randn(n, 2, d, generator=g)},
+            {"temperature": 0.05, "margin": 0.1})
+
+
+def _qwen3_plain_none(n, d, g):
+    return ({"query": _randn(g, n, d), "docs": _randn(g, n, d), "temperature": torch.tensor(0.07)},
+            {"margin": 0.05, "doc_doc": False, "reduction": "none"})
 
 
 def _simcse_sup(n, d, g):
@@ -452,6 +466,14 @@ def _siglip_raw_none(n, d, g):
             {"logit_scale": 0.5, "normalize": False, "reduction": "none"})
 
 
+def _siglip_groups(n, d, g):
+    # 2N texts; images 2i and 2i + 1 share a group, each group holds 4 texts in a shuffled order
+    tg = (torch.arange(2 * n) // 4)[torch.randperm(2 * n, generator=g)]
+    return ({"image": _randn(g, n, d), "text": _randn(g, 2 * n, d), "logit_scale": torch.tensor(8.0),
+             "logit_bias": torch.tensor(-3.0)}, {"image_groups": torch.arange(n) // 2, "text_groups": tg,
+                                                 "reduction": "none"})
+
+
 # --- metrics (Wang and Isola 2020) ---------------------------------------------------------------
 
 
@@ -504,6 +526,9 @@ CASES: list[Case] = [
          covers="tau_plus 0.1 both directions, learnable logit_scale", min_n=2, core_calls=2),
     Case("am_softmax_smoothed", L.am_softmax_loss, _am_softmax_smoothed, gather_split="rows",
          covers="label_smoothing 0.1 on the margin logits, row + column forms"),
+    Case("info_nce_rowneg", L.info_nce, _info_nce_rowneg, families=frozenset({"gradcheck"}), gather_split="rows",
+         covers="row-specific hard negatives [N, 3, D] beside the shared keys, tensor temperature",
+         m=lambda n: n + 3),
     Case("clip", L.clip_loss, _clip, families=frozenset({"huge_rows"}), bench=True, covers="row + column cross-entropy",
          inputs="a [N, D], b [N, D], logit_scale 1/0.07; logits N x N (rows and columns)", logits=_sq,
          gather_split="rows"),
@@ -542,6 +567,12 @@ CASES: list[Case] = [
          logits=lambda n: (n, 4 * n), inductor=True),
     Case("gist_relative_none", L.gist_loss, _gist_relative_none, families=frozenset({"gradcheck"}), op="guided",
          covers="relative margin, no anchor block, per-row, tensor temperature", logits=lambda n: (n, 2 * n)),
+    Case("qwen3", L.qwen3_embedding_loss, _qwen3, op="guided", gather_split="rows",
+         covers="Qwen3-Embedding: q-d, q-q, d-d blocks, false-negative mask, row negatives [N, 2, D]",
+         logits=lambda n: (n, 3 * n + 2), inductor=True),
+    Case("qwen3_plain_none", L.qwen3_embedding_loss, _qwen3_plain_none, families=frozenset({"gradcheck"}), op="guided",
+         covers="no d-d block, no row negatives, margin 0.05, per-row, tensor temperature",
+         logits=lambda n: (n, 2 * n)),
     Case("supcon_out", L.supcon_loss, _supcon("out"), families=frozenset({"degenerate_rows"}),
          bench=True, covers="labels, L_out, B is A",
          inputs="features [N/2, 2, D], labels [N/2] (up to 100 classes); logits N x N", logits=_sq, min_n=2),
@@ -593,6 +624,9 @@ CASES: list[Case] = [
          op="siglip", covers="learnable scale and bias, sum"),
     Case("siglip_raw_none", siglip_loss, _siglip_raw_none, op="siglip",
          covers="normalize=False, learnable bias, per-image losses"),
+    Case("siglip_groups", siglip_loss, _siglip_groups, families=frozenset({"gradcheck"}), op="siglip",
+         covers="group positives (SigLIP+ weights), M = 2N texts, learnable scale and bias, per-image losses",
+         m=lambda n: 2 * n, peaked=False),
     Case("uniformity", uniformity, _uniformity, families=frozenset({"gradcheck"}),
          covers="log mean exp(-2 ||x_i - x_j||^2) of unit rows, N >= 2",
          min_n=2, inductor=True),
