@@ -87,6 +87,9 @@ class _Config:
     normalize: bool
     eps: float
     minus_target: bool = False
+    #: ``label_smoothing`` (with ``minus_target``): the output is ``LSE_i - (1 - e) l_{i, t_i} - e mean_{j in C_i}
+    #: l_ij``, ``C_i`` the columns row i's softmax keeps over every block (``_sweep``)
+    smoothing: float = 0.0
 
 
 class _Problem:
@@ -222,6 +225,11 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
     upstream gradient) None: statistics only. Returns ``(lse, target logits or None, grads in
     normalised space per tensor (None where not needed), d scale)``.
 
+    With ``cfg.smoothing = e`` the target term is ``(1 - e) l_t + e S_i / K_i``, ``K_i`` the count and ``S_i``
+    the sum of the logits row i keeps (finite) over every block of its chunk, and its gradient ``-(1 - e) g_i``
+    at the target and ``-e g_i / K_i`` on every kept column: two more passes per tile for the kept mask and
+    its sum, no weight tile.
+
     Per block and chunk the tile is passed over 6 times besides its GEMMs: the mask compare and fill,
     the row maximum, ``exp(l - m)`` in place, its row sum, and (with ``g``) the gradient scaling
     ``e * g_i / Z_i``; the recomputing backward takes ``exp(l - LSE_i) g_i`` instead."""
@@ -234,6 +242,7 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
         else [None] * len(p.xh)
     sg = _ScaleGrad(n, p.xh[0]) if g is not None and need_s else None
     ds_tgt = torch.zeros((), device=dev, dtype=torch.float64)
+    eps = cfg.smoothing if tgt_blk is not None else 0.0
     step = _row_step(p)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -241,8 +250,14 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
         tiles = [p.logits(blk, r0, r1, sg is not None, theta, gtiles.get(k)) for k, blk in enumerate(cfg.blocks)]
         del gtiles
         t_r = p.masks.target[r0:r1, None] if tgt_blk is not None else None
+        if eps:  # the excluded entries (-inf) of every block, before the exp; K_i the kept count
+            drop = [l == _NEG_INF for _, l in tiles]
+            kept_n = sum(l.shape[1] - dr.sum(dim=1) for (_, l), dr in zip(tiles, drop, strict=True)).to(p.dt)
         if out_tgt is not None:
             out_tgt[r0:r1] = tiles[tgt_blk][1].gather(1, t_r)[:, 0]
+            if eps:
+                kept_sum = sum(torch.where(dr, 0.0, l).sum(dim=1) for (_, l), dr in zip(tiles, drop, strict=True))
+                out_tgt[r0:r1] = (1 - eps) * out_tgt[r0:r1] + eps * kept_sum / kept_n
         if lse is None:
             # exp(l - m) with m the row maximum over every block; LSE = m + log Z
             m = tiles[0][1].amax(dim=1)
@@ -271,10 +286,15 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
                 dl.mul_(gr)
             else:
                 dl = l.mul_(coef[:, None] * gr)
-            if k == tgt_blk:  # - l[i, t_i]: its gradient -g_i at the target column
-                dl.scatter_add_(1, t_r, -gr)
+            if k == tgt_blk:  # - l[i, t_i]: its gradient -g_i at the target column ((1 - eps) smoothed)
+                dl.scatter_add_(1, t_r, -(1 - eps) * gr)
                 if sg is not None:
-                    ds_tgt -= (gr * c.gather(1, t_r)).sum().to(torch.float64)
+                    ds_tgt -= ((1 - eps) * gr * c.gather(1, t_r)).sum().to(torch.float64)
+            if eps:  # - eps mean_{kept} l: -eps g_i / K_i on the kept columns of every block
+                dl.sub_(eps * gr / kept_n[:, None]).masked_fill_(drop[k], 0.0)
+                if sg is not None:
+                    ds_tgt -= (eps * gr[:, 0] / kept_n * torch.where(drop[k], 0.0, c).sum(dim=1)).sum().to(
+                        torch.float64)
             rs = blk.row_start
             if grads[blk.rows] is not None:
                 grads[blk.rows][rs + r0 : rs + r1].addmm_(dl, p.xh[blk.cols])
@@ -353,15 +373,22 @@ class MergedLSEFn(torch.autograd.Function):
 
 def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Masks | None = None, *,
                normalize: bool = True, eps: float = 1e-12, weights: Tensor | None = None,
-               minus_target: bool = False, backend: str = "torch") -> Tensor:
+               minus_target: bool = False, backend: str = "torch", label_smoothing: float = 0.0) -> Tensor:
     """Merged log-sum-exp of ``n`` rows over ``blocks`` of ``xs`` (module docstring): [n] in the
     compute dtype (float32, float64 for float64 inputs), or ``sum_i weights_i LSE_i`` with ``weights``
     [n] (the summed loss's fast path: no recompute in the backward). ``scale`` a number or a 0-dim
     tensor (differentiable). ``minus_target``: the cross-entropy ``LSE_i - l_{i, t_i}``, the target
     logit read from the first protected block's tile (a row left with its target alone is exactly 0).
     ``backend="triton"``: one Triton call per block (``core/triton_guided.py``; float32 / 16-bit
-    inputs), merged here; "torch": the eager PyTorch sweep of this module."""
-    cfg = _Config(tuple(blocks), n, normalize, eps, minus_target)
+    inputs), merged here; "torch": the eager PyTorch sweep of this module. ``label_smoothing`` (with
+    ``minus_target``): ``F.cross_entropy``'s over the kept columns (``_Config.smoothing``); the Triton
+    kernels do not form its per-row sums, so a smoothed call runs this module's sweep on the same device
+    (any backend)."""
+    cfg = _Config(tuple(blocks), n, normalize, eps, minus_target, float(label_smoothing))
+    if label_smoothing and not minus_target:
+        raise ValueError("core.blocks: label_smoothing needs minus_target (a target to smooth)")
+    if label_smoothing:
+        backend = "torch"
     if minus_target and not any(blk.protect for blk in cfg.blocks):
         raise ValueError("core.blocks: minus_target needs a protected block (the target's)")
     masks = masks or Masks()
