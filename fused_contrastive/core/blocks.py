@@ -257,7 +257,8 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
             out_tgt[r0:r1] = tiles[tgt_blk][1].gather(1, t_r)[:, 0]
             if eps:
                 kept_sum = sum(torch.where(dr, 0.0, l).sum(dim=1) for (_, l), dr in zip(tiles, drop, strict=True))
-                out_tgt[r0:r1] = (1 - eps) * out_tgt[r0:r1] + eps * kept_sum / kept_n
+                # l_t + eps (mean - l_t): exactly l_t (a zero loss) for a row that keeps its target alone
+                out_tgt[r0:r1] += eps * (kept_sum / kept_n - out_tgt[r0:r1])
         if lse is None:
             # exp(l - m) with m the row maximum over every block; LSE = m + log Z
             m = tiles[0][1].amax(dim=1)
@@ -286,15 +287,21 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
                 dl.mul_(gr)
             else:
                 dl = l.mul_(coef[:, None] * gr)
-            if k == tgt_blk:  # - l[i, t_i]: its gradient -g_i at the target column ((1 - eps) smoothed)
-                dl.scatter_add_(1, t_r, -(1 - eps) * gr)
-                if sg is not None:
-                    ds_tgt -= ((1 - eps) * gr * c.gather(1, t_r)).sum().to(torch.float64)
             if eps:  # - eps mean_{kept} l: -eps g_i / K_i on the kept columns of every block
+                if k == tgt_blk:  # the target's coefficient 1 - eps (K_i - 1) / K_i: exactly 1 when K_i = 1
+                    p_t = dl.gather(1, t_r)
                 dl.sub_(eps * gr / kept_n[:, None]).masked_fill_(drop[k], 0.0)
+                if k == tgt_blk:
+                    dl.scatter_(1, t_r, p_t - (1 - eps * (kept_n[:, None] - 1) / kept_n[:, None]) * gr)
                 if sg is not None:
-                    ds_tgt -= (eps * gr[:, 0] / kept_n * torch.where(drop[k], 0.0, c).sum(dim=1)).sum().to(
-                        torch.float64)
+                    dt_ds = eps * torch.where(drop[k], 0.0, c).sum(dim=1) / kept_n  # d(eps S_i / K_i) / ds
+                    if k == tgt_blk:
+                        dt_ds = dt_ds + (1 - eps) * c.gather(1, t_r)[:, 0]
+                    ds_tgt -= (gr[:, 0] * dt_ds).sum().to(torch.float64)
+            elif k == tgt_blk:  # - l[i, t_i]: its gradient -g_i at the target column
+                dl.scatter_add_(1, t_r, -gr)
+                if sg is not None:
+                    ds_tgt -= (gr * c.gather(1, t_r)).sum().to(torch.float64)
             rs = blk.row_start
             if grads[blk.rows] is not None:
                 grads[blk.rows][rs + r0 : rs + r1].addmm_(dl, p.xh[blk.cols])
