@@ -3,7 +3,7 @@ dropped candidates) and ``info_nce`` / ``simcse_loss`` / ``simcse_sup_loss`` wit
 Against the float64 definition written here: per row, ``F.cross_entropy(logits_i[C_i], t_i,
 label_smoothing=eps)`` on the logits with the dropped / own / same-id columns deleted (loss and every
 gradient: the embeddings and a learnable temperature), on every backend (reference, the torch sweep in one
-chunk and in row chunks, triton under the interpreter, which runs the torch sweep for a smoothed call),
+chunk and in row chunks, triton under the interpreter: its fused kernels count and sum the kept logits),
 ``reduction="none"`` / ``"mean"``, ``ignore_index``, Matryoshka levels and gather over two gloo ranks."""
 
 from __future__ import annotations
@@ -160,25 +160,29 @@ def test_gist_bad_values_name_the_argument(bad, err):
         fc.gist_loss(a, p, n, guide=(ga, gp, gn), label_smoothing=bad)
 
 
-def test_triton_runs_the_torch_sweep_for_a_smoothed_call(monkeypatch):
-    # the documented routing: the guided kernels do not form the kept count / sum, so a smoothed call on
-    # backend="triton" must not reach them (and an unsmoothed one still does)
-    from fused_contrastive.core import triton_guided
+def test_triton_smooths_in_the_kernels(monkeypatch):
+    # the Triton backend forms the kept count and sum in its fused kernels (SMOOTH), never the torch sweep
+    from fused_contrastive.core import blocks
+    from fused_contrastive.core import triton_backend as TB
 
-    calls = []
-    real = triton_guided.GuidedBlockFn.forward
+    launched = []
+    real = TB._launch
 
-    def spy(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw)
+    def spy(launch):
+        launched.append((launch.name, launch.constexprs.get("SMOOTH")))
+        return real(launch)
 
-    monkeypatch.setattr(triton_guided.GuidedBlockFn, "forward", staticmethod(spy))
+    def no_sweep(*a, **k):
+        raise AssertionError("the torch sweep ran on backend='triton'")
+
+    monkeypatch.setattr(TB, "_launch", spy)
+    monkeypatch.setattr(blocks, "_sweep", no_sweep)
     monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    a, p, n, ga, gp, gn = (x.float() for x in _gist_inputs())
-    fc.gist_loss(a, p, n, guide=(ga, gp, gn), margin=0.1, label_smoothing=EPS, backend="triton")
-    assert calls == []
-    fc.gist_loss(a, p, n, guide=(ga, gp, gn), margin=0.1, backend="triton")
-    assert calls  # the unsmoothed call runs the kernels
+    a, p, n, ga, gp, gn = (x.float().requires_grad_() for x in _gist_inputs())
+    fc.gist_loss(a, p, n, guide=(ga, gp, gn), margin=0.1, label_smoothing=EPS, reduction="none",
+                 backend="triton").sum().backward()
+    fused = {name: flag for name, flag in launched if name.startswith("guided_")}
+    assert fused == {"guided_fwd": True, "guided_bwd_rows": True, "guided_bwd_cols": True}, launched
 
 
 # ---------------------------------------------------------------------------------------------

@@ -227,8 +227,8 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
 
     With ``cfg.smoothing = e`` the target term is ``(1 - e) l_t + e S_i / K_i``, ``K_i`` the count and ``S_i``
     the sum of the logits row i keeps (finite) over every block of its chunk, and its gradient ``-(1 - e) g_i``
-    at the target and ``-e g_i / K_i`` on every kept column: two more passes per tile for the kept mask and
-    its sum, no weight tile.
+    at the target and ``-e g_i / K_i`` on every kept column, from a 0 / 1 float tile of the kept entries
+    per block (formed before the exp, held through the chunk's gradient step: the chunk's tiles twice).
 
     Per block and chunk the tile is passed over 6 times besides its GEMMs: the mask compare and fill,
     the row maximum, ``exp(l - m)`` in place, its row sum, and (with ``g``) the gradient scaling
@@ -250,13 +250,18 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
         tiles = [p.logits(blk, r0, r1, sg is not None, theta, gtiles.get(k)) for k, blk in enumerate(cfg.blocks)]
         del gtiles
         t_r = p.masks.target[r0:r1, None] if tgt_blk is not None else None
-        if eps:  # the excluded entries (-inf) of every block, before the exp; K_i the kept count
-            drop = [l == _NEG_INF for _, l in tiles]
-            kept_n = sum(l.shape[1] - dr.sum(dim=1) for (_, l), dr in zip(tiles, drop, strict=True)).to(p.dt)
+        if eps:
+            # 1.0 at the kept entries of every block, 0.0 at the excluded (-inf) ones, before the exp: float
+            # ops (0 l is 0 or NaN), as a bool mask's compare / fill / where cost 2-5x as much per element on a
+            # CPU; K_i the kept count
+            keep = (l.mul(0.0).nan_to_num_(nan=-1.0).add_(1.0) for _, l in tiles)
+            if g is not None:  # held for the gradient step; the statistics alone sum each and drop it
+                keep = list(keep)
+            kept_n = sum(kf.sum(dim=1) for kf in keep)
         if out_tgt is not None:
             out_tgt[r0:r1] = tiles[tgt_blk][1].gather(1, t_r)[:, 0]
             if eps:
-                kept_sum = sum(torch.where(dr, 0.0, l).sum(dim=1) for (_, l), dr in zip(tiles, drop, strict=True))
+                kept_sum = sum(torch.nan_to_num(l, neginf=0.0).sum(dim=1) for _, l in tiles)
                 # l_t + eps (mean - l_t): exactly l_t (a zero loss) for a row that keeps its target alone
                 out_tgt[r0:r1] += eps * (kept_sum / kept_n - out_tgt[r0:r1])
         if lse is None:
@@ -290,11 +295,11 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
             if eps:  # - eps mean_{kept} l: -eps g_i / K_i on the kept columns of every block
                 if k == tgt_blk:  # the target's coefficient 1 - eps (K_i - 1) / K_i: exactly 1 when K_i = 1
                     p_t = dl.gather(1, t_r)
-                dl.sub_(eps * gr / kept_n[:, None]).masked_fill_(drop[k], 0.0)
+                dl.addcmul_(keep[k], eps * gr / kept_n[:, None], value=-1.0)
                 if k == tgt_blk:
                     dl.scatter_(1, t_r, p_t - (1 - eps * (kept_n[:, None] - 1) / kept_n[:, None]) * gr)
                 if sg is not None:
-                    dt_ds = eps * torch.where(drop[k], 0.0, c).sum(dim=1) / kept_n  # d(eps S_i / K_i) / ds
+                    dt_ds = eps * torch.linalg.vecdot(c, keep[k]) / kept_n  # d(eps S_i / K_i) / ds
                     if k == tgt_blk:
                         dt_ds = dt_ds + (1 - eps) * c.gather(1, t_r)[:, 0]
                     ds_tgt -= (gr[:, 0] * dt_ds).sum().to(torch.float64)
@@ -388,14 +393,11 @@ def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Mask
     logit read from the first protected block's tile (a row left with its target alone is exactly 0).
     ``backend="triton"``: one Triton call per block (``core/triton_guided.py``; float32 / 16-bit
     inputs), merged here; "torch": the eager PyTorch sweep of this module. ``label_smoothing`` (with
-    ``minus_target``): ``F.cross_entropy``'s over the kept columns (``_Config.smoothing``); the Triton
-    kernels do not form its per-row sums, so a smoothed call runs this module's sweep on the same device
-    (any backend)."""
+    ``minus_target``): ``F.cross_entropy``'s over the kept columns (``_Config.smoothing``): each backend
+    counts the kept columns and sums their logits per row in the pass that forms the LSE."""
     cfg = _Config(tuple(blocks), n, normalize, eps, minus_target, float(label_smoothing))
     if label_smoothing and not minus_target:
         raise ValueError("core.blocks: label_smoothing needs minus_target (a target to smooth)")
-    if label_smoothing:
-        backend = "torch"
     if minus_target and not any(blk.protect for blk in cfg.blocks):
         raise ValueError("core.blocks: minus_target needs a protected block (the target's)")
     masks = masks or Masks()
@@ -480,7 +482,8 @@ class TritonMergedFn(torch.autograd.Function):
         # place, the blocks' contexts released)
         ctx.save_for_backward(*xs, *((scale,) if isinstance(scale, Tensor) else ()))
         ctx.masks, ctx.scale_given = masks, scale
-        if (any(need) or need_s) and use_guided_panel(xs, cfg, weights):
+        # the panel route does not form label smoothing's kept-column sums: the fused kernels do
+        if (any(need) or need_s) and not cfg.smoothing and use_guided_panel(xs, cfg, weights):
             # a summed bf16 loss on CUDA: the epilogue-GEMM panels form the gradients in this pass
             bad = bad_rows(cfg, masks)
             w = weights.to(torch.float32)
@@ -505,19 +508,25 @@ class TritonMergedFn(torch.autograd.Function):
         from .triton_guided import GuidedBlockFn
 
         n = cfg.n
-        subs, lses, tgt = [], [], None
+        smooth = bool(cfg.smoothing) and cfg.minus_target
+        subs, lses, tgt, kept_n, kept_sum = [], [], None, 0, 0
         for blk, mk in zip(cfg.blocks, _block_masks(xs, cfg, masks), strict=True):
             rs = blk.row_start
-            sub = DirectCtx((need[blk.rows], need[blk.cols], need_s, False, False, False))
-            lse, tl_ = GuidedBlockFn.forward(sub, xs[blk.rows][rs : rs + n], xs[blk.cols], scale, mk, cfg.normalize,
-                                             cfg.eps)
+            sub = DirectCtx((need[blk.rows], need[blk.cols], need_s, False, False, False, False))
+            lse, tl_, *st = GuidedBlockFn.forward(sub, xs[blk.rows][rs : rs + n], xs[blk.cols], scale, mk,
+                                                  cfg.normalize, cfg.eps, smooth)
             subs.append(sub)
             lses.append(lse)
+            if smooth:  # label smoothing's kept count and kept-logit sum, over every block
+                kept_n, kept_sum = kept_n + st[0], kept_sum + st[1]
             if blk.protect and tgt is None:
                 tgt = tl_
         stacked = torch.stack(lses)
         lse = torch.logsumexp(stacked, dim=0)
         out = lse - tgt if cfg.minus_target else lse
+        ctx.kept_n = kept_n if smooth else None
+        if smooth:  # - eps (mean_kept l - l_t): exactly 0 for a row that keeps its target alone
+            out = out - cfg.smoothing * (kept_sum / kept_n - tgt)
         bad = bad_rows(cfg, masks)
         if bad is not None:
             out = torch.where(bad, float("nan"), out)
@@ -557,10 +566,13 @@ class TritonMergedFn(torch.autograd.Function):
                                       for (sh, dt), nd in zip(ctx.shapes, need, strict=True)]
         ds = None
         first_protected = next((k for k, blk in enumerate(cfg.blocks) if blk.protect), None)
+        eps = cfg.smoothing if ctx.kept_n is not None else 0.0
+        # label smoothing: -(1 - eps) g on the target logit, -eps g / K_i on every kept column of every block
+        g_sl = (-eps * g / ctx.kept_n).contiguous() if eps else None
         for k, (blk, sub) in enumerate(zip(cfg.blocks, ctx.subs, strict=True)):
             g_k = (g * torch.exp(stacked[k] - base)).contiguous()
-            g_t = -g if cfg.minus_target and k == first_protected else None
-            da, db, dsk, *_ = GuidedBlockFn.backward(sub, g_k, g_t)
+            g_t = -(1 - eps) * g if cfg.minus_target and k == first_protected else None
+            da, db, dsk, *_ = GuidedBlockFn.backward(sub, g_k, g_t, None, g_sl)
             rs = blk.row_start
             if da is not None and grads[blk.rows] is not None:
                 grads[blk.rows][rs : rs + n] += da

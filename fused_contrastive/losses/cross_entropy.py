@@ -115,8 +115,8 @@ def info_nce(
             ``(1 - eps) onehot + eps / |C_i|`` over the columns ``C_i`` its softmax runs over (an excluded own
             column is deleted, not smoothed onto: the textbook form with a -inf column returns inf). Ignored
             rows stay 0. O(N*D) extra work (the row mean of the logits from the sum of the unit keys). With
-            ``guide`` / ``ids`` ``C_i`` is what the masks keep: the merged-block sweep counts and sums the kept
-            logits per row (the Triton backend runs that torch sweep for a smoothed masked call).
+            ``guide`` / ``ids`` ``C_i`` is what the masks keep: the merged-block core counts and sums the kept
+            logits per row in the pass that forms the LSE (its PyTorch sweep or its Triton kernels).
         tau_plus: the debiased contrastive loss (Chuang et al. 2020), a class prior in [0, 1) or an [N]
             tensor of per-row priors (no gradient); 0.0 (default) is the plain loss. Per row, with ``n``
             negatives (every column but the target and the excluded own column)::

@@ -131,7 +131,7 @@ def gist_loss(
         label_smoothing: ``F.cross_entropy``'s, in [0, 1) (default 0): each row's target becomes
             ``(1 - eps) onehot + eps / |C_i|`` over the columns ``C_i`` its softmax keeps (the guide's dropped
             candidates deleted, not given ``eps / M`` at ``-inf``). Accumulated in the same sweep (the kept
-            count and logit sum per row); the Triton backend runs the torch sweep for it on the same device.
+            count and logit sum per row, in the Triton kernels' registers on backend="triton").
 
     Also ``matryoshka_dims`` / ``matryoshka_weights`` / ``return_level_losses``: the model embeddings
     are truncated and re-normalised per level, the guide mask is the same at every level (one call
