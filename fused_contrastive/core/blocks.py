@@ -252,9 +252,11 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
         t_r = p.masks.target[r0:r1, None] if tgt_blk is not None else None
         if eps:
             # 1.0 at the kept entries of every block, 0.0 at the excluded (-inf) ones, before the exp: float
-            # ops (0 l is 0 or NaN), as a bool mask's compare / fill / where cost 2-5x as much per element on a
-            # CPU; K_i the kept count
-            keep = (l.mul(0.0).nan_to_num_(nan=-1.0).add_(1.0) for _, l in tiles)
+            # ops (l + the dtype's largest value is >= 1 for any finite logit and -inf for -inf, clamped to
+            # [0, 1]), as a bool mask's compare / where / fill cost 2-5x as much per element on a CPU; K_i the
+            # kept count
+            big = torch.finfo(p.dt).max
+            keep = (l.add(big).clamp_(0.0, 1.0) for _, l in tiles)
             if g is not None:  # held for the gradient step; the statistics alone sum each and drop it
                 keep = list(keep)
             kept_n = sum(kf.sum(dim=1) for kf in keep)
