@@ -1,11 +1,12 @@
 """What ``label_smoothing=`` and ``tau_plus=`` cost against the same loss without them, measured on the CPU
 (torch backend: the one-tile path and the chunked path, ``FUSED_CONTRASTIVE_DENSE=0``) on the benchmark's cases
 whose function takes the option (``testing.BENCH_CASES``, built by ``make_inputs`` at N anchors: M and the
-layouts are each case's), forward + backward of its loss with every input trained, medians over repeats taken
-side by side in one process (the contenders of a row alternate in every repeat, so drifts of a shared machine
-hit all of them alike). The
-clock is the process's CPU time (``time.process_time``) on one thread by default: on a machine shared with
-other jobs wall time measures their load, CPU time the work (``--wall`` for wall time).
+layouts are each case's) and the merged-block core's ``gist`` case (GISTEmbed's four blocks and guide mask: one
+path, the PyTorch sweep, whose smoothing counts and sums the kept logits per row in the same pass), forward +
+backward of its loss with every input trained, medians over repeats taken side by side in one process (the
+contenders of a row alternate in every repeat, so drifts of a shared machine hit all of them alike). The clock is
+the process's CPU time (``time.process_time``) on one thread by default: on a machine shared with other jobs
+wall time measures their load, CPU time the work (``--wall`` for wall time).
 
 Usage: python bench/option_costs.py [--n 1024] [--d 256] [--repeats 15] [--threads 1] [--wall]
 
@@ -23,14 +24,17 @@ import time
 
 import torch
 
-from fused_contrastive.testing import BENCH_CASES, make_inputs
+from fused_contrastive.testing import BENCH_CASES, CASE_BY_NAME, make_inputs
+
+#: the merged-block core's cases (``core/blocks.py``: no dense / chunked switch, one path)
+GUIDED = ("gist",)
 
 
 def _losses(n: int, d: int):
-    """The benchmark's cases (``testing.BENCH_CASES``) whose function takes ``label_smoothing``: name ->
-    (tensors, kwargs, function, whether it takes ``tau_plus``)."""
+    """The benchmark's cases (``testing.BENCH_CASES``) whose function takes ``label_smoothing``, then
+    :data:`GUIDED`: name -> (tensors, kwargs, function, whether it takes ``tau_plus``)."""
     out = {}
-    for case in BENCH_CASES:
+    for case in [*BENCH_CASES, *(CASE_BY_NAME[k] for k in GUIDED)]:
         params = inspect.signature(case.fn).parameters
         if "label_smoothing" in params:
             tensors, kwargs = make_inputs(case, n, d)
@@ -66,7 +70,7 @@ def main() -> None:
     print(f"{'loss':34s} {'path':8s} {'plain ms':>9s} " + " ".join(f"{o:>20s}" for o in OPTIONS))
     for name, (tensors, kwargs, fn, debiased) in _losses(a.n, a.d).items():
         opts = {"plain": {}, **{k: v for k, v in OPTIONS.items() if debiased or "tau_plus" not in v}}
-        for path in ("dense", "chunked"):
+        for path in ("merged",) if name in GUIDED else ("dense", "chunked"):
             os.environ["FUSED_CONTRASTIVE_DENSE"] = "1" if path == "dense" else "0"
             for o in opts.values():  # warm-up
                 _step(fn, tensors, kwargs, o)

@@ -589,7 +589,7 @@ def siglip_groups(image: Tensor, text: Tensor, scale, bias, normalize: bool, ima
 _MERGED_ARGS = ("Tensor[] xs, Tensor?[] guides, Tensor?[] ids, Tensor? target, Tensor? threshold, Tensor? weights, "
                 "Tensor? scale_t, float scale_f, int[] rows, int[] cols, SymInt[] row_start, bool[] protect, "
                 "SymInt[] exclude, bool[] has_exclude, str strategy, float margin, SymInt n, bool normalize, "
-                "float eps, bool minus_target, str backend, bool[] need")
+                "float eps, bool minus_target, float smoothing, str backend, bool[] need")
 
 
 def _merged_flatten(xs, cfg, masks, scale, weights, backend: str) -> tuple:
@@ -609,7 +609,7 @@ def _merged_flatten(xs, cfg, masks, scale, weights, backend: str) -> tuple:
             0.0 if st is not None else float(scale), [b.rows for b in blocks], [b.cols for b in blocks],
             [b.row_start for b in blocks], [b.protect for b in blocks], [b.exclude or 0 for b in blocks],
             [b.exclude is not None for b in blocks], strategy, float(margin), cfg.n, cfg.normalize, float(cfg.eps),
-            cfg.minus_target, backend, need)
+            cfg.minus_target, float(cfg.smoothing), backend, need)
 
 
 def _merged_unflatten(args: tuple):
@@ -617,10 +617,10 @@ def _merged_unflatten(args: tuple):
     from .core.blocks import Block, Masks, _Config, merged_fn
 
     (xs, guides, ids, target, threshold, weights, scale_t, scale_f, rows, cols, row_start, protect, exclude,
-     has_exclude, strategy, margin, n, normalize, eps, minus_target, backend, need) = args
+     has_exclude, strategy, margin, n, normalize, eps, minus_target, smoothing, backend, need) = args
     blocks = tuple(Block(r, c, rs, p, e if h else None)
                    for r, c, rs, p, e, h in zip(rows, cols, row_start, protect, exclude, has_exclude, strict=True))
-    cfg = _Config(blocks, n, normalize, eps, minus_target)
+    cfg = _Config(blocks, n, normalize, eps, minus_target, smoothing)
     masks = Masks(tuple(guides), threshold, tuple(ids), target, (strategy, margin) if strategy else None)
     scale = scale_t if scale_t is not None else scale_f
     return merged_fn(backend), scale, cfg, masks, weights, list(xs), list(need)

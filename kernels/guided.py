@@ -8,6 +8,8 @@ For rows ``a_i`` and columns ``b_j`` (normalised as in ``kernels/lse.py``, scale
     l_ij   = s <a_i, b_j>,  -inf at the own column offset + i (EXCLUDE_SELF) and where excluded:
     excl   = (<ga_i, gb_j> > theta_i  [HAS_GUIDE]  or  idr_i == idc_j  [HAS_IDS])  and  j != t_i  [PROTECT]
     LSE_i  = log sum_j exp(l_ij)          TL_i = l_{i, t_i}  (PROTECT: the target logit, from the same tile)
+    KN_i   = #{j: l_ij > -inf}            SL_i = sum_{j: l_ij > -inf} l_ij   (SMOOTH: label smoothing's
+                                          kept count and kept-logit sum, from the same tiles)
 
 ``ga``, ``gb`` are unit-normalised guide rows (no gradient) in the guide embeddings' dtype: fp32 (the
 guide tile a ``tf32x3`` dot, ~fp32 accuracy, so the threshold compare is the fp32 one) or fp16 / bf16
@@ -17,7 +19,7 @@ compare at the guide's own precision). The guide tile is a second dot per tile, 
 
 Backward, with the upstream gradients ``g_i`` of ``LSE_i`` and ``gt_i`` of ``TL_i`` (HAS_GT)::
 
-    dl_ij = g_i exp(l_ij - LSE_i) + gt_i [j == t_i]
+    dl_ij = g_i exp(l_ij - LSE_i) + gt_i [j == t_i] + gsl_i [l_ij > -inf]   (gsl: SMOOTH, the upstream of SL)
     dA_i  = s sum_j dl_ij b_j     dB_j = s sum_i dl_ij a_i     ds = sum_ij dl_ij cos_ij
 
 through the normalisation's backward: the row kernel owns dA (and ds), the column kernel dB, each
@@ -75,15 +77,15 @@ def _row_data(THETA, ID_R, TGT, rows, rmask, BLOCK: tl.constexpr, HAS_GUIDE: tl.
 @triton.jit
 def guided_fwd_kernel(
     SA, SB, RSA, RSB, SCALE, GA, GB, THETA, ID_R, ID_C, TGT,
-    LSE, TL,
+    LSE, TL, KN, SL,
     N, M, D, Dg, stride_sa, stride_sb, stride_ga, stride_gb, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
     PROTECT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, GUIDE_UPCAST: tl.constexpr,
-    GUIDE_PREC: tl.constexpr,
+    GUIDE_PREC: tl.constexpr, SMOOTH: tl.constexpr,
 ):
-    """LSE_i (and TL_i with PROTECT) of one block of rows (grid: cdiv(N, BLOCK_M)), streaming over all
-    column blocks: model tile, guide tile, mask, online max / sum."""
+    """LSE_i (and TL_i with PROTECT, KN_i and SL_i with SMOOTH) of one block of rows (grid: cdiv(N,
+    BLOCK_M)), streaming over all column blocks: model tile, guide tile, mask, online max / sum."""
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,6 +95,8 @@ def guided_fwd_kernel(
     m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
     z_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     t_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sl_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for j0 in range(0, M, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
         cmask = cols < M
@@ -105,18 +109,36 @@ def guided_fwd_kernel(
         m_i, z_i = _online_rows(m_i, z_i, l)
         if PROTECT:  # the target logit, read from the same tile (the column appears in one tile)
             t_i += tl.sum(tl.where(cols[None, :] == tgt_r[:, None], l, 0.0), axis=1)
+        if SMOOTH:  # the kept columns (finite logits; padding and exclusions are -inf)
+            kept = l > NEG_INF
+            k_i += tl.sum(kept.to(tl.float32), axis=1)
+            sl_i += tl.sum(tl.where(kept, l, 0.0), axis=1)
     tl.store(LSE + rows, m_i + _log0(z_i), mask=rmask)
     if PROTECT:
         tl.store(TL + rows, t_i, mask=rmask)
+    if SMOOTH:
+        tl.store(KN + rows, k_i, mask=rmask)
+        tl.store(SL + rows, sl_i, mask=rmask)
 
 
 @triton.jit
-def _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT: tl.constexpr):
-    """dl_ij = g_i exp(l_ij - LSE_i) + gt_i [j == t_i] (both / gscale)."""
+def _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT: tl.constexpr, gsl_r, SMOOTH: tl.constexpr):
+    """dl_ij = g_i exp(l_ij - LSE_i) + gt_i [j == t_i] (+ gsl_i on the kept columns with SMOOTH; all / gscale)."""
     dl = g_r[:, None] * tl.exp(l - lse_r[:, None])
     if HAS_GT:
         dl += tl.where(cols[None, :] == tgt_r[:, None], gt_r[:, None], 0.0)
+    if SMOOTH:
+        dl += tl.where(l > NEG_INF, gsl_r[:, None], 0.0)
     return dl
+
+
+@triton.jit
+def _row_gsl(GSL, GSCALE, rows, rmask, BLOCK: tl.constexpr, SMOOTH: tl.constexpr):
+    """The upstream of SL per row (/ gscale; zeros without SMOOTH)."""
+    gsl = tl.zeros([BLOCK], dtype=tl.float32)
+    if SMOOTH:
+        gsl = tl.load(GSL + rows, mask=rmask, other=0.0) / tl.load(GSCALE)
+    return gsl
 
 
 @triton.jit
@@ -140,7 +162,7 @@ def guided_bwd_rows_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
     PROTECT: tl.constexpr, HAS_GT: tl.constexpr, NEED_DX: tl.constexpr, NEED_DS: tl.constexpr,
     RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
-    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr,
+    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr, GSL, SMOOTH: tl.constexpr,
 ):
     """dA (and this row block's share of ds) for one block of rows (grid: cdiv(N, BLOCK_M))."""
     pid = tl.program_id(0)
@@ -151,6 +173,7 @@ def guided_bwd_rows_kernel(
     rsa = _inv_norms(RSA, rows, rmask, NORMALIZE)
     theta_r, idr, tgt_r = _row_data(THETA, ID_R, TGT, rows, rmask, BLOCK_M, HAS_GUIDE, HAS_IDS, PROTECT)
     lse_r, g_r, gt_r = _row_grads(LSE, G, GT, GSCALE, rows, rmask, HAS_GT)
+    gsl_r = _row_gsl(GSL, GSCALE, rows, rmask, BLOCK_M, SMOOTH)
     if RESIDENT:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     else:
@@ -165,7 +188,7 @@ def guided_bwd_rows_kernel(
         l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False, False)
         l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
                     BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT, GUIDE_UPCAST, GUIDE_PREC)
-        dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT)
+        dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT, gsl_r, SMOOTH)
         if NEED_DS:
             ds_acc += tl.sum(dl * cos, axis=1)
         if NEED_DX:
@@ -187,7 +210,7 @@ def guided_bwd_cols_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_GUIDE: tl.constexpr, HAS_IDS: tl.constexpr,
     PROTECT: tl.constexpr, HAS_GT: tl.constexpr,
     RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
-    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr,
+    GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr, GSL, SMOOTH: tl.constexpr,
 ):
     """dB for one block of columns (grid: cdiv(M, BLOCK_N)), streaming over all row blocks."""
     pid = tl.program_id(0)
@@ -206,12 +229,13 @@ def guided_bwd_cols_kernel(
         rsa = _inv_norms(RSA, rows, rmask, NORMALIZE)
         theta_r, idr, tgt_r = _row_data(THETA, ID_R, TGT, rows, rmask, BLOCK_M, HAS_GUIDE, HAS_IDS, PROTECT)
         lse_r, g_r, gt_r = _row_grads(LSE, G, GT, GSCALE, rows, rmask, HAS_GT)
+        gsl_r = _row_gsl(GSL, GSCALE, rows, rmask, BLOCK_M, SMOOTH)
         cos = _cos_tile(SA, SB, stride_sa, stride_sb, rows, cols, N, M, D, rsa, rsb,
                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
         l = _logits(cos, s, rows, cols, N, M, offset, rows, 0.0, EXCLUDE_SELF, False, False)
         l = _masked(l, rows, cols, N, M, GA, GB, stride_ga, stride_gb, Dg, theta_r, idr, ID_C, tgt_r,
                     BLOCK_M, BLOCK_N, BLOCK_G, HAS_GUIDE, HAS_IDS, PROTECT, GUIDE_UPCAST, GUIDE_PREC)
-        dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT)
+        dl = _dl(l, cols, lse_r, g_r, gt_r, tgt_r, HAS_GT, gsl_r, SMOOTH)
         acc = _accumulate(acc, ACC, tl.trans(dl), SA, stride_sa, cols, rsa, rows, M, N, D, i0,
                           BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
     _norm_bwd_epilogue(B, DB, ACC, NB, RB, cols, M, D, stride_b, stride_db, acc, s * gs / PRESCALE, eps,

@@ -91,6 +91,11 @@ _OPCHECK_CALLS = {
     "gist_mean_learnable_t": lambda: _gist()(*_gist_inputs(9), torch.tensor(0.05, dtype=torch.float64,
                                                                               requires_grad=True)),
     "gist_none_relative": lambda: _gist(reduction="none", margin_strategy="relative")(*_gist_inputs(9), 0.01),
+    "gist_smoothed_mean_learnable_t": lambda: _gist(label_smoothing=0.1)(
+        *_gist_inputs(9), torch.tensor(0.05, dtype=torch.float64, requires_grad=True)),
+    "gist_smoothed_none": lambda: _gist(reduction="none", label_smoothing=0.2)(*_gist_inputs(9), 0.05),
+    "info_nce_guide_ids_smoothed": lambda: fc.info_nce(*_guided_nce_inputs(10)[:2], guide=_guided_nce_inputs(10)[2],
+                                                       ids=_guided_nce_inputs(10)[3], label_smoothing=0.1),
     "gist_no_negatives_sum": lambda: (lambda a, p, _, g: fc.gist_loss(a, p, guide=g[:2], reduction="sum"))(
         *_gist_inputs(8)),
     "info_nce_guide_ids": lambda: _info_nce_guided(*_guided_nce_inputs(10), 0.05),
@@ -119,11 +124,13 @@ def test_opcheck_merged_lse_offset_rows():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_opcheck_merged_lse_triton_interpreted(reduction):
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_opcheck_merged_lse_triton_interpreted(reduction, smoothing):
     a, p, ng, guide = _gist_inputs(9, dtype=torch.float32)
     guide = tuple(x.float() for x in guide)
     for args in _captured(lambda: fc.gist_loss(a, p, ng, guide=guide, margin=0.05, reduction=reduction,
-                                               backend="triton")):
+                                               backend="triton", label_smoothing=smoothing)):
+        assert args[-3] == smoothing  # the operator carries the option
         assert args[-2] == "triton"
         _opcheck(args, atol=1e-5, rtol=1e-5)
 
@@ -160,7 +167,8 @@ def _gist_build(dtype=torch.float64):
 
 @pytest.mark.parametrize("kw", [dict(reduction="mean"), dict(reduction="none"),
                                 dict(reduction="mean", matryoshka_dims=[5, 3]),
-                                dict(reduction="sum", contrast_anchors=False)], ids=str)
+                                dict(reduction="sum", contrast_anchors=False),
+                                dict(reduction="mean", label_smoothing=0.1, matryoshka_dims=[5, 3])], ids=str)
 def test_compiled_gist_matches_eager(kw, path):
     _parity(_gist(**kw), _gist_build())
 

@@ -87,6 +87,9 @@ class _Config:
     normalize: bool
     eps: float
     minus_target: bool = False
+    #: ``label_smoothing`` (with ``minus_target``): the output is ``LSE_i - (1 - e) l_{i, t_i} - e mean_{j in C_i}
+    #: l_ij``, ``C_i`` the columns row i's softmax keeps over every block (``_sweep``)
+    smoothing: float = 0.0
 
 
 class _Problem:
@@ -222,6 +225,11 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
     upstream gradient) None: statistics only. Returns ``(lse, target logits or None, grads in
     normalised space per tensor (None where not needed), d scale)``.
 
+    With ``cfg.smoothing = e`` the target term is ``(1 - e) l_t + e S_i / K_i``, ``K_i`` the count and ``S_i``
+    the sum of the logits row i keeps (finite) over every block of its chunk, and its gradient ``-(1 - e) g_i``
+    at the target and ``-e g_i / K_i`` on every kept column, from a 0 / 1 float tile of the kept entries
+    per block (formed before the exp, held through the chunk's gradient step: the chunk's tiles twice).
+
     Per block and chunk the tile is passed over 6 times besides its GEMMs: the mask compare and fill,
     the row maximum, ``exp(l - m)`` in place, its row sum, and (with ``g``) the gradient scaling
     ``e * g_i / Z_i``; the recomputing backward takes ``exp(l - LSE_i) g_i`` instead."""
@@ -234,6 +242,7 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
         else [None] * len(p.xh)
     sg = _ScaleGrad(n, p.xh[0]) if g is not None and need_s else None
     ds_tgt = torch.zeros((), device=dev, dtype=torch.float64)
+    eps = cfg.smoothing if tgt_blk is not None else 0.0
     step = _row_step(p)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -241,8 +250,22 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
         tiles = [p.logits(blk, r0, r1, sg is not None, theta, gtiles.get(k)) for k, blk in enumerate(cfg.blocks)]
         del gtiles
         t_r = p.masks.target[r0:r1, None] if tgt_blk is not None else None
+        if eps:
+            # 1.0 at the kept entries of every block, 0.0 at the excluded (-inf) ones, before the exp: float
+            # ops (l + the dtype's largest value is >= 1 for any finite logit and -inf for -inf, clamped to
+            # [0, 1]), as a bool mask's compare / where / fill cost 2-5x as much per element on a CPU; K_i the
+            # kept count
+            big = torch.finfo(p.dt).max
+            keep = (l.add(big).clamp_(0.0, 1.0) for _, l in tiles)
+            if g is not None:  # held for the gradient step; the statistics alone sum each and drop it
+                keep = list(keep)
+            kept_n = sum(kf.sum(dim=1) for kf in keep)
         if out_tgt is not None:
             out_tgt[r0:r1] = tiles[tgt_blk][1].gather(1, t_r)[:, 0]
+            if eps:
+                kept_sum = sum(torch.nan_to_num(l, neginf=0.0).sum(dim=1) for _, l in tiles)
+                # l_t + eps (mean - l_t): exactly l_t (a zero loss) for a row that keeps its target alone
+                out_tgt[r0:r1] += eps * (kept_sum / kept_n - out_tgt[r0:r1])
         if lse is None:
             # exp(l - m) with m the row maximum over every block; LSE = m + log Z
             m = tiles[0][1].amax(dim=1)
@@ -271,7 +294,18 @@ def _sweep(p: _Problem, lse: Tensor | None, g: Tensor | None, need: tuple[bool, 
                 dl.mul_(gr)
             else:
                 dl = l.mul_(coef[:, None] * gr)
-            if k == tgt_blk:  # - l[i, t_i]: its gradient -g_i at the target column
+            if eps:  # - eps mean_{kept} l: -eps g_i / K_i on the kept columns of every block
+                if k == tgt_blk:  # the target's coefficient 1 - eps (K_i - 1) / K_i: exactly 1 when K_i = 1
+                    p_t = dl.gather(1, t_r)
+                dl.addcmul_(keep[k], eps * gr / kept_n[:, None], value=-1.0)
+                if k == tgt_blk:
+                    dl.scatter_(1, t_r, p_t - (1 - eps * (kept_n[:, None] - 1) / kept_n[:, None]) * gr)
+                if sg is not None:
+                    dt_ds = eps * torch.linalg.vecdot(c, keep[k]) / kept_n  # d(eps S_i / K_i) / ds
+                    if k == tgt_blk:
+                        dt_ds = dt_ds + (1 - eps) * c.gather(1, t_r)[:, 0]
+                    ds_tgt -= (gr[:, 0] * dt_ds).sum().to(torch.float64)
+            elif k == tgt_blk:  # - l[i, t_i]: its gradient -g_i at the target column
                 dl.scatter_add_(1, t_r, -gr)
                 if sg is not None:
                     ds_tgt -= (gr * c.gather(1, t_r)).sum().to(torch.float64)
@@ -353,15 +387,19 @@ class MergedLSEFn(torch.autograd.Function):
 
 def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Masks | None = None, *,
                normalize: bool = True, eps: float = 1e-12, weights: Tensor | None = None,
-               minus_target: bool = False, backend: str = "torch") -> Tensor:
+               minus_target: bool = False, backend: str = "torch", label_smoothing: float = 0.0) -> Tensor:
     """Merged log-sum-exp of ``n`` rows over ``blocks`` of ``xs`` (module docstring): [n] in the
     compute dtype (float32, float64 for float64 inputs), or ``sum_i weights_i LSE_i`` with ``weights``
     [n] (the summed loss's fast path: no recompute in the backward). ``scale`` a number or a 0-dim
     tensor (differentiable). ``minus_target``: the cross-entropy ``LSE_i - l_{i, t_i}``, the target
     logit read from the first protected block's tile (a row left with its target alone is exactly 0).
     ``backend="triton"``: one Triton call per block (``core/triton_guided.py``; float32 / 16-bit
-    inputs), merged here; "torch": the eager PyTorch sweep of this module."""
-    cfg = _Config(tuple(blocks), n, normalize, eps, minus_target)
+    inputs), merged here; "torch": the eager PyTorch sweep of this module. ``label_smoothing`` (with
+    ``minus_target``): ``F.cross_entropy``'s over the kept columns (``_Config.smoothing``): each backend
+    counts the kept columns and sums their logits per row in the pass that forms the LSE."""
+    cfg = _Config(tuple(blocks), n, normalize, eps, minus_target, float(label_smoothing))
+    if label_smoothing and not minus_target:
+        raise ValueError("core.blocks: label_smoothing needs minus_target (a target to smooth)")
     if minus_target and not any(blk.protect for blk in cfg.blocks):
         raise ValueError("core.blocks: minus_target needs a protected block (the target's)")
     masks = masks or Masks()
@@ -446,7 +484,8 @@ class TritonMergedFn(torch.autograd.Function):
         # place, the blocks' contexts released)
         ctx.save_for_backward(*xs, *((scale,) if isinstance(scale, Tensor) else ()))
         ctx.masks, ctx.scale_given = masks, scale
-        if (any(need) or need_s) and use_guided_panel(xs, cfg, weights):
+        # the panel route does not form label smoothing's kept-column sums: the fused kernels do
+        if (any(need) or need_s) and not cfg.smoothing and use_guided_panel(xs, cfg, weights):
             # a summed bf16 loss on CUDA: the epilogue-GEMM panels form the gradients in this pass
             bad = bad_rows(cfg, masks)
             w = weights.to(torch.float32)
@@ -471,19 +510,25 @@ class TritonMergedFn(torch.autograd.Function):
         from .triton_guided import GuidedBlockFn
 
         n = cfg.n
-        subs, lses, tgt = [], [], None
+        smooth = bool(cfg.smoothing) and cfg.minus_target
+        subs, lses, tgt, kept_n, kept_sum = [], [], None, 0, 0
         for blk, mk in zip(cfg.blocks, _block_masks(xs, cfg, masks), strict=True):
             rs = blk.row_start
-            sub = DirectCtx((need[blk.rows], need[blk.cols], need_s, False, False, False))
-            lse, tl_ = GuidedBlockFn.forward(sub, xs[blk.rows][rs : rs + n], xs[blk.cols], scale, mk, cfg.normalize,
-                                             cfg.eps)
+            sub = DirectCtx((need[blk.rows], need[blk.cols], need_s, False, False, False, False))
+            lse, tl_, *st = GuidedBlockFn.forward(sub, xs[blk.rows][rs : rs + n], xs[blk.cols], scale, mk,
+                                                  cfg.normalize, cfg.eps, smooth)
             subs.append(sub)
             lses.append(lse)
+            if smooth:  # label smoothing's kept count and kept-logit sum, over every block
+                kept_n, kept_sum = kept_n + st[0], kept_sum + st[1]
             if blk.protect and tgt is None:
                 tgt = tl_
         stacked = torch.stack(lses)
         lse = torch.logsumexp(stacked, dim=0)
         out = lse - tgt if cfg.minus_target else lse
+        ctx.kept_n = kept_n if smooth else None
+        if smooth:  # - eps (mean_kept l - l_t): exactly 0 for a row that keeps its target alone
+            out = out - cfg.smoothing * (kept_sum / kept_n - tgt)
         bad = bad_rows(cfg, masks)
         if bad is not None:
             out = torch.where(bad, float("nan"), out)
@@ -523,10 +568,13 @@ class TritonMergedFn(torch.autograd.Function):
                                       for (sh, dt), nd in zip(ctx.shapes, need, strict=True)]
         ds = None
         first_protected = next((k for k, blk in enumerate(cfg.blocks) if blk.protect), None)
+        eps = cfg.smoothing if ctx.kept_n is not None else 0.0
+        # label smoothing: -(1 - eps) g on the target logit, -eps g / K_i on every kept column of every block
+        g_sl = (-eps * g / ctx.kept_n).contiguous() if eps else None
         for k, (blk, sub) in enumerate(zip(cfg.blocks, ctx.subs, strict=True)):
             g_k = (g * torch.exp(stacked[k] - base)).contiguous()
-            g_t = -g if cfg.minus_target and k == first_protected else None
-            da, db, dsk, *_ = GuidedBlockFn.backward(sub, g_k, g_t)
+            g_t = -(1 - eps) * g if cfg.minus_target and k == first_protected else None
+            da, db, dsk, *_ = GuidedBlockFn.backward(sub, g_k, g_t, None, g_sl)
             rs = blk.row_start
             if da is not None and grads[blk.rows] is not None:
                 grads[blk.rows][rs : rs + n] += da

@@ -22,7 +22,7 @@ from .._amp import autocast_off
 from .._first_order import first_order
 from ..kernels import guided as KG
 from . import triton_backend as TB
-from .spec import CoreData, CoreSpec, threshold_of
+from .spec import CoreData, CoreSpec, DirectCtx, threshold_of
 from .triton_configs import guided_config
 
 #: BLOCK_G: the guide dimension is streamed in chunks of this many fp32 values (tf32x3 dots).
@@ -103,8 +103,11 @@ def _mask_args(mk: BlockMasks, dummy: Tensor, cfg, block_g: int = GUIDE_BLOCK) -
     return args, flags
 
 
-def block_fwd(a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps: float):
-    """``(LSE [N], TL [N] or None, prepared inputs)`` of one block, fp32 (``a``, ``b`` in one kernel dtype)."""
+def block_fwd(a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps: float,
+              stats: tuple[Tensor, Tensor] | None = None):
+    """``(LSE [N], TL [N] or None, prepared inputs)`` of one block, fp32 (``a``, ``b`` in one kernel dtype).
+    ``stats``: two fp32 [N] buffers the kernel fills with each row's kept-column count and kept-logit sum
+    (label smoothing's, from the same tiles)."""
     dev = a.device
     n, d = a.shape
     p = TB._prepare(a, b, CoreSpec(normalize=normalize, eps=eps), CoreData(), False)
@@ -115,31 +118,34 @@ def block_fwd(a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps:
     TB._launch(TB.Launch(
         "guided_fwd", KG.guided_fwd_kernel, (triton.cdiv(n, cfg.block_m),),
         dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=TB._scale32(scale, dev), **margs,
-             LSE=lse, TL=tl_, **TB._sizes(p)),
+             LSE=lse, TL=tl_, KN=stats[0] if stats else p.dummy, SL=stats[1] if stats else p.dummy, **TB._sizes(p)),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NORMALIZE=bool(normalize), **mflags,
-             UPCAST=TB._upcast(p.a.dtype), DOT_PREC=TB._dot_prec(p.a.dtype)),
+             UPCAST=TB._upcast(p.a.dtype), DOT_PREC=TB._dot_prec(p.a.dtype), SMOOTH=stats is not None),
         cfg.num_warps, cfg.num_stages))
     return lse, (tl_ if mk.tgt is not None else None), p
 
 
 def block_bwd(p, scale, mk: BlockMasks, normalize: bool, eps: float, lse: Tensor, g: Tensor, gt: Tensor | None,
-              need_a: bool, need_b: bool, need_s: bool):
-    """``(dA, dB, ds)`` of one block (None where not needed); dA, dB in the kernels' input dtype."""
+              need_a: bool, need_b: bool, need_s: bool, gsl: Tensor | None = None):
+    """``(dA, dB, ds)`` of one block (None where not needed); dA, dB in the kernels' input dtype. ``gsl``
+    [N] fp32: the upstream of each row's kept-logit sum (``block_fwd``'s ``stats``), on every kept column."""
     a, b = p.a, p.b
     dev = a.device
     n, d = a.shape
     m = b.shape[0]
     dm = p.dummy
     gs = g.abs().amax() if gt is None else torch.maximum(g.abs().amax(), gt.abs().amax())
+    if gsl is not None:
+        gs = torch.maximum(gs, gsl.abs().amax())
     gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
     na, ra, nb, rb, rsa, rsb = p.norms
 
     def args(cfg):  # the threshold of a ThetaSource from this kernel's own tiles
         margs, mflags = _mask_args(mk, dm, cfg)
         common = dict(SCALE=TB._scale32(scale, dev), GSCALE=gs, **margs, LSE=lse, G=g,
-                      GT=gt if gt is not None else dm)
+                      GT=gt if gt is not None else dm, GSL=gsl if gsl is not None else dm)
         flags = dict(NORMALIZE=bool(normalize), **mflags, HAS_GT=gt is not None, UPCAST=TB._upcast(a.dtype),
-                     DOT_PREC=TB._dot_prec(a.dtype), PRESCALE=TB.prescale(a.dtype))
+                     DOT_PREC=TB._dot_prec(a.dtype), PRESCALE=TB.prescale(a.dtype), SMOOTH=gsl is not None)
         return common, flags
 
     arch = TB._arch(dev)
@@ -176,14 +182,17 @@ def block_bwd(p, scale, mk: BlockMasks, normalize: bool, eps: float, lse: Tensor
 
 class GuidedBlockFn(torch.autograd.Function):
     """``(LSE [N], TL [N])`` of one masked block on the Triton kernels (fp32; TL is zeros without a
-    protected column). Gradients flow to ``a``, ``b`` and a tensor ``scale``."""
+    protected column); with ``smooth`` also ``(KN [N], SL [N])``, each row's kept-column count (no
+    gradient) and kept-logit sum (label smoothing's). Gradients flow to ``a``, ``b`` and a tensor ``scale``."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     @autocast_off
-    def forward(ctx, a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps: float):
+    def forward(ctx, a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps: float, smooth: bool = False):
         dt = TB.kernel_dtype(a, b)
-        lse, tl_, p = block_fwd(a.to(dt), b.to(dt), scale, mk, normalize, eps)
+        n = a.shape[0]
+        stats = tuple(TB._alloc((n,), torch.float32, a.device) for _ in range(2)) if smooth else None
+        lse, tl_, p = block_fwd(a.to(dt), b.to(dt), scale, mk, normalize, eps, stats)
         ctx.mk, ctx.normalize, ctx.eps = mk, normalize, eps
         ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
         ctx.scale = None if isinstance(scale, Tensor) else scale
@@ -191,13 +200,18 @@ class GuidedBlockFn(torch.autograd.Function):
                       scale.shape if isinstance(scale, Tensor) else None)
         ctx.has_tl = tl_ is not None
         ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, p.a, p.b, p.sa, p.sb)
-        return lse, (tl_ if tl_ is not None else torch.zeros_like(lse))
+        out = lse, (tl_ if tl_ is not None else torch.zeros_like(lse))
+        if smooth:
+            if not isinstance(ctx, DirectCtx):
+                ctx.mark_non_differentiable(stats[0])
+            return (*out, *stats)
+        return out
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     @autocast_off
     @first_order("GuidedBlockFn")
-    def backward(ctx, g_lse: Tensor, g_tl: Tensor):
+    def backward(ctx, g_lse: Tensor, g_tl: Tensor, g_kn: Tensor | None = None, g_sl: Tensor | None = None):
         need_a, need_b, need_s = ctx.needs_input_grad[:3]
         scale, lse, a, b, sa, sb = ctx.saved_tensors
         if scale is None:
@@ -205,7 +219,8 @@ class GuidedBlockFn(torch.autograd.Function):
         p = ctx.prep._replace(a=a, b=b, sa=sa, sb=sb)
         g = g_lse.to(torch.float32).contiguous() if g_lse is not None else torch.zeros_like(lse)
         gt = g_tl.to(torch.float32).contiguous() if (g_tl is not None and ctx.has_tl) else None
-        da, db, ds = block_bwd(p, scale, ctx.mk, ctx.normalize, ctx.eps, lse, g, gt, need_a, need_b, need_s)
+        gsl = g_sl.to(torch.float32).contiguous() if g_sl is not None else None
+        da, db, ds = block_bwd(p, scale, ctx.mk, ctx.normalize, ctx.eps, lse, g, gt, need_a, need_b, need_s, gsl)
         adt, bdt, sdt, sshape = ctx.dtypes
         return (da.to(adt) if need_a and da is not None else None, db.to(bdt) if need_b and db is not None else None,
-                ds.to(sdt).reshape(sshape) if need_s and ds is not None else None, None, None, None)
+                ds.to(sdt).reshape(sshape) if need_s and ds is not None else None, None, None, None, None)

@@ -116,7 +116,9 @@ def info_nce(
         label_smoothing: ``F.cross_entropy``'s, in [0, 1) (default 0): each row's target becomes
             ``(1 - eps) onehot + eps / |C_i|`` over the columns ``C_i`` its softmax runs over (an excluded own
             column is deleted, not smoothed onto: the textbook form with a -inf column returns inf). Ignored
-            rows stay 0. O(N*D) extra work (the row mean of the logits from the sum of the unit keys).
+            rows stay 0. O(N*D) extra work (the row mean of the logits from the sum of the unit keys). With
+            ``guide`` / ``ids`` ``C_i`` is what the masks keep: the merged-block core counts and sums the kept
+            logits per row in the pass that forms the LSE (its PyTorch sweep or its Triton kernels).
         tau_plus: the debiased contrastive loss (Chuang et al. 2020), a class prior in [0, 1) or an [N]
             tensor of per-row priors (no gradient); 0.0 (default) is the plain loss. Per row, with ``n``
             negatives (every column but the target and the excluded own column)::
@@ -182,8 +184,6 @@ def info_nce(
         if tau is not None:
             raise ValueError("tau_plus is not supported with guide= / ids= (the debiased loss counts every column "
                              "but the target as a negative)")
-        if eps:
-            raise ValueError("label_smoothing is not supported with guide= / ids= yet")
         if symmetric:
             raise ValueError("guide= and ids= mask the rows' softmax; they are not supported with symmetric=True")
         mk = info_nce_masks(query, keys, guide, guide_margin, guide_margin_strategy, ids)
@@ -222,7 +222,7 @@ def info_nce(
         t = torch.where(valid, target + koff, torch.zeros_like(target))
     if masked:
         return guided_info_nce(be, scope, query, contrast, qoff, n_total, s, t, valid, mk, exclude_self=exclude_self,
-                               normalize=normalize, reduction=reduction)
+                               normalize=normalize, reduction=reduction, label_smoothing=eps)
     # locally keys=None is "B is A" (one normalisation, the triangular sweep where it applies)
     b = None if keys is None and scope.local else contrast
     if row_negatives is not None:
@@ -398,7 +398,8 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
     (a pair ``(for z1, for z2)``, or one tensor for the interleaved ``z1``), the positive kept.
 
     ``label_smoothing``: ``F.cross_entropy``'s, in [0, 1) (default 0), over each row's softmax columns (the
-    interleaved form's own column deleted, as :func:`info_nce`'s); not with ``guide`` / ``ids`` yet.
+    interleaved form's own column deleted, as :func:`info_nce`'s; with ``guide`` / ``ids`` the masked
+    columns deleted too).
 
     Returns a 0-dim loss, or per-anchor losses ([2B] or [B]) with ``reduction="none"``.
     """
@@ -414,8 +415,6 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
     eps = V.label_smoothing(label_smoothing)
     guide_options_unused(guide, guide_margin, guide_margin_strategy)
     masked = guide is not None or ids is not None
-    if masked and eps:
-        raise ValueError("label_smoothing is not supported with guide= / ids= yet")
     mk = info_nce_masks(z1, z2, guide, guide_margin, guide_margin_strategy, ids) if masked else None
     s, _ = V.scale_of(temperature, None, _DEFAULT_TEMPERATURE, compute_dtype(z1, z2), dev)
     be = resolve(backend, z1, z2)
@@ -427,7 +426,7 @@ def simcse_loss(z1: Tensor, z2: Tensor | None = None, *, temperature=0.05, norma
     t = (t ^ 1) + off if z2 is None else t + off  # the other view; offsets are even: ranks hold whole pairs
     if masked:
         return guided_info_nce(be, scope, z1, contrast, off, total, s, t, None, mk, exclude_self=z2 is None,
-                               normalize=normalize, reduction=reduction)
+                               normalize=normalize, reduction=reduction, label_smoothing=eps)
     b = None if z2 is None and scope.local else contrast
     return cross_entropy(be, scope, z1, b, s, t, offset=off, exclude_self=z2 is None, normalize=normalize,
                          reduction=reduction, n_total=total, levels=_levels, label_smoothing=eps)
@@ -457,8 +456,8 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     given like the embeddings (``(for anchor, for positive[, for negative])``, or one tensor for the
     interleaved triplets); the positive kept. Not combined with ``hard_negative_weight``.
 
-    ``label_smoothing``: ``F.cross_entropy``'s over the 2B (B) logits, in [0, 1) (default 0); not with
-    ``guide`` / ``ids`` yet.
+    ``label_smoothing``: ``F.cross_entropy``'s over the 2B (B) logits, in [0, 1) (default 0); with ``guide`` /
+    ``ids`` over the columns the masks keep.
     """
     hnw = V.number("hard_negative_weight", hard_negative_weight, low=float("-inf"), strict=True)
     eps = V.label_smoothing(label_smoothing)
@@ -478,8 +477,6 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
     if masked:
         if hnw != 0.0:
             raise ValueError("guide= / ids= are not supported with a hard_negative_weight")
-        if eps:
-            raise ValueError("label_smoothing is not supported with guide= / ids= yet")
         guide, ids = (_split_views(name, v, negative is not None, interleaved=isinstance(v, Tensor))
                       for name, v in (("guide", guide), ("ids", ids)))
     anchor = V.embeddings("anchor", anchor)
@@ -507,7 +504,7 @@ def simcse_sup_loss(anchor: Tensor, positive: Tensor | None = None, negative: Te
             ik = None if ids is None else torch.cat([scope.rows(i.long(), "ids")[0] for i in ids[1:]])
         mk = dataclasses.replace(mk, gk=gk, ik=ik)
         return guided_info_nce(be, scope, anchor, keys, off, total, s, t, None, mk, exclude_self=False,
-                               normalize=normalize, reduction=reduction, keys_gathered=True)
+                               normalize=normalize, reduction=reduction, keys_gathered=True, label_smoothing=eps)
     if negative is None:
         return cross_entropy(be, scope, anchor, pos, s, t, offset=off, exclude_self=False, normalize=normalize,
                              reduction=reduction, n_total=total, levels=_levels, label_smoothing=eps)

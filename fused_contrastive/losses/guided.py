@@ -12,6 +12,10 @@ guide model's embeddings ``ga, gp, gn^k``, ``gpos_i = cos(ga_i, gp_{o+i})`` and 
     column o + i of the first block (the positive)
     loss  = mean_i  CE(row i, target o + i)
 
+With ``label_smoothing = e`` the cross-entropy is ``F.cross_entropy``'s smoothed one over the columns row i
+keeps (``C_i``, the dropped ones deleted: the textbook form with -inf columns would return inf):
+``CE_i - e (mean_{j in C_i} l_ij - l_{i, o+i})``.
+
 The second and third blocks are ``contrast_anchors`` / ``contrast_positives`` (on by default). A row
 whose every other column is dropped keeps only its positive and contributes 0.
 """
@@ -31,6 +35,7 @@ from .. import distributed as D
 from .._amp import autocast_off
 from .._backend import resolve
 from ..core.blocks import Block, Masks, merged_lse, threshold_of
+from ..core.reference import smoothed_cross_entropy
 from ..core.spec import compute_dtype
 from ._levels import leveled
 from ._scope import EPS, Scope
@@ -90,6 +95,7 @@ def gist_loss(
     backend: str = "auto",
     gather=False,
     anchor_anchor: str = "global",
+    label_smoothing: float = 0.0,
     _levels=None,
 ) -> Tensor:
     """GISTEmbed loss (guided in-batch negatives; module docstring has the math) without the B x B
@@ -122,6 +128,10 @@ def gist_loss(
             rank's anchors, the global-batch loss) or ``"local"`` (this rank's anchors only:
             sentence-transformers' ``GISTEmbedLoss(gather_across_devices=True)``, which gathers only the
             candidates; the drop-ins pass it). No effect without ``gather`` or ``contrast_anchors``.
+        label_smoothing: ``F.cross_entropy``'s, in [0, 1) (default 0): each row's target becomes
+            ``(1 - eps) onehot + eps / |C_i|`` over the columns ``C_i`` its softmax keeps (the guide's dropped
+            candidates deleted, not given ``eps / M`` at ``-inf``). Accumulated in the same sweep (the kept
+            count and logit sum per row, in the Triton kernels' registers on backend="triton").
 
     Also ``matryoshka_dims`` / ``matryoshka_weights`` / ``return_level_losses``: the model embeddings
     are truncated and re-normalised per level, the guide mask is the same at every level (one call
@@ -163,6 +173,7 @@ def gist_loss(
                     ("normalize", normalize)):
         V.flag(name, v)
     reduction = V.reduction(reduction)
+    eps = V.label_smoothing(label_smoothing)
     dt = compute_dtype(anchors, positives, *negs)
     s, _ = V.scale_of(temperature, None, 0.01, dt, dev)
     be = resolve(backend, anchors, positives)
@@ -181,7 +192,7 @@ def gist_loss(
     rule = (margin_strategy, margin)
     if be == "reference":
         per = _reference(anchors, p_all, n_all, ga, gp_all, gn_all, rule, s, off, contrast_anchors,
-                         contrast_positives, normalize, a_all, ga_all)
+                         contrast_positives, normalize, a_all, ga_all, eps)
         return scope.reduce(per, reduction, n_total)
     xs = [anchors, p_all, *n_all]
     guides = [ga, gp_all, *gn_all]
@@ -196,11 +207,12 @@ def gist_loss(
     blocks += [Block(rows=0, cols=2 + k) for k in range(len(n_all))]
     masks = Masks(guides=tuple(guides), target=torch.arange(b, device=dev) + off, rule=rule)
     if reduction == "none":
-        return merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, minus_target=True, backend=be)
+        return merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, minus_target=True, backend=be,
+                          label_smoothing=eps)
     per_n = reduction == "mean" and scope.local
     w = torch.full((b,), 1.0 / b if per_n else 1.0, dtype=dt, device=dev)
     out = merged_lse(xs, blocks, b, s, masks, normalize=normalize, eps=EPS, weights=w, minus_target=True,
-                     backend=be)
+                     backend=be, label_smoothing=eps)
     return out if per_n else scope.reduce(out, reduction, n_total)
 
 
@@ -219,11 +231,12 @@ class _DenseBlock:
 
 
 def _dense(blocks: list[_DenseBlock], rule: tuple[str, float] | None, s, normalize: bool, target_block: int,
-           target: Tensor) -> tuple[Tensor, Tensor | None]:
+           target: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """The definition, materialised: the blocks' masked score matrices side by side and the
-    cross-entropy of each row at column ``target`` of block ``target_block`` ([N]), and the guide
-    threshold. As sentence-transformers' ``GISTEmbedLoss``: ``theta_i`` (``rule`` = (strategy, margin))
-    is the target entry of block ``target_block``'s guide matrix, the very matrix (and entries) it is
+    cross-entropy of each row at column ``target`` of block ``target_block`` ([N]; smoothed over the finite
+    columns with ``label_smoothing``, ``reference.smoothed_cross_entropy``), and the guide threshold.
+    As sentence-transformers' ``GISTEmbedLoss``: ``theta_i`` (``rule`` = (strategy, margin)) is the target
+    entry of block ``target_block``'s guide matrix, the very matrix (and entries) it is
     compared with, so an exact duplicate of the target ties and is kept."""
     dt = compute_dtype(blocks[0].rows, blocks[0].cols)
     gms = [None if blk.g_rows is None or rule is None else _unit(blk.g_rows) @ _unit(blk.g_cols).T
@@ -255,6 +268,8 @@ def _dense(blocks: list[_DenseBlock], rule: tuple[str, float] | None, s, normali
     before = sum(x.shape[1] for x in scores[:target_block])
     logits = torch.cat(scores, dim=1)
     n = logits.shape[0]
+    if label_smoothing:
+        return smoothed_cross_entropy(logits, before + target, label_smoothing), theta
     return torch.logsumexp(logits, dim=1) - logits[torch.arange(n, device=logits.device), before + target], theta
 
 
@@ -269,7 +284,7 @@ def _nan_rows(per: Tensor, theta: Tensor | None, col_guides) -> Tensor:
 
 
 def _reference(a, p_all, n_all, ga, gp_all, gn_all, rule, s, off, contrast_anchors, contrast_positives,
-               normalize, a_all, ga_all) -> Tensor:
+               normalize, a_all, ga_all, label_smoothing: float = 0.0) -> Tensor:
     """GISTEmbed's definition, materialised ([B] per-row losses); ``a_all`` / ``ga_all``: the
     anchor-anchor block's columns (every rank's anchors, or this rank's)."""
     b = a.shape[0]
@@ -280,7 +295,7 @@ def _reference(a, p_all, n_all, ga, gp_all, gn_all, rule, s, off, contrast_ancho
     if contrast_positives:
         blocks.append(_DenseBlock(p_all[off : off + b], p_all, gp_all[off : off + b], gp_all))
     blocks += [_DenseBlock(a, x, ga, gx) for x, gx in zip(n_all, gn_all, strict=True)]
-    per, theta = _dense(blocks, rule, s, normalize, 0, tgt)
+    per, theta = _dense(blocks, rule, s, normalize, 0, tgt, label_smoothing)
     return _nan_rows(per, theta, [gp_all, *gn_all, *((ga_all,) if contrast_anchors else ())])
 
 
@@ -358,11 +373,12 @@ def info_nce_masks(query: Tensor, keys: Tensor | None, guide, guide_margin, guid
 
 def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff: int, n_total: int, s, t: Tensor,
                     valid: Tensor | None, mk: InfoNCEMasks, *, exclude_self: bool, normalize: bool,
-                    reduction: str, keys_gathered: bool = False) -> Tensor:
+                    reduction: str, keys_gathered: bool = False, label_smoothing: float = 0.0) -> Tensor:
     """``info_nce`` with a guide mask and / or an id mask (its docstring has the arguments): one block,
     query rows (this rank's, the first at global row ``qoff``) against the (gathered) ``contrast`` set,
     each row's target column ``t`` (global indices; rows outside ``valid`` point anywhere and weigh 0)
-    protected. ``keys_gathered``: ``mk.gk`` / ``mk.ik`` are already laid out like ``contrast``."""
+    protected. ``keys_gathered``: ``mk.gk`` / ``mk.ik`` are already laid out like ``contrast``.
+    ``label_smoothing``: over the columns each row keeps (``merged_lse``'s)."""
     dev, n = query.device, query.shape[0]
     gq, iq = mk.gq, mk.iq
     with torch.no_grad():
@@ -376,7 +392,7 @@ def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff
     dt = compute_dtype(query, contrast)
     if be == "reference":
         blk = _DenseBlock(query, contrast, gq, gk_all, iq, ik_all, protect=t, exclude=excl)
-        per, theta = _dense([blk], rule, s, normalize, 0, t)
+        per, theta = _dense([blk], rule, s, normalize, 0, t, label_smoothing)
         per = _nan_rows(per, theta, [] if gk_all is None else [gk_all])
         if valid is not None:
             per = torch.where(valid, per, torch.zeros_like(per))
@@ -386,8 +402,8 @@ def guided_info_nce(be: str, scope: Scope, query: Tensor, contrast: Tensor, qoff
     blocks = [Block(rows=0, cols=1, protect=True, exclude=excl)]
     if reduction == "none":
         per = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS, minus_target=True,
-                         backend=be)
+                         backend=be, label_smoothing=label_smoothing)
         return per if valid is None else torch.where(valid, per, torch.zeros_like(per))
     out = merged_lse([query, contrast], blocks, n, s, masks, normalize=normalize, eps=EPS, weights=w,
-                     minus_target=True, backend=be)
+                     minus_target=True, backend=be, label_smoothing=label_smoothing)
     return scope.reduce(out, reduction, n_total if valid is None else scope.sum(valid.sum()))

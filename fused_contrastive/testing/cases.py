@@ -327,6 +327,21 @@ def _gist(n, d, g):
             {"guide": (_randn(g, n, 3), _randn(g, n, 3), _randn(g, n, 3)), "temperature": 0.05, "margin": 0.05})
 
 
+def _gist_smoothed(n, d, g):
+    return ({"anchors": _randn(g, n, d), "positives": _randn(g, n, d), "negatives": _randn(g, n, d),
+             "temperature": torch.tensor(0.05)},
+            {"guide": (_randn(g, n, 3), _randn(g, n, 3), _randn(g, n, 3)), "margin": 0.05, "label_smoothing": 0.1})
+
+
+def _info_nce_masked_smoothed_none(n, d, g):
+    m = n + 3
+    # some columns share their row's id, others not (at every N: key ids 0..max(N // 2, 2) - 1)
+    ids = (torch.randint(0, max(n // 2, 1), (n,), generator=g), torch.arange(m) % max(n // 2, 2))
+    return ({"query": _randn(g, n, d), "keys": _randn(g, m, d), "temperature": torch.tensor(0.07)},
+            {"guide": (_randn(g, n, 3), _randn(g, m, 3)), "guide_margin": 0.05, "ids": ids, "label_smoothing": 0.2,
+             "reduction": "none"})
+
+
 def _gist_relative_none(n, d, g):
     return ({"anchors": _randn(g, n, d), "positives": _randn(g, n, d), "temperature": torch.tensor(0.05)},
             {"guide": (_randn(g, n, 3), _randn(g, n, 3)), "margin_strategy": "relative", "margin": 0.1,
@@ -565,6 +580,13 @@ CASES: list[Case] = [
          m=lambda n: 2 * n),
     Case("gist", L.gist_loss, _gist, op="guided", covers="GISTEmbed: a-p, a-a, p-p, a-n blocks, guide mask",
          logits=lambda n: (n, 4 * n), inductor=True),
+    Case("gist_smoothed", L.gist_loss, _gist_smoothed, families=frozenset({"gradcheck"}), op="guided",
+         covers="label_smoothing 0.1 over the columns the guide keeps, tensor temperature",
+         logits=lambda n: (n, 4 * n)),
+    Case("info_nce_masked_smoothed_none", L.info_nce, _info_nce_masked_smoothed_none,
+         families=frozenset({"gradcheck"}), op="guided",
+         covers="label_smoothing 0.2 with guide= and ids= masks (columns deleted), per-row, tensor temperature",
+         logits=lambda n: (n, n + 3), m=lambda n: n + 3),
     Case("gist_relative_none", L.gist_loss, _gist_relative_none, families=frozenset({"gradcheck"}), op="guided",
          covers="relative margin, no anchor block, per-row, tensor temperature", logits=lambda n: (n, 2 * n)),
     Case("qwen3", L.qwen3_embedding_loss, _qwen3, op="guided", gather_split="rows",
