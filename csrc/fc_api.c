@@ -1,5 +1,5 @@
 /* fc_api.c - host side of libfused_contrastive_kernels: the Python launcher's host logic for the
- * covered modes (fused_contrastive/core/triton_backend.py: _prepare, _row_norms, _lse_fwd, _lse_bwd)
+ * covered modes (fused_contrastive/core/triton_shared/launch.py: _prepare, _row_norms, _lse_fwd, _lse_bwd)
  * on the generated tables (fc_kernels_gen.h: variants, argument layouts, launch configs), and the
  * CUDA driver reached only through dlopen.
  *

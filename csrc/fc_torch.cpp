@@ -13,7 +13,7 @@
 //       -> (Tensor da, Tensor db, Tensor ds)
 //   build_info() -> str    (fc_build_info(): the archs, dtypes, D classes and modes built)
 //
-// Large problems take the panel path, as the Python backend does (core/triton_panel.py): on CUDA tensors
+// Large problems take the panel path, as the Python backend does (core/lse/triton_panel.py): on CUDA tensors
 // with N * M >= 2^24, or where FUSED_CONTRASTIVE_TRITON_PATH says "panel" ("fused": never). Its GEMMs
 // run in at::mm / addmm (cuBLAS, fixed order), the per-logit and per-row work in the panel kernels of
 // the C library (fc_launch_kernel); nothing N x M is allocated (panels of P rows from the byte budget
@@ -145,7 +145,7 @@ Problem make_problem(const Tensor &a_, const std::optional<Tensor> &b_, const Te
 
 
 // ------------------------------------------------------------------------------------------------
-// the panel path (fused_contrastive/core/triton_panel.py, statement by statement; a ctest compares
+// the panel path (fused_contrastive/core/lse/triton_panel.py, statement by statement; a ctest compares
 // every launch with the Python launcher's)
 // ------------------------------------------------------------------------------------------------
 

@@ -43,11 +43,11 @@ def triton_status() -> TritonStatus:
             _STATUS = TritonStatus(False, None, False)
         else:
             try:
-                from .core import triton_backend, triton_cosent, triton_function, triton_maxsim  # noqa: F401
+                from .core.triton_shared import launch as TL  # noqa: F401
             except Exception as exc:  # noqa: BLE001 - any failure here is a broken install
                 _STATUS = TritonStatus(True, f"{type(exc).__name__}: {exc}", False)
             else:
-                _STATUS = TritonStatus(True, None, triton_backend.interpreted())
+                _STATUS = TritonStatus(True, None, TL.interpreted())
     return _STATUS
 
 

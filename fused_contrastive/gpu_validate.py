@@ -80,7 +80,7 @@ _OUTPUTS = {"row_norm": ("XS", "NORM", "RNORM", "RS"), "lse_fwd": ("LSE", "LSE_P
             "panel_dl": ("DL", "DS_PART"), "epi_gemm": ("DL",), "epi_gemm_stats": ("ZP", "MXP", "CZ", "CM")}
 # (panel_dl's LSE_OUT is [N]: each panel writes its own rows only; the triangular forward's COL_PART is
 # pre-filled with -inf by the launcher, its programs write only the columns their rows reach)
-#: The two paths of the triton backend (``core/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
+#: The two paths of the triton backend (``core/lse/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
 #: the kernels each must launch, per kernel family; families with kernels of their own run once, on
 #: the path "own" (the path variable does not choose their kernels).
 PATHS = {"fused": {"lse_fwd", "lse_bwd_rows"}, "panel": {"panel_rows"}, "panel-cublas": {"panel_dl", "panel_rows"}}
@@ -102,7 +102,7 @@ EXPECT = {("core", "fused"): PATHS["fused"], ("core", "panel"): PATHS["panel"],
           # SigLIP: its fused kernels, or (16-bit, CUDA, N x M >= 2^24) the panel path's epilogue GEMM
           ("siglip", "own"): ({"siglip_fwd", "siglip_bwd_rows"}, {"epi_gemm_siglip", "panel_rows"}),
           # the guided blocks: their fused kernels, or (a summed bf16 loss on CUDA, N x sum M >= 2^24) the
-          # epilogue GEMM of core/triton_guided_panel.py
+          # epilogue GEMM of core/guided/triton_panel.py
           ("guided", "own"): ({"guided_fwd", "guided_bwd_rows"}, {"guided_epi", "panel_rows"})}
 
 
@@ -222,7 +222,7 @@ def triton_path(path: str) -> Iterator[None]:
     GEMM forms 16-bit gradient tiles) or "panel-cublas" (row panels; cuBLAS products and the panel
     kernel) on the JIT kernels, with the AOT route off; "aot/fused" / "aot/panel": the ahead-of-time
     library (``FUSED_CONTRASTIVE_AOT_LIB`` = ``Plan.aot_lib``), whose operators take that path."""
-    from .core import triton_aot
+    from .core.lse import library_route
 
     aot = path.startswith("aot/")
     if aot and not _AOT_LIB:
@@ -230,7 +230,7 @@ def triton_path(path: str) -> Iterator[None]:
     base = path.removeprefix("aot/")
     gemm = {"panel": "epilogue", "panel-cublas": "cublas"}.get(base)  # forced also on the interpreter
     with _env("FUSED_CONTRASTIVE_TRITON_PATH", base.removesuffix("-cublas")), \
-            _env("FUSED_CONTRASTIVE_PANEL_GEMM", gemm), _env(triton_aot.ENV, _AOT_LIB if aot else None):
+            _env("FUSED_CONTRASTIVE_PANEL_GEMM", gemm), _env(library_route.ENV, _AOT_LIB if aot else None):
         yield
 
 
@@ -244,12 +244,12 @@ def kernels_only():
 def poisoned_launches(seen: list[str] | None = None) -> Iterator[None]:
     """Every Triton launch first fills the outputs and scratch buffers it must write with NaN (and
     appends its kernel name to ``seen``)."""
-    from .core import triton_backend as TB
+    from .core.triton_shared import launch as TL
 
-    orig = TB._launch
+    orig = TL._launch
 
     def launch(lz):
-        if TB._RECORDER is None:
+        if TL._RECORDER is None:
             if seen is not None:
                 seen.append(lz.name)
             for name in _OUTPUTS.get(lz.name, ()):
@@ -262,12 +262,12 @@ def poisoned_launches(seen: list[str] | None = None) -> Iterator[None]:
                     t.fill_(float("nan"))
         orig(lz)
 
-    prev_flag = TB.POISON_OUTPUTS
-    TB._launch, TB.POISON_OUTPUTS = launch, True
+    prev_flag = TL.POISON_OUTPUTS
+    TL._launch, TL.POISON_OUTPUTS = launch, True
     try:
         yield
     finally:
-        TB._launch, TB.POISON_OUTPUTS = orig, prev_flag
+        TL._launch, TL.POISON_OUTPUTS = orig, prev_flag
 
 
 def _finite_max(x: Tensor) -> float:
@@ -288,7 +288,7 @@ def _err(e: BaseException) -> str:
 @contextlib.contextmanager
 def _panel_height(rows: int | None) -> Iterator[None]:
     """``core/triton_panel.PANEL_ROWS = rows`` within the block (None: leave it)."""
-    from .core import triton_panel
+    from .core.lse import triton_panel
 
     old = triton_panel.PANEL_ROWS
     if rows is not None:
@@ -375,14 +375,14 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     """One parity row: the triton backend on ``path`` (``rows``: forced panel height) against the oracle
     under THE rule (``testing.accuracy``: relative to each output's size, PyTorch's same-dtype error
     granted up to the slack)."""
-    from .core import triton_aot
+    from .core.lse import library_route
     from .testing import run
     from .testing.accuracy import SLACK, amp_of, check_output, rounding_floor, same_dtype_error
 
     worst_ratio, worst = 0.0, "no outputs"
     problems: list[str] = []
     seen: list[str] = []
-    calls = triton_aot.CALLS
+    calls = library_route.CALLS
     forced = triton_path(path) if path != "own" else contextlib.nullcontext()
     with poisoned_launches(seen), forced, _panel_height(rows):
         # the library takes 16-element row strides: NaN padding to the next such stride
@@ -391,7 +391,7 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     if path.startswith("aot/"):
         # the library's buffers are its own (not NaN-filled); a call it does not cover
         # ran on the JIT kernels: information, not a check of the library
-        if triton_aot.CALLS == calls:
+        if library_route.CALLS == calls:
             report.add(check, None, "not covered by the library (the JIT kernels ran)")
             return
         jit = set(seen) & set().union(*PATHS.values())
@@ -440,7 +440,7 @@ def check_gemm_routes(report: Report, plan: Plan, device: str) -> None:
     """Information: the route of the panel path's fp32-output GEMMs per 16-bit dtype of the plan
     (``core/triton_panel.gemm_routes``: "native" = ``out_dtype`` cuBLAS call proven by its probe on this
     device; otherwise the fallback, correct but with more memory traffic)."""
-    from .core import triton_panel
+    from .core.lse import triton_panel
 
     for dt in (x for x in plan.dtypes if x != torch.float32):
         mm, addmm = triton_panel.gemm_routes(torch.device(device), dt)
@@ -808,9 +808,9 @@ def main(device: str, aot_lib: str | None = None, budget_s: float | None = 420.0
         print("--gpu-validate: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)",
               file=sys.stderr)
         return 2
-    from .core import triton_aot
+    from .core.lse import library_route
 
-    aot_lib = aot_lib or os.environ.get(triton_aot.ENV) or None
+    aot_lib = aot_lib or os.environ.get(library_route.ENV) or None
     return 0 if validate(device, Plan(aot_lib=aot_lib, budget_s=budget_s, jobs=jobs)).ok else 1
 
 

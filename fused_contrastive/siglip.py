@@ -1,7 +1,7 @@
 """SigLIP's pairwise sigmoid loss (Zhai et al. 2023) without the N x N logits.
 
-``backend="torch"`` is the chunked PyTorch path of ``core/siglip.py`` (O(N*D) memory, any device);
-``backend="triton"`` the fused kernels of ``core/triton_siglip.py`` (CUDA, or CPU under
+``backend="torch"`` is the chunked PyTorch path of ``core/siglip/torch_siglip.py`` (O(N*D) memory, any device);
+``backend="triton"`` the fused kernels of ``core/siglip/triton_siglip.py`` (CUDA, or CPU under
 ``TRITON_INTERPRET=1``); ``backend="reference"`` the textbook formula on the materialised logits
 (:func:`reference`, the test oracle). ``"auto"`` chooses like every other loss (``_backend.resolve``).
 """
@@ -20,7 +20,7 @@ from . import ops
 from ._amp import autocast_off
 from ._backend import resolve
 from .core import reference as ref
-from .core.siglip import SigLipFn
+from .core.siglip.torch_siglip import SigLipFn
 from .core.spec import compute_dtype, graph_free
 
 __all__ = ["siglip_loss"]
@@ -128,7 +128,7 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias=None, *, no
         per_n = reduction == "mean" and grp is None and not ops.tracing_route()
         weight = 1.0 / n if per_n else 1.0
         if be == "triton":
-            from .core.triton_siglip import TritonSigLipFn as fn
+            from .core.siglip.triton_siglip import TritonSigLipFn as fn
         else:
             fn = SigLipFn
         if ops.tracing_route():  # torch.compile / export: one opaque operator (no guard on N)

@@ -9,11 +9,11 @@ The core op (see ``fused_contrastive/core/spec.py``), with ``a_i = A_i r_i``, ``
     LSEpos_i = log sum_j w_ij exp(l_ij)                  (POS_KIND: 1 label equality, 2 dense mask)
 
 The linear positive terms of the contract (``TGT``, ``SET``) are O(N*D) and come from
-``core/positives.py`` (the target term alone on the triton backend: ``kernels/target.py``); these kernels
+``core/linear_terms.py`` (the target term alone on the triton backend: ``kernels/target.py``); these kernels
 compute the log-sum-exp terms and their backward.
 
-Kernels (launchers and the autograd Function are in ``fused_contrastive/core/triton_backend.py``,
-launch configs in ``fused_contrastive/core/triton_configs.py``):
+Kernels (launchers and the autograd Function are in ``fused_contrastive/core/triton_shared/launch.py``,
+launch configs in ``fused_contrastive/core/triton_shared/configs.py``):
 
 * ``row_norm_kernel``      prologue: clamped norms ``max(||x||, eps)`` (overflow-free scaled sum of
                            squares), their inverses ``r``, and a copy scaled by an exact power of two

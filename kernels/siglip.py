@@ -1,5 +1,5 @@
-"""Triton device code of SigLIP's sigmoid loss (host side: ``fused_contrastive/core/triton_siglip.py``;
-the PyTorch path and the derivation: ``fused_contrastive/core/siglip.py``).
+"""Triton device code of SigLIP's sigmoid loss (host side: ``fused_contrastive/core/siglip/triton_siglip.py``;
+the PyTorch path and the derivation: ``fused_contrastive/core/siglip/torch_siglip.py``).
 
 With the cosine tile of the core kernels (``lse._cos_tile``: the prologue's power-of-two scaled rows
 ``SA``, ``SB`` and their inverse norms ``rsa``, ``rsb`` folded into the finished tile; raw rows and
@@ -38,7 +38,7 @@ as in the core kernels, ``dz`` is multiplied by the power of two ``PRESCALE`` (2
 Padding rows / columns are masked out of every sum.
 
 Supported: any N, M, D, fp32 / fp16 / bf16 (fp32 accumulation, tf32x3 dots for fp32), row strides,
-int64 offsets. Launch configs: the core kernels' table (``core/triton_configs.py``: "fwd", "bwd_rows",
+int64 offsets. Launch configs: the core kernels' table (``core/triton_shared/configs.py``: "fwd", "bwd_rows",
 "bwd_cols"); these kernels hold fewer live tiles than the core kernels with every term on, and
 tests/test_triton_compile.py compiles each for sm_80 / sm_90 (0 spills, mma / wgmma). Not run on a
 GPU yet (tested under the CPU interpreter and by ahead-of-time compilation only); on an H100 they

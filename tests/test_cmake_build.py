@@ -1,6 +1,6 @@
 """The ahead-of-time C library (CMakeLists.txt): configure with Ninja into a fresh build directory, build,
 run ctest. ctest covers the C API on a mock libcuda (error codes: no driver, no device, no context,
-unsupported arch / dtype / shape / mode), ``python -m fused_contrastive.aot check`` (every launch of the C
+unsupported arch / dtype / shape / mode), ``python -m fused_contrastive.c_library check`` (every launch of the C
 API against the Python launcher's launches for the same problem: kernel variant, grid, block, shared
 memory, every argument value; the launched cubins byte-identical to a fresh ``triton.compile``), and a
 consumer project built with ``find_package(fused_contrastive)`` against the installed tree.
@@ -70,19 +70,19 @@ def test_manifest_covers_the_python_launcher(build):
     the jit function's parameters minus the launch's constexprs, in order (recorded here on meta tensors
     under the interpreter, whose bf16 UPCAST flag differs from the GPU build's, so only layouts compare);
     both archs have variants; the library embeds them."""
-    from fused_contrastive import aot
+    from fused_contrastive import c_library
 
     man = json.loads((build / "gen" / "manifest.json").read_text())
     built = {(v["cc"], v["variant"]) for v in man["variants"]}
     for cc in (80, 90):
-        for mode in aot.MODES:
+        for mode in c_library.MODES:
             for d in (112, 784):
-                for ln in aot.record(mode, "bf16", 300, 200, d, aot._ARCH_FAMILY[cc]):
+                for ln in c_library.record(mode, "bf16", 300, 200, d, c_library._ARCH_FAMILY[cc]):
                     params = [k for k in ln.fn.arg_names if k not in ln.constexprs]
                     assert [p["name"] for p in man["layouts"][ln.name]] == params
-            for mode in aot.MODES:  # the panel path's kernels, every row-block size
-                for progs in aot.PANEL_PROGRAMS_REC:
-                    for ln in aot.record(mode, "bf16", 300, 200, d, aot._ARCH_FAMILY[cc], path="panel",
+            for mode in c_library.MODES:  # the panel path's kernels, every row-block size
+                for progs in c_library.PANEL_PROGRAMS_REC:
+                    for ln in c_library.record(mode, "bf16", 300, 200, d, c_library._ARCH_FAMILY[cc], path="panel",
                                          programs=progs):
                         params = [k for k in ln.fn.arg_names if k not in ln.constexprs]
                         assert [p["name"] for p in man["layouts"][ln.name]] == params
@@ -94,7 +94,7 @@ def test_manifest_covers_the_python_launcher(build):
         margin_kernels = {kn for c, kn, k in keys if c == cc and "BIAS_COS=1" in k and "HAS_BIAS=1" in k}
         assert margin_kernels == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols", "panel_dl"}, margin_kernels
         assert any(kn == "lse_fwd" and "TRI=1" in k for c, kn, k in keys if c == cc)
-        assert {kn for c, kn, _ in keys if c == cc} >= set(aot.PANEL_KERNELS) | {"row_norm"}
+        assert {kn for c, kn, _ in keys if c == cc} >= set(c_library.PANEL_KERNELS) | {"row_norm"}
     per_arch = {cc: len({v for c, v in built if c == cc}) for cc in (80, 90)}
     assert per_arch[80] > 0 and per_arch[90] > 0
     cubins = sum((build / "gen" / f).stat().st_size for f in {v["file"] for v in man["variants"] if v["cc"] == 80})
@@ -118,7 +118,8 @@ def test_torch_operators_run_the_panel_path(build):
     lib = build / "libfused_contrastive_torch.so"
     if not lib.exists():
         pytest.skip("libfused_contrastive_torch was not built (Torch not found by CMake)")
-    out = _run([sys.executable, "-m", "fused_contrastive.aot", "check", "--gen", str(build / "gen"), "--torch-lib",
+    out = _run([sys.executable, "-m", "fused_contrastive.c_library", "check", "--gen", str(build / "gen"),
+                "--torch-lib",
                 str(lib), "--mock", str(build / "libfc_mock_cuda.so"), "--work", str(build / "pytest_torch_check")],
                ROOT, 600, env=dict(os.environ, TRITON_INTERPRET="0"))
     # 6 problems per (arch, dtype): 3 modes, B is A at the default budget, a queue, dB off; the 2 margin modes
@@ -214,7 +215,7 @@ def launched():
     return [(kernel_of[c["name"]], c["grid"][0]) for c in calls if c["call"] == "cuLaunchKernel"]
 
 def expected(mode, n, m, d):
-    return [(ln.name, ln.grid[0]) for ln in aot.record(mode, "bf16", n, m, d, "sm90", sms=132)]
+    return [(ln.name, ln.grid[0]) for ln in c_library.record(mode, "bf16", n, m, d, "sm90", sms=132)]
 
 g = torch.Generator().manual_seed(0)
 def x(n, d):
@@ -351,7 +352,7 @@ import _aot_exec
 from fused_contrastive.core import triton_aot
 from fused_contrastive.testing import CASES
 from fused_contrastive.testing.accuracy import run
-from fused_contrastive.tools.aot import core_calls
+from fused_contrastive.tools.compile_survey import core_calls
 
 ex = _aot_exec.install(sys.argv[1], sys.argv[2])
 lib = os.environ[triton_aot.ENV]

@@ -25,8 +25,9 @@ except ImportError:  # pragma: no cover - the test extra installs triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend, triton_panel
-from fused_contrastive.core.triton_configs import LaunchConfig
+from fused_contrastive.core.lse import triton_panel
+from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared.configs import LaunchConfig
 from fused_contrastive.testing import CASE_BY_NAME, compare
 
 SMALL = LaunchConfig(16, 32, 32, 4, 2)
@@ -39,7 +40,7 @@ def _small_tiles(monkeypatch):
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", 40)
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     for name in list(triton_panel.EPI_GEMM):
         monkeypatch.setitem(triton_panel.EPI_GEMM, name, SMALL)
     with warnings.catch_warnings():
@@ -51,17 +52,17 @@ def _small_tiles(monkeypatch):
 def _launches():
     """Every Triton launch made inside, recorded while it still runs."""
     seen = []
-    orig = triton_backend._launch
+    orig = TL._launch
 
     def launch(x):
         seen.append(x)
         orig(x)
 
-    triton_backend._launch = launch
+    TL._launch = launch
     try:
         yield seen
     finally:
-        triton_backend._launch = orig
+        TL._launch = orig
 
 
 def _run(loss: str, dtype=torch.bfloat16, n: int = 97, d: int = 72):
@@ -115,7 +116,7 @@ def test_forms_equal_the_tiles_form_bitwise(loss, monkeypatch):
 def _gist(gdt):
     """GISTEmbed's loss and gradients on the guided blocks' epilogue GEMM (40-row panels of 16 x 32 tiles),
     and its guided_epi launches."""
-    from fused_contrastive.core import triton_guided_panel as TGP
+    from fused_contrastive.core.guided import triton_panel as TGP
     from fused_contrastive.losses.guided import gist_loss
 
     g = torch.Generator().manual_seed(1)
@@ -136,7 +137,7 @@ def _gist(gdt):
 def test_guided_persistent_form_equals_the_tiles_form_bitwise(gdt, form, monkeypatch):
     # the guided blocks' epilogue GEMM (GIST's four blocks, its split target block): "persistent" and "tma"
     # both run its persistent form (no descriptors for the guides), bitwise the tiles form's results
-    from fused_contrastive.core import triton_guided_panel as TGP
+    from fused_contrastive.core.guided import triton_panel as TGP
 
     for name in list(TGP.GUIDED_EPI):
         monkeypatch.setitem(TGP.GUIDED_EPI, name, SMALL)

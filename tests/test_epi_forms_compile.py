@@ -18,7 +18,7 @@ try:
 except ImportError:  # pragma: no cover - the test extra installs triton
     pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
-from fused_contrastive.core.triton_configs import EPI_PERSIST_STAGES
+from fused_contrastive.core.triton_shared.configs import EPI_PERSIST_STAGES
 from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 
 _COMPILE = textwrap.dedent(
@@ -28,7 +28,7 @@ _COMPILE = textwrap.dedent(
     import torch
     from fused_contrastive import core
     from fused_contrastive.core import triton_panel
-    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+    from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
     from fused_contrastive.tools import aot
 
     meta = torch.device("meta")
@@ -52,7 +52,7 @@ _COMPILE = textwrap.dedent(
 
     def record_guided(arch, gdt, variant, d=768, dg=384):
         # GIST's four blocks (the threshold rule, the split target block) and info_nce's ids-and-self block
-        from fused_contrastive.core.blocks import Block, Masks, merged_lse
+        from fused_contrastive.core.guided.torch_blocks import Block, Masks, merged_lse
         a, p, ng = (torch.empty(n, d, dtype=torch.bfloat16, device=meta).requires_grad_() for _ in range(3))
         s = torch.empty((), device=meta, requires_grad=True)
         w = torch.empty(n, device=meta)

@@ -331,11 +331,11 @@ def test_gather_with_levels_two_ranks_uneven(tmp_path):
 def test_triton_backend_takes_the_levels_in_one_pass(monkeypatch):
     # under the interpreter (conftest): backend="triton" with levels runs the Matryoshka kernels once (no
     # per-level calls of the plain loss), equal to the definition
-    from fused_contrastive.core import triton_matryoshka
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
     calls = []
-    real = triton_matryoshka.run
-    monkeypatch.setattr(triton_matryoshka, "run", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    real = TM.run
+    monkeypatch.setattr(TM, "run", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     q, k = _r(9, 16, seed=1).float(), _r(9, 16, seed=2).float()
     qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
     got = fc.info_nce(qa, ka, backend="triton", matryoshka_dims=[16, 4, 8], matryoshka_weights=[1.0, 2.0, 0.5])

@@ -16,10 +16,10 @@ import torch
 from test_triton_matryoshka import ALIGNED, RAGGED, _check, _r, _ragged_case, _run, _shrink, saturated_errors
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend as TB
-from fused_contrastive.core import triton_matryoshka as TM
-from fused_contrastive.core import triton_panel
-from fused_contrastive.core.triton_configs import MATRYOSHKA_SUFFIX_LEVELS, LaunchConfig
+from fused_contrastive.core.lse import triton_panel
+from fused_contrastive.core.matryoshka import triton_levels as TM
+from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared.configs import MATRYOSHKA_SUFFIX_LEVELS, LaunchConfig
 from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 
 try:
@@ -39,13 +39,13 @@ def suffix(monkeypatch):
     monkeypatch.setattr(TM, "SUFFIX_CONFIG", LaunchConfig(16, 16, 16, 4, 1))
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", 16)
     launches = []
-    orig = TB._launch
+    orig = TL._launch
 
     def record(launch):
         launches.append(launch)
         return orig(launch)
 
-    monkeypatch.setattr(TB, "_launch", record)
+    monkeypatch.setattr(TL, "_launch", record)
     return launches
 
 

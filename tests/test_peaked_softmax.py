@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import fused_contrastive as fc
 from fused_contrastive import core
-from fused_contrastive.core import triton_panel  # imports triton: the test extra installs it (no skip)
+from fused_contrastive.core.lse import triton_panel  # imports triton: the test extra installs it (no skip)
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 
 N, D, T = 96, 32, 0.05

@@ -1,4 +1,4 @@
-"""The guided blocks' epilogue-GEMM route (``core/triton_guided_panel.py``, ``kernels/guided.py``
+"""The guided blocks' epilogue-GEMM route (``core/guided/triton_panel.py``, ``kernels/guided.py``
 ``guided_epi_kernel``): the CUDA route of a summed bf16 GISTEmbed / guided InfoNCE loss, run here under the
 CPU interpreter with the route forced (``FUSED_CONTRASTIVE_TRITON_PATH=panel``,
 ``FUSED_CONTRASTIVE_PANEL_GEMM=epilogue``) on ragged shapes over several panels. Loss and every gradient
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend as TB
-from fused_contrastive.core import triton_guided_panel as TGP
-from fused_contrastive.core import triton_panel
-from fused_contrastive.core.blocks import Block, Masks, merged_lse
+from fused_contrastive.core.guided import triton_panel as TGP
+from fused_contrastive.core.guided.torch_blocks import Block, Masks, merged_lse
+from fused_contrastive.core.lse import triton_panel
+from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.losses.guided import gist_loss
 from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 from tests._wide import WideTensors
@@ -46,7 +46,7 @@ def route(monkeypatch):
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
     monkeypatch.setattr(TGP, "PANEL_ROWS", 64)
     names: Counter = Counter()
-    orig = TB._launch
+    orig = TL._launch
 
     def rec(launch):
         names[launch.name] += 1
@@ -56,7 +56,7 @@ def route(monkeypatch):
             names["redone rows"] += int(launch.args["BAD"].sum())
         return orig(launch)
 
-    monkeypatch.setattr(TB, "_launch", rec)
+    monkeypatch.setattr(TL, "_launch", rec)
     return names
 
 
@@ -260,8 +260,8 @@ def test_nan_guide_row_on_the_route(route):
 
 def test_where_the_route_is_taken(monkeypatch):
     names: Counter = Counter()
-    orig = TB._launch
-    monkeypatch.setattr(TB, "_launch", lambda lz: (names.update([lz.name]), orig(lz))[1])
+    orig = TL._launch
+    monkeypatch.setattr(TL, "_launch", lambda lz: (names.update([lz.name]), orig(lz))[1])
     a, p, n, ga, gp, gn = _gist_case(b=40, m=30, d=16, dg=8)
 
     def run(dtype=BF, **kw):
@@ -288,7 +288,7 @@ def test_where_the_route_is_taken(monkeypatch):
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "auto")
     monkeypatch.setattr(triton_panel, "EPILOGUE_DEVICES", ("cuda", "meta", "cpu"))
     monkeypatch.setattr(triton_panel, "use_panel", lambda x, nn, mm: nn * mm >= triton_panel.MIN_ELEMENTS)
-    from fused_contrastive.core.blocks import _Config
+    from fused_contrastive.core.guided.torch_blocks import _Config
 
     for rows, want in ((1024, False), (4096, True)):
         xs = [torch.empty(rows, 8, dtype=BF)] * 2
@@ -336,8 +336,8 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         names: Counter = Counter()
-        orig = TB._launch
-        TB._launch = lambda lz: (names.update([lz.name]), orig(lz))[1]
+        orig = TL._launch
+        TL._launch = lambda lz: (names.update([lz.name]), orig(lz))[1]
         total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
         a, p, n, ga, gp, gn = _gist_case(b=total, m=total, d=40, dg=10, seed=7)
         mine = slice(off, off + b)
@@ -389,7 +389,7 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core.blocks import Block, Masks, merged_lse
+    from fused_contrastive.core.guided.torch_blocks import Block, Masks, merged_lse
     from fused_contrastive.tools import aot
 
     DT = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -1,4 +1,4 @@
-"""The Matryoshka kernels (``kernels/matryoshka.py``, ``core/triton_matryoshka.py``): every level from one
+"""The Matryoshka kernels (``kernels/matryoshka.py``, ``core/matryoshka/triton_levels.py``): every level from one
 walk along D, forward and backward, under the Triton interpreter (conftest) against the definition
 ``sum_k w_k loss(F.normalize(x[..., :d_k]))`` in float64 (the plain reference loss per level), loss and every
 gradient (temperature / logit scale included); ragged shapes and boundaries off every tile edge; 16-bit
@@ -113,7 +113,7 @@ def test_level_boundaries_flag_and_tensor():
     # ALIGNED is set for boundaries that are all multiples of 16 only; the kernels' DIMS tensor is cached per
     # (levels, device): on CUDA a fresh one was a host-to-device copy per call, so two calls with the same
     # levels share it and other levels get their own
-    from fused_contrastive.core import triton_matryoshka as TM
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
     a = torch.zeros(4, 144)
 
@@ -234,7 +234,7 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core import triton_matryoshka as TM
+    from fused_contrastive.core import TM as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import aot
 
@@ -304,10 +304,10 @@ def test_matryoshka_operands_load_in_16_byte_vectors(compiled):
 def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch):
     # where the plain op takes the panel path (forced here; on CUDA N * M >= 2^24) the levels run as one
     # plain call per level (bench/gpu_model.py --matryoshka models that faster than the Matryoshka kernels)
-    from fused_contrastive.core import triton_matryoshka
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setattr(triton_matryoshka, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
+    monkeypatch.setattr(TM, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
     q, k = _r(37, 40, seed=14).float(), _r(29, 40, seed=15).float()
     tgt = torch.randint(0, 29, (37,), generator=torch.Generator().manual_seed(16))
     lq, lk = q.clone().requires_grad_(), k.clone().requires_grad_()
@@ -324,9 +324,9 @@ def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch):
 
 def test_more_than_eight_levels_take_one_call_per_level(monkeypatch):
     # the kernels are compiled and checked up to 8 levels; 9 run as plain Triton calls, still the definition
-    from fused_contrastive.core import triton_matryoshka
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
-    monkeypatch.setattr(triton_matryoshka, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
+    monkeypatch.setattr(TM, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
     dims = [2, 4, 6, 8, 10, 12, 14, 16, 18]
     q, k = _r(11, 18, seed=17).float(), _r(11, 18, seed=18).float()
     lq, lk = q.clone().requires_grad_(), k.clone().requires_grad_()

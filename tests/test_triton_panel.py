@@ -1,4 +1,4 @@
-"""The panel path of backend="triton" (``core/triton_panel.py`` + ``kernels/panel.py``), the fp16
+"""The panel path of backend="triton" (``core/lse/triton_panel.py`` + ``kernels/panel.py``), the fp16
 pre-scale of every gradient tile and the compact dense positive mask.
 
 Under the CPU interpreter (conftest.py) the panel path's GEMMs are ``torch.mm`` on CPU tensors and its
@@ -27,8 +27,9 @@ except ImportError:  # pragma: no cover - the test extra installs triton
 from test_memory import LargestTensor  # tests/ is on sys.path (rootdir-relative imports, no package)
 
 import fused_contrastive as fc
-from fused_contrastive.core import chunked, triton_backend, triton_function, triton_panel
+from fused_contrastive.core.lse import torch_chunked, triton_function, triton_panel
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare
 from fused_contrastive.testing.accuracy import make_inputs, run
 from tests._compiles import run_compile_script
@@ -45,7 +46,7 @@ def _panel_path(monkeypatch):
     monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", PANEL)
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
@@ -56,13 +57,13 @@ class _Launches:
 
     def __init__(self, monkeypatch):
         self.launches = []
-        orig = triton_backend._launch
+        orig = TL._launch
 
         def launch(x):
             self.launches.append(x)
             orig(x)
 
-        monkeypatch.setattr(triton_backend, "_launch", launch)
+        monkeypatch.setattr(TL, "_launch", launch)
 
     @property
     def names(self) -> list[str]:
@@ -117,7 +118,7 @@ def test_core_every_term_against_the_chunked_path(mode):
     coef = Coeffs(lse=torch.rand(100, generator=g), pos=-0.5,
                   col=torch.rand(70, generator=g) if mode == "column" else None)
     res = []
-    for impl, dt in ((triton_function, torch.float32), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, torch.float32), (torch_chunked, torch.float64)):
         x = [v.to(dt).requires_grad_() for v in (a, b, s)]
         out = impl.core(*x, spec, data, coef, reduce)
         res.append((out, *torch.autograd.grad(out.sum(), x)))
@@ -416,7 +417,7 @@ def test_epilogue_gemm_siglip_eager_offset_wider_texts(dtype, monkeypatch):
     definition (tests/test_siglip.py ``_truth``)."""
     from test_siglip import _truth
 
-    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+    from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
 
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
     rec = _Launches(monkeypatch)
@@ -488,7 +489,7 @@ def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
     probe records the element size of every newly stored 2-d tensor of P rows and at least M / 2 columns
     (the triangular sweep's panels narrow with each panel). The
     cuBLAS form creates its fp32 products panel (4 bytes): seen by the same probe, so the check can fail."""
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
@@ -618,7 +619,7 @@ def test_gemm_probe_waits_for_an_eager_call(monkeypatch):
 
 
 # 1c. The triangular sweep of symmetric logits (B is A without a bias; the triangular fused forward,
-# triton_backend._lse_fwd with tri, and triton_panel.tri_backward)
+# TL._lse_fwd with tri, and triton_panel.tri_backward)
 
 
 def _tri_fwd(rec) -> bool:
@@ -631,7 +632,7 @@ def _tri_fwd(rec) -> bool:
 def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
     """B is A: per-row coefficients, a tensor temperature, a zero row and a tiny row (clamped norms; not fp16);
     97 rows in panels of 40 + 40 + 17 (the last panel has no rows below it). "raw": normalize=False;
-    "self_in": the own column kept (the diagonal block's l_ii). Loss, dA and ds against the chunked
+    "self_in": the own column kept (the diagonal block's l_ii). Loss, dA and ds against the torch_chunked
     path in float64; the launches are the triangular sweep's."""
     rec = _Launches(monkeypatch)
     g = torch.Generator().manual_seed(3)
@@ -645,7 +646,7 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
     reduce = mode != "per_row"
     w = torch.rand(97, generator=g)  # upstream weights of the per-row output
     res = []
-    for impl, dt in ((triton_function, dtype), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, dtype), (torch_chunked, torch.float64)):
         x = a.to(dtype).to(dt).requires_grad_()
         s = torch.tensor(7.0, dtype=dt if dt == torch.float64 else torch.float32, requires_grad=True)
         out = impl.core(x, None, s, spec, CoreData(), coef, reduce)
@@ -670,12 +671,12 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
 @pytest.mark.parametrize("exclude_self", [True, False], ids=["self_out", "self_in"])
 def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch):
     # panels of 2 rows: a last panel of one row, and N = 1 with its own column out (no column at all:
-    # LSE -inf, as the chunked path gives); per-row outputs with distinct upstream weights
+    # LSE -inf, as the torch_chunked path gives); per-row outputs with distinct upstream weights
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", 2)
     rec = _Launches(monkeypatch)
     a = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
     res = []
-    for impl, dt in ((triton_function, torch.float32), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, torch.float32), (torch_chunked, torch.float64)):
         x = a.to(dt).requires_grad_()
         s = torch.tensor(3.0, dtype=dt, requires_grad=True)
         out = impl.core(x, None, s, CoreSpec(exclude_self=exclude_self), CoreData(), Coeffs(1.0), False)
@@ -797,7 +798,7 @@ def test_panel_height_formula(monkeypatch):
 
 @pytest.mark.parametrize("name", ["info_nce", "clip", "simcse", "supcon_mask_in", "dscl_queue"])
 def test_no_tensor_larger_than_a_panel(name, monkeypatch):
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
     # the O(N*D) positive terms (positives.py) take a one-tile shortcut within the tile budget: hold
@@ -822,7 +823,7 @@ def test_one_logits_panel_alive_at_a_time(name, monkeypatch):
     import gc
     import weakref
 
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", 64)
     alive: list[weakref.ref] = []
     orig = triton_panel._mm32
@@ -944,12 +945,12 @@ _COMPILE = textwrap.dedent(
     import dataclasses
     import torch
     from fused_contrastive import core
-    from fused_contrastive.core import triton_backend as TB
+    from fused_contrastive.core import TL as TB
     from fused_contrastive.core import triton_panel
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import aot
 
-    sig = aot._sig_type  # tools/aot.py knows no 1-byte pointers yet: the compact mask is "*u8"
+    sig = aot._sig_type  # tools/compile_survey.py knows no 1-byte pointers yet: the compact mask is "*u8"
     aot._sig_type = lambda v: "*u8" if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 else sig(v)
     meta = torch.device("meta")
     n = m = 4096
@@ -1028,7 +1029,7 @@ _COMPILE = textwrap.dedent(
     triton_panel.PANEL_ROWS = None
     # SigLIP on the epilogue GEMM: per-row losses (MODE 4: the losses, then the gradient tile) and the mean
     # (MODE 5: both in one pass)
-    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+    from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
     for cc, arch in aot.TARGETS:
         for dt, reduce in ((torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True),
                            (torch.float16, True)):

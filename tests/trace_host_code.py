@@ -41,7 +41,7 @@ from fused_contrastive import core, ops
 from fused_contrastive.core import norms
 from fused_contrastive.testing import CASES
 from fused_contrastive.testing.host_paths import covering_cases
-from fused_contrastive.tools.aot import core_call
+from fused_contrastive.tools.compile_survey import core_call
 
 N, D = 96, 40
 

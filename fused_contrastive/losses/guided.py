@@ -1,5 +1,5 @@
 """Guided in-batch negatives (GISTEmbed) and duplicate masking by id, on the merged-block core
-(``core/blocks.py``): the exclusion mask is computed inside each logit tile from a guide tile (or an
+(``core/guided/torch_blocks.py``): the exclusion mask is computed inside each logit tile from a guide tile (or an
 id compare), never stored, and several column blocks merge into one softmax per row.
 
 GISTEmbed (Solatorio 2024; sentence-transformers' ``GISTEmbedLoss``), for anchors ``a``, positives
@@ -30,7 +30,7 @@ from .. import _validate as V
 from .. import distributed as D
 from .._amp import autocast_off
 from .._backend import resolve
-from ..core.blocks import Block, Masks, merged_lse, threshold_of
+from ..core.guided.torch_blocks import Block, Masks, merged_lse, threshold_of
 from ..core.spec import compute_dtype
 from ._levels import leveled
 from ._scope import EPS, Scope

@@ -42,7 +42,7 @@ class Case:
         fn: the public loss function called as ``fn(**tensors, **kwargs, backend=...)``.
         build: ``(n, d, gen) -> (tensors, kwargs)`` at N anchors, float32 CPU.
         op: "core" (InfoNCE family and uniformity: the Triton kernels run it), "cosent", "siglip",
-            "guided" (the merged-block core of ``core/blocks.py``: GIST) or "alignment" (elementwise
+            "guided" (the merged-block core of ``core/guided/torch_blocks.py``: GIST) or "alignment" (elementwise
             O(N*D) PyTorch, no Triton kernel: ``backend="triton"`` raises).
         covers: what the case exercises (shown by ``check --list``).
         bench: one of the benchmark's losses.

@@ -33,8 +33,8 @@ import os
 import torch
 from torch import Tensor
 
-from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
-from .triton_configs import DTYPE_NAMES, d_pad
+from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
+from ..triton_shared.configs import DTYPE_NAMES, d_pad
 
 __all__ = ["CALLS", "ENV", "backward", "build_info", "forward", "route"]
 

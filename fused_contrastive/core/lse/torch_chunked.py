@@ -26,10 +26,10 @@ import os
 import torch
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from .norms import clamped_norms, normalize_backward_, normalize_rows
-from .spec import Coef, Coeffs, CoreData, CoreSpec, combine, compute_dtype
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ..norms import clamped_norms, normalize_backward_, normalize_rows
+from ..spec import Coef, Coeffs, CoreData, CoreSpec, combine, compute_dtype
 
 _NEG_INF = float("-inf")
 _DEFAULT_TILE_ELEMENTS = 1 << 21  # 8 MiB of float32 per tile

@@ -108,21 +108,10 @@ import torch
 import triton
 from torch import Tensor
 
-from ..kernels import panel as KP
-from . import triton_backend as TB
-from .spec import Coeffs, combine
-from .triton_backend import (
-    Launch,
-    _alloc,
-    _cuda_props,
-    _gscale,
-    _index,
-    _mask_args,
-    _problem_args,
-    _row_norms,
-    _upcast,
-)
-from .triton_configs import (
+from ...kernels import panel as KP
+from ..spec import Coeffs, combine
+from ..triton_shared import launch as TL
+from ..triton_shared.configs import (
     EPI_GEMM,
     EPI_GROUP_M,
     EPI_PERSIST_STAGES,
@@ -137,6 +126,17 @@ from .triton_configs import (
     STATS_MERGE_BLOCK_O,
     STATS_MERGE_BLOCK_P,
     d_pad,
+)
+from ..triton_shared.launch import (
+    Launch,
+    _alloc,
+    _cuda_props,
+    _gscale,
+    _index,
+    _mask_args,
+    _problem_args,
+    _row_norms,
+    _upcast,
 )
 
 __all__ = ["BUDGET_BYTES", "EPILOGUE_DEVICES", "EPILOGUE_MIN_ELEMENTS", "GEMM_PROBE_DEVICES", "MIN_ELEMENTS",
@@ -190,7 +190,7 @@ def use_epilogue(dev: torch.device, dt: torch.dtype, form: str = "one_pass", ele
         return mode == "epilogue"
     if dev.type not in EPILOGUE_DEVICES:
         return False
-    cc = 90 if TB._arch(dev) == "sm90" else 80
+    cc = 90 if TL._arch(dev) == "sm90" else 80
     return elements >= EPILOGUE_MIN_ELEMENTS[(form, cc)]
 
 
@@ -251,7 +251,7 @@ def _tma_ok(x: Tensor, y: Tensor) -> bool:
     device; the interpreter emulates it), unit inner stride, 16-byte aligned rows and bases, and a host
     that is not being traced (a descriptor is not a tensor to ``torch.compile``)."""
     dev = x.device
-    if TB.tensors_are_traced() or (dev.type != "cpu" and TB._arch(dev) != "sm90"):
+    if TL.tensors_are_traced() or (dev.type != "cpu" and TL._arch(dev) != "sm90"):
         return False
     for t in (x, y):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16:
@@ -269,7 +269,7 @@ def persistent_programs(dev: torch.device) -> int:
         return EPI_PROGRAMS
     if dev.type == "cpu":
         return 3
-    return _cuda_props(_index(dev))[1] if dev.type == "cuda" else RECORD_SMS[TB._arch(dev)]
+    return _cuda_props(_index(dev))[1] if dev.type == "cuda" else RECORD_SMS[TL._arch(dev)]
 
 
 def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles: int) -> None:
@@ -279,7 +279,7 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
     ``const`` those of the one-tile-per-program form (X and Y tensors)."""
     cfg = EPI_GEMM[config]
     dev = args["X"].device
-    arch = TB._arch(dev)
+    arch = TL._arch(dev)
     form = epi_form(config, arch)
     tma = form == "tma" and _tma_ok(args["X"], args["Y"])
     # (TMA implies sm_90; the interpreter, which runs the sm_80 table, emulates it)
@@ -704,7 +704,7 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     where a forward and a backward sweep take 4 (the fused kernels take 5, their backward streaming through
     an fp32 scratch). ds / db are 0-dim fp32 tensors (no host sync), None unless ``need_s``; dX / dY None
     unless asked."""
-    from .spec import CoreSpec
+    from ..spec import CoreSpec
 
     n, d = x.shape
     m = y.shape[0]
@@ -1017,14 +1017,14 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     need_s = need_s and isinstance(scale, Tensor)
     n = a.shape[0]
     dev = a.device
-    p = TB._prepare_data(a, b, spec, data, want_pos)
+    p = TL._prepare_data(a, b, spec, data, want_pos)
     bb = p.b
     ctx.path = "panel"
     ctx.spec, ctx.coef, ctx.reduce = spec, coef, reduce
     ctx.scale = None if isinstance(scale, Tensor) else scale
     ctx.dtypes = orig_dtypes
     ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
-    scale_t = TB._scale32(scale, dev)
+    scale_t = TL._scale32(scale, dev)
     ctx.tri = use_tri(p, want_col, want_pos)
     # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term)
     ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
@@ -1032,7 +1032,7 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     if eager:
         g = _vec(coef.lse, n, dev)
         g_pos = _vec(coef.pos, n, dev) if want_pos else None
-        da, db, ds, lse, lse_pos, tw = sweep(TB._launch, p, p.a, bb, False, scale_t, spec, None, None, None,
+        da, db, ds, lse, lse_pos, tw = sweep(TL._launch, p, p.a, bb, False, scale_t, spec, None, None, None,
                                              g, None, g_pos, need_a, need_b or (same and need_a), need_s, True,
                                              getattr(ctx, "wide", False), ctx.split)
         if same and da is not None:
@@ -1044,16 +1044,16 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         ctx.eager = None
         lse_col, lse_pos = None, None
         if use_epilogue(dev, a.dtype, "tri", n * n):
-            lse = stats_forward(TB._launch, p, p.a, p.a, scale_t, spec, False, tri=True)[0]
+            lse = stats_forward(TL._launch, p, p.a, p.a, scale_t, spec, False, tri=True)[0]
         else:
-            lse = TB._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
+            lse = TL._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
     elif use_epilogue(dev, a.dtype, "known", n * bb.shape[0]) and not want_pos:
         ctx.eager = None
-        lse, lse_col = stats_forward(TB._launch, p, p.a, bb, scale_t, spec, want_col)
+        lse, lse_col = stats_forward(TL._launch, p, p.a, bb, scale_t, spec, want_col)
         lse_pos = None
     else:
         ctx.eager = None
-        lse, lse_col, lse_pos, _ = TB._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
+        lse, lse_col, lse_pos, _ = TL._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                           None if same else p.b)
     return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
@@ -1086,22 +1086,22 @@ def backward(ctx, go: Tensor):
     spec, coef = ctx.spec, ctx.coef
     p = ctx.prep
     n = lse.shape[0]
-    g = TB._coef_grad(coef.lse, go, n, lse)
+    g = TL._coef_grad(coef.lse, go, n, lse)
     if ctx.tri:
         need_s = need_s and isinstance(scale, Tensor)
         if g is None:
             g = torch.zeros(n, dtype=torch.float32, device=a.device)
-        da, ds, tw = tri_backward(TB._launch, p, a, spec, TB._scale32(scale, a.device), lse, g, need_a, need_s,
+        da, ds, tw = tri_backward(TL._launch, p, a, spec, TL._scale32(scale, a.device), lse, g, need_a, need_s,
                                   getattr(ctx, "wide", False), ctx.split)
         if tw is not None:
             ctx.moved_target = tw  # what core.PiecesFn applies with the target term
         return out(da, None, ds)
-    g_col = TB._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
-    g_pos = TB._coef_grad(coef.pos, go, n, lse_pos)
+    g_col = TL._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
+    g_pos = TL._coef_grad(coef.pos, go, n, lse_pos)
     bb = a if same else b
     sym = p.sym
     need_s = need_s and isinstance(scale, Tensor)
-    da, db, ds, _, _, tw = sweep(TB._launch, p, a, bb, sym, TB._scale32(scale, a.device), spec, lse, lse_col,
+    da, db, ds, _, _, tw = sweep(TL._launch, p, a, bb, sym, TL._scale32(scale, a.device), spec, lse, lse_col,
                                  lse_pos, g, g_col, g_pos, need_a,
                                  (need_b and not same) or (same and not sym and need_a), need_s, False,
                                  getattr(ctx, "wide", False), ctx.split)

@@ -5,7 +5,7 @@ Work in units of one N x M x D matmul, for every level together: forward 1; back
 dB kernel of ``(sum_k d_k + d_K) / D`` each (every level's prefix rebuilt, one gradient GEMM per segment:
 3.25 for 768/512/256/128/64), 7.5 in all against one loss's 5 and K per-level calls' 11.25. B is A runs
 as two inputs (the plain kernels' symmetric single-kernel backward is not used). The linear positive terms
-(TGT, SET) are O(K N D) and run per level in PyTorch (``positives.LinearTermsFn`` on the truncated, re-normalised
+(TGT, SET) are O(K N D) and run per level in PyTorch (``linear_terms.LinearTermsFn`` on the truncated, re-normalised
 rows); the target term's gradient is added inside the kernels' gradient tiles (HAS_TGT), before any 16-bit
 rounding, where ``p_it - 1`` cancels in a peaked softmax.
 """
@@ -20,15 +20,15 @@ import torch
 import triton
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from ..kernels import matryoshka as KM
-from . import positives, triton_panel
-from . import triton_backend as TB
-from .matryoshka import _prefix_norms
-from .norms import prefix_rows
-from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
-from .triton_configs import (
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ...kernels import matryoshka as KM
+from .. import linear_terms
+from ..lse import triton_panel
+from ..norms import prefix_rows
+from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
+from ..triton_shared import launch as TL
+from ..triton_shared.configs import (
     EPI_GROUP_M,
     MATRYOSHKA_SUFFIX,
     MATRYOSHKA_SUFFIX_LEVELS,
@@ -36,6 +36,7 @@ from .triton_configs import (
     d_pad,
     matryoshka_config,
 )
+from .torch_levels import _prefix_norms
 
 __all__ = ["ROUTES", "TritonLevelsFn", "route", "run", "suffix_rows", "use_suffix"]
 
@@ -69,7 +70,7 @@ class _Levels:
 
     def __init__(self, a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, want_pos: bool,
                  dims: tuple[int, ...]):
-        self.p = TB._prepare(a, b, dataclasses.replace(spec, normalize=True), data, want_pos)
+        self.p = TL._prepare(a, b, dataclasses.replace(spec, normalize=True), data, want_pos)
         self.dims = list(dims)
         self.k = len(dims)
         dev = a.device
@@ -79,7 +80,7 @@ class _Levels:
 
 
 def _flags(L: _Levels, spec: CoreSpec) -> dict[str, object]:
-    f = TB._flags(L.p, spec)
+    f = TL._flags(L.p, spec)
     if f.pop("BIAS_COS"):  # core._leveled runs a target margin as one plain call per level
         raise ValueError("core: the Matryoshka kernels take no target margin")
     del f["NORMALIZE"]
@@ -93,22 +94,22 @@ def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool) -> tuple[Tensor, Ten
     dev = p.a.device
     n, d = p.a.shape
     m = p.b.shape[0]
-    cfg, block_d = matryoshka_config("fwd", TB._arch(dev), p.a.dtype, d)
-    lse = TB._alloc((L.k, n), torch.float32, dev)
-    lse_pos = TB._alloc((L.k, n), torch.float32, dev) if p.pos_kind else None
+    cfg, block_d = matryoshka_config("fwd", TL._arch(dev), p.a.dtype, d)
+    lse = TL._alloc((L.k, n), torch.float32, dev)
+    lse_pos = TL._alloc((L.k, n), torch.float32, dev) if p.pos_kind else None
     n_rb = triton.cdiv(n, cfg.block_m)
     progs, col_part = n_rb, p.dummy
     if want_col:
-        progs = TB._col_programs(n_rb, dev)
-        col_part = TB._alloc((progs, L.k, m), torch.float32, dev)
-    TB._launch(TB.Launch(
+        progs = TL._col_programs(n_rb, dev)
+        col_part = TL._alloc((progs, L.k, m), torch.float32, dev)
+    TL._launch(TL.Launch(
         "mat_fwd", KM.mat_fwd_kernel, (progs,),
-        dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], DIMS=L.dims_t, SCALE=TB._scale32(scale, dev),
-             **TB._problem_args(p), LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy,
+        dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], DIMS=L.dims_t, SCALE=TL._scale32(scale, dev),
+             **TL._problem_args(p), LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy,
              Z_RUN=torch.empty((L.k, n), dtype=torch.float32, device=dev),
              ZP_RUN=torch.empty((L.k, n), dtype=torch.float32, device=dev) if p.pos_kind else p.dummy,
              COL_PART=col_part, N=n, M=m, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0),
-             **TB._mask_args(p, spec), n_row_blocks=n_rb),
+             **TL._mask_args(p, spec), n_row_blocks=n_rb),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(L, spec), WANT_COL=bool(want_col)),
         cfg.num_warps, cfg.num_stages, MAXNREG))
     lse_col = torch.logsumexp(col_part, dim=0) if want_col else None
@@ -121,12 +122,12 @@ def _grad_args(L: _Levels, s32: Tensor, spec: CoreSpec, gs: Tensor, lse, lse_col
     p = L.p
     dm = p.dummy
     return dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], FA=L.ra[1], FB=L.rb[1], DIMS=L.dims_t, SCALE=s32,
-                GSCALE=gs, **TB._problem_args(p), LSE=lse, G=g if g is not None else dm,
+                GSCALE=gs, **TL._problem_args(p), LSE=lse, G=g if g is not None else dm,
                 LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
                 LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
                 TGT=tgt[0] if tgt is not None else dm, TW=tgt[1] if tgt is not None else dm,
                 N=p.a.shape[0], M=p.b.shape[0], stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0),
-                **TB._mask_args(p, spec))
+                **TL._mask_args(p, spec))
 
 
 def _grad_flags(L: _Levels, spec: CoreSpec, g, g_col, g_pos, tgt) -> dict[str, object]:
@@ -145,21 +146,21 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     dev = a.device
     n, d = a.shape
     m = b.shape[0]
-    gs = TB._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
+    gs = TL._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
     if gs is None:
-        return TB._no_grads(a, b, need_a, need_b, need_s)
+        return TL._no_grads(a, b, need_a, need_b, need_s)
     dm = p.dummy
-    common = dict(_grad_args(L, TB._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt),
+    common = dict(_grad_args(L, TL._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt),
                   D=d, eps=float(spec.eps))
     flags = _grad_flags(L, spec, g, g_col, g_pos, tgt)
     da = db = ds = None
     if need_a or need_s:
-        cfg, block_d = matryoshka_config("bwd_rows", TB._arch(dev), a.dtype, d)
+        cfg, block_d = matryoshka_config("bwd_rows", TL._arch(dev), a.dtype, d)
         n_rb = triton.cdiv(n, cfg.block_m)
-        da = TB._alloc((n, d), a.dtype, dev) if need_a else dm
+        da = TL._alloc((n, d), a.dtype, dev) if need_a else dm
         acc = torch.empty((n, d), dtype=torch.float32, device=dev) if need_a else dm
-        ds_part = TB._alloc((n_rb,), torch.float32, dev) if need_s else dm
-        TB._launch(TB.Launch(
+        ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
+        TL._launch(TL.Launch(
             "mat_bwd_rows", KM.mat_bwd_kernel, (n_rb,),
             dict(X=a, NX=L.ra[2], **common, DX=da, ACC=acc, DS_PART=ds_part, n_out=n, stride_x=a.stride(0),
                  stride_dx=da.stride(0) if need_a else 0),
@@ -170,13 +171,13 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
         da = da if need_a else None
     if need_b:
         gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
-        db = TB._alloc((m, d), b.dtype, dev)
+        db = TL._alloc((m, d), b.dtype, dev)
         if gcols < m:
             db[gcols:].zero_()  # queue columns get no gradient
         if gcols > 0:
-            cfg, block_d = matryoshka_config("bwd_cols", TB._arch(dev), b.dtype, d)
+            cfg, block_d = matryoshka_config("bwd_cols", TL._arch(dev), b.dtype, d)
             acc = torch.empty((gcols, d), dtype=torch.float32, device=dev)
-            TB._launch(TB.Launch(
+            TL._launch(TL.Launch(
                 "mat_bwd_cols", KM.mat_bwd_kernel, (triton.cdiv(gcols, cfg.block_n),),
                 dict(X=b, NX=L.rb[2], **common, DX=db, ACC=acc, DS_PART=dm, n_out=gcols, stride_x=b.stride(0),
                      stride_dx=db.stride(0)),
@@ -289,9 +290,9 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     dev = a.device
     n, d = a.shape
     m = b.shape[0]
-    gs = TB._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
+    gs = TL._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
     if gs is None:
-        return TB._no_grads(a, b, need_a, need_b, need_s)
+        return TL._no_grads(a, b, need_a, need_b, need_s)
     dt, k = a.dtype, L.k
     kp = triton.next_power_of_2(k)
     cfg = SUFFIX_CONFIG or MATRYOSHKA_SUFFIX
@@ -299,7 +300,7 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     need_cols = need_b and gcols > 0
     bounds = [0, *L.dims]
     pre = prescale(dt)
-    s32 = TB._scale32(scale, dev)
+    s32 = TL._scale32(scale, dev)
     # the other side's top-level unit rows, in the operand dtype (as the kernels' gradient dots take them)
     yhat = (p.sb.to(torch.float32) * L.rb[0][k - 1][:, None]).to(dt) if need_a else None
     xhat = (p.sa.to(torch.float32) * L.ra[0][k - 1][:, None]).to(dt) if need_cols else None
@@ -315,10 +316,10 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     for r0 in range(0, n, rows):
         pr = min(rows, n - r0)
         n_pm, n_pn = triton.cdiv(pr, cfg.block_m), triton.cdiv(m, cfg.block_n)
-        h = TB._alloc((k, pr, m), dt, dev)
-        rho_r = TB._alloc((pr, n_pn, kp), torch.float32, dev)
-        rho_c = TB._alloc((n_pm, kp, m), torch.float32, dev)
-        TB._launch(TB.Launch("mat_epi", KM.mat_epi_kernel, (n_pm * n_pn,),
+        h = TL._alloc((k, pr, m), dt, dev)
+        rho_r = TL._alloc((pr, n_pn, kp), torch.float32, dev)
+        rho_c = TL._alloc((n_pm, kp, m), torch.float32, dev)
+        TL._launch(TL.Launch("mat_epi", KM.mat_epi_kernel, (n_pm * n_pn,),
                              dict(args, H=h, RHO_R=rho_r, RHO_C=rho_c, P=pr, r0=r0), const,
                              cfg.num_warps, cfg.num_stages, MAXNREG))
         rho_a[r0:r0 + pr] = rho_r[:, :, :k].sum(1)
@@ -357,7 +358,7 @@ class TritonLevelsFn(torch.autograd.Function):
     @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
                 reduce: bool, dims: tuple[int, ...]):
-        dt = TB.kernel_dtype(a, b)
+        dt = TL.kernel_dtype(a, b)
         L = _Levels(a.to(dt), None if b is None else b.to(dt), spec, data, coef.pos is not None, dims)
         lse, lse_col, lse_pos = _fwd(L, scale, spec, coef.col is not None)
         ctx.spec, ctx.coef, ctx.reduce = spec, coef, reduce
@@ -404,7 +405,7 @@ class TritonLevelsFn(torch.autograd.Function):
         tgt = None
         if coef.tgt is not None:
             # the target logits' term -c_i TGT^k_i: its weight -c_i go_k at column t_i of every level's tile,
-            # none for a row whose target is its excluded own column (as positives.LinearTermsFn)
+            # none for a row whose target is its excluded own column (as linear_terms.LinearTermsFn)
             t, spec = ctx.target, ctx.spec
             c = coef.tgt.to(torch.float32) if isinstance(coef.tgt, Tensor) else float(coef.tgt)
             tw = -(drop_zero(c, go[:, None] if go.dim() == 1 else go).expand(k, n))
@@ -444,7 +445,7 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
 
     def linear(c: Coeffs, x: Tensor, y: Tensor | None, s) -> Tensor:
         return torch.stack([
-            positives.LinearTermsFn.apply(prefix_rows(x, d, spec.eps),
+            linear_terms.LinearTermsFn.apply(prefix_rows(x, d, spec.eps),
                                           None if y is None else prefix_rows(y, d, spec.eps), s, plain, data, c,
                                           reduce, torch.float32, False)
             for d in dims])

@@ -28,7 +28,7 @@ Two paths (``triton_panel.use_panel``; env ``FUSED_CONTRASTIVE_TRITON_PATH`` = a
   term or a per-row output (fused forward + panel backward), 3 for B is A. Its docstring has the
   memory formula and the per-panel FLOP / byte accounting.
 
-Every launch goes through :func:`_launch`, which ``fused_contrastive.tools.aot`` can switch to
+Every launch goes through :func:`_launch`, which ``fused_contrastive.tools.compile_survey`` can switch to
 recording (:data:`_RECORDER`): the ahead-of-time compiles then see exactly the runtime argument lists.
 Nothing touches the GPU driver at import time. On CPU tensors the kernels run only under the Triton
 interpreter (``TRITON_INTERPRET=1`` before triton is imported); backend resolution checks that.
@@ -44,19 +44,11 @@ import torch
 import triton
 from torch import Tensor
 
-from .._tracing import tensors_are_traced
-from ..kernels import lse as K
-from ..kernels import target as _target_kernels  # noqa: F401 (decorated with the others: interpreted or compiled alike)
-from .spec import CoreData, CoreSpec, coef_grad
-from .triton_configs import (
-    DTYPE_NAMES,
-    ROW_NORM_BLOCK_R,
-    ROW_NORM_MAX_BLOCK_D,
-    ROW_NORM_WARPS,
-    config_for,
-    d_pad,
-    fwd_kernel,
-)
+from ..._tracing import tensors_are_traced
+from ...kernels import lse as K
+from ...kernels import target as _target_kernels  # noqa: F401 (decorated with the others: interpreted or compiled alike)
+from ..spec import CoreData, CoreSpec, coef_grad
+from .configs import DTYPE_NAMES, ROW_NORM_BLOCK_R, ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS, config_for, d_pad, fwd_kernel
 
 __all__ = ["Launch", "interpreted", "kernel_dtype"]
 
