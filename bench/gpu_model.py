@@ -74,8 +74,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused_contrastive import core
-from fused_contrastive.core.lse import triton_panel
 from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.tools import compile_survey
 
 LOSSES = ("info_nce", "simcse", "clip")
@@ -567,21 +567,21 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TL.
     os.environ["FUSED_CONTRASTIVE_DENSE"] = "0"
     prev_env = os.environ.get("FUSED_CONTRASTIVE_TRITON_PATH")
     prev_gemm = os.environ.get("FUSED_CONTRASTIVE_PANEL_GEMM")
-    prev_p, prev_pp = TL.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS
+    prev_p, prev_pp = TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path.split("-")[0]
-    # "panel": the panel form CUDA takes ("auto": triton_panel.use_epilogue's rule); "panel-epilogue" /
+    # "panel": the panel form CUDA takes ("auto": panels.use_epilogue's rule); "panel-epilogue" /
     # "panel-cublas": that form forced
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = {"panel-epilogue": "epilogue", "panel-cublas": "cublas"}.get(path,
                                                                                                           "auto")
     TL.COL_PARTIAL_PROGRAMS = 2 * gpu.sms  # what _col_programs uses on a CUDA device
-    triton_panel.PANEL_PROGRAMS = 2 * gpu.sms  # what the panel kernel's block choice uses on a CUDA device
+    panels.PANEL_PROGRAMS = 2 * gpu.sms  # what the panel kernel's block choice uses on a CUDA device
     try:
         with compile_survey.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
             out = core.run("triton", a, b, scale, spec, data, coef, reduce)
             torch.autograd.grad(out if reduce else out.sum(), [x for x in (a, b) if x is not None and x.requires_grad])
             del out
     finally:
-        TL.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS = prev_p, prev_pp
+        TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS = prev_p, prev_pp
         for name, prev in (("FUSED_CONTRASTIVE_TRITON_PATH", prev_env), ("FUSED_CONTRASTIVE_PANEL_GEMM", prev_gemm),
                            ("FUSED_CONTRASTIVE_DENSE", prev_dense)):
             if prev is None:
@@ -624,7 +624,7 @@ def _walk_cached(ttgir: str, trips: dict, if_weight: float) -> dict[str, float]:
 def kernel_model(launch: TL.Launch, gpu: GPU) -> dict:
     """Roofline of one launch on ``gpu`` (see the module docstring)."""
     if launch.constexprs.get("PERSIST"):
-        # the persistent epilogue GEMMs (triton_panel.EPI_FORMS): one flattened loop over tiles x D steps
+        # the persistent epilogue GEMMs (panels.EPI_FORMS): one flattened loop over tiles x D steps
         # whose bound the TTGIR walk cannot read, and what they change (pipeline latency) is not modelled
         raise NotImplementedError(f"{launch.name}: the model does not price the persistent tile loop "
                                   "(FUSED_CONTRASTIVE_EPI_FORM=tiles); time it with bench/gpu_profile.py --epi-forms")
@@ -1079,8 +1079,8 @@ def _model_loss(loss: str, n: int, d: int, gpu: GPU, with_torch: bool = True) ->
     # the model's preference, "either" within its 5 % band (PANEL_FORM_BAND)
     prefer = ("epilogue" if epilogue["ms"] * (1 + PANEL_FORM_BAND) < cublas["ms"] else
               "cublas" if cublas["ms"] * (1 + PANEL_FORM_BAND) < epilogue["ms"] else "either")
-    # what backend="triton" runs on a CUDA device ("auto" path of triton_panel.use_panel)
-    default = "panel" if n * n >= triton_panel.MIN_ELEMENTS else "fused"
+    # what backend="triton" runs on a CUDA device ("auto" path of panels.use_panel)
+    default = "panel" if n * n >= panels.MIN_ELEMENTS else "fused"
     cur = panel if default == "panel" else fused
     unit = 2 * n * n * d
     floor_ms = FLOOR_UNITS[loss] * unit / (gpu.bf16_tflops * 1e12) * 1e3
@@ -1106,7 +1106,7 @@ def _model_loss(loss: str, n: int, d: int, gpu: GPU, with_torch: bool = True) ->
                panel_cublas_ms=r3(cublas["ms"]), panel_cublas_gemm_ms=r3(cublas["aten"]["gemm_ms"]),
                panel_cublas_kernels=[_kernel_json(k) for k in cublas["grouped"]],
                panel_epilogue_ms=r3(epilogue["ms"]),
-               # the panel form the model prefers, and the one triton_panel.use_epilogue takes (they must agree
+               # the panel form the model prefers, and the one panels.use_epilogue takes (they must agree
                # outside the band: tests/test_gpu_model.py)
                panel_form_should_prefer=prefer, panel_form_taken=taken,
                naive_ms=r3(naive["ms"]) if fits else None, naive_fits=fits,
@@ -1268,7 +1268,7 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
             fits = got["formula"][3] <= gpu.mem_gb * 1e9
             # the triton backend's route: the panel path's K plain calls where the plain op takes it (CUDA,
             # N * M >= 2^24), the Matryoshka kernels otherwise (core._leveled)
-            path = "panel" if n * n >= triton_panel.MIN_ELEMENTS else "fused"
+            path = "panel" if n * n >= panels.MIN_ELEMENTS else "fused"
             levels = run_matryoshka_triton(n, d, gpu)  # the Matryoshka kernels with the backward "auto" takes
             suffix = any(lz.name == "mat_epi" for lz in levels[0])
             with mock.patch.dict(os.environ, {"FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE": "kernels" if suffix else "suffix"}):
@@ -1428,7 +1428,7 @@ def gist_floor_units(d: int, dg: int) -> float:
 
 def run_gist_panel(n: int, d: int, gpu: GPU, learnable_scale: bool = False) -> tuple[list[TL.Launch], list]:
     """The launches (recorded) and ATen ops of ``gist_loss``'s summed bf16 loss on backend="triton" as CUDA
-    runs it for N x 4N >= 2^24 (``triton_panel.use_panel``): ``core.blocks.merged_lse(..., weights=w,
+    runs it for N x 4N >= 2^24 (``panels.use_panel``): ``core.blocks.merged_lse(..., weights=w,
     minus_target=True)`` with the blocks, masks and weights ``gist_loss`` builds (:func:`gist_blocks`; guide
     rule ("absolute", 0.0); target arange; w = 1 / N), through ``TritonMergedFn`` on the guided panel route
     (``core/guided/triton_panel.py``: per panel and block the epilogue GEMM ``guided_epi`` and its redo, cuBLAS
@@ -1517,8 +1517,8 @@ def gist_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
         gpu = GPUS[g]
         for n in sizes:
             launches, ops = run_gist_triton(n, d, gpu)
-            # what CUDA runs: the panel route from N x sum_k M_k = 4 N^2 >= 2^24 (triton_panel.use_panel "auto")
-            panel = n * 4 * n >= triton_panel.MIN_ELEMENTS
+            # what CUDA runs: the panel route from N x sum_k M_k = 4 N^2 >= 2^24 (panels.use_panel "auto")
+            panel = n * 4 * n >= panels.MIN_ELEMENTS
             r_launches, r_ops = _gist_panel_recorded(n, d, gpu.arch) if panel else (launches, ops)
             got = {}
             tops, _ = count_gist("torch", n, d)
@@ -1592,7 +1592,7 @@ def run_siglip_triton(n: int, d: int, gpu: GPU, path: str) -> tuple[list[TL.Laun
     x, y = _meta((n, d)), _meta((n, d))
     sc, bi = _meta((), torch.float32), _meta((), torch.float32)
     # the tiles form: the model prices one program per tile (SigLIP's one pass takes TMA tiles on sm_90 by
-    # default, triton_panel.EPI_FORM_DEFAULT, from a measurement the model cannot reproduce: it has no latency)
+    # default, panels.EPI_FORM_DEFAULT, from a measurement the model cannot reproduce: it has no latency)
     env = {"FUSED_CONTRASTIVE_TRITON_PATH": "fused" if path == "fused" else "panel",
            "FUSED_CONTRASTIVE_PANEL_GEMM": "epilogue", "FUSED_CONTRASTIVE_EPI_FORM": "tiles"}
     with mock.patch.dict(os.environ, env), compile_survey.recording(gpu.arch) as launches, OpCounter() as ops:
@@ -1622,7 +1622,7 @@ def count_siglip_textbook(n: int, d: int) -> tuple[list, int]:
 
 def siglip_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
     """MODEL of SigLIP's sigmoid loss (N images against N texts, learnable scale and bias) on a GPU: the
-    route CUDA takes for the mean loss (the panel path's epilogue GEMM, ``triton_panel.siglip_sweep``: one pass,
+    route CUDA takes for the mean loss (the panel path's epilogue GEMM, ``triton_sweep.siglip_sweep``: one pass,
     MODE 5, that forms the losses and the gradient tile, then the cuBLAS GEMMs: 3 matmul units), the same
     path for per-row losses (a losses sweep and a gradient sweep: 4 units), its fused kernels
     (``kernels/siglip.py``: 5, the backward streaming through an fp32 scratch) and the textbook formula,

@@ -25,8 +25,8 @@ from unittest import mock
 
 import torch
 
-from fused_contrastive.core.lse import triton_panel
 from fused_contrastive.core.triton_shared import configs as CFG
+from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.core.triton_shared.configs import LaunchConfig
 from fused_contrastive.gpu_validate import _env, _timer, kernels_only, parity_case, triton_path
 
@@ -133,27 +133,27 @@ def time_siglip_forms(n: int, d: int, repeats: int) -> None:
 
 
 def time_epi_forms(loss: str, n: int, d: int, repeats: int, device: str = "cuda") -> None:
-    """The epilogue GEMM's tile-loop forms (``triton_panel.EPI_FORMS``: one program per tile, persistent,
+    """The epilogue GEMM's tile-loop forms (``panels.EPI_FORMS``: one program per tile, persistent,
     persistent with TMA operand tiles) on ``loss``'s panel route, fwd + bwd medians alternating in this run,
     the epilogue GEMMs' device time of each (profiler) and whether its gradients equal the tiles form's
     bitwise (they compute the same tiles in the same order)."""
     measure = _timer(device)
     step = _setup(loss, n, d, torch.bfloat16, device=device)
-    times = {f: [] for f in triton_panel.EPI_FORMS}
+    times = {f: [] for f in panels.EPI_FORMS}
     grads, epi = {}, {}
     with triton_path("panel"):
-        for form in triton_panel.EPI_FORMS:
-            with _env(triton_panel.EPI_FORM_ENV, form):
+        for form in panels.EPI_FORMS:
+            with _env(panels.EPI_FORM_ENV, form):
                 step()  # compile
                 grads[form] = [t.grad.clone() for t in step.leaves if t.grad is not None]
                 epi[form] = sum(v for k, v in _kernel_ms(step).items() if k.startswith("epi_gemm"))
         for _ in range(repeats):
-            for form in triton_panel.EPI_FORMS:
-                with _env(triton_panel.EPI_FORM_ENV, form):
+            for form in panels.EPI_FORMS:
+                with _env(panels.EPI_FORM_ENV, form):
                     times[form].append(measure(step))
     base = statistics.median(times["tiles"])
     cells = []
-    for form in triton_panel.EPI_FORMS:
+    for form in panels.EPI_FORMS:
         ms = statistics.median(times[form])
         same = all(torch.equal(a, b) for a, b in zip(grads[form], grads["tiles"], strict=True))
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads[form], grads["tiles"],

@@ -101,14 +101,14 @@ def _aligned_int(name: str) -> bool:
 #: libfused_contrastive_torch, whose panel sweeps do the GEMMs with ``at::mm``.
 PANEL_KERNELS = ("panel_dl", "panel_rows")
 
-#: The panel path is recorded in its cuBLAS form (``triton_panel.use_epilogue`` off: an fp32 panel of
+#: The panel path is recorded in its cuBLAS form (``panels.use_epilogue`` off: an fp32 panel of
 #: products from a GEMM, then ``panel_dl``), the form ``csrc/fc_torch.cpp`` mirrors with ``at::mm``. The
 #: Python launcher's default for 16-bit panels on CUDA (and on the meta device it is recorded on) is the
 #: epilogue GEMM (``epi_gemm``), which the C++ host code does not drive.
 PANEL_GEMM_ENV = "FUSED_CONTRASTIVE_PANEL_GEMM"
 
-#: Grid sizes the panel kernels are recorded for (``triton_panel.PANEL_PROGRAMS``): at REC_N rows one per
-#: BLOCK_R of ``triton_panel.panel_blocks`` (16, 8, 4, 2, 1), so every row-block variant is compiled.
+#: Grid sizes the panel kernels are recorded for (``panels.PANEL_PROGRAMS``): at REC_N rows one per
+#: BLOCK_R of ``panels.panel_blocks`` (16, 8, 4, 2, 1), so every row-block variant is compiled.
 PANEL_PROGRAMS_REC = (32, 64, 128, 256, 1024)
 
 
@@ -167,9 +167,10 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     target), default empty."""
     import torch
 
-    from .core.lse import triton_panel
+    from .core.lse import triton_fused, triton_panel
     from .core.spec import CoreData
     from .core.triton_shared import launch as TL
+    from .core.triton_shared import panels
     from .tools.compile_survey import recording
 
     has_b, want_col = MODES[mode][:2]
@@ -180,10 +181,10 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     b = torch.empty((m, d), dtype=dt, device=meta) if has_b else None
     scale = torch.empty((), dtype=torch.float32, device=meta)
     g = torch.empty(n, device=meta)
-    prev = TL.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS
+    prev = TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS
     prev_gemm = os.environ.get(PANEL_GEMM_ENV)
     TL.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev[0]
-    triton_panel.PANEL_PROGRAMS = programs if programs else (2 * sms if sms else prev[1])
+    panels.PANEL_PROGRAMS = programs if programs else (2 * sms if sms else prev[1])
     os.environ[PANEL_GEMM_ENV] = "cublas"  # the form csrc/fc_torch.cpp mirrors (see PANEL_GEMM_ENV)
     try:
         with recording(arch) as launches:
@@ -193,16 +194,16 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
             # the backward is a second operator call in C++: its own dummy pointer (never dereferenced)
             pb = TL._prepare_data(a, b, spec, data, False)
             if triton_panel.use_tri(p, want_col, False):
-                lse = TL._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
+                lse = triton_fused._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
                 da, _, _ = triton_panel.tri_backward(TL._launch, pb, p.a, spec, scale_t, lse, g, True, True)
             else:
-                lse, lse_col, _, _ = TL._lse_fwd(a, b, scale, spec, data, want_col, False)
+                lse, lse_col, _, _ = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, False)
                 g_col = torch.empty(m, device=meta) if want_col else None
                 da, db, _, _, _, _ = triton_panel.sweep(TL._launch, pb, p.a, p.b, False, scale_t, spec, lse,
                                                         lse_col, None, g,
                                            g_col, None, True, need_b and has_b, True, False)
     finally:
-        TL.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS = prev
+        TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS = prev
         if prev_gemm is None:
             os.environ.pop(PANEL_GEMM_ENV, None)
         else:
@@ -365,8 +366,8 @@ def _c_ident(s: str) -> str:
 def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[str], out: str,
              jobs: int = 1) -> dict:
     """Compile and write the tables (see the module docstring); returns the manifest."""
-    from .core.lse import triton_panel
     from .core.triton_shared import configs as CFG
+    from .core.triton_shared import panels
 
     t0 = time.perf_counter()
     table, todo = plan(archs, dtypes, dclasses, modes)
@@ -399,13 +400,12 @@ def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: li
         archs=archs, dtypes=dtypes, dclasses=dclasses, modes=modes,
         consts=dict(RESIDENT_MAX_D=CFG.RESIDENT_MAX_D, ROW_NORM_BLOCK_R=CFG.ROW_NORM_BLOCK_R,
                     ROW_NORM_MAX_BLOCK_D=CFG.ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS=CFG.ROW_NORM_WARPS,
-                    # the panel path's host constants (triton_configs, triton_panel)
+                    # the panel path's host constants (triton_shared/configs.py, triton_shared/panels.py)
                     PANEL_CHUNK=CFG.PANEL_CHUNK, PANEL_ROWS_BLOCK_R=CFG.PANEL_ROWS_BLOCK_R,
-                    PANEL_ROWS_MAX_BLOCK_D=CFG.PANEL_ROWS_MAX_BLOCK_D, PANEL_BUDGET_BYTES=triton_panel.BUDGET_BYTES,
-                    PANEL_P_MIN=triton_panel.P_MIN,
-                    PANEL_MIN_ELEMENTS=triton_panel.MIN_ELEMENTS,
-                        PANEL_NORM_CHUNK_ELEMENTS=triton_panel.NORM_CHUNK_ELEMENTS,
-                    PANEL_FP16_PRESCALE=triton_panel.FP16_PRESCALE),
+                    PANEL_ROWS_MAX_BLOCK_D=CFG.PANEL_ROWS_MAX_BLOCK_D, PANEL_BUDGET_BYTES=panels.BUDGET_BYTES,
+                    PANEL_P_MIN=panels.P_MIN, PANEL_MIN_ELEMENTS=panels.MIN_ELEMENTS,
+                    PANEL_NORM_CHUNK_ELEMENTS=panels.NORM_CHUNK_ELEMENTS,
+                    PANEL_FP16_PRESCALE=panels.FP16_PRESCALE),
         configs=configs, layouts=layouts,
         variants=[dict(e, **{k: compiled[(e["cc"], e["variant"])][k]
                              for k in ("symbol", "num_warps", "shared", "file", "sha256")},

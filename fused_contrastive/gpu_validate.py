@@ -17,7 +17,7 @@ Everything the Triton kernels need a GPU to confirm, in one command, with a pass
   with a forced panel height (``Plan.multi_panel_rows``, default 1000: 5 panels at N = 4099); in fp32,
   where the rule grants PyTorch's error against the oracle whole, the oracle must agree with the fp32
   reference to ``ORACLE_SANITY`` x the slack;
-* **cuBLAS fp32-output GEMMs**: which route ``core/triton_panel.gemm_routes`` chose per 16-bit dtype
+* **cuBLAS fp32-output GEMMs**: which route ``core/triton_shared/panels.gemm_routes`` chose per 16-bit dtype
   (its probe of ``torch.mm`` / ``torch.addmm`` with ``out_dtype``, or the fallback: information);
 * **determinism**: 10 forward + backward runs bitwise identical per family and path (bf16, D = 768);
 * **fp16 at M = 65536**: fp16 loss and gradients against the fp32 run of the same kernels;
@@ -136,7 +136,7 @@ class Plan:
     ncu: bool = False
     ncu_shape: tuple[int, int] = (16384, 768)
     #: the panel path's parity once more with this many rows per panel (None: skip), so several panels
-    #: meet the oracle (``core/triton_panel.PANEL_ROWS``)
+    #: meet the oracle (``core/triton_shared/panels.PANEL_ROWS``)
     multi_panel_rows: int | None = 1000
     #: a built libfused_contrastive_torch.so: the checks also run on its operators (paths "aot/fused",
     #: "aot/panel"); a problem the library does not cover is reported as such (information)
@@ -287,16 +287,16 @@ def _err(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def _panel_height(rows: int | None) -> Iterator[None]:
-    """``core/triton_panel.PANEL_ROWS = rows`` within the block (None: leave it)."""
-    from .core.lse import triton_panel
+    """``core/triton_shared/panels.PANEL_ROWS = rows`` within the block (None: leave it)."""
+    from .core.triton_shared import panels
 
-    old = triton_panel.PANEL_ROWS
+    old = panels.PANEL_ROWS
     if rows is not None:
-        triton_panel.PANEL_ROWS = rows
+        panels.PANEL_ROWS = rows
     try:
         yield
     finally:
-        triton_panel.PANEL_ROWS = old
+        panels.PANEL_ROWS = old
 
 
 def family(loss: str) -> str:
@@ -438,12 +438,12 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
 
 def check_gemm_routes(report: Report, plan: Plan, device: str) -> None:
     """Information: the route of the panel path's fp32-output GEMMs per 16-bit dtype of the plan
-    (``core/triton_panel.gemm_routes``: "native" = ``out_dtype`` cuBLAS call proven by its probe on this
+    (``core/triton_shared/panels.gemm_routes``: "native" = ``out_dtype`` cuBLAS call proven by its probe on this
     device; otherwise the fallback, correct but with more memory traffic)."""
-    from .core.lse import triton_panel
+    from .core.triton_shared import panels
 
     for dt in (x for x in plan.dtypes if x != torch.float32):
-        mm, addmm = triton_panel.gemm_routes(torch.device(device), dt)
+        mm, addmm = panels.gemm_routes(torch.device(device), dt)
         report.add(f"cuBLAS fp32-output GEMMs {_dname(dt)}", None, f"mm {mm}, addmm {addmm}")
 
 

@@ -1,4 +1,4 @@
-"""The epilogue GEMM's tile-loop forms (``triton_panel.EPI_FORMS``, env ``FUSED_CONTRASTIVE_EPI_FORM``;
+"""The epilogue GEMM's tile-loop forms (``panels.EPI_FORMS``, env ``FUSED_CONTRASTIVE_EPI_FORM``;
 ``kernels/panel.py`` ``epi_gemm_kernel`` PERSIST / TMA): one program per tile (the default), a persistent
 grid walking the tiles in one flattened loop, and the persistent grid with TMA operand tiles.
 
@@ -27,6 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import fused_contrastive as fc
 from fused_contrastive.core.lse import triton_panel
 from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.core.triton_shared.configs import LaunchConfig
 from fused_contrastive.testing import CASE_BY_NAME, compare
 
@@ -92,11 +93,11 @@ LOSSES = {"info_nce": {1}, "clip": {0, 3}, "simcse": {0, 3}, "siglip": {5}, "sig
 
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_forms_equal_the_tiles_form_bitwise(loss, monkeypatch):
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "tiles")
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "tiles")
     want, tiles = _run(loss)
     assert max(x.grid[0] for x in tiles) > 3  # programs that walk several tiles below
     for form in ("persistent", "tma"):
-        monkeypatch.setenv(triton_panel.EPI_FORM_ENV, form)
+        monkeypatch.setenv(panels.EPI_FORM_ENV, form)
         got, launches = _run(loss)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), (loss, form, float((a.float() - b.float()).abs().max()))
@@ -145,10 +146,10 @@ def test_guided_persistent_form_equals_the_tiles_form_bitwise(gdt, form, monkeyp
     # compile test below checks that table)
     for key in list(TGP.GUIDED_PERSIST_STAGES):
         monkeypatch.setitem(TGP.GUIDED_PERSIST_STAGES, key, 2)
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "tiles")
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "tiles")
     want, tiles = _gist(gdt)
     assert max(x.grid[0] for x in tiles if x.name == "guided_epi") > 3
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, form)
+    monkeypatch.setenv(panels.EPI_FORM_ENV, form)
     got, launches = _gist(gdt)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b), (form, float((a.float() - b.float()).abs().max()))
@@ -159,20 +160,20 @@ def test_guided_persistent_form_equals_the_tiles_form_bitwise(gdt, form, monkeyp
 
 @pytest.mark.parametrize("name, form", [("info_nce", "persistent"), ("clip_scale", "tma")])
 def test_forms_against_float64(name, form, monkeypatch):
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, form)
+    monkeypatch.setenv(panels.EPI_FORM_ENV, form)
     c = compare(CASE_BY_NAME[name], 97, 72, torch.bfloat16, "triton", canary=True)
     assert c.ok, c
 
 
 def test_tma_needs_aligned_rows_and_the_env_is_checked(monkeypatch):
     # D = 13 in bf16: 26-byte rows, which TMA cannot copy: the persistent form with cp.async copies instead
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "tma")
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "tma")
     got, launches = _run("info_nce", d=13)
     assert {(x.constexprs["PERSIST"], x.constexprs["TMA"]) for x in launches if x.name == "epi_gemm"} == {
         (True, False)}
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "tiles")
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "tiles")
     want, _ = _run("info_nce", d=13)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "warp")
-    with pytest.raises(ValueError, match=triton_panel.EPI_FORM_ENV):
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "warp")
+    with pytest.raises(ValueError, match=panels.EPI_FORM_ENV):
         _run("info_nce")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fused_contrastive.core.lse import triton_panel
+from fused_contrastive.core.triton_shared import panels
 
 
 def _spy(monkeypatch):
@@ -35,11 +36,11 @@ def test_the_upcast_route_uses_tf32_for_bf16_only(monkeypatch, dtype, tf32):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(24, 40, generator=g).to(dtype), torch.randn(40, 16, generator=g).to(dtype)
     acc = torch.zeros(24, 16)
-    assert triton_panel.gemm_routes(x.device, dtype) == ("upcast", "upcast")  # the CPU has no native route
+    assert panels.gemm_routes(x.device, dtype) == ("upcast", "upcast")  # the CPU has no native route
     before = torch.backends.cuda.matmul.allow_tf32
     seen = _spy(monkeypatch)
-    got = triton_panel._mm32(x, y)
-    triton_panel._addmm32_(acc, x, y)
+    got = panels._mm32(x, y)
+    panels._addmm32_(acc, x, y)
     assert [(op, dt, flag) for op, dt, flag in seen] == [("mm", torch.float32, tf32), ("addmm", torch.float32, tf32)]
     assert torch.backends.cuda.matmul.allow_tf32 == before
     want = x.double() @ y.double()
@@ -64,8 +65,8 @@ def test_an_unprobed_traced_first_call_warns_once(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     dev = torch.device("cpu")
     with pytest.warns(RuntimeWarning, match="traced or captured.*'upcast' route"):
-        assert triton_panel.gemm_routes(dev, torch.bfloat16) == ("upcast", "upcast")
+        assert panels.gemm_routes(dev, torch.bfloat16) == ("upcast", "upcast")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert triton_panel.gemm_routes(dev, torch.bfloat16) == ("upcast", "upcast")  # said once
-    assert triton_panel._GEMM_ROUTES == {}  # nothing cached: an eager call probes later
+        assert panels.gemm_routes(dev, torch.bfloat16) == ("upcast", "upcast")  # said once
+    assert panels._GEMM_ROUTES == {}  # nothing cached: an eager call probes later

@@ -19,6 +19,7 @@ import fused_contrastive as fc
 from fused_contrastive.core.lse import triton_panel
 from fused_contrastive.core.matryoshka import triton_levels as TM
 from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.core.triton_shared.configs import MATRYOSHKA_SUFFIX_LEVELS, LaunchConfig
 from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 
@@ -152,7 +153,7 @@ def test_the_panel_height_keeps_the_suffix_tiles_within_the_budget(monkeypatch):
     monkeypatch.delenv("FUSED_CONTRASTIVE_PANEL_BUDGET", raising=False)
     n = m = 65536
     d, k, e = 768, 5, 2
-    budget = triton_panel.BUDGET_BYTES
+    budget = panels.BUDGET_BYTES
     p = TM.suffix_rows(n, m, d, k, torch.bfloat16, True)
     # the panel's K bf16 tiles beside dB's fp32 accumulators (4 M D bytes) fit the budget; 64-row multiples
     kp, block = 8, 64  # levels padded to a power of two; the suffix kernel's 64 x 64 tiles
@@ -161,7 +162,7 @@ def test_the_panel_height_keeps_the_suffix_tiles_within_the_budget(monkeypatch):
         return (k * rows * m * e + rows * triton.cdiv(m, block) * kp * 4 + triton.cdiv(rows, block) * kp * m * 4
                 + 4 * rows * d + 4 * m * d)
 
-    assert p % 64 == 0 and p >= triton_panel.P_MIN
+    assert p % 64 == 0 and p >= panels.P_MIN
     assert allocated(p) <= budget < allocated(p + 64), (p, allocated(p), budget)
     assert TM.suffix_rows(100, 29, 40, 3, torch.bfloat16, True) == 100  # a small problem is one panel
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", 24)

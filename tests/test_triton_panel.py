@@ -3,7 +3,7 @@ pre-scale of every gradient tile and the compact dense positive mask.
 
 Under the CPU interpreter (conftest.py) the panel path's GEMMs are ``torch.mm`` on CPU tensors and its
 Triton kernel runs interpreted; ``FUSED_CONTRASTIVE_TRITON_PATH=panel`` forces the path (on the CPU
-"auto" takes the fused kernels, which tests/test_triton.py covers) and ``triton_panel.PANEL_ROWS``
+"auto" takes the fused kernels, which tests/test_triton.py covers) and ``panels.PANEL_ROWS``
 forces small panels, so every test runs several panels with a ragged last one. Every kernel output is
 poisoned with NaN before its launch and the registry inputs are views into NaN-padded buffers, as in
 tests/test_triton.py. The compile tests lower the panel kernel (and the fused kernels with a 1-byte
@@ -30,6 +30,7 @@ import fused_contrastive as fc
 from fused_contrastive.core.lse import torch_chunked, triton_function, triton_panel
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare
 from fused_contrastive.testing.accuracy import make_inputs, run
 from tests._compiles import run_compile_script
@@ -337,10 +338,10 @@ def test_epilogue_gemm_is_chosen_where_documented(monkeypatch):
     assert kernels("epilogue", torch.float32) == {("panel_dl", None)}  # fp32 GEMMs stay cuBLAS
     assert kernels("cublas", torch.bfloat16) == {("panel_dl", None)}
     assert kernels(None, torch.bfloat16) == {("panel_dl", None)}  # auto on the CPU
-    assert triton_panel.use_epilogue(torch.device("meta"), torch.bfloat16)  # auto where CUDA would run
+    assert panels.use_epilogue(torch.device("meta"), torch.bfloat16)  # auto where CUDA would run
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "triton")
     with pytest.raises(ValueError, match="FUSED_CONTRASTIVE_PANEL_GEMM"):
-        triton_panel.use_epilogue(torch.device("cpu"), torch.bfloat16)
+        panels.use_epilogue(torch.device("cpu"), torch.bfloat16)
 
 
 SIGLIP_CASES = [c for c in CASES if c.op == "siglip" or c.fn.__name__ == "siglip_loss"]
@@ -454,7 +455,7 @@ def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
     q = torch.cat([k[:32].float() + 0.05 * torch.randn(32, d, generator=g) / d ** 0.5,
                    -u + 0.2 * torch.randn(32, d, generator=g) / d ** 0.5]).bfloat16()
     weights = []
-    orig = triton_panel._epi_panel
+    orig = panels._epi_panel
 
     def spy(*args, **kw):
         out = orig(*args, **kw)
@@ -494,8 +495,8 @@ def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
     probe = WideTensors(p, n // 2)
-    monkeypatch.setattr(triton_panel, "_mm32", probe.counted(triton_panel._mm32, "_mm32"))
-    monkeypatch.setattr(triton_panel, "_addmm32_", probe.counted(triton_panel._addmm32_, "_addmm32_"))
+    monkeypatch.setattr(triton_panel, "_mm32", probe.counted(panels._mm32, "_mm32"))
+    monkeypatch.setattr(triton_panel, "_addmm32_", probe.counted(panels._addmm32_, "_addmm32_"))
     case = CASE_BY_NAME[name]
     tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
     widths, seen = {}, {}
@@ -510,7 +511,7 @@ def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
     assert 4 in widths["cublas"], seen["cublas"]  # the products panel of the cuBLAS form
 
 
-# 1b'. The fp32-output GEMMs of 16-bit operands (triton_panel.gemm_routes): the probe, its cached
+# 1b'. The fp32-output GEMMs of 16-bit operands (panels.gemm_routes): the probe, its cached
 # verdict and every fallback, forced on the CPU with stand-ins for the out_dtype calls (the CPU has
 # none: torch 2.13 "Could not run 'aten::mm.dtype' ... CPU")
 
@@ -569,7 +570,7 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
             l2 = fc.simcse_loss(b, temperature=0.1, backend=be)  # B is A: the triangular sweep
             res.append((l1, l2, *torch.autograd.grad(l1 + l2, (a, b))))
     fails = [w for w in caught if "fp32-output" in str(w.message)]
-    assert triton_panel.gemm_routes(torch.device("cpu"), torch.bfloat16) == ROUTE_CASES[kinds]
+    assert panels.gemm_routes(torch.device("cpu"), torch.bfloat16) == ROUTE_CASES[kinds]
     assert len(fails) == sum(x != "ok" for x in kinds), [str(w.message) for w in fails]
     probes = {"mm": 1, "addmm": 1}
     for op, kind in zip(("mm", "addmm"), kinds, strict=True):
@@ -584,10 +585,10 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
     y = torch.randn(40, 300, generator=gen).to(torch.bfloat16)
     acc0 = torch.randn(50, 40, generator=gen)
     acc = acc0.clone()
-    triton_panel._addmm32_(acc, x, y.T)
+    panels._addmm32_(acc, x, y.T)
     want = x.double() @ y.double().T
     bound = (x.double().abs() @ y.double().abs().T) * 2.0 ** -18 + acc0.abs().double() * 2.0 ** -22
-    assert ((triton_panel._mm32(x, y.T).double() - want).abs() <= bound).all(), f"mm route {kinds}"
+    assert ((panels._mm32(x, y.T).double() - want).abs() <= bound).all(), f"mm route {kinds}"
     assert ((acc.double() - acc0.double() - want).abs() <= bound).all(), f"addmm route {kinds}"
     tri = [x for x in rec.launches if x.name == "panel_dl" and x.constexprs["TRI"]]
     assert len(tri) == 3 and len(rec.launches) > len(tri) + 3  # 90 rows: triangular panels 40 + 40 + 10
@@ -609,17 +610,17 @@ def test_gemm_probe_waits_for_an_eager_call(monkeypatch):
     monkeypatch.setattr(triton_panel, "NATIVE_GEMMS", _stand_ins("ok", "ok", calls))
     x = torch.randn(30, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    got = triton_panel._mm32(x, x.T)
-    assert calls == {"mm": 0, "addmm": 0} and triton_panel._GEMM_ROUTES == {}
+    got = panels._mm32(x, x.T)
+    assert calls == {"mm": 0, "addmm": 0} and panels._GEMM_ROUTES == {}
     want = x.double() @ x.double().T
     assert ((got.double() - want).abs() <= (x.double().abs() @ x.double().abs().T) * 2.0 ** -18).all()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    assert triton_panel.gemm_routes(torch.device("cpu"), torch.bfloat16) == ("native", "native")
+    assert panels.gemm_routes(torch.device("cpu"), torch.bfloat16) == ("native", "native")
     assert calls == {"mm": 1, "addmm": 1}
 
 
 # 1c. The triangular sweep of symmetric logits (B is A without a bias; the triangular fused forward,
-# TL._lse_fwd with tri, and triton_panel.tri_backward)
+# triton_fused._lse_fwd with tri, and triton_panel.tri_backward)
 
 
 def _tri_fwd(rec) -> bool:
@@ -737,10 +738,10 @@ def test_triangular_sweep_matmul_flops(monkeypatch):
 
 def test_panel_blocks_rule():
     # (rows per program, chunk) from the documented rule: the most rows that still give `programs`
-    assert triton_panel.panel_blocks(1216, 264) == (4, 512)  # N = 65536 on an H100 (132 SMs)
-    assert triton_panel.panel_blocks(320, 264) == (1, 2048)  # N = 131072
-    assert triton_panel.panel_blocks(40, 1) == (16, 128)  # the interpreter
-    assert triton_panel.panel_blocks(40, 8) == (4, 512)
+    assert panels.panel_blocks(1216, 264) == (4, 512)  # N = 65536 on an H100 (132 SMs)
+    assert panels.panel_blocks(320, 264) == (1, 2048)  # N = 131072
+    assert panels.panel_blocks(40, 1) == (16, 128)  # the interpreter
+    assert panels.panel_blocks(40, 8) == (4, 512)
 
 
 @pytest.mark.parametrize("programs", [8, 10 ** 6], ids=["4-rows", "1-row"])
@@ -751,7 +752,7 @@ def test_narrow_blocks(name, programs, monkeypatch):
     rec = _Launches(monkeypatch)
     c = compare(CASE_BY_NAME[name], 97, 100, torch.float32, "triton", canary=True)
     assert c.ok, c
-    want = triton_panel.panel_blocks(PANEL, programs)
+    want = panels.panel_blocks(PANEL, programs)
     assert {(x.constexprs["BLOCK_R"], x.constexprs["BLOCK_C"]) for x in rec.launches if x.name == "panel_dl"} == {want}
 
 
@@ -761,15 +762,15 @@ def test_narrow_blocks(name, programs, monkeypatch):
 def test_path_choice(monkeypatch):
     x = torch.empty(4, 4)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "auto")
-    assert not triton_panel.use_panel(x, 1 << 20, 1 << 20)  # CPU: the fused kernels whatever the size
-    assert not triton_panel.use_panel(torch.empty(4, 4, device="meta"), 1 << 20, 1 << 20)
+    assert not panels.use_panel(x, 1 << 20, 1 << 20)  # CPU: the fused kernels whatever the size
+    assert not panels.use_panel(torch.empty(4, 4, device="meta"), 1 << 20, 1 << 20)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
-    assert not triton_panel.use_panel(x, 8, 8)
+    assert not panels.use_panel(x, 8, 8)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    assert triton_panel.use_panel(x, 8, 8)
+    assert panels.use_panel(x, 8, 8)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "gemm")
     with pytest.raises(ValueError, match="FUSED_CONTRASTIVE_TRITON_PATH"):
-        triton_panel.use_panel(x, 8, 8)
+        panels.use_panel(x, 8, 8)
 
 
 def test_forced_fused_path_launches_no_panel(monkeypatch):
@@ -785,12 +786,12 @@ def test_panel_height_formula(monkeypatch):
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", None)
     n = m = 131072
     d = 768
-    p = triton_panel.panel_rows(n, m, d, torch.bfloat16, True)
+    p = panels.panel_rows(n, m, d, torch.bfloat16, True)
     extra = 4 * m * d + p * ((4 + 2) * m + (4 + 4) * d + 16) + 64 * (n + m)  # + O(N + M) vectors, generously
     assert p == 320 and extra < 0.72e9, (p, extra)
-    assert triton_panel.panel_rows(65536, 65536, d, torch.bfloat16, True) == 1216
+    assert panels.panel_rows(65536, 65536, d, torch.bfloat16, True) == 1216
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_BUDGET", "1000")  # a budget too small: the floor
-    assert triton_panel.panel_rows(n, m, d, torch.bfloat16, True) == triton_panel.P_MIN
+    assert panels.panel_rows(n, m, d, torch.bfloat16, True) == panels.P_MIN
 
 
 # 3. Memory: no tensor larger than one panel (P x M), with D <= P so the O(M D) accumulator is smaller
@@ -826,7 +827,7 @@ def test_one_logits_panel_alive_at_a_time(name, monkeypatch):
     monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     monkeypatch.setattr(triton_panel, "PANEL_ROWS", 64)
     alive: list[weakref.ref] = []
-    orig = triton_panel._mm32
+    orig = panels._mm32
     counts = []
 
     def mm32(x, y):
@@ -990,8 +991,8 @@ _COMPILE = textwrap.dedent(
                                 ("onepass-r1", (torch.bfloat16,)),
                                 ("tri", (torch.bfloat16, torch.float16, torch.float32))):
             # the GPU's narrow blocks (4 x 512, 1 x 2048) as the block rule picks them for 4096 rows
-            triton_panel.PANEL_PROGRAMS = {"onepass-r4": 1024, "onepass-r1": 10 ** 6}.get(variant)
-            triton_panel.PANEL_ROWS = 1024 if variant == "tri" else None  # several triangular panels
+            panels.PANEL_PROGRAMS = {"onepass-r4": 1024, "onepass-r1": 10 ** 6}.get(variant)
+            panels.PANEL_ROWS = 1024 if variant == "tri" else None  # several triangular panels
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     # the panel kernels, and the fused forward with the 1-byte mask
@@ -1002,7 +1003,7 @@ _COMPILE = textwrap.dedent(
                                  block_r=x.constexprs.get("BLOCK_R"), tri=bool(x.constexprs.get("TRI")),
                                  split=bool(x.constexprs.get("SPLIT_T")))
                         out.append(r)
-    triton_panel.PANEL_PROGRAMS = None
+    panels.PANEL_PROGRAMS = None
     # the epilogue GEMM: every mode (one pass and its redo, known statistics: the column term, the
     # symmetric and the triangular forms) in every 16-bit dtype it takes
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
@@ -1010,7 +1011,7 @@ _COMPILE = textwrap.dedent(
         for variant, dtypes in (("onepass", (torch.bfloat16,)), ("col", (torch.bfloat16, torch.float16)),
                                 ("stats", (torch.bfloat16, torch.float16)),
                                 ("sym", (torch.bfloat16, torch.float16)), ("tri", (torch.bfloat16, torch.float16))):
-            triton_panel.PANEL_ROWS = 1024 if variant == "tri" else None
+            panels.PANEL_ROWS = 1024 if variant == "tri" else None
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     if x.name in ("epi_rows", "target_rows", "stats_merge"):  # the row kernels around the
@@ -1026,7 +1027,7 @@ _COMPILE = textwrap.dedent(
                                  tri=bool(x.constexprs["TRI"]), cp_async=ttgir.count("async_copy_global_to_local"),
                                  split=bool(x.constexprs["SPLIT_T"]))
                         out.append(r)
-    triton_panel.PANEL_ROWS = None
+    panels.PANEL_ROWS = None
     # SigLIP on the epilogue GEMM: per-row losses (MODE 4: the losses, then the gradient tile) and the mean
     # (MODE 5: both in one pass)
     from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn

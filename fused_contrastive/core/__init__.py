@@ -23,8 +23,8 @@ from .._first_order import first_order
 from .._tracing import traced_core, tracing_route
 from . import linear_terms
 from .lse import torch_chunked, torch_dense
-from .lse.torch_chunked import tile_elements
 from .spec import Coeffs, CoreData, CoreSpec, DirectCtx, check_problem, compute_dtype, graph_free
+from .tiles import tile_elements, tile_elements_set
 
 __all__ = ["Coeffs", "CoreData", "CoreSpec", "PiecesFn", "backward_parts", "dense_path", "forward_parts", "pieces",
            "run", "tile_elements"]
@@ -36,7 +36,7 @@ __all__ = ["Coeffs", "CoreData", "CoreSpec", "PiecesFn", "backward_parts", "dens
 #: Matryoshka InfoNCE at five levels (8.38 / 17.02) and InfoNCE at D = 256 (2.36 / 2.97), and slower for CLIP
 #: (7.84 / 4.27) and Matryoshka CLIP (32.6 / 17.1), whose column term keeps them on the kernels
 #: (``bench/results/h200-bench-gpu-2/bench_gpu.txt``, the ``fused_contrastive[tile=2^24]`` rows). Between
-#: the CPU's limit (:func:`torch_chunked.tile_elements`, 2^21) and this one nothing has been timed.
+#: the CPU's limit (:func:`tiles.tile_elements`, 2^21) and this one nothing has been timed.
 CUDA_DENSE_ELEMENTS = 1 << 24
 
 
@@ -47,7 +47,7 @@ def dense_path(n: int, m: int, device: torch.device | None = None, col: bool = F
     if os.environ.get("FUSED_CONTRASTIVE_DENSE", "1") == "0":
         return False
     limit = tile_elements()
-    if device is not None and device.type == "cuda" and not col and not torch_chunked.tile_elements_set():
+    if device is not None and device.type == "cuda" and not col and not tile_elements_set():
         limit = max(limit, CUDA_DENSE_ELEMENTS)
     return n * m <= limit
 
@@ -198,12 +198,12 @@ def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
         return torch.stack([run(backend, a[:, :d], None if b is None else b[:, :d], scale, spec, data, coef, reduce)
                             for d in levels[0]])
     if backend == "triton":
-        from .lse import triton_panel
         from .matryoshka import triton_levels as TM
+        from .triton_shared import panels
         route = TM.route()  # env FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE (TM.ROUTES)
         m = n if b is None else b.shape[0]
         if (route == "calls" or len(levels[0]) > MAX_KERNEL_LEVELS
-                or (route == "auto" and triton_panel.use_panel(a, n, m)
+                or (route == "auto" and panels.use_panel(a, n, m)
                     and not (coef.col is not None and n * m <= TM.COL_KERNELS_MAX_ELEMENTS))):
             # where the plain loss takes the panel path (cuBLAS GEMMs on row panels: CUDA, N * M >= 2^24),
             # K of its calls on the truncated, re-normalised rows are modelled faster than the Matryoshka

@@ -32,9 +32,9 @@ from torch import Tensor
 from .._amp import autocast_off
 from .._first_order import first_order
 from .._tracing import tracing_route
-from .lse.torch_chunked import tile_elements
 from .norms import normalize_backward_, normalize_rows
 from .spec import Coeffs, CoreData, CoreSpec, drop_zero
+from .tiles import tile_elements
 
 
 def _groups(col_labels: Tensor, row_labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:

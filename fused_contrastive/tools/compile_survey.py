@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from ..core.lse import triton_fused
 from ..core.spec import CoreData, CoreSpec
 from ..core.triton_shared import launch as TL
 from ..core.triton_shared.configs import CONFIGS, DTYPE_NAMES
@@ -94,10 +95,10 @@ def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, wan
     b = torch.empty((m, d), dtype=dtype, device=meta) if has_b else None
     scale = torch.empty((), dtype=torch.float32, device=meta)
     with recording(arch) as launches:
-        lse, lse_col, lse_pos, p = TL._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
+        lse, lse_col, lse_pos, p = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
         g = torch.empty(n, device=meta)
         g_col = None if lse_col is None else torch.empty(lse_col.shape, device=meta)
-        TL._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
+        triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
                     need_a, need_b and has_b, need_s, target=torch.empty(n, dtype=torch.int64, device=meta) if split
                     else None)
     return launches

@@ -30,8 +30,8 @@ from torch import Tensor
 
 from ..._amp import autocast_off
 from ..._first_order import first_order
-from ..lse.torch_chunked import tile_elements
 from ..norms import clamped_norms
+from ..tiles import tile_elements
 
 _NEG_INF = float("-inf")
 

@@ -38,9 +38,9 @@ from torch import Tensor
 from ..._amp import autocast_off
 from ..._first_order import first_order
 from ..._tracing import traced_op, tracing_route
-from ..lse.torch_chunked import _ScaleGrad, tile_elements
 from ..norms import normalize_backward_, normalize_rows
 from ..spec import DirectCtx, compute_dtype, graph_free, threshold_of
+from ..tiles import _ScaleGrad, tile_elements
 
 _NEG_INF = float("-inf")
 

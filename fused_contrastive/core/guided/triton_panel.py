@@ -47,9 +47,9 @@ from torch import Tensor
 
 from ...kernels import guided as KG
 from ...kernels import panel as KP
-from ..lse import triton_panel
 from ..spec import CoreSpec
 from ..triton_shared import launch as TL
+from ..triton_shared import panels
 from ..triton_shared.configs import (
     EPI_GROUP_M,
     GUIDED_EPI,
@@ -76,9 +76,9 @@ def guided_blocks_dtype(xs) -> torch.dtype | None:
 def use_guided_panel(xs, cfg, weights: Tensor | None) -> bool:
     """Whether ``TritonMergedFn`` takes this route: a summed loss (``weights``) of unit rows
     (``normalize``), every tensor bf16, a protected block only together with ``minus_target`` (the
-    target then leaves the tile), and the panel path's choice for the problem (``triton_panel.use_panel``
+    target then leaves the tile), and the panel path's choice for the problem (``panels.use_panel``
     with N x sum_k M_k elements: CUDA from 2^24, env ``FUSED_CONTRASTIVE_TRITON_PATH``) and the epilogue
-    GEMM's (``triton_panel.use_epilogue`` form "guided", env ``FUSED_CONTRASTIVE_PANEL_GEMM``)."""
+    GEMM's (``panels.use_epilogue`` form "guided", env ``FUSED_CONTRASTIVE_PANEL_GEMM``)."""
     if weights is None or not cfg.normalize or guided_blocks_dtype(xs) != torch.bfloat16:
         return False
     protected = [blk for blk in cfg.blocks if blk.protect]
@@ -86,7 +86,7 @@ def use_guided_panel(xs, cfg, weights: Tensor | None) -> bool:
         return False
     elements = cfg.n * sum(xs[blk.cols].shape[0] for blk in cfg.blocks)
     a = xs[0]
-    return triton_panel.use_panel(a, cfg.n, elements // max(cfg.n, 1)) and triton_panel.use_epilogue(a.device,
+    return panels.use_panel(a, cfg.n, elements // max(cfg.n, 1)) and panels.use_epilogue(a.device,
                                                                                                      a.dtype, "guided",
                                                                                       elements)
 
@@ -102,13 +102,13 @@ P_MIN = 1024
 def panel_rows(n: int, col_rows: list[int], d: int, groups: int, grad_rows: int, block_m: int, block_n: int,
                split: bool, need_s: bool) -> int:
     """Rows per panel from the core panel path's byte budget (``FUSED_CONTRASTIVE_PANEL_BUDGET``, default
-    ``triton_panel.BUDGET_BYTES``): ``fixed = 4 D grad_rows`` (the fp32 accumulators of the tensors with a
+    ``panels.BUDGET_BYTES``): ``fixed = 4 D grad_rows`` (the fp32 accumulators of the tensors with a
     gradient), per panel row ``2 sum_k M_k`` (the bf16 tiles) + the partials (4 bytes x 2-5 per column
     tile of each block) + ``8 D`` per row group (the operand copy, the dR GEMM's fp32 output, XW). A
     multiple of ``block_m`` (the threshold kernel's row tiles line up), at least :data:`P_MIN`."""
     if PANEL_ROWS is not None:
         return max(1, min(n, triton.cdiv(PANEL_ROWS, block_m) * block_m))
-    budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", triton_panel.BUDGET_BYTES))
+    budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", panels.BUDGET_BYTES))
     fixed = 4 * d * grad_rows
     parts = 3 + (1 if need_s else 0) + (2 if split else 0)
     per_row = sum(2 * m + 4 * parts * triton.cdiv(m, block_n) for m in col_rows) + 8 * d * groups + 32
@@ -139,9 +139,9 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     g16 = [mk.ga is not None and mk.ga.dtype in (torch.float16, torch.bfloat16) for mk in block_masks]
     names = ["one_pass_wide" if (k != split_k and g16[k]) else "one_pass" for k in range(len(block_masks))]
     cfgs = [cfg_w if name == "one_pass_wide" else cfg_e for name in names]
-    # the tile loop's form (triton_panel.EPI_FORMS; "tma" is "persistent" here: the guide operands have no
+    # the tile loop's form (panels.EPI_FORMS; "tma" is "persistent" here: the guide operands have no
     # descriptors) and each block's persistent pipeline depth (None: that block keeps the tiles form)
-    persist = [GUIDED_PERSIST_STAGES[(name, TL._arch(dev), g16[k], k == split_k)] if triton_panel.epi_form() != "tiles"
+    persist = [GUIDED_PERSIST_STAGES[(name, TL._arch(dev), g16[k], k == split_k)] if panels.epi_form() != "tiles"
                else None for k, name in enumerate(names)]
     groups = sorted({(blk.rows, blk.row_start) for blk in cfg.blocks})
     col_ts = sorted({blk.cols for blk in cfg.blocks})
@@ -156,7 +156,7 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     w_all = weights.to(torch.float32)
     # norms of every column tensor and every tensor with a gradient (its accumulator is in their frame)
     # (the panel path's column norms in chunks: nb, rb; bf16 needs no normalised copy)
-    cols = {c: triton_panel._Problem(xs[c], xs[c], CoreSpec(normalize=True, eps=eps), need_op=False)
+    cols = {c: panels._Problem(xs[c], xs[c], CoreSpec(normalize=True, eps=eps), need_op=False)
             for c in sorted(set(col_ts) | {t for t, nd in enumerate(need) if nd})}
     # one fp32 accumulator per tensor with a gradient, rows j holding rb_j (dL / dx_hat_j) / s: the column
     # roles' E^T @ XW (rb folded into E) and the row roles' W (E @ C_hat) times rb, both added here, then
@@ -206,7 +206,7 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
                 launch(TL.Launch("guided_epi", KG.guided_epi_kernel, (n_pm * n_pn,), dict(args, BAD=dm, SHIFT=dm),
                                  dict(const, MODE=1, PERSIST=False), ck.num_warps, ck.num_stages))
             else:
-                grid = (max(1, min(n_pm * n_pn, triton_panel.persistent_programs(dev))),)
+                grid = (max(1, min(n_pm * n_pn, panels.persistent_programs(dev))),)
                 launch(TL.Launch("guided_epi", KG.guided_epi_kernel, grid, dict(args, BAD=dm, SHIFT=dm),
                                  dict(const, MODE=1, PERSIST=True), ck.num_warps, persist[k]))
             tiles.append((dl, args, const))
@@ -245,7 +245,7 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
             mine = [k for k, blk in enumerate(cfg.blocks) if (blk.rows, blk.row_start) == (t, o)]
             if any(need_cols[cfg.blocks[k].cols] for k in mine):
                 xw[(t, o)] = TL._alloc((pp, d), dt, dev)
-                triton_panel._rows_launch(launch, None, xsc, rs, nrm, wrow, scale_t, one, None, xw[(t, o)],
+                panels._rows_launch(launch, None, xsc, rs, nrm, wrow, scale_t, one, None, xw[(t, o)],
                                           eps, True, 1.0, dm)
             if not need[t]:
                 continue
@@ -253,9 +253,9 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
             for k in mine:  # sum_k E_k @ C_k in fp32 (cuBLAS, accumulating)
                 blk = cfg.blocks[k]
                 if raw is None:
-                    raw = triton_panel._mm32(tiles[k][0], xs[blk.cols])
+                    raw = panels._mm32(tiles[k][0], xs[blk.cols])
                 else:
-                    triton_panel._addmm32_(raw, tiles[k][0], xs[blk.cols])
+                    panels._addmm32_(raw, tiles[k][0], xs[blk.cols])
             # acc += W rb (raw - zx rb_t C_t): the target's term in fp32 (guided_acc_kernel, one pass)
             ks = [k for k in mine if k == split_k]
             tgt = block_masks[ks[0]].tgt[r0:r1] if ks else dm
@@ -271,7 +271,7 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
         for k, blk in enumerate(cfg.blocks):
             if not need_cols[blk.cols]:
                 continue
-            triton_panel._addmm32_(acc[blk.cols], tiles[k][0].T, xw[(blk.rows, blk.row_start)])
+            panels._addmm32_(acc[blk.cols], tiles[k][0].T, xw[(blk.rows, blk.row_start)])
             if k == split_k:  # the target column's term, W_i e_it - w_i = -W_i zx_i, rb folded as the tile's
                 tgt = block_masks[k].tgt[r0:r1]
                 xsc, rs, _ = ops[(blk.rows, blk.row_start)]
@@ -281,7 +281,7 @@ def guided_panel_sweep(xs: tuple[Tensor, ...], cfg, masks, scale, weights: Tenso
     grads: list[Tensor | None] = [None] * len(xs)
     for t, a in acc.items():  # times the norm (undoes rb), s, then the normalisation backward, in x's dtype
         grads[t] = TL._alloc(xs[t].shape, xs[t].dtype, dev)
-        triton_panel._rows_launch(launch, a, xs[t], cols[t].rb, cols[t].nb, cols[t].nb, scale_t, one, grads[t],
+        panels._rows_launch(launch, a, xs[t], cols[t].rb, cols[t].nb, cols[t].nb, scale_t, one, grads[t],
                                   None, eps, True,
                          1.0, dm)
     del acc

@@ -14,7 +14,8 @@ from ..._amp import autocast_off
 from ..._first_order import first_order
 from ..spec import Coeffs, CoreData, CoreSpec, combine
 from ..triton_shared import launch as TL
-from . import library_route, triton_panel
+from ..triton_shared import panels
+from . import library_route, triton_fused, triton_panel
 
 __all__ = ["TritonCoreFn", "core"]
 
@@ -42,10 +43,11 @@ class TritonCoreFn(torch.autograd.Function):
         aot_mode = library_route.route(ak, bk, spec, data, coef)
         if aot_mode is not None:  # the ahead-of-time library (FUSED_CONTRASTIVE_AOT_LIB): no JIT
             return library_route.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce, aot_mode)
-        if triton_panel.use_panel(ak, n, m):
+        if panels.use_panel(ak, n, m):
             return triton_panel.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce)
         ctx.path = "fused"
-        lse, lse_col, lse_pos, p = TL._lse_fwd(ak, bk, scale, spec, data, coef.col is not None, coef.pos is not None)
+        lse, lse_col, lse_pos, p = triton_fused._lse_fwd(ak, bk, scale, spec, data, coef.col is not None,
+                                                         coef.pos is not None)
         # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term; no loss
         # combines one with a softmax over positives, whose symmetric kernel would then spill)
         ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
@@ -84,10 +86,10 @@ class TritonCoreFn(torch.autograd.Function):
         wide, split = getattr(ctx, "wide", False), ctx.split
         if same and not p.sym:
             # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
-            out = TL._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s, wide,
-                              split)
+            out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s,
+                                        wide, split)
         else:
-            out = TL._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+            out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
                               need_a, need_b and not same, need_s, wide, split)
         da, db, ds = out[:3]
         if split is not None:

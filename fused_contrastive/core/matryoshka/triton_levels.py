@@ -24,10 +24,10 @@ from ..._amp import autocast_off
 from ..._first_order import first_order
 from ...kernels import matryoshka as KM
 from .. import linear_terms
-from ..lse import triton_panel
 from ..norms import prefix_rows
 from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
 from ..triton_shared import launch as TL
+from ..triton_shared import panels
 from ..triton_shared.configs import (
     EPI_GROUP_M,
     MATRYOSHKA_SUFFIX,
@@ -236,17 +236,17 @@ def use_suffix(dev: torch.device, dtype: torch.dtype, k: int, elements: int) -> 
 
 
 #: Test hooks of the suffix backward: its launch configuration and panel height (None: MATRYOSHKA_SUFFIX, and
-#: triton_panel.PANEL_ROWS or the byte budget).
+#: panels.PANEL_ROWS or the byte budget).
 SUFFIX_CONFIG: LaunchConfig | None = None
 
 
 def suffix_rows(n: int, m: int, d: int, k: int, dtype: torch.dtype, need_b: bool) -> int:
     """Rows per panel of the suffix backward: its K 16-bit tiles of the panel ([K, P, M]), the per-tile
-    scalars and the panel's dA rows (fp32) within the panel path's byte budget (``triton_panel.panel_rows``'s
-    budget and hooks), beside dB's fp32 accumulators; a multiple of 64, at least ``triton_panel.P_MIN``."""
-    if triton_panel.PANEL_ROWS is not None:
-        return max(1, min(n, triton_panel.PANEL_ROWS))
-    budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", triton_panel.BUDGET_BYTES))
+    scalars and the panel's dA rows (fp32) within the panel path's byte budget (``panels.panel_rows``'s
+    budget and hooks), beside dB's fp32 accumulators; a multiple of 64, at least ``panels.P_MIN``."""
+    if panels.PANEL_ROWS is not None:
+        return max(1, min(n, panels.PANEL_ROWS))
+    budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", panels.BUDGET_BYTES))
     e = torch.empty((), dtype=dtype).element_size()
     kp = triton.next_power_of_2(k)
     fixed = 4 * m * d if need_b else 0
@@ -254,7 +254,7 @@ def suffix_rows(n: int, m: int, d: int, k: int, dtype: torch.dtype, need_b: bool
     per_row = k * e * m + 4 * kp * (triton.cdiv(m, cfg.block_n) + triton.cdiv(m, cfg.block_m)) + 4 * d
     p = (budget - fixed) // per_row
     p = p - p % 64 if p >= 64 else p
-    return max(1, min(n, max(triton_panel.P_MIN, p)))
+    return max(1, min(n, max(panels.P_MIN, p)))
 
 
 def _finish(x: Tensor, acc: list[Tensor], nx: Tensor, rho: Tensor, bounds: list[int], eps: float, mult: Tensor,
@@ -326,9 +326,9 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
         rho_b += rho_c[:, :k].sum(0).T
         for r, (lo, hi) in enumerate(segs):
             if need_a:
-                acc_a[r][r0:r0 + pr] = triton_panel._mm32(h[r], yhat[:, lo:hi])
+                acc_a[r][r0:r0 + pr] = panels._mm32(h[r], yhat[:, lo:hi])
             if need_cols:
-                triton_panel._addmm32_(acc_b[r], h[r][:, :gcols].T, xhat[r0:r0 + pr, lo:hi])
+                panels._addmm32_(acc_b[r], h[r][:, :gcols].T, xhat[r0:r0 + pr, lo:hi])
     mult = s32.reshape(()) * gs.reshape(())
     ds = rho_a.sum() * gs.reshape(()) if need_s else None
     da = _finish(a, acc_a, L.ra[2], rho_a, bounds, float(spec.eps), mult, pre) if need_a else None

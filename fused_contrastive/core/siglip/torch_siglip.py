@@ -33,9 +33,9 @@ from torch import Tensor
 
 from ..._amp import autocast_off
 from ..._first_order import first_order
-from ..lse.torch_chunked import tile_elements
 from ..norms import normalize_backward_, normalize_rows
 from ..spec import compute_dtype
+from ..tiles import tile_elements
 
 
 def _row_chunk(n: int, m: int) -> int:

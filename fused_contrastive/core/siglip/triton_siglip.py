@@ -25,9 +25,10 @@ from torch import Tensor
 from ..._amp import autocast_off
 from ..._first_order import first_order
 from ...kernels import siglip as K
-from ..lse import triton_panel
 from ..triton_shared import launch as TL
+from ..triton_shared import panels
 from ..triton_shared.configs import config_for
+from . import triton_sweep
 
 __all__ = ["TritonSigLipFn", "use_panel_route"]
 
@@ -131,10 +132,10 @@ def siglip_bwd(p: _Prepared, scale, bias, g: Tensor, offset: int, eps: float, ne
 
 
 def use_panel_route(x: Tensor, n: int, m: int, dt: torch.dtype) -> bool:
-    """SigLIP takes the panel path's epilogue GEMM (``triton_panel.siglip_sweep``) where the core op takes
-    the panel path (``triton_panel.use_panel``: CUDA, N x M >= 2^24, or forced) with its epilogue GEMM
+    """SigLIP takes the panel path's epilogue GEMM (``triton_sweep.siglip_sweep``) where the core op takes
+    the panel path (``panels.use_panel``: CUDA, N x M >= 2^24, or forced) with its epilogue GEMM
     (``use_epilogue``: 16-bit operands), else the fused kernels below."""
-    return triton_panel.use_panel(x, n, m) and triton_panel.use_epilogue(x.device, dt, "one_pass", n * m)
+    return panels.use_panel(x, n, m) and panels.use_epilogue(x.device, dt, "one_pass", n * m)
 
 
 class TritonSigLipFn(torch.autograd.Function):
@@ -166,12 +167,12 @@ class TritonSigLipFn(torch.autograd.Function):
                 # a summed loss: its upstream gradient is one scalar, so the sweep that forms the losses
                 # forms the gradients for an upstream 1 too (MODE 5: 3 matmul units for the step, not 4)
                 g = torch.full((x.shape[0],), float(weight), dtype=torch.float32, device=dev)
-                loss, dx, dy, ds, db = triton_panel.siglip_sweep(
+                loss, dx, dy, ds, db = triton_sweep.siglip_sweep(
                     TL._launch, x, y, TL._scale32(scale, dev), TL._scale32(bias, dev), normalize, eps, offset, g,
                     need_x, need_y, need_s or need_b, with_loss=True)
                 ctx.eager = (dx, dy, ds if need_s else None, db if need_b else None)
             else:
-                loss = triton_panel.siglip_sweep(TL._launch, x, y, TL._scale32(scale, dev), TL._scale32(bias, dev),
+                loss = triton_sweep.siglip_sweep(TL._launch, x, y, TL._scale32(scale, dev), TL._scale32(bias, dev),
                                                  normalize, eps, offset, None, False, False, False)[0]
             ctx.normalize = bool(normalize)
             ctx.save_for_backward(scale if isinstance(scale, Tensor) else None,
@@ -206,7 +207,7 @@ class TritonSigLipFn(torch.autograd.Function):
             dev = x.device
             g = (go * weight).expand(x.shape[0]).contiguous() if reduce else go.contiguous()
             need_s, need_b = need_s and sdt is not None, need_b and bdt is not None
-            _, dx, dy, ds, db = triton_panel.siglip_sweep(
+            _, dx, dy, ds, db = triton_sweep.siglip_sweep(
                 TL._launch, x, y, TL._scale32(scale if scale is not None else ctx.numbers[0], dev),
                 TL._scale32(bias if bias is not None else ctx.numbers[1], dev), ctx.normalize, eps, offset, g,
                 need_x, need_y, need_s or need_b)
