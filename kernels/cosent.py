@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .lse import _log0, _lse_add
+from .common import _log0, _lse_add
 
 NEG_INF = tl.constexpr(float("-inf"))
 

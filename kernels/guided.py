@@ -31,7 +31,7 @@ exactly) and its gradient (``exp(0) = 1``, minus 1: exactly 0) keep an all-maske
 import triton
 import triton.language as tl
 
-from .lse import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
+from .common import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
 from .panel import ONE_PASS_SHIFT, _grouped_tile, _redo_flags, _row_partials, _tile_products
 
 

@@ -65,7 +65,7 @@ single-kernel backward (B is A runs as two inputs), the triangular forward, floa
 import triton
 import triton.language as tl
 
-from .lse import NEG_INF, _dlogits, _grad_vec, _log0, _logits, _lse_add, _online_rows, _pos_logits, _stat
+from .common import NEG_INF, _dlogits, _grad_vec, _log0, _logits, _lse_add, _online_rows, _pos_logits, _stat
 from .panel import _grouped_tile
 
 

@@ -67,9 +67,11 @@ of a column term or per-row output, and the triangular sweep's). See its docstri
 import triton
 import triton.language as tl
 
-from .lse import (
+from .common import (
     NEG_INF,
     _dlogits,
+    _dz,
+    _flipped,
     _grad_vec,
     _inv_norms,
     _log0,
@@ -78,9 +80,9 @@ from .lse import (
     _online_rows,
     _pos_logits,
     _row_stats,
+    _softplus,
     _stat,
 )
-from .siglip import _dz, _flipped, _softplus
 
 
 @triton.jit

@@ -50,38 +50,7 @@ the panel path run on the panel path's epilogue GEMM instead (``kernels/panel.py
 import triton
 import triton.language as tl
 
-from .lse import _accumulate, _cos_tile, _inv_norms, _norm_bwd_epilogue
-
-
-@triton.jit
-def _flipped(cos, s, b, rows, cols, N, M, offset):
-    """(w = -label * z on the tile, the valid mask (inside [0, N) x [0, M)), the positive mask)."""
-    z = cos * s + b
-    pos = cols[None, :] == rows[:, None] + offset
-    w = tl.where(pos, -z, z)
-    valid = (rows < N)[:, None] & (cols < M)[None, :]
-    return w, valid, pos
-
-
-@triton.jit
-def _softplus(w):
-    """log(1 + exp(w)) for any finite w, without overflow and without losing tiny values."""
-    e = tl.exp(-tl.abs(w))  # in (0, 1]
-    u = 1.0 + e
-    d = u - 1.0
-    lp = tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
-    return tl.maximum(w, 0.0) + lp
-
-
-@triton.jit
-def _dz(cos, s, b, g_r, rows, cols, N, M, offset):
-    """dz_ij = g_i sign_ij sigmoid(w_ij) on the tile, 0 on padding."""
-    w, valid, pos = _flipped(cos, s, b, rows, cols, N, M, offset)
-    e = tl.exp(-tl.abs(w))  # in (0, 1]: no overflow for any w
-    r = 1.0 / (1.0 + e)
-    p = tl.where(w >= 0, r, e * r)  # sigmoid(w): one division
-    p = tl.where(pos, -p, p) * g_r[:, None]
-    return tl.where(valid, p, 0.0)
+from .common import _accumulate, _cos_tile, _dz, _flipped, _inv_norms, _norm_bwd_epilogue, _softplus
 
 
 @triton.jit

@@ -40,7 +40,7 @@ def _small_tiles(monkeypatch):
     monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 40)
+    monkeypatch.setattr(panels, "PANEL_ROWS", 40)
     monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     for name in list(triton_panel.EPI_GEMM):
         monkeypatch.setitem(triton_panel.EPI_GEMM, name, SMALL)

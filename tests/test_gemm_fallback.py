@@ -10,7 +10,6 @@ import warnings
 import pytest
 import torch
 
-from fused_contrastive.core.lse import triton_panel
 from fused_contrastive.core.triton_shared import panels
 
 
@@ -59,9 +58,9 @@ def test_16_bit_values_are_exact_in_tf32():
 
 
 def test_an_unprobed_traced_first_call_warns_once(monkeypatch):
-    monkeypatch.setattr(triton_panel, "GEMM_PROBE_DEVICES", ("cpu",))
-    monkeypatch.setattr(triton_panel, "_GEMM_ROUTES", {})
-    monkeypatch.setattr(triton_panel, "_UNPROBED_WARNED", set())
+    monkeypatch.setattr(panels, "GEMM_PROBE_DEVICES", ("cpu",))
+    monkeypatch.setattr(panels, "_GEMM_ROUTES", {})
+    monkeypatch.setattr(panels, "_UNPROBED_WARNED", set())
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     dev = torch.device("cpu")
     with pytest.warns(RuntimeWarning, match="traced or captured.*'upcast' route"):

@@ -157,12 +157,12 @@ def test_an_exception_is_a_fail_row_and_the_table_follows(monkeypatch, capsys):
     of parity and determinism is a FAIL carrying the error, the fused rows still run and pass, a
     check that raises as a whole (the timings) is a FAIL row too, and the verdict table ends the run."""
     from fused_contrastive import testing
-    from fused_contrastive.core.lse import triton_panel
+    from fused_contrastive.core.triton_shared import panels
 
     def boom(x, y):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (planted)")
 
-    monkeypatch.setattr(triton_panel, "_mm32", boom)
+    monkeypatch.setattr(panels, "_mm32", boom)
     monkeypatch.setattr(testing.baselines, "BASELINES", {})  # check_timings itself raises (KeyError)
     rep = GV.validate("cpu", _plan(losses=("info_nce",), parity_shapes=SMALL, dtypes=(torch.float32,),
                                    fp16_shape=None, determinism_shape=(37, 20)), allow_cpu=True)

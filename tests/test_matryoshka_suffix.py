@@ -16,7 +16,6 @@ import torch
 from test_triton_matryoshka import ALIGNED, RAGGED, _check, _r, _ragged_case, _run, _shrink, saturated_errors
 
 import fused_contrastive as fc
-from fused_contrastive.core.lse import triton_panel
 from fused_contrastive.core.matryoshka import triton_levels as TM
 from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.core.triton_shared import panels
@@ -38,7 +37,7 @@ def suffix(monkeypatch):
     launches, recorded."""
     monkeypatch.setenv("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "suffix")
     monkeypatch.setattr(TM, "SUFFIX_CONFIG", LaunchConfig(16, 16, 16, 4, 1))
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 16)
+    monkeypatch.setattr(panels, "PANEL_ROWS", 16)
     launches = []
     orig = TL._launch
 
@@ -165,7 +164,7 @@ def test_the_panel_height_keeps_the_suffix_tiles_within_the_budget(monkeypatch):
     assert p % 64 == 0 and p >= panels.P_MIN
     assert allocated(p) <= budget < allocated(p + 64), (p, allocated(p), budget)
     assert TM.suffix_rows(100, 29, 40, 3, torch.bfloat16, True) == 100  # a small problem is one panel
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 24)
+    monkeypatch.setattr(panels, "PANEL_ROWS", 24)
     assert TM.suffix_rows(n, m, d, k, torch.bfloat16, True) == 24
 
 

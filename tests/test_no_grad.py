@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from test_siglip import _truth as siglip_truth  # tests/ is on sys.path (rootdir-relative imports)
 
 import fused_contrastive as fc
-from fused_contrastive.core.lse import triton_panel
 from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.testing import assert_close
 from tests._flops import MatmulFlops
 
@@ -77,7 +77,7 @@ def test_triton_panel_route_under_no_grad_forms_no_gradient_tile(name, monkeypat
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
     monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # not the one-tile path of a small problem
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 128)
+    monkeypatch.setattr(panels, "PANEL_ROWS", 128)
     seen = []
     orig = TL._launch
     monkeypatch.setattr(TL, "_launch", lambda x: (seen.append(x), orig(x))[1])

@@ -1,6 +1,7 @@
 """The package's import structure, read from the source (every ``import`` statement, the ones inside
-functions too): no module imports itself back through others, and ``core/`` (the op every loss runs
-on) depends on nothing above it."""
+functions too): no module imports itself back through others, ``core/`` (the op every loss runs
+on) depends on nothing above it, and no family of ``core/`` (or of ``kernels/``) imports another: what two
+families share lives in the shared modules."""
 
 from __future__ import annotations
 
@@ -122,6 +123,114 @@ def test_core_imports_nothing_above_it():
             if up:
                 bad[m] = sorted(up)
     assert not bad, f"core/ modules importing from above core/: {bad}"
+
+
+#: The families of ``core/``: one folder each, holding its PyTorch path (``torch_*.py``) and its Triton host
+#: (``triton_*.py``). Everything else of ``core/`` is shared: the top-level modules (``spec``, ``norms``, ``tiles``,
+#: ``linear_terms``, ``reference``) and ``triton_shared/``; ``core/__init__.py`` (``run``) dispatches to the families.
+CORE_FAMILIES = ("lse", "matryoshka", "guided", "siglip", "cosent", "maxsim")
+#: ``kernels/`` mirrors them: each family's device code in one file; ``common.py`` (shared jit helpers),
+#: ``panel.py`` (the panel kernels and the epilogue GEMM every panel route launches) and ``target.py`` (the linear
+#: terms' row kernels) are shared.
+KERNEL_FAMILIES = CORE_FAMILIES
+KERNELS_SHARED = ("common", "panel", "target")
+
+
+def _core_family(mod: str) -> str | None:
+    """The family of a ``fused_contrastive.core`` module, "shared" for the rest of core/, None outside it."""
+    parts = mod.split(".")
+    if parts[:2] != ["fused_contrastive", "core"]:
+        return None
+    if len(parts) == 2:
+        return "run"
+    return parts[2] if parts[2] in CORE_FAMILIES else "shared"
+
+
+def _family_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for m, deps in graph.items():
+        fm = _core_family(m)
+        if fm is None or fm == "run":
+            continue
+        for d in deps:
+            fd = _core_family(d)
+            if fd in (None, "shared") and d != "fused_contrastive.core":
+                continue
+            if fd == "run" or (fd != fm):
+                bad.append(f"{m} -> {d}")
+    return sorted(bad)
+
+
+def _kernel_imports() -> dict[str, set[str]]:
+    """Each kernel file's imports of other kernel files (``from .x import ...``)."""
+    out = {}
+    for p in (ROOT / "kernels").glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fused_contrastive.kernels."):
+                deps.add(node.module.rsplit(".", 1)[1])
+        out[p.stem] = deps
+    return out
+
+
+def _kernel_violations(imports: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for k, deps in imports.items():
+        if k == "__init__":
+            continue
+        for d in deps:
+            if d in KERNELS_SHARED:
+                continue
+            bad.append(f"kernels/{k}.py -> kernels/{d}.py")
+    return sorted(bad)
+
+
+def test_every_core_module_is_a_family_or_shared():
+    """A module of core/ sits in a family folder or is shared, nothing in between: a new folder is a family
+    (add it to CORE_FAMILIES) or shared machinery (under triton_shared/)."""
+    core = PKG / "core"
+    folders = {p.name for p in core.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(CORE_FAMILIES) | {"triton_shared"}, folders
+    for fam in CORE_FAMILIES:
+        names = [p.stem for p in (core / fam).glob("*.py") if p.stem != "__init__"]
+        assert names and all(n.startswith(("torch_", "triton_")) or n == "library_route" for n in names), (fam, names)
+    kernel_files = {p.stem for p in (ROOT / "kernels").glob("*.py")} - {"__init__"}
+    assert kernel_files == set(KERNEL_FAMILIES) | set(KERNELS_SHARED), kernel_files
+
+
+def test_no_core_family_imports_another():
+    bad = _family_violations(_graph())
+    assert not bad, "a family of core/ imports another (move what they share to core/ or core/triton_shared/): " + \
+        "; ".join(bad)
+
+
+def test_the_family_check_finds_a_planted_cross_family_import():
+    g = {m: set(d) for m, d in _graph().items()}
+    assert not _family_violations(g)
+    g["fused_contrastive.core.guided.torch_blocks"].add("fused_contrastive.core.lse.torch_chunked")
+    assert _family_violations(g) == [
+        "fused_contrastive.core.guided.torch_blocks -> fused_contrastive.core.lse.torch_chunked"]
+    g = {m: set(d) for m, d in _graph().items()}
+    g["fused_contrastive.core.triton_shared.panels"].add("fused_contrastive.core.siglip.triton_sweep")
+    assert _family_violations(g) == [
+        "fused_contrastive.core.triton_shared.panels -> fused_contrastive.core.siglip.triton_sweep"]
+
+
+def test_no_kernel_file_imports_another_familys():
+    imports = _kernel_imports()
+    assert imports["panel"] == {"common"} and "common" in imports["guided"], imports  # the reader sees the edges
+    bad = _kernel_violations(imports)
+    assert not bad, "a kernel file imports another family's kernels (move the helper to kernels/common.py): " + \
+        "; ".join(bad)
+
+
+def test_the_kernel_check_finds_a_planted_import():
+    imports = {k: set(v) for k, v in _kernel_imports().items()}
+    imports["panel"].add("siglip")  # what kernels/panel.py did before its SigLIP helpers moved to common.py
+    imports["common"].add("panel")  # a shared file leaning on another shared file is fine
+    assert _kernel_violations(imports) == ["kernels/panel.py -> kernels/siglip.py"]
 
 
 def test_nothing_points_outside_the_repository():

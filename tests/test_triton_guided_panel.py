@@ -19,7 +19,6 @@ import torch
 import fused_contrastive as fc
 from fused_contrastive.core.guided import triton_panel as TGP
 from fused_contrastive.core.guided.torch_blocks import Block, Masks, merged_lse
-from fused_contrastive.core.lse import triton_panel
 from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.losses.guided import gist_loss
@@ -287,8 +286,8 @@ def test_where_the_route_is_taken(monkeypatch):
     # epilogue GEMM from EPILOGUE_MIN_ELEMENTS["guided", cc]
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "auto")
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "auto")
-    monkeypatch.setattr(triton_panel, "EPILOGUE_DEVICES", ("cuda", "meta", "cpu"))
-    monkeypatch.setattr(triton_panel, "use_panel", lambda x, nn, mm: nn * mm >= panels.MIN_ELEMENTS)
+    monkeypatch.setattr(panels, "EPILOGUE_DEVICES", ("cuda", "meta", "cpu"))
+    monkeypatch.setattr(panels, "use_panel", lambda x, nn, mm: nn * mm >= panels.MIN_ELEMENTS)
     from fused_contrastive.core.guided.torch_blocks import _Config
 
     for rows, want in ((1024, False), (4096, True)):
@@ -304,8 +303,8 @@ def test_the_route_writes_no_wide_n_by_m_tensor(route, monkeypatch):
     The probe sees the fp32 tiles of the per-row torch sweep, so it can fail."""
     b, m = 128, 120
     probe = WideTensors(64, m // 2)
-    monkeypatch.setattr(triton_panel, "_mm32", probe.counted(panels._mm32, "mm32"))
-    monkeypatch.setattr(triton_panel, "_addmm32_", probe.counted(panels._addmm32_, "addmm32"))
+    monkeypatch.setattr(panels, "_mm32", probe.counted(panels._mm32, "mm32"))
+    monkeypatch.setattr(panels, "_addmm32_", probe.counted(panels._addmm32_, "addmm32"))
     a, p, n, ga, gp, gn = _gist_case(b=b, m=m, d=32, dg=8)
     xs = [x.clone().requires_grad_() for x in (a, p, n)]
     with probe:

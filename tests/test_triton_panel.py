@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - the test extra installs triton
 from test_memory import LargestTensor  # tests/ is on sys.path (rootdir-relative imports, no package)
 
 import fused_contrastive as fc
-from fused_contrastive.core.lse import torch_chunked, triton_function, triton_panel
+from fused_contrastive.core.lse import torch_chunked, triton_function
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.core.triton_shared import panels
@@ -46,7 +46,7 @@ def _panel_path(monkeypatch):
     """The panel path with small panels, kernels (not the dense path), outputs poisoned, quiet numpy."""
     monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", PANEL)
+    monkeypatch.setattr(panels, "PANEL_ROWS", PANEL)
     monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -462,7 +462,7 @@ def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
         weights.append(out[0].clone())
         return out
 
-    monkeypatch.setattr(triton_panel, "_epi_panel", spy)
+    monkeypatch.setattr(panels, "_epi_panel", spy)
     rec = _Launches(monkeypatch)
     res = []
     for be, dt in (("triton", torch.bfloat16), ("reference", torch.float64)):
@@ -492,11 +492,11 @@ def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
     cuBLAS form creates its fp32 products panel (4 bytes): seen by the same probe, so the check can fail."""
     monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
+    monkeypatch.setattr(panels, "PANEL_ROWS", p)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
     probe = WideTensors(p, n // 2)
-    monkeypatch.setattr(triton_panel, "_mm32", probe.counted(panels._mm32, "_mm32"))
-    monkeypatch.setattr(triton_panel, "_addmm32_", probe.counted(panels._addmm32_, "_addmm32_"))
+    monkeypatch.setattr(panels, "_mm32", probe.counted(panels._mm32, "_mm32"))
+    monkeypatch.setattr(panels, "_addmm32_", probe.counted(panels._addmm32_, "_addmm32_"))
     case = CASE_BY_NAME[name]
     tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
     widths, seen = {}, {}
@@ -554,9 +554,9 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
     the eager sweep (dB through the accumulator, 3 panels) and the triangular sweep (offsets r0 > 0,
     the off-diagonal update) against float64, bf16 operands."""
     calls = {"mm": 0, "addmm": 0}
-    monkeypatch.setattr(triton_panel, "GEMM_PROBE_DEVICES", ("cpu",))
-    monkeypatch.setattr(triton_panel, "_GEMM_ROUTES", {})
-    monkeypatch.setattr(triton_panel, "NATIVE_GEMMS", _stand_ins(*kinds, calls))
+    monkeypatch.setattr(panels, "GEMM_PROBE_DEVICES", ("cpu",))
+    monkeypatch.setattr(panels, "_GEMM_ROUTES", {})
+    monkeypatch.setattr(panels, "NATIVE_GEMMS", _stand_ins(*kinds, calls))
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(97, 24, generator=gen).to(torch.bfloat16)
     k = torch.randn(90, 24, generator=gen).to(torch.bfloat16)
@@ -605,9 +605,9 @@ def test_gemm_probe_waits_for_an_eager_call(monkeypatch):
     """While torch.compile traces (fake tensors: no values to compare), no probe runs and nothing is
     cached: the fallback, whose product is the float64 one to fp32 accuracy; the next eager call probes."""
     calls = {"mm": 0, "addmm": 0}
-    monkeypatch.setattr(triton_panel, "GEMM_PROBE_DEVICES", ("cpu",))
-    monkeypatch.setattr(triton_panel, "_GEMM_ROUTES", {})
-    monkeypatch.setattr(triton_panel, "NATIVE_GEMMS", _stand_ins("ok", "ok", calls))
+    monkeypatch.setattr(panels, "GEMM_PROBE_DEVICES", ("cpu",))
+    monkeypatch.setattr(panels, "_GEMM_ROUTES", {})
+    monkeypatch.setattr(panels, "NATIVE_GEMMS", _stand_ins("ok", "ok", calls))
     x = torch.randn(30, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     got = panels._mm32(x, x.T)
@@ -673,7 +673,7 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
 def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch):
     # panels of 2 rows: a last panel of one row, and N = 1 with its own column out (no column at all:
     # LSE -inf, as the torch_chunked path gives); per-row outputs with distinct upstream weights
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 2)
+    monkeypatch.setattr(panels, "PANEL_ROWS", 2)
     rec = _Launches(monkeypatch)
     a = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
     res = []
@@ -748,7 +748,7 @@ def test_panel_blocks_rule():
 @pytest.mark.parametrize("name", ["info_nce", "supcon_mask_in", "clip_scale"])
 def test_narrow_blocks(name, programs, monkeypatch):
     """The GPU's block shapes (4 x 512 and 1 x 2048 here) on the one-pass, two-pass and column paths."""
-    monkeypatch.setattr(triton_panel, "PANEL_PROGRAMS", programs)
+    monkeypatch.setattr(panels, "PANEL_PROGRAMS", programs)
     rec = _Launches(monkeypatch)
     c = compare(CASE_BY_NAME[name], 97, 100, torch.float32, "triton", canary=True)
     assert c.ok, c
@@ -783,7 +783,7 @@ def test_forced_fused_path_launches_no_panel(monkeypatch):
 
 def test_panel_height_formula(monkeypatch):
     """The documented budget: at N = M = 131072, D = 768, bf16 the whole extra memory < 0.72 GB."""
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", None)
+    monkeypatch.setattr(panels, "PANEL_ROWS", None)
     n = m = 131072
     d = 768
     p = panels.panel_rows(n, m, d, torch.bfloat16, True)
@@ -801,8 +801,8 @@ def test_panel_height_formula(monkeypatch):
 def test_no_tensor_larger_than_a_panel(name, monkeypatch):
     monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
-    # the O(N*D) positive terms (positives.py) take a one-tile shortcut within the tile budget: hold
+    monkeypatch.setattr(panels, "PANEL_ROWS", p)
+    # the O(N*D) positive terms (core/linear_terms.py) take a one-tile shortcut within the tile budget: hold
     # them to one panel's size as well
     monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
     case = CASE_BY_NAME[name]
@@ -810,9 +810,9 @@ def test_no_tensor_larger_than_a_panel(name, monkeypatch):
     rec = _Launches(monkeypatch)
     with LargestTensor() as probe:
         run(case, (tensors, kwargs), "triton", torch.float32)
-    panels = [x for x in rec.launches if x.name == "panel_dl"]
-    assert len(panels) >= 2 and all(x.args["P"] <= p for x in panels)
-    m = panels[0].args["M"]  # the contrast set's rows (a queue, views, ...)
+    launched = [x for x in rec.launches if x.name == "panel_dl"]
+    assert len(launched) >= 2 and all(x.args["P"] <= p for x in launched)
+    m = launched[0].args["M"]  # the contrast set's rows (a queue, views, ...)
     assert m >= n
     assert probe.largest <= p * m, f"largest tensor {probe.largest} > P x M = {p * m} ({probe.op})"
 
@@ -825,7 +825,7 @@ def test_one_logits_panel_alive_at_a_time(name, monkeypatch):
     import weakref
 
     monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 64)
+    monkeypatch.setattr(panels, "PANEL_ROWS", 64)
     alive: list[weakref.ref] = []
     orig = panels._mm32
     counts = []
@@ -838,7 +838,7 @@ def test_one_logits_panel_alive_at_a_time(name, monkeypatch):
             alive.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(triton_panel, "_mm32", mm32)
+    monkeypatch.setattr(panels, "_mm32", mm32)
     case = CASE_BY_NAME[name]
     tensors, kwargs = case.build(320, 32, torch.Generator().manual_seed(0))  # five panels
     run(case, (tensors, kwargs), "triton", torch.float32)
@@ -890,7 +890,7 @@ def _row_rel(x, y):
 def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch):
     m = 8192  # p ~ 1/8192 = 1.2e-4, and 1e-3 of it for the light rows: far below fp16's 6.1e-5
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", path)
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 8)  # two panels
+    monkeypatch.setattr(panels, "PANEL_ROWS", 8)  # two panels
     q, k, s, w = _fp16_problem(m)
     truth = _truth(q, k, s, w)
     x = q.clone().requires_grad_()

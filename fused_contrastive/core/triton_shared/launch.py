@@ -19,7 +19,7 @@ import triton
 from torch import Tensor
 
 from ..._tracing import tensors_are_traced
-from ...kernels import lse as K
+from ...kernels import common as KC
 from ...kernels import target as _target_kernels  # noqa: F401 (decorated with the others: interpreted or compiled alike)
 from ..spec import CoreData, CoreSpec, coef_grad
 from .configs import DTYPE_NAMES, ROW_NORM_BLOCK_R, ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS, d_pad
@@ -33,7 +33,7 @@ POISON_OUTPUTS = os.environ.get("FUSED_CONTRASTIVE_TRITON_POISON", "0") not in (
 
 def interpreted() -> bool:
     """True when triton was imported in interpreter mode (its jit functions are interpreted)."""
-    return type(K.lse_fwd_kernel).__name__ == "InterpretedFunction"
+    return type(KC.row_norm_kernel).__name__ == "InterpretedFunction"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def _row_norms(x: Tensor, eps: float, norm: Tensor | None = None,
     norm = _alloc((n,), torch.float32, x.device) if norm is None else norm
     rnorm = _alloc((n,), torch.float32, x.device) if rnorm is None else rnorm
     rs = _alloc((n,), torch.float32, x.device)
-    _launch(Launch("row_norm", K.row_norm_kernel, (triton.cdiv(n, ROW_NORM_BLOCK_R),),
+    _launch(Launch("row_norm", KC.row_norm_kernel, (triton.cdiv(n, ROW_NORM_BLOCK_R),),
                    dict(X=x, XS=xs, NORM=norm, RNORM=rnorm, RS=rs, N=n, D=d, stride_x=x.stride(0),
                         stride_xs=xs.stride(0), eps=float(eps)),
                    dict(BLOCK_R=ROW_NORM_BLOCK_R, BLOCK_D=min(d_pad(d), ROW_NORM_MAX_BLOCK_D)),
