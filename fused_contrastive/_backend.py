@@ -9,11 +9,12 @@ error, raised wherever the Triton path would be chosen, never silently replaced 
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from . import routes
 
 BACKENDS = ("auto", "torch", "triton", "reference")
 
@@ -82,11 +83,7 @@ def resolve(backend: str, *tensors: Tensor | None, op: str = "core") -> str:
     xs = [t for t in tensors if t is not None]
     name = backend
     if name == "auto":
-        env = os.environ.get("FUSED_CONTRASTIVE_BACKEND", "").strip()
-        if env and env not in BACKENDS:
-            raise ValueError(f"environment variable FUSED_CONTRASTIVE_BACKEND must be one of {BACKENDS}, "
-                             f"got {env!r}")
-        name = env if env and env != "auto" else "auto"
+        name = routes.setting("BACKEND")
     if name == "auto":
         wants_triton = (op in _TRITON_OPS and any(t.is_cuda for t in xs)
                         and not any(t.dtype == torch.float64 for t in xs))

@@ -167,6 +167,7 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     target), default empty."""
     import torch
 
+    from . import routes
     from .core.lse import triton_fused, triton_panel
     from .core.spec import CoreData
     from .core.triton_shared import launch as TL
@@ -182,12 +183,10 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     scale = torch.empty((), dtype=torch.float32, device=meta)
     g = torch.empty(n, device=meta)
     prev = TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS
-    prev_gemm = os.environ.get(PANEL_GEMM_ENV)
     TL.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev[0]
     panels.PANEL_PROGRAMS = programs if programs else (2 * sms if sms else prev[1])
-    os.environ[PANEL_GEMM_ENV] = "cublas"  # the form csrc/fc_torch.cpp mirrors (see PANEL_GEMM_ENV)
-    try:
-        with recording(arch) as launches:
+    try:  # the cuBLAS form: what csrc/fc_torch.cpp mirrors (see PANEL_GEMM_ENV)
+        with routes.override(PANEL_GEMM="cublas"), recording(arch) as launches:
             p = TL._prepare_data(a, b, spec, data, False)
             scale_t = TL._scale32(scale, meta)
             lse_col = g_col = db = None
@@ -204,10 +203,6 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
                                            g_col, None, True, need_b and has_b, True, False)
     finally:
         TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS = prev
-        if prev_gemm is None:
-            os.environ.pop(PANEL_GEMM_ENV, None)
-        else:
-            os.environ[PANEL_GEMM_ENV] = prev_gemm
     if roots is not None:
         roots.update(A=a, B=b, LSE=lse, LSE_COL=lse_col, G=g, G_COL=g_col, DA=da, DB=db, TARGET=data.target)
     return launches

@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from . import routes
+
 #: Every Triton kernel family, by a registry case that runs it ("matryoshka": info_nce with
 #: ``matryoshka_dims``, see :func:`parity_case`).
 LOSSES = ("info_nce", "simcse", "clip", "supcon_in", "cosent", "siglip", "gist", "matryoshka")
@@ -564,7 +566,7 @@ def model_predictions(device: str) -> dict[tuple[str, int], tuple[float | None, 
     A100), read from the model's committed JSON lines; empty where the file or the kind is missing."""
     import json
 
-    path = os.environ.get("FUSED_CONTRASTIVE_GPU_MODEL", MODEL_FILE)
+    path = routes.setting("GPU_MODEL") or MODEL_FILE
     name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     kind = next((k for k in ("H200", "H100", "A100") if k in name), None)
     if kind is None or not os.path.exists(path):
@@ -808,9 +810,8 @@ def main(device: str, aot_lib: str | None = None, budget_s: float | None = 420.0
         print("--gpu-validate: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)",
               file=sys.stderr)
         return 2
-    from .core.lse import library_route
 
-    aot_lib = aot_lib or os.environ.get(library_route.ENV) or None
+    aot_lib = aot_lib or routes.setting("AOT_LIB")
     return 0 if validate(device, Plan(aot_lib=aot_lib, budget_s=budget_s, jobs=jobs)).ok else 1
 
 

@@ -108,3 +108,92 @@ def test_the_one_tile_route_is_what_the_code_takes(monkeypatch):
     assert not core.dense_path(4096, 4096, cpu, col=False)  # the CPU keeps its own tile budget
     monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "1024")  # an explicit budget wins
     assert not core.dense_path(4096, 4096, cuda, col=False)
+
+
+# --- the switchboard: the one reader of the FUSED_CONTRASTIVE_* variables --------------------------------------
+
+
+def test_every_variable_the_code_names_is_a_setting():
+    """The variables named anywhere in the package, the C library or the docs are the switchboard's rows (and
+    each row is named somewhere besides R.py: none is dead)."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["git", "grep", "-ohE", r"FUSED_CONTRASTIVE_[A-Z_]+[A-Z]", "--", "fused_contrastive", "csrc",
+                          "docs", "README.md"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    named = set(re.findall(r"FUSED_CONTRASTIVE_(\w+)", out)) - {"H"}  # FUSED_CONTRASTIVE_H: the C header's guard
+    assert named == set(R.SETTINGS), (sorted(named - set(R.SETTINGS)), sorted(set(R.SETTINGS) - named))
+
+
+@pytest.mark.parametrize("name,raw,want", [
+    ("TRITON_PATH", None, "auto"), ("TRITON_PATH", "panel", "panel"), ("TRITON_PATH", " fused ", "fused"),
+    ("TILE_ELEMENTS", None, None), ("TILE_ELEMENTS", "4096", 4096), ("TILE_ELEMENTS", "", None),
+    ("DENSE", None, True), ("DENSE", "0", False), ("DENSE", "1", True), ("DENSE", "", True),
+    ("TRITON_POISON", None, False), ("TRITON_POISON", "1", True), ("TRITON_POISON", "0", False),
+    ("AOT_LIB", None, None), ("AOT_LIB", "", None), ("AOT_LIB", "/x/lib.so", "/x/lib.so"),
+    ("BACKEND", "", "auto"), ("BACKEND", "torch", "torch"), ("EPI_FORM", None, None), ("EPI_FORM", "tma", "tma"),
+])
+def test_a_setting_reads_the_environment(monkeypatch, name, raw, want):
+    var = "FUSED_CONTRASTIVE_" + name
+    if raw is None:
+        monkeypatch.delenv(var, raising=False)
+    else:
+        monkeypatch.setenv(var, raw)
+    assert R.setting(name) == want
+
+
+@pytest.mark.parametrize("name,raw,allowed", [
+    ("TRITON_PATH", "pannel", "one of 'auto', 'panel', 'fused'"),
+    ("MATRYOSHKA_ROUTE", "fast", "one of 'auto', 'calls', 'kernels', 'suffix'"),
+    ("TILE_ELEMENTS", "abc", "a positive integer (>= 1)"), ("PANEL_BUDGET", "-5", "a positive integer (>= 1)"),
+    ("BACKEND", "cuda", "one of 'auto', 'torch', 'triton', 'reference'"),
+])
+def test_one_error_text_names_the_variable_and_what_it_takes(monkeypatch, name, raw, allowed):
+    monkeypatch.setenv("FUSED_CONTRASTIVE_" + name, raw)
+    want = f"environment variable FUSED_CONTRASTIVE_{name} must be {allowed}, got {raw!r}"
+    with pytest.raises(ValueError) as e:
+        R.setting(name)
+    assert str(e.value) == want
+
+
+def test_override_wins_over_the_environment_and_is_undone(monkeypatch):
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
+    with R.override(TRITON_PATH="panel", PANEL_BUDGET=4096, DENSE=False):
+        assert (R.setting("TRITON_PATH"), R.setting("PANEL_BUDGET"), R.setting("DENSE")) == (
+            "panel", 4096, False)
+        assert R.raw("TRITON_PATH") == "panel"
+        with R.override(TRITON_PATH=None):  # None: the default, whatever the environment says
+            assert R.setting("TRITON_PATH") == "auto"
+        assert R.setting("TRITON_PATH") == "panel"
+    assert (R.setting("TRITON_PATH"), R.setting("PANEL_BUDGET"), R.setting("DENSE")) == (
+        "fused", None, True)
+    with pytest.raises(ValueError, match="FUSED_CONTRASTIVE_TRITON_PATH must be one of"):
+        with R.override(TRITON_PATH="pannel"):
+            pass
+    with pytest.raises(KeyError, match="FUSED_CONTRASTIVE_PATH is not a setting"):
+        R.setting("PATH")
+
+
+def test_an_override_routes_a_loss(monkeypatch):
+    """The switchboard is what the code reads: an override of DENSE sends a small problem through the chunked
+    path (its tile budget then bounds the largest tensor), the environment left alone; the value is the float64
+    definition's either way."""
+    import torch
+    from test_memory import LargestTensor
+
+    import fused_contrastive as fc
+
+    monkeypatch.delenv("FUSED_CONTRASTIVE_DENSE", raising=False)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)
+    want = torch.nn.functional.cross_entropy(torch.nn.functional.normalize(q.double(), dim=1)
+                                             @ torch.nn.functional.normalize(k.double(), dim=1).T / 0.05,
+                                             torch.arange(64))
+    with LargestTensor() as dense:  # 64 x 64 logits fit the default tile: the one-tile path
+        got_dense = fc.info_nce(q, k, backend="torch")
+    with R.override(DENSE=False, TILE_ELEMENTS=256), LargestTensor() as chunked:  # chunks of 4 x 64 logits
+        got_chunked = fc.info_nce(q, k, backend="torch")
+    torch.testing.assert_close(got_dense.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_chunked.double(), want, rtol=1e-5, atol=1e-6)
+    assert chunked.largest < 64 * 64 <= dense.largest, (chunked.largest, dense.largest)
+    assert os.environ.get("FUSED_CONTRASTIVE_DENSE") is None

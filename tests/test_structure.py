@@ -13,8 +13,9 @@ PKG = ROOT / "fused_contrastive"
 
 # what core/ may import from the rest of the package: leaves that import nothing of the package
 # the leaf helpers every autograd Function wears (_amp: autocast; _first_order: double backward) and the kernels
+# and the switchboard (routes: the one reader of the FUSED_CONTRASTIVE_* variables)
 CORE_MAY_IMPORT = {"fused_contrastive._amp", "fused_contrastive._first_order", "fused_contrastive._tracing",
-                   "fused_contrastive.kernels"}
+                   "fused_contrastive.kernels", "fused_contrastive.routes"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -231,6 +232,61 @@ def test_the_kernel_check_finds_a_planted_import():
     imports["panel"].add("siglip")  # what kernels/panel.py did before its SigLIP helpers moved to common.py
     imports["common"].add("panel")  # a shared file leaning on another shared file is fine
     assert _kernel_violations(imports) == ["kernels/panel.py -> kernels/siglip.py"]
+
+
+def _environment_reads(source: str) -> list[int]:
+    """Lines of ``source`` that read a ``FUSED_CONTRASTIVE_*`` variable from the environment themselves:
+    ``os.environ.get(k)``, ``os.getenv(k)``, ``os.environ[k]`` (read) or ``k in os.environ``, with ``k`` a string
+    starting with FUSED_CONTRASTIVE_ or a name ending in ``ENV`` (the modules' constants for the names). Writes (a
+    child process's environment, a save-and-restore helper's ``name`` argument) are not reads."""
+    def key(node) -> bool:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value.startswith("FUSED_CONTRASTIVE_")
+        if isinstance(node, ast.JoinedStr):
+            return any(key(v) for v in node.values)
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+        return name.endswith("ENV")
+
+    def environ(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+            isinstance(node, ast.Name) and node.id == "environ")
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and node.args and key(node.args[0]):
+            f = node.func
+            if isinstance(f, ast.Attribute) and ((f.attr == "get" and environ(f.value)) or f.attr == "getenv"):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and environ(node.value) and isinstance(node.ctx, ast.Load) \
+                and key(node.slice):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare) and key(node.left) and any(environ(c) for c in node.comparators):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_the_switchboard_reads_the_environment():
+    """Every ``FUSED_CONTRASTIVE_*`` read in the package goes through ``fused_contrastive/routes.py``."""
+    bad = []
+    for p in sorted(PKG.rglob("*.py")):
+        if p == PKG / "routes.py":
+            continue
+        bad += [f"{p.relative_to(ROOT)}:{n}" for n in _environment_reads(p.read_text())]
+    assert not bad, "reads of FUSED_CONTRASTIVE_* outside routes.py (use routes.setting): " + ", ".join(bad)
+    assert "os.environ.get(" in (PKG / "routes.py").read_text(), "the switchboard itself reads nothing?"
+
+
+def test_the_read_check_finds_planted_reads():
+    planted = (
+        "import os\n"
+        "a = os.environ.get('FUSED_CONTRASTIVE_DENSE', '1')\n"
+        "b = os.getenv('FUSED_CONTRASTIVE_TRITON_PATH')\n"
+        "c = os.environ[EPI_FORM_ENV]\n"
+        "d = 'FUSED_CONTRASTIVE_AOT_LIB' in os.environ\n"
+        "os.environ['FUSED_CONTRASTIVE_DENSE'] = '0'\n"  # a write
+        "env = dict(os.environ, FUSED_CONTRASTIVE_LIBCUDA='x')\n"  # a child's environment
+        "e = os.environ.get('TRITON_CACHE_DIR')\n")  # not ours
+    assert _environment_reads(planted) == [2, 3, 4, 5]
 
 
 def test_nothing_points_outside_the_repository():

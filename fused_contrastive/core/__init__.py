@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import Tensor
 
 from .._first_order import first_order
 from .._tracing import traced_core, tracing_route
+from ..routes import setting
 from . import linear_terms
 from .lse import torch_chunked, torch_dense
 from .spec import Coeffs, CoreData, CoreSpec, DirectCtx, check_problem, compute_dtype, graph_free
@@ -44,7 +44,7 @@ def dense_path(n: int, m: int, device: torch.device | None = None, col: bool = F
     """Whether an N x M problem takes the one-tile path: the whole logit tile fits the tile budget
     (``N * M <= tile_elements()``; on CUDA without a column term, ``col``, up to :data:`CUDA_DENSE_ELEMENTS` unless
     ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` sets the budget), unless ``FUSED_CONTRASTIVE_DENSE=0`` turns the path off."""
-    if os.environ.get("FUSED_CONTRASTIVE_DENSE", "1") == "0":
+    if not setting("DENSE"):
         return False
     limit = tile_elements()
     if device is not None and device.type == "cuda" and not col and not tile_elements_set():
@@ -73,7 +73,7 @@ def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, dat
         dt = torch.float32 if backend == "triton" else compute_dtype(a, b)
         # the target term's row kernels (kernels/target.py) on the triton backend, unless the ahead-of-time
         # library is in use (its calls are meant to compile nothing at run time)
-        kernel = backend == "triton" and not os.environ.get("FUSED_CONTRASTIVE_AOT_LIB")
+        kernel = backend == "triton" and not setting("AOT_LIB")
         out.append((linear_terms.LinearTermsFn, (a, b, scale, spec, data, coef, reduce, dt, kernel), -1.0))
     lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
     if spec.exclude_target:  # the streaming paths leave the target column out as a -inf bias on it

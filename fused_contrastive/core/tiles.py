@@ -5,11 +5,10 @@ gradient from one softmax term (``_ScaleGrad``)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from ..routes import setting
 from .spec import Coef
 
 _NEG_INF = float("-inf")
@@ -18,22 +17,13 @@ _DEFAULT_TILE_ELEMENTS = 1 << 21  # 8 MiB of float32 per tile
 
 def tile_elements_set() -> bool:
     """Whether env ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` sets the tile budget (then no route overrides it)."""
-    return bool(os.environ.get("FUSED_CONTRASTIVE_TILE_ELEMENTS"))
+    return setting("TILE_ELEMENTS") is not None
 
 
 def tile_elements() -> int:
     """Elements of one transient logit tile (env ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` overrides)."""
-    env = os.environ.get("FUSED_CONTRASTIVE_TILE_ELEMENTS")
-    if env:
-        try:
-            v = int(env)
-        except ValueError:
-            raise ValueError(f"environment variable FUSED_CONTRASTIVE_TILE_ELEMENTS must be a positive integer "
-                             f"(elements of one logit tile), got {env!r}") from None
-        if v < 1:
-            raise ValueError(f"environment variable FUSED_CONTRASTIVE_TILE_ELEMENTS must be >= 1, got {v}")
-        return v
-    return _DEFAULT_TILE_ELEMENTS
+    v = setting("TILE_ELEMENTS")
+    return _DEFAULT_TILE_ELEMENTS if v is None else v
 
 
 def _row_chunk(n: int, m: int) -> int:

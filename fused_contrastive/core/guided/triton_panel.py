@@ -39,14 +39,13 @@ Per-row outputs (``reduction="none"``), fp16 (its range cannot hold ``e^56``), f
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from torch import Tensor
 
 from ...kernels import guided as KG
 from ...kernels import panel as KP
+from ...routes import setting
 from ..spec import CoreSpec
 from ..triton_shared import launch as TL
 from ..triton_shared import panels
@@ -108,7 +107,7 @@ def panel_rows(n: int, col_rows: list[int], d: int, groups: int, grad_rows: int,
     multiple of ``block_m`` (the threshold kernel's row tiles line up), at least :data:`P_MIN`."""
     if PANEL_ROWS is not None:
         return max(1, min(n, triton.cdiv(PANEL_ROWS, block_m) * block_m))
-    budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", panels.BUDGET_BYTES))
+    budget = setting("PANEL_BUDGET") or panels.BUDGET_BYTES
     fixed = 4 * d * grad_rows
     parts = 3 + (1 if need_s else 0) + (2 if split else 0)
     per_row = sum(2 * m + 4 * parts * triton.cdiv(m, block_n) for m in col_rows) + 8 * d * groups + 32

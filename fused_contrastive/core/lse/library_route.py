@@ -28,11 +28,11 @@ a mock driver: nothing is computed then, only launches are recorded.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
+from ...routes import setting
 from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
 from ..triton_shared.configs import DTYPE_NAMES, d_pad
 
@@ -123,7 +123,7 @@ def _rows_fit(x: Tensor) -> bool:
 
 def route(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coeffs) -> str | None:
     """The library's mode for this call (``a``, ``b`` in the kernel dtype), or None: take the JIT route."""
-    path = os.environ.get(ENV)
+    path = setting("AOT_LIB")
     if not path or torch.compiler.is_compiling():
         return None
     info = build_info(path)
@@ -133,7 +133,7 @@ def route(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coe
     if a.device.type == "cuda":
         if _arch(a.device) not in info["archs"]:
             return None
-    elif not (a.device.type == "cpu" and os.environ.get("FUSED_CONTRASTIVE_AOT_FAKE_CPU")):
+    elif not (a.device.type == "cpu" and setting("AOT_FAKE_CPU")):
         return None
     if DTYPE_NAMES[a.dtype] not in info["dtypes"]:
         return None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
@@ -23,6 +22,7 @@ from torch import Tensor
 from ..._amp import autocast_off
 from ..._first_order import first_order
 from ...kernels import matryoshka as KM
+from ...routes import setting
 from .. import linear_terms
 from ..norms import prefix_rows
 from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
@@ -199,11 +199,8 @@ ROUTES = ("auto", "calls", "kernels", "suffix")
 
 
 def route() -> str:
-    r = os.environ.get("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "auto")
-    if r not in ROUTES:
-        raise ValueError(f"FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE must be one of {', '.join(map(repr, ROUTES))}, "
-                         f"got {r!r}")
-    return r
+    """Env ``FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE``, one of :data:`ROUTES` (default "auto")."""
+    return setting("MATRYOSHKA_ROUTE")
 
 
 #: Smallest N x M at which "auto" takes the suffix backward (on CUDA; 16-bit, at most
@@ -246,7 +243,7 @@ def suffix_rows(n: int, m: int, d: int, k: int, dtype: torch.dtype, need_b: bool
     budget and hooks), beside dB's fp32 accumulators; a multiple of 64, at least ``panels.P_MIN``."""
     if panels.PANEL_ROWS is not None:
         return max(1, min(n, panels.PANEL_ROWS))
-    budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", panels.BUDGET_BYTES))
+    budget = setting("PANEL_BUDGET") or panels.BUDGET_BYTES
     e = torch.empty((), dtype=dtype).element_size()
     kp = triton.next_power_of_2(k)
     fixed = 4 * m * d if need_b else 0

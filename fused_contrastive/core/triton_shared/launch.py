@@ -11,7 +11,6 @@ Nothing touches the GPU driver at import time. On CPU tensors the kernels run on
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -21,6 +20,7 @@ from torch import Tensor
 from ..._tracing import tensors_are_traced
 from ...kernels import common as KC
 from ...kernels import target as _target_kernels  # noqa: F401 (decorated with the others: interpreted or compiled alike)
+from ...routes import setting
 from ..spec import CoreData, CoreSpec, coef_grad
 from .configs import DTYPE_NAMES, ROW_NORM_BLOCK_R, ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS, d_pad
 
@@ -28,7 +28,7 @@ __all__ = ["Launch", "interpreted", "kernel_dtype"]
 
 #: Debug hook for the tests: fill every kernel output with NaN before the launch, so an element a
 #: kernel forgets to write shows up. Also settable with FUSED_CONTRASTIVE_TRITON_POISON=1.
-POISON_OUTPUTS = os.environ.get("FUSED_CONTRASTIVE_TRITON_POISON", "0") not in ("", "0")
+POISON_OUTPUTS = bool(setting("TRITON_POISON"))
 
 
 def interpreted() -> bool:

@@ -7,13 +7,12 @@ cuBLAS half of one panel (``_panel_gemms``, ``_db_from_acc``). Device code: ``ke
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from torch import Tensor
 
 from ...kernels import panel as KP
+from ...routes import setting
 from . import launch as TL
 from .configs import (
     EPI_GEMM,
@@ -73,9 +72,7 @@ def use_panel(a: Tensor, n: int, m: int) -> bool:
     """Which Triton path runs: env ``FUSED_CONTRASTIVE_TRITON_PATH`` = "panel", "fused" or "auto"
     (default). "auto": the panel path for CUDA tensors with N * M >= :data:`MIN_ELEMENTS`, the fused
     kernels otherwise (and always on the CPU interpreter, where the tests force either path)."""
-    mode = os.environ.get("FUSED_CONTRASTIVE_TRITON_PATH", "auto")
-    if mode not in ("auto", "panel", "fused"):
-        raise ValueError(f"FUSED_CONTRASTIVE_TRITON_PATH must be 'auto', 'panel' or 'fused', got {mode!r}")
+    mode = setting("TRITON_PATH")
     if mode != "auto":
         return mode == "panel"
     return a.device.type == "cuda" and n * m >= MIN_ELEMENTS
@@ -91,9 +88,7 @@ def use_epilogue(dev: torch.device, dt: torch.dtype, form: str = "one_pass", ele
     "known": the statistics forward and the backward from known statistics, A != B; "tri": the
     triangular sweep) and the arch, else the cuBLAS form. fp32 operands always take cuBLAS (fp32 GEMMs, or
     TF32 where the user allowed it; a Triton fp32 dot would round to TF32 or take three passes)."""
-    mode = os.environ.get("FUSED_CONTRASTIVE_PANEL_GEMM", "auto")
-    if mode not in ("auto", "epilogue", "cublas"):
-        raise ValueError(f"FUSED_CONTRASTIVE_PANEL_GEMM must be 'auto', 'epilogue' or 'cublas', got {mode!r}")
+    mode = setting("PANEL_GEMM")
     if dt == torch.float32:
         return False
     if mode != "auto":
@@ -158,10 +153,7 @@ EPI_FORM_DEFAULT: dict[tuple[str, str], str] = {("siglip_eager", "sm90"): "tma"}
 def epi_form(config: str | None = None, arch: str | None = None) -> str:
     """The epilogue GEMM's tile-loop form: env :data:`EPI_FORM_ENV` when set, else :data:`EPI_FORM_DEFAULT`'s for
     the launch configuration ``config`` on ``arch`` ("tiles" where it lists none)."""
-    form = os.environ.get(EPI_FORM_ENV) or EPI_FORM_DEFAULT.get((config, arch), "tiles")
-    if form not in EPI_FORMS:
-        raise ValueError(f"{EPI_FORM_ENV} must be one of {', '.join(map(repr, EPI_FORMS))}, got {form!r}")
-    return form
+    return setting("EPI_FORM") or EPI_FORM_DEFAULT.get((config, arch), "tiles")
 
 
 def _tma_ok(x: Tensor, y: Tensor) -> bool:
@@ -224,7 +216,7 @@ def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool, epilog
     per 64 columns, instead of ``(4 + e) M``)."""
     if PANEL_ROWS is not None:
         return max(1, min(n, PANEL_ROWS))
-    budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", BUDGET_BYTES))
+    budget = setting("PANEL_BUDGET") or BUDGET_BYTES
     e = torch.empty((), dtype=dtype).element_size()
     fixed = (4 * m * d if need_db else 0) + (e * m * d if dtype == torch.float16 else 0)
     per_col = e * m + 12 * triton.cdiv(m, 64) if epilogue else (4 + e) * m
