@@ -39,21 +39,6 @@ from ...kernels import lse as K
 from ..spec import CoreData, CoreSpec
 from ..triton_shared import launch as TL
 from ..triton_shared.configs import config_for, fwd_kernel
-from ..triton_shared.launch import (
-    Launch,
-    _alloc,
-    _arch,
-    _flags,
-    _gscale,
-    _launch,
-    _mask_args,
-    _prepare,
-    _Prepared,
-    _problem_args,
-    _scale32,
-    _sizes,
-    prescale,
-)
 
 
 def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, want_col: bool,
@@ -67,32 +52,32 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     """
     dev = a.device
     n, d = a.shape
-    p = _prepare(a, b, spec, data, want_pos)
+    p = TL._prepare(a, b, spec, data, want_pos)
     m = p.b.shape[0]
     if tri and not (p.sym and not want_col and not p.pos_kind):
         raise ValueError("core: the triangular forward needs B is A without a bias, column term or positives")
     # the positives' softmax keeps narrower tiles, row statistics alone take wider ones on sm_90
     # (registers: see triton_configs)
     key = fwd_kernel(bool(p.pos_kind), want_col, tri, p.bias_col is not None)
-    cfg, block_d, _ = config_for(key, _arch(dev), p.a.dtype, d)
-    lse = _alloc((n,), torch.float32, dev)
-    lse_pos = _alloc((n,), torch.float32, dev) if p.pos_kind else None
+    cfg, block_d, _ = config_for(key, TL._arch(dev), p.a.dtype, d)
+    lse = TL._alloc((n,), torch.float32, dev)
+    lse_pos = TL._alloc((n,), torch.float32, dev) if p.pos_kind else None
     n_rb = triton.cdiv(n, cfg.block_m)
     progs, col_part, n_loop = n_rb, p.dummy, n_rb
     if want_col:
         progs = TL._col_programs(n_rb, dev)
-        col_part = _alloc((progs, m), torch.float32, dev)  # every element is written by the kernel
+        col_part = TL._alloc((progs, m), torch.float32, dev)  # every element is written by the kernel
     elif tri:
         progs = TL._col_programs(n_rb, dev)
         n_loop = triton.cdiv(n_rb, progs) * progs  # whole rounds of the zig-zag order
         # a program's rows reach only the columns from its first row block on
         col_part = torch.full((progs, m), float("-inf"), dtype=torch.float32, device=dev)
-    _launch(Launch(
+    TL._launch(TL.Launch(
         "lse_fwd", K.lse_fwd_kernel, (progs,),
-        dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=_scale32(scale, dev), **_problem_args(p),
+        dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=TL._scale32(scale, dev), **TL._problem_args(p),
              LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy, COL_PART=col_part,
-             **_sizes(p), **_mask_args(p, spec), n_row_blocks=n_loop),
-        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p, spec),
+             **TL._sizes(p), **TL._mask_args(p, spec), n_row_blocks=n_loop),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **TL._flags(p, spec),
              WANT_COL=bool(want_col), TRI=bool(tri)),
         cfg.num_warps, cfg.num_stages))
     # merge the per-program partial column LSEs (fixed order: deterministic)
@@ -102,7 +87,7 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     return lse, lse_col, lse_pos, p
 
 
-def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor | None,
+def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor | None,
              lse_pos: Tensor | None, g: Tensor | None, g_col: Tensor | None,
              g_pos: Tensor | None, need_a: bool, need_b: bool, need_s: bool, wide: bool = False,
              target: Tensor | None = None):
@@ -121,7 +106,7 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
     n, d = a.shape
     m = b.shape[0]
     need_b = need_b and not p.sym
-    gs = _gscale(g, g_col, g_pos)
+    gs = TL._gscale(g, g_col, g_pos)
     if gs is None:
         out = TL._no_grads(a, b, need_a, need_b, need_s)
         return out if target is None else (*out, torch.zeros(n, dtype=torch.float32, device=dev))
@@ -130,27 +115,27 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
     tgt = target.contiguous() if split else None
     na, ra, nb, rb, rsa, rsb = p.norms
     dm = p.dummy
-    common = dict(SCALE=_scale32(scale, dev), GSCALE=gs, **_problem_args(p),
+    common = dict(SCALE=TL._scale32(scale, dev), GSCALE=gs, **TL._problem_args(p),
                   LSE=lse, G=g if g is not None else dm,
                   LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
                   LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm)
-    flags = dict(**_flags(p, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
-                 PRESCALE=prescale(a.dtype), SPLIT_T=split)
-    arch = _arch(dev)
+    flags = dict(**TL._flags(p, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
+                 PRESCALE=TL.prescale(a.dtype), SPLIT_T=split)
+    arch = TL._arch(dev)
     da = db = ds = None
 
     if need_a or need_s or split:  # (the row kernel also reports the target columns' weights)
         cfg, block_d, resident = config_for("bwd_rows", arch, a.dtype, d)
         n_rb = triton.cdiv(n, cfg.block_m)
-        da = _alloc((n, d), torch.float32 if wide else a.dtype, dev) if need_a else dm
+        da = TL._alloc((n, d), torch.float32 if wide else a.dtype, dev) if need_a else dm
         acc = dm if (resident or not need_a) else torch.empty((n, d), dtype=torch.float32, device=dev)
-        ds_part = _alloc((n_rb,), torch.float32, dev) if need_s else dm
-        _launch(Launch(
+        ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
+        TL._launch(TL.Launch(
             "lse_bwd_rows", K.lse_bwd_rows_kernel, (n_rb,),
             dict(A=a, SA=p.sa, SB=p.sb, RA=ra, NA=na, RSA=rsa, RSB=rsb, **common, DA=da, ACC=acc, DS_PART=ds_part,
-                 TGT=tgt if split else dm, TV=tv if split else dm, **_sizes(p), stride_a=a.stride(0),
+                 TGT=tgt if split else dm, TV=tv if split else dm, **TL._sizes(p), stride_a=a.stride(0),
                  stride_da=da.stride(0) if need_a else 0,
-                 **_mask_args(p, spec), eps=float(spec.eps)),
+                 **TL._mask_args(p, spec), eps=float(spec.eps)),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, SYM=p.sym,
                  NEED_DX=bool(need_a), NEED_DS=bool(need_s), RESIDENT=resident),
             cfg.num_warps, cfg.num_stages))
@@ -160,16 +145,16 @@ def _lse_bwd(p: _Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor |
     if need_b:
         gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
         cfg, block_d, resident = config_for("bwd_cols", arch, b.dtype, d)
-        db = _alloc((m, d), torch.float32 if wide else b.dtype, dev)
+        db = TL._alloc((m, d), torch.float32 if wide else b.dtype, dev)
         if gcols < m:
             db[gcols:].zero_()  # queue columns get no gradient
         if gcols > 0:
             acc = dm if resident else torch.empty((gcols, d), dtype=torch.float32, device=dev)
-            _launch(Launch(
+            TL._launch(TL.Launch(
                 "lse_bwd_cols", K.lse_bwd_cols_kernel, (triton.cdiv(gcols, cfg.block_n),),
                 dict(B=b, SA=p.sa, SB=p.sb, RB=rb, NB=nb, RSA=rsa, RSB=rsb, **common, DB=db, ACC=acc,
-                     TGT=tgt if split else dm, **_sizes(p),
-                     stride_b=b.stride(0), stride_db=db.stride(0), **_mask_args(p, spec), eps=float(spec.eps),
+                     TGT=tgt if split else dm, **TL._sizes(p),
+                     stride_b=b.stride(0), stride_db=db.stride(0), **TL._mask_args(p, spec), eps=float(spec.eps),
                      grad_cols=gcols),
                 dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, RESIDENT=resident),
                 cfg.num_warps, cfg.num_stages))
