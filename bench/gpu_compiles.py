@@ -10,8 +10,9 @@ whose result has two uses), so InfoNCE's, Matryoshka's and GIST's default routes
 compile on this machine's newer Triton passed. Run this with the Triton that PyTorch's CUDA wheels ship (a
 second environment: ``pip install triton==3.6.0``) as well as with the newest.
 
-The launches are recorded on the meta device (``tools.aot.recording``, nothing runs) by ``bench/gpu_model.py``'s
-recorders, for the core op on each path and panel-GEMM form (InfoNCE, SimCSE, CLIP, SupCon L_in), the epilogue
+The launches are recorded on the meta device (``tools.compile_survey.recording``, nothing runs) by
+``bench/gpu_model.py``'s recorders, for the core op on each path and panel-GEMM form (InfoNCE, SimCSE, CLIP,
+SupCon L_in), the epilogue
 GEMM's tile loops, the Matryoshka kernels (both backwards), GIST's guided route and its fused kernels, SigLIP's
 routes and MaxSim's kernels; identical launches (kernel, constexprs, warps, stages, argument dtypes) compile
 once. Prints one line per distinct launch and exits 1 if any failed to compile.

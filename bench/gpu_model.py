@@ -559,7 +559,7 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TL.
     the 16-bit gradient tiles (and the statistics) from the epilogue GEMM, cuBLAS for dA / dB;
     "panel-cublas": the logits by cuBLAS too, then the panel kernel (the fused forward for statistics)).
     Returns the Triton launches (recorded, not run) and the ATen ops around them (:class:`OpCounter`).
-    The arguments are the loss's own core-op call (``tools.aot.core_call``), run as ``core.run`` runs it
+    The arguments are the loss's own core-op call (``tools.compile_survey.core_call``), run as ``core.run`` runs it
     (the log-sum-exp terms and the O(N D) linear target / positive terms as one ``core.PiecesFn``; the
     one-tile dense path off, as at every size the model is asked for)."""
     a, b, scale, spec, data, coef, reduce = compile_survey.core_call(loss, n, d, torch.bfloat16)

@@ -96,7 +96,7 @@ def resource_table(jobs: int, n: int, m: int, d: int):
 
 
 def loss_totals(n: int, d: int, peak_tflops: float):
-    """FLOPs of every benchmark loss that runs on the kernels, from the registry (``tools.aot.record_case``:
+    """FLOPs of every benchmark loss that runs on the kernels, from the registry (``tools.compile_survey.record_case``:
     the launches the loss itself makes), at N anchors."""
     from fused_contrastive.testing import BENCH_CASES
 

@@ -200,7 +200,7 @@ _ROUTE = r"""
 import json, os, sys
 import torch
 import fused_contrastive as fc
-from fused_contrastive import aot
+from fused_contrastive import c_library
 
 man = json.load(open(sys.argv[1]))
 kernel_of = {v["symbol"]: v["kernel"] for v in man["variants"]}

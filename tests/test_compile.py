@@ -56,7 +56,7 @@ def _assert_close(got, want, what: str) -> None:
 
 def _captured_core_args(case, n: int, backend: str, dtype=torch.float64) -> list[tuple]:
     """The flat arguments of ``fused_contrastive::core`` for every core-op call of ``case`` at N (inputs
-    of ``dtype`` that require grad; ``tools.aot.core_calls``, the one capture of the registry's calls)."""
+    of ``dtype`` that require grad; ``tools.compile_survey.core_calls``, the one capture of the registry's calls)."""
     from fused_contrastive.tools.compile_survey import core_calls
 
     return [ops._flatten(backend, a, b, scale, spec, data, coef, reduce, ops._needs(a, b, scale))

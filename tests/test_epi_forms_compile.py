@@ -29,7 +29,7 @@ _COMPILE = textwrap.dedent(
     from fused_contrastive import core
     from fused_contrastive.core import triton_panel
     from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
     meta = torch.device("meta")
     n = 4096
@@ -37,9 +37,9 @@ _COMPILE = textwrap.dedent(
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
 
     def record(arch, loss):
-        with aot.recording(arch) as launches:
+        with compile_survey.recording(arch) as launches:
             if loss in ("info_nce", "clip", "simcse"):  # the losses' own core-op calls, as the model runs them
-                a, b, scale, spec, data, coef, reduce = aot.core_call(loss, n, 768, torch.bfloat16)
+                a, b, scale, spec, data, coef, reduce = compile_survey.core_call(loss, n, 768, torch.bfloat16)
                 out = core.run("triton", a, b, scale, spec, data, coef, reduce)
                 torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
             else:  # SigLIP's mean (its one pass) and per-row losses (a losses sweep, then a gradient sweep)
@@ -57,7 +57,7 @@ _COMPILE = textwrap.dedent(
         s = torch.empty((), device=meta, requires_grad=True)
         w = torch.empty(n, device=meta)
         i64 = torch.empty(n, dtype=torch.int64, device=meta)
-        with aot.recording(arch) as launches:
+        with compile_survey.recording(arch) as launches:
             if variant == "gist":
                 gs = tuple(torch.empty(n, dg, dtype=gdt, device=meta) for _ in range(3))
                 blocks = [Block(0, 1, protect=True), Block(0, 0), Block(1, 1), Block(0, 2)]
@@ -83,7 +83,7 @@ _COMPILE = textwrap.dedent(
                     if key in seen:
                         continue
                     seen.add(key)
-                    r = aot.compile_launch(x, cc)
+                    r = compile_survey.compile_launch(x, cc)
                     r.update(form="guided", guide=gname, loss=variant, split=x.constexprs["SPLIT_T"],
                              persist=x.constexprs["PERSIST"], grid=x.grid[0], block_m=x.constexprs["BLOCK_M"])
                     out.append(r)
@@ -99,7 +99,7 @@ _COMPILE = textwrap.dedent(
                         continue
                     seen.add(key)
                     keep = {}
-                    r = aot.compile_launch(x, cc, keep)
+                    r = compile_survey.compile_launch(x, cc, keep)
                     r.update(form=form, loss=loss, mode=x.constexprs["MODE"], has_g=x.constexprs["HAS_G"],
                              persist=x.constexprs["PERSIST"], tma_flag=x.constexprs["TMA"], grid=x.grid[0],
                              cp_async=keep["kernel"].asm["ttgir"].count("async_copy_global_to_local"))

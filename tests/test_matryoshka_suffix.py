@@ -180,7 +180,7 @@ _SCRIPT = textwrap.dedent(
 
     from fused_contrastive.core import triton_matryoshka as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
     def record(fam, dt, variant, n=4096, d=768, dims=(64, 128, 256, 512, 768)):
         meta = torch.device("meta")
@@ -193,7 +193,7 @@ _SCRIPT = textwrap.dedent(
             data, coef = CoreData(row_labels=torch.empty(n, **i64), col_labels=torch.empty(n, **i64)), \\
                 Coeffs(lse=1.0, pos=-1.0)
         s = torch.empty((), device=meta)
-        with aot.recording(fam) as launches:
+        with compile_survey.recording(fam) as launches:
             lv = TM._Levels(a, b, CoreSpec(), data, coef.pos is not None, dims)
             lse, lc, lp = TM._fwd(lv, s, CoreSpec(), False)
             g = torch.empty(len(dims), n, device=meta)
@@ -206,7 +206,7 @@ _SCRIPT = textwrap.dedent(
     # the variants that spilled most at other tile shapes (fp16's target term, bf16's positives), one per arch
     for (cc, fam), (dname, dt), variant in zip(aot.TARGETS, (("bf16", torch.bfloat16), ("fp16", torch.float16)),
                                                ("pos", "tgt"), strict=True):
-        r = aot.compile_launch(record(fam, dt, variant), cc)
+        r = compile_survey.compile_launch(record(fam, dt, variant), cc)
         r.update(dtype=dname, variant=variant)
         out.append(r)
     print(json.dumps(out))

@@ -35,11 +35,11 @@ _SCRIPT = textwrap.dedent(
     from concurrent.futures import ProcessPoolExecutor
 
     from fused_contrastive.core.triton_shared.configs import CONFIGS
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
     if __name__ == "__main__":
         with ProcessPoolExecutor(max_workers=2) as ex:
-            results = list(ex.map(aot.run_job, aot.jobs()))
+            results = list(ex.map(compile_survey.run_job, compile_survey.jobs()))
         print(json.dumps({"results": results, "configs": sorted(CONFIGS)}))
     """
 )

@@ -151,7 +151,7 @@ _SCRIPT = textwrap.dedent(
     import torch
 
     from fused_contrastive.core import triton_guided as TG
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
     # the mask sets the losses launch: GIST's protected anchor-positive block and its other blocks (fp32 or
@@ -178,7 +178,7 @@ _SCRIPT = textwrap.dedent(
                            tgt=torch.empty(n, **i64) if v.get("protect") else None,
                            exclude=0 if v.get("exclude") else None)
         s = torch.empty((), device=meta)
-        with aot.recording(fam) as launches:
+        with compile_survey.recording(fam) as launches:
             lse, tl, p = TG.block_fwd(a, b, s, mk, True, 1e-12)
             gr = torch.empty(n, device=meta)
             TG.block_bwd(p, s, mk, True, 1e-12, lse, gr, gr if v.get("protect") else None, True, True, True)
@@ -194,7 +194,7 @@ _SCRIPT = textwrap.dedent(
 
     def job(args):
         cc, fam, dname, d, variant, gname, i = args
-        out = aot.compile_launch(record(fam, DT[dname], d, variant, DT[gname])[i], cc)
+        out = compile_survey.compile_launch(record(fam, DT[dname], d, variant, DT[gname])[i], cc)
         out.update(dtype=dname, d=d, variant=variant, guide=gname)
         return out
 

@@ -390,7 +390,7 @@ _SCRIPT = textwrap.dedent(
     import torch
 
     from fused_contrastive.core.guided.torch_blocks import Block, Masks, merged_lse
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -403,7 +403,7 @@ _SCRIPT = textwrap.dedent(
         s = torch.empty((), device=meta, requires_grad=True)
         w = torch.empty(n, device=meta)
         i64 = torch.empty(n, dtype=torch.int64, device=meta)
-        with aot.recording(fam) as launches:
+        with compile_survey.recording(fam) as launches:
             if variant == "gist":
                 gs = tuple(torch.empty(n, dg, dtype=gdt, device=meta) for _ in range(3))
                 blocks = [Block(0, 1, protect=True), Block(0, 0), Block(1, 1), Block(0, 2)]
@@ -425,7 +425,7 @@ _SCRIPT = textwrap.dedent(
     def job(args):
         cc, fam, gname, variant, i = args
         lz = record(fam, gname, variant)[i]
-        out = aot.compile_launch(lz, cc)
+        out = compile_survey.compile_launch(lz, cc)
         c = lz.constexprs
         # guided_rows (the merge over the blocks): "merge" before the redo, "finish" after it
         # guided_acc (a row tensor's panel into its accumulator): "acc", with or without the target's term

@@ -236,7 +236,7 @@ _SCRIPT = textwrap.dedent(
 
     from fused_contrastive.core import TM as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
     DIMS = {1: (768,), 5: (64, 128, 256, 512, 768), 8: (32, 64, 96, 128, 256, 384, 512, 768)}
@@ -253,7 +253,7 @@ _SCRIPT = textwrap.dedent(
             data, coef = CoreData(row_labels=torch.empty(n, **i64), col_labels=torch.empty(n, **i64)), \\
                 Coeffs(lse=1.0, pos=-1.0)
         s = torch.empty((), device=meta)
-        with aot.recording(fam) as launches:
+        with compile_survey.recording(fam) as launches:
             lv = TM._Levels(a, b, spec, data, coef.pos is not None, DIMS[k])
             lse, lc, lp = TM._fwd(lv, s, spec, coef.col is not None)
             g = torch.empty(k, n, device=meta)
@@ -263,7 +263,7 @@ _SCRIPT = textwrap.dedent(
 
     def job(args):
         cc, fam, dname, k, variant, i = args
-        out = aot.compile_launch(record(fam, DT[dname], k, variant)[i], cc)
+        out = compile_survey.compile_launch(record(fam, DT[dname], k, variant)[i], cc)
         out.update(dtype=dname, k=k, variant=variant)
         return out
 

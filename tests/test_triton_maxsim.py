@@ -345,7 +345,7 @@ _COMPILE = textwrap.dedent(
     import torch
 
     from fused_contrastive.core import triton_maxsim as TMS
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -359,17 +359,17 @@ _COMPILE = textwrap.dedent(
         doc = torch.empty(n, ld, d, dtype=dt, device=meta)
         w = torch.empty(n, lq, device=meta)
         dv = torch.empty(n, ld, dtype=torch.bool, device=meta)
-        with aot.recording(fam) as launches:
+        with compile_survey.recording(fam) as launches:
             s, idx, lse = TMS.maxsim_forward(q, doc, w, dv, torch.empty((), device=meta), -1e9)
             TMS.maxsim_backward(q, doc, w, idx, torch.empty(n, n, device=meta), dv, gather=gather)
         return [x for x in launches if gather or x.name == "maxsim_bwd_query"]
 
     def key(launch):  # what the compiled code depends on: launches with one key compile to the same code
-        return launch.name, aot.source(launch).hash(), launch.num_warps, launch.num_stages
+        return launch.name, compile_survey.source(launch).hash(), launch.num_warps, launch.num_stages
 
     def job(args):
         cc, fam, dname, d, lq, gather, i, setting = args
-        out = aot.compile_launch(record(fam, dname, d, lq, gather, setting)[i], cc)
+        out = compile_survey.compile_launch(record(fam, dname, d, lq, gather, setting)[i], cc)
         out.update(dtype=dname, d=d, lq=lq, gather=gather, setting=setting)
         return out
 

@@ -949,10 +949,10 @@ _COMPILE = textwrap.dedent(
     from fused_contrastive.core import TL as TB
     from fused_contrastive.core import triton_panel
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
-    sig = aot._sig_type  # tools/compile_survey.py knows no 1-byte pointers yet: the compact mask is "*u8"
-    aot._sig_type = lambda v: "*u8" if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 else sig(v)
+    sig = compile_survey._sig_type  # tools/compile_survey.py knows no 1-byte pointers yet: the compact mask is "*u8"
+    compile_survey._sig_type = lambda v: "*u8" if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 else sig(v)
     meta = torch.device("meta")
     n = m = 4096
 
@@ -979,7 +979,7 @@ _COMPILE = textwrap.dedent(
         # column out of their tiles (SPLIT_T, core.PiecesFn) where no softmax over positives runs
         data = dataclasses.replace(data, target=torch.empty(n, dtype=torch.int64, device=meta))
         coef = dataclasses.replace(coef, tgt=1.0)
-        with aot.recording(arch) as launches:
+        with compile_survey.recording(arch) as launches:
             core.run("triton", a, b, s, spec, data, coef, True).backward()
         return launches
 
@@ -998,7 +998,7 @@ _COMPILE = textwrap.dedent(
                     # the panel kernels, and the fused forward with the 1-byte mask
                     if (x.name in ("panel_dl", "panel_rows")
                             or (x.name == "lse_fwd" and variant in ("col", "tri"))):
-                        r = aot.compile_launch(x, cc)
+                        r = compile_survey.compile_launch(x, cc)
                         r.update(variant=variant, dtype=str(dt), one_pass=bool(x.constexprs.get("ONE_PASS")),
                                  block_r=x.constexprs.get("BLOCK_R"), tri=bool(x.constexprs.get("TRI")),
                                  split=bool(x.constexprs.get("SPLIT_T")))
@@ -1015,13 +1015,14 @@ _COMPILE = textwrap.dedent(
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     if x.name in ("epi_rows", "target_rows", "stats_merge"):  # the row kernels around the
-                        r = aot.compile_launch(x, cc)  # one pass, the statistics merge (and the target term's:
+                        r = compile_survey.compile_launch(x, cc)  # one pass, the statistics merge (and the target
+                        # term's:
                         r.update(variant=variant, dtype=str(dt), finish=x.constexprs.get("FINISH"),  # every
                                  bwd=x.constexprs.get("BWD"), acc=x.constexprs.get("ACC"))  # loss here has one)
                         out.append(r)
                     if x.name.startswith("epi_gemm"):
                         keep = {}
-                        r = aot.compile_launch(x, cc, keep)
+                        r = compile_survey.compile_launch(x, cc, keep)
                         ttgir = keep["kernel"].asm["ttgir"]
                         r.update(variant=variant, dtype=str(dt), mode=x.constexprs["MODE"],
                                  tri=bool(x.constexprs["TRI"]), cp_async=ttgir.count("async_copy_global_to_local"),
@@ -1038,12 +1039,12 @@ _COMPILE = textwrap.dedent(
             y = torch.empty(m, 768, dtype=dt, device=meta, requires_grad=True)
             sc = torch.empty((), device=meta, requires_grad=True)
             bi = torch.empty((), device=meta, requires_grad=True)
-            with aot.recording(arch) as launches:
+            with compile_survey.recording(arch) as launches:
                 TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, reduce, 1.0 / n).sum().backward()
             for x in launches:
                 if x.name.startswith("epi_gemm"):
                     keep = {}
-                    r = aot.compile_launch(x, cc, keep)
+                    r = compile_survey.compile_launch(x, cc, keep)
                     r.update(variant="siglip", dtype=str(dt), mode=x.constexprs["MODE"], tri=False,
                              cp_async=keep["kernel"].asm["ttgir"].count("async_copy_global_to_local"))
                     out.append(r)
@@ -1052,7 +1053,7 @@ _COMPILE = textwrap.dedent(
     for cc, arch in aot.TARGETS:  # the fused backward kernels with the 1-byte mask
         for x in record(arch, torch.bfloat16, "col"):
             if x.name in ("lse_bwd_rows", "lse_bwd_cols"):
-                r = aot.compile_launch(x, cc)
+                r = compile_survey.compile_launch(x, cc)
                 r.update(variant="fused-u8", dtype="bf16", split=bool(x.constexprs["SPLIT_T"]))
                 out.append(r)
     print(json.dumps(out))

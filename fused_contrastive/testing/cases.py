@@ -66,7 +66,7 @@ class Case:
             rank average must be its global-batch value: the multi-process parity test and, for a
             benchmarked case of [N, D] embeddings, the DDP training matrix run these from the registry.
         core_calls: how many times one call of the loss calls the core op (``core.run``), for op "core"
-            (``tools.aot.core_calls`` checks it: the kernel report, ``opcheck`` and the host-code trace
+            (``tools.compile_survey.core_calls`` checks it: the kernel report, ``opcheck`` and the host-code trace
             read every call).
     """
 

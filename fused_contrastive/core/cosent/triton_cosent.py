@@ -11,7 +11,7 @@ Per step (forward + backward), embedding pairs [B, D] and labels [B]:
 * ``pair_cos_bwd``: dU, dV in one pass (reads 2 B D, writes 2 B D); dL/dscale is a dot in PyTorch
   when the scale is a tensor that requires grad.
 
-Every launch goes through ``triton_backend._launch`` (so the ahead-of-time compiles of the kernel
+Every launch goes through ``triton_shared/launch.py`` ``_launch`` (so the ahead-of-time compiles of the kernel
 report and ``wrap_triton`` under tracing see them).
 """
 

@@ -227,7 +227,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     else ``tw`` is None.
 
     ``prep`` is the fused path's ``_Prepared`` (labels, mask, bias columns, dummy); ``launch`` is
-    ``triton_backend._launch`` (so the AOT recorder sees these launches). With ``eager``, ``g`` /
+    ``triton_shared/launch.py`` ``_launch`` (so the AOT recorder sees these launches). With ``eager``, ``g`` /
     ``g_pos`` are the coefficients as [N] fp32 and ``lse`` / ``lse_pos`` are produced here. ``sym``:
     B is A without a bias, dA holds both roles and dB is None.
     """

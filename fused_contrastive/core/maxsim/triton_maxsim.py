@@ -19,7 +19,7 @@ Memory: nothing of size N*Lq*M*Ld; the forward allocates S, idx and an fp32 [spl
 per-split LSEs (merged by ``torch.logsumexp`` over the splits: fixed order, deterministic); the
 backward allocates dq and dd only. Every output is allocated with ``triton_backend._alloc`` (NaN-filled
 under ``POISON_OUTPUTS``; the argmax with its dtype's minimum), and every launch goes through
-``triton_backend._launch`` (so ``tools.aot.recording`` sees exactly these argument lists, and
+``triton_shared/launch.py`` ``_launch`` (so ``tools.compile_survey.recording`` sees exactly these argument lists, and
 ``wrap_triton`` under tracing).
 
 Work, in units of one N*Lq x M*Ld x D matmul (2 N Lq M Ld D FLOPs): forward 1 (tensor cores); backward

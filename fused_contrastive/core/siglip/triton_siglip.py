@@ -10,8 +10,8 @@ Per step (forward + backward) with images [N, D] and texts [M, D]:
 * ``siglip_bwd_cols``: dY, one program per column block.
 
 Launch configs come from the core kernels' table (``triton_configs.config_for`` with "fwd",
-"bwd_rows", "bwd_cols"). Every launch goes through ``triton_backend._launch`` (so the ahead-of-time
-compiles of ``tools.aot`` see exactly these argument lists, and ``wrap_triton`` under tracing).
+"bwd_rows", "bwd_cols"). Every launch goes through ``triton_shared/launch.py`` ``_launch`` (so the ahead-of-time
+compiles of ``tools.compile_survey`` see exactly these argument lists, and ``wrap_triton`` under tracing).
 """
 
 from __future__ import annotations

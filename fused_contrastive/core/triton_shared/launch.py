@@ -75,7 +75,7 @@ class Launch(NamedTuple):
 
 
 class Recorder(NamedTuple):
-    """Where launches go instead of running (set by ``tools.aot.recording``), and the arch family
+    """Where launches go instead of running (set by ``tools.compile_survey.recording``), and the arch family
     whose configs to use (the tensors are on the meta device, which has none)."""
 
     arch: str
