@@ -151,7 +151,7 @@ Problem make_problem(const Tensor &a_, const std::optional<Tensor> &b_, const Te
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int64_t d_pad(int64_t d) {  // triton_configs.d_pad
+int64_t d_pad(int64_t d) {  // triton_shared.configs.d_pad
   int64_t p = 16;
   while (p < d) p <<= 1;
   return p;
@@ -265,7 +265,7 @@ std::pair<int64_t, int64_t> panel_blocks(int64_t p, int64_t programs) {
   return {1, FC_PANEL_CHUNK};
 }
 
-// triton_backend._row_norms: (scaled copy, norms, inverse norms, inverse norms of the copy)
+// triton_shared.launch._row_norms: (scaled copy, norms, inverse norms, inverse norms of the copy)
 std::array<Tensor, 4> row_norms(const Panel &C, const Tensor &x, Tensor norm = {}, Tensor rnorm = {}) {
   const int64_t r = x.size(0), d = x.size(1);
   auto f32 = x.options().dtype(at::kFloat);
@@ -488,7 +488,7 @@ std::tuple<Tensor, Tensor, Tensor> panel_backward(const Panel &C, const Tensor &
   return {da, db, at::cat(ds_parts).sum() * gs.reshape({})};
 }
 
-// triton_backend._lse_fwd with tri (mode "self" on the panel path): the fused forward kernel over the
+// lse.triton_fused._lse_fwd with tri (mode "self" on the panel path): the fused forward kernel over the
 // tiles on and above the diagonal, its per-program column partials merged into the row LSEs
 Tensor tri_lse(const Panel &C) {
   const int64_t n = C.n, d = C.d;

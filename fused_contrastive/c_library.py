@@ -11,7 +11,7 @@ covered feature set ("mode"), dtype and D class, compiles each distinct launch w
 * ``DIR/fc_kernels_gen.h`` / ``fc_kernels_gen.c``: per variant its cubin bytes, symbol name, warps,
   shared memory and constexpr key; per kernel its argument layout (the non-constexpr parameters in
   order, their C types, and which ones were compiled as divisible by 16); the launch-config table
-  (``triton_configs.CONFIGS`` for the compiled dtypes) and the launcher's constants;
+  (``triton_shared.configs.CONFIGS`` for the compiled dtypes) and the launcher's constants;
 * ``DIR/manifest.json``: the same, for the tests.
 
 ``python -m fused_contrastive.c_library check --gen DIR --fc-run FC_RUN --mock LIBMOCK --work TMP`` (a ctest) runs the C

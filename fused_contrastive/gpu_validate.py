@@ -95,7 +95,7 @@ EPILOGUE_CASES = ("info_nce", "simcse", "clip")
 EXPECT = {("core", "fused"): PATHS["fused"], ("core", "panel"): PATHS["panel"],
           ("core", "panel-cublas"): PATHS["panel-cublas"],
           # the Matryoshka kernels where the plain op takes the fused kernels (their own backward, or the
-          # suffix backward: 16-bit on CUDA from N x M = 2^20, core/triton_matryoshka.use_suffix); one plain
+          # suffix backward: 16-bit on CUDA from N x M = 2^20, core/matryoshka/triton_levels.use_suffix); one plain
           # call per level (its one-pass panel kernel) where it takes the panel path (core._leveled)
           ("matryoshka", "fused"): ({"mat_fwd", "mat_bwd_rows"}, {"mat_fwd", "mat_epi"}),
           ("matryoshka", "panel"): {"panel_rows"},

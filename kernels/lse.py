@@ -118,7 +118,7 @@ Two accumulator placements (constexpr ``RESIDENT``):
   BLOCK_N / 4 FLOP per byte for the gradient matmul; the recompute matmul has none.
 
 Launch configs (block sizes, warps, stages) are chosen by the host code from a fixed table
-(``core/triton_configs.CONFIGS``); tests/test_triton_compile.py compiles every entry for sm_80 and sm_90
+(``core/triton_shared/configs.CONFIGS``); tests/test_triton_compile.py compiles every entry for sm_80 and sm_90
 and checks 0 spill bytes and tensor-core instructions (``mma.sync`` / ``wgmma``).
 """
 

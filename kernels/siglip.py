@@ -33,7 +33,7 @@ Numerics: ``softplus(w) = max(w, 0) + log1p(exp(-|w|))``, with ``log1p(e) = log(
 finite for every finite ``w`` (scales of 1e4 included). The upstream gradients are divided by
 ``gscale = max |g|`` before the fp16/bf16 cast of the gradient matmul's operand, so ``|dz| <= 1``, and,
 as in the core kernels, ``dz`` is multiplied by the power of two ``PRESCALE`` (2^13 for fp16, else 1;
-``triton_backend.prescale``) before that cast and divided out in the fp32 epilogue: a negative pair's
+``triton_shared.launch.prescale``) before that cast and divided out in the fp32 epilogue: a negative pair's
 ``sigmoid(z)`` (~4.5e-5 at SigLIP's initial bias -10) is below fp16's smallest normal number.
 Padding rows / columns are masked out of every sum.
 

@@ -349,13 +349,13 @@ import json, os, sys
 sys.path.insert(0, sys.argv[3])
 import torch
 import _aot_exec
-from fused_contrastive.core import triton_aot
+from fused_contrastive.core.lse import library_route
 from fused_contrastive.testing import CASES
 from fused_contrastive.testing.accuracy import run
 from fused_contrastive.tools.compile_survey import core_calls
 
 ex = _aot_exec.install(sys.argv[1], sys.argv[2])
-lib = os.environ[triton_aot.ENV]
+lib = os.environ[library_route.ENV]
 # the registry's losses whose core-op call carries the target margin (a fact of each case, not a name)
 cases = [c for c in CASES if c.op == "core" and any(call[3].margin != 0.0 for call in core_calls(c.name, 8, 16))]
 
@@ -363,12 +363,12 @@ cases = [c for c in CASES if c.op == "core" and any(call[3].margin != 0.0 for ca
 def on_triton(case, inputs, aot):
     # loss and gradients on backend="triton": the library's operators (aot) or, with the route off, the
     # JIT kernels (interpreted; the Python launcher's host code)
-    os.environ[triton_aot.ENV] = lib
+    os.environ[library_route.ENV] = lib
     if not aot:
-        del os.environ[triton_aot.ENV]
-    calls, launched = triton_aot.CALLS, len(ex.launches)
+        del os.environ[library_route.ENV]
+    calls, launched = library_route.CALLS, len(ex.launches)
     loss, grads = run(case, inputs, "triton", torch.bfloat16)
-    return [loss, *grads.values()], triton_aot.CALLS - calls, sorted(set(ex.launches[launched:]))
+    return [loss, *grads.values()], library_route.CALLS - calls, sorted(set(ex.launches[launched:]))
 
 
 def reference(case, inputs):  # float64 on the same bf16-rounded embeddings
@@ -404,7 +404,7 @@ def test_the_library_computes_the_target_margin(build, tmp_path):
     as FC_MODE_INFO_NCE, its symmetric form as FC_MODE_CLIP, the margin at the diagonal target), on the
     library's torch operators, with values: the mock driver hands every launch to tests/_aot_exec.py,
     which runs the launched variant's kernel under the Triton interpreter on the CPU tensors that stand
-    in for device memory. The call is routed to the library (triton_aot.CALLS; the kernels launched: the
+    in for device memory. The call is routed to the library (library_route.CALLS; the kernels launched: the
     fused ones at a resident and a streamed D, the panel path's panel_dl), and its loss and gradients
     (embeddings, a tensor temperature) match the float64 reference on the same bf16 inputs, and the
     reference without the margin is far off. The gradients of bf16 rows carry bf16 gradient tiles (a few

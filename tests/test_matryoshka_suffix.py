@@ -1,6 +1,6 @@
 """The Matryoshka levels' suffix backward (env ``FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE=suffix``:
 ``kernels/matryoshka.py`` ``mat_epi_kernel``, one walk along D per tile writing the suffix sums
-``H^r = sum_{k >= r} G^k``, then cuBLAS per segment; ``core/triton_matryoshka._bwd_suffix``) under the Triton
+``H^r = sum_{k >= r} G^k``, then cuBLAS per segment; ``core/matryoshka/triton_levels._bwd_suffix``) under the Triton
 interpreter, against the definition ``sum_k w_k loss(F.normalize(x[..., :d_k]))`` in float64 on the same
 16-bit inputs: loss and every gradient (temperature / logit scale included), in several panels of rows and
 several tiles per panel, ragged shapes and boundaries; planted defects in the kernel's suffix sums and in the
@@ -178,7 +178,7 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core import triton_matryoshka as TM
+    from fused_contrastive.core.matryoshka import triton_levels as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import compile_survey
 

@@ -2,7 +2,7 @@
 
 No GPU is needed: ``triton.compile`` with ``GPUTarget("cuda", cc, 32)`` lowers to PTX and runs the
 ptxas bundled with triton on the host (``fused_contrastive.tools.compile_survey``). For every kernel x config
-(``core/triton_configs.CONFIGS``) x input dtype x arch, with every optional term of the kernel
+(``core/triton_shared/configs.CONFIGS``) x input dtype x arch, with every optional term of the kernel
 switched on (the most registers), we check:
 
 * it compiles, with 0 bytes of register spills (ptxas ``-v``, same flags as triton's own call);

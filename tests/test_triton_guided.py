@@ -199,7 +199,7 @@ _SCRIPT = textwrap.dedent(
         return out
 
     if __name__ == "__main__":
-        # fp32 inputs take one config for every D (triton_configs._T32): D = 768 covers them
+        # fp32 inputs take one config for every D (triton_shared.configs._T32): D = 768 covers them
         shapes = [("bf16", 64), ("bf16", 128), ("bf16", 768), ("fp32", 768)]
         jobs = [(cc, fam, dn, d, v, gn, i) for cc, fam in aot.TARGETS for v in ("gist-target", "gist-other")
                 for gn in DT for dn, d in shapes for i in range(3)]

@@ -1,9 +1,11 @@
-"""The core op of every InfoNCE-family loss (contract in ``spec.py``) and its implementations:
+"""The core op of every InfoNCE-family loss (contract in ``spec.py``) and its implementations, one folder per
+family (``docs/layout.md`` has the tree):
 
-* ``torch_dense.py``: one materialised tile, for problems that fit the tile budget (any device);
-* ``torch_chunked.py`` + ``linear_terms.py``: the O(N*D)-memory PyTorch path;
-* ``triton_backend.py`` (+ ``triton_configs.py``, device code in ``fused_contrastive.kernels``) +
-  ``linear_terms.py``: the fused kernels;
+* ``lse/torch_dense.py``: one materialised tile, for problems that fit the tile budget (``tiles.py``; any device);
+* ``lse/torch_chunked.py`` + ``linear_terms.py``: the O(N*D)-memory PyTorch path;
+* ``lse/triton_function.py`` (the fused kernels, the panel path or the ahead-of-time library; launch runtime in
+  ``triton_shared/``, device code in ``fused_contrastive.kernels``) + ``linear_terms.py``: the Triton path;
+* ``matryoshka/``: every Matryoshka level in one pass (:func:`run` with ``levels``);
 * ``reference.py``: every loss written naively from its definition, the test oracle (it does not go
   through :func:`run`).
 

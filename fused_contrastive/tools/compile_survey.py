@@ -3,7 +3,7 @@
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` lowers a kernel to PTX and runs
 the ptxas bundled with triton on the host: no GPU and no driver needed. This module records the
 launches of one forward + backward of the core op exactly as the runtime builds them (on the meta
-device, through ``triton_backend``'s launch recorder), and compiles each one for sm_80 / sm_90,
+device, through ``triton_shared/launch.py``'s launch recorder), and compiles each one for sm_80 / sm_90,
 reporting registers, spill bytes, shared memory and the tensor-core instructions of the PTX.
 
 Used by tests/test_triton_compile.py and bench/kernel_report.py; the runtime never imports it.

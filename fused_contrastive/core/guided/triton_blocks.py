@@ -5,7 +5,7 @@ logit tile, never stored), the blocks of a row merged by log-sum-exp in PyTorch 
 Per block, in units of one N x M x D matmul, plus the guide's N x M x Dg dot each time a tile is
 built: forward 1 (+1 guide); backward, dA kernel (recompute 1 + ``dl @ B`` 1) and dB kernel (recompute
 1 + ``dl^T @ A`` 1) = 4 (+2 guide): the deterministic, atomic-free backward of ``kernels/lse.py``.
-Launch configs: ``triton_configs.guided_config`` (the fused kernels' "fwd_pos" / "bwd_rows" /
+Launch configs: ``triton_shared.configs.guided_config`` (the fused kernels' "fwd_pos" / "bwd_rows" /
 "bwd_cols", narrower backward tiles on sm_80 with fp32 guides); the guide is read in 16-wide fp32 chunks
 (``GUIDE_BLOCK``) with ``tf32x3`` dots, 16-bit guides in one 16-bit pass.
 """

@@ -80,7 +80,7 @@ FIELDS = {
     "CoreSpec.margin": "passed to the library (fc_problem.margin) in modes info_nce / clip, where route finds the "
                        "'<mode>_margin' kernels built; _mode does not route it with B is A",
     "CoreData.target": "passed to the library as the margin's columns (fc_problem.target) when margin != 0 (the "
-                       "target term is positives.py's, in PyTorch)",
+                       "target term is linear_terms.py's, in PyTorch)",
     "CoreData.bias_col": "_mode requires None",
     "CoreData.row_labels": "read only for coefficient pos, which _mode requires None",
     "CoreData.col_labels": "read only for coefficient pos, which _mode requires None",
@@ -88,8 +88,8 @@ FIELDS = {
     "Coeffs.lse": "applied in PyTorch to the library's LSE (combine)",
     "Coeffs.col": "_mode: FC_MODE_CLIP computes the column LSE",
     "Coeffs.pos": "_mode requires None",
-    "Coeffs.tgt": "not seen by the Triton Function (positives.py)",
-    "Coeffs.set": "not seen by the Triton Function (positives.py)",
+    "Coeffs.tgt": "not seen by the Triton Function (linear_terms.py)",
+    "Coeffs.set": "not seen by the Triton Function (linear_terms.py)",
 }
 
 

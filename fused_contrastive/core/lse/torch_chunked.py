@@ -1,7 +1,7 @@
 """The chunked PyTorch path of the core op's log-sum-exp terms: O(N*D) memory, any device.
 
 It computes ``c.lse LSE + c.col LSEcol + c.pos LSEpos`` (per row, or summed); the linear positive
-terms (``TGT``, ``SET``) are O(N*D) and come from ``positives.py``. The N x M logits are never
+terms (``TGT``, ``SET``) are O(N*D) and come from ``linear_terms.py``. The N x M logits are never
 allocated: rows are processed in chunks of a ``rows x M`` tile whose size comes from
 :func:`tile_elements`, with an online log-sum-exp where a statistic spans chunks (column LSE,
 symmetric blocks).

@@ -1,7 +1,7 @@
 """The autograd Function of the core op on Triton: it picks the path (the ahead-of-time library, the
-panel path of ``triton_panel.py`` or the fused kernels of ``triton_backend.py``) and applies the
+panel path of ``triton_panel.py`` or the fused kernels of ``triton_shared/launch.py``) and applies the
 coefficients of ``spec.py`` (``LSE``, ``LSEcol``, ``LSEpos`` vectors) in PyTorch; the linear positive
-terms come from ``positives.py``, called by ``core.run``. It is the top of the Triton modules: it
+terms come from ``linear_terms.py``, called by ``core.run``. It is the top of the Triton modules: it
 imports them, none of them imports it.
 """
 

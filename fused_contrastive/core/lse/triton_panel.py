@@ -68,7 +68,7 @@ Units (one unit = one N x M x D matmul = 2 N M D FLOPs), by case:
 
 No case falls back to the fused kernels on this path: every term of the core op (LSE, LSEcol, LSEpos
 with label or dense-mask positives, exclude_self with an offset, the bias column, grad_cols, the
-temperature gradient) is covered; TGT and SET are O(N*D) and come from ``positives.py`` on every path.
+temperature gradient) is covered; TGT and SET are O(N*D) and come from ``linear_terms.py`` on every path.
 
 Memory (bytes; e = operand element size; "extra" = allocated by the loss beyond its inputs and the
 gradients it returns; the fused forward's scaled copies ``sa, sb`` (``e (N + M) D``) and column

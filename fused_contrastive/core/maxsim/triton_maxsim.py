@@ -17,7 +17,7 @@ the backward reads in place; any other layout it reads as [N, Lq, M] contiguous,
 
 Memory: nothing of size N*Lq*M*Ld; the forward allocates S, idx and an fp32 [splits, N] buffer of
 per-split LSEs (merged by ``torch.logsumexp`` over the splits: fixed order, deterministic); the
-backward allocates dq and dd only. Every output is allocated with ``triton_backend._alloc`` (NaN-filled
+backward allocates dq and dd only. Every output is allocated with ``triton_shared.launch._alloc`` (NaN-filled
 under ``POISON_OUTPUTS``; the argmax with its dtype's minimum), and every launch goes through
 ``triton_shared/launch.py`` ``_launch`` (so ``tools.compile_survey.recording`` sees exactly these argument lists, and
 ``wrap_triton`` under tracing).
@@ -158,7 +158,7 @@ def _check(q: Tensor, d: Tensor, w: Tensor) -> tuple[int, int, int, int, int]:
 
 
 def _alloc_index(shape, dtype: torch.dtype, device) -> Tensor:
-    """``triton_backend._alloc`` for the integer argmax: filled with the dtype's minimum (never a token
+    """``triton_shared.launch._alloc`` for the integer argmax: filled with the dtype's minimum (never a token
     index) under ``POISON_OUTPUTS``."""
     if TL.POISON_OUTPUTS:
         return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)

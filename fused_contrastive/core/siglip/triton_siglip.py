@@ -3,13 +3,13 @@
 
 Per step (forward + backward) with images [N, D] and texts [M, D]:
 
-* ``row_norm`` (the core kernels' prologue, ``triton_backend._row_norms``) on each side when
+* ``row_norm`` (the core kernels' prologue, ``triton_shared.launch._row_norms``) on each side when
   ``normalize``: clamped norms, their inverses and the power-of-two scaled copies the tiles read;
 * ``siglip_fwd``: the per-image losses [N] (fp32), one program per row block;
 * ``siglip_bwd_rows``: dX and per-row-block partial sums of ds and db (summed here, fixed order);
 * ``siglip_bwd_cols``: dY, one program per column block.
 
-Launch configs come from the core kernels' table (``triton_configs.config_for`` with "fwd",
+Launch configs come from the core kernels' table (``triton_shared.configs.config_for`` with "fwd",
 "bwd_rows", "bwd_cols"). Every launch goes through ``triton_shared/launch.py`` ``_launch`` (so the ahead-of-time
 compiles of ``tools.compile_survey`` see exactly these argument lists, and ``wrap_triton`` under tracing).
 """

@@ -210,7 +210,7 @@ def guided_config(kernel: str, arch: str, dtype: torch.dtype, d: int,
 #: both orientations): 16-bit takes 32-wide D chunks, fp32 (tf32x3: twice the operand registers) 16-wide.
 #: The dA kernel ("bwd_rows") takes 64 x 32 tiles; the dB kernel ("bwd_cols") 64 x 64, because its gradient
 #: dot is H^T (BLOCK_N rows) times the rows' chunk and wgmma needs 64 rows (at 64 x 32 that dot fell back to
-#: mma.sync on sm_90). Every launch sets ``maxnreg`` 255 (``triton_matryoshka.MAXNREG``). Compiled for sm_80
+#: mma.sync on sm_90). Every launch sets ``maxnreg`` 255 (``matryoshka.triton_levels.MAXNREG``). Compiled for sm_80
 #: and sm_90 at K = 1, 5 and 8 with every term (tests/test_triton_matryoshka.py): 0 spills.
 _MATRYOSHKA_BWD = {
     ("bwd_rows", "16"): LaunchConfig(64, 32, 32, 8, 2), ("bwd_rows", "32"): LaunchConfig(64, 16, 16, 8, 2),

@@ -174,7 +174,7 @@ def _tma_ok(x: Tensor, y: Tensor) -> bool:
 def persistent_programs(dev: torch.device) -> int:
     """Programs of a persistent epilogue GEMM (this module's and the guided blocks'): :data:`EPI_PROGRAMS`
     when set, else one CTA per SM (every persistent compile uses more than 128 registers at 8 warps: see
-    ``triton_configs.EPI_PERSIST_STAGES``), the model's GPU on the meta device, 3 on the interpreter."""
+    ``triton_shared.configs.EPI_PERSIST_STAGES``), the model's GPU on the meta device, 3 on the interpreter."""
     if EPI_PROGRAMS is not None:
         return EPI_PROGRAMS
     if dev.type == "cpu":
