@@ -323,7 +323,7 @@ print("\n".join(str(x.message) for x in w))
 
 def test_the_library_probes_its_fp32_output_gemms(build, tmp_path):
     """The torch operators' panel path probes cuBLAS's fp32-output GEMMs of 16-bit operands once per
-    (device, dtype) like the Python path (``core/triton_panel.gemm_routes``) and falls back to upcast
+    (device, dtype) like the Python path (``core/triton_shared/panels.gemm_routes``) and falls back to upcast
     GEMMs with one warning each when a probe fails: forced here on the CPU
     (FUSED_CONTRASTIVE_AOT_PROBE_CPU), which has no such GEMMs, so the probes fail, the step completes on
     the fallback, and two calls warn once per GEMM."""

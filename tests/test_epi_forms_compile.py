@@ -1,4 +1,4 @@
-"""The sm_80 / sm_90 compiles of the epilogue GEMMs' persistent tile loops (``triton_panel.EPI_FORMS``, env
+"""The sm_80 / sm_90 compiles of the epilogue GEMMs' persistent tile loops (``triton_shared/panels.py`` ``EPI_FORMS``, env
 ``FUSED_CONTRASTIVE_EPI_FORM``; their interpreter parity is tests/test_epi_forms.py): every persistent launch
 the losses make (InfoNCE's one pass, CLIP's statistics forward and known statistics, SimCSE's triangular
 sweep, SigLIP's one pass and losses sweep, GIST's and the ids blocks of the guided route) without spills,
@@ -27,7 +27,7 @@ _COMPILE = textwrap.dedent(
     warnings.simplefilter("ignore")
     import torch
     from fused_contrastive import core
-    from fused_contrastive.core import triton_panel
+    from fused_contrastive.core.triton_shared import panels
     from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
     from fused_contrastive.tools import compile_survey
 
@@ -72,7 +72,7 @@ _COMPILE = textwrap.dedent(
 
     out = []
     os.environ["FUSED_CONTRASTIVE_EPI_FORM"] = "persistent"
-    for cc, arch in aot.TARGETS:
+    for cc, arch in compile_survey.TARGETS:
         for gname, gdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             for variant in ("gist", "ids"):
                 seen = set()
@@ -89,8 +89,8 @@ _COMPILE = textwrap.dedent(
                     out.append(r)
     for form in ("persistent", "tma"):
         os.environ["FUSED_CONTRASTIVE_EPI_FORM"] = form
-        triton_panel.PANEL_ROWS = 1024  # several panels (the triangular sweep's among them)
-        for cc, arch in aot.TARGETS:
+        panels.PANEL_ROWS = 1024  # several panels (the triangular sweep's among them)
+        for cc, arch in compile_survey.TARGETS:
             seen = set()
             for loss in ("info_nce", "clip", "simcse", "siglip", "siglip_rows"):
                 for x in record(arch, loss):

@@ -122,7 +122,7 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
                 assert launches["panel_dl"] == panels and launches["panel_rows"] == panels + 1, launches
         else:
             # launches of the panel path (the epilogue GEMM forms the 16-bit tiles), from the panel-height
-            # formula of triton_panel.panel_rows (bf16, default budget 0.70e9): the sweep's panels (with the
+            # formula of panels.panel_rows (bf16, default budget 0.70e9): the sweep's panels (with the
             # dB accumulator) and the statistics forward's (without)
             per_row = 2 * n + 12 * -(-n // 64) + 8 * D + 16
             p = min(n, (700_000_000 - 4 * n * D) // per_row // 64 * 64)

@@ -308,7 +308,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 def test_cpu_without_interpreter_is_a_value_error():
     r = _run("""
         import torch, fused_contrastive as fc
-        from fused_contrastive.core import TL  # importing touches no GPU driver
+        from fused_contrastive.core.triton_shared import launch as TL  # importing touches no GPU driver
         try:
             fc.info_nce(torch.randn(4, 8), torch.randn(5, 8), backend="triton")
         except ValueError as e:

@@ -150,7 +150,7 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core import triton_guided as TG
+    from fused_contrastive.core.guided import triton_blocks as TG
     from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -201,11 +201,11 @@ _SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         # fp32 inputs take one config for every D (triton_shared.configs._T32): D = 768 covers them
         shapes = [("bf16", 64), ("bf16", 128), ("bf16", 768), ("fp32", 768)]
-        jobs = [(cc, fam, dn, d, v, gn, i) for cc, fam in aot.TARGETS for v in ("gist-target", "gist-other")
+        jobs = [(cc, fam, dn, d, v, gn, i) for cc, fam in compile_survey.TARGETS for v in ("gist-target", "gist-other")
                 for gn in DT for dn, d in shapes for i in range(3)]
-        jobs += [(cc, fam, dn, 768, v, "fp32", i) for cc, fam in aot.TARGETS for v in ("ids-self", "all")
+        jobs += [(cc, fam, dn, 768, v, "fp32", i) for cc, fam in compile_survey.TARGETS for v in ("ids-self", "all")
                  for dn in DT for i in range(3)]
-        jobs += [(cc, fam, dn, d, "gist-rule", gn, i) for cc, fam in aot.TARGETS for gn in DT for dn, d in shapes
+        jobs += [(cc, fam, dn, d, "gist-rule", gn, i) for cc, fam in compile_survey.TARGETS for gn in DT for dn, d in shapes
                  for i in range(len(record(fam, DT[dn], d, "gist-rule", DT[gn])))]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))

@@ -435,7 +435,7 @@ _SCRIPT = textwrap.dedent(
         return out
 
     if __name__ == "__main__":
-        jobs = [(cc, fam, g, v, i) for cc, fam in aot.TARGETS for g in DT for v in ("gist", "ids")
+        jobs = [(cc, fam, g, v, i) for cc, fam in compile_survey.TARGETS for g in DT for v in ("gist", "ids")
                 for i in range(len(record(fam, g, v)))]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))

@@ -344,7 +344,7 @@ _COMPILE = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core import triton_maxsim as TMS
+    from fused_contrastive.core.maxsim import triton_maxsim as TMS
     from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -379,11 +379,11 @@ _COMPILE = textwrap.dedent(
         # chunks, Lq = 256 (one query per program, 32-token chunks)
         shapes = [("bf16", 128, 32), ("fp32", 128, 32), ("fp16", 128, 32), ("bf16", 256, 32), ("bf16", 768, 32),
                   ("fp32", 768, 32), ("bf16", 128, 256)]
-        jobs = [(cc, fam, dn, d, lq, True, i, "default") for cc, fam in aot.TARGETS for dn, d, lq in shapes
+        jobs = [(cc, fam, dn, d, lq, True, i, "default") for cc, fam in compile_survey.TARGETS for dn, d, lq in shapes
                 for i in range(3) if i == 0 or (dn, d, lq) in shapes[:3]]
-        jobs += [(cc, fam, dn, 128, 32, False, 0, "default") for cc, fam in aot.TARGETS for dn in ("bf16", "fp32")]
+        jobs += [(cc, fam, dn, 128, 32, False, 0, "default") for cc, fam in compile_survey.TARGETS for dn in ("bf16", "fp32")]
         # every other sweep setting at the ColBERT shape in bf16: the forward and dd (dq: the layouts)
-        jobs += [(cc, fam, "bf16", 128, 32, True, i, name) for cc, fam in aot.TARGETS
+        jobs += [(cc, fam, "bf16", 128, 32, True, i, name) for cc, fam in compile_survey.TARGETS
                  for name, _ in TMS.sweep_settings() if name != "default" for i in (0, 1, 2)
                  if i != 1 or name in ("baseline", "idx-nlm")]
         # a launch whose code is one already in the list is compiled once (its record copied)

@@ -946,8 +946,7 @@ _COMPILE = textwrap.dedent(
     import dataclasses
     import torch
     from fused_contrastive import core
-    from fused_contrastive.core import TL as TB
-    from fused_contrastive.core import triton_panel
+    from fused_contrastive.core.triton_shared import panels
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import compile_survey
 
@@ -984,7 +983,7 @@ _COMPILE = textwrap.dedent(
         return launches
 
     out = []
-    for cc, arch in aot.TARGETS:
+    for cc, arch in compile_survey.TARGETS:
         for variant, dtypes in (("eager", (torch.bfloat16, torch.float16, torch.float32)),
                                 ("col", (torch.bfloat16,)), ("sym", (torch.bfloat16, torch.float16)),
                                 ("onepass", (torch.bfloat16, torch.float32)), ("onepass-r4", (torch.bfloat16,)),
@@ -1007,7 +1006,7 @@ _COMPILE = textwrap.dedent(
     # the epilogue GEMM: every mode (one pass and its redo, known statistics: the column term, the
     # symmetric and the triangular forms) in every 16-bit dtype it takes
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
-    for cc, arch in aot.TARGETS:
+    for cc, arch in compile_survey.TARGETS:
         for variant, dtypes in (("onepass", (torch.bfloat16,)), ("col", (torch.bfloat16, torch.float16)),
                                 ("stats", (torch.bfloat16, torch.float16)),
                                 ("sym", (torch.bfloat16, torch.float16)), ("tri", (torch.bfloat16, torch.float16))):
@@ -1032,7 +1031,7 @@ _COMPILE = textwrap.dedent(
     # SigLIP on the epilogue GEMM: per-row losses (MODE 4: the losses, then the gradient tile) and the mean
     # (MODE 5: both in one pass)
     from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
-    for cc, arch in aot.TARGETS:
+    for cc, arch in compile_survey.TARGETS:
         for dt, reduce in ((torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True),
                            (torch.float16, True)):
             x = torch.empty(n, 768, dtype=dt, device=meta, requires_grad=True)
@@ -1050,7 +1049,7 @@ _COMPILE = textwrap.dedent(
                     out.append(r)
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "cublas"
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "fused"
-    for cc, arch in aot.TARGETS:  # the fused backward kernels with the 1-byte mask
+    for cc, arch in compile_survey.TARGETS:  # the fused backward kernels with the 1-byte mask
         for x in record(arch, torch.bfloat16, "col"):
             if x.name in ("lse_bwd_rows", "lse_bwd_cols"):
                 r = compile_survey.compile_launch(x, cc)
