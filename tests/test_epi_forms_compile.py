@@ -1,4 +1,5 @@
-"""The sm_80 / sm_90 compiles of the epilogue GEMMs' persistent tile loops (``triton_shared/panels.py`` ``EPI_FORMS``, env
+"""The sm_80 / sm_90 compiles of the epilogue GEMMs' persistent tile loops (``triton_shared/panels.py``
+``EPI_FORMS``, env
 ``FUSED_CONTRASTIVE_EPI_FORM``; their interpreter parity is tests/test_epi_forms.py): every persistent launch
 the losses make (InfoNCE's one pass, CLIP's statistics forward and known statistics, SimCSE's triangular
 sweep, SigLIP's one pass and losses sweep, GIST's and the ids blocks of the guided route) without spills,

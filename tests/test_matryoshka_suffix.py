@@ -204,7 +204,8 @@ _SCRIPT = textwrap.dedent(
 
     out = []
     # the variants that spilled most at other tile shapes (fp16's target term, bf16's positives), one per arch
-    for (cc, fam), (dname, dt), variant in zip(compile_survey.TARGETS, (("bf16", torch.bfloat16), ("fp16", torch.float16)),
+    for (cc, fam), (dname, dt), variant in zip(compile_survey.TARGETS,
+                                               (("bf16", torch.bfloat16), ("fp16", torch.float16)),
                                                ("pos", "tgt"), strict=True):
         r = compile_survey.compile_launch(record(fam, dt, variant), cc)
         r.update(dtype=dname, variant=variant)

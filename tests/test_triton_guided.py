@@ -205,7 +205,8 @@ _SCRIPT = textwrap.dedent(
                 for gn in DT for dn, d in shapes for i in range(3)]
         jobs += [(cc, fam, dn, 768, v, "fp32", i) for cc, fam in compile_survey.TARGETS for v in ("ids-self", "all")
                  for dn in DT for i in range(3)]
-        jobs += [(cc, fam, dn, d, "gist-rule", gn, i) for cc, fam in compile_survey.TARGETS for gn in DT for dn, d in shapes
+        jobs += [(cc, fam, dn, d, "gist-rule", gn, i) for cc, fam in compile_survey.TARGETS for gn in DT
+                 for dn, d in shapes
                  for i in range(len(record(fam, DT[dn], d, "gist-rule", DT[gn])))]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))

@@ -270,8 +270,10 @@ _SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         # fp16 runs bf16's code with another operand type; the variants: plain cross-entropy at K = 1, 5, 8,
         # the column LSE (CLIP), the positives' softmax (SupCon in) and the own column at K = 8
-        jobs = [(cc, fam, dn, k, "ce", i) for cc, fam in compile_survey.TARGETS for dn in DT for k in DIMS for i in range(3)]
-        jobs += [(cc, fam, dn, 8, v, i) for cc, fam in compile_survey.TARGETS for dn in DT for v in ("col", "pos", "self")
+        jobs = [(cc, fam, dn, k, "ce", i) for cc, fam in compile_survey.TARGETS for dn in DT for k in DIMS
+                for i in range(3)]
+        jobs += [(cc, fam, dn, 8, v, i) for cc, fam in compile_survey.TARGETS for dn in DT
+                 for v in ("col", "pos", "self")
                  for i in range(3)]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))

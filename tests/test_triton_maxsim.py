@@ -381,7 +381,8 @@ _COMPILE = textwrap.dedent(
                   ("fp32", 768, 32), ("bf16", 128, 256)]
         jobs = [(cc, fam, dn, d, lq, True, i, "default") for cc, fam in compile_survey.TARGETS for dn, d, lq in shapes
                 for i in range(3) if i == 0 or (dn, d, lq) in shapes[:3]]
-        jobs += [(cc, fam, dn, 128, 32, False, 0, "default") for cc, fam in compile_survey.TARGETS for dn in ("bf16", "fp32")]
+        jobs += [(cc, fam, dn, 128, 32, False, 0, "default") for cc, fam in compile_survey.TARGETS
+                 for dn in ("bf16", "fp32")]
         # every other sweep setting at the ColBERT shape in bf16: the forward and dd (dq: the layouts)
         jobs += [(cc, fam, "bf16", 128, 32, True, i, name) for cc, fam in compile_survey.TARGETS
                  for name, _ in TMS.sweep_settings() if name != "default" for i in (0, 1, 2)
