@@ -40,11 +40,11 @@ Padding rows / columns are masked out of every sum.
 Supported: any N, M, D, fp32 / fp16 / bf16 (fp32 accumulation, tf32x3 dots for fp32), row strides,
 int64 offsets. Launch configs: the core kernels' table (``core/triton_shared/configs.py``: "fwd", "bwd_rows",
 "bwd_cols"); these kernels hold fewer live tiles than the core kernels with every term on, and
-tests/test_triton_compile.py compiles each for sm_80 / sm_90 (0 spills, mma / wgmma). Not run on a
-GPU yet (tested under the CPU interpreter and by ahead-of-time compilation only); on an H100 they
-measured 555 ms at N = 65536, bf16 (6.3x the textbook formula), so 16-bit problems where the core op takes
-the panel path run on the panel path's epilogue GEMM instead (``kernels/panel.py`` MODE 4, which reuses
-``_flipped``, ``_softplus`` and ``_dz`` from here; ``core/triton_siglip.use_panel_route``).
+tests/test_triton_compile.py compiles each for sm_80 / sm_90 (0 spills, mma / wgmma). An H100 measured them
+far slower than the textbook formula at N = 65536, bf16 (docs/gpu-measurements.md), so 16-bit problems where the
+core op takes the panel path run on the panel path's epilogue GEMM instead (``kernels/panel.py`` MODE 4, which
+uses ``_flipped``, ``_softplus`` and ``_dz`` of ``kernels/common.py``, as these kernels do;
+``core/siglip/triton_siglip.use_panel_route``).
 """
 
 import triton

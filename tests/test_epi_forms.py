@@ -35,11 +35,11 @@ SMALL = LaunchConfig(16, 32, 32, 4, 2)
 
 
 @pytest.fixture(autouse=True)
-def _small_tiles(monkeypatch):
+def _small_tiles(monkeypatch, route):
     """The panel path's epilogue GEMM in 40-row panels of 16 x 32 tiles, outputs poisoned with NaN."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    route(DENSE="0")
+    route(TRITON_PATH="panel")
+    route(PANEL_GEMM="epilogue")
     monkeypatch.setattr(panels, "PANEL_ROWS", 40)
     monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     for name in list(triton_panel.EPI_GEMM):

@@ -37,8 +37,8 @@ def test_config_lists_start_with_the_shipped_configuration(profile_mod):
         assert len(set(cfgs)) == len(cfgs), mode  # each timed once
 
 
-def test_siglip_forms_run_the_one_pass_and_the_two_sweeps(profile_mod, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # small N: not the one-tile path
+def test_siglip_forms_run_the_one_pass_and_the_two_sweeps(profile_mod, monkeypatch, route):
+    route(DENSE="0")  # small N: not the one-tile path
     seen = []
     orig = TL._launch
     monkeypatch.setattr(TL, "_launch", lambda x: (seen.append(x), orig(x))[1])
@@ -80,12 +80,12 @@ def test_matryoshka_loads_time_the_aligned_and_the_scalar_form(profile_mod, monk
     assert 0 < float((got["suffix backward"] - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
-def test_epi_forms_time_the_three_tile_loops(profile_mod, monkeypatch, capsys):
+def test_epi_forms_time_the_three_tile_loops(profile_mod, monkeypatch, capsys, route):
     # --epi-forms: each form of the epilogue GEMM's tile loop runs (the launches say which), and the printed
     # verdict compares its gradients with the tiles form's (the kernels are the same code: bitwise equal)
     from fused_contrastive.core.triton_shared import panels
 
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    route(DENSE="0")
     monkeypatch.setattr(panels, "PANEL_ROWS", 40)
     # (no timing on the CPU: each form's one compiling step is what the verdict compares)
     monkeypatch.setattr(profile_mod, "_timer", lambda dev: lambda step: 1.0)

@@ -42,7 +42,7 @@ def _key(launch: TL.Launch) -> tuple:
     return launch.name, tuple(sorted((k, v) for k, v in launch.constexprs.items()))
 
 
-def test_the_per_level_route_is_what_the_model_costs(monkeypatch):
+def test_the_per_level_route_is_what_the_model_costs(monkeypatch, route):
     GM = _gpu_model(monkeypatch)
     n, d = 8192, 768
     gpu = GM.GPUS["H100"]
@@ -50,7 +50,7 @@ def test_the_per_level_route_is_what_the_model_costs(monkeypatch):
     model = [[_key(lz) for lz in GM.run_triton("info_nce", n, dk, gpu, "panel")[0]] for dk in dims]
 
     a, b, scale, spec, data, coef, reduce = compile_survey.core_call("info_nce", n, d, torch.bfloat16)
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
+    route(TRITON_PATH="panel")
     monkeypatch.setattr(TL, "COL_PARTIAL_PROGRAMS", 2 * gpu.sms)
     monkeypatch.setattr(panels, "PANEL_PROGRAMS", 2 * gpu.sms)
     with compile_survey.recording(gpu.arch) as launches:

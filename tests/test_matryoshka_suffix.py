@@ -32,10 +32,10 @@ from fused_contrastive.kernels import matryoshka as KM
 
 
 @pytest.fixture
-def suffix(monkeypatch):
+def suffix(monkeypatch, route):
     """The suffix route with 16 x 16 tiles and 16-row panels (several of each at the tests' sizes); the
     launches, recorded."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "suffix")
+    route(MATRYOSHKA_ROUTE="suffix")
     monkeypatch.setattr(TM, "SUFFIX_CONFIG", LaunchConfig(16, 16, 16, 4, 1))
     monkeypatch.setattr(panels, "PANEL_ROWS", 16)
     launches = []
@@ -128,8 +128,8 @@ def _levels_call(dtype, dims):
 ])
 def test_the_route_variable_selects_the_kernels(suffix, monkeypatch, route, dtype, dims, want):
     assert MATRYOSHKA_SUFFIX_LEVELS == 5
-    monkeypatch.setenv("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", route)
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # the plain calls on their kernels, not the one-tile path
+    route(MATRYOSHKA_ROUTE=route)
+    route(DENSE="0")  # the plain calls on their kernels, not the one-tile path
     gq, gk = _levels_call(dtype, dims)
     assert {x.name for x in suffix if x.name.startswith("mat_")} == want
     if route == "calls":
@@ -148,8 +148,8 @@ def test_an_unknown_route_is_refused_by_name(monkeypatch):
         _levels_call(torch.bfloat16, [8, 40])
 
 
-def test_the_panel_height_keeps_the_suffix_tiles_within_the_budget(monkeypatch):
-    monkeypatch.delenv("FUSED_CONTRASTIVE_PANEL_BUDGET", raising=False)
+def test_the_panel_height_keeps_the_suffix_tiles_within_the_budget(monkeypatch, route):
+    route(PANEL_BUDGET=None)
     n = m = 65536
     d, k, e = 768, 5, 2
     budget = panels.BUDGET_BYTES

@@ -47,8 +47,8 @@ LOSSES = {
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_torch_backend_forward_under_no_grad_is_one_matmul_unit(name, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "4096")  # row chunks: the streaming path
+def test_torch_backend_forward_under_no_grad_is_one_matmul_unit(name, monkeypatch, route):
+    route(TILE_ELEMENTS="4096")  # row chunks: the streaming path
     q, k = _leaves()
     with MatmulFlops() as on:
         with_grad = LOSSES[name](q, k, "torch")
@@ -70,13 +70,13 @@ def test_torch_backend_forward_under_no_grad_is_one_matmul_unit(name, monkeypatc
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_triton_panel_route_under_no_grad_forms_no_gradient_tile(name, monkeypatch):
+def test_triton_panel_route_under_no_grad_forms_no_gradient_tile(name, monkeypatch, route):
     """The panel path's epilogue GEMM (forced, bf16, interpreted): with gradients on, a summed loss runs
     the one pass that forms the gradient tile (InfoNCE MODE 1, SigLIP MODE 5) and the cuBLAS GEMMs after
     it; under no_grad the losses alone (InfoNCE the statistics forward, MODE 3; SigLIP MODE 4 without G)."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # not the one-tile path of a small problem
+    route(TRITON_PATH="panel")
+    route(PANEL_GEMM="epilogue")
+    route(DENSE="0")  # not the one-tile path of a small problem
     monkeypatch.setattr(panels, "PANEL_ROWS", 128)
     seen = []
     orig = TL._launch

@@ -39,11 +39,11 @@ PATHS = {
 
 
 @pytest.fixture(params=list(PATHS))
-def backend(request, monkeypatch):
+def backend(request, monkeypatch, route):
     """The path under test (the dense one-tile path off; 32-row panels: several per problem)."""
     name, env = PATHS[request.param]
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "2048")  # the torch backend's chunks
+    route(DENSE="0")
+    route(TILE_ELEMENTS="2048")  # the torch backend's chunks
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(panels, "PANEL_ROWS", 32)
@@ -180,14 +180,14 @@ def _apart(parts, need):
 
 
 @pytest.mark.parametrize("path", ["torch", "fused", "panel-epilogue"])
-def test_the_accuracy_rule_fails_the_pieces_rounded_apart(path, monkeypatch):
+def test_the_accuracy_rule_fails_the_pieces_rounded_apart(path, monkeypatch, route):
     """THE accuracy rule (``testing.compare``, the verdict ``check --gpu-validate`` gives on a GPU) in the
     "saturated" regime (p_t ~ 0.9999): the healthy op passes, the same op with its pieces' gradients
     rounded apart (the code before core.PiecesFn) fails."""
     from fused_contrastive.testing import CASE_BY_NAME, compare
 
     name, env = PATHS[path]
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    route(DENSE="0")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(panels, "PANEL_ROWS", 48)

@@ -219,8 +219,8 @@ def test_backward_twice_with_retain_graph(path):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_deterministic_bitwise(reduction, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "1000")  # many row chunks
+def test_deterministic_bitwise(reduction, monkeypatch, route):
+    route(TILE_ELEMENTS="1000")  # many row chunks
     runs = []
     for _ in range(2):
         x, y, s, b = _leaves(97, 33, seed=9, dtype=torch.float32)

@@ -110,11 +110,11 @@ def test_losses_target_piece_matches_the_torch_backend(loss, path, monkeypatch):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
-def test_target_margin_and_learnable_scale_on_the_target_kernel(monkeypatch):
+def test_target_margin_and_learnable_scale_on_the_target_kernel(monkeypatch, route):
     """A target margin (additive-margin softmax) subtracts from the target cosine: the core op's forward
     and the scale's gradient ``h (c - margin)`` against the torch backend, with shuffled targets and
     exclude_self (a row whose target is its own column passes no gradient)."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    route(DENSE="0")
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(40, 24, generator=g), torch.randn(40, 24, generator=g)
     tgt = torch.randperm(40, generator=g)

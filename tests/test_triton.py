@@ -40,10 +40,10 @@ CORE_CASES = [c for c in CASES if c.op == "core"]
 
 
 @pytest.fixture(autouse=True)
-def _kernels_poisoned_and_quiet(monkeypatch):
+def _kernels_poisoned_and_quiet(monkeypatch, route):
     """Kernels, not the dense path; every output poisoned; numpy's overflow warnings of the interpreter
     silenced."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    route(DENSE="0")
     monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -278,10 +278,10 @@ def test_grad_is_none_for_inputs_without_grad():
     assert queue.grad is None and f.grad is not None
 
 
-def test_small_problems_take_the_dense_path(monkeypatch):
+def test_small_problems_take_the_dense_path(monkeypatch, route):
     """With the dense path on (the default), a problem that fits the tile budget runs one tile on the
     triton backend too: no kernel is launched."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "1")
+    route(DENSE="1")
 
     def no_launch(_):
         raise AssertionError("a kernel was launched for a problem that fits the tile budget")

@@ -49,14 +49,14 @@ def test_off_without_the_variable(monkeypatch):
     ({"info_nce", "clip", "self"}, (None, None)),  # built without the margin kernels: the JIT runs it
     ({"info_nce_margin"}, ("info_nce", None)),
 ])
-def test_a_margin_call_is_routed_where_its_kernels_are_built(monkeypatch, modes, want):
+def test_a_margin_call_is_routed_where_its_kernels_are_built(monkeypatch, modes, want, route):
     """route() sends a target-margin call to the library exactly when the library lists the feature set
     "<mode>_margin" (its kernels with the bias column in cosine units), the plain modes not being enough;
     the same call without a margin needs the plain mode."""
     info = dict(archs=frozenset({"90"}), dtypes=frozenset({"bf16"}), dclasses=frozenset({"128", "big"}),
                 modes=frozenset(modes))
     monkeypatch.setenv(library_route.ENV, "libfused_contrastive_torch.so")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU", "1")
+    route(AOT_FAKE_CPU="1")
     monkeypatch.setattr(library_route, "build_info", lambda path: info)
     a = torch.zeros(4, 112, dtype=torch.bfloat16)
     data = CoreData(target=torch.arange(4))
@@ -67,12 +67,12 @@ def test_a_margin_call_is_routed_where_its_kernels_are_built(monkeypatch, modes,
     assert plain == ("info_nce" if "info_nce" in modes else None)
 
 
-def test_unloadable_library_is_an_error(monkeypatch, tmp_path):
+def test_unloadable_library_is_an_error(monkeypatch, tmp_path, route):
     """The variable asks for the library: a path that does not load raises, naming the variable (no
     silent fall-back to the JIT kernels)."""
     missing = tmp_path / "no-such-libfused_contrastive_torch.so"
     monkeypatch.setenv(library_route.ENV, str(missing))
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    route(DENSE="0")
     q = torch.randn(64, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=library_route.ENV):
         fc.info_nce(q, q.flip(0), temperature=0.05, backend="triton")

@@ -303,12 +303,12 @@ def test_matryoshka_operands_load_in_16_byte_vectors(compiled):
         assert r["ld_b16"] == 0 and r["cp_async_16"] > 0, r
 
 
-def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch):
+def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch, route):
     # where the plain op takes the panel path (forced here; on CUDA N * M >= 2^24) the levels run as one
     # plain call per level (bench/gpu_model.py --matryoshka models that faster than the Matryoshka kernels)
     from fused_contrastive.core.matryoshka import triton_levels as TM
 
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
+    route(TRITON_PATH="panel")
     monkeypatch.setattr(TM, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
     q, k = _r(37, 40, seed=14).float(), _r(29, 40, seed=15).float()
     tgt = torch.randint(0, 29, (37,), generator=torch.Generator().manual_seed(16))
@@ -343,13 +343,13 @@ def test_more_than_eight_levels_take_one_call_per_level(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_bf16_gradients_in_a_saturated_softmax(seed, monkeypatch):
+def test_bf16_gradients_in_a_saturated_softmax(seed, monkeypatch, route):
     """Temperature 0.05 with positives at cosine ~0.8 (trained embeddings; 1 - p_target ~ 1e-4 at N = 48):
     the target term ``p_it - 1`` cancels, and formed after ``p_it`` was rounded to bf16 (as the kernels did
     until the target joined the tile, HAS_TGT) it lost 3.2-9.6e-2 of max |grad| (seeds 0-2). Now within
     2e-2 of max |grad| against the float64 definition on the same bf16 inputs (measured 0.85-1.3e-2)."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
+    route(DENSE="0")
+    route(TRITON_PATH="fused")
     assert max(saturated_errors(seed)) <= 2e-2
 
 

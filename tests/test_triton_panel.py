@@ -42,10 +42,10 @@ PANEL = 40  # rows per panel in the parity tests: 97 rows -> 40 + 40 + 17, 130 -
 
 
 @pytest.fixture(autouse=True)
-def _panel_path(monkeypatch):
+def _panel_path(monkeypatch, route):
     """The panel path with small panels, kernels (not the dense path), outputs poisoned, quiet numpy."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
+    route(DENSE="0")
+    route(TRITON_PATH="panel")
     monkeypatch.setattr(panels, "PANEL_ROWS", PANEL)
     monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     with warnings.catch_warnings():
@@ -296,8 +296,8 @@ EPI_RUNS = [(c, torch.bfloat16) for c in EPI_CORE] + [(c, torch.float16) for i, 
 
 @pytest.mark.parametrize("case,dtype", EPI_RUNS, ids=[f"{c.name}-{'bf16' if t == torch.bfloat16 else 'fp16'}"
                                                       for c, t in EPI_RUNS])
-def test_epilogue_gemm_registry_case(case, dtype, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+def test_epilogue_gemm_registry_case(case, dtype, monkeypatch, route):
+    route(PANEL_GEMM="epilogue")
     n, d = ROTATION[EPI_CORE.index(case) % 2] if dtype == torch.bfloat16 else ROTATION[0]
     rec = _Launches(monkeypatch)
     c = compare(case, n, d, dtype, "triton", canary=True)
@@ -349,12 +349,12 @@ SIGLIP_CASES = [c for c in CASES if c.op == "siglip" or c.fn.__name__ == "siglip
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", SIGLIP_CASES, ids=[c.name for c in SIGLIP_CASES])
-def test_epilogue_gemm_siglip(case, dtype, monkeypatch):
+def test_epilogue_gemm_siglip(case, dtype, monkeypatch, route):
     """SigLIP's sigmoid loss on the epilogue GEMM in several panels, against float64; the fused kernels do
     not run. A summed loss (mean, sum) takes one sweep (MODE 5: the losses and the gradient tile for an
     upstream 1, scaled in the backward); per-row losses two (MODE 4: the losses, then the gradient tile
     for the upstream vector)."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    route(PANEL_GEMM="epilogue")
     rec = _Launches(monkeypatch)
     c = compare(case, 97, 100, dtype, "triton", canary=True)
     assert c.ok, c
@@ -370,14 +370,14 @@ def test_epilogue_gemm_siglip(case, dtype, monkeypatch):
     assert "siglip_fwd" in rec.names and "epi_gemm_siglip" not in rec.names, rec.names
 
 
-def test_epilogue_gemm_siglip_eager_scales_by_the_upstream_gradient(monkeypatch):
+def test_epilogue_gemm_siglip_eager_scales_by_the_upstream_gradient(monkeypatch, route):
     """The one-pass SigLIP sweep (MODE 5) forms the gradients of a summed loss for an upstream 1 in the
     forward; the backward scales them by the upstream scalar (here 0.37), a second backward (retain_graph)
     recomputes them by the two-sweep route, and a forward without gradients forms the losses alone (MODE 4,
     no gradient tile). Each against the float64 definition (tests/test_siglip.py ``_truth``)."""
     from test_siglip import _truth
 
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    route(PANEL_GEMM="epilogue")
     rec = _Launches(monkeypatch)
     g = torch.Generator().manual_seed(3)
     x64 = torch.randn(97, 40, generator=g, dtype=torch.float64)
@@ -411,7 +411,7 @@ def test_epilogue_gemm_siglip_eager_scales_by_the_upstream_gradient(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_epilogue_gemm_siglip_eager_offset_wider_texts(dtype, monkeypatch):
+def test_epilogue_gemm_siglip_eager_offset_wider_texts(dtype, monkeypatch, route):
     """The one pass (MODE 5) where the positives sit at column ``offset + i`` of a wider text set (the
     layout ``gather=`` hands it: this rank's images against every rank's texts), raw rows (no
     normalisation), a learnable scale and bias: loss and all four gradients against float64 autograd of the
@@ -420,7 +420,7 @@ def test_epilogue_gemm_siglip_eager_offset_wider_texts(dtype, monkeypatch):
 
     from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
 
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    route(PANEL_GEMM="epilogue")
     rec = _Launches(monkeypatch)
     g = torch.Generator().manual_seed(11)
     x64 = (torch.randn(100, 24, generator=g, dtype=torch.float64) * 0.3).to(dtype).double()
@@ -440,13 +440,13 @@ def test_epilogue_gemm_siglip_eager_offset_wider_texts(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("learn", [False, True], ids=["fixed", "learned-scale"])
-def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
+def test_epilogue_gemm_one_pass_redo(learn, monkeypatch, route):
     """The one-pass epilogue's redo (MODE 2), in bf16 at |s| = 100: rows 0-31 near their keys (one pass),
     rows 32-63 pointing away from every key (logits ~c - 190: exp(l - m) underflows, z_i = 0 < 2^-64),
     which the redo launch recomputes with the row's own largest logit as the shift. Loss and every
     gradient against float64 on the same rounded inputs; the row weights against W_i = exp(SHIFT_i - LSE_i)
     from float64 logits, SHIFT the fixed m = |s| - 56 on rows 0-31 and the row's largest logit on 32-63."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    route(PANEL_GEMM="epilogue")
     g = torch.Generator().manual_seed(0)
     n, m, d, s = 64, 80, 32, 100.0
     u = torch.randn(d, generator=g)
@@ -485,7 +485,7 @@ def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["info_nce", "clip", "simcse"])
-def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
+def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch, route):
     """On the epilogue route the only [P, M]-shaped tensor any op creates is the 16-bit gradient tile: the
     probe records the element size of every newly stored 2-d tensor of P rows and at least M / 2 columns
     (the triangular sweep's panels narrow with each panel). The
@@ -493,7 +493,7 @@ def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
     monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
     monkeypatch.setattr(panels, "PANEL_ROWS", p)
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
+    route(TILE_ELEMENTS=str(p * n))
     probe = WideTensors(p, n // 2)
     monkeypatch.setattr(panels, "_mm32", probe.counted(panels._mm32, "_mm32"))
     monkeypatch.setattr(panels, "_addmm32_", probe.counted(panels._addmm32_, "_addmm32_"))
@@ -501,7 +501,7 @@ def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
     tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
     widths, seen = {}, {}
     for gemm in ("epilogue", "cublas"):
-        monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", gemm)
+        route(PANEL_GEMM=gemm)
         probe.seen = []
         with probe:
             run(case, (tensors, kwargs), "triton", torch.bfloat16)
@@ -773,15 +773,15 @@ def test_path_choice(monkeypatch):
         panels.use_panel(x, 8, 8)
 
 
-def test_forced_fused_path_launches_no_panel(monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
+def test_forced_fused_path_launches_no_panel(monkeypatch, route):
+    route(TRITON_PATH="fused")
     rec = _Launches(monkeypatch)
     q = torch.randn(40, 16).requires_grad_()
     fc.info_nce(q, torch.randn(50, 16), torch.arange(40), backend="triton").backward()
     assert "panel_dl" not in rec.names and "lse_bwd_rows" in rec.names
 
 
-def test_panel_height_formula(monkeypatch):
+def test_panel_height_formula(monkeypatch, route):
     """The documented budget: at N = M = 131072, D = 768, bf16 the whole extra memory < 0.72 GB."""
     monkeypatch.setattr(panels, "PANEL_ROWS", None)
     n = m = 131072
@@ -790,7 +790,7 @@ def test_panel_height_formula(monkeypatch):
     extra = 4 * m * d + p * ((4 + 2) * m + (4 + 4) * d + 16) + 64 * (n + m)  # + O(N + M) vectors, generously
     assert p == 320 and extra < 0.72e9, (p, extra)
     assert panels.panel_rows(65536, 65536, d, torch.bfloat16, True) == 1216
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_BUDGET", "1000")  # a budget too small: the floor
+    route(PANEL_BUDGET="1000")  # a budget too small: the floor
     assert panels.panel_rows(n, m, d, torch.bfloat16, True) == panels.P_MIN
 
 
@@ -798,13 +798,13 @@ def test_panel_height_formula(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["info_nce", "clip", "simcse", "supcon_mask_in", "dscl_queue"])
-def test_no_tensor_larger_than_a_panel(name, monkeypatch):
+def test_no_tensor_larger_than_a_panel(name, monkeypatch, route):
     monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
     monkeypatch.setattr(panels, "PANEL_ROWS", p)
     # the O(N*D) positive terms (core/linear_terms.py) take a one-tile shortcut within the tile budget: hold
     # them to one panel's size as well
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
+    route(TILE_ELEMENTS=str(p * n))
     case = CASE_BY_NAME[name]
     tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
     rec = _Launches(monkeypatch)
@@ -887,9 +887,9 @@ def _row_rel(x, y):
 
 
 @pytest.mark.parametrize("path", ["panel", "fused"])
-def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch):
+def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch, route):
     m = 8192  # p ~ 1/8192 = 1.2e-4, and 1e-3 of it for the light rows: far below fp16's 6.1e-5
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", path)
+    route(TRITON_PATH=path)
     monkeypatch.setattr(panels, "PANEL_ROWS", 8)  # two panels
     q, k, s, w = _fp16_problem(m)
     truth = _truth(q, k, s, w)
@@ -908,10 +908,10 @@ def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch):
 
 @pytest.mark.parametrize("path", ["panel", "fused"])
 @pytest.mark.parametrize("kind", ["bool", "uint8", "weights"])
-def test_dense_mask_is_compact(kind, path, monkeypatch):
+def test_dense_mask_is_compact(kind, path, monkeypatch, route):
     """A 0/1 mask reaches the kernels as 1 byte per entry (bool: the user's storage viewed as uint8, no
     copy); general weights as float32. Values match the reference in every case."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", path)
+    route(TRITON_PATH=path)
     g = torch.Generator().manual_seed(0)
     bsz = 40
     feats = torch.randn(bsz, 2, 24, generator=g)

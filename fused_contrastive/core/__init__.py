@@ -33,12 +33,8 @@ __all__ = ["Coeffs", "CoreData", "CoreSpec", "PiecesFn", "backward_parts", "dens
 
 
 #: The one-tile path's size limit (N x M) on CUDA for a problem without a column term, when
-#: ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` is unset: at N = M = 4096 (D = 768, bf16, fwd + bwd) one H200 measured it
-#: faster than the kernels for InfoNCE (2.77 against 3.39 ms), SimCSE (2.26 / 3.72), SupCon L_in (3.68 / 3.93),
-#: Matryoshka InfoNCE at five levels (8.38 / 17.02) and InfoNCE at D = 256 (2.36 / 2.97), and slower for CLIP
-#: (7.84 / 4.27) and Matryoshka CLIP (32.6 / 17.1), whose column term keeps them on the kernels
-#: (``bench/results/h200-bench-gpu-2/bench_gpu.txt``, the ``fused_contrastive[tile=2^24]`` rows). Between
-#: the CPU's limit (:func:`tiles.tile_elements`, 2^21) and this one nothing has been timed.
+#: ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` is unset (the CPU's limit is :func:`tiles.tile_elements`, 2^21). Evidence:
+#: ``routes.ROUTES`` ("one-tile path on CUDA"); the measurements: docs/gpu-measurements.md.
 CUDA_DENSE_ELEMENTS = 1 << 24
 
 

@@ -204,18 +204,13 @@ def route() -> str:
 
 
 #: Smallest N x M at which "auto" takes the suffix backward (on CUDA; 16-bit, at most
-#: MATRYOSHKA_SUFFIX_LEVELS levels): bench/gpu_model.py --matryoshka models it faster than the kernels' own
-#: backward from N = M = 1024 (H100: 1.23 against 1.36 ms; 2048: 1.41 against 2.13; 4000: 1.85 against 3.61;
-#: A100 likewise) and slower at 256 (1.13 against 0.78: its cuBLAS launches per segment and panel), so the
-#: threshold sits at 1024 x 1024. Above the panel path's threshold "auto" runs one plain call per level
-#: (modelled faster than both: 105 ms at N = 65536 on an H100 against 129 for the suffix route).
+#: MATRYOSHKA_SUFFIX_LEVELS levels); above the panel path's threshold "auto" runs one plain call per level.
+#: Evidence: ``routes.ROUTES`` (the Matryoshka rows); the model's figures: docs/gpu-measurements.md.
 SUFFIX_MIN_ELEMENTS = 1 << 20
 #: With a column term (CLIP's levels) "auto" keeps the Matryoshka kernels (and so the suffix backward) up to this
-#: N x M although the plain loss takes the panel path from 2^24: at N = M = 4096 (D = 768, bf16, five levels) one
-#: H200 measured the suffix route at 12.64 ms against 17.13 for one plain call per level
-#: (``bench/results/h200-bench-gpu-2/bench_gpu.txt``, matryoshka5_clip ``fused_contrastive[matryoshka=suffix]``);
-#: without a column term the plain calls take the one-tile path there (``core.CUDA_DENSE_ELEMENTS``: 8.38 ms
-#: for InfoNCE's levels against the suffix route's 10.99). Above it nothing but one call per level was faster.
+#: N x M although the plain loss takes the panel path from 2^24; without a column term the plain calls take the
+#: one-tile path there (``core.CUDA_DENSE_ELEMENTS``). Evidence: ``routes.ROUTES``; the measurements:
+#: docs/gpu-measurements.md.
 COL_KERNELS_MAX_ELEMENTS = 1 << 24
 #: Device types on which "auto" may take the suffix backward (meta: the GPU model records what CUDA runs);
 #: the CPU interpreter runs it when the tests ask for it.

@@ -26,12 +26,9 @@ Work, in units of one N*Lq x M*Ld x D matmul (2 N Lq M Ld D FLOPs): forward 1 (t
 dd 1 (tensor cores, the weighted one-hot matmul); dq 1/Ld of a unit as fp32 FMAs on gathered rows
 (``DQ_GATHER``, the default) or 1 unit as the one-hot matmul on tensor cores.
 
-Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90), chosen on
-an H100 (bf16, N = M = 4096, Lq = 32, Ld = 180, D = 128; bench/results/h100-maxsim/): the first run
-(commit 24a4e55, the ``baseline`` setting) took forward 118.7 ms, dd 129.7, dq 22.7; two sweeps of
-:func:`sweep_settings` then timed the variants side by side, and the defaults are the best combination
-measured (forward + backward 247 ms against the baseline's 267 in the same run: forward 111, dd 110,
-dq 25). tests/test_triton_maxsim.py compiles them ahead of time for sm_80 / sm_90 (0 spills, shared
+Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90): the best
+combination :func:`sweep_settings` timed (``routes.ROUTES``' MaxSim row; the runs: docs/gpu-measurements.md).
+tests/test_triton_maxsim.py compiles them ahead of time for sm_80 / sm_90 (0 spills, shared
 memory within the part's limit, mma.sync / wgmma) at the ColBERT shape D = 128, Lq = 32, Ld = 180 in
 bf16 / fp16 / fp32, the forward's other regimes, and every sweep setting in bf16 at the ColBERT shape.
 Registers below: bf16, D = 128, triton 3.9's ptxas (sm_80 / sm_90):

@@ -104,12 +104,8 @@ def use_epilogue(dev: torch.device, dt: torch.dtype, form: str = "one_pass", ele
 EPILOGUE_DEVICES: tuple[str, ...] = ("cuda", "meta")
 
 
-#: Smallest N x M at which "auto" takes the epilogue GEMM, per (form, compute capability): where
-#: ``bench/gpu_model.py`` prefers it (its records' ``panel_form_should_prefer``; tests/test_gpu_model.py
-#: fails when a route and the model disagree by more than the model's 5 % band) and, on sm_90, where an
-#: H100 measured it faster (bench/results/h100-epilogue/gpu_validate.txt, bf16, D = 768, fwd + bwd:
-#: InfoNCE 5.18 / 5.37 ms epilogue / cuBLAS at N = 16384 and 49.9 / 60.0 at 65536; CLIP 7.23 / 6.96 and
-#: 77.1 / 92.7; SimCSE 6.83 / 5.99 and 43.0 / 50.4).
+#: Smallest N x M at which "auto" takes the epilogue GEMM, per (form, compute capability). Evidence:
+#: ``routes.ROUTES`` (the epilogue GEMM rows); the measurements: docs/gpu-measurements.md.
 EPILOGUE_MIN_ELEMENTS: dict[tuple[str, int], int] = {
     ("one_pass", 80): 0, ("one_pass", 90): 0,
     ("known", 80): 0, ("known", 90): 1 << 30,
@@ -142,11 +138,7 @@ RECORD_SMS = {"sm90": 132, "sm80": 108}
 
 
 #: The tile-loop form a launch configuration of the epilogue GEMM takes on an arch when env :data:`EPI_FORM_ENV`
-#: is unset ("tiles" where not listed), each from a measurement: SigLIP's one pass (MODE 5) on sm_90 with TMA
-#: operand tiles, 58.4 against 63.9 ms for the tiles form (fwd + bwd at N = 65536, D = 768, bf16, one H200,
-#: ``bench/results/h200-bench-gpu-1/bench_gpu.txt``, siglip ``fused_contrastive[epi=tma]``); the same run timed
-#: the persistent forms slower than the tiles form for CLIP (0.83-0.86x), SimCSE (0.98-0.99x) and Matryoshka
-#: CLIP (0.86-0.90x).
+#: is unset ("tiles" where not listed). Evidence: ``routes.ROUTES``; the measurements: docs/gpu-measurements.md.
 EPI_FORM_DEFAULT: dict[tuple[str, str], str] = {("siglip_eager", "sm90"): "tma"}
 
 
