@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fused_contrastive import core
+from fused_contrastive import core, routes
 from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.tools import compile_survey
@@ -563,31 +563,15 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TL.
     (the log-sum-exp terms and the O(N D) linear target / positive terms as one ``core.PiecesFn``; the
     one-tile dense path off, as at every size the model is asked for)."""
     a, b, scale, spec, data, coef, reduce = compile_survey.core_call(loss, n, d, torch.bfloat16)
-    prev_dense = os.environ.get("FUSED_CONTRASTIVE_DENSE")
-    os.environ["FUSED_CONTRASTIVE_DENSE"] = "0"
-    prev_env = os.environ.get("FUSED_CONTRASTIVE_TRITON_PATH")
-    prev_gemm = os.environ.get("FUSED_CONTRASTIVE_PANEL_GEMM")
-    prev_p, prev_pp = TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS
-    os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path.split("-")[0]
     # "panel": the panel form CUDA takes ("auto": panels.use_epilogue's rule); "panel-epilogue" /
-    # "panel-cublas": that form forced
-    os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = {"panel-epilogue": "epilogue", "panel-cublas": "cublas"}.get(path,
-                                                                                                          "auto")
-    TL.COL_PARTIAL_PROGRAMS = 2 * gpu.sms  # what _col_programs uses on a CUDA device
-    panels.PANEL_PROGRAMS = 2 * gpu.sms  # what the panel kernel's block choice uses on a CUDA device
-    try:
-        with compile_survey.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
-            out = core.run("triton", a, b, scale, spec, data, coef, reduce)
-            torch.autograd.grad(out if reduce else out.sum(), [x for x in (a, b) if x is not None and x.requires_grad])
-            del out
-    finally:
-        TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS = prev_p, prev_pp
-        for name, prev in (("FUSED_CONTRASTIVE_TRITON_PATH", prev_env), ("FUSED_CONTRASTIVE_PANEL_GEMM", prev_gemm),
-                           ("FUSED_CONTRASTIVE_DENSE", prev_dense)):
-            if prev is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = prev
+    # "panel-cublas": that form forced; the program counts a CUDA device gives _col_programs and the panel kernel
+    gemm = {"panel-epilogue": "epilogue", "panel-cublas": "cublas"}.get(path, "auto")
+    with routes.override(DENSE=False, TRITON_PATH=path.split("-")[0], PANEL_GEMM=gemm,
+                         COL_PARTIAL_PROGRAMS=2 * gpu.sms, PANEL_PROGRAMS=2 * gpu.sms), \
+            compile_survey.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
+        out = core.run("triton", a, b, scale, spec, data, coef, reduce)
+        torch.autograd.grad(out if reduce else out.sum(), [x for x in (a, b) if x is not None and x.requires_grad])
+        del out
     return list(launches), ops.ops
 
 

@@ -107,7 +107,7 @@ PANEL_KERNELS = ("panel_dl", "panel_rows")
 #: epilogue GEMM (``epi_gemm``), which the C++ host code does not drive.
 PANEL_GEMM_ENV = "FUSED_CONTRASTIVE_PANEL_GEMM"
 
-#: Grid sizes the panel kernels are recorded for (``panels.PANEL_PROGRAMS``): at REC_N rows one per
+#: Grid sizes the panel kernels are recorded for (the switchboard's hook ``PANEL_PROGRAMS``): at REC_N rows one per
 #: BLOCK_R of ``panels.panel_blocks`` (16, 8, 4, 2, 1), so every row-block variant is compiled.
 PANEL_PROGRAMS_REC = (32, 64, 128, 256, 1024)
 
@@ -134,8 +134,8 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
     The margin modes are recorded with ``margin = REC_MARGIN`` and an int64 target vector [n]."""
     import torch
 
+    from . import routes
     from .core.spec import CoreData, CoreSpec
-    from .core.triton_shared import launch as TL
     from .tools.compile_survey import record_core
 
     has_b, want_col, excl, margin = MODES[mode]
@@ -146,13 +146,9 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
         return record_panel(mode, dtype, n, m, d, arch, spec, need_b, sms, programs, roots, data)
     if path != "fused":
         raise ValueError(f"path must be 'fused' or 'panel', got {path!r}")
-    prev = TL.COL_PARTIAL_PROGRAMS
-    TL.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev
-    try:
+    with routes.override(**({"COL_PARTIAL_PROGRAMS": 2 * sms} if sms else {})):
         return record_core(spec, data, has_b, want_col, False, _torch_dtype(dtype), n, m if has_b else n, d,
                            arch, need_a=True, need_b=need_b and has_b, need_s=True)
-    finally:
-        TL.COL_PARTIAL_PROGRAMS = prev
 
 
 def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec, need_b: bool, sms: int | None,
@@ -171,7 +167,6 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     from .core.lse import triton_fused, triton_panel
     from .core.spec import CoreData
     from .core.triton_shared import launch as TL
-    from .core.triton_shared import panels
     from .tools.compile_survey import recording
 
     has_b, want_col = MODES[mode][:2]
@@ -182,11 +177,12 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     b = torch.empty((m, d), dtype=dt, device=meta) if has_b else None
     scale = torch.empty((), dtype=torch.float32, device=meta)
     g = torch.empty(n, device=meta)
-    prev = TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS
-    TL.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev[0]
-    panels.PANEL_PROGRAMS = programs if programs else (2 * sms if sms else prev[1])
-    try:  # the cuBLAS form: what csrc/fc_torch.cpp mirrors (see PANEL_GEMM_ENV)
-        with routes.override(PANEL_GEMM="cublas"), recording(arch) as launches:
+    hooks = {"COL_PARTIAL_PROGRAMS": 2 * sms} if sms else {}
+    if programs or sms:
+        hooks["PANEL_PROGRAMS"] = programs if programs else 2 * sms
+    # the cuBLAS form: what csrc/fc_torch.cpp mirrors (see PANEL_GEMM_ENV)
+    with routes.override(PANEL_GEMM="cublas", **hooks):
+        with recording(arch) as launches:
             p = TL._prepare_data(a, b, spec, data, False)
             scale_t = TL._scale32(scale, meta)
             lse_col = g_col = db = None
@@ -199,10 +195,8 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
                 lse, lse_col, _, _ = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, False)
                 g_col = torch.empty(m, device=meta) if want_col else None
                 da, db, _, _, _, _ = triton_panel.sweep(TL._launch, pb, p.a, p.b, False, scale_t, spec, lse,
-                                                        lse_col, None, g,
-                                           g_col, None, True, need_b and has_b, True, False)
-    finally:
-        TL.COL_PARTIAL_PROGRAMS, panels.PANEL_PROGRAMS = prev
+                                                        lse_col, None, g, g_col, None, True, need_b and has_b, True,
+                                                        False)
     if roots is not None:
         roots.update(A=a, B=b, LSE=lse, LSE_COL=lse_col, G=g, G_COL=g_col, DA=da, DB=db, TARGET=data.target)
     return launches

@@ -138,7 +138,7 @@ class Plan:
     ncu: bool = False
     ncu_shape: tuple[int, int] = (16384, 768)
     #: the panel path's parity once more with this many rows per panel (None: skip), so several panels
-    #: meet the oracle (``core/triton_shared/panels.PANEL_ROWS``)
+    #: meet the oracle (the switchboard's hook ``PANEL_ROWS``)
     multi_panel_rows: int | None = 1000
     #: a built libfused_contrastive_torch.so: the checks also run on its operators (paths "aot/fused",
     #: "aot/panel"); a problem the library does not cover is reported as such (information)
@@ -289,16 +289,12 @@ def _err(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def _panel_height(rows: int | None) -> Iterator[None]:
-    """``core/triton_shared/panels.PANEL_ROWS = rows`` within the block (None: leave it)."""
-    from .core.triton_shared import panels
-
-    old = panels.PANEL_ROWS
-    if rows is not None:
-        panels.PANEL_ROWS = rows
-    try:
+    """The switchboard's ``PANEL_ROWS = rows`` within the block (None: leave it)."""
+    if rows is None:
         yield
-    finally:
-        panels.PANEL_ROWS = old
+        return
+    with routes.override(PANEL_ROWS=rows):
+        yield
 
 
 def family(loss: str) -> str:

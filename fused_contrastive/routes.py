@@ -42,10 +42,12 @@ class Setting:
     reader: str
     choices: tuple[str, ...] = ()
     minimum: int = 1
+    #: False for a hook of :data:`HOOKS`: no variable, only :func:`override` sets it
+    env: bool = True
 
     @property
     def var(self) -> str:
-        return PREFIX + self.name
+        return PREFIX + self.name if self.env else f"the switchboard's hook {self.name}"
 
     def allowed(self) -> str:
         if self.kind == "choice":
@@ -110,21 +112,38 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "gpu_validate"),
 )}
 
+#: In-process hooks without a variable: sizes a test (or the GPU model, recording what a CUDA device would run)
+#: fixes through :func:`override`; None leaves the choice to the code.
+HOOKS: dict[str, Setting] = {s.name: s for s in (
+    Setting("PANEL_ROWS", "int", None, "a fixed panel height of the panel routes (None: from the byte budget)",
+            "core.triton_shared.panels.panel_rows; core.matryoshka.triton_levels.suffix_rows", env=False),
+    Setting("GUIDED_PANEL_ROWS", "int", None, "a fixed panel height of the guided panel route (rounded to its row "
+            "tile; None: from the byte budget)", "core.guided.triton_panel", env=False),
+    Setting("PANEL_PROGRAMS", "int", None, "programs of the panel kernel (None: 2 per SM on CUDA, 1 on the "
+            "interpreter)", "core.triton_shared.panels._programs", env=False),
+    Setting("EPI_PROGRAMS", "int", None, "the persistent epilogue GEMM's grid (None: one program per SM on CUDA, "
+            "the recorded GPU's, 3 on the interpreter)", "core.triton_shared.panels.persistent_programs", env=False),
+    Setting("COL_PARTIAL_PROGRAMS", "int", None, "programs of the fused forward with a column LSE (None: 2 per SM "
+            "on CUDA, 2 on the interpreter)", "core.triton_shared.launch._col_programs", env=False),
+)}
+
 _OVERRIDES: dict[str, object] = {}
 
 
 def _get(name: str) -> Setting:
     try:
-        return SETTINGS[name]
+        return SETTINGS[name] if name in SETTINGS else HOOKS[name]
     except KeyError:
-        raise KeyError(f"{PREFIX}{name} is not a setting of the switchboard ({', '.join(SETTINGS)})") from None
+        raise KeyError(f"{PREFIX}{name} is not a setting of the switchboard ({', '.join(SETTINGS)}; hooks: "
+                       f"{', '.join(HOOKS)})") from None
 
 
 def raw(name: str) -> str:
     """The variable's text as the environment holds it ("" when unset); an override's value as text."""
     if name in _OVERRIDES:
         return str(_OVERRIDES[name])
-    return os.environ.get(_get(name).var, "")
+    s = _get(name)
+    return os.environ.get(s.var, "") if s.env else ""
 
 
 def setting(name: str) -> object:
@@ -133,7 +152,7 @@ def setting(name: str) -> object:
     s = _get(name)
     if name in _OVERRIDES:
         return _OVERRIDES[name]
-    return s.parse(os.environ.get(s.var))
+    return s.parse(os.environ.get(s.var)) if s.env else s.default
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ def _small_tiles(monkeypatch, route):
     route(DENSE="0")
     route(TRITON_PATH="panel")
     route(PANEL_GEMM="epilogue")
-    monkeypatch.setattr(panels, "PANEL_ROWS", 40)
+    route(PANEL_ROWS=40)
     monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     for name in list(triton_panel.EPI_GEMM):
         monkeypatch.setitem(triton_panel.EPI_GEMM, name, SMALL)
@@ -117,19 +117,15 @@ def test_forms_equal_the_tiles_form_bitwise(loss, monkeypatch):
 def _gist(gdt):
     """GISTEmbed's loss and gradients on the guided blocks' epilogue GEMM (40-row panels of 16 x 32 tiles),
     and its guided_epi launches."""
-    from fused_contrastive.core.guided import triton_panel as TGP
+    from fused_contrastive import routes
     from fused_contrastive.losses.guided import gist_loss
 
     g = torch.Generator().manual_seed(1)
     a, p, n = (torch.randn(r, 72, generator=g).bfloat16().requires_grad_() for r in (97, 97, 83))
     guides = tuple(torch.randn(r, 21, generator=g).to(gdt) for r in (97, 97, 83))
-    prev_rows, TGP.PANEL_ROWS = TGP.PANEL_ROWS, 40
-    try:
-        with _launches() as seen:
-            loss = gist_loss(a, p, n, guide=guides, temperature=0.05, backend="triton")
-            loss.backward()
-    finally:
-        TGP.PANEL_ROWS = prev_rows
+    with routes.override(GUIDED_PANEL_ROWS=40), _launches() as seen:
+        loss = gist_loss(a, p, n, guide=guides, temperature=0.05, backend="triton")
+        loss.backward()
     return [loss.detach(), a.grad, p.grad, n.grad], [x for x in seen if x.name.startswith("guided_epi")]
 
 

@@ -27,8 +27,7 @@ _COMPILE = textwrap.dedent(
     import json, os, sys, warnings
     warnings.simplefilter("ignore")
     import torch
-    from fused_contrastive import core
-    from fused_contrastive.core.triton_shared import panels
+    from fused_contrastive import core, routes
     from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
     from fused_contrastive.tools import compile_survey
 
@@ -88,9 +87,9 @@ _COMPILE = textwrap.dedent(
                     r.update(form="guided", guide=gname, loss=variant, split=x.constexprs["SPLIT_T"],
                              persist=x.constexprs["PERSIST"], grid=x.grid[0], block_m=x.constexprs["BLOCK_M"])
                     out.append(r)
+    routes.override(PANEL_ROWS=1024).__enter__()  # several panels (the triangular sweep's among them), to the end
     for form in ("persistent", "tma"):
         os.environ["FUSED_CONTRASTIVE_EPI_FORM"] = form
-        panels.PANEL_ROWS = 1024  # several panels (the triangular sweep's among them)
         for cc, arch in compile_survey.TARGETS:
             seen = set()
             for loss in ("info_nce", "clip", "simcse", "siglip", "siglip_rows"):

@@ -83,10 +83,9 @@ def test_matryoshka_loads_time_the_aligned_and_the_scalar_form(profile_mod, monk
 def test_epi_forms_time_the_three_tile_loops(profile_mod, monkeypatch, capsys, route):
     # --epi-forms: each form of the epilogue GEMM's tile loop runs (the launches say which), and the printed
     # verdict compares its gradients with the tiles form's (the kernels are the same code: bitwise equal)
-    from fused_contrastive.core.triton_shared import panels
 
     route(DENSE="0")
-    monkeypatch.setattr(panels, "PANEL_ROWS", 40)
+    route(PANEL_ROWS=40)
     # (no timing on the CPU: each form's one compiling step is what the verdict compares)
     monkeypatch.setattr(profile_mod, "_timer", lambda dev: lambda step: 1.0)
     monkeypatch.setattr(profile_mod, "_kernel_ms", lambda step: {"epi_gemm_kernel": 0.5})

@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 
 from fused_contrastive import core  # noqa: E402
 from fused_contrastive.core.triton_shared import launch as TL  # noqa: E402
-from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.tools import compile_survey  # noqa: E402
 
 BENCH = str(Path(__file__).resolve().parents[1] / "bench")
@@ -51,8 +50,8 @@ def test_the_per_level_route_is_what_the_model_costs(monkeypatch, route):
 
     a, b, scale, spec, data, coef, reduce = compile_survey.core_call("info_nce", n, d, torch.bfloat16)
     route(TRITON_PATH="panel")
-    monkeypatch.setattr(TL, "COL_PARTIAL_PROGRAMS", 2 * gpu.sms)
-    monkeypatch.setattr(panels, "PANEL_PROGRAMS", 2 * gpu.sms)
+    route(COL_PARTIAL_PROGRAMS=2 * gpu.sms)
+    route(PANEL_PROGRAMS=2 * gpu.sms)
     with compile_survey.recording(gpu.arch) as launches:
         out = core.run("triton", a, b, scale, spec, data, coef, reduce, levels=(dims, tuple(1.0 for _ in dims)))
         torch.autograd.grad(out.sum(), [a, b])

@@ -37,7 +37,7 @@ def suffix(monkeypatch, route):
     launches, recorded."""
     route(MATRYOSHKA_ROUTE="suffix")
     monkeypatch.setattr(TM, "SUFFIX_CONFIG", LaunchConfig(16, 16, 16, 4, 1))
-    monkeypatch.setattr(panels, "PANEL_ROWS", 16)
+    route(PANEL_ROWS=16)
     launches = []
     orig = TL._launch
 
@@ -164,7 +164,7 @@ def test_the_panel_height_keeps_the_suffix_tiles_within_the_budget(monkeypatch, 
     assert p % 64 == 0 and p >= panels.P_MIN
     assert allocated(p) <= budget < allocated(p + 64), (p, allocated(p), budget)
     assert TM.suffix_rows(100, 29, 40, 3, torch.bfloat16, True) == 100  # a small problem is one panel
-    monkeypatch.setattr(panels, "PANEL_ROWS", 24)
+    route(PANEL_ROWS=24)
     assert TM.suffix_rows(n, m, d, k, torch.bfloat16, True) == 24
 
 

@@ -18,7 +18,6 @@ from test_siglip import _truth as siglip_truth  # tests/ is on sys.path (rootdir
 
 import fused_contrastive as fc
 from fused_contrastive.core.triton_shared import launch as TL
-from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.testing import assert_close
 from tests._flops import MatmulFlops
 
@@ -77,7 +76,7 @@ def test_triton_panel_route_under_no_grad_forms_no_gradient_tile(name, monkeypat
     route(TRITON_PATH="panel")
     route(PANEL_GEMM="epilogue")
     route(DENSE="0")  # not the one-tile path of a small problem
-    monkeypatch.setattr(panels, "PANEL_ROWS", 128)
+    route(PANEL_ROWS=128)
     seen = []
     orig = TL._launch
     monkeypatch.setattr(TL, "_launch", lambda x: (seen.append(x), orig(x))[1])

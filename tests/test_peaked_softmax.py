@@ -24,7 +24,6 @@ import torch.nn.functional as F
 import fused_contrastive as fc
 from fused_contrastive import core
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
-from fused_contrastive.core.triton_shared import panels
 
 N, D, T = 96, 32, 0.05
 BOUND = 0.02  # of the largest true gradient
@@ -46,7 +45,7 @@ def backend(request, monkeypatch, route):
     route(TILE_ELEMENTS="2048")  # the torch backend's chunks
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(panels, "PANEL_ROWS", 32)
+    route(PANEL_ROWS=32)
     return name
 
 
@@ -190,7 +189,7 @@ def test_the_accuracy_rule_fails_the_pieces_rounded_apart(path, monkeypatch, rou
     route(DENSE="0")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(panels, "PANEL_ROWS", 48)
+    route(PANEL_ROWS=48)
     case = CASE_BY_NAME["info_nce"]
     healthy = compare(case, 97, 64, torch.bfloat16, name, regime="saturated")
     assert healthy.ok, str(healthy)

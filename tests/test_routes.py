@@ -197,3 +197,23 @@ def test_an_override_routes_a_loss(monkeypatch):
     torch.testing.assert_close(got_chunked.double(), want, rtol=1e-5, atol=1e-6)
     assert chunked.largest < 64 * 64 <= dense.largest, (chunked.largest, dense.largest)
     assert os.environ.get("FUSED_CONTRASTIVE_DENSE") is None
+
+
+def test_a_hook_has_no_variable_and_is_set_by_override_only(monkeypatch):
+    """The in-process hooks (fixed panel heights, program counts) read no environment variable: only an
+    override sets them, and the code reads them (a fixed panel height is the panel count the sweep runs)."""
+    import torch
+
+    from fused_contrastive.core.triton_shared import panels
+
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_ROWS", "64")  # not a variable of the package: ignored
+    assert R.setting("PANEL_ROWS") is None and R.raw("PANEL_ROWS") == ""
+    want = panels.panel_rows(4096, 4096, 64, torch.bfloat16, True)
+    assert want > 100
+    with R.override(PANEL_ROWS=100):
+        assert R.setting("PANEL_ROWS") == 100
+        assert panels.panel_rows(4096, 4096, 64, torch.bfloat16, True) == 100
+    assert panels.panel_rows(4096, 4096, 64, torch.bfloat16, True) == want
+    with pytest.raises(ValueError, match="the switchboard's hook PANEL_ROWS must be a positive integer"):
+        with R.override(PANEL_ROWS=0):
+            pass

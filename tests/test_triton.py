@@ -141,9 +141,9 @@ def test_normalize_false_and_clamped_rows(d):
         assert_close(g, w, atol=1e-5 * float(w.abs().max()), what="clamped rows")
 
 
-def test_column_partials_several_row_blocks_per_program(monkeypatch):
+def test_column_partials_several_row_blocks_per_program(monkeypatch, route):
     # one forward program walks all row blocks of CLIP, merging its column partials in place
-    monkeypatch.setattr(TL, "COL_PARTIAL_PROGRAMS", 1)
+    route(COL_PARTIAL_PROGRAMS=1)
     c = compare(CASE_BY_NAME["clip_scale"], 130, 300, torch.float32, "triton", canary=True)
     assert c.ok, c
 

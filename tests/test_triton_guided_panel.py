@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fused_contrastive as fc
+from fused_contrastive import routes
 from fused_contrastive.core.guided import triton_panel as TGP
 from fused_contrastive.core.guided.torch_blocks import Block, Masks, merged_lse
 from fused_contrastive.core.triton_shared import launch as TL
@@ -44,7 +45,7 @@ def route(monkeypatch, route):
     launches by name."""
     route(TRITON_PATH="panel")
     route(PANEL_GEMM="epilogue")
-    monkeypatch.setattr(TGP, "PANEL_ROWS", 64)
+    route(GUIDED_PANEL_ROWS=64)
     names: Counter = Counter()
     orig = TL._launch
 
@@ -331,7 +332,7 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
 
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
-    TGP.PANEL_ROWS = 64
+    routes.override(GUIDED_PANEL_ROWS=64).__enter__()  # for the worker's life
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:

@@ -3,7 +3,7 @@ pre-scale of every gradient tile and the compact dense positive mask.
 
 Under the CPU interpreter (conftest.py) the panel path's GEMMs are ``torch.mm`` on CPU tensors and its
 Triton kernel runs interpreted; ``FUSED_CONTRASTIVE_TRITON_PATH=panel`` forces the path (on the CPU
-"auto" takes the fused kernels, which tests/test_triton.py covers) and ``panels.PANEL_ROWS``
+"auto" takes the fused kernels, which tests/test_triton.py covers) and the switchboard's ``PANEL_ROWS``
 forces small panels, so every test runs several panels with a ragged last one. Every kernel output is
 poisoned with NaN before its launch and the registry inputs are views into NaN-padded buffers, as in
 tests/test_triton.py. The compile tests lower the panel kernel (and the fused kernels with a 1-byte
@@ -46,7 +46,7 @@ def _panel_path(monkeypatch, route):
     """The panel path with small panels, kernels (not the dense path), outputs poisoned, quiet numpy."""
     route(DENSE="0")
     route(TRITON_PATH="panel")
-    monkeypatch.setattr(panels, "PANEL_ROWS", PANEL)
+    route(PANEL_ROWS=PANEL)
     monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -492,7 +492,7 @@ def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch, route):
     cuBLAS form creates its fp32 products panel (4 bytes): seen by the same probe, so the check can fail."""
     monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
-    monkeypatch.setattr(panels, "PANEL_ROWS", p)
+    route(PANEL_ROWS=p)
     route(TILE_ELEMENTS=str(p * n))
     probe = WideTensors(p, n // 2)
     monkeypatch.setattr(panels, "_mm32", probe.counted(panels._mm32, "_mm32"))
@@ -670,10 +670,10 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 @pytest.mark.parametrize("exclude_self", [True, False], ids=["self_out", "self_in"])
-def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch):
+def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch, route):
     # panels of 2 rows: a last panel of one row, and N = 1 with its own column out (no column at all:
     # LSE -inf, as the torch_chunked path gives); per-row outputs with distinct upstream weights
-    monkeypatch.setattr(panels, "PANEL_ROWS", 2)
+    route(PANEL_ROWS=2)
     rec = _Launches(monkeypatch)
     a = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
     res = []
@@ -746,9 +746,9 @@ def test_panel_blocks_rule():
 
 @pytest.mark.parametrize("programs", [8, 10 ** 6], ids=["4-rows", "1-row"])
 @pytest.mark.parametrize("name", ["info_nce", "supcon_mask_in", "clip_scale"])
-def test_narrow_blocks(name, programs, monkeypatch):
+def test_narrow_blocks(name, programs, monkeypatch, route):
     """The GPU's block shapes (4 x 512 and 1 x 2048 here) on the one-pass, two-pass and column paths."""
-    monkeypatch.setattr(panels, "PANEL_PROGRAMS", programs)
+    route(PANEL_PROGRAMS=programs)
     rec = _Launches(monkeypatch)
     c = compare(CASE_BY_NAME[name], 97, 100, torch.float32, "triton", canary=True)
     assert c.ok, c
@@ -783,7 +783,7 @@ def test_forced_fused_path_launches_no_panel(monkeypatch, route):
 
 def test_panel_height_formula(monkeypatch, route):
     """The documented budget: at N = M = 131072, D = 768, bf16 the whole extra memory < 0.72 GB."""
-    monkeypatch.setattr(panels, "PANEL_ROWS", None)
+    route(PANEL_ROWS=None)
     n = m = 131072
     d = 768
     p = panels.panel_rows(n, m, d, torch.bfloat16, True)
@@ -801,7 +801,7 @@ def test_panel_height_formula(monkeypatch, route):
 def test_no_tensor_larger_than_a_panel(name, monkeypatch, route):
     monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
-    monkeypatch.setattr(panels, "PANEL_ROWS", p)
+    route(PANEL_ROWS=p)
     # the O(N*D) positive terms (core/linear_terms.py) take a one-tile shortcut within the tile budget: hold
     # them to one panel's size as well
     route(TILE_ELEMENTS=str(p * n))
@@ -818,14 +818,14 @@ def test_no_tensor_larger_than_a_panel(name, monkeypatch, route):
 
 
 @pytest.mark.parametrize("name", ["info_nce", "simcse", "clip"])
-def test_one_logits_panel_alive_at_a_time(name, monkeypatch):
+def test_one_logits_panel_alive_at_a_time(name, monkeypatch, route):
     # the workspace formula counts one [P, M] fp32 panel: when the next panel's logits GEMM runs, no
     # earlier panel may still be referenced (weak references to every GEMM output of the sweep)
     import gc
     import weakref
 
     monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
-    monkeypatch.setattr(panels, "PANEL_ROWS", 64)
+    route(PANEL_ROWS=64)
     alive: list[weakref.ref] = []
     orig = panels._mm32
     counts = []
@@ -890,7 +890,7 @@ def _row_rel(x, y):
 def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch, route):
     m = 8192  # p ~ 1/8192 = 1.2e-4, and 1e-3 of it for the light rows: far below fp16's 6.1e-5
     route(TRITON_PATH=path)
-    monkeypatch.setattr(panels, "PANEL_ROWS", 8)  # two panels
+    route(PANEL_ROWS=8)  # two panels
     q, k, s, w = _fp16_problem(m)
     truth = _truth(q, k, s, w)
     x = q.clone().requires_grad_()
@@ -943,12 +943,17 @@ _COMPILE = textwrap.dedent(
     import json, os
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "cublas"  # the panel kernel first; the epilogue GEMM below
-    import dataclasses
+    import contextlib, dataclasses
     import torch
-    from fused_contrastive import core
-    from fused_contrastive.core.triton_shared import panels
+    from fused_contrastive import core, routes
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import compile_survey
+
+    hooks = contextlib.ExitStack()
+
+    def hook(**values):  # the switchboard's hooks for what follows (the previous ones undone)
+        hooks.close()
+        hooks.enter_context(routes.override(**values))
 
     sig = compile_survey._sig_type  # tools/compile_survey.py knows no 1-byte pointers yet: the compact mask is "*u8"
     compile_survey._sig_type = lambda v: "*u8" if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 else sig(v)
@@ -990,8 +995,8 @@ _COMPILE = textwrap.dedent(
                                 ("onepass-r1", (torch.bfloat16,)),
                                 ("tri", (torch.bfloat16, torch.float16, torch.float32))):
             # the GPU's narrow blocks (4 x 512, 1 x 2048) as the block rule picks them for 4096 rows
-            panels.PANEL_PROGRAMS = {"onepass-r4": 1024, "onepass-r1": 10 ** 6}.get(variant)
-            panels.PANEL_ROWS = 1024 if variant == "tri" else None  # several triangular panels
+            hook(PANEL_PROGRAMS={"onepass-r4": 1024, "onepass-r1": 10 ** 6}.get(variant),
+                 PANEL_ROWS=1024 if variant == "tri" else None)  # several triangular panels
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     # the panel kernels, and the fused forward with the 1-byte mask
@@ -1002,7 +1007,7 @@ _COMPILE = textwrap.dedent(
                                  block_r=x.constexprs.get("BLOCK_R"), tri=bool(x.constexprs.get("TRI")),
                                  split=bool(x.constexprs.get("SPLIT_T")))
                         out.append(r)
-    panels.PANEL_PROGRAMS = None
+    hook()
     # the epilogue GEMM: every mode (one pass and its redo, known statistics: the column term, the
     # symmetric and the triangular forms) in every 16-bit dtype it takes
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
@@ -1010,7 +1015,7 @@ _COMPILE = textwrap.dedent(
         for variant, dtypes in (("onepass", (torch.bfloat16,)), ("col", (torch.bfloat16, torch.float16)),
                                 ("stats", (torch.bfloat16, torch.float16)),
                                 ("sym", (torch.bfloat16, torch.float16)), ("tri", (torch.bfloat16, torch.float16))):
-            panels.PANEL_ROWS = 1024 if variant == "tri" else None
+            hook(PANEL_ROWS=1024 if variant == "tri" else None)
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     if x.name in ("epi_rows", "target_rows", "stats_merge"):  # the row kernels around the
@@ -1027,7 +1032,7 @@ _COMPILE = textwrap.dedent(
                                  tri=bool(x.constexprs["TRI"]), cp_async=ttgir.count("async_copy_global_to_local"),
                                  split=bool(x.constexprs["SPLIT_T"]))
                         out.append(r)
-    panels.PANEL_ROWS = None
+    hook()
     # SigLIP on the epilogue GEMM: per-row losses (MODE 4: the losses, then the gradient tile) and the mean
     # (MODE 5: both in one pass)
     from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn

@@ -60,8 +60,6 @@ from ..triton_shared.configs import (
 )
 from . import triton_blocks as TG
 
-#: Test hook: a fixed panel height (rounded to the row tile; None: from the budget).
-PANEL_ROWS: int | None = None
 #: A target exponential below this takes the loss as ``LSE - l_t`` (its ratio would lose precision).
 MIN_TARGET_E = 1e-30
 
@@ -105,8 +103,8 @@ def panel_rows(n: int, col_rows: list[int], d: int, groups: int, grad_rows: int,
     gradient), per panel row ``2 sum_k M_k`` (the bf16 tiles) + the partials (4 bytes x 2-5 per column
     tile of each block) + ``8 D`` per row group (the operand copy, the dR GEMM's fp32 output, XW). A
     multiple of ``block_m`` (the threshold kernel's row tiles line up), at least :data:`P_MIN`."""
-    if PANEL_ROWS is not None:
-        return max(1, min(n, triton.cdiv(PANEL_ROWS, block_m) * block_m))
+    if setting("GUIDED_PANEL_ROWS") is not None:  # a fixed height, rounded to the row tile
+        return max(1, min(n, triton.cdiv(setting("GUIDED_PANEL_ROWS"), block_m) * block_m))
     budget = setting("PANEL_BUDGET") or panels.BUDGET_BYTES
     fixed = 4 * d * grad_rows
     parts = 3 + (1 if need_s else 0) + (2 if split else 0)

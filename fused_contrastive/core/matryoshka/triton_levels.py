@@ -228,7 +228,7 @@ def use_suffix(dev: torch.device, dtype: torch.dtype, k: int, elements: int) -> 
 
 
 #: Test hooks of the suffix backward: its launch configuration and panel height (None: MATRYOSHKA_SUFFIX, and
-#: panels.PANEL_ROWS or the byte budget).
+#: the switchboard's PANEL_ROWS or the byte budget).
 SUFFIX_CONFIG: LaunchConfig | None = None
 
 
@@ -236,8 +236,8 @@ def suffix_rows(n: int, m: int, d: int, k: int, dtype: torch.dtype, need_b: bool
     """Rows per panel of the suffix backward: its K 16-bit tiles of the panel ([K, P, M]), the per-tile
     scalars and the panel's dA rows (fp32) within the panel path's byte budget (``panels.panel_rows``'s
     budget and hooks), beside dB's fp32 accumulators; a multiple of 64, at least ``panels.P_MIN``."""
-    if panels.PANEL_ROWS is not None:
-        return max(1, min(n, panels.PANEL_ROWS))
+    if setting("PANEL_ROWS") is not None:
+        return max(1, min(n, setting("PANEL_ROWS")))
     budget = setting("PANEL_BUDGET") or panels.BUDGET_BYTES
     e = torch.empty((), dtype=dtype).element_size()
     kp = triton.next_power_of_2(k)

@@ -282,16 +282,13 @@ def _gscale(*grads: Tensor | None) -> Tensor | None:
 _coef_grad = coef_grad  # the name the Triton paths use
 
 
-#: Programs of the forward kernel when a column LSE is wanted (each owns one row of the [P, M]
-#: partial buffer). None: 2 x the number of SMs on a GPU; 2 under the interpreter (so the
-#: multi-row-block path of a program is exercised by small test shapes).
-COL_PARTIAL_PROGRAMS: int | None = None
-
-
 def _col_programs(n_rb: int, dev: torch.device) -> int:
-    """Programs of a forward with a column LSE: at most the cap, balanced (same row blocks each)."""
-    if COL_PARTIAL_PROGRAMS is not None:
-        cap = COL_PARTIAL_PROGRAMS
+    """Programs of a forward with a column LSE (each owns one row of the [P, M] partial buffer): at most the cap,
+    balanced (same row blocks each). The cap: the switchboard's hook ``COL_PARTIAL_PROGRAMS`` when set, else 2 x
+    the number of SMs on a GPU, 2 under the interpreter (so the multi-row-block path of a program is exercised
+    by small test shapes)."""
+    if setting("COL_PARTIAL_PROGRAMS") is not None:
+        cap = setting("COL_PARTIAL_PROGRAMS")
     elif dev.type == "cuda":
         cap = 2 * _cuda_props(_index(dev))[1]
     else:

@@ -37,7 +37,7 @@ from .launch import (
 )
 
 __all__ = ["BUDGET_BYTES", "EPILOGUE_DEVICES", "EPILOGUE_MIN_ELEMENTS", "GEMM_PROBE_DEVICES", "MIN_ELEMENTS",
-           "NATIVE_GEMMS", "PANEL_ROWS", "P_MIN", "gemm_routes", "panel_rows", "use_epilogue", "use_panel"]
+           "NATIVE_GEMMS", "P_MIN", "gemm_routes", "panel_rows", "use_epilogue", "use_panel"]
 
 #: Byte budget of the panel path's extra memory (env ``FUSED_CONTRASTIVE_PANEL_BUDGET`` overrides).
 BUDGET_BYTES = 700_000_000
@@ -47,17 +47,9 @@ BUDGET_BYTES = 700_000_000
 P_MIN = 64
 
 
-#: Test hook: a fixed panel height (None: from the budget).
-PANEL_ROWS: int | None = None
-
-
 #: ``auto`` takes the panel path for CUDA tensors with N * M at least this (smaller problems are
 #: launch-bound: the fused kernels do them in 3 launches).
 MIN_ELEMENTS = 1 << 24
-
-
-#: Programs of the panel kernel (None: 2 per SM on CUDA, 1 on the interpreter; the GPU model sets it).
-PANEL_PROGRAMS: int | None = None
 
 
 #: Elements of one chunk of B's row-norm prologue (its scaled copy is a temporary of this size).
@@ -128,11 +120,6 @@ EPI_FORMS = ("tiles", "persistent", "tma")
 EPI_FORM_ENV = "FUSED_CONTRASTIVE_EPI_FORM"
 
 
-#: Test hook: the persistent forms' grid (None: :func:`persistent_programs`, one program per SM on CUDA, the
-#: model's GPU when recording, 3 programs on the interpreter, so that each walks several tiles).
-EPI_PROGRAMS: int | None = None
-
-
 #: SMs of the GPU a recording (the meta device) stands for, per arch: an H100 SXM, an A100.
 RECORD_SMS = {"sm90": 132, "sm80": 108}
 
@@ -164,11 +151,12 @@ def _tma_ok(x: Tensor, y: Tensor) -> bool:
 
 
 def persistent_programs(dev: torch.device) -> int:
-    """Programs of a persistent epilogue GEMM (this module's and the guided blocks'): :data:`EPI_PROGRAMS`
-    when set, else one CTA per SM (every persistent compile uses more than 128 registers at 8 warps: see
-    ``triton_shared.configs.EPI_PERSIST_STAGES``), the model's GPU on the meta device, 3 on the interpreter."""
-    if EPI_PROGRAMS is not None:
-        return EPI_PROGRAMS
+    """Programs of a persistent epilogue GEMM (this module's and the guided blocks'): the switchboard's hook
+    ``EPI_PROGRAMS`` when set, else one CTA per SM (every persistent compile uses more than 128 registers at 8
+    warps: see ``triton_shared.configs.EPI_PERSIST_STAGES``), the model's GPU on the meta device, 3 on the
+    interpreter."""
+    if setting("EPI_PROGRAMS") is not None:
+        return setting("EPI_PROGRAMS")
     if dev.type == "cpu":
         return 3
     return _cuda_props(_index(dev))[1] if dev.type == "cuda" else RECORD_SMS[TL._arch(dev)]
@@ -203,11 +191,11 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
 
 
 def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool, epilogue: bool = False) -> int:
-    """P of the module docstring's formula (or :data:`PANEL_ROWS`); ``epilogue``: the epilogue GEMM's
+    """P of the module docstring's formula (or the switchboard's hook ``PANEL_ROWS``); ``epilogue``: the epilogue GEMM's
     panel, which holds no fp32 products (``e M`` bytes per row for the tile plus three fp32 partials
     per 64 columns, instead of ``(4 + e) M``)."""
-    if PANEL_ROWS is not None:
-        return max(1, min(n, PANEL_ROWS))
+    if setting("PANEL_ROWS") is not None:
+        return max(1, min(n, setting("PANEL_ROWS")))
     budget = setting("PANEL_BUDGET") or BUDGET_BYTES
     e = torch.empty((), dtype=dtype).element_size()
     fixed = (4 * m * d if need_db else 0) + (e * m * d if dtype == torch.float16 else 0)
@@ -388,10 +376,10 @@ def panel_blocks(p: int, programs: int) -> tuple[int, int]:
 
 
 def _programs(dev: torch.device) -> int:
-    """Programs the panel kernel should have to fill the GPU (:data:`PANEL_PROGRAMS`, else 2 per SM on
-    CUDA, else 1: the interpreter runs the fewest programs)."""
-    if PANEL_PROGRAMS is not None:
-        return PANEL_PROGRAMS
+    """Programs the panel kernel should have to fill the GPU (the switchboard's hook ``PANEL_PROGRAMS``, else 2 per
+    SM on CUDA, else 1: the interpreter runs the fewest programs)."""
+    if setting("PANEL_PROGRAMS") is not None:
+        return setting("PANEL_PROGRAMS")
     if dev.type == "cuda":
         return 2 * _cuda_props(_index(dev))[1]
     return 1
