@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..._amp import autocast_off
 from ..._first_order import first_order
-from ...kernels import cosent as K
+from ...kernels import cosent as KCS
 from ..triton_shared import launch as TL
 
 #: Scores per block of the scan kernels. None: 1024 on a GPU, 64 under the interpreter (so test sizes
@@ -56,7 +56,7 @@ def pair_cos(u: Tensor, v: Tensor, normalize: bool, eps: float) -> tuple[Tensor,
     nu = TL._alloc((b if normalize else 0,), torch.float32, u.device)
     nv = TL._alloc((b if normalize else 0,), torch.float32, u.device)
     TL._launch(TL.Launch(
-        "pair_cos_fwd", K.pair_cos_fwd_kernel, (triton.cdiv(b, PAIR_BLOCK_R),),
+        "pair_cos_fwd", KCS.pair_cos_fwd_kernel, (triton.cdiv(b, PAIR_BLOCK_R),),
         dict(U=u, V=v, C=c, NU=nu, NV=nv, B=b, D=d, stride_u=u.stride(0), stride_v=v.stride(0), eps=float(eps)),
         dict(NORMALIZE=bool(normalize), BLOCK_R=PAIR_BLOCK_R, BLOCK_D=_block_d(d)), PAIR_WARPS, 1))
     return c, nu, nv
@@ -69,7 +69,7 @@ def pair_cos_backward(u: Tensor, v: Tensor, c: Tensor, nu: Tensor, nv: Tensor, d
     gu = TL._alloc((b, d), u.dtype, u.device) if need_u else u.new_empty((1, d))
     gv = TL._alloc((b, d), v.dtype, v.device) if need_v else v.new_empty((1, d))
     TL._launch(TL.Launch(
-        "pair_cos_bwd", K.pair_cos_bwd_kernel, (triton.cdiv(b, PAIR_BLOCK_R),),
+        "pair_cos_bwd", KCS.pair_cos_bwd_kernel, (triton.cdiv(b, PAIR_BLOCK_R),),
         dict(U=u, V=v, C=c, NU=nu, NV=nv, DX=dx, S=s, GU=gu, GV=gv, B=b, D=d, stride_u=u.stride(0),
              stride_v=v.stride(0), stride_gu=gu.stride(0), stride_gv=gv.stride(0), eps=float(eps)),
         dict(NORMALIZE=bool(normalize), NEED_U=bool(need_u), NEED_V=bool(need_v), BLOCK_R=PAIR_BLOCK_R,
@@ -84,7 +84,7 @@ def scan_forward(x: Tensor, labels: Tensor, s: Tensor) -> tuple[Tensor, tuple]:
     z = TL._alloc((b,), torch.float32, x.device)
     loss = TL._alloc((), torch.float32, x.device)
     TL._launch(TL.Launch(
-        "cosent_scan_fwd", K.cosent_scan_fwd_kernel, (1,),
+        "cosent_scan_fwd", KCS.cosent_scan_fwd_kernel, (1,),
         dict(X=x, ORDER=order, YS=ys, S=s, Z=z, LOSS=loss, B=b), dict(BLOCK_B=_scan_block()), SCAN_WARPS, 1))
     return loss, (order, ys, z, loss)
 
@@ -95,7 +95,7 @@ def scan_backward(x: Tensor, s: Tensor, state: tuple, g: Tensor) -> Tensor:
     b = x.shape[0]
     dx = TL._alloc((b,), torch.float32, x.device)
     TL._launch(TL.Launch(
-        "cosent_scan_bwd", K.cosent_scan_bwd_kernel, (1,),
+        "cosent_scan_bwd", KCS.cosent_scan_bwd_kernel, (1,),
         dict(X=x, ORDER=order, YS=ys, S=s, Z=z, LOSS=loss, G=g.reshape(1).to(torch.float32), DX=dx, B=b),
         dict(BLOCK_B=_scan_block()), SCAN_WARPS, 1))
     return dx

@@ -35,7 +35,7 @@ import torch
 import triton
 from torch import Tensor
 
-from ...kernels import lse as K
+from ...kernels import lse as KL
 from ..spec import CoreData, CoreSpec
 from ..triton_shared import launch as TL
 from ..triton_shared.configs import config_for, fwd_kernel
@@ -73,7 +73,7 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
         # a program's rows reach only the columns from its first row block on
         col_part = torch.full((progs, m), float("-inf"), dtype=torch.float32, device=dev)
     TL._launch(TL.Launch(
-        "lse_fwd", K.lse_fwd_kernel, (progs,),
+        "lse_fwd", KL.lse_fwd_kernel, (progs,),
         dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=TL._scale32(scale, dev), **TL._problem_args(p),
              LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy, COL_PART=col_part,
              **TL._sizes(p), **TL._mask_args(p, spec), n_row_blocks=n_loop),
@@ -131,7 +131,7 @@ def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tenso
         acc = dm if (resident or not need_a) else torch.empty((n, d), dtype=torch.float32, device=dev)
         ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
         TL._launch(TL.Launch(
-            "lse_bwd_rows", K.lse_bwd_rows_kernel, (n_rb,),
+            "lse_bwd_rows", KL.lse_bwd_rows_kernel, (n_rb,),
             dict(A=a, SA=p.sa, SB=p.sb, RA=ra, NA=na, RSA=rsa, RSB=rsb, **common, DA=da, ACC=acc, DS_PART=ds_part,
                  TGT=tgt if split else dm, TV=tv if split else dm, **TL._sizes(p), stride_a=a.stride(0),
                  stride_da=da.stride(0) if need_a else 0,
@@ -151,7 +151,7 @@ def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tenso
         if gcols > 0:
             acc = dm if resident else torch.empty((gcols, d), dtype=torch.float32, device=dev)
             TL._launch(TL.Launch(
-                "lse_bwd_cols", K.lse_bwd_cols_kernel, (triton.cdiv(gcols, cfg.block_n),),
+                "lse_bwd_cols", KL.lse_bwd_cols_kernel, (triton.cdiv(gcols, cfg.block_n),),
                 dict(B=b, SA=p.sa, SB=p.sb, RB=rb, NB=nb, RSA=rsa, RSB=rsb, **common, DB=db, ACC=acc,
                      TGT=tgt if split else dm, **TL._sizes(p),
                      stride_b=b.stride(0), stride_db=db.stride(0), **TL._mask_args(p, spec), eps=float(spec.eps),

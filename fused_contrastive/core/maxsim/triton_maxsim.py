@@ -65,7 +65,7 @@ import torch
 import triton
 from torch import Tensor
 
-from ...kernels import maxsim as K
+from ...kernels import maxsim as KMS
 from ..triton_shared import launch as TL
 from ..triton_shared.configs import DTYPE_NAMES, d_pad
 
@@ -223,7 +223,7 @@ def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty
     splits = triton.cdiv(m, per)
     part = TL._alloc((splits, n), torch.float32, dev)
     TL._launch(TL.Launch(
-        "maxsim_fwd", K.maxsim_fwd_kernel, (n_groups, splits),
+        "maxsim_fwd", KMS.maxsim_fwd_kernel, (n_groups, splits),
         dict(Q=q, DOC=d, W=w, DV=dv, SCALE=TL._scale32(scale, dev), S=s, IDX=idx, LSE_PART=part,
              N=n, M=m, LQ=lq, LD=ld, D=dim, docs_per_split=per, stride_qn=q.stride(0), stride_qa=q.stride(1),
              stride_dm=d.stride(0), stride_dt=d.stride(1), empty_score=float(empty_score)),
@@ -267,7 +267,7 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
     cfg = BWD_Q if gather else (BWD_Q_DOT_32 if dt == torch.float32 else BWD_Q_DOT)
     block_d = min(cfg.block_d, dp)
     TL._launch(TL.Launch(
-        "maxsim_bwd_query", K.maxsim_bwd_query_kernel, (triton.cdiv(rows, cfg.rows), triton.cdiv(dim, block_d)),
+        "maxsim_bwd_query", KMS.maxsim_bwd_query_kernel, (triton.cdiv(rows, cfg.rows), triton.cdiv(dim, block_d)),
         dict(DOC=d, W=w, IDX=idx, G=g, DV=dv, DQ=dq, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_dm=d.stride(0),
              stride_dt=d.stride(1)),
         dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, GATHER=gather, IDX_T=idx_t, HAS_DV=has_dv,
@@ -283,7 +283,7 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
     nt = triton.cdiv(chunks, t_progs)  # the fewest chunks per program for that many programs
     gt = g.t().contiguous() if idx_t else g  # [M, N]: a block of rows' coefficients for one j adjacent
     TL._launch(TL.Launch(
-        "maxsim_bwd_doc", K.maxsim_bwd_doc_kernel,
+        "maxsim_bwd_doc", KMS.maxsim_bwd_doc_kernel,
         (m, t_progs, triton.cdiv(dim, block_d)),
         dict(Q=q, W=w, IDX=idx, G=gt, GSCALE=gs, DD=dd, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_qn=q.stride(0),
              stride_qa=q.stride(1)),

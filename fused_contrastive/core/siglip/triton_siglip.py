@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..._amp import autocast_off
 from ..._first_order import first_order
-from ...kernels import siglip as K
+from ...kernels import siglip as KS
 from ..triton_shared import launch as TL
 from ..triton_shared import panels
 from ..triton_shared.configs import config_for
@@ -74,7 +74,7 @@ def siglip_fwd(x: Tensor, y: Tensor, scale, bias, normalize: bool, eps: float, o
     loss = TL._alloc((n,), torch.float32, dev)
     rsx, rsy = p.norms[4:]
     TL._launch(TL.Launch(
-        "siglip_fwd", K.siglip_fwd_kernel, (triton.cdiv(n, cfg.block_m),),
+        "siglip_fwd", KS.siglip_fwd_kernel, (triton.cdiv(n, cfg.block_m),),
         dict(SA=p.sx, SB=p.sy, RSA=rsx, RSB=rsy, SCALE=TL._scale32(scale, dev), BIAS=TL._scale32(bias, dev),
              LOSS=loss, **_common(p), offset=int(offset)),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p)),
@@ -107,7 +107,7 @@ def siglip_bwd(p: _Prepared, scale, bias, g: Tensor, offset: int, eps: float, ne
         ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
         db_part = TL._alloc((n_rb,), torch.float32, dev) if need_b else dm
         TL._launch(TL.Launch(
-            "siglip_bwd_rows", K.siglip_bwd_rows_kernel, (n_rb,),
+            "siglip_bwd_rows", KS.siglip_bwd_rows_kernel, (n_rb,),
             dict(A=x, SA=p.sx, SB=p.sy, RA=rx, NA=nx, RSA=rsx, RSB=rsy, **common, DA=dxb, ACC=acc,
                  DS_PART=ds_part, DB_PART=db_part, stride_a=x.stride(0), stride_da=dxb.stride(0) if need_x else 0),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p), NEED_DX=bool(need_x),
@@ -122,7 +122,7 @@ def siglip_bwd(p: _Prepared, scale, bias, g: Tensor, offset: int, eps: float, ne
         dy = TL._alloc((m, d), y.dtype, dev)
         acc = dm if resident else torch.empty((m, d), dtype=torch.float32, device=dev)
         TL._launch(TL.Launch(
-            "siglip_bwd_cols", K.siglip_bwd_cols_kernel, (triton.cdiv(m, cfg.block_n),),
+            "siglip_bwd_cols", KS.siglip_bwd_cols_kernel, (triton.cdiv(m, cfg.block_n),),
             dict(B=y, SA=p.sx, SB=p.sy, RB=ry, NB=ny, RSA=rsx, RSB=rsy, **common, DB=dy, ACC=acc,
                  stride_b=y.stride(0), stride_db=dy.stride(0)),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p), RESIDENT=resident,
