@@ -44,7 +44,11 @@ def triton_status() -> TritonStatus:
             _STATUS = TritonStatus(False, None, False)
         else:
             try:
-                from .core.triton_shared import launch as TL  # noqa: F401
+                # every family's kernels that the backend routes to import here: a broken one is a broken install
+                from .core.cosent import triton_cosent  # noqa: F401
+                from .core.lse import triton_function  # noqa: F401
+                from .core.maxsim import triton_maxsim  # noqa: F401
+                from .core.triton_shared import launch as TL
             except Exception as exc:  # noqa: BLE001 - any failure here is a broken install
                 _STATUS = TritonStatus(True, f"{type(exc).__name__}: {exc}", False)
             else:

@@ -87,7 +87,8 @@ _COMPILE = textwrap.dedent(
                     r.update(form="guided", guide=gname, loss=variant, split=x.constexprs["SPLIT_T"],
                              persist=x.constexprs["PERSIST"], grid=x.grid[0], block_m=x.constexprs["BLOCK_M"])
                     out.append(r)
-    routes.override(PANEL_ROWS=1024).__enter__()  # several panels (the triangular sweep's among them), to the end
+    hooks = routes.override(PANEL_ROWS=1024)  # several panels (the triangular sweep's among them), to the end
+    hooks.__enter__()
     for form in ("persistent", "tma"):
         os.environ["FUSED_CONTRASTIVE_EPI_FORM"] = form
         for cc, arch in compile_survey.TARGETS:

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fused_contrastive import core  # noqa: E402
+from fused_contrastive import core, routes  # noqa: E402
 from fused_contrastive.core.triton_shared import launch as TL  # noqa: E402
 from fused_contrastive.tools import compile_survey  # noqa: E402
 
@@ -66,4 +66,4 @@ def test_the_per_level_route_is_what_the_model_costs(monkeypatch, route):
     tiles = [dict(c) for name, c in code if name in ("panel_dl", "epi_gemm")]
     assert len(tiles) == len(dims), tiles
     assert all(c.get("NORMALIZE") and (c.get("ONE_PASS") or c.get("MODE") == 1) for c in tiles), tiles
-    assert os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] == "panel"
+    assert routes.setting("TRITON_PATH") == "panel"

@@ -118,7 +118,7 @@ def _levels_call(dtype, dims):
     return q.grad, k.grad
 
 
-@pytest.mark.parametrize("route,dtype,dims,want", [
+@pytest.mark.parametrize("choice,dtype,dims,want", [
     ("suffix", torch.bfloat16, [8, 16, 40], {"mat_fwd", "mat_epi"}),
     ("suffix", torch.float32, [8, 16, 40], {"mat_fwd", "mat_bwd_rows", "mat_bwd_cols"}),  # 16-bit only
     ("suffix", torch.bfloat16, [4, 8, 12, 16, 24, 40], {"mat_fwd", "mat_bwd_rows", "mat_bwd_cols"}),  # > 5 levels
@@ -126,13 +126,13 @@ def _levels_call(dtype, dims):
     ("auto", torch.bfloat16, [8, 16, 40], {"mat_fwd", "mat_bwd_rows", "mat_bwd_cols"}),  # CPU: no panel path
     ("calls", torch.bfloat16, [8, 16, 40], set()),
 ])
-def test_the_route_variable_selects_the_kernels(suffix, monkeypatch, route, dtype, dims, want):
+def test_the_route_variable_selects_the_kernels(suffix, route, choice, dtype, dims, want):
     assert MATRYOSHKA_SUFFIX_LEVELS == 5
-    route(MATRYOSHKA_ROUTE=route)
+    route(MATRYOSHKA_ROUTE=choice)
     route(DENSE="0")  # the plain calls on their kernels, not the one-tile path
     gq, gk = _levels_call(dtype, dims)
     assert {x.name for x in suffix if x.name.startswith("mat_")} == want
-    if route == "calls":
+    if choice == "calls":
         assert [x.name for x in suffix].count("lse_fwd") == len(dims)  # one plain call per level
     # every route computes the same gradients (the definition's, within 16-bit rounding)
     rq, rk = _r(21, 40, seed=31).to(dtype).double().requires_grad_(), _r(25, 40, seed=32).to(dtype).double()

@@ -259,7 +259,7 @@ def test_nan_guide_row_on_the_route(route):
     assert route["guided_epi"] > 0
 
 
-def test_where_the_route_is_taken(monkeypatch, route):
+def test_where_the_route_is_taken(monkeypatch):
     names: Counter = Counter()
     orig = TL._launch
     monkeypatch.setattr(TL, "_launch", lambda lz: (names.update([lz.name]), orig(lz))[1])
@@ -272,21 +272,21 @@ def test_where_the_route_is_taken(monkeypatch, route):
         out.sum().backward()
         return "guided_epi" in names
 
-    route(TRITON_PATH="auto")
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "auto")
     assert not run()  # the CPU: "auto" takes the panel path only for CUDA tensors
-    route(TRITON_PATH="panel")
-    route(PANEL_GEMM="epilogue")
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
     assert run()
     assert not run(reduction="none")  # per-row output: the recomputing fused kernels
     assert not run(torch.float16)  # fp16 cannot hold e^56: the fused kernels
     assert not run(torch.float32)
     assert not run(normalize=False)  # no bound on the logits without unit rows
-    route(PANEL_GEMM="cublas")
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "cublas")
     assert not run()
     # the rule for CUDA / meta tensors (what a GPU takes): the panel path from 2^24 logits, then the
     # epilogue GEMM from EPILOGUE_MIN_ELEMENTS["guided", cc]
-    route(TRITON_PATH="auto")
-    route(PANEL_GEMM="auto")
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "auto")
+    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "auto")
     monkeypatch.setattr(panels, "EPILOGUE_DEVICES", ("cuda", "meta", "cpu"))
     monkeypatch.setattr(panels, "use_panel", lambda x, nn, mm: nn * mm >= panels.MIN_ELEMENTS)
     from fused_contrastive.core.guided.torch_blocks import _Config
@@ -315,7 +315,7 @@ def test_the_route_writes_no_wide_n_by_m_tensor(route, monkeypatch):
     assert all(size == 2 for _, size, _ in tiles), tiles
     # the same probe on the torch backend's sweep (fp32 tiles of 64-row chunks) sees 4-byte tensors
     probe.seen.clear()
-    route(TILE_ELEMENTS=str(64 * b))  # 64-row chunks (b is the widest block)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(64 * b))  # 64-row chunks (b is the widest block)
     xs = [x.detach().float().requires_grad_() for x in (a, p, n)]
     with probe:
         gist_loss(*xs, guide=(ga, gp, gn), backend="torch").backward()
@@ -332,7 +332,8 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
 
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
-    routes.override(GUIDED_PANEL_ROWS=64).__enter__()  # for the worker's life
+    hooks = routes.override(GUIDED_PANEL_ROWS=64)  # for the worker's life (a reference keeps it entered)
+    hooks.__enter__()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:

@@ -44,9 +44,9 @@ PANEL = 40  # rows per panel in the parity tests: 97 rows -> 40 + 40 + 17, 130 -
 @pytest.fixture(autouse=True)
 def _panel_path(monkeypatch, route):
     """The panel path with small panels, kernels (not the dense path), outputs poisoned, quiet numpy."""
-    route(DENSE="0")
-    route(TRITON_PATH="panel")
-    route(PANEL_ROWS=PANEL)
+    route(DENSE="0", PANEL_ROWS=PANEL)
+    # the path through the environment: test_path_choice reads the variable itself (an override would win)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
     monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
