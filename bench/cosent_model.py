@@ -29,8 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend as TB
-from fused_contrastive.tools import aot
+from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.tools import compile_survey
 
 _FREE = {"aten.view", "aten._unsafe_view", "aten.expand", "aten.t", "aten.detach", "aten.alias", "aten.slice",
          "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.as_strided", "aten.transpose", "aten.permute",
@@ -65,7 +65,7 @@ def torch_path(b: int, d: int):
     return c.ops
 
 
-def _kernel_bytes(launch: TB.Launch, b: int, d: int) -> int:
+def _kernel_bytes(launch: TL.Launch, b: int, d: int) -> int:
     emb = b * d * 2  # one bf16 [B, D] tensor
     if launch.name == "pair_cos_fwd":
         return 4 * emb + 3 * b * 4
@@ -76,10 +76,10 @@ def _kernel_bytes(launch: TB.Launch, b: int, d: int) -> int:
 
 
 def triton_path(b: int, d: int):
-    from fused_contrastive.core.triton_cosent import TritonPairCosentFn
+    from fused_contrastive.core.cosent.triton_cosent import TritonPairCosentFn
 
     u, v, y, s = _inputs(b, d)
-    with aot.recording("sm90") as launches, _Count() as c:
+    with compile_survey.recording("sm90") as launches, _Count() as c:
         torch.autograd.grad(TritonPairCosentFn.apply(u, v, y, s, True, 1e-12), (u, v, s))
     return c.ops + [(f"triton:{lz.name}", _kernel_bytes(lz, b, d)) for lz in launches]
 

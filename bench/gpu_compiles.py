@@ -10,8 +10,9 @@ whose result has two uses), so InfoNCE's, Matryoshka's and GIST's default routes
 compile on this machine's newer Triton passed. Run this with the Triton that PyTorch's CUDA wheels ship (a
 second environment: ``pip install triton==3.6.0``) as well as with the newest.
 
-The launches are recorded on the meta device (``tools.aot.recording``, nothing runs) by ``bench/gpu_model.py``'s
-recorders, for the core op on each path and panel-GEMM form (InfoNCE, SimCSE, CLIP, SupCon L_in), the epilogue
+The launches are recorded on the meta device (``tools.compile_survey.recording``, nothing runs) by
+``bench/gpu_model.py``'s recorders, for the core op on each path and panel-GEMM form (InfoNCE, SimCSE, CLIP,
+SupCon L_in), the epilogue
 GEMM's tile loops, the Matryoshka kernels (both backwards), GIST's guided route and its fused kernels, SigLIP's
 routes and MaxSim's kernels; identical launches (kernel, constexprs, warps, stages, argument dtypes) compile
 once. Prints one line per distinct launch and exits 1 if any failed to compile.
@@ -35,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpu_model as GM  # noqa: E402
 
-from fused_contrastive.core import triton_backend as TB  # noqa: E402
-from fused_contrastive.tools import aot  # noqa: E402
+from fused_contrastive.core.triton_shared import launch as TL  # noqa: E402
+from fused_contrastive.tools import compile_survey  # noqa: E402
 
 CORE_LOSSES = ("info_nce", "simcse", "clip", "supcon_in")
 PATHS = ("fused", "panel", "panel-epilogue", "panel-cublas")
@@ -50,7 +51,7 @@ def _env(**kv: str) -> Iterator[None]:
         yield
 
 
-def recordings(sizes: list[int], d: int = 768) -> list[tuple[str, Callable[[GM.GPU], list[TB.Launch]]]]:
+def recordings(sizes: list[int], d: int = 768) -> list[tuple[str, Callable[[GM.GPU], list[TL.Launch]]]]:
     """(label, record(gpu) -> launches) of every route this survey compiles."""
     out: list[tuple[str, Callable]] = []
     for n in sizes:
@@ -87,7 +88,7 @@ def _with(fn, **env: str):
         return fn()
 
 
-def key(launch: TB.Launch) -> tuple:
+def key(launch: TL.Launch) -> tuple:
     return (launch.name, tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages,
             launch.options().get("maxnreg"),
             tuple(sorted((k, str(v.dtype)) for k, v in launch.args.items() if isinstance(v, torch.Tensor))),
@@ -95,9 +96,9 @@ def key(launch: TB.Launch) -> tuple:
                          and v % 16 == 0 and v != 0)))
 
 
-def collect(sizes: list[int], ccs: list[int], d: int = 768) -> tuple[dict[tuple, tuple[TB.Launch, int, str]], list]:
+def collect(sizes: list[int], ccs: list[int], d: int = 768) -> tuple[dict[tuple, tuple[TL.Launch, int, str]], list]:
     """{(cc, key): (launch, cc, first route label)} and the routes that could not even be recorded."""
-    found: dict[tuple, tuple[TB.Launch, int, str]] = {}
+    found: dict[tuple, tuple[TL.Launch, int, str]] = {}
     broken = []
     for cc in ccs:
         gpu = GM.GPUS[GPU_OF_CC[cc]]
@@ -114,13 +115,13 @@ def collect(sizes: list[int], ccs: list[int], d: int = 768) -> tuple[dict[tuple,
 
 #: the launches to compile, set before the worker processes fork (a launch holds kernels and meta tensors,
 #: which do not pickle: the workers take an index)
-_ITEMS: list[tuple[TB.Launch, int, str]] = []
+_ITEMS: list[tuple[TL.Launch, int, str]] = []
 
 
 def _compile(i: int) -> tuple[str, int, str, str]:
     lz, cc, label = _ITEMS[i]
     try:
-        r = aot.compile_launch(lz, cc)
+        r = compile_survey.compile_launch(lz, cc)
         return lz.name, cc, label, f"ok: {r.get('regs')} regs, {r.get('spill', 0)} B spilled, {r.get('tc')}"
     except Exception as exc:  # noqa: BLE001
         return lz.name, cc, label, f"FAIL {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_contrastive import maxsim as MS
-from fused_contrastive.core import triton_maxsim as TM
+from fused_contrastive.core.maxsim import triton_maxsim as TMS
 from fused_contrastive.gpu_validate import _timer
 
 
@@ -58,11 +58,11 @@ def parity(n: int, lq: int, ld: int, d: int) -> bool:
         want = want.detach()
         for be in ("triton", "triton/dq-onehot", "torch"):
             ql, dl = q.clone().requires_grad_(), docs.clone().requires_grad_()
-            TM.DQ_GATHER = be != "triton/dq-onehot"
+            TMS.DQ_GATHER = be != "triton/dq-onehot"
             got = MS.maxsim_info_nce(ql, dl, query_mask=qm, doc_mask=dm, scale=4.0, normalize=False,
                                      backend=be.split("/")[0])
             gq, gd = torch.autograd.grad(got, (ql, dl))
-            TM.DQ_GATHER = True
+            TMS.DQ_GATHER = True
             got = got.detach()
             # against the float64 oracle of the same rounded inputs. The softmax's gradient carries the
             # rounding of the logits s S_ij, |S| <= Lq: fp32 scores round to ~Lq eps_32, times s, relative
@@ -107,7 +107,7 @@ def timing(n: int, lq: int, ld: int, d: int, repeats: int, with_torch: bool, pro
                 x.grad = None
             fn().backward()
 
-        TM.DQ_GATHER = name != "triton/dq-onehot"
+        TMS.DQ_GATHER = name != "triton/dq-onehot"
         try:
             step()
             torch.cuda.synchronize()
@@ -125,7 +125,7 @@ def timing(n: int, lq: int, ld: int, d: int, repeats: int, with_torch: bool, pro
                             key=lambda e: -e.self_device_time_total)
             print(f"kernels of one triton step at N={n}: " + "; ".join(
                 f"{e.key[:40]} {e.self_device_time_total / 1e3:.2f} ms" for e in events[:6]), flush=True)
-        TM.DQ_GATHER = True
+        TMS.DQ_GATHER = True
         torch.cuda.empty_cache()
     print(f"timing N=M={n} Lq={lq} Ld={ld} D={d} bf16 fwd+bwd, median of {repeats}: " + "; ".join(cells), flush=True)
 
@@ -148,11 +148,11 @@ def sweep(n: int, lq: int, ld: int, d: int, repeats: int, parity_n: int, only: l
         q.grad = docs.grad = None
         MS.maxsim_info_nce(q, docs, query_mask=qm, doc_mask=dm, normalize=False, backend="triton").backward()
 
-    for name, _ in TM.sweep_settings():
+    for name, _ in TMS.sweep_settings():
         if only and name not in only:
             continue
         try:
-            with TM.settings(name):
+            with TMS.settings(name):
                 ql, dl = pq.clone().requires_grad_(), pd.clone().requires_grad_()
                 got = MS.maxsim_info_nce(ql, dl, query_mask=pqm, doc_mask=pdm, scale=4.0, normalize=False,
                                          backend="triton")

@@ -5,7 +5,7 @@ No GPU is used. For InfoNCE (keys, gradients to both), SimCSE (interleaved, B is
 kernels) and CLIP at N = M = 16384 and 65536, D = 768, bf16, on A100, H100 and H200:
 
 * **triton backend.** The launches of one forward + backward are recorded exactly as the runtime
-  builds them (``fused_contrastive.tools.aot.record_case`` on the meta device; the column-LSE program
+  builds them (``fused_contrastive.tools.compile_survey.record_case`` on the meta device; the column-LSE program
   count set to 2 x the GPU's SMs, as the launcher does on CUDA) and each one is compiled for the GPU's
   arch (sm_80 / sm_90) with ``triton.compile``. From the compile: registers (ptxas -v), shared memory
   (the kernel metadata), hence CTAs per SM (register file and shared-memory limits); and from its
@@ -23,7 +23,7 @@ kernels) and CLIP at N = M = 16384 and 65536, D = 768, bf16, on A100, H100 and H
   time not hidden (all of it with 1 CTA/SM, half with 2: no warp specialisation, no ping-pong); the
   softmax time is the slower of its exp / log on the MUFU and its elementwise ops (arith ops on tensors,
   only the float ones inside a D loop, reductions, one issue slot per exp / log) on the FP32 lanes.
-* **panel path** (``core/triton_panel.py``, the default of ``backend="triton"`` on CUDA for N M >= 2^24):
+* **panel path** (``core/lse/triton_panel.py``, the default of ``backend="triton"`` on CUDA for N M >= 2^24):
   the same meta-device run with ``FUSED_CONTRASTIVE_TRITON_PATH=panel``: its Triton launches (the
   epilogue GEMM ``epi_gemm`` that forms 16-bit gradient tiles, or ``panel_dl`` on the cuBLAS form)
   modelled as above from their compile, its cuBLAS GEMMs and elementwise ops as below. Both Triton
@@ -73,10 +73,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fused_contrastive import core
-from fused_contrastive.core import triton_backend as TB
-from fused_contrastive.core import triton_panel
-from fused_contrastive.tools import aot
+from fused_contrastive import core, routes
+from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
+from fused_contrastive.tools import compile_survey
 
 LOSSES = ("info_nce", "simcse", "clip")
 #: Matmul units (one unit = 2 N M D FLOPs) a loss cannot avoid with gradients to every input:
@@ -515,7 +515,7 @@ def walk_ttgir(ttgir: str, trips: dict[str, int], if_weight: float = 1.0) -> dic
 def _compile(key, cc: int, launch_holder: tuple) -> dict:
     launch = launch_holder[0]
     keep: dict = {}
-    info = aot.compile_launch(launch, cc, keep)
+    info = compile_survey.compile_launch(launch, cc, keep)
     info["ttgir"] = keep["kernel"].asm["ttgir"]
     return info
 
@@ -530,7 +530,7 @@ class _Holder(tuple):
         return True
 
 
-def compile_info(launch: TB.Launch, cc: int) -> dict:
+def compile_info(launch: TL.Launch, cc: int) -> dict:
     key = (launch.name, tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages,
            tuple(sorted((k, str(v.dtype)) for k, v in launch.args.items() if isinstance(v, torch.Tensor))))
     return _compile(key, cc, _Holder((launch,)))
@@ -552,42 +552,26 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.Launch], list]:
+def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TL.Launch], list]:
     """One forward + backward of ``loss``'s core op through ``TritonCoreFn`` on the meta device, as the
     runtime would issue it on ``gpu`` (its arch's configs; the column-LSE program count of a CUDA device)
     on ``path`` ("fused": the fused kernels; "panel": row panels in the form CUDA takes; "panel-epilogue":
     the 16-bit gradient tiles (and the statistics) from the epilogue GEMM, cuBLAS for dA / dB;
     "panel-cublas": the logits by cuBLAS too, then the panel kernel (the fused forward for statistics)).
     Returns the Triton launches (recorded, not run) and the ATen ops around them (:class:`OpCounter`).
-    The arguments are the loss's own core-op call (``tools.aot.core_call``), run as ``core.run`` runs it
+    The arguments are the loss's own core-op call (``tools.compile_survey.core_call``), run as ``core.run`` runs it
     (the log-sum-exp terms and the O(N D) linear target / positive terms as one ``core.PiecesFn``; the
     one-tile dense path off, as at every size the model is asked for)."""
-    a, b, scale, spec, data, coef, reduce = aot.core_call(loss, n, d, torch.bfloat16)
-    prev_dense = os.environ.get("FUSED_CONTRASTIVE_DENSE")
-    os.environ["FUSED_CONTRASTIVE_DENSE"] = "0"
-    prev_env = os.environ.get("FUSED_CONTRASTIVE_TRITON_PATH")
-    prev_gemm = os.environ.get("FUSED_CONTRASTIVE_PANEL_GEMM")
-    prev_p, prev_pp = TB.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS
-    os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = path.split("-")[0]
-    # "panel": the panel form CUDA takes ("auto": triton_panel.use_epilogue's rule); "panel-epilogue" /
-    # "panel-cublas": that form forced
-    os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = {"panel-epilogue": "epilogue", "panel-cublas": "cublas"}.get(path,
-                                                                                                          "auto")
-    TB.COL_PARTIAL_PROGRAMS = 2 * gpu.sms  # what _col_programs uses on a CUDA device
-    triton_panel.PANEL_PROGRAMS = 2 * gpu.sms  # what the panel kernel's block choice uses on a CUDA device
-    try:
-        with aot.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
-            out = core.run("triton", a, b, scale, spec, data, coef, reduce)
-            torch.autograd.grad(out if reduce else out.sum(), [x for x in (a, b) if x is not None and x.requires_grad])
-            del out
-    finally:
-        TB.COL_PARTIAL_PROGRAMS, triton_panel.PANEL_PROGRAMS = prev_p, prev_pp
-        for name, prev in (("FUSED_CONTRASTIVE_TRITON_PATH", prev_env), ("FUSED_CONTRASTIVE_PANEL_GEMM", prev_gemm),
-                           ("FUSED_CONTRASTIVE_DENSE", prev_dense)):
-            if prev is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = prev
+    a, b, scale, spec, data, coef, reduce = compile_survey.core_call(loss, n, d, torch.bfloat16)
+    # "panel": the panel form CUDA takes ("auto": panels.use_epilogue's rule); "panel-epilogue" /
+    # "panel-cublas": that form forced; the program counts a CUDA device gives _col_programs and the panel kernel
+    gemm = {"panel-epilogue": "epilogue", "panel-cublas": "cublas"}.get(path, "auto")
+    with routes.override(DENSE=False, TRITON_PATH=path.split("-")[0], PANEL_GEMM=gemm,
+                         COL_PARTIAL_PROGRAMS=2 * gpu.sms, PANEL_PROGRAMS=2 * gpu.sms), \
+            compile_survey.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
+        out = core.run("triton", a, b, scale, spec, data, coef, reduce)
+        torch.autograd.grad(out if reduce else out.sum(), [x for x in (a, b) if x is not None and x.requires_grad])
+        del out
     return list(launches), ops.ops
 
 
@@ -621,10 +605,10 @@ def _walk_cached(ttgir: str, trips: dict, if_weight: float) -> dict[str, float]:
     return dict(_walk_items(ttgir, items, if_weight))
 
 
-def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
+def kernel_model(launch: TL.Launch, gpu: GPU) -> dict:
     """Roofline of one launch on ``gpu`` (see the module docstring)."""
     if launch.constexprs.get("PERSIST"):
-        # the persistent epilogue GEMMs (triton_panel.EPI_FORMS): one flattened loop over tiles x D steps
+        # the persistent epilogue GEMMs (panels.EPI_FORMS): one flattened loop over tiles x D steps
         # whose bound the TTGIR walk cannot read, and what they change (pipeline latency) is not modelled
         raise NotImplementedError(f"{launch.name}: the model does not price the persistent tile loop "
                                   "(FUSED_CONTRASTIVE_EPI_FORM=tiles); time it with bench/gpu_profile.py --epi-forms")
@@ -670,7 +654,7 @@ def kernel_model(launch: TB.Launch, gpu: GPU) -> dict:
     # the one-pass panel kernel's two-pass fallback (a row block whose logits all sit far below the
     # bound; never for |s| + bias <= 50) is not taken in the central figure, always in the worst-data one
     # (likewise the epilogue GEMM's redo launch: its row tiles without a redone row return at once)
-    # (and the guided panel route's redo, core/triton_guided_panel.py: the same MODE 2 of guided_epi_kernel)
+    # (and the guided panel route's redo, core/guided/triton_panel.py: the same MODE 2 of guided_epi_kernel)
     redo = launch.name in ("epi_gemm_redo", "guided_epi_redo")
     one_pass = (launch.name == "panel_dl" and bool(c.get("ONE_PASS"))) or redo
     tot = walk(0.0 if one_pass else 1.0)
@@ -845,17 +829,17 @@ def matryoshka_trips(dims: list[int], block_d: int) -> dict[str, float]:
     return {"__prefix_walk__": sum(prefix) / len(bounds), "__segment_walk__": sum(segment) / len(bounds)}
 
 
-def run_matryoshka_triton(n: int, d: int, gpu: GPU) -> tuple[list[TB.Launch], list]:
+def run_matryoshka_triton(n: int, d: int, gpu: GPU) -> tuple[list[TL.Launch], list]:
     """The launches (recorded) and ATen ops of InfoNCE at the levels ``matryoshka_dims(d)`` on the
-    Matryoshka kernels (``core/triton_matryoshka.py``), forward + backward, bf16 embeddings, as
+    Matryoshka kernels (``core/matryoshka/triton_levels.py``), forward + backward, bf16 embeddings, as
     :func:`run_triton` records the plain core op (its O(N D) linear target term left out likewise)."""
-    from fused_contrastive.core import triton_matryoshka as TM
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
-    a, b, scale, spec, data, coef, reduce = aot.core_call("info_nce", n, d, torch.bfloat16)
+    a, b, scale, spec, data, coef, reduce = compile_survey.core_call("info_nce", n, d, torch.bfloat16)
     coef = dataclasses.replace(coef, tgt=None, set=None)
     dims = sorted(matryoshka_dims(d))
     MATRYOSHKA_DIMS[(len(dims) + 1,)] = dims
-    with aot.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
+    with compile_survey.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):
         out = TM.TritonLevelsFn.apply(a, b, scale, spec, data, coef, reduce, tuple(dims)).sum()
         torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
         del out
@@ -900,7 +884,7 @@ def torch_backend(loss: str, n: int, d: int):
     a, b = _meta((n, d)), _meta((n, d))
     if loss == "clip":
         return L.clip_loss(a, b, logit_scale=1 / 0.07, backend="torch"), (a, b)
-    if loss == "info_nce_matryoshka":  # every level in one pass over D (core/matryoshka.py)
+    if loss == "info_nce_matryoshka":  # every level in one pass over D (core/matryoshka/torch_levels.py)
         return L.info_nce(a, b, temperature=0.05, backend="torch", matryoshka_dims=matryoshka_dims(d)), (a, b)
     return L.info_nce(a, b, temperature=0.05, backend="torch"), (a, b)
 
@@ -1044,7 +1028,7 @@ def _kernel_json(k: dict) -> dict:
 
 
 @functools.cache
-def _recorded(loss: str, n: int, d: int, gpu_name: str, path: str) -> tuple[list[TB.Launch], list]:
+def _recorded(loss: str, n: int, d: int, gpu_name: str, path: str) -> tuple[list[TL.Launch], list]:
     """:func:`run_triton` once per problem (the scenarios reuse its launches and ATen ops)."""
     return run_triton(loss, n, d, GPUS[gpu_name], path)
 
@@ -1079,8 +1063,8 @@ def _model_loss(loss: str, n: int, d: int, gpu: GPU, with_torch: bool = True) ->
     # the model's preference, "either" within its 5 % band (PANEL_FORM_BAND)
     prefer = ("epilogue" if epilogue["ms"] * (1 + PANEL_FORM_BAND) < cublas["ms"] else
               "cublas" if cublas["ms"] * (1 + PANEL_FORM_BAND) < epilogue["ms"] else "either")
-    # what backend="triton" runs on a CUDA device ("auto" path of triton_panel.use_panel)
-    default = "panel" if n * n >= triton_panel.MIN_ELEMENTS else "fused"
+    # what backend="triton" runs on a CUDA device ("auto" path of panels.use_panel)
+    default = "panel" if n * n >= panels.MIN_ELEMENTS else "fused"
     cur = panel if default == "panel" else fused
     unit = 2 * n * n * d
     floor_ms = FLOOR_UNITS[loss] * unit / (gpu.bf16_tflops * 1e12) * 1e3
@@ -1106,7 +1090,7 @@ def _model_loss(loss: str, n: int, d: int, gpu: GPU, with_torch: bool = True) ->
                panel_cublas_ms=r3(cublas["ms"]), panel_cublas_gemm_ms=r3(cublas["aten"]["gemm_ms"]),
                panel_cublas_kernels=[_kernel_json(k) for k in cublas["grouped"]],
                panel_epilogue_ms=r3(epilogue["ms"]),
-               # the panel form the model prefers, and the one triton_panel.use_epilogue takes (they must agree
+               # the panel form the model prefers, and the one panels.use_epilogue takes (they must agree
                # outside the band: tests/test_gpu_model.py)
                panel_form_should_prefer=prefer, panel_form_taken=taken,
                naive_ms=r3(naive["ms"]) if fits else None, naive_fits=fits,
@@ -1159,7 +1143,7 @@ def print_report(results: list[dict], d: int, compare: bool) -> None:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
     print(f"triton {__import__('triton').__version__}, torch {torch.__version__}, kernels and host code at "
-          f"commit {rev} (fused kernels: kernels/lse.py; panel path: core/triton_panel.py + kernels/panel.py)\n")
+          f"commit {rev} (fused kernels: kernels/lse.py; panel path: core/lse/triton_panel.py + kernels/panel.py)\n")
     print("Assumptions:")
     for a in ASSUMPTIONS:
         print(f"  - {a}")
@@ -1244,7 +1228,8 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
           "no GPU used)")
     print("  triton: 'plain' the plain loss on the triton backend's path for the size ('path': fused kernels, or "
           "the panel path where N * M >= 2^24), 'kernels' the Matryoshka kernels (their forward, and the backward "
-          "auto takes: the suffix backward for 16-bit inputs from N * M = 2^20, core/triton_matryoshka.py), 'K calls' "
+          "auto takes: the suffix backward for 16-bit inputs from N * M = 2^20, "
+          "core/matryoshka/triton_levels.py), 'K calls' "
           "one plain call per level on that path; 'ratio' what the backend runs (K calls on the panel path, the "
           "kernels otherwise) / plain")
     print(f"  {'gpu':5s} {'N':>6s} {'path':>5s} {'plain triton':>22s} {'Matryoshka kernels':>22s} "
@@ -1267,7 +1252,7 @@ def matryoshka_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
             fits = got["formula"][3] <= gpu.mem_gb * 1e9
             # the triton backend's route: the panel path's K plain calls where the plain op takes it (CUDA,
             # N * M >= 2^24), the Matryoshka kernels otherwise (core._leveled)
-            path = "panel" if n * n >= triton_panel.MIN_ELEMENTS else "fused"
+            path = "panel" if n * n >= panels.MIN_ELEMENTS else "fused"
             levels = run_matryoshka_triton(n, d, gpu)  # the Matryoshka kernels with the backward "auto" takes
             suffix = any(lz.name == "mat_epi" for lz in levels[0])
             with mock.patch.dict(os.environ, {"FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE": "kernels" if suffix else "suffix"}):
@@ -1381,16 +1366,16 @@ def gist_torch(n: int, d: int):
     return gist_loss(a, p, neg, guide=(ga, gp, gn), temperature=GIST_TEMPERATURE, backend="torch"), (a, p, neg)
 
 
-def run_gist_triton(n: int, d: int, gpu: GPU) -> tuple[list[TB.Launch], list]:
+def run_gist_triton(n: int, d: int, gpu: GPU) -> tuple[list[TL.Launch], list]:
     """The launches (recorded) and ATen ops of ``gist_loss`` on backend="triton": one ``GuidedBlockFn``
     per block (anchor-positive with the protected target, anchor-anchor, positive-positive,
     anchor-negative), merged by log-sum-exp, forward + backward, bf16 model and guide embeddings."""
-    from fused_contrastive.core.triton_guided import BlockMasks, GuidedBlockFn
+    from fused_contrastive.core.guided.triton_blocks import BlockMasks, GuidedBlockFn
 
     a, p, neg, ga, gp, gn = _gist_inputs(n, d)  # the guide's embeddings in bf16, as its forward under autocast
     theta = _meta((n,), torch.float32, grad=False)
     tgt = torch.empty(n, dtype=torch.int64, device="meta")
-    with aot.recording(gpu.arch) as launches, OpCounter() as ops:
+    with compile_survey.recording(gpu.arch) as launches, OpCounter() as ops:
         parts = []
         for rows, cols, gr, gc, protect in ((a, p, ga, gp, True), (a, a, ga, ga, False), (p, p, gp, gp, False),
                                             (a, neg, ga, gn, False)):
@@ -1402,7 +1387,7 @@ def run_gist_triton(n: int, d: int, gpu: GPU) -> tuple[list[TB.Launch], list]:
     return list(launches), ops.ops
 
 
-#: The launch names of the per-block fused kernels (core/triton_guided.py's GuidedBlockFn).
+#: The launch names of the per-block fused kernels (core/guided/triton_blocks.py's GuidedBlockFn).
 GIST_FUSED_KERNELS = ("guided_fwd", "guided_bwd_rows", "guided_bwd_cols")
 
 
@@ -1410,7 +1395,7 @@ def gist_blocks():
     """``(blocks, tensors)`` of ``gist_loss`` with one hard negative, local (no gather): anchors (tensor 0)
     against positives (1, the protected target), anchors, positives (row_start 0) and negatives (2), as
     ``losses/guided.py`` builds them."""
-    from fused_contrastive.core.blocks import Block
+    from fused_contrastive.core.guided.torch_blocks import Block
 
     return [Block(rows=0, cols=1, protect=True), Block(rows=0, cols=0), Block(rows=1, cols=1, row_start=0),
             Block(rows=0, cols=2)]
@@ -1425,25 +1410,25 @@ def gist_floor_units(d: int, dg: int) -> float:
     return 3.0 + 3.0 * dg / d + 6.0
 
 
-def run_gist_panel(n: int, d: int, gpu: GPU, learnable_scale: bool = False) -> tuple[list[TB.Launch], list]:
+def run_gist_panel(n: int, d: int, gpu: GPU, learnable_scale: bool = False) -> tuple[list[TL.Launch], list]:
     """The launches (recorded) and ATen ops of ``gist_loss``'s summed bf16 loss on backend="triton" as CUDA
-    runs it for N x 4N >= 2^24 (``triton_panel.use_panel``): ``core.blocks.merged_lse(..., weights=w,
+    runs it for N x 4N >= 2^24 (``panels.use_panel``): ``core.blocks.merged_lse(..., weights=w,
     minus_target=True)`` with the blocks, masks and weights ``gist_loss`` builds (:func:`gist_blocks`; guide
     rule ("absolute", 0.0); target arange; w = 1 / N), through ``TritonMergedFn`` on the guided panel route
-    (``core/triton_guided_panel.py``: per panel and block the epilogue GEMM ``guided_epi`` and its redo, cuBLAS
+    (``core/guided/triton_panel.py``: per panel and block the epilogue GEMM ``guided_epi`` and its redo, cuBLAS
     for the gradients, ``panel_rows``), forward + backward, bf16 model and guide embeddings, scale
     1 / GIST_TEMPERATURE (a Python float as ``temperature=0.01`` gives, or a learnable 0-dim tensor).
     On the meta device ``use_panel``'s "auto" sees no CUDA tensor: the path is set to "panel" here (what
     "auto" takes on CUDA at these sizes); the panel form stays "auto" (``use_epilogue``'s rule for the
     guided blocks, meta being one of its devices)."""
-    from fused_contrastive.core.blocks import Masks, merged_lse
+    from fused_contrastive.core.guided.torch_blocks import Masks, merged_lse
 
     a, p, neg, ga, gp, gn = _gist_inputs(n, d)
     masks = Masks(guides=(ga, gp, gn), target=torch.arange(n, device="meta"), rule=("absolute", 0.0))
     w = torch.full((n,), 1.0 / n, dtype=torch.float32, device="meta")
     scale = _meta((), torch.float32) if learnable_scale else 1.0 / GIST_TEMPERATURE
     env = {"FUSED_CONTRASTIVE_TRITON_PATH": "panel", "FUSED_CONTRASTIVE_PANEL_GEMM": "auto"}
-    with mock.patch.dict(os.environ, env), aot.recording(gpu.arch) as launches, OpCounter() as ops, \
+    with mock.patch.dict(os.environ, env), compile_survey.recording(gpu.arch) as launches, OpCounter() as ops, \
             norms_tagged(ops):
         out = merged_lse([a, p, neg], gist_blocks(), n, scale, masks, normalize=True, eps=1e-12, weights=w,
                          minus_target=True, backend="triton")
@@ -1452,7 +1437,7 @@ def run_gist_panel(n: int, d: int, gpu: GPU, learnable_scale: bool = False) -> t
     names = {lz.name for lz in launches}
     if "guided_epi" not in names or names & set(GIST_FUSED_KERNELS):
         raise AssertionError(f"GIST did not take the guided panel route on the meta device: launches {sorted(names)} "
-                             "(core/triton_guided_panel.py use_guided_panel)")
+                             "(core/guided/triton_panel.py use_guided_panel)")
     return list(launches), ops.ops
 
 
@@ -1466,7 +1451,7 @@ def count_gist(path: str, n: int, d: int) -> tuple[list, int]:
 
 
 @functools.cache
-def _gist_panel_recorded(n: int, d: int, arch: str) -> tuple[list[TB.Launch], list]:
+def _gist_panel_recorded(n: int, d: int, arch: str) -> tuple[list[TL.Launch], list]:
     """:func:`run_gist_panel` once per problem and arch (H100 and H200 share sm_90's launches)."""
     return run_gist_panel(n, d, next(g for g in GPUS.values() if g.arch == arch))
 
@@ -1502,9 +1487,9 @@ def gist_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
     print(f"--- MODEL GISTEmbed loss (a-p, a-a, p-p, a-n blocks), D = {d}, guide D = {dg}, bf16 model and guide "
           "embeddings, fwd + bwd (ms, central [optimistic - pessimistic]; no GPU used)")
     print("  route: what backend=\"triton\" runs on CUDA for the summed (mean / sum) bf16 loss with normalize=True "
-          "where N x 4N >= 2^24: the guided panel route (core/triton_guided_panel.py: per panel and block the "
+          "where N x 4N >= 2^24: the guided panel route (core/guided/triton_panel.py: per panel and block the "
           "epilogue GEMM guided_epi, 1 unit + the guide tile, then cuBLAS dR and dC, 2 units); fused kernels: the "
-          "per-block kernels (core/triton_guided.py: 5 units + 3 guide tiles per block), the route of per-row "
+          "per-block kernels (core/guided/triton_blocks.py: 5 units + 3 guide tiles per block), the route of per-row "
           "output, fp16 / fp32 and normalize=False")
     print(f"  assumption, floor: {units:g} units of 2 N^2 D FLOPs at the bf16 peak, from the blocks: logits 3 (a-p 1, "
           f"a-a 1/2 and p-p 1/2 as X X^T, a-n 1) + guide cosines 3 x Dg / D = {3 * dg / d:g} + gradients 6 (2 per "
@@ -1516,8 +1501,8 @@ def gist_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
         gpu = GPUS[g]
         for n in sizes:
             launches, ops = run_gist_triton(n, d, gpu)
-            # what CUDA runs: the panel route from N x sum_k M_k = 4 N^2 >= 2^24 (triton_panel.use_panel "auto")
-            panel = n * 4 * n >= triton_panel.MIN_ELEMENTS
+            # what CUDA runs: the panel route from N x sum_k M_k = 4 N^2 >= 2^24 (panels.use_panel "auto")
+            panel = n * 4 * n >= panels.MIN_ELEMENTS
             r_launches, r_ops = _gist_panel_recorded(n, d, gpu.arch) if panel else (launches, ops)
             got = {}
             tops, _ = count_gist("torch", n, d)
@@ -1580,21 +1565,21 @@ def gist_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
     return recs
 
 
-def run_siglip_triton(n: int, d: int, gpu: GPU, path: str) -> tuple[list[TB.Launch], list]:
+def run_siglip_triton(n: int, d: int, gpu: GPU, path: str) -> tuple[list[TL.Launch], list]:
     """The launches (recorded) and ATen ops of ``siglip_loss``'s Triton Function, forward + backward with
     gradients to both towers, the scale and the bias, bf16, on ``path``: "fused" (its fused kernels),
     "panel" (the panel path's epilogue GEMM: what CUDA runs at these sizes; the mean loss, whose one pass,
     MODE 5, forms the losses and the gradient tile together) or "panel_rows" (the same path for per-row
     losses, summed by the caller: a losses sweep, MODE 4, then a gradient sweep)."""
-    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+    from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
 
     x, y = _meta((n, d)), _meta((n, d))
     sc, bi = _meta((), torch.float32), _meta((), torch.float32)
     # the tiles form: the model prices one program per tile (SigLIP's one pass takes TMA tiles on sm_90 by
-    # default, triton_panel.EPI_FORM_DEFAULT, from a measurement the model cannot reproduce: it has no latency)
+    # default, panels.EPI_FORM_DEFAULT, from a measurement the model cannot reproduce: it has no latency)
     env = {"FUSED_CONTRASTIVE_TRITON_PATH": "fused" if path == "fused" else "panel",
            "FUSED_CONTRASTIVE_PANEL_GEMM": "epilogue", "FUSED_CONTRASTIVE_EPI_FORM": "tiles"}
-    with mock.patch.dict(os.environ, env), aot.recording(gpu.arch) as launches, OpCounter() as ops:
+    with mock.patch.dict(os.environ, env), compile_survey.recording(gpu.arch) as launches, OpCounter() as ops:
         if path == "panel_rows":
             out = TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, False, 1.0).sum()
         else:
@@ -1621,7 +1606,7 @@ def count_siglip_textbook(n: int, d: int) -> tuple[list, int]:
 
 def siglip_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
     """MODEL of SigLIP's sigmoid loss (N images against N texts, learnable scale and bias) on a GPU: the
-    route CUDA takes for the mean loss (the panel path's epilogue GEMM, ``triton_panel.siglip_sweep``: one pass,
+    route CUDA takes for the mean loss (the panel path's epilogue GEMM, ``triton_sweep.siglip_sweep``: one pass,
     MODE 5, that forms the losses and the gradient tile, then the cuBLAS GEMMs: 3 matmul units), the same
     path for per-row losses (a losses sweep and a gradient sweep: 4 units), its fused kernels
     (``kernels/siglip.py``: 5, the backward streaming through an fp32 scratch) and the textbook formula,
@@ -1662,9 +1647,9 @@ def siglip_report(sizes: list[int], d: int, gpus: list[str]) -> list[dict]:
     return recs
 
 
-def run_maxsim_triton(n: int, lq: int, ld: int, d: int, gpu: GPU) -> tuple[list[TB.Launch], list]:
+def run_maxsim_triton(n: int, lq: int, ld: int, d: int, gpu: GPU) -> tuple[list[TL.Launch], list]:
     """The launches (recorded) and ATen ops of ``maxsim_info_nce``'s Triton route (``maxsim.MaxSimCEFn``
-    on ``core/triton_maxsim.py``'s kernels), forward + backward to both towers, bf16, unit tokens, every
+    on ``core/maxsim/triton_maxsim.py``'s kernels), forward + backward to both towers, bf16, unit tokens, every
     token valid, N queries of Lq tokens against N documents of Ld tokens."""
     from fused_contrastive import maxsim as MS
 
@@ -1674,7 +1659,7 @@ def run_maxsim_triton(n: int, lq: int, ld: int, d: int, gpu: GPU) -> tuple[list[
     t = torch.arange(n, device="meta")
     keep = torch.ones(n, dtype=torch.bool, device="meta")
     scale = torch.ones((), device="meta")
-    with aot.recording(gpu.arch) as launches, OpCounter() as ops:
+    with compile_survey.recording(gpu.arch) as launches, OpCounter() as ops:
         out = MS.MaxSimCEFn.apply(q, docs, scale, w, valid, t, keep, MS.empty_scores(w, False), False, "triton")
         torch.autograd.grad(out.sum(), [q, docs])
         del out
@@ -1764,14 +1749,14 @@ def measured_epi_configs(path: str = EPI_CONFIGS_MEASURED) -> list[dict]:
 def _one_pass_epi_ms(n: int, d: int, gpu: GPU, cfg) -> tuple[float, int]:
     """MODEL (central) of the epilogue-GEMM launches of one InfoNCE step with the one-pass config ``cfg``
     (what the profiler's "epi_gemm" sums: the one pass and its redo), and the one pass's CTAs per SM."""
-    from fused_contrastive.core import triton_configs
+    from fused_contrastive.core.triton_shared import configs as CFG
 
-    shipped = triton_configs.EPI_GEMM["one_pass"]
-    triton_configs.EPI_GEMM["one_pass"] = cfg  # the dict the host code reads (shared object)
+    shipped = CFG.EPI_GEMM["one_pass"]
+    CFG.EPI_GEMM["one_pass"] = cfg  # the dict the host code reads (shared object)
     try:
         launches, _ = run_triton("info_nce", n, d, gpu, "panel-epilogue")
     finally:
-        triton_configs.EPI_GEMM["one_pass"] = shipped
+        CFG.EPI_GEMM["one_pass"] = shipped
     with scenario("central"):
         ks = [(lz, kernel_model(lz, gpu)) for lz in launches if lz.name.startswith("epi_gemm")]
     ctas = min(k["ctas_sm"] for lz, k in ks if lz.constexprs["MODE"] == 1)
@@ -1782,7 +1767,7 @@ def epi_configs_report(d: int = 768, gpu_name: str = "H100") -> list[dict]:
     """The model's time for the one-pass epilogue GEMM in each launch configuration an H100 timed
     (:data:`EPI_CONFIGS_MEASURED`) beside that measurement, and for the untimed :data:`EPI_CONFIG_CANDIDATES`:
     whether the model ranks the configurations as the GPU did, before it is trusted to choose one."""
-    from fused_contrastive.core.triton_configs import EPI_GEMM, LaunchConfig
+    from fused_contrastive.core.triton_shared.configs import EPI_GEMM, LaunchConfig
 
     gpu = GPUS[gpu_name]
     rows = measured_epi_configs()

@@ -25,25 +25,26 @@ from unittest import mock
 
 import torch
 
-from fused_contrastive.core import triton_configs, triton_panel
-from fused_contrastive.core.triton_configs import LaunchConfig
+from fused_contrastive.core.triton_shared import configs as CFG
+from fused_contrastive.core.triton_shared import panels
+from fused_contrastive.core.triton_shared.configs import LaunchConfig
 from fused_contrastive.gpu_validate import _env, _timer, kernels_only, parity_case, triton_path
 
 #: Launch configurations of the epilogue GEMM tried by ``--configs`` (BLOCK_M, BLOCK_N, BLOCK_K, warps,
-#: stages), per mode; the first of each is the shipped one (``triton_configs.EPI_GEMM``).
+#: stages), per mode; the first of each is the shipped one (``CFG.EPI_GEMM``).
 CONFIGS = {
-    "one_pass": [triton_configs.EPI_GEMM["one_pass"], LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(64, 128, 64, 4, 4),
+    "one_pass": [CFG.EPI_GEMM["one_pass"], LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(64, 128, 64, 4, 4),
                  LaunchConfig(64, 128, 64, 4, 3), LaunchConfig(128, 64, 64, 4, 4), LaunchConfig(64, 256, 64, 8, 3),
                  LaunchConfig(64, 64, 64, 4, 4),
                  # 128 x 256 at 16 warps (128 registers, no spills on sm_90): the H200 timed it 1.00-1.03x the
                  # shipped one (bench/results/h200-bench-gpu-2, fused_contrastive[one_pass=128x256w16])
                  LaunchConfig(128, 256, 64, 16, 3)],
-    "known": [triton_configs.EPI_GEMM["known"], LaunchConfig(64, 128, 64, 4, 4), LaunchConfig(64, 64, 64, 4, 4),
+    "known": [CFG.EPI_GEMM["known"], LaunchConfig(64, 128, 64, 4, 4), LaunchConfig(64, 64, 64, 4, 4),
               LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(128, 64, 64, 8, 3)],
-    "stats": [triton_configs.EPI_GEMM["stats"], LaunchConfig(128, 128, 64, 8, 4), LaunchConfig(64, 128, 64, 8, 3),
+    "stats": [CFG.EPI_GEMM["stats"], LaunchConfig(128, 128, 64, 8, 4), LaunchConfig(64, 128, 64, 8, 3),
               LaunchConfig(128, 64, 64, 4, 4), LaunchConfig(128, 256, 64, 16, 3)],
     # SigLIP's one pass (MODE 5): both epilogues live; 128 x 128 spilled at compile time (kept to measure it)
-    "siglip_eager": [triton_configs.EPI_GEMM["siglip_eager"], LaunchConfig(128, 64, 64, 8, 4),
+    "siglip_eager": [CFG.EPI_GEMM["siglip_eager"], LaunchConfig(128, 64, 64, 8, 4),
                      LaunchConfig(64, 128, 64, 8, 3), LaunchConfig(64, 128, 64, 4, 4),
                      LaunchConfig(128, 128, 64, 8, 4)],
 }
@@ -132,27 +133,27 @@ def time_siglip_forms(n: int, d: int, repeats: int) -> None:
 
 
 def time_epi_forms(loss: str, n: int, d: int, repeats: int, device: str = "cuda") -> None:
-    """The epilogue GEMM's tile-loop forms (``triton_panel.EPI_FORMS``: one program per tile, persistent,
+    """The epilogue GEMM's tile-loop forms (``panels.EPI_FORMS``: one program per tile, persistent,
     persistent with TMA operand tiles) on ``loss``'s panel route, fwd + bwd medians alternating in this run,
     the epilogue GEMMs' device time of each (profiler) and whether its gradients equal the tiles form's
     bitwise (they compute the same tiles in the same order)."""
     measure = _timer(device)
     step = _setup(loss, n, d, torch.bfloat16, device=device)
-    times = {f: [] for f in triton_panel.EPI_FORMS}
+    times = {f: [] for f in panels.EPI_FORMS}
     grads, epi = {}, {}
     with triton_path("panel"):
-        for form in triton_panel.EPI_FORMS:
-            with _env(triton_panel.EPI_FORM_ENV, form):
+        for form in panels.EPI_FORMS:
+            with _env(panels.EPI_FORM_ENV, form):
                 step()  # compile
                 grads[form] = [t.grad.clone() for t in step.leaves if t.grad is not None]
                 epi[form] = sum(v for k, v in _kernel_ms(step).items() if k.startswith("epi_gemm"))
         for _ in range(repeats):
-            for form in triton_panel.EPI_FORMS:
-                with _env(triton_panel.EPI_FORM_ENV, form):
+            for form in panels.EPI_FORMS:
+                with _env(panels.EPI_FORM_ENV, form):
                     times[form].append(measure(step))
     base = statistics.median(times["tiles"])
     cells = []
-    for form in triton_panel.EPI_FORMS:
+    for form in panels.EPI_FORMS:
         ms = statistics.median(times[form])
         same = all(torch.equal(a, b) for a, b in zip(grads[form], grads["tiles"], strict=True))
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads[form], grads["tiles"],
@@ -173,7 +174,7 @@ def matryoshka_aligned(on: bool):
     """The Matryoshka kernels with their 16-byte operand loads (``on``, what the code takes for boundaries that
     are multiples of 16) or with the scalar loads of boundaries the compiler cannot prove aligned (``ALIGNED``
     forced off: the form before 16-byte loads, the same results)."""
-    from fused_contrastive.core import triton_matryoshka as TM
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
     orig = TM._flags
 
@@ -249,10 +250,10 @@ def sweep_configs(mode: str, n: int, d: int, repeats: int) -> None:
     measure = _timer("cuda")
     loss = MODE_LOSS[mode]
     step = _setup(loss, n, d, torch.bfloat16)
-    shipped = triton_configs.EPI_GEMM[mode]
+    shipped = CFG.EPI_GEMM[mode]
     try:
         for cfg in CONFIGS[mode]:
-            triton_configs.EPI_GEMM[mode] = cfg  # the dict the host code reads (shared object)
+            CFG.EPI_GEMM[mode] = cfg  # the dict the host code reads (shared object)
             try:
                 with triton_path("panel"):
                     step()
@@ -265,7 +266,7 @@ def sweep_configs(mode: str, n: int, d: int, repeats: int) -> None:
             except Exception as e:  # noqa: BLE001 - a config that does not compile / fit: say so, go on
                 print(f"config {mode} {cfg}: raised {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
     finally:
-        triton_configs.EPI_GEMM[mode] = shipped
+        CFG.EPI_GEMM[mode] = shipped
     del step
     torch.cuda.empty_cache()
 

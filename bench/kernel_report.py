@@ -2,8 +2,8 @@
 
 Runs on a machine without a GPU: every kernel of ``fused_contrastive.kernels.lse`` is compiled ahead
 of time for sm_80 (A100) and sm_90 (H100) with each shipped launch config
-(``fused_contrastive.core.triton_configs.CONFIGS``; the same compiles as tests/test_triton_compile.py,
-through ``fused_contrastive.tools.aot``),
+(``fused_contrastive.core.triton_shared.configs.CONFIGS``; the same compiles as tests/test_triton_compile.py,
+through ``fused_contrastive.tools.compile_survey``),
 and ptxas reports registers and spills. Printed per kernel and config: registers per thread, spill
 bytes (stores + loads), shared memory, the tensor-core instruction kind in the PTX, and the
 tensor-core FLOPs of one launch at the given N, M, D. "blocks" are the block sizes (M rows, N
@@ -40,7 +40,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from fused_contrastive.tools import aot
+from fused_contrastive.tools import compile_survey
 
 
 def launch_flops(launch) -> int:
@@ -66,15 +66,16 @@ def _si(x: float) -> str:
 
 
 def resource_table(jobs: int, n: int, m: int, d: int):
-    todo = aot.jobs()
+    todo = compile_survey.jobs()
     with ProcessPoolExecutor(max_workers=jobs) as ex:
-        results = list(ex.map(aot.run_job, todo))
+        results = list(ex.map(compile_survey.run_job, todo))
     # FLOPs of one launch of each kernel at (n, m, d), from a recorded "full"/"sym" problem with
     # all columns needing a gradient (the kernel's cost does not depend on the config)
     flops = {}
     for variant in ("plain", "sym"):
-        spec, data, has_b, want_col, want_pos = aot.variant_problem(variant, n, m)
-        for launch in aot.record_core(spec, data, has_b, want_col, want_pos, torch.float16, n, m if has_b else n, d,
+        spec, data, has_b, want_col, want_pos = compile_survey.variant_problem(variant, n, m)
+        for launch in compile_survey.record_core(spec, data, has_b, want_col, want_pos, torch.float16, n,
+                                                 m if has_b else n, d,
                                       "sm90"):
             flops.setdefault((launch.name, variant == "sym"), launch_flops(launch))
     hdr = (f"{'kernel':13s} {'arch':5s} {'dtype':5s} {'D buckets':14s} {'variant':7s} {'blocks':14s} "
@@ -95,7 +96,7 @@ def resource_table(jobs: int, n: int, m: int, d: int):
 
 
 def loss_totals(n: int, d: int, peak_tflops: float):
-    """FLOPs of every benchmark loss that runs on the kernels, from the registry (``tools.aot.record_case``:
+    """FLOPs of every benchmark loss that runs on the kernels, from the registry (``tools.compile_survey.record_case``:
     the launches the loss itself makes), at N anchors."""
     from fused_contrastive.testing import BENCH_CASES
 
@@ -106,7 +107,7 @@ def loss_totals(n: int, d: int, peak_tflops: float):
     for case in BENCH_CASES:
         if case.op != "core":
             continue
-        launches = aot.record_case(case.name, n, d, "sm90")
+        launches = compile_survey.record_case(case.name, n, d, "sm90")
         parts = [(lz.name, launch_flops(lz)) for lz in launches]
         total = sum(f for _, f in parts)
         mm = [f"{k}={_si(f)}" for k, f in parts if k != "row_norm"]

@@ -1,5 +1,5 @@
 /* fc_api.c - host side of libfused_contrastive_kernels: the Python launcher's host logic for the
- * covered modes (fused_contrastive/core/triton_backend.py: _prepare, _row_norms, _lse_fwd, _lse_bwd)
+ * covered modes (fused_contrastive/core/triton_shared/launch.py: _prepare, _row_norms, _lse_fwd, _lse_bwd)
  * on the generated tables (fc_kernels_gen.h: variants, argument layouts, launch configs), and the
  * CUDA driver reached only through dlopen.
  *
@@ -236,13 +236,13 @@ static void set_f(fc_args *a, fc_argname n, double f) { a->v[n] = (fc_val){1, 0,
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-static int64_t d_pad(int64_t d) { /* triton_configs.d_pad: next power of two, at least 16 */
+static int64_t d_pad(int64_t d) { /* triton_shared.configs.d_pad: next power of two, at least 16 */
   int64_t p = 16;
   while (p < d) p <<= 1;
   return p;
 }
 
-static int d_bucket(int64_t d) { /* triton_configs.d_bucket: 0 d64, 1 d128, 2 big */
+static int d_bucket(int64_t d) { /* triton_shared.configs.d_bucket: 0 d64, 1 d128, 2 big */
   int64_t p = d_pad(d);
   return p <= 64 ? 0 : (p <= FC_RESIDENT_MAX_D ? 1 : 2);
 }
@@ -252,7 +252,7 @@ typedef struct {
   int block_d, resident;
 } fc_choice;
 
-/* triton_configs.config_for; `wide`: the forward's "fwd_wide" entry (row statistics only) */
+/* triton_shared.configs.config_for; `wide`: the forward's "fwd_wide" entry (row statistics only) */
 static fc_status config_for(fc_kernel k, int cc, fc_dtype dt, int64_t d, int wide, fc_choice *out) {
   for (int i = 0; i < FC_N_CONFIGS; ++i) {
     const fc_config *c = &fc_configs[i];
@@ -441,7 +441,7 @@ static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P
     return fail(FC_ERR_INVALID_ARGUMENT, "row strides must be >= d");
   if (P->same && p->offset != 0) return fail(FC_ERR_INVALID_ARGUMENT, "offset must be 0 when B is A");
   fc_status st;
-  /* triton_configs.fwd_kernel: no mode has positives, so row statistics alone ("fwd_wide") unless CLIP's
+  /* triton_shared.configs.fwd_kernel: no mode has positives, so row statistics alone ("fwd_wide") unless CLIP's
      column LSE is wanted or the margin's bias column is there */
   if ((st = config_for(FC_K_lse_fwd, dev->cc, p->dtype, p->d, !P->want_col && !P->margin, &P->fwd)) != FC_OK)
     return st;

@@ -1,10 +1,10 @@
-/* fc_run.c - test driver of the C API (ctest; fused_contrastive.aot check): one forward + backward on fake
+/* fc_run.c - test driver of the C API (ctest; fused_contrastive.c_library check): one forward + backward on fake
  * device pointers, meant to run against the mock driver (FUSED_CONTRASTIVE_LIBCUDA=libfc_mock_cuda.so).
  *
  *   fc_run MODE DTYPE N M D GRAD_COLS WANT_DB [expect STATUS]
  *
  * MODE info_nce|clip|self, optionally suffixed _margin (the generator's margin feature sets: margin 0.25,
- * fused_contrastive.aot.REC_MARGIN, with a target vector), DTYPE fp32|fp16|bf16, GRAD_COLS -1 for all
+ * fused_contrastive.c_library.REC_MARGIN, with a target vector), DTYPE fp32|fp16|bf16, GRAD_COLS -1 for all
  * columns, WANT_DB 0|1. FC_RUN_TARGET=null|misaligned (error tests) passes a NULL / misaligned target
  * with the margin. Prints one JSON object: the pointers it passed (so the checker can name every launch
  * argument) and the sizes the API reported. With `expect STATUS` the first failing call must fail with

@@ -13,7 +13,7 @@
 //       -> (Tensor da, Tensor db, Tensor ds)
 //   build_info() -> str    (fc_build_info(): the archs, dtypes, D classes and modes built)
 //
-// Large problems take the panel path, as the Python backend does (core/triton_panel.py): on CUDA tensors
+// Large problems take the panel path, as the Python backend does (core/lse/triton_panel.py): on CUDA tensors
 // with N * M >= 2^24, or where FUSED_CONTRASTIVE_TRITON_PATH says "panel" ("fused": never). Its GEMMs
 // run in at::mm / addmm (cuBLAS, fixed order), the per-logit and per-row work in the panel kernels of
 // the C library (fc_launch_kernel); nothing N x M is allocated (panels of P rows from the byte budget
@@ -145,19 +145,19 @@ Problem make_problem(const Tensor &a_, const std::optional<Tensor> &b_, const Te
 
 
 // ------------------------------------------------------------------------------------------------
-// the panel path (fused_contrastive/core/triton_panel.py, statement by statement; a ctest compares
+// the panel path (fused_contrastive/core/lse/triton_panel.py, statement by statement; a ctest compares
 // every launch with the Python launcher's)
 // ------------------------------------------------------------------------------------------------
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int64_t d_pad(int64_t d) {  // triton_configs.d_pad
+int64_t d_pad(int64_t d) {  // triton_shared.configs.d_pad
   int64_t p = 16;
   while (p < d) p <<= 1;
   return p;
 }
 
-// triton_panel.use_panel
+// panels.use_panel
 bool use_panel(const Tensor &a, int64_t n, int64_t m) {
   const char *e = std::getenv("FUSED_CONTRASTIVE_TRITON_PATH");
   const std::string mode = e ? e : "auto";
@@ -219,7 +219,7 @@ struct Panel {
   double margin;  // the target margin (cosine units; 0: none) at columns target ([n] int64)
   Tensor target;
   void *stream;
-  int programs;  // 2 per SM (triton_panel._programs)
+  int programs;  // 2 per SM (panels._programs)
 };
 
 Panel make_panel(const Problem &P) {
@@ -245,7 +245,7 @@ Panel make_panel(const Problem &P) {
   return C;
 }
 
-// triton_panel.panel_rows (without the test hook PANEL_ROWS)
+// panels.panel_rows (without the test hook PANEL_ROWS)
 int64_t panel_rows(const Panel &C, int64_t m, bool need_db) {
   const char *env = std::getenv("FUSED_CONTRASTIVE_PANEL_BUDGET");
   const int64_t budget = env && *env ? std::stoll(env) : static_cast<int64_t>(FC_PANEL_BUDGET_BYTES);
@@ -258,14 +258,14 @@ int64_t panel_rows(const Panel &C, int64_t m, bool need_db) {
   return std::max<int64_t>(1, std::min<int64_t>(C.n, std::max<int64_t>(FC_PANEL_P_MIN, p)));
 }
 
-// triton_panel.panel_blocks: (BLOCK_R, BLOCK_C)
+// panels.panel_blocks: (BLOCK_R, BLOCK_C)
 std::pair<int64_t, int64_t> panel_blocks(int64_t p, int64_t programs) {
   for (int64_t r : {16, 8, 4, 2})
     if (cdiv(p, r) >= programs) return {r, FC_PANEL_CHUNK / r};
   return {1, FC_PANEL_CHUNK};
 }
 
-// triton_backend._row_norms: (scaled copy, norms, inverse norms, inverse norms of the copy)
+// triton_shared.launch._row_norms: (scaled copy, norms, inverse norms, inverse norms of the copy)
 std::array<Tensor, 4> row_norms(const Panel &C, const Tensor &x, Tensor norm = {}, Tensor rnorm = {}) {
   const int64_t r = x.size(0), d = x.size(1);
   auto f32 = x.options().dtype(at::kFloat);
@@ -281,7 +281,7 @@ std::array<Tensor, 4> row_norms(const Panel &C, const Tensor &x, Tensor norm = {
   return {xs, norm, rnorm, rs};
 }
 
-// triton_panel._Problem with normalisation: B's norms in chunks; for fp16 (need_op) the normalised B
+// panels._Problem with normalisation: B's norms in chunks; for fp16 (need_op) the normalised B
 struct Norms {
   Tensor nb, rb, b_op;
 };
@@ -311,7 +311,7 @@ Tensor gscale(std::initializer_list<const Tensor *> vs) {
   return at::where(gs > 0, gs, at::ones_like(gs)).reshape({1});
 }
 
-// triton_panel.gemm_routes: the fp32-output GEMMs of 16-bit operands (at::mm / at::addmm_out with
+// panels.gemm_routes: the fp32-output GEMMs of 16-bit operands (at::mm / at::addmm_out with
 // out_dtype: cuBLAS accumulates in fp32 and writes fp32) run unproven nowhere. The first call per
 // (device, dtype) runs both on tiny tensors of the real call's layout (transposed operands, out= the
 // accumulator) against a float64 product and caches the verdict; on an exception or a mismatch it warns
@@ -393,7 +393,7 @@ GemmRoutes gemm_routes(const Tensor &x) {
   return r;
 }
 
-// triton_panel._mm32 / _addmm32_: fp32 results (16-bit operands: the native route where its probe passed)
+// panels._mm32 / _addmm32_: fp32 results (16-bit operands: the native route where its probe passed)
 Tensor mm32(const Tensor &x, const Tensor &y) {
   if (x.scalar_type() == at::kFloat) return at::mm(x, y);
   if (!gemm_routes(x).mm) return at::mm(x.to(at::kFloat), y.to(at::kFloat));
@@ -409,7 +409,7 @@ void addmm32_(Tensor acc, const Tensor &x, const Tensor &y) {
     at::addmm_out(acc, acc, x, y, at::kFloat);
 }
 
-// triton_panel._rows_launch (normalised rows)
+// panels._rows_launch (normalised rows)
 void rows_launch(const Panel &C, const Tensor &g, const Tensor &x, const Tensor &rs, const Tensor &nrm, const Tensor &w,
                  const Tensor &gs, const Tensor &out, const Tensor *xw) {
   const int64_t r = x.size(0), d = x.size(1);
@@ -488,7 +488,7 @@ std::tuple<Tensor, Tensor, Tensor> panel_backward(const Panel &C, const Tensor &
   return {da, db, at::cat(ds_parts).sum() * gs.reshape({})};
 }
 
-// triton_backend._lse_fwd with tri (mode "self" on the panel path): the fused forward kernel over the
+// lse.triton_fused._lse_fwd with tri (mode "self" on the panel path): the fused forward kernel over the
 // tiles on and above the diagonal, its per-program column partials merged into the row LSEs
 Tensor tri_lse(const Panel &C) {
   const int64_t n = C.n, d = C.d;

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from . import routes
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 #: "dense": the one-tile path of problems that fit the tile budget; "tiled": the O(N*D) path (chunked
 #: PyTorch or the Triton kernels), forced with FUSED_CONTRASTIVE_DENSE=0.
@@ -75,15 +77,8 @@ def available_backends(device: str) -> list[str]:
 
 @contextlib.contextmanager
 def _path(path: str) -> Iterator[None]:
-    old = os.environ.get("FUSED_CONTRASTIVE_DENSE")
-    os.environ["FUSED_CONTRASTIVE_DENSE"] = "1" if path == "dense" else "0"
-    try:
+    with routes.override(DENSE=path == "dense"):
         yield
-    finally:
-        if old is None:
-            del os.environ["FUSED_CONTRASTIVE_DENSE"]
-        else:
-            os.environ["FUSED_CONTRASTIVE_DENSE"] = old
 
 
 def _device(text: str) -> str:

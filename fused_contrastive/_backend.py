@@ -9,11 +9,12 @@ error, raised wherever the Triton path would be chosen, never silently replaced 
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from . import routes
 
 BACKENDS = ("auto", "torch", "triton", "reference")
 
@@ -43,11 +44,15 @@ def triton_status() -> TritonStatus:
             _STATUS = TritonStatus(False, None, False)
         else:
             try:
-                from .core import triton_backend, triton_cosent, triton_function, triton_maxsim  # noqa: F401
+                # every family's kernels that the backend routes to import here: a broken one is a broken install
+                from .core.cosent import triton_cosent  # noqa: F401
+                from .core.lse import triton_function  # noqa: F401
+                from .core.maxsim import triton_maxsim  # noqa: F401
+                from .core.triton_shared import launch as TL
             except Exception as exc:  # noqa: BLE001 - any failure here is a broken install
                 _STATUS = TritonStatus(True, f"{type(exc).__name__}: {exc}", False)
             else:
-                _STATUS = TritonStatus(True, None, triton_backend.interpreted())
+                _STATUS = TritonStatus(True, None, TL.interpreted())
     return _STATUS
 
 
@@ -82,11 +87,7 @@ def resolve(backend: str, *tensors: Tensor | None, op: str = "core") -> str:
     xs = [t for t in tensors if t is not None]
     name = backend
     if name == "auto":
-        env = os.environ.get("FUSED_CONTRASTIVE_BACKEND", "").strip()
-        if env and env not in BACKENDS:
-            raise ValueError(f"environment variable FUSED_CONTRASTIVE_BACKEND must be one of {BACKENDS}, "
-                             f"got {env!r}")
-        name = env if env and env != "auto" else "auto"
+        name = routes.setting("BACKEND")
     if name == "auto":
         wants_triton = (op in _TRITON_OPS and any(t.is_cuda for t in xs)
                         and not any(t.dtype == torch.float64 for t in xs))

@@ -62,7 +62,7 @@ def traced_core() -> Callable:
 
 def set_traced_op(name: str, fn: Callable) -> None:
     """Called by ``ops.py``: the Python entry of a registered operator that ``core/`` calls when
-    :func:`tracing_route` (``"merged_lse"``: ``core.blocks.merged_lse``)."""
+    :func:`tracing_route` (``"merged_lse"``: ``core.guided.torch_blocks.merged_lse``)."""
     _TRACED_OPS[name] = fn
 
 

@@ -1,8 +1,8 @@
 """CoSENT (``log(1 + sum_{y_a > y_b} exp(scale * (s_b - s_a)))``) on pair cosines or on given scores.
 
-The PyTorch path is O(B log B) time and O(B) memory (``core/cosent.py``; batches whose B x B pair tile
+The PyTorch path is O(B log B) time and O(B) memory (``core/cosent/torch_cosent.py``; batches whose B x B pair tile
 fits the tile budget use that tile, fewer ops); ``backend="triton"`` (``"auto"`` on CUDA) is the same
-algorithm as Triton kernels (``core/triton_cosent.py``: fused pair cosines and one sorted-scan program
+algorithm as Triton kernels (``core/cosent/triton_cosent.py``: fused pair cosines and one sorted-scan program
 each way, float32); ``backend="reference"`` is the B x B pair matrix.
 """
 
@@ -16,7 +16,7 @@ from . import ops
 from ._amp import autocast_off
 from ._backend import resolve
 from .core import reference as ref
-from .core.cosent import PairCosentFn, ScoresCosentFn
+from .core.cosent.torch_cosent import PairCosentFn, ScoresCosentFn
 from .core.spec import compute_dtype
 from .losses._levels import leveled, shrink
 
@@ -36,7 +36,7 @@ def _scores_loss(scores: Tensor, labels: Tensor, scale, backend: str) -> Tensor:
     if ops.tracing_route():
         return ops.cosent_scores(scores, labels, sc, be)
     if be == "triton":
-        from .core.triton_cosent import TritonScoresCosentFn
+        from .core.cosent.triton_cosent import TritonScoresCosentFn
 
         return TritonScoresCosentFn.apply(scores, labels, sc)
     return ScoresCosentFn.apply(scores, labels, sc)
@@ -118,7 +118,7 @@ def _pairs(u: Tensor, v: Tensor, labels: Tensor, sc, normalize: bool, be: str) -
     if ops.tracing_route():
         return ops.cosent_pairs(u, v, labels, sc, normalize, _EPS, be)
     if be == "triton":
-        from .core.triton_cosent import TritonPairCosentFn
+        from .core.cosent.triton_cosent import TritonPairCosentFn
 
         return TritonPairCosentFn.apply(u, v, labels, sc, normalize, _EPS)
     return PairCosentFn.apply(u, v, labels, sc, normalize, _EPS)

@@ -36,7 +36,6 @@ import hashlib
 import inspect
 import math
 import numbers
-import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -44,6 +43,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from . import routes
 
 __all__ = ["agree", "agreed", "all_sum", "gather_rows", "process_group", "row_offset", "world_size"]
 
@@ -182,7 +183,7 @@ class _Digest:
         # the environment variable that picks the backend: set on one rank only, the ranks would compute on
         # different backends (and fail in a later collective, naming neither)
         self.args.append("(FUSED_CONTRASTIVE_BACKEND)")
-        self.descs.append(repr(os.environ.get("FUSED_CONTRASTIVE_BACKEND", "")))
+        self.descs.append(repr(routes.raw("BACKEND")))
         self.args.append("(backward)")
         self.descs.append("a graph: this rank backpropagates" if graph else
                           "no graph: no_grad, inference mode or inputs that do not require grad")

@@ -17,7 +17,7 @@ Everything the Triton kernels need a GPU to confirm, in one command, with a pass
   with a forced panel height (``Plan.multi_panel_rows``, default 1000: 5 panels at N = 4099); in fp32,
   where the rule grants PyTorch's error against the oracle whole, the oracle must agree with the fp32
   reference to ``ORACLE_SANITY`` x the slack;
-* **cuBLAS fp32-output GEMMs**: which route ``core/triton_panel.gemm_routes`` chose per 16-bit dtype
+* **cuBLAS fp32-output GEMMs**: which route ``core/triton_shared/panels.gemm_routes`` chose per 16-bit dtype
   (its probe of ``torch.mm`` / ``torch.addmm`` with ``out_dtype``, or the fallback: information);
 * **determinism**: 10 forward + backward runs bitwise identical per family and path (bf16, D = 768);
 * **fp16 at M = 65536**: fp16 loss and gradients against the fp32 run of the same kernels;
@@ -61,6 +61,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from . import routes
+
 #: Every Triton kernel family, by a registry case that runs it ("matryoshka": info_nce with
 #: ``matryoshka_dims``, see :func:`parity_case`).
 LOSSES = ("info_nce", "simcse", "clip", "supcon_in", "cosent", "siglip", "gist", "matryoshka")
@@ -81,7 +83,7 @@ _OUTPUTS = {"row_norm": ("XS", "NORM", "RNORM", "RS"), "lse_fwd": ("LSE", "LSE_P
             "panel_dl": ("DL", "DS_PART"), "epi_gemm": ("DL",), "epi_gemm_stats": ("ZP", "MXP", "CZ", "CM")}
 # (panel_dl's LSE_OUT is [N]: each panel writes its own rows only; the triangular forward's COL_PART is
 # pre-filled with -inf by the launcher, its programs write only the columns their rows reach)
-#: The two paths of the triton backend (``core/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
+#: The two paths of the triton backend (``core/lse/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
 #: the kernels each must launch, per kernel family; families with kernels of their own run once, on
 #: the path "own" (the path variable does not choose their kernels).
 PATHS = {"fused": {"lse_fwd", "lse_bwd_rows"}, "panel": {"panel_rows"}, "panel-cublas": {"panel_dl", "panel_rows"}}
@@ -94,7 +96,7 @@ EPILOGUE_CASES = ("info_nce", "simcse", "clip")
 EXPECT = {("core", "fused"): PATHS["fused"], ("core", "panel"): PATHS["panel"],
           ("core", "panel-cublas"): PATHS["panel-cublas"],
           # the Matryoshka kernels where the plain op takes the fused kernels (their own backward, or the
-          # suffix backward: 16-bit on CUDA from N x M = 2^20, core/triton_matryoshka.use_suffix); one plain
+          # suffix backward: 16-bit on CUDA from N x M = 2^20, core/matryoshka/triton_levels.use_suffix); one plain
           # call per level (its one-pass panel kernel) where it takes the panel path (core._leveled)
           ("matryoshka", "fused"): ({"mat_fwd", "mat_bwd_rows"}, {"mat_fwd", "mat_epi"}),
           ("matryoshka", "panel"): {"panel_rows"},
@@ -103,7 +105,7 @@ EXPECT = {("core", "fused"): PATHS["fused"], ("core", "panel"): PATHS["panel"],
           # SigLIP: its fused kernels, or (16-bit, CUDA, N x M >= 2^24) the panel path's epilogue GEMM
           ("siglip", "own"): ({"siglip_fwd", "siglip_bwd_rows"}, {"epi_gemm_siglip", "panel_rows"}),
           # the guided blocks: their fused kernels, or (a summed bf16 loss on CUDA, N x sum M >= 2^24) the
-          # epilogue GEMM of core/triton_guided_panel.py
+          # epilogue GEMM of core/guided/triton_panel.py
           ("guided", "own"): ({"guided_fwd", "guided_bwd_rows"}, {"guided_epi", "panel_rows"})}
 
 
@@ -137,7 +139,7 @@ class Plan:
     ncu: bool = False
     ncu_shape: tuple[int, int] = (16384, 768)
     #: the panel path's parity once more with this many rows per panel (None: skip), so several panels
-    #: meet the oracle (``core/triton_panel.PANEL_ROWS``)
+    #: meet the oracle (the switchboard's hook ``PANEL_ROWS``)
     multi_panel_rows: int | None = 1000
     #: a built libfused_contrastive_torch.so: the checks also run on its operators (paths "aot/fused",
     #: "aot/panel"); a problem the library does not cover is reported as such (information)
@@ -223,7 +225,7 @@ def triton_path(path: str) -> Iterator[None]:
     GEMM forms 16-bit gradient tiles) or "panel-cublas" (row panels; cuBLAS products and the panel
     kernel) on the JIT kernels, with the AOT route off; "aot/fused" / "aot/panel": the ahead-of-time
     library (``FUSED_CONTRASTIVE_AOT_LIB`` = ``Plan.aot_lib``), whose operators take that path."""
-    from .core import triton_aot
+    from .core.lse import library_route
 
     aot = path.startswith("aot/")
     if aot and not _AOT_LIB:
@@ -231,7 +233,7 @@ def triton_path(path: str) -> Iterator[None]:
     base = path.removeprefix("aot/")
     gemm = {"panel": "epilogue", "panel-cublas": "cublas"}.get(base)  # forced also on the interpreter
     with _env("FUSED_CONTRASTIVE_TRITON_PATH", base.removesuffix("-cublas")), \
-            _env("FUSED_CONTRASTIVE_PANEL_GEMM", gemm), _env(triton_aot.ENV, _AOT_LIB if aot else None):
+            _env("FUSED_CONTRASTIVE_PANEL_GEMM", gemm), _env(library_route.ENV, _AOT_LIB if aot else None):
         yield
 
 
@@ -245,12 +247,12 @@ def kernels_only():
 def poisoned_launches(seen: list[str] | None = None) -> Iterator[None]:
     """Every Triton launch first fills the outputs and scratch buffers it must write with NaN (and
     appends its kernel name to ``seen``)."""
-    from .core import triton_backend as TB
+    from .core.triton_shared import launch as TL
 
-    orig = TB._launch
+    orig = TL._launch
 
     def launch(lz):
-        if TB._RECORDER is None:
+        if TL._RECORDER is None:
             if seen is not None:
                 seen.append(lz.name)
             for name in _OUTPUTS.get(lz.name, ()):
@@ -263,12 +265,12 @@ def poisoned_launches(seen: list[str] | None = None) -> Iterator[None]:
                     t.fill_(float("nan"))
         orig(lz)
 
-    prev_flag = TB.POISON_OUTPUTS
-    TB._launch, TB.POISON_OUTPUTS = launch, True
+    prev_flag = TL.POISON_OUTPUTS
+    TL._launch, TL.POISON_OUTPUTS = launch, True
     try:
         yield
     finally:
-        TB._launch, TB.POISON_OUTPUTS = orig, prev_flag
+        TL._launch, TL.POISON_OUTPUTS = orig, prev_flag
 
 
 def _finite_max(x: Tensor) -> float:
@@ -288,16 +290,12 @@ def _err(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def _panel_height(rows: int | None) -> Iterator[None]:
-    """``core/triton_panel.PANEL_ROWS = rows`` within the block (None: leave it)."""
-    from .core import triton_panel
-
-    old = triton_panel.PANEL_ROWS
-    if rows is not None:
-        triton_panel.PANEL_ROWS = rows
-    try:
+    """The switchboard's ``PANEL_ROWS = rows`` within the block (None: leave it)."""
+    if rows is None:
         yield
-    finally:
-        triton_panel.PANEL_ROWS = old
+        return
+    with routes.override(PANEL_ROWS=rows):
+        yield
 
 
 def family(loss: str) -> str:
@@ -376,14 +374,14 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     """One parity row: the triton backend on ``path`` (``rows``: forced panel height) against the oracle
     under THE rule (``testing.accuracy``: relative to each output's size, PyTorch's same-dtype error
     granted up to the slack)."""
-    from .core import triton_aot
+    from .core.lse import library_route
     from .testing import run
     from .testing.accuracy import SLACK, amp_of, check_output, rounding_floor, same_dtype_error
 
     worst_ratio, worst = 0.0, "no outputs"
     problems: list[str] = []
     seen: list[str] = []
-    calls = triton_aot.CALLS
+    calls = library_route.CALLS
     forced = triton_path(path) if path != "own" else contextlib.nullcontext()
     with poisoned_launches(seen), forced, _panel_height(rows):
         # the library takes 16-element row strides: NaN padding to the next such stride
@@ -392,7 +390,7 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     if path.startswith("aot/"):
         # the library's buffers are its own (not NaN-filled); a call it does not cover
         # ran on the JIT kernels: information, not a check of the library
-        if triton_aot.CALLS == calls:
+        if library_route.CALLS == calls:
             report.add(check, None, "not covered by the library (the JIT kernels ran)")
             return
         jit = set(seen) & set().union(*PATHS.values())
@@ -439,12 +437,12 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
 
 def check_gemm_routes(report: Report, plan: Plan, device: str) -> None:
     """Information: the route of the panel path's fp32-output GEMMs per 16-bit dtype of the plan
-    (``core/triton_panel.gemm_routes``: "native" = ``out_dtype`` cuBLAS call proven by its probe on this
+    (``core/triton_shared/panels.gemm_routes``: "native" = ``out_dtype`` cuBLAS call proven by its probe on this
     device; otherwise the fallback, correct but with more memory traffic)."""
-    from .core import triton_panel
+    from .core.triton_shared import panels
 
     for dt in (x for x in plan.dtypes if x != torch.float32):
-        mm, addmm = triton_panel.gemm_routes(torch.device(device), dt)
+        mm, addmm = panels.gemm_routes(torch.device(device), dt)
         report.add(f"cuBLAS fp32-output GEMMs {_dname(dt)}", None, f"mm {mm}, addmm {addmm}")
 
 
@@ -590,7 +588,7 @@ def model_predictions(device: str) -> dict[tuple[str, int], tuple[float | None, 
     """``{(loss, N): (route ms, formula ms)}`` of the GPU model for this device's kind (H100 / H200 /
     A100), read from the model's records (:data:`MODEL_FILE`, or ``FUSED_CONTRASTIVE_GPU_MODEL``); empty
     where the file or the kind is missing."""
-    path = os.environ.get("FUSED_CONTRASTIVE_GPU_MODEL", MODEL_FILE)
+    path = routes.setting("GPU_MODEL") or MODEL_FILE
     name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     kind = next((k for k in MODEL_GPUS if k in name), None)
     if kind is None or not os.path.exists(path):
@@ -828,9 +826,8 @@ def main(device: str, aot_lib: str | None = None, budget_s: float | None = 420.0
         print("--gpu-validate: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)",
               file=sys.stderr)
         return 2
-    from .core import triton_aot
 
-    aot_lib = aot_lib or os.environ.get(triton_aot.ENV) or None
+    aot_lib = aot_lib or routes.setting("AOT_LIB")
     return 0 if validate(device, Plan(aot_lib=aot_lib, budget_s=budget_s, jobs=jobs)).ok else 1
 
 

@@ -20,7 +20,7 @@ query's token count under MeanMaxSim), as sentence-transformers' MaxSim scorers 
 real document and gets no gradient.
 
 ``backend="torch"`` runs the chunked PyTorch path below (any device); ``backend="triton"`` the kernels
-of ``core/triton_maxsim.py`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``); ``backend="reference"``
+of ``core/maxsim/triton_maxsim.py`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``); ``backend="reference"``
 materialises the [N, M, Lq, Ld] similarities in float64 (the test oracle).
 """
 
@@ -228,7 +228,7 @@ def grads_torch(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, g: Tensor) -> tupl
 def _scores(backend: str, q, d, w, valid, scale_t, fill: Tensor, length_normalize: bool):
     """``(S, idx, lse)`` of the backend: lse_i = logsumexp_j scale S_ij, the empty documents at ``fill``."""
     if backend == "triton":
-        from .core import triton_maxsim
+        from .core.maxsim import triton_maxsim
 
         s, idx, lse = triton_maxsim.maxsim_forward(q, d, w.float(), valid, scale_t.float().reshape(1),
                                                    EMPTY_DOC_SCORE)
@@ -243,7 +243,7 @@ def _scores(backend: str, q, d, w, valid, scale_t, fill: Tensor, length_normaliz
 
 def _grads(backend: str, q, d, w, valid, idx, g):
     if backend == "triton":
-        from .core import triton_maxsim
+        from .core.maxsim import triton_maxsim
 
         return triton_maxsim.maxsim_backward(q, d, w.float(), idx, g.float(), valid)
     return grads_torch(q, d, w, idx, g)
@@ -301,7 +301,7 @@ class _ScoresFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, d, w, valid, fill, backend):
         if backend == "triton":
-            from .core import triton_maxsim
+            from .core.maxsim import triton_maxsim
 
             one = torch.ones(1, dtype=torch.float32, device=q.device)
             s, idx, _ = triton_maxsim.maxsim_forward(q, d, w.float(), valid, one, EMPTY_DOC_SCORE)
@@ -392,7 +392,7 @@ def _backend(backend: str, query_tokens: Tensor, doc_tokens: Tensor) -> str:
     it, an explicit "triton" raises."""
     be = resolve(backend, query_tokens, doc_tokens, op="maxsim")
     if be == "triton":
-        from .core.triton_maxsim import MAX_LQ
+        from .core.maxsim.triton_maxsim import MAX_LQ
 
         if query_tokens.shape[1] > MAX_LQ:
             if backend == "triton":

@@ -17,7 +17,7 @@ the loss, traces no Python chunk loop, and never specialises on the batch size:
     The same schema as a :func:`torch.library.triton_op`: on CUDA, Inductor traces its host code and
     sees the Triton kernels (through ``wrap_triton``) instead of an opaque call.
 ``fused_contrastive::merged_lse``
-    The merged-block core of ``core/blocks.py`` (GIST, ``info_nce(guide=, ids=)``): several column
+    The merged-block core of ``core/guided/torch_blocks.py`` (GIST, ``info_nce(guide=, ids=)``): several column
     blocks in one softmax per row with the guide / id masks formed per tile, on the torch sweep or the
     Triton kernels; ``(out, grads of xs, grad_scale)`` like the core op (``merged_lse_backward``
     recomputes for per-row output).
@@ -284,11 +284,11 @@ def _triton_core_op():
 @autocast_off
 def _cosent_scores_impl(scores: Tensor, labels: Tensor, scale_t: Tensor | None, scale_f: float, backend: str,
                         need: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    from .core.cosent import ScoresCosentFn
+    from .core.cosent.torch_cosent import ScoresCosentFn
 
     fn = ScoresCosentFn
     if backend == "triton":
-        from .core.triton_cosent import TritonScoresCosentFn as fn
+        from .core.cosent.triton_cosent import TritonScoresCosentFn as fn
     scale = scale_t if scale_t is not None else scale_f
     needs = (need[0], False, need[1])
     out, (gx, _, gs) = _run([(fn, (scores, labels, scale), 1.0)], needs,
@@ -302,11 +302,11 @@ def _cosent_scores_impl(scores: Tensor, labels: Tensor, scale_t: Tensor | None, 
 def _cosent_pairs_impl(u: Tensor, v: Tensor, labels: Tensor, scale_t: Tensor | None, scale_f: float,
                        normalize: bool, eps: float, backend: str,
                        need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    from .core.cosent import PairCosentFn
+    from .core.cosent.torch_cosent import PairCosentFn
 
     fn = PairCosentFn
     if backend == "triton":
-        from .core.triton_cosent import TritonPairCosentFn as fn
+        from .core.cosent.triton_cosent import TritonPairCosentFn as fn
     scale = scale_t if scale_t is not None else scale_f
     ctx = DirectCtx((need[0], need[1], False, need[2], False, False))
     out = fn.forward(ctx, u, v, labels, scale, normalize, eps)
@@ -398,10 +398,10 @@ def cosent_pairs(u: Tensor, v: Tensor, labels: Tensor, scale, normalize: bool, e
 
 def _siglip_fn(backend: str):
     if backend == "triton":
-        from .core.triton_siglip import TritonSigLipFn
+        from .core.siglip.triton_siglip import TritonSigLipFn
 
         return TritonSigLipFn
-    from .core.siglip import SigLipFn
+    from .core.siglip.torch_siglip import SigLipFn
 
     return SigLipFn
 
@@ -508,7 +508,7 @@ def _siglip_groups_impl(image: Tensor, text: Tensor, scale_t: Tensor | None, sca
                         bias_f: float, image_groups: Tensor, text_groups: Tensor, all_image_groups: Tensor,
                         normalize: bool) -> Tensor:
     """SigLIP's group positives' correction per image [N] (``core.siglip.positives_correction``)."""
-    from .core.siglip import correction_forward, group_pairs
+    from .core.siglip.torch_siglip import correction_forward, group_pairs
 
     return correction_forward(image, text, scale_t if scale_t is not None else scale_f,
                               bias_t if bias_t is not None else bias_f, normalize,
@@ -521,7 +521,7 @@ def _siglip_groups_backward_impl(image: Tensor, text: Tensor, scale_t: Tensor | 
                                  all_image_groups: Tensor, normalize: bool, need: list[bool],
                                  go: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Its gradients for the upstream ``go`` [N] (``core.siglip.correction_grads``, recomputed)."""
-    from .core.siglip import correction_grads, group_pairs
+    from .core.siglip.torch_siglip import correction_grads, group_pairs
 
     grads = correction_grads(image, text, scale_t if scale_t is not None else scale_f,
                              bias_t if bias_t is not None else bias_f, normalize,
@@ -593,7 +593,7 @@ _MERGED_ARGS = ("Tensor[] xs, Tensor?[] guides, Tensor?[] ids, Tensor? target, T
 
 
 def _merged_flatten(xs, cfg, masks, scale, weights, backend: str) -> tuple:
-    from .core.blocks import Masks
+    from .core.guided.torch_blocks import Masks
 
     masks = masks or Masks()
     nx = len(xs)
@@ -614,7 +614,7 @@ def _merged_flatten(xs, cfg, masks, scale, weights, backend: str) -> tuple:
 
 def _merged_unflatten(args: tuple):
     """``(Function, scale, cfg, masks, weights, xs, need)`` from the operator's arguments."""
-    from .core.blocks import Block, Masks, _Config, merged_fn
+    from .core.guided.torch_blocks import Block, Masks, _Config, merged_fn
 
     (xs, guides, ids, target, threshold, weights, scale_t, scale_f, rows, cols, row_start, protect, exclude,
      has_exclude, strategy, margin, n, normalize, eps, minus_target, smoothing, backend, need) = args

@@ -10,11 +10,173 @@ the evidence: every quoted row must exist and agree with its float64 definition,
 faster than the chosen form by more than :data:`TIE` (these runs' spread between repeats of one contender).
 
 ``python -m fused_contrastive.routes`` prints the table (docs/gpu-measurements.md's "Routes" section quotes it).
+
+It is also the switchboard: the only reader of the ``FUSED_CONTRASTIVE_*`` environment variables.
+:data:`SETTINGS` lists each with its kind, allowed values, default and meaning; :func:`setting` reads one
+through one parser (an invalid value raises ``ValueError`` naming the variable and what it takes), and
+:func:`override` sets them for the current process within a block (what tests use instead of the environment
+or a module's globals).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+PREFIX = "FUSED_CONTRASTIVE_"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``FUSED_CONTRASTIVE_<name>`` variable. ``kind``: "choice" (one of ``choices``), "int" (an integer >=
+    ``minimum``), "flag" (unset or "" gives ``default``, "0" off, anything else on) or "text" (a path or a name;
+    "" counts as unset). ``reader``: where its value is used (a module of the package, or the C library's
+    launcher for the variables only it reads)."""
+
+    name: str
+    kind: str
+    default: object
+    meaning: str
+    reader: str
+    choices: tuple[str, ...] = ()
+    minimum: int = 1
+    #: False for a hook of :data:`HOOKS`: no variable, only :func:`override` sets it
+    env: bool = True
+
+    @property
+    def var(self) -> str:
+        return PREFIX + self.name if self.env else f"the switchboard's hook {self.name}"
+
+    def allowed(self) -> str:
+        if self.kind == "choice":
+            return "one of " + ", ".join(map(repr, self.choices))
+        if self.kind == "int":
+            return f"a positive integer (>= {self.minimum})" if self.minimum == 1 else f"an integer >= {self.minimum}"
+        if self.kind == "flag":
+            return "'0' or '1'"
+        return "a path or a name"
+
+    def parse(self, raw: str | None) -> object:
+        """The value of the raw string ``raw`` (None: unset), or ``ValueError`` naming the variable."""
+        if raw is None or (raw.strip() == "" and self.kind != "flag"):
+            return self.default
+        raw = raw.strip()
+        if self.kind == "choice":
+            if raw not in self.choices:
+                raise ValueError(f"environment variable {self.var} must be {self.allowed()}, got {raw!r}")
+            return raw
+        if self.kind == "int":
+            try:
+                v = int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {self.var} must be {self.allowed()}, got {raw!r}") from None
+            if v < self.minimum:
+                raise ValueError(f"environment variable {self.var} must be {self.allowed()}, got {raw!r}")
+            return v
+        if self.kind == "flag":
+            return self.default if raw == "" else raw != "0"
+        return raw
+
+
+#: Every ``FUSED_CONTRASTIVE_*`` variable; names and meanings are part of the public interface.
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("BACKEND", "choice", "auto", "the backend of a loss called with backend=\"auto\"", "_backend.resolve",
+            ("auto", "torch", "triton", "reference")),
+    Setting("DENSE", "flag", True, "'0' turns the one-tile path off (every problem takes the chunked path or the "
+            "kernels)", "core.dense_path"),
+    Setting("TILE_ELEMENTS", "int", None, "elements of one materialised tile of the PyTorch paths (unset: 2^21; "
+            "set, it also holds the CUDA one-tile path to it)", "core.tiles.tile_elements"),
+    Setting("AOT_LIB", "text", None, "the ahead-of-time C library the triton backend routes to (unset: off)",
+            "core.lse.library_route"),
+    Setting("AOT_FAKE_CPU", "flag", False, "the ahead-of-time route accepts CPU tensors (the mock driver's tests)",
+            "core.lse.library_route; csrc/fc_torch.cpp"),
+    Setting("AOT_PROBE_CPU", "flag", False, "the C library's GEMM probes run on the CPU (the mock driver's tests)",
+            "csrc (the C library)"),
+    Setting("LIBCUDA", "text", None, "the CUDA driver library the C launcher opens (the mock driver in tests)",
+            "csrc (the C library)"),
+    Setting("TRITON_PATH", "choice", "auto", "the triton backend's path: the panel path or the fused kernels",
+            "core.triton_shared.panels.use_panel; csrc/fc_torch.cpp", ("auto", "panel", "fused")),
+    Setting("PANEL_GEMM", "choice", "auto", "what forms a panel's gradient tile: the epilogue GEMM or cuBLAS",
+            "core.triton_shared.panels.use_epilogue", ("auto", "epilogue", "cublas")),
+    Setting("PANEL_BUDGET", "int", None, "bytes of workspace a panel route may allocate (unset: "
+            "core.triton_shared.panels.BUDGET_BYTES)", "core.triton_shared.panels.panel_rows; csrc/fc_torch.cpp"),
+    Setting("EPI_FORM", "choice", None, "the epilogue GEMM's tile loop (unset: EPI_FORM_DEFAULT, else tiles)",
+            "core.triton_shared.panels.epi_form", ("tiles", "persistent", "tma")),
+    Setting("MATRYOSHKA_ROUTE", "choice", "auto", "the Matryoshka route on the triton backend",
+            "core.matryoshka.triton_levels.route", ("auto", "calls", "kernels", "suffix")),
+    Setting("TRITON_POISON", "flag", False, "fill every kernel output with NaN before its launch (read at import)",
+            "core.triton_shared.launch.POISON_OUTPUTS"),
+    Setting("GPU_MODEL", "text", None, "the GPU model's results file check --gpu-validate compares with",
+            "gpu_validate"),
+)}
+
+#: In-process hooks without a variable: sizes a test (or the GPU model, recording what a CUDA device would run)
+#: fixes through :func:`override`; None leaves the choice to the code.
+HOOKS: dict[str, Setting] = {s.name: s for s in (
+    Setting("PANEL_ROWS", "int", None, "a fixed panel height of the panel routes (None: from the byte budget)",
+            "core.triton_shared.panels.panel_rows; core.matryoshka.triton_levels.suffix_rows", env=False),
+    Setting("GUIDED_PANEL_ROWS", "int", None, "a fixed panel height of the guided panel route (rounded to its row "
+            "tile; None: from the byte budget)", "core.guided.triton_panel", env=False),
+    Setting("PANEL_PROGRAMS", "int", None, "programs of the panel kernel (None: 2 per SM on CUDA, 1 on the "
+            "interpreter)", "core.triton_shared.panels._programs", env=False),
+    Setting("EPI_PROGRAMS", "int", None, "the persistent epilogue GEMM's grid (None: one program per SM on CUDA, "
+            "the recorded GPU's, 3 on the interpreter)", "core.triton_shared.panels.persistent_programs", env=False),
+    Setting("COL_PARTIAL_PROGRAMS", "int", None, "programs of the fused forward with a column LSE (None: 2 per SM "
+            "on CUDA, 2 on the interpreter)", "core.triton_shared.launch._col_programs", env=False),
+)}
+
+_OVERRIDES: dict[str, object] = {}
+
+
+def _get(name: str) -> Setting:
+    try:
+        return SETTINGS[name] if name in SETTINGS else HOOKS[name]
+    except KeyError:
+        raise KeyError(f"{PREFIX}{name} is not a setting of the switchboard ({', '.join(SETTINGS)}; hooks: "
+                       f"{', '.join(HOOKS)})") from None
+
+
+def raw(name: str) -> str:
+    """The variable's text as the environment holds it ("" when unset); an override's value as text."""
+    if name in _OVERRIDES:
+        return str(_OVERRIDES[name])
+    s = _get(name)
+    return os.environ.get(s.var, "") if s.env else ""
+
+
+def setting(name: str) -> object:
+    """The value of ``FUSED_CONTRASTIVE_<name>``: an :func:`override` in force, else the environment parsed by
+    its :class:`Setting`, else its default."""
+    s = _get(name)
+    if name in _OVERRIDES:
+        return _OVERRIDES[name]
+    return s.parse(os.environ.get(s.var)) if s.env else s.default
+
+
+@contextlib.contextmanager
+def override(**values: object) -> Iterator[None]:
+    """Within the block, ``setting(name)`` returns ``values[name]`` (given as its text, e.g. ``TRITON_PATH="panel"``,
+    ``PANEL_BUDGET="4096"``, or as the value, ``DENSE=False``; None: its default), whatever the environment says;
+    the previous overrides come back after. Values are checked as the environment's are. An override is this
+    process's Python only: the C library's operators (``csrc/fc_torch.cpp``) read the environment themselves."""
+    parsed = {}
+    for name, v in values.items():
+        s = _get(name)
+        if v is None:
+            parsed[name] = s.default
+        elif isinstance(v, str):
+            parsed[name] = s.parse(v)
+        else:
+            parsed[name] = s.parse(("1" if v else "0") if isinstance(v, bool) else str(v))
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(parsed)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
 
 #: An alternative within this factor of the chosen form's time is a tie: one H200 run measured two contenders
 #: that run the same code 5.6 % apart (SimCSE at N = 16384: the default and ``fused_contrastive[gemm=cublas]``,
@@ -82,19 +244,20 @@ ROUTES: tuple[Route, ...] = (
           _rows(RUN2, "clip", (4096,), OURS, f"{OURS}[tile=2^24]")
           + _rows(RUN2, "clip", (4096,), OURS, f"{OURS}[tile=2^24]", d=256)),
     Route("core", "panel path or fused kernels", "the panel path (row panels, cuBLAS / epilogue GEMMs)",
-          "CUDA, N x M >= 2^24", "core.triton_panel.MIN_ELEMENTS",
+          "CUDA, N x M >= 2^24", "core.triton_shared.panels.MIN_ELEMENTS",
           _rows(RUN1, "clip", (4096,), OURS, f"{OURS}[path=fused]")
           + _rows(RUN1, "supcon_in", (4096,), OURS, f"{OURS}[path=fused]"),
           note="SimCSE measured the fused kernels 7 % faster at 4096 (3.86 / 4.16 ms): it now takes the "
                "one-tile path there (2.26 ms)"),
     Route("core", "gradient tiles of a summed loss without column term (one pass)", "the epilogue GEMM",
-          "16-bit operands on CUDA, every N x M", "core.triton_panel.EPILOGUE_MIN_ELEMENTS[('one_pass', cc)]",
+          "16-bit operands on CUDA, every N x M",
+          "core.triton_shared.panels.EPILOGUE_MIN_ELEMENTS[('one_pass', cc)]",
           _rows(RUN2, "info_nce", (16384, 65536), OURS, f"{OURS}[gemm=cublas]")
           + _rows(RUN2, "info_nce", (16384, 65536), OURS, f"{OURS}[gemm=cublas]", d=256)
           + _rows(RUN2, "matryoshka5", (16384, 65536), OURS, f"{OURS}[gemm=cublas]")),
     Route("core", "gradient tiles with a column term (known statistics)", "cuBLAS products below 2^30, the "
           "epilogue GEMM from 2^30 (sm_90)", "16-bit operands on CUDA",
-          "core.triton_panel.EPILOGUE_MIN_ELEMENTS[('known', 90)]",
+          "core.triton_shared.panels.EPILOGUE_MIN_ELEMENTS[('known', 90)]",
           _rows(RUN2, "clip", (4096, 16384), OURS, f"{OURS}[gemm=epilogue]")
           + _rows(RUN2, "clip", (16384,), OURS, f"{OURS}[gemm=epilogue]", d=256)
           + _rows(RUN2, "clip", (65536,), OURS, f"{OURS}[gemm=cublas]")
@@ -103,11 +266,11 @@ ROUTES: tuple[Route, ...] = (
                "ms, both runs): which level widths gain is not measured, so the rule is unchanged"),
     Route("core", "gradient tiles of the triangular sweep (B is A: SimCSE)", "cuBLAS products below 2^32, "
           "the epilogue GEMM from 2^32 (sm_90)", "16-bit operands on CUDA",
-          "core.triton_panel.EPILOGUE_MIN_ELEMENTS[('tri', 90)]",
+          "core.triton_shared.panels.EPILOGUE_MIN_ELEMENTS[('tri', 90)]",
           _rows(RUN2, "simcse", (16384,), OURS, f"{OURS}[gemm=epilogue]")
           + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[gemm=cublas]")),
     Route("core", "the epilogue GEMM's tile loop", "one program per tile", "every config but SigLIP's one pass "
-          "on sm_90", "core.triton_panel.EPI_FORM_DEFAULT",
+          "on sm_90", "core.triton_shared.panels.EPI_FORM_DEFAULT",
           _rows(RUN2, "info_nce", (65536,), OURS, f"{OURS}[epi=persistent]", f"{OURS}[epi=tma]")
           + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[epi=persistent]", f"{OURS}[epi=tma]")
           + _rows(RUN2, "clip", (65536,), OURS, f"{OURS}[epi=persistent]", f"{OURS}[epi=tma]")
@@ -117,9 +280,9 @@ ROUTES: tuple[Route, ...] = (
           note="the persistent loop ties within 5 % for InfoNCE, Matryoshka and GIST (1.01-1.05x) and loses for "
                "CLIP (0.83x); TMA loses everywhere but SigLIP"),
     Route("core", "the one pass's launch configuration", "128 x 128 x 64 tiles, 8 warps, 4 stages",
-          "sm_90", "core.triton_configs.EPI_GEMM['one_pass']",
+          "sm_90", "core.triton_shared.configs.EPI_GEMM['one_pass']",
           _rows(RUN2, "info_nce", (16384, 65536), OURS, f"{OURS}[one_pass=128x256w16]")),
-    Route("core", "the panel budget", "0.7 GB", "every panel route", "core.triton_panel.BUDGET_BYTES",
+    Route("core", "the panel budget", "0.7 GB", "every panel route", "core.triton_shared.panels.BUDGET_BYTES",
           _rows(RUN2, "info_nce", (65536,), OURS, f"{OURS}[budget=2GB]", f"{OURS}[budget=6GB]")
           + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[budget=2GB]")
           + _rows(RUN2, "clip", (65536,), OURS, f"{OURS}[budget=2GB]")
@@ -128,38 +291,38 @@ ROUTES: tuple[Route, ...] = (
           note="2 GB is 2-4 % faster for four losses (a tie) at 2.8x the memory (1.85 against 0.66 GB), 6 % "
                "slower for SimCSE"),
     Route("siglip", "the one pass's tile loop", "persistent, TMA operand tiles", "sm_90",
-          "core.triton_panel.EPI_FORM_DEFAULT[('siglip_eager', 'sm90')]",
+          "core.triton_shared.panels.EPI_FORM_DEFAULT[('siglip_eager', 'sm90')]",
           _rows(RUN2, "siglip", (4096, 16384), OURS, f"{OURS}[epi=tiles]")
           + _rows(RUN2, "siglip", (16384, 65536), OURS, f"{OURS}[epi=tiles]", f"{OURS}[epi=persistent]")),
     Route("siglip", "panel route or fused kernels", "the panel path's epilogue GEMM (one pass)",
-          "16-bit on CUDA, N x M >= 2^24", "core.triton_siglip.use_panel_route",
+          "16-bit on CUDA, N x M >= 2^24", "core.siglip.triton_siglip.use_panel_route",
           _rows(RUN1, "siglip", (4096, 16384, 65536), OURS, f"{OURS}[gemm=cublas]")),
     Route("matryoshka", "levels above the panel threshold without a column term", "one plain call per level",
           "CUDA, N x M >= 2^24 (then each call's own route: the one-tile path at 2^24)",
-          "core._leveled, core.triton_matryoshka.route",
+          "core._leveled, core.matryoshka.triton_levels.route",
           _rows(RUN2, "matryoshka5", (16384,), OURS, f"{OURS}[matryoshka=suffix]")
           + _rows(RUN1, "matryoshka5", (16384,), f"{OURS}[gemm=cublas]", f"{OURS}[matryoshka=kernels]")),
     Route("matryoshka", "levels with a column term up to 2^24", "the Matryoshka kernels, suffix backward",
-          "CUDA, a column term, N x M <= 2^24", "core.triton_matryoshka.COL_KERNELS_MAX_ELEMENTS",
+          "CUDA, a column term, N x M <= 2^24", "core.matryoshka.triton_levels.COL_KERNELS_MAX_ELEMENTS",
           _rows(RUN2, "matryoshka5_clip", (4096,), f"{OURS}[matryoshka=suffix]", OURS, f"{OURS}[tile=2^24]")
           + _rows(RUN2, "matryoshka5_clip", (16384,), OURS, f"{OURS}[matryoshka=suffix]")),
     Route("matryoshka", "the suffix backward below the panel threshold", "the suffix backward",
           "16-bit on CUDA, 2^20 <= N x M < 2^24, at most 5 levels",
-          "core.triton_matryoshka.SUFFIX_MIN_ELEMENTS",
+          "core.matryoshka.triton_levels.SUFFIX_MIN_ELEMENTS",
           unmeasured="no GPU has timed N x M below 2^24; chosen by bench/gpu_model.py, which is 1.3x optimistic "
                      "for this library's routes (the kernels' own backward measured 3.5x slower than the suffix "
                      "route at 4096 and 4.1x at 16384)"),
     Route("guided", "GIST's route", "the guided epilogue GEMM on row panels", "summed bf16 loss on CUDA, "
-          "N x sum M >= 2^24", "core.triton_guided_panel.use_guided_panel",
+          "N x sum M >= 2^24", "core.guided.triton_panel.use_guided_panel",
           _rows(RUN2, "gist", (16384,), OURS, f"{OURS}[epi=tma]"),
           note="its fused kernels took 189.2 ms at N = 16384 and 24.1 at 4096 in the first run, where the "
                "default could not compile (the second run: 20.4 and 6.8)"),
     Route("maxsim", "MaxSim's kernels", "r256t32 forward, gathered dq", "CUDA",
-          "core.triton_maxsim.DQ_GATHER", (Quote("bench/results/h100-maxsim/sweep2.txt", "r256t32-dd1"),),
+          "core.maxsim.triton_maxsim.DQ_GATHER", (Quote("bench/results/h100-maxsim/sweep2.txt", "r256t32-dd1"),),
           note="an H100 sweep; on the H200 the kernels beat late-interaction-kernels (0.76-0.88x) and "
                "flash-maxsim (0.69-0.75x)"),
     Route("core", "every sm_80 threshold", "as sm_90 or the model's", "sm_80 (A100)",
-          "core.triton_panel.EPILOGUE_MIN_ELEMENTS[(form, 80)], triton_configs sm_80 tables",
+          "core.triton_shared.panels.EPILOGUE_MIN_ELEMENTS[(form, 80)], triton_shared.configs sm_80 tables",
           unmeasured="no A100 has been lent; bench/gpu_model.py chose them"),
 )
 

@@ -1,11 +1,11 @@
 """SigLIP's pairwise sigmoid loss (Zhai et al. 2023) without the N x N logits.
 
-``backend="torch"`` is the chunked PyTorch path of ``core/siglip.py`` (O(N*D) memory, any device);
-``backend="triton"`` the fused kernels of ``core/triton_siglip.py`` (CUDA, or CPU under
+``backend="torch"`` is the chunked PyTorch path of ``core/siglip/torch_siglip.py`` (O(N*D) memory, any device);
+``backend="triton"`` the fused kernels of ``core/siglip/triton_siglip.py`` (CUDA, or CPU under
 ``TRITON_INTERPRET=1``); ``backend="reference"`` the textbook formula on the materialised logits
 (:func:`reference`, the test oracle). ``"auto"`` chooses like every other loss (``_backend.resolve``).
 Group positives (``image_groups`` / ``text_groups``): every backend's loss with every pair a negative plus
-``core.siglip.positives_correction`` over the positive pairs (``ops.siglip_groups`` under tracing).
+``core.siglip.torch_siglip.positives_correction`` over the positive pairs (``ops.siglip_groups`` under tracing).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from . import ops
 from ._amp import autocast_off
 from ._backend import resolve
 from .core import reference as ref
-from .core.siglip import SigLipFn, positives_correction
+from .core.siglip.torch_siglip import SigLipFn, positives_correction
 from .core.spec import compute_dtype, graph_free
 
 __all__ = ["siglip_loss"]
@@ -196,7 +196,7 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale, logit_bias=None, *, im
         per_n = reduction == "mean" and grp is None and not ops.tracing_route()
         weight = 1.0 / n if per_n else 1.0
         if be == "triton":
-            from .core.triton_siglip import TritonSigLipFn as fn
+            from .core.siglip.triton_siglip import TritonSigLipFn as fn
         else:
             fn = SigLipFn
         if ops.tracing_route():  # torch.compile / export: one opaque operator (no guard on N)

@@ -3,7 +3,7 @@
  * The Triton kernels of fused_contrastive (kernels/lse.py), compiled at build time for sm_80 / sm_90 and
  * launched through the CUDA driver API (libcuda.so.1 is dlopen'ed on first use: no link-time CUDA
  * dependency; FUSED_CONTRASTIVE_LIBCUDA overrides the library path). The host logic mirrors the Python
- * launcher (fused_contrastive/core/triton_backend.py: _lse_fwd, _lse_bwd): same configs, grids,
+ * launcher (fused_contrastive/core/triton_shared/launch.py: _lse_fwd, _lse_bwd): same configs, grids,
  * scratch buffers and argument lists; a ctest compares both launch by launch.
  *
  * Math (normalised rows a_i = A_i / max(||A_i||, eps), b_j likewise, runtime scale s):
@@ -128,7 +128,7 @@ FC_API fc_status fc_backward(const fc_problem *p, const fc_backward_args *args, 
                              size_t workspace_bytes, void *stream);
 
 /* ---- kernel level: the panel path's kernels --------------------------------------------------------
- * For large problems the Python package's Triton backend takes a "panel path" (core/triton_panel.py):
+ * For large problems the Python package's Triton backend takes a "panel path" (core/lse/triton_panel.py):
  * cuBLAS GEMMs over row panels with small Triton kernels between them. This library has no GEMM, so it
  * does not run that path itself; libfused_contrastive_torch drives it (at::mm for the GEMMs) and
  * launches the kernels through the two calls below. They are usable from C, but the argument lists

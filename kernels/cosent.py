@@ -1,4 +1,4 @@
-"""Triton device code of CoSENT (host side: ``fused_contrastive/core/triton_cosent.py``).
+"""Triton device code of CoSENT (host side: ``fused_contrastive/core/cosent/triton_cosent.py``).
 
     L = log(1 + sum_{(a, b): y_a > y_b} exp(x_b - x_a)),   x_i = scale * s_i
 
@@ -10,7 +10,7 @@ Two kernel pairs:
   O(B*D). The norms are scaled sums of squares (each row divided by its max |entry| first), so rows of
   any finite size give the finite answer.
 * ``cosent_scan_fwd_kernel`` / ``cosent_scan_bwd_kernel``: one program that walks the label-sorted
-  scores block by block with carried values (the O(B log B) algorithm of ``core/cosent.py``, whose
+  scores block by block with carried values (the O(B log B) algorithm of ``core/cosent/torch_cosent.py``, whose
   docstring derives it). Forward: the exclusive prefix ``E_j = log sum_{k<j} exp(x_k)`` is an inclusive
   ``tl.associative_scan`` (log-add-exp combine on (max, sum) pairs) of the scores shifted by one, plus
   the carry of earlier blocks; the prefix over strictly smaller labels is ``E`` at the start of j's tie
@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .lse import _log0, _lse_add
+from .common import _log0, _lse_add
 
 NEG_INF = tl.constexpr(float("-inf"))
 

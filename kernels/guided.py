@@ -1,6 +1,6 @@
 """Triton device code of one column block of the guided (GISTEmbed) / id-masked cross-entropy: the
 row log-sum-exp over scaled cosines with an exclusion mask computed inside each tile, and its
-backward. The host side (``fused_contrastive/core/triton_guided.py``) runs one block per call and
+backward. The host side (``fused_contrastive/core/guided/triton_blocks.py``) runs one block per call and
 merges the blocks of a row by log-sum-exp in PyTorch (O(N)).
 
 For rows ``a_i`` and columns ``b_j`` (normalised as in ``kernels/lse.py``, scale ``s``)::
@@ -33,7 +33,7 @@ exactly) and its gradient (``exp(0) = 1``, minus 1: exactly 0) keep an all-maske
 import triton
 import triton.language as tl
 
-from .lse import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
+from .common import NEG_INF, _accumulate, _cos_tile, _inv_norms, _log0, _logits, _norm_bwd_epilogue, _online_rows
 from .panel import ONE_PASS_SHIFT, _grouped_tile, _redo_flags, _row_partials, _tile_products
 
 
@@ -333,7 +333,7 @@ def guided_epi_kernel(
     PROTECT: tl.constexpr, SPLIT_T: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
     GUIDE_UPCAST: tl.constexpr, GUIDE_PREC: tl.constexpr, PERSIST: tl.constexpr,
 ):
-    """The epilogue GEMM of one masked block on a panel of rows (host: ``core/triton_guided_panel.py``):
+    """The epilogue GEMM of one masked block on a panel of rows (host: ``core/guided/triton_panel.py``):
     [BLOCK_M, BLOCK_N] tiles of ``X @ Y^T`` (X the panel's rows [P, D] scaled by powers of two, Y the
     block's raw columns [M, D]; fp32 accumulation in registers), then in registers the cosines, the
     guide tile and the exclusion mask (``_masked``: the guide dot, thresholds, ids, the protected target
@@ -389,7 +389,7 @@ def guided_rows_kernel(ZP, TP, MXP, ETP, CTP, SHIFT0, BAD, SH, LOSS, W, WROW, ZX
                        P, n_all, n_t, r0, stride_zp, min_te,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FINISH: tl.constexpr, SPLIT: tl.constexpr,
                        NEED_DS: tl.constexpr):
-    """The merge over the blocks of one panel of the guided route (``core/triton_guided_panel.py``, its
+    """The merge over the blocks of one panel of the guided route (``core/guided/triton_panel.py``, its
     step 2), one launch before and one after the redo instead of ~60 ATen ops per panel. Row i of the
     panel (global row ``r0 + i``): ``zx_i = sum_k ZP[i, k]`` over the ``n_all`` column tiles of every block
     (their partials side by side in one buffer), with SPLIT the target's ``e_it = sum_k ETP[i, k]`` and
@@ -448,7 +448,7 @@ def guided_rows_kernel(ZP, TP, MXP, ETP, CTP, SHIFT0, BAD, SH, LOSS, W, WROW, ZX
 def guided_acc_kernel(ACC, RAW, C, TGT, CT, F, P, D, stride_acc, stride_raw, stride_c,
                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_T: tl.constexpr):
     """A row tensor's panel of the guided route into its fp32 accumulator (step 3 of
-    ``core/triton_guided_panel.py``), one pass instead of six ATen ops: ``ACC_i += F_i (RAW_i - CT_i
+    ``core/guided/triton_panel.py``), one pass instead of six ATen ops: ``ACC_i += F_i (RAW_i - CT_i
     C[TGT_i])`` for the P rows (RAW the fp32 ``sum_k E_k @ C_hat_k`` of the panel, ``F_i = W_i rb_i``; with
     HAS_T the target's term, ``CT_i = zx_i rb_t`` times the raw target row of C, 16-bit)."""
     pid = tl.program_id(0)

@@ -9,7 +9,7 @@ the segment (a straddled chunk is read once per segment). ``ALIGNED`` (every bou
 by the host): the boundaries are declared so (``_bound``), the masks are then constant over 16 coordinates and
 the operands arrive in 16-byte pipelined copies; otherwise each masked element is a scalar load.
 
-Per-level host data (``core/triton_matryoshka.py``), fp32 [K, N] (rows) or [K, M] (columns):
+Per-level host data (``core/matryoshka/triton_levels.py``), fp32 [K, N] (rows) or [K, M] (columns):
 
 * ``RSA[k]`` = 1 / (p_i n^k_i): the inverse prefix norm of the power-of-two scaled copy ``SA = p A``
   (``kernels/lse.row_norm_kernel``), so ``cos^k = <SA_i, SB_j>[:d_k] RSA[k, i] RSB[k, j]``;
@@ -37,7 +37,7 @@ Kernels:
   Matmul work per kernel: ``(sum_k d_k + d_K) / D`` units, 3.25 for 768/512/256/128/64, against the
   fused kernels' 2 for one loss and ``2 sum_k d_k / D`` = 4.5 for K of their calls.
 
-* ``mat_epi_kernel``: the suffix backward's panel kernel (16-bit operands, ``core/triton_matryoshka.py``
+* ``mat_epi_kernel``: the suffix backward's panel kernel (16-bit operands, ``core/matryoshka/triton_levels.py``
   ``_bwd_suffix``): one output tile of a row panel per program, one walk along D; each level's gradient
   tile is parked in 16 bits at its boundary, and after the walk the suffix sums ``H^r = sum_{k >= r} G^k``
   are written ([K, P, M]) for cuBLAS to multiply into each segment of both sides. 1 unit of matmul work for
@@ -65,7 +65,7 @@ single-kernel backward (B is A runs as two inputs), the triangular forward, floa
 import triton
 import triton.language as tl
 
-from .lse import NEG_INF, _dlogits, _grad_vec, _log0, _logits, _lse_add, _online_rows, _pos_logits, _stat
+from .common import NEG_INF, _dlogits, _grad_vec, _log0, _logits, _lse_add, _online_rows, _pos_logits, _stat
 from .panel import _grouped_tile
 
 

@@ -1,5 +1,5 @@
 """Triton device code of late interaction (ColBERT's MaxSim) scores, forward and backward (host side:
-``fused_contrastive/core/triton_maxsim.py``; launch configs there).
+``fused_contrastive/core/maxsim/triton_maxsim.py``; launch configs there).
 
 Inputs: query tokens ``q`` [N, Lq, D] and document tokens ``d`` [M, Ld, D] (fp32 / fp16 / bf16, one
 dtype; the inner dimension contiguous, any token / batch strides), query-token weights ``w`` [N, Lq]

@@ -1,6 +1,6 @@
 """Triton device code of the panel backward: the per-logit work of a panel of whole rows, in one pass.
 
-The panel path (host code in ``fused_contrastive/core/triton_panel.py``) hands every matmul to cuBLAS
+The panel path (host code in ``fused_contrastive/core/lse/triton_panel.py``) hands every matmul to cuBLAS
 and keeps only what cuBLAS cannot do in Triton. For a panel of rows ``[r0, r0 + P)`` (whole rows: all
 M columns) the host computes the raw dot products with one GEMM,
 ``Lraw = (A_P diag(pw)) @ B^T`` (fp32 output; ``pw_i`` a power of two that puts the row's largest
@@ -67,9 +67,11 @@ of a column term or per-row output, and the triangular sweep's). See its docstri
 import triton
 import triton.language as tl
 
-from .lse import (
+from .common import (
     NEG_INF,
     _dlogits,
+    _dz,
+    _flipped,
     _grad_vec,
     _inv_norms,
     _log0,
@@ -78,9 +80,9 @@ from .lse import (
     _online_rows,
     _pos_logits,
     _row_stats,
+    _softplus,
     _stat,
 )
-from .siglip import _dz, _flipped, _softplus
 
 
 @triton.jit
@@ -503,7 +505,7 @@ def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW
                     P, n_pn, r0, stride_zp, stride_dl,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FINISH: tl.constexpr, NEED_DS: tl.constexpr,
                     SPLIT_T: tl.constexpr):
-    """The per-row bookkeeping of the epilogue GEMM's one pass (``core/triton_panel.py`` ``_epi_panel``), one
+    """The per-row bookkeeping of the epilogue GEMM's one pass (``core/lse/triton_panel.py`` ``_epi_panel``), one
     launch before and one after the redo instead of a dozen ATen ops per panel. Row i of the panel
     (global row ``r0 + i``), ``z_i = sum_k ZP[i, k]`` over its ``n_pn`` column tiles' partials:
 
@@ -541,7 +543,7 @@ def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW
 @triton.jit
 def stats_merge_kernel(MX, Z, OUT, n_out, n_part, stride_o, stride_p,
                        BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr, ACC: tl.constexpr):
-    """The merge of the epilogue GEMM's statistics partials (MODE 3; ``core/triton_panel.py``
+    """The merge of the epilogue GEMM's statistics partials (MODE 3; ``core/lse/triton_panel.py``
     ``stats_forward``), one launch per panel and direction instead of a dozen ATen ops: for each of
     ``n_out`` outputs ``o`` (a row of the panel, or a column), its ``n_part`` partials (the row's column
     tiles, or the column's row tiles) ``MX[o, k]`` (the largest logit) and ``Z[o, k]`` (the sum of

@@ -1,5 +1,5 @@
-"""Triton device code of SigLIP's sigmoid loss (host side: ``fused_contrastive/core/triton_siglip.py``;
-the PyTorch path and the derivation: ``fused_contrastive/core/siglip.py``).
+"""Triton device code of SigLIP's sigmoid loss (host side: ``fused_contrastive/core/siglip/triton_siglip.py``;
+the PyTorch path and the derivation: ``fused_contrastive/core/siglip/torch_siglip.py``).
 
 With the cosine tile of the core kernels (``lse._cos_tile``: the prologue's power-of-two scaled rows
 ``SA``, ``SB`` and their inverse norms ``rsa``, ``rsb`` folded into the finished tile; raw rows and
@@ -33,55 +33,24 @@ Numerics: ``softplus(w) = max(w, 0) + log1p(exp(-|w|))``, with ``log1p(e) = log(
 finite for every finite ``w`` (scales of 1e4 included). The upstream gradients are divided by
 ``gscale = max |g|`` before the fp16/bf16 cast of the gradient matmul's operand, so ``|dz| <= 1``, and,
 as in the core kernels, ``dz`` is multiplied by the power of two ``PRESCALE`` (2^13 for fp16, else 1;
-``triton_backend.prescale``) before that cast and divided out in the fp32 epilogue: a negative pair's
+``triton_shared.launch.prescale``) before that cast and divided out in the fp32 epilogue: a negative pair's
 ``sigmoid(z)`` (~4.5e-5 at SigLIP's initial bias -10) is below fp16's smallest normal number.
 Padding rows / columns are masked out of every sum.
 
 Supported: any N, M, D, fp32 / fp16 / bf16 (fp32 accumulation, tf32x3 dots for fp32), row strides,
-int64 offsets. Launch configs: the core kernels' table (``core/triton_configs.py``: "fwd", "bwd_rows",
+int64 offsets. Launch configs: the core kernels' table (``core/triton_shared/configs.py``: "fwd", "bwd_rows",
 "bwd_cols"); these kernels hold fewer live tiles than the core kernels with every term on, and
-tests/test_triton_compile.py compiles each for sm_80 / sm_90 (0 spills, mma / wgmma). Not run on a
-GPU yet (tested under the CPU interpreter and by ahead-of-time compilation only); on an H100 they
-measured 555 ms at N = 65536, bf16 (6.3x the textbook formula), so 16-bit problems where the core op takes
-the panel path run on the panel path's epilogue GEMM instead (``kernels/panel.py`` MODE 4, which reuses
-``_flipped``, ``_softplus`` and ``_dz`` from here; ``core/triton_siglip.use_panel_route``).
+tests/test_triton_compile.py compiles each for sm_80 / sm_90 (0 spills, mma / wgmma). An H100 measured them
+far slower than the textbook formula at N = 65536, bf16 (docs/gpu-measurements.md), so 16-bit problems where the
+core op takes the panel path run on the panel path's epilogue GEMM instead (``kernels/panel.py`` MODE 4, which
+uses ``_flipped``, ``_softplus`` and ``_dz`` of ``kernels/common.py``, as these kernels do;
+``core/siglip/triton_siglip.use_panel_route``).
 """
 
 import triton
 import triton.language as tl
 
-from .lse import _accumulate, _cos_tile, _inv_norms, _norm_bwd_epilogue
-
-
-@triton.jit
-def _flipped(cos, s, b, rows, cols, N, M, offset):
-    """(w = -label * z on the tile, the valid mask (inside [0, N) x [0, M)), the positive mask)."""
-    z = cos * s + b
-    pos = cols[None, :] == rows[:, None] + offset
-    w = tl.where(pos, -z, z)
-    valid = (rows < N)[:, None] & (cols < M)[None, :]
-    return w, valid, pos
-
-
-@triton.jit
-def _softplus(w):
-    """log(1 + exp(w)) for any finite w, without overflow and without losing tiny values."""
-    e = tl.exp(-tl.abs(w))  # in (0, 1]
-    u = 1.0 + e
-    d = u - 1.0
-    lp = tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
-    return tl.maximum(w, 0.0) + lp
-
-
-@triton.jit
-def _dz(cos, s, b, g_r, rows, cols, N, M, offset):
-    """dz_ij = g_i sign_ij sigmoid(w_ij) on the tile, 0 on padding."""
-    w, valid, pos = _flipped(cos, s, b, rows, cols, N, M, offset)
-    e = tl.exp(-tl.abs(w))  # in (0, 1]: no overflow for any w
-    r = 1.0 / (1.0 + e)
-    p = tl.where(w >= 0, r, e * r)  # sigmoid(w): one division
-    p = tl.where(pos, -p, p) * g_r[:, None]
-    return tl.where(valid, p, 0.0)
+from .common import _accumulate, _cos_tile, _dz, _flipped, _inv_norms, _norm_bwd_epilogue, _softplus
 
 
 @triton.jit

@@ -15,7 +15,7 @@ target rows and two fp32 writes, where the PyTorch route materialised the unit r
 gradients and the normalisation backward (~20 passes over an N x D fp32 tensor).
 
 The norms are one-pass scaled sums of squares (as ``lse.row_norm_kernel``: no overflow for any finite
-row), the dot is taken on the same scaled rows. Launchers: ``fused_contrastive/core/triton_target.py``.
+row), the dot is taken on the same scaled rows. Launchers: ``fused_contrastive/core/triton_shared/target.py``.
 """
 
 from __future__ import annotations

@@ -49,13 +49,13 @@ def _at(addr: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _kernel_fn(name: str):
-    from fused_contrastive.kernels import lse, panel
+    from fused_contrastive.kernels import common, lse, panel
 
-    for mod in (lse, panel):
+    for mod in (lse, panel, common):
         fn = getattr(mod, f"{name}_kernel", None)
         if fn is not None:
             return fn
-    raise KeyError(f"no kernel function {name}_kernel in fused_contrastive.kernels.lse / .panel")
+    raise KeyError(f"no kernel function {name}_kernel in fused_contrastive.kernels.lse / .panel / .common")
 
 
 class Executor:

@@ -1,6 +1,6 @@
 """Shared by the tests that compile kernels ahead of time for sm_80 / sm_90 (no GPU): run a compile script
 in a fresh process (``TRITON_INTERPRET=0``: triton must be imported in compile mode) and check its records
-(``fused_contrastive.tools.aot.compile_launch``: registers, spill bytes, shared memory, tensor-core kind)."""
+(``fused_contrastive.tools.compile_survey.compile_launch``: registers, spill bytes, shared memory, tensor-core kind)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ test-sized problem takes by default) and "chunked" (``FUSED_CONTRASTIVE_DENSE=0`
 budget, so the problem is split into many row chunks and symmetric blocks).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -22,6 +23,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+
+@pytest.fixture
+def route():
+    """The switchboard for the test's duration: ``route(TRITON_PATH="panel", PANEL_GEMM="epilogue")`` is
+    ``fused_contrastive.routes.override`` entered until the test ends (None: the setting's default). What tests
+    steer routes with in their own process; a child process still takes the environment."""
+    from fused_contrastive import routes
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(routes.override(**values))
 
 
 def set_path(monkeypatch, path: str, tile: int = 300) -> None:

@@ -77,9 +77,9 @@ def test_the_temperature_gradient_includes_the_margin():
 
 @pytest.mark.parametrize("triton_path", ["fused", "panel"])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_triton_interpreted_equals_the_textbook(triton_path, symmetric, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", triton_path)
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # the kernels, not the one-tile torch path
+def test_triton_interpreted_equals_the_textbook(triton_path, symmetric, monkeypatch, route):
+    route(TRITON_PATH=triton_path)
+    route(DENSE="0")  # the kernels, not the one-tile torch path
     q, k = _inputs(70, 24, 4, torch.float32)
     t = torch.tensor(0.05)
     got, gg = _grads(lambda q_, k_, t_: fc.am_softmax_loss(q_, k_, margin=0.3, temperature=t_, symmetric=symmetric,

@@ -1,6 +1,6 @@
 """The ahead-of-time C library (CMakeLists.txt): configure with Ninja into a fresh build directory, build,
 run ctest. ctest covers the C API on a mock libcuda (error codes: no driver, no device, no context,
-unsupported arch / dtype / shape / mode), ``python -m fused_contrastive.aot check`` (every launch of the C
+unsupported arch / dtype / shape / mode), ``python -m fused_contrastive.c_library check`` (every launch of the C
 API against the Python launcher's launches for the same problem: kernel variant, grid, block, shared
 memory, every argument value; the launched cubins byte-identical to a fresh ``triton.compile``), and a
 consumer project built with ``find_package(fused_contrastive)`` against the installed tree.
@@ -70,19 +70,19 @@ def test_manifest_covers_the_python_launcher(build):
     the jit function's parameters minus the launch's constexprs, in order (recorded here on meta tensors
     under the interpreter, whose bf16 UPCAST flag differs from the GPU build's, so only layouts compare);
     both archs have variants; the library embeds them."""
-    from fused_contrastive import aot
+    from fused_contrastive import c_library
 
     man = json.loads((build / "gen" / "manifest.json").read_text())
     built = {(v["cc"], v["variant"]) for v in man["variants"]}
     for cc in (80, 90):
-        for mode in aot.MODES:
+        for mode in c_library.MODES:
             for d in (112, 784):
-                for ln in aot.record(mode, "bf16", 300, 200, d, aot._ARCH_FAMILY[cc]):
+                for ln in c_library.record(mode, "bf16", 300, 200, d, c_library._ARCH_FAMILY[cc]):
                     params = [k for k in ln.fn.arg_names if k not in ln.constexprs]
                     assert [p["name"] for p in man["layouts"][ln.name]] == params
-            for mode in aot.MODES:  # the panel path's kernels, every row-block size
-                for progs in aot.PANEL_PROGRAMS_REC:
-                    for ln in aot.record(mode, "bf16", 300, 200, d, aot._ARCH_FAMILY[cc], path="panel",
+            for mode in c_library.MODES:  # the panel path's kernels, every row-block size
+                for progs in c_library.PANEL_PROGRAMS_REC:
+                    for ln in c_library.record(mode, "bf16", 300, 200, d, c_library._ARCH_FAMILY[cc], path="panel",
                                          programs=progs):
                         params = [k for k in ln.fn.arg_names if k not in ln.constexprs]
                         assert [p["name"] for p in man["layouts"][ln.name]] == params
@@ -94,7 +94,7 @@ def test_manifest_covers_the_python_launcher(build):
         margin_kernels = {kn for c, kn, k in keys if c == cc and "BIAS_COS=1" in k and "HAS_BIAS=1" in k}
         assert margin_kernels == {"lse_fwd", "lse_bwd_rows", "lse_bwd_cols", "panel_dl"}, margin_kernels
         assert any(kn == "lse_fwd" and "TRI=1" in k for c, kn, k in keys if c == cc)
-        assert {kn for c, kn, _ in keys if c == cc} >= set(aot.PANEL_KERNELS) | {"row_norm"}
+        assert {kn for c, kn, _ in keys if c == cc} >= set(c_library.PANEL_KERNELS) | {"row_norm"}
     per_arch = {cc: len({v for c, v in built if c == cc}) for cc in (80, 90)}
     assert per_arch[80] > 0 and per_arch[90] > 0
     cubins = sum((build / "gen" / f).stat().st_size for f in {v["file"] for v in man["variants"] if v["cc"] == 80})
@@ -118,7 +118,8 @@ def test_torch_operators_run_the_panel_path(build):
     lib = build / "libfused_contrastive_torch.so"
     if not lib.exists():
         pytest.skip("libfused_contrastive_torch was not built (Torch not found by CMake)")
-    out = _run([sys.executable, "-m", "fused_contrastive.aot", "check", "--gen", str(build / "gen"), "--torch-lib",
+    out = _run([sys.executable, "-m", "fused_contrastive.c_library", "check", "--gen", str(build / "gen"),
+                "--torch-lib",
                 str(lib), "--mock", str(build / "libfc_mock_cuda.so"), "--work", str(build / "pytest_torch_check")],
                ROOT, 600, env=dict(os.environ, TRITON_INTERPRET="0"))
     # 6 problems per (arch, dtype): 3 modes, B is A at the default budget, a queue, dB off; the 2 margin modes
@@ -199,7 +200,7 @@ _ROUTE = r"""
 import json, os, sys
 import torch
 import fused_contrastive as fc
-from fused_contrastive import aot
+from fused_contrastive import c_library
 
 man = json.load(open(sys.argv[1]))
 kernel_of = {v["symbol"]: v["kernel"] for v in man["variants"]}
@@ -214,7 +215,7 @@ def launched():
     return [(kernel_of[c["name"]], c["grid"][0]) for c in calls if c["call"] == "cuLaunchKernel"]
 
 def expected(mode, n, m, d):
-    return [(ln.name, ln.grid[0]) for ln in aot.record(mode, "bf16", n, m, d, "sm90", sms=132)]
+    return [(ln.name, ln.grid[0]) for ln in c_library.record(mode, "bf16", n, m, d, "sm90", sms=132)]
 
 g = torch.Generator().manual_seed(0)
 def x(n, d):
@@ -322,7 +323,7 @@ print("\n".join(str(x.message) for x in w))
 
 def test_the_library_probes_its_fp32_output_gemms(build, tmp_path):
     """The torch operators' panel path probes cuBLAS's fp32-output GEMMs of 16-bit operands once per
-    (device, dtype) like the Python path (``core/triton_panel.gemm_routes``) and falls back to upcast
+    (device, dtype) like the Python path (``core/triton_shared/panels.gemm_routes``) and falls back to upcast
     GEMMs with one warning each when a probe fails: forced here on the CPU
     (FUSED_CONTRASTIVE_AOT_PROBE_CPU), which has no such GEMMs, so the probes fail, the step completes on
     the fallback, and two calls warn once per GEMM."""
@@ -348,13 +349,13 @@ import json, os, sys
 sys.path.insert(0, sys.argv[3])
 import torch
 import _aot_exec
-from fused_contrastive.core import triton_aot
+from fused_contrastive.core.lse import library_route
 from fused_contrastive.testing import CASES
 from fused_contrastive.testing.accuracy import run
-from fused_contrastive.tools.aot import core_calls
+from fused_contrastive.tools.compile_survey import core_calls
 
 ex = _aot_exec.install(sys.argv[1], sys.argv[2])
-lib = os.environ[triton_aot.ENV]
+lib = os.environ[library_route.ENV]
 # the registry's losses whose core-op call carries the target margin (a fact of each case, not a name)
 cases = [c for c in CASES if c.op == "core" and any(call[3].margin != 0.0 for call in core_calls(c.name, 8, 16))]
 
@@ -362,12 +363,12 @@ cases = [c for c in CASES if c.op == "core" and any(call[3].margin != 0.0 for ca
 def on_triton(case, inputs, aot):
     # loss and gradients on backend="triton": the library's operators (aot) or, with the route off, the
     # JIT kernels (interpreted; the Python launcher's host code)
-    os.environ[triton_aot.ENV] = lib
+    os.environ[library_route.ENV] = lib
     if not aot:
-        del os.environ[triton_aot.ENV]
-    calls, launched = triton_aot.CALLS, len(ex.launches)
+        del os.environ[library_route.ENV]
+    calls, launched = library_route.CALLS, len(ex.launches)
     loss, grads = run(case, inputs, "triton", torch.bfloat16)
-    return [loss, *grads.values()], triton_aot.CALLS - calls, sorted(set(ex.launches[launched:]))
+    return [loss, *grads.values()], library_route.CALLS - calls, sorted(set(ex.launches[launched:]))
 
 
 def reference(case, inputs):  # float64 on the same bf16-rounded embeddings
@@ -403,7 +404,7 @@ def test_the_library_computes_the_target_margin(build, tmp_path):
     as FC_MODE_INFO_NCE, its symmetric form as FC_MODE_CLIP, the margin at the diagonal target), on the
     library's torch operators, with values: the mock driver hands every launch to tests/_aot_exec.py,
     which runs the launched variant's kernel under the Triton interpreter on the CPU tensors that stand
-    in for device memory. The call is routed to the library (triton_aot.CALLS; the kernels launched: the
+    in for device memory. The call is routed to the library (library_route.CALLS; the kernels launched: the
     fused ones at a resident and a streamed D, the panel path's panel_dl), and its loss and gradients
     (embeddings, a tensor temperature) match the float64 reference on the same bf16 inputs, and the
     reference without the margin is far off. The gradients of bf16 rows carry bf16 gradient tiles (a few

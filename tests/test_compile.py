@@ -56,8 +56,8 @@ def _assert_close(got, want, what: str) -> None:
 
 def _captured_core_args(case, n: int, backend: str, dtype=torch.float64) -> list[tuple]:
     """The flat arguments of ``fused_contrastive::core`` for every core-op call of ``case`` at N (inputs
-    of ``dtype`` that require grad; ``tools.aot.core_calls``, the one capture of the registry's calls)."""
-    from fused_contrastive.tools.aot import core_calls
+    of ``dtype`` that require grad; ``tools.compile_survey.core_calls``, the one capture of the registry's calls)."""
+    from fused_contrastive.tools.compile_survey import core_calls
 
     return [ops._flatten(backend, a, b, scale, spec, data, coef, reduce, ops._needs(a, b, scale))
             for a, b, scale, spec, data, coef, reduce in core_calls(case.name, n, D, dtype, "cpu", traced=True)]

@@ -112,7 +112,7 @@ def test_opcheck_merged_lse(name, path):
 
 def test_opcheck_merged_lse_offset_rows():
     # the positive-positive block's rows start at the rank's offset under gather: built here directly
-    from fused_contrastive.core.blocks import Block, Masks, _Config
+    from fused_contrastive.core.guided.torch_blocks import Block, Masks, _Config
 
     g = torch.Generator().manual_seed(3)
     x0, x1 = _randn(g, 6, D).requires_grad_(), _randn(g, 10, D).requires_grad_()

@@ -8,6 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 import fused_contrastive as fc
 from fused_contrastive import losses
 
@@ -16,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _recipe_files() -> set[str]:
     text = (ROOT / "CONTRIBUTING.md").read_text()
-    section = text[text.index("## A new loss: the recipe"):text.index("## A new field of the core op")]
+    section = text[text.index("## A new loss: the recipe"):text.index("## A new option on an existing loss")]
     paths = set()
     for p in re.findall(r"`([\w./<>-]+\.(?:py|md))(?:::\w+)?`", section):
         if "<family>" in p or not (p == "README.md" or p.startswith(("fused_contrastive/", "tests/", "docs/"))):
@@ -66,3 +68,63 @@ def test_its_multi_process_cells_come_from_the_registry():
 
     assert "am_softmax_loss[am_softmax]" in _training_matrix.BY_NAME
     assert "case:am_softmax" in [name for name, *_ in registry_cells([3, 2], 0)]
+
+
+def _section(title: str) -> str:
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    start = text.index(title)
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def _paths(section: str) -> set[str]:
+    return set(re.findall(r"`((?:fused_contrastive|kernels|tests|docs)/[\w./<>-]+\.(?:py|md))`", section))
+
+
+@pytest.mark.parametrize("title", ["## A new option on an existing loss: the recipe", "## A new family: the recipe",
+                                   "## A new route: the recipe"])
+def test_the_new_recipes_name_files_of_the_tree(title):
+    """Every file the option / family / route recipes name exists; a ``<family>`` path exists for every family
+    of core/ (``<name>`` and ``<option>`` stand for the new file's own name)."""
+    import test_structure
+
+    section = _section(title)
+    paths = _paths(section)
+    assert paths, title
+    for p in paths:
+        if "<name>" in p or "<option>" in p:
+            continue
+        for fam in (test_structure.CORE_FAMILIES if "<family>" in p else [None]):
+            f = p.replace("<family>", fam) if fam else p
+            if f.startswith("fused_contrastive/losses/") and fam:
+                continue  # the loss modules are grouped by kind of loss, not by core family
+            assert (ROOT / f).exists(), f"CONTRIBUTING.md ({title}) names {f}, which does not exist"
+
+
+def test_every_family_has_the_recipes_shape():
+    """What the family recipe asks is what each family of the tree has: a folder of core/ with its
+    ``__init__.py`` and ``torch_*`` / ``triton_*`` files (MaxSim's PyTorch path is its public module), and a
+    file of kernels/."""
+    import test_structure
+
+    for fam in test_structure.CORE_FAMILIES:
+        folder = ROOT / "fused_contrastive" / "core" / fam
+        files = {p.name for p in folder.glob("*.py")}
+        assert "__init__.py" in files, fam
+        assert any(f.startswith("triton_") for f in files), (fam, files)
+        assert fam == "maxsim" or any(f.startswith("torch_") for f in files), (fam, files)
+        assert (ROOT / "kernels" / f"{fam}.py").is_file(), fam
+
+
+def test_the_route_recipe_matches_the_switchboard():
+    """The route recipe's places are real: routes.ROUTES rows name a setting, SETTINGS rows a kind and a
+    default, and override is the context manager the recipe's test uses."""
+    from fused_contrastive import routes
+
+    section = _section("## A new route: the recipe")
+    for name in ("routes.setting", "routes.override", "Route", "SETTINGS", "Setting"):
+        assert name in section, name
+    assert all(r.setting for r in routes.ROUTES)
+    assert all(s.kind in ("choice", "int", "flag", "text") for s in routes.SETTINGS.values())
+    with routes.override(MATRYOSHKA_ROUTE="suffix"):
+        assert routes.setting("MATRYOSHKA_ROUTE") == "suffix"

@@ -189,10 +189,10 @@ def _largest(fn) -> int:
     return rec.largest
 
 
-def test_activation_memory_scales_with_the_chunk(monkeypatch):
+def test_activation_memory_scales_with_the_chunk(monkeypatch, route):
     """The largest tensor of a cached step is that of one chunk's ordinary step (or of the loss on the
     [N, D] embeddings), not of the batch: with 8 chunks it is several times smaller."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "4096")  # the loss's own tiles stay small
+    route(TILE_ELEMENTS="4096")  # the loss's own tiles stay small
     torch.manual_seed(0)
     enc = Encoder()
     x, _ = _data(torch.float32)

@@ -1,4 +1,4 @@
-"""The epilogue GEMM's tile-loop forms (``triton_panel.EPI_FORMS``, env ``FUSED_CONTRASTIVE_EPI_FORM``;
+"""The epilogue GEMM's tile-loop forms (``panels.EPI_FORMS``, env ``FUSED_CONTRASTIVE_EPI_FORM``;
 ``kernels/panel.py`` ``epi_gemm_kernel`` PERSIST / TMA): one program per tile (the default), a persistent
 grid walking the tiles in one flattened loop, and the persistent grid with TMA operand tiles.
 
@@ -25,21 +25,23 @@ except ImportError:  # pragma: no cover - the test extra installs triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend, triton_panel
-from fused_contrastive.core.triton_configs import LaunchConfig
+from fused_contrastive.core.lse import triton_panel
+from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
+from fused_contrastive.core.triton_shared.configs import LaunchConfig
 from fused_contrastive.testing import CASE_BY_NAME, compare
 
 SMALL = LaunchConfig(16, 32, 32, 4, 2)
 
 
 @pytest.fixture(autouse=True)
-def _small_tiles(monkeypatch):
+def _small_tiles(monkeypatch, route):
     """The panel path's epilogue GEMM in 40-row panels of 16 x 32 tiles, outputs poisoned with NaN."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 40)
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", True)
+    route(DENSE="0")
+    route(TRITON_PATH="panel")
+    route(PANEL_GEMM="epilogue")
+    route(PANEL_ROWS=40)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     for name in list(triton_panel.EPI_GEMM):
         monkeypatch.setitem(triton_panel.EPI_GEMM, name, SMALL)
     with warnings.catch_warnings():
@@ -51,17 +53,17 @@ def _small_tiles(monkeypatch):
 def _launches():
     """Every Triton launch made inside, recorded while it still runs."""
     seen = []
-    orig = triton_backend._launch
+    orig = TL._launch
 
     def launch(x):
         seen.append(x)
         orig(x)
 
-    triton_backend._launch = launch
+    TL._launch = launch
     try:
         yield seen
     finally:
-        triton_backend._launch = orig
+        TL._launch = orig
 
 
 def _run(loss: str, dtype=torch.bfloat16, n: int = 97, d: int = 72):
@@ -91,11 +93,11 @@ LOSSES = {"info_nce": {1}, "clip": {0, 3}, "simcse": {0, 3}, "siglip": {5}, "sig
 
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_forms_equal_the_tiles_form_bitwise(loss, monkeypatch):
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "tiles")
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "tiles")
     want, tiles = _run(loss)
     assert max(x.grid[0] for x in tiles) > 3  # programs that walk several tiles below
     for form in ("persistent", "tma"):
-        monkeypatch.setenv(triton_panel.EPI_FORM_ENV, form)
+        monkeypatch.setenv(panels.EPI_FORM_ENV, form)
         got, launches = _run(loss)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), (loss, form, float((a.float() - b.float()).abs().max()))
@@ -115,19 +117,15 @@ def test_forms_equal_the_tiles_form_bitwise(loss, monkeypatch):
 def _gist(gdt):
     """GISTEmbed's loss and gradients on the guided blocks' epilogue GEMM (40-row panels of 16 x 32 tiles),
     and its guided_epi launches."""
-    from fused_contrastive.core import triton_guided_panel as TGP
+    from fused_contrastive import routes
     from fused_contrastive.losses.guided import gist_loss
 
     g = torch.Generator().manual_seed(1)
     a, p, n = (torch.randn(r, 72, generator=g).bfloat16().requires_grad_() for r in (97, 97, 83))
     guides = tuple(torch.randn(r, 21, generator=g).to(gdt) for r in (97, 97, 83))
-    prev_rows, TGP.PANEL_ROWS = TGP.PANEL_ROWS, 40
-    try:
-        with _launches() as seen:
-            loss = gist_loss(a, p, n, guide=guides, temperature=0.05, backend="triton")
-            loss.backward()
-    finally:
-        TGP.PANEL_ROWS = prev_rows
+    with routes.override(GUIDED_PANEL_ROWS=40), _launches() as seen:
+        loss = gist_loss(a, p, n, guide=guides, temperature=0.05, backend="triton")
+        loss.backward()
     return [loss.detach(), a.grad, p.grad, n.grad], [x for x in seen if x.name.startswith("guided_epi")]
 
 
@@ -136,7 +134,7 @@ def _gist(gdt):
 def test_guided_persistent_form_equals_the_tiles_form_bitwise(gdt, form, monkeypatch):
     # the guided blocks' epilogue GEMM (GIST's four blocks, its split target block): "persistent" and "tma"
     # both run its persistent form (no descriptors for the guides), bitwise the tiles form's results
-    from fused_contrastive.core import triton_guided_panel as TGP
+    from fused_contrastive.core.guided import triton_panel as TGP
 
     for name in list(TGP.GUIDED_EPI):
         monkeypatch.setitem(TGP.GUIDED_EPI, name, SMALL)
@@ -144,10 +142,10 @@ def test_guided_persistent_form_equals_the_tiles_form_bitwise(gdt, form, monkeyp
     # compile test below checks that table)
     for key in list(TGP.GUIDED_PERSIST_STAGES):
         monkeypatch.setitem(TGP.GUIDED_PERSIST_STAGES, key, 2)
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "tiles")
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "tiles")
     want, tiles = _gist(gdt)
     assert max(x.grid[0] for x in tiles if x.name == "guided_epi") > 3
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, form)
+    monkeypatch.setenv(panels.EPI_FORM_ENV, form)
     got, launches = _gist(gdt)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b), (form, float((a.float() - b.float()).abs().max()))
@@ -158,20 +156,20 @@ def test_guided_persistent_form_equals_the_tiles_form_bitwise(gdt, form, monkeyp
 
 @pytest.mark.parametrize("name, form", [("info_nce", "persistent"), ("clip_scale", "tma")])
 def test_forms_against_float64(name, form, monkeypatch):
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, form)
+    monkeypatch.setenv(panels.EPI_FORM_ENV, form)
     c = compare(CASE_BY_NAME[name], 97, 72, torch.bfloat16, "triton", canary=True)
     assert c.ok, c
 
 
 def test_tma_needs_aligned_rows_and_the_env_is_checked(monkeypatch):
     # D = 13 in bf16: 26-byte rows, which TMA cannot copy: the persistent form with cp.async copies instead
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "tma")
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "tma")
     got, launches = _run("info_nce", d=13)
     assert {(x.constexprs["PERSIST"], x.constexprs["TMA"]) for x in launches if x.name == "epi_gemm"} == {
         (True, False)}
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "tiles")
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "tiles")
     want, _ = _run("info_nce", d=13)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    monkeypatch.setenv(triton_panel.EPI_FORM_ENV, "warp")
-    with pytest.raises(ValueError, match=triton_panel.EPI_FORM_ENV):
+    monkeypatch.setenv(panels.EPI_FORM_ENV, "warp")
+    with pytest.raises(ValueError, match=panels.EPI_FORM_ENV):
         _run("info_nce")

@@ -1,4 +1,5 @@
-"""The sm_80 / sm_90 compiles of the epilogue GEMMs' persistent tile loops (``triton_panel.EPI_FORMS``, env
+"""The sm_80 / sm_90 compiles of the epilogue GEMMs' persistent tile loops (``triton_shared/panels.py``
+``EPI_FORMS``, env
 ``FUSED_CONTRASTIVE_EPI_FORM``; their interpreter parity is tests/test_epi_forms.py): every persistent launch
 the losses make (InfoNCE's one pass, CLIP's statistics forward and known statistics, SimCSE's triangular
 sweep, SigLIP's one pass and losses sweep, GIST's and the ids blocks of the guided route) without spills,
@@ -18,7 +19,7 @@ try:
 except ImportError:  # pragma: no cover - the test extra installs triton
     pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
-from fused_contrastive.core.triton_configs import EPI_PERSIST_STAGES
+from fused_contrastive.core.triton_shared.configs import EPI_PERSIST_STAGES
 from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 
 _COMPILE = textwrap.dedent(
@@ -26,10 +27,9 @@ _COMPILE = textwrap.dedent(
     import json, os, sys, warnings
     warnings.simplefilter("ignore")
     import torch
-    from fused_contrastive import core
-    from fused_contrastive.core import triton_panel
-    from fused_contrastive.core.triton_siglip import TritonSigLipFn
-    from fused_contrastive.tools import aot
+    from fused_contrastive import core, routes
+    from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
+    from fused_contrastive.tools import compile_survey
 
     meta = torch.device("meta")
     n = 4096
@@ -37,9 +37,9 @@ _COMPILE = textwrap.dedent(
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
 
     def record(arch, loss):
-        with aot.recording(arch) as launches:
+        with compile_survey.recording(arch) as launches:
             if loss in ("info_nce", "clip", "simcse"):  # the losses' own core-op calls, as the model runs them
-                a, b, scale, spec, data, coef, reduce = aot.core_call(loss, n, 768, torch.bfloat16)
+                a, b, scale, spec, data, coef, reduce = compile_survey.core_call(loss, n, 768, torch.bfloat16)
                 out = core.run("triton", a, b, scale, spec, data, coef, reduce)
                 torch.autograd.grad(out, [x for x in (a, b) if x is not None and x.requires_grad])
             else:  # SigLIP's mean (its one pass) and per-row losses (a losses sweep, then a gradient sweep)
@@ -52,12 +52,12 @@ _COMPILE = textwrap.dedent(
 
     def record_guided(arch, gdt, variant, d=768, dg=384):
         # GIST's four blocks (the threshold rule, the split target block) and info_nce's ids-and-self block
-        from fused_contrastive.core.blocks import Block, Masks, merged_lse
+        from fused_contrastive.core.guided.torch_blocks import Block, Masks, merged_lse
         a, p, ng = (torch.empty(n, d, dtype=torch.bfloat16, device=meta).requires_grad_() for _ in range(3))
         s = torch.empty((), device=meta, requires_grad=True)
         w = torch.empty(n, device=meta)
         i64 = torch.empty(n, dtype=torch.int64, device=meta)
-        with aot.recording(arch) as launches:
+        with compile_survey.recording(arch) as launches:
             if variant == "gist":
                 gs = tuple(torch.empty(n, dg, dtype=gdt, device=meta) for _ in range(3))
                 blocks = [Block(0, 1, protect=True), Block(0, 0), Block(1, 1), Block(0, 2)]
@@ -72,7 +72,7 @@ _COMPILE = textwrap.dedent(
 
     out = []
     os.environ["FUSED_CONTRASTIVE_EPI_FORM"] = "persistent"
-    for cc, arch in aot.TARGETS:
+    for cc, arch in compile_survey.TARGETS:
         for gname, gdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             for variant in ("gist", "ids"):
                 seen = set()
@@ -83,14 +83,15 @@ _COMPILE = textwrap.dedent(
                     if key in seen:
                         continue
                     seen.add(key)
-                    r = aot.compile_launch(x, cc)
+                    r = compile_survey.compile_launch(x, cc)
                     r.update(form="guided", guide=gname, loss=variant, split=x.constexprs["SPLIT_T"],
                              persist=x.constexprs["PERSIST"], grid=x.grid[0], block_m=x.constexprs["BLOCK_M"])
                     out.append(r)
+    hooks = routes.override(PANEL_ROWS=1024)  # several panels (the triangular sweep's among them), to the end
+    hooks.__enter__()
     for form in ("persistent", "tma"):
         os.environ["FUSED_CONTRASTIVE_EPI_FORM"] = form
-        triton_panel.PANEL_ROWS = 1024  # several panels (the triangular sweep's among them)
-        for cc, arch in aot.TARGETS:
+        for cc, arch in compile_survey.TARGETS:
             seen = set()
             for loss in ("info_nce", "clip", "simcse", "siglip", "siglip_rows"):
                 for x in record(arch, loss):
@@ -99,7 +100,7 @@ _COMPILE = textwrap.dedent(
                         continue
                     seen.add(key)
                     keep = {}
-                    r = aot.compile_launch(x, cc, keep)
+                    r = compile_survey.compile_launch(x, cc, keep)
                     r.update(form=form, loss=loss, mode=x.constexprs["MODE"], has_g=x.constexprs["HAS_G"],
                              persist=x.constexprs["PERSIST"], tma_flag=x.constexprs["TMA"], grid=x.grid[0],
                              cp_async=keep["kernel"].asm["ttgir"].count("async_copy_global_to_local"))

@@ -85,12 +85,12 @@ def _gist(dtype=torch.float32, n=6, d=4):
 
 
 @pytest.mark.parametrize("how", ["torch", "triton", "triton-panel", "info_nce-guide", "info_nce-ids"])
-def test_a_second_backward_through_a_retained_graph_adds_the_same_gradients(how, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+def test_a_second_backward_through_a_retained_graph_adds_the_same_gradients(how, monkeypatch, route):
+    route(DENSE="0")
     dtype = torch.float32
     if how == "triton-panel":  # the guided epilogue route (a summed bf16 loss on CUDA), forced on the interpreter
-        monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-        monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+        route(TRITON_PATH="panel")
+        route(PANEL_GEMM="epilogue")
         dtype = torch.bfloat16
     (a, p, n), guide = _gist(dtype)
     backend = "torch" if how.startswith(("torch", "info_nce")) else "triton"

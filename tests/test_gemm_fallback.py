@@ -1,4 +1,4 @@
-"""The panel path's fp32-output GEMM fallback (``core/triton_panel.py``): the upcast route runs 16-bit
+"""The panel path's fp32-output GEMM fallback (``core/lse/triton_panel.py``): the upcast route runs 16-bit
 operands on TF32 (exact: bf16's 8 and fp16's 11 significant bits fit TF32's 11), the global flag
 restored; and a first call that is traced or captured, where no probe can run, says once which route
 it took."""
@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from fused_contrastive.core import triton_panel as P
+from fused_contrastive.core.triton_shared import panels
 
 
 def _spy(monkeypatch):
@@ -35,11 +35,11 @@ def test_the_upcast_route_uses_tf32_for_bf16_only(monkeypatch, dtype, tf32):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(24, 40, generator=g).to(dtype), torch.randn(40, 16, generator=g).to(dtype)
     acc = torch.zeros(24, 16)
-    assert P.gemm_routes(x.device, dtype) == ("upcast", "upcast")  # the CPU has no native route
+    assert panels.gemm_routes(x.device, dtype) == ("upcast", "upcast")  # the CPU has no native route
     before = torch.backends.cuda.matmul.allow_tf32
     seen = _spy(monkeypatch)
-    got = P._mm32(x, y)
-    P._addmm32_(acc, x, y)
+    got = panels._mm32(x, y)
+    panels._addmm32_(acc, x, y)
     assert [(op, dt, flag) for op, dt, flag in seen] == [("mm", torch.float32, tf32), ("addmm", torch.float32, tf32)]
     assert torch.backends.cuda.matmul.allow_tf32 == before
     want = x.double() @ y.double()
@@ -58,14 +58,14 @@ def test_16_bit_values_are_exact_in_tf32():
 
 
 def test_an_unprobed_traced_first_call_warns_once(monkeypatch):
-    monkeypatch.setattr(P, "GEMM_PROBE_DEVICES", ("cpu",))
-    monkeypatch.setattr(P, "_GEMM_ROUTES", {})
-    monkeypatch.setattr(P, "_UNPROBED_WARNED", set())
+    monkeypatch.setattr(panels, "GEMM_PROBE_DEVICES", ("cpu",))
+    monkeypatch.setattr(panels, "_GEMM_ROUTES", {})
+    monkeypatch.setattr(panels, "_UNPROBED_WARNED", set())
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     dev = torch.device("cpu")
     with pytest.warns(RuntimeWarning, match="traced or captured.*'upcast' route"):
-        assert P.gemm_routes(dev, torch.bfloat16) == ("upcast", "upcast")
+        assert panels.gemm_routes(dev, torch.bfloat16) == ("upcast", "upcast")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert P.gemm_routes(dev, torch.bfloat16) == ("upcast", "upcast")  # said once
-    assert P._GEMM_ROUTES == {}  # nothing cached: an eager call probes later
+        assert panels.gemm_routes(dev, torch.bfloat16) == ("upcast", "upcast")  # said once
+    assert panels._GEMM_ROUTES == {}  # nothing cached: an eager call probes later

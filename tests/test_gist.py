@@ -87,10 +87,10 @@ def _call(a, p, negs, ga, gp, gns, t, cfg, **kw):
 @pytest.mark.parametrize("n_neg", [0, 1, 2])
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("path", ["torch-one-chunk", "torch-many-chunks", "reference"])
-def test_gist_loss_equals_the_definition(path, cfg, n_neg, reduction, monkeypatch):
+def test_gist_loss_equals_the_definition(path, cfg, n_neg, reduction, monkeypatch, route):
     backend = path.split("-")[0]
     if path == "torch-many-chunks":
-        monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "24")  # 1 row of up to 40 columns per chunk
+        route(TILE_ELEMENTS="24")  # 1 row of up to 40 columns per chunk
     c = CONFIGS[cfg]
     a, p, negs, ga, gp, gns = _inputs(n_neg=n_neg, m_neg=7 if n_neg == 2 else None)
     leaves = [x.clone().requires_grad_() for x in (a, p, *negs)]
@@ -280,8 +280,8 @@ def info_nce_definition(q, k, target, gq=None, gk=None, qid=None, kid=None, t=0.
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("what", ["guide", "ids", "both", "both-relative"])
-def test_info_nce_masks_equal_the_definition(what, reduction, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "30")
+def test_info_nce_masks_equal_the_definition(what, reduction, monkeypatch, route):
+    route(TILE_ELEMENTS="30")
     n, m = 9, 13
     q, k = _r(n, 6, seed=1), _r(m, 6, seed=2)
     gq, gk = _r(n, 3, seed=3), _r(m, 3, seed=4)
@@ -479,7 +479,7 @@ def _old_threshold_decides_differently(ga, gp) -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("kind", ["positive", "pair"])
-def test_exact_duplicates_tie_and_are_kept_on_every_backend(kind, dtype, monkeypatch):
+def test_exact_duplicates_tie_and_are_kept_on_every_backend(kind, dtype, monkeypatch, route):
     # sentence-transformers' rule: gpos_i is the diagonal of the same guide matrix it thresholds, so
     # the duplicate of row i's positive (guide cosine == gpos_i exactly) is kept (strict >); the
     # definition here (cosine_similarity matrices, as theirs) decides it so. Every backend and the
@@ -493,9 +493,9 @@ def test_exact_duplicates_tie_and_are_kept_on_every_backend(kind, dtype, monkeyp
         assert want.dtype == dtype
         for backend, tiles in (("torch", None), ("torch", "24"), ("reference", None)):
             if tiles:
-                monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", tiles)  # one row per chunk
+                route(TILE_ELEMENTS=tiles)  # one row per chunk
             else:
-                monkeypatch.delenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", raising=False)
+                route(TILE_ELEMENTS=None)
             for red in ("none", "mean"):
                 got = gist_loss(a, p, n, guide=(ga, gp, gn), temperature=0.05, reduction=red, backend=backend)
                 torch.testing.assert_close(got, want if red == "none" else want.mean(), **tol,

@@ -41,7 +41,7 @@ def test_a_launch_that_does_not_compile_fails_the_run(gc, monkeypatch, capsys):
             raise RuntimeError("PassManager::run failed")
         return {"regs": 64, "spill": 0, "tc": "none"}
 
-    monkeypatch.setattr(gc.aot, "compile_launch", compile_launch)
+    monkeypatch.setattr(gc.compile_survey, "compile_launch", compile_launch)
     monkeypatch.setattr(gc, "recordings", lambda sizes, d=768: [
         r for r in gc.__dict__["_all_recordings"](sizes, d) if r[0].startswith("info_nce N=4096 panel")])
     assert gc.main(["--n", "4096", "--cc", "90", "--jobs", "1"]) == 1

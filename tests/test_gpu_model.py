@@ -122,7 +122,7 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
                 assert launches["panel_dl"] == panels and launches["panel_rows"] == panels + 1, launches
         else:
             # launches of the panel path (the epilogue GEMM forms the 16-bit tiles), from the panel-height
-            # formula of triton_panel.panel_rows (bf16, default budget 0.70e9): the sweep's panels (with the
+            # formula of panels.panel_rows (bf16, default budget 0.70e9): the sweep's panels (with the
             # dB accumulator) and the statistics forward's (without)
             per_row = 2 * n + 12 * -(-n // 64) + 8 * D + 16
             p = min(n, (700_000_000 - 4 * n * D) // per_row // 64 * 64)
@@ -205,7 +205,7 @@ def test_streaming_backward_l2_bytes_follow_the_loop_structure(fresh):
     # kernels/lse.py, lse_bwd_rows with D > 128 (streaming): per 64 x 64 tile the recompute loads both
     # operand tiles over all of D, _accumulate loads the column operand again and read-modify-writes
     # the fp32 scratch rows (the first column tile only stores). Plus per column tile the inverse
-    # norms of the columns. Block sizes: core/triton_configs.py (bwd, "big": 64 x 64 x 64, bf16).
+    # norms of the columns. Block sizes: core/triton_shared/configs.py (bwd, "big": 64 x 64 x 64, bf16).
     bm = bn = 64
     es = 2
     for r in _records(fresh):
@@ -417,13 +417,13 @@ def test_committed_gist_model_counts_the_matmul_work_by_hand():
         assert r["textbook_fits"] == (n == 16384), r
 
 
-#: The per-block fused kernels of the guided losses (core/triton_guided.py), which the panel route replaces.
+#: The per-block fused kernels of the guided losses (core/guided/triton_blocks.py), which the panel route replaces.
 GUIDED_FUSED = {"guided_fwd", "guided_bwd_rows", "guided_bwd_cols"}
 
 
 def _gist_panel_rows(n: int, d: int) -> int:
     """Rows per panel of GIST's guided panel route, by hand from the formula of
-    core/triton_guided_panel.py panel_rows (bf16, default budget 0.70e9, a multiple of 128 rows: the 16-bit
+    core/guided/triton_panel.py panel_rows (bf16, default budget 0.70e9, a multiple of 128 rows: the 16-bit
     guides' blocks without the split target take 128 x 128 tiles, the split block 64 x 128): four
     N-column blocks, each ``2 M`` bytes of tile + 4 bytes x 5 partials per column tile (z, row maximum, the
     target's e and cosine; no temperature gradient), 8 D bytes per row group (anchors, positives), 32;
@@ -436,7 +436,7 @@ def _gist_panel_rows(n: int, d: int) -> int:
 
 def test_committed_gist_model_runs_the_guided_panel_route_above_its_floor():
     """GIST (``--gist``): the record's route is what backend="triton" runs on CUDA for the summed bf16 loss,
-    the guided panel route (core/triton_guided_panel.py: the epilogue GEMM guided_epi per panel and block,
+    the guided panel route (core/guided/triton_panel.py: the epilogue GEMM guided_epi per panel and block,
     cuBLAS dR and dC), not the fused kernels; its time sits at or above the floor counted here by hand from
     the blocks (a-p, a-a, p-p, a-n, every one N x N, guide dimension D / 2): the logits 1 + 1/2 + 1/2 + 1 (the
     symmetric blocks as half a product), the guide cosines the same times Dg / D, the gradients 2 + 1 + 1 + 2

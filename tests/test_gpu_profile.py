@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fused_contrastive.core import triton_backend, triton_configs
+from fused_contrastive.core.triton_shared import configs as CFG
+from fused_contrastive.core.triton_shared import launch as TL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,15 +33,15 @@ def profile_mod():
 def test_config_lists_start_with_the_shipped_configuration(profile_mod):
     assert set(profile_mod.CONFIGS) == set(profile_mod.MODE_LOSS)
     for mode, cfgs in profile_mod.CONFIGS.items():
-        assert cfgs[0] == triton_configs.EPI_GEMM[mode], mode
+        assert cfgs[0] == CFG.EPI_GEMM[mode], mode
         assert len(set(cfgs)) == len(cfgs), mode  # each timed once
 
 
-def test_siglip_forms_run_the_one_pass_and_the_two_sweeps(profile_mod, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # small N: not the one-tile path
+def test_siglip_forms_run_the_one_pass_and_the_two_sweeps(profile_mod, monkeypatch, route):
+    route(DENSE="0")  # small N: not the one-tile path
     seen = []
-    orig = triton_backend._launch
-    monkeypatch.setattr(triton_backend, "_launch", lambda x: (seen.append(x), orig(x))[1])
+    orig = TL._launch
+    monkeypatch.setattr(TL, "_launch", lambda x: (seen.append(x), orig(x))[1])
     losses = {}
     for per_row, want in ((False, [(5, True)]), (True, [(4, False), (4, True)])):
         seen.clear()
@@ -58,8 +59,8 @@ def test_matryoshka_loads_time_the_aligned_and_the_scalar_form(profile_mod, monk
     # --matryoshka-loads: the same Matryoshka kernels with ALIGNED on (the code's choice for boundaries that
     # are multiples of 16) and forced off, the same loss and gradients (the hint changes no arithmetic)
     seen = []
-    orig = triton_backend._launch
-    monkeypatch.setattr(triton_backend, "_launch", lambda x: (seen.append(x), orig(x))[1])
+    orig = TL._launch
+    monkeypatch.setattr(TL, "_launch", lambda x: (seen.append(x), orig(x))[1])
     got = {}
     assert [(r, on) for _, r, on in profile_mod.MATRYOSHKA_FORMS] == [("kernels", True), ("kernels", False),
                                                                       ("suffix", True)]
@@ -79,20 +80,19 @@ def test_matryoshka_loads_time_the_aligned_and_the_scalar_form(profile_mod, monk
     assert 0 < float((got["suffix backward"] - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
-def test_epi_forms_time_the_three_tile_loops(profile_mod, monkeypatch, capsys):
+def test_epi_forms_time_the_three_tile_loops(profile_mod, monkeypatch, capsys, route):
     # --epi-forms: each form of the epilogue GEMM's tile loop runs (the launches say which), and the printed
     # verdict compares its gradients with the tiles form's (the kernels are the same code: bitwise equal)
-    from fused_contrastive.core import triton_panel
 
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 40)
+    route(DENSE="0")
+    route(PANEL_ROWS=40)
     # (no timing on the CPU: each form's one compiling step is what the verdict compares)
     monkeypatch.setattr(profile_mod, "_timer", lambda dev: lambda step: 1.0)
     monkeypatch.setattr(profile_mod, "_kernel_ms", lambda step: {"epi_gemm_kernel": 0.5})
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     seen = []
-    orig = triton_backend._launch
-    monkeypatch.setattr(triton_backend, "_launch", lambda x: (seen.append(x), orig(x))[1])
+    orig = TL._launch
+    monkeypatch.setattr(TL, "_launch", lambda x: (seen.append(x), orig(x))[1])
     profile_mod.time_epi_forms("info_nce", 97, 32, 1, device="cpu")
     forms = {(x.constexprs["PERSIST"], x.constexprs["TMA"]) for x in seen if x.name == "epi_gemm"}
     assert forms == {(False, False), (True, False), (True, True)}

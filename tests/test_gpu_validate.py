@@ -20,7 +20,7 @@ import torch
 
 from fused_contrastive import __main__ as cli
 from fused_contrastive import gpu_validate as GV
-from fused_contrastive.core import triton_backend as TB
+from fused_contrastive.core.triton_shared import launch as TL
 
 SHAPES = ((70, 20), (37, 130))
 SMALL = ((37, 20),)
@@ -113,7 +113,7 @@ def test_a_wrong_oracle_fails_the_verdict(capsys):
 def test_an_unwritten_kernel_output_fails_the_verdict(monkeypatch):
     # kernels that "forget" part of their output (the dA kernel its first row, the panel kernel its first
     # row of DL): the NaN pre-fill must surface as a parity failure on each path
-    orig = TB._launch
+    orig = TL._launch
 
     def forgetful(lz):
         if lz.name == "panel_dl":
@@ -123,7 +123,7 @@ def test_an_unwritten_kernel_output_fails_the_verdict(monkeypatch):
         if lz.name == "lse_bwd_rows":
             lz.args["DA"][0] = float("nan")
 
-    monkeypatch.setattr(TB, "_launch", forgetful)
+    monkeypatch.setattr(TL, "_launch", forgetful)
     rep = GV.validate("cpu", _plan(losses=("info_nce",), parity_shapes=SHAPES[1:], dtypes=(torch.float32,),
                                    determinism_runs=0, fp16_shape=None, timing_sizes=()), allow_cpu=True)
     rep.results = [r for r in rep.results if r.check.startswith("parity")]
@@ -134,7 +134,7 @@ def test_an_unwritten_kernel_output_fails_the_verdict(monkeypatch):
 def test_an_unwritten_epilogue_gemm_row_fails_the_verdict(monkeypatch):
     # the epilogue GEMM (16-bit panels) "forgets" the first row of its gradient tile: the NaN pre-fill
     # must surface on the panel rows, and only there (the cuBLAS form and the fused kernels pass)
-    orig = TB._launch
+    orig = TL._launch
 
     def forgetful(lz):
         if lz.name == "epi_gemm":
@@ -144,7 +144,7 @@ def test_an_unwritten_epilogue_gemm_row_fails_the_verdict(monkeypatch):
                                       if lz.args["ZP"].dim() == 2 else {})})
         orig(lz)
 
-    monkeypatch.setattr(TB, "_launch", forgetful)
+    monkeypatch.setattr(TL, "_launch", forgetful)
     rep = GV.validate("cpu", _plan(losses=("info_nce", "clip"), parity_shapes=SMALL, determinism_runs=0,
                                    fp16_shape=None, timing_sizes=()), allow_cpu=True)
     rows = {r.check.split()[2] + " " + r.check.split()[1]: r.ok for r in rep.results if r.check.startswith("parity")}
@@ -157,12 +157,12 @@ def test_an_exception_is_a_fail_row_and_the_table_follows(monkeypatch, capsys):
     of parity and determinism is a FAIL carrying the error, the fused rows still run and pass, a
     check that raises as a whole (the timings) is a FAIL row too, and the verdict table ends the run."""
     from fused_contrastive import testing
-    from fused_contrastive.core import triton_panel
+    from fused_contrastive.core.triton_shared import panels
 
     def boom(x, y):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (planted)")
 
-    monkeypatch.setattr(triton_panel, "_mm32", boom)
+    monkeypatch.setattr(panels, "_mm32", boom)
     monkeypatch.setattr(testing.baselines, "BASELINES", {})  # check_timings itself raises (KeyError)
     rep = GV.validate("cpu", _plan(losses=("info_nce",), parity_shapes=SMALL, dtypes=(torch.float32,),
                                    fp16_shape=None, determinism_shape=(37, 20)), allow_cpu=True)
@@ -225,14 +225,14 @@ def test_the_poison_fills_scratch_and_outputs_with_nan():
     # the wrapper's NaN fill reaches the streaming backward's fp32 scratch (ACC), which the launcher
     # allocates with torch.empty: seen by a launch that records what it was given
     seen = {}
-    orig = TB._launch
+    orig = TL._launch
 
     def spy(lz):
         if lz.name == "lse_bwd_rows":
             seen["acc_nan"] = bool(torch.isnan(lz.args["ACC"]).all())
         orig(lz)
 
-    TB._launch = spy
+    TL._launch = spy
     try:
         with GV.kernels_only(), GV.poisoned_launches():
             q = torch.randn(70, 130, requires_grad=True)
@@ -241,7 +241,7 @@ def test_the_poison_fills_scratch_and_outputs_with_nan():
 
             fc.info_nce(q, k, temperature=0.1, backend="triton").backward()
     finally:
-        TB._launch = orig
+        TL._launch = orig
     assert seen == {"acc_nan": True}
     assert math.isfinite(float(q.grad.abs().sum()))
 
@@ -261,18 +261,18 @@ def test_paths_switch_the_aot_route(monkeypatch):
     """The JIT paths run with the AOT route off even when the user exported the library; the "aot/..."
     paths turn it on with the plan's library and force the operators' own path; without a library they
     refuse."""
-    from fused_contrastive.core import triton_aot
+    from fused_contrastive.core.lse import library_route
 
-    monkeypatch.setenv(triton_aot.ENV, "/some/lib.so")
+    monkeypatch.setenv(library_route.ENV, "/some/lib.so")
     monkeypatch.setattr(GV, "_AOT_LIB", "/built/libfused_contrastive_torch.so")
     import os
 
     with GV.triton_path("fused"):
-        assert triton_aot.ENV not in os.environ and os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] == "fused"
+        assert library_route.ENV not in os.environ and os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] == "fused"
     with GV.triton_path("aot/panel"):
-        assert os.environ[triton_aot.ENV] == "/built/libfused_contrastive_torch.so"
+        assert os.environ[library_route.ENV] == "/built/libfused_contrastive_torch.so"
         assert os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] == "panel"
-    assert os.environ[triton_aot.ENV] == "/some/lib.so"
+    assert os.environ[library_route.ENV] == "/some/lib.so"
     monkeypatch.setattr(GV, "_AOT_LIB", None)
     with pytest.raises(ValueError, match="aot_lib"), GV.triton_path("aot/fused"):
         pass

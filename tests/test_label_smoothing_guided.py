@@ -162,11 +162,11 @@ def test_gist_bad_values_name_the_argument(bad, err):
 
 def test_triton_smooths_in_the_kernels(monkeypatch):
     # the Triton backend forms the kept count and sum in its fused kernels (SMOOTH), never the torch sweep
-    from fused_contrastive.core import blocks
-    from fused_contrastive.core import triton_backend as TB
+    from fused_contrastive.core.guided import torch_blocks as blocks
+    from fused_contrastive.core.triton_shared import launch as TL
 
     launched = []
-    real = TB._launch
+    real = TL._launch
 
     def spy(launch):
         launched.append((launch.name, launch.constexprs.get("SMOOTH")))
@@ -175,7 +175,7 @@ def test_triton_smooths_in_the_kernels(monkeypatch):
     def no_sweep(*a, **k):
         raise AssertionError("the torch sweep ran on backend='triton'")
 
-    monkeypatch.setattr(TB, "_launch", spy)
+    monkeypatch.setattr(TL, "_launch", spy)
     monkeypatch.setattr(blocks, "_sweep", no_sweep)
     monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
     a, p, n, ga, gp, gn = (x.float().requires_grad_() for x in _gist_inputs())

@@ -95,11 +95,11 @@ def test_supcon_anchors_without_positives_contribute_zero():
 
 
 @pytest.mark.parametrize("backend", ["torch-tile", "torch-sorted", "triton", "reference"])
-def test_cosent_nan_labels_form_no_pair(backend, monkeypatch):
+def test_cosent_nan_labels_form_no_pair(backend, monkeypatch, route):
     """NaN labels (anywhere, several, all): the loss and gradients of the textbook formula, whose
     comparisons with NaN are false; on the pair tile, the sorted scan (NaN sorts last) and the kernels."""
     if backend == "torch-sorted":  # a tile budget below B^2: the O(B log B) sorted path
-        monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "16")
+        route(TILE_ELEMENTS="16")
     be = backend.split("-")[0]
     g = torch.Generator().manual_seed(4)
     dt = torch.float32 if be == "triton" else torch.float64

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fused_contrastive as fc
-import fused_contrastive.core.triton_backend as TB
+import fused_contrastive.core.triton_shared.launch as TL
 from tests._flops import MatmulFlops
 
 N, M, D = 48, 64, 32
@@ -72,13 +72,13 @@ def test_lit_info_nce_is_two_units(name, path):
 @pytest.fixture
 def launches(monkeypatch):
     seen = []
-    real = TB._launch
+    real = TL._launch
 
     def record(launch):
         seen.append((launch.name, launch.constexprs.get("NEED_DX")))
         return real(launch)
 
-    monkeypatch.setattr(TB, "_launch", record)
+    monkeypatch.setattr(TL, "_launch", record)
     monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # the kernels, not the one-tile path
     return seen
 

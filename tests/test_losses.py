@@ -31,7 +31,7 @@ def test_torch_other_dtypes(case, dtype, path):
 
 @pytest.mark.parametrize("name", [c.name for c in CASES if "gradcheck" in c.families])
 def test_gradcheck_float64(name, path):
-    """Analytic gradients (the dense Function, the chunked eager, symmetric and recompute passes)
+    """Analytic gradients (the torch_dense Function, the torch_chunked eager, symmetric and recompute passes)
     against finite differences, in float64."""
     case = CASE_BY_NAME[name]
     tensors, kwargs = case.build(7, 4, torch.Generator().manual_seed(3))
@@ -178,7 +178,7 @@ def test_grad_is_none_for_inputs_not_requiring_grad(path):
 
 
 def test_retain_graph_second_backward_matches(path):
-    """The eager chunked path scales its stored gradients once; a second backward recomputes."""
+    """The eager torch_chunked path scales its stored gradients once; a second backward recomputes."""
     q = torch.randn(20, 6, requires_grad=True)
     k = torch.randn(20, 6, requires_grad=True)
     loss = fc.info_nce(q, k, backend="torch")
@@ -233,7 +233,7 @@ def test_mean_of_no_rows_is_nan_like_cross_entropy():
 
 
 class _BiasedLogSoftmax:
-    """``torch`` as ``dense.py`` sees it, with ``log_softmax`` off by ``delta``: what another CPU's
+    """``torch`` as ``torch_dense.py`` sees it, with ``log_softmax`` off by ``delta``: what another CPU's
     vectorised exp / log / sum may round a row's log-sum-exp to."""
 
     def __init__(self, delta: float):
@@ -254,11 +254,11 @@ def test_temperature_gradient_does_not_depend_on_the_lse_rounding(name, n, path,
     by all rows, used to reach the gradient amplified ~30x (2 cases failed the rule on an AMD CPU). The
     backends divide each softmax by its computed sum, so an LSE off by 1e-6 (a few ulp, what another
     CPU's exp / log may give) still meets the rule against the float64 truth."""
-    from fused_contrastive.core import chunked, dense
+    from fused_contrastive.core.lse import torch_chunked, torch_dense
 
     delta = 1e-6
-    biased = chunked._lse_rows
-    monkeypatch.setattr(chunked, "_lse_rows", lambda x: biased(x) + delta)
-    monkeypatch.setattr(dense, "torch", _BiasedLogSoftmax(delta))
+    biased = torch_chunked._lse_rows
+    monkeypatch.setattr(torch_chunked, "_lse_rows", lambda x: biased(x) + delta)
+    monkeypatch.setattr(torch_dense, "torch", _BiasedLogSoftmax(delta))
     c = compare(CASE_BY_NAME[name], n, 1, torch.float32, "torch")
     assert c.ok, c

@@ -96,9 +96,9 @@ def _call(name, reduction, route, tensor_temp: bool):
 @pytest.mark.parametrize("chunks", ["one", "many"])
 @pytest.mark.parametrize("name,reduction", [(c, r) for c in CASES for r in ("mean", "sum", "none")
                                             if c != "cosent" or r == "mean"])  # cosent: no reduction argument
-def test_levels_equal_the_definition(name, reduction, chunks, monkeypatch):
+def test_levels_equal_the_definition(name, reduction, chunks, monkeypatch, route):
     if chunks == "many":  # a tile of 24 elements: one or two rows per chunk
-        monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "24")
+        route(TILE_ELEMENTS="24")
     for tensor_temp in (False, True):
         got, g_got = _call(name, reduction, "ours", tensor_temp)
         want, g_want = _call(name, reduction, "def", tensor_temp)
@@ -216,12 +216,12 @@ def test_compiled_levels_equal_eager():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "triton-suffix"])
-def test_autocast_training_step_with_levels(backend, monkeypatch):
+def test_autocast_training_step_with_levels(backend, monkeypatch, route):
     # bf16 embeddings from an autocast encoder: the one-pass loss (the torch pass, or the Matryoshka kernels
     # under the interpreter, with their own backward or the suffix backward) against the definition on the
     # same bf16 embeddings (float32 math in both), and the encoder's gradient through the same bf16 backward
     if backend == "triton-suffix":
-        monkeypatch.setenv("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "suffix")
+        route(MATRYOSHKA_ROUTE="suffix")
         backend = "triton"
     torch.manual_seed(0)
     enc = torch.nn.Linear(24, 16)
@@ -331,11 +331,11 @@ def test_gather_with_levels_two_ranks_uneven(tmp_path):
 def test_triton_backend_takes_the_levels_in_one_pass(monkeypatch):
     # under the interpreter (conftest): backend="triton" with levels runs the Matryoshka kernels once (no
     # per-level calls of the plain loss), equal to the definition
-    from fused_contrastive.core import triton_matryoshka
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
     calls = []
-    real = triton_matryoshka.run
-    monkeypatch.setattr(triton_matryoshka, "run", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    real = TM.run
+    monkeypatch.setattr(TM, "run", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     q, k = _r(9, 16, seed=1).float(), _r(9, 16, seed=2).float()
     qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
     got = fc.info_nce(qa, ka, backend="triton", matryoshka_dims=[16, 4, 8], matryoshka_weights=[1.0, 2.0, 0.5])

@@ -16,10 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from fused_contrastive import core  # noqa: E402
-from fused_contrastive.core import triton_backend as TB  # noqa: E402
-from fused_contrastive.core import triton_panel  # noqa: E402
-from fused_contrastive.tools import aot  # noqa: E402
+from fused_contrastive import core, routes  # noqa: E402
+from fused_contrastive.core.triton_shared import launch as TL  # noqa: E402
+from fused_contrastive.tools import compile_survey  # noqa: E402
 
 BENCH = str(Path(__file__).resolve().parents[1] / "bench")
 
@@ -38,22 +37,22 @@ def _gpu_model(monkeypatch):
     return gpu_model
 
 
-def _key(launch: TB.Launch) -> tuple:
+def _key(launch: TL.Launch) -> tuple:
     return launch.name, tuple(sorted((k, v) for k, v in launch.constexprs.items()))
 
 
-def test_the_per_level_route_is_what_the_model_costs(monkeypatch):
+def test_the_per_level_route_is_what_the_model_costs(monkeypatch, route):
     GM = _gpu_model(monkeypatch)
     n, d = 8192, 768
     gpu = GM.GPUS["H100"]
     dims = tuple(sorted(GM.matryoshka_dims(d)))
     model = [[_key(lz) for lz in GM.run_triton("info_nce", n, dk, gpu, "panel")[0]] for dk in dims]
 
-    a, b, scale, spec, data, coef, reduce = aot.core_call("info_nce", n, d, torch.bfloat16)
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setattr(TB, "COL_PARTIAL_PROGRAMS", 2 * gpu.sms)
-    monkeypatch.setattr(triton_panel, "PANEL_PROGRAMS", 2 * gpu.sms)
-    with aot.recording(gpu.arch) as launches:
+    a, b, scale, spec, data, coef, reduce = compile_survey.core_call("info_nce", n, d, torch.bfloat16)
+    route(TRITON_PATH="panel")
+    route(COL_PARTIAL_PROGRAMS=2 * gpu.sms)
+    route(PANEL_PROGRAMS=2 * gpu.sms)
+    with compile_survey.recording(gpu.arch) as launches:
         out = core.run("triton", a, b, scale, spec, data, coef, reduce, levels=(dims, tuple(1.0 for _ in dims)))
         torch.autograd.grad(out.sum(), [a, b])
     code = [_key(lz) for lz in launches]
@@ -67,4 +66,4 @@ def test_the_per_level_route_is_what_the_model_costs(monkeypatch):
     tiles = [dict(c) for name, c in code if name in ("panel_dl", "epi_gemm")]
     assert len(tiles) == len(dims), tiles
     assert all(c.get("NORMALIZE") and (c.get("ONE_PASS") or c.get("MODE") == 1) for c in tiles), tiles
-    assert os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] == "panel"
+    assert routes.setting("TRITON_PATH") == "panel"

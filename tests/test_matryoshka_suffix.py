@@ -1,6 +1,6 @@
 """The Matryoshka levels' suffix backward (env ``FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE=suffix``:
 ``kernels/matryoshka.py`` ``mat_epi_kernel``, one walk along D per tile writing the suffix sums
-``H^r = sum_{k >= r} G^k``, then cuBLAS per segment; ``core/triton_matryoshka._bwd_suffix``) under the Triton
+``H^r = sum_{k >= r} G^k``, then cuBLAS per segment; ``core/matryoshka/triton_levels._bwd_suffix``) under the Triton
 interpreter, against the definition ``sum_k w_k loss(F.normalize(x[..., :d_k]))`` in float64 on the same
 16-bit inputs: loss and every gradient (temperature / logit scale included), in several panels of rows and
 several tiles per panel, ragged shapes and boundaries; planted defects in the kernel's suffix sums and in the
@@ -16,10 +16,10 @@ import torch
 from test_triton_matryoshka import ALIGNED, RAGGED, _check, _r, _ragged_case, _run, _shrink, saturated_errors
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend as TB
-from fused_contrastive.core import triton_matryoshka as TM
-from fused_contrastive.core import triton_panel
-from fused_contrastive.core.triton_configs import MATRYOSHKA_SUFFIX_LEVELS, LaunchConfig
+from fused_contrastive.core.matryoshka import triton_levels as TM
+from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
+from fused_contrastive.core.triton_shared.configs import MATRYOSHKA_SUFFIX_LEVELS, LaunchConfig
 from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 
 try:
@@ -32,20 +32,20 @@ from fused_contrastive.kernels import matryoshka as KM
 
 
 @pytest.fixture
-def suffix(monkeypatch):
+def suffix(monkeypatch, route):
     """The suffix route with 16 x 16 tiles and 16-row panels (several of each at the tests' sizes); the
     launches, recorded."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "suffix")
+    route(MATRYOSHKA_ROUTE="suffix")
     monkeypatch.setattr(TM, "SUFFIX_CONFIG", LaunchConfig(16, 16, 16, 4, 1))
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 16)
+    route(PANEL_ROWS=16)
     launches = []
-    orig = TB._launch
+    orig = TL._launch
 
     def record(launch):
         launches.append(launch)
         return orig(launch)
 
-    monkeypatch.setattr(TB, "_launch", record)
+    monkeypatch.setattr(TL, "_launch", record)
     return launches
 
 
@@ -118,7 +118,7 @@ def _levels_call(dtype, dims):
     return q.grad, k.grad
 
 
-@pytest.mark.parametrize("route,dtype,dims,want", [
+@pytest.mark.parametrize("choice,dtype,dims,want", [
     ("suffix", torch.bfloat16, [8, 16, 40], {"mat_fwd", "mat_epi"}),
     ("suffix", torch.float32, [8, 16, 40], {"mat_fwd", "mat_bwd_rows", "mat_bwd_cols"}),  # 16-bit only
     ("suffix", torch.bfloat16, [4, 8, 12, 16, 24, 40], {"mat_fwd", "mat_bwd_rows", "mat_bwd_cols"}),  # > 5 levels
@@ -126,13 +126,13 @@ def _levels_call(dtype, dims):
     ("auto", torch.bfloat16, [8, 16, 40], {"mat_fwd", "mat_bwd_rows", "mat_bwd_cols"}),  # CPU: no panel path
     ("calls", torch.bfloat16, [8, 16, 40], set()),
 ])
-def test_the_route_variable_selects_the_kernels(suffix, monkeypatch, route, dtype, dims, want):
+def test_the_route_variable_selects_the_kernels(suffix, route, choice, dtype, dims, want):
     assert MATRYOSHKA_SUFFIX_LEVELS == 5
-    monkeypatch.setenv("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", route)
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # the plain calls on their kernels, not the one-tile path
+    route(MATRYOSHKA_ROUTE=choice)
+    route(DENSE="0")  # the plain calls on their kernels, not the one-tile path
     gq, gk = _levels_call(dtype, dims)
     assert {x.name for x in suffix if x.name.startswith("mat_")} == want
-    if route == "calls":
+    if choice == "calls":
         assert [x.name for x in suffix].count("lse_fwd") == len(dims)  # one plain call per level
     # every route computes the same gradients (the definition's, within 16-bit rounding)
     rq, rk = _r(21, 40, seed=31).to(dtype).double().requires_grad_(), _r(25, 40, seed=32).to(dtype).double()
@@ -148,11 +148,11 @@ def test_an_unknown_route_is_refused_by_name(monkeypatch):
         _levels_call(torch.bfloat16, [8, 40])
 
 
-def test_the_panel_height_keeps_the_suffix_tiles_within_the_budget(monkeypatch):
-    monkeypatch.delenv("FUSED_CONTRASTIVE_PANEL_BUDGET", raising=False)
+def test_the_panel_height_keeps_the_suffix_tiles_within_the_budget(monkeypatch, route):
+    route(PANEL_BUDGET=None)
     n = m = 65536
     d, k, e = 768, 5, 2
-    budget = triton_panel.BUDGET_BYTES
+    budget = panels.BUDGET_BYTES
     p = TM.suffix_rows(n, m, d, k, torch.bfloat16, True)
     # the panel's K bf16 tiles beside dB's fp32 accumulators (4 M D bytes) fit the budget; 64-row multiples
     kp, block = 8, 64  # levels padded to a power of two; the suffix kernel's 64 x 64 tiles
@@ -161,10 +161,10 @@ def test_the_panel_height_keeps_the_suffix_tiles_within_the_budget(monkeypatch):
         return (k * rows * m * e + rows * triton.cdiv(m, block) * kp * 4 + triton.cdiv(rows, block) * kp * m * 4
                 + 4 * rows * d + 4 * m * d)
 
-    assert p % 64 == 0 and p >= triton_panel.P_MIN
+    assert p % 64 == 0 and p >= panels.P_MIN
     assert allocated(p) <= budget < allocated(p + 64), (p, allocated(p), budget)
     assert TM.suffix_rows(100, 29, 40, 3, torch.bfloat16, True) == 100  # a small problem is one panel
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 24)
+    route(PANEL_ROWS=24)
     assert TM.suffix_rows(n, m, d, k, torch.bfloat16, True) == 24
 
 
@@ -178,9 +178,9 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core import triton_matryoshka as TM
+    from fused_contrastive.core.matryoshka import triton_levels as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
     def record(fam, dt, variant, n=4096, d=768, dims=(64, 128, 256, 512, 768)):
         meta = torch.device("meta")
@@ -193,7 +193,7 @@ _SCRIPT = textwrap.dedent(
             data, coef = CoreData(row_labels=torch.empty(n, **i64), col_labels=torch.empty(n, **i64)), \\
                 Coeffs(lse=1.0, pos=-1.0)
         s = torch.empty((), device=meta)
-        with aot.recording(fam) as launches:
+        with compile_survey.recording(fam) as launches:
             lv = TM._Levels(a, b, CoreSpec(), data, coef.pos is not None, dims)
             lse, lc, lp = TM._fwd(lv, s, CoreSpec(), False)
             g = torch.empty(len(dims), n, device=meta)
@@ -204,9 +204,10 @@ _SCRIPT = textwrap.dedent(
 
     out = []
     # the variants that spilled most at other tile shapes (fp16's target term, bf16's positives), one per arch
-    for (cc, fam), (dname, dt), variant in zip(aot.TARGETS, (("bf16", torch.bfloat16), ("fp16", torch.float16)),
+    for (cc, fam), (dname, dt), variant in zip(compile_survey.TARGETS,
+                                               (("bf16", torch.bfloat16), ("fp16", torch.float16)),
                                                ("pos", "tgt"), strict=True):
-        r = aot.compile_launch(record(fam, dt, variant), cc)
+        r = compile_survey.compile_launch(record(fam, dt, variant), cc)
         r.update(dtype=dname, variant=variant)
         out.append(r)
     print(json.dumps(out))

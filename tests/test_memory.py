@@ -55,9 +55,9 @@ def test_torch_backend_allocates_far_below_n_by_m(case):
 
 
 @pytest.mark.parametrize("name", ["info_nce", "clip", "supcon_in", "dscl"])
-def test_dense_path_stays_within_the_tile_budget(name, monkeypatch):
+def test_dense_path_stays_within_the_tile_budget(name, monkeypatch, route):
     # N x M = 32 x 64 = 2048 <= a budget of 4096: the one-tile path, whose tiles are bounded by it
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "4096")
+    route(TILE_ELEMENTS="4096")
     largest = _probe(CASE_BY_NAME[name], "torch", 32, 16).largest
     assert largest <= max(tile_elements(), 2 * 64 * 16), largest
 
@@ -66,8 +66,8 @@ def test_probe_sees_the_reference_logits():
     assert _probe(CASE_BY_NAME["info_nce"], "reference", N).largest >= N * N
 
 
-def test_tile_budget_env_shrinks_the_largest_tensor(monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(1 << 16))
+def test_tile_budget_env_shrinks_the_largest_tensor(monkeypatch, route):
+    route(TILE_ELEMENTS=str(1 << 16))
     largest = _probe(CASE_BY_NAME["simcse"], "torch", N).largest
     assert largest <= max(1 << 16, N * D), largest
 

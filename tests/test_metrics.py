@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from test_memory import LargestTensor
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend as TB
+from fused_contrastive.core.triton_shared import launch as TL
 
 
 def _x(n, d, seed=0, dtype=torch.float64):
@@ -106,7 +106,7 @@ def test_uniformity_is_finite_where_the_direct_formula_underflows():
     assert fc.uniformity(x, t, normalize=False).item() == pytest.approx(-t * 50, rel=1e-15)
 
 
-@pytest.mark.skipif(not TB.interpreted(), reason="the triton kernels run on the CPU only under the interpreter")
+@pytest.mark.skipif(not TL.interpreted(), reason="the triton kernels run on the CPU only under the interpreter")
 @pytest.mark.parametrize("normalize", [True, False])
 def test_uniformity_triton_backend(normalize):
     x = _x(70, 20, 3)

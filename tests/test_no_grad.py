@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from test_siglip import _truth as siglip_truth  # tests/ is on sys.path (rootdir-relative imports)
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend, triton_panel
+from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.testing import assert_close
 from tests._flops import MatmulFlops
 
@@ -46,8 +46,8 @@ LOSSES = {
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_torch_backend_forward_under_no_grad_is_one_matmul_unit(name, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "4096")  # row chunks: the streaming path
+def test_torch_backend_forward_under_no_grad_is_one_matmul_unit(name, monkeypatch, route):
+    route(TILE_ELEMENTS="4096")  # row chunks: the streaming path
     q, k = _leaves()
     with MatmulFlops() as on:
         with_grad = LOSSES[name](q, k, "torch")
@@ -69,17 +69,17 @@ def test_torch_backend_forward_under_no_grad_is_one_matmul_unit(name, monkeypatc
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_triton_panel_route_under_no_grad_forms_no_gradient_tile(name, monkeypatch):
+def test_triton_panel_route_under_no_grad_forms_no_gradient_tile(name, monkeypatch, route):
     """The panel path's epilogue GEMM (forced, bf16, interpreted): with gradients on, a summed loss runs
     the one pass that forms the gradient tile (InfoNCE MODE 1, SigLIP MODE 5) and the cuBLAS GEMMs after
     it; under no_grad the losses alone (InfoNCE the statistics forward, MODE 3; SigLIP MODE 4 without G)."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")  # not the one-tile path of a small problem
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 128)
+    route(TRITON_PATH="panel")
+    route(PANEL_GEMM="epilogue")
+    route(DENSE="0")  # not the one-tile path of a small problem
+    route(PANEL_ROWS=128)
     seen = []
-    orig = triton_backend._launch
-    monkeypatch.setattr(triton_backend, "_launch", lambda x: (seen.append(x), orig(x))[1])
+    orig = TL._launch
+    monkeypatch.setattr(TL, "_launch", lambda x: (seen.append(x), orig(x))[1])
     q64, k64 = _leaves()
     q, k = q64.detach().bfloat16().requires_grad_(), k64.detach().bfloat16().requires_grad_()
 

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 import fused_contrastive as fc
 from fused_contrastive import core
-from fused_contrastive.core import triton_panel  # imports triton: the test extra installs it (no skip)
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 
 N, D, T = 96, 32, 0.05
@@ -39,14 +38,14 @@ PATHS = {
 
 
 @pytest.fixture(params=list(PATHS))
-def backend(request, monkeypatch):
+def backend(request, monkeypatch, route):
     """The path under test (the dense one-tile path off; 32-row panels: several per problem)."""
     name, env = PATHS[request.param]
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "2048")  # the torch backend's chunks
+    route(DENSE="0")
+    route(TILE_ELEMENTS="2048")  # the torch backend's chunks
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 32)
+    route(PANEL_ROWS=32)
     return name
 
 
@@ -180,17 +179,17 @@ def _apart(parts, need):
 
 
 @pytest.mark.parametrize("path", ["torch", "fused", "panel-epilogue"])
-def test_the_accuracy_rule_fails_the_pieces_rounded_apart(path, monkeypatch):
+def test_the_accuracy_rule_fails_the_pieces_rounded_apart(path, monkeypatch, route):
     """THE accuracy rule (``testing.compare``, the verdict ``check --gpu-validate`` gives on a GPU) in the
     "saturated" regime (p_t ~ 0.9999): the healthy op passes, the same op with its pieces' gradients
     rounded apart (the code before core.PiecesFn) fails."""
     from fused_contrastive.testing import CASE_BY_NAME, compare
 
     name, env = PATHS[path]
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    route(DENSE="0")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 48)
+    route(PANEL_ROWS=48)
     case = CASE_BY_NAME["info_nce"]
     healthy = compare(case, 97, 64, torch.bfloat16, name, regime="saturated")
     assert healthy.ok, str(healthy)

@@ -199,7 +199,7 @@ def test_every_public_loss_has_a_gradcheck_case():
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.op == "core"], ids=lambda c: c.name)
 def test_core_calls_is_what_the_loss_makes(case):
-    from fused_contrastive.tools.aot import core_calls
+    from fused_contrastive.tools.compile_survey import core_calls
 
     calls = core_calls(case.name, 8, 4)  # raises when the loss makes another number of calls
     assert len(calls) == case.core_calls >= 1
@@ -209,7 +209,7 @@ def test_a_wrong_core_calls_names_the_fix(monkeypatch):
     import dataclasses
 
     from fused_contrastive.testing import CASE_BY_NAME
-    from fused_contrastive.tools.aot import core_calls
+    from fused_contrastive.tools.compile_survey import core_calls
 
     monkeypatch.setitem(CASE_BY_NAME, "clip", dataclasses.replace(CASE_BY_NAME["clip"], core_calls=2))
     with pytest.raises(RuntimeError, match="core_calls=2 but the loss made 1 core-op call.*set core_calls"):

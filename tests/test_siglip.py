@@ -219,8 +219,8 @@ def test_backward_twice_with_retain_graph(path):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_deterministic_bitwise(reduction, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", "1000")  # many row chunks
+def test_deterministic_bitwise(reduction, monkeypatch, route):
+    route(TILE_ELEMENTS="1000")  # many row chunks
     runs = []
     for _ in range(2):
         x, y, s, b = _leaves(97, 33, seed=9, dtype=torch.float32)
@@ -402,7 +402,7 @@ def test_gather_matches_the_global_batch(tmp_path):
 def test_positive_offset_on_a_wider_text_set(offset, path):
     """Images [N] against texts [M > N] with the positives at columns offset + i (this rank's rows of a
     gathered batch), per-image losses and every gradient, torch Function against the definition."""
-    from fused_contrastive.core.siglip import SigLipFn
+    from fused_contrastive.core.siglip.torch_siglip import SigLipFn
 
     g = torch.Generator().manual_seed(offset)
     x = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
@@ -424,9 +424,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed (the test
 
 @pytest.fixture
 def poison(monkeypatch):
-    from fused_contrastive.core import triton_backend as TB
+    from fused_contrastive.core.triton_shared import launch as TL
 
-    monkeypatch.setattr(TB, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -449,7 +449,7 @@ def test_triton_parity_half(dtype, n, d, poison):
 
 @pytest.mark.parametrize("offset", [0, 19])
 def test_triton_positive_offset(offset, poison):
-    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+    from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
 
     g = torch.Generator().manual_seed(offset)
     x64 = torch.randn(7, 5, generator=g, dtype=torch.float64)

@@ -15,7 +15,7 @@ import torch
 import triton
 from fused_contrastive.kernels import panel as KP
 
-from fused_contrastive.core.triton_configs import STATS_MERGE_BLOCK_O, STATS_MERGE_BLOCK_P
+from fused_contrastive.core.triton_shared.configs import STATS_MERGE_BLOCK_O, STATS_MERGE_BLOCK_P
 
 
 def _partials(n_out: int, n_part: int, seed: int):

@@ -1,4 +1,4 @@
-"""The target term's row kernel (``kernels/target.py``, ``core/triton_target.py``) on the Triton
+"""The target term's row kernel (``kernels/target.py``, ``core/triton_shared/target.py``) on the Triton
 interpreter, against float64 autograd of its definition: ``sum_i h_i <a_i, b_{t_i}>`` of the unit rows
 ``x / max(||x||, eps)`` (``F.normalize``), or of the raw rows without normalisation.
 
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import fused_contrastive as fc
 from fused_contrastive import core
-from fused_contrastive.core import triton_target  # imports triton: the test extra installs it (no skip)
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+from fused_contrastive.core.triton_shared import target  # imports triton: the test extra installs it (no skip)
 
 EPS = 1e-6
 
@@ -55,8 +55,8 @@ def test_target_rows_against_float64(dtype, normalize):
     if not normalize:  # raw rows: moderate values (the raw dot is an fp32 sum, as in the torch backend)
         a, b = (a.float().clamp(-4, 4) / 4).to(dtype), (b.float().clamp(-4, 4) / 4).to(dtype)
     cos_t, ga_t, gb_t = _truth(a, b, t, h, normalize)
-    cos = triton_target.target_cos(a, b, t, EPS, normalize)
-    cos2, da, dbr = triton_target.target_backward(a, b, t, h.float(), EPS, normalize)
+    cos = target.target_cos(a, b, t, EPS, normalize)
+    cos2, da, dbr = target.target_backward(a, b, t, h.float(), EPS, normalize)
     db = torch.zeros(m, d, dtype=torch.float64).index_add_(0, t, dbr.double())
     assert cos.dtype == torch.float32 and da.dtype == torch.float32 and dbr.dtype == torch.float32
     torch.testing.assert_close(cos.double(), cos_t, rtol=1e-5, atol=1e-6)
@@ -77,7 +77,7 @@ def test_target_rows_b_is_a_and_accumulates_in_place():
     want = ga_t + gb_t  # B is A: both roles' gradients land on the same rows
     prior = torch.randn(n, d)
     acc = prior.clone()
-    _, da, dbr = triton_target.target_backward(a, a, t, h.float(), EPS, True, acc)
+    _, da, dbr = target.target_backward(a, a, t, h.float(), EPS, True, acc)
     assert da.data_ptr() == acc.data_ptr()  # in place
     da.index_add_(0, t, dbr)
     got = da.double() - prior.double()
@@ -110,11 +110,11 @@ def test_losses_target_piece_matches_the_torch_backend(loss, path, monkeypatch):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
-def test_target_margin_and_learnable_scale_on_the_target_kernel(monkeypatch):
+def test_target_margin_and_learnable_scale_on_the_target_kernel(monkeypatch, route):
     """A target margin (additive-margin softmax) subtracts from the target cosine: the core op's forward
     and the scale's gradient ``h (c - margin)`` against the torch backend, with shuffled targets and
     exclude_self (a row whose target is its own column passes no gradient)."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    route(DENSE="0")
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(40, 24, generator=g), torch.randn(40, 24, generator=g)
     tgt = torch.randperm(40, generator=g)

@@ -4,7 +4,7 @@ conftest.py sets TRITON_INTERPRET=1 before triton is imported, so the kernels of
 ``fused_contrastive.kernels.lse`` run on CPU tensors (slowly: shapes stay <= 256 rows). Every test
 here runs with the dense one-tile path switched off (``FUSED_CONTRASTIVE_DENSE=0``), so the kernels
 run even for these small problems, with every kernel output poisoned with NaN before the launch
-(``triton_backend.POISON_OUTPUTS``) and, in the registry tests, every input a view into a NaN-padded
+(``TL.POISON_OUTPUTS``) and, in the registry tests, every input a view into a NaN-padded
 buffer (``testing.accuracy``'s canary): an unwritten output element or an out-of-bounds read turns
 into a NaN and fails THE accuracy rule.
 
@@ -29,8 +29,9 @@ except ImportError:  # pragma: no cover - the test extra installs triton
     pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
 import fused_contrastive as fc
-from fused_contrastive.core import chunked, triton_backend, triton_function
+from fused_contrastive.core.lse import torch_chunked, triton_function
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.testing import CASE_BY_NAME, CASES, SLACK, assert_close, compare
 from fused_contrastive.testing.accuracy import run
 
@@ -39,11 +40,11 @@ CORE_CASES = [c for c in CASES if c.op == "core"]
 
 
 @pytest.fixture(autouse=True)
-def _kernels_poisoned_and_quiet(monkeypatch):
+def _kernels_poisoned_and_quiet(monkeypatch, route):
     """Kernels, not the dense path; every output poisoned; numpy's overflow warnings of the interpreter
     silenced."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", True)
+    route(DENSE="0")
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
@@ -51,8 +52,8 @@ def _kernels_poisoned_and_quiet(monkeypatch):
 
 def test_interpreter_is_on():
     # the whole module is meaningless if the kernels are compiled for a GPU that is not there
-    assert triton_backend.interpreted()
-    assert triton_backend._upcast(torch.bfloat16) and not triton_backend._upcast(torch.float16)
+    assert TL.interpreted()
+    assert TL._upcast(torch.bfloat16) and not TL._upcast(torch.float16)
 
 
 # 1. Every InfoNCE-family case of the registry, each dtype, one ragged shape per (case, dtype)
@@ -140,9 +141,9 @@ def test_normalize_false_and_clamped_rows(d):
         assert_close(g, w, atol=1e-5 * float(w.abs().max()), what="clamped rows")
 
 
-def test_column_partials_several_row_blocks_per_program(monkeypatch):
+def test_column_partials_several_row_blocks_per_program(monkeypatch, route):
     # one forward program walks all row blocks of CLIP, merging its column partials in place
-    monkeypatch.setattr(triton_backend, "COL_PARTIAL_PROGRAMS", 1)
+    route(COL_PARTIAL_PROGRAMS=1)
     c = compare(CASE_BY_NAME["clip_scale"], 130, 300, torch.float32, "triton", canary=True)
     assert c.ok, c
 
@@ -154,17 +155,17 @@ def test_sm90_forward_tiles(monkeypatch, name, key, dtype):
     # the interpreter runs the sm_80 table; here the sm_90 one, whose row-statistics forward takes
     # 128 x 256 tiles for D > 128 ("fwd_wide"): 200 rows (a ragged second row block) against ragged
     # columns, D = 300 (five 64-wide chunks, a masked tail), against float64
-    from fused_contrastive.core.triton_configs import CONFIGS, DTYPE_NAMES
+    from fused_contrastive.core.triton_shared.configs import CONFIGS, DTYPE_NAMES
 
-    monkeypatch.setattr(triton_backend, "_arch", lambda dev: "sm90")
+    monkeypatch.setattr(TL, "_arch", lambda dev: "sm90")
     seen = []
-    launch = triton_backend._launch
+    launch = TL._launch
 
     def spy(l):
         seen.append(l)
         return launch(l)
 
-    monkeypatch.setattr(triton_backend, "_launch", spy)
+    monkeypatch.setattr(TL, "_launch", spy)
     c = compare(CASE_BY_NAME[name], 200, 300, dtype, "triton", canary=True)
     assert c.ok, c
     cfg = CONFIGS[(key, "sm90", DTYPE_NAMES[dtype], "big")]
@@ -188,7 +189,7 @@ def test_core_matches_the_chunked_path(reduce):
     data = CoreData(row_labels=lab_a, col_labels=lab_b, bias_col=_labels(100, 70, seed=4))
     coef = Coeffs(lse=_rand(100, seed=5).abs(), pos=-0.5, col=_rand(70, seed=6).abs() if reduce else None)
     got = triton_function.core(a, b, s, spec, data, coef, reduce)
-    want = chunked.core(a.double(), b.double(), s.double(), spec, data, coef, reduce)
+    want = torch_chunked.core(a.double(), b.double(), s.double(), spec, data, coef, reduce)
     assert_close(got, want, atol=2e-5, rtol=2e-5, what="core")
 
 
@@ -206,14 +207,14 @@ def test_all_excluded_row_keeps_minus_inf_and_zero_grad():
 @pytest.mark.parametrize("kind", ["labels", "mask"])
 def test_zero_positive_rows(kind):
     # SupCon L_in rows without positives: LSEpos = -inf; a zero coefficient drops them and the backward
-    # zeroes their upstream gradient: no NaN, and the chunked path agrees
+    # zeroes their upstream gradient: no NaN, and the torch_chunked path agrees
     lab = torch.arange(20) // 2
     lab[:6] = torch.arange(100, 106)  # rows 0..5 have no positive
     data = CoreData(row_labels=lab, col_labels=lab) if kind == "labels" else \
         CoreData(pos_mask=(lab[:, None] == lab[None, :]).float())
     hp = (lab < 100).float()
     res = []
-    for impl, dt in ((triton_function, torch.float32), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, torch.float32), (torch_chunked, torch.float64)):
         a = _rand(20, 8).to(dt).requires_grad_()
         s = torch.tensor(5.0, dtype=dt, requires_grad=True)
         out = impl.core(a, None, s, CoreSpec(exclude_self=True), data, Coeffs(lse=hp, pos=-hp), False)
@@ -277,15 +278,15 @@ def test_grad_is_none_for_inputs_without_grad():
     assert queue.grad is None and f.grad is not None
 
 
-def test_small_problems_take_the_dense_path(monkeypatch):
+def test_small_problems_take_the_dense_path(monkeypatch, route):
     """With the dense path on (the default), a problem that fits the tile budget runs one tile on the
     triton backend too: no kernel is launched."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "1")
+    route(DENSE="1")
 
     def no_launch(_):
         raise AssertionError("a kernel was launched for a problem that fits the tile budget")
 
-    monkeypatch.setattr(triton_backend, "_launch", no_launch)
+    monkeypatch.setattr(TL, "_launch", no_launch)
     q, k = _rand(30, 16).requires_grad_(), _rand(40, 16, seed=1).requires_grad_()
     got = fc.info_nce(q, k, _labels(30, 40), backend="triton")
     got.backward()
@@ -307,7 +308,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 def test_cpu_without_interpreter_is_a_value_error():
     r = _run("""
         import torch, fused_contrastive as fc
-        from fused_contrastive.core import triton_backend  # importing touches no GPU driver
+        from fused_contrastive.core.triton_shared import launch as TL  # importing touches no GPU driver
         try:
             fc.info_nce(torch.randn(4, 8), torch.randn(5, 8), backend="triton")
         except ValueError as e:

@@ -1,4 +1,4 @@
-"""The route of ``backend="triton"`` to the ahead-of-time library (``core/triton_aot.py``), without a build:
+"""The route of ``backend="triton"`` to the ahead-of-time library (``core/lse/library_route.py``), without a build:
 which core-op calls it covers, and that a library that cannot be loaded is an error naming the variable
 (the route with a built library is tested in tests/test_cmake_build.py)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_aot
+from fused_contrastive.core.lse import library_route
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
 
 _T = torch.arange(4)
@@ -35,13 +35,13 @@ _T = torch.arange(4)
 ])
 def test_covered_feature_set(b_given, spec, data, coef, want):
     b = torch.zeros(4, 16) if b_given else None
-    assert triton_aot._mode(b, spec, data, coef) == want
+    assert library_route._mode(b, spec, data, coef) == want
 
 
 def test_off_without_the_variable(monkeypatch):
-    monkeypatch.delenv(triton_aot.ENV, raising=False)
+    monkeypatch.delenv(library_route.ENV, raising=False)
     a = torch.zeros(4, 16, dtype=torch.bfloat16)
-    assert triton_aot.route(a, a, CoreSpec(), CoreData(), Coeffs(lse=1.0)) is None
+    assert library_route.route(a, a, CoreSpec(), CoreData(), Coeffs(lse=1.0)) is None
 
 
 @pytest.mark.parametrize(("modes", "want"), [
@@ -49,32 +49,32 @@ def test_off_without_the_variable(monkeypatch):
     ({"info_nce", "clip", "self"}, (None, None)),  # built without the margin kernels: the JIT runs it
     ({"info_nce_margin"}, ("info_nce", None)),
 ])
-def test_a_margin_call_is_routed_where_its_kernels_are_built(monkeypatch, modes, want):
+def test_a_margin_call_is_routed_where_its_kernels_are_built(monkeypatch, modes, want, route):
     """route() sends a target-margin call to the library exactly when the library lists the feature set
     "<mode>_margin" (its kernels with the bias column in cosine units), the plain modes not being enough;
     the same call without a margin needs the plain mode."""
     info = dict(archs=frozenset({"90"}), dtypes=frozenset({"bf16"}), dclasses=frozenset({"128", "big"}),
                 modes=frozenset(modes))
-    monkeypatch.setenv(triton_aot.ENV, "libfused_contrastive_torch.so")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU", "1")
-    monkeypatch.setattr(triton_aot, "build_info", lambda path: info)
+    monkeypatch.setenv(library_route.ENV, "libfused_contrastive_torch.so")
+    route(AOT_FAKE_CPU="1")
+    monkeypatch.setattr(library_route, "build_info", lambda path: info)
     a = torch.zeros(4, 112, dtype=torch.bfloat16)
     data = CoreData(target=torch.arange(4))
-    got = tuple(triton_aot.route(a, a, CoreSpec(margin=0.3), data, Coeffs(lse=w, col=c, tgt=1.0))
+    got = tuple(library_route.route(a, a, CoreSpec(margin=0.3), data, Coeffs(lse=w, col=c, tgt=1.0))
                 for w, c in ((1.0, None), (0.5, 0.5)))
     assert got == want
-    plain = triton_aot.route(a, a, CoreSpec(), CoreData(), Coeffs(lse=1.0))
+    plain = library_route.route(a, a, CoreSpec(), CoreData(), Coeffs(lse=1.0))
     assert plain == ("info_nce" if "info_nce" in modes else None)
 
 
-def test_unloadable_library_is_an_error(monkeypatch, tmp_path):
+def test_unloadable_library_is_an_error(monkeypatch, tmp_path, route):
     """The variable asks for the library: a path that does not load raises, naming the variable (no
     silent fall-back to the JIT kernels)."""
     missing = tmp_path / "no-such-libfused_contrastive_torch.so"
-    monkeypatch.setenv(triton_aot.ENV, str(missing))
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    monkeypatch.setenv(library_route.ENV, str(missing))
+    route(DENSE="0")
     q = torch.randn(64, 32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=triton_aot.ENV):
+    with pytest.raises(RuntimeError, match=library_route.ENV):
         fc.info_nce(q, q.flip(0), temperature=0.05, backend="triton")
 
 
@@ -83,21 +83,21 @@ def test_rows_the_library_takes():
     without copying: rows whose inner stride is not 1 are copied by the operator into a fresh,
     contiguous, aligned buffer."""
     base = torch.zeros(40, 800, dtype=torch.bfloat16)
-    assert triton_aot._rows_fit(base[:, :784])  # stride 800
-    assert not triton_aot._rows_fit(torch.zeros(4, 100, dtype=torch.bfloat16))  # D not a multiple of 16
-    assert not triton_aot._rows_fit(torch.zeros(4, 791, dtype=torch.bfloat16)[:, :784])  # stride D + 7
-    assert triton_aot._rows_fit(base[:, 8:792])  # 8 bf16 = 16 bytes in: aligned
-    assert not triton_aot._rows_fit(base[:, 1:785])  # 2-byte offset: misaligned
-    assert triton_aot._rows_fit(torch.zeros(32, 40).T)  # inner stride 40: the operator copies it
+    assert library_route._rows_fit(base[:, :784])  # stride 800
+    assert not library_route._rows_fit(torch.zeros(4, 100, dtype=torch.bfloat16))  # D not a multiple of 16
+    assert not library_route._rows_fit(torch.zeros(4, 791, dtype=torch.bfloat16)[:, :784])  # stride D + 7
+    assert library_route._rows_fit(base[:, 8:792])  # 8 bf16 = 16 bytes in: aligned
+    assert not library_route._rows_fit(base[:, 1:785])  # 2-byte offset: misaligned
+    assert library_route._rows_fit(torch.zeros(32, 40).T)  # inner stride 40: the operator copies it
 
 
 def test_every_field_of_the_contract_is_decided_for_the_library():
     """The ahead-of-time route knows how it treats each field of the core op's contract: a field added to
-    CoreSpec, CoreData or Coeffs fails here until triton_aot.FIELDS (and _mode) decide it, so the C
+    CoreSpec, CoreData or Coeffs fails here until library_route.FIELDS (and _mode) decide it, so the C
     library never silently ignores a new option."""
     from dataclasses import fields
 
     contract = {f"{cls.__name__}.{f.name}" for cls in (CoreSpec, CoreData, Coeffs) for f in fields(cls)}
-    assert set(triton_aot.FIELDS) == contract, (
-        f"decide in core/triton_aot.py FIELDS (and _mode): {sorted(contract - set(triton_aot.FIELDS))}; "
-        f"stale: {sorted(set(triton_aot.FIELDS) - contract)}")
+    assert set(library_route.FIELDS) == contract, (
+        f"decide in core/lse/library_route.py FIELDS (and _mode): {sorted(contract - set(library_route.FIELDS))}; "
+        f"stale: {sorted(set(library_route.FIELDS) - contract)}")

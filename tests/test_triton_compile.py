@@ -1,8 +1,8 @@
 """Every Triton kernel, with every shipped launch config, compiles ahead of time for sm_80 and sm_90.
 
 No GPU is needed: ``triton.compile`` with ``GPUTarget("cuda", cc, 32)`` lowers to PTX and runs the
-ptxas bundled with triton on the host (``fused_contrastive.tools.aot``). For every kernel x config
-(``core/triton_configs.CONFIGS``) x input dtype x arch, with every optional term of the kernel
+ptxas bundled with triton on the host (``fused_contrastive.tools.compile_survey``). For every kernel x config
+(``core/triton_shared/configs.CONFIGS``) x input dtype x arch, with every optional term of the kernel
 switched on (the most registers), we check:
 
 * it compiles, with 0 bytes of register spills (ptxas ``-v``, same flags as triton's own call);
@@ -34,12 +34,12 @@ _SCRIPT = textwrap.dedent(
     import json
     from concurrent.futures import ProcessPoolExecutor
 
-    from fused_contrastive.core.triton_configs import CONFIGS
-    from fused_contrastive.tools import aot
+    from fused_contrastive.core.triton_shared.configs import CONFIGS
+    from fused_contrastive.tools import compile_survey
 
     if __name__ == "__main__":
         with ProcessPoolExecutor(max_workers=2) as ex:
-            results = list(ex.map(aot.run_job, aot.jobs()))
+            results = list(ex.map(compile_survey.run_job, compile_survey.jobs()))
         print(json.dumps({"results": results, "configs": sorted(CONFIGS)}))
     """
 )
@@ -52,7 +52,7 @@ def compiled():
 def test_every_shipped_config_was_compiled(compiled):
     # each (kernel, arch, dtype, D bucket) of the table is covered by at least one compile with that
     # config's tiles, warps and stages; the positives' forward ("fwd_pos") by one with the positives on
-    from fused_contrastive.core.triton_configs import CONFIGS
+    from fused_contrastive.core.triton_shared.configs import CONFIGS
 
     def covers(r, key) -> bool:
         k, arch, dt, bucket = key

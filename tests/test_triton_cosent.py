@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend as TB
-from fused_contrastive.core import triton_cosent as TC
+from fused_contrastive.core.cosent import triton_cosent as TCS
+from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.testing import CASE_BY_NAME, compare
 
 SIZES = [1, 2, 17, 97, 300, 4099]
@@ -22,7 +22,7 @@ SIZES = [1, 2, 17, 97, 300, 4099]
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(TB, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
 
 
 @pytest.mark.parametrize("b", SIZES)
@@ -102,7 +102,7 @@ def test_scan_block_size_does_not_change_the_result(monkeypatch):
     lab = torch.randint(0, 6, (700,), generator=g)
     res = []
     for block in (16, 64, 1024):
-        monkeypatch.setattr(TC, "SCAN_BLOCK", block)
+        monkeypatch.setattr(TCS, "SCAN_BLOCK", block)
         loss = fc.cosent_loss_from_scores(x, lab, backend="triton")
         res.append((loss, *torch.autograd.grad(loss, x)))
     for other in res[1:]:

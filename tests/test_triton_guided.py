@@ -150,8 +150,8 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core import triton_guided as TG
-    from fused_contrastive.tools import aot
+    from fused_contrastive.core.guided import triton_blocks as TG
+    from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
     # the mask sets the losses launch: GIST's protected anchor-positive block and its other blocks (fp32 or
@@ -178,7 +178,7 @@ _SCRIPT = textwrap.dedent(
                            tgt=torch.empty(n, **i64) if v.get("protect") else None,
                            exclude=0 if v.get("exclude") else None)
         s = torch.empty((), device=meta)
-        with aot.recording(fam) as launches:
+        with compile_survey.recording(fam) as launches:
             lse, tl, p = TG.block_fwd(a, b, s, mk, True, 1e-12)
             gr = torch.empty(n, device=meta)
             TG.block_bwd(p, s, mk, True, 1e-12, lse, gr, gr if v.get("protect") else None, True, True, True)
@@ -194,18 +194,19 @@ _SCRIPT = textwrap.dedent(
 
     def job(args):
         cc, fam, dname, d, variant, gname, i = args
-        out = aot.compile_launch(record(fam, DT[dname], d, variant, DT[gname])[i], cc)
+        out = compile_survey.compile_launch(record(fam, DT[dname], d, variant, DT[gname])[i], cc)
         out.update(dtype=dname, d=d, variant=variant, guide=gname)
         return out
 
     if __name__ == "__main__":
-        # fp32 inputs take one config for every D (triton_configs._T32): D = 768 covers them
+        # fp32 inputs take one config for every D (triton_shared.configs._T32): D = 768 covers them
         shapes = [("bf16", 64), ("bf16", 128), ("bf16", 768), ("fp32", 768)]
-        jobs = [(cc, fam, dn, d, v, gn, i) for cc, fam in aot.TARGETS for v in ("gist-target", "gist-other")
+        jobs = [(cc, fam, dn, d, v, gn, i) for cc, fam in compile_survey.TARGETS for v in ("gist-target", "gist-other")
                 for gn in DT for dn, d in shapes for i in range(3)]
-        jobs += [(cc, fam, dn, 768, v, "fp32", i) for cc, fam in aot.TARGETS for v in ("ids-self", "all")
+        jobs += [(cc, fam, dn, 768, v, "fp32", i) for cc, fam in compile_survey.TARGETS for v in ("ids-self", "all")
                  for dn in DT for i in range(3)]
-        jobs += [(cc, fam, dn, d, "gist-rule", gn, i) for cc, fam in aot.TARGETS for gn in DT for dn, d in shapes
+        jobs += [(cc, fam, dn, d, "gist-rule", gn, i) for cc, fam in compile_survey.TARGETS for gn in DT
+                 for dn, d in shapes
                  for i in range(len(record(fam, DT[dn], d, "gist-rule", DT[gn])))]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))

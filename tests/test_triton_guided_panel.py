@@ -1,4 +1,4 @@
-"""The guided blocks' epilogue-GEMM route (``core/triton_guided_panel.py``, ``kernels/guided.py``
+"""The guided blocks' epilogue-GEMM route (``core/guided/triton_panel.py``, ``kernels/guided.py``
 ``guided_epi_kernel``): the CUDA route of a summed bf16 GISTEmbed / guided InfoNCE loss, run here under the
 CPU interpreter with the route forced (``FUSED_CONTRASTIVE_TRITON_PATH=panel``,
 ``FUSED_CONTRASTIVE_PANEL_GEMM=epilogue``) on ragged shapes over several panels. Loss and every gradient
@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import fused_contrastive as fc
-from fused_contrastive.core import triton_backend as TB
-from fused_contrastive.core import triton_guided_panel as TGP
-from fused_contrastive.core import triton_panel
-from fused_contrastive.core.blocks import Block, Masks, merged_lse
+from fused_contrastive import routes
+from fused_contrastive.core.guided import triton_panel as TGP
+from fused_contrastive.core.guided.torch_blocks import Block, Masks, merged_lse
+from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.losses.guided import gist_loss
 from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 from tests._wide import WideTensors
@@ -39,14 +40,14 @@ def _r(*shape, seed: int) -> torch.Tensor:
 
 
 @pytest.fixture
-def route(monkeypatch):
+def route(monkeypatch, route):
     """Force the route (the CPU takes the fused kernels on "auto") with 64-row panels, and count the
     launches by name."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
-    monkeypatch.setattr(TGP, "PANEL_ROWS", 64)
+    route(TRITON_PATH="panel")
+    route(PANEL_GEMM="epilogue")
+    route(GUIDED_PANEL_ROWS=64)
     names: Counter = Counter()
-    orig = TB._launch
+    orig = TL._launch
 
     def rec(launch):
         names[launch.name] += 1
@@ -56,7 +57,7 @@ def route(monkeypatch):
             names["redone rows"] += int(launch.args["BAD"].sum())
         return orig(launch)
 
-    monkeypatch.setattr(TB, "_launch", rec)
+    monkeypatch.setattr(TL, "_launch", rec)
     return names
 
 
@@ -260,8 +261,8 @@ def test_nan_guide_row_on_the_route(route):
 
 def test_where_the_route_is_taken(monkeypatch):
     names: Counter = Counter()
-    orig = TB._launch
-    monkeypatch.setattr(TB, "_launch", lambda lz: (names.update([lz.name]), orig(lz))[1])
+    orig = TL._launch
+    monkeypatch.setattr(TL, "_launch", lambda lz: (names.update([lz.name]), orig(lz))[1])
     a, p, n, ga, gp, gn = _gist_case(b=40, m=30, d=16, dg=8)
 
     def run(dtype=BF, **kw):
@@ -286,9 +287,9 @@ def test_where_the_route_is_taken(monkeypatch):
     # epilogue GEMM from EPILOGUE_MIN_ELEMENTS["guided", cc]
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "auto")
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "auto")
-    monkeypatch.setattr(triton_panel, "EPILOGUE_DEVICES", ("cuda", "meta", "cpu"))
-    monkeypatch.setattr(triton_panel, "use_panel", lambda x, nn, mm: nn * mm >= triton_panel.MIN_ELEMENTS)
-    from fused_contrastive.core.blocks import _Config
+    monkeypatch.setattr(panels, "EPILOGUE_DEVICES", ("cuda", "meta", "cpu"))
+    monkeypatch.setattr(panels, "use_panel", lambda x, nn, mm: nn * mm >= panels.MIN_ELEMENTS)
+    from fused_contrastive.core.guided.torch_blocks import _Config
 
     for rows, want in ((1024, False), (4096, True)):
         xs = [torch.empty(rows, 8, dtype=BF)] * 2
@@ -303,8 +304,8 @@ def test_the_route_writes_no_wide_n_by_m_tensor(route, monkeypatch):
     The probe sees the fp32 tiles of the per-row torch sweep, so it can fail."""
     b, m = 128, 120
     probe = WideTensors(64, m // 2)
-    monkeypatch.setattr(triton_panel, "_mm32", probe.counted(triton_panel._mm32, "mm32"))
-    monkeypatch.setattr(triton_panel, "_addmm32_", probe.counted(triton_panel._addmm32_, "addmm32"))
+    monkeypatch.setattr(panels, "_mm32", probe.counted(panels._mm32, "mm32"))
+    monkeypatch.setattr(panels, "_addmm32_", probe.counted(panels._addmm32_, "addmm32"))
     a, p, n, ga, gp, gn = _gist_case(b=b, m=m, d=32, dg=8)
     xs = [x.clone().requires_grad_() for x in (a, p, n)]
     with probe:
@@ -331,13 +332,14 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
 
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
-    TGP.PANEL_ROWS = 64
+    hooks = routes.override(GUIDED_PANEL_ROWS=64)  # for the worker's life (a reference keeps it entered)
+    hooks.__enter__()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         names: Counter = Counter()
-        orig = TB._launch
-        TB._launch = lambda lz: (names.update([lz.name]), orig(lz))[1]
+        orig = TL._launch
+        TL._launch = lambda lz: (names.update([lz.name]), orig(lz))[1]
         total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
         a, p, n, ga, gp, gn = _gist_case(b=total, m=total, d=40, dg=10, seed=7)
         mine = slice(off, off + b)
@@ -389,8 +391,8 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core.blocks import Block, Masks, merged_lse
-    from fused_contrastive.tools import aot
+    from fused_contrastive.core.guided.torch_blocks import Block, Masks, merged_lse
+    from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -403,7 +405,7 @@ _SCRIPT = textwrap.dedent(
         s = torch.empty((), device=meta, requires_grad=True)
         w = torch.empty(n, device=meta)
         i64 = torch.empty(n, dtype=torch.int64, device=meta)
-        with aot.recording(fam) as launches:
+        with compile_survey.recording(fam) as launches:
             if variant == "gist":
                 gs = tuple(torch.empty(n, dg, dtype=gdt, device=meta) for _ in range(3))
                 blocks = [Block(0, 1, protect=True), Block(0, 0), Block(1, 1), Block(0, 2)]
@@ -425,7 +427,7 @@ _SCRIPT = textwrap.dedent(
     def job(args):
         cc, fam, gname, variant, i = args
         lz = record(fam, gname, variant)[i]
-        out = aot.compile_launch(lz, cc)
+        out = compile_survey.compile_launch(lz, cc)
         c = lz.constexprs
         # guided_rows (the merge over the blocks): "merge" before the redo, "finish" after it
         # guided_acc (a row tensor's panel into its accumulator): "acc", with or without the target's term
@@ -435,7 +437,7 @@ _SCRIPT = textwrap.dedent(
         return out
 
     if __name__ == "__main__":
-        jobs = [(cc, fam, g, v, i) for cc, fam in aot.TARGETS for g in DT for v in ("gist", "ids")
+        jobs = [(cc, fam, g, v, i) for cc, fam in compile_survey.TARGETS for g in DT for v in ("gist", "ids")
                 for i in range(len(record(fam, g, v)))]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))

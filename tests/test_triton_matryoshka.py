@@ -1,4 +1,4 @@
-"""The Matryoshka kernels (``kernels/matryoshka.py``, ``core/triton_matryoshka.py``): every level from one
+"""The Matryoshka kernels (``kernels/matryoshka.py``, ``core/matryoshka/triton_levels.py``): every level from one
 walk along D, forward and backward, under the Triton interpreter (conftest) against the definition
 ``sum_k w_k loss(F.normalize(x[..., :d_k]))`` in float64 (the plain reference loss per level), loss and every
 gradient (temperature / logit scale included); ragged shapes and boundaries off every tile edge; 16-bit
@@ -113,7 +113,7 @@ def test_level_boundaries_flag_and_tensor():
     # ALIGNED is set for boundaries that are all multiples of 16 only; the kernels' DIMS tensor is cached per
     # (levels, device): on CUDA a fresh one was a host-to-device copy per call, so two calls with the same
     # levels share it and other levels get their own
-    from fused_contrastive.core import triton_matryoshka as TM
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
     a = torch.zeros(4, 144)
 
@@ -234,9 +234,9 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core import triton_matryoshka as TM
+    from fused_contrastive.core.matryoshka import triton_levels as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
     DIMS = {1: (768,), 5: (64, 128, 256, 512, 768), 8: (32, 64, 96, 128, 256, 384, 512, 768)}
@@ -253,7 +253,7 @@ _SCRIPT = textwrap.dedent(
             data, coef = CoreData(row_labels=torch.empty(n, **i64), col_labels=torch.empty(n, **i64)), \\
                 Coeffs(lse=1.0, pos=-1.0)
         s = torch.empty((), device=meta)
-        with aot.recording(fam) as launches:
+        with compile_survey.recording(fam) as launches:
             lv = TM._Levels(a, b, spec, data, coef.pos is not None, DIMS[k])
             lse, lc, lp = TM._fwd(lv, s, spec, coef.col is not None)
             g = torch.empty(k, n, device=meta)
@@ -263,15 +263,17 @@ _SCRIPT = textwrap.dedent(
 
     def job(args):
         cc, fam, dname, k, variant, i = args
-        out = aot.compile_launch(record(fam, DT[dname], k, variant)[i], cc)
+        out = compile_survey.compile_launch(record(fam, DT[dname], k, variant)[i], cc)
         out.update(dtype=dname, k=k, variant=variant)
         return out
 
     if __name__ == "__main__":
         # fp16 runs bf16's code with another operand type; the variants: plain cross-entropy at K = 1, 5, 8,
         # the column LSE (CLIP), the positives' softmax (SupCon in) and the own column at K = 8
-        jobs = [(cc, fam, dn, k, "ce", i) for cc, fam in aot.TARGETS for dn in DT for k in DIMS for i in range(3)]
-        jobs += [(cc, fam, dn, 8, v, i) for cc, fam in aot.TARGETS for dn in DT for v in ("col", "pos", "self")
+        jobs = [(cc, fam, dn, k, "ce", i) for cc, fam in compile_survey.TARGETS for dn in DT for k in DIMS
+                for i in range(3)]
+        jobs += [(cc, fam, dn, 8, v, i) for cc, fam in compile_survey.TARGETS for dn in DT
+                 for v in ("col", "pos", "self")
                  for i in range(3)]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))
@@ -301,13 +303,13 @@ def test_matryoshka_operands_load_in_16_byte_vectors(compiled):
         assert r["ld_b16"] == 0 and r["cp_async_16"] > 0, r
 
 
-def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch):
+def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch, route):
     # where the plain op takes the panel path (forced here; on CUDA N * M >= 2^24) the levels run as one
     # plain call per level (bench/gpu_model.py --matryoshka models that faster than the Matryoshka kernels)
-    from fused_contrastive.core import triton_matryoshka
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setattr(triton_matryoshka, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
+    route(TRITON_PATH="panel")
+    monkeypatch.setattr(TM, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
     q, k = _r(37, 40, seed=14).float(), _r(29, 40, seed=15).float()
     tgt = torch.randint(0, 29, (37,), generator=torch.Generator().manual_seed(16))
     lq, lk = q.clone().requires_grad_(), k.clone().requires_grad_()
@@ -324,9 +326,9 @@ def test_panel_sized_problems_take_one_panel_call_per_level(monkeypatch):
 
 def test_more_than_eight_levels_take_one_call_per_level(monkeypatch):
     # the kernels are compiled and checked up to 8 levels; 9 run as plain Triton calls, still the definition
-    from fused_contrastive.core import triton_matryoshka
+    from fused_contrastive.core.matryoshka import triton_levels as TM
 
-    monkeypatch.setattr(triton_matryoshka, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
+    monkeypatch.setattr(TM, "run", lambda *a, **k: pytest.fail("the Matryoshka kernels ran"))
     dims = [2, 4, 6, 8, 10, 12, 14, 16, 18]
     q, k = _r(11, 18, seed=17).float(), _r(11, 18, seed=18).float()
     lq, lk = q.clone().requires_grad_(), k.clone().requires_grad_()
@@ -341,13 +343,13 @@ def test_more_than_eight_levels_take_one_call_per_level(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_bf16_gradients_in_a_saturated_softmax(seed, monkeypatch):
+def test_bf16_gradients_in_a_saturated_softmax(seed, monkeypatch, route):
     """Temperature 0.05 with positives at cosine ~0.8 (trained embeddings; 1 - p_target ~ 1e-4 at N = 48):
     the target term ``p_it - 1`` cancels, and formed after ``p_it`` was rounded to bf16 (as the kernels did
     until the target joined the tile, HAS_TGT) it lost 3.2-9.6e-2 of max |grad| (seeds 0-2). Now within
     2e-2 of max |grad| against the float64 definition on the same bf16 inputs (measured 0.85-1.3e-2)."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
+    route(DENSE="0")
+    route(TRITON_PATH="fused")
     assert max(saturated_errors(seed)) <= 2e-2
 
 

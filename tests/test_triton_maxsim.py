@@ -1,4 +1,4 @@
-"""The MaxSim (late interaction) kernels (``kernels/maxsim.py``, launchers ``core/triton_maxsim.py``), run by
+"""The MaxSim (late interaction) kernels (``kernels/maxsim.py``, launchers ``core/maxsim/triton_maxsim.py``), run by
 the interpreter (conftest.py sets TRITON_INTERPRET=1), against a float64 oracle written here from the
 definition: the [N, M, Lq, Ld] similarities materialised in float64 from the same (16-bit rounded) inputs,
 the first maximising token taken explicitly (the lowest index among equal maxima).
@@ -25,8 +25,8 @@ import textwrap
 import pytest
 import torch
 
-from fused_contrastive.core import triton_backend as TB
-from fused_contrastive.core import triton_maxsim as TM
+from fused_contrastive.core.maxsim import triton_maxsim as TMS
+from fused_contrastive.core.triton_shared import launch as TL
 from tests._compiles import assert_no_spills_within_smem, assert_tensor_cores, run_compile_script
 
 EMPTY = -1e9
@@ -34,7 +34,7 @@ EMPTY = -1e9
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(TB, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
 
 
 # --- inputs -------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ DD_REL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 def _run_and_check(q, d, w, dv, scale=1.5, *, G_mag=1.0, exact_idx=False, gather=None, seed=0):
     """Forward and backward on the kernels, every output against the oracle; returns (oracle, idx)."""
     scale_t = torch.tensor(scale) if not isinstance(scale, torch.Tensor) else scale
-    S, idx, lse = TM.maxsim_forward(_nan_view(q), _nan_view(d), w, dv, scale_t, EMPTY)
+    S, idx, lse = TMS.maxsim_forward(_nan_view(q), _nan_view(d), w, dv, scale_t, EMPTY)
     o = _oracle(q, d, w, dv, float(scale_t))
     n, lq, _ = q.shape
     m, ld, _ = d.shape
@@ -144,7 +144,7 @@ def _run_and_check(q, d, w, dv, scale=1.5, *, G_mag=1.0, exact_idx=False, gather
     g = torch.Generator().manual_seed(seed + 100)
     G = torch.randn(n, m, generator=g) * G_mag
     G[:, o["empty"]] = 0.0
-    dq, dd = TM.maxsim_backward(_nan_view(q), _nan_view(d), w, idx, G, dv, gather=gather)
+    dq, dd = TMS.maxsim_backward(_nan_view(q), _nan_view(d), w, idx, G, dv, gather=gather)
     assert dq.shape == (n, lq, q.shape[2]) and dd.shape == (m, ld, d.shape[2])
     assert dq.dtype == dd.dtype == torch.float32
     dq0, dq_abs, dd0, dd_abs = _grad_oracle(q, d, w, idx, G)
@@ -187,7 +187,7 @@ def test_several_query_groups_and_document_splits(monkeypatch):
     # documents in three splits (LSEs merged by the launcher) and in one
     q, d, w, dv = _problem(5, 7, 40, 10, 16, torch.float32, 4, empty=(6,), pad_q=5)
     for splits in (3, 1):
-        monkeypatch.setattr(TM, "FWD_SPLITS", splits)
+        monkeypatch.setattr(TMS, "FWD_SPLITS", splits)
         _run_and_check(q, d, w, dv, 3.0)
 
 
@@ -243,10 +243,10 @@ def test_tiny_and_degenerate_shapes():
     _run_and_check(q, d, w, dv, 1.0)
     q, d, w, dv = _problem(2, 3, 2, 4, 8, torch.bfloat16, 9, pad_q=0)
     dv[:] = False
-    S, idx, lse = TM.maxsim_forward(q, d, w, dv, torch.tensor([2.0]), EMPTY)
+    S, idx, lse = TMS.maxsim_forward(q, d, w, dv, torch.tensor([2.0]), EMPTY)
     assert (S == torch.tensor(EMPTY, dtype=torch.float32)).all() and (idx == 0).all()
     torch.testing.assert_close(lse, torch.full((2,), 2.0 * EMPTY + math.log(3)), rtol=1e-6, atol=0)
-    dq, dd = TM.maxsim_backward(q, d, w, idx, torch.zeros(2, 3))
+    dq, dd = TMS.maxsim_backward(q, d, w, idx, torch.zeros(2, 3))
     assert (dq == 0).all() and (dd == 0).all()
 
 
@@ -261,8 +261,8 @@ def test_dd_chunks_per_program(ld):
 def test_int32_indices_past_32767_tokens(monkeypatch):
     # Ld = 2^15 + 256: int32 indices; the maximum of document 0 at token 33000 > 32767. Chunks of 1024
     # tokens (the interpreter's time goes per chunk and per program; the kernels take any power of two)
-    monkeypatch.setattr(TM, "FWD_32", TM.FWD_32._replace(block_t=1024))
-    monkeypatch.setattr(TM, "BWD_D_32", TM.BWD_D_32._replace(block_t=1024))
+    monkeypatch.setattr(TMS, "FWD_32", TMS.FWD_32._replace(block_t=1024))
+    monkeypatch.setattr(TMS, "BWD_D_32", TMS.BWD_D_32._replace(block_t=1024))
     n, m, lq, ld, dim = 1, 2, 2, (1 << 15) + 256, 16
     g = torch.Generator().manual_seed(10)
     q = torch.randn(n, lq, dim, generator=g)
@@ -272,13 +272,13 @@ def test_int32_indices_past_32767_tokens(monkeypatch):
     dv[0, 33000] = True
     d[0, 33000] = q[0, 0] * 3
     w = torch.ones(n, lq)
-    S, idx, lse = TM.maxsim_forward(q, d, w, dv, 1.0, EMPTY)
+    S, idx, lse = TMS.maxsim_forward(q, d, w, dv, 1.0, EMPTY)
     o = _oracle(q, d, w, dv, 1.0)
     assert idx.dtype == torch.int32 and int(idx[0, 0, 0]) == 33000
     assert (idx.long() == o["idx"]).all()
     _within(S, o["S"], 1e-5 * o["S_abs"], "S")
     G = torch.tensor([[0.5, -2.0]])
-    dq, dd = TM.maxsim_backward(q, d, w, idx, G)
+    dq, dd = TMS.maxsim_backward(q, d, w, idx, G)
     dq0, _, dd0, _ = _grad_oracle(q, d, w, idx, G)
     torch.testing.assert_close(dq.double(), dq0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dd.double(), dd0, rtol=1e-5, atol=1e-6)
@@ -286,41 +286,41 @@ def test_int32_indices_past_32767_tokens(monkeypatch):
 
 def test_scale_as_float_0dim_and_1element_tensor():
     q, d, w, dv = _problem(3, 4, 3, 7, 16, torch.float32, 11)
-    outs = [TM.maxsim_forward(q, d, w, dv, s, EMPTY)[2] for s in (-0.5, torch.tensor(-0.5), torch.tensor([-0.5]))]
+    outs = [TMS.maxsim_forward(q, d, w, dv, s, EMPTY)[2] for s in (-0.5, torch.tensor(-0.5), torch.tensor([-0.5]))]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     torch.testing.assert_close(outs[0].double(), _oracle(q, d, w, dv, -0.5)["lse"], rtol=1e-5, atol=1e-5)
 
 
 # --- the launch settings of a device sweep -------------------------------------------------------------
 
-SETTINGS = [name for name, _ in TM.sweep_settings()]
+SETTINGS = [name for name, _ in TMS.sweep_settings()]
 
 
 def test_sweep_settings_are_distinct_and_restored():
-    named = TM.sweep_settings()
+    named = TMS.sweep_settings()
     assert len(named) == len({n for n, _ in named}) <= 9 and {"baseline", "default"} <= {n for n, _ in named}
     # "default" is the module's defaults; every setting restores the attributes after its block
-    before = {k: getattr(TM, k) for _, st in named for k in st}
-    assert all(getattr(TM, k) == v for k, v in dict(named)["default"].items())
+    before = {k: getattr(TMS, k) for _, st in named for k in st}
+    assert all(getattr(TMS, k) == v for k, v in dict(named)["default"].items())
     for name, st in named:
-        with TM.settings(name) as got:
-            assert got == st and all(getattr(TM, k) == v for k, v in st.items())
-        assert {k: getattr(TM, k) for k in before} == before
+        with TMS.settings(name) as got:
+            assert got == st and all(getattr(TMS, k) == v for k, v in st.items())
+        assert {k: getattr(TMS, k) for k in before} == before
     with pytest.raises(ValueError, match="unknown MaxSim setting"):
-        with TM.settings("nope"):
+        with TMS.settings("nope"):
             pass
     with pytest.raises(ValueError, match="not attributes"):
-        with TM.settings({"NOPE": 1}):
+        with TMS.settings({"NOPE": 1}):
             pass
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_every_sweep_setting_is_exact(setting):
-    """Each setting of :func:`TM.sweep_settings` on the cases that reach its differences: 16-bit inputs (its
+    """Each setting of :func:`TMS.sweep_settings` on the cases that reach its differences: 16-bit inputs (its
     configs), random masks with an empty document and several query groups / document splits, documents of
     three chunks with NaN padding, exact ties within and across chunks (bf16, fp16: both dq forms), fp32
     (the layouts and the flat loop), and Ld = 0."""
-    with TM.settings(setting):
+    with TMS.settings(setting):
         q, d, w, dv = _problem(11, 9, 6, 13, 24, torch.bfloat16, 21, empty=(3,), pad_q=2)
         _run_and_check(q, d, w, dv, 2.5)
         q, d, w, dv = _problem(3, 4, 8, 150, 16, torch.bfloat16, 22, p_valid=0.5, empty=(2,), nan_pad=True)
@@ -330,7 +330,7 @@ def test_every_sweep_setting_is_exact(setting):
         q, d, w, dv = _problem(3, 5, 3, 70, 16, torch.float32, 23, empty=(4,))
         _run_and_check(q, d, w, dv, 1.0)
         q, d, w = torch.randn(2, 4, 16).bfloat16(), torch.zeros(3, 0, 16).bfloat16(), torch.ones(2, 4)
-        S, idx, lse = TM.maxsim_forward(q, d, w, torch.zeros(3, 0, dtype=torch.bool), 1.0, EMPTY)
+        S, idx, lse = TMS.maxsim_forward(q, d, w, torch.zeros(3, 0, dtype=torch.bool), 1.0, EMPTY)
         assert (S == torch.tensor(EMPTY, dtype=torch.float32)).all() and idx.shape == (2, 4, 3) and (idx == 0).all()
         torch.testing.assert_close(lse, torch.full((2,), EMPTY + math.log(3)), rtol=1e-6, atol=0)
 
@@ -344,13 +344,13 @@ _COMPILE = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core import triton_maxsim as TM
-    from fused_contrastive.tools import aot
+    from fused_contrastive.core.maxsim import triton_maxsim as TMS
+    from fused_contrastive.tools import compile_survey
 
     DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
     def record(fam, dname, d, lq, gather, setting="default"):
-        with TM.settings(setting):
+        with TMS.settings(setting):
             return _record(fam, dname, d, lq, gather)
 
     def _record(fam, dname, d, lq, gather):
@@ -359,17 +359,17 @@ _COMPILE = textwrap.dedent(
         doc = torch.empty(n, ld, d, dtype=dt, device=meta)
         w = torch.empty(n, lq, device=meta)
         dv = torch.empty(n, ld, dtype=torch.bool, device=meta)
-        with aot.recording(fam) as launches:
-            s, idx, lse = TM.maxsim_forward(q, doc, w, dv, torch.empty((), device=meta), -1e9)
-            TM.maxsim_backward(q, doc, w, idx, torch.empty(n, n, device=meta), dv, gather=gather)
+        with compile_survey.recording(fam) as launches:
+            s, idx, lse = TMS.maxsim_forward(q, doc, w, dv, torch.empty((), device=meta), -1e9)
+            TMS.maxsim_backward(q, doc, w, idx, torch.empty(n, n, device=meta), dv, gather=gather)
         return [x for x in launches if gather or x.name == "maxsim_bwd_query"]
 
     def key(launch):  # what the compiled code depends on: launches with one key compile to the same code
-        return launch.name, aot.source(launch).hash(), launch.num_warps, launch.num_stages
+        return launch.name, compile_survey.source(launch).hash(), launch.num_warps, launch.num_stages
 
     def job(args):
         cc, fam, dname, d, lq, gather, i, setting = args
-        out = aot.compile_launch(record(fam, dname, d, lq, gather, setting)[i], cc)
+        out = compile_survey.compile_launch(record(fam, dname, d, lq, gather, setting)[i], cc)
         out.update(dtype=dname, d=d, lq=lq, gather=gather, setting=setting)
         return out
 
@@ -379,12 +379,13 @@ _COMPILE = textwrap.dedent(
         # chunks, Lq = 256 (one query per program, 32-token chunks)
         shapes = [("bf16", 128, 32), ("fp32", 128, 32), ("fp16", 128, 32), ("bf16", 256, 32), ("bf16", 768, 32),
                   ("fp32", 768, 32), ("bf16", 128, 256)]
-        jobs = [(cc, fam, dn, d, lq, True, i, "default") for cc, fam in aot.TARGETS for dn, d, lq in shapes
+        jobs = [(cc, fam, dn, d, lq, True, i, "default") for cc, fam in compile_survey.TARGETS for dn, d, lq in shapes
                 for i in range(3) if i == 0 or (dn, d, lq) in shapes[:3]]
-        jobs += [(cc, fam, dn, 128, 32, False, 0, "default") for cc, fam in aot.TARGETS for dn in ("bf16", "fp32")]
+        jobs += [(cc, fam, dn, 128, 32, False, 0, "default") for cc, fam in compile_survey.TARGETS
+                 for dn in ("bf16", "fp32")]
         # every other sweep setting at the ColBERT shape in bf16: the forward and dd (dq: the layouts)
-        jobs += [(cc, fam, "bf16", 128, 32, True, i, name) for cc, fam in aot.TARGETS
-                 for name, _ in TM.sweep_settings() if name != "default" for i in (0, 1, 2)
+        jobs += [(cc, fam, "bf16", 128, 32, True, i, name) for cc, fam in compile_survey.TARGETS
+                 for name, _ in TMS.sweep_settings() if name != "default" for i in (0, 1, 2)
                  if i != 1 or name in ("baseline", "idx-nlm")]
         # a launch whose code is one already in the list is compiled once (its record copied)
         keys = [(j[0], key(record(*j[1:6], j[7])[j[6]])) for j in jobs]
@@ -418,7 +419,7 @@ def test_maxsim_kernels_compile_for_sm80_and_sm90(compiled):
            for dn, d, lq in (("bf16", 256, 32), ("bf16", 768, 32), ("fp32", 768, 32), ("bf16", 128, 256))}
     assert have == colbert | onehot | fwd, sorted(have ^ (colbert | onehot | fwd))
     swept = {(r["setting"], r["kernel"], r["cc"]) for r in compiled if r["setting"] != "default"}
-    assert swept == {(name, k, cc) for name, _ in TM.sweep_settings() if name != "default" for cc in (80, 90)
+    assert swept == {(name, k, cc) for name, _ in TMS.sweep_settings() if name != "default" for cc in (80, 90)
                      for k in ("maxsim_fwd", "maxsim_bwd_doc", "maxsim_bwd_query")
                      if k != "maxsim_bwd_query" or name in ("baseline", "idx-nlm")}
     assert_no_spills_within_smem(compiled)

@@ -1,9 +1,9 @@
-"""The panel path of backend="triton" (``core/triton_panel.py`` + ``kernels/panel.py``), the fp16
+"""The panel path of backend="triton" (``core/lse/triton_panel.py`` + ``kernels/panel.py``), the fp16
 pre-scale of every gradient tile and the compact dense positive mask.
 
 Under the CPU interpreter (conftest.py) the panel path's GEMMs are ``torch.mm`` on CPU tensors and its
 Triton kernel runs interpreted; ``FUSED_CONTRASTIVE_TRITON_PATH=panel`` forces the path (on the CPU
-"auto" takes the fused kernels, which tests/test_triton.py covers) and ``triton_panel.PANEL_ROWS``
+"auto" takes the fused kernels, which tests/test_triton.py covers) and the switchboard's ``PANEL_ROWS``
 forces small panels, so every test runs several panels with a ragged last one. Every kernel output is
 poisoned with NaN before its launch and the registry inputs are views into NaN-padded buffers, as in
 tests/test_triton.py. The compile tests lower the panel kernel (and the fused kernels with a 1-byte
@@ -27,8 +27,10 @@ except ImportError:  # pragma: no cover - the test extra installs triton
 from test_memory import LargestTensor  # tests/ is on sys.path (rootdir-relative imports, no package)
 
 import fused_contrastive as fc
-from fused_contrastive.core import chunked, triton_backend, triton_function, triton_panel
+from fused_contrastive.core.lse import torch_chunked, triton_function
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+from fused_contrastive.core.triton_shared import launch as TL
+from fused_contrastive.core.triton_shared import panels
 from fused_contrastive.testing import CASE_BY_NAME, CASES, assert_close, compare
 from fused_contrastive.testing.accuracy import make_inputs, run
 from tests._compiles import run_compile_script
@@ -40,12 +42,12 @@ PANEL = 40  # rows per panel in the parity tests: 97 rows -> 40 + 40 + 17, 130 -
 
 
 @pytest.fixture(autouse=True)
-def _panel_path(monkeypatch):
+def _panel_path(monkeypatch, route):
     """The panel path with small panels, kernels (not the dense path), outputs poisoned, quiet numpy."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "0")
+    route(DENSE="0", PANEL_ROWS=PANEL)
+    # the path through the environment: test_path_choice reads the variable itself (an override would win)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", PANEL)
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
@@ -56,13 +58,13 @@ class _Launches:
 
     def __init__(self, monkeypatch):
         self.launches = []
-        orig = triton_backend._launch
+        orig = TL._launch
 
         def launch(x):
             self.launches.append(x)
             orig(x)
 
-        monkeypatch.setattr(triton_backend, "_launch", launch)
+        monkeypatch.setattr(TL, "_launch", launch)
 
     @property
     def names(self) -> list[str]:
@@ -117,7 +119,7 @@ def test_core_every_term_against_the_chunked_path(mode):
     coef = Coeffs(lse=torch.rand(100, generator=g), pos=-0.5,
                   col=torch.rand(70, generator=g) if mode == "column" else None)
     res = []
-    for impl, dt in ((triton_function, torch.float32), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, torch.float32), (torch_chunked, torch.float64)):
         x = [v.to(dt).requires_grad_() for v in (a, b, s)]
         out = impl.core(*x, spec, data, coef, reduce)
         res.append((out, *torch.autograd.grad(out.sum(), x)))
@@ -294,8 +296,8 @@ EPI_RUNS = [(c, torch.bfloat16) for c in EPI_CORE] + [(c, torch.float16) for i, 
 
 @pytest.mark.parametrize("case,dtype", EPI_RUNS, ids=[f"{c.name}-{'bf16' if t == torch.bfloat16 else 'fp16'}"
                                                       for c, t in EPI_RUNS])
-def test_epilogue_gemm_registry_case(case, dtype, monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+def test_epilogue_gemm_registry_case(case, dtype, monkeypatch, route):
+    route(PANEL_GEMM="epilogue")
     n, d = ROTATION[EPI_CORE.index(case) % 2] if dtype == torch.bfloat16 else ROTATION[0]
     rec = _Launches(monkeypatch)
     c = compare(case, n, d, dtype, "triton", canary=True)
@@ -336,10 +338,10 @@ def test_epilogue_gemm_is_chosen_where_documented(monkeypatch):
     assert kernels("epilogue", torch.float32) == {("panel_dl", None)}  # fp32 GEMMs stay cuBLAS
     assert kernels("cublas", torch.bfloat16) == {("panel_dl", None)}
     assert kernels(None, torch.bfloat16) == {("panel_dl", None)}  # auto on the CPU
-    assert triton_panel.use_epilogue(torch.device("meta"), torch.bfloat16)  # auto where CUDA would run
+    assert panels.use_epilogue(torch.device("meta"), torch.bfloat16)  # auto where CUDA would run
     monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "triton")
     with pytest.raises(ValueError, match="FUSED_CONTRASTIVE_PANEL_GEMM"):
-        triton_panel.use_epilogue(torch.device("cpu"), torch.bfloat16)
+        panels.use_epilogue(torch.device("cpu"), torch.bfloat16)
 
 
 SIGLIP_CASES = [c for c in CASES if c.op == "siglip" or c.fn.__name__ == "siglip_loss"]
@@ -347,12 +349,12 @@ SIGLIP_CASES = [c for c in CASES if c.op == "siglip" or c.fn.__name__ == "siglip
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", SIGLIP_CASES, ids=[c.name for c in SIGLIP_CASES])
-def test_epilogue_gemm_siglip(case, dtype, monkeypatch):
+def test_epilogue_gemm_siglip(case, dtype, monkeypatch, route):
     """SigLIP's sigmoid loss on the epilogue GEMM in several panels, against float64; the fused kernels do
     not run. A summed loss (mean, sum) takes one sweep (MODE 5: the losses and the gradient tile for an
     upstream 1, scaled in the backward); per-row losses two (MODE 4: the losses, then the gradient tile
     for the upstream vector)."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    route(PANEL_GEMM="epilogue")
     rec = _Launches(monkeypatch)
     c = compare(case, 97, 100, dtype, "triton", canary=True)
     assert c.ok, c
@@ -368,14 +370,14 @@ def test_epilogue_gemm_siglip(case, dtype, monkeypatch):
     assert "siglip_fwd" in rec.names and "epi_gemm_siglip" not in rec.names, rec.names
 
 
-def test_epilogue_gemm_siglip_eager_scales_by_the_upstream_gradient(monkeypatch):
+def test_epilogue_gemm_siglip_eager_scales_by_the_upstream_gradient(monkeypatch, route):
     """The one-pass SigLIP sweep (MODE 5) forms the gradients of a summed loss for an upstream 1 in the
     forward; the backward scales them by the upstream scalar (here 0.37), a second backward (retain_graph)
     recomputes them by the two-sweep route, and a forward without gradients forms the losses alone (MODE 4,
     no gradient tile). Each against the float64 definition (tests/test_siglip.py ``_truth``)."""
     from test_siglip import _truth
 
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    route(PANEL_GEMM="epilogue")
     rec = _Launches(monkeypatch)
     g = torch.Generator().manual_seed(3)
     x64 = torch.randn(97, 40, generator=g, dtype=torch.float64)
@@ -409,16 +411,16 @@ def test_epilogue_gemm_siglip_eager_scales_by_the_upstream_gradient(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_epilogue_gemm_siglip_eager_offset_wider_texts(dtype, monkeypatch):
+def test_epilogue_gemm_siglip_eager_offset_wider_texts(dtype, monkeypatch, route):
     """The one pass (MODE 5) where the positives sit at column ``offset + i`` of a wider text set (the
     layout ``gather=`` hands it: this rank's images against every rank's texts), raw rows (no
     normalisation), a learnable scale and bias: loss and all four gradients against float64 autograd of the
     definition (tests/test_siglip.py ``_truth``)."""
     from test_siglip import _truth
 
-    from fused_contrastive.core.triton_siglip import TritonSigLipFn
+    from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
 
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    route(PANEL_GEMM="epilogue")
     rec = _Launches(monkeypatch)
     g = torch.Generator().manual_seed(11)
     x64 = (torch.randn(100, 24, generator=g, dtype=torch.float64) * 0.3).to(dtype).double()
@@ -438,13 +440,13 @@ def test_epilogue_gemm_siglip_eager_offset_wider_texts(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("learn", [False, True], ids=["fixed", "learned-scale"])
-def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
+def test_epilogue_gemm_one_pass_redo(learn, monkeypatch, route):
     """The one-pass epilogue's redo (MODE 2), in bf16 at |s| = 100: rows 0-31 near their keys (one pass),
     rows 32-63 pointing away from every key (logits ~c - 190: exp(l - m) underflows, z_i = 0 < 2^-64),
     which the redo launch recomputes with the row's own largest logit as the shift. Loss and every
     gradient against float64 on the same rounded inputs; the row weights against W_i = exp(SHIFT_i - LSE_i)
     from float64 logits, SHIFT the fixed m = |s| - 56 on rows 0-31 and the row's largest logit on 32-63."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", "epilogue")
+    route(PANEL_GEMM="epilogue")
     g = torch.Generator().manual_seed(0)
     n, m, d, s = 64, 80, 32, 100.0
     u = torch.randn(d, generator=g)
@@ -453,14 +455,14 @@ def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
     q = torch.cat([k[:32].float() + 0.05 * torch.randn(32, d, generator=g) / d ** 0.5,
                    -u + 0.2 * torch.randn(32, d, generator=g) / d ** 0.5]).bfloat16()
     weights = []
-    orig = triton_panel._epi_panel
+    orig = panels._epi_panel
 
     def spy(*args, **kw):
         out = orig(*args, **kw)
         weights.append(out[0].clone())
         return out
 
-    monkeypatch.setattr(triton_panel, "_epi_panel", spy)
+    monkeypatch.setattr(panels, "_epi_panel", spy)
     rec = _Launches(monkeypatch)
     res = []
     for be, dt in (("triton", torch.bfloat16), ("reference", torch.float64)):
@@ -483,23 +485,23 @@ def test_epilogue_gemm_one_pass_redo(learn, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["info_nce", "clip", "simcse"])
-def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
+def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch, route):
     """On the epilogue route the only [P, M]-shaped tensor any op creates is the 16-bit gradient tile: the
     probe records the element size of every newly stored 2-d tensor of P rows and at least M / 2 columns
     (the triangular sweep's panels narrow with each panel). The
     cuBLAS form creates its fp32 products panel (4 bytes): seen by the same probe, so the check can fail."""
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
+    route(PANEL_ROWS=p)
+    route(TILE_ELEMENTS=str(p * n))
     probe = WideTensors(p, n // 2)
-    monkeypatch.setattr(triton_panel, "_mm32", probe.counted(triton_panel._mm32, "_mm32"))
-    monkeypatch.setattr(triton_panel, "_addmm32_", probe.counted(triton_panel._addmm32_, "_addmm32_"))
+    monkeypatch.setattr(panels, "_mm32", probe.counted(panels._mm32, "_mm32"))
+    monkeypatch.setattr(panels, "_addmm32_", probe.counted(panels._addmm32_, "_addmm32_"))
     case = CASE_BY_NAME[name]
     tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
     widths, seen = {}, {}
     for gemm in ("epilogue", "cublas"):
-        monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_GEMM", gemm)
+        route(PANEL_GEMM=gemm)
         probe.seen = []
         with probe:
             run(case, (tensors, kwargs), "triton", torch.bfloat16)
@@ -509,7 +511,7 @@ def test_epilogue_gemm_writes_no_wide_n_by_m_tensor(name, monkeypatch):
     assert 4 in widths["cublas"], seen["cublas"]  # the products panel of the cuBLAS form
 
 
-# 1b'. The fp32-output GEMMs of 16-bit operands (triton_panel.gemm_routes): the probe, its cached
+# 1b'. The fp32-output GEMMs of 16-bit operands (panels.gemm_routes): the probe, its cached
 # verdict and every fallback, forced on the CPU with stand-ins for the out_dtype calls (the CPU has
 # none: torch 2.13 "Could not run 'aten::mm.dtype' ... CPU")
 
@@ -552,9 +554,9 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
     the eager sweep (dB through the accumulator, 3 panels) and the triangular sweep (offsets r0 > 0,
     the off-diagonal update) against float64, bf16 operands."""
     calls = {"mm": 0, "addmm": 0}
-    monkeypatch.setattr(triton_panel, "GEMM_PROBE_DEVICES", ("cpu",))
-    monkeypatch.setattr(triton_panel, "_GEMM_ROUTES", {})
-    monkeypatch.setattr(triton_panel, "NATIVE_GEMMS", _stand_ins(*kinds, calls))
+    monkeypatch.setattr(panels, "GEMM_PROBE_DEVICES", ("cpu",))
+    monkeypatch.setattr(panels, "_GEMM_ROUTES", {})
+    monkeypatch.setattr(panels, "NATIVE_GEMMS", _stand_ins(*kinds, calls))
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(97, 24, generator=gen).to(torch.bfloat16)
     k = torch.randn(90, 24, generator=gen).to(torch.bfloat16)
@@ -568,7 +570,7 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
             l2 = fc.simcse_loss(b, temperature=0.1, backend=be)  # B is A: the triangular sweep
             res.append((l1, l2, *torch.autograd.grad(l1 + l2, (a, b))))
     fails = [w for w in caught if "fp32-output" in str(w.message)]
-    assert triton_panel.gemm_routes(torch.device("cpu"), torch.bfloat16) == ROUTE_CASES[kinds]
+    assert panels.gemm_routes(torch.device("cpu"), torch.bfloat16) == ROUTE_CASES[kinds]
     assert len(fails) == sum(x != "ok" for x in kinds), [str(w.message) for w in fails]
     probes = {"mm": 1, "addmm": 1}
     for op, kind in zip(("mm", "addmm"), kinds, strict=True):
@@ -583,10 +585,10 @@ def test_gemm_probe_routes_against_float64(kinds, monkeypatch):
     y = torch.randn(40, 300, generator=gen).to(torch.bfloat16)
     acc0 = torch.randn(50, 40, generator=gen)
     acc = acc0.clone()
-    triton_panel._addmm32_(acc, x, y.T)
+    panels._addmm32_(acc, x, y.T)
     want = x.double() @ y.double().T
     bound = (x.double().abs() @ y.double().abs().T) * 2.0 ** -18 + acc0.abs().double() * 2.0 ** -22
-    assert ((triton_panel._mm32(x, y.T).double() - want).abs() <= bound).all(), f"mm route {kinds}"
+    assert ((panels._mm32(x, y.T).double() - want).abs() <= bound).all(), f"mm route {kinds}"
     assert ((acc.double() - acc0.double() - want).abs() <= bound).all(), f"addmm route {kinds}"
     tri = [x for x in rec.launches if x.name == "panel_dl" and x.constexprs["TRI"]]
     assert len(tri) == 3 and len(rec.launches) > len(tri) + 3  # 90 rows: triangular panels 40 + 40 + 10
@@ -603,22 +605,22 @@ def test_gemm_probe_waits_for_an_eager_call(monkeypatch):
     """While torch.compile traces (fake tensors: no values to compare), no probe runs and nothing is
     cached: the fallback, whose product is the float64 one to fp32 accuracy; the next eager call probes."""
     calls = {"mm": 0, "addmm": 0}
-    monkeypatch.setattr(triton_panel, "GEMM_PROBE_DEVICES", ("cpu",))
-    monkeypatch.setattr(triton_panel, "_GEMM_ROUTES", {})
-    monkeypatch.setattr(triton_panel, "NATIVE_GEMMS", _stand_ins("ok", "ok", calls))
+    monkeypatch.setattr(panels, "GEMM_PROBE_DEVICES", ("cpu",))
+    monkeypatch.setattr(panels, "_GEMM_ROUTES", {})
+    monkeypatch.setattr(panels, "NATIVE_GEMMS", _stand_ins("ok", "ok", calls))
     x = torch.randn(30, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    got = triton_panel._mm32(x, x.T)
-    assert calls == {"mm": 0, "addmm": 0} and triton_panel._GEMM_ROUTES == {}
+    got = panels._mm32(x, x.T)
+    assert calls == {"mm": 0, "addmm": 0} and panels._GEMM_ROUTES == {}
     want = x.double() @ x.double().T
     assert ((got.double() - want).abs() <= (x.double().abs() @ x.double().abs().T) * 2.0 ** -18).all()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    assert triton_panel.gemm_routes(torch.device("cpu"), torch.bfloat16) == ("native", "native")
+    assert panels.gemm_routes(torch.device("cpu"), torch.bfloat16) == ("native", "native")
     assert calls == {"mm": 1, "addmm": 1}
 
 
 # 1c. The triangular sweep of symmetric logits (B is A without a bias; the triangular fused forward,
-# triton_backend._lse_fwd with tri, and triton_panel.tri_backward)
+# triton_fused._lse_fwd with tri, and triton_panel.tri_backward)
 
 
 def _tri_fwd(rec) -> bool:
@@ -631,7 +633,7 @@ def _tri_fwd(rec) -> bool:
 def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
     """B is A: per-row coefficients, a tensor temperature, a zero row and a tiny row (clamped norms; not fp16);
     97 rows in panels of 40 + 40 + 17 (the last panel has no rows below it). "raw": normalize=False;
-    "self_in": the own column kept (the diagonal block's l_ii). Loss, dA and ds against the chunked
+    "self_in": the own column kept (the diagonal block's l_ii). Loss, dA and ds against the torch_chunked
     path in float64; the launches are the triangular sweep's."""
     rec = _Launches(monkeypatch)
     g = torch.Generator().manual_seed(3)
@@ -645,7 +647,7 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
     reduce = mode != "per_row"
     w = torch.rand(97, generator=g)  # upstream weights of the per-row output
     res = []
-    for impl, dt in ((triton_function, dtype), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, dtype), (torch_chunked, torch.float64)):
         x = a.to(dtype).to(dt).requires_grad_()
         s = torch.tensor(7.0, dtype=dt if dt == torch.float64 else torch.float32, requires_grad=True)
         out = impl.core(x, None, s, spec, CoreData(), coef, reduce)
@@ -668,14 +670,14 @@ def test_triangular_sweep_against_float64(mode, dtype, monkeypatch):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 @pytest.mark.parametrize("exclude_self", [True, False], ids=["self_out", "self_in"])
-def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch):
+def test_triangular_sweep_tiny_batches(n, exclude_self, monkeypatch, route):
     # panels of 2 rows: a last panel of one row, and N = 1 with its own column out (no column at all:
-    # LSE -inf, as the chunked path gives); per-row outputs with distinct upstream weights
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 2)
+    # LSE -inf, as the torch_chunked path gives); per-row outputs with distinct upstream weights
+    route(PANEL_ROWS=2)
     rec = _Launches(monkeypatch)
     a = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
     res = []
-    for impl, dt in ((triton_function, torch.float32), (chunked, torch.float64)):
+    for impl, dt in ((triton_function, torch.float32), (torch_chunked, torch.float64)):
         x = a.to(dt).requires_grad_()
         s = torch.tensor(3.0, dtype=dt, requires_grad=True)
         out = impl.core(x, None, s, CoreSpec(exclude_self=exclude_self), CoreData(), Coeffs(1.0), False)
@@ -736,21 +738,21 @@ def test_triangular_sweep_matmul_flops(monkeypatch):
 
 def test_panel_blocks_rule():
     # (rows per program, chunk) from the documented rule: the most rows that still give `programs`
-    assert triton_panel.panel_blocks(1216, 264) == (4, 512)  # N = 65536 on an H100 (132 SMs)
-    assert triton_panel.panel_blocks(320, 264) == (1, 2048)  # N = 131072
-    assert triton_panel.panel_blocks(40, 1) == (16, 128)  # the interpreter
-    assert triton_panel.panel_blocks(40, 8) == (4, 512)
+    assert panels.panel_blocks(1216, 264) == (4, 512)  # N = 65536 on an H100 (132 SMs)
+    assert panels.panel_blocks(320, 264) == (1, 2048)  # N = 131072
+    assert panels.panel_blocks(40, 1) == (16, 128)  # the interpreter
+    assert panels.panel_blocks(40, 8) == (4, 512)
 
 
 @pytest.mark.parametrize("programs", [8, 10 ** 6], ids=["4-rows", "1-row"])
 @pytest.mark.parametrize("name", ["info_nce", "supcon_mask_in", "clip_scale"])
-def test_narrow_blocks(name, programs, monkeypatch):
+def test_narrow_blocks(name, programs, monkeypatch, route):
     """The GPU's block shapes (4 x 512 and 1 x 2048 here) on the one-pass, two-pass and column paths."""
-    monkeypatch.setattr(triton_panel, "PANEL_PROGRAMS", programs)
+    route(PANEL_PROGRAMS=programs)
     rec = _Launches(monkeypatch)
     c = compare(CASE_BY_NAME[name], 97, 100, torch.float32, "triton", canary=True)
     assert c.ok, c
-    want = triton_panel.panel_blocks(PANEL, programs)
+    want = panels.panel_blocks(PANEL, programs)
     assert {(x.constexprs["BLOCK_R"], x.constexprs["BLOCK_C"]) for x in rec.launches if x.name == "panel_dl"} == {want}
 
 
@@ -760,72 +762,72 @@ def test_narrow_blocks(name, programs, monkeypatch):
 def test_path_choice(monkeypatch):
     x = torch.empty(4, 4)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "auto")
-    assert not triton_panel.use_panel(x, 1 << 20, 1 << 20)  # CPU: the fused kernels whatever the size
-    assert not triton_panel.use_panel(torch.empty(4, 4, device="meta"), 1 << 20, 1 << 20)
+    assert not panels.use_panel(x, 1 << 20, 1 << 20)  # CPU: the fused kernels whatever the size
+    assert not panels.use_panel(torch.empty(4, 4, device="meta"), 1 << 20, 1 << 20)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
-    assert not triton_panel.use_panel(x, 8, 8)
+    assert not panels.use_panel(x, 8, 8)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "panel")
-    assert triton_panel.use_panel(x, 8, 8)
+    assert panels.use_panel(x, 8, 8)
     monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "gemm")
     with pytest.raises(ValueError, match="FUSED_CONTRASTIVE_TRITON_PATH"):
-        triton_panel.use_panel(x, 8, 8)
+        panels.use_panel(x, 8, 8)
 
 
-def test_forced_fused_path_launches_no_panel(monkeypatch):
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", "fused")
+def test_forced_fused_path_launches_no_panel(monkeypatch, route):
+    route(TRITON_PATH="fused")
     rec = _Launches(monkeypatch)
     q = torch.randn(40, 16).requires_grad_()
     fc.info_nce(q, torch.randn(50, 16), torch.arange(40), backend="triton").backward()
     assert "panel_dl" not in rec.names and "lse_bwd_rows" in rec.names
 
 
-def test_panel_height_formula(monkeypatch):
+def test_panel_height_formula(monkeypatch, route):
     """The documented budget: at N = M = 131072, D = 768, bf16 the whole extra memory < 0.72 GB."""
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", None)
+    route(PANEL_ROWS=None)
     n = m = 131072
     d = 768
-    p = triton_panel.panel_rows(n, m, d, torch.bfloat16, True)
+    p = panels.panel_rows(n, m, d, torch.bfloat16, True)
     extra = 4 * m * d + p * ((4 + 2) * m + (4 + 4) * d + 16) + 64 * (n + m)  # + O(N + M) vectors, generously
     assert p == 320 and extra < 0.72e9, (p, extra)
-    assert triton_panel.panel_rows(65536, 65536, d, torch.bfloat16, True) == 1216
-    monkeypatch.setenv("FUSED_CONTRASTIVE_PANEL_BUDGET", "1000")  # a budget too small: the floor
-    assert triton_panel.panel_rows(n, m, d, torch.bfloat16, True) == triton_panel.P_MIN
+    assert panels.panel_rows(65536, 65536, d, torch.bfloat16, True) == 1216
+    route(PANEL_BUDGET="1000")  # a budget too small: the floor
+    assert panels.panel_rows(n, m, d, torch.bfloat16, True) == panels.P_MIN
 
 
 # 3. Memory: no tensor larger than one panel (P x M), with D <= P so the O(M D) accumulator is smaller
 
 
 @pytest.mark.parametrize("name", ["info_nce", "clip", "simcse", "supcon_mask_in", "dscl_queue"])
-def test_no_tensor_larger_than_a_panel(name, monkeypatch):
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
+def test_no_tensor_larger_than_a_panel(name, monkeypatch, route):
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
     p, n, d = 64, 256, 32  # four panels
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", p)
-    # the O(N*D) positive terms (positives.py) take a one-tile shortcut within the tile budget: hold
+    route(PANEL_ROWS=p)
+    # the O(N*D) positive terms (core/linear_terms.py) take a one-tile shortcut within the tile budget: hold
     # them to one panel's size as well
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(p * n))
+    route(TILE_ELEMENTS=str(p * n))
     case = CASE_BY_NAME[name]
     tensors, kwargs = case.build(n, d, torch.Generator().manual_seed(0))
     rec = _Launches(monkeypatch)
     with LargestTensor() as probe:
         run(case, (tensors, kwargs), "triton", torch.float32)
-    panels = [x for x in rec.launches if x.name == "panel_dl"]
-    assert len(panels) >= 2 and all(x.args["P"] <= p for x in panels)
-    m = panels[0].args["M"]  # the contrast set's rows (a queue, views, ...)
+    launched = [x for x in rec.launches if x.name == "panel_dl"]
+    assert len(launched) >= 2 and all(x.args["P"] <= p for x in launched)
+    m = launched[0].args["M"]  # the contrast set's rows (a queue, views, ...)
     assert m >= n
     assert probe.largest <= p * m, f"largest tensor {probe.largest} > P x M = {p * m} ({probe.op})"
 
 
 @pytest.mark.parametrize("name", ["info_nce", "simcse", "clip"])
-def test_one_logits_panel_alive_at_a_time(name, monkeypatch):
+def test_one_logits_panel_alive_at_a_time(name, monkeypatch, route):
     # the workspace formula counts one [P, M] fp32 panel: when the next panel's logits GEMM runs, no
     # earlier panel may still be referenced (weak references to every GEMM output of the sweep)
     import gc
     import weakref
 
-    monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", False)
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 64)
+    monkeypatch.setattr(TL, "POISON_OUTPUTS", False)
+    route(PANEL_ROWS=64)
     alive: list[weakref.ref] = []
-    orig = triton_panel._mm32
+    orig = panels._mm32
     counts = []
 
     def mm32(x, y):
@@ -836,7 +838,7 @@ def test_one_logits_panel_alive_at_a_time(name, monkeypatch):
             alive.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(triton_panel, "_mm32", mm32)
+    monkeypatch.setattr(panels, "_mm32", mm32)
     case = CASE_BY_NAME[name]
     tensors, kwargs = case.build(320, 32, torch.Generator().manual_seed(0))  # five panels
     run(case, (tensors, kwargs), "triton", torch.float32)
@@ -885,10 +887,10 @@ def _row_rel(x, y):
 
 
 @pytest.mark.parametrize("path", ["panel", "fused"])
-def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch):
+def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch, route):
     m = 8192  # p ~ 1/8192 = 1.2e-4, and 1e-3 of it for the light rows: far below fp16's 6.1e-5
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", path)
-    monkeypatch.setattr(triton_panel, "PANEL_ROWS", 8)  # two panels
+    route(TRITON_PATH=path)
+    route(PANEL_ROWS=8)  # two panels
     q, k, s, w = _fp16_problem(m)
     truth = _truth(q, k, s, w)
     x = q.clone().requires_grad_()
@@ -906,10 +908,10 @@ def test_fp16_prescale_beats_the_plain_cast(path, monkeypatch):
 
 @pytest.mark.parametrize("path", ["panel", "fused"])
 @pytest.mark.parametrize("kind", ["bool", "uint8", "weights"])
-def test_dense_mask_is_compact(kind, path, monkeypatch):
+def test_dense_mask_is_compact(kind, path, monkeypatch, route):
     """A 0/1 mask reaches the kernels as 1 byte per entry (bool: the user's storage viewed as uint8, no
     copy); general weights as float32. Values match the reference in every case."""
-    monkeypatch.setenv("FUSED_CONTRASTIVE_TRITON_PATH", path)
+    route(TRITON_PATH=path)
     g = torch.Generator().manual_seed(0)
     bsz = 40
     feats = torch.randn(bsz, 2, 24, generator=g)
@@ -941,16 +943,20 @@ _COMPILE = textwrap.dedent(
     import json, os
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "cublas"  # the panel kernel first; the epilogue GEMM below
-    import dataclasses
+    import contextlib, dataclasses
     import torch
-    from fused_contrastive import core
-    from fused_contrastive.core import triton_backend as TB
-    from fused_contrastive.core import triton_panel
+    from fused_contrastive import core, routes
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
-    from fused_contrastive.tools import aot
+    from fused_contrastive.tools import compile_survey
 
-    sig = aot._sig_type  # tools/aot.py knows no 1-byte pointers yet: the compact mask is "*u8"
-    aot._sig_type = lambda v: "*u8" if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 else sig(v)
+    hooks = contextlib.ExitStack()
+
+    def hook(**values):  # the switchboard's hooks for what follows (the previous ones undone)
+        hooks.close()
+        hooks.enter_context(routes.override(**values))
+
+    sig = compile_survey._sig_type  # tools/compile_survey.py knows no 1-byte pointers yet: the compact mask is "*u8"
+    compile_survey._sig_type = lambda v: "*u8" if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 else sig(v)
     meta = torch.device("meta")
     n = m = 4096
 
@@ -977,80 +983,81 @@ _COMPILE = textwrap.dedent(
         # column out of their tiles (SPLIT_T, core.PiecesFn) where no softmax over positives runs
         data = dataclasses.replace(data, target=torch.empty(n, dtype=torch.int64, device=meta))
         coef = dataclasses.replace(coef, tgt=1.0)
-        with aot.recording(arch) as launches:
+        with compile_survey.recording(arch) as launches:
             core.run("triton", a, b, s, spec, data, coef, True).backward()
         return launches
 
     out = []
-    for cc, arch in aot.TARGETS:
+    for cc, arch in compile_survey.TARGETS:
         for variant, dtypes in (("eager", (torch.bfloat16, torch.float16, torch.float32)),
                                 ("col", (torch.bfloat16,)), ("sym", (torch.bfloat16, torch.float16)),
                                 ("onepass", (torch.bfloat16, torch.float32)), ("onepass-r4", (torch.bfloat16,)),
                                 ("onepass-r1", (torch.bfloat16,)),
                                 ("tri", (torch.bfloat16, torch.float16, torch.float32))):
             # the GPU's narrow blocks (4 x 512, 1 x 2048) as the block rule picks them for 4096 rows
-            triton_panel.PANEL_PROGRAMS = {"onepass-r4": 1024, "onepass-r1": 10 ** 6}.get(variant)
-            triton_panel.PANEL_ROWS = 1024 if variant == "tri" else None  # several triangular panels
+            hook(PANEL_PROGRAMS={"onepass-r4": 1024, "onepass-r1": 10 ** 6}.get(variant),
+                 PANEL_ROWS=1024 if variant == "tri" else None)  # several triangular panels
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     # the panel kernels, and the fused forward with the 1-byte mask
                     if (x.name in ("panel_dl", "panel_rows")
                             or (x.name == "lse_fwd" and variant in ("col", "tri"))):
-                        r = aot.compile_launch(x, cc)
+                        r = compile_survey.compile_launch(x, cc)
                         r.update(variant=variant, dtype=str(dt), one_pass=bool(x.constexprs.get("ONE_PASS")),
                                  block_r=x.constexprs.get("BLOCK_R"), tri=bool(x.constexprs.get("TRI")),
                                  split=bool(x.constexprs.get("SPLIT_T")))
                         out.append(r)
-    triton_panel.PANEL_PROGRAMS = None
+    hook()
     # the epilogue GEMM: every mode (one pass and its redo, known statistics: the column term, the
     # symmetric and the triangular forms) in every 16-bit dtype it takes
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
-    for cc, arch in aot.TARGETS:
+    for cc, arch in compile_survey.TARGETS:
         for variant, dtypes in (("onepass", (torch.bfloat16,)), ("col", (torch.bfloat16, torch.float16)),
                                 ("stats", (torch.bfloat16, torch.float16)),
                                 ("sym", (torch.bfloat16, torch.float16)), ("tri", (torch.bfloat16, torch.float16))):
-            triton_panel.PANEL_ROWS = 1024 if variant == "tri" else None
+            hook(PANEL_ROWS=1024 if variant == "tri" else None)
             for dt in dtypes:
                 for x in record(arch, dt, variant):
                     if x.name in ("epi_rows", "target_rows", "stats_merge"):  # the row kernels around the
-                        r = aot.compile_launch(x, cc)  # one pass, the statistics merge (and the target term's:
+                        r = compile_survey.compile_launch(x, cc)  # one pass, the statistics merge (and the target
+                        # term's:
                         r.update(variant=variant, dtype=str(dt), finish=x.constexprs.get("FINISH"),  # every
                                  bwd=x.constexprs.get("BWD"), acc=x.constexprs.get("ACC"))  # loss here has one)
                         out.append(r)
                     if x.name.startswith("epi_gemm"):
                         keep = {}
-                        r = aot.compile_launch(x, cc, keep)
+                        r = compile_survey.compile_launch(x, cc, keep)
                         ttgir = keep["kernel"].asm["ttgir"]
                         r.update(variant=variant, dtype=str(dt), mode=x.constexprs["MODE"],
                                  tri=bool(x.constexprs["TRI"]), cp_async=ttgir.count("async_copy_global_to_local"),
                                  split=bool(x.constexprs["SPLIT_T"]))
                         out.append(r)
-    triton_panel.PANEL_ROWS = None
+    hook()
     # SigLIP on the epilogue GEMM: per-row losses (MODE 4: the losses, then the gradient tile) and the mean
     # (MODE 5: both in one pass)
-    from fused_contrastive.core.triton_siglip import TritonSigLipFn
-    for cc, arch in aot.TARGETS:
+    from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
+    for cc, arch in compile_survey.TARGETS:
         for dt, reduce in ((torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True),
                            (torch.float16, True)):
             x = torch.empty(n, 768, dtype=dt, device=meta, requires_grad=True)
             y = torch.empty(m, 768, dtype=dt, device=meta, requires_grad=True)
             sc = torch.empty((), device=meta, requires_grad=True)
             bi = torch.empty((), device=meta, requires_grad=True)
-            with aot.recording(arch) as launches:
+            with compile_survey.recording(arch) as launches:
                 TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, reduce, 1.0 / n).sum().backward()
             for x in launches:
                 if x.name.startswith("epi_gemm"):
                     keep = {}
-                    r = aot.compile_launch(x, cc, keep)
+                    r = compile_survey.compile_launch(x, cc, keep)
                     r.update(variant="siglip", dtype=str(dt), mode=x.constexprs["MODE"], tri=False,
                              cp_async=keep["kernel"].asm["ttgir"].count("async_copy_global_to_local"))
                     out.append(r)
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "cublas"
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "fused"
-    for cc, arch in aot.TARGETS:  # the fused backward kernels with the 1-byte mask
+    for cc, arch in compile_survey.TARGETS:  # the fused backward kernels with the 1-byte mask
         for x in record(arch, torch.bfloat16, "col"):
             if x.name in ("lse_bwd_rows", "lse_bwd_cols"):
-                r = aot.compile_launch(x, cc)
+                r = compile_survey.compile_launch(x, cc)
                 r.update(variant="fused-u8", dtype="bf16", split=bool(x.constexprs["SPLIT_T"]))
                 out.append(r)
     print(json.dumps(out))

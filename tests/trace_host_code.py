@@ -41,7 +41,7 @@ from fused_contrastive import core, ops
 from fused_contrastive.core import norms
 from fused_contrastive.testing import CASES
 from fused_contrastive.testing.host_paths import covering_cases
-from fused_contrastive.tools.aot import core_call
+from fused_contrastive.tools.compile_survey import core_call
 
 N, D = 96, 40
 
@@ -127,18 +127,18 @@ def main(plant: bool, backends: tuple[str, ...] = ("torch", "triton")) -> dict:
             return orig(x, *args, **kwargs)
 
         norms.normalize_rows = planted
-        for mod in (core.chunked, core.positives):
+        for mod in (core.torch_chunked, core.linear_terms):
             mod.normalize_rows = planted
         # the triton backend's target term normalises in its row kernel: the read is planted where both
         # backends turn the target cosines into logits too
-        orig_tgt = core.positives._target_from_cos
+        orig_tgt = core.linear_terms._target_from_cos
 
         def planted_tgt(cos, *args, **kwargs):
             if float(cos.float().sum()) > 1e300:
                 pass
             return orig_tgt(cos, *args, **kwargs)
 
-        core.positives._target_from_cos = planted_tgt
+        core.linear_terms._target_from_cos = planted_tgt
 
     report = {}
     for case in covering_cases([c.name for c in CASES if c.op == "core"]):

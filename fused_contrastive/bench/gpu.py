@@ -90,12 +90,12 @@ class Form:
 
 
 def _config(mode: str, cfg_args: tuple[int, int, int, int, int]):
-    """A patch of the epilogue GEMM's launch configuration of ``mode`` (``triton_configs.EPI_GEMM``)."""
+    """A patch of the epilogue GEMM's launch configuration of ``mode`` (``CFG.EPI_GEMM``)."""
     def patch():
-        from ..core import triton_configs
-        from ..core.triton_configs import LaunchConfig
+        from ..core.triton_shared import configs as CFG
+        from ..core.triton_shared.configs import LaunchConfig
 
-        return mock.patch.dict(triton_configs.EPI_GEMM, {mode: LaunchConfig(*cfg_args)})
+        return mock.patch.dict(CFG.EPI_GEMM, {mode: LaunchConfig(*cfg_args)})
     return patch
 
 

@@ -8,7 +8,7 @@ Contenders, all on the same q, k [N, D] (float32, requires grad):
 * ``plain``: ``info_nce(q, k)`` on the torch backend at the full dimension: one loss, the cost the levels
   add is measured against;
 * ``one-pass``: ``info_nce(q, k, matryoshka_dims=dims)`` on the torch backend (every level in one pass
-  over D, ``core/matryoshka.py``);
+  over D, ``core/matryoshka/torch_levels.py``);
 * ``formula``: ``sum_k CE(normalize(q[:, :d_k]) @ normalize(k[:, :d_k]).T / t, arange(N))``: K dense
   N x N matrices;
 * ``sentence-transformers``: what their ``MatryoshkaLoss`` does for a ``MultipleNegativesRankingLoss``

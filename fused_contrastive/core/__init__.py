@@ -1,9 +1,11 @@
-"""The core op of every InfoNCE-family loss (contract in ``spec.py``) and its implementations:
+"""The core op of every InfoNCE-family loss (contract in ``spec.py``) and its implementations, one folder per
+family (``docs/layout.md`` has the tree):
 
-* ``dense.py``: one materialised tile, for problems that fit the tile budget (any device);
-* ``chunked.py`` + ``positives.py``: the O(N*D)-memory PyTorch path;
-* ``triton_backend.py`` (+ ``triton_configs.py``, device code in ``fused_contrastive.kernels``) +
-  ``positives.py``: the fused kernels;
+* ``lse/torch_dense.py``: one materialised tile, for problems that fit the tile budget (``tiles.py``; any device);
+* ``lse/torch_chunked.py`` + ``linear_terms.py``: the O(N*D)-memory PyTorch path;
+* ``lse/triton_function.py`` (the fused kernels, the panel path or the ahead-of-time library; launch runtime in
+  ``triton_shared/``, device code in ``fused_contrastive.kernels``) + ``linear_terms.py``: the Triton path;
+* ``matryoshka/``: every Matryoshka level in one pass (:func:`run` with ``levels``);
 * ``reference.py``: every loss written naively from its definition, the test oracle (it does not go
   through :func:`run`).
 
@@ -14,28 +16,25 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import Tensor
 
 from .._first_order import first_order
 from .._tracing import traced_core, tracing_route
-from . import chunked, dense, positives
-from .chunked import tile_elements
+from ..routes import setting
+from . import linear_terms
+from .lse import torch_chunked, torch_dense
 from .spec import Coeffs, CoreData, CoreSpec, DirectCtx, check_problem, compute_dtype, graph_free
+from .tiles import tile_elements, tile_elements_set
 
 __all__ = ["Coeffs", "CoreData", "CoreSpec", "PiecesFn", "backward_parts", "dense_path", "forward_parts", "pieces",
            "run", "tile_elements"]
 
 
 #: The one-tile path's size limit (N x M) on CUDA for a problem without a column term, when
-#: ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` is unset: at N = M = 4096 (D = 768, bf16, fwd + bwd) one H200 measured it
-#: faster than the kernels for InfoNCE (2.77 against 3.39 ms), SimCSE (2.26 / 3.72), SupCon L_in (3.68 / 3.93),
-#: Matryoshka InfoNCE at five levels (8.38 / 17.02) and InfoNCE at D = 256 (2.36 / 2.97), and slower for CLIP
-#: (7.84 / 4.27) and Matryoshka CLIP (32.6 / 17.1), whose column term keeps them on the kernels
-#: (``bench/results/h200-bench-gpu-2/bench_gpu.txt``, the ``fused_contrastive[tile=2^24]`` rows). Between
-#: the CPU's limit (:func:`chunked.tile_elements`, 2^21) and this one nothing has been timed.
+#: ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` is unset (the CPU's limit is :func:`tiles.tile_elements`, 2^21). Evidence:
+#: ``routes.ROUTES`` ("one-tile path on CUDA"); the measurements: docs/gpu-measurements.md.
 CUDA_DENSE_ELEMENTS = 1 << 24
 
 
@@ -43,10 +42,10 @@ def dense_path(n: int, m: int, device: torch.device | None = None, col: bool = F
     """Whether an N x M problem takes the one-tile path: the whole logit tile fits the tile budget
     (``N * M <= tile_elements()``; on CUDA without a column term, ``col``, up to :data:`CUDA_DENSE_ELEMENTS` unless
     ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` sets the budget), unless ``FUSED_CONTRASTIVE_DENSE=0`` turns the path off."""
-    if os.environ.get("FUSED_CONTRASTIVE_DENSE", "1") == "0":
+    if not setting("DENSE"):
         return False
     limit = tile_elements()
-    if device is not None and device.type == "cuda" and not col and not chunked.tile_elements_set():
+    if device is not None and device.type == "cuda" and not col and not tile_elements_set():
         limit = max(limit, CUDA_DENSE_ELEMENTS)
     return n * m <= limit
 
@@ -62,7 +61,7 @@ def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, dat
     m = n if b is None else b.shape[0]
     check_problem(n, m, spec, data, coef, reduce)
     if dense_path(n, m, a.device, coef.col is not None):
-        return [(dense.DenseCoreFn, (a, b, scale, spec, data, coef, reduce), 1.0)]
+        return [(torch_dense.DenseCoreFn, (a, b, scale, spec, data, coef, reduce), 1.0)]
     if backend not in ("torch", "triton"):
         raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
     # The O(N*D) positive terms first: autograd runs backward nodes newest first, so their gradients
@@ -72,16 +71,16 @@ def pieces(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, dat
         dt = torch.float32 if backend == "triton" else compute_dtype(a, b)
         # the target term's row kernels (kernels/target.py) on the triton backend, unless the ahead-of-time
         # library is in use (its calls are meant to compile nothing at run time)
-        kernel = backend == "triton" and not os.environ.get("FUSED_CONTRASTIVE_AOT_LIB")
-        out.append((positives.LinearTermsFn, (a, b, scale, spec, data, coef, reduce, dt, kernel), -1.0))
+        kernel = backend == "triton" and not setting("AOT_LIB")
+        out.append((linear_terms.LinearTermsFn, (a, b, scale, spec, data, coef, reduce, dt, kernel), -1.0))
     lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos)
     if spec.exclude_target:  # the streaming paths leave the target column out as a -inf bias on it
         spec = dataclasses.replace(spec, exclude_target=False, bias=float("-inf"))
         data = dataclasses.replace(data, bias_col=data.target)
     if backend == "triton":
-        from .triton_function import TritonCoreFn as lse_fn
+        from .lse.triton_function import TritonCoreFn as lse_fn
     else:
-        lse_fn = chunked.ChunkedCoreFn
+        lse_fn = torch_chunked.ChunkedCoreFn
     out.append((lse_fn, (a, b, scale, spec, data, lse_terms, reduce), 1.0))
     return out
 
@@ -91,8 +90,8 @@ def run(backend: str, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: 
     """The core op on ``backend`` ("torch" or "triton"): the per-row loss [N] or its sum (0-dim).
 
     ``levels = (dims, weights)`` (dims ascending): the op at every Matryoshka level in one pass over D
-    (``core/matryoshka.py``), one value per level ([K, N] or [K]); the weights are those the caller
-    multiplies the levels by. The triton backend runs the Matryoshka kernels (``triton_matryoshka.py``), or
+    (``core/matryoshka/torch_levels.py``), one value per level ([K, N] or [K]); the weights are those the caller
+    multiplies the levels by. The triton backend runs the Matryoshka kernels (``TM.py``), or
     one plain call per level where the plain op would take the panel path.
 
     ``a`` [N, D] anchors, ``b`` [M, D] contrast set or None (B is A), ``scale`` a number or a 0-dim
@@ -120,11 +119,11 @@ def forward_parts(parts, need) -> tuple[Tensor, list]:
     out, subs = None, []
     # a target term beside the log-sum-exp terms: the latter leave the target column out of their
     # 16-bit tiles where their path can, and report its fp32 weight (``ctx.moved_target``)
-    split = any(fn is positives.LinearTermsFn and args[5].tgt is not None for fn, args, _ in parts)
+    split = any(fn is linear_terms.LinearTermsFn and args[5].tgt is not None for fn, args, _ in parts)
     for fn, args, sign in parts:
         ctx = DirectCtx(tuple(need) + (False,) * (len(args) - 3))
         ctx.wide = len(parts) > 1
-        ctx.split_target = split and fn is not positives.LinearTermsFn
+        ctx.split_target = split and fn is not linear_terms.LinearTermsFn
         out = signed_sum(out, fn.forward(ctx, *args), sign)
         if ctx.wide and hasattr(ctx, "dtypes"):  # (float64 stays float64)
             adt, bdt, sdt, sshape = ctx.dtypes
@@ -141,7 +140,7 @@ def backward_parts(subs, go: Tensor, dtypes) -> list[Tensor | None]:
     grads: list[Tensor | None] = [None, None, None]
     moved = None
     for fn, ctx, sign in reversed(subs):
-        if fn is positives.LinearTermsFn:
+        if fn is linear_terms.LinearTermsFn:
             ctx.target_extra = moved  # added to its target coefficient: the two meet in fp32
             ctx.grads_in = grads  # fp32 gradients of the pieces before it, which it may add to in place
         gs = fn.backward(ctx, go if sign > 0 else -go)
@@ -197,12 +196,13 @@ def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
         return torch.stack([run(backend, a[:, :d], None if b is None else b[:, :d], scale, spec, data, coef, reduce)
                             for d in levels[0]])
     if backend == "triton":
-        from . import triton_matryoshka, triton_panel
-        route = triton_matryoshka.route()  # env FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE (triton_matryoshka.ROUTES)
+        from .matryoshka import triton_levels as TM
+        from .triton_shared import panels
+        route = TM.route()  # env FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE (TM.ROUTES)
         m = n if b is None else b.shape[0]
         if (route == "calls" or len(levels[0]) > MAX_KERNEL_LEVELS
-                or (route == "auto" and triton_panel.use_panel(a, n, m)
-                    and not (coef.col is not None and n * m <= triton_matryoshka.COL_KERNELS_MAX_ELEMENTS))):
+                or (route == "auto" and panels.use_panel(a, n, m)
+                    and not (coef.col is not None and n * m <= TM.COL_KERNELS_MAX_ELEMENTS))):
             # where the plain loss takes the panel path (cuBLAS GEMMs on row panels: CUDA, N * M >= 2^24),
             # K of its calls on the truncated, re-normalised rows are modelled faster than the Matryoshka
             # kernels, whose backward streams like the fused kernels' (bench/gpu_model.py --matryoshka); and
@@ -212,11 +212,11 @@ def _leveled(backend, a, b, scale, spec, data, coef, reduce, levels):
             # which is the truncate-then-normalise of a Matryoshka level
             return torch.stack([run("triton", a[:, :d], None if b is None else b[:, :d], scale, spec, data, coef,
                                     reduce) for d in levels[0]])
-        return triton_matryoshka.run(a, b, scale, spec, data, coef, reduce, levels[0])
+        return TM.run(a, b, scale, spec, data, coef, reduce, levels[0])
     if backend != "torch":
         raise ValueError(f"core.run: backend must be 'torch' or 'triton', got {backend!r}")
-    from . import matryoshka
-    return matryoshka.run(a, b, scale, spec, data, coef, reduce, *levels)
+    from .matryoshka import torch_levels
+    return torch_levels.run(a, b, scale, spec, data, coef, reduce, *levels)
 
 
 def signed_sum(acc: Tensor | None, y: Tensor, sign: float) -> Tensor:
@@ -227,5 +227,5 @@ def signed_sum(acc: Tensor | None, y: Tensor, sign: float) -> Tensor:
 
 
 def positive_counts(spec: CoreSpec, data: CoreData, n: int, m: int, like: Tensor) -> Tensor:
-    """``|P_i|`` per row in the compute dtype of ``like`` (see ``positives.positive_counts``)."""
-    return positives.positive_counts(spec, data, n, m, compute_dtype(like))
+    """``|P_i|`` per row in the compute dtype of ``like`` (see ``linear_terms.positive_counts``)."""
+    return linear_terms.positive_counts(spec, data, n, m, compute_dtype(like))

@@ -201,5 +201,5 @@ def coef_grad(c, go: Tensor, n: int, stat: Tensor | None) -> Tensor | None:
 def threshold_of(gpos: Tensor, margin_strategy: str, margin: float) -> Tensor:
     """GIST's ``theta_i``: ``gpos - margin`` ("absolute") or ``gpos - |gpos| * margin`` ("relative", the
     sign-independent rule of sentence-transformers 6.2), in ``gpos``'s dtype (here, the leaf both
-    ``blocks.py`` and ``triton_guided.py`` read, so neither imports the other for it)."""
+    ``guided/torch_blocks.py`` and ``guided/triton_blocks.py`` read, so neither imports the other for it)."""
     return gpos - margin if margin_strategy == "absolute" else gpos - gpos.abs() * margin

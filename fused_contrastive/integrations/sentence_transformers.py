@@ -69,7 +69,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import os
 import random
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -90,7 +89,7 @@ from torch.utils import checkpoint as _checkpoint
 from transformers import PreTrainedTokenizerBase
 
 from .. import _validate as V
-from .. import core
+from .. import core, routes
 from .. import distributed as D
 from .._backend import resolve
 from ..core.spec import Coeffs, CoreData, CoreSpec, compute_dtype
@@ -667,30 +666,20 @@ def _joined(parts: Sequence[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(list(parts))
 
 
-_TILE_ENV = "FUSED_CONTRASTIVE_TILE_ELEMENTS"
-
-
 @contextlib.contextmanager
 def _mini_batch_tiles(rows: int, columns: int):
-    """The core op's logit tiles at most ``rows x columns`` elements inside the block (the tile budget
-    ``FUSED_CONTRASTIVE_TILE_ELEMENTS``, set for the block and restored after it; a smaller budget the
-    user set is kept). sentence-transformers' cached losses score ``mini_batch_size`` rows against every
-    candidate column at a time; under this budget the fused loss's working set is that block too,
-    instead of its default 2^21-element tiles (8 MiB each, several alive), which made the cached drop-ins
-    hold more than the class they replace. The budget is read in the forward and the backward, so the
-    block must hold both (:func:`_through_wrapper` back-propagates the loss inside it)."""
-    before = os.environ.get(_TILE_ENV)
+    """The core op's logit tiles at most ``rows x columns`` elements inside the block (the tile budget, through
+    the switchboard's ``routes.override(TILE_ELEMENTS=...)``: this process only, restored after the block; a
+    smaller budget the user set with ``FUSED_CONTRASTIVE_TILE_ELEMENTS`` is kept). sentence-transformers' cached
+    losses score ``mini_batch_size`` rows against every candidate column at a time; under this budget the fused
+    loss's working set is that block too, instead of its default 2^21-element tiles (8 MiB each, several alive),
+    which made the cached drop-ins hold more than the class they replace. The budget is read in the forward and
+    the backward, so the block must hold both (:func:`_through_wrapper` back-propagates the loss inside it)."""
     budget = max(1, rows) * max(1, columns)
-    if before:
-        budget = min(budget, core.tile_elements())  # (validates the user's value)
-    os.environ[_TILE_ENV] = str(budget)
-    try:
+    if routes.setting("TILE_ELEMENTS") is not None:
+        budget = min(budget, core.tile_elements())
+    with routes.override(TILE_ELEMENTS=budget):
         yield
-    finally:
-        if before is None:
-            os.environ.pop(_TILE_ENV, None)
-        else:
-            os.environ[_TILE_ENV] = before
 
 
 def _through_wrapper(calculate_loss: Callable, embeddings: list[Tensor], *rest) -> Tensor:

@@ -2,8 +2,8 @@
 ``simcse_loss``, ``simcse_sup_loss``), :mod:`.decoupled` (``dcl_loss``, ``dclw_loss``),
 :mod:`.supervised` (``supcon_loss``, ``dscl_loss``), :mod:`.qwen3` (``qwen3_embedding_loss``) and
 :mod:`.guided` (``gist_loss``, and ``info_nce``'s ``guide=`` / ``ids=`` masks on the merged-block core of
-``core/blocks.py``); :mod:`._scope` holds what they share (one body per loss: a local call is a world of one
-rank). Each is the core op of ``core/spec.py`` (per row:
+``core/guided/torch_blocks.py``); :mod:`._scope` holds what they share (one body per loss: a local call is a
+world of one rank). Each is the core op of ``core/spec.py`` (per row:
 coefficients times ``LSE``, ``LSEcol``, ``LSEpos`` minus coefficients times the target logit ``TGT`` and the weighted
 positive logits ``SET``) with the coefficients, constants and denominator the loss defines.
 

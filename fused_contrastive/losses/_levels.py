@@ -10,7 +10,7 @@ semantics (each level re-normalises its prefix, so ``normalize=False`` makes no 
 Routes:
 
 * torch and triton backends: the loss body runs once with the levels (``_levels``), the core op
-  computing every level in one pass over D (``core/matryoshka.py`` on PyTorch, the kernels of
+  computing every level in one pass over D (``core/matryoshka/torch_levels.py`` on PyTorch, the kernels of
   ``kernels/matryoshka.py`` on Triton) and the body returning one value per level ([K] or [K, N]);
 * the reference backend, and ``torch.compile`` / ``torch.export`` tracing: the definition, K calls of
   the loss on truncated, re-normalised inputs (the oracle; under tracing each call is the plain

@@ -111,7 +111,7 @@ def info_nce(
         ids: duplicate masking, ``(query_ids [N], key_ids [M])`` integer (not bool) tensors (one [N] tensor when
             ``keys=None``): column j is left out of row i's softmax when the ids are equal, the target
             column excepted (the same text twice in a batch is not a negative of itself).
-            ``guide`` / ``ids`` run the merged-block core (``core/blocks.py``: its PyTorch sweep, or
+            ``guide`` / ``ids`` run the merged-block core (``core/guided/torch_blocks.py``: its PyTorch sweep, or
             its Triton kernels on backend="triton") and are not supported with ``symmetric=True``.
         label_smoothing: ``F.cross_entropy``'s, in [0, 1) (default 0): each row's target becomes
             ``(1 - eps) onehot + eps / |C_i|`` over the columns ``C_i`` its softmax runs over (an excluded own

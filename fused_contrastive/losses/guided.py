@@ -1,5 +1,5 @@
 """Guided in-batch negatives (GISTEmbed) and duplicate masking by id, on the merged-block core
-(``core/blocks.py``): the exclusion mask is computed inside each logit tile from a guide tile (or an
+(``core/guided/torch_blocks.py``): the exclusion mask is computed inside each logit tile from a guide tile (or an
 id compare), never stored, and several column blocks merge into one softmax per row.
 
 GISTEmbed (Solatorio 2024; sentence-transformers' ``GISTEmbedLoss``), for anchors ``a``, positives
@@ -34,7 +34,7 @@ from .. import _validate as V
 from .. import distributed as D
 from .._amp import autocast_off
 from .._backend import resolve
-from ..core.blocks import Block, Masks, merged_lse, threshold_of
+from ..core.guided.torch_blocks import Block, Masks, merged_lse, threshold_of
 from ..core.reference import smoothed_cross_entropy
 from ..core.spec import compute_dtype
 from ._levels import leveled
@@ -47,7 +47,7 @@ MARGIN_STRATEGIES = ("absolute", "relative")
 ANCHOR_ANCHOR = ("global", "local")
 
 
-#: ``theta_i`` from ``gpos_i`` (``core.blocks.threshold_of``). ``gpos_i`` itself is never a separate dot
+#: ``theta_i`` from ``gpos_i`` (``core.guided.torch_blocks.threshold_of``). ``gpos_i`` itself is never a separate dot
 #: product: every backend reads it from the target entry of the same guide products it is compared with
 #: (``Masks.rule``; ``_dense`` here), so an exact duplicate of the positive ties exactly and is kept
 #: (strict ``>``), as in sentence-transformers' ``GISTEmbedLoss``.

@@ -1,5 +1,5 @@
 """The Qwen3-Embedding InfoNCE (Zhang et al. 2025, "Qwen3 Embedding", eq. 1), on the merged-block core of
-``core/blocks.py`` (the guide mask of GISTEmbed with the model's own embeddings as the guide).
+``core/guided/torch_blocks.py`` (the guide mask of GISTEmbed with the model's own embeddings as the guide).
 
 For queries ``q_i``, their documents ``d_i`` (global row ``o + i`` of the batch gathered over ranks),
 optional row-specific hard negatives ``n_ik``, cosine similarity ``s(., .)`` and temperature ``tau``::
@@ -37,7 +37,7 @@ from .. import distributed as D
 from .._amp import autocast_off
 from .._backend import resolve
 from ..core import reference as ref
-from ..core.blocks import Block, Masks, merged_lse
+from ..core.guided.torch_blocks import Block, Masks, merged_lse
 from ..core.spec import compute_dtype
 from . import _row_negatives as RN
 from ._levels import leveled

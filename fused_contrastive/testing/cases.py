@@ -42,7 +42,7 @@ class Case:
         fn: the public loss function called as ``fn(**tensors, **kwargs, backend=...)``.
         build: ``(n, d, gen) -> (tensors, kwargs)`` at N anchors, float32 CPU.
         op: "core" (InfoNCE family and uniformity: the Triton kernels run it), "cosent", "siglip",
-            "guided" (the merged-block core of ``core/blocks.py``: GIST) or "alignment" (elementwise
+            "guided" (the merged-block core of ``core/guided/torch_blocks.py``: GIST) or "alignment" (elementwise
             O(N*D) PyTorch, no Triton kernel: ``backend="triton"`` raises).
         covers: what the case exercises (shown by ``check --list``).
         bench: one of the benchmark's losses.
@@ -66,7 +66,7 @@ class Case:
             rank average must be its global-batch value: the multi-process parity test and, for a
             benchmarked case of [N, D] embeddings, the DDP training matrix run these from the registry.
         core_calls: how many times one call of the loss calls the core op (``core.run``), for op "core"
-            (``tools.aot.core_calls`` checks it: the kernel report, ``opcheck`` and the host-code trace
+            (``tools.compile_survey.core_calls`` checks it: the kernel report, ``opcheck`` and the host-code trace
             read every call).
     """
 

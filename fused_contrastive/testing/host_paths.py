@@ -28,7 +28,7 @@ def _kind(x) -> str:
 
 def host_features(name: str) -> frozenset[tuple[str, object]]:
     """The structural facts of registry case ``name``'s core-op call (see the module docstring)."""
-    from ..tools.aot import core_call
+    from ..tools.compile_survey import core_call
 
     a, b, scale, spec, data, coef, reduce = core_call(name, 16, 8)
     out = {("a.dtype", str(a.dtype)), ("b", "none" if b is None else "is_a" if b is a else "other"),

@@ -17,21 +17,18 @@ the backward reads in place; any other layout it reads as [N, Lq, M] contiguous,
 
 Memory: nothing of size N*Lq*M*Ld; the forward allocates S, idx and an fp32 [splits, N] buffer of
 per-split LSEs (merged by ``torch.logsumexp`` over the splits: fixed order, deterministic); the
-backward allocates dq and dd only. Every output is allocated with ``triton_backend._alloc`` (NaN-filled
+backward allocates dq and dd only. Every output is allocated with ``triton_shared.launch._alloc`` (NaN-filled
 under ``POISON_OUTPUTS``; the argmax with its dtype's minimum), and every launch goes through
-``triton_backend._launch`` (so ``tools.aot.recording`` sees exactly these argument lists, and
+``triton_shared/launch.py`` ``_launch`` (so ``tools.compile_survey.recording`` sees exactly these argument lists, and
 ``wrap_triton`` under tracing).
 
 Work, in units of one N*Lq x M*Ld x D matmul (2 N Lq M Ld D FLOPs): forward 1 (tensor cores); backward
 dd 1 (tensor cores, the weighted one-hot matmul); dq 1/Ld of a unit as fp32 FMAs on gathered rows
 (``DQ_GATHER``, the default) or 1 unit as the one-hot matmul on tensor cores.
 
-Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90), chosen on
-an H100 (bf16, N = M = 4096, Lq = 32, Ld = 180, D = 128; bench/results/h100-maxsim/): the first run
-(commit 24a4e55, the ``baseline`` setting) took forward 118.7 ms, dd 129.7, dq 22.7; two sweeps of
-:func:`sweep_settings` then timed the variants side by side, and the defaults are the best combination
-measured (forward + backward 247 ms against the baseline's 267 in the same run: forward 111, dd 110,
-dq 25). tests/test_triton_maxsim.py compiles them ahead of time for sm_80 / sm_90 (0 spills, shared
+Launch configs (constants below, one per kernel and dtype class; the same on sm_80 and sm_90): the best
+combination :func:`sweep_settings` timed (``routes.ROUTES``' MaxSim row; the runs: docs/gpu-measurements.md).
+tests/test_triton_maxsim.py compiles them ahead of time for sm_80 / sm_90 (0 spills, shared
 memory within the part's limit, mma.sync / wgmma) at the ColBERT shape D = 128, Lq = 32, Ld = 180 in
 bf16 / fp16 / fp32, the forward's other regimes, and every sweep setting in bf16 at the ColBERT shape.
 Registers below: bf16, D = 128, triton 3.9's ptxas (sm_80 / sm_90):
@@ -68,9 +65,9 @@ import torch
 import triton
 from torch import Tensor
 
-from ..kernels import maxsim as K
-from . import triton_backend as TB
-from .triton_configs import DTYPE_NAMES, d_pad
+from ...kernels import maxsim as KMS
+from ..triton_shared import launch as TL
+from ..triton_shared.configs import DTYPE_NAMES, d_pad
 
 __all__ = ["DQ_GATHER", "FWD_FLAT", "FWD_Q_REGS", "FWD_SPLITS", "IDX_T", "maxsim_backward", "maxsim_forward",
            "settings", "sweep_settings"]
@@ -158,9 +155,9 @@ def _check(q: Tensor, d: Tensor, w: Tensor) -> tuple[int, int, int, int, int]:
 
 
 def _alloc_index(shape, dtype: torch.dtype, device) -> Tensor:
-    """``triton_backend._alloc`` for the integer argmax: filled with the dtype's minimum (never a token
+    """``triton_shared.launch._alloc`` for the integer argmax: filled with the dtype's minimum (never a token
     index) under ``POISON_OUTPUTS``."""
-    if TB.POISON_OUTPUTS:
+    if TL.POISON_OUTPUTS:
         return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -174,8 +171,8 @@ def _is_idx_t(idx: Tensor) -> bool:
 def _splits(n_groups: int, m: int, dev: torch.device) -> int:
     if FWD_SPLITS is not None:
         want = FWD_SPLITS
-    elif TB._RECORDER is not None or dev.type == "cuda":
-        sms = _SMS[TB._RECORDER.arch] if TB._RECORDER is not None else TB._cuda_props(TB._index(dev))[1]
+    elif TL._RECORDER is not None or dev.type == "cuda":
+        sms = _SMS[TL._RECORDER.arch] if TL._RECORDER is not None else TL._cuda_props(TL._index(dev))[1]
         want = triton.cdiv(2 * sms, n_groups)
     else:
         want = 2
@@ -211,7 +208,7 @@ def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty
     w = w.to(device=dev, dtype=torch.float32).contiguous()
     dv = (dvalid if dvalid.dtype == torch.bool else dvalid != 0).contiguous().view(torch.uint8)
     idt = torch.int16 if ld < (1 << 15) else torch.int32
-    s = TB._alloc((n, m), torch.float32, dev)
+    s = TL._alloc((n, m), torch.float32, dev)
     if IDX_T:
         idx = _alloc_index((m, n, lq), idt, dev).permute(1, 2, 0)
     else:
@@ -224,14 +221,14 @@ def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty
     splits = _splits(n_groups, m, dev)
     per = triton.cdiv(m, splits)
     splits = triton.cdiv(m, per)
-    part = TB._alloc((splits, n), torch.float32, dev)
-    TB._launch(TB.Launch(
-        "maxsim_fwd", K.maxsim_fwd_kernel, (n_groups, splits),
-        dict(Q=q, DOC=d, W=w, DV=dv, SCALE=TB._scale32(scale, dev), S=s, IDX=idx, LSE_PART=part,
+    part = TL._alloc((splits, n), torch.float32, dev)
+    TL._launch(TL.Launch(
+        "maxsim_fwd", KMS.maxsim_fwd_kernel, (n_groups, splits),
+        dict(Q=q, DOC=d, W=w, DV=dv, SCALE=TL._scale32(scale, dev), S=s, IDX=idx, LSE_PART=part,
              N=n, M=m, LQ=lq, LD=ld, D=dim, docs_per_split=per, stride_qn=q.stride(0), stride_qa=q.stride(1),
              stride_dm=d.stride(0), stride_dt=d.stride(1), empty_score=float(empty_score)),
         dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident, FLAT=FWD_FLAT,
-             IDX_T=IDX_T, Q_REGS=FWD_Q_REGS, UPCAST=TB._upcast(dt), DOT_PREC=TB._dot_prec(dt)),
+             IDX_T=IDX_T, Q_REGS=FWD_Q_REGS, UPCAST=TL._upcast(dt), DOT_PREC=TL._dot_prec(dt)),
         cfg.num_warps, cfg.num_stages))
     lse = part[0] if splits == 1 else torch.logsumexp(part, dim=0)
     return s, idx, lse
@@ -258,19 +255,19 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
     idx_t = _is_idx_t(idx)
     if not idx_t:
         idx = idx.contiguous()
-    dq = TB._alloc((n, lq, dim), torch.float32, dev)
-    dd = TB._alloc((m, ld, dim), torch.float32, dev)
+    dq = TL._alloc((n, lq, dim), torch.float32, dev)
+    dd = TL._alloc((m, ld, dim), torch.float32, dev)
     rows = n * lq
     if rows == 0 or m == 0 or ld == 0 or dim == 0:
         return dq.zero_(), dd.zero_()
     dp = d_pad(dim)
-    upcast, prec = TB._upcast(dt), TB._dot_prec(dt)
+    upcast, prec = TL._upcast(dt), TL._dot_prec(dt)
     has_dv = dvalid is not None and not gather
     dv = (dvalid != 0).contiguous().view(torch.uint8) if has_dv else w  # w: a stand-in, never read
     cfg = BWD_Q if gather else (BWD_Q_DOT_32 if dt == torch.float32 else BWD_Q_DOT)
     block_d = min(cfg.block_d, dp)
-    TB._launch(TB.Launch(
-        "maxsim_bwd_query", K.maxsim_bwd_query_kernel, (triton.cdiv(rows, cfg.rows), triton.cdiv(dim, block_d)),
+    TL._launch(TL.Launch(
+        "maxsim_bwd_query", KMS.maxsim_bwd_query_kernel, (triton.cdiv(rows, cfg.rows), triton.cdiv(dim, block_d)),
         dict(DOC=d, W=w, IDX=idx, G=g, DV=dv, DQ=dq, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_dm=d.stride(0),
              stride_dt=d.stride(1)),
         dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, GATHER=gather, IDX_T=idx_t, HAS_DV=has_dv,
@@ -285,13 +282,13 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
     t_progs = triton.cdiv(chunks, max(1, min(4, cfg.chunks)))
     nt = triton.cdiv(chunks, t_progs)  # the fewest chunks per program for that many programs
     gt = g.t().contiguous() if idx_t else g  # [M, N]: a block of rows' coefficients for one j adjacent
-    TB._launch(TB.Launch(
-        "maxsim_bwd_doc", K.maxsim_bwd_doc_kernel,
+    TL._launch(TL.Launch(
+        "maxsim_bwd_doc", KMS.maxsim_bwd_doc_kernel,
         (m, t_progs, triton.cdiv(dim, block_d)),
         dict(Q=q, W=w, IDX=idx, G=gt, GSCALE=gs, DD=dd, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_qn=q.stride(0),
              stride_qa=q.stride(1)),
         dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, NT=nt, IDX_T=idx_t, UPCAST=upcast, DOT_PREC=prec,
-             PRESCALE=TB.prescale(dt)),
+             PRESCALE=TL.prescale(dt)),
         cfg.num_warps, cfg.num_stages))
     return dq, dd
 

@@ -3,7 +3,7 @@
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` lowers a kernel to PTX and runs
 the ptxas bundled with triton on the host: no GPU and no driver needed. This module records the
 launches of one forward + backward of the core op exactly as the runtime builds them (on the meta
-device, through ``triton_backend``'s launch recorder), and compiles each one for sm_80 / sm_90,
+device, through ``triton_shared/launch.py``'s launch recorder), and compiles each one for sm_80 / sm_90,
 reporting registers, spill bytes, shared memory and the tensor-core instructions of the PTX.
 
 Used by tests/test_triton_compile.py and bench/kernel_report.py; the runtime never imports it.
@@ -23,9 +23,10 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from ..core import triton_backend as TB
+from ..core.lse import triton_fused
 from ..core.spec import CoreData, CoreSpec
-from ..core.triton_configs import CONFIGS, DTYPE_NAMES
+from ..core.triton_shared import launch as TL
+from ..core.triton_shared.configs import CONFIGS, DTYPE_NAMES
 
 #: Feature sets of the ahead-of-time checks: "plain" is InfoNCE with keys (the common case; the
 #: kernel report's FLOP counts), "full" switches on every optional term of the non-symmetric kernels
@@ -45,14 +46,14 @@ TARGETS = ((80, "sm80"), (90, "sm90"))
 
 
 @contextlib.contextmanager
-def recording(arch: str) -> Iterator[list[TB.Launch]]:
+def recording(arch: str) -> Iterator[list[TL.Launch]]:
     """Within the block, kernel launches are recorded (with ``arch``'s configs), not run."""
-    prev = TB._RECORDER
-    TB._RECORDER = TB.Recorder(arch, [])
+    prev = TL._RECORDER
+    TL._RECORDER = TL.Recorder(arch, [])
     try:
-        yield TB._RECORDER.launches
+        yield TL._RECORDER.launches
     finally:
-        TB._RECORDER = prev
+        TL._RECORDER = prev
 
 
 def variant_problem(variant: str, n: int, m: int, device="meta") -> tuple[CoreSpec, CoreData, bool, bool, bool]:
@@ -84,7 +85,7 @@ def variant_problem(variant: str, n: int, m: int, device="meta") -> tuple[CoreSp
 
 def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, want_pos: bool,
                 dtype: torch.dtype, n: int, m: int, d: int, arch: str, need_a: bool = True, need_b: bool = True,
-                need_s: bool = True, split: bool = False) -> list[TB.Launch]:
+                need_s: bool = True, split: bool = False) -> list[TL.Launch]:
     """The launches of one forward + backward of the core op's kernels, recorded on the meta device:
     exactly the argument lists of the runtime launches. The backward gets an upstream gradient for
     every statistic the forward produces. ``split``: the backward leaves each row's target column out
@@ -94,10 +95,10 @@ def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, wan
     b = torch.empty((m, d), dtype=dtype, device=meta) if has_b else None
     scale = torch.empty((), dtype=torch.float32, device=meta)
     with recording(arch) as launches:
-        lse, lse_col, lse_pos, p = TB._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
+        lse, lse_col, lse_pos, p = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
         g = torch.empty(n, device=meta)
         g_col = None if lse_col is None else torch.empty(lse_col.shape, device=meta)
-        TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
+        triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
                     need_a, need_b and has_b, need_s, target=torch.empty(n, dtype=torch.int64, device=meta) if split
                     else None)
     return launches
@@ -160,7 +161,7 @@ def core_problem(case_name: str, n: int, d: int, dtype: torch.dtype = torch.bflo
     return spec, data, coef, a, b
 
 
-def record_case(case_name: str, n: int, d: int, arch: str, dtype: torch.dtype = torch.bfloat16) -> list[TB.Launch]:
+def record_case(case_name: str, n: int, d: int, arch: str, dtype: torch.dtype = torch.bfloat16) -> list[TL.Launch]:
     """The kernel launches of one forward + backward of a registry case at N anchors. The problem is
     captured at a small N (:func:`core_problem`: the flags, and M as a multiple of N) and scaled to N
     with meta tensors, so nothing of size N x D is allocated."""
@@ -184,7 +185,7 @@ def record_case(case_name: str, n: int, d: int, arch: str, dtype: torch.dtype = 
                        n if b is None else m, d, arch)
 
 
-def record_variant(variant: str, dtype: torch.dtype, n: int, m: int, d: int, arch: str) -> list[TB.Launch]:
+def record_variant(variant: str, dtype: torch.dtype, n: int, m: int, d: int, arch: str) -> list[TL.Launch]:
     """:func:`record_core` of an AOT feature set (see :data:`VARIANTS`); "split" / "sym_split" with the
     target column split out of the backward's tiles, as the JIT runs a loss with a target term (never
     beside a softmax over positives: ``triton_function``)."""
@@ -193,10 +194,10 @@ def record_variant(variant: str, dtype: torch.dtype, n: int, m: int, d: int, arc
                        split=variant in ("split", "sym_split"))
 
 
-def record_cosent(dtype: torch.dtype, b: int, d: int, arch: str) -> list[TB.Launch]:
+def record_cosent(dtype: torch.dtype, b: int, d: int, arch: str) -> list[TL.Launch]:
     """The launches of one CoSENT forward + backward on the Triton path (pair form, tensor scale, float32
     labels) with embeddings [B, D] in ``dtype``, recorded on meta tensors."""
-    from ..core.triton_cosent import TritonPairCosentFn
+    from ..core.cosent.triton_cosent import TritonPairCosentFn
 
     meta = torch.device("meta")
     u = torch.empty(b, d, dtype=dtype, device=meta, requires_grad=True)
@@ -207,11 +208,11 @@ def record_cosent(dtype: torch.dtype, b: int, d: int, arch: str) -> list[TB.Laun
     return list(launches)
 
 
-def record_siglip(dtype: torch.dtype, n: int, d: int, arch: str) -> list[TB.Launch]:
+def record_siglip(dtype: torch.dtype, n: int, d: int, arch: str) -> list[TL.Launch]:
     """The launches of one SigLIP forward + backward on the Triton path (normalised rows, tensor scale and
     bias, every gradient, a positive offset as under ``gather``) with images [N, D] and texts [2N, D] in
     ``dtype``, recorded on meta tensors."""
-    from ..core.triton_siglip import TritonSigLipFn
+    from ..core.siglip.triton_siglip import TritonSigLipFn
 
     meta = torch.device("meta")
     x = torch.empty(n, d, dtype=dtype, device=meta, requires_grad=True)
@@ -312,7 +313,7 @@ def _sig_type(v) -> str:
     raise TypeError(f"no triton signature type for {type(v).__name__}")
 
 
-def source(launch: TB.Launch):
+def source(launch: TL.Launch):
     """An ASTSource for ``launch`` (pointer args 16-byte aligned and ints divisible by 16 marked as
     such, as the JIT specialises a real launch on aligned tensors)."""
     from triton.compiler import ASTSource
@@ -355,7 +356,7 @@ def _run_ptxas(ptx: str, cc: int) -> dict[str, int]:
     return dict(regs=int(regs[1]), spill_stores=int(spill[1]), spill_loads=int(spill[2]))
 
 
-def compile_launch(launch: TB.Launch, cc: int, keep: dict[str, object] | None = None) -> dict[str, object]:
+def compile_launch(launch: TL.Launch, cc: int, keep: dict[str, object] | None = None) -> dict[str, object]:
     """Compile ``launch`` for GPUTarget("cuda", cc, 32) on the host (ptxas, no driver) and report
     registers, spill bytes, shared memory and the tensor-core instruction kind of its PTX. ``keep``
     receives the compiled kernel (its ``asm`` dict has ttgir, ptx and cubin) when given."""

@@ -3,15 +3,15 @@
 
 Per step (forward + backward) with images [N, D] and texts [M, D]:
 
-* ``row_norm`` (the core kernels' prologue, ``triton_backend._row_norms``) on each side when
+* ``row_norm`` (the core kernels' prologue, ``triton_shared.launch._row_norms``) on each side when
   ``normalize``: clamped norms, their inverses and the power-of-two scaled copies the tiles read;
 * ``siglip_fwd``: the per-image losses [N] (fp32), one program per row block;
 * ``siglip_bwd_rows``: dX and per-row-block partial sums of ds and db (summed here, fixed order);
 * ``siglip_bwd_cols``: dY, one program per column block.
 
-Launch configs come from the core kernels' table (``triton_configs.config_for`` with "fwd",
-"bwd_rows", "bwd_cols"). Every launch goes through ``triton_backend._launch`` (so the ahead-of-time
-compiles of ``tools.aot`` see exactly these argument lists, and ``wrap_triton`` under tracing).
+Launch configs come from the core kernels' table (``triton_shared.configs.config_for`` with "fwd",
+"bwd_rows", "bwd_cols"). Every launch goes through ``triton_shared/launch.py`` ``_launch`` (so the ahead-of-time
+compiles of ``tools.compile_survey`` see exactly these argument lists, and ``wrap_triton`` under tracing).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import torch
 import triton
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from ..kernels import siglip as K
-from . import triton_backend as TB
-from . import triton_panel
-from .triton_configs import config_for
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ...kernels import siglip as KS
+from ..triton_shared import launch as TL
+from ..triton_shared import panels
+from ..triton_shared.configs import config_for
+from . import triton_sweep
 
 __all__ = ["TritonSigLipFn", "use_panel_route"]
 
@@ -44,10 +45,10 @@ class _Prepared(NamedTuple):
 
 def _prepare(x: Tensor, y: Tensor, normalize: bool, eps: float) -> _Prepared:
     dummy = torch.empty(1, dtype=torch.float32, device=x.device)
-    x, y = TB._rows_ok(x), TB._rows_ok(y)
+    x, y = TL._rows_ok(x), TL._rows_ok(y)
     if normalize:
-        sx, nx, rx, rsx = TB._row_norms(x, eps)
-        sy, ny, ry, rsy = TB._row_norms(y, eps)
+        sx, nx, rx, rsx = TL._row_norms(x, eps)
+        sy, ny, ry, rsy = TL._row_norms(y, eps)
     else:
         sx, sy = x, y
         nx = rx = ny = ry = rsx = rsy = dummy
@@ -60,7 +61,7 @@ def _common(p: _Prepared) -> dict[str, object]:
 
 
 def _flags(p: _Prepared) -> dict[str, object]:
-    return dict(NORMALIZE=p.normalize, UPCAST=TB._upcast(p.x.dtype), DOT_PREC=TB._dot_prec(p.x.dtype))
+    return dict(NORMALIZE=p.normalize, UPCAST=TL._upcast(p.x.dtype), DOT_PREC=TL._dot_prec(p.x.dtype))
 
 
 def siglip_fwd(x: Tensor, y: Tensor, scale, bias, normalize: bool, eps: float, offset: int
@@ -69,12 +70,12 @@ def siglip_fwd(x: Tensor, y: Tensor, scale, bias, normalize: bool, eps: float, o
     dev = x.device
     n, d = x.shape
     p = _prepare(x, y, normalize, eps)
-    cfg, block_d, _ = config_for("fwd", TB._arch(dev), p.x.dtype, d)
-    loss = TB._alloc((n,), torch.float32, dev)
+    cfg, block_d, _ = config_for("fwd", TL._arch(dev), p.x.dtype, d)
+    loss = TL._alloc((n,), torch.float32, dev)
     rsx, rsy = p.norms[4:]
-    TB._launch(TB.Launch(
-        "siglip_fwd", K.siglip_fwd_kernel, (triton.cdiv(n, cfg.block_m),),
-        dict(SA=p.sx, SB=p.sy, RSA=rsx, RSB=rsy, SCALE=TB._scale32(scale, dev), BIAS=TB._scale32(bias, dev),
+    TL._launch(TL.Launch(
+        "siglip_fwd", KS.siglip_fwd_kernel, (triton.cdiv(n, cfg.block_m),),
+        dict(SA=p.sx, SB=p.sy, RSA=rsx, RSB=rsy, SCALE=TL._scale32(scale, dev), BIAS=TL._scale32(bias, dev),
              LOSS=loss, **_common(p), offset=int(offset)),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p)),
         cfg.num_warps, cfg.num_stages))
@@ -94,47 +95,47 @@ def siglip_bwd(p: _Prepared, scale, bias, g: Tensor, offset: int, eps: float, ne
     # one global scale of the upstream gradients, so the fp16 operand dz / gscale cannot underflow
     gs = g.abs().amax()
     gs = torch.where(gs > 0, gs, torch.ones_like(gs)).reshape(1)
-    arch = TB._arch(dev)
-    common = dict(SCALE=TB._scale32(scale, dev), BIAS=TB._scale32(bias, dev), GSCALE=gs, G=g, **_common(p),
+    arch = TL._arch(dev)
+    common = dict(SCALE=TL._scale32(scale, dev), BIAS=TL._scale32(bias, dev), GSCALE=gs, G=g, **_common(p),
                   offset=int(offset), eps=float(eps))
     dx = dy = ds = db = None
     if need_x or need_s or need_b:
         cfg, block_d, resident = config_for("bwd_rows", arch, x.dtype, d)
         n_rb = triton.cdiv(n, cfg.block_m)
-        dxb = TB._alloc((n, d), x.dtype, dev) if need_x else dm
+        dxb = TL._alloc((n, d), x.dtype, dev) if need_x else dm
         acc = dm if (resident or not need_x) else torch.empty((n, d), dtype=torch.float32, device=dev)
-        ds_part = TB._alloc((n_rb,), torch.float32, dev) if need_s else dm
-        db_part = TB._alloc((n_rb,), torch.float32, dev) if need_b else dm
-        TB._launch(TB.Launch(
-            "siglip_bwd_rows", K.siglip_bwd_rows_kernel, (n_rb,),
+        ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
+        db_part = TL._alloc((n_rb,), torch.float32, dev) if need_b else dm
+        TL._launch(TL.Launch(
+            "siglip_bwd_rows", KS.siglip_bwd_rows_kernel, (n_rb,),
             dict(A=x, SA=p.sx, SB=p.sy, RA=rx, NA=nx, RSA=rsx, RSB=rsy, **common, DA=dxb, ACC=acc,
                  DS_PART=ds_part, DB_PART=db_part, stride_a=x.stride(0), stride_da=dxb.stride(0) if need_x else 0),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p), NEED_DX=bool(need_x),
                  NEED_DS=bool(need_s), NEED_DB=bool(need_b), RESIDENT=resident,
-                 PRESCALE=TB.prescale(x.dtype)),
+                 PRESCALE=TL.prescale(x.dtype)),
             cfg.num_warps, cfg.num_stages))
         dx = dxb if need_x else None
         ds = ds_part.sum() * gs.reshape(()) if need_s else None
         db = db_part.sum() * gs.reshape(()) if need_b else None
     if need_y:
         cfg, block_d, resident = config_for("bwd_cols", arch, y.dtype, d)
-        dy = TB._alloc((m, d), y.dtype, dev)
+        dy = TL._alloc((m, d), y.dtype, dev)
         acc = dm if resident else torch.empty((m, d), dtype=torch.float32, device=dev)
-        TB._launch(TB.Launch(
-            "siglip_bwd_cols", K.siglip_bwd_cols_kernel, (triton.cdiv(m, cfg.block_n),),
+        TL._launch(TL.Launch(
+            "siglip_bwd_cols", KS.siglip_bwd_cols_kernel, (triton.cdiv(m, cfg.block_n),),
             dict(B=y, SA=p.sx, SB=p.sy, RB=ry, NB=ny, RSA=rsx, RSB=rsy, **common, DB=dy, ACC=acc,
                  stride_b=y.stride(0), stride_db=dy.stride(0)),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(p), RESIDENT=resident,
-                 PRESCALE=TB.prescale(y.dtype)),
+                 PRESCALE=TL.prescale(y.dtype)),
             cfg.num_warps, cfg.num_stages))
     return dx, dy, ds, db
 
 
 def use_panel_route(x: Tensor, n: int, m: int, dt: torch.dtype) -> bool:
-    """SigLIP takes the panel path's epilogue GEMM (``triton_panel.siglip_sweep``) where the core op takes
-    the panel path (``triton_panel.use_panel``: CUDA, N x M >= 2^24, or forced) with its epilogue GEMM
+    """SigLIP takes the panel path's epilogue GEMM (``triton_sweep.siglip_sweep``) where the core op takes
+    the panel path (``panels.use_panel``: CUDA, N x M >= 2^24, or forced) with its epilogue GEMM
     (``use_epilogue``: 16-bit operands), else the fused kernels below."""
-    return triton_panel.use_panel(x, n, m) and triton_panel.use_epilogue(x.device, dt, "one_pass", n * m)
+    return panels.use_panel(x, n, m) and panels.use_epilogue(x.device, dt, "one_pass", n * m)
 
 
 class TritonSigLipFn(torch.autograd.Function):
@@ -148,7 +149,7 @@ class TritonSigLipFn(torch.autograd.Function):
     @autocast_off
     def forward(ctx, image: Tensor, text: Tensor, scale, bias, normalize: bool, eps: float, offset: int,
                 reduce: bool, weight: float):
-        dt = TB.kernel_dtype(image, text)
+        dt = TL.kernel_dtype(image, text)
         ctx.opts = (eps, offset, reduce, weight)
         ctx.numbers = (None if isinstance(scale, Tensor) else scale, None if isinstance(bias, Tensor) else bias)
         ctx.dtypes = (image.dtype, text.dtype,
@@ -157,7 +158,7 @@ class TritonSigLipFn(torch.autograd.Function):
         ctx.panel = use_panel_route(image, image.shape[0], text.shape[0], dt)
         ctx.eager = None
         if ctx.panel:
-            x, y = TB._rows_ok(image.to(dt)), TB._rows_ok(text.to(dt))
+            x, y = TL._rows_ok(image.to(dt)), TL._rows_ok(text.to(dt))
             dev = x.device
             need_x, need_y = ctx.needs_input_grad[:2]
             need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[2]
@@ -166,12 +167,12 @@ class TritonSigLipFn(torch.autograd.Function):
                 # a summed loss: its upstream gradient is one scalar, so the sweep that forms the losses
                 # forms the gradients for an upstream 1 too (MODE 5: 3 matmul units for the step, not 4)
                 g = torch.full((x.shape[0],), float(weight), dtype=torch.float32, device=dev)
-                loss, dx, dy, ds, db = triton_panel.siglip_sweep(
-                    TB._launch, x, y, TB._scale32(scale, dev), TB._scale32(bias, dev), normalize, eps, offset, g,
+                loss, dx, dy, ds, db = triton_sweep.siglip_sweep(
+                    TL._launch, x, y, TL._scale32(scale, dev), TL._scale32(bias, dev), normalize, eps, offset, g,
                     need_x, need_y, need_s or need_b, with_loss=True)
                 ctx.eager = (dx, dy, ds if need_s else None, db if need_b else None)
             else:
-                loss = triton_panel.siglip_sweep(TB._launch, x, y, TB._scale32(scale, dev), TB._scale32(bias, dev),
+                loss = triton_sweep.siglip_sweep(TL._launch, x, y, TL._scale32(scale, dev), TL._scale32(bias, dev),
                                                  normalize, eps, offset, None, False, False, False)[0]
             ctx.normalize = bool(normalize)
             ctx.save_for_backward(scale if isinstance(scale, Tensor) else None,
@@ -206,9 +207,9 @@ class TritonSigLipFn(torch.autograd.Function):
             dev = x.device
             g = (go * weight).expand(x.shape[0]).contiguous() if reduce else go.contiguous()
             need_s, need_b = need_s and sdt is not None, need_b and bdt is not None
-            _, dx, dy, ds, db = triton_panel.siglip_sweep(
-                TB._launch, x, y, TB._scale32(scale if scale is not None else ctx.numbers[0], dev),
-                TB._scale32(bias if bias is not None else ctx.numbers[1], dev), ctx.normalize, eps, offset, g,
+            _, dx, dy, ds, db = triton_sweep.siglip_sweep(
+                TL._launch, x, y, TL._scale32(scale if scale is not None else ctx.numbers[0], dev),
+                TL._scale32(bias if bias is not None else ctx.numbers[1], dev), ctx.normalize, eps, offset, g,
                 need_x, need_y, need_s or need_b)
         else:
             scale, bias, x, y, sx, sy = ctx.saved_tensors

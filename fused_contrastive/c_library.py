@@ -1,9 +1,9 @@
 """Generator of the ahead-of-time kernel library (``CMakeLists.txt`` runs it; see the README section
 "C++ / ahead-of-time kernels").
 
-``python -m fused_contrastive.aot --arch 80 --arch 90 --out DIR`` records the launches of one forward +
+``python -m fused_contrastive.c_library --arch 80 --arch 90 --out DIR`` records the launches of one forward +
 backward of the core op through the Triton launcher's own launch recorder
-(``fused_contrastive.tools.aot.record_core``: meta tensors, exactly the runtime argument lists) for every
+(``fused_contrastive.tools.compile_survey.record_core``: meta tensors, exactly the runtime argument lists) for every
 covered feature set ("mode"), dtype and D class, compiles each distinct launch with
 ``triton.compile(..., target=GPUTarget("cuda", cc, 32))`` (no GPU needed) and writes
 
@@ -11,15 +11,15 @@ covered feature set ("mode"), dtype and D class, compiles each distinct launch w
 * ``DIR/fc_kernels_gen.h`` / ``fc_kernels_gen.c``: per variant its cubin bytes, symbol name, warps,
   shared memory and constexpr key; per kernel its argument layout (the non-constexpr parameters in
   order, their C types, and which ones were compiled as divisible by 16); the launch-config table
-  (``triton_configs.CONFIGS`` for the compiled dtypes) and the launcher's constants;
+  (``triton_shared.configs.CONFIGS`` for the compiled dtypes) and the launcher's constants;
 * ``DIR/manifest.json``: the same, for the tests.
 
-``python -m fused_contrastive.aot check --gen DIR --fc-run FC_RUN --mock LIBMOCK --work TMP`` (a ctest) runs the C
+``python -m fused_contrastive.c_library check --gen DIR --fc-run FC_RUN --mock LIBMOCK --work TMP`` (a ctest) runs the C
 API on the mock driver for a grid of problems and compares each launch with the Python launcher's (variant,
 cubin bytes, grid, block, shared memory, every argument), then byte-compares launched cubins with a fresh
 ``triton.compile``; with ``--torch-lib LIB`` it does the same through the torch operators.
 
-The panel path (``core/triton_panel.py``: cuBLAS GEMMs with the kernels of ``kernels/panel.py`` between
+The panel path (``core/lse/triton_panel.py``: cuBLAS GEMMs with the kernels of ``kernels/panel.py`` between
 them) is recorded as well, once per grid of :data:`PANEL_PROGRAMS_REC` (every row-block size), and its
 kernels are tabled by constexpr key (:func:`ckey`): ``fc_launch_kernel`` launches them for the torch
 operators, whose host code (``csrc/fc_torch.cpp``) does the GEMMs with ``at::mm``. ``check --torch-lib``
@@ -96,19 +96,19 @@ def _aligned_int(name: str) -> bool:
     return (name == "D" or name.startswith("stride_")) and name not in _UNALIGNED
 
 
-#: The panel path's kernels (``kernels/panel.py``; ``core/triton_panel.py`` launches them between cuBLAS
+#: The panel path's kernels (``kernels/panel.py``; ``core/lse/triton_panel.py`` launches them between cuBLAS
 #: GEMMs). The C library has no GEMM: ``fc_launch_kernel`` launches them by constexpr key for
 #: libfused_contrastive_torch, whose panel sweeps do the GEMMs with ``at::mm``.
 PANEL_KERNELS = ("panel_dl", "panel_rows")
 
-#: The panel path is recorded in its cuBLAS form (``triton_panel.use_epilogue`` off: an fp32 panel of
+#: The panel path is recorded in its cuBLAS form (``panels.use_epilogue`` off: an fp32 panel of
 #: products from a GEMM, then ``panel_dl``), the form ``csrc/fc_torch.cpp`` mirrors with ``at::mm``. The
 #: Python launcher's default for 16-bit panels on CUDA (and on the meta device it is recorded on) is the
 #: epilogue GEMM (``epi_gemm``), which the C++ host code does not drive.
 PANEL_GEMM_ENV = "FUSED_CONTRASTIVE_PANEL_GEMM"
 
-#: Grid sizes the panel kernels are recorded for (``triton_panel.PANEL_PROGRAMS``): at REC_N rows one per
-#: BLOCK_R of ``triton_panel.panel_blocks`` (16, 8, 4, 2, 1), so every row-block variant is compiled.
+#: Grid sizes the panel kernels are recorded for (the switchboard's hook ``PANEL_PROGRAMS``): at REC_N rows one per
+#: BLOCK_R of ``panels.panel_blocks`` (16, 8, 4, 2, 1), so every row-block variant is compiled.
 PANEL_PROGRAMS_REC = (32, 64, 128, 256, 1024)
 
 
@@ -134,9 +134,9 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
     The margin modes are recorded with ``margin = REC_MARGIN`` and an int64 target vector [n]."""
     import torch
 
-    from .core import triton_backend as TB
+    from . import routes
     from .core.spec import CoreData, CoreSpec
-    from .tools.aot import record_core
+    from .tools.compile_survey import record_core
 
     has_b, want_col, excl, margin = MODES[mode]
     spec = CoreSpec(eps=eps, exclude_self=excl, offset=offset, grad_cols=grad_cols,
@@ -146,13 +146,9 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
         return record_panel(mode, dtype, n, m, d, arch, spec, need_b, sms, programs, roots, data)
     if path != "fused":
         raise ValueError(f"path must be 'fused' or 'panel', got {path!r}")
-    prev = TB.COL_PARTIAL_PROGRAMS
-    TB.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev
-    try:
+    with routes.override(**({"COL_PARTIAL_PROGRAMS": 2 * sms} if sms else {})):
         return record_core(spec, data, has_b, want_col, False, _torch_dtype(dtype), n, m if has_b else n, d,
                            arch, need_a=True, need_b=need_b and has_b, need_s=True)
-    finally:
-        TB.COL_PARTIAL_PROGRAMS = prev
 
 
 def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec, need_b: bool, sms: int | None,
@@ -167,10 +163,11 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     target), default empty."""
     import torch
 
-    from .core import triton_backend as TB
-    from .core import triton_panel as TP
+    from . import routes
+    from .core.lse import triton_fused, triton_panel
     from .core.spec import CoreData
-    from .tools.aot import recording
+    from .core.triton_shared import launch as TL
+    from .tools.compile_survey import recording
 
     has_b, want_col = MODES[mode][:2]
     data = data if data is not None else CoreData()
@@ -180,32 +177,26 @@ def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec,
     b = torch.empty((m, d), dtype=dt, device=meta) if has_b else None
     scale = torch.empty((), dtype=torch.float32, device=meta)
     g = torch.empty(n, device=meta)
-    prev = TB.COL_PARTIAL_PROGRAMS, TP.PANEL_PROGRAMS
-    prev_gemm = os.environ.get(PANEL_GEMM_ENV)
-    TB.COL_PARTIAL_PROGRAMS = 2 * sms if sms else prev[0]
-    TP.PANEL_PROGRAMS = programs if programs else (2 * sms if sms else prev[1])
-    os.environ[PANEL_GEMM_ENV] = "cublas"  # the form csrc/fc_torch.cpp mirrors (see PANEL_GEMM_ENV)
-    try:
+    hooks = {"COL_PARTIAL_PROGRAMS": 2 * sms} if sms else {}
+    if programs or sms:
+        hooks["PANEL_PROGRAMS"] = programs if programs else 2 * sms
+    # the cuBLAS form: what csrc/fc_torch.cpp mirrors (see PANEL_GEMM_ENV)
+    with routes.override(PANEL_GEMM="cublas", **hooks):
         with recording(arch) as launches:
-            p = TB._prepare_data(a, b, spec, data, False)
-            scale_t = TB._scale32(scale, meta)
+            p = TL._prepare_data(a, b, spec, data, False)
+            scale_t = TL._scale32(scale, meta)
             lse_col = g_col = db = None
             # the backward is a second operator call in C++: its own dummy pointer (never dereferenced)
-            pb = TB._prepare_data(a, b, spec, data, False)
-            if TP.use_tri(p, want_col, False):
-                lse = TB._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
-                da, _, _ = TP.tri_backward(TB._launch, pb, p.a, spec, scale_t, lse, g, True, True)
+            pb = TL._prepare_data(a, b, spec, data, False)
+            if triton_panel.use_tri(p, want_col, False):
+                lse = triton_fused._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
+                da, _, _ = triton_panel.tri_backward(TL._launch, pb, p.a, spec, scale_t, lse, g, True, True)
             else:
-                lse, lse_col, _, _ = TB._lse_fwd(a, b, scale, spec, data, want_col, False)
+                lse, lse_col, _, _ = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, False)
                 g_col = torch.empty(m, device=meta) if want_col else None
-                da, db, _, _, _, _ = TP.sweep(TB._launch, pb, p.a, p.b, False, scale_t, spec, lse, lse_col, None, g,
-                                           g_col, None, True, need_b and has_b, True, False)
-    finally:
-        TB.COL_PARTIAL_PROGRAMS, TP.PANEL_PROGRAMS = prev
-        if prev_gemm is None:
-            os.environ.pop(PANEL_GEMM_ENV, None)
-        else:
-            os.environ[PANEL_GEMM_ENV] = prev_gemm
+                da, db, _, _, _, _ = triton_panel.sweep(TL._launch, pb, p.a, p.b, False, scale_t, spec, lse,
+                                                        lse_col, None, g, g_col, None, True, need_b and has_b, True,
+                                                        False)
     if roots is not None:
         roots.update(A=a, B=b, LSE=lse, LSE_COL=lse_col, G=g, G_COL=g_col, DA=da, DB=db, TARGET=data.target)
     return launches
@@ -231,7 +222,7 @@ def ckey(launch) -> str:
 
 
 def _sig_type(v) -> str:
-    from .tools.aot import _sig_type as sig
+    from .tools.compile_survey import _sig_type as sig
 
     return sig(v)
 
@@ -364,8 +355,8 @@ def _c_ident(s: str) -> str:
 def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[str], out: str,
              jobs: int = 1) -> dict:
     """Compile and write the tables (see the module docstring); returns the manifest."""
-    from .core import triton_configs as TC
-    from .core import triton_panel as TP
+    from .core.triton_shared import configs as CFG
+    from .core.triton_shared import panels
 
     t0 = time.perf_counter()
     table, todo = plan(archs, dtypes, dclasses, modes)
@@ -392,18 +383,18 @@ def generate(archs: list[int], dtypes: list[str], dclasses: list[str], modes: li
         if layouts.setdefault(kname, lay) != lay:
             raise RuntimeError(f"{kname}: variants with different argument layouts")
     # the AOT modes have no softmax over positives: its forward config ("fwd_pos") is not launched here
-    configs = {f"{k}/{a}/{dt}/{b}": c.__dict__ for (k, a, dt, b), c in TC.CONFIGS.items()
+    configs = {f"{k}/{a}/{dt}/{b}": c.__dict__ for (k, a, dt, b), c in CFG.CONFIGS.items()
                if dt in dtypes and k in _CONFIG_KERNELS}
     manifest = dict(
         archs=archs, dtypes=dtypes, dclasses=dclasses, modes=modes,
-        consts=dict(RESIDENT_MAX_D=TC.RESIDENT_MAX_D, ROW_NORM_BLOCK_R=TC.ROW_NORM_BLOCK_R,
-                    ROW_NORM_MAX_BLOCK_D=TC.ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS=TC.ROW_NORM_WARPS,
-                    # the panel path's host constants (triton_configs, triton_panel)
-                    PANEL_CHUNK=TC.PANEL_CHUNK, PANEL_ROWS_BLOCK_R=TC.PANEL_ROWS_BLOCK_R,
-                    PANEL_ROWS_MAX_BLOCK_D=TC.PANEL_ROWS_MAX_BLOCK_D, PANEL_BUDGET_BYTES=TP.BUDGET_BYTES,
-                    PANEL_P_MIN=TP.P_MIN,
-                    PANEL_MIN_ELEMENTS=TP.MIN_ELEMENTS, PANEL_NORM_CHUNK_ELEMENTS=TP.NORM_CHUNK_ELEMENTS,
-                    PANEL_FP16_PRESCALE=TP.FP16_PRESCALE),
+        consts=dict(RESIDENT_MAX_D=CFG.RESIDENT_MAX_D, ROW_NORM_BLOCK_R=CFG.ROW_NORM_BLOCK_R,
+                    ROW_NORM_MAX_BLOCK_D=CFG.ROW_NORM_MAX_BLOCK_D, ROW_NORM_WARPS=CFG.ROW_NORM_WARPS,
+                    # the panel path's host constants (triton_shared/configs.py, triton_shared/panels.py)
+                    PANEL_CHUNK=CFG.PANEL_CHUNK, PANEL_ROWS_BLOCK_R=CFG.PANEL_ROWS_BLOCK_R,
+                    PANEL_ROWS_MAX_BLOCK_D=CFG.PANEL_ROWS_MAX_BLOCK_D, PANEL_BUDGET_BYTES=panels.BUDGET_BYTES,
+                    PANEL_P_MIN=panels.P_MIN, PANEL_MIN_ELEMENTS=panels.MIN_ELEMENTS,
+                    PANEL_NORM_CHUNK_ELEMENTS=panels.NORM_CHUNK_ELEMENTS,
+                    PANEL_FP16_PRESCALE=panels.FP16_PRESCALE),
         configs=configs, layouts=layouts,
         variants=[dict(e, **{k: compiled[(e["cc"], e["variant"])][k]
                              for k in ("symbol", "num_warps", "shared", "file", "sha256")},
@@ -421,7 +412,7 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
     names = sorted({p["name"] for lay in man["layouts"].values() for p in lay})
     kernels = sorted(man["layouts"])
     ctype = {"i32": "FC_T_I32", "i64": "FC_T_I64", "fp32": "FC_T_F32", "i1": "FC_T_I1"}
-    h = ["/* generated by python -m fused_contrastive.aot: do not edit */", "#pragma once", "#include <stddef.h>",
+    h = ["/* generated by python -m fused_contrastive.c_library: do not edit */", "#pragma once", "#include <stddef.h>",
          "#include <stdint.h>", "",
          "typedef enum { FC_T_PTR, FC_T_I32, FC_T_I64, FC_T_F32, FC_T_I1 } fc_argtype;", "",
          "/* every runtime parameter name of the shipped kernels */", "typedef enum {"]
@@ -448,7 +439,7 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
           f"#define FC_DTYPES_BUILT \"{';'.join(man['dtypes'])}\"",
           f"#define FC_DCLASSES_BUILT \"{';'.join(man['dclasses'])}\"",
           f"#define FC_MODES_BUILT \"{';'.join(man['modes'])}\"", ""]
-    c = ["/* generated by python -m fused_contrastive.aot: do not edit */", '#include "fc_kernels_gen.h"', ""]
+    c = ["/* generated by python -m fused_contrastive.c_library: do not edit */", '#include "fc_kernels_gen.h"', ""]
     c += ["const char *const fc_arg_names[FC_ARG_COUNT] = {" + ", ".join(f'"{n}"' for n in names) + "};",
           "const char *const fc_kernel_names[FC_K_COUNT] = {" + ", ".join(f'"{k}"' for k in kernels) + "};"]
     for k in kernels:
@@ -457,7 +448,7 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
         c.append(f"static const fc_param params_{k}[] = {{{ps}}};")
     c.append("const fc_layout fc_layouts[FC_K_COUNT] = {"
              + ", ".join(f"{{{len(man['layouts'][k])}, params_{k}}}" for k in kernels) + "};")
-    asm = ["/* generated by python -m fused_contrastive.aot: the cubins, embedded */", ".section .rodata"]
+    asm = ["/* generated by python -m fused_contrastive.c_library: the cubins, embedded */", ".section .rodata"]
     for (cc, key), r in sorted(compiled.items()):
         sym = f"fc_cubin_sm{cc}_{_c_ident(key)}"
         path = os.path.abspath(os.path.join(out, r["file"]))
@@ -692,9 +683,9 @@ def check(gen: str, fc_run: str, mock: str, work: str, fresh: str = "per-kernel"
         for ln, mfile in pairs:
             key = (sc["cc"], ln.name) if fresh == "per-kernel" else (sc["cc"], variant_key(ln))
             fresh_todo.setdefault(key, (sc["cc"], ln, mfile))
-    print(f"fused_contrastive.aot check: {len(_scenarios(man))} problems compared with the Python launcher")
+    print(f"fused_contrastive.c_library check: {len(_scenarios(man))} problems compared with the Python launcher")
     errs += _fresh_compiles(fresh_todo.values())
-    print(f"fused_contrastive.aot check: {len(fresh_todo)} launched cubins recompiled from scratch")
+    print(f"fused_contrastive.c_library check: {len(fresh_todo)} launched cubins recompiled from scratch")
     return errs
 
 
@@ -829,15 +820,15 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
         for ln, mfile in pairs:  # the panel kernels only reach the library through these operators
             if ln.name in PANEL_KERNELS or ln.constexprs.get("TRI"):
                 fresh.setdefault((sc["cc"], ln.name), (sc["cc"], ln, mfile))
-    print(f"fused_contrastive.aot check-torch: {len(scen)} problems compared with the Python launcher "
+    print(f"fused_contrastive.c_library check-torch: {len(scen)} problems compared with the Python launcher "
           f"({len(scen) - len(_scenarios(man))} on the panel path)")
     errs += _fresh_compiles(fresh.values())
-    print(f"fused_contrastive.aot check-torch: {len(fresh)} launched panel-kernel cubins recompiled from scratch")
+    print(f"fused_contrastive.c_library check-torch: {len(fresh)} launched panel-kernel cubins recompiled from scratch")
     return errs
 
 
 def check_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fused_contrastive.aot check")
+    ap = argparse.ArgumentParser(prog="python -m fused_contrastive.c_library check")
     ap.add_argument("--gen", required=True, help="the generator's output directory (manifest.json)")
     ap.add_argument("--fc-run")
     ap.add_argument("--mock", required=True)
@@ -854,7 +845,7 @@ def check_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fused_contrastive.aot", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fused_contrastive.c_library", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, action="append", choices=sorted(_ARCH_FAMILY), help="compute capability")
     ap.add_argument("--dtype", action="append", choices=_DTYPES)
     ap.add_argument("--dclass", action="append", choices=list(D_CLASSES))
@@ -865,13 +856,13 @@ def main(argv: list[str] | None = None) -> int:
     man = generate(args.arch or [80, 90], args.dtype or list(_DTYPES), args.dclass or list(D_CLASSES),
                    args.mode or list(MODES), args.out, args.jobs)
     n = len({(v["cc"], v["variant"]) for v in man["variants"]})
-    print(f"fused_contrastive.aot: {n} kernels compiled in {man['total_seconds']} s -> {args.out}")
+    print(f"fused_contrastive.c_library: {n} kernels compiled in {man['total_seconds']} s -> {args.out}")
     return 0
 
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("fused_contrastive.aot: needs TRITON_INTERPRET=0 (interpreted kernels cannot be compiled)",
+        print("fused_contrastive.c_library: needs TRITON_INTERPRET=0 (interpreted kernels cannot be compiled)",
               file=sys.stderr)
         sys.exit(2)
     sys.exit(check_main(sys.argv[2:]) if sys.argv[1:2] == ["check"] else main())

@@ -1,7 +1,7 @@
 """The autograd Function of the core op on Triton: it picks the path (the ahead-of-time library, the
-panel path of ``triton_panel.py`` or the fused kernels of ``triton_backend.py``) and applies the
+panel path of ``triton_panel.py`` or the fused kernels of ``triton_shared/launch.py``) and applies the
 coefficients of ``spec.py`` (``LSE``, ``LSEcol``, ``LSEpos`` vectors) in PyTorch; the linear positive
-terms come from ``positives.py``, called by ``core.run``. It is the top of the Triton modules: it
+terms come from ``linear_terms.py``, called by ``core.run``. It is the top of the Triton modules: it
 imports them, none of them imports it.
 """
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from . import triton_aot, triton_panel
-from . import triton_backend as TB
-from .spec import Coeffs, CoreData, CoreSpec, combine
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ..spec import Coeffs, CoreData, CoreSpec, combine
+from ..triton_shared import launch as TL
+from ..triton_shared import panels
+from . import library_route, triton_fused, triton_panel
 
 __all__ = ["TritonCoreFn", "core"]
 
@@ -33,19 +34,20 @@ class TritonCoreFn(torch.autograd.Function):
     @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
                 reduce: bool):
-        dt = TB.kernel_dtype(a, b)
+        dt = TL.kernel_dtype(a, b)
         ak = a.to(dt)
         bk = None if b is None else b.to(dt)
         n, m = a.shape[0], (a.shape[0] if b is None else b.shape[0])
         dtypes = (a.dtype, None if b is None else b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
                   scale.shape if isinstance(scale, Tensor) else None)
-        aot_mode = triton_aot.route(ak, bk, spec, data, coef)
+        aot_mode = library_route.route(ak, bk, spec, data, coef)
         if aot_mode is not None:  # the ahead-of-time library (FUSED_CONTRASTIVE_AOT_LIB): no JIT
-            return triton_aot.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce, aot_mode)
-        if triton_panel.use_panel(ak, n, m):
+            return library_route.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce, aot_mode)
+        if panels.use_panel(ak, n, m):
             return triton_panel.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce)
         ctx.path = "fused"
-        lse, lse_col, lse_pos, p = TB._lse_fwd(ak, bk, scale, spec, data, coef.col is not None, coef.pos is not None)
+        lse, lse_col, lse_pos, p = triton_fused._lse_fwd(ak, bk, scale, spec, data, coef.col is not None,
+                                                         coef.pos is not None)
         # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term; no loss
         # combines one with a softmax over positives, whose symmetric kernel would then spill)
         ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
@@ -68,7 +70,7 @@ class TritonCoreFn(torch.autograd.Function):
         if ctx.path == "panel":
             return triton_panel.backward(ctx, go)
         if ctx.path == "aot":
-            return triton_aot.backward(ctx, go)
+            return library_route.backward(ctx, go)
         need_a, need_b, need_s = ctx.needs_input_grad[:3]
         scale, lse, lse_col, lse_pos, a, b, sa, sb = ctx.saved_tensors
         if scale is None:
@@ -78,9 +80,9 @@ class TritonCoreFn(torch.autograd.Function):
         p = ctx.prep._replace(a=a, b=a if same else b, sa=sa, sb=sa if same else sb)
         go = go.to(torch.float32)
         n = lse.shape[0]
-        g = TB._coef_grad(coef.lse, go, n, lse)
-        g_col = TB._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
-        g_pos = TB._coef_grad(coef.pos, go, n, lse_pos)
+        g = TL._coef_grad(coef.lse, go, n, lse)
+        g_col = TL._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
+        g_pos = TL._coef_grad(coef.pos, go, n, lse_pos)
         wide, split = getattr(ctx, "wide", False), ctx.split
         if split is not None and not need_a and not need_s and a.dtype == torch.float32:
             # a frozen A (LiT's locked image tower): the row kernel would run only to report the target
@@ -89,10 +91,10 @@ class TritonCoreFn(torch.autograd.Function):
             split = None
         if same and not p.sym:
             # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
-            out = TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s, wide,
-                              split)
+            out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s,
+                                        wide, split)
         else:
-            out = TB._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
+            out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
                               need_a, need_b and not same, need_s, wide, split)
         da, db, ds = out[:3]
         if split is not None:

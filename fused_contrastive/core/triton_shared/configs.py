@@ -156,7 +156,7 @@ def config_for(kernel: str, arch: str, dtype: torch.dtype, d: int) -> tuple[Laun
 #: The panel kernel (kernels/panel.py, memory-bound elementwise work on a [P, M] panel): one program
 #: per BLOCK_R rows walks the columns in chunks of PANEL_CHUNK elements (BLOCK_R x PANEL_CHUNK /
 #: BLOCK_R), 8 fp32 registers per thread per live tile at 8 warps. BLOCK_R (16, 8, 4, 2 or 1) is chosen
-#: per panel so that the grid has at least 2 programs per SM (``triton_panel.panel_blocks``): a panel
+#: per panel so that the grid has at least 2 programs per SM (``panels.panel_blocks``): a panel
 #: of 1216 rows on 132 SMs takes 4 x 512, one of 320 rows 1 x 2048; the interpreter takes 16 x 128.
 #: Compiled register counts are checked by tests/test_triton_panel.py (0 spills) and listed by
 #: bench/gpu_model.py; at 4 warps the symmetric path took 188 registers (2 CTAs/SM: too few warps in
@@ -210,7 +210,7 @@ def guided_config(kernel: str, arch: str, dtype: torch.dtype, d: int,
 #: both orientations): 16-bit takes 32-wide D chunks, fp32 (tf32x3: twice the operand registers) 16-wide.
 #: The dA kernel ("bwd_rows") takes 64 x 32 tiles; the dB kernel ("bwd_cols") 64 x 64, because its gradient
 #: dot is H^T (BLOCK_N rows) times the rows' chunk and wgmma needs 64 rows (at 64 x 32 that dot fell back to
-#: mma.sync on sm_90). Every launch sets ``maxnreg`` 255 (``triton_matryoshka.MAXNREG``). Compiled for sm_80
+#: mma.sync on sm_90). Every launch sets ``maxnreg`` 255 (``matryoshka.triton_levels.MAXNREG``). Compiled for sm_80
 #: and sm_90 at K = 1, 5 and 8 with every term (tests/test_triton_matryoshka.py): 0 spills.
 _MATRYOSHKA_BWD = {
     ("bwd_rows", "16"): LaunchConfig(64, 32, 32, 8, 2), ("bwd_rows", "32"): LaunchConfig(64, 16, 16, 8, 2),
@@ -269,7 +269,7 @@ EPI_GEMM = {
     "siglip_bwd": LaunchConfig(128, 128, 64, 8, 4),
     "siglip_eager": LaunchConfig(64, 128, 64, 8, 4),
 }
-#: Pipeline depth (num_stages) of the epilogue GEMM's persistent forms (``triton_panel.EPI_FORMS``) per
+#: Pipeline depth (num_stages) of the epilogue GEMM's persistent forms (``panels.EPI_FORMS``) per
 #: (EPI_GEMM config, arch, TMA operands), chosen from the sm_80 / sm_90 compiles of the launches
 #: ``bench/gpu_model.py`` records at N = 65536 (bf16, D = 768; no GPU timing yet): the deepest pipeline up to
 #: the tiles form's whose compile has no spills. The flattened tile loop keeps more registers live than one
@@ -301,7 +301,7 @@ GUIDED_EPI = {
     "redo_sm80": LaunchConfig(32, 128, 64, 8, 3),
     "redo_sm90": LaunchConfig(64, 128, 64, 8, 3),
 }
-#: Pipeline depth of the guided epilogue GEMM's persistent form (``triton_panel.EPI_FORMS``; "tma" runs it too,
+#: Pipeline depth of the guided epilogue GEMM's persistent form (``panels.EPI_FORMS``; "tma" runs it too,
 #: the guide operands have no descriptors) per (GUIDED_EPI config, arch, 16-bit guides, split target block),
 #: from the sm_80 / sm_90 compiles of GIST's and the ids-and-self blocks' launches at N = 4096 (bf16
 #: embeddings, bf16 / fp32 guides; no GPU timing yet): the tiles form's 3 stages where they compile without

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from .._tracing import tensors_are_traced
-from .norms import clamped_norms
-from .spec import Coeffs, CoreData, CoreSpec, drop_zero
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ..._tracing import tensors_are_traced
+from ..norms import clamped_norms
+from ..spec import Coeffs, CoreData, CoreSpec, drop_zero
 
 _NEG_INF = float("-inf")
 

@@ -8,9 +8,9 @@ import torch
 import triton
 from torch import Tensor
 
-from ..kernels import target as KT
-from .triton_backend import Launch, _alloc, _launch
-from .triton_configs import TARGET_BLOCK_R, TARGET_MAX_BLOCK_D, TARGET_WARPS, d_pad
+from ...kernels import target as KT
+from .configs import TARGET_BLOCK_R, TARGET_MAX_BLOCK_D, TARGET_WARPS, d_pad
+from .launch import Launch, _alloc, _launch
 
 __all__ = ["target_backward", "target_cos"]
 

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from .chunked import tile_elements
-from .norms import normalize_backward_, normalize_rows
-from .spec import compute_dtype
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ..norms import normalize_backward_, normalize_rows
+from ..spec import compute_dtype
+from ..tiles import tile_elements
 
 
 def _row_chunk(n: int, m: int) -> int:

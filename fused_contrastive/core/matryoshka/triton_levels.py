@@ -5,7 +5,7 @@ Work in units of one N x M x D matmul, for every level together: forward 1; back
 dB kernel of ``(sum_k d_k + d_K) / D`` each (every level's prefix rebuilt, one gradient GEMM per segment:
 3.25 for 768/512/256/128/64), 7.5 in all against one loss's 5 and K per-level calls' 11.25. B is A runs
 as two inputs (the plain kernels' symmetric single-kernel backward is not used). The linear positive terms
-(TGT, SET) are O(K N D) and run per level in PyTorch (``positives.LinearTermsFn`` on the truncated, re-normalised
+(TGT, SET) are O(K N D) and run per level in PyTorch (``linear_terms.LinearTermsFn`` on the truncated, re-normalised
 rows); the target term's gradient is added inside the kernels' gradient tiles (HAS_TGT), before any 16-bit
 rounding, where ``p_it - 1`` cancels in a peaked softmax.
 """
@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from ..kernels import matryoshka as KM
-from . import positives, triton_panel
-from . import triton_backend as TB
-from .matryoshka import _prefix_norms
-from .norms import prefix_rows
-from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
-from .triton_configs import (
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ...kernels import matryoshka as KM
+from ...routes import setting
+from .. import linear_terms
+from ..norms import prefix_rows
+from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
+from ..triton_shared import launch as TL
+from ..triton_shared import panels
+from ..triton_shared.configs import (
     EPI_GROUP_M,
     MATRYOSHKA_SUFFIX,
     MATRYOSHKA_SUFFIX_LEVELS,
@@ -36,6 +36,7 @@ from .triton_configs import (
     d_pad,
     matryoshka_config,
 )
+from .torch_levels import _prefix_norms
 
 __all__ = ["ROUTES", "TritonLevelsFn", "route", "run", "suffix_rows", "use_suffix"]
 
@@ -69,7 +70,7 @@ class _Levels:
 
     def __init__(self, a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, want_pos: bool,
                  dims: tuple[int, ...]):
-        self.p = TB._prepare(a, b, dataclasses.replace(spec, normalize=True), data, want_pos)
+        self.p = TL._prepare(a, b, dataclasses.replace(spec, normalize=True), data, want_pos)
         self.dims = list(dims)
         self.k = len(dims)
         dev = a.device
@@ -79,7 +80,7 @@ class _Levels:
 
 
 def _flags(L: _Levels, spec: CoreSpec) -> dict[str, object]:
-    f = TB._flags(L.p, spec)
+    f = TL._flags(L.p, spec)
     if f.pop("BIAS_COS"):  # core._leveled runs a target margin as one plain call per level
         raise ValueError("core: the Matryoshka kernels take no target margin")
     del f["NORMALIZE"]
@@ -93,22 +94,22 @@ def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool) -> tuple[Tensor, Ten
     dev = p.a.device
     n, d = p.a.shape
     m = p.b.shape[0]
-    cfg, block_d = matryoshka_config("fwd", TB._arch(dev), p.a.dtype, d)
-    lse = TB._alloc((L.k, n), torch.float32, dev)
-    lse_pos = TB._alloc((L.k, n), torch.float32, dev) if p.pos_kind else None
+    cfg, block_d = matryoshka_config("fwd", TL._arch(dev), p.a.dtype, d)
+    lse = TL._alloc((L.k, n), torch.float32, dev)
+    lse_pos = TL._alloc((L.k, n), torch.float32, dev) if p.pos_kind else None
     n_rb = triton.cdiv(n, cfg.block_m)
     progs, col_part = n_rb, p.dummy
     if want_col:
-        progs = TB._col_programs(n_rb, dev)
-        col_part = TB._alloc((progs, L.k, m), torch.float32, dev)
-    TB._launch(TB.Launch(
+        progs = TL._col_programs(n_rb, dev)
+        col_part = TL._alloc((progs, L.k, m), torch.float32, dev)
+    TL._launch(TL.Launch(
         "mat_fwd", KM.mat_fwd_kernel, (progs,),
-        dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], DIMS=L.dims_t, SCALE=TB._scale32(scale, dev),
-             **TB._problem_args(p), LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy,
+        dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], DIMS=L.dims_t, SCALE=TL._scale32(scale, dev),
+             **TL._problem_args(p), LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy,
              Z_RUN=torch.empty((L.k, n), dtype=torch.float32, device=dev),
              ZP_RUN=torch.empty((L.k, n), dtype=torch.float32, device=dev) if p.pos_kind else p.dummy,
              COL_PART=col_part, N=n, M=m, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0),
-             **TB._mask_args(p, spec), n_row_blocks=n_rb),
+             **TL._mask_args(p, spec), n_row_blocks=n_rb),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(L, spec), WANT_COL=bool(want_col)),
         cfg.num_warps, cfg.num_stages, MAXNREG))
     lse_col = torch.logsumexp(col_part, dim=0) if want_col else None
@@ -121,12 +122,12 @@ def _grad_args(L: _Levels, s32: Tensor, spec: CoreSpec, gs: Tensor, lse, lse_col
     p = L.p
     dm = p.dummy
     return dict(SA=p.sa, SB=p.sb, RSA=L.ra[0], RSB=L.rb[0], FA=L.ra[1], FB=L.rb[1], DIMS=L.dims_t, SCALE=s32,
-                GSCALE=gs, **TB._problem_args(p), LSE=lse, G=g if g is not None else dm,
+                GSCALE=gs, **TL._problem_args(p), LSE=lse, G=g if g is not None else dm,
                 LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
                 LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
                 TGT=tgt[0] if tgt is not None else dm, TW=tgt[1] if tgt is not None else dm,
                 N=p.a.shape[0], M=p.b.shape[0], stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0),
-                **TB._mask_args(p, spec))
+                **TL._mask_args(p, spec))
 
 
 def _grad_flags(L: _Levels, spec: CoreSpec, g, g_col, g_pos, tgt) -> dict[str, object]:
@@ -145,21 +146,21 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     dev = a.device
     n, d = a.shape
     m = b.shape[0]
-    gs = TB._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
+    gs = TL._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
     if gs is None:
-        return TB._no_grads(a, b, need_a, need_b, need_s)
+        return TL._no_grads(a, b, need_a, need_b, need_s)
     dm = p.dummy
-    common = dict(_grad_args(L, TB._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt),
+    common = dict(_grad_args(L, TL._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt),
                   D=d, eps=float(spec.eps))
     flags = _grad_flags(L, spec, g, g_col, g_pos, tgt)
     da = db = ds = None
     if need_a or need_s:
-        cfg, block_d = matryoshka_config("bwd_rows", TB._arch(dev), a.dtype, d)
+        cfg, block_d = matryoshka_config("bwd_rows", TL._arch(dev), a.dtype, d)
         n_rb = triton.cdiv(n, cfg.block_m)
-        da = TB._alloc((n, d), a.dtype, dev) if need_a else dm
+        da = TL._alloc((n, d), a.dtype, dev) if need_a else dm
         acc = torch.empty((n, d), dtype=torch.float32, device=dev) if need_a else dm
-        ds_part = TB._alloc((n_rb,), torch.float32, dev) if need_s else dm
-        TB._launch(TB.Launch(
+        ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
+        TL._launch(TL.Launch(
             "mat_bwd_rows", KM.mat_bwd_kernel, (n_rb,),
             dict(X=a, NX=L.ra[2], **common, DX=da, ACC=acc, DS_PART=ds_part, n_out=n, stride_x=a.stride(0),
                  stride_dx=da.stride(0) if need_a else 0),
@@ -170,13 +171,13 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
         da = da if need_a else None
     if need_b:
         gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
-        db = TB._alloc((m, d), b.dtype, dev)
+        db = TL._alloc((m, d), b.dtype, dev)
         if gcols < m:
             db[gcols:].zero_()  # queue columns get no gradient
         if gcols > 0:
-            cfg, block_d = matryoshka_config("bwd_cols", TB._arch(dev), b.dtype, d)
+            cfg, block_d = matryoshka_config("bwd_cols", TL._arch(dev), b.dtype, d)
             acc = torch.empty((gcols, d), dtype=torch.float32, device=dev)
-            TB._launch(TB.Launch(
+            TL._launch(TL.Launch(
                 "mat_bwd_cols", KM.mat_bwd_kernel, (triton.cdiv(gcols, cfg.block_n),),
                 dict(X=b, NX=L.rb[2], **common, DX=db, ACC=acc, DS_PART=dm, n_out=gcols, stride_x=b.stride(0),
                      stride_dx=db.stride(0)),
@@ -198,26 +199,18 @@ ROUTES = ("auto", "calls", "kernels", "suffix")
 
 
 def route() -> str:
-    r = os.environ.get("FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE", "auto")
-    if r not in ROUTES:
-        raise ValueError(f"FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE must be one of {', '.join(map(repr, ROUTES))}, "
-                         f"got {r!r}")
-    return r
+    """Env ``FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE``, one of :data:`ROUTES` (default "auto")."""
+    return setting("MATRYOSHKA_ROUTE")
 
 
 #: Smallest N x M at which "auto" takes the suffix backward (on CUDA; 16-bit, at most
-#: MATRYOSHKA_SUFFIX_LEVELS levels): bench/gpu_model.py --matryoshka models it faster than the kernels' own
-#: backward from N = M = 1024 (H100: 1.23 against 1.36 ms; 2048: 1.41 against 2.13; 4000: 1.85 against 3.61;
-#: A100 likewise) and slower at 256 (1.13 against 0.78: its cuBLAS launches per segment and panel), so the
-#: threshold sits at 1024 x 1024. Above the panel path's threshold "auto" runs one plain call per level
-#: (modelled faster than both: 105 ms at N = 65536 on an H100 against 129 for the suffix route).
+#: MATRYOSHKA_SUFFIX_LEVELS levels); above the panel path's threshold "auto" runs one plain call per level.
+#: Evidence: ``routes.ROUTES`` (the Matryoshka rows); the model's figures: docs/gpu-measurements.md.
 SUFFIX_MIN_ELEMENTS = 1 << 20
 #: With a column term (CLIP's levels) "auto" keeps the Matryoshka kernels (and so the suffix backward) up to this
-#: N x M although the plain loss takes the panel path from 2^24: at N = M = 4096 (D = 768, bf16, five levels) one
-#: H200 measured the suffix route at 12.64 ms against 17.13 for one plain call per level
-#: (``bench/results/h200-bench-gpu-2/bench_gpu.txt``, matryoshka5_clip ``fused_contrastive[matryoshka=suffix]``);
-#: without a column term the plain calls take the one-tile path there (``core.CUDA_DENSE_ELEMENTS``: 8.38 ms
-#: for InfoNCE's levels against the suffix route's 10.99). Above it nothing but one call per level was faster.
+#: N x M although the plain loss takes the panel path from 2^24; without a column term the plain calls take the
+#: one-tile path there (``core.CUDA_DENSE_ELEMENTS``). Evidence: ``routes.ROUTES``; the measurements:
+#: docs/gpu-measurements.md.
 COL_KERNELS_MAX_ELEMENTS = 1 << 24
 #: Device types on which "auto" may take the suffix backward (meta: the GPU model records what CUDA runs);
 #: the CPU interpreter runs it when the tests ask for it.
@@ -235,17 +228,17 @@ def use_suffix(dev: torch.device, dtype: torch.dtype, k: int, elements: int) -> 
 
 
 #: Test hooks of the suffix backward: its launch configuration and panel height (None: MATRYOSHKA_SUFFIX, and
-#: triton_panel.PANEL_ROWS or the byte budget).
+#: the switchboard's PANEL_ROWS or the byte budget).
 SUFFIX_CONFIG: LaunchConfig | None = None
 
 
 def suffix_rows(n: int, m: int, d: int, k: int, dtype: torch.dtype, need_b: bool) -> int:
     """Rows per panel of the suffix backward: its K 16-bit tiles of the panel ([K, P, M]), the per-tile
-    scalars and the panel's dA rows (fp32) within the panel path's byte budget (``triton_panel.panel_rows``'s
-    budget and hooks), beside dB's fp32 accumulators; a multiple of 64, at least ``triton_panel.P_MIN``."""
-    if triton_panel.PANEL_ROWS is not None:
-        return max(1, min(n, triton_panel.PANEL_ROWS))
-    budget = int(os.environ.get("FUSED_CONTRASTIVE_PANEL_BUDGET", triton_panel.BUDGET_BYTES))
+    scalars and the panel's dA rows (fp32) within the panel path's byte budget (``panels.panel_rows``'s
+    budget and hooks), beside dB's fp32 accumulators; a multiple of 64, at least ``panels.P_MIN``."""
+    if setting("PANEL_ROWS") is not None:
+        return max(1, min(n, setting("PANEL_ROWS")))
+    budget = setting("PANEL_BUDGET") or panels.BUDGET_BYTES
     e = torch.empty((), dtype=dtype).element_size()
     kp = triton.next_power_of_2(k)
     fixed = 4 * m * d if need_b else 0
@@ -253,7 +246,7 @@ def suffix_rows(n: int, m: int, d: int, k: int, dtype: torch.dtype, need_b: bool
     per_row = k * e * m + 4 * kp * (triton.cdiv(m, cfg.block_n) + triton.cdiv(m, cfg.block_m)) + 4 * d
     p = (budget - fixed) // per_row
     p = p - p % 64 if p >= 64 else p
-    return max(1, min(n, max(triton_panel.P_MIN, p)))
+    return max(1, min(n, max(panels.P_MIN, p)))
 
 
 def _finish(x: Tensor, acc: list[Tensor], nx: Tensor, rho: Tensor, bounds: list[int], eps: float, mult: Tensor,
@@ -289,9 +282,9 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     dev = a.device
     n, d = a.shape
     m = b.shape[0]
-    gs = TB._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
+    gs = TL._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
     if gs is None:
-        return TB._no_grads(a, b, need_a, need_b, need_s)
+        return TL._no_grads(a, b, need_a, need_b, need_s)
     dt, k = a.dtype, L.k
     kp = triton.next_power_of_2(k)
     cfg = SUFFIX_CONFIG or MATRYOSHKA_SUFFIX
@@ -299,7 +292,7 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     need_cols = need_b and gcols > 0
     bounds = [0, *L.dims]
     pre = prescale(dt)
-    s32 = TB._scale32(scale, dev)
+    s32 = TL._scale32(scale, dev)
     # the other side's top-level unit rows, in the operand dtype (as the kernels' gradient dots take them)
     yhat = (p.sb.to(torch.float32) * L.rb[0][k - 1][:, None]).to(dt) if need_a else None
     xhat = (p.sa.to(torch.float32) * L.ra[0][k - 1][:, None]).to(dt) if need_cols else None
@@ -315,19 +308,19 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     for r0 in range(0, n, rows):
         pr = min(rows, n - r0)
         n_pm, n_pn = triton.cdiv(pr, cfg.block_m), triton.cdiv(m, cfg.block_n)
-        h = TB._alloc((k, pr, m), dt, dev)
-        rho_r = TB._alloc((pr, n_pn, kp), torch.float32, dev)
-        rho_c = TB._alloc((n_pm, kp, m), torch.float32, dev)
-        TB._launch(TB.Launch("mat_epi", KM.mat_epi_kernel, (n_pm * n_pn,),
+        h = TL._alloc((k, pr, m), dt, dev)
+        rho_r = TL._alloc((pr, n_pn, kp), torch.float32, dev)
+        rho_c = TL._alloc((n_pm, kp, m), torch.float32, dev)
+        TL._launch(TL.Launch("mat_epi", KM.mat_epi_kernel, (n_pm * n_pn,),
                              dict(args, H=h, RHO_R=rho_r, RHO_C=rho_c, P=pr, r0=r0), const,
                              cfg.num_warps, cfg.num_stages, MAXNREG))
         rho_a[r0:r0 + pr] = rho_r[:, :, :k].sum(1)
         rho_b += rho_c[:, :k].sum(0).T
         for r, (lo, hi) in enumerate(segs):
             if need_a:
-                acc_a[r][r0:r0 + pr] = triton_panel._mm32(h[r], yhat[:, lo:hi])
+                acc_a[r][r0:r0 + pr] = panels._mm32(h[r], yhat[:, lo:hi])
             if need_cols:
-                triton_panel._addmm32_(acc_b[r], h[r][:, :gcols].T, xhat[r0:r0 + pr, lo:hi])
+                panels._addmm32_(acc_b[r], h[r][:, :gcols].T, xhat[r0:r0 + pr, lo:hi])
     mult = s32.reshape(()) * gs.reshape(())
     ds = rho_a.sum() * gs.reshape(()) if need_s else None
     da = _finish(a, acc_a, L.ra[2], rho_a, bounds, float(spec.eps), mult, pre) if need_a else None
@@ -357,7 +350,7 @@ class TritonLevelsFn(torch.autograd.Function):
     @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
                 reduce: bool, dims: tuple[int, ...]):
-        dt = TB.kernel_dtype(a, b)
+        dt = TL.kernel_dtype(a, b)
         L = _Levels(a.to(dt), None if b is None else b.to(dt), spec, data, coef.pos is not None, dims)
         lse, lse_col, lse_pos = _fwd(L, scale, spec, coef.col is not None)
         ctx.spec, ctx.coef, ctx.reduce = spec, coef, reduce
@@ -404,7 +397,7 @@ class TritonLevelsFn(torch.autograd.Function):
         tgt = None
         if coef.tgt is not None:
             # the target logits' term -c_i TGT^k_i: its weight -c_i go_k at column t_i of every level's tile,
-            # none for a row whose target is its excluded own column (as positives.LinearTermsFn)
+            # none for a row whose target is its excluded own column (as linear_terms.LinearTermsFn)
             t, spec = ctx.target, ctx.spec
             c = coef.tgt.to(torch.float32) if isinstance(coef.tgt, Tensor) else float(coef.tgt)
             tw = -(drop_zero(c, go[:, None] if go.dim() == 1 else go).expand(k, n))
@@ -444,7 +437,7 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
 
     def linear(c: Coeffs, x: Tensor, y: Tensor | None, s) -> Tensor:
         return torch.stack([
-            positives.LinearTermsFn.apply(prefix_rows(x, d, spec.eps),
+            linear_terms.LinearTermsFn.apply(prefix_rows(x, d, spec.eps),
                                           None if y is None else prefix_rows(y, d, spec.eps), s, plain, data, c,
                                           reduce, torch.float32, False)
             for d in dims])

@@ -34,11 +34,11 @@ import math
 import torch
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from .chunked import _row_chunk, _safe, _vec
-from .norms import clamped_norms
-from .spec import Coeffs, CoreData, CoreSpec, combine, compute_dtype
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ..norms import clamped_norms
+from ..spec import Coeffs, CoreData, CoreSpec, combine, compute_dtype
+from ..tiles import _row_chunk, _safe, _vec
 
 _NEG_INF = float("-inf")
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from .chunked import tile_elements
-from .norms import clamped_norms
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ..norms import clamped_norms
+from ..tiles import tile_elements
 
 _NEG_INF = float("-inf")
 

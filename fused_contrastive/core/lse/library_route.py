@@ -28,13 +28,13 @@ a mock driver: nothing is computed then, only launches are recorded.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
-from .spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
-from .triton_configs import DTYPE_NAMES, d_pad
+from ...routes import setting
+from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
+from ..triton_shared.configs import DTYPE_NAMES, d_pad
 
 __all__ = ["CALLS", "ENV", "backward", "build_info", "forward", "route"]
 
@@ -80,7 +80,7 @@ FIELDS = {
     "CoreSpec.margin": "passed to the library (fc_problem.margin) in modes info_nce / clip, where route finds the "
                        "'<mode>_margin' kernels built; _mode does not route it with B is A",
     "CoreData.target": "passed to the library as the margin's columns (fc_problem.target) when margin != 0 (the "
-                       "target term is positives.py's, in PyTorch)",
+                       "target term is linear_terms.py's, in PyTorch)",
     "CoreData.bias_col": "_mode requires None",
     "CoreData.row_labels": "read only for coefficient pos, which _mode requires None",
     "CoreData.col_labels": "read only for coefficient pos, which _mode requires None",
@@ -88,8 +88,8 @@ FIELDS = {
     "Coeffs.lse": "applied in PyTorch to the library's LSE (combine)",
     "Coeffs.col": "_mode: FC_MODE_CLIP computes the column LSE",
     "Coeffs.pos": "_mode requires None",
-    "Coeffs.tgt": "not seen by the Triton Function (positives.py)",
-    "Coeffs.set": "not seen by the Triton Function (positives.py)",
+    "Coeffs.tgt": "not seen by the Triton Function (linear_terms.py)",
+    "Coeffs.set": "not seen by the Triton Function (linear_terms.py)",
 }
 
 
@@ -123,7 +123,7 @@ def _rows_fit(x: Tensor) -> bool:
 
 def route(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coeffs) -> str | None:
     """The library's mode for this call (``a``, ``b`` in the kernel dtype), or None: take the JIT route."""
-    path = os.environ.get(ENV)
+    path = setting("AOT_LIB")
     if not path or torch.compiler.is_compiling():
         return None
     info = build_info(path)
@@ -133,7 +133,7 @@ def route(a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coe
     if a.device.type == "cuda":
         if _arch(a.device) not in info["archs"]:
             return None
-    elif not (a.device.type == "cpu" and os.environ.get("FUSED_CONTRASTIVE_AOT_FAKE_CPU")):
+    elif not (a.device.type == "cpu" and setting("AOT_FAKE_CPU")):
         return None
     if DTYPE_NAMES[a.dtype] not in info["dtypes"]:
         return None

@@ -1,11 +1,11 @@
-"""Triton path of the merged-block core (``core/blocks.py``): one column block per autograd call on the
+"""Triton path of the merged-block core (``core/guided/torch_blocks.py``): one column block per autograd call on the
 kernels of ``fused_contrastive.kernels.guided`` (the guide tile computed in the same kernel as the
 logit tile, never stored), the blocks of a row merged by log-sum-exp in PyTorch (O(N)).
 
 Per block, in units of one N x M x D matmul, plus the guide's N x M x Dg dot each time a tile is
 built: forward 1 (+1 guide); backward, dA kernel (recompute 1 + ``dl @ B`` 1) and dB kernel (recompute
 1 + ``dl^T @ A`` 1) = 4 (+2 guide): the deterministic, atomic-free backward of ``kernels/lse.py``.
-Launch configs: ``triton_configs.guided_config`` (the fused kernels' "fwd_pos" / "bwd_rows" /
+Launch configs: ``triton_shared.configs.guided_config`` (the fused kernels' "fwd_pos" / "bwd_rows" /
 "bwd_cols", narrower backward tiles on sm_80 with fp32 guides); the guide is read in 16-wide fp32 chunks
 (``GUIDE_BLOCK``) with ``tf32x3`` dots, 16-bit guides in one 16-bit pass.
 """
@@ -18,16 +18,16 @@ import torch
 import triton
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from ..kernels import guided as KG
-from . import triton_backend as TB
-from .spec import CoreData, CoreSpec, DirectCtx, threshold_of
-from .triton_configs import guided_config
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ...kernels import guided as KG
+from ..spec import CoreData, CoreSpec, DirectCtx, threshold_of
+from ..triton_shared import launch as TL
+from ..triton_shared.configs import guided_config
 
 #: BLOCK_G: the guide dimension is streamed in chunks of this many fp32 values (tf32x3 dots).
 GUIDE_BLOCK = 16
-#: BLOCK_G of 16-bit guides on the panel route's epilogue GEMM (``core/triton_guided_panel.py``): 32-wide
+#: BLOCK_G of 16-bit guides on the panel route's epilogue GEMM (``core/guided/triton_panel.py``): 32-wide
 #: k-steps of the tensor-core dot (64 spilled its 128 x 128 tiles on sm_80; the fused kernels keep
 #: GUIDE_BLOCK for every guide dtype).
 GUIDE_BLOCK_16 = 32
@@ -51,14 +51,14 @@ class ThetaSource:
         key = (cfg.block_m, cfg.block_n, cfg.num_warps, block_g)
         if key not in self.cache:
             n, m = self.ga.shape[0], self.gb.shape[0]
-            gpos = TB._alloc((n,), torch.float32, self.ga.device)
+            gpos = TL._alloc((n,), torch.float32, self.ga.device)
             gdt = self.ga.dtype
-            TB._launch(TB.Launch(
+            TL._launch(TL.Launch(
                 "theta_guided", KG.guided_theta_kernel, (triton.cdiv(n, cfg.block_m),),
                 dict(GA=self.ga, GB=self.gb, TGT=self.tgt, GPOS=gpos, N=n, M=m, Dg=self.ga.shape[1],
                      stride_ga=self.ga.stride(0), stride_gb=self.gb.stride(0)),
-                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=block_g, GUIDE_UPCAST=TB._upcast(gdt),
-                     GUIDE_PREC=TB._dot_prec(gdt)),
+                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=block_g, GUIDE_UPCAST=TL._upcast(gdt),
+                     GUIDE_PREC=TL._dot_prec(gdt)),
                 cfg.num_warps, cfg.num_stages))
             self.cache[key] = threshold_of(gpos, self.strategy, self.margin).contiguous()
         return self.cache[key]
@@ -98,8 +98,8 @@ def _mask_args(mk: BlockMasks, dummy: Tensor, cfg, block_g: int = GUIDE_BLOCK) -
                 offset=int(mk.exclude or 0))
     gdt = mk.ga.dtype if mk.ga is not None else torch.float32
     flags = dict(BLOCK_G=block_g, EXCLUDE_SELF=mk.exclude is not None, HAS_GUIDE=mk.ga is not None,
-                 HAS_IDS=mk.idr is not None, PROTECT=mk.tgt is not None, GUIDE_UPCAST=TB._upcast(gdt),
-                 GUIDE_PREC=TB._dot_prec(gdt))
+                 HAS_IDS=mk.idr is not None, PROTECT=mk.tgt is not None, GUIDE_UPCAST=TL._upcast(gdt),
+                 GUIDE_PREC=TL._dot_prec(gdt))
     return args, flags
 
 
@@ -110,17 +110,17 @@ def block_fwd(a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps:
     (label smoothing's, from the same tiles)."""
     dev = a.device
     n, d = a.shape
-    p = TB._prepare(a, b, CoreSpec(normalize=normalize, eps=eps), CoreData(), False)
-    cfg, block_d, _ = guided_config("fwd", TB._arch(dev), p.a.dtype, d, _guide_dtype(mk))
-    lse = TB._alloc((n,), torch.float32, dev)
-    tl_ = TB._alloc((n,), torch.float32, dev) if mk.tgt is not None else p.dummy
+    p = TL._prepare(a, b, CoreSpec(normalize=normalize, eps=eps), CoreData(), False)
+    cfg, block_d, _ = guided_config("fwd", TL._arch(dev), p.a.dtype, d, _guide_dtype(mk))
+    lse = TL._alloc((n,), torch.float32, dev)
+    tl_ = TL._alloc((n,), torch.float32, dev) if mk.tgt is not None else p.dummy
     margs, mflags = _mask_args(mk, p.dummy, cfg)
-    TB._launch(TB.Launch(
+    TL._launch(TL.Launch(
         "guided_fwd", KG.guided_fwd_kernel, (triton.cdiv(n, cfg.block_m),),
-        dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=TB._scale32(scale, dev), **margs,
-             LSE=lse, TL=tl_, KN=stats[0] if stats else p.dummy, SL=stats[1] if stats else p.dummy, **TB._sizes(p)),
+        dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=TL._scale32(scale, dev), **margs,
+             LSE=lse, TL=tl_, KN=stats[0] if stats else p.dummy, SL=stats[1] if stats else p.dummy, **TL._sizes(p)),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NORMALIZE=bool(normalize), **mflags,
-             UPCAST=TB._upcast(p.a.dtype), DOT_PREC=TB._dot_prec(p.a.dtype), SMOOTH=stats is not None),
+             UPCAST=TL._upcast(p.a.dtype), DOT_PREC=TL._dot_prec(p.a.dtype), SMOOTH=stats is not None),
         cfg.num_warps, cfg.num_stages))
     return lse, (tl_ if mk.tgt is not None else None), p
 
@@ -142,25 +142,25 @@ def block_bwd(p, scale, mk: BlockMasks, normalize: bool, eps: float, lse: Tensor
 
     def args(cfg):  # the threshold of a ThetaSource from this kernel's own tiles
         margs, mflags = _mask_args(mk, dm, cfg)
-        common = dict(SCALE=TB._scale32(scale, dev), GSCALE=gs, **margs, LSE=lse, G=g,
+        common = dict(SCALE=TL._scale32(scale, dev), GSCALE=gs, **margs, LSE=lse, G=g,
                       GT=gt if gt is not None else dm, GSL=gsl if gsl is not None else dm)
-        flags = dict(NORMALIZE=bool(normalize), **mflags, HAS_GT=gt is not None, UPCAST=TB._upcast(a.dtype),
-                     DOT_PREC=TB._dot_prec(a.dtype), PRESCALE=TB.prescale(a.dtype), SMOOTH=gsl is not None)
+        flags = dict(NORMALIZE=bool(normalize), **mflags, HAS_GT=gt is not None, UPCAST=TL._upcast(a.dtype),
+                     DOT_PREC=TL._dot_prec(a.dtype), PRESCALE=TL.prescale(a.dtype), SMOOTH=gsl is not None)
         return common, flags
 
-    arch = TB._arch(dev)
+    arch = TL._arch(dev)
     da = db = ds = None
     if need_a or need_s:
         cfg, block_d, resident = guided_config("bwd_rows", arch, a.dtype, d, _guide_dtype(mk))
         common, flags = args(cfg)
         n_rb = triton.cdiv(n, cfg.block_m)
-        da = TB._alloc((n, d), a.dtype, dev) if need_a else dm
+        da = TL._alloc((n, d), a.dtype, dev) if need_a else dm
         acc = dm if (resident or not need_a) else torch.empty((n, d), dtype=torch.float32, device=dev)
-        ds_part = TB._alloc((n_rb,), torch.float32, dev) if need_s else dm
-        TB._launch(TB.Launch(
+        ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
+        TL._launch(TL.Launch(
             "guided_bwd_rows", KG.guided_bwd_rows_kernel, (n_rb,),
             dict(A=a, SA=p.sa, SB=p.sb, RA=ra, NA=na, RSA=rsa, RSB=rsb, **common, DA=da, ACC=acc, DS_PART=ds_part,
-                 **TB._sizes(p), stride_a=a.stride(0), stride_da=da.stride(0) if need_a else 0, eps=float(eps)),
+                 **TL._sizes(p), stride_a=a.stride(0), stride_da=da.stride(0) if need_a else 0, eps=float(eps)),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, NEED_DX=bool(need_a),
                  NEED_DS=bool(need_s), RESIDENT=resident),
             cfg.num_warps, cfg.num_stages))
@@ -169,11 +169,11 @@ def block_bwd(p, scale, mk: BlockMasks, normalize: bool, eps: float, lse: Tensor
     if need_b:
         cfg, block_d, resident = guided_config("bwd_cols", arch, b.dtype, d, _guide_dtype(mk))
         common, flags = args(cfg)
-        db = TB._alloc((m, d), b.dtype, dev)
+        db = TL._alloc((m, d), b.dtype, dev)
         acc = dm if resident else torch.empty((m, d), dtype=torch.float32, device=dev)
-        TB._launch(TB.Launch(
+        TL._launch(TL.Launch(
             "guided_bwd_cols", KG.guided_bwd_cols_kernel, (triton.cdiv(m, cfg.block_n),),
-            dict(B=b, SA=p.sa, SB=p.sb, RB=rb, NB=nb, RSA=rsa, RSB=rsb, **common, DB=db, ACC=acc, **TB._sizes(p),
+            dict(B=b, SA=p.sa, SB=p.sb, RB=rb, NB=nb, RSA=rsa, RSB=rsb, **common, DB=db, ACC=acc, **TL._sizes(p),
                  stride_b=b.stride(0), stride_db=db.stride(0), eps=float(eps)),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, RESIDENT=resident),
             cfg.num_warps, cfg.num_stages))
@@ -189,9 +189,9 @@ class GuidedBlockFn(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     @autocast_off
     def forward(ctx, a: Tensor, b: Tensor, scale, mk: BlockMasks, normalize: bool, eps: float, smooth: bool = False):
-        dt = TB.kernel_dtype(a, b)
+        dt = TL.kernel_dtype(a, b)
         n = a.shape[0]
-        stats = tuple(TB._alloc((n,), torch.float32, a.device) for _ in range(2)) if smooth else None
+        stats = tuple(TL._alloc((n,), torch.float32, a.device) for _ in range(2)) if smooth else None
         lse, tl_, p = block_fwd(a.to(dt), b.to(dt), scale, mk, normalize, eps, stats)
         ctx.mk, ctx.normalize, ctx.eps = mk, normalize, eps
         ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)

@@ -32,9 +32,9 @@ from torch import Tensor
 from .._amp import autocast_off
 from .._first_order import first_order
 from .._tracing import tracing_route
-from .chunked import tile_elements
 from .norms import normalize_backward_, normalize_rows
 from .spec import Coeffs, CoreData, CoreSpec, drop_zero
+from .tiles import tile_elements
 
 
 def _groups(col_labels: Tensor, row_labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -185,7 +185,7 @@ class LinearTermsFn(torch.autograd.Function):
         ctx.kernel = kernel and coef.set is None and coef.tgt is not None and dt == torch.float32
         out = None
         if ctx.kernel:
-            from .triton_target import target_cos
+            from .triton_shared.target import target_cos
 
             cos = target_cos(a, a if b is None else b, data.target, spec.eps, spec.normalize)
             out = _weighted(coef.tgt, _target_from_cos(cos, a.shape[0], s, spec, data), dt)
@@ -275,7 +275,7 @@ def _target_h(g: Tensor, coef, spec: CoreSpec, data: CoreData, n: int, dt: torch
 def _target_backward_kernel(ctx, a: Tensor, b: Tensor | None, s, g: Tensor, need_a: bool, need_b: bool,
                             need_s: bool, scale: Tensor | None) -> tuple:
     """(dA, dB, d scale) of the target term by the row kernel (``ctx.kernel``; the term alone, fp32)."""
-    from .triton_target import target_backward
+    from .triton_shared.target import target_backward
 
     spec, data, coef, dt = ctx.spec, ctx.data, ctx.coef, ctx.dt
     n, t = a.shape[0], data.target

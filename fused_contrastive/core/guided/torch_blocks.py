@@ -35,12 +35,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from .._tracing import traced_op, tracing_route
-from .chunked import _ScaleGrad, tile_elements
-from .norms import normalize_backward_, normalize_rows
-from .spec import DirectCtx, compute_dtype, graph_free, threshold_of
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ..._tracing import traced_op, tracing_route
+from ..norms import normalize_backward_, normalize_rows
+from ..spec import DirectCtx, compute_dtype, graph_free, threshold_of
+from ..tiles import _ScaleGrad, tile_elements
 
 _NEG_INF = float("-inf")
 
@@ -393,7 +393,7 @@ def merged_lse(xs: list[Tensor], blocks: list[Block], n: int, scale, masks: Mask
     [n] (the summed loss's fast path: no recompute in the backward). ``scale`` a number or a 0-dim
     tensor (differentiable). ``minus_target``: the cross-entropy ``LSE_i - l_{i, t_i}``, the target
     logit read from the first protected block's tile (a row left with its target alone is exactly 0).
-    ``backend="triton"``: one Triton call per block (``core/triton_guided.py``; float32 / 16-bit
+    ``backend="triton"``: one Triton call per block (``core/guided/triton_blocks.py``; float32 / 16-bit
     inputs), merged here; "torch": the eager PyTorch sweep of this module. ``label_smoothing`` (with
     ``minus_target``): ``F.cross_entropy``'s over the kept columns (``_Config.smoothing``): each backend
     counts the kept columns and sums their logits per row in the pass that forms the LSE."""
@@ -425,7 +425,7 @@ def _block_masks(xs: tuple[Tensor, ...], cfg: _Config, masks: Masks) -> list:
     """Each block's ``triton_guided.BlockMasks``: unit guides (16-bit guides stay 16-bit: the kernel's
     guide dot on tensor-core operands; others fp32), the threshold (a tensor, or a ``ThetaSource`` read
     from the first protected block's guide tiles), ids, the protected target and own column."""
-    from .triton_guided import BlockMasks, ThetaSource
+    from .triton_blocks import BlockMasks, ThetaSource
 
     n = cfg.n
 
@@ -477,7 +477,7 @@ class TritonMergedFn(torch.autograd.Function):
         need_s = isinstance(scale, Tensor) and ctx.needs_input_grad[0]
         ctx.scale_meta = (scale.dtype, scale.shape) if isinstance(scale, Tensor) else None
         ctx.eager = None
-        from .triton_guided_panel import guided_panel_sweep, use_guided_panel
+        from .triton_panel import guided_panel_sweep, use_guided_panel
 
         # the inputs (and a tensor scale) for a second backward through a retained graph, which recomputes the
         # blocks' statistics (the first backward consumes what the forward left: eager buffers scaled in
@@ -507,7 +507,7 @@ class TritonMergedFn(torch.autograd.Function):
     def _blocks(ctx, scale, cfg: _Config, masks: Masks, xs, need, need_s) -> Tensor:
         """The blocks' forwards (``GuidedBlockFn``, each with a context of its own kept on ``ctx``) and their
         merge: the per-row output."""
-        from .triton_guided import GuidedBlockFn
+        from .triton_blocks import GuidedBlockFn
 
         n = cfg.n
         smooth = bool(cfg.smoothing) and cfg.minus_target
@@ -541,7 +541,7 @@ class TritonMergedFn(torch.autograd.Function):
     @autocast_off
     @first_order("TritonMergedFn")
     def backward(ctx, go: Tensor):
-        from .triton_guided import GuidedBlockFn
+        from .triton_blocks import GuidedBlockFn
 
         need = tuple(ctx.needs_input_grad[4:])
         need_s = ctx.scale_meta is not None and ctx.needs_input_grad[0]

@@ -11,7 +11,7 @@ Per step (forward + backward), embedding pairs [B, D] and labels [B]:
 * ``pair_cos_bwd``: dU, dV in one pass (reads 2 B D, writes 2 B D); dL/dscale is a dot in PyTorch
   when the scale is a tensor that requires grad.
 
-Every launch goes through ``triton_backend._launch`` (so the ahead-of-time compiles of the kernel
+Every launch goes through ``triton_shared/launch.py`` ``_launch`` (so the ahead-of-time compiles of the kernel
 report and ``wrap_triton`` under tracing see them).
 """
 
@@ -21,10 +21,10 @@ import torch
 import triton
 from torch import Tensor
 
-from .._amp import autocast_off
-from .._first_order import first_order
-from ..kernels import cosent as K
-from . import triton_backend as TB
+from ..._amp import autocast_off
+from ..._first_order import first_order
+from ...kernels import cosent as KCS
+from ..triton_shared import launch as TL
 
 #: Scores per block of the scan kernels. None: 1024 on a GPU, 64 under the interpreter (so test sizes
 #: run the carried values across many blocks).
@@ -37,7 +37,7 @@ SCAN_WARPS = 4
 def _scan_block() -> int:
     if SCAN_BLOCK is not None:
         return SCAN_BLOCK
-    return 64 if TB.interpreted() else 1024
+    return 64 if TL.interpreted() else 1024
 
 
 def _block_d(d: int) -> int:
@@ -52,11 +52,11 @@ def _scale(scale, device) -> Tensor:
 def pair_cos(u: Tensor, v: Tensor, normalize: bool, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """(cosines [B] fp32, clamped norms of u and v [B] fp32 (empty without ``normalize``))."""
     b, d = u.shape
-    c = TB._alloc((b,), torch.float32, u.device)
-    nu = TB._alloc((b if normalize else 0,), torch.float32, u.device)
-    nv = TB._alloc((b if normalize else 0,), torch.float32, u.device)
-    TB._launch(TB.Launch(
-        "pair_cos_fwd", K.pair_cos_fwd_kernel, (triton.cdiv(b, PAIR_BLOCK_R),),
+    c = TL._alloc((b,), torch.float32, u.device)
+    nu = TL._alloc((b if normalize else 0,), torch.float32, u.device)
+    nv = TL._alloc((b if normalize else 0,), torch.float32, u.device)
+    TL._launch(TL.Launch(
+        "pair_cos_fwd", KCS.pair_cos_fwd_kernel, (triton.cdiv(b, PAIR_BLOCK_R),),
         dict(U=u, V=v, C=c, NU=nu, NV=nv, B=b, D=d, stride_u=u.stride(0), stride_v=v.stride(0), eps=float(eps)),
         dict(NORMALIZE=bool(normalize), BLOCK_R=PAIR_BLOCK_R, BLOCK_D=_block_d(d)), PAIR_WARPS, 1))
     return c, nu, nv
@@ -66,10 +66,10 @@ def pair_cos_backward(u: Tensor, v: Tensor, c: Tensor, nu: Tensor, nv: Tensor, d
                       normalize: bool, eps: float, need_u: bool, need_v: bool) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of u and v (their dtypes) for ``dx`` = dL/d(s c) [B] fp32."""
     b, d = u.shape
-    gu = TB._alloc((b, d), u.dtype, u.device) if need_u else u.new_empty((1, d))
-    gv = TB._alloc((b, d), v.dtype, v.device) if need_v else v.new_empty((1, d))
-    TB._launch(TB.Launch(
-        "pair_cos_bwd", K.pair_cos_bwd_kernel, (triton.cdiv(b, PAIR_BLOCK_R),),
+    gu = TL._alloc((b, d), u.dtype, u.device) if need_u else u.new_empty((1, d))
+    gv = TL._alloc((b, d), v.dtype, v.device) if need_v else v.new_empty((1, d))
+    TL._launch(TL.Launch(
+        "pair_cos_bwd", KCS.pair_cos_bwd_kernel, (triton.cdiv(b, PAIR_BLOCK_R),),
         dict(U=u, V=v, C=c, NU=nu, NV=nv, DX=dx, S=s, GU=gu, GV=gv, B=b, D=d, stride_u=u.stride(0),
              stride_v=v.stride(0), stride_gu=gu.stride(0), stride_gv=gv.stride(0), eps=float(eps)),
         dict(NORMALIZE=bool(normalize), NEED_U=bool(need_u), NEED_V=bool(need_v), BLOCK_R=PAIR_BLOCK_R,
@@ -81,10 +81,10 @@ def scan_forward(x: Tensor, labels: Tensor, s: Tensor) -> tuple[Tensor, tuple]:
     """(loss 0-dim fp32, state) of CoSENT on the scaled scores ``s * x`` (x [B] fp32)."""
     ys, order = torch.sort(labels, stable=True)
     b = x.shape[0]
-    z = TB._alloc((b,), torch.float32, x.device)
-    loss = TB._alloc((), torch.float32, x.device)
-    TB._launch(TB.Launch(
-        "cosent_scan_fwd", K.cosent_scan_fwd_kernel, (1,),
+    z = TL._alloc((b,), torch.float32, x.device)
+    loss = TL._alloc((), torch.float32, x.device)
+    TL._launch(TL.Launch(
+        "cosent_scan_fwd", KCS.cosent_scan_fwd_kernel, (1,),
         dict(X=x, ORDER=order, YS=ys, S=s, Z=z, LOSS=loss, B=b), dict(BLOCK_B=_scan_block()), SCAN_WARPS, 1))
     return loss, (order, ys, z, loss)
 
@@ -93,9 +93,9 @@ def scan_backward(x: Tensor, s: Tensor, state: tuple, g: Tensor) -> Tensor:
     """``g * dL/d(s x)`` [B] fp32 in the original order."""
     order, ys, z, loss = state
     b = x.shape[0]
-    dx = TB._alloc((b,), torch.float32, x.device)
-    TB._launch(TB.Launch(
-        "cosent_scan_bwd", K.cosent_scan_bwd_kernel, (1,),
+    dx = TL._alloc((b,), torch.float32, x.device)
+    TL._launch(TL.Launch(
+        "cosent_scan_bwd", KCS.cosent_scan_bwd_kernel, (1,),
         dict(X=x, ORDER=order, YS=ys, S=s, Z=z, LOSS=loss, G=g.reshape(1).to(torch.float32), DX=dx, B=b),
         dict(BLOCK_B=_scan_block()), SCAN_WARPS, 1))
     return dx

@@ -1,0 +1,2 @@
+"""CoSENT (``torch_cosent``: PyTorch; ``triton_cosent``: the Triton launchers and autograd Functions). Device
+code: ``kernels/cosent.py``."""

@@ -1,0 +1,163 @@
+"""The core op's fused kernels' launchers (``_lse_fwd``, ``_lse_bwd``: tensors in, tensors out); what every
+Triton host shares is ``triton_shared/launch.py``.
+
+The device code is in ``fused_contrastive.kernels.lse`` (the ``kernels/`` directory); its module
+docstring has the math, the gradient derivation and the limits. Launch configs come from the fixed
+table of ``triton_shared/configs.py``. This module
+
+launches the kernels. The autograd Function that picks one of the three paths (this one, the panel path
+``triton_panel.py``, the ahead-of-time library ``library_route.py``) is ``triton_function.py``, which imports all
+three (none of them imports it).
+
+Work per call in units of one N x M x D matmul (2 N M D FLOPs):
+
+* forward: 1 (row LSE, LSEpos and the column LSE all come from the same tiles);
+* backward, A != B: dA kernel (recompute 1 + ``dl @ B`` 1) + dB kernel (recompute 1 + ``dl^T @ A`` 1)
+  = 4; without a gradient for B (a queue, a frozen tower) 2;
+* backward, B is A: one kernel, recompute 1 + ``H @ A`` 1 = 2 (see the kernel docstring for why the
+  half-triangle scheme is not used).
+
+Two paths (``triton_shared/panels.py`` ``use_panel``; env ``FUSED_CONTRASTIVE_TRITON_PATH`` = auto | panel | fused):
+
+* "fused" (the kernels above; the default on the CPU interpreter and for small problems): one
+  forward kernel, one or two backward kernels, nothing but O(N + M) between them;
+* "panel" (``triton_panel.py``; "auto" picks it for CUDA tensors with N * M >= 2^24): the matmuls in
+  cuBLAS GEMMs on row panels of a bounded height, the per-logit work in ``kernels/panel.py``; 3 units
+  for a summed loss without a column term (gradients formed in the forward's sweep), 4 with a column
+  term or a per-row output (fused forward + panel backward), 3 for B is A. Its docstring has the
+  memory formula and the per-panel FLOP / byte accounting.
+
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from ...kernels import lse as KL
+from ..spec import CoreData, CoreSpec
+from ..triton_shared import launch as TL
+from ..triton_shared.configs import config_for, fwd_kernel
+
+
+def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, want_col: bool,
+             want_pos: bool, tri: bool = False):
+    """Forward launcher. ``a`` [N, D], ``b`` [M, D] or None (B is A), one dtype (fp32/fp16/bf16).
+
+    Returns ``(lse [N], lse_col [M] or None, lse_pos [N] or None, prepared inputs)``, all fp32.
+    ``tri`` (B is A without a bias, no column term, no positives: symmetric logits): the triangular
+    forward, half the tiles (``lse_fwd_kernel``'s TRI: the row LSEs over the upper triangle merged
+    with its column LSEs).
+    """
+    dev = a.device
+    n, d = a.shape
+    p = TL._prepare(a, b, spec, data, want_pos)
+    m = p.b.shape[0]
+    if tri and not (p.sym and not want_col and not p.pos_kind):
+        raise ValueError("core: the triangular forward needs B is A without a bias, column term or positives")
+    # the positives' softmax keeps narrower tiles, row statistics alone take wider ones on sm_90
+    # (registers: see triton_configs)
+    key = fwd_kernel(bool(p.pos_kind), want_col, tri, p.bias_col is not None)
+    cfg, block_d, _ = config_for(key, TL._arch(dev), p.a.dtype, d)
+    lse = TL._alloc((n,), torch.float32, dev)
+    lse_pos = TL._alloc((n,), torch.float32, dev) if p.pos_kind else None
+    n_rb = triton.cdiv(n, cfg.block_m)
+    progs, col_part, n_loop = n_rb, p.dummy, n_rb
+    if want_col:
+        progs = TL._col_programs(n_rb, dev)
+        col_part = TL._alloc((progs, m), torch.float32, dev)  # every element is written by the kernel
+    elif tri:
+        progs = TL._col_programs(n_rb, dev)
+        n_loop = triton.cdiv(n_rb, progs) * progs  # whole rounds of the zig-zag order
+        # a program's rows reach only the columns from its first row block on
+        col_part = torch.full((progs, m), float("-inf"), dtype=torch.float32, device=dev)
+    TL._launch(TL.Launch(
+        "lse_fwd", KL.lse_fwd_kernel, (progs,),
+        dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=TL._scale32(scale, dev), **TL._problem_args(p),
+             LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy, COL_PART=col_part,
+             **TL._sizes(p), **TL._mask_args(p, spec), n_row_blocks=n_loop),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **TL._flags(p, spec),
+             WANT_COL=bool(want_col), TRI=bool(tri)),
+        cfg.num_warps, cfg.num_stages))
+    # merge the per-program partial column LSEs (fixed order: deterministic)
+    lse_col = torch.logsumexp(col_part, dim=0) if want_col else None
+    if tri:
+        lse = torch.logaddexp(lse, torch.logsumexp(col_part, dim=0))
+    return lse, lse_col, lse_pos, p
+
+
+def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor | None,
+             lse_pos: Tensor | None, g: Tensor | None, g_col: Tensor | None,
+             g_pos: Tensor | None, need_a: bool, need_b: bool, need_s: bool, wide: bool = False,
+             target: Tensor | None = None):
+    """Backward launcher: ``(dA, dB, ds)`` (None where not needed); dA, dB in the kernels' input dtype
+    (fp32 with ``wide``: the core op sums its pieces' gradients before one rounding, ``core.PiecesFn``).
+    With ``target`` [N] (int64) each row's target column is left out of dA and dB
+    and ``(dA, dB, ds, tw)`` comes back, ``tw`` [N] fp32 the gradient of the LSE terms with respect to
+    the target logit ``l[i, target[i]]`` (what the caller applies with the target term).
+
+    ``p`` comes from :func:`_lse_fwd`; ``g*`` are fp32 upstream gradients of LSE, LSEcol, LSEpos
+    (None when absent). With ``p.sym`` dA holds both roles of A and dB is None. ``ds`` is a 0-dim
+    fp32 tensor (no host sync anywhere).
+    """
+    a, b = p.a, p.b
+    dev = a.device
+    n, d = a.shape
+    m = b.shape[0]
+    need_b = need_b and not p.sym
+    gs = TL._gscale(g, g_col, g_pos)
+    if gs is None:
+        out = TL._no_grads(a, b, need_a, need_b, need_s)
+        return out if target is None else (*out, torch.zeros(n, dtype=torch.float32, device=dev))
+    split = target is not None
+    tv = torch.empty(n, dtype=torch.float32, device=dev) if split else None
+    tgt = target.contiguous() if split else None
+    na, ra, nb, rb, rsa, rsb = p.norms
+    dm = p.dummy
+    common = dict(SCALE=TL._scale32(scale, dev), GSCALE=gs, **TL._problem_args(p),
+                  LSE=lse, G=g if g is not None else dm,
+                  LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
+                  LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm)
+    flags = dict(**TL._flags(p, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
+                 PRESCALE=TL.prescale(a.dtype), SPLIT_T=split)
+    arch = TL._arch(dev)
+    da = db = ds = None
+
+    if need_a or need_s or split:  # (the row kernel also reports the target columns' weights)
+        cfg, block_d, resident = config_for("bwd_rows", arch, a.dtype, d)
+        n_rb = triton.cdiv(n, cfg.block_m)
+        da = TL._alloc((n, d), torch.float32 if wide else a.dtype, dev) if need_a else dm
+        acc = dm if (resident or not need_a) else torch.empty((n, d), dtype=torch.float32, device=dev)
+        ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
+        TL._launch(TL.Launch(
+            "lse_bwd_rows", KL.lse_bwd_rows_kernel, (n_rb,),
+            dict(A=a, SA=p.sa, SB=p.sb, RA=ra, NA=na, RSA=rsa, RSB=rsb, **common, DA=da, ACC=acc, DS_PART=ds_part,
+                 TGT=tgt if split else dm, TV=tv if split else dm, **TL._sizes(p), stride_a=a.stride(0),
+                 stride_da=da.stride(0) if need_a else 0,
+                 **TL._mask_args(p, spec), eps=float(spec.eps)),
+            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, SYM=p.sym,
+                 NEED_DX=bool(need_a), NEED_DS=bool(need_s), RESIDENT=resident),
+            cfg.num_warps, cfg.num_stages))
+        ds = ds_part.sum() * gs.reshape(()) if need_s else None
+        da = da if need_a else None
+
+    if need_b:
+        gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
+        cfg, block_d, resident = config_for("bwd_cols", arch, b.dtype, d)
+        db = TL._alloc((m, d), torch.float32 if wide else b.dtype, dev)
+        if gcols < m:
+            db[gcols:].zero_()  # queue columns get no gradient
+        if gcols > 0:
+            acc = dm if resident else torch.empty((gcols, d), dtype=torch.float32, device=dev)
+            TL._launch(TL.Launch(
+                "lse_bwd_cols", KL.lse_bwd_cols_kernel, (triton.cdiv(gcols, cfg.block_n),),
+                dict(B=b, SA=p.sa, SB=p.sb, RB=rb, NB=nb, RSA=rsa, RSB=rsb, **common, DB=db, ACC=acc,
+                     TGT=tgt if split else dm, **TL._sizes(p),
+                     stride_b=b.stride(0), stride_db=db.stride(0), **TL._mask_args(p, spec), eps=float(spec.eps),
+                     grad_cols=gcols),
+                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, RESIDENT=resident),
+                cfg.num_warps, cfg.num_stages))
+    if split:
+        return da, db, ds, tv * gs.reshape(())
+    return da, db, ds
