@@ -157,30 +157,31 @@ def test_check_rejects_a_device_this_machine_lacks_up_front():
 
 
 def test_check_says_how_long_it_takes(monkeypatch, capsys):
-    """check's help and first line say how long the default run takes; its row count is the default plan's
-    (708 rows on a torch-only machine, the count the stated time was measured with), and the last line the time."""
+    """check's help and first line say how long the default run takes (as measured: 948 rows in 29.7 s on an idle
+    2-core CPU); its first line's row count is the rows it then checks, and the last line the time."""
     import re
     import types
 
     from fused_contrastive import testing
 
-    assert "2-3 minutes" in cli.DEFAULT_CHECK_TIME and "708 rows" in cli.DEFAULT_CHECK_TIME
+    assert "30 seconds" in cli.DEFAULT_CHECK_TIME and "busy" in cli.DEFAULT_CHECK_TIME
     from pathlib import Path
 
     readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     assert cli.DEFAULT_CHECK_TIME in readme  # the README's "Check a new machine" says the same
     code, text, _ = _in_process(capsys, "check", "--help")
-    assert code == 0 and "2-3 minutes" in " ".join(text.split())
+    assert code == 0 and cli.DEFAULT_CHECK_TIME in " ".join(text.split())
     # every row passes instantly: the plan, not the losses, is under test here
     monkeypatch.setattr(testing, "compare", lambda *a, **k: types.SimpleNamespace(
         ok=True, loss_err=0.0, loss_tol=1.0, grad_err=0.0, grad_tol=1.0))
     assert cli.main(["check", "--backends", "torch"]) == 0
     out = capsys.readouterr().out
-    first = re.search(r"^(\d+) rows to check \(with the default options (.*)\)$", out, re.MULTILINE)
+    first = re.search(r"^(\d+) rows to check \(with the default options: (.*)\)$", out, re.MULTILINE)
     assert first and first.group(2).startswith(cli.DEFAULT_CHECK_TIME), out[:400]
     passed = [line for line in out.splitlines() if line.endswith("PASS")]
-    assert int(first.group(1)) == len(passed) == 708
-    assert re.search(r"^708 rows, all passed in [\d.]+ s$", out, re.MULTILINE)
+    # every case of the registry runs on the torch backend's two paths in the default dtypes and shapes
+    assert int(first.group(1)) == len(passed) > 2 * len(testing.CASES)
+    assert re.search(rf"^{len(passed)} rows, all passed in [\d.]+ s$", out, re.MULTILINE)
 
 
 def test_the_cli_hides_torchs_numpy_warning_only(tmp_path):
