@@ -49,3 +49,23 @@ def set_path(monkeypatch, path: str, tile: int = 300) -> None:
 def path(request, monkeypatch):
     set_path(monkeypatch, request.param)
     return request.param
+
+
+# The ten slowest test files at the end of every run (setup + call + teardown of their tests, summed; under
+# pytest-xdist the workers' reports reach the controller, so the sums are the files' own time, not the wall
+# time they overlapped with): what a CI budget is spent on, in every CI log.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    f = report.nodeid.split("::")[0]
+    _FILE_SECONDS[f] = _FILE_SECONDS.get(f, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"ten slowest test files (of {len(_FILE_SECONDS)}, {total:.0f} s summed)")
+    for f, s in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]:
+        terminalreporter.write_line(f"{s:9.1f} s  {f}")
