@@ -26,7 +26,7 @@ import torch
 
 from fused_contrastive.testing import BENCH_CASES, CASE_BY_NAME, make_inputs
 
-#: the merged-block core's cases (``core/blocks.py``: no dense / chunked switch, one path)
+#: the merged-block core's cases (``core/guided/torch_blocks.py``: no dense / chunked switch, one path)
 GUIDED = ("gist",)
 
 
