@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import platform
 import statistics
 import time
 
 import torch
 
+from fused_contrastive import routes
 from fused_contrastive.testing import BENCH_CASES, CASE_BY_NAME, make_inputs
 
 #: the merged-block core's cases (``core/guided/torch_blocks.py``: no dense / chunked switch, one path)
@@ -71,17 +71,16 @@ def main() -> None:
     for name, (tensors, kwargs, fn, debiased) in _losses(a.n, a.d).items():
         opts = {"plain": {}, **{k: v for k, v in OPTIONS.items() if debiased or "tau_plus" not in v}}
         for path in ("merged",) if name in GUIDED else ("dense", "chunked"):
-            os.environ["FUSED_CONTRASTIVE_DENSE"] = "1" if path == "dense" else "0"
-            for o in opts.values():  # warm-up
-                _step(fn, tensors, kwargs, o)
-            times: dict[str, list[float]] = {k: [] for k in opts}
-            for _ in range(a.repeats):
-                for k, o in opts.items():
-                    times[k].append(_step(fn, tensors, kwargs, o, clock))
+            with routes.override(DENSE=path != "chunked"):  # the switchboard, not the environment
+                for o in opts.values():  # warm-up
+                    _step(fn, tensors, kwargs, o)
+                times: dict[str, list[float]] = {k: [] for k in opts}
+                for _ in range(a.repeats):
+                    for k, o in opts.items():
+                        times[k].append(_step(fn, tensors, kwargs, o, clock))
             med = {k: statistics.median(v) for k, v in times.items()}
             cells = [f"{med[k] / med['plain']:>19.3f}x" if k in med else f"{'-':>20s}" for k in OPTIONS]
             print(f"{name:34s} {path:8s} {med['plain'] * 1e3:9.2f} " + " ".join(cells))
-    os.environ.pop("FUSED_CONTRASTIVE_DENSE", None)
 
 
 if __name__ == "__main__":
