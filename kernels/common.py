@@ -334,3 +334,32 @@ def _dz(cos, s, b, g_r, rows, cols, N, M, offset):
     p = tl.where(w >= 0, r, e * r)  # sigmoid(w): one division
     p = tl.where(pos, -p, p) * g_r[:, None]
     return tl.where(valid, p, 0.0)
+
+
+@triton.jit
+def _sub_set(dl, gset, rows, cols, N, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
+             POS_KIND: tl.constexpr, EXCLUDE_SELF: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """``dl_ij - gset_i w_ij`` on a tile (the SET term's gradient, ``-c.set_i w_ij`` over gscale, formed in
+    fp32 inside the tile before it is rounded to a 16-bit operand: for a softmax concentrated on the
+    positives ``p_ij`` and ``w_ij c.set_i`` nearly cancel). ``w_ij = [lab_r_i == lab_c_j]`` (POS_KIND 1) or
+    ``POS_MASK[i % n0, j % m0]`` (2), 0 on padding (``rows >= N``, ``cols >= M``) and at the excluded own
+    column ``offset + i`` (EXCLUDE_SELF). TRANSPOSE (the symmetric backward's transposed term, B is A,
+    ``offset`` 0): ``dl_ij - gset_j w_ji`` with ``gset`` the columns' [C] (labels are symmetric; the mask
+    is read transposed, as :func:`_pos_logits` does)."""
+    valid = (rows < N)[:, None] & (cols < M)[None, :]
+    if EXCLUDE_SELF:
+        if TRANSPOSE:
+            valid = valid & (rows[:, None] != cols[None, :] + offset)
+        else:
+            valid = valid & (cols[None, :] != rows[:, None] + offset)
+    if POS_KIND == 1:
+        w = tl.where(valid & (lab_r[:, None] == lab_c[None, :]), 1.0, 0.0)
+    else:
+        if TRANSPOSE:
+            off = (cols % n0).to(tl.int64)[None, :] * stride_pm + (rows % m0)[:, None]
+        else:
+            off = (rows % n0).to(tl.int64)[:, None] * stride_pm + (cols % m0)[None, :]
+        w = tl.load(POS_MASK + off, mask=valid, other=0.0).to(tl.float32)
+    if TRANSPOSE:
+        return dl - gset[None, :] * w
+    return dl - gset[:, None] * w

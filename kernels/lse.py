@@ -140,6 +140,7 @@ from .common import (
     _pos_logits,
     _row_stats,
     _stat,
+    _sub_set,
 )
 
 # ------------------------------------------------------------------------------------------------
@@ -264,6 +265,7 @@ def lse_bwd_rows_kernel(
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, RESIDENT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr, SPLIT_T: tl.constexpr,
+    SPLIT_SET: tl.constexpr,
 ):
     """dA for one block of rows (grid: cdiv(N, BLOCK_M)), plus its share of dL/ds.
 
@@ -280,6 +282,12 @@ def lse_bwd_rows_kernel(
     row j reports it): the caller applies it in fp32 with the target term (``core.PiecesFn``), where it
     nearly cancels for a peaked softmax; rounded into the 16-bit H it would leave ``~2^-9`` of the
     target's row.
+
+    SPLIT_SET (no softmax over positives: HAS_GPOS False): ``G_POS`` holds the SET term's upstream
+    coefficients ``c.set_i g`` and step 2 subtracts ``c.set_i w_ij`` (over gscale) in fp32
+    (:func:`_sub_set`; with SYM also ``c.set_j w_ji`` from the transposed term), before the temperature
+    gradient and the 16-bit cast: the SET term's whole gradient is then this kernel's (and the column
+    kernel's), and the caller leaves it out of ``core/linear_terms.py``'s.
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -307,6 +315,9 @@ def lse_bwd_rows_kernel(
     tgt_r = rows
     if SPLIT_T:
         tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32)
+    gset_r = g_r
+    if SPLIT_SET:
+        gset_r = tl.load(G_POS + rows, mask=rmask, other=0.0) * inv_gs
     for j0 in range(0, M, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
         cmask = cols < M
@@ -326,8 +337,11 @@ def lse_bwd_rows_kernel(
         if HAS_GCOL:
             lsec_c = _stat(LSE_COL, cols, cmask)
             gc_c = _grad_vec(G_COL, LSE_COL, cols, cmask, inv_gs, False)
-        # 2. dl of this tile
+        # 2. dl of this tile (SPLIT_SET: the SET term's -c.set_i w_ij too, in fp32)
         dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+        if SPLIT_SET:
+            dl = _sub_set(dl, gset_r, rows, cols, N, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
+                          EXCLUDE_SELF, False)
         # 3. temperature gradient
         if NEED_DS:
             ds_acc += tl.sum(dl * cos, axis=1)
@@ -360,6 +374,10 @@ def lse_bwd_rows_kernel(
                     dlt += gc_r[:, None] * tl.exp(l - lsec_r[:, None])
                 if HAS_GPOS:
                     dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
+                if SPLIT_SET:  # column j's SET term at this row: -c.set_j w_jk
+                    gset_c = tl.load(G_POS + cols, mask=cmask, other=0.0) * inv_gs
+                    dlt = _sub_set(dlt, gset_c, rows, cols, N, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
+                                   POS_KIND, EXCLUDE_SELF, True)
                 if SPLIT_T:  # column j's own target weight (at this row, its target) is reported by row j
                     tgt_c = tl.load(TGT + cols, mask=cmask, other=-1).to(tl.int32)
                     dlt = tl.where(tgt_c[None, :] == rows[:, None], 0.0, dlt)
@@ -389,7 +407,7 @@ def lse_bwd_cols_kernel(
     POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr,
     RESIDENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
-    SPLIT_T: tl.constexpr,
+    SPLIT_T: tl.constexpr, SPLIT_SET: tl.constexpr,
 ):
     """dB for one block of columns < grad_cols (grid: cdiv(grad_cols, BLOCK_N)).
 
@@ -397,6 +415,8 @@ def lse_bwd_cols_kernel(
     dB_J += dl^T @ A_hat_I. Epilogue: dB = s gscale dB, normalisation backward, stored in B's dtype
     (only rows j < grad_cols; the launcher zeroes the queue rows after them). SPLIT_T: each row's
     target column ``TGT[i]`` is left out of dl (as in the row kernel, which reports its value).
+    SPLIT_SET: ``G_POS`` holds the SET coefficients and dl takes ``-c.set_i w_ij`` in fp32, as in the
+    row kernel.
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -446,6 +466,13 @@ def lse_bwd_cols_kernel(
             lp = _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND, False)
         # 3. dl, then dB_J += dl^T @ A_hat_I
         dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+        if SPLIT_SET:
+            lab_rs = rows
+            if POS_KIND == 1:
+                lab_rs = tl.load(ROW_LAB + rows, mask=rmask, other=0)
+            gset_r = tl.load(G_POS + rows, mask=rmask, other=0.0) * inv_gs
+            dl = _sub_set(dl, gset_r, rows, cols, N, M, offset, lab_rs, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
+                          EXCLUDE_SELF, False)
         if SPLIT_T:
             tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32)
             dl = tl.where(cols[None, :] == tgt_r[:, None], 0.0, dl)

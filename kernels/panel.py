@@ -82,6 +82,7 @@ from .common import (
     _row_stats,
     _softplus,
     _stat,
+    _sub_set,
 )
 
 
@@ -194,7 +195,8 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
               RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT,
               NORMALIZE: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr,
               HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
-              PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr):
+              PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr, EXCLUDE_SELF: tl.constexpr = False,
+              offset=0, SPLIT_SET: tl.constexpr = False):
     """The gradient tile of one chunk of logits from known statistics (the per-logit epilogue shared by
     the panel kernel's second loop and the epilogue GEMM): ``(out, ds, tv, tvc)`` with ``out`` the
     fp32 tile to cast and store (DL of the module docstring: pre-scaled, the inverse norms folded),
@@ -203,7 +205,10 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
     of the tile (:func:`_split_target`); with SYM also the transposed term of column j at the row
     ``TGT[j]`` is left out (column j's own target weight), its value summed in ``tvc`` [C] where that row
     is in the block (the triangular sweep's caller reports the nonzero ones for the columns past the
-    panel, whose rows have no row term here; zeros otherwise)."""
+    panel, whose rows have no row term here; zeros otherwise). SPLIT_SET (HAS_GPOS False): ``G_POS`` holds
+    the SET term's coefficients and ``dl`` takes ``-c.set_i w_ij`` in fp32 before anything else reads it
+    (with SYM also ``-c.set_j w_ji`` in the transposed term; :func:`_sub_set`, the own column ``offset + i``
+    excluded with EXCLUDE_SELF): the SET term's whole gradient is then this tile's."""
     ds = tl.sum(tl.zeros_like(l), axis=1)
     lab_c = cols
     if POS_KIND == 1:
@@ -218,6 +223,10 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
         lsec_c = _stat(LSE_COL, cols, cmask)
         gc_c = _grad_vec(G_COL, LSE_COL, cols, cmask, inv_gs, False)
     dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+    if SPLIT_SET:
+        gset_r = tl.load(G_POS + rows, mask=lmask, other=0.0) * inv_gs
+        dl = _sub_set(dl, gset_r, rows, cols, n_end, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
+                      EXCLUDE_SELF, False)
     if NEED_DS:
         ds += tl.sum(dl * cos, axis=1)
     dl, tv = _split_target(dl, cols, tgt_r, SPLIT_T)
@@ -240,6 +249,10 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
             lpt = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
                               POS_KIND, True)
             dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
+        if SPLIT_SET:
+            gset_c = tl.load(G_POS + cols, mask=cmask, other=0.0) * inv_gs
+            dlt = _sub_set(dlt, gset_c, rows, cols, n_end, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
+                           POS_KIND, EXCLUDE_SELF, True)
         if TRI and NEED_DS:
             # the triangular panel: dl_ji of the columns below the panel belongs to those rows
             # (in the diagonal block both orders are already in dl)
@@ -267,7 +280,8 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, EAGER: tl.constexpr,
               NEED_DS: tl.constexpr,
-              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr):
+              FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr,
+              SPLIT_SET: tl.constexpr = False):
     """The exact sweep of a block of rows: the statistics (EAGER: a first loop; else the forward's),
     then DL chunk by chunk. Returns the block's per-row temperature-gradient sums and (SPLIT_T) the
     rows' ``dl`` at their target columns, left out of DL."""
@@ -320,7 +334,7 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
                                                 lsec_r, gc_r, lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS,
                                                 G_POS, COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT, NORMALIZE,
                                                 POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE,
-                                                TRI, SPLIT_T)
+                                                TRI, SPLIT_T, EXCLUDE_SELF, offset, SPLIT_SET)
         if NEED_DS:
             ds_acc += ds_c
         tv_acc += tv_c
@@ -339,7 +353,7 @@ def panel_dl_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     EAGER: tl.constexpr, ONE_PASS: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
-    PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr,
+    PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr, SPLIT_SET: tl.constexpr,
 ):
     """DL (the gradient tile of panel rows [r0, r0 + P), operand dtype) and the row weights W_OUT [P]
     from the raw products L [P, M]: the true gradient tile is ``diag(W_OUT) DL`` (W_OUT = 1 except on
@@ -352,7 +366,9 @@ def panel_dl_kernel(
     row on, L holds the columns from that row on), see ``triton_panel.tri_backward``. SPLIT_T (as
     :func:`epi_gemm_kernel`'s, SYM and TRI included): each row's target column ``TGT[r0 + i]`` is left
     out of DL and its fp32 value (in DL's units before PRESCALE and the folded norm; the true weight is
-    ``W_OUT[i] gscale TV[i]``) goes to ``TV[i]`` (:func:`_split_target`).
+    ``W_OUT[i] gscale TV[i]``) goes to ``TV[i]`` (:func:`_split_target`). SPLIT_SET (not with ONE_PASS, whose
+    ``e_ij`` tile is stored before the row's sum is known): ``G_POS`` holds the SET term's coefficients (with
+    EAGER the coefficients, as G) and the tile takes ``-c.set_i w_ij`` in fp32 (:func:`_dl_chunk`).
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -417,7 +433,7 @@ def panel_dl_kernel(
                                    COL_LAB, POS_MASK, TGT, TV, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias,
                                    lab_r, M, stride_l, offset, n0, m0, stride_pm, tgt_r,
                                    BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G,
-                                   HAS_GCOL, HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T)
+                                   HAS_GCOL, HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T, SPLIT_SET)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
     if SPLIT_T:  # (a target before the triangular frame, < 0 there, is reported by its own panel)
@@ -639,7 +655,7 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
               FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr,
-              SPLIT_T: tl.constexpr, TMA: tl.constexpr):
+              SPLIT_T: tl.constexpr, TMA: tl.constexpr, SPLIT_SET: tl.constexpr = False):
     """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
     loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lmask = loc < P
@@ -698,7 +714,8 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
         out, ds, tv, tvc = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r,
                                          gc_r, lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
                                          COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT, NORMALIZE, POS_KIND, HAS_G,
-                                         HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T)
+                                         HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T,
+                                         EXCLUDE_SELF, offset, SPLIT_SET)
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
         if SPLIT_T:
             tl.store(TV + loc, tv, mask=t_here)
@@ -782,6 +799,7 @@ def epi_gemm_kernel(
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr,
     WANT_COL: tl.constexpr, SPLIT_T: tl.constexpr, PERSIST: tl.constexpr, TMA: tl.constexpr,
+    SPLIT_SET: tl.constexpr,
 ):
     """The epilogue GEMM: [BLOCK_M, BLOCK_N] tiles of the panel's raw products ``X @ Y^T`` (X the panel's
     rows [P, D] scaled by powers of two, Y the raw B [M, D]; fp32 accumulation in registers), turned
@@ -818,6 +836,8 @@ def epi_gemm_kernel(
     j's transposed term at the row ``TGT[j]`` is left out too (row j reports it; with TRI, for the
     columns past the panel, this tile stores it in ``TV[j]``: TGT and TV then in the panel's frame, as
     the other vectors).
+    SPLIT_SET (MODE 0 only): ``G_POS`` holds the SET term's coefficients and the tile takes
+    ``-c.set_i w_ij`` in fp32 before its cast (:func:`_dl_chunk`).
 
     Grid: MODE 0 / 1 / 3 / 4 / 5 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
     the columns together (Y's column tiles stay in L2 across a group); MODE 2 ``cdiv(P, BLOCK_M)``.
@@ -844,7 +864,7 @@ def epi_gemm_kernel(
                           TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
                           stride_pm, bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF,
                           HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI,
-                          WANT_COL, SPLIT_T, TMA)
+                          WANT_COL, SPLIT_T, TMA, SPLIT_SET)
     elif PERSIST:
         # one program per SM (or per resident CTA): the programs walk the tiles in steps of the grid, in the
         # same grouped order; flatten lets the software pipeline issue the next tile's operand copies while
@@ -858,7 +878,7 @@ def epi_gemm_kernel(
                       TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                       loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                       BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                      SPLIT_T, TMA)
+                      SPLIT_T, TMA, SPLIT_SET)
     else:
         pid_m, pid_n = _grouped_tile(pid, P, n_pn, BLOCK_M, GROUP_M)
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -867,4 +887,4 @@ def epi_gemm_kernel(
                   TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                   BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                  SPLIT_T, TMA)
+                  SPLIT_T, TMA, SPLIT_SET)

@@ -120,10 +120,15 @@ def forward_parts(parts, need) -> tuple[Tensor, list]:
     # a target term beside the log-sum-exp terms: the latter leave the target column out of their
     # 16-bit tiles where their path can, and report its fp32 weight (``ctx.moved_target``)
     split = any(fn is linear_terms.LinearTermsFn and args[5].tgt is not None for fn, args, _ in parts)
+    # a SET term beside them: the Triton piece may form its gradient inside its 16-bit tiles, in fp32, where it
+    # meets p_ij (``ctx.set_coef``: SET's coefficients; it reports ``ctx.took_set`` in backward)
+    set_coef = next((args[5].set for fn, args, _ in parts if fn is linear_terms.LinearTermsFn), None)
     for fn, args, sign in parts:
         ctx = DirectCtx(tuple(need) + (False,) * (len(args) - 3))
         ctx.wide = len(parts) > 1
         ctx.split_target = split and fn is not linear_terms.LinearTermsFn
+        if fn is not linear_terms.LinearTermsFn:
+            ctx.set_coef = set_coef
         out = signed_sum(out, fn.forward(ctx, *args), sign)
         if ctx.wide and hasattr(ctx, "dtypes"):  # (float64 stays float64)
             adt, bdt, sdt, sshape = ctx.dtypes
@@ -139,14 +144,19 @@ def backward_parts(subs, go: Tensor, dtypes) -> list[Tensor | None]:
     ``dtypes`` (a's and b's; the scale's comes in its own dtype)."""
     grads: list[Tensor | None] = [None, None, None]
     moved = None
+    took_set = False
     for fn, ctx, sign in reversed(subs):
         if fn is linear_terms.LinearTermsFn:
             ctx.target_extra = moved  # added to its target coefficient: the two meet in fp32
             ctx.grads_in = grads  # fp32 gradients of the pieces before it, which it may add to in place
+            ctx.set_taken = took_set  # its SET gradient already formed in the log-sum-exp piece's tiles
         gs = fn.backward(ctx, go if sign > 0 else -go)
         if getattr(ctx, "moved_target", None) is not None:
             moved = ctx.moved_target if moved is None else moved + ctx.moved_target
             ctx.moved_target = None
+        if getattr(ctx, "took_set", False):
+            took_set = True
+            ctx.took_set = False
         for i in range(3):
             if gs[i] is not None:
                 grads[i] = gs[i] if grads[i] is None else grads[i] + gs[i]

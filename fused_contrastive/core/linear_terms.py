@@ -219,6 +219,11 @@ class LinearTermsFn(torch.autograd.Function):
         if ctx.kernel:
             return (*_target_backward_kernel(ctx, a, b, s, g, need_a, need_b, need_s, scale), None, None, None, None,
                     None, None)
+        # the SET term's gradient already formed inside the log-sum-exp piece's 16-bit tiles (core.PiecesFn
+        # sets ``set_taken``; its forward value stays this one's)
+        with_set = coef.set is not None and not getattr(ctx, "set_taken", False)
+        if coef.tgt is None and not with_set:
+            return None, None, None, None, None, None, None, None, None
         ah, na = normalize_rows(a, spec.eps, dt, spec.normalize)
         bh, nb = (ah, na) if b is None else normalize_rows(b, spec.eps, dt, spec.normalize)
         g = g.to(dt).expand(n)
@@ -244,7 +249,7 @@ class LinearTermsFn(torch.autograd.Function):
             gb_t = dah if b is None else dbh
             if gb_t is not None:
                 gb_t.index_add_(0, t, hs * ah)
-        if coef.set is not None:
+        if with_set:
             h = _weighted(coef.set, g, dt)
             if need_s or dah is not None:
                 sums = _positive_sums(ah, bh, spec, data)

@@ -51,6 +51,10 @@ class TritonCoreFn(torch.autograd.Function):
         # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term; no loss
         # combines one with a softmax over positives, whose symmetric kernel would then spill)
         ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
+        # the SET term's gradient formed inside the 16-bit tiles (core.PiecesFn hands over its coefficients)
+        ctx.set_c = triton_fused.set_split(ctx, dt, spec, data, coef)
+        if ctx.set_c is not None:
+            p = triton_fused.with_positives(p, ak, bk, spec, data)
         ctx.spec, ctx.coef = spec, coef
         # the tensors go through save_for_backward (in-place edits of the inputs are caught); the rest
         # of the prepared inputs (labels, masks, norms: O(N + M)) rides on ctx
@@ -83,6 +87,7 @@ class TritonCoreFn(torch.autograd.Function):
         g = TL._coef_grad(coef.lse, go, n, lse)
         g_col = TL._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
         g_pos = TL._coef_grad(coef.pos, go, n, lse_pos)
+        g_set = None if ctx.set_c is None else triton_fused.set_grad(ctx.set_c, go, n)
         wide, split = getattr(ctx, "wide", False), ctx.split
         if split is not None and not need_a and not need_s and a.dtype == torch.float32:
             # a frozen A (LiT's locked image tower): the row kernel would run only to report the target
@@ -92,13 +97,14 @@ class TritonCoreFn(torch.autograd.Function):
         if same and not p.sym:
             # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
             out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s,
-                                        wide, split)
+                                        wide, split, g_set)
         else:
             out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
-                              need_a, need_b and not same, need_s, wide, split)
+                              need_a, need_b and not same, need_s, wide, split, g_set)
         da, db, ds = out[:3]
         if split is not None:
             ctx.moved_target = out[3]  # what core.PiecesFn applies with the target term
+        ctx.took_set = g_set is not None  # the SET term's gradient is in these (core.PiecesFn drops its own)
         if same and not p.sym:
             da = None if da is None else da + db
         adt, bdt, sdt, sshape = ctx.dtypes

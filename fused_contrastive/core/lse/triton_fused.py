@@ -90,12 +90,15 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
 def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor | None,
              lse_pos: Tensor | None, g: Tensor | None, g_col: Tensor | None,
              g_pos: Tensor | None, need_a: bool, need_b: bool, need_s: bool, wide: bool = False,
-             target: Tensor | None = None):
+             target: Tensor | None = None, g_set: Tensor | None = None):
     """Backward launcher: ``(dA, dB, ds)`` (None where not needed); dA, dB in the kernels' input dtype
     (fp32 with ``wide``: the core op sums its pieces' gradients before one rounding, ``core.PiecesFn``).
     With ``target`` [N] (int64) each row's target column is left out of dA and dB
     and ``(dA, dB, ds, tw)`` comes back, ``tw`` [N] fp32 the gradient of the LSE terms with respect to
     the target logit ``l[i, target[i]]`` (what the caller applies with the target term).
+    With ``g_set`` [N] fp32 (the SET term's upstream coefficients ``c.set_i g``; ``g_pos`` None, ``p`` prepared
+    with its positives) the tiles take the SET term's gradient ``-g_set_i w_ij`` in fp32 before their 16-bit
+    cast (kernels/lse.py ``SPLIT_SET``): dA, dB and ds then hold the SET term's gradient too.
 
     ``p`` comes from :func:`_lse_fwd`; ``g*`` are fp32 upstream gradients of LSE, LSEcol, LSEpos
     (None when absent). With ``p.sym`` dA holds both roles of A and dB is None. ``ds`` is a 0-dim
@@ -106,7 +109,9 @@ def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tenso
     n, d = a.shape
     m = b.shape[0]
     need_b = need_b and not p.sym
-    gs = TL._gscale(g, g_col, g_pos)
+    if g_set is not None and (g_pos is not None or not p.pos_kind):
+        raise ValueError("core: the SET split needs the positives prepared and no softmax over positives")
+    gs = TL._gscale(g, g_col, g_pos, set_bound(g_set, p))
     if gs is None:
         out = TL._no_grads(a, b, need_a, need_b, need_s)
         return out if target is None else (*out, torch.zeros(n, dtype=torch.float32, device=dev))
@@ -118,9 +123,10 @@ def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tenso
     common = dict(SCALE=TL._scale32(scale, dev), GSCALE=gs, **TL._problem_args(p),
                   LSE=lse, G=g if g is not None else dm,
                   LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
-                  LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm)
+                  LSE_POS=lse_pos if lse_pos is not None else dm,
+                  G_POS=g_pos if g_pos is not None else (g_set if g_set is not None else dm))
     flags = dict(**TL._flags(p, spec), HAS_G=g is not None, HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None,
-                 PRESCALE=TL.prescale(a.dtype), SPLIT_T=split)
+                 PRESCALE=TL.prescale(a.dtype), SPLIT_T=split, SPLIT_SET=g_set is not None)
     arch = TL._arch(dev)
     da = db = ds = None
 
@@ -161,3 +167,39 @@ def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tenso
     if split:
         return da, db, ds, tv * gs.reshape(())
     return da, db, ds
+
+
+def set_bound(g_set: Tensor | None, p: TL._Prepared) -> Tensor | None:
+    """``|g_set_i| max_j w_ij`` as one more vector for ``gscale`` (None without ``g_set``): the SET term's
+    tile entries ``g_set_i w_ij`` over gscale then stay within 1, as every other term's, so the pre-scaled
+    fp16 tile keeps its bound (kernels/lse.py, "Numerics"). Label weights are 1; a dense mask's largest
+    weight is read on the device (no host synchronisation)."""
+    if g_set is None:
+        return None
+    if p.pos_kind == 2:
+        return g_set.abs() * p.pos_mask.amax().to(torch.float32)
+    return g_set
+
+
+def set_split(ctx, dt: torch.dtype, spec: CoreSpec, data: CoreData, coef) -> object:
+    """The SET coefficients the Triton piece takes into its 16-bit tiles (``ctx.set_coef``, which
+    ``core.forward_parts`` sets where a SET term runs beside it), or None: 16-bit operands (fp32 tiles do
+    not round ``p``), positives present, no softmax over positives (its coefficients ride on the same
+    kernel argument) and no target margin (SET then sums the unshifted logits)."""
+    c = getattr(ctx, "set_coef", None)
+    if c is None or dt == torch.float32 or coef.pos is not None or spec.margin != 0.0 or not data.has_positives:
+        return None
+    return c
+
+
+def set_grad(c, go: Tensor, n: int) -> Tensor:
+    """The SET term's upstream coefficients ``c.set_i go`` as fp32 [n] (``c`` a number or an [n] tensor)."""
+    g = (c.to(device=go.device, dtype=torch.float32) if isinstance(c, Tensor) else float(c)) * go.to(torch.float32)
+    return (g.expand(n) if g.dim() == 0 else g).contiguous()
+
+
+def with_positives(p: TL._Prepared, a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData) -> TL._Prepared:
+    """``p`` with the positives' fields (labels or mask) prepared, for a backward that forms SET's weights
+    while its forward (no softmax over positives) ran without them."""
+    q = TL._prepare_data(a, b, spec, data, True)
+    return p._replace(pos_kind=q.pos_kind, row_lab=q.row_lab, col_lab=q.col_lab, pos_mask=q.pos_mask)

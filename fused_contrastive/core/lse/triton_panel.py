@@ -217,7 +217,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
           lse: Tensor | None, lse_col: Tensor | None, lse_pos: Tensor | None,
           g: Tensor | None, g_col: Tensor | None, g_pos: Tensor | None,
           need_a: bool, need_b: bool, need_s: bool, eager: bool, wide: bool = False,
-          target: Tensor | None = None):
+          target: Tensor | None = None, g_set: Tensor | None = None):
     """One panel sweep: ``(dA, dB, ds, LSE, LSEpos, tw)`` (dA / dB in the operand dtype, fp32 with ``wide``;
     ds 0-dim fp32; LSE / LSEpos only with ``eager``, else None; None where not asked).
 
@@ -225,6 +225,10 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     tiles, and ``tw`` [N] fp32 is the gradient with respect to the target logit ``l[i, target[i]]``
     (for the coefficients ``g``; what the caller applies with the target term, ``core.PiecesFn``);
     else ``tw`` is None.
+
+    ``g_set`` [N] fp32 (``g_pos`` None, ``prep`` with the positives, not the one pass: :func:`one_pass`): the SET
+    term's upstream coefficients (with ``eager`` its coefficients), whose gradient ``-g_set_i w_ij`` the tiles
+    form in fp32 before their 16-bit cast (``SPLIT_SET``): dA, dB and ds then hold it.
 
     ``prep`` is the fused path's ``_Prepared`` (labels, mask, bias columns, dummy); ``launch`` is
     ``triton_shared/launch.py`` ``_launch`` (so the AOT recorder sees these launches). With ``eager``, ``g`` /
@@ -236,13 +240,15 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     dev, dt = a.device, a.dtype
     need_b = need_b and not sym
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
-    one_pass = bool(eager and g_pos is None and spec.normalize and dt != torch.float16)
+    one_pass = takes_one_pass(eager, g_pos is not None, spec, dt)
+    if one_pass and g_set is not None:
+        raise ValueError("core: the one-pass sweep does not take the SET term's gradient into its tiles")
     # the epilogue GEMM needs the statistics first: known ones (the recomputing backward) or one pass
     epi = panels.use_epilogue(dev, dt, "one_pass" if one_pass else "known", n * m) and (one_pass or not eager)
     p_rows = panels.panel_rows(n, m, d, dt, need_b, epi)
     block_r, block_c = panels.panel_blocks(min(n, p_rows), panels._programs(dev))
     pr = panels._Problem(a, b, spec)
-    gs = _gscale(g, g_col, g_pos)
+    gs = _gscale(g, g_col, g_pos, triton_fused.set_bound(g_set, prep))
     dm = prep.dummy
     lse_out = torch.empty(n, dtype=torch.float32, device=dev) if eager else None
     lsep_out = torch.empty(n, dtype=torch.float32, device=dev) if eager and g_pos is not None else None
@@ -254,7 +260,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     common = dict(RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
                   LSE=lse if lse is not None else dm, G=g if g is not None else dm,
                   LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
-                  LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
+                  LSE_POS=lse_pos if lse_pos is not None else dm,
+                  G_POS=g_pos if g_pos is not None else (g_set if g_set is not None else dm),
                   LSE_OUT=lse_out if lse_out is not None else dm,
                   LSE_POS_OUT=lsep_out if lsep_out is not None else dm, TGT=target.contiguous() if split else dm)
     # one read of each panel (the fixed-bound exponentials, see kernels/panel.py) where the bound is
@@ -266,7 +273,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
                  HAS_G=g is not None,
                  HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, SYM=bool(sym), EAGER=bool(eager),
                  ONE_PASS=one_pass, NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale,
-                 TRI=False, SPLIT_T=split)
+                 TRI=False, SPLIT_T=split, SPLIT_SET=g_set is not None)
     bt = b.T
     margs = _mask_args(prep, spec)
     shift = _one_pass_shift(scale_t, spec, prep.bias_col is not None, margs["bias"]) if epi and one_pass else None
@@ -306,6 +313,12 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     return da, db, ds, lse_out, lsep_out, tw
 
 
+def takes_one_pass(eager: bool, want_pos: bool, spec, dt: torch.dtype) -> bool:
+    """Whether :func:`sweep` reads each panel once (``ONE_PASS``): an eager sweep without a softmax over
+    positives, unit rows, bf16 / fp32 operands (fp16's range cannot hold ``exp(l - |s|)``)."""
+    return bool(eager and not want_pos and spec.normalize and dt != torch.float16)
+
+
 def use_tri(p, want_col: bool, want_pos: bool) -> bool:
     """The triangular sweep: B is A without a bias (symmetric logits), no column term, no softmax over
     positives (symmetric SimCSE, InfoNCE of a batch against itself)."""
@@ -330,7 +343,7 @@ def _tri_panels(pr: panels._Problem, a: Tensor, p_rows: int, epilogue: bool):
 
 
 def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g: Tensor, need_a: bool,
-                 need_s: bool, wide: bool = False, target: Tensor | None = None
+                 need_s: bool, wide: bool = False, target: Tensor | None = None, g_set: Tensor | None = None
                  ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward of the triangular sweep: ``(dA, ds)`` of B-is-A logits from the upper triangle only.
 
@@ -346,14 +359,18 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     Returns ``(dA, ds, tw)``. With ``target`` [N] (int64) every row's own target weight ``G_{i, t_i}`` is
     left out of H (at ``(i, t_i)``, and transposed at ``(t_i, i)``) and comes back in ``tw`` [N] fp32
     (as :func:`sweep`'s): from the row's panel when ``t_i`` is in its frame, else from the panel of
-    ``t_i`` (the pair's transposed term there); else ``tw`` is None."""
+    ``t_i`` (the pair's transposed term there); else ``tw`` is None.
+
+    ``g_set`` [N] fp32 (``prep`` with the positives): the SET term's upstream coefficients, its gradient
+    ``-g_set_i w_ij`` (and ``-g_set_j w_ji`` in the transposed term) formed in fp32 inside H (``SPLIT_SET``),
+    the labels (or the mask, rolled by the panel's first row) passed in the panel's frame."""
     n, d = a.shape
     dev, dt = a.device, a.dtype
     epi = panels.use_epilogue(dev, dt, "tri", n * n)
     p_rows = panels.panel_rows(n, n, d, dt, True, epi)
     block_r, block_c = panels.panel_blocks(min(n, p_rows), panels._programs(dev))
     pr = panels._Problem(a, a, spec, need_op=need_a)
-    gs = _gscale(g)
+    gs = _gscale(g, triton_fused.set_bound(g_set, prep))
     dm = prep.dummy
     acc = torch.zeros((n, d), dtype=torch.float32, device=dev) if need_a else None
     ds_parts = []
@@ -362,7 +379,10 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self), HAS_BIAS=False, BIAS_COS=False,
                  POS_KIND=0,
                  HAS_G=True, HAS_GCOL=False, HAS_GPOS=False, SYM=True, EAGER=False, ONE_PASS=False,
-                 NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=True, SPLIT_T=split)
+                 NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=True, SPLIT_T=split,
+                 SPLIT_SET=g_set is not None)
+    if g_set is not None:
+        flags["POS_KIND"] = prep.pos_kind
     a_op = pr.b_op  # raw A (folded norms, or no normalisation) or the normalised fp16 copy
     for r0, pp, c, lraw, rs, x in _tri_panels(pr, a, p_rows, epi):
         r1 = r0 + pp
@@ -370,6 +390,8 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
         common = dict(RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
                       LSE=lse[r0:], G=g[r0:], LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
                       TGT=(target[r0:] - r0).contiguous() if split else dm, TV=tv[r0:] if split else dm)
+        if g_set is not None:  # the positives in the panel's frame (row r0 is row 0)
+            common.update(G_POS=g_set[r0:], **_framed_positives(prep, r0))
         if epi:
             _, ds_part = panels._epi_panel(launch, x, a[r0:], h, rs, common, flags, _mask_args(prep, spec), 0, False,
                                            None, gs, None, None, dm)
@@ -403,6 +425,16 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     return da, ds, (tv * gs.reshape(()) if split else None)
 
 
+def _framed_positives(prep, r0: int) -> dict:
+    """ROW_LAB / COL_LAB / POS_MASK of the triangular sweep's frame that starts at row r0 (B is A): the labels
+    from r0 on, or the mask rolled so that ``mask'[i % n0, j % m0] = mask[(r0 + i) % n0, (r0 + j) % m0]``
+    (O(n0 m0) per panel)."""
+    if prep.pos_kind == 1:
+        return dict(ROW_LAB=prep.row_lab[r0:], COL_LAB=prep.col_lab[r0:])
+    n0, m0 = prep.pos_mask.shape
+    return dict(POS_MASK=torch.roll(prep.pos_mask, (-(r0 % n0), -(r0 % m0)), (0, 1)).contiguous())
+
+
 def _vec(c, n: int, dev) -> Tensor:
     if isinstance(c, Tensor):
         return c.to(device=dev, dtype=torch.float32).contiguous()
@@ -429,12 +461,22 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term)
     ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
     eager = reduce and not want_col and not ctx.tri and (need_a or need_b or need_s)
+    # the SET term's gradient formed inside the 16-bit tiles (core.PiecesFn hands over its coefficients), except
+    # on the one-pass sweep: its e_ij tile is stored before the row's sum is known, so p_ij - c.set_i w_ij cannot
+    # be formed there (that route keeps SET's gradient in core/linear_terms.py, rounded apart from p_ij)
+    ctx.set_c = triton_fused.set_split(ctx, a.dtype, spec, data, coef)
+    if ctx.set_c is not None and takes_one_pass(eager, want_pos, spec, a.dtype):
+        ctx.set_c = None
+    if ctx.set_c is not None:
+        p = triton_fused.with_positives(p, a, b, spec, data)
+        ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
     if eager:
         g = _vec(coef.lse, n, dev)
         g_pos = _vec(coef.pos, n, dev) if want_pos else None
         da, db, ds, lse, lse_pos, tw = sweep(TL._launch, p, p.a, bb, False, scale_t, spec, None, None, None,
                                              g, None, g_pos, need_a, need_b or (same and need_a), need_s, True,
-                                             getattr(ctx, "wide", False), ctx.split)
+                                             getattr(ctx, "wide", False), ctx.split,
+                                             None if ctx.set_c is None else _vec(ctx.set_c, n, dev))
         if same and da is not None:
             da = da + db  # B is A with a bias: both roles of A
             db = None
@@ -477,6 +519,7 @@ def backward(ctx, go: Tensor):
         ctx.eager = None  # a second backward (retain_graph) recomputes from the saved statistics
         if tw is not None:
             ctx.moved_target = tw * go  # what core.PiecesFn applies with the target term
+        ctx.took_set = ctx.set_c is not None  # the SET term's gradient is in these (core.PiecesFn drops its own)
         return out(da.mul_(go.to(da.dtype)) if da is not None else None,
                    db.mul_(go.to(db.dtype)) if db is not None else None,
                    ds * go if ds is not None else None)
@@ -487,12 +530,14 @@ def backward(ctx, go: Tensor):
     p = ctx.prep
     n = lse.shape[0]
     g = TL._coef_grad(coef.lse, go, n, lse)
+    g_set = None if ctx.set_c is None else triton_fused.set_grad(ctx.set_c, go, n)
+    ctx.took_set = g_set is not None  # the SET term's gradient is in these (core.PiecesFn drops its own)
     if ctx.tri:
         need_s = need_s and isinstance(scale, Tensor)
         if g is None:
             g = torch.zeros(n, dtype=torch.float32, device=a.device)
         da, ds, tw = tri_backward(TL._launch, p, a, spec, TL._scale32(scale, a.device), lse, g, need_a, need_s,
-                                  getattr(ctx, "wide", False), ctx.split)
+                                  getattr(ctx, "wide", False), ctx.split, g_set)
         if tw is not None:
             ctx.moved_target = tw  # what core.PiecesFn applies with the target term
         return out(da, None, ds)
@@ -504,7 +549,7 @@ def backward(ctx, go: Tensor):
     da, db, ds, _, _, tw = sweep(TL._launch, p, a, bb, sym, TL._scale32(scale, a.device), spec, lse, lse_col,
                                  lse_pos, g, g_col, g_pos, need_a,
                                  (need_b and not same) or (same and not sym and need_a), need_s, False,
-                                 getattr(ctx, "wide", False), ctx.split)
+                                 getattr(ctx, "wide", False), ctx.split, g_set)
     if tw is not None:
         ctx.moved_target = tw  # what core.PiecesFn applies with the target term
     if same and not sym and da is not None:

@@ -168,6 +168,7 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
     ``EPI_PERSIST_STAGES`` in the persistent forms; a config without one keeps the tiles form): ``args`` /
     ``const`` those of the one-tile-per-program form (X and Y tensors)."""
     cfg = EPI_GEMM[config]
+    const = {"SPLIT_SET": False, **const}  # (the SET term's split: MODE 0's, whose callers name it)
     dev = args["X"].device
     arch = TL._arch(dev)
     form = epi_form(config, arch)
