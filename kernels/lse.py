@@ -10,7 +10,10 @@ The core op (see ``fused_contrastive/core/spec.py``), with ``a_i = A_i r_i``, ``
 
 The linear positive terms of the contract (``TGT``, ``SET``) are O(N*D) and come from
 ``core/linear_terms.py`` (the target term alone on the triton backend: ``kernels/target.py``); these kernels
-compute the log-sum-exp terms and their backward.
+compute the log-sum-exp terms and their backward. Two exceptions keep a 16-bit gradient tile from
+cancelling against those terms after rounding: SPLIT_T leaves each row's target column out of the tile
+(its fp32 weight goes to the target term), SPLIT_SET subtracts the SET term's ``c.set_i w_ij`` inside
+the tile in fp32 (its gradient then comes from here alone); see the backward kernels' docstrings.
 
 Kernels (launchers and the autograd Function are in ``fused_contrastive/core/triton_shared/launch.py``,
 launch configs in ``fused_contrastive/core/triton_shared/configs.py``):

@@ -21,7 +21,8 @@ With ``h_i`` the upstream gradient times the coefficient: ``dA_hat_i = s h_i P_i
 ``dB_hat_j = s sum_i h_i w_ij a_hat_i`` (the same class sums, over rows, read at each column's label; or
 ``mask^T`` applied to the rows folded by ``i % n0``), the target logit adds ``s h_i`` at ``(i, t_i)``,
 then the normalisation backward. Only the inputs are saved; the unit rows are recomputed in backward
-(O(N*D)).
+(O(N*D)). Where the Triton piece beside it formed SET's gradient inside its 16-bit tiles
+(``core.backward_parts`` sets ``ctx.set_taken``), the backward leaves SET out (the forward value stays).
 """
 
 from __future__ import annotations
