@@ -361,5 +361,7 @@ def _sub_set(dl, gset, rows, cols, N, M, offset, lab_r, lab_c, POS_MASK, n0, m0,
             off = (rows % n0).to(tl.int64)[:, None] * stride_pm + (cols % m0)[None, :]
         w = tl.load(POS_MASK + off, mask=valid, other=0.0).to(tl.float32)
     if TRANSPOSE:
-        return dl - gset[None, :] * w
-    return dl - gset[:, None] * w
+        out = dl - gset[None, :] * w
+    else:
+        out = dl - gset[:, None] * w
+    return out
