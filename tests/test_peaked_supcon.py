@@ -139,3 +139,26 @@ def test_flat_supcon_out(path, case):
     x, labels = _features(CASES[case][0], noise=3.0, seed=1)
     err, loss = _run(case, x, labels)
     assert err < 0.02, (case, err, loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_dscl_target_and_set_split_together(path, dtype, reduction):
+    """DSCL (``c.tgt`` on each anchor's own view 1 beside ``c.set`` on its class): the target column is left
+    out of the tiles (its fp32 weight, SET's ``-c.set_i w_it`` included, goes to the target term) while SET's
+    weights are subtracted inside them; a weight lost or counted twice between the two moves the gradient
+    by a large fraction of its largest entry. Against the float64 reference backend. (bf16 with
+    ``reduction="mean"`` on the panel path is the one-pass sweep, which keeps both in linear_terms.py: the
+    bound still holds there, at ~1.5 % of the largest gradient on these inputs.)"""
+    g = torch.Generator().manual_seed(0)
+    lab = torch.arange(BSZ) % CLASSES
+    v0 = torch.randn(CLASSES, D, generator=g)[lab] + 0.15 * torch.randn(BSZ, D, generator=g)
+    x = torch.stack([v0, v0 + 0.05 * torch.randn(BSZ, D, generator=g)], 1).to(dtype)
+    wts = torch.linspace(0.5, 2.0, BSZ, dtype=torch.float64)
+
+    def fn(f, backend):
+        out = fc.dscl_loss(f, lab, beta=8.0, temperature=T, reduction=reduction, backend=backend)
+        return out if reduction == "mean" else (out.double() * wts).sum()
+
+    err, loss = _error(lambda f: fn(f, "triton"), lambda f: fn(f, "reference"), x)
+    assert err < (0.02 if dtype == torch.bfloat16 else 0.003), (err, loss)
