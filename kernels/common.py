@@ -338,14 +338,15 @@ def _dz(cos, s, b, g_r, rows, cols, N, M, offset):
 
 @triton.jit
 def _sub_set(dl, gset, rows, cols, N, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
-             POS_KIND: tl.constexpr, EXCLUDE_SELF: tl.constexpr, TRANSPOSE: tl.constexpr):
+             POS_KIND: tl.constexpr, EXCLUDE_SELF: tl.constexpr, TRANSPOSE: tl.constexpr, pm_shift=0):
     """``dl_ij - gset_i w_ij`` on a tile (the SET term's gradient, ``-c.set_i w_ij`` over gscale, formed in
     fp32 inside the tile before it is rounded to a 16-bit operand: for a softmax concentrated on the
     positives ``p_ij`` and ``w_ij c.set_i`` nearly cancel). ``w_ij = [lab_r_i == lab_c_j]`` (POS_KIND 1) or
     ``POS_MASK[i % n0, j % m0]`` (2), 0 on padding (``rows >= N``, ``cols >= M``) and at the excluded own
     column ``offset + i`` (EXCLUDE_SELF). TRANSPOSE (the symmetric backward's transposed term, B is A,
     ``offset`` 0): ``dl_ij - gset_j w_ji`` with ``gset`` the columns' [C] (labels are symmetric; the mask
-    is read transposed, as :func:`_pos_logits` does)."""
+    is read transposed, as :func:`_pos_logits` does). ``pm_shift``: the mask is indexed at ``rows + pm_shift``
+    and ``cols + pm_shift`` (the triangular sweep's frame, whose row 0 is the panel's first row; 0 elsewhere)."""
     valid = (rows < N)[:, None] & (cols < M)[None, :]
     if EXCLUDE_SELF:
         if TRANSPOSE:
@@ -356,10 +357,11 @@ def _sub_set(dl, gset, rows, cols, N, M, offset, lab_r, lab_c, POS_MASK, n0, m0,
         w = tl.where(valid & (lab_r[:, None] == lab_c[None, :]), 1.0, 0.0)
     else:
         if TRANSPOSE:
-            off = (cols % n0).to(tl.int64)[None, :] * stride_pm + (rows % m0)[:, None]
+            base = POS_MASK + ((cols + pm_shift) % n0).to(tl.int64) * stride_pm
+            w = tl.load(base[None, :] + ((rows + pm_shift) % m0)[:, None], mask=valid, other=0.0).to(tl.float32)
         else:
-            off = (rows % n0).to(tl.int64)[:, None] * stride_pm + (cols % m0)[None, :]
-        w = tl.load(POS_MASK + off, mask=valid, other=0.0).to(tl.float32)
+            base = POS_MASK + ((rows + pm_shift) % n0).to(tl.int64) * stride_pm
+            w = tl.load(base[:, None] + ((cols + pm_shift) % m0)[None, :], mask=valid, other=0.0).to(tl.float32)
     if TRANSPOSE:
         out = dl - gset[None, :] * w
     else:

@@ -196,7 +196,7 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
               NORMALIZE: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr,
               HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
               PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr, EXCLUDE_SELF: tl.constexpr = False,
-              offset=0, SPLIT_SET: tl.constexpr = False):
+              offset=0, SPLIT_SET: tl.constexpr = False, pm_shift=0):
     """The gradient tile of one chunk of logits from known statistics (the per-logit epilogue shared by
     the panel kernel's second loop and the epilogue GEMM): ``(out, ds, tv, tvc)`` with ``out`` the
     fp32 tile to cast and store (DL of the module docstring: pre-scaled, the inverse norms folded),
@@ -208,7 +208,8 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
     panel, whose rows have no row term here; zeros otherwise). SPLIT_SET (HAS_GPOS False): ``G_POS`` holds
     the SET term's coefficients and ``dl`` takes ``-c.set_i w_ij`` in fp32 before anything else reads it
     (with SYM also ``-c.set_j w_ji`` in the transposed term; :func:`_sub_set`, the own column ``offset + i``
-    excluded with EXCLUDE_SELF): the SET term's whole gradient is then this tile's."""
+    excluded with EXCLUDE_SELF; a dense mask indexed at ``rows + pm_shift``, ``cols + pm_shift``): the SET term's
+    whole gradient is then this tile's."""
     ds = tl.sum(tl.zeros_like(l), axis=1)
     lab_c = cols
     if POS_KIND == 1:
@@ -226,7 +227,7 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
     if SPLIT_SET:
         gset_r = tl.load(G_POS + rows, mask=lmask, other=0.0) * inv_gs
         dl = _sub_set(dl, gset_r, rows, cols, n_end, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
-                      EXCLUDE_SELF, False)
+                      EXCLUDE_SELF, False, pm_shift)
     if NEED_DS:
         ds += tl.sum(dl * cos, axis=1)
     dl, tv = _split_target(dl, cols, tgt_r, SPLIT_T)
@@ -252,7 +253,7 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
         if SPLIT_SET:
             gset_c = tl.load(G_POS + cols, mask=cmask, other=0.0) * inv_gs
             dlt = _sub_set(dlt, gset_c, rows, cols, n_end, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
-                           POS_KIND, EXCLUDE_SELF, True)
+                           POS_KIND, EXCLUDE_SELF, True, pm_shift)
         if TRI and NEED_DS:
             # the triangular panel: dl_ji of the columns below the panel belongs to those rows
             # (in the diagonal block both orders are already in dl)
@@ -281,7 +282,7 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, EAGER: tl.constexpr,
               NEED_DS: tl.constexpr,
               FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr,
-              SPLIT_SET: tl.constexpr = False):
+              SPLIT_SET: tl.constexpr = False, pm_shift=0):
     """The exact sweep of a block of rows: the statistics (EAGER: a first loop; else the forward's),
     then DL chunk by chunk. Returns the block's per-row temperature-gradient sums and (SPLIT_T) the
     rows' ``dl`` at their target columns, left out of DL."""
@@ -334,7 +335,7 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
                                                 lsec_r, gc_r, lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS,
                                                 G_POS, COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT, NORMALIZE,
                                                 POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE,
-                                                TRI, SPLIT_T, EXCLUDE_SELF, offset, SPLIT_SET)
+                                                TRI, SPLIT_T, EXCLUDE_SELF, offset, SPLIT_SET, pm_shift)
         if NEED_DS:
             ds_acc += ds_c
         tv_acc += tv_c
@@ -353,7 +354,7 @@ def panel_dl_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     EAGER: tl.constexpr, ONE_PASS: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
-    PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr, SPLIT_SET: tl.constexpr,
+    PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr, SPLIT_SET: tl.constexpr, pm_shift,
 ):
     """DL (the gradient tile of panel rows [r0, r0 + P), operand dtype) and the row weights W_OUT [P]
     from the raw products L [P, M]: the true gradient tile is ``diag(W_OUT) DL`` (W_OUT = 1 except on
@@ -368,7 +369,8 @@ def panel_dl_kernel(
     out of DL and its fp32 value (in DL's units before PRESCALE and the folded norm; the true weight is
     ``W_OUT[i] gscale TV[i]``) goes to ``TV[i]`` (:func:`_split_target`). SPLIT_SET (not with ONE_PASS, whose
     ``e_ij`` tile is stored before the row's sum is known): ``G_POS`` holds the SET term's coefficients (with
-    EAGER the coefficients, as G) and the tile takes ``-c.set_i w_ij`` in fp32 (:func:`_dl_chunk`).
+    EAGER the coefficients, as G) and the tile takes ``-c.set_i w_ij`` in fp32 (:func:`_dl_chunk`; ``pm_shift``
+    the dense mask's index shift, TRI's first row, else 0).
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -433,7 +435,8 @@ def panel_dl_kernel(
                                    COL_LAB, POS_MASK, TGT, TV, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias,
                                    lab_r, M, stride_l, offset, n0, m0, stride_pm, tgt_r,
                                    BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G,
-                                   HAS_GCOL, HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T, SPLIT_SET)
+                                   HAS_GCOL, HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T, SPLIT_SET,
+                                   pm_shift)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
     if SPLIT_T:  # (a target before the triangular frame, < 0 there, is reported by its own panel)
@@ -655,7 +658,7 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
               FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr,
-              SPLIT_T: tl.constexpr, TMA: tl.constexpr, SPLIT_SET: tl.constexpr = False):
+              SPLIT_T: tl.constexpr, TMA: tl.constexpr, SPLIT_SET: tl.constexpr = False, pm_shift=0):
     """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
     loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lmask = loc < P
@@ -715,7 +718,7 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
                                          gc_r, lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
                                          COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT, NORMALIZE, POS_KIND, HAS_G,
                                          HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T,
-                                         EXCLUDE_SELF, offset, SPLIT_SET)
+                                         EXCLUDE_SELF, offset, SPLIT_SET, pm_shift)
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
         if SPLIT_T:
             tl.store(TV + loc, tv, mask=t_here)
@@ -799,7 +802,7 @@ def epi_gemm_kernel(
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr,
     WANT_COL: tl.constexpr, SPLIT_T: tl.constexpr, PERSIST: tl.constexpr, TMA: tl.constexpr,
-    SPLIT_SET: tl.constexpr,
+    SPLIT_SET: tl.constexpr, pm_shift,
 ):
     """The epilogue GEMM: [BLOCK_M, BLOCK_N] tiles of the panel's raw products ``X @ Y^T`` (X the panel's
     rows [P, D] scaled by powers of two, Y the raw B [M, D]; fp32 accumulation in registers), turned
@@ -837,7 +840,8 @@ def epi_gemm_kernel(
     columns past the panel, this tile stores it in ``TV[j]``: TGT and TV then in the panel's frame, as
     the other vectors).
     SPLIT_SET (MODE 0 only): ``G_POS`` holds the SET term's coefficients and the tile takes
-    ``-c.set_i w_ij`` in fp32 before its cast (:func:`_dl_chunk`).
+    ``-c.set_i w_ij`` in fp32 before its cast (:func:`_dl_chunk`); ``pm_shift`` shifts the dense mask's indices
+    (the triangular frame's first row; 0 elsewhere).
 
     Grid: MODE 0 / 1 / 3 / 4 / 5 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
     the columns together (Y's column tiles stay in L2 across a group); MODE 2 ``cdiv(P, BLOCK_M)``.
@@ -864,7 +868,7 @@ def epi_gemm_kernel(
                           TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
                           stride_pm, bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF,
                           HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI,
-                          WANT_COL, SPLIT_T, TMA, SPLIT_SET)
+                          WANT_COL, SPLIT_T, TMA, SPLIT_SET, pm_shift)
     elif PERSIST:
         # one program per SM (or per resident CTA): the programs walk the tiles in steps of the grid, in the
         # same grouped order; flatten lets the software pipeline issue the next tile's operand copies while
@@ -878,7 +882,7 @@ def epi_gemm_kernel(
                       TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                       loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                       BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                      SPLIT_T, TMA, SPLIT_SET)
+                      SPLIT_T, TMA, SPLIT_SET, pm_shift)
     else:
         pid_m, pid_n = _grouped_tile(pid, P, n_pn, BLOCK_M, GROUP_M)
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -887,4 +891,4 @@ def epi_gemm_kernel(
                   TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                   BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                  SPLIT_T, TMA, SPLIT_SET)
+                  SPLIT_T, TMA, SPLIT_SET, pm_shift)

@@ -226,7 +226,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     (for the coefficients ``g``; what the caller applies with the target term, ``core.PiecesFn``);
     else ``tw`` is None.
 
-    ``g_set`` [N] fp32 (``g_pos`` None, ``prep`` with the positives, not the one pass: :func:`one_pass`): the SET
+    ``g_set`` [N] fp32 (``g_pos`` None, ``prep`` with the positives, not the one pass: :func:`takes_one_pass`): the SET
     term's upstream coefficients (with ``eager`` its coefficients), whose gradient ``-g_set_i w_ij`` the tiles
     form in fp32 before their 16-bit cast (``SPLIT_SET``): dA, dB and ds then hold it.
 
@@ -294,7 +294,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
             launch(Launch(
                 "panel_dl", KP.panel_dl_kernel, (n_prog,),
                 dict(L=lraw, DL=dl, W_OUT=w, RSP=rs.contiguous(), **common, TV=tv, DS_PART=ds_part, M=m, r0=r0, P=pp,
-                     stride_l=lraw.stride(0), stride_dl=dl.stride(0), **margs),
+                     stride_l=lraw.stride(0), stride_dl=dl.stride(0), **margs, pm_shift=0),
                 dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
             del lraw
         if need_s:
@@ -363,7 +363,7 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
 
     ``g_set`` [N] fp32 (``prep`` with the positives): the SET term's upstream coefficients, its gradient
     ``-g_set_i w_ij`` (and ``-g_set_j w_ji`` in the transposed term) formed in fp32 inside H (``SPLIT_SET``),
-    the labels (or the mask, rolled by the panel's first row) passed in the panel's frame."""
+    the labels (or the mask's indices, shifted by the panel's first row) in the panel's frame."""
     n, d = a.shape
     dev, dt = a.device, a.dtype
     epi = panels.use_epilogue(dev, dt, "tri", n * n)
@@ -400,7 +400,8 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
             ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
             launch(Launch(
                 "panel_dl", KP.panel_dl_kernel, (n_prog,),
-                dict(L=lraw, DL=h, W_OUT=_alloc((pp,), torch.float32, dev), RSP=rs.contiguous(), **common,
+                dict(L=lraw, DL=h, W_OUT=_alloc((pp,), torch.float32, dev), RSP=rs.contiguous(),
+                     **{"pm_shift": 0, **common},
                      LSE_OUT=dm, LSE_POS_OUT=dm, DS_PART=ds_part, M=c, r0=0, P=pp, stride_l=lraw.stride(0),
                      stride_dl=h.stride(0), **_mask_args(prep, spec)),
                 dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
@@ -426,13 +427,12 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
 
 
 def _framed_positives(prep, r0: int) -> dict:
-    """ROW_LAB / COL_LAB / POS_MASK of the triangular sweep's frame that starts at row r0 (B is A): the labels
-    from r0 on, or the mask rolled so that ``mask'[i % n0, j % m0] = mask[(r0 + i) % n0, (r0 + j) % m0]``
-    (O(n0 m0) per panel)."""
+    """ROW_LAB / COL_LAB, or the dense mask's index shift ``pm_shift``, of the triangular sweep's frame that
+    starts at row r0 (B is A): the labels from r0 on (views), or ``pm_shift = r0`` (the kernels read
+    ``mask[(r0 + i) % n0, (r0 + j) % m0]``)."""
     if prep.pos_kind == 1:
         return dict(ROW_LAB=prep.row_lab[r0:], COL_LAB=prep.col_lab[r0:])
-    n0, m0 = prep.pos_mask.shape
-    return dict(POS_MASK=torch.roll(prep.pos_mask, (-(r0 % n0), -(r0 % m0)), (0, 1)).contiguous())
+    return dict(pm_shift=r0)
 
 
 def _vec(c, n: int, dev) -> Tensor:

@@ -168,7 +168,8 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
     ``EPI_PERSIST_STAGES`` in the persistent forms; a config without one keeps the tiles form): ``args`` /
     ``const`` those of the one-tile-per-program form (X and Y tensors)."""
     cfg = EPI_GEMM[config]
-    const = {"SPLIT_SET": False, **const}  # (the SET term's split: MODE 0's, whose callers name it)
+    # (the SET term's split: MODE 0's, whose callers name it; pm_shift its mask's index shift)
+    const, args = {"SPLIT_SET": False, **const}, {"pm_shift": 0, **args}
     dev = args["X"].device
     arch = TL._arch(dev)
     form = epi_form(config, arch)
@@ -476,7 +477,8 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
     n_pm, n_pn = triton.cdiv(pp, bm), triton.cdiv(m, bn)
     need_s = bool(flags["NEED_DS"])
-    args = dict(X=x, Y=y, DL=dl, RSP=rs.contiguous(), **{k: common[k] for k in _EPI_POINTERS}, P=pp, M=m, D=d, r0=r0,
+    args = dict(X=x, Y=y, DL=dl, RSP=rs.contiguous(), **{k: common[k] for k in _EPI_POINTERS},
+                pm_shift=common.get("pm_shift", 0), P=pp, M=m, D=d, r0=r0,
                 stride_x=x.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0), **margs)
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(x.dtype),
                  **{k: v for k, v in flags.items() if k not in _PANEL_ONLY_FLAGS}, WANT_COL=False)
