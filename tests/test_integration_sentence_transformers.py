@@ -11,7 +11,6 @@ import math
 import os
 import subprocess
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -20,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from tests._ranks import run_ranks
+from tests._ranks import gloo_rank, run_ranks
 
 st = pytest.importorskip("sentence_transformers",
                          reason="optional peer: pip install '/path/to/fused-contrastive[sentence-transformers]'")
@@ -344,16 +343,10 @@ GATHER_CASES = {
 
 
 def _gather_worker(rank: int, world: int, init: str, path: str, out) -> None:
-    import torch.distributed as dist
 
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         _gather_checks(rank, world, path, out)
-    except Exception:  # noqa: BLE001 - reported, instead of leaving the parent waiting for the timeout
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def _gather_checks(rank: int, world: int, path: str, out) -> None:
