@@ -7,8 +7,8 @@ Under the CPU interpreter in 40-row panels (outputs poisoned): every core case o
 float64 (THE accuracy rule), the pass replacing every MODE 1 launch and running wherever the one pass does; the
 loss and gradients against the epilogue GEMM's one pass within the bf16 tolerance; a softmax peaked on the target
 (the loss of a row ~1e-3, the target's logit from its fp32 cosine, not the rounded tile); rows that the one pass
-redoes (every cosine negative at |s| = 100); and the fallback where the one pass does not apply (fp16 operands, a
-column term): the default route's launches and results, bitwise."""
+redoes (every cosine negative at |s| = 100); Matryoshka's levels; and the fallback where the one pass does not
+apply (fp16 operands, a column term): the default route's launches and results, bitwise."""
 
 from __future__ import annotations
 
@@ -202,3 +202,20 @@ def test_falls_back_to_the_default_where_the_one_pass_does_not_apply(what, route
     c = compare(next(c for c in CASES if c.name == ("info_nce" if what == "fp16" else "clip")), 70, 40,
                 dt, "triton", canary=True)
     assert c.ok, c
+
+
+def test_matryoshka_levels_against_float64(route, launches):
+    """Matryoshka InfoNCE (one core-op call per level on prefixes of D, the bench form's third loss): every level's
+    one pass through the fp16 pass, loss and gradients against float64."""
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(70, 64, generator=g)
+    q = k + torch.randn(70, 64, generator=g)
+    res = []
+    for be, dt in (("triton", torch.bfloat16), ("reference", torch.float64)):
+        a, b = q.bfloat16().to(dt).requires_grad_(), k.bfloat16().to(dt).requires_grad_()
+        loss = fc.info_nce(a, b, torch.arange(70), matryoshka_dims=[16, 32, 64], backend=be)
+        res.append([x.detach().double() for x in (loss, *torch.autograd.grad(loss, (a, b)))])
+    # three levels of two 40-row panels each
+    assert sum(x.name == "logit_pass" for x in launches) == 6, [x.name for x in launches]
+    for what, x, w in zip(("loss", "dq", "dk"), *res, strict=True):
+        assert _rel(x, w) < 1e-2, (what, _rel(x, w))
