@@ -12,7 +12,7 @@ second environment: ``pip install triton==3.6.0``) as well as with the newest.
 
 The launches are recorded on the meta device (``tools.compile_survey.recording``, nothing runs) by
 ``bench/gpu_model.py``'s recorders, for the core op on each path and panel-GEMM form (InfoNCE, SimCSE, CLIP,
-SupCon L_in), the epilogue
+SupCon L_in; the one pass's fp16 pass, ``logit_pass``, where it applies), the epilogue
 GEMM's tile loops, the Matryoshka kernels (both backwards), GIST's guided route and its fused kernels, SigLIP's
 routes and MaxSim's kernels; identical launches (kernel, constexprs, warps, stages, argument dtypes) compile
 once. Prints one line per distinct launch and exits 1 if any failed to compile.
@@ -40,7 +40,7 @@ from fused_contrastive.core.triton_shared import launch as TL  # noqa: E402
 from fused_contrastive.tools import compile_survey  # noqa: E402
 
 CORE_LOSSES = ("info_nce", "simcse", "clip", "supcon_in")
-PATHS = ("fused", "panel", "panel-epilogue", "panel-cublas")
+PATHS = ("fused", "panel", "panel-epilogue", "panel-cublas", "panel-fp16pass")
 EPI_FORMS = ("tiles", "persistent", "tma")
 GPU_OF_CC = {90: "H100", 80: "A100"}
 

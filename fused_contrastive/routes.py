@@ -98,8 +98,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "csrc (the C library)"),
     Setting("TRITON_PATH", "choice", "auto", "the triton backend's path: the panel path or the fused kernels",
             "core.triton_shared.panels.use_panel; csrc/fc_torch.cpp", ("auto", "panel", "fused")),
-    Setting("PANEL_GEMM", "choice", "auto", "what forms a panel's gradient tile: the epilogue GEMM or cuBLAS",
-            "core.triton_shared.panels.use_epilogue", ("auto", "epilogue", "cublas")),
+    Setting("PANEL_GEMM", "choice", "auto", "what forms a panel's gradient tile: the epilogue GEMM or cuBLAS "
+            "(fp16pass: the one pass's bf16 tiles from cuBLAS fp16 cosines and one in-place pass, untimed; "
+            "elsewhere auto)", "core.triton_shared.panels.use_epilogue; core.triton_shared.logit_pass",
+            ("auto", "epilogue", "cublas", "fp16pass")),
     Setting("PANEL_BUDGET", "int", None, "bytes of workspace a panel route may allocate (unset: "
             "core.triton_shared.panels.BUDGET_BYTES)", "core.triton_shared.panels.panel_rows; csrc/fc_torch.cpp"),
     Setting("EPI_FORM", "choice", None, "the epilogue GEMM's tile loop (unset: EPI_FORM_DEFAULT, else tiles)",

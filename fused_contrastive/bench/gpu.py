@@ -116,6 +116,12 @@ FORMS: tuple[Form, ...] = (
          lambda loss, n, d: loss in CORE + ("gist",), _env("PANEL_GEMM", "epilogue")),
     Form("gemm=cublas", "cuBLAS fp32 products and the panel kernel form every panel",
          lambda loss, n, d: loss in CORE, _env("PANEL_GEMM", "cublas")),
+    # (the benchmark's SimCSE, one batch of interleaved views with B = A, takes the triangular sweep: no one pass,
+    # so this form would time the default route again there)
+    Form("gemm=fp16pass", "the one pass's tiles from cuBLAS fp16 cosines of normalised fp16 copies and one in-place "
+         "Triton pass (core/triton_shared/logit_pass.py; ESTIMATE 14-15 ms against 18.9 at InfoNCE N = 65536)",
+         lambda loss, n, d: loss in ("info_nce", "matryoshka5") and n in (16384, 65536) and d in (768, 256),
+         _env("PANEL_GEMM", "fp16pass")),
     Form("tile=2^24", "the one-tile dense path (PyTorch ops on the whole N x M tile) up to N x M = 2^24 "
          "(default 2^21)", lambda loss, n, d: loss in CORE and n == 4096, _env("TILE_ELEMENTS", str(1 << 24))),
     Form("path=fused", "the fused kernels instead of the panel path (auto: panels from N x M = 2^24)",

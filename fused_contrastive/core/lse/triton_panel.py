@@ -109,7 +109,7 @@ from torch import Tensor
 from ...kernels import panel as KP
 from ..spec import Coeffs, combine
 from ..triton_shared import launch as TL
-from ..triton_shared import panels
+from ..triton_shared import logit_pass, panels
 from ..triton_shared.configs import (
     EPI_GEMM,
     EPI_GROUP_M,
@@ -237,9 +237,12 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     need_b = need_b and not sym
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
     one_pass = bool(eager and g_pos is None and spec.normalize and dt != torch.float16)
+    # the one pass's tiles: the epilogue GEMM's MODE 1, or (PANEL_GEMM=fp16pass) cuBLAS fp16 cosines and one
+    # in-place pass over them (core/triton_shared/logit_pass.py), the rest of the one pass shared
+    f16 = one_pass and logit_pass.use_fp16_pass(dt)
     # the epilogue GEMM needs the statistics first: known ones (the recomputing backward) or one pass
-    epi = panels.use_epilogue(dev, dt, "one_pass" if one_pass else "known", n * m) and (one_pass or not eager)
-    p_rows = panels.panel_rows(n, m, d, dt, need_b, epi)
+    epi = f16 or (panels.use_epilogue(dev, dt, "one_pass" if one_pass else "known", n * m) and (one_pass or not eager))
+    p_rows = panels.panel_rows(n, m, d, dt, need_b, epi, logit_pass.panel_bytes(m, d) if f16 else (0, 0))
     block_r, block_c = panels.panel_blocks(min(n, p_rows), panels._programs(dev))
     pr = panels._Problem(a, b, spec)
     gs = _gscale(g, g_col, g_pos)
@@ -270,6 +273,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     bt = b.T
     margs = _mask_args(prep, spec)
     shift = _one_pass_shift(scale_t, spec, prep.bias_col is not None, margs["bias"]) if epi and one_pass else None
+    producer = logit_pass.Fp16Pass(a, b, spec, target if split else None) if f16 else None
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
@@ -278,7 +282,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
         tv = _alloc((pp,), torch.float32, dev) if split else dm
         if epi:
             w, ds_part = panels._epi_panel(launch, x, b, dl, rs, dict(common, TV=tv), flags, margs, r0, one_pass, g, gs,
-                                    shift, lse_out, dm, tw[r0:r1] if split else None)
+                                    shift, lse_out, dm, tw[r0:r1] if split else None, producer)
         else:
             lraw = panels._mm32(x, bt)
             w = _alloc((pp,), torch.float32, dev)
