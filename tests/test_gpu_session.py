@@ -121,3 +121,20 @@ def test_unknown_steps_are_refused_by_name(gs, capsys):
     assert gs.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert all(s.name in out for s in gs.STEPS)
+
+
+def test_more_files_than_the_device_returns_are_packed_into_one_archive(gs, tmp_path):
+    import tarfile
+
+    (tmp_path / "sub").mkdir()
+    want = {f"f{i}.txt": f"file {i}\n" for i in range(6)} | {"sub/a.jsonl": "{}\n", "sub/b.png": "png"}
+    for name, text in want.items():
+        (tmp_path / name).write_text(text)
+    assert gs.pack(tmp_path) == []  # eight files: they all come back as they are
+    (tmp_path / "session.json").write_text("{}")
+    packed = gs.pack(tmp_path)
+    assert sorted(packed) == sorted(want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.json", gs.PACK]  # the empty sub/ removed too
+    with tarfile.open(tmp_path / gs.PACK) as tar:
+        got = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert got == want
