@@ -195,13 +195,13 @@ def _sweeps(seen):
             if x.name == "epi_gemm_siglip"]
 
 
-def _bf16_case(regime, reduction, seed=3, n=97, d=40):
+def _bf16_case(regime, reduction, seed=3, n=97, d=40, dtype=torch.bfloat16):
     s0, b0, learn = REGIMES[regime]
     g = torch.Generator().manual_seed(seed)
-    x64 = torch.randn(n, d, generator=g, dtype=torch.float64).bfloat16().double()
-    y64 = torch.randn(n, d, generator=g, dtype=torch.float64).bfloat16().double()
+    x64 = torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype).double()
+    y64 = torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype).double()
     leaves64 = [x64.requires_grad_(), y64.requires_grad_()]
-    leaves = [x64.detach().bfloat16().requires_grad_(), y64.detach().bfloat16().requires_grad_()]
+    leaves = [x64.detach().to(dtype).requires_grad_(), y64.detach().to(dtype).requires_grad_()]
     if learn:
         leaves64 += [torch.tensor(s0, dtype=torch.float64, requires_grad=True),
                      torch.tensor(b0, dtype=torch.float64, requires_grad=True)]
@@ -239,6 +239,15 @@ def test_lean_epilogue_bf16_against_the_definition(form, regime, reduction, lean
     bm5 = 128 if form == "lean128" else 64
     want_sweeps = [(5, True, bm5)] * 3 if reduction == "sum" else [(4, True, 128)] * 6
     assert _sweeps(lean_route) == want_sweeps
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_lean_epilogue_fp16_against_the_definition(reduction, lean_route, route):
+    """fp16 operands: the gradient tile pre-scaled by 2^13 before its fp16 cast (a negative pair's sigmoid at
+    the bias -10 is below fp16's smallest normal number), as the exact epilogue's."""
+    route(SIGLIP_EPILOGUE="lean")
+    _check_bf16(*_bf16_case("siglip_init", reduction, dtype=torch.float16), f"fp16 {reduction}")
+    assert all(lean for _, lean, _ in _sweeps(lean_route))
 
 
 def test_default_is_the_exact_epilogue(lean_route):
