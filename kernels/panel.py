@@ -816,9 +816,10 @@ def epi_gemm_kernel(
     scale's (``TP``) and the bias's (``MXP``) gradients (NEED_DS); LBIAS[0] is the logit bias.
     MODE 5 (SigLIP's one pass, HAS_G: a summed loss, whose upstream gradient is one scalar known up to
     that factor in the forward): MODE 4's loss sums and its gradient tile from the same products.
-    LEAN (MODE 4 / 5; default False, the switchboard's SIGLIP_EPILOGUE): the per-logit SigLIP math in its lean
-    form (``kernels/common.py`` ``_softplus_lean``, ``_dz_lean``: one exp, a degree-7 log1p polynomial, one
-    approximate reciprocal per logit) instead of ``_softplus`` / ``_dz`` (libdevice log, IEEE divisions).
+    LEAN (MODE 4 / 5, from the switchboard's SIGLIP_EPILOGUE; False in the other modes): SigLIP's per-logit
+    math in its lean form (``kernels/common.py`` ``_softplus_lean``, ``_dz_lean``: one exp, a degree-7 log1p
+    polynomial, one approximate reciprocal per logit) instead of ``_softplus`` / ``_dz`` (libdevice log, IEEE
+    divisions).
     MODE 2 (the redo of MODE 1's rows with ``z_i < 2^-64``: every logit of the row below
     ``c - 100.4``, see ONE_PASS in the module docstring): one program per row tile; a tile without a
     ``BAD`` row returns at once, the others walk every column tile and store ``e_ij = exp(l_ij - SHIFT_i)``

@@ -6,7 +6,7 @@ The switchboard's ``SIGLIP_EPILOGUE`` picks the per-logit math of every SigLIP s
 kernel's LEAN constexpr: ``_softplus_lean`` / ``_dz_lean``, one exp, a degree-7 log1p polynomial and one
 approximate reciprocal per logit) or "lean128" (lean, and the one pass, MODE 5, at :data:`LEAN128_BLOCK_M`
 rows per tile). No GPU has timed the lean forms: they are options (bench-gpu's ``siglip=lean``,
-``siglip=lean128``)."""
+``siglip=lean128``, ``siglip=lean128+tiles``)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from ..triton_shared.configs import EPI_GEMM, EPI_GROUP_M
 from ..triton_shared.launch import _alloc, _gscale, _upcast
 
 #: The one pass's (MODE 5) row tile under ``SIGLIP_EPILOGUE=lean128``, with ``EPI_GEMM["siglip_eager"]``'s column
-#: tile, D chunk, warps and stages (the exact epilogue spilled 168-516 bytes at 128 x 128; the lean one's compile
-#: is in docs/panel-path.md; not timed).
+#: tile, D chunk, warps and stages (the exact epilogue spilled 168-516 bytes at 128 x 128; the lean one 20 bytes in
+#: the tiles loop and 116-176 in the TMA loop on sm_90: docs/panel-path.md; not timed). Panels are multiples of 64
+#: rows, so a panel's last row tile may be half empty (N = 16384: 2 of 136 row tiles).
 LEAN128_BLOCK_M = 128
 
 
