@@ -112,6 +112,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "core.triton_shared.launch.POISON_OUTPUTS"),
     Setting("GPU_MODEL", "text", None, "the GPU model's results file check --gpu-validate compares with",
             "gpu_validate"),
+    Setting("SIGLIP_EPILOGUE", "choice", "exact", "SigLIP's per-logit math on the epilogue GEMM: exact (libdevice "
+            "log, IEEE divisions), lean (one exp, a log1p polynomial, one approximate reciprocal) or lean128 (lean, "
+            "the one pass at 128 x 128 tiles); the lean forms are untimed", "core.siglip.triton_sweep.epilogue",
+            ("exact", "lean", "lean128")),
 )}
 
 #: In-process hooks without a variable: sizes a test (or the GPU model, recording what a CUDA device would run)

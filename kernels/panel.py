@@ -71,6 +71,7 @@ from .common import (
     NEG_INF,
     _dlogits,
     _dz,
+    _dz_lean,
     _flipped,
     _grad_vec,
     _inv_norms,
@@ -81,6 +82,7 @@ from .common import (
     _pos_logits,
     _row_stats,
     _softplus,
+    _softplus_lean,
     _stat,
 )
 
@@ -639,7 +641,7 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
               FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr,
-              SPLIT_T: tl.constexpr, TMA: tl.constexpr):
+              SPLIT_T: tl.constexpr, TMA: tl.constexpr, LEAN: tl.constexpr):
     """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
     loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lmask = loc < P
@@ -716,10 +718,17 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
         w, valid, pos = _flipped(cos, s, b, rows, cols, n_end, M, offset)
         part = loc.to(tl.int64) * stride_zp + pid_n
         if MODE == 5 or not HAS_G:
-            tl.store(ZP + part, tl.sum(tl.where(valid, _softplus(w), 0.0), axis=1), mask=lmask)
+            if LEAN:
+                sp = _softplus_lean(w)
+            else:
+                sp = _softplus(w)
+            tl.store(ZP + part, tl.sum(tl.where(valid, sp, 0.0), axis=1), mask=lmask)
         if HAS_G:
             g_r = tl.load(G + rows, mask=lmask, other=0.0) / tl.load(GSCALE)
-            dz = _dz(cos, s, b, g_r, rows, cols, n_end, M, offset)
+            if LEAN:  # the same e = exp(-|w|) as the softplus above (one exp per logit)
+                dz = _dz_lean(w, valid, pos, g_r)
+            else:
+                dz = _dz(cos, s, b, g_r, rows, cols, n_end, M, offset)
             if NEED_DS:
                 tl.store(TP + part, tl.sum(dz * cos, axis=1), mask=lmask)
                 tl.store(MXP + part, tl.sum(dz, axis=1), mask=lmask)
@@ -782,6 +791,7 @@ def epi_gemm_kernel(
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr,
     WANT_COL: tl.constexpr, SPLIT_T: tl.constexpr, PERSIST: tl.constexpr, TMA: tl.constexpr,
+    LEAN: tl.constexpr,
 ):
     """The epilogue GEMM: [BLOCK_M, BLOCK_N] tiles of the panel's raw products ``X @ Y^T`` (X the panel's
     rows [P, D] scaled by powers of two, Y the raw B [M, D]; fp32 accumulation in registers), turned
@@ -806,6 +816,10 @@ def epi_gemm_kernel(
     scale's (``TP``) and the bias's (``MXP``) gradients (NEED_DS); LBIAS[0] is the logit bias.
     MODE 5 (SigLIP's one pass, HAS_G: a summed loss, whose upstream gradient is one scalar known up to
     that factor in the forward): MODE 4's loss sums and its gradient tile from the same products.
+    LEAN (MODE 4 / 5, from the switchboard's SIGLIP_EPILOGUE; False in the other modes): SigLIP's per-logit
+    math in its lean form (``kernels/common.py`` ``_softplus_lean``, ``_dz_lean``: one exp, a degree-7 log1p
+    polynomial, one approximate reciprocal per logit) instead of ``_softplus`` / ``_dz`` (libdevice log, IEEE
+    divisions).
     MODE 2 (the redo of MODE 1's rows with ``z_i < 2^-64``: every logit of the row below
     ``c - 100.4``, see ONE_PASS in the module docstring): one program per row tile; a tile without a
     ``BAD`` row returns at once, the others walk every column tile and store ``e_ij = exp(l_ij - SHIFT_i)``
@@ -844,7 +858,7 @@ def epi_gemm_kernel(
                           TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
                           stride_pm, bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF,
                           HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI,
-                          WANT_COL, SPLIT_T, TMA)
+                          WANT_COL, SPLIT_T, TMA, LEAN)
     elif PERSIST:
         # one program per SM (or per resident CTA): the programs walk the tiles in steps of the grid, in the
         # same grouped order; flatten lets the software pipeline issue the next tile's operand copies while
@@ -858,7 +872,7 @@ def epi_gemm_kernel(
                       TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                       loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                       BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                      SPLIT_T, TMA)
+                      SPLIT_T, TMA, LEAN)
     else:
         pid_m, pid_n = _grouped_tile(pid, P, n_pn, BLOCK_M, GROUP_M)
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -867,4 +881,4 @@ def epi_gemm_kernel(
                   TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                   BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                  SPLIT_T, TMA)
+                  SPLIT_T, TMA, LEAN)

@@ -138,6 +138,15 @@ FORMS: tuple[Form, ...] = (
     Form("one_pass=128x256w16", "the one-pass epilogue GEMM at 128 x 256 tiles, 16 warps, 3 stages",
          lambda loss, n, d: loss == "info_nce" and n >= 16384 and d == 768,
          patch=_config("one_pass", (128, 256, 64, 16, 3))),
+    Form("siglip=lean", "SigLIP's lean epilogue: one exp, a log1p polynomial and one approximate reciprocal per "
+         "logit (default: exact)", lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768,
+         _env("SIGLIP_EPILOGUE", "lean")),
+    Form("siglip=lean128", "the lean epilogue with the one pass at 128 x 128 tiles (default: exact, 64 x 128)",
+         lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768, _env("SIGLIP_EPILOGUE", "lean128")),
+    Form("siglip=lean128+tiles", "the lean 128 x 128 one pass in the one-program-per-tile loop (its compile spills "
+         "20 bytes there, 116-176 in the default TMA loop)",
+         lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768,
+         {**_env("SIGLIP_EPILOGUE", "lean128"), **_env("EPI_FORM", "tiles")}),
 )
 FORM_BY_NAME = {f.name: f for f in FORMS}
 
