@@ -33,10 +33,15 @@ Everything the Triton kernels need a GPU to confirm, in one command, with a pass
 * **ncu** (``Plan.ncu``, off by default; when ``ncu`` is on PATH): the metrics that would calibrate the
   model for the main kernels. Informational.
 
-Bounded (``--budget``, default 420 s; the H100 runs took 264 and 310 s at 300): parity, determinism and
-fp16 run first in ``--jobs`` worker processes (a first run compiles every kernel variant, CPU-bound
-with the GPU idle; nothing is timed meanwhile) within 60 % of the budget, the timings alone after them;
-a row that would start past the budget is listed as not run. Every check runs on its own: an
+Bounded (``--budget``, default 420 s; the H100 runs took 264 and 310 s at 300). Every correctness row
+comes before any timing row: parity (the cheap shapes first, smallest N x D; the option rows of
+``OPTION_LOSSES`` and the sentence-transformers row with them), determinism and fp16, in ``--jobs`` worker
+processes when J > 1 (a first run compiles every kernel variant, CPU-bound with the GPU idle; nothing is
+timed meanwhile) within the budget less the timings' ESTIMATE (at most 40 % of it); then the timings alone,
+each row's repeats bounded by its share of the time left (``Plan.timing_repeats`` at most, 1 at least). The
+run first prints the plan: its rows per kind and an ESTIMATE of its wall time (``EST_S`` per row: not a
+measurement). A row that would start past the budget is listed as not run, and the verdict names every such
+row ("not proven"): a row never run proves nothing. Every check runs on its own: an
 exception in one is a FAIL row carrying the error, and the run always ends with the verdict table of
 every row; the exit status is 0 (all pass) or 1 (any FAIL). Without a CUDA device the command exits
 with status 2 and a message. The machinery takes the device and the sizes as parameters
@@ -66,6 +71,17 @@ from . import routes
 #: Every Triton kernel family, by a registry case that runs it ("matryoshka": info_nce with
 #: ``matryoshka_dims``, see :func:`parity_case`).
 LOSSES = ("info_nce", "simcse", "clip", "supcon_in", "cosent", "siglip", "gist", "matryoshka")
+#: Parity rows of options whose kernel code only the CPU interpreter had run (registry cases, each against the
+#: reference backend's float64 definition like every parity row): label smoothing on GIST (the guided kernels'
+#: SMOOTH flag; a mean bf16 loss, which bypasses the guided panel route), Qwen3-Embedding in 16 bits, tau_plus
+#: (debiased) and row_negatives on info_nce, SigLIP's image / text groups. Not timed (no textbook formula).
+OPTION_LOSSES = ("gist_smoothed", "qwen3", "info_nce_debiased", "info_nce_rowneg", "siglip_groups")
+#: Per-row cost ESTIMATES (seconds on one H100-class GPU, warm compile cache; not measured per row: the committed
+#: H100 runs' wall time divided by their rows, about 1.4 s a row at 8 jobs) for the printed plan estimate and
+#: the timings' reserve: a parity run (one path) at N x D = 4099 x 768 (scaled by N x D, at least 0.3 of it), a
+#: determinism run, an fp16 path, one timed step where the GPU model has no prediction, and the first compile
+#: of a kernel family's variants per process.
+EST_S = {"parity": 1.2, "determinism_run": 0.15, "fp16": 4.0, "timing_step": 0.5, "compile": 20.0}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: In fp32 the float64 oracle must agree with PyTorch computing in fp32 to this many times the slack of
 #: THE accuracy rule (a sanity bound on the oracle itself; see _parity_one).
@@ -119,6 +135,11 @@ class Plan:
     """What to check, and at which sizes (defaults: the first-GPU run)."""
 
     losses: tuple[str, ...] = LOSSES
+    #: parity rows of the options only the interpreter had run (:data:`OPTION_LOSSES`; no determinism or timing)
+    option_losses: tuple[str, ...] = OPTION_LOSSES
+    #: the cached sentence-transformers drop-ins' loss (``mnrl_from_embeddings``) against the float64 InfoNCE
+    #: definition, when sentence-transformers is installed (else a row saying it is not: not run)
+    st_cached: bool = True
     #: "panel" takes the epilogue GEMM for 16-bit operands on CUDA, "panel-cublas" the cuBLAS products
     #: and the panel kernel (the form before the epilogue GEMM): both are measured side by side
     paths: tuple[str, ...] = ("fused", "panel", "panel-cublas")
@@ -135,6 +156,8 @@ class Plan:
     timing_sizes: tuple[int, ...] = (16384, 65536)  # (): skip
     timing_d: int = 768
     timing_dtype: torch.dtype = torch.bfloat16
+    #: at most this many timed repeats per contender (the median is reported); fewer where the time left, shared
+    #: among the timing rows still to run, does not hold them (at least one after the warm-up)
     timing_repeats: int = 5
     ncu: bool = False
     ncu_shape: tuple[int, int] = (16384, 768)
@@ -345,7 +368,7 @@ def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> Non
     for n, d in plan.parity_shapes:
         for regime in plan.regimes:
             for dt in plan.dtypes:
-                for loss in plan.losses:
+                for loss in (*plan.losses, *plan.option_losses):
                     rows = [(f"parity {loss} {label} N={n} D={d} {_dname(dt)} {regime}", path, prow)
                             for label, path, prow in _parity_paths(plan, loss)]
                     if report.over_budget(rows[0][0]):
@@ -622,66 +645,85 @@ def _textbook(loss: str, case, kwargs):
 def check_timings(report: Report, plan: Plan, device: str) -> None:
     """Fwd + bwd times (CUDA events, medians of ``timing_repeats``) of the triton backend's route, each
     triton path forced for the core op, and the textbook formula, with the model's prediction beside."""
-    measure = _timer(device)
-    dt = plan.timing_dtype
     model = model_predictions(device)
+    todo = [(loss, n) for loss in plan.losses for n in plan.timing_sizes]
+    for i, (loss, n) in enumerate(todo):
+        check = f"timing {loss} N={n} D={plan.timing_d} {_dname(plan.timing_dtype)}"
+        if report.over_budget(check):
+            continue
+        # the time left, shared among the timing rows still to run, bounds this row's repeats
+        share = None if report.deadline is None else max(report.deadline - time.monotonic(), 0.0) / (len(todo) - i)
+        _timing_row(report, plan, device, loss, n, check, share, model)
     for loss in plan.losses:
-        fam = family(loss)
-        for n in plan.timing_sizes:
-            check = f"timing {loss} N={n} D={plan.timing_d} {_dname(dt)}"
-            if report.over_budget(check):
-                continue
-            try:
-                case, (tensors, kwargs) = parity_case(loss, n, plan.timing_d, 7, "flat")
-            except Exception as e:  # noqa: BLE001
-                report.add(check, False, f"raised {_err(e)}")
-                continue
-            kwargs = {k: (v.to(device=device, dtype=dt) if isinstance(v, Tensor) and v.is_floating_point() else
-                          tuple(g.to(device=device, dtype=dt) for g in v) if k == "guide" else
-                          v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
-            leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone()
-                      .requires_grad_(True) for k, v in tensors.items()}
-            textbook = _textbook(loss, case, kwargs)
-            names = ["triton", *(f"triton/{p}" for p in plan.paths if fam == "core"), "naive"]
-            row: dict[str, float | None] = {}
-            for name in names:
-                def step(name=name, leaves=leaves, kwargs=kwargs, case=case, textbook=textbook):
-                    for v in leaves.values():
-                        v.grad = None
-                    if name == "naive":
-                        out = textbook(leaves)
-                    else:
-                        with triton_path(name.split("/", 1)[1]) if "/" in name else contextlib.nullcontext():
-                            out = case.fn(**leaves, **kwargs, backend="triton")
-                            out.backward()
-                        return
-                    out.backward()
-                try:
-                    step()  # warm-up (compiles, cuBLAS heuristics)
-                    row[name] = statistics.median(measure(step) for _ in range(plan.timing_repeats))
-                except Exception as e:  # noqa: BLE001 - out of memory: "does not fit"; else a FAIL row
-                    row[name] = None
-                    if not _is_oom(e):
-                        report.add(f"timing {loss} {name} N={n} D={plan.timing_d} {_dname(dt)}", False,
-                                   f"raised {_err(e)}")
-                    if device.startswith("cuda"):
-                        torch.cuda.empty_cache()
-            report.timings[(loss, n)] = row
-            cells = ", ".join(f"{k} {'does not fit' if v is None else f'{v:.2f} ms'}" for k, v in row.items())
-            pred = model.get((loss, n))
-            mcell = (f"; MODEL triton {pred[0]:.2f} ms, textbook {pred[1]:.2f} ms" if pred and pred[0] and pred[1]
-                     else f"; MODEL triton {pred[0]:.2f} ms" if pred and pred[0] else "; no model row")
-            tri, naive = row.get("triton"), row.get("naive")
-            ratio = f"; triton / textbook {tri / naive:.2f}x" if tri and naive else ""
-            report.add(check, None, f"median of {plan.timing_repeats}: {cells}{ratio}{mcell}")
-            del leaves
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        if fam == "core" and plan.timing_sizes and (loss, max(plan.timing_sizes)) in report.timings:
+        if family(loss) == "core" and plan.timing_sizes and (loss, max(plan.timing_sizes)) in report.timings:
             row = report.timings[(loss, max(plan.timing_sizes))]
             cands = {k: v for k, v in row.items() if k.startswith("triton/") and v is not None}
             if cands:
                 report.prefer[loss] = min(cands, key=cands.get)
+
+
+def _timing_row(report: Report, plan: Plan, device: str, loss: str, n: int, check: str, share: float | None,
+                model) -> None:
+    """One timing row: each contender warmed up once, then timed ``repeats`` times (median), ``repeats`` at most
+    ``plan.timing_repeats`` and, with ``share`` (seconds this row may take), as many as the warm-up's time says
+    fit in the contender's part of it (at least 1)."""
+    measure = _timer(device)
+    dt = plan.timing_dtype
+    fam = family(loss)
+    try:
+        case, (tensors, kwargs) = parity_case(loss, n, plan.timing_d, 7, "flat")
+    except Exception as e:  # noqa: BLE001
+        report.add(check, False, f"raised {_err(e)}")
+        return
+    kwargs = {k: (v.to(device=device, dtype=dt) if isinstance(v, Tensor) and v.is_floating_point() else
+                  tuple(g.to(device=device, dtype=dt) for g in v) if k == "guide" else
+                  v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
+    leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone()
+              .requires_grad_(True) for k, v in tensors.items()}
+    textbook = _textbook(loss, case, kwargs)
+    names = ["triton", *(f"triton/{p}" for p in plan.paths if fam == "core"), "naive"]
+    row: dict[str, float | None] = {}
+    reps: list[int] = []
+    for name in names:
+        def step(name=name, leaves=leaves, kwargs=kwargs, case=case, textbook=textbook):
+            for v in leaves.values():
+                v.grad = None
+            if name == "naive":
+                out = textbook(leaves)
+            else:
+                with triton_path(name.split("/", 1)[1]) if "/" in name else contextlib.nullcontext():
+                    out = case.fn(**leaves, **kwargs, backend="triton")
+                    out.backward()
+                return
+            out.backward()
+        try:
+            t0 = time.monotonic()
+            step()  # warm-up (compiles, cuBLAS heuristics)
+            took = time.monotonic() - t0
+            r = plan.timing_repeats if share is None else \
+                max(1, min(plan.timing_repeats, int(share / len(names) / max(took, 1e-6)) - 1))
+            reps.append(r)
+            row[name] = statistics.median(measure(step) for _ in range(r))
+        except Exception as e:  # noqa: BLE001 - out of memory: "does not fit"; else a FAIL row
+            row[name] = None
+            if not _is_oom(e):
+                report.add(f"timing {loss} {name} N={n} D={plan.timing_d} {_dname(dt)}", False,
+                           f"raised {_err(e)}")
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    report.timings[(loss, n)] = row
+    cells = ", ".join(f"{k} {'does not fit' if v is None else f'{v:.2f} ms'}" for k, v in row.items())
+    pred = model.get((loss, n))
+    mcell = (f"; MODEL triton {pred[0]:.2f} ms, textbook {pred[1]:.2f} ms" if pred and pred[0] and pred[1]
+             else f"; MODEL triton {pred[0]:.2f} ms" if pred and pred[0] else "; no model row")
+    tri, naive = row.get("triton"), row.get("naive")
+    ratio = f"; triton / textbook {tri / naive:.2f}x" if tri and naive else ""
+    nrep = f"{min(reps)}" if reps and min(reps) == max(reps) else \
+        f"{min(reps)}-{max(reps)}" if reps else f"{plan.timing_repeats}"
+    report.add(check, None, f"median of {nrep}: {cells}{ratio}{mcell}")
+    del leaves
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def ncu_child(loss: str, n: int, d: int) -> None:
@@ -726,19 +768,20 @@ def _worker(device: str, plan: Plan, oracle: Oracle) -> tuple[list[Result], int]
     return [r for r in rep.results if not r.check.startswith("cuBLAS")], rep.not_run
 
 
-def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle) -> None:
+def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle, reserve: float = 0.0) -> None:
     """Parity, determinism and fp16 in ``plan.jobs`` processes, before the timings run alone: the first
     run on a machine compiles every kernel variant (CPU-bound, seconds each, the GPU idle), so the
     correctness checks share the CPU cores; nothing is timed while they run. The units (determinism,
     fp16, parity per (shape, regime, dtype)) go to whichever worker is free, all under one wall-clock
-    deadline (60 % of the budget left: the timings get the rest)."""
+    deadline: the budget left less ``reserve`` (the timings' ESTIMATE, at most 40 % of it), which the timings get.
+    The sentence-transformers row runs in the first unit."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    until = None if report.deadline is None else \
-        time.time() + 0.6 * max(report.deadline - time.monotonic(), 0.0)
+    left = None if report.deadline is None else max(report.deadline - time.monotonic(), 0.0)
+    until = None if left is None else time.time() + left - min(reserve, 0.4 * left)
     base = dataclasses.replace(plan, timing_sizes=(), ncu=False, budget_s=None, until=until, jobs=1,
-                               parity_shapes=(), determinism_runs=0, fp16_shape=None)
+                               parity_shapes=(), determinism_runs=0, fp16_shape=None, st_cached=False)
     # one task per unit, the long ones first, handed to whichever worker is free: determinism, fp16,
     # then parity per (shape, regime, dtype) in the plan's order of priority
     plans = []
@@ -748,6 +791,8 @@ def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle) 
         plans.append(dataclasses.replace(base, fp16_shape=plan.fp16_shape))
     plans += [dataclasses.replace(base, parity_shapes=(shape,), regimes=(regime,), dtypes=(dt,))
               for shape in plan.parity_shapes for regime in plan.regimes for dt in plan.dtypes]
+    if plans and plan.st_cached:
+        plans[0] = dataclasses.replace(plans[0], st_cached=True)
     with cf.ProcessPoolExecutor(plan.jobs, mp_context=mp.get_context("spawn")) as pool:
         futures = [pool.submit(_worker, device, p, oracle) for p in plans]
         for fut in futures:
@@ -759,6 +804,85 @@ def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle) 
             report.not_run += not_run
             for r in results:
                 report.add(r.check, r.ok, r.detail)
+
+
+def estimate(plan: Plan) -> dict[str, tuple[int, float]]:
+    """``{kind: (rows, ESTIMATED seconds)}`` of ``plan`` from :data:`EST_S` (per row, not measured per row) and,
+    for the timings, the GPU model's predictions where it has them (``(1 + repeats)`` steps per contender)."""
+    n_par = sum(len(_parity_paths(plan, lo)) for lo in (*plan.losses, *plan.option_losses)) * len(plan.regimes) \
+        * len(plan.dtypes)
+    par_s = sum(len(_parity_paths(plan, lo)) * EST_S["parity"] * max(0.3, n * d / (4099 * 768))
+                for lo in (*plan.losses, *plan.option_losses) for n, d in plan.parity_shapes) \
+        * len(plan.regimes) * len(plan.dtypes)
+    n_det = sum(len(_parity_paths(plan, lo)) for lo in plan.losses) if plan.determinism_runs > 1 else 0
+    n_fp16 = len(plan.paths) if plan.fp16_shape is not None else 0
+    n_tim = len(plan.losses) * len(plan.timing_sizes)
+    tim_s = n_tim * (1 + plan.timing_repeats) * 3 * EST_S["timing_step"]
+    return {"parity": (n_par * len(plan.parity_shapes), par_s + EST_S["compile"] * len(plan.losses)),
+            "sentence-transformers": (int(plan.st_cached), float(plan.st_cached)),
+            "determinism": (n_det, n_det * plan.determinism_runs * EST_S["determinism_run"]),
+            "fp16": (n_fp16, n_fp16 * EST_S["fp16"]), "timing": (n_tim, tim_s)}
+
+
+def plan_seconds(est: dict[str, tuple[int, float]], jobs: int) -> float:
+    """The wall-clock ESTIMATE of a plan: the correctness rows over ``jobs`` processes, the timings alone."""
+    return sum(s for k, (_, s) in est.items() if k != "timing") / max(1, jobs) + est["timing"][1]
+
+
+def st_cached_case(n: int, d: int, seed: int):
+    """``(fn, inputs, truth)`` of the sentence-transformers row: ``mnrl_from_embeddings`` (the loss the
+    cached drop-ins compute from their embeddings; scale 20, query to doc, one positive and one hard
+    negative column) and its float64 definition, InfoNCE of each query against every doc column
+    (the reference backend: core/reference.py)."""
+    from .integrations.sentence_transformers import mnrl_from_embeddings
+    from .losses import info_nce
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, d, generator=g)
+    pos = q + 0.5 * torch.randn(n, d, generator=g)
+    neg = torch.randn(n, d, generator=g)
+
+    def fn(q, pos, neg, backend):
+        return mnrl_from_embeddings(q, [pos, neg], scale=20.0, backend=backend)
+
+    def truth(q, pos, neg):
+        return info_nce(q, torch.cat([pos, neg]), temperature=1 / 20.0, backend="reference")
+    return fn, {"q": q, "pos": pos, "neg": neg}, truth
+
+
+def check_st_cached(report: Report, plan: Plan, device: str) -> None:
+    """The cached sentence-transformers drop-ins' loss on the triton backend in each 16-bit dtype of the plan
+    against its float64 definition (:func:`st_cached_case`), at the plan's first parity shape: loss to 1e-2
+    relative, gradients to 2e-2 of their largest entry (bf16 / fp16 rounding of the operands). Without
+    sentence-transformers: a row saying so, counted as not run (it proves nothing)."""
+    import importlib.util
+
+    n, d = plan.parity_shapes[0]
+    for dt in plan.dtypes:
+        check = f"parity st_cached_mnrl own N={n} D={d} {_dname(dt)}"
+        if importlib.util.find_spec("sentence_transformers") is None:
+            report.not_run += 1
+            report.add(check, None, "not run: sentence-transformers is not installed")
+            continue
+        if report.over_budget(check):
+            continue
+        try:
+            fn, xs, truth = st_cached_case(n, d, 11)
+            want = {k: v.to(dt).double().to(device).requires_grad_() for k, v in xs.items()}
+            tl = truth(**want)
+            tl.backward()
+            got = {k: v.to(device=device, dtype=dt).requires_grad_() for k, v in xs.items()}
+            with poisoned_launches():
+                gl = fn(**got, backend="triton")
+                gl.backward()
+            el = abs(float(gl) - float(tl)) / max(abs(float(tl)), 1e-6)
+            eg = max(float((got[k].grad.double() - want[k].grad).abs().max() / want[k].grad.abs().max())
+                     for k in xs)
+            tol_l, tol_g = (1e-5, 1e-4) if dt == torch.float32 else (1e-2, 2e-2)
+            report.add(check, el <= tol_l and eg <= tol_g,
+                       f"rel err loss {el:.2e} (<= {tol_l:g}), grads {eg:.2e} of max (<= {tol_g:g})")
+        except Exception as e:  # noqa: BLE001 - a FAIL row, and on to the next
+            report.add(check, False, f"raised {_err(e)}")
 
 
 def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = float64_oracle,
@@ -780,19 +904,26 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     print(f"fused-contrastive GPU validation on {device} ({name}), torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}", flush=True)
+    # the cheap parity shapes first (smallest N x D)
+    plan = dataclasses.replace(plan, parity_shapes=tuple(sorted(plan.parity_shapes, key=lambda s: s[0] * s[1])))
+    est = estimate(plan)
+    budget = "none" if plan.budget_s is None else f"{plan.budget_s:.0f} s"
+    print(f"plan: {sum(r for r, _ in est.values())} rows ("
+          + ", ".join(f"{k} {r}" for k, (r, _) in est.items() if r)
+          + f"); ESTIMATE {plan_seconds(est, plan.jobs):.0f} s with {plan.jobs} job(s) against the budget {budget} "
+          "(EST_S per row, not a measurement)", flush=True)
     if plan.jobs > 1:
-        _checks_in_workers(report, plan, device, oracle)
-        plan = dataclasses.replace(plan, parity_shapes=(), determinism_runs=0, fp16_shape=None)
-    # in order of priority (the time budget stops the run in this order): parity at the first shape,
-    # the timings, parity at the other shapes, determinism, fp16 at large M
-    first = dataclasses.replace(plan, parity_shapes=plan.parity_shapes[:1])
-    rest = dataclasses.replace(plan, parity_shapes=plan.parity_shapes[1:])
-    steps = [("parity", lambda: check_parity(report, first, device, oracle), bool(plan.parity_shapes)),
+        _checks_in_workers(report, plan, device, oracle, reserve=est["timing"][1])
+        plan = dataclasses.replace(plan, parity_shapes=(), determinism_runs=0, fp16_shape=None, st_cached=False)
+    # in order (the time budget stops the run in this order): every correctness row, parity first (cheap
+    # shapes first), then determinism and fp16 at large M; the timings last, their repeats bounded by the
+    # time left
+    steps = [("parity", lambda: check_parity(report, plan, device, oracle), bool(plan.parity_shapes)),
+             ("sentence-transformers", lambda: check_st_cached(report, plan, device), plan.st_cached),
              ("cuBLAS GEMM routes", lambda: check_gemm_routes(report, plan, device), True),
-             ("timings", lambda: check_timings(report, plan, device), bool(plan.timing_sizes)),
-             ("parity", lambda: check_parity(report, rest, device, oracle), len(plan.parity_shapes) > 1),
              ("determinism", lambda: check_determinism(report, plan, device), plan.determinism_runs > 1),
              ("fp16 vs fp32", lambda: check_fp16_large_m(report, plan, device), plan.fp16_shape is not None),
+             ("timings", lambda: check_timings(report, plan, device), bool(plan.timing_sizes)),
              ("ncu", lambda: check_ncu(report, plan, device), plan.ncu)]
     for what, step, wanted in steps:
         if not wanted:
@@ -810,6 +941,9 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
                if report.not_run else "")
     print(f"\nverdict: {'PASS' if report.ok else 'FAIL'} ({sum(r.ok is True for r in report.results)} passed, "
           f"{len(fails)} failed{skipped}{': ' + ', '.join(fails) if fails else ''})")
+    unproven = [r.check for r in report.results if r.ok is None and r.detail.startswith("not run")]
+    if unproven:
+        print(f"not proven (not run, {len(unproven)}): " + ", ".join(unproven))
     for loss, be in report.prefer.items():
         print(f"auto should prefer on this device for {loss} (measured at N = {max(plan.timing_sizes)}): {be}")
     return report
