@@ -76,6 +76,9 @@ LOSSES = ("info_nce", "simcse", "clip", "supcon_in", "cosent", "siglip", "gist",
 #: SMOOTH flag; a mean bf16 loss, which bypasses the guided panel route), Qwen3-Embedding in 16 bits, tau_plus
 #: (debiased) and row_negatives on info_nce, SigLIP's image / text groups. Not timed (no textbook formula).
 OPTION_LOSSES = ("gist_smoothed", "qwen3", "info_nce_debiased", "info_nce_rowneg", "siglip_groups")
+#: Option rows whose kernels must launch with a compile-time flag set: ``{case: (kernel, flag)}`` (the guided
+#: forward's SMOOTH: label smoothing's kept-column count and sum)
+OPTION_FLAGS = {"gist_smoothed": ("guided_fwd", "SMOOTH")}
 #: Per-row cost ESTIMATES (seconds on one H100-class GPU, warm compile cache; not measured per row: the committed
 #: H100 runs' wall time divided by their rows, about 1.4 s a row at 8 jobs) for the printed plan estimate and
 #: the timings' reserve: a parity run (one path) at N x D = 4099 x 768 (scaled by N x D, at least 0.3 of it), a
@@ -267,9 +270,9 @@ def kernels_only():
 
 
 @contextlib.contextmanager
-def poisoned_launches(seen: list[str] | None = None) -> Iterator[None]:
+def poisoned_launches(seen: list[str] | None = None, flags: list[tuple[str, dict]] | None = None) -> Iterator[None]:
     """Every Triton launch first fills the outputs and scratch buffers it must write with NaN (and
-    appends its kernel name to ``seen``)."""
+    appends its kernel name to ``seen``, its name and compile-time flags to ``flags``)."""
     from .core.triton_shared import launch as TL
 
     orig = TL._launch
@@ -278,6 +281,8 @@ def poisoned_launches(seen: list[str] | None = None) -> Iterator[None]:
         if TL._RECORDER is None:
             if seen is not None:
                 seen.append(lz.name)
+            if flags is not None:
+                flags.append((lz.name, dict(lz.constexprs)))
             for name in _OUTPUTS.get(lz.name, ()):
                 t = lz.args.get(name)
                 if name == "DB" and lz.args.get("grad_cols") != lz.args.get("M"):
@@ -404,9 +409,10 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     worst_ratio, worst = 0.0, "no outputs"
     problems: list[str] = []
     seen: list[str] = []
+    flags: list[tuple[str, dict]] = []
     calls = library_route.CALLS
     forced = triton_path(path) if path != "own" else contextlib.nullcontext()
-    with poisoned_launches(seen), forced, _panel_height(rows):
+    with poisoned_launches(seen, flags), forced, _panel_height(rows):
         # the library takes 16-element row strides: NaN padding to the next such stride
         got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True,
                                   canary_align=16 if path.startswith("aot/") else 1)
@@ -422,6 +428,10 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     elif not any(want <= set(seen) for want in _alternatives(EXPECT[(fam, path)])):
         wants = " or ".join(str(sorted(w)) for w in _alternatives(EXPECT[(fam, path)]))
         problems.append(f"the kernels did not run (want {wants}, launches: {sorted(set(seen))})")
+    elif case.name in OPTION_FLAGS and not any(
+            name == OPTION_FLAGS[case.name][0] and fl.get(OPTION_FLAGS[case.name][1]) for name, fl in flags):
+        problems.append(f"{OPTION_FLAGS[case.name][0]} did not run with {OPTION_FLAGS[case.name][1]} "
+                        f"(launches: {sorted(set(seen))})")
     elif path == "panel" and dt == torch.bfloat16 and case.name in EPILOGUE_CASES and "epi_gemm" not in seen:
         problems.append(f"the epilogue GEMM did not run (launches: {sorted(set(seen))})")
     elif path == "panel-cublas" and "epi_gemm" in seen:

@@ -469,3 +469,16 @@ def test_a_timing_row_takes_the_repeats_its_share_holds():
         GV._timing_row(rep, plan, "cpu", "info_nce", 40, "timing info_nce N=40", 0.0, {})
         GV._timing_row(rep, plan, "cpu", "info_nce", 40, "timing info_nce N=40", None, {})
     assert [r.detail.split(":")[0] for r in rep.results] == ["median of 1", "median of 5"], rep.results
+
+
+def test_the_smoothed_gist_row_needs_the_smooth_flag(monkeypatch):
+    """The smoothed GIST row passes only when the guided forward launched with SMOOTH (the label smoothing
+    code): asked for a flag no launch sets, the same row fails saying so."""
+    plan = _plan(losses=(), option_losses=("gist_smoothed",), parity_shapes=SMALL, dtypes=(torch.bfloat16,),
+                 determinism_runs=0, fp16_shape=None, timing_sizes=())
+    good = GV.validate("cpu", plan, allow_cpu=True)
+    assert [r.ok for r in good.results if r.check.startswith("parity")] == [True]
+    monkeypatch.setattr(GV, "OPTION_FLAGS", {"gist_smoothed": ("guided_fwd", "NOT_A_FLAG")})
+    bad = GV.validate("cpu", plan, allow_cpu=True)
+    rows = [r for r in bad.results if r.check.startswith("parity")]
+    assert [r.ok for r in rows] == [False] and "guided_fwd did not run with NOT_A_FLAG" in rows[0].detail, rows
