@@ -30,7 +30,8 @@ Kernels:
   [0, d_k) rebuilds level k's raw products, its gradient tile ``G^k = dl^k FA[k, i] FB[k, j]`` (dl^k /
   gscale from the saved statistics) joins the suffix sum ``H += G^k``, and a walk over S_k adds
   ``H^k Y_hat[:, S_k]`` into this program's fp32 scratch rows (``Y_hat`` = the other side's top-level unit
-  rows ``SB RSB[K-1]``, cast to the operand dtype as in the fused kernels). The row scalars
+  rows ``SB RSB[K-1]``, cast to the operand dtype as in the fused kernels; in bf16 ``(H^k RSB[K-1]) SB``, the
+  scaled rows exact: FOLD_NORM). Each row's target entry stays out of the 16-bit tile (SPLIT_T). The row scalars
   ``rho^k = sum_j dl^k cos^k`` accumulate in a [BLOCK, KP] tensor; the epilogue forms, per element of
   segment r, ``dA_ic = s gscale (ACC_ic / (PRESCALE n^K_i) - A_ic sum_{k >= r, n^k_i > eps} rho^k_i / (n^k_i)^2)``
   (0 past d_K: no level reads those coordinates). Two tiles live (the level's and H) whatever K is.
@@ -304,6 +305,7 @@ def mat_bwd_kernel(
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     PRESCALE: tl.constexpr, HAS_TGT: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_T: tl.constexpr,
+    FOLD_NORM: tl.constexpr,
 ):
     """dA for one block of rows (grid cdiv(N, BLOCK_M); X = A, NX = NA, n_out = N) and its share of dL/ds,
     or with COLS dB for one block of columns < n_out (grid cdiv(n_out, BLOCK_N); X = B, NX = NB).
@@ -318,7 +320,13 @@ def mat_bwd_kernel(
     of max |grad| in bf16 at temperature 0.05 against 2-4e-3 for one plain call per level. The rows kernel
     (COLS False) writes the entries to ``TG[k, i]`` (fp32, [K, N]) and adds ``sum_k TG[k, i] Y_hat[t_i, :d_k]``
     in fp32 in its epilogue; the columns kernel leaves them out and starts from ``ACC`` as the host filled it
-    (``PRESCALE sum_{i: t_i = j} sum_k TG[k, i] X_hat[i, :d_k]`` in fp32, from the rows kernel's TG)."""
+    (``PRESCALE sum_{i: t_i = j} sum_k TG[k, i] X_hat[i, :d_k]`` in fp32, from the rows kernel's TG).
+
+    FOLD_NORM (bf16): the other side's inverse norms multiply the tile (``H rs_y``, fp32, then one rounding)
+    and the GEMM reads the scaled rows as they are (exact), instead of rounding both ``H`` and
+    ``Y_hat = SY rs_y``. Every level shares the one ``Y_hat`` of a segment, so its rounding errors added up
+    coherently over the levels (segment 0 holds K of them): about twice the error of one plain call per level.
+    bf16 only: ``rs_y`` (down to ``1 / (2 sqrt D)``) would push fp16's small entries toward subnormals."""
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
     gs = tl.load(GSCALE)
@@ -376,15 +384,22 @@ def mat_bwd_kernel(
                 g_k = tl.where(hit, 0.0, g_k)
             if NEED_DX:
                 # the suffix sum H^k = H^{k+1} + G^k, then ACC[own, S_k] += H^k (SY rs_y)[other, S_k] (the
-                # other side's top-level unit rows), in the operand dtype like the fused kernels
+                # other side's top-level unit rows), in the operand dtype like the fused kernels; FOLD_NORM:
+                # as (H^k rs_y) SY[other, S_k], the scaled rows exact and one rounding (of the tile) per term
                 h += g_k
                 if COLS:
-                    ho = (tl.trans(h) * PRESCALE).to(SA.dtype.element_ty)
+                    if FOLD_NORM:
+                        ho = (tl.trans(h * rs_y[:, None]) * PRESCALE).to(SA.dtype.element_ty)
+                    else:
+                        ho = (tl.trans(h) * PRESCALE).to(SA.dtype.element_ty)
                     y_base = a_base
                     ymask = rmask
                     yt = SA.dtype.element_ty
                 else:
-                    ho = (h * PRESCALE).to(SB.dtype.element_ty)
+                    if FOLD_NORM:
+                        ho = (h * rs_y[None, :] * PRESCALE).to(SB.dtype.element_ty)
+                    else:
+                        ho = (h * PRESCALE).to(SB.dtype.element_ty)
                     y_base = b_base
                     ymask = cmask
                     yt = SB.dtype.element_ty
@@ -395,7 +410,10 @@ def mat_bwd_kernel(
                     dd = d0 + tl.arange(0, BLOCK_D)
                     dmask = ((dd >= lo) & (dd < hi))[None, :]
                     y = tl.load(y_base + dd[None, :], mask=ymask[:, None] & dmask, other=0.0)
-                    yh = (y.to(tl.float32) * rs_y[:, None]).to(yt)
+                    if FOLD_NORM:
+                        yh = y
+                    else:
+                        yh = (y.to(tl.float32) * rs_y[:, None]).to(yt)
                     if UPCAST:  # interpreter only (its bf16 tl.dot is wrong)
                         yh = yh.to(tl.float32)
                     omask = (own < n_out)[:, None] & dmask

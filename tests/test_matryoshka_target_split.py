@@ -2,7 +2,9 @@
 ``kernels/matryoshka.py`` ``mat_bwd_kernel``; ``core/matryoshka/triton_levels.py`` ``_bwd`` and ``_target_cols``),
 as the plain kernels do (``kernels/lse.py``): in a peaked softmax the target entry ``p_it - 1`` of every level's
 gradient tile nearly cancels and is its row's largest entry, and the 16-bit roundings of the tile and of the
-other side's unit rows fell on it whole. Against the float64 definition ``sum_k loss(F.normalize(x[:, :d_k]))``
+other side's unit rows fell on it whole. In bf16 the other side's inverse norms also multiply the tile
+(FOLD_NORM) so that the GEMM reads the exact scaled rows: the levels shared one rounded ``Y_hat``, whose
+errors added up over the levels. Against the float64 definition ``sum_k loss(F.normalize(x[:, :d_k]))``
 (the reference backend per level) under the Triton interpreter."""
 
 from __future__ import annotations
@@ -55,12 +57,18 @@ def _peaked(seed):
     return q0, q0 + 0.5 * torch.randn(48, 64, generator=g)
 
 
-@pytest.mark.parametrize("seed", [0, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_bf16_gradients_in_a_peaked_softmax(kernels, seed):
-    """bf16, temperature 0.05, N = 48, levels 16 / 32 / 64. Before the split (the target entry in the 16-bit
-    tiles) seeds 0 / 3 / 4 measured (q, k) 5.2e-3 / 8.5e-3, 1.13e-2 / 1.00e-2, 1.21e-2 / 1.22e-2 of max |grad|;
-    with it 3.9e-3 / 4.0e-3, 7.5e-3 / 5.7e-3, 6.5e-3 / 7.8e-3 (one plain call per level: 3.9e-3 / 2.0e-3,
-    4.4e-3 / 3.7e-3, 2.9e-3 / 2.4e-3)."""
+    """bf16, temperature 0.05, N = 48, levels 16 / 32 / 64: within 9e-3 of max |grad|, the figure of one plain
+    call per level (max over seeds 0-4: 8.2e-3). Measured max |err| / max |grad| (q / k), seeds 0-4:
+
+    * the target entry in the 16-bit tiles (before): 5.2 / 8.5, 13.1 / 11.0, 8.1 / 12.5, 11.3 / 10.0, 12.1 / 12.2 e-3;
+    * SPLIT_T alone: 3.9 / 4.0, 13.1 / 9.8, 8.9 / 11.0, 7.5 / 5.7, 6.5 / 7.8 e-3;
+    * SPLIT_T and FOLD_NORM (now): 3.9 / 4.0, 8.2 / 3.4, 6.3 / 5.1, 5.8 / 5.7, 2.9 / 4.0 e-3;
+    * one plain call per level: 3.9 / 2.0, 8.2 / 3.7, 6.3 / 3.7, 4.4 / 3.7, 2.9 / 2.4 e-3.
+
+    (With the gradient GEMM's operands in fp32 altogether the kernels measured the same as now within 1e-3 but
+    for seed 1, 3.3 / 2.2e-3: what is left is not the 16-bit operands' rounding.)"""
     errs = _errors(*_peaked(seed), torch.bfloat16)
     assert max(errs.values()) <= 9e-3, errs
 

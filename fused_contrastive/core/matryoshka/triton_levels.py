@@ -155,7 +155,9 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     dm = p.dummy
     common = dict(_grad_args(L, TL._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt),
                   D=d, eps=float(spec.eps))
-    flags = dict(_grad_flags(L, spec, g, g_col, g_pos, tgt), SPLIT_T=tgt is not None)
+    # FOLD_NORM (bf16): the gradient GEMM reads the exact scaled rows, the inverse norms in the tile
+    flags = dict(_grad_flags(L, spec, g, g_col, g_pos, tgt), SPLIT_T=tgt is not None,
+                 FOLD_NORM=a.dtype == torch.bfloat16)
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
     split_cols = tgt is not None and need_b and gcols > 0  # the columns kernel needs the rows kernel's TG
     tg = TL._alloc((L.k, n), torch.float32, dev) if tgt is not None else dm
