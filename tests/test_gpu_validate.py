@@ -34,7 +34,7 @@ def _plan(**kw) -> GV.Plan:
     base = dict(losses=CORE, parity_shapes=SHAPES, dtypes=(torch.bfloat16,), regimes=("flat",),
                 determinism_shape=(37, 20), determinism_runs=2, fp16_shape=(8, 300, 24), timing_sizes=(40,),
                 timing_d=16, timing_repeats=1, ncu=False, multi_panel_rows=MULTI, budget_s=None, jobs=1,
-                option_losses=(), st_cached=False)
+                option_losses=(), st_cached=False, secondary_regimes=None, secondary_dtypes=None)
     base.update(kw)
     return GV.Plan(**base)
 
@@ -482,3 +482,29 @@ def test_the_smoothed_gist_row_needs_the_smooth_flag(monkeypatch):
     bad = GV.validate("cpu", plan, allow_cpu=True)
     rows = [r for r in bad.results if r.check.startswith("parity")]
     assert [r.ok for r in rows] == [False] and "guided_fwd did not run with NOT_A_FLAG" in rows[0].detail, rows
+
+
+def test_the_default_plan_fits_its_default_budget_by_its_estimate():
+    """The default plan's ESTIMATE (EST_S, from the committed H100 run: not a measurement per row) with 8 jobs
+    and the timings at 1 repeat stays within the default budget; the parity units run cheapest N x D first,
+    the first shape with every regime and dtype and the option rows, D = 100 in flat bf16."""
+    plan = GV.Plan(jobs=8)
+    assert GV.plan_seconds(GV.estimate(plan), plan.jobs, 1, plan.timing_repeats) <= plan.budget_s
+    units = GV.parity_units(plan)
+    assert units[0] == (4099, 100, "flat", torch.bfloat16, False)
+    assert units[1:] == [(4099, 768, r, dt, True) for r in plan.regimes for dt in plan.dtypes]
+
+
+def test_worker_units_cover_the_plan():
+    """The worker units: determinism, fp16, one per parity unit (the option rows with the first shape's only)
+    and the sentence-transformers rows in every dtype: together the single process's rows."""
+    plan = GV.Plan(jobs=8)
+    plans = GV._worker_plans(plan, None)
+    assert plans[0].determinism_runs == plan.determinism_runs and plans[1].fp16_shape == plan.fp16_shape
+    par = [p for p in plans if p.parity_shapes and p.losses]
+    assert [(p.parity_shapes[0], p.regimes[0], p.dtypes[0]) for p in par] == \
+        [((n, d), r, dt) for n, d, r, dt, _ in GV.parity_units(plan)]
+    assert [bool(p.option_losses) for p in par] == [primary for *_, primary in GV.parity_units(plan)]
+    st = [p for p in plans if p.st_cached]
+    assert len(st) == 1 and st[0].dtypes == plan.dtypes and st[0].parity_shapes == plan.parity_shapes[:1]
+    assert sum(GV.estimate(p)["parity"][0] for p in plans) == GV.estimate(plan)["parity"][0]
