@@ -209,8 +209,9 @@ def _target_cols(L: _Levels, t: Tensor, tg: Tensor, gcols: int) -> Tensor:
     for r in range(L.k):
         coef[:, bounds[r]:bounds[r + 1]] = tail[r][:, None]
     acc = torch.zeros((gcols, d), dtype=torch.float32, device=xhat.device)
-    keep = (t >= 0) & (t < gcols)
-    acc.index_put_((t[keep].long(),), (coef * xhat)[keep] * prescale(p.a.dtype), accumulate=True)
+    keep = (t >= 0) & (t < gcols)  # rows whose target is not a gradient column add 0 (no data-dependent shape)
+    acc.index_put_((torch.where(keep, t, 0).long(),),
+                   coef * xhat * torch.where(keep, prescale(p.a.dtype), 0.0)[:, None], accumulate=True)
     return acc
 
 
