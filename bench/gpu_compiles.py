@@ -44,6 +44,8 @@ from fused_contrastive.tools import compile_survey  # noqa: E402
 CORE_LOSSES = ("info_nce", "simcse", "clip", "supcon_in")
 PATHS = ("fused", "panel", "panel-epilogue", "panel-cublas", "panel-fp16pass")
 EPI_FORMS = ("tiles", "persistent", "tma")
+#: the core losses whose epilogue GEMM launches (MODE 0 / 1 / 2) are compiled once more with EPI_HOIST on
+HOIST_LOSSES = ("info_nce", "simcse", "clip")
 GPU_OF_CC = {90: "H100", 80: "A100"}
 
 
@@ -66,6 +68,9 @@ def recordings(sizes: list[int], d: int = 768) -> list[tuple[str, Callable[[GM.G
             for form in EPI_FORMS[1:]:
                 out.append((f"{loss} N={n} panel-epilogue {form}", lambda g, loss=loss, n=n, form=form:
                             _with(lambda: GM.run_triton(loss, n, d, g, "panel-epilogue")[0], EPI_FORM=form)))
+            if loss in HOIST_LOSSES:  # the epilogue GEMM's per-row loads before its D loop (EPI_HOIST)
+                out.append((f"{loss} N={n} panel-epilogue hoist", lambda g, loss=loss, n=n:
+                            _with(lambda: GM.run_triton(loss, n, d, g, "panel-epilogue")[0], EPI_HOIST="1")))
         for route in ("suffix", "kernels"):
             out.append((f"matryoshka5 N={n} {route}", lambda g, n=n, route=route:
                         _with(lambda: GM.run_matryoshka_triton(n, d, g)[0], MATRYOSHKA_ROUTE=route)))
@@ -137,8 +142,8 @@ def _compile(i: int) -> tuple[str, int, str, str]:
     lz, cc, label = _ITEMS[i]
     try:
         r = compile_survey.compile_launch(lz, cc)
-        spilled = r.get("spill_stores", r.get("spill", 0))  # compile_launch reports ptxas's spill stores
-        return lz.name, cc, label, f"ok: {r.get('regs')} regs, {spilled} B spilled, {r.get('tc')}"
+        spill = r.get("spill_stores", 0) + r.get("spill_loads", 0)  # (compile_launch's ptxas figures)
+        return lz.name, cc, label, f"ok: {r.get('regs')} regs, {spill} B spilled (stores + loads), {r.get('tc')}"
     except Exception as exc:  # noqa: BLE001
         return lz.name, cc, label, f"FAIL {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
 

@@ -106,6 +106,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "core.triton_shared.panels.BUDGET_BYTES)", "core.triton_shared.panels.panel_rows; csrc/fc_torch.cpp"),
     Setting("EPI_FORM", "choice", None, "the epilogue GEMM's tile loop (unset: EPI_FORM_DEFAULT, else tiles)",
             "core.triton_shared.panels.epi_form", ("tiles", "persistent", "tma")),
+    Setting("EPI_HOIST", "flag", False, "'1' issues the epilogue GEMM's per-row loads before its products' loop "
+            "(MODE 0 / 1 / 2; same results; untimed, off by default)", "core.triton_shared.panels._epi_panel"),
     Setting("MATRYOSHKA_ROUTE", "choice", "auto", "the Matryoshka route on the triton backend",
             "core.matryoshka.triton_levels.route", ("auto", "calls", "kernels", "suffix")),
     Setting("TRITON_POISON", "flag", False, "fill every kernel output with NaN before its launch (read at import)",
@@ -288,6 +290,11 @@ ROUTES: tuple[Route, ...] = (
     Route("core", "the one pass's launch configuration", "128 x 128 x 64 tiles, 8 warps, 4 stages",
           "sm_90", "core.triton_shared.configs.EPI_GEMM['one_pass']",
           _rows(RUN2, "info_nce", (16384, 65536), OURS, f"{OURS}[one_pass=128x256w16]")),
+    Route("core", "the epilogue GEMM's per-row loads", "after the D loop, as the epilogue reaches them",
+          "MODE 0 / 1 / 2 (FUSED_CONTRASTIVE_EPI_HOIST=1: before the D loop, once; bitwise the same results)",
+          "core.triton_shared.panels._epi_panel (EPI_HOIST)",
+          unmeasured="the hoisted form is new and no GPU has timed it (bench-gpu forms epi=hoist and "
+                     "one_pass=128x256w16+hoist); the current form is what every measurement ran"),
     Route("core", "the panel budget", "0.7 GB", "every panel route", "core.triton_shared.panels.BUDGET_BYTES",
           _rows(RUN2, "info_nce", (65536,), OURS, f"{OURS}[budget=2GB]", f"{OURS}[budget=6GB]")
           + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[budget=2GB]")

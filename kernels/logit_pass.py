@@ -46,10 +46,11 @@ def logit_pass_kernel(T, DL, ZP, TP, MXP, TV, CT, RB, SCALE, BIAS_COL, TGT,
     pid_n]`` (MODE 1's format: the row's sum of ``e``, with NEED_DS of ``e cos``, its largest logit).
 
     SPLIT_T: row i's target column ``TGT[r0 + i]`` takes its logit from ``CT[i]`` (the fp32 cosine of the
-    row and its target row) by ``_row_logit``'s operations, so ``e_it``, its share of the partials and
-    ``TV[i] = e_it`` (written by the tile that holds the column) carry no fp16 rounding; the tile's entry is
-    left as it is (``epi_rows_kernel`` zeroes it, as after MODE 1). Each element is read and written by the
-    same program, once: the in-place update has no race."""
+    row and its target row) by ``_row_logit``'s operations, so ``e_it``, ``TV[i] = e_it`` (written by the tile
+    that holds the column), its ``e_it cos_it`` in TP and its logit in MXP carry no fp16 rounding; as in MODE 1
+    the target is left out of the tile (its entry written 0) and of ZP (``zx_i``: ``epi_rows_kernel`` adds
+    ``e_it`` and forms the row's loss as ``log1p(zx_i / e_it)``). Each element is read and written by the same
+    program, once: the in-place update has no race."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     loc = pid_m * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -72,29 +73,29 @@ def logit_pass_kernel(T, DL, ZP, TP, MXP, TV, CT, RB, SCALE, BIAS_COL, TGT,
         l = _logits(cos, s, rows, cols, n_end, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS, False)
     sh = _one_pass_shift(s, bias, HAS_BIAS, BIAS_COS)
     e = tl.exp(l - sh)
-    out = e
-    if FOLD_RB:
-        out = e * _inv_norms(RB, cols, cmask, True)[None, :]
-    tl.store(DL + off, out.to(DL.dtype.element_ty), mask=m2)
+    e_tile = e  # what the tile and the row sum take
     if SPLIT_T:
         # the target column from its fp32 logit: in the sums and the maximum, and as TV
         tgt = tl.load(TGT + rows, mask=lmask, other=-1).to(tl.int32)
         ct = tl.load(CT + loc, mask=lmask, other=0.0)
-        lt = _row_logit(ct, rows, tgt, tl.where(lmask, 1.0, 0.0), RB, s, n_end, M, offset, bias_c, bias, False,
-                        EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
+        one = tl.where(lmask, 1.0, 0.0)  # CT is a cosine already: no row factor, no column norm
+        lt, ctb = _row_logit(ct, rows, tgt, one, one, s, n_end, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS,
+                             BIAS_COS)
         et = tl.exp(lt - sh)
         hit = cols[None, :] == tgt[:, None]
+        e_tile = tl.where(hit, 0.0, e)  # the target out of the tile and of the row sum (MODE 1's zx)
         e = tl.where(hit, et[:, None], e)
         l = tl.where(hit, lt[:, None], l)
-        if NEED_DS:
-            ctb = ct
-            if BIAS_COS:
-                ctb = tl.where(tgt == bias_c, ct + bias, ct)
+        if NEED_DS:  # (ctb: shifted by the bias at a bias column under BIAS_COS, as the tile's cos)
             cos = tl.where(hit, ctb[:, None], cos)
         here = lmask & (tgt >= pid_n * BLOCK_N) & (tgt < pid_n * BLOCK_N + BLOCK_N)
         tl.store(TV + loc, et, mask=here)
+    out = e_tile
+    if FOLD_RB:
+        out = e_tile * _inv_norms(RB, cols, cmask, True)[None, :]
+    tl.store(DL + off, out.to(DL.dtype.element_ty), mask=m2)
     part = loc.to(tl.int64) * stride_zp + pid_n
-    tl.store(ZP + part, tl.sum(e, axis=1), mask=lmask)
+    tl.store(ZP + part, tl.sum(e_tile, axis=1), mask=lmask)
     if NEED_DS:
         tl.store(TP + part, tl.sum(e * cos, axis=1), mask=lmask)
     tl.store(MXP + part, tl.max(l, axis=1), mask=lmask)

@@ -147,6 +147,12 @@ FORMS: tuple[Form, ...] = (
          "20 bytes there, 116-176 in the default TMA loop)",
          lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768,
          {**_env("SIGLIP_EPILOGUE", "lean128"), **_env("EPI_FORM", "tiles")}),
+    Form("epi=hoist", "the epilogue GEMM's per-row loads issued before its D loop (EPI_HOIST; default after it)",
+         lambda loss, n, d: loss in ("info_nce", "simcse", "clip", "matryoshka5") and n in (16384, 65536)
+         and d == 768, _env("EPI_HOIST", "1")),
+    Form("one_pass=128x256w16+hoist", "the 128 x 256 one pass (16 warps, 3 stages) with its loads hoisted",
+         lambda loss, n, d: loss == "info_nce" and n >= 16384 and d == 768, _env("EPI_HOIST", "1"),
+         patch=_config("one_pass", (128, 256, 64, 16, 3))),
 )
 FORM_BY_NAME = {f.name: f for f in FORMS}
 

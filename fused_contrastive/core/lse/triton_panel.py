@@ -217,7 +217,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
           lse: Tensor | None, lse_col: Tensor | None, lse_pos: Tensor | None,
           g: Tensor | None, g_col: Tensor | None, g_pos: Tensor | None,
           need_a: bool, need_b: bool, need_s: bool, eager: bool, wide: bool = False,
-          target: Tensor | None = None):
+          target: Tensor | None = None, minus_target: dict | None = None):
     """One panel sweep: ``(dA, dB, ds, LSE, LSEpos, tw)`` (dA / dB in the operand dtype, fp32 with ``wide``;
     ds 0-dim fp32; LSE / LSEpos only with ``eager``, else None; None where not asked).
 
@@ -225,6 +225,12 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     tiles, and ``tw`` [N] fp32 is the gradient with respect to the target logit ``l[i, target[i]]``
     (for the coefficients ``g``; what the caller applies with the target term, ``core.PiecesFn``);
     else ``tw`` is None.
+
+    ``minus_target`` (a dict, with ``target``): where the sweep is the epilogue GEMM's one pass it receives
+    ``"loss"`` [N] fp32, each row's ``LSE_i - l_it`` formed without the cancellation (``log1p(zx_i / e_it)`` from
+    the tile's exponentials, ``kernels/panel.py`` ``epi_rows_kernel``; ``LSE_i`` on a row where that form is not
+    taken) and ``"fold"`` [N] fp32, 1 where the row's entry is the difference and 0 where it is ``LSE_i``;
+    other sweeps leave it empty.
 
     ``prep`` is the fused path's ``_Prepared`` (labels, mask, bias columns, dummy); ``launch`` is
     ``triton_shared/launch.py`` ``_launch`` (so the AOT recorder sees these launches). With ``eager``, ``g`` /
@@ -251,6 +257,9 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     lsep_out = torch.empty(n, dtype=torch.float32, device=dev) if eager and g_pos is not None else None
     split = target is not None
     tw = torch.empty(n, dtype=torch.float32, device=dev) if split else None
+    rows_minus = split and epi and one_pass  # (the row kernel writes them; reported when asked)
+    loss_rows = torch.empty(n, dtype=torch.float32, device=dev) if rows_minus else None
+    fold_rows = torch.empty(n, dtype=torch.float32, device=dev) if rows_minus else None
     da = _alloc((n, d), torch.float32 if wide else dt, dev) if need_a else None
     acc = torch.zeros((gcols, d), dtype=torch.float32, device=dev) if need_b and gcols > 0 else None
     ds_parts = []
@@ -282,7 +291,9 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
         tv = _alloc((pp,), torch.float32, dev) if split else dm
         if epi:
             w, ds_part = panels._epi_panel(launch, x, b, dl, rs, dict(common, TV=tv), flags, margs, r0, one_pass, g, gs,
-                                    shift, lse_out, dm, tw[r0:r1] if split else None, producer)
+                                           shift, lse_out, dm, tw[r0:r1] if split else None,
+                                           loss_rows[r0:r1] if rows_minus else None,
+                                           fold_rows[r0:r1] if rows_minus else None, producer)
         else:
             lraw = panels._mm32(x, bt)
             w = _alloc((pp,), torch.float32, dev)
@@ -307,6 +318,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     ds = None
     if need_s:
         ds = (torch.cat(ds_parts).sum() * gs.reshape(())) if ds_parts else torch.zeros((), device=dev)
+    if rows_minus and minus_target is not None:
+        minus_target.update(loss=loss_rows, fold=fold_rows)
     return da, db, ds, lse_out, lsep_out, tw
 
 
@@ -436,9 +449,10 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     if eager:
         g = _vec(coef.lse, n, dev)
         g_pos = _vec(coef.pos, n, dev) if want_pos else None
+        minus: dict = {}
         da, db, ds, lse, lse_pos, tw = sweep(TL._launch, p, p.a, bb, False, scale_t, spec, None, None, None,
                                              g, None, g_pos, need_a, need_b or (same and need_a), need_s, True,
-                                             getattr(ctx, "wide", False), ctx.split)
+                                             getattr(ctx, "wide", False), ctx.split, minus)
         if same and da is not None:
             da = da + db  # B is A with a bias: both roles of A
             db = None
@@ -460,6 +474,13 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         lse, lse_col, lse_pos, _ = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                           None if same else p.b)
+    if eager and minus:
+        # the one pass formed each row's LSE_i - l_it without its cancellation (the saturated regime's loss of
+        # ~1e-4 against logits of ~|s|): this piece's value takes the target logit out at the coefficient
+        # ctx.minus_target [N] (c.lse where the row's entry is the difference, else 0), which core.forward_parts
+        # takes out of the target term's value in turn (the gradients are unchanged)
+        ctx.minus_target = g * minus["fold"]
+        return combine(coef.to(torch.float32), reduce, minus["loss"], lse_col, lse_pos)
     return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
 
 

@@ -172,6 +172,7 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
     ``EPI_PERSIST_STAGES`` in the persistent forms; a config without one keeps the tiles form): ``args`` /
     ``const`` those of the one-tile-per-program form (X and Y tensors)."""
     cfg = EPI_GEMM[config]
+    const = dict(const, HOIST=bool(const.get("HOIST", False)))  # (set by _epi_panel for MODE 0 / 1 / 2)
     dev = args["X"].device
     arch = TL._arch(dev)
     form = epi_form(config, arch)
@@ -461,7 +462,8 @@ _EPI_POINTERS = ("RB", "SCALE", "GSCALE", "BIAS_COL", "ROW_LAB", "COL_LAB", "POS
 
 def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dict, flags: dict, margs: dict, r0: int,
                one_pass: bool, g: Tensor | None, gs: Tensor, shift: Tensor | None, lse_out: Tensor | None, dm: Tensor,
-               tw: Tensor | None = None, producer=None):
+               tw: Tensor | None = None, loss_out: Tensor | None = None, fold_out: Tensor | None = None,
+               producer=None):
     """One panel's gradient tile by the epilogue GEMM (``kernels/panel.py`` ``epi_gemm_kernel``):
     ``(W, ds)`` with ``W`` [P] the row weights (the tile is ``diag(W) DL``) and ``ds`` the panel's
     temperature-gradient parts (a 1-d fp32 tensor, None without NEED_DS).
@@ -472,11 +474,15 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     (O(P M / BLOCK_N)) and flags the rows with ``z_i < 2^-64``, a MODE 2 launch redoes those exactly (its
     row tiles without such a row return at once: no host synchronisation), then ``epi_rows_kernel`` again
     writes ``LSE_i = shift_i + log z_i`` to ``lse_out``, ``W_i = g_i / (gscale z_i)`` (0 where ``z_i = 0``:
-    a row without any column) and, with SPLIT_T, the target weights to ``tw`` [P] (the panel's slice) and
-    zeroes the target entries of ``dl``; ``shift`` is the fixed shift ``m`` as a 0-dim tensor. ``producer`` (one
-    pass only): what writes the tile and its partials in place of the MODE 1 launch (``logit_pass.Fp16Pass``:
-    cuBLAS fp16 cosines and one pass over them), called as ``producer(launch, x, rs, dl, ZP, TP, MXP, common,
-    flags, margs, r0, BLOCK_N)``."""
+    a row without any column) and, with SPLIT_T (the target column left out of ``dl``, whose entries there are 0),
+    the target weights to ``tw`` [P] (the panel's slice), each row's loss less its target logit (``log1p(zx_i /
+    e_it)``, or ``LSE_i`` where not formed that way) to ``loss_out`` [P] and 1 (or 0) to ``fold_out`` [P]
+    (``kernels/panel.py`` ``epi_rows_kernel``); ``shift`` is the fixed shift ``m`` as a 0-dim tensor. The
+    switchboard's ``EPI_HOIST`` sets the epilogue GEMM's HOIST (its per-row loads before the products' loop;
+    the same results). ``producer`` (one pass only): what writes the tile and its partials in place of the
+    MODE 1 launch (``logit_pass.Fp16Pass``: cuBLAS fp16 cosines and one pass over them), called as
+    ``producer(launch, x, rs, dl, ZP, TP, MXP, common, flags, margs, r0, BLOCK_N)``; it writes what MODE 1
+    writes."""
     pp, d = x.shape
     m = y.shape[0]
     dev = x.device
@@ -487,7 +493,8 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     args = dict(X=x, Y=y, DL=dl, RSP=rs.contiguous(), **{k: common[k] for k in _EPI_POINTERS}, P=pp, M=m, D=d, r0=r0,
                 stride_x=x.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0), **margs)
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(x.dtype),
-                 **{k: v for k, v in flags.items() if k not in _PANEL_ONLY_FLAGS}, WANT_COL=False, LEAN=False)
+                 **{k: v for k, v in flags.items() if k not in _PANEL_ONLY_FLAGS}, WANT_COL=False, LEAN=False,
+                 HOIST=bool(setting("EPI_HOIST")))
     args.update(CZ=dm, CM=dm, LBIAS=dm)
     if not one_pass:
         ds_part = _alloc((n_pm * n_pn,), torch.float32, dev) if need_s else dm
@@ -507,10 +514,12 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     sh = _alloc((pp,), torch.float32, dev)
     w = _alloc((pp,), torch.float32, dev)
     dsw = _alloc((pp,), torch.float32, dev) if need_s else dm
-    split = bool(flags["SPLIT_T"])  # MODE 1 / 2 reported e at each row's target column but left it in the tile
+    split = bool(flags["SPLIT_T"])  # MODE 1 / 2 left each row's target column out of the tile and ZP, e_t in TV
+    if split and (loss_out is None or fold_out is None or tw is None):
+        raise ValueError("_epi_panel: a one pass with SPLIT_T needs tw, loss_out and fold_out")
     rows_args = dict(ZP=zp, MXP=mxp, TP=tp, SHIFT0=shift, BAD=bad, SH=sh, LSE_OUT=lse_out, G=g, GSCALE=gs, W_OUT=w,
-                     DSW=dsw, TV=common["TV"], TW=tw if split else dm, DL=dl, TGT=common["TGT"], P=pp, n_pn=n_pn, r0=r0,
-                     stride_zp=n_pn, stride_dl=dl.stride(0))
+                     DSW=dsw, TV=common["TV"], TW=tw if split else dm, LOSS=loss_out if split else dm,
+                     FOLD=fold_out if split else dm, P=pp, n_pn=n_pn, r0=r0, stride_zp=n_pn)
     rows_const = dict(BLOCK_R=EPI_ROWS_BLOCK_R, BLOCK_C=EPI_ROWS_BLOCK_C, NEED_DS=need_s, SPLIT_T=split)
     rows_grid = (triton.cdiv(pp, EPI_ROWS_BLOCK_R),)
     launch(Launch("epi_rows", KP.epi_rows_kernel, rows_grid, rows_args, dict(rows_const, FINISH=False), 4, 1))
