@@ -54,12 +54,23 @@ class Step:
 
 _PROFILE = (sys.executable, "bench/gpu_profile.py")
 
-#: In order of what each decides; the first two are the ones a single call must not miss. bench-gpu writes its
-#: table, JSON lines and plot to ``DIR/bench_gpu/`` (three files) beside its printed log: with the three other
-#: steps' logs and the summary, eight files, what the device tool returns. The tile loops, the panel budget, the
-#: Matryoshka routes and the 128 x 256 one pass are bench-gpu's forms (``bench/gpu.py`` FORMS), timed beside the
-#: defaults there, so they are no steps of their own.
+#: In order of what each decides; the first three are the ones a first call must not miss. bench-gpu writes its
+#: table, JSON lines and plot to ``DIR/levers/`` and ``DIR/bench_gpu/`` (three files each) beside its printed log;
+#: with the other steps' logs and the summary that is more than the device tool returns, so :func:`pack` puts
+#: them in one archive. The tile loops, the panel budget, the Matryoshka routes and the 128 x 256 one pass are
+#: bench-gpu's forms (``bench/gpu.py`` FORMS), timed beside the defaults in its full run, so they are no steps of
+#: their own; the levers get a short run of their own first, as nothing has timed them.
+#: the levers built as options and never timed (bench/gpu.py FORMS): what the next GPU decides first
+LEVERS = ("epi=hoist", "one_pass=128x256w16+hoist", "gemm=fp16pass", "siglip=lean", "siglip=lean128",
+          "siglip=lean128+tiles")
+
 STEPS: tuple[Step, ...] = (
+    Step("levers", (sys.executable, "-m", "fused_contrastive", "bench-gpu", "--losses",
+                    "info_nce,simcse,clip,siglip,matryoshka5", "--sizes", "16384,65536", "--dims", "768", "--forms",
+                    ",".join(LEVERS), "--no-peers", "--no-compile", "--out", "{out}/levers"),
+         "the untimed levers beside the defaults (hoisted epilogue loads, the fp16 pass, SigLIP's lean epilogue): "
+         "each becomes a default only where it wins here",
+         budget_flag="--budget", budget_cap=180.0),
     Step("bench_gpu", (sys.executable, "-m", "fused_contrastive", "bench-gpu", "--out", "{out}/bench_gpu"),
          "every loss's default route beside the textbook, its compiled form, the route options and the peers",
          budget_flag="--budget", budget_cap=330.0),
