@@ -293,8 +293,19 @@ ROUTES: tuple[Route, ...] = (
     Route("core", "the epilogue GEMM's per-row loads", "after the D loop, as the epilogue reaches them",
           "MODE 0 / 1 / 2 (FUSED_CONTRASTIVE_EPI_HOIST=1: before the D loop, once; bitwise the same results)",
           "core.triton_shared.panels._epi_panel (EPI_HOIST)",
-          unmeasured="the hoisted form is new and no GPU has timed it (bench-gpu forms epi=hoist and "
-                     "one_pass=128x256w16+hoist); the current form is what every measurement ran"),
+          unmeasured="no GPU has timed the two side by side: the default is the form every measurement ran, the "
+                     "hoisted one is new (bench-gpu forms epi=hoist and one_pass=128x256w16+hoist, the first step of "
+                     "bench/gpu_session.py)"),
+    Route("core", "the one pass's tile producer", "the epilogue GEMM (MODE 1)",
+          "bf16 one-pass sweeps on CUDA (FUSED_CONTRASTIVE_PANEL_GEMM=fp16pass: cuBLAS fp16 cosines and one in-place "
+          "pass)", "core.triton_shared.logit_pass.use_fp16_pass",
+          unmeasured="no GPU has timed the two side by side: the default is the form every measurement ran, the fp16 "
+                     "pass is new (bench-gpu form gemm=fp16pass)"),
+    Route("siglip", "the per-logit math of the epilogue", "exact (libdevice log, IEEE divisions)",
+          "SigLIP's sweeps on the epilogue GEMM (FUSED_CONTRASTIVE_SIGLIP_EPILOGUE=lean|lean128)",
+          "core.siglip.triton_sweep.epilogue",
+          unmeasured="no GPU has timed the two side by side: the default is the form every measurement ran, the lean "
+                     "epilogue is new (bench-gpu forms siglip=lean, siglip=lean128, siglip=lean128+tiles)"),
     Route("core", "the panel budget", "0.7 GB", "every panel route", "core.triton_shared.panels.BUDGET_BYTES",
           _rows(RUN2, "info_nce", (65536,), OURS, f"{OURS}[budget=2GB]", f"{OURS}[budget=6GB]")
           + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[budget=2GB]")
