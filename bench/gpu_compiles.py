@@ -12,10 +12,11 @@ second environment: ``pip install triton==3.6.0``) as well as with the newest.
 
 The launches are recorded on the meta device (``tools.compile_survey.recording``, nothing runs) by
 ``bench/gpu_model.py``'s recorders, for the core op on each path and panel-GEMM form (InfoNCE, SimCSE, CLIP,
-SupCon L_in), the epilogue
+SupCon L_in; the one pass's fp16 pass, ``logit_pass``, where it applies), the epilogue
 GEMM's tile loops, the Matryoshka kernels (both backwards), GIST's guided route and its fused kernels, SigLIP's
-routes and MaxSim's kernels; identical launches (kernel, constexprs, warps, stages, argument dtypes) compile
-once. Prints one line per distinct launch and exits 1 if any failed to compile.
+routes (with its lean epilogue options, ``FUSED_CONTRASTIVE_SIGLIP_EPILOGUE``) and MaxSim's kernels; identical
+launches (kernel, constexprs, warps, stages, argument dtypes) compile once. Prints one line per distinct launch
+and exits 1 if any failed to compile.
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpu_model as GM  # noqa: E402
 
+from fused_contrastive import routes  # noqa: E402
 from fused_contrastive.core.triton_shared import launch as TL  # noqa: E402
 from fused_contrastive.tools import compile_survey  # noqa: E402
 
 CORE_LOSSES = ("info_nce", "simcse", "clip", "supcon_in")
-PATHS = ("fused", "panel", "panel-epilogue", "panel-cublas")
+PATHS = ("fused", "panel", "panel-epilogue", "panel-cublas", "panel-fp16pass")
 EPI_FORMS = ("tiles", "persistent", "tma")
+#: the core losses whose epilogue GEMM launches (MODE 0 / 1 / 2) are compiled once more with EPI_HOIST on
+HOIST_LOSSES = ("info_nce", "simcse", "clip")
 GPU_OF_CC = {90: "H100", 80: "A100"}
 
 
@@ -64,6 +68,9 @@ def recordings(sizes: list[int], d: int = 768) -> list[tuple[str, Callable[[GM.G
             for form in EPI_FORMS[1:]:
                 out.append((f"{loss} N={n} panel-epilogue {form}", lambda g, loss=loss, n=n, form=form:
                             _with(lambda: GM.run_triton(loss, n, d, g, "panel-epilogue")[0], EPI_FORM=form)))
+            if loss in HOIST_LOSSES:  # the epilogue GEMM's per-row loads before its D loop (EPI_HOIST)
+                out.append((f"{loss} N={n} panel-epilogue hoist", lambda g, loss=loss, n=n:
+                            _with(lambda: GM.run_triton(loss, n, d, g, "panel-epilogue")[0], EPI_HOIST="1")))
         for route in ("suffix", "kernels"):
             out.append((f"matryoshka5 N={n} {route}", lambda g, n=n, route=route:
                         _with(lambda: GM.run_matryoshka_triton(n, d, g)[0], MATRYOSHKA_ROUTE=route)))
@@ -76,6 +83,12 @@ def recordings(sizes: list[int], d: int = 768) -> list[tuple[str, Callable[[GM.G
             for form in (EPI_FORMS if path != "fused" else EPI_FORMS[:1]):
                 out.append((f"siglip N={n} {path} {form}", lambda g, n=n, path=path, form=form:
                             _with(lambda: GM.run_siglip_triton(n, d, g, path)[0], EPI_FORM=form)))
+        for lean in ("lean", "lean128"):  # SigLIP's lean epilogue (an option, SIGLIP_EPILOGUE) on the panel route
+            for path in ("panel", "panel_rows"):
+                for form in EPI_FORMS:
+                    out.append((f"siglip N={n} {path} {form} {lean}", lambda g, n=n, path=path, form=form, lean=lean:
+                                _overriding(lambda: GM.run_siglip_triton(n, d, g, path)[0], EPI_FORM=form,
+                                            SIGLIP_EPILOGUE=lean)))
     out.append(("maxsim N=1024", lambda g: GM.run_maxsim_triton(1024, 32, 180, 128, g)[0]))
     return out
 
@@ -85,6 +98,13 @@ _all_recordings = recordings  # (tests narrow ``recordings`` and reach the full 
 
 def _with(fn, **env: str):
     with _env(**env):
+        return fn()
+
+
+def _overriding(fn, **values: str):
+    """``fn()`` with the switchboard's overrides ``values``, which win over the environment a recorder sets
+    itself (``gpu_model.run_siglip_triton`` sets ``EPI_FORM=tiles`` in the environment)."""
+    with routes.override(**values):
         return fn()
 
 
@@ -122,7 +142,8 @@ def _compile(i: int) -> tuple[str, int, str, str]:
     lz, cc, label = _ITEMS[i]
     try:
         r = compile_survey.compile_launch(lz, cc)
-        return lz.name, cc, label, f"ok: {r.get('regs')} regs, {r.get('spill', 0)} B spilled, {r.get('tc')}"
+        spill = r.get("spill_stores", 0) + r.get("spill_loads", 0)  # (compile_launch's ptxas figures)
+        return lz.name, cc, label, f"ok: {r.get('regs')} regs, {spill} B spilled (stores + loads), {r.get('tc')}"
     except Exception as exc:  # noqa: BLE001
         return lz.name, cc, label, f"FAIL {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
 

@@ -557,7 +557,8 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TL.
     runtime would issue it on ``gpu`` (its arch's configs; the column-LSE program count of a CUDA device)
     on ``path`` ("fused": the fused kernels; "panel": row panels in the form CUDA takes; "panel-epilogue":
     the 16-bit gradient tiles (and the statistics) from the epilogue GEMM, cuBLAS for dA / dB;
-    "panel-cublas": the logits by cuBLAS too, then the panel kernel (the fused forward for statistics)).
+    "panel-cublas": the logits by cuBLAS too, then the panel kernel (the fused forward for statistics);
+    "panel-fp16pass": the one pass's tiles from cuBLAS fp16 cosines and one in-place pass, the rest as "panel").
     Returns the Triton launches (recorded, not run) and the ATen ops around them (:class:`OpCounter`).
     The arguments are the loss's own core-op call (``tools.compile_survey.core_call``), run as ``core.run`` runs it
     (the log-sum-exp terms and the O(N D) linear target / positive terms as one ``core.PiecesFn``; the
@@ -565,7 +566,7 @@ def run_triton(loss: str, n: int, d: int, gpu: GPU, path: str) -> tuple[list[TL.
     a, b, scale, spec, data, coef, reduce = compile_survey.core_call(loss, n, d, torch.bfloat16)
     # "panel": the panel form CUDA takes ("auto": panels.use_epilogue's rule); "panel-epilogue" /
     # "panel-cublas": that form forced; the program counts a CUDA device gives _col_programs and the panel kernel
-    gemm = {"panel-epilogue": "epilogue", "panel-cublas": "cublas"}.get(path, "auto")
+    gemm = {"panel-epilogue": "epilogue", "panel-cublas": "cublas", "panel-fp16pass": "fp16pass"}.get(path, "auto")
     with routes.override(DENSE=False, TRITON_PATH=path.split("-")[0], PANEL_GEMM=gemm,
                          COL_PARTIAL_PROGRAMS=2 * gpu.sms, PANEL_PROGRAMS=2 * gpu.sms), \
             compile_survey.recording(gpu.arch) as launches, OpCounter() as ops, norms_tagged(ops):

@@ -7,8 +7,9 @@
 A developer session may be lent one GPU for a few minutes, a command at a time (600 s at most each). This
 runs the commands the open GPU questions need (docs/gpu-measurements.md, "Running on a GPU") one after another, each
 in its own process group with the time the budget has left, writing what each prints, as it prints it, to
-``DIR/<step>.txt`` and a summary to ``DIR/session.json``: eight files with bench-gpu's own three
-(``DIR/bench_gpu/``), so everything comes back from a device tool that returns at most eight files. A step
+``DIR/<step>.txt`` and a summary to ``DIR/session.json``. The device tool returns at most eight files, so
+when the steps leave more than that, everything but the summary goes into one ``DIR/session.tar.gz`` (its
+members the files as written, paths relative to DIR; ``tar xzf`` it into the results folder). A step
 that would start with under ``--min-step`` seconds left is not run; a step that outlives the budget is
 killed, its output so far kept and marked. The last line names the steps left for a second call. Commit the
 files under ``bench/results/``.
@@ -26,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -52,12 +54,23 @@ class Step:
 
 _PROFILE = (sys.executable, "bench/gpu_profile.py")
 
-#: In order of what each decides; the first two are the ones a single call must not miss. bench-gpu writes its
-#: table, JSON lines and plot to ``DIR/bench_gpu/`` (three files) beside its printed log: with the three other
-#: steps' logs and the summary, eight files, what the device tool returns. The tile loops, the panel budget, the
-#: Matryoshka routes and the 128 x 256 one pass are bench-gpu's forms (``bench/gpu.py`` FORMS), timed beside the
-#: defaults there, so they are no steps of their own.
+#: In order of what each decides; the first three are the ones a first call must not miss. bench-gpu writes its
+#: table, JSON lines and plot to ``DIR/levers/`` and ``DIR/bench_gpu/`` (three files each) beside its printed log;
+#: with the other steps' logs and the summary that is more than the device tool returns, so :func:`pack` puts
+#: them in one archive. The tile loops, the panel budget, the Matryoshka routes and the 128 x 256 one pass are
+#: bench-gpu's forms (``bench/gpu.py`` FORMS), timed beside the defaults in its full run, so they are no steps of
+#: their own; the levers get a short run of their own first, as nothing has timed them.
+#: the levers built as options and never timed (bench/gpu.py FORMS): what the next GPU decides first
+LEVERS = ("epi=hoist", "one_pass=128x256w16+hoist", "gemm=fp16pass", "siglip=lean", "siglip=lean128",
+          "siglip=lean128+tiles")
+
 STEPS: tuple[Step, ...] = (
+    Step("levers", (sys.executable, "-m", "fused_contrastive", "bench-gpu", "--losses",
+                    "info_nce,simcse,clip,siglip,matryoshka5", "--sizes", "16384,65536", "--dims", "768", "--forms",
+                    ",".join(LEVERS), "--no-peers", "--no-compile", "--out", "{out}/levers"),
+         "the untimed levers beside the defaults (hoisted epilogue loads, the fp16 pass, SigLIP's lean epilogue): "
+         "each becomes a default only where it wins here",
+         budget_flag="--budget", budget_cap=180.0),
     Step("bench_gpu", (sys.executable, "-m", "fused_contrastive", "bench-gpu", "--out", "{out}/bench_gpu"),
          "every loss's default route beside the textbook, its compiled form, the route options and the peers",
          budget_flag="--budget", budget_cap=330.0),
@@ -124,6 +137,31 @@ def run_session(steps: tuple[Step, ...] | list[Step], out: Path, budget: float, 
     return summary
 
 
+#: files the device tool brings back from its output folder
+MAX_FILES = 8
+PACK = "session.tar.gz"
+
+
+def pack(out: Path, max_files: int = MAX_FILES) -> list[str]:
+    """When ``out`` holds more than ``max_files`` files (any depth), move every file but ``session.json`` into
+    ``out / PACK`` (paths relative to ``out``, contents as written) and return their relative paths; else
+    leave ``out`` as it is and return []."""
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    if len(files) <= max_files:
+        return []
+    members = [p for p in files if p.name != "session.json" or p.parent != out]
+    names = [str(p.relative_to(out)) for p in members]
+    with tarfile.open(out / PACK, "w:gz") as tar:
+        for p, name in zip(members, names, strict=True):
+            tar.add(p, arcname=name)
+    for p in members:
+        p.unlink()
+    for d in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        if not any(d.iterdir()):
+            d.rmdir()
+    return names
+
+
 def _device() -> str:
     try:
         import torch
@@ -153,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default=",".join(s.name for s in STEPS),
                     help="comma-separated steps, in the order to run them (default: all, in the order listed)")
     ap.add_argument("--list", action="store_true", help="print the steps and their commands, run nothing")
+    ap.add_argument("--no-pack", action="store_true",
+                    help=f"leave the files as written even when there are more than {MAX_FILES}")
     args = ap.parse_args(argv)
     steps = select(args.steps)
     if args.list:
@@ -164,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = run_session(steps, args.out, args.budget, args.min_step)
     for r in summary["steps"]:
         print(f"  {r['step']:<11} {r['status']:<10} {r['wall_s']:6.0f} s  {r['file']}")
+    packed = [] if args.no_pack else pack(args.out)
+    if packed:
+        print(f"{len(packed)} files (more than the device tool's {MAX_FILES}) packed into {args.out / PACK}: "
+              f"tar xzf it into the results folder")
     if summary["not_run"]:
         print(f"not run (budget): python bench/gpu_session.py --out DIR --steps {','.join(summary['not_run'])}")
     return 0 if all(r["status"] == "ok" for r in summary["steps"]) and not summary["not_run"] else 1

@@ -130,11 +130,13 @@ def _check_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gpu-validate", action="store_true",
                    help="first run on a GPU instead (needs CUDA; exit 2 without): every Triton kernel family (the "
                         "core op's fused kernels and panel path, SupCon, CoSENT, SigLIP, GIST, the Matryoshka kernels "
-                        "and their per-level route) against the float64 oracle under THE accuracy rule, at N = 4099, "
-                        "D = 768 and 100, bf16/fp16/fp32, flat and sharp (temperature 0.01, correlated positives) "
-                        "inputs, with NaN-filled outputs and scratch; timings against the textbook formula with the "
-                        "GPU model's prediction beside each; bitwise-identical reruns; fp16 at M = 65536 against "
-                        "fp32. Ends with the verdict table (exit 1 on a failure; fused_contrastive/gpu_validate.py)")
+                        "and their per-level route) and the options only the CPU interpreter has run against the "
+                        "float64 oracle under THE accuracy rule, at N = 4099, D = 768 (bf16/fp16/fp32; flat, sharp "
+                        "and saturated inputs) and D = 100 (flat bf16), with NaN-filled outputs and scratch; then "
+                        "bitwise-identical reruns and fp16 at M = 65536 against fp32; the timings against the "
+                        "textbook formula (with the GPU model's prediction) last. Prints its plan and an ESTIMATE of "
+                        "its time first; ends with the verdict table, naming every row not run (exit 1 on a failure; "
+                        "fused_contrastive/gpu_validate.py)")
     p.add_argument("--budget", type=float, default=420.0, metavar="SECONDS",
                    help="with --gpu-validate: wall-clock budget; rows that would start later are listed as not run "
                         "and the verdict table follows (default 420)")

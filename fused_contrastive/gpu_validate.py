@@ -2,21 +2,21 @@
 
 Everything the Triton kernels need a GPU to confirm, in one command, with a pass/fail verdict:
 
-* **parity** of every kernel family (``LOSSES``: the core op on both paths of the triton backend,
-  "fused" = ``kernels/lse.py`` and "panel" = cuBLAS GEMMs on row panels + ``kernels/panel.py``, which
-  ``auto`` picks on CUDA for N M >= 2^24; SupCon's positives; CoSENT, SigLIP and GIST's guided kernels,
-  each run once on its own kernels, path "own"; the Matryoshka kernels on "fused" and the per-level
-  route on "panel") against the float64 oracle (the reference backend in float64 on the same
-  dtype-rounded inputs) under THE accuracy rule of ``testing.accuracy`` (relative to each output's
-  size), at N = 4099 (ragged against every block), D = 768 and 100, bf16 / fp16 / fp32, in the input
-  regimes ``flat``, ``sharp`` (``testing.cases.REGIMES``: temperature 0.01 / logit scale 100 with
-  correlated positives) and ``saturated`` (p_t ~ 0.9999, a loss of ~1e-4 per row: 16-bit gradient
-  pieces that cancel), with every kernel output and scratch buffer filled with NaN before each launch
-  and the inputs as views into NaN-padded buffers (an unwritten element or an out-of-bounds read shows
-  up as NaN), a row failing also when its family's kernels did not launch; the panel path once more
-  with a forced panel height (``Plan.multi_panel_rows``, default 1000: 5 panels at N = 4099); in fp32,
-  where the rule grants PyTorch's error against the oracle whole, the oracle must agree with the fp32
-  reference to ``ORACLE_SANITY`` x the slack;
+* **parity** of every kernel family (``LOSSES``: the core op on both paths of the triton backend, "fused" =
+  ``kernels/lse.py`` and "panel" = cuBLAS GEMMs on row panels + ``kernels/panel.py``, which ``auto`` picks on
+  CUDA for N M >= 2^24; SupCon's positives; CoSENT, SigLIP and GIST's guided kernels, each run once on its own
+  kernels, path "own"; the Matryoshka kernels on "fused" and the per-level route on "panel") against the
+  float64 oracle (the reference backend in float64 on the same dtype-rounded inputs) under THE accuracy rule
+  of ``testing.accuracy`` (relative to each output's size), at N = 4099 (ragged against every block), D = 768
+  (bf16 / fp16 / fp32) and D = 100 (the ragged D chunk: flat bf16, ``Plan.secondary_regimes`` /
+  ``secondary_dtypes``), in the input regimes ``flat``, ``sharp`` (``testing.cases.REGIMES``: temperature 0.01
+  / logit scale 100 with correlated positives) and ``saturated`` (p_t ~ 0.9999, a loss of ~1e-4 per row:
+  16-bit gradient pieces that cancel), with every kernel output and scratch buffer filled with NaN before each
+  launch and the inputs as views into NaN-padded buffers (an unwritten element or an out-of-bounds read shows
+  up as NaN), a row failing also when its family's kernels did not launch; the panel path once more with a
+  forced panel height (``Plan.multi_panel_rows``, default 1000: 5 panels at N = 4099); in fp32, where the rule
+  grants PyTorch's error against the oracle whole, the oracle must agree with the fp32 reference to
+  ``ORACLE_SANITY`` x the slack;
 * **cuBLAS fp32-output GEMMs**: which route ``core/triton_shared/panels.gemm_routes`` chose per 16-bit dtype
   (its probe of ``torch.mm`` / ``torch.addmm`` with ``out_dtype``, or the fallback: information);
 * **determinism**: 10 forward + backward runs bitwise identical per family and path (bf16, D = 768);
@@ -33,10 +33,16 @@ Everything the Triton kernels need a GPU to confirm, in one command, with a pass
 * **ncu** (``Plan.ncu``, off by default; when ``ncu`` is on PATH): the metrics that would calibrate the
   model for the main kernels. Informational.
 
-Bounded (``--budget``, default 420 s; the H100 runs took 264 and 310 s at 300): parity, determinism and
-fp16 run first in ``--jobs`` worker processes (a first run compiles every kernel variant, CPU-bound
-with the GPU idle; nothing is timed meanwhile) within 60 % of the budget, the timings alone after them;
-a row that would start past the budget is listed as not run. Every check runs on its own: an
+Bounded (``--budget``, default 420 s; the H100 runs took 264 and 310 s at 300). Every correctness row
+comes before any timing row: parity (the cheap shapes first, smallest N x D; the option rows of
+``OPTION_LOSSES`` and the sentence-transformers row with them), determinism and fp16, in ``--jobs`` worker
+processes when J > 1 (a first run compiles every kernel variant, CPU-bound with the GPU idle; nothing is
+timed meanwhile) within the budget less the timings' ESTIMATE (at most 40 % of it); then the timings alone,
+each row's repeats bounded by its share of the time left (``Plan.timing_repeats`` at most, 1 at least). The
+run first prints the plan: its rows per kind and an ESTIMATE of its wall time (``EST_S`` per row: not a
+measurement; a line says when it exceeds the budget) and ends with each kind's measured wall time, which
+calibrates EST_S. A row that would start past the budget is listed as not run, and the verdict names every
+such row ("not proven"): a row never run proves nothing. Every check runs on its own: an
 exception in one is a FAIL row carrying the error, and the run always ends with the verdict table of
 every row; the exit status is 0 (all pass) or 1 (any FAIL). Without a CUDA device the command exits
 with status 2 and a message. The machinery takes the device and the sizes as parameters
@@ -66,6 +72,20 @@ from . import routes
 #: Every Triton kernel family, by a registry case that runs it ("matryoshka": info_nce with
 #: ``matryoshka_dims``, see :func:`parity_case`).
 LOSSES = ("info_nce", "simcse", "clip", "supcon_in", "cosent", "siglip", "gist", "matryoshka")
+#: Parity rows of options whose kernel code only the CPU interpreter had run (registry cases, each against the
+#: reference backend's float64 definition like every parity row): label smoothing on GIST (the guided kernels'
+#: SMOOTH flag; a mean bf16 loss, which bypasses the guided panel route), Qwen3-Embedding in 16 bits, tau_plus
+#: (debiased) and row_negatives on info_nce, SigLIP's image / text groups. Not timed (no textbook formula).
+OPTION_LOSSES = ("gist_smoothed", "qwen3", "info_nce_debiased", "info_nce_rowneg", "siglip_groups")
+#: Option rows whose kernels must launch with a compile-time flag set: ``{case: (kernel, flag)}`` (the guided
+#: forward's SMOOTH: label smoothing's kept-column count and sum)
+OPTION_FLAGS = {"gist_smoothed": ("guided_fwd", "SMOOTH")}
+#: Per-row cost ESTIMATES for the printed plan estimate and the timings' reserve, not measured per row: the
+#: committed H100 run bench/results/h100-epilogue/gpu_validate.txt (--budget 326 --jobs 8) ran 191 correctness
+#: rows (parity, determinism, fp16; first compiles included) in its workers' 196 s, 8.2 worker-seconds a row, and
+#: its 16 timing rows (5 repeats) in the remaining 130 s, 8.1 s a row (6 steps per contender). ``validate``
+#: prints each kind's measured wall time at the end, for the next run to correct these.
+EST_S = {"row": 8.2, "timing_row": 8.1}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: In fp32 the float64 oracle must agree with PyTorch computing in fp32 to this many times the slack of
 #: THE accuracy rule (a sanity bound on the oracle itself; see _parity_one).
@@ -119,11 +139,22 @@ class Plan:
     """What to check, and at which sizes (defaults: the first-GPU run)."""
 
     losses: tuple[str, ...] = LOSSES
+    #: parity rows of the options only the interpreter had run (:data:`OPTION_LOSSES`; no determinism or timing)
+    option_losses: tuple[str, ...] = OPTION_LOSSES
+    #: the cached sentence-transformers drop-ins' loss (``mnrl_from_embeddings``) against the float64 InfoNCE
+    #: definition, when sentence-transformers is installed (else a row saying it is not: not run)
+    st_cached: bool = True
     #: "panel" takes the epilogue GEMM for 16-bit operands on CUDA, "panel-cublas" the cuBLAS products
     #: and the panel kernel (the form before the epilogue GEMM): both are measured side by side
     paths: tuple[str, ...] = ("fused", "panel", "panel-cublas")
-    #: (N, D) of the parity rows, in order of priority (the time budget stops the run in that order)
+    #: (N, D) of the parity rows: the first with every regime and dtype and the option rows, the others with
+    #: ``secondary_regimes`` and ``secondary_dtypes`` (run cheapest N x D first, see :func:`parity_units`)
     parity_shapes: tuple[tuple[int, int], ...] = ((4099, 768), (4099, 100))
+    #: regimes / dtypes of the parity shapes after the first (None: those of the first): D = 100 checks the
+    #: ragged D chunk and the small-D path, which the regime and the dtype do not change; the full matrix there
+    #: doubled the rows past what the default budget holds (the plan's ESTIMATE)
+    secondary_regimes: tuple[str, ...] | None = ("flat",)
+    secondary_dtypes: tuple[torch.dtype, ...] | None = (torch.bfloat16,)
     dtypes: tuple[torch.dtype, ...] = DTYPES
     #: input regimes of the parity rows (``testing.cases.REGIMES``): "sharp" is temperature 0.01 (logit
     #: scale 100) with correlated positives, where a 16-bit intermediate shows; "saturated" a softmax at
@@ -135,6 +166,8 @@ class Plan:
     timing_sizes: tuple[int, ...] = (16384, 65536)  # (): skip
     timing_d: int = 768
     timing_dtype: torch.dtype = torch.bfloat16
+    #: at most this many timed repeats per contender (the median is reported); fewer where the time left, shared
+    #: among the timing rows still to run, does not hold them (at least one after the warm-up)
     timing_repeats: int = 5
     ncu: bool = False
     ncu_shape: tuple[int, int] = (16384, 768)
@@ -244,9 +277,9 @@ def kernels_only():
 
 
 @contextlib.contextmanager
-def poisoned_launches(seen: list[str] | None = None) -> Iterator[None]:
+def poisoned_launches(seen: list[str] | None = None, flags: list[tuple[str, dict]] | None = None) -> Iterator[None]:
     """Every Triton launch first fills the outputs and scratch buffers it must write with NaN (and
-    appends its kernel name to ``seen``)."""
+    appends its kernel name to ``seen``, its name and compile-time flags to ``flags``)."""
     from .core.triton_shared import launch as TL
 
     orig = TL._launch
@@ -255,6 +288,8 @@ def poisoned_launches(seen: list[str] | None = None) -> Iterator[None]:
         if TL._RECORDER is None:
             if seen is not None:
                 seen.append(lz.name)
+            if flags is not None:
+                flags.append((lz.name, dict(lz.constexprs)))
             for name in _OUTPUTS.get(lz.name, ()):
                 t = lz.args.get(name)
                 if name == "DB" and lz.args.get("grad_cols") != lz.args.get("M"):
@@ -337,36 +372,46 @@ def _parity_paths(plan: Plan, loss: str = "info_nce") -> list[tuple[str, str, in
     return out
 
 
+def parity_units(plan: Plan) -> list[tuple[int, int, str, torch.dtype, bool]]:
+    """``(N, D, regime, dtype, primary)`` of the parity rows' units, cheapest N x D first (stable: the plan's
+    order within a size): the first shape of the plan (primary: every regime and dtype, and the option rows),
+    then the others with ``secondary_regimes`` / ``secondary_dtypes``."""
+    units = []
+    for i, (n, d) in enumerate(plan.parity_shapes):
+        regs = plan.regimes if i == 0 or plan.secondary_regimes is None else plan.secondary_regimes
+        dts = plan.dtypes if i == 0 or plan.secondary_dtypes is None else plan.secondary_dtypes
+        units += [(n, d, regime, dt, i == 0) for regime in regs for dt in dts]
+    return sorted(units, key=lambda u: u[0] * u[1])
+
+
 def check_parity(report: Report, plan: Plan, device: str, oracle: Oracle) -> None:
-    """Parity rows in order of priority: shape, then regime, then dtype, then loss and path."""
+    """Parity rows per unit of :func:`parity_units` (cheapest first), then loss and path."""
     from .core import reference
     from .testing import run
 
-    for n, d in plan.parity_shapes:
-        for regime in plan.regimes:
-            for dt in plan.dtypes:
-                for loss in plan.losses:
-                    rows = [(f"parity {loss} {label} N={n} D={d} {_dname(dt)} {regime}", path, prow)
-                            for label, path, prow in _parity_paths(plan, loss)]
-                    if report.over_budget(rows[0][0]):
-                        report.not_run += len(rows) - 1
-                        continue
-                    try:
-                        case, (tensors, kwargs) = parity_case(loss, n, d, 0, regime)
-                        rounded = {k: (v.to(dt).double() if v.dim() > 0 else v.double()) for k, v in tensors.items()}
-                        truth_loss, truth_grads = oracle(case, (rounded, kwargs), device)
-                        with reference.computing_in(dt):
-                            same_loss, same_grads = run(case, (tensors, kwargs), "reference", dt, device)
-                    except Exception as e:  # noqa: BLE001 - a FAIL row per path, and on to the next case
-                        for check, _, _ in rows:
-                            report.add(check, False, f"the oracle or the {_dname(dt)} reference raised {_err(e)}")
-                        continue
-                    for check, path, prow in rows:
-                        try:
-                            _parity_one(report, check, case, family(loss), tensors, kwargs, truth_loss, truth_grads,
-                                        same_loss, same_grads, path, prow, n, dt, device)
-                        except Exception as e:  # noqa: BLE001
-                            report.add(check, False, f"raised {_err(e)}")
+    for n, d, regime, dt, primary in parity_units(plan):
+        for loss in (*plan.losses, *(plan.option_losses if primary else ())):
+            rows = [(f"parity {loss} {label} N={n} D={d} {_dname(dt)} {regime}", path, prow)
+                    for label, path, prow in _parity_paths(plan, loss)]
+            if report.over_budget(rows[0][0]):
+                report.not_run += len(rows) - 1
+                continue
+            try:
+                case, (tensors, kwargs) = parity_case(loss, n, d, 0, regime)
+                rounded = {k: (v.to(dt).double() if v.dim() > 0 else v.double()) for k, v in tensors.items()}
+                truth_loss, truth_grads = oracle(case, (rounded, kwargs), device)
+                with reference.computing_in(dt):
+                    same_loss, same_grads = run(case, (tensors, kwargs), "reference", dt, device)
+            except Exception as e:  # noqa: BLE001 - a FAIL row per path, and on to the next case
+                for check, _, _ in rows:
+                    report.add(check, False, f"the oracle or the {_dname(dt)} reference raised {_err(e)}")
+                continue
+            for check, path, prow in rows:
+                try:
+                    _parity_one(report, check, case, family(loss), tensors, kwargs, truth_loss, truth_grads,
+                                same_loss, same_grads, path, prow, n, dt, device)
+                except Exception as e:  # noqa: BLE001
+                    report.add(check, False, f"raised {_err(e)}")
 
 
 def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, truth_loss, truth_grads, same_loss,
@@ -381,9 +426,10 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     worst_ratio, worst = 0.0, "no outputs"
     problems: list[str] = []
     seen: list[str] = []
+    flags: list[tuple[str, dict]] = []
     calls = library_route.CALLS
     forced = triton_path(path) if path != "own" else contextlib.nullcontext()
-    with poisoned_launches(seen), forced, _panel_height(rows):
+    with poisoned_launches(seen, flags), forced, _panel_height(rows):
         # the library takes 16-element row strides: NaN padding to the next such stride
         got_loss, got_grads = run(case, (tensors, kwargs), "triton", dt, device, canary=True,
                                   canary_align=16 if path.startswith("aot/") else 1)
@@ -399,6 +445,10 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
     elif not any(want <= set(seen) for want in _alternatives(EXPECT[(fam, path)])):
         wants = " or ".join(str(sorted(w)) for w in _alternatives(EXPECT[(fam, path)]))
         problems.append(f"the kernels did not run (want {wants}, launches: {sorted(set(seen))})")
+    elif case.name in OPTION_FLAGS and not any(
+            name == OPTION_FLAGS[case.name][0] and fl.get(OPTION_FLAGS[case.name][1]) for name, fl in flags):
+        problems.append(f"{OPTION_FLAGS[case.name][0]} did not run with {OPTION_FLAGS[case.name][1]} "
+                        f"(launches: {sorted(set(seen))})")
     elif path == "panel" and dt == torch.bfloat16 and case.name in EPILOGUE_CASES and "epi_gemm" not in seen:
         problems.append(f"the epilogue GEMM did not run (launches: {sorted(set(seen))})")
     elif path == "panel-cublas" and "epi_gemm" in seen:
@@ -622,66 +672,85 @@ def _textbook(loss: str, case, kwargs):
 def check_timings(report: Report, plan: Plan, device: str) -> None:
     """Fwd + bwd times (CUDA events, medians of ``timing_repeats``) of the triton backend's route, each
     triton path forced for the core op, and the textbook formula, with the model's prediction beside."""
-    measure = _timer(device)
-    dt = plan.timing_dtype
     model = model_predictions(device)
+    todo = [(loss, n) for loss in plan.losses for n in plan.timing_sizes]
+    for i, (loss, n) in enumerate(todo):
+        check = f"timing {loss} N={n} D={plan.timing_d} {_dname(plan.timing_dtype)}"
+        if report.over_budget(check):
+            continue
+        # the time left, shared among the timing rows still to run, bounds this row's repeats
+        share = None if report.deadline is None else max(report.deadline - time.monotonic(), 0.0) / (len(todo) - i)
+        _timing_row(report, plan, device, loss, n, check, share, model)
     for loss in plan.losses:
-        fam = family(loss)
-        for n in plan.timing_sizes:
-            check = f"timing {loss} N={n} D={plan.timing_d} {_dname(dt)}"
-            if report.over_budget(check):
-                continue
-            try:
-                case, (tensors, kwargs) = parity_case(loss, n, plan.timing_d, 7, "flat")
-            except Exception as e:  # noqa: BLE001
-                report.add(check, False, f"raised {_err(e)}")
-                continue
-            kwargs = {k: (v.to(device=device, dtype=dt) if isinstance(v, Tensor) and v.is_floating_point() else
-                          tuple(g.to(device=device, dtype=dt) for g in v) if k == "guide" else
-                          v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
-            leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone()
-                      .requires_grad_(True) for k, v in tensors.items()}
-            textbook = _textbook(loss, case, kwargs)
-            names = ["triton", *(f"triton/{p}" for p in plan.paths if fam == "core"), "naive"]
-            row: dict[str, float | None] = {}
-            for name in names:
-                def step(name=name, leaves=leaves, kwargs=kwargs, case=case, textbook=textbook):
-                    for v in leaves.values():
-                        v.grad = None
-                    if name == "naive":
-                        out = textbook(leaves)
-                    else:
-                        with triton_path(name.split("/", 1)[1]) if "/" in name else contextlib.nullcontext():
-                            out = case.fn(**leaves, **kwargs, backend="triton")
-                            out.backward()
-                        return
-                    out.backward()
-                try:
-                    step()  # warm-up (compiles, cuBLAS heuristics)
-                    row[name] = statistics.median(measure(step) for _ in range(plan.timing_repeats))
-                except Exception as e:  # noqa: BLE001 - out of memory: "does not fit"; else a FAIL row
-                    row[name] = None
-                    if not _is_oom(e):
-                        report.add(f"timing {loss} {name} N={n} D={plan.timing_d} {_dname(dt)}", False,
-                                   f"raised {_err(e)}")
-                    if device.startswith("cuda"):
-                        torch.cuda.empty_cache()
-            report.timings[(loss, n)] = row
-            cells = ", ".join(f"{k} {'does not fit' if v is None else f'{v:.2f} ms'}" for k, v in row.items())
-            pred = model.get((loss, n))
-            mcell = (f"; MODEL triton {pred[0]:.2f} ms, textbook {pred[1]:.2f} ms" if pred and pred[0] and pred[1]
-                     else f"; MODEL triton {pred[0]:.2f} ms" if pred and pred[0] else "; no model row")
-            tri, naive = row.get("triton"), row.get("naive")
-            ratio = f"; triton / textbook {tri / naive:.2f}x" if tri and naive else ""
-            report.add(check, None, f"median of {plan.timing_repeats}: {cells}{ratio}{mcell}")
-            del leaves
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        if fam == "core" and plan.timing_sizes and (loss, max(plan.timing_sizes)) in report.timings:
+        if family(loss) == "core" and plan.timing_sizes and (loss, max(plan.timing_sizes)) in report.timings:
             row = report.timings[(loss, max(plan.timing_sizes))]
             cands = {k: v for k, v in row.items() if k.startswith("triton/") and v is not None}
             if cands:
                 report.prefer[loss] = min(cands, key=cands.get)
+
+
+def _timing_row(report: Report, plan: Plan, device: str, loss: str, n: int, check: str, share: float | None,
+                model) -> None:
+    """One timing row: each contender warmed up once, then timed ``repeats`` times (median), ``repeats`` at most
+    ``plan.timing_repeats`` and, with ``share`` (seconds this row may take), as many as the warm-up's time says
+    fit in the contender's part of it (at least 1)."""
+    measure = _timer(device)
+    dt = plan.timing_dtype
+    fam = family(loss)
+    try:
+        case, (tensors, kwargs) = parity_case(loss, n, plan.timing_d, 7, "flat")
+    except Exception as e:  # noqa: BLE001
+        report.add(check, False, f"raised {_err(e)}")
+        return
+    kwargs = {k: (v.to(device=device, dtype=dt) if isinstance(v, Tensor) and v.is_floating_point() else
+                  tuple(g.to(device=device, dtype=dt) for g in v) if k == "guide" else
+                  v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
+    leaves = {k: (v.to(device=device, dtype=dt) if v.dim() else v.to(device)).clone()
+              .requires_grad_(True) for k, v in tensors.items()}
+    textbook = _textbook(loss, case, kwargs)
+    names = ["triton", *(f"triton/{p}" for p in plan.paths if fam == "core"), "naive"]
+    row: dict[str, float | None] = {}
+    reps: list[int] = []
+    for name in names:
+        def step(name=name, leaves=leaves, kwargs=kwargs, case=case, textbook=textbook):
+            for v in leaves.values():
+                v.grad = None
+            if name == "naive":
+                out = textbook(leaves)
+            else:
+                with triton_path(name.split("/", 1)[1]) if "/" in name else contextlib.nullcontext():
+                    out = case.fn(**leaves, **kwargs, backend="triton")
+                    out.backward()
+                return
+            out.backward()
+        try:
+            t0 = time.monotonic()
+            step()  # warm-up (compiles, cuBLAS heuristics)
+            took = time.monotonic() - t0
+            r = plan.timing_repeats if share is None else \
+                max(1, min(plan.timing_repeats, int(share / len(names) / max(took, 1e-6)) - 1))
+            reps.append(r)
+            row[name] = statistics.median(measure(step) for _ in range(r))
+        except Exception as e:  # noqa: BLE001 - out of memory: "does not fit"; else a FAIL row
+            row[name] = None
+            if not _is_oom(e):
+                report.add(f"timing {loss} {name} N={n} D={plan.timing_d} {_dname(dt)}", False,
+                           f"raised {_err(e)}")
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    report.timings[(loss, n)] = row
+    cells = ", ".join(f"{k} {'does not fit' if v is None else f'{v:.2f} ms'}" for k, v in row.items())
+    pred = model.get((loss, n))
+    mcell = (f"; MODEL triton {pred[0]:.2f} ms, textbook {pred[1]:.2f} ms" if pred and pred[0] and pred[1]
+             else f"; MODEL triton {pred[0]:.2f} ms" if pred and pred[0] else "; no model row")
+    tri, naive = row.get("triton"), row.get("naive")
+    ratio = f"; triton / textbook {tri / naive:.2f}x" if tri and naive else ""
+    nrep = f"{min(reps)}" if reps and min(reps) == max(reps) else \
+        f"{min(reps)}-{max(reps)}" if reps else f"{plan.timing_repeats}"
+    report.add(check, None, f"median of {nrep}: {cells}{ratio}{mcell}")
+    del leaves
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def ncu_child(loss: str, n: int, d: int) -> None:
@@ -726,28 +795,19 @@ def _worker(device: str, plan: Plan, oracle: Oracle) -> tuple[list[Result], int]
     return [r for r in rep.results if not r.check.startswith("cuBLAS")], rep.not_run
 
 
-def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle) -> None:
+def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle, reserve: float = 0.0) -> None:
     """Parity, determinism and fp16 in ``plan.jobs`` processes, before the timings run alone: the first
     run on a machine compiles every kernel variant (CPU-bound, seconds each, the GPU idle), so the
     correctness checks share the CPU cores; nothing is timed while they run. The units (determinism,
     fp16, parity per (shape, regime, dtype)) go to whichever worker is free, all under one wall-clock
-    deadline (60 % of the budget left: the timings get the rest)."""
+    deadline: the budget left less ``reserve`` (the timings' ESTIMATE, at most 40 % of it), which the timings get.
+    The sentence-transformers rows are a unit of their own (:func:`_worker_plans`)."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    until = None if report.deadline is None else \
-        time.time() + 0.6 * max(report.deadline - time.monotonic(), 0.0)
-    base = dataclasses.replace(plan, timing_sizes=(), ncu=False, budget_s=None, until=until, jobs=1,
-                               parity_shapes=(), determinism_runs=0, fp16_shape=None)
-    # one task per unit, the long ones first, handed to whichever worker is free: determinism, fp16,
-    # then parity per (shape, regime, dtype) in the plan's order of priority
-    plans = []
-    if plan.determinism_runs > 1:
-        plans.append(dataclasses.replace(base, determinism_runs=plan.determinism_runs))
-    if plan.fp16_shape is not None:
-        plans.append(dataclasses.replace(base, fp16_shape=plan.fp16_shape))
-    plans += [dataclasses.replace(base, parity_shapes=(shape,), regimes=(regime,), dtypes=(dt,))
-              for shape in plan.parity_shapes for regime in plan.regimes for dt in plan.dtypes]
+    left = None if report.deadline is None else max(report.deadline - time.monotonic(), 0.0)
+    until = None if left is None else time.time() + left - min(reserve, 0.4 * left)
+    plans = _worker_plans(plan, until)
     with cf.ProcessPoolExecutor(plan.jobs, mp_context=mp.get_context("spawn")) as pool:
         futures = [pool.submit(_worker, device, p, oracle) for p in plans]
         for fut in futures:
@@ -759,6 +819,120 @@ def _checks_in_workers(report: Report, plan: Plan, device: str, oracle: Oracle) 
             report.not_run += not_run
             for r in results:
                 report.add(r.check, r.ok, r.detail)
+
+
+def _worker_plans(plan: Plan, until: float | None) -> list[Plan]:
+    """The units of :func:`_checks_in_workers`, one plan each, under the deadline ``until``: determinism, fp16,
+    each parity unit of :func:`parity_units` (the option rows with the first shape's), the sentence-transformers
+    rows."""
+    base = dataclasses.replace(plan, timing_sizes=(), ncu=False, budget_s=None, until=until, jobs=1,
+                               parity_shapes=(), determinism_runs=0, fp16_shape=None, st_cached=False)
+    # one task per unit, the long ones first, handed to whichever worker is free: determinism, fp16,
+    # then parity per (shape, regime, dtype) in the plan's order of priority
+    plans = []
+    if plan.determinism_runs > 1:
+        plans.append(dataclasses.replace(base, determinism_runs=plan.determinism_runs))
+    if plan.fp16_shape is not None:
+        plans.append(dataclasses.replace(base, fp16_shape=plan.fp16_shape))
+    plans += [dataclasses.replace(base, parity_shapes=((n, d),), regimes=(regime,), dtypes=(dt,),
+                                  option_losses=plan.option_losses if primary else ())
+              for n, d, regime, dt, primary in parity_units(plan)]
+    if plan.st_cached and plan.parity_shapes:  # the sentence-transformers rows: every dtype, the first shape
+        plans.append(dataclasses.replace(base, parity_shapes=plan.parity_shapes[:1], losses=(), option_losses=(),
+                                         st_cached=True))
+    return plans
+
+
+def estimate(plan: Plan) -> dict[str, tuple[int, float]]:
+    """``{kind: (rows, ESTIMATED seconds of one process)}`` of ``plan`` from :data:`EST_S` (per row, not
+    measured per row); the timings' at ``plan.timing_repeats`` repeats (:func:`plan_seconds` also gives them
+    at 1, as the time left may bound them)."""
+    n_par = sum(len(_parity_paths(plan, lo)) for n, d, _, _, primary in parity_units(plan)
+                for lo in (*plan.losses, *(plan.option_losses if primary else ())))
+    n_st = len(plan.dtypes) if plan.st_cached and plan.parity_shapes else 0
+    n_det = sum(len(_parity_paths(plan, lo)) for lo in plan.losses) if plan.determinism_runs > 1 else 0
+    n_fp16 = len(plan.paths) if plan.fp16_shape is not None else 0
+    n_tim = len(plan.losses) * len(plan.timing_sizes)
+    return {"parity": (n_par, n_par * EST_S["row"]), "sentence-transformers": (n_st, n_st * EST_S["row"]),
+            "determinism": (n_det, n_det * EST_S["row"]), "fp16": (n_fp16, n_fp16 * EST_S["row"]),
+            "timing": (n_tim, n_tim * EST_S["timing_row"] * (1 + plan.timing_repeats) / 6)}
+
+
+def plan_seconds(est: dict[str, tuple[int, float]], jobs: int, repeats: int | None = None,
+                 plan_repeats: int = 5) -> float:
+    """The wall-clock ESTIMATE of a plan: the correctness rows over ``jobs`` processes, then the timings alone
+    (at ``repeats`` repeats instead of the plan's ``plan_repeats``, when given)."""
+    tim = est["timing"][1] if repeats is None else est["timing"][1] * (1 + repeats) / (1 + plan_repeats)
+    return sum(s for k, (_, s) in est.items() if k != "timing") / max(1, jobs) + tim
+
+
+def st_cached_case(n: int, d: int, seed: int):
+    """``(fn, inputs, truth)`` of the sentence-transformers row: ``mnrl_from_embeddings`` (the loss the
+    cached drop-ins compute from their embeddings; scale 20, query to doc, one positive and one hard
+    negative column) and its float64 definition, InfoNCE of each query against every doc column
+    (the reference backend: core/reference.py)."""
+    from .integrations.sentence_transformers import mnrl_from_embeddings
+    from .losses import info_nce
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, d, generator=g)
+    pos = q + 0.5 * torch.randn(n, d, generator=g)
+    neg = torch.randn(n, d, generator=g)
+
+    def fn(q, pos, neg, backend):
+        return mnrl_from_embeddings(q, [pos, neg], scale=20.0, backend=backend)
+
+    def truth(q, pos, neg):
+        return info_nce(q, torch.cat([pos, neg]), temperature=1 / 20.0, backend="reference")
+    return fn, {"q": q, "pos": pos, "neg": neg}, truth
+
+
+def check_st_cached(report: Report, plan: Plan, device: str) -> None:
+    """The cached sentence-transformers drop-ins' loss on the triton backend in each dtype of the plan against
+    its float64 definition (:func:`st_cached_case`) at the plan's first parity shape, under THE accuracy rule
+    of ``testing.accuracy`` as every parity row (PyTorch's error in the dtype: the definition computed in it).
+    Without sentence-transformers: a row saying so, counted as not run (it proves nothing)."""
+    import importlib.util
+
+    from .core import reference
+    from .testing.accuracy import check_output, rounding_floor
+
+    n, d = plan.parity_shapes[0]
+    for dt in plan.dtypes:
+        check = f"parity st_cached_mnrl own N={n} D={d} {_dname(dt)}"
+        if importlib.util.find_spec("sentence_transformers") is None:
+            report.not_run += 1
+            report.add(check, None, "not run: sentence-transformers is not installed")
+            continue
+        if report.over_budget(check):
+            continue
+        try:
+            fn, xs, truth = st_cached_case(n, d, 11)
+
+            def grads(f, dtype, xs=xs, dt=dt, **kw):
+                leaves = {k: v.to(dt).to(device=device, dtype=dtype).requires_grad_() for k, v in xs.items()}
+                out = f(**leaves, **kw)
+                out.backward()
+                return out.detach(), {k: v.grad for k, v in leaves.items()}
+
+            want_l, want_g = grads(truth, torch.float64)
+            with reference.computing_in(dt):
+                same_l, same_g = grads(truth, dt)
+            with poisoned_launches():
+                got_l, got_g = grads(fn, dt, backend="triton")
+            f_loss, f_grad = rounding_floor(xs, {"scale": 20.0})
+            ref = max(1.0, abs(float(want_l)))
+            worst_ratio, worst = 0.0, ""
+            for name, got, want, same, floor in [("loss", got_l, want_l, same_l, f_loss)] + [
+                    (f"grad {k}", got_g[k], want_g[k], same_g[k], f_grad) for k in xs]:
+                w, e, tol = check_output(name, got, want, same, dt, 0.0, ref=ref, floor=floor)
+                ratio = 0.0 if e == 0 else (e / tol if tol > 0 else math.inf)
+                ratio = math.inf if math.isnan(ratio) else ratio
+                if ratio >= worst_ratio:
+                    worst_ratio, worst = ratio, str(w)
+            report.add(check, worst_ratio <= 1.0, f"err/tol {worst_ratio:.3f} ({worst})")
+        except Exception as e:  # noqa: BLE001 - a FAIL row, and on to the next
+            report.add(check, False, f"raised {_err(e)}")
 
 
 def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = float64_oracle,
@@ -780,28 +954,44 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     print(f"fused-contrastive GPU validation on {device} ({name}), torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}", flush=True)
+    est = estimate(plan)
+    budget = "none" if plan.budget_s is None else f"{plan.budget_s:.0f} s"
+    low = plan_seconds(est, plan.jobs, 1, plan.timing_repeats)
+    high = plan_seconds(est, plan.jobs)
+    print(f"plan: {sum(r for r, _ in est.values())} rows ("
+          + ", ".join(f"{k} {r}" for k, (r, _) in est.items() if r)
+          + f"); ESTIMATE {low:.0f} to {high:.0f} s with {plan.jobs} job(s) (timings at 1 to {plan.timing_repeats} "
+          f"repeats; EST_S per row, not a measurement) against the budget {budget}", flush=True)
+    if plan.budget_s is not None and low > plan.budget_s:
+        print(f"  the ESTIMATE exceeds the budget: rows past it will be listed as not run (--budget {low:.0f} or "
+              "more, or more --jobs)", flush=True)
+    walls: dict[str, float] = {}
     if plan.jobs > 1:
-        _checks_in_workers(report, plan, device, oracle)
-        plan = dataclasses.replace(plan, parity_shapes=(), determinism_runs=0, fp16_shape=None)
-    # in order of priority (the time budget stops the run in this order): parity at the first shape,
-    # the timings, parity at the other shapes, determinism, fp16 at large M
-    first = dataclasses.replace(plan, parity_shapes=plan.parity_shapes[:1])
-    rest = dataclasses.replace(plan, parity_shapes=plan.parity_shapes[1:])
-    steps = [("parity", lambda: check_parity(report, first, device, oracle), bool(plan.parity_shapes)),
+        t0 = time.monotonic()
+        _checks_in_workers(report, plan, device, oracle, reserve=est["timing"][1] * 2 / (1 + plan.timing_repeats))
+        walls["correctness (workers)"] = time.monotonic() - t0
+        plan = dataclasses.replace(plan, parity_shapes=(), determinism_runs=0, fp16_shape=None, st_cached=False)
+    # in order (the time budget stops the run in this order): every correctness row, parity first (cheap
+    # shapes first), then determinism and fp16 at large M; the timings last, their repeats bounded by the
+    # time left
+    steps = [("parity", lambda: check_parity(report, plan, device, oracle), bool(plan.parity_shapes)),
+             ("sentence-transformers", lambda: check_st_cached(report, plan, device),
+              plan.st_cached and bool(plan.parity_shapes)),
              ("cuBLAS GEMM routes", lambda: check_gemm_routes(report, plan, device), True),
-             ("timings", lambda: check_timings(report, plan, device), bool(plan.timing_sizes)),
-             ("parity", lambda: check_parity(report, rest, device, oracle), len(plan.parity_shapes) > 1),
              ("determinism", lambda: check_determinism(report, plan, device), plan.determinism_runs > 1),
              ("fp16 vs fp32", lambda: check_fp16_large_m(report, plan, device), plan.fp16_shape is not None),
+             ("timings", lambda: check_timings(report, plan, device), bool(plan.timing_sizes)),
              ("ncu", lambda: check_ncu(report, plan, device), plan.ncu)]
     for what, step, wanted in steps:
         if not wanted:
             continue
+        t0 = time.monotonic()
         try:
             with kernels_only() if what != "ncu" else contextlib.nullcontext():
                 step()
         except Exception as e:  # noqa: BLE001 - whatever escapes a check is a FAIL row; the table follows
             report.add(f"{what} (the check itself)", False, f"raised {_err(e)}")
+        walls[what] = walls.get(what, 0.0) + time.monotonic() - t0
     fails = [r.check for r in report.results if r.ok is False]
     print("\nverdict table:")
     for r in report.results:
@@ -810,6 +1000,10 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
                if report.not_run else "")
     print(f"\nverdict: {'PASS' if report.ok else 'FAIL'} ({sum(r.ok is True for r in report.results)} passed, "
           f"{len(fails)} failed{skipped}{': ' + ', '.join(fails) if fails else ''})")
+    unproven = [r.check for r in report.results if r.ok is None and r.detail.startswith("not run")]
+    if unproven:
+        print(f"not proven (not run, {len(unproven)}): " + ", ".join(unproven))
+    print("measured wall time (for EST_S): " + ", ".join(f"{k} {v:.1f} s" for k, v in walls.items()))
     for loss, be in report.prefer.items():
         print(f"auto should prefer on this device for {loss} (measured at N = {max(plan.timing_sizes)}): {be}")
     return report

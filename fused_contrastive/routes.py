@@ -98,18 +98,26 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "csrc (the C library)"),
     Setting("TRITON_PATH", "choice", "auto", "the triton backend's path: the panel path or the fused kernels",
             "core.triton_shared.panels.use_panel; csrc/fc_torch.cpp", ("auto", "panel", "fused")),
-    Setting("PANEL_GEMM", "choice", "auto", "what forms a panel's gradient tile: the epilogue GEMM or cuBLAS",
-            "core.triton_shared.panels.use_epilogue", ("auto", "epilogue", "cublas")),
+    Setting("PANEL_GEMM", "choice", "auto", "what forms a panel's gradient tile: the epilogue GEMM or cuBLAS "
+            "(fp16pass: the one pass's bf16 tiles from cuBLAS fp16 cosines and one in-place pass, untimed; "
+            "elsewhere auto)", "core.triton_shared.panels.use_epilogue; core.triton_shared.logit_pass",
+            ("auto", "epilogue", "cublas", "fp16pass")),
     Setting("PANEL_BUDGET", "int", None, "bytes of workspace a panel route may allocate (unset: "
             "core.triton_shared.panels.BUDGET_BYTES)", "core.triton_shared.panels.panel_rows; csrc/fc_torch.cpp"),
     Setting("EPI_FORM", "choice", None, "the epilogue GEMM's tile loop (unset: EPI_FORM_DEFAULT, else tiles)",
             "core.triton_shared.panels.epi_form", ("tiles", "persistent", "tma")),
+    Setting("EPI_HOIST", "flag", False, "'1' issues the epilogue GEMM's per-row loads before its products' loop "
+            "(MODE 0 / 1 / 2; same results; untimed, off by default)", "core.triton_shared.panels._epi_panel"),
     Setting("MATRYOSHKA_ROUTE", "choice", "auto", "the Matryoshka route on the triton backend",
             "core.matryoshka.triton_levels.route", ("auto", "calls", "kernels", "suffix")),
     Setting("TRITON_POISON", "flag", False, "fill every kernel output with NaN before its launch (read at import)",
             "core.triton_shared.launch.POISON_OUTPUTS"),
     Setting("GPU_MODEL", "text", None, "the GPU model's results file check --gpu-validate compares with",
             "gpu_validate"),
+    Setting("SIGLIP_EPILOGUE", "choice", "exact", "SigLIP's per-logit math on the epilogue GEMM: exact (libdevice "
+            "log, IEEE divisions), lean (one exp, a log1p polynomial, one approximate reciprocal) or lean128 (lean, "
+            "the one pass at 128 x 128 tiles); the lean forms are untimed", "core.siglip.triton_sweep.epilogue",
+            ("exact", "lean", "lean128")),
 )}
 
 #: In-process hooks without a variable: sizes a test (or the GPU model, recording what a CUDA device would run)
@@ -282,6 +290,22 @@ ROUTES: tuple[Route, ...] = (
     Route("core", "the one pass's launch configuration", "128 x 128 x 64 tiles, 8 warps, 4 stages",
           "sm_90", "core.triton_shared.configs.EPI_GEMM['one_pass']",
           _rows(RUN2, "info_nce", (16384, 65536), OURS, f"{OURS}[one_pass=128x256w16]")),
+    Route("core", "the epilogue GEMM's per-row loads", "after the D loop, as the epilogue reaches them",
+          "MODE 0 / 1 / 2 (FUSED_CONTRASTIVE_EPI_HOIST=1: before the D loop, once; bitwise the same results)",
+          "core.triton_shared.panels._epi_panel (EPI_HOIST)",
+          unmeasured="no GPU has timed the two side by side: the default is the form every measurement ran, the "
+                     "hoisted one is new (bench-gpu forms epi=hoist and one_pass=128x256w16+hoist, the first step of "
+                     "bench/gpu_session.py)"),
+    Route("core", "the one pass's tile producer", "the epilogue GEMM (MODE 1)",
+          "bf16 one-pass sweeps on CUDA (FUSED_CONTRASTIVE_PANEL_GEMM=fp16pass: cuBLAS fp16 cosines and one in-place "
+          "pass)", "core.triton_shared.logit_pass.use_fp16_pass",
+          unmeasured="no GPU has timed the two side by side: the default is the form every measurement ran, the fp16 "
+                     "pass is new (bench-gpu form gemm=fp16pass)"),
+    Route("siglip", "the per-logit math of the epilogue", "exact (libdevice log, IEEE divisions)",
+          "SigLIP's sweeps on the epilogue GEMM (FUSED_CONTRASTIVE_SIGLIP_EPILOGUE=lean|lean128)",
+          "core.siglip.triton_sweep.epilogue",
+          unmeasured="no GPU has timed the two side by side: the default is the form every measurement ran, the lean "
+                     "epilogue is new (bench-gpu forms siglip=lean, siglip=lean128, siglip=lean128+tiles)"),
     Route("core", "the panel budget", "0.7 GB", "every panel route", "core.triton_shared.panels.BUDGET_BYTES",
           _rows(RUN2, "info_nce", (65536,), OURS, f"{OURS}[budget=2GB]", f"{OURS}[budget=6GB]")
           + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[budget=2GB]")

@@ -30,7 +30,8 @@ Kernels:
   [0, d_k) rebuilds level k's raw products, its gradient tile ``G^k = dl^k FA[k, i] FB[k, j]`` (dl^k /
   gscale from the saved statistics) joins the suffix sum ``H += G^k``, and a walk over S_k adds
   ``H^k Y_hat[:, S_k]`` into this program's fp32 scratch rows (``Y_hat`` = the other side's top-level unit
-  rows ``SB RSB[K-1]``, cast to the operand dtype as in the fused kernels). The row scalars
+  rows ``SB RSB[K-1]``, cast to the operand dtype as in the fused kernels; in bf16 ``(H^k RSB[K-1]) SB``, the
+  scaled rows exact: FOLD_NORM). Each row's target entry stays out of the 16-bit tile (SPLIT_T). The row scalars
   ``rho^k = sum_j dl^k cos^k`` accumulate in a [BLOCK, KP] tensor; the epilogue forms, per element of
   segment r, ``dA_ic = s gscale (ACC_ic / (PRESCALE n^K_i) - A_ic sum_{k >= r, n^k_i > eps} rho^k_i / (n^k_i)^2)``
   (0 past d_K: no level reads those coordinates). Two tiles live (the level's and H) whatever K is.
@@ -253,27 +254,42 @@ def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
 
 @triton.jit
 def _mat_epilogue(X, OUT, ACC, NX, nx_stride, DIMS, rho, kk, rows, n_out, D, stride_x, stride_o, mult, eps,
+                  tg, tgt_r, Y, RSY, stride_y, n_y,
                   K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PRESCALE: tl.constexpr,
-                  ALIGNED: tl.constexpr):
+                  ALIGNED: tl.constexpr, SPLIT_T: tl.constexpr):
     """OUT_ic = mult (ACC_ic / (PRESCALE n^K_i) - X_ic sum_{k: c < d_k, n^k_i > eps} rho^k_i / (n^k_i)^2),
     0 for c >= d_K; cast to OUT's dtype. ``NX`` [K, nx_stride] holds the clamped prefix norms n^k, ``rho``
-    [BLOCK_R, KP] the scalars of level k in column k."""
+    [BLOCK_R, KP] the scalars of level k in column k. SPLIT_T: plus, in fp32, the target entries the
+    16-bit tiles left out: ``sum_{k: c < d_k} tg^k_i Y_hat[t_i, c] / n^K_i`` (``tg`` [BLOCK_R, KP] the
+    levels' gradient-tile entries at each row's target column ``tgt_r``, ``Y_hat = Y RSY[K - 1]`` the other
+    side's top-level unit rows, in fp32 here, ``n_y`` its rows)."""
     rmask = rows < n_out
     n_top = tl.load(NX + (K - 1) * nx_stride + rows, mask=rmask, other=1.0)
     top = _bound(DIMS, K, ALIGNED)
     x_base = X + rows.to(tl.int64)[:, None] * stride_x
     o_base = OUT + rows.to(tl.int64)[:, None] * stride_o
     a_base = ACC + rows.to(tl.int64)[:, None] * D
+    if SPLIT_T:
+        tmask = rmask & (tgt_r >= 0) & (tgt_r < n_y)
+        y_base = Y + tl.where(tmask, tgt_r, 0).to(tl.int64)[:, None] * stride_y
+        rs_t = tl.load(RSY + (K - 1) * n_y + tgt_r, mask=tmask, other=0.0)
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
         m2 = rmask[:, None] & (dd < D)[None, :]
         live = m2 & (dd < top)[None, :]
         g = tl.load(a_base + dd[None, :], mask=live, other=0.0) / (PRESCALE * n_top[:, None])
         corr = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        tco = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         for k in range(K):
             nk = tl.load(NX + k * nx_stride + rows, mask=rmask, other=1.0)
             ck = tl.where(nk > eps, _col(rho, kk, k) / (nk * nk), 0.0)
-            corr += tl.where((dd < _bound(DIMS, k + 1, ALIGNED))[None, :], ck[:, None], 0.0)
+            below = (dd < _bound(DIMS, k + 1, ALIGNED))[None, :]
+            corr += tl.where(below, ck[:, None], 0.0)
+            if SPLIT_T:
+                tco += tl.where(below, _col(tg, kk, k)[:, None], 0.0)
+        if SPLIT_T:
+            yt = tl.load(y_base + dd[None, :], mask=tmask[:, None] & live, other=0.0).to(tl.float32)
+            g += tco * yt * (rs_t / n_top)[:, None]
         x = tl.load(x_base + dd[None, :], mask=live, other=0.0).to(tl.float32)
         tl.store(o_base + dd[None, :], ((g - x * corr) * mult).to(OUT.dtype.element_ty), mask=m2)
 
@@ -282,20 +298,35 @@ def _mat_epilogue(X, OUT, ACC, NX, nx_stride, DIMS, rho, kk, rows, n_out, D, str
 def mat_bwd_kernel(
     X, SA, SB, RSA, RSB, FA, FB, NX, DIMS, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
     LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW,
-    DX, ACC, DS_PART,
+    DX, ACC, DS_PART, TG,
     N, M, D, n_out, stride_x, stride_sa, stride_sb, stride_dx, offset, bias, n0, m0, stride_pm, eps,
     K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    PRESCALE: tl.constexpr, HAS_TGT: tl.constexpr, ALIGNED: tl.constexpr,
+    PRESCALE: tl.constexpr, HAS_TGT: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_T: tl.constexpr,
+    FOLD_NORM: tl.constexpr,
 ):
     """dA for one block of rows (grid cdiv(N, BLOCK_M); X = A, NX = NA, n_out = N) and its share of dL/ds,
     or with COLS dB for one block of columns < n_out (grid cdiv(n_out, BLOCK_N); X = B, NX = NB).
 
     Per tile, from the top level down: a walk over [0, d_k) gives level k's raw products and its gradient
     tile G^k, which joins the suffix sum ``H += G^k``; a walk over the segment S_k multiplies ``H`` into the
-    scratch (``ACC[:, S_k] += H Y_hat[:, S_k]``). Two tiles live whatever K is."""
+    scratch (``ACC[:, S_k] += H Y_hat[:, S_k]``). Two tiles live whatever K is.
+
+    SPLIT_T (with HAS_TGT): each row's target entry ``G^k[i, TGT[i]]`` stays out of the 16-bit tile ``H`` (and
+    so out of the 16-bit ``Y_hat`` of the GEMM). In a peaked softmax it is the largest entry of its row, nearly
+    cancelled (``p_it - 1``), and both roundings (H's and Y_hat's, 2^-9 each in bf16) fell on it whole: 1e-2
+    of max |grad| in bf16 at temperature 0.05 against 2-4e-3 for one plain call per level. The rows kernel
+    (COLS False) writes the entries to ``TG[k, i]`` (fp32, [K, N]) and adds ``sum_k TG[k, i] Y_hat[t_i, :d_k]``
+    in fp32 in its epilogue; the columns kernel leaves them out and starts from ``ACC`` as the host filled it
+    (``PRESCALE sum_{i: t_i = j} sum_k TG[k, i] X_hat[i, :d_k]`` in fp32, from the rows kernel's TG).
+
+    FOLD_NORM (bf16): the other side's inverse norms multiply the tile (``H rs_y``, fp32, then one rounding)
+    and the GEMM reads the scaled rows as they are (exact), instead of rounding both ``H`` and
+    ``Y_hat = SY rs_y``. Every level shares the one ``Y_hat`` of a segment, so its rounding errors added up
+    coherently over the levels (segment 0 holds K of them): about twice the error of one plain call per level.
+    bf16 only: ``rs_y`` (down to ``1 / (2 sqrt D)``) would push fp16's small entries toward subnormals."""
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
     gs = tl.load(GSCALE)
@@ -313,6 +344,11 @@ def mat_bwd_kernel(
         n_other = M
         step = BLOCK_N
         rho = tl.zeros([BLOCK_M, KP], dtype=tl.float32)
+    # SPLIT_T: the rows kernel's target entries per level ([BLOCK_M, KP]); each row's target column
+    tg = tl.zeros([BLOCK_M, KP], dtype=tl.float32)
+    tgt_own = tl.full([BLOCK_M], -1, tl.int32)
+    if SPLIT_T and not COLS:
+        tgt_own = tl.load(TGT + own, mask=own < N, other=-1).to(tl.int32)
     for t0 in range(0, n_other, step):
         if COLS:
             rows = t0 + tl.arange(0, BLOCK_M)
@@ -327,6 +363,9 @@ def mat_bwd_kernel(
         a_base = SA + rows.to(tl.int64)[:, None] * stride_sa
         b_base = SB + cols.to(tl.int64)[:, None] * stride_sb
         h = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        hit = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int1)
+        if SPLIT_T:
+            hit = cols[None, :] == tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32)[:, None]
         for j in range(K):
             k = K - 1 - j
             lo = _bound(DIMS, k, ALIGNED)
@@ -339,17 +378,28 @@ def mat_bwd_kernel(
             g_k, v, _ = _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS, EXCLUDE_SELF, HAS_BIAS,
                                     POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, COLS, HAS_TGT)
             rho = tl.where(kk[None, :] == k, rho + v[:, None], rho)
+            if SPLIT_T:  # the target entries leave the tile (the rows kernel keeps them in fp32)
+                if not COLS:
+                    tg = tl.where(kk[None, :] == k, tg + tl.sum(tl.where(hit, g_k, 0.0), axis=1)[:, None], tg)
+                g_k = tl.where(hit, 0.0, g_k)
             if NEED_DX:
                 # the suffix sum H^k = H^{k+1} + G^k, then ACC[own, S_k] += H^k (SY rs_y)[other, S_k] (the
-                # other side's top-level unit rows), in the operand dtype like the fused kernels
+                # other side's top-level unit rows), in the operand dtype like the fused kernels; FOLD_NORM:
+                # as (H^k rs_y) SY[other, S_k], the scaled rows exact and one rounding (of the tile) per term
                 h += g_k
                 if COLS:
-                    ho = (tl.trans(h) * PRESCALE).to(SA.dtype.element_ty)
+                    if FOLD_NORM:
+                        ho = (tl.trans(h * rs_y[:, None]) * PRESCALE).to(SA.dtype.element_ty)
+                    else:
+                        ho = (tl.trans(h) * PRESCALE).to(SA.dtype.element_ty)
                     y_base = a_base
                     ymask = rmask
                     yt = SA.dtype.element_ty
                 else:
-                    ho = (h * PRESCALE).to(SB.dtype.element_ty)
+                    if FOLD_NORM:
+                        ho = (h * rs_y[None, :] * PRESCALE).to(SB.dtype.element_ty)
+                    else:
+                        ho = (h * PRESCALE).to(SB.dtype.element_ty)
                     y_base = b_base
                     ymask = cmask
                     yt = SB.dtype.element_ty
@@ -360,23 +410,30 @@ def mat_bwd_kernel(
                     dd = d0 + tl.arange(0, BLOCK_D)
                     dmask = ((dd >= lo) & (dd < hi))[None, :]
                     y = tl.load(y_base + dd[None, :], mask=ymask[:, None] & dmask, other=0.0)
-                    yh = (y.to(tl.float32) * rs_y[:, None]).to(yt)
+                    if FOLD_NORM:
+                        yh = y
+                    else:
+                        yh = (y.to(tl.float32) * rs_y[:, None]).to(yt)
                     if UPCAST:  # interpreter only (its bf16 tl.dot is wrong)
                         yh = yh.to(tl.float32)
                     omask = (own < n_out)[:, None] & dmask
-                    prev = tl.load(acc_base + dd[None, :], mask=omask & (t0 > 0), other=0.0)
+                    # (SPLIT_T, columns: ACC starts from the host's fp32 target terms)
+                    prev = tl.load(acc_base + dd[None, :], mask=omask & ((t0 > 0) | (SPLIT_T and COLS)), other=0.0)
                     tl.store(acc_base + dd[None, :], tl.dot(ho, yh, prev, input_precision=DOT_PREC), mask=omask)
         if NEED_DX:
             tl.debug_barrier()  # order this tile's scratch stores before the next tile's loads
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(tl.sum(rho, axis=1), axis=0))
+    if SPLIT_T and not COLS:
+        for k in tl.static_range(K):
+            tl.store(TG + k * N + own, _col(tg, kk, k), mask=own < N)
     if NEED_DX:
         if COLS:
             _mat_epilogue(X, DX, ACC, NX, M, DIMS, rho, kk, own, n_out, D, stride_x, stride_dx, s * gs, eps,
-                          K, BLOCK_N, BLOCK_D, PRESCALE, ALIGNED)
+                          tg, tgt_own, SA, RSA, stride_sa, N, K, BLOCK_N, BLOCK_D, PRESCALE, ALIGNED, False)
         else:
             _mat_epilogue(X, DX, ACC, NX, N, DIMS, rho, kk, own, n_out, D, stride_x, stride_dx, s * gs, eps,
-                          K, BLOCK_M, BLOCK_D, PRESCALE, ALIGNED)
+                          tg, tgt_own, SB, RSB, stride_sb, M, K, BLOCK_M, BLOCK_D, PRESCALE, ALIGNED, SPLIT_T)
 
 
 # ------------------------------------------------------------------------------------------------

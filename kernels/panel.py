@@ -71,6 +71,7 @@ from .common import (
     NEG_INF,
     _dlogits,
     _dz,
+    _dz_lean,
     _flipped,
     _grad_vec,
     _inv_norms,
@@ -81,6 +82,7 @@ from .common import (
     _pos_logits,
     _row_stats,
     _softplus,
+    _softplus_lean,
     _stat,
     _sub_set,
 )
@@ -101,10 +103,17 @@ def _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride
 def _logits_of(raw, rows, cols, cmask, rsp, RB, s, n_end, M, offset, bias_c, bias,
                NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
     """(cos, l, rb) of a tile of raw products ``raw`` [R, C] (fp32; in registers: the epilogue GEMM's
-    accumulator, or loaded from the panel). BIAS_COS (the core op's target margin, bias = -margin at the
-    bias column): the returned cosine is already shifted there, so that every ``dl * cos`` (the scale's
-    gradient) takes ``c - margin``."""
-    rb = _inv_norms(RB, cols, cmask, NORMALIZE)
+    accumulator, or loaded from the panel): :func:`_logits_rb` with the columns' inverse norms loaded here."""
+    return _logits_rb(raw, _inv_norms(RB, cols, cmask, NORMALIZE), rows, cols, rsp, s, n_end, M, offset, bias_c, bias,
+                      EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
+
+
+@triton.jit
+def _logits_rb(raw, rb, rows, cols, rsp, s, n_end, M, offset, bias_c, bias, EXCLUDE_SELF: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
+    """(cos, l, rb) of a tile of raw products ``raw`` [R, C] with the columns' inverse norms ``rb`` [C] given.
+    BIAS_COS (the core op's target margin, bias = -margin at the bias column): the returned cosine is already
+    shifted there, so that every ``dl * cos`` (the scale's gradient) takes ``c - margin``."""
     cos = raw * rsp[:, None] * rb[None, :]
     if BIAS_COS:
         cos = tl.where(cols[None, :] == bias_c[:, None], cos + bias, cos)
@@ -115,13 +124,13 @@ def _logits_of(raw, rows, cols, cmask, rsp, RB, s, n_end, M, offset, bias_c, bia
 
 
 @triton.jit
-def _row_logit(raw, rows, c, rsp, RB, s, n_end, M, offset, bias_c, bias, NORMALIZE: tl.constexpr,
-               EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
-    """The logit of each row ``i`` at its own column ``c[i]`` ([R] vectors; ``raw`` the raw products
-    there): :func:`_logits_of`'s operations in the same order, so the same fp32 value as the tile's."""
+def _row_logit(raw, rows, c, rsp, rbt, s, n_end, M, offset, bias_c, bias, EXCLUDE_SELF: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
+    """``(l, cos)``: the logit of each row ``i`` at its own column ``c[i]`` and its cosine there ([R] vectors;
+    ``raw`` the raw products there, ``rbt`` the column's inverse norm): :func:`_logits_rb`'s operations in the
+    same order, so the same fp32 values as the tile's."""
     cm = (c >= 0) & (c < M)
-    rb = _inv_norms(RB, c, cm, NORMALIZE)
-    cos = raw * rsp * rb
+    cos = raw * rsp * rbt
     if BIAS_COS:
         cos = tl.where(c == bias_c, cos + bias, cos)
     l = cos * s
@@ -129,7 +138,7 @@ def _row_logit(raw, rows, c, rsp, RB, s, n_end, M, offset, bias_c, bias, NORMALI
         l = tl.where(c == bias_c, l + bias, l)
     if EXCLUDE_SELF:
         l = tl.where(c == rows + offset, NEG_INF, l)
-    return tl.where((rows < n_end) & cm, l, NEG_INF)
+    return tl.where((rows < n_end) & cm, l, NEG_INF), cos
 
 
 #: The one-pass sweep's fallback threshold: a row block is redone in two passes when a row's sum
@@ -519,34 +528,50 @@ def _redo_flags(z, mx, SHIFT0, BAD, SH, rows, rmask):
     tl.store(SH + rows, tl.where(bad & (mx > NEG_INF), mx, tl.load(SHIFT0)), mask=rmask)
 
 
+#: Below this target exponential (or with a ratio ``zx / e_t`` above ``1 / ONE_PASS_MIN_TE``) the one pass's row
+#: loss is ``LSE_i`` and the target term subtracts ``l_it`` as before: ``log1p(zx / e_t)`` would lose precision
+#: (``e_t`` subnormal) or overflow, and the loss is then large (``>= log(zx / e_t)``, no cancellation to avoid).
+ONE_PASS_MIN_TE = tl.constexpr(1e-30)
+
+
 @triton.jit
-def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW, TV, TW, DL, TGT,
-                    P, n_pn, r0, stride_zp, stride_dl,
+def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW, TV, TW, LOSS, FOLD,
+                    P, n_pn, r0, stride_zp,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FINISH: tl.constexpr, NEED_DS: tl.constexpr,
                     SPLIT_T: tl.constexpr):
-    """The per-row bookkeeping of the epilogue GEMM's one pass (``core/lse/triton_panel.py`` ``_epi_panel``), one
-    launch before and one after the redo instead of a dozen ATen ops per panel. Row i of the panel
-    (global row ``r0 + i``), ``z_i = sum_k ZP[i, k]`` over its ``n_pn`` column tiles' partials:
+    """The per-row bookkeeping of the epilogue GEMM's one pass (``core/triton_shared/panels.py`` ``_epi_panel``),
+    one launch before and one after the redo instead of a dozen ATen ops per panel. Row i of the panel
+    (global row ``r0 + i``): ``zx_i = sum_k ZP[i, k]`` over its ``n_pn`` column tiles' partials (with SPLIT_T
+    every column but the target, whose ``e_it`` is ``TV_i``; else every column and ``e_it = 0``) and
+    ``z_i = zx_i + e_it``:
 
     * FINISH off: ``BAD_i = z_i < 2^-64`` (int8) and the redo's shift ``SH_i``: the row's largest logit
       ``max_k MXP[i, k]`` where BAD (and finite), else the fixed shift ``SHIFT0[0]``;
     * FINISH on (after the redo rewrote the partials of the BAD rows): ``LSE_OUT[r0 + i] = SH_i + log z_i``,
       the row weight ``W_OUT_i = G[r0 + i] / (GSCALE z_i)`` (0 for ``z_i = 0``: a row without any column),
       with NEED_DS ``DSW_i = W_i sum_k TP[i, k]`` (the temperature gradient's part, summed by the host),
-      with SPLIT_T the target logit's weight ``TW_i = TV_i W_i GSCALE`` and a zero written over the
-      target entry ``DL[i, TGT[r0 + i]]`` (MODE 1 / 2 left ``e_it`` there).
+      with SPLIT_T the target logit's weight ``TW_i = TV_i W_i GSCALE``, the row's loss less its target logit
+      ``LOSS_i = log1p(zx_i / e_it)`` (``LSE_i - l_it`` without its cancellation: a few ulps of the loss
+      however close ``p_t`` is to 1) with ``FOLD_i = 1``, or where ``e_it <= ONE_PASS_MIN_TE`` or the ratio
+      exceeds ``1 / ONE_PASS_MIN_TE``, ``LOSS_i = LSE_i`` with ``FOLD_i = 0`` (the target logit is then
+      subtracted by the target term).
     Partials are summed in a fixed order (deterministic)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < P
     r64 = rows.to(tl.int64)
-    z = _row_partials(ZP, r64, rmask, n_pn, stride_zp, BLOCK_R, BLOCK_C, False)
+    zx = _row_partials(ZP, r64, rmask, n_pn, stride_zp, BLOCK_R, BLOCK_C, False)
+    et = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if SPLIT_T:
+        et = tl.load(TV + rows, mask=rmask, other=0.0)
+    z = zx + et
     if not FINISH:
         _redo_flags(z, _row_partials(MXP, r64, rmask, n_pn, stride_zp, BLOCK_R, BLOCK_C, True), SHIFT0, BAD, SH,
                     rows, rmask)
     else:
         gs = tl.load(GSCALE)
-        tl.store(LSE_OUT + r0 + rows, tl.load(SH + rows, mask=rmask, other=0.0) + tl.log(z), mask=rmask)
+        lse = tl.load(SH + rows, mask=rmask, other=0.0) + tl.log(z)
+        tl.store(LSE_OUT + r0 + rows, lse, mask=rmask)
         g = tl.load(G + r0 + rows, mask=rmask, other=0.0)
         w = tl.where(z > 0, g / (gs * z), 0.0)
         tl.store(W_OUT + rows, w, mask=rmask)
@@ -554,9 +579,17 @@ def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW
             tl.store(DSW + rows, w * _row_partials(TP, r64, rmask, n_pn, stride_zp, BLOCK_R, BLOCK_C, False),
                      mask=rmask)
         if SPLIT_T:
-            tl.store(TW + rows, tl.load(TV + rows, mask=rmask, other=0.0) * w * gs, mask=rmask)
-            tgt = tl.load(TGT + r0 + rows, mask=rmask, other=0).to(tl.int64)
-            tl.store(DL + r64 * stride_dl + tgt, tl.zeros([BLOCK_R], dtype=DL.dtype.element_ty), mask=rmask)
+            tl.store(TW + rows, et * w * gs, mask=rmask)
+            big = et > ONE_PASS_MIN_TE
+            x = zx / tl.where(big, et, 1.0)
+            fold = big & (x <= 1.0 / ONE_PASS_MIN_TE)
+            x = tl.where(fold, x, 0.0)
+            # log1p(x) = log(u) x / (u - 1), u = 1 + x: a few ulps for any x >= 0 (x itself where u rounds to 1)
+            u = 1.0 + x
+            du = u - 1.0
+            ratio = tl.where(du == 0.0, x, tl.log(u) * (x / tl.where(du == 0.0, 1.0, du)))
+            tl.store(LOSS + rows, tl.where(fold, ratio, lse), mask=rmask)
+            tl.store(FOLD + rows, fold.to(tl.float32), mask=rmask)
 
 
 @triton.jit
@@ -650,6 +683,25 @@ def _tile_products_tma(X, Y, pid_m, pid_n, D, BLOCK_M: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _row_loads(SCALE, RSP, BIAS_COL, TGT, RB, loc, lmask, rows, M, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+               SPLIT_T: tl.constexpr):
+    """The per-row loads of an epilogue tile that do not depend on its products: ``(s, rsp, bias_c, tgt, rbt)``, the
+    scale, the rows' scale factors, bias columns (the rows themselves without HAS_BIAS), target columns and the
+    target columns' inverse norms (SPLIT_T; else the rows and 0)."""
+    s = tl.load(SCALE).to(tl.float32)
+    rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
+    bias_c = rows
+    if HAS_BIAS:
+        bias_c = tl.load(BIAS_COL + rows, mask=lmask, other=-1)
+    tgt = rows
+    rbt = rsp * 0.0
+    if SPLIT_T:
+        tgt = tl.load(TGT + rows, mask=lmask, other=-1).to(tl.int32)
+        rbt = _inv_norms(RB, tgt, (tgt >= 0) & (tgt < M), NORMALIZE)
+    return s, rsp, bias_c, tgt, rbt
+
+
+@triton.jit
 def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
               BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV,
               P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm, bad,
@@ -658,62 +710,86 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
               HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
               FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr,
-              SPLIT_T: tl.constexpr, TMA: tl.constexpr, SPLIT_SET: tl.constexpr = False, pm_shift=0):
-    """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue."""
+              SPLIT_T: tl.constexpr, TMA: tl.constexpr, LEAN: tl.constexpr, HOIST: tl.constexpr,
+              SPLIT_SET: tl.constexpr = False, pm_shift=0):
+    """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue. HOIST (MODE 0 /
+    1 / 2): the per-row loads (:func:`_row_loads`; MODE 0 also the rows' statistics and labels) and the columns'
+    inverse norms are issued before the products' loop, once; else after it, as the epilogue reaches them.
+    LEAN (MODE 4 / 5): SigLIP's lean per-logit math (:func:`_softplus_lean`, :func:`_dz_lean`). SPLIT_SET, pm_shift:
+    the SET term's gradient formed in the tile (MODE 0; :func:`epi_gemm_kernel`)."""
     loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lmask = loc < P
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < M
+    rows = r0 + loc
+    n_end = r0 + P
+    HOISTED: tl.constexpr = HOIST and MODE <= 2
+    if HOISTED:
+        s, rsp, bias_c, tgt_r, rbt = _row_loads(SCALE, RSP, BIAS_COL, TGT, RB, loc, lmask, rows, M, NORMALIZE,
+                                                HAS_BIAS, SPLIT_T)
+        rb_h = _inv_norms(RB, cols, cmask, NORMALIZE)
+        if MODE == 2:
+            sh_h = tl.load(SHIFT + loc, mask=lmask, other=0.0)
+        if MODE == 0:
+            inv_gs = 1.0 / tl.load(GSCALE)
+            lab_r = rows
+            if POS_KIND == 1:
+                lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
+            lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r = _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, lmask,
+                                                                inv_gs, HAS_G, HAS_GPOS, SYM and HAS_GCOL)
     if TMA:
         acc = _tile_products_tma(X, Y, pid_m, pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
     else:
         acc = _tile_products(X, Y, loc, cols, P, M, D, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                              UPCAST)
     if SPLIT_T and (MODE == 1 or MODE == 2):
-        # the one pass: each row's e_t = exp(l_t - sh) at its target column, from the raw product read off
-        # the accumulator before the epilogue (a where over the e tile there spilled on sm_90), by the
-        # tile's own fp32 operations (bitwise its value); the host zeroes the tile's entry afterwards
-        lm = loc < P
-        rows0 = r0 + loc
-        tgt0 = tl.load(TGT + rows0, mask=lm, other=-1).to(tl.int32)
-        traw = tl.sum(tl.where(cols[None, :] == tgt0[:, None], acc, 0.0), axis=1)
-        s0 = tl.load(SCALE).to(tl.float32)
-        bc0 = rows0
-        if HAS_BIAS:
-            bc0 = tl.load(BIAS_COL + rows0, mask=lm, other=-1)
+        # the one pass: each row's target logit l_t, e_t = exp(l_t - sh) and (NEED_DS) cos_t, from the raw product
+        # read off the accumulator before the epilogue (a where over the e tile there spilled on sm_90), by the
+        # tile's own fp32 operations (bitwise its values); the epilogue leaves the target out of the tile and the
+        # partials, the tile holding it stores e_t to TV and adds e_t cos_t to its TP and l_t to its MXP
+        if not HOISTED:
+            s, rsp, bias_c, tgt_r, rbt = _row_loads(SCALE, RSP, BIAS_COL, TGT, RB, loc, lmask, rows, M, NORMALIZE,
+                                                    HAS_BIAS, SPLIT_T)
+        traw = tl.sum(tl.where(cols[None, :] == tgt_r[:, None], acc, 0.0), axis=1)
         if MODE == 1:
-            sh0 = _one_pass_shift(s0, bias, HAS_BIAS, BIAS_COS) + tl.zeros([BLOCK_M], dtype=tl.float32)
+            sh0 = _one_pass_shift(s, bias, HAS_BIAS, BIAS_COS) + tl.zeros([BLOCK_M], dtype=tl.float32)
+        elif HOISTED:
+            sh0 = sh_h
         else:
-            sh0 = tl.load(SHIFT + loc, mask=lm, other=0.0)
-        lt = _row_logit(traw, rows0, tgt0, tl.load(RSP + loc, mask=lm, other=0.0), RB, s0, r0 + P, M, offset, bc0,
-                        bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
-        here0 = bad & (tgt0 >= pid_n * BLOCK_N) & (tgt0 < pid_n * BLOCK_N + BLOCK_N)
-        tl.store(TV + loc, tl.exp(lt - sh0), mask=here0)
+            sh0 = tl.load(SHIFT + loc, mask=lmask, other=0.0)
+        lt, ct = _row_logit(traw, rows, tgt_r, rsp, rbt, s, n_end, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS,
+                            BIAS_COS)
+        here0 = bad & (tgt_r >= pid_n * BLOCK_N) & (tgt_r < pid_n * BLOCK_N + BLOCK_N)
+        et = tl.exp(lt - sh0)
+        tl.store(TV + loc, et, mask=here0)
 
     # the per-logit epilogue, on the fp32 products in registers
-    s = tl.load(SCALE).to(tl.float32)
-    rows = r0 + loc
-    n_end = r0 + P
-    rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
-    bias_c = rows
-    if HAS_BIAS:
-        bias_c = tl.load(BIAS_COL + rows, mask=lmask, other=-1)
-    cos, l, rb = _logits_of(acc, rows, cols, cmask, rsp, RB, s, n_end, M, offset, bias_c, bias, NORMALIZE,
-                            EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
+    if not HOISTED:
+        s = tl.load(SCALE).to(tl.float32)
+        rsp = tl.load(RSP + loc, mask=lmask, other=0.0)
+        bias_c = rows
+        if HAS_BIAS:
+            bias_c = tl.load(BIAS_COL + rows, mask=lmask, other=-1)
+        rb_h = _inv_norms(RB, cols, cmask, NORMALIZE)
+    cos, l, rb = _logits_rb(acc, rb_h, rows, cols, rsp, s, n_end, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS,
+                            BIAS_COS)
     smask = bad[:, None] & cmask[None, :]
     dl_ptr = DL + loc.to(tl.int64)[:, None] * stride_dl + cols[None, :]
-    tgt_r = rows
-    t_here = lmask
-    if SPLIT_T:  # the rows whose target column is in this tile store its value (one tile per row)
-        tgt_r = tl.load(TGT + rows, mask=lmask, other=-1).to(tl.int32)
-        t_here = bad & (tgt_r >= pid_n * BLOCK_N) & (tgt_r < pid_n * BLOCK_N + BLOCK_N)
+    if not HOISTED:
+        tgt_r = rows
+        if SPLIT_T:  # the rows whose target column is in this tile store its value (one tile per row)
+            tgt_r = tl.load(TGT + rows, mask=lmask, other=-1).to(tl.int32)
     if MODE == 0:
-        inv_gs = 1.0 / tl.load(GSCALE)
-        lab_r = rows
-        if POS_KIND == 1:
-            lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
-        lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r = _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, lmask,
-                                                            inv_gs, HAS_G, HAS_GPOS, SYM and HAS_GCOL)
+        t_here = lmask
+        if SPLIT_T:
+            t_here = bad & (tgt_r >= pid_n * BLOCK_N) & (tgt_r < pid_n * BLOCK_N + BLOCK_N)
+        if not HOISTED:
+            inv_gs = 1.0 / tl.load(GSCALE)
+            lab_r = rows
+            if POS_KIND == 1:
+                lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
+            lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r = _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, lmask,
+                                                                inv_gs, HAS_G, HAS_GPOS, SYM and HAS_GCOL)
         out, ds, tv, tvc = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r,
                                          gc_r, lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
                                          COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT, NORMALIZE, POS_KIND, HAS_G,
@@ -736,10 +812,17 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
         w, valid, pos = _flipped(cos, s, b, rows, cols, n_end, M, offset)
         part = loc.to(tl.int64) * stride_zp + pid_n
         if MODE == 5 or not HAS_G:
-            tl.store(ZP + part, tl.sum(tl.where(valid, _softplus(w), 0.0), axis=1), mask=lmask)
+            if LEAN:
+                sp = _softplus_lean(w)
+            else:
+                sp = _softplus(w)
+            tl.store(ZP + part, tl.sum(tl.where(valid, sp, 0.0), axis=1), mask=lmask)
         if HAS_G:
             g_r = tl.load(G + rows, mask=lmask, other=0.0) / tl.load(GSCALE)
-            dz = _dz(cos, s, b, g_r, rows, cols, n_end, M, offset)
+            if LEAN:  # the same e = exp(-|w|) as the softplus above (one exp per logit)
+                dz = _dz_lean(w, valid, pos, g_r)
+            else:
+                dz = _dz(cos, s, b, g_r, rows, cols, n_end, M, offset)
             if NEED_DS:
                 tl.store(TP + part, tl.sum(dz * cos, axis=1), mask=lmask)
                 tl.store(MXP + part, tl.sum(dz, axis=1), mask=lmask)
@@ -767,9 +850,18 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
     else:
         if MODE == 1:
             sh = _one_pass_shift(s, bias, HAS_BIAS, BIAS_COS) + tl.zeros([BLOCK_M], dtype=tl.float32)
+        elif HOISTED:
+            sh = sh_h
         else:
             sh = tl.load(SHIFT + loc, mask=lmask, other=0.0)
+        if SPLIT_T:  # the target column leaves the tile and the partials (its e_t went to TV above)
+            l = tl.where(cols[None, :] == tgt_r[:, None], NEG_INF, l)
         out, z, t, mx, _ = _exp_chunk(cos, l, rb, sh, cols, tgt_r, NEED_DS, FOLD_RB, MODE == 1, False)
+        if SPLIT_T:  # the target's own terms, from the tile that holds it
+            if NEED_DS:
+                t += tl.where(here0, et * ct, 0.0)
+            if MODE == 1:
+                mx = tl.maximum(mx, tl.where(here0, lt, NEG_INF))
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
         part = loc.to(tl.int64) * stride_zp + pid_n
         tl.store(ZP + part, z, mask=bad)
@@ -802,6 +894,8 @@ def epi_gemm_kernel(
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr,
     WANT_COL: tl.constexpr, SPLIT_T: tl.constexpr, PERSIST: tl.constexpr, TMA: tl.constexpr,
+    LEAN: tl.constexpr,
+    HOIST: tl.constexpr,
     SPLIT_SET: tl.constexpr, pm_shift,
 ):
     """The epilogue GEMM: [BLOCK_M, BLOCK_N] tiles of the panel's raw products ``X @ Y^T`` (X the panel's
@@ -827,6 +921,10 @@ def epi_gemm_kernel(
     scale's (``TP``) and the bias's (``MXP``) gradients (NEED_DS); LBIAS[0] is the logit bias.
     MODE 5 (SigLIP's one pass, HAS_G: a summed loss, whose upstream gradient is one scalar known up to
     that factor in the forward): MODE 4's loss sums and its gradient tile from the same products.
+    LEAN (MODE 4 / 5, from the switchboard's SIGLIP_EPILOGUE; False in the other modes): SigLIP's per-logit
+    math in its lean form (``kernels/common.py`` ``_softplus_lean``, ``_dz_lean``: one exp, a degree-7 log1p
+    polynomial, one approximate reciprocal per logit) instead of ``_softplus`` / ``_dz`` (libdevice log, IEEE
+    divisions).
     MODE 2 (the redo of MODE 1's rows with ``z_i < 2^-64``: every logit of the row below
     ``c - 100.4``, see ONE_PASS in the module docstring): one program per row tile; a tile without a
     ``BAD`` row returns at once, the others walk every column tile and store ``e_ij = exp(l_ij - SHIFT_i)``
@@ -834,8 +932,11 @@ def epi_gemm_kernel(
     the BAD rows only.
     SPLIT_T (MODE 0 / 1 / 2): each row's target column ``TGT[r0 + i]`` is left out of DL; its fp32 value,
     in DL's units before PRESCALE and the folded norm (``e_ij`` in MODE 1 / 2), goes to ``TV[i]`` from
-    the one column tile that holds it (:func:`_split_target`). MODE 1 / 2 store the entry itself (their
-    e tile has no registers to spare on sm_90): the host zeroes it after the launches. With SYM, column
+    the one column tile that holds it (:func:`_split_target`). MODE 1 / 2 form ``e_it`` from the raw product
+    read off the accumulator (:func:`_row_logit`: bitwise the tile's value) and leave the target out of the
+    tile by a -inf logit there, so ``ZP`` sums every other column (``zx_i``: ``epi_rows_kernel`` forms the
+    row's loss as ``log1p(zx_i / e_it)``, without the cancellation of ``LSE_i - l_it``), while the tile
+    holding the target adds ``e_it cos_it`` to its ``TP`` and ``l_it`` to its ``MXP``. With SYM, column
     j's transposed term at the row ``TGT[j]`` is left out too (row j reports it; with TRI, for the
     columns past the panel, this tile stores it in ``TV[j]``: TGT and TV then in the panel's frame, as
     the other vectors).
@@ -855,6 +956,11 @@ def epi_gemm_kernel(
     block shapes [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] (the host makes them; sm_90 and later), and
     the operand tiles are TMA copies (:func:`_tile_products_tma`). Every form accumulates each tile's
     products over D in the same BLOCK_K steps and applies the same epilogue to them.
+    HOIST (MODE 0 / 1 / 2; ignored by the others): every load that does not depend on the products (the
+    scale, the rows' RSP, bias columns and targets, the targets' and the columns' inverse norms, MODE 2's
+    SHIFT, MODE 0's row statistics, upstream gradients and labels) is issued before the D loop, once,
+    instead of after it where the epilogue reaches it (with SPLIT_T in MODE 1 / 2 a chain of dependent
+    loads, some of them twice): the same values through the same operations, bitwise the same outputs.
     """
     pid = tl.program_id(0)
     n_pn = tl.cdiv(M, BLOCK_N)
@@ -868,7 +974,7 @@ def epi_gemm_kernel(
                           TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
                           stride_pm, bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF,
                           HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI,
-                          WANT_COL, SPLIT_T, TMA, SPLIT_SET, pm_shift)
+                          WANT_COL, SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift)
     elif PERSIST:
         # one program per SM (or per resident CTA): the programs walk the tiles in steps of the grid, in the
         # same grouped order; flatten lets the software pipeline issue the next tile's operand copies while
@@ -882,7 +988,7 @@ def epi_gemm_kernel(
                       TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                       loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                       BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                      SPLIT_T, TMA, SPLIT_SET, pm_shift)
+                      SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift)
     else:
         pid_m, pid_n = _grouped_tile(pid, P, n_pn, BLOCK_M, GROUP_M)
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -891,4 +997,4 @@ def epi_gemm_kernel(
                   TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                   BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                  SPLIT_T, TMA, SPLIT_SET, pm_shift)
+                  SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift)

@@ -35,7 +35,10 @@ finite for every finite ``w`` (scales of 1e4 included). The upstream gradients a
 as in the core kernels, ``dz`` is multiplied by the power of two ``PRESCALE`` (2^13 for fp16, else 1;
 ``triton_shared.launch.prescale``) before that cast and divided out in the fp32 epilogue: a negative pair's
 ``sigmoid(z)`` (~4.5e-5 at SigLIP's initial bias -10) is below fp16's smallest normal number.
-Padding rows / columns are masked out of every sum.
+Padding rows / columns are masked out of every sum. The epilogue GEMM's LEAN option (the switchboard's
+``SIGLIP_EPILOGUE``: ``kernels/common.py`` ``_softplus_lean``, ``_dz_lean``) forms the same terms from one
+``exp2`` per logit, ``log1p(e)`` as a degree-7 polynomial in e (relative error <= 3.6e-7) and one approximate
+reciprocal; these kernels keep the exact form.
 
 Supported: any N, M, D, fp32 / fp16 / bf16 (fp32 accumulation, tf32x3 dots for fp32), row strides,
 int64 offsets. Launch configs: the core kernels' table (``core/triton_shared/configs.py``: "fwd", "bwd_rows",

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import multiprocessing as mp
 import queue as queue_mod
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -52,3 +55,21 @@ def timed_calls(calls: Iterable[tuple[str, Callable[[], object]]]) -> dict[str, 
             err = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
         out[name] = (err, time.perf_counter() - t0)
     return out
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, init: str, out, timeout: float | None = None):
+    """A worker's body as rank ``rank`` of a gloo group (``init`` from :func:`run_ranks`; ``timeout`` seconds
+    for its collectives, None: gloo's default). An exception in the block is put on ``out`` as the rank's
+    report, with its traceback, so the parent fails at once instead of waiting for a hang; the group is
+    destroyed after the block either way."""
+    import torch.distributed as dist
+
+    kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, **kw)
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - reported: the parent fails at once
+        out.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        dist.destroy_process_group()

@@ -45,6 +45,26 @@ def set_path(monkeypatch, path: str, tile: int = 300) -> None:
         monkeypatch.setenv("FUSED_CONTRASTIVE_TILE_ELEMENTS", str(tile))
 
 
+#: the backends an option's tests run on: the float64 reference, the torch backend's two paths, triton (interpreter)
+EVERY_BACKEND = ["reference", "torch-dense", "torch-chunked", "triton"]
+
+
+def use_backend(which: str, monkeypatch, tile: int = 20) -> str:
+    """``backend=`` for an :data:`EVERY_BACKEND` entry; ``torch-dense`` / ``torch-chunked`` also set that path
+    (the chunked one with a ``tile``-element budget: many row chunks at test sizes)."""
+    if which.startswith("torch"):
+        set_path(monkeypatch, which.split("-")[1], tile=tile)
+        return "torch"
+    return which
+
+
+def leaf(x, dtype=None):
+    """A fresh leaf: ``x`` detached, cast to ``dtype`` (None: float64), requiring grad."""
+    import torch
+
+    return x.detach().to(torch.float64 if dtype is None else dtype).clone().requires_grad_()
+
+
 @pytest.fixture(params=["dense", "chunked"])
 def path(request, monkeypatch):
     set_path(monkeypatch, request.param)

@@ -3,16 +3,13 @@ unequal local sizes. The oracle is the single-process computation over the conca
 
 from __future__ import annotations
 
-import traceback
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import fused_contrastive as fc
 from fused_contrastive.distributed import gather_rows, process_group
-from tests._ranks import run_ranks, timed_calls
+from tests._ranks import gloo_rank, run_ranks, timed_calls
 
 D = 6
 
@@ -241,8 +238,7 @@ def registry_cells(sizes, rank, seed: int = 0):
 
 
 def _loss_worker(rank: int, world: int, init: str, sizes: list[int], backends: list[str], out) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world, init, out, timeout=60):
         res = {"rank": rank, "cases": {}}
         for be in backends:
             for name, glob_fn, rank_fn, glob, local in (_cases(sizes, rank, torch.Generator().manual_seed(0))
@@ -267,10 +263,6 @@ def _loss_worker(rank: int, world: int, init: str, sizes: list[int], backends: l
                         entry["err"] = float((gg - want_local).abs().max())
                 res["cases"][f"{be}/{name}"] = entry
         out.put(res)
-    except Exception:  # noqa: BLE001 - reported: the parent fails at once instead of waiting for a hang
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("sizes", [[5, 3], [4, 2, 7], [4, 4]], ids=["2ranks", "3ranks", "2ranks_equal"])
@@ -338,18 +330,13 @@ def _bad_calls(rank: int):
 def _bad_rank_worker(rank: int, world: int, init: str, out) -> None:
 
     # a short process-group timeout: without the fix, the healthy ranks fail the test in seconds, not hang
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=20))
-    try:
+    with gloo_rank(rank, world, init, out, timeout=20):
         res = {"rank": rank, "cases": timed_calls((name, call) for name, call, _ in _bad_calls(rank))}
         # the ranks are still in step: a good gathered call gives every rank the global batch
         x = torch.full((2 + rank, 3), float(rank))
         rows, off, sizes = gather_rows(x)
         res["after"] = (rows[:, 0].tolist(), off, sizes)
         out.put(res)
-    except Exception:  # noqa: BLE001 - reported: the parent fails at once instead of waiting for a hang
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_one_ranks_bad_arguments_make_every_rank_raise_promptly(tmp_path):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import fused_contrastive as fc
+from tests._ranks import gloo_rank
 
 
 def _net(norm: str, momentum) -> nn.Module:
@@ -109,13 +110,9 @@ def test_a_failed_recompute_still_puts_the_statistics_back():
 
 
 def _ddp_worker(rank: int, world: int, init: str, out) -> None:
-    import traceback
-    from datetime import timedelta
 
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
+    with gloo_rank(rank, world, init, out, timeout=30):
         rows = [12, 7][rank]  # chunk_size 4: rank 0 runs 3 chunks of 4, rank 1 is re-split to 3 + 2 + 2
         model = _net("bn1d", 0.1)
         model[3].p = 0.0  # no dropout: the two runs need no common RNG stream
@@ -137,10 +134,6 @@ def _ddp_worker(rank: int, world: int, init: str, out) -> None:
                               for p, q in zip(model.parameters(), plain.parameters(), strict=True)),
                  "stats": all(torch.allclose(s_got[k], s_want[k], rtol=1e-12, atol=1e-14) for k in s_want),
                  "tracked": sorted({int(v) for k, v in s_got.items() if k.endswith("num_batches_tracked")})})
-    except Exception:  # noqa: BLE001 - reported: the parent fails at once
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_broadcast_buffers_resplit_and_statistics(tmp_path):

@@ -173,3 +173,46 @@ def test_tma_needs_aligned_rows_and_the_env_is_checked(monkeypatch):
     monkeypatch.setenv(panels.EPI_FORM_ENV, "warp")
     with pytest.raises(ValueError, match=panels.EPI_FORM_ENV):
         _run("info_nce")
+
+
+def _redo_run():
+    """InfoNCE in bf16 at |s| = 100 with rows 32-63 pointing away from every key: the one pass (MODE 1) and its redo
+    (MODE 2) of those rows (tests/test_triton_panel.py's test_epilogue_gemm_one_pass_redo), a learned temperature."""
+    g = torch.Generator().manual_seed(0)
+    n, m, d = 64, 80, 72
+    u = torch.randn(d, generator=g)
+    u = u / u.norm()
+    k = (u + 0.2 * torch.randn(m, d, generator=g) / d ** 0.5).bfloat16().requires_grad_()
+    q = torch.cat([k[:32].detach().float() + 0.05 * torch.randn(32, d, generator=g) / d ** 0.5,
+                   -u + 0.2 * torch.randn(32, d, generator=g) / d ** 0.5]).bfloat16().requires_grad_()
+    t = torch.tensor(0.01, requires_grad=True)
+    with _launches() as seen:
+        out = fc.info_nce(q, k, torch.arange(n), temperature=t, backend="triton")
+        out.backward()
+    return [out.detach(), q.grad, k.grad, t.grad], [x for x in seen if x.name.startswith("epi_gemm")]
+
+
+HOIST_LOSSES = {"info_nce": {1, 2}, "clip": {0}, "simcse": {0}, "redo": {1, 2}}  # (the redo launch returns at once
+# without a row to redo)
+
+
+@pytest.mark.parametrize("form", ["tiles", "persistent"])
+@pytest.mark.parametrize("loss", list(HOIST_LOSSES))
+def test_hoisted_loads_equal_the_current_kernel_bitwise(loss, form, monkeypatch, route):
+    # EPI_HOIST (epi_gemm_kernel's HOIST): the per-row loads before the products' loop, issued once; the same
+    # values through the same operations, so every output is bitwise the current kernel's (MODE 0 with the
+    # target split out and the triangular sweep's SYM / TRI, MODE 1 with it, MODE 2's redo)
+    monkeypatch.setenv(panels.EPI_FORM_ENV, form)
+    runs = []
+    for hoist in ("0", "1"):
+        route(EPI_HOIST=hoist)
+        runs.append(_redo_run() if loss == "redo" else _run(loss))
+    (want, off), (got, on) = runs
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b), (loss, form, float((a.float() - b.float()).abs().max()))
+    modes = {x.constexprs["MODE"] for x in on if x.constexprs["HOIST"]}
+    assert modes == HOIST_LOSSES[loss], [(x.name, x.constexprs["MODE"], x.constexprs["HOIST"]) for x in on]
+    assert not any(x.constexprs["HOIST"] for x in off)
+    assert not any(x.constexprs["HOIST"] for x in on if x.constexprs["MODE"] > 2)  # (the statistics forward)
+    if loss == "redo":
+        assert sum(int(x.args["BAD"].sum()) for x in on if x.constexprs["MODE"] == 2) == 32

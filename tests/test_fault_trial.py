@@ -204,22 +204,14 @@ def _maxsim_pairs(rank: int, world: int):
 
 
 def _fault_worker(rank: int, world: int, init: str, out) -> None:
-    import traceback
-    from datetime import timedelta
 
-    import torch.distributed as dist
 
-    from tests._ranks import timed_calls
+    from tests._ranks import gloo_rank, timed_calls
 
     # a short process-group timeout: a rank left waiting fails in seconds instead of hanging the suite
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=15))
-    try:
+    with gloo_rank(rank, world, init, out, timeout=15):
         res = {"rank": rank, "cases": timed_calls(_gathered_calls(rank)), "maxsim_pairs": _maxsim_pairs(rank, world)}
         out.put(res)
-    except Exception:  # noqa: BLE001 - reported: the parent fails at once
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_faults_after_the_agreement_raise_on_every_rank_promptly(tmp_path):

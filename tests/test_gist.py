@@ -9,7 +9,6 @@ autocast (the Triton kernels: tests/test_triton_guided.py)."""
 from __future__ import annotations
 
 import math
-import traceback
 import warnings
 
 import pytest
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 
 import fused_contrastive as fc
 from fused_contrastive.losses.guided import gist_loss
-from tests._ranks import run_ranks
+from tests._ranks import gloo_rank, run_ranks
 
 TOL = dict(rtol=1e-11, atol=1e-12)
 
@@ -399,10 +398,8 @@ def test_simcse_masks_equal_the_definition(what):
 
 
 def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
         a, p, negs, ga, gp, gns = _inputs(b=total, n_neg=1)
         mine = slice(off, off + b)
@@ -428,10 +425,6 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
                                           torch.cat([gp, gns[0]]), t=0.1, margin=0.05)
         ok = ok and torch.allclose(sup, sup_want, rtol=1e-10, atol=1e-12)
         out.put({"rank": rank, "loss": float(loss), "want": float(want), "grads": ok})
-    except Exception:
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("sizes", [[5, 3], [2, 4, 3]], ids=["2-ranks", "3-ranks"])
@@ -544,8 +537,7 @@ def _global_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
         a, p, negs, ga, gp, gns = _inputs(b=total, n_neg=1, d=8, seed=3)
         n, gn = negs[0], gns[0]
@@ -583,10 +575,6 @@ def _global_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
             dist.all_reduce(local)
             res[(case, "local_err")] = abs(float(local) / world - res[(case, "torch")]["loss"])
         out.put(res)
-    except Exception:
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gather_is_the_global_batch_with_uneven_sizes(tmp_path):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests._ranks import run_ranks
+from tests._ranks import gloo_rank, run_ranks
 
 st = pytest.importorskip("sentence_transformers",
                          reason="optional peer: pip install '/path/to/fused-contrastive[sentence-transformers]'")
@@ -339,16 +338,10 @@ GATHER_CASES = {
 
 
 def _gather_worker(rank: int, world: int, init: str, paths: dict, out) -> None:
-    import torch.distributed as dist
 
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         _gather_checks(rank, paths, out)
-    except Exception:  # noqa: BLE001 - reported, instead of leaving the parent waiting for the timeout
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def _gather_checks(rank: int, paths: dict, out) -> None:

@@ -90,15 +90,18 @@ def test_every_step_parses_with_its_own_script(gs):
         argv = step.command(540.0, "OUT")
         if argv[1:4] == ["-m", "fused_contrastive", "bench-gpu"]:
             args = parser.parse_args(argv[3:])
-            assert args.budget == 330.0 and args.out == "OUT/bench_gpu", step
+            assert args.budget == step.budget_cap and args.out == f"OUT/{step.name}", step
+            if step.name == "levers":  # every lever is a form bench-gpu knows, and nothing else is timed
+                from fused_contrastive.bench.gpu import FORM_BY_NAME
+                assert args.forms.split(",") == list(gs.LEVERS) and set(gs.LEVERS) <= set(FORM_BY_NAME)
+                assert args.no_peers and args.no_compile
         elif argv[1:3] == ["-m", "fused_contrastive"]:
             args = parser.parse_args(argv[3:])
             assert args.gpu_validate and args.budget == 240.0 and args.jobs == 8, step
         else:
             assert argv[1] == "bench/gpu_profile.py", step
             profile.parse_args(argv[2:])  # SystemExit(2) on a flag the script does not have
-    # the device tool returns at most eight files, named in letters, digits, '.', '_' and '-'
-    assert len(gs.STEPS) + 1 + 3 <= 8  # each step's log, the summary and bench-gpu's three files
+    # the device tool returns files named in letters, digits, '.', '_' and '-' (at most eight: pack() below)
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", s.name) for s in gs.STEPS)
     assert len({s.name for s in gs.STEPS}) == len(gs.STEPS)
 
@@ -121,3 +124,20 @@ def test_unknown_steps_are_refused_by_name(gs, capsys):
     assert gs.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert all(s.name in out for s in gs.STEPS)
+
+
+def test_more_files_than_the_device_returns_are_packed_into_one_archive(gs, tmp_path):
+    import tarfile
+
+    (tmp_path / "sub").mkdir()
+    want = {f"f{i}.txt": f"file {i}\n" for i in range(6)} | {"sub/a.jsonl": "{}\n", "sub/b.png": "png"}
+    for name, text in want.items():
+        (tmp_path / name).write_text(text)
+    assert gs.pack(tmp_path) == []  # eight files: they all come back as they are
+    (tmp_path / "session.json").write_text("{}")
+    packed = gs.pack(tmp_path)
+    assert sorted(packed) == sorted(want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.json", gs.PACK]  # the empty sub/ removed too
+    with tarfile.open(tmp_path / gs.PACK) as tar:
+        got = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert got == want

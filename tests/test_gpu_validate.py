@@ -33,7 +33,8 @@ CORE = ("info_nce", "simcse", "clip")
 def _plan(**kw) -> GV.Plan:
     base = dict(losses=CORE, parity_shapes=SHAPES, dtypes=(torch.bfloat16,), regimes=("flat",),
                 determinism_shape=(37, 20), determinism_runs=2, fp16_shape=(8, 300, 24), timing_sizes=(40,),
-                timing_d=16, timing_repeats=1, ncu=False, multi_panel_rows=MULTI, budget_s=None, jobs=1)
+                timing_d=16, timing_repeats=1, ncu=False, multi_panel_rows=MULTI, budget_s=None, jobs=1,
+                option_losses=(), st_cached=False, secondary_regimes=None, secondary_dtypes=None)
     base.update(kw)
     return GV.Plan(**base)
 
@@ -337,3 +338,173 @@ def test_the_model_column_ships_in_the_package(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
     monkeypatch.setenv("FUSED_CONTRASTIVE_GPU_MODEL", str(source))  # the full file reads the same
     assert GV.model_predictions("cuda:0") == want["H200"]
+
+
+def test_option_rows_pass_on_the_interpreter(capsys):
+    """The options only the interpreter had run (label smoothing on GIST, Qwen3-Embedding, tau_plus and
+    row_negatives on info_nce, SigLIP's groups) are parity rows against the float64 definition, in bf16 and
+    fp16, their kernels launching; the cached sentence-transformers loss beside them."""
+    pytest.importorskip("sentence_transformers")
+    rep = GV.validate("cpu", _plan(losses=(), option_losses=GV.OPTION_LOSSES, parity_shapes=SMALL,
+                                   dtypes=(torch.bfloat16, torch.float16), determinism_runs=0, fp16_shape=None,
+                                   timing_sizes=(), st_cached=True), allow_cpu=True)
+    out = capsys.readouterr().out
+    assert rep.ok and rep.not_run == 0, out
+    rows = [r.check for r in rep.results if r.check.startswith("parity")]
+    assert {c.split()[1] for c in rows} == {*GV.OPTION_LOSSES, "st_cached_mnrl"}, rows
+    # the core-op options on every path (4 runs), the others on their own kernels; x 2 dtypes; the ST row per dtype
+    assert len(rows) == 2 * (4 + 4 + 1 + 1 + 1) + 2, rows
+
+
+def test_a_planted_wrong_value_fails_its_option_row(monkeypatch):
+    """A 1 % error planted in the smoothed GIST loss's kernels' result (its triton run only) fails that row and
+    no other; a wrong float64 definition of the sentence-transformers row fails it."""
+    pytest.importorskip("sentence_transformers")
+    from fused_contrastive import testing
+
+    orig = testing.run
+
+    def run(case, inputs, backend, dt, device, **kw):
+        loss, grads = orig(case, inputs, backend, dt, device, **kw)
+        return (loss * 1.01 if backend == "triton" and case.name == "gist_smoothed" else loss), grads
+
+    monkeypatch.setattr(testing, "run", run)
+    orig_st = GV.st_cached_case
+
+    def st_case(n, d, seed):
+        fn, xs, truth = orig_st(n, d, seed)
+        return fn, xs, lambda **x: truth(**x) * 1.05
+
+    monkeypatch.setattr(GV, "st_cached_case", st_case)
+    rep = GV.validate("cpu", _plan(losses=(), option_losses=("gist_smoothed", "siglip_groups"), parity_shapes=SMALL,
+                                   dtypes=(torch.float32,), determinism_runs=0, fp16_shape=None, timing_sizes=(),
+                                   st_cached=True), allow_cpu=True)
+    rows = {r.check.split()[1]: r.ok for r in rep.results if r.check.startswith("parity")}
+    assert rows == {"gist_smoothed": False, "siglip_groups": True, "st_cached_mnrl": False}, rep.results
+
+
+def test_without_sentence_transformers_the_row_says_so(monkeypatch, capsys):
+    import importlib.util
+
+    orig = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sentence_transformers" else orig(name, *a))
+    rep = GV.validate("cpu", _plan(losses=(), parity_shapes=SMALL, determinism_runs=0, fp16_shape=None,
+                                   timing_sizes=(), st_cached=True), allow_cpu=True)
+    out = capsys.readouterr().out
+    row = next(r for r in rep.results if r.check.startswith("parity st_cached_mnrl"))
+    assert row.ok is None and row.detail == "not run: sentence-transformers is not installed"
+    assert rep.not_run == 1 and "not proven (not run, 1): parity st_cached_mnrl" in out
+
+
+def _stand_ins(monkeypatch, cost_s: float, timing_s: float, calls: list):
+    """Rows of known cost: every run of a parity or determinism check (``testing.run`` and the oracle) sleeps
+    ``cost_s``; every timing row ``timing_s``."""
+    import time
+
+    from fused_contrastive import testing
+
+    def run(case, inputs, backend, dt, device, **kw):
+        time.sleep(cost_s)
+        calls.append(("run", case.name))
+        return torch.tensor(0.5), {k: torch.ones_like(v) for k, v in inputs[0].items() if v.dim()}
+
+    def oracle(case, inputs, device):
+        time.sleep(cost_s)
+        return torch.tensor(0.5, dtype=torch.float64), {k: torch.ones_like(v) for k, v in inputs[0].items() if v.dim()}
+
+    def timing_row(report, plan, device, loss, n, check, share, model):
+        time.sleep(timing_s)
+        calls.append(("timing", loss, share))
+        report.add(check, None, "stand-in")
+
+    monkeypatch.setattr(testing, "run", run)
+    monkeypatch.setattr(GV, "_timing_row", timing_row)
+    return oracle
+
+
+def test_a_plan_that_fits_its_budget_runs_every_row_parity_first(monkeypatch, capsys):
+    """Stand-in rows of known cost (0.02 s a run, 0.05 s a timing row: about 0.7 s in all) under a 20 s
+    budget: every row runs, every parity row before the determinism rows and those before any timing row,
+    the plan's estimate is printed, and the timings were given their share of the time left."""
+    calls = []
+    oracle = _stand_ins(monkeypatch, 0.02, 0.05, calls)
+    plan = _plan(losses=("info_nce", "simcse"), parity_shapes=SMALL, dtypes=(torch.float32,), fp16_shape=None,
+                 determinism_runs=2, timing_sizes=(40, 80), budget_s=20.0)
+    rep = GV.validate("cpu", plan, oracle=oracle, allow_cpu=True)
+    out = capsys.readouterr().out
+    assert rep.not_run == 0 and not any(r.detail.startswith("not run") for r in rep.results), out
+    kinds = [r.check.split()[0] for r in rep.results if not r.check.startswith("cuBLAS")]
+    assert kinds == ["parity"] * 8 + ["determinism"] * 8 + ["timing"] * 4, kinds
+    assert "plan: 20 rows (parity 8, determinism 8, timing 4); ESTIMATE" in out
+    shares = [c[2] for c in calls if c[0] == "timing"]
+    assert len(shares) == 4 and all(0 < s <= 20.0 for s in shares)
+    assert "not proven" not in out
+
+
+def test_rows_past_the_budget_are_listed_as_not_proven(monkeypatch, capsys):
+    """The same stand-ins at 0.1 s a run under a 0.3 s budget: the first parity unit (6 runs) starts and
+    finishes, everything after it is listed as not run, by name, in the verdict: they prove nothing."""
+    calls = []
+    oracle = _stand_ins(monkeypatch, 0.1, 0.05, calls)
+    plan = _plan(losses=("info_nce", "simcse"), parity_shapes=SMALL, dtypes=(torch.float32,), fp16_shape=None,
+                 determinism_runs=2, timing_sizes=(40,), budget_s=0.3)
+    rep = GV.validate("cpu", plan, oracle=oracle, allow_cpu=True)
+    out = capsys.readouterr().out
+    ran = [r.check for r in rep.results if not r.detail.startswith("not run") and not r.check.startswith("cuBLAS")]
+    assert [c.split()[:2] for c in ran] == [["parity", "info_nce"]] * 4, ran
+    unproven = [r.check for r in rep.results if r.detail.startswith("not run")]
+    # simcse's parity unit (its first path listed; not_run counts its 4), 8 determinism rows, 2 timing rows
+    assert rep.not_run == 4 + 8 + 2 and len(unproven) == 1 + 8 + 2, unproven
+    line = next(x for x in out.splitlines() if x.startswith("not proven"))
+    assert line.startswith(f"not proven (not run, {len(unproven)}): ") and all(c in line for c in unproven)
+    assert "not run (time budget 0 s spent: they prove nothing)" in out
+
+
+def test_a_timing_row_takes_the_repeats_its_share_holds():
+    """A timing row whose share of the time left is 0 takes 1 repeat after the warm-up (not timing_repeats)."""
+    rep = GV.Report("cpu")
+    plan = _plan(losses=("info_nce",), timing_sizes=(40,), timing_repeats=5)
+    with GV.kernels_only():
+        GV._timing_row(rep, plan, "cpu", "info_nce", 40, "timing info_nce N=40", 0.0, {})
+        GV._timing_row(rep, plan, "cpu", "info_nce", 40, "timing info_nce N=40", None, {})
+    assert [r.detail.split(":")[0] for r in rep.results] == ["median of 1", "median of 5"], rep.results
+
+
+def test_the_smoothed_gist_row_needs_the_smooth_flag(monkeypatch):
+    """The smoothed GIST row passes only when the guided forward launched with SMOOTH (the label smoothing
+    code): asked for a flag no launch sets, the same row fails saying so."""
+    plan = _plan(losses=(), option_losses=("gist_smoothed",), parity_shapes=SMALL, dtypes=(torch.bfloat16,),
+                 determinism_runs=0, fp16_shape=None, timing_sizes=())
+    good = GV.validate("cpu", plan, allow_cpu=True)
+    assert [r.ok for r in good.results if r.check.startswith("parity")] == [True]
+    monkeypatch.setattr(GV, "OPTION_FLAGS", {"gist_smoothed": ("guided_fwd", "NOT_A_FLAG")})
+    bad = GV.validate("cpu", plan, allow_cpu=True)
+    rows = [r for r in bad.results if r.check.startswith("parity")]
+    assert [r.ok for r in rows] == [False] and "guided_fwd did not run with NOT_A_FLAG" in rows[0].detail, rows
+
+
+def test_the_default_plan_fits_its_default_budget_by_its_estimate():
+    """The default plan's ESTIMATE (EST_S, from the committed H100 run: not a measurement per row) with 8 jobs
+    and the timings at 1 repeat stays within the default budget; the parity units run cheapest N x D first,
+    the first shape with every regime and dtype and the option rows, D = 100 in flat bf16."""
+    plan = GV.Plan(jobs=8)
+    assert GV.plan_seconds(GV.estimate(plan), plan.jobs, 1, plan.timing_repeats) <= plan.budget_s
+    units = GV.parity_units(plan)
+    assert units[0] == (4099, 100, "flat", torch.bfloat16, False)
+    assert units[1:] == [(4099, 768, r, dt, True) for r in plan.regimes for dt in plan.dtypes]
+
+
+def test_worker_units_cover_the_plan():
+    """The worker units: determinism, fp16, one per parity unit (the option rows with the first shape's only)
+    and the sentence-transformers rows in every dtype: together the single process's rows."""
+    plan = GV.Plan(jobs=8)
+    plans = GV._worker_plans(plan, None)
+    assert plans[0].determinism_runs == plan.determinism_runs and plans[1].fp16_shape == plan.fp16_shape
+    par = [p for p in plans if p.parity_shapes and p.losses]
+    assert [(p.parity_shapes[0], p.regimes[0], p.dtypes[0]) for p in par] == \
+        [((n, d), r, dt) for n, d, r, dt, _ in GV.parity_units(plan)]
+    assert [bool(p.option_losses) for p in par] == [primary for *_, primary in GV.parity_units(plan)]
+    st = [p for p in plans if p.st_cached]
+    assert len(st) == 1 and st[0].dtypes == plan.dtypes and st[0].parity_shapes == plan.parity_shapes[:1]
+    assert sum(GV.estimate(p)["parity"][0] for p in plans) == GV.estimate(plan)["parity"][0]

@@ -11,7 +11,6 @@ import math
 import os
 import subprocess
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -20,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from tests._ranks import run_ranks
+from tests._ranks import gloo_rank, run_ranks
 
 st = pytest.importorskip("sentence_transformers",
                          reason="optional peer: pip install '/path/to/fused-contrastive[sentence-transformers]'")
@@ -344,16 +343,10 @@ GATHER_CASES = {
 
 
 def _gather_worker(rank: int, world: int, init: str, path: str, out) -> None:
-    import torch.distributed as dist
 
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         _gather_checks(rank, world, path, out)
-    except Exception:  # noqa: BLE001 - reported, instead of leaving the parent waiting for the timeout
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def _gather_checks(rank: int, world: int, path: str, out) -> None:
@@ -438,7 +431,7 @@ def test_example_script_runs():
 def test_bench_st_step_cli():
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-st-step", "--batches", "6",
-                          "--losses", "cached-matryoshka", "--hidden", "16", "--layers", "1", "--seq", "4",
+                          "--losses", "cached-matryoshka,gist", "--hidden", "16", "--layers", "1", "--seq", "4",
                           "--repeats", "1"],
                          check=False, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -447,12 +440,13 @@ def test_bench_st_step_cli():
     assert lines[2].split() == ["loss", "batch", "st", "ms", "ours", "ms", "time", "x", "st", "live", "MiB", "ours",
                                 "live", "MiB", "live", "x", "st", "RSS", "MiB", "ours", "RSS", "MiB", "RSS", "x"]
     rows = [x.split() for x in lines[4:]]
-    assert [r[:2] for r in rows] == [["cached-matryoshka", "6"]]  # (one loss: two fresh processes each)
-    r = rows[0]
-    st_ms, ours_ms, st_live, ours_live = float(r[2]), float(r[3]), float(r[5]), float(r[6])
-    assert st_ms > 0 and ours_ms > 0 and st_live > 0 and ours_live > 0, r
-    # ours / theirs, from the printed 3 significant digits
-    assert float(r[7]) == pytest.approx(ours_live / st_live, rel=0.01, abs=0.006), r
+    # (two losses: two fresh processes each; gist with a guide model, their GISTEmbedLoss against the drop-in)
+    assert [r[:2] for r in rows] == [["cached-matryoshka", "6"], ["gist", "6"]]
+    for r in rows:
+        st_ms, ours_ms, st_live, ours_live = float(r[2]), float(r[3]), float(r[5]), float(r[6])
+        assert st_ms > 0 and ours_ms > 0 and st_live > 0 and ours_live > 0, r
+        # ours / theirs, from the printed 3 significant digits
+        assert float(r[7]) == pytest.approx(ours_live / st_live, rel=0.01, abs=0.006), r
     bad = subprocess.run([sys.executable, "-m", "fused_contrastive", "bench-st-step", "--batches", "1"],
                          check=False, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--batches" in bad.stderr

@@ -9,14 +9,13 @@ chunk and in row chunks, triton under the interpreter: its fused kernels count a
 from __future__ import annotations
 
 import math
-import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_contrastive as fc
-from tests._ranks import run_ranks
+from tests._ranks import gloo_rank, run_ranks
 from tests.test_label_smoothing import smoothed
 
 EPS = 0.2
@@ -313,8 +312,7 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
         a, p, n, ga, gp, gn = _gist_inputs(b=total, d=6, seed=3)
         mine = slice(off, off + b)
@@ -346,10 +344,6 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
                                 t_err=abs(float(tg) / world - float(t2.grad)),
                                 scale=max(float(y.grad.abs().max()) for y in (ra, rp, rn)))
         out.put(res)
-    except Exception:
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gist_gather_is_the_global_smoothed_loss(tmp_path):

@@ -7,7 +7,6 @@ routes that are not the one-pass PyTorch path (compile, gather over gloo, autoca
 from __future__ import annotations
 
 import os
-import traceback
 import warnings
 
 import pytest
@@ -18,7 +17,7 @@ from test_memory import LargestTensor
 import fused_contrastive as fc
 from fused_contrastive import core
 from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
-from tests._ranks import run_ranks
+from tests._ranks import gloo_rank, run_ranks
 
 F64 = torch.float64
 DIMS = [8, 3, 13, 5]  # unsorted; 13 = D (the full size), 3 and 5 off any tile edge
@@ -247,10 +246,8 @@ def test_autocast_training_step_with_levels(backend, monkeypatch, route):
 
 
 def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         n, off = sum(sizes), sum(sizes[:rank])
         q, k = _r(n, 12, seed=1), _r(n, 12, seed=2)
         lab = torch.arange(n) % 3
@@ -300,10 +297,6 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
                 res[name + "_suffix"] = (float(loss), float(want16),
                                          float((qt.grad.double() - ref).abs().max() / ref.abs().max()))
         out.put(res)
-    except Exception:
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gather_with_levels_two_ranks_uneven(tmp_path):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import traceback
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from tests._ranks import run_ranks
+from tests._ranks import gloo_rank, run_ranks
 
 st = pytest.importorskip("sentence_transformers",
                          reason="optional peer: pip install '/path/to/fused-contrastive[sentence-transformers]'")
@@ -302,17 +301,11 @@ GATHER_CASES = {
 
 
 def _gather_worker(rank: int, world: int, init: str, path: str, out) -> None:
-    import torch.distributed as dist
 
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         st_similarity._maxsim_score_documents = _f64_scores  # a process of its own: float64 scores
         _gather_checks(rank, world, path, out)
-    except Exception:  # noqa: BLE001 - reported, instead of leaving the parent waiting for the timeout
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def _gather_checks(rank: int, world: int, path: str, out) -> None:

@@ -4,17 +4,15 @@ gist_loss, on every backend, with every gradient, Matryoshka levels and gather o
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_contrastive as fc
-from tests._ranks import run_ranks
-from tests.conftest import set_path
+from tests._ranks import gloo_rank, run_ranks
+from tests.conftest import EVERY_BACKEND, leaf, use_backend
 
-BACKENDS = ["reference", "torch-dense", "torch-chunked", "triton"]
+BACKENDS = EVERY_BACKEND
 
 
 def definition(q, d, h, tau, margin, *, qq=True, dd=True, normalize=True):
@@ -57,17 +55,6 @@ def _inputs(n=8, k=3, dim=6, seed=0):
     return q, d, h
 
 
-def _leaf(x, dt=torch.float64):
-    return x.detach().to(dt).clone().requires_grad_()
-
-
-def _backend(which, monkeypatch):
-    if which.startswith("torch"):
-        set_path(monkeypatch, which.split("-")[1], tile=20)
-        return "torch"
-    return which
-
-
 def _tol(be):
     return dict(rtol=2e-5, atol=2e-6) if be == "triton" else dict(rtol=1e-10, atol=1e-12)
 
@@ -87,15 +74,15 @@ def test_the_inputs_mask_some_candidates_and_keep_others():
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("negs", [True, False], ids=["row_negatives", "no_row_negatives"])
 def test_equals_the_definition_with_every_gradient(which, reduction, negs, monkeypatch):
-    be = _backend(which, monkeypatch)
+    be = use_backend(which, monkeypatch)
     dt = torch.float32 if be == "triton" else torch.float64
     q, d, h = _inputs()
     temp = torch.tensor(0.07, dtype=torch.float64)
     base = (q, d, h, temp) if negs else (q, d, temp)
-    ours = [_leaf(x, dt) for x in base]
+    ours = [leaf(x, dt) for x in base]
     got = fc.qwen3_embedding_loss(ours[0], ours[1], ours[2] if negs else None, temperature=ours[-1],
                                   reduction=reduction, backend=be)
-    ref = [_leaf(x) for x in base]
+    ref = [leaf(x) for x in base]
     per = definition(ref[0], ref[1], ref[2] if negs else None, ref[-1], 0.1)
     want = {"mean": per.mean(), "sum": per.sum(), "none": per}[reduction]
     w = torch.linspace(-1.0, 2.0, 8, dtype=torch.float64) if reduction == "none" else 1.0
@@ -110,15 +97,15 @@ def test_equals_the_definition_with_every_gradient(which, reduction, negs, monke
 @pytest.mark.parametrize("qq,dd,normalize,margin", [(False, False, True, 0.1), (True, False, True, -0.05),
                                                      (False, True, False, 0.2), (True, True, True, 5.0)])
 def test_blocks_margins_and_raw_dots(which, qq, dd, normalize, margin, monkeypatch):
-    be = _backend(which, monkeypatch)
+    be = use_backend(which, monkeypatch)
     dt = torch.float32 if be == "triton" else torch.float64
     q, d, h = _inputs(seed=3)
     if not normalize:  # raw dot products of O(1): rows scaled down
         q, d, h = q / 3, d / 3, h / 3
-    ours = [_leaf(x, dt) for x in (q, d, h)]
+    ours = [leaf(x, dt) for x in (q, d, h)]
     got = fc.qwen3_embedding_loss(*ours, temperature=0.5, margin=margin, query_query=qq, doc_doc=dd,
                                   normalize=normalize, backend=be)
-    ref = [_leaf(x) for x in (q, d, h)]
+    ref = [leaf(x) for x in (q, d, h)]
     want = definition(*ref, 0.5, margin, qq=qq, dd=dd, normalize=normalize).mean()
     got.backward()
     want.backward()
@@ -188,12 +175,12 @@ def test_memeff_qwen3_loss_gives_the_same_value(memeff_on_cpu, qq, dd, negs):
 
 @pytest.mark.parametrize("which", ["reference", "torch-dense", "triton"])
 def test_matryoshka_levels_mask_by_each_levels_cosines(which, monkeypatch):
-    be = _backend(which, monkeypatch)
+    be = use_backend(which, monkeypatch)
     dt = torch.float32 if be == "triton" else torch.float64
     q, d, h = _inputs()
-    ours = [_leaf(x, dt) for x in (q, d, h)]
+    ours = [leaf(x, dt) for x in (q, d, h)]
     got = fc.qwen3_embedding_loss(*ours, backend=be, matryoshka_dims=[6, 3], matryoshka_weights=[1.0, 0.5])
-    ref = [_leaf(x) for x in (q, d, h)]
+    ref = [leaf(x) for x in (q, d, h)]
     want = sum(w * definition(*(x[..., :k] for x in ref), 0.05, 0.1).mean() for k, w in ((6, 1.0), (3, 0.5)))
     got.backward()
     want.backward()
@@ -229,32 +216,26 @@ def test_module_form():
 
 
 def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
         q, d, h = _inputs(n=total)
         mine = slice(off, off + b)
         res = {"rank": rank}
         for be in ("torch", "triton", "reference"):
             dt = torch.float32 if be == "triton" else torch.float64
-            lq, ld, lh = (_leaf(x[mine], dt) for x in (q, d, h))
+            lq, ld, lh = (leaf(x[mine], dt) for x in (q, d, h))
             loss = fc.qwen3_embedding_loss(lq, ld, lh, temperature=0.1, gather=True, backend=be)
             loss.backward()
             # plain lists: no shared memory through the queue
             res[be] = (float(loss.detach()), *(v.grad.double().tolist() for v in (lq, ld, lh)))
         out.put(res)
-    except Exception:
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gather_is_the_global_batch_loss(tmp_path):
     sizes = [5, 3]
     results = run_ranks(_gather_worker, 2, tmp_path, sizes, timeout=240)
-    ref = [_leaf(x) for x in _inputs(n=8)]
+    ref = [leaf(x) for x in _inputs(n=8)]
     want = definition(*ref, 0.1, 0.1).mean()
     want.backward()
     for be in ("torch", "triton", "reference"):

@@ -13,14 +13,10 @@ argument and which ranks passed what. Afterwards the ranks are still in step, an
 
 from __future__ import annotations
 
-import traceback
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
 import fused_contrastive as fc
-from tests._ranks import run_ranks, timed_calls
+from tests._ranks import gloo_rank, run_ranks, timed_calls
 
 D = 8
 
@@ -89,8 +85,7 @@ def _cases(rank: int, world: int):
 def _worker(rank: int, world: int, init: str, out) -> None:
     import fused_contrastive.distributed as fd
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
+    with gloo_rank(rank, world, init, out, timeout=30):
         res = {"rank": rank, "cases": timed_calls((name, call) for name, call, _, _ in _cases(rank, world))}
         # still in step; the per-level route (GIST, 3 levels) and the one-pass route agree once per call
         exchanges = []
@@ -115,10 +110,6 @@ def _worker(rank: int, world: int, init: str, out) -> None:
         fd._exchange = real
         res["finite"] = bool(torch.isfinite(loss)) and t.grad is not None
         out.put(res)
-    except Exception:  # noqa: BLE001 - reported: the parent fails at once instead of waiting for a hang
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def _check(results: list[dict], world: int) -> None:

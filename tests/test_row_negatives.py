@@ -4,17 +4,15 @@ the float64 definition written here (the logits ``[s cos(q_i, k_j) | s cos(q_i, 
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_contrastive as fc
-from tests._ranks import run_ranks
-from tests.conftest import set_path
+from tests._ranks import gloo_rank, run_ranks
+from tests.conftest import EVERY_BACKEND, leaf, use_backend
 
-BACKENDS = ["reference", "torch-dense", "torch-chunked", "triton"]
+BACKENDS = EVERY_BACKEND
 
 
 def definition(q, k, n, t, temperature, *, exclude_self=False, normalize=True, ignore_index=-100,
@@ -37,17 +35,6 @@ def _inputs(n=7, m=9, k=3, d=5, seed=0, dtype=torch.float64):
             torch.randn(n, k, d, generator=g, dtype=dtype))
 
 
-def _leaf(x, dt=torch.float64):
-    return x.detach().to(dt).clone().requires_grad_()
-
-
-def _backend(which, monkeypatch):
-    if which.startswith("torch"):
-        set_path(monkeypatch, which.split("-")[1], tile=20)
-        return "torch"
-    return which
-
-
 def _tol(be):
     # the triton kernels take float32 (float64 runs on torch): compared with the float64 definition
     return dict(rtol=2e-5, atol=2e-6) if be == "triton" else dict(rtol=1e-10, atol=1e-12)
@@ -56,15 +43,15 @@ def _tol(be):
 @pytest.mark.parametrize("which", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_equals_the_definition_with_every_gradient(which, reduction, monkeypatch):
-    be = _backend(which, monkeypatch)
+    be = use_backend(which, monkeypatch)
     dt = torch.float32 if be == "triton" else torch.float64
     q, k, n = _inputs()
     t = torch.tensor([3, 0, 8, -100, 1, 1, 5])  # an ignored row, a target shared by two rows
     temp = torch.tensor(0.2, dtype=torch.float64)
-    ours = [_leaf(x, dt) for x in (q, k, n, temp)]
+    ours = [leaf(x, dt) for x in (q, k, n, temp)]
     got = fc.info_nce(ours[0], ours[1], t, row_negatives=ours[2], temperature=ours[3], reduction=reduction,
                       backend=be)
-    ref = [_leaf(x) for x in (q, k, n, temp)]
+    ref = [leaf(x) for x in (q, k, n, temp)]
     want = definition(*ref[:3], t, ref[3], reduction=reduction)
     if reduction == "none":  # F.cross_entropy's ignored row is 0, as ours
         w = torch.linspace(-1.0, 2.0, len(t), dtype=torch.float64)
@@ -81,14 +68,14 @@ def test_equals_the_definition_with_every_gradient(which, reduction, monkeypatch
 
 @pytest.mark.parametrize("which", BACKENDS)
 def test_keys_none_excludes_the_own_column_and_raw_dots(which, monkeypatch):
-    be = _backend(which, monkeypatch)
+    be = use_backend(which, monkeypatch)
     dt = torch.float32 if be == "triton" else torch.float64
     q, _, n = _inputs(n=8, k=2)
     t = torch.arange(8) ^ 1
     for normalize in (True, False):
-        a, b = _leaf(q, dt), _leaf(n, dt)
+        a, b = leaf(q, dt), leaf(n, dt)
         got = fc.info_nce(a, None, t, row_negatives=b, temperature=0.5, normalize=normalize, backend=be)
-        a2, b2 = _leaf(q), _leaf(n)
+        a2, b2 = leaf(q), leaf(n)
         want = definition(a2, a2, b2, t, 0.5, exclude_self=True, normalize=normalize)
         got.backward()
         want.backward()
@@ -99,14 +86,14 @@ def test_keys_none_excludes_the_own_column_and_raw_dots(which, monkeypatch):
 
 @pytest.mark.parametrize("which", ["reference", "torch-dense", "triton"])
 def test_matryoshka_levels_truncate_the_row_negatives_too(which, monkeypatch):
-    be = _backend(which, monkeypatch)
+    be = use_backend(which, monkeypatch)
     dt = torch.float32 if be == "triton" else torch.float64
     q, k, n = _inputs(d=6)
     t = torch.arange(7)
-    ours = [_leaf(x, dt) for x in (q, k, n)]
+    ours = [leaf(x, dt) for x in (q, k, n)]
     got = fc.info_nce(*ours[:2], t, row_negatives=ours[2], backend=be, matryoshka_dims=[6, 2, 4],
                       matryoshka_weights=[1.0, 0.5, 2.0])
-    ref = [_leaf(x) for x in (q, k, n)]
+    ref = [leaf(x) for x in (q, k, n)]
     want = sum(w * definition(*(x[..., :d] for x in ref), t, 0.05) for d, w in ((6, 1.0), (2, 0.5), (4, 2.0)))
     got.backward()
     want.backward()
@@ -166,20 +153,18 @@ def test_module_takes_them_per_batch():
 
 
 def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         total, off, b = sum(sizes), sum(sizes[:rank]), sizes[rank]
         q, k, n = _inputs(n=total, m=total, k=2)
         mine = slice(off, off + b)
         res = {"rank": rank}
         for be in ("torch", "triton", "reference"):
             dt = torch.float32 if be == "triton" else torch.float64
-            lq, lk, ln = (_leaf(x[mine], dt) for x in (q, k, n))
+            lq, lk, ln = (leaf(x[mine], dt) for x in (q, k, n))
             loss = fc.info_nce(lq, lk, row_negatives=ln, temperature=0.1, gather=True, backend=be)
             loss.backward()
-            rq, rk, rn = (_leaf(x) for x in (q, k, n))
+            rq, rk, rn = (leaf(x) for x in (q, k, n))
             want = definition(rq, rk, rn, torch.arange(total), 0.1)
             want.backward()
             tol = _tol(be)
@@ -189,17 +174,13 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
                      for x, y in ((lq, rq), (ln, rn)))
             res[be] = (float(loss), float(want), ok, lk.grad.double().tolist())  # plain lists: no shared memory
         out.put(res)
-    except Exception:
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gather_keeps_row_negatives_with_their_row(tmp_path):
     sizes = [4, 3]
     results = run_ranks(_gather_worker, 2, tmp_path, sizes, timeout=240)
     q, k, n = _inputs(n=7, m=7, k=2)
-    rk = _leaf(k)
+    rk = leaf(k)
     definition(q, rk, n, torch.arange(7), 0.1).backward()
     for be in ("torch", "triton", "reference"):
         assert all(r[be][2] for r in results), be

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import fused_contrastive as fc
 from fused_contrastive.testing import CASE_BY_NAME, assert_close, compare
+from tests._ranks import gloo_rank
 
 SIZES = [1, 3, 97, 257]
 BACKENDS = ["torch", "reference"]
@@ -331,8 +329,7 @@ def test_module_options_and_init_errors():
 
 
 def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world, init, out, timeout=60):
         g = torch.Generator().manual_seed(0)
         n = sum(sizes)
         x = torch.randn(n, 6, generator=g, dtype=torch.float64)
@@ -352,10 +349,6 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
                 res["cases"][f"{be}/{reduction}"] = dict(
                     loss=got.detach().tolist(), gx=gx.tolist(), gy=gy.tolist(), gs=float(gs), gb=float(gb))
         out.put(res)
-    except Exception:  # noqa: BLE001 - reported: the parent fails at once instead of waiting for a hang
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gather_matches_the_global_batch(tmp_path):

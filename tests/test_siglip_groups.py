@@ -5,17 +5,15 @@ interpreter, and the plain loss for unique groups; every backend, every gradient
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_contrastive as fc
-from tests._ranks import run_ranks
-from tests.conftest import set_path
+from tests._ranks import gloo_rank, run_ranks
+from tests.conftest import EVERY_BACKEND, leaf, use_backend
 
-BACKENDS = ["reference", "torch-dense", "torch-chunked", "triton"]
+BACKENDS = EVERY_BACKEND
 IG = torch.tensor([0, 1, 1, 2, 3, 7, 4])  # image 5's group 7 has no text: only negatives
 TG = torch.tensor([1, 0, 0, 2, 5, 1, 9, 2, 0, 3, 4])  # 11 texts: group 0 thrice, 1 twice, 2 twice
 
@@ -44,17 +42,6 @@ def _inputs(n=7, m=11, d=5, seed=0):
     return torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(m, d, generator=g, dtype=torch.float64)
 
 
-def _leaf(x, dt=torch.float64):
-    return x.detach().to(dt).clone().requires_grad_()
-
-
-def _backend(which, monkeypatch):
-    if which.startswith("torch"):
-        set_path(monkeypatch, which.split("-")[1], tile=20)
-        return "torch"
-    return which
-
-
 def _tol(be):
     return dict(rtol=2e-5, atol=5e-6) if be == "triton" else dict(rtol=1e-10, atol=1e-12)
 
@@ -62,13 +49,13 @@ def _tol(be):
 @pytest.mark.parametrize("which", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_equals_the_definition_with_every_gradient(which, reduction, monkeypatch):
-    be = _backend(which, monkeypatch)
+    be = use_backend(which, monkeypatch)
     dt = torch.float32 if be == "triton" else torch.float64
     x, y = _inputs()
     s, b = torch.tensor(5.0, dtype=torch.float64), torch.tensor(-2.0, dtype=torch.float64)
-    ours = [_leaf(v, dt) for v in (x, y)] + [_leaf(s), _leaf(b)]
+    ours = [leaf(v, dt) for v in (x, y)] + [leaf(s), leaf(b)]
     got = fc.siglip_loss(*ours, image_groups=IG, text_groups=TG, reduction=reduction, backend=be)
-    ref = [_leaf(v) for v in (x, y, s, b)]
+    ref = [leaf(v) for v in (x, y, s, b)]
     per = definition(*ref, IG, TG)
     want = {"mean": per.sum() / 7, "sum": per.sum(), "none": per}[reduction]
     w = torch.linspace(-1.0, 2.0, 7, dtype=torch.float64) if reduction == "none" else 1.0
@@ -81,13 +68,13 @@ def test_equals_the_definition_with_every_gradient(which, reduction, monkeypatch
 
 @pytest.mark.parametrize("which", BACKENDS)
 def test_raw_dots_and_number_scale(which, monkeypatch):
-    be = _backend(which, monkeypatch)
+    be = use_backend(which, monkeypatch)
     dt = torch.float32 if be == "triton" else torch.float64
     x, y = _inputs(seed=2)
     x, y = x / 3, y / 3
-    ours = [_leaf(v, dt) for v in (x, y)]
+    ours = [leaf(v, dt) for v in (x, y)]
     got = fc.siglip_loss(*ours, 2.0, 0.5, image_groups=IG, text_groups=TG, normalize=False, backend=be)
-    ref = [_leaf(v) for v in (x, y)]
+    ref = [leaf(v) for v in (x, y)]
     want = definition(*ref, 2.0, 0.5, IG, TG, normalize=False).sum() / 7
     got.backward()
     want.backward()
@@ -98,13 +85,13 @@ def test_raw_dots_and_number_scale(which, monkeypatch):
 
 @pytest.mark.parametrize("which", BACKENDS)
 def test_unique_groups_give_the_plain_loss(which, monkeypatch):
-    be = _backend(which, monkeypatch)
+    be = use_backend(which, monkeypatch)
     dt = torch.float32 if be == "triton" else torch.float64
     x, y = _inputs(m=7)
     perm = torch.tensor([3, 0, 6, 1, 5, 2, 4])  # any ids: the pairs are where they match
-    ours = [_leaf(v, dt) for v in (x, y)]
+    ours = [leaf(v, dt) for v in (x, y)]
     got = fc.siglip_loss(*ours, 10.0, -10.0, image_groups=perm * 10, text_groups=perm * 10, backend=be)
-    plain = [_leaf(v, dt) for v in (x, y)]
+    plain = [leaf(v, dt) for v in (x, y)]
     want = fc.siglip_loss(*plain, 10.0, -10.0, backend=be)
     got.backward()
     want.backward()
@@ -120,10 +107,10 @@ def test_siglip_kernel_siglip_plus_gives_the_same_loss(monkeypatch):
     plus = pytest.importorskip("siglip_kernel.fused_siglip_plus")
     x, y = (v.float() for v in _inputs())
     lt, b = torch.tensor(1.6, requires_grad=True), torch.tensor(-1.5, requires_grad=True)
-    xs, ys = _leaf(x, torch.float32), _leaf(y, torch.float32)
+    xs, ys = leaf(x, torch.float32), leaf(y, torch.float32)
     theirs = plus.fused_siglip_plus_loss(F.normalize(xs, dim=1), F.normalize(ys, dim=1), lt, b, IG, TG)
     theirs.backward()
-    ox, oy, ot, ob = _leaf(x, torch.float32), _leaf(y, torch.float32), _leaf(lt, torch.float32), _leaf(b, torch.float32)
+    ox, oy, ot, ob = leaf(x, torch.float32), leaf(y, torch.float32), leaf(lt, torch.float32), leaf(b, torch.float32)
     ours = fc.siglip_loss(ox, oy, ot.exp(), ob, image_groups=IG, text_groups=TG)
     (ours / 11).backward()
     want = definition(x, y, float(lt.detach().exp()), float(b.detach()), IG, TG).sum() / 7
@@ -154,31 +141,25 @@ def test_errors_name_the_argument():
 
 
 def _gather_worker(rank: int, world: int, init: str, out) -> None:
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         x, y = _inputs()
         imgs, txts = (slice(0, 4), slice(0, 5)) if rank == 0 else (slice(4, 7), slice(5, 11))
         res = {"rank": rank}
         for be in ("torch", "triton", "reference"):
             dt = torch.float32 if be == "triton" else torch.float64
-            lx, ly = _leaf(x[imgs], dt), _leaf(y[txts], dt)
-            s = _leaf(torch.tensor(4.0))
+            lx, ly = leaf(x[imgs], dt), leaf(y[txts], dt)
+            s = leaf(torch.tensor(4.0))
             loss = fc.siglip_loss(lx, ly, s, -1.0, image_groups=IG[imgs], text_groups=TG[txts], gather=True,
                                   backend=be)
             loss.backward()
             res[be] = (float(loss), lx.grad.double().tolist(), ly.grad.double().tolist(), float(s.grad))
         out.put(res)
-    except Exception:
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gather_counts_every_ranks_groups(tmp_path):
     results = run_ranks(_gather_worker, 2, tmp_path, timeout=240)
-    x, y, s = _leaf(_inputs()[0]), _leaf(_inputs()[1]), _leaf(torch.tensor(4.0))
+    x, y, s = leaf(_inputs()[0]), leaf(_inputs()[1]), leaf(torch.tensor(4.0))
     want = definition(x, y, s, -1.0, IG, TG).sum() / 7
     want.backward()
     for be in ("torch", "triton", "reference"):

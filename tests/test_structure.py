@@ -131,10 +131,10 @@ def test_core_imports_nothing_above_it():
 #: ``linear_terms``, ``reference``) and ``triton_shared/``; ``core/__init__.py`` (``run``) dispatches to the families.
 CORE_FAMILIES = ("lse", "matryoshka", "guided", "siglip", "cosent", "maxsim")
 #: ``kernels/`` mirrors them: each family's device code in one file; ``common.py`` (shared jit helpers),
-#: ``panel.py`` (the panel kernels and the epilogue GEMM every panel route launches) and ``target.py`` (the linear
-#: terms' row kernels) are shared.
+#: ``panel.py`` (the panel kernels and the epilogue GEMM every panel route launches), ``target.py`` (the linear
+#: terms' row kernels) and ``logit_pass.py`` (the one pass's in-place pass over cuBLAS's fp16 cosines) are shared.
 KERNEL_FAMILIES = CORE_FAMILIES
-KERNELS_SHARED = ("common", "panel", "target")
+KERNELS_SHARED = ("common", "panel", "target", "logit_pass")
 
 
 def _core_family(mod: str) -> str | None:

@@ -324,10 +324,10 @@ def test_the_route_writes_no_wide_n_by_m_tensor(route, monkeypatch):
 
 def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> None:
     import os
-    import traceback
 
     import torch.distributed as dist
 
+    from tests._ranks import gloo_rank
     from tests.test_gist import _global_definition
 
     os.environ["FUSED_CONTRASTIVE_TRITON_PATH"] = "panel"
@@ -335,8 +335,7 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
     hooks = routes.override(GUIDED_PANEL_ROWS=64)  # for the worker's life (a reference keeps it entered)
     hooks.__enter__()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init, out):
         names: Counter = Counter()
         orig = TL._launch
         TL._launch = lambda lz: (names.update([lz.name]), orig(lz))[1]
@@ -361,10 +360,6 @@ def _gather_worker(rank: int, world: int, init: str, sizes: list[int], out) -> N
         errs["temperature"] = abs(float(tg) / world - float(t2.grad)) / abs(float(t2.grad))
         out.put({"rank": rank, "loss_err": abs(float(mean) / world - float(want)) / abs(float(want)), "errs": errs,
                  "epi": names["guided_epi"]})
-    except Exception:
-        out.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gather_over_ranks_on_the_route(tmp_path):

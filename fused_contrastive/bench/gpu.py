@@ -116,6 +116,12 @@ FORMS: tuple[Form, ...] = (
          lambda loss, n, d: loss in CORE + ("gist",), _env("PANEL_GEMM", "epilogue")),
     Form("gemm=cublas", "cuBLAS fp32 products and the panel kernel form every panel",
          lambda loss, n, d: loss in CORE, _env("PANEL_GEMM", "cublas")),
+    # (the benchmark's SimCSE, one batch of interleaved views with B = A, takes the triangular sweep: no one pass,
+    # so this form would time the default route again there)
+    Form("gemm=fp16pass", "the one pass's tiles from cuBLAS fp16 cosines of normalised fp16 copies and one in-place "
+         "Triton pass (core/triton_shared/logit_pass.py; ESTIMATE 14-15 ms against 18.9 at InfoNCE N = 65536)",
+         lambda loss, n, d: loss in ("info_nce", "matryoshka5") and n in (16384, 65536) and d in (768, 256),
+         _env("PANEL_GEMM", "fp16pass")),
     Form("tile=2^24", "the one-tile dense path (PyTorch ops on the whole N x M tile) up to N x M = 2^24 "
          "(default 2^21)", lambda loss, n, d: loss in CORE and n == 4096, _env("TILE_ELEMENTS", str(1 << 24))),
     Form("path=fused", "the fused kernels instead of the panel path (auto: panels from N x M = 2^24)",
@@ -131,6 +137,21 @@ FORMS: tuple[Form, ...] = (
          lambda loss, n, d: loss.startswith("matryoshka5") and n <= 16384, _env("MATRYOSHKA_ROUTE", "kernels")),
     Form("one_pass=128x256w16", "the one-pass epilogue GEMM at 128 x 256 tiles, 16 warps, 3 stages",
          lambda loss, n, d: loss == "info_nce" and n >= 16384 and d == 768,
+         patch=_config("one_pass", (128, 256, 64, 16, 3))),
+    Form("siglip=lean", "SigLIP's lean epilogue: one exp, a log1p polynomial and one approximate reciprocal per "
+         "logit (default: exact)", lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768,
+         _env("SIGLIP_EPILOGUE", "lean")),
+    Form("siglip=lean128", "the lean epilogue with the one pass at 128 x 128 tiles (default: exact, 64 x 128)",
+         lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768, _env("SIGLIP_EPILOGUE", "lean128")),
+    Form("siglip=lean128+tiles", "the lean 128 x 128 one pass in the one-program-per-tile loop (its compile spills "
+         "20 bytes there, 116-176 in the default TMA loop)",
+         lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768,
+         {**_env("SIGLIP_EPILOGUE", "lean128"), **_env("EPI_FORM", "tiles")}),
+    Form("epi=hoist", "the epilogue GEMM's per-row loads issued before its D loop (EPI_HOIST; default after it)",
+         lambda loss, n, d: loss in ("info_nce", "simcse", "clip", "matryoshka5") and n in (16384, 65536)
+         and d == 768, _env("EPI_HOIST", "1")),
+    Form("one_pass=128x256w16+hoist", "the 128 x 256 one pass (16 warps, 3 stages) with its loads hoisted",
+         lambda loss, n, d: loss == "info_nce" and n >= 16384 and d == 768, _env("EPI_HOIST", "1"),
          patch=_config("one_pass", (128, 256, 64, 16, 3))),
 )
 FORM_BY_NAME = {f.name: f for f in FORMS}

@@ -3,8 +3,12 @@ backward) of a small BERT built offline, with sentence-transformers' own loss cl
 library's drop-in of the same name, side by side at several batch sizes, for three losses (``--losses``):
 ``mnrl`` (``MultipleNegativesRankingLoss``), ``cached`` (``CachedMultipleNegativesRankingLoss``,
 ``mini_batch_size`` 32) and ``cached-matryoshka`` (``MatryoshkaLoss`` around the cached loss, dims
-hidden, hidden/2, hidden/4). Every ratio is this library / sentence-transformers (< 1: ours faster or
-smaller).
+hidden, hidden/2, hidden/4); on request also ``gist`` (``GISTEmbedLoss``) and ``cached-gist``
+(``CachedGISTEmbedLoss``, ``mini_batch_size`` 32), with a guide of the same shape and vocabulary built from
+another seed (frozen; the same tokenisation, so nothing is re-tokenised). sentence-transformers' GIST classes
+score with a broadcast ``nn.CosineSimilarity`` (B x B x hidden products per block), so their memory grows with
+B^2 * hidden: they are not in the default set. Every ratio is this library / sentence-transformers (< 1: ours
+faster or smaller).
 
 Time: the two losses alternate in one process (ABBA rounds), medians over the repeats. Live bytes:
 the high-water mark of the tensor storages one step creates (``bench/memory.py``'s ``LiveBytes``:
@@ -34,7 +38,10 @@ from .helptext import help_text
 from .memory import LiveBytes, step_peak
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-LOSSES = ("mnrl", "cached", "cached-matryoshka")
+LOSSES = ("mnrl", "cached", "cached-matryoshka", "gist", "cached-gist")
+#: what ``--losses`` runs unless told: the GIST kinds only on request (their class's B x B x hidden products)
+DEFAULT_LOSSES = ("mnrl", "cached", "cached-matryoshka")
+GUIDED = ("gist", "cached-gist")
 MINI_BATCH = 32  # the cached losses' mini_batch_size (theirs and ours)
 
 
@@ -84,8 +91,9 @@ def sentences(n: int, words: int, vocab: int = 90, seed: int = 0) -> list[str]:
     return [" ".join(f"w{k}" for k in row) for row in ids]
 
 
-def _loss(model, which: str, kind: str = "mnrl"):
-    """sentence-transformers' loss (``which="peer"``) or this library's drop-in (``"fused"``) of ``kind``."""
+def _loss(model, which: str, kind: str = "mnrl", guide=None):
+    """sentence-transformers' loss (``which="peer"``) or this library's drop-in (``"fused"``) of ``kind``
+    (``guide``: the GIST kinds' guide model)."""
     if which == "peer":
         try:
             from sentence_transformers.sentence_transformer import losses as lib
@@ -95,6 +103,10 @@ def _loss(model, which: str, kind: str = "mnrl"):
         from ..integrations import sentence_transformers as lib
     if kind == "mnrl":
         return lib.MultipleNegativesRankingLoss(model)
+    if kind == "gist":
+        return lib.GISTEmbedLoss(model, guide)
+    if kind == "cached-gist":
+        return lib.CachedGISTEmbedLoss(model, guide, mini_batch_size=MINI_BATCH)
     cached = lib.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH)
     if kind == "cached":
         return cached
@@ -102,14 +114,20 @@ def _loss(model, which: str, kind: str = "mnrl"):
     return lib.MatryoshkaLoss(model, cached, [dim, dim // 2, dim // 4])
 
 
-def _setup(a: dict[str, Any], batch: int):
+def _setup(a: dict[str, Any], batch: int, kind: str = "mnrl"):
+    """The model, the tokenized (anchor, positive) batch and, for the GIST kinds, the frozen guide (else None)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = load_model(a["model_path"], a["device"])
     model.train()
+    guide = None
+    if kind in GUIDED:
+        guide = load_model(a["guide_path"], a["device"])
+        guide.eval()
+        guide.requires_grad_(False)
     words = a["seq"] - 2  # [CLS] ... [SEP]
     feats = [model.preprocess(sentences(batch, words, seed=s)) for s in (1, 2)]
     feats = [{k: v.to(a["device"]) if isinstance(v, torch.Tensor) else v for k, v in f.items()} for f in feats]
-    return model, feats
+    return model, feats, guide
 
 
 def _step(model, loss, feats) -> None:
@@ -129,8 +147,8 @@ def _peak(args: tuple[dict[str, Any], int, str, str]) -> int:
     a, batch, which, kind = args
     if a["threads"]:
         torch.set_num_threads(a["threads"])
-    model, feats = _setup(a, batch)
-    loss = _loss(model, which, kind)
+    model, feats, guide = _setup(a, batch, kind)
+    loss = _loss(model, which, kind, guide)
     _step(model, loss, [{k: v[:8] if isinstance(v, torch.Tensor) else v for k, v in f.items()} for f in feats])
     model.zero_grad(set_to_none=True)
     return step_peak(a["device"], lambda: _step(model, loss, feats))
@@ -144,8 +162,8 @@ def measure(a: dict[str, Any]) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     rows = []
     for kind, batch in ((k, b) for k in a.get("losses", ("mnrl",)) for b in a["batches"]):
-        model, feats = _setup(a, batch)
-        losses = {w: _loss(model, w, kind) for w in ("peer", "fused")}
+        model, feats, guide = _setup(a, batch, kind)
+        losses = {w: _loss(model, w, kind, guide) for w in ("peer", "fused")}
         times: dict[str, list[float]] = {w: [] for w in losses}
         for loss in losses.values():  # warm-up
             _step(model, loss, feats)
@@ -188,7 +206,8 @@ def render(res: dict[str, Any]) -> str:
         (f"sentence-transformers training step (anchor, positive): their class (st) against this library's drop-in "
          f"(ours); BERT hidden {a['hidden']}, {a['layers']} layers, {a['seq']} tokens per sentence, {a['device']}, "
          f"{a.get('threads') or torch.get_num_threads()} threads, medians of {a['repeats']} alternating repeats; "
-         f"cached: mini_batch_size {MINI_BATCH}, cached-matryoshka: MatryoshkaLoss(cached) at dims {a['hidden']}, "
+         f"cached, cached-gist: mini_batch_size {MINI_BATCH}, gist: guide of the same shape (another seed), "
+         f"cached-matryoshka: MatryoshkaLoss(cached) at dims {a['hidden']}, "
          f"{a['hidden'] // 2}, {a['hidden'] // 4}"),
         ("ratios: this library / sentence-transformers (< 1: ours faster or smaller); live = tensor bytes one step "
          "creates (LiveBytes, deterministic); RSS = resident-set peak of the step in a fresh process, over the model "
@@ -202,8 +221,8 @@ def render(res: dict[str, Any]) -> str:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench-st-step", help="a sentence-transformers training step: their (cached) MNRL against "
                        "the fused drop-ins", description=help_text(__doc__))
-    p.add_argument("--losses", default=",".join(LOSSES),
-                   help=f"comma-separated among {', '.join(LOSSES)} (default all)")
+    p.add_argument("--losses", default=",".join(DEFAULT_LOSSES),
+                   help=f"comma-separated among {', '.join(LOSSES)} (default {','.join(DEFAULT_LOSSES)})")
     p.add_argument("--batches", default="256,1024,4096", help="comma-separated batch sizes (default 256,1024,4096)")
     p.add_argument("--hidden", type=int, default=128, help="BERT hidden size (default 128)")
     p.add_argument("--layers", type=int, default=2, help="BERT layers (default 2)")
@@ -239,8 +258,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("bench-st-step needs sentence-transformers: "
                      'pip install "/path/to/fused-contrastive[sentence-transformers]" (a checkout of this project)')
     with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_model(tmp, hidden=args.hidden, layers=args.layers, heads=2, max_len=max(64, args.seq), dropout=0.1)
+        shape = dict(hidden=args.hidden, layers=args.layers, heads=2, max_len=max(64, args.seq))
+        build_tiny_model(os.path.join(tmp, "model"), **shape, dropout=0.1)
+        if any(k in GUIDED for k in losses):
+            build_tiny_model(os.path.join(tmp, "guide"), **shape, seed=1)
         a = {k: getattr(args, k) for k in ("hidden", "layers", "seq", "repeats", "device", "threads")}
-        a.update(batches=batches, model_path=tmp, losses=losses)
+        a.update(batches=batches, model_path=os.path.join(tmp, "model"), guide_path=os.path.join(tmp, "guide"),
+                 losses=losses)
         print(render(measure(a)))
     return 0

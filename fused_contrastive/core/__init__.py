@@ -123,18 +123,32 @@ def forward_parts(parts, need) -> tuple[Tensor, list]:
     # a SET term beside them: the Triton piece may form its gradient inside its 16-bit tiles, in fp32, where it
     # meets p_ij (``ctx.set_coef``: SET's coefficients; it reports ``ctx.took_set`` in backward)
     set_coef = next((args[5].set for fn, args, _ in parts if fn is linear_terms.LinearTermsFn), None)
+    values = []
     for fn, args, sign in parts:
         ctx = DirectCtx(tuple(need) + (False,) * (len(args) - 3))
         ctx.wide = len(parts) > 1
         ctx.split_target = split and fn is not linear_terms.LinearTermsFn
         if fn is not linear_terms.LinearTermsFn:
             ctx.set_coef = set_coef
-        out = signed_sum(out, fn.forward(ctx, *args), sign)
+        ctx.keep_rows = split and fn is linear_terms.LinearTermsFn
+        values.append(fn.forward(ctx, *args))
         if ctx.wide and hasattr(ctx, "dtypes"):  # (float64 stays float64)
             adt, bdt, sdt, sshape = ctx.dtypes
             ctx.dtypes = (torch.promote_types(adt, torch.float32),
                           None if bdt is None else torch.promote_types(bdt, torch.float32), sdt, sshape)
         subs.append((fn, ctx, sign))
+    # a log-sum-exp piece whose value already subtracts c_i l_it (the one pass's log1p(zx_i / e_it), formed without
+    # the cancellation of LSE_i - l_it): the target term's value leaves those out (its gradient does not change)
+    minus = [ctx.minus_target for _, ctx, _ in subs if getattr(ctx, "minus_target", None) is not None]
+    for i, (fn, ctx, _) in enumerate(subs):
+        if minus and fn is linear_terms.LinearTermsFn:
+            values[i] = linear_terms.value_less_target(ctx, sum(minus[1:], minus[0]), parts[i][1][6])
+        if hasattr(ctx, "rows"):
+            del ctx.rows
+        if hasattr(ctx, "minus_target"):
+            del ctx.minus_target
+    for (_, _, sign), y in zip(parts, values, strict=True):
+        out = signed_sum(out, y, sign)
     return out, subs
 
 

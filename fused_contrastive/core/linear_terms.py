@@ -181,6 +181,7 @@ class LinearTermsFn(torch.autograd.Function):
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
                 reduce: bool, dt: torch.dtype, kernel: bool = False) -> Tensor:
         s = scale.detach().to(dt) if isinstance(scale, Tensor) else float(scale)
+        tgt_logits = None
         # the target term alone on the triton backend: two row kernels (kernels/target.py) instead of
         # the unit rows of A and B and their gradients in PyTorch (~20 passes over N x D fp32 tensors)
         ctx.kernel = kernel and coef.set is None and coef.tgt is not None and dt == torch.float32
@@ -189,18 +190,24 @@ class LinearTermsFn(torch.autograd.Function):
             from .triton_shared.target import target_cos
 
             cos = target_cos(a, a if b is None else b, data.target, spec.eps, spec.normalize)
-            out = _weighted(coef.tgt, _target_from_cos(cos, a.shape[0], s, spec, data), dt)
+            tgt_logits = _target_from_cos(cos, a.shape[0], s, spec, data)
+            out = _weighted(coef.tgt, tgt_logits, dt)
         else:
             ah, _ = normalize_rows(a, spec.eps, dt, spec.normalize)
             bh = ah if b is None else normalize_rows(b, spec.eps, dt, spec.normalize)[0]
             if coef.tgt is not None:
-                out = _weighted(coef.tgt, _target_logits(ah, bh, s, spec, data), dt)
+                tgt_logits = _target_logits(ah, bh, s, spec, data)
+                out = _weighted(coef.tgt, tgt_logits, dt)
         if coef.set is not None:
             set_ = torch.linalg.vecdot(ah, _positive_sums(ah, bh, spec, data), dim=1) * s
             if data.bias_col is not None and spec.bias != 0.0:
                 set_ = set_ + spec.bias * _positive_weight_at(data.bias_col, spec, data, ah.shape[0], dt)
             term = _weighted(coef.set, set_, dt)
+            if getattr(ctx, "keep_rows", False):
+                ctx.rows = (out, tgt_logits, term)
             out = term if out is None else out + term
+        elif getattr(ctx, "keep_rows", False):
+            ctx.rows = (out, tgt_logits, None)
         ctx.spec, ctx.data, ctx.coef, ctx.dt = spec, data, coef, dt
         ctx.dtypes = (a.dtype, None if b is None else b.dtype, None, None)  # the gradients' (core.PiecesFn may widen)
         ctx.scale = None if isinstance(scale, Tensor) else scale
@@ -266,6 +273,24 @@ class LinearTermsFn(torch.autograd.Function):
         gb = normalize_backward_(dbh, bh, nb, spec.eps).to(ctx.dtypes[1]) if dbh is not None else None
         gs = ds.to(scale.dtype).reshape(scale.shape) if need_s else None
         return ga, gb, gs, None, None, None, None, None, None
+
+
+def value_less_target(ctx, c: Tensor, reduce: bool) -> Tensor:
+    """:class:`LinearTermsFn`'s forward value (its ``ctx``, run with ``ctx.keep_rows``) with ``c_i TGT_i`` taken
+    out, ``c`` [N] fp32: the rows' ``(c.tgt_i - c_i) TGT_i + c.set_i SET_i`` (``c.tgt_i TGT_i`` as before where
+    ``c_i = 0``), summed with ``reduce``. What ``core.forward_parts`` uses when a log-sum-exp piece reports that
+    its value already subtracts ``c_i l_it`` (``ctx.minus_target``): the two pieces' ``l_it`` then never meet, and
+    with ``c.tgt = c.lse`` (InfoNCE) the target term's value is exactly 0 on those rows."""
+    tgt_w, tgt_logits, set_w = ctx.rows
+    if tgt_logits is None:
+        raise ValueError("linear_terms.value_less_target: the piece has no target term to take c_i TGT_i from")
+    dt = tgt_w.dtype
+    coef = ctx.coef.tgt.to(dt) if isinstance(ctx.coef.tgt, Tensor) else float(ctx.coef.tgt)
+    c = c.to(dt)
+    rows = torch.where(c != 0, (coef - c) * torch.where(c != 0, tgt_logits, 0.0), tgt_w)
+    if set_w is not None:
+        rows = rows + set_w
+    return rows.sum() if reduce else rows
 
 
 def _target_h(g: Tensor, coef, spec: CoreSpec, data: CoreData, n: int, dt: torch.dtype) -> Tensor:

@@ -109,7 +109,7 @@ from torch import Tensor
 from ...kernels import panel as KP
 from ..spec import Coeffs, combine
 from ..triton_shared import launch as TL
-from ..triton_shared import panels
+from ..triton_shared import logit_pass, panels
 from ..triton_shared.configs import (
     EPI_GEMM,
     EPI_GROUP_M,
@@ -167,7 +167,7 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
                  MODE=3, NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
                  HAS_BIAS=prep.bias_col is not None, BIAS_COS=spec.margin != 0.0, POS_KIND=0, HAS_G=False,
                  HAS_GCOL=False, HAS_GPOS=False, SYM=False, NEED_DS=False, FOLD_RB=False, PRESCALE=1.0, TRI=bool(tri),
-                 WANT_COL=bool(want_col or tri), SPLIT_T=False)
+                 WANT_COL=bool(want_col or tri), SPLIT_T=False, LEAN=False)
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
@@ -217,7 +217,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
           lse: Tensor | None, lse_col: Tensor | None, lse_pos: Tensor | None,
           g: Tensor | None, g_col: Tensor | None, g_pos: Tensor | None,
           need_a: bool, need_b: bool, need_s: bool, eager: bool, wide: bool = False,
-          target: Tensor | None = None, g_set: Tensor | None = None):
+          target: Tensor | None = None, minus_target: dict | None = None, g_set: Tensor | None = None):
     """One panel sweep: ``(dA, dB, ds, LSE, LSEpos, tw)`` (dA / dB in the operand dtype, fp32 with ``wide``;
     ds 0-dim fp32; LSE / LSEpos only with ``eager``, else None; None where not asked).
 
@@ -229,6 +229,11 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     ``g_set`` [N] fp32 (``g_pos`` None, ``prep`` with the positives, not the one pass: :func:`takes_one_pass`): the SET
     term's upstream coefficients (with ``eager`` its coefficients), whose gradient ``-g_set_i w_ij`` the tiles
     form in fp32 before their 16-bit cast (``SPLIT_SET``): dA, dB and ds then hold it.
+    ``minus_target`` (a dict, with ``target``): where the sweep is the epilogue GEMM's one pass it receives
+    ``"loss"`` [N] fp32, each row's ``LSE_i - l_it`` formed without the cancellation (``log1p(zx_i / e_it)`` from
+    the tile's exponentials, ``kernels/panel.py`` ``epi_rows_kernel``; ``LSE_i`` on a row where that form is not
+    taken) and ``"fold"`` [N] fp32, 1 where the row's entry is the difference and 0 where it is ``LSE_i``;
+    other sweeps leave it empty.
 
     ``prep`` is the fused path's ``_Prepared`` (labels, mask, bias columns, dummy); ``launch`` is
     ``triton_shared/launch.py`` ``_launch`` (so the AOT recorder sees these launches). With ``eager``, ``g`` /
@@ -240,12 +245,18 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     dev, dt = a.device, a.dtype
     need_b = need_b and not sym
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
+    # one read of each panel (the fixed-bound exponentials, see kernels/panel.py) where the bound is
+    # known (unit rows) and a single softmax forms the gradient (no positives' softmax); fp16 keeps the
+    # two passes (its range cannot hold exp(l - |s|))
     one_pass = takes_one_pass(eager, g_pos is not None, spec, dt)
     if one_pass and g_set is not None:
         raise ValueError("core: the one-pass sweep does not take the SET term's gradient into its tiles")
+    # the one pass's tiles: the epilogue GEMM's MODE 1, or (PANEL_GEMM=fp16pass) cuBLAS fp16 cosines and one
+    # in-place pass over them (core/triton_shared/logit_pass.py), the rest of the one pass shared
+    f16 = one_pass and logit_pass.use_fp16_pass(dt)
     # the epilogue GEMM needs the statistics first: known ones (the recomputing backward) or one pass
-    epi = panels.use_epilogue(dev, dt, "one_pass" if one_pass else "known", n * m) and (one_pass or not eager)
-    p_rows = panels.panel_rows(n, m, d, dt, need_b, epi)
+    epi = f16 or (panels.use_epilogue(dev, dt, "one_pass" if one_pass else "known", n * m) and (one_pass or not eager))
+    p_rows = panels.panel_rows(n, m, d, dt, need_b, epi, logit_pass.panel_bytes(m, d) if f16 else (0, 0))
     block_r, block_c = panels.panel_blocks(min(n, p_rows), panels._programs(dev))
     pr = panels._Problem(a, b, spec)
     gs = _gscale(g, g_col, g_pos, triton_fused.set_bound(g_set, prep))
@@ -254,6 +265,9 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     lsep_out = torch.empty(n, dtype=torch.float32, device=dev) if eager and g_pos is not None else None
     split = target is not None
     tw = torch.empty(n, dtype=torch.float32, device=dev) if split else None
+    rows_minus = split and epi and one_pass  # (the row kernel writes them; reported when asked)
+    loss_rows = torch.empty(n, dtype=torch.float32, device=dev) if rows_minus else None
+    fold_rows = torch.empty(n, dtype=torch.float32, device=dev) if rows_minus else None
     da = _alloc((n, d), torch.float32 if wide else dt, dev) if need_a else None
     acc = torch.zeros((gcols, d), dtype=torch.float32, device=dev) if need_b and gcols > 0 else None
     ds_parts = []
@@ -264,10 +278,6 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
                   G_POS=g_pos if g_pos is not None else (g_set if g_set is not None else dm),
                   LSE_OUT=lse_out if lse_out is not None else dm,
                   LSE_POS_OUT=lsep_out if lsep_out is not None else dm, TGT=target.contiguous() if split else dm)
-    # one read of each panel (the fixed-bound exponentials, see kernels/panel.py) where the bound is
-    # known (unit rows) and a single softmax forms the gradient (no positives' softmax); fp16 keeps the
-    # two passes (its range cannot hold exp(l - |s|))
-    one_pass = bool(eager and g_pos is None and spec.normalize and dt != torch.float16)
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
                  HAS_BIAS=prep.bias_col is not None, BIAS_COS=spec.margin != 0.0, POS_KIND=prep.pos_kind,
                  HAS_G=g is not None,
@@ -277,6 +287,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     bt = b.T
     margs = _mask_args(prep, spec)
     shift = _one_pass_shift(scale_t, spec, prep.bias_col is not None, margs["bias"]) if epi and one_pass else None
+    producer = logit_pass.Fp16Pass(a, b, spec, target if split else None) if f16 else None
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
@@ -285,7 +296,9 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
         tv = _alloc((pp,), torch.float32, dev) if split else dm
         if epi:
             w, ds_part = panels._epi_panel(launch, x, b, dl, rs, dict(common, TV=tv), flags, margs, r0, one_pass, g, gs,
-                                    shift, lse_out, dm, tw[r0:r1] if split else None)
+                                           shift, lse_out, dm, tw[r0:r1] if split else None,
+                                           loss_rows[r0:r1] if rows_minus else None,
+                                           fold_rows[r0:r1] if rows_minus else None, producer)
         else:
             lraw = panels._mm32(x, bt)
             w = _alloc((pp,), torch.float32, dev)
@@ -310,6 +323,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     ds = None
     if need_s:
         ds = (torch.cat(ds_parts).sum() * gs.reshape(())) if ds_parts else torch.zeros((), device=dev)
+    if rows_minus and minus_target is not None:
+        minus_target.update(loss=loss_rows, fold=fold_rows)
     return da, db, ds, lse_out, lsep_out, tw
 
 
@@ -473,9 +488,10 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     if eager:
         g = _vec(coef.lse, n, dev)
         g_pos = _vec(coef.pos, n, dev) if want_pos else None
+        minus: dict = {}
         da, db, ds, lse, lse_pos, tw = sweep(TL._launch, p, p.a, bb, False, scale_t, spec, None, None, None,
                                              g, None, g_pos, need_a, need_b or (same and need_a), need_s, True,
-                                             getattr(ctx, "wide", False), ctx.split,
+                                             getattr(ctx, "wide", False), ctx.split, minus,
                                              None if ctx.set_c is None else _vec(ctx.set_c, n, dev))
         if same and da is not None:
             da = da + db  # B is A with a bias: both roles of A
@@ -498,6 +514,13 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         lse, lse_col, lse_pos, _ = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                           None if same else p.b)
+    if eager and minus:
+        # the one pass formed each row's LSE_i - l_it without its cancellation (the saturated regime's loss of
+        # ~1e-4 against logits of ~|s|): this piece's value takes the target logit out at the coefficient
+        # ctx.minus_target [N] (c.lse where the row's entry is the difference, else 0), which core.forward_parts
+        # takes out of the target term's value in turn (the gradients are unchanged)
+        ctx.minus_target = g * minus["fold"]
+        return combine(coef.to(torch.float32), reduce, minus["loss"], lse_col, lse_pos)
     return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
 
 

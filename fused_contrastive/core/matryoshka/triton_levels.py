@@ -140,7 +140,10 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
          need_s: bool, tgt: tuple[Tensor, Tensor] | None = None):
     """``(dA, dB, ds)`` of the level statistics' upstream gradients ``g*`` ([K, N] / [K, M] fp32 or None)
     and, with ``tgt = (target columns [N], signed weights [K, N] fp32)``, of the target logits' terms,
-    which the kernels add inside each gradient tile."""
+    which the kernels add inside each gradient tile. With a target the kernels split it out (SPLIT_T): each
+    row's target entry of every level's gradient tile stays out of the 16-bit tiles and is applied in fp32
+    (the rows kernel in its epilogue; the columns kernel from its scratch, which :func:`_target_cols` fills
+    from the rows kernel's entries ``TG``), where in a peaked softmax ``p_it - 1`` nearly cancels."""
     p = L.p
     a, b = p.a, p.b
     dev = a.device
@@ -152,9 +155,14 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     dm = p.dummy
     common = dict(_grad_args(L, TL._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt),
                   D=d, eps=float(spec.eps))
-    flags = _grad_flags(L, spec, g, g_col, g_pos, tgt)
+    # FOLD_NORM (bf16): the gradient GEMM reads the exact scaled rows, the inverse norms in the tile
+    flags = dict(_grad_flags(L, spec, g, g_col, g_pos, tgt), SPLIT_T=tgt is not None,
+                 FOLD_NORM=a.dtype == torch.bfloat16)
+    gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
+    split_cols = tgt is not None and need_b and gcols > 0  # the columns kernel needs the rows kernel's TG
+    tg = TL._alloc((L.k, n), torch.float32, dev) if tgt is not None else dm
     da = db = ds = None
-    if need_a or need_s:
+    if need_a or need_s or split_cols:
         cfg, block_d = matryoshka_config("bwd_rows", TL._arch(dev), a.dtype, d)
         n_rb = triton.cdiv(n, cfg.block_m)
         da = TL._alloc((n, d), a.dtype, dev) if need_a else dm
@@ -162,7 +170,7 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
         ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
         TL._launch(TL.Launch(
             "mat_bwd_rows", KM.mat_bwd_kernel, (n_rb,),
-            dict(X=a, NX=L.ra[2], **common, DX=da, ACC=acc, DS_PART=ds_part, n_out=n, stride_x=a.stride(0),
+            dict(X=a, NX=L.ra[2], **common, DX=da, ACC=acc, DS_PART=ds_part, TG=tg, n_out=n, stride_x=a.stride(0),
                  stride_dx=da.stride(0) if need_a else 0),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, COLS=False,
                  NEED_DX=bool(need_a), NEED_DS=bool(need_s)),
@@ -170,21 +178,41 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
         ds = ds_part.sum() * gs.reshape(()) if need_s else None
         da = da if need_a else None
     if need_b:
-        gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
         db = TL._alloc((m, d), b.dtype, dev)
         if gcols < m:
             db[gcols:].zero_()  # queue columns get no gradient
         if gcols > 0:
             cfg, block_d = matryoshka_config("bwd_cols", TL._arch(dev), b.dtype, d)
-            acc = torch.empty((gcols, d), dtype=torch.float32, device=dev)
+            acc = _target_cols(L, tgt[0], tg, gcols) if split_cols else \
+                torch.empty((gcols, d), dtype=torch.float32, device=dev)
             TL._launch(TL.Launch(
                 "mat_bwd_cols", KM.mat_bwd_kernel, (triton.cdiv(gcols, cfg.block_n),),
-                dict(X=b, NX=L.rb[2], **common, DX=db, ACC=acc, DS_PART=dm, n_out=gcols, stride_x=b.stride(0),
-                     stride_dx=db.stride(0)),
+                dict(X=b, NX=L.rb[2], **common, DX=db, ACC=acc, DS_PART=dm, TG=dm, n_out=gcols,
+                     stride_x=b.stride(0), stride_dx=db.stride(0)),
                 dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, COLS=True, NEED_DX=True,
                      NEED_DS=False),
                 cfg.num_warps, cfg.num_stages, MAXNREG))
     return da, db, ds
+
+
+def _target_cols(L: _Levels, t: Tensor, tg: Tensor, gcols: int) -> Tensor:
+    """The columns kernel's starting scratch under SPLIT_T ([gcols, D] fp32): the target entries the 16-bit
+    tiles leave out, ``PRESCALE sum_{i: t_i = j} sum_{k: c < d_k} TG[k, i] X_hat[i, c]`` in fp32 (``TG`` [K, N]
+    the rows kernel's entries, ``X_hat`` the rows' top-level unit rows; 0 past d_K). ``index_put_`` with
+    ``accumulate`` sums rows that share a target in a fixed order (sorted, no atomics)."""
+    p = L.p
+    n, d = p.a.shape
+    xhat = p.sa.to(torch.float32) * L.ra[0][L.k - 1][:, None]
+    tail = tg.flip(0).cumsum(0).flip(0)  # tail[r] = sum_{k >= r} TG[k]: the weight of segment r's coordinates
+    bounds = [0, *L.dims]
+    coef = torch.zeros((n, d), dtype=torch.float32, device=xhat.device)
+    for r in range(L.k):
+        coef[:, bounds[r]:bounds[r + 1]] = tail[r][:, None]
+    acc = torch.zeros((gcols, d), dtype=torch.float32, device=xhat.device)
+    keep = (t >= 0) & (t < gcols)  # rows whose target is not a gradient column add 0 (no data-dependent shape)
+    acc.index_put_((torch.where(keep, t, 0).long(),),
+                   coef * xhat * torch.where(keep, prescale(p.a.dtype), 0.0)[:, None], accumulate=True)
+    return acc
 
 
 #: Routes of the Matryoshka levels on the triton backend (env ``FUSED_CONTRASTIVE_MATRYOSHKA_ROUTE``, read per

@@ -1,5 +1,12 @@
 """SigLIP's panel sweep: the epilogue GEMM's SigLIP modes (``kernels/panel.py`` ``epi_gemm_kernel`` MODE 4 / 5;
-the math in ``kernels/siglip.py``) per row panel, with the shared panel machinery of ``triton_shared/panels.py``."""
+the math in ``kernels/siglip.py``) per row panel, with the shared panel machinery of ``triton_shared/panels.py``.
+
+The switchboard's ``SIGLIP_EPILOGUE`` picks the per-logit math of every SigLIP sweep (:func:`epilogue`): "exact"
+(the default: ``kernels/common.py`` ``_softplus`` / ``_dz``, a libdevice log and IEEE divisions), "lean" (the
+kernel's LEAN constexpr: ``_softplus_lean`` / ``_dz_lean``, one exp, a degree-7 log1p polynomial and one
+approximate reciprocal per logit) or "lean128" (lean, and the one pass, MODE 5, at :data:`LEAN128_BLOCK_M`
+rows per tile). No GPU has timed the lean forms: they are options (bench-gpu's ``siglip=lean``,
+``siglip=lean128``, ``siglip=lean128+tiles``)."""
 
 from __future__ import annotations
 
@@ -7,9 +14,23 @@ import torch
 import triton
 from torch import Tensor
 
+from ...routes import setting
 from ..triton_shared import panels
 from ..triton_shared.configs import EPI_GEMM, EPI_GROUP_M
 from ..triton_shared.launch import _alloc, _gscale, _upcast
+
+#: The one pass's (MODE 5) row tile under ``SIGLIP_EPILOGUE=lean128``, with ``EPI_GEMM["siglip_eager"]``'s column
+#: tile, D chunk, warps and stages (the exact epilogue spilled 168-516 bytes at 128 x 128; the lean one 20 bytes in
+#: the tiles loop and 116-176 in the TMA loop on sm_90: docs/panel-path.md; not timed). Panels are multiples of 64
+#: rows, so a panel's last row tile may be half empty (N = 16384: 2 of 136 row tiles).
+LEAN128_BLOCK_M = 128
+
+
+def epilogue() -> tuple[bool, bool]:
+    """(LEAN: the lean per-logit math in every SigLIP sweep, whether the one pass takes
+    :data:`LEAN128_BLOCK_M`-row tiles) from the switchboard's ``SIGLIP_EPILOGUE``."""
+    form = setting("SIGLIP_EPILOGUE")
+    return form != "exact", form == "lean128"
 
 
 def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, normalize: bool, eps: float,
@@ -39,6 +60,9 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     config = "siglip_eager" if one_pass else "siglip_bwd" if need else "siglip_fwd"
     cfg = EPI_GEMM[config]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
+    lean, tall = epilogue()
+    if one_pass and tall:
+        bm = LEAN128_BLOCK_M
     dm = torch.empty(1, dtype=torch.float32, device=dev)
     gs = _gscale(g) if need else None
     loss = _alloc((n,), torch.float32, dev) if with_loss else None
@@ -50,7 +74,8 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
                  MODE=5 if one_pass else 4, NORMALIZE=bool(normalize), EXCLUDE_SELF=False, HAS_BIAS=False,
                  BIAS_COS=False, POS_KIND=0,
                  HAS_G=need, HAS_GCOL=False, HAS_GPOS=False, SYM=False, NEED_DS=bool(need and need_s),
-                 FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=False, WANT_COL=False, SPLIT_T=False)
+                 FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=False, WANT_COL=False, SPLIT_T=False,
+                 LEAN=lean)
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0

@@ -134,6 +134,12 @@ ROW_NORM_WARPS = 4
 TARGET_BLOCK_R = 16
 TARGET_MAX_BLOCK_D = 128
 TARGET_WARPS = 4
+#: The one pass's in-place pass over cuBLAS's fp16 cosines (kernels/logit_pass.py, ``PANEL_GEMM=fp16pass``;
+#: memory-bound: 2 bytes read and 2 written per logit): BLOCK_R rows x the one-pass epilogue GEMM's BLOCK_N
+#: columns per program (the partials' width must be MODE 1's), 16 x 128 = 8 fp32 values per thread at 4 warps.
+#: A first choice, untimed.
+LOGIT_PASS_BLOCK_R = 16
+LOGIT_PASS_WARPS = 4
 
 
 def d_pad(d: int) -> int:

@@ -75,7 +75,9 @@ def use_epilogue(dev: torch.device, dt: torch.dtype, form: str = "one_pass", ele
     (``kernels/panel.py`` ``epi_gemm_kernel``: products in registers, the per-logit work as its epilogue,
     only the 16-bit tile written) or the cuBLAS form (an fp32 panel of products, then ``panel_dl_kernel``;
     the fused forward kernel for the statistics). Env ``FUSED_CONTRASTIVE_PANEL_GEMM`` = "epilogue",
-    "cublas" or "auto" (default). "auto" on :data:`EPILOGUE_DEVICES`: the epilogue GEMM when the problem's
+    "cublas", "fp16pass" or "auto" (default; "fp16pass" is "auto" here: it changes only the one pass's tiles of
+    bf16 operands, which ``core/triton_shared/logit_pass.py`` produces, ``use_fp16_pass``). "auto" on
+    :data:`EPILOGUE_DEVICES`: the epilogue GEMM when the problem's
     ``elements`` (N x M) reach :data:`EPILOGUE_MIN_ELEMENTS` of its ``form`` ("one_pass": the eager sweep;
     "known": the statistics forward and the backward from known statistics, A != B; "tri": the
     triangular sweep) and the arch, else the cuBLAS form. fp32 operands always take cuBLAS (fp32 GEMMs, or
@@ -83,6 +85,8 @@ def use_epilogue(dev: torch.device, dt: torch.dtype, form: str = "one_pass", ele
     mode = setting("PANEL_GEMM")
     if dt == torch.float32:
         return False
+    if mode == "fp16pass":  # the one pass's own form (core/triton_shared/logit_pass.py); the default elsewhere
+        mode = "auto"
     if mode != "auto":
         return mode == "epilogue"
     if dev.type not in EPILOGUE_DEVICES:
@@ -170,6 +174,7 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
     cfg = EPI_GEMM[config]
     # (the SET term's split: MODE 0's, whose callers name it; pm_shift its mask's index shift)
     const, args = {"SPLIT_SET": False, **const}, {"pm_shift": 0, **args}
+    const = dict(const, HOIST=bool(const.get("HOIST", False)))  # (set by _epi_panel for MODE 0 / 1 / 2)
     dev = args["X"].device
     arch = TL._arch(dev)
     form = epi_form(config, arch)
@@ -192,17 +197,19 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
                   dict(const, PERSIST=True, TMA=tma), cfg.num_warps, stages))
 
 
-def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool, epilogue: bool = False) -> int:
+def panel_rows(n: int, m: int, d: int, dtype: torch.dtype, need_db: bool, epilogue: bool = False,
+               extra: tuple[int, int] = (0, 0)) -> int:
     """P of the module docstring's formula (or the switchboard's hook ``PANEL_ROWS``); ``epilogue``: the epilogue GEMM's
     panel, which holds no fp32 products (``e M`` bytes per row for the tile plus three fp32 partials
-    per 64 columns, instead of ``(4 + e) M``)."""
+    per 64 columns, instead of ``(4 + e) M``); ``extra``: (fixed, per row) bytes a tile producer adds (the
+    fp16 pass's unit rows, ``logit_pass.panel_bytes``)."""
     if setting("PANEL_ROWS") is not None:
         return max(1, min(n, setting("PANEL_ROWS")))
     budget = setting("PANEL_BUDGET") or BUDGET_BYTES
     e = torch.empty((), dtype=dtype).element_size()
-    fixed = (4 * m * d if need_db else 0) + (e * m * d if dtype == torch.float16 else 0)
+    fixed = (4 * m * d if need_db else 0) + (e * m * d if dtype == torch.float16 else 0) + extra[0]
     per_col = e * m + 12 * triton.cdiv(m, 64) if epilogue else (4 + e) * m
-    per_row = per_col + (4 + 2 * e) * d + 16
+    per_row = per_col + (4 + 2 * e) * d + 16 + extra[1]
     p = (budget - fixed) // per_row
     p = p - p % 64 if p >= 64 else p
     return max(1, min(n, max(P_MIN, p)))
@@ -457,7 +464,8 @@ _EPI_POINTERS = ("RB", "SCALE", "GSCALE", "BIAS_COL", "ROW_LAB", "COL_LAB", "POS
 
 def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dict, flags: dict, margs: dict, r0: int,
                one_pass: bool, g: Tensor | None, gs: Tensor, shift: Tensor | None, lse_out: Tensor | None, dm: Tensor,
-               tw: Tensor | None = None):
+               tw: Tensor | None = None, loss_out: Tensor | None = None, fold_out: Tensor | None = None,
+               producer=None):
     """One panel's gradient tile by the epilogue GEMM (``kernels/panel.py`` ``epi_gemm_kernel``):
     ``(W, ds)`` with ``W`` [P] the row weights (the tile is ``diag(W) DL``) and ``ds`` the panel's
     temperature-gradient parts (a 1-d fp32 tensor, None without NEED_DS).
@@ -468,8 +476,15 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     (O(P M / BLOCK_N)) and flags the rows with ``z_i < 2^-64``, a MODE 2 launch redoes those exactly (its
     row tiles without such a row return at once: no host synchronisation), then ``epi_rows_kernel`` again
     writes ``LSE_i = shift_i + log z_i`` to ``lse_out``, ``W_i = g_i / (gscale z_i)`` (0 where ``z_i = 0``:
-    a row without any column) and, with SPLIT_T, the target weights to ``tw`` [P] (the panel's slice) and
-    zeroes the target entries of ``dl``; ``shift`` is the fixed shift ``m`` as a 0-dim tensor."""
+    a row without any column) and, with SPLIT_T (the target column left out of ``dl``, whose entries there are 0),
+    the target weights to ``tw`` [P] (the panel's slice), each row's loss less its target logit (``log1p(zx_i /
+    e_it)``, or ``LSE_i`` where not formed that way) to ``loss_out`` [P] and 1 (or 0) to ``fold_out`` [P]
+    (``kernels/panel.py`` ``epi_rows_kernel``); ``shift`` is the fixed shift ``m`` as a 0-dim tensor. The
+    switchboard's ``EPI_HOIST`` sets the epilogue GEMM's HOIST (its per-row loads before the products' loop;
+    the same results). ``producer`` (one pass only): what writes the tile and its partials in place of the
+    MODE 1 launch (``logit_pass.Fp16Pass``: cuBLAS fp16 cosines and one pass over them), called as
+    ``producer(launch, x, rs, dl, ZP, TP, MXP, common, flags, margs, r0, BLOCK_N)``; it writes what MODE 1
+    writes."""
     pp, d = x.shape
     m = y.shape[0]
     dev = x.device
@@ -481,7 +496,8 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
                 pm_shift=common.get("pm_shift", 0), P=pp, M=m, D=d, r0=r0,
                 stride_x=x.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0), **margs)
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=EPI_GROUP_M, EVEN_K=d % bk == 0, UPCAST=_upcast(x.dtype),
-                 **{k: v for k, v in flags.items() if k not in _PANEL_ONLY_FLAGS}, WANT_COL=False)
+                 **{k: v for k, v in flags.items() if k not in _PANEL_ONLY_FLAGS}, WANT_COL=False, LEAN=False,
+                 HOIST=bool(setting("EPI_HOIST")))
     args.update(CZ=dm, CM=dm, LBIAS=dm)
     if not one_pass:
         ds_part = _alloc((n_pm * n_pn,), torch.float32, dev) if need_s else dm
@@ -493,15 +509,20 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     tp = _alloc((pp, n_pn), torch.float32, dev) if need_s else dm
     mxp = _alloc((pp, n_pn), torch.float32, dev)
     part = dict(args, ZP=zp, TP=tp, MXP=mxp, DS_PART=dm, stride_zp=n_pn)
-    _epi_launch(launch, "epi_gemm", dict(part, BAD=dm, SHIFT=dm), dict(const, MODE=1), "one_pass", n_pm * n_pn)
+    if producer is None:
+        _epi_launch(launch, "epi_gemm", dict(part, BAD=dm, SHIFT=dm), dict(const, MODE=1), "one_pass", n_pm * n_pn)
+    else:
+        producer(launch, x, rs, dl, zp, tp, mxp, common, flags, margs, r0, bn)
     bad = torch.empty((pp,), dtype=torch.int8, device=dev)  # (the poisoned outputs of _alloc are NaN: float only)
     sh = _alloc((pp,), torch.float32, dev)
     w = _alloc((pp,), torch.float32, dev)
     dsw = _alloc((pp,), torch.float32, dev) if need_s else dm
-    split = bool(flags["SPLIT_T"])  # MODE 1 / 2 reported e at each row's target column but left it in the tile
+    split = bool(flags["SPLIT_T"])  # MODE 1 / 2 left each row's target column out of the tile and ZP, e_t in TV
+    if split and (loss_out is None or fold_out is None or tw is None):
+        raise ValueError("_epi_panel: a one pass with SPLIT_T needs tw, loss_out and fold_out")
     rows_args = dict(ZP=zp, MXP=mxp, TP=tp, SHIFT0=shift, BAD=bad, SH=sh, LSE_OUT=lse_out, G=g, GSCALE=gs, W_OUT=w,
-                     DSW=dsw, TV=common["TV"], TW=tw if split else dm, DL=dl, TGT=common["TGT"], P=pp, n_pn=n_pn, r0=r0,
-                     stride_zp=n_pn, stride_dl=dl.stride(0))
+                     DSW=dsw, TV=common["TV"], TW=tw if split else dm, LOSS=loss_out if split else dm,
+                     FOLD=fold_out if split else dm, P=pp, n_pn=n_pn, r0=r0, stride_zp=n_pn)
     rows_const = dict(BLOCK_R=EPI_ROWS_BLOCK_R, BLOCK_C=EPI_ROWS_BLOCK_C, NEED_DS=need_s, SPLIT_T=split)
     rows_grid = (triton.cdiv(pp, EPI_ROWS_BLOCK_R),)
     launch(Launch("epi_rows", KP.epi_rows_kernel, rows_grid, rows_args, dict(rows_const, FINISH=False), 4, 1))
