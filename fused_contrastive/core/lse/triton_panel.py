@@ -491,8 +491,8 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         minus: dict = {}
         da, db, ds, lse, lse_pos, tw = sweep(TL._launch, p, p.a, bb, False, scale_t, spec, None, None, None,
                                              g, None, g_pos, need_a, need_b or (same and need_a), need_s, True,
-                                             getattr(ctx, "wide", False), ctx.split, minus,
-                                             None if ctx.set_c is None else _vec(ctx.set_c, n, dev))
+                                             getattr(ctx, "wide", False), ctx.split, minus_target=minus,
+                                             g_set=None if ctx.set_c is None else _vec(ctx.set_c, n, dev))
         if same and da is not None:
             da = da + db  # B is A with a bias: both roles of A
             db = None
@@ -560,7 +560,7 @@ def backward(ctx, go: Tensor):
         if g is None:
             g = torch.zeros(n, dtype=torch.float32, device=a.device)
         da, ds, tw = tri_backward(TL._launch, p, a, spec, TL._scale32(scale, a.device), lse, g, need_a, need_s,
-                                  getattr(ctx, "wide", False), ctx.split, g_set)
+                                  getattr(ctx, "wide", False), ctx.split, g_set=g_set)
         if tw is not None:
             ctx.moved_target = tw  # what core.PiecesFn applies with the target term
         return out(da, None, ds)
@@ -572,7 +572,7 @@ def backward(ctx, go: Tensor):
     da, db, ds, _, _, tw = sweep(TL._launch, p, a, bb, sym, TL._scale32(scale, a.device), spec, lse, lse_col,
                                  lse_pos, g, g_col, g_pos, need_a,
                                  (need_b and not same) or (same and not sym and need_a), need_s, False,
-                                 getattr(ctx, "wide", False), ctx.split, g_set)
+                                 getattr(ctx, "wide", False), ctx.split, g_set=g_set)
     if tw is not None:
         ctx.moved_target = tw  # what core.PiecesFn applies with the target term
     if same and not sym and da is not None:
