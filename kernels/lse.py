@@ -166,6 +166,7 @@ def lse_fwd_kernel(
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr, WANT_COL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     TRI: tl.constexpr,
+    TGT, LT, SPLIT_T: tl.constexpr,
 ):
     """Row LSE (+ LSEpos, + this program's partial column LSE) for row blocks pid, pid + P, ...
 
@@ -178,6 +179,14 @@ def lse_fwd_kernel(
     is the full row LSE: half the tiles. n_row_blocks is then a multiple of P, and round t gives
     program pid the row block t P + pid (t even) or t P + P - 1 - pid (t odd), which balances the
     triangle's unequal rows; blocks past the last row have no columns.
+
+    SPLIT_T (no positives; with TRI, or without a column term): each row's target entry ``(i, TGT[i])`` is left
+    out of its row statistics, so LSE (and with TRI the column statistics of the rows of the columns, where the
+    entry is ``(TGT[j], j)``) hold ``LSEx_i``, the log-sum-exp over every column but the target, and the target's
+    own logit from the same tile goes to ``LT[i]`` (pre-filled with -inf by the launcher: an entry a mask took
+    out, or not reached, stays -inf; each entry is written by the one tile that holds it). The host forms
+    ``LSE_i = logaddexp(LSEx_i, LT_i)`` and the loss ``LSE_i - l_it = softplus(LSEx_i - LT_i)`` without the
+    cancellation of two values of ``~|s|`` (the saturated regime: a row loss of ``~1e-4``).
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -203,6 +212,10 @@ def lse_fwd_kernel(
         z_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         mp_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
         zp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        lt_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+        tgt_r = rows
+        if SPLIT_T:
+            tgt_r = tl.load(TGT + rows, mask=rmask, other=-1)
         for j0 in range(j_start, M, BLOCK_N):
             # 2. column block: scaled raw tiles -> cosines (D streamed in chunks, fp32 accumulation)
             cols = j0 + tl.arange(0, BLOCK_N)
@@ -214,8 +227,13 @@ def lse_fwd_kernel(
             l = _logits(cos, s, rows, cols, N, M, offset, bias_c, bias, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
             if TRI:  # rows take j >= i (the diagonal as _logits left it), columns strictly i < j (below)
                 l = tl.where(cols[None, :] >= rows[:, None], l, NEG_INF)
-            # 4. online row max / sum
-            m_i, z_i = _online_rows(m_i, z_i, l)
+            # 4. online row max / sum (SPLIT_T: the target's logit kept apart, out of the row's sum)
+            l_row = l
+            if SPLIT_T:
+                hit = cols[None, :] == tgt_r[:, None]
+                lt_i = tl.maximum(lt_i, tl.max(tl.where(hit, l, NEG_INF), axis=1))
+                l_row = tl.where(hit, NEG_INF, l)
+            m_i, z_i = _online_rows(m_i, z_i, l_row)
             # 5. the same over positives only (SupCon L_in)
             if POS_KIND != 0:
                 lab_c = cols
@@ -229,6 +247,12 @@ def lse_fwd_kernel(
                 l_col = l
                 if TRI and not EXCLUDE_SELF:  # the kept diagonal counts once, in its row (one tile live)
                     l_col = tl.where(cols[None, :] > rows[:, None], l, NEG_INF)
+                if TRI and SPLIT_T:  # column j's row: its target entry (TGT[j], j) kept apart likewise
+                    tgt_c = tl.load(TGT + cols, mask=cmask, other=-1)
+                    hit_c = rows[:, None] == tgt_c[None, :]
+                    lt_c = tl.max(tl.where(hit_c, l_col, NEG_INF), axis=0)
+                    tl.store(LT + cols, lt_c, mask=cmask & (lt_c > NEG_INF))
+                    l_col = tl.where(hit_c, NEG_INF, l_col)
                 cmax = tl.max(l_col, axis=0)
                 cms = tl.where(cmax == NEG_INF, 0.0, cmax)
                 tile_lse = cms + _log0(tl.sum(tl.exp(l_col - cms[None, :]), axis=0))
@@ -243,6 +267,8 @@ def lse_fwd_kernel(
                 tl.debug_barrier()  # this row of COL_PART is re-read by other threads next time
         # 7. LSE = m + log z (-inf for a row whose columns are all excluded)
         tl.store(LSE + rows, m_i + _log0(z_i), mask=rmask)
+        if SPLIT_T:
+            tl.store(LT + rows, lt_i, mask=rmask & (lt_i > NEG_INF))
         if POS_KIND != 0:
             tl.store(LSE_POS + rows, mp_i + _log0(zp_i), mask=rmask)
 
