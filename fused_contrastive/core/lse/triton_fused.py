@@ -51,7 +51,8 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     with its column LSEs).
 
     ``target`` [N] (int64; no column term, no positives) with a dict ``minus_target``: the kernel keeps each
-    row's target logit out of its statistics (SPLIT_T), ``lse`` is ``logaddexp(LSEx_i, l_it)`` of the two, and
+    row's target logit out of its sums (SPLIT_T; ``l_it`` from the row's fp32 dot with its target row),
+    ``lse`` is ``logaddexp(LSEx_i, l_it)`` of the two, and
     the dict receives ``"loss"`` [N] fp32, each row's ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)`` (no
     cancellation; ``LSE_i`` on a row whose target entry is masked out, e.g. its own excluded column), and
     ``"fold"`` [N] fp32, 1 where the row's entry is the difference and 0 where it is ``LSE_i`` (what
