@@ -353,7 +353,7 @@ def lse_bwd_rows_kernel(
     tv_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     tgt_r = rows
     if SPLIT_T:
-        tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32).to(tl.int32)
+        tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32)
     for j0 in range(0, M, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
         cmask = cols < M
@@ -408,7 +408,7 @@ def lse_bwd_rows_kernel(
                 if HAS_GPOS:
                     dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
                 if SPLIT_T:  # column j's own target weight (at this row, its target) is reported by row j
-                    tgt_c = tl.load(TGT + cols, mask=cmask, other=-1).to(tl.int32).to(tl.int32)
+                    tgt_c = tl.load(TGT + cols, mask=cmask, other=-1).to(tl.int32)
                     dlt = tl.where(tgt_c[None, :] == rows[:, None], 0.0, dlt)
                 h = dl + dlt
             else:
@@ -494,7 +494,7 @@ def lse_bwd_cols_kernel(
         # 3. dl, then dB_J += dl^T @ A_hat_I
         dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
         if SPLIT_T:
-            tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32).to(tl.int32)
+            tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32)
             dl = tl.where(cols[None, :] == tgt_r[:, None], 0.0, dl)
         acc = _accumulate(acc, ACC, tl.trans(dl), SA, stride_sa, cols, rsa, rows, grad_cols, N, D, i0,
                           BLOCK_D, RESIDENT, UPCAST, DOT_PREC, PRESCALE)
