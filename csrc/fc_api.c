@@ -583,6 +583,8 @@ fc_status fc_forward(const fc_problem *p, void *ws, size_t ws_bytes, float *lse,
   set_p(&F->args, FC_ARG_LSE_POS, at(ws, P.o_dummy));
   set_p(&F->args, FC_ARG_COL_PART, at(ws, P.want_col ? P.o_col : P.o_dummy));
   set_i(&F->args, FC_ARG_n_row_blocks, P.fwd_rb);
+  set_p(&F->args, FC_ARG_TGT, at(ws, P.o_dummy));  /* SPLIT_T is off in every compiled variant */
+  set_p(&F->args, FC_ARG_LT, at(ws, P.o_dummy));
   return run_all(&dev, p, L, k, stream);
 }
 

@@ -509,7 +509,7 @@ Tensor tri_lse(const Panel &C) {
       .i("n_row_blocks", cdiv(n_rb, progs) * progs)
       .c("BLOCK_M", bm).c("BLOCK_N", bn).c("BLOCK_D", bd).c("NORMALIZE", 1).c("EXCLUDE_SELF", 1).c("HAS_BIAS", 0).c("BIAS_COS", 0)
       .c("POS_KIND", 0).s("UPCAST", "0").s("DOT_PREC", C.dt == FC_FLOAT32 ? "tf32x3" : "tf32").c("WANT_COL", 0)
-      .c("TRI", 1)
+      .c("TRI", 1).p("TGT", C.dummy).p("LT", C.dummy).c("SPLIT_T", 0)
       .run(C.stream);
   return at::logaddexp(lse, at::logsumexp(col_part, {0}));
 }

@@ -46,11 +46,17 @@ class TritonCoreFn(torch.autograd.Function):
         if panels.use_panel(ak, n, m):
             return triton_panel.forward(ctx, ak, bk, dtypes, scale, spec, data, coef, reduce)
         ctx.path = "fused"
-        lse, lse_col, lse_pos, p = triton_fused._lse_fwd(ak, bk, scale, spec, data, coef.col is not None,
-                                                         coef.pos is not None)
         # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term; no loss
         # combines one with a softmax over positives, whose symmetric kernel would then spill)
         ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
+        # and, without a column term, each row's loss less its target logit formed without the cancellation
+        # (triton_fused._lse_fwd's target split; core.forward_parts takes c_i l_it out of the target term's value)
+        minus: dict = {}
+        split16 = (ctx.split is not None and coef.col is None and coef.lse is not None
+                   and dt in (torch.float16, torch.bfloat16))
+        lse, lse_col, lse_pos, p = triton_fused._lse_fwd(ak, bk, scale, spec, data, coef.col is not None,
+                                                         coef.pos is not None, target=ctx.split if split16 else None,
+                                                         minus_target=minus)
         # the SET term's gradient formed inside the 16-bit tiles (core.PiecesFn hands over its coefficients)
         ctx.set_c = triton_fused.set_split(ctx, dt, spec, data, coef)
         if ctx.set_c is not None:
@@ -64,6 +70,11 @@ class TritonCoreFn(torch.autograd.Function):
         same = b is None
         ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                               None if same else p.b, p.sa, None if same else p.sb)
+        if minus:
+            c = coef.lse
+            c = c.to(device=lse.device, dtype=torch.float32) if isinstance(c, Tensor) else float(c)
+            ctx.minus_target = c * minus["fold"]
+            return combine(coef.to(torch.float32), reduce, minus["loss"], lse_col, lse_pos)
         return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
 
     @staticmethod

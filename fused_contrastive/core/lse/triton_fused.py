@@ -42,13 +42,21 @@ from ..triton_shared.configs import config_for, fwd_kernel
 
 
 def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, want_col: bool,
-             want_pos: bool, tri: bool = False):
+             want_pos: bool, tri: bool = False, target: Tensor | None = None, minus_target: dict | None = None):
     """Forward launcher. ``a`` [N, D], ``b`` [M, D] or None (B is A), one dtype (fp32/fp16/bf16).
 
     Returns ``(lse [N], lse_col [M] or None, lse_pos [N] or None, prepared inputs)``, all fp32.
     ``tri`` (B is A without a bias, no column term, no positives: symmetric logits): the triangular
     forward, half the tiles (``lse_fwd_kernel``'s TRI: the row LSEs over the upper triangle merged
     with its column LSEs).
+
+    ``target`` [N] (int64; no column term, no positives) with a dict ``minus_target``: the kernel keeps each
+    row's target logit out of its sums (SPLIT_T; ``l_it`` from the row's fp32 dot with its target row),
+    ``lse`` is ``logaddexp(LSEx_i, l_it)`` of the two, and
+    the dict receives ``"loss"`` [N] fp32, each row's ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)`` (no
+    cancellation; ``LSE_i`` on a row whose target entry is masked out, e.g. its own excluded column), and
+    ``"fold"`` [N] fp32, 1 where the row's entry is the difference and 0 where it is ``LSE_i`` (what
+    ``triton_panel.sweep``'s one pass reports under the same names).
     """
     dev = a.device
     n, d = a.shape
@@ -60,8 +68,12 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     # (registers: see triton_configs)
     key = fwd_kernel(bool(p.pos_kind), want_col, tri, p.bias_col is not None)
     cfg, block_d, _ = config_for(key, TL._arch(dev), p.a.dtype, d)
+    split = target is not None and minus_target is not None
+    if split and (want_col or p.pos_kind):
+        raise ValueError("core: the forward's target split needs no column term and no positives")
     lse = TL._alloc((n,), torch.float32, dev)
     lse_pos = TL._alloc((n,), torch.float32, dev) if p.pos_kind else None
+    lt = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev) if split else None
     n_rb = triton.cdiv(n, cfg.block_m)
     progs, col_part, n_loop = n_rb, p.dummy, n_rb
     if want_col:
@@ -76,14 +88,21 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
         "lse_fwd", KL.lse_fwd_kernel, (progs,),
         dict(SA=p.sa, SB=p.sb, RSA=p.norms[4], RSB=p.norms[5], SCALE=TL._scale32(scale, dev), **TL._problem_args(p),
              LSE=lse, LSE_POS=lse_pos if lse_pos is not None else p.dummy, COL_PART=col_part,
-             **TL._sizes(p), **TL._mask_args(p, spec), n_row_blocks=n_loop),
+             **TL._sizes(p), **TL._mask_args(p, spec), n_row_blocks=n_loop,
+             TGT=target.contiguous() if split else p.dummy, LT=lt if split else p.dummy),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **TL._flags(p, spec),
-             WANT_COL=bool(want_col), TRI=bool(tri)),
+             WANT_COL=bool(want_col), TRI=bool(tri), SPLIT_T=split),
         cfg.num_warps, cfg.num_stages))
     # merge the per-program partial column LSEs (fixed order: deterministic)
     lse_col = torch.logsumexp(col_part, dim=0) if want_col else None
     if tri:
         lse = torch.logaddexp(lse, torch.logsumexp(col_part, dim=0))
+    if split:  # lse is LSEx here: the target's logit lt apart
+        fold = lt > float("-inf")
+        x = lse - lt  # softplus(x) = log(1 + e^x), accurate on both sides
+        loss = torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
+        lse = torch.logaddexp(lse, lt)
+        minus_target.update(loss=torch.where(fold, loss, lse), fold=fold.to(torch.float32))
     return lse, lse_col, lse_pos, p
 
 

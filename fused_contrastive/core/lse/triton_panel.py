@@ -46,7 +46,9 @@ Units (one unit = one N x M x D matmul = 2 N M D FLOPs), by case:
   the diagonal blocks (``P / N`` of a unit). Forward: the fused forward kernel over the tiles on and
   above the diagonal only (``lse_fwd_kernel`` with TRI, half a unit, no logits in memory: each tile's
   row statistics for its rows, its column statistics for the rows of its columns, merged per row by
-  the host). Backward (:func:`tri_backward`): panel ``[r0, r1)`` holds its rows against columns
+  the host; 16-bit operands with a target term: each row's target logit kept apart, SPLIT_T, so that the
+  row's loss is ``softplus(LSEx_i - l_it)``, not the cancellation ``LSE_i - l_it``). Backward
+  (:func:`tri_backward`): panel ``[r0, r1)`` holds its rows against columns
   ``[r0, N)`` only (the logits are symmetric), the logits GEMM (half a unit over the sweep),
   ``H = G + G^T`` from the same tile (``panel_dl_kernel`` with SYM and TRI), then
   ``acc[r0:r1] += H @ A[r0:]`` and ``acc[r1:] += H[:, P:]^T @ A_P`` (one unit), one fp32 accumulator
@@ -501,10 +503,15 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     elif ctx.tri:
         ctx.eager = None
         lse_col, lse_pos = None, None
+        minus = {}
         if panels.use_epilogue(dev, a.dtype, "tri", n * n):
             lse = stats_forward(TL._launch, p, p.a, p.a, scale_t, spec, False, tri=True)[0]
         else:
-            lse = triton_fused._lse_fwd(a, None, scale, spec, data, False, False, tri=True)[0]
+            # 16-bit tiles with a target term: each row's loss less its target logit without the cancellation
+            # (the forward's SPLIT_T, triton_fused._lse_fwd)
+            split16 = ctx.split is not None and coef.lse is not None and a.dtype in (torch.float16, torch.bfloat16)
+            lse = triton_fused._lse_fwd(a, None, scale, spec, data, False, False, tri=True,
+                                        target=ctx.split if split16 else None, minus_target=minus)[0]
     elif panels.use_epilogue(dev, a.dtype, "known", n * bb.shape[0]) and not want_pos:
         ctx.eager = None
         lse, lse_col = stats_forward(TL._launch, p, p.a, bb, scale_t, spec, want_col)
@@ -514,12 +521,13 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         lse, lse_col, lse_pos, _ = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                           None if same else p.b)
-    if eager and minus:
-        # the one pass formed each row's LSE_i - l_it without its cancellation (the saturated regime's loss of
-        # ~1e-4 against logits of ~|s|): this piece's value takes the target logit out at the coefficient
+    if (eager or ctx.tri) and minus:
+        # the one pass (or the triangular forward) formed each row's LSE_i - l_it without its cancellation (the
+        # saturated regime's loss of ~1e-4 against logits of ~|s|): this piece's value takes the target logit out
+        # at the coefficient
         # ctx.minus_target [N] (c.lse where the row's entry is the difference, else 0), which core.forward_parts
         # takes out of the target term's value in turn (the gradients are unchanged)
-        ctx.minus_target = g * minus["fold"]
+        ctx.minus_target = (g if eager else _vec(coef.lse, n, dev)) * minus["fold"]
         return combine(coef.to(torch.float32), reduce, minus["loss"], lse_col, lse_pos)
     return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
 
