@@ -679,10 +679,6 @@ def kernel_model(launch: TL.Launch, gpu: GPU) -> dict:
     es = operand.element_size()
     # HBM: every tensor argument once (inputs read, outputs written), the streamed operand per wave
     hbm = float(sum(_nbytes(v) for v in a.values() if isinstance(v, torch.Tensor) and v.numel() > 1))
-    if launch.name == "epi_rows":
-        # the gradient tile DL is an argument for the one zero per row written over its target entry: one
-        # 32-byte sector per row, not the [P, M] tile
-        hbm -= _nbytes(a["DL"]) - 32 * a["P"] * bool(c["SPLIT_T"])
     if launch.name == "target_rows" and c["ACC"]:
         hbm += _nbytes(a["DA"])  # the gradient it adds to is read, then written
     if launch.name == "stats_merge" and c["ACC"]:
