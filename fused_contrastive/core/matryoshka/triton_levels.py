@@ -156,11 +156,13 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     common = dict(_grad_args(L, TL._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt),
                   D=d, eps=float(spec.eps))
     # FOLD_NORM (bf16): the gradient GEMM reads the exact scaled rows, the inverse norms in the tile
-    flags = dict(_grad_flags(L, spec, g, g_col, g_pos, tgt), SPLIT_T=tgt is not None,
-                 FOLD_NORM=a.dtype == torch.bfloat16)
+    # the target split where the rows kernel runs anyway (its TG feeds the columns kernel): with frozen queries
+    # (no dA, no temperature gradient) only the columns kernel runs, with the target inside its tiles as before
+    split = tgt is not None and (need_a or need_s)
+    flags = dict(_grad_flags(L, spec, g, g_col, g_pos, tgt), SPLIT_T=split, FOLD_NORM=a.dtype == torch.bfloat16)
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
-    split_cols = tgt is not None and need_b and gcols > 0  # the columns kernel needs the rows kernel's TG
-    tg = TL._alloc((L.k, n), torch.float32, dev) if tgt is not None else dm
+    split_cols = split and need_b and gcols > 0  # the columns kernel needs the rows kernel's TG
+    tg = TL._alloc((L.k, n), torch.float32, dev) if split else dm
     da = db = ds = None
     if need_a or need_s or split_cols:
         cfg, block_d = matryoshka_config("bwd_rows", TL._arch(dev), a.dtype, d)
