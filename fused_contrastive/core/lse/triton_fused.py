@@ -31,6 +31,8 @@ Two paths (``triton_shared/panels.py`` ``use_panel``; env ``FUSED_CONTRASTIVE_TR
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 from torch import Tensor
@@ -38,7 +40,12 @@ from torch import Tensor
 from ...kernels import lse as KL
 from ..spec import CoreData, CoreSpec
 from ..triton_shared import launch as TL
-from ..triton_shared.configs import config_for, fwd_kernel
+from ..triton_shared.configs import LaunchConfig, config_for, fwd_kernel
+
+#: warps of the fused forward with the target split (SPLIT_T): its 16-warp 16-bit tile spilled
+SPLIT_FWD_MAX_WARPS = 8
+#: the 16-bit triangular forward with the target split (the larger tiles spilled)
+SPLIT_TRI_CONFIG = LaunchConfig(64, 64, 64, 4, 3)
 
 
 def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, want_col: bool,
@@ -71,6 +78,14 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     split = target is not None and minus_target is not None
     if split and (want_col or p.pos_kind):
         raise ValueError("core: the forward's target split needs no column term and no positives")
+    if split and tri and p.a.dtype != torch.float32:
+        # the split's per-row and per-column target state spilled in the 128 x 128 16-bit triangular tile (16 warps:
+        # 4-16 bytes a thread on sm_90 / sm_80; 8 warps: 24 + 36 on sm_90), so the split triangular forward takes
+        # square 64 x 64 tiles (tests/test_triton_panel.py compiles it without spills). Untimed on a GPU.
+        cfg = SPLIT_TRI_CONFIG
+    elif split and cfg.num_warps > SPLIT_FWD_MAX_WARPS:
+        # (16 warps: 128 registers a thread, where the split's target state spilled; 8 warps compile without)
+        cfg = dataclasses.replace(cfg, num_warps=SPLIT_FWD_MAX_WARPS)
     lse = TL._alloc((n,), torch.float32, dev)
     lse_pos = TL._alloc((n,), torch.float32, dev) if p.pos_kind else None
     lt = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev) if split else None
