@@ -36,6 +36,23 @@ def route():
         yield lambda **values: stack.enter_context(routes.override(**values))
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """Every Triton launch made through the launcher during the test (``core.triton_shared.launch._launch``),
+    recorded as it is made, then run."""
+    from fused_contrastive.core.triton_shared import launch as TL
+
+    seen = []
+    orig = TL._launch
+
+    def record(x):
+        seen.append(x)
+        return orig(x)
+
+    monkeypatch.setattr(TL, "_launch", record)
+    return seen
+
+
 def set_path(monkeypatch, path: str, tile: int = 300) -> None:
     if path == "dense":
         monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "1")

@@ -44,20 +44,6 @@ def _panels(monkeypatch, route):
         yield
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Every Triton launch made through the launcher, recorded while it still runs."""
-    seen = []
-    orig = TL._launch
-
-    def launch(x):
-        seen.append(x)
-        orig(x)
-
-    monkeypatch.setattr(TL, "_launch", launch)
-    return seen
-
-
 def _modes(seen) -> set:
     return {(x.name, x.constexprs.get("MODE")) for x in seen if x.name.startswith(("epi", "panel_dl", "logit"))}
 

@@ -50,18 +50,6 @@ def _one_pass(monkeypatch, route):
         yield
 
 
-def _launched(monkeypatch) -> list:
-    seen = []
-    orig = TL._launch
-
-    def launch(x):
-        seen.append(x)
-        orig(x)
-
-    monkeypatch.setattr(TL, "_launch", launch)
-    return seen
-
-
 def _losses(tensors: dict, kwargs: dict, learn: bool):
     """(bf16 triton loss, its gradients; float64 reference loss, its gradients) of InfoNCE on the same bf16-rounded
     rows."""
@@ -80,14 +68,14 @@ def _losses(tensors: dict, kwargs: dict, learn: bool):
 
 
 @pytest.mark.parametrize("variant", ["plain", "learned-temperature", "label-smoothing", "margin-13"])
-def test_saturated_loss_against_float64(variant, monkeypatch):
+def test_saturated_loss_against_float64(variant, monkeypatch, launches):
     n, d = 256, 64
     if variant == "margin-13":
         monkeypatch.setitem(C.REGIME_MARGIN, "saturated", 13.0)
     tensors, kwargs = make_inputs(CASE_BY_NAME["info_nce"], n, d, seed=3, regime="saturated")
     if variant == "label-smoothing":
         kwargs = dict(kwargs, label_smoothing=0.1)
-    seen = _launched(monkeypatch)
+    seen = launches
     (got, ggot), (want, gwant) = _losses(tensors, kwargs, variant == "learned-temperature")
     # the route under test: the one pass (MODE 1) with the target column split out
     modes = {(x.constexprs["MODE"], x.constexprs["SPLIT_T"]) for x in seen if x.name.startswith("epi_gemm")}

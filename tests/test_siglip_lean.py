@@ -166,22 +166,14 @@ def test_planted_wrong_coefficient_fails_the_helpers(monkeypatch):
 
 
 @pytest.fixture
-def lean_route(monkeypatch, route):
+def lean_route(monkeypatch, route, launches):
     """The panel route's epilogue GEMM in panels of 40 rows (97 rows: 40 + 40 + 17), launches recorded while
     they run, outputs poisoned; returns the recorded launches."""
     route(DENSE="0", PANEL_ROWS=40, TRITON_PATH="panel", PANEL_GEMM="epilogue")
     monkeypatch.setattr(TL, "POISON_OUTPUTS", True)
-    seen = []
-    orig = TL._launch
-
-    def launch(x):
-        seen.append(x)
-        orig(x)
-
-    monkeypatch.setattr(TL, "_launch", launch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        yield seen
+        yield launches
 
 
 #: (scale, bias, learnable): flat logits (|w| <= 1, cosines times 1: the polynomial's whole range, e in

@@ -26,7 +26,6 @@ try:
 except ImportError:  # pragma: no cover - the test extra installs triton
     pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
-from fused_contrastive.core.triton_shared import launch as TL
 from fused_contrastive.testing import CASE_BY_NAME
 from fused_contrastive.testing import cases as C
 from fused_contrastive.testing.accuracy import make_inputs
@@ -42,18 +41,6 @@ def _quiet():
         yield
 
 
-def _launched(monkeypatch) -> list:
-    seen = []
-    orig = TL._launch
-
-    def launch(x):
-        seen.append(x)
-        orig(x)
-
-    monkeypatch.setattr(TL, "_launch", launch)
-    return seen
-
-
 def _losses(case: str, tensors: dict, kwargs: dict, dtype=torch.bfloat16):
     """(triton loss in ``dtype``, its gradient; float64 reference loss, its gradient) on the same rounded rows."""
     out = []
@@ -66,7 +53,7 @@ def _losses(case: str, tensors: dict, kwargs: dict, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("path", ["panel", "fused"])
 @pytest.mark.parametrize("variant", ["plain", "label-smoothing", "per-row", "margin-13"])
-def test_saturated_simcse_against_float64(path, variant, monkeypatch, route):
+def test_saturated_simcse_against_float64(path, variant, monkeypatch, route, launches):
     route(DENSE="0", TRITON_PATH=path)
     if variant == "margin-13":
         monkeypatch.setitem(C.REGIME_MARGIN, "saturated", 13.0)
@@ -74,7 +61,7 @@ def test_saturated_simcse_against_float64(path, variant, monkeypatch, route):
     tensors, kwargs = make_inputs(CASE_BY_NAME[case], 256, 64, seed=3, regime="saturated")
     if variant == "per-row":
         kwargs = dict(kwargs, reduction="none")
-    seen = _launched(monkeypatch)
+    seen = launches
     (got, ggot), (want, gwant) = _losses(case, tensors, kwargs)
     fwd = [x for x in seen if x.name == "lse_fwd"]
     # the route under test: the triangular forward on the panel path, the plain one on the fused kernels, both
