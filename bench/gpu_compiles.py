@@ -14,9 +14,9 @@ The launches are recorded on the meta device (``tools.compile_survey.recording``
 ``bench/gpu_model.py``'s recorders, for the core op on each path and panel-GEMM form (InfoNCE, SimCSE, CLIP,
 SupCon L_in; the one pass's fp16 pass, ``logit_pass``, where it applies), the epilogue
 GEMM's tile loops, the Matryoshka kernels (both backwards), GIST's guided route and its fused kernels, SigLIP's
-routes (with its lean epilogue options, ``FUSED_CONTRASTIVE_SIGLIP_EPILOGUE``) and MaxSim's kernels; identical
-launches (kernel, constexprs, warps, stages, argument dtypes) compile once. Prints one line per distinct launch
-and exits 1 if any failed to compile.
+routes (with its lean epilogue and fp16 pass options, ``FUSED_CONTRASTIVE_SIGLIP_EPILOGUE``) and MaxSim's
+kernels; identical launches (kernel, constexprs, warps, stages, argument dtypes) compile once. Prints one line per
+distinct launch and exits 1 if any failed to compile.
 """
 
 from __future__ import annotations
@@ -89,6 +89,9 @@ def recordings(sizes: list[int], d: int = 768) -> list[tuple[str, Callable[[GM.G
                     out.append((f"siglip N={n} {path} {form} {lean}", lambda g, n=n, path=path, form=form, lean=lean:
                                 _overriding(lambda: GM.run_siglip_triton(n, d, g, path)[0], EPI_FORM=form,
                                             SIGLIP_EPILOGUE=lean)))
+        for path in ("panel", "panel_rows"):  # SigLIP's fp16 pass (an option, SIGLIP_EPILOGUE=fp16pass)
+            out.append((f"siglip N={n} {path} fp16pass", lambda g, n=n, path=path:
+                        _overriding(lambda: GM.run_siglip_triton(n, d, g, path)[0], SIGLIP_EPILOGUE="fp16pass")))
     out.append(("maxsim N=1024", lambda g: GM.run_maxsim_triton(1024, 32, 180, 128, g)[0]))
     return out
 

@@ -62,7 +62,7 @@ _PROFILE = (sys.executable, "bench/gpu_profile.py")
 #: their own; the levers get a short run of their own first, as nothing has timed them.
 #: the levers built as options and never timed (bench/gpu.py FORMS): what the next GPU decides first
 LEVERS = ("epi=hoist", "one_pass=128x256w16+hoist", "gemm=fp16pass", "siglip=lean", "siglip=lean128",
-          "siglip=lean128+tiles")
+          "siglip=lean128+tiles", "siglip=fp16pass")
 
 STEPS: tuple[Step, ...] = (
     Step("levers", (sys.executable, "-m", "fused_contrastive", "bench-gpu", "--losses",

@@ -115,9 +115,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPU_MODEL", "text", None, "the GPU model's results file check --gpu-validate compares with",
             "gpu_validate"),
     Setting("SIGLIP_EPILOGUE", "choice", "exact", "SigLIP's per-logit math on the epilogue GEMM: exact (libdevice "
-            "log, IEEE divisions), lean (one exp, a log1p polynomial, one approximate reciprocal) or lean128 (lean, "
-            "the one pass at 128 x 128 tiles); the lean forms are untimed", "core.siglip.triton_sweep.epilogue",
-            ("exact", "lean", "lean128")),
+            "log, IEEE divisions), lean (one exp, a log1p polynomial, one approximate reciprocal), lean128 (lean, "
+            "the one pass at 128 x 128 tiles) or fp16pass (no epilogue GEMM: cuBLAS fp16 cosines of the unit rows "
+            "and one in-place Triton pass with the exact math; normalised 16-bit rows, else exact); the lean forms "
+            "and fp16pass are untimed", "core.siglip.triton_sweep.epilogue; core.siglip.triton_fp16pass.use_fp16_pass",
+            ("exact", "lean", "lean128", "fp16pass")),
 )}
 
 #: In-process hooks without a variable: sizes a test (or the GPU model, recording what a CUDA device would run)
@@ -306,6 +308,11 @@ ROUTES: tuple[Route, ...] = (
           "core.siglip.triton_sweep.epilogue",
           unmeasured="no GPU has timed the two side by side: the default is the form every measurement ran, the lean "
                      "epilogue is new (bench-gpu forms siglip=lean, siglip=lean128, siglip=lean128+tiles)"),
+    Route("siglip", "the sweeps' tile producer", "the epilogue GEMM (MODE 4 / 5)",
+          "normalised 16-bit SigLIP sweeps on CUDA (FUSED_CONTRASTIVE_SIGLIP_EPILOGUE=fp16pass: cuBLAS fp16 cosines "
+          "and one in-place pass)", "core.siglip.triton_fp16pass.use_fp16_pass",
+          unmeasured="no GPU has timed the two side by side: the default is the form every measurement ran, the fp16 "
+                     "pass is new (bench-gpu form siglip=fp16pass)"),
     Route("core", "the panel budget", "0.7 GB", "every panel route", "core.triton_shared.panels.BUDGET_BYTES",
           _rows(RUN2, "info_nce", (65536,), OURS, f"{OURS}[budget=2GB]", f"{OURS}[budget=6GB]")
           + _rows(RUN2, "simcse", (65536,), OURS, f"{OURS}[budget=2GB]")

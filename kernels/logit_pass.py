@@ -22,12 +22,18 @@ row maximum, not the rounded tile's.
 
 Bytes per panel: reads ``2 P M`` (the fp16 cosines), writes ``2 P M`` (bf16, in place) plus three fp32
 partials per ``BLOCK_N`` columns; one exp per logit.
+
+:func:`siglip_pass_kernel` is the same form for SigLIP's sweeps (``SIGLIP_EPILOGUE=fp16pass``; host
+``core/siglip/triton_fp16pass.py``): over a panel of fp16 cosines it writes, in place of the epilogue GEMM's MODE 4 / 5,
+the per-row loss partials and the 16-bit gradient tile ``dz`` with its ``ds`` / ``db`` partials (the math of
+``kernels/siglip.py``, by ``kernels/common.py``'s exact ``_softplus`` and ``_dz``), each positive pair's cosine
+its fp32 one.
 """
 
 import triton
 import triton.language as tl
 
-from .common import _inv_norms, _logits
+from .common import _dz, _flipped, _inv_norms, _logits, _softplus
 from .panel import _one_pass_shift, _row_logit
 
 
@@ -99,3 +105,53 @@ def logit_pass_kernel(T, DL, ZP, TP, MXP, TV, CT, RB, SCALE, BIAS_COL, TGT,
     if NEED_DS:
         tl.store(TP + part, tl.sum(e * cos, axis=1), mask=lmask)
     tl.store(MXP + part, tl.max(l, axis=1), mask=lmask)
+
+
+@triton.jit
+def siglip_pass_kernel(T, DL, ZP, TP, BP, CT, RB, SCALE, LBIAS, G, GSCALE,
+                       P, M, r0, stride_t, stride_zp, offset,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, WANT_LOSS: tl.constexpr, HAS_G: tl.constexpr,
+                       NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr):
+    """SigLIP on one [BLOCK_R, BLOCK_N] tile of a panel of rows ``[r0, r0 + P)`` per program (grid
+    ``(cdiv(P, BLOCK_R), cdiv(M, BLOCK_N))``), what the epilogue GEMM's MODE 4 / 5 write, from the fp16 cosines
+    ``T[i, j]`` of the unit rows (cuBLAS's, ``kernels/siglip.py``'s math):
+
+    * the positive pair's cosine (column ``offset + r0 + i``, where it lies in ``[0, M)``) is ``CT[i]``, its fp32
+      cosine, not the rounded tile's entry (the host writes 0 for a row without a positive in range);
+    * ``z = s cos + b`` (``SCALE[0]``, ``LBIAS[0]``), ``w = -z`` at the positive, ``z`` elsewhere;
+    * WANT_LOSS: ``ZP[i * stride_zp + pid_n] = sum_j softplus(w_ij)`` over the tile's valid columns;
+    * HAS_G: ``dz = g_i sign_ij sigmoid(w_ij) / GSCALE[0]`` (``G`` [N] per-row upstream gradients, indexed by the
+      global row), written over the cosines in DL (the same bytes, DL's 16-bit dtype) times PRESCALE and, with
+      FOLD_RB, B's inverse norm ``RB[j]`` (MODE 5's tile); NEED_DS: the row sums of ``dz cos`` to TP and of ``dz``
+      to BP (MODE 5's ``TP`` / ``MXP``).
+
+    Every element is read and written by the program that owns it, once: the in-place update has no race."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    loc = pid_m * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    lmask = loc < P
+    cmask = cols < M
+    m2 = lmask[:, None] & cmask[None, :]
+    off = loc.to(tl.int64)[:, None] * stride_t + cols[None, :]
+    cos = tl.load(T + off, mask=m2, other=0.0).to(tl.float32)
+    rows = r0 + loc
+    n_end = r0 + P
+    ct = tl.load(CT + loc, mask=lmask, other=0.0)
+    cos = tl.where(cols[None, :] == rows[:, None] + offset, ct[:, None], cos)  # the positive's fp32 cosine
+    s = tl.load(SCALE).to(tl.float32)
+    b = tl.load(LBIAS).to(tl.float32)
+    part = loc.to(tl.int64) * stride_zp + pid_n
+    if WANT_LOSS:
+        w, valid, _ = _flipped(cos, s, b, rows, cols, n_end, M, offset)
+        tl.store(ZP + part, tl.sum(tl.where(valid, _softplus(w), 0.0), axis=1), mask=lmask)
+    if HAS_G:
+        g_r = tl.load(G + rows, mask=lmask, other=0.0) / tl.load(GSCALE)
+        dz = _dz(cos, s, b, g_r, rows, cols, n_end, M, offset)
+        if NEED_DS:
+            tl.store(TP + part, tl.sum(dz * cos, axis=1), mask=lmask)
+            tl.store(BP + part, tl.sum(dz, axis=1), mask=lmask)
+        out = dz * PRESCALE
+        if FOLD_RB:
+            out = out * _inv_norms(RB, cols, cmask, True)[None, :]
+        tl.store(DL + off, out.to(DL.dtype.element_ty), mask=m2)

@@ -28,7 +28,7 @@ def test_every_family_is_recorded_and_each_launch_once(gc):
     # the one pass's row kernels (which Triton 3.6 could not compile), the guided blocks', SigLIP's, the
     # Matryoshka kernels' and MaxSim's
     assert {"epi_gemm", "epi_rows", "guided_epi", "guided_rows", "epi_gemm_siglip", "mat_fwd", "mat_epi",
-            "maxsim_fwd"} <= names, names
+            "maxsim_fwd", "siglip_pass"} <= names, names
     assert len(found) == len({k for k in found})  # keyed: identical launches once
 
 

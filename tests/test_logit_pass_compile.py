@@ -73,3 +73,65 @@ def test_logit_pass_compiles_without_spills_in_vectors(compiled):
     aligned = [r for r in compiled if r["m"] % 8 == 0]
     assert {r["cc"] for r in aligned} == {80, 90} and len(aligned) < len(compiled)
     assert all(r["ld_b16"] == 0 for r in aligned), [(r["cc"], r["flags"], r["ld_b16"]) for r in aligned]
+
+
+#: SigLIP's fp16 pass (``siglip_pass_kernel``, ``SIGLIP_EPILOGUE=fp16pass``): the launches of ``TritonSigLipFn`` on
+#: the panel path recorded on the meta device, bf16 and fp16, N = 4096 (and a ragged 4099-column text set), D = 768:
+#: the one pass of a summed loss (losses, the gradient tile, ds / db partials) and the per-row losses' forward
+#: (losses only) and gradient sweep (the tile only)
+_SIGLIP_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import os
+    from unittest import mock
+
+    import torch
+
+    from fused_contrastive import routes
+    from fused_contrastive.core.siglip.triton_siglip import TritonSigLipFn
+    from fused_contrastive.tools import compile_survey
+
+    out, seen = [], set()
+    for cc, arch in compile_survey.TARGETS:
+        for dt in (torch.bfloat16, torch.float16):
+            for m in (4096, 4099):
+                x = torch.empty((4096, 768), dtype=dt, device="meta", requires_grad=True)
+                y = torch.empty((m, 768), dtype=dt, device="meta", requires_grad=True)
+                sc = torch.empty((), device="meta", requires_grad=True)
+                bi = torch.empty((), device="meta", requires_grad=True)
+                with routes.override(SIGLIP_EPILOGUE="fp16pass", TRITON_PATH="panel", PANEL_GEMM="epilogue"), \\
+                        compile_survey.recording(arch) as launches:
+                    for reduce in (True, False):
+                        res = TritonSigLipFn.apply(x, y, sc, bi, True, 1e-12, 0, reduce, 1.0)
+                        torch.autograd.grad(res if reduce else res.sum(), [x, y, sc, bi])
+                passes = [p for p in launches if p.name == "siglip_pass"]
+                assert passes and not [p for p in launches if p.name == "epi_gemm_siglip"], \\
+                    sorted({p.name for p in launches})
+                for p in passes:
+                    key = (cc, str(dt), m, p.constexprs["WANT_LOSS"], p.constexprs["HAS_G"])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    r = compile_survey.compile_launch(p, cc)
+                    r.update(dtype=str(dt), m=m, want_loss=p.constexprs["WANT_LOSS"], has_g=p.constexprs["HAS_G"])
+                    out.append(r)
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def siglip_compiled():
+    return run_compile_script(_SIGLIP_SCRIPT, 900)
+
+
+def test_siglip_pass_compiles_without_spills_in_vectors(siglip_compiled):
+    assert {r["cc"] for r in siglip_compiled} == {80, 90}
+    kinds = {(r["cc"], r["dtype"], r["want_loss"], r["has_g"]) for r in siglip_compiled}
+    for cc in (80, 90):  # the one pass, the forward, the gradient sweep; bf16 and fp16
+        for dt in ("torch.bfloat16", "torch.float16"):
+            assert {(cc, dt, True, True), (cc, dt, True, False), (cc, dt, False, True)} <= kinds, kinds
+    assert_no_spills_within_smem(siglip_compiled)
+    aligned = [r for r in siglip_compiled if r["m"] % 8 == 0]
+    assert aligned and len(aligned) < len(siglip_compiled)
+    assert all(r["ld_b16"] == 0 for r in aligned), [(r["cc"], r["dtype"], r["ld_b16"]) for r in aligned]

@@ -143,6 +143,11 @@ FORMS: tuple[Form, ...] = (
          _env("SIGLIP_EPILOGUE", "lean")),
     Form("siglip=lean128", "the lean epilogue with the one pass at 128 x 128 tiles (default: exact, 64 x 128)",
          lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768, _env("SIGLIP_EPILOGUE", "lean128")),
+    Form("siglip=fp16pass", "SigLIP's sweeps from cuBLAS fp16 cosines of normalised fp16 copies and one in-place "
+         "Triton pass per panel (loss, dz and the ds / db partials; core/siglip/triton_fp16pass.py) instead of the "
+         "epilogue GEMM's MODE 4 / 5 (ESTIMATE: 48.8 ms for such a form of siglip-kernel at N = 65536 on an H100; "
+         "MODE 5 measured 59.0 on an H200)", lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768,
+         _env("SIGLIP_EPILOGUE", "fp16pass")),
     Form("siglip=lean128+tiles", "the lean 128 x 128 one pass in the one-program-per-tile loop (its compile spills "
          "20 bytes there, 116-176 in the default TMA loop)",
          lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768,

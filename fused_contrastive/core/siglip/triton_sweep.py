@@ -5,8 +5,11 @@ The switchboard's ``SIGLIP_EPILOGUE`` picks the per-logit math of every SigLIP s
 (the default: ``kernels/common.py`` ``_softplus`` / ``_dz``, a libdevice log and IEEE divisions), "lean" (the
 kernel's LEAN constexpr: ``_softplus_lean`` / ``_dz_lean``, one exp, a degree-7 log1p polynomial and one
 approximate reciprocal per logit) or "lean128" (lean, and the one pass, MODE 5, at :data:`LEAN128_BLOCK_M`
-rows per tile). No GPU has timed the lean forms: they are options (bench-gpu's ``siglip=lean``,
-``siglip=lean128``, ``siglip=lean128+tiles``)."""
+rows per tile), or "fp16pass" (no epilogue GEMM: cuBLAS fp16 cosines of the unit rows and one in-place Triton pass
+per panel with the exact math, ``triton_fp16pass.py``; normalised 16-bit rows only, MODE 4 / 5 with the exact math
+elsewhere).
+No GPU has timed the lean forms or the fp16 pass: they are options (bench-gpu's ``siglip=lean``,
+``siglip=lean128``, ``siglip=lean128+tiles``, ``siglip=fp16pass``)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from ...routes import setting
 from ..triton_shared import panels
 from ..triton_shared.configs import EPI_GEMM, EPI_GROUP_M
 from ..triton_shared.launch import _alloc, _gscale, _upcast
+from ..triton_shared.logit_pass import panel_bytes
+from .triton_fp16pass import SigLipFp16Pass, use_fp16_pass
 
 #: The one pass's (MODE 5) row tile under ``SIGLIP_EPILOGUE=lean128``, with ``EPI_GEMM["siglip_eager"]``'s column
 #: tile, D chunk, warps and stages (the exact epilogue spilled 168-516 bytes at 128 x 128; the lean one 20 bytes in
@@ -28,9 +33,10 @@ LEAN128_BLOCK_M = 128
 
 def epilogue() -> tuple[bool, bool]:
     """(LEAN: the lean per-logit math in every SigLIP sweep, whether the one pass takes
-    :data:`LEAN128_BLOCK_M`-row tiles) from the switchboard's ``SIGLIP_EPILOGUE``."""
+    :data:`LEAN128_BLOCK_M`-row tiles) from the switchboard's ``SIGLIP_EPILOGUE`` ("exact" and "fp16pass": the
+    exact math)."""
     form = setting("SIGLIP_EPILOGUE")
-    return form != "exact", form == "lean128"
+    return form in ("lean", "lean128"), form == "lean128"
 
 
 def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, normalize: bool, eps: float,
@@ -45,7 +51,8 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     a summed loss: ``g`` is its weight per row) forms the losses in the same epilogue: 3 units for the step
     where a forward and a backward sweep take 4 (the fused kernels take 5, their backward streaming through
     an fp32 scratch). ds / db are 0-dim fp32 tensors (no host sync), None unless ``need_s``; dX / dY None
-    unless asked."""
+    unless asked. Under ``SIGLIP_EPILOGUE=fp16pass`` with normalised 16-bit rows, cuBLAS fp16 cosines and
+    ``triton_fp16pass.SigLipFp16Pass`` write the same outputs in place of each epilogue GEMM launch."""
     from ..spec import CoreSpec
 
     n, d = x.shape
@@ -54,7 +61,9 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
     spec = CoreSpec(normalize=normalize, eps=eps)
     need = g is not None
     pr = panels._Problem(x, y, spec, need_op=need and need_x)
-    p_rows = panels.panel_rows(n, m, d, dt, need and need_y, True)
+    fp16pass = use_fp16_pass(dt, normalize)
+    p_rows = panels.panel_rows(n, m, d, dt, need and need_y, True, extra=panel_bytes(m, d) if fp16pass else (0, 0))
+    producer = SigLipFp16Pass(x, y, pr.b_op, eps, offset) if fp16pass else None
     one_pass = need and with_loss  # MODE 5
     with_loss = with_loss or not need
     config = "siglip_eager" if one_pass else "siglip_bwd" if need else "siglip_fwd"
@@ -84,16 +93,23 @@ def siglip_sweep(launch, x: Tensor, y: Tensor, scale_t: Tensor, bias_t: Tensor, 
         zp = _alloc((pp, n_pn), torch.float32, dev) if with_loss else dm
         tp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
         bp = _alloc((pp, n_pn), torch.float32, dev) if need and need_s else dm
-        dl = _alloc((pp, m), dt, dev) if need else dm
-        panels._epi_launch(launch, "epi_gemm_siglip",
-                    dict(X=xp, Y=y, DL=dl, ZP=zp, TP=tp, MXP=bp, CZ=dm, CM=dm, DS_PART=dm, BAD=dm, SHIFT=dm,
-                         LBIAS=bias_t, RSP=rs.contiguous(), RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t,
-                         GSCALE=gs if need else dm, BIAS_COL=dm, ROW_LAB=dm, COL_LAB=dm, POS_MASK=dm, LSE=dm,
-                         G=g if need else dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm, TGT=dm, TV=dm, P=pp, M=m,
-                         D=d, r0=r0,
-                         stride_x=xp.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0) if need else 0,
-                         stride_zp=n_pn, offset=int(offset), bias=0.0, n0=1, m0=1, stride_pm=1),
-                    const, config, n_pm * n_pn)
+        dl = _alloc((pp, m), dt, dev) if need or fp16pass else dm
+        if fp16pass:
+            producer(launch, xp, rs, dl, r0, zp, tp, bp,
+                     dict(RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t, LBIAS=bias_t, G=g if need else dm,
+                          GSCALE=gs if need else dm),
+                     dict(BLOCK_N=bn, WANT_LOSS=with_loss, HAS_G=need, NEED_DS=bool(need and need_s),
+                          FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale))
+        else:
+            panels._epi_launch(launch, "epi_gemm_siglip",
+                        dict(X=xp, Y=y, DL=dl, ZP=zp, TP=tp, MXP=bp, CZ=dm, CM=dm, DS_PART=dm, BAD=dm, SHIFT=dm,
+                             LBIAS=bias_t, RSP=rs.contiguous(), RB=pr.rb if pr.rb is not None else dm, SCALE=scale_t,
+                             GSCALE=gs if need else dm, BIAS_COL=dm, ROW_LAB=dm, COL_LAB=dm, POS_MASK=dm, LSE=dm,
+                             G=g if need else dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm, TGT=dm, TV=dm, P=pp, M=m,
+                             D=d, r0=r0,
+                             stride_x=xp.stride(0), stride_y=y.stride(0), stride_dl=dl.stride(0) if need else 0,
+                             stride_zp=n_pn, offset=int(offset), bias=0.0, n0=1, m0=1, stride_pm=1),
+                        const, config, n_pm * n_pn)
         if with_loss:
             loss[r0:r1] = zp.sum(1)
         if need and need_s:

@@ -36,7 +36,7 @@ from .launch import Launch, _row_norms
 from .panels import NORM_CHUNK_ELEMENTS
 from .target import target_cos
 
-__all__ = ["Fp16Pass", "panel_bytes", "use_fp16_pass"]
+__all__ = ["Fp16Pass", "exact_fp16", "panel_bytes", "unit_fp16", "unit_rows_fp16", "use_fp16_pass"]
 
 
 def use_fp16_pass(dt: torch.dtype) -> bool:
@@ -51,7 +51,7 @@ def panel_bytes(m: int, d: int) -> tuple[int, int]:
     return 2 * m * d, 2 * d
 
 
-class _exact_fp16:
+class exact_fp16:
     """Within the block, CUDA fp16 GEMMs accumulate in fp32 throughout (no reduced-precision split-K
     reductions); the global flag is put back afterwards."""
 
@@ -65,10 +65,23 @@ class _exact_fp16:
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = self.old
 
 
-def _unit_fp16(xs: Tensor, rs: Tensor) -> Tensor:
+def unit_fp16(xs: Tensor, rs: Tensor) -> Tensor:
     """The unit rows ``xs rs`` (``xs`` rows scaled by powers of two, ``rs`` their inverse clamped norms) in fp16,
     rounded once from fp32."""
     return (xs.float() * rs[:, None]).to(torch.float16)
+
+
+def unit_rows_fp16(b: Tensor, eps: float) -> Tensor:
+    """The unit rows ``b_j / max(||b_j||, eps)`` of ``b`` [M, D] in fp16 [M, D] (:func:`unit_fp16`), the row norms
+    in chunks of at most ``NORM_CHUNK_ELEMENTS`` elements (the prologue's scaled copy of a chunk is a temporary)."""
+    m, d = b.shape
+    out = torch.empty((m, d), dtype=torch.float16, device=b.device)
+    step = max(1, NORM_CHUNK_ELEMENTS // max(d, 1))
+    for c0 in range(0, m, step):
+        xs, _, _, rs = _row_norms(b[c0:c0 + step], eps)
+        out[c0:c0 + step] = unit_fp16(xs, rs)
+        del xs
+    return out
 
 
 class Fp16Pass:
@@ -79,13 +92,7 @@ class Fp16Pass:
 
     def __init__(self, a: Tensor, b: Tensor, spec, target: Tensor | None):
         self.a, self.b, self.eps, self.target = a, b, float(spec.eps), target
-        m, d = b.shape
-        self.b_hat = torch.empty((m, d), dtype=torch.float16, device=b.device)
-        step = max(1, NORM_CHUNK_ELEMENTS // max(d, 1))
-        for c0 in range(0, m, step):
-            xs, _, _, rs = _row_norms(b[c0:c0 + step], spec.eps)
-            self.b_hat[c0:c0 + step] = _unit_fp16(xs, rs)
-            del xs
+        self.b_hat = unit_rows_fp16(b, spec.eps)
 
     def __call__(self, launch, x: Tensor, rs: Tensor, dl: Tensor, zp: Tensor, tp: Tensor, mxp: Tensor,
                  common: dict, flags: dict, margs: dict, r0: int, block_n: int) -> None:
@@ -95,8 +102,8 @@ class Fp16Pass:
         pp = x.shape[0]
         m = dl.shape[1]
         t16 = dl.view(torch.float16)  # the cosines land in the tile's own bytes
-        with _exact_fp16():
-            torch.mm(_unit_fp16(x, rs), self.b_hat.T, out=t16)
+        with exact_fp16():
+            torch.mm(unit_fp16(x, rs), self.b_hat.T, out=t16)
         split = bool(flags["SPLIT_T"])
         # the targets' fp32 cosines (with SPLIT_T; else a dummy: the kernel does not read it)
         ct = target_cos(self.a[r0:r0 + pp], self.b, self.target[r0:r0 + pp], self.eps, True) if split else zp
