@@ -120,6 +120,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "and one in-place Triton pass with the exact math; normalised 16-bit rows, else exact); the lean forms "
             "and fp16pass are untimed", "core.siglip.triton_sweep.epilogue; core.siglip.triton_fp16pass.use_fp16_pass",
             ("exact", "lean", "lean128", "fp16pass")),
+    Setting("MAXSIM_FWD", "choice", "flat", "MaxSim's forward loop: flat (one token chunk per step, max / argmax "
+            "after each matmul) or overlap (pairs of chunks, the next chunk's matmul issued before the pair's "
+            "reductions; untimed)", "core.maxsim.triton_maxsim.fwd_overlap", ("flat", "overlap")),
+    Setting("MAXSIM_DD", "choice", "smem", "MaxSim's dd operand: smem (the one-hot operand built in a blocked layout, "
+            "through shared memory into the matmul's) or regs (built in the accumulator's layout: the sm_90 wgmma "
+            "reads it from registers; untimed)", "core.maxsim.triton_maxsim.dd_p_regs", ("smem", "regs")),
 )}
 
 #: In-process hooks without a variable: sizes a test (or the GPU model, recording what a CUDA device would run)
@@ -352,6 +358,12 @@ ROUTES: tuple[Route, ...] = (
           "core.maxsim.triton_maxsim.DQ_GATHER", (Quote("bench/results/h100-maxsim/sweep2.txt", "r256t32-dd1"),),
           note="an H100 sweep; on the H200 the kernels beat late-interaction-kernels (0.76-0.88x) and "
                "flash-maxsim (0.69-0.75x)"),
+    Route("maxsim", "the forward's tile loop and dd's one-hot operand", "flat loop; one-hot through shared memory",
+          "CUDA (FUSED_CONTRASTIVE_MAXSIM_FWD=overlap, FUSED_CONTRASTIVE_MAXSIM_DD=regs)",
+          "core.maxsim.triton_maxsim.FWD_OVERLAP",
+          unmeasured="no GPU has timed them: the defaults are the forms every measurement ran, the overlap forward "
+                     "and the register one-hot are new (bench-gpu forms maxsim=overlap and maxsim=dd-regs; sweep "
+                     "settings fwd-overlap and dd-regs); compile figures in docs/maxsim.md"),
     Route("core", "every sm_80 threshold", "as sm_90 or the model's", "sm_80 (A100)",
           "core.triton_shared.panels.EPILOGUE_MIN_ELEMENTS[(form, 80)], triton_shared.configs sm_80 tables",
           unmeasured="no A100 has been lent; bench/gpu_model.py chose them"),

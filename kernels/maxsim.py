@@ -38,6 +38,19 @@ Kernels:
   loop over documents around a loop over their chunks (the pipeline refills per document). Q_REGS
   (resident rows only): the rows are the matmul's register operand (sm_90 wgmma then reads only the
   document tile from shared memory; more registers) instead of a shared-memory operand.
+  OVERLAP (a form of the flat loop; untimed, off by default): the flat loop's step serialises its matmul
+  with the max / argmax epilogue (sm_90: the wgmma is issued and waited for at once, then the
+  reductions run with the tensor cores idle). OVERLAP walks pairs of chunks (2 p, 2 p + 1) of a
+  document (cdiv(Ld, BLOCK_T) rounded up to even: one more, empty, chunk when it is odd); iteration p
+  issues chunk 2 p + 1's matmul (waited for at once; the wait also completes chunk 2 p's), merges the
+  pair elementwise (per position the larger similarity and its token index, chunk 2 p on a tie), takes
+  the pair's row maxima, issues chunk 2 p + 2's matmul (its zero accumulator depends on those maxima,
+  so it is issued after chunk 2 p's registers have been read: sm_90 keeps it in flight across the
+  loop's back edge, Triton's rule for an asynchronous wgmma whose result is read only after a later
+  dot's wait), and then runs the argmax reduction and the document's end while that matmul computes.
+  One max / argmax reduction per pair instead of per chunk; S, idx and the LSE are the flat loop's
+  bit for bit (the same products, maxima and sums in the same order; a similarity of exactly -0 may
+  come out +0, as the next chunk's matmul accumulates onto +0).
   Work: one N*Lq x M*Ld x D matmul (2 N Lq M Ld D FLOPs, Ld rounded up to BLOCK_T, Lq to LQ_PAD).
   Traffic: every program reads every document of its split, cdiv(N, G) M Ld D elements in all (e.g.
   N/4 of them at Lq = 32 and 128 rows); each query row once per split.
@@ -61,6 +74,14 @@ Kernels:
   reads all N Lq query rows (its D chunk), so the rows are read M cdiv(cdiv(Ld, BLOCK_T), NT) times
   in all (NT = 3 at Ld = 180, BLOCK_T = 64: M times, a third of NT = 1), and the argmax column of its
   document (contiguous with IDX_T; else one 32-byte sector per element), loaded one block ahead.
+  P is built in registers in both forms, but in a blocked layout that Triton 3.9 converts into the
+  matmul's operand layout through shared memory (sm_80: stored and read back with ldmatrix; sm_90: a
+  layout conversion through shared memory before the register-operand wgmma). P_REGS (untimed, off
+  by default): P is built in the accumulator's layout instead (its token index per row taken, once
+  per program, as the row maximum of a tiny exact matmul [BLOCK_T, 16] @ [16, BLOCK_D] whose result has
+  the accumulator's shape), from which the sm_90 wgmma reads its register operand with no shared-memory
+  trip (sm_80 still converts through shared memory: its accumulator and operand layouts differ);
+  bitwise the same dd.
 
 Deterministic: no atomics; every output element has one owning program and a fixed summation order.
 Memory: nothing of size N*Lq*M*Ld exists; the forward writes S [N, M] fp32, idx (int16 for Ld < 2^15,
@@ -115,16 +136,15 @@ def _doc_tile(d_base, stride_dt, t, tv, dk, D, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _fwd_chunk(q, q_base, rmask, DOC, DV, j, t0, LD, D, stride_dm, stride_dt, dk, best, arg, nvalid,
-               ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, RESIDENT: tl.constexpr,
-               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The forward's step: the similarities of the rows with tokens [t0, t0 + BLOCK_T) of document j
-    (fp32, one ``tl.dot``; invalid tokens -inf), folded into the running maximum / first argmax."""
+def _fwd_sims(q, q_base, rmask, DOC, DV, j, t0, LD, D, stride_dm, stride_dt, dk, t_hi, sims,
+              ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, RESIDENT: tl.constexpr,
+              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``sims`` plus the similarities [ROWS, BLOCK_T] of the rows with tokens [t0, t0 + BLOCK_T) of document j
+    (fp32, one ``tl.dot``; not yet masked) and the tokens' validity tv [BLOCK_T]. Only tokens below ``t_hi``
+    (Ld, or 0: nothing is read, every token invalid, and j may be past the last document) are read."""
     d_base = DOC + tl.cast(j, tl.int64) * stride_dm
     t = t0 + tl.arange(0, BLOCK_T)
-    tv = tl.load(DV + tl.cast(j, tl.int64) * LD + t, mask=t < LD, other=0) != 0
-    nvalid += tv.to(tl.int32)
-    sims = tl.zeros([ROWS, BLOCK_T], dtype=tl.float32)
+    tv = tl.load(DV + tl.cast(j, tl.int64) * LD + t, mask=t < t_hi, other=0) != 0
     if RESIDENT:
         sims = tl.dot(q, tl.trans(_doc_tile(d_base, stride_dt, t, tv, dk, D, UPCAST)), sims,
                       input_precision=DOT_PREC)
@@ -136,13 +156,54 @@ def _fwd_chunk(q, q_base, rmask, DOC, DV, j, t0, LD, D, stride_dm, stride_dt, dk
                 qc = qc.to(tl.float32)
             sims = tl.dot(qc, tl.trans(_doc_tile(d_base, stride_dt, t, tv, dc, D, UPCAST)), sims,
                           input_precision=DOT_PREC)
-    # running maximum and first argmax: the lowest index among the chunk's maxima, and an earlier
-    # chunk keeps a tie (strictly greater replaces)
+    return sims, tv
+
+
+@triton.jit
+def _fwd_fold(sims, tv, t0, best, arg, nvalid, BLOCK_T: tl.constexpr):
+    """The max / argmax epilogue of one tile: invalid tokens -inf, then the running maximum and first argmax
+    (the lowest index among the chunk's maxima; an earlier chunk keeps a tie: strictly greater replaces)."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    nvalid += tv.to(tl.int32)
     sims = tl.where(tv[None, :], sims, NEG_INF)
     cmax = tl.max(sims, axis=1)
     carg = tl.min(tl.where(sims == cmax[:, None], t[None, :], BIG_INDEX), axis=1)
     upd = cmax > best
     return tl.where(upd, cmax, best), tl.where(upd, carg, arg), nvalid
+
+
+@triton.jit
+def _fwd_merge(sims_b, tv_b, sims_a, tv_a, t0, BLOCK_T: tl.constexpr):
+    """Two consecutive chunks of one document, tokens [t0, t0 + BLOCK_T) (``b``) and the next BLOCK_T (``a``),
+    merged elementwise: per position the larger similarity (invalid tokens -inf; ``b`` on a tie or where ``a``
+    is NaN) and its token index; then :func:`_fwd_reduce` folds the pair as :func:`_fwd_fold` folds a chunk.
+    Every maximum of ``b`` survives the merge, so the pair's first maximum is the chunk-by-chunk one."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    xb = tl.where(tv_b[None, :], sims_b, NEG_INF)
+    xa = tl.where(tv_a[None, :], sims_a, NEG_INF)
+    take_b = (xb >= xa) | (xa != xa)
+    return tl.where(take_b, xb, xa), tl.where(take_b, t[None, :], t[None, :] + BLOCK_T)
+
+
+@triton.jit
+def _fwd_reduce(x, ti, cmax, best, arg):
+    """The running maximum / first argmax after a merged pair (x, ti) of :func:`_fwd_merge` whose row maxima
+    are ``cmax``."""
+    carg = tl.min(tl.where(x == cmax[:, None], ti, BIG_INDEX), axis=1)
+    upd = cmax > best
+    return tl.where(upd, cmax, best), tl.where(upd, carg, arg)
+
+
+@triton.jit
+def _fwd_chunk(q, q_base, rmask, DOC, DV, j, t0, LD, D, stride_dm, stride_dt, dk, best, arg, nvalid,
+               ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, RESIDENT: tl.constexpr,
+               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The forward's step: the similarities of the rows with tokens [t0, t0 + BLOCK_T) of document j
+    (fp32, one ``tl.dot``; invalid tokens -inf), folded into the running maximum / first argmax."""
+    sims, tv = _fwd_sims(q, q_base, rmask, DOC, DV, j, t0, LD, D, stride_dm, stride_dt, dk, LD,
+                         tl.zeros([ROWS, BLOCK_T], dtype=tl.float32), ROWS, BLOCK_T, BLOCK_D, RESIDENT, UPCAST,
+                         DOT_PREC)
+    return _fwd_fold(sims, tv, t0, best, arg, nvalid, BLOCK_T)
 
 
 @triton.jit
@@ -171,7 +232,7 @@ def maxsim_fwd_kernel(
     stride_qn, stride_qa, stride_dm, stride_dt, empty_score,
     G: tl.constexpr, LQ_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     RESIDENT: tl.constexpr, FLAT: tl.constexpr, IDX_T: tl.constexpr, Q_REGS: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, OVERLAP: tl.constexpr = False,
 ):
     """S [N, M], IDX ([M, N * Lq] with IDX_T, else [N * Lq, M]) for documents [split * docs_per_split, ...)
     of queries [pid G, pid G + G), and LSE_PART[split, i] (grid: (cdiv(N, G), splits)). W [N, Lq] fp32,
@@ -221,18 +282,60 @@ def maxsim_fwd_kernel(
         best = tl.full([ROWS], NEG_INF, tl.float32)
         arg = tl.zeros([ROWS], dtype=tl.int32)
         nvalid = tl.zeros([BLOCK_T], dtype=tl.int32)
-        for c in range(0, (j_hi - j_lo) * cpd):
-            jd = c // cpd
-            k = c - jd * cpd
-            j = j_lo + jd
-            best, arg, nvalid = _fwd_chunk(q, q_base, rmask, DOC, DV, j, k * BLOCK_T, LD, D, stride_dm, stride_dt,
-                                           dk, best, arg, nvalid, ROWS, BLOCK_T, BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
-            if k == cpd - 1:
-                m_l, z_l = _fwd_doc_end(S, idx_base, stride_ij, j, M, w, rmask, best, arg, nvalid, gi, gmask, s,
-                                        empty_score, m_l, z_l, G, LQ_PAD)
-                best = tl.full([ROWS], NEG_INF, tl.float32)
-                arg = tl.zeros([ROWS], dtype=tl.int32)
-                nvalid = tl.zeros([BLOCK_T], dtype=tl.int32)
+        npairs = (j_hi - j_lo) * cpd
+        if OVERLAP:
+            # pairs of token chunks (2 p, 2 p + 1) of one document (cpd rounded up to even: one more empty
+            # chunk when it is odd). Iteration p: chunk 2 p + 1's matmul (synchronous; its wait also completes
+            # chunk 2 p's, issued by the previous iteration), the pair merged elementwise, chunk 2 p + 2's
+            # matmul issued (its accumulator input is zeros that depend on the merge, so it is issued after
+            # the merge has read chunk 2 p's registers), then the pair's max / argmax reductions and the
+            # document's end while that matmul is in flight (sm_90: an asynchronous wgmma carried across
+            # the loop's back edge, waited for by the next iteration's first dot)
+            cpd2 = cpd + cpd % 2
+            n_ch = (j_hi - j_lo) * cpd2
+            sims_b, tv_b = _fwd_sims(q, q_base, rmask, DOC, DV, j_lo, 0, LD, D, stride_dm, stride_dt, dk,
+                                     tl.where(n_ch > 0, LD, 0), tl.zeros([ROWS, BLOCK_T], dtype=tl.float32), ROWS,
+                                     BLOCK_T, BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
+            for p in range(0, n_ch // 2):
+                ca = 2 * p + 1
+                jd = ca // cpd2
+                ka = ca - jd * cpd2
+                j = j_lo + jd
+                sims_a, tv_a = _fwd_sims(q, q_base, rmask, DOC, DV, j, ka * BLOCK_T, LD, D, stride_dm, stride_dt,
+                                         dk, LD, tl.zeros([ROWS, BLOCK_T], dtype=tl.float32), ROWS, BLOCK_T,
+                                         BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
+                nvalid += tv_b.to(tl.int32) + tv_a.to(tl.int32)
+                x, ti = _fwd_merge(sims_b, tv_b, sims_a, tv_a, (ka - 1) * BLOCK_T, BLOCK_T)
+                cmax = tl.max(x, axis=1)
+                jn = (ca + 1) // cpd2
+                kn = ca + 1 - jn * cpd2
+                # zeros (ka >= 0) that depend on the pair's maximum: the next matmul is issued after the merge
+                # and the maximum have read chunk 2 p's registers (its accumulator reuses them)
+                acc0 = tl.where(ka < 0, cmax[:, None], tl.zeros([ROWS, BLOCK_T], dtype=tl.float32))
+                sims_b, tv_b = _fwd_sims(q, q_base, rmask, DOC, DV, j_lo + jn, kn * BLOCK_T, LD, D, stride_dm,
+                                         stride_dt, dk, tl.where(ca + 1 < n_ch, LD, 0), acc0, ROWS, BLOCK_T,
+                                         BLOCK_D, RESIDENT, UPCAST, DOT_PREC)
+                best, arg = _fwd_reduce(x, ti, cmax, best, arg)
+                if ka == cpd2 - 1:
+                    m_l, z_l = _fwd_doc_end(S, idx_base, stride_ij, j, M, w, rmask, best, arg, nvalid, gi, gmask, s,
+                                            empty_score, m_l, z_l, G, LQ_PAD)
+                    best = tl.full([ROWS], NEG_INF, tl.float32)
+                    arg = tl.zeros([ROWS], dtype=tl.int32)
+                    nvalid = tl.zeros([BLOCK_T], dtype=tl.int32)
+        else:
+            for c in range(0, npairs):
+                jd = c // cpd
+                k = c - jd * cpd
+                j = j_lo + jd
+                best, arg, nvalid = _fwd_chunk(q, q_base, rmask, DOC, DV, j, k * BLOCK_T, LD, D, stride_dm,
+                                               stride_dt, dk, best, arg, nvalid, ROWS, BLOCK_T, BLOCK_D, RESIDENT,
+                                               UPCAST, DOT_PREC)
+                if k == cpd - 1:
+                    m_l, z_l = _fwd_doc_end(S, idx_base, stride_ij, j, M, w, rmask, best, arg, nvalid, gi, gmask, s,
+                                            empty_score, m_l, z_l, G, LQ_PAD)
+                    best = tl.full([ROWS], NEG_INF, tl.float32)
+                    arg = tl.zeros([ROWS], dtype=tl.int32)
+                    nvalid = tl.zeros([BLOCK_T], dtype=tl.int32)
     else:
         for j in range(j_lo, j_hi):
             best = tl.full([ROWS], NEG_INF, tl.float32)
@@ -306,10 +409,13 @@ def maxsim_bwd_query_kernel(
 
 
 @triton.jit
-def _dd_step(acc, t, b, cb, x, DOT_PREC: tl.constexpr):
+def _dd_step(acc, t, b, cb, x, DOT_PREC: tl.constexpr, REGS: tl.constexpr = False, t0=0):
     """acc [BLOCK_T, BLOCK_D] += P^T @ x with the weighted one-hot ``P^T_tr = [b_r = t] cb_r`` (cb already
     in the operand dtype: a select, no per-element cast)."""
-    p = tl.where(t[:, None] == b[None, :], cb[None, :], tl.zeros_like(cb)[None, :])
+    if REGS:  # t: the local token indices (0 .. BLOCK_T - 1) from a matmul result's layout; t0 the first token
+        p = tl.where(t[:, None] == (b - t0)[None, :], cb[None, :], tl.zeros_like(cb)[None, :])
+    else:
+        p = tl.where(t[:, None] == b[None, :], cb[None, :], tl.zeros_like(cb)[None, :])
     return tl.dot(p, x, acc, input_precision=DOT_PREC)
 
 
@@ -319,7 +425,7 @@ def maxsim_bwd_doc_kernel(
     N, M, LQ, LD, D, stride_qn, stride_qa,
     ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NT: tl.constexpr, IDX_T: tl.constexpr,
     UPCAST: tl.constexpr,
-    DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr,
+    DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr, P_REGS: tl.constexpr = False,
 ):
     """dd_jb = sum_{(i, a): idx_iaj = b} G_ij w_ia q_ia for the NT chunks of BLOCK_T tokens from
     pid_t NT BLOCK_T of document j and columns [pid_d BLOCK_D, ...) (grid: (M, cdiv(cdiv(Ld, BLOCK_T), NT),
@@ -335,7 +441,8 @@ def maxsim_bwd_doc_kernel(
     j = tl.program_id(0)  # neighbouring programs read the same lines of IDX
     pid_t = tl.program_id(1)
     pid_d = tl.program_id(2)
-    t = pid_t * (NT * BLOCK_T) + tl.arange(0, BLOCK_T)
+    t_first = pid_t * (NT * BLOCK_T)
+    t = t_first + tl.arange(0, BLOCK_T)
     dk = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = dk < D
     gs = tl.load(GSCALE)
@@ -349,6 +456,18 @@ def maxsim_bwd_doc_kernel(
     if NT > 3:
         acc3 = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     b_next = _dd_index(IDX, j, tl.arange(0, ROWS), nr, M, IDX_T)
+    if P_REGS:
+        # the local token index 0 .. BLOCK_T - 1 of each row of P^T as a row maximum of a tiny exact matmul
+        # whose [BLOCK_T, BLOCK_D] result has the accumulator's shape (so its layout): tk [BLOCK_T, 16]
+        # (column 0 the index) @ ones [16, BLOCK_D] (row 0); P^T is then built in that layout, from which
+        # the matmul reads its register operand without a trip through shared memory
+        kk = tl.arange(0, 16)
+        tk = tl.where(kk[None, :] == 0, tl.arange(0, BLOCK_T)[:, None].to(tl.float32), 0.0)
+        ones = tl.where(kk[:, None] == 0, 1.0, tl.zeros([16, BLOCK_D], dtype=tl.float32))
+        if UPCAST:
+            t_loc = tl.max(tl.dot(tk, ones), axis=1).to(tl.int32)
+        else:
+            t_loc = tl.max(tl.dot(tk.to(tl.float16), ones.to(tl.float16)), axis=1).to(tl.int32)
     for r0 in range(0, nr, ROWS):
         r = r0 + tl.arange(0, ROWS)
         rmask = r < nr
@@ -373,13 +492,25 @@ def maxsim_bwd_doc_kernel(
             x = x.to(tl.float32)
         else:
             cb = c.to(Q.dtype.element_ty)
-        acc0 = _dd_step(acc0, t, b, cb, x, DOT_PREC)
+        if P_REGS:
+            acc0 = _dd_step(acc0, t_loc, b, cb, x, DOT_PREC, True, t_first)
+        else:
+            acc0 = _dd_step(acc0, t, b, cb, x, DOT_PREC)
         if NT > 1:
-            acc1 = _dd_step(acc1, t + BLOCK_T, b, cb, x, DOT_PREC)
+            if P_REGS:
+                acc1 = _dd_step(acc1, t_loc, b, cb, x, DOT_PREC, True, t_first + 1 * BLOCK_T)
+            else:
+                acc1 = _dd_step(acc1, t + BLOCK_T, b, cb, x, DOT_PREC)
         if NT > 2:
-            acc2 = _dd_step(acc2, t + 2 * BLOCK_T, b, cb, x, DOT_PREC)
+            if P_REGS:
+                acc2 = _dd_step(acc2, t_loc, b, cb, x, DOT_PREC, True, t_first + 2 * BLOCK_T)
+            else:
+                acc2 = _dd_step(acc2, t + 2 * BLOCK_T, b, cb, x, DOT_PREC)
         if NT > 3:
-            acc3 = _dd_step(acc3, t + 3 * BLOCK_T, b, cb, x, DOT_PREC)
+            if P_REGS:
+                acc3 = _dd_step(acc3, t_loc, b, cb, x, DOT_PREC, True, t_first + 3 * BLOCK_T)
+            else:
+                acc3 = _dd_step(acc3, t + 3 * BLOCK_T, b, cb, x, DOT_PREC)
     _dd_store(DD, acc0 * (gs / PRESCALE), j, t, dk, dmask, LD, D)
     if NT > 1:
         _dd_store(DD, acc1 * (gs / PRESCALE), j, t + BLOCK_T, dk, dmask, LD, D)

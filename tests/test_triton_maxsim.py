@@ -428,3 +428,91 @@ def test_maxsim_kernels_compile_for_sm80_and_sm90(compiled):
     gathers = [r for r in compiled if r["kernel"] == "maxsim_bwd_query" and r["gather"]]
     assert_tensor_cores([r for r in compiled if r not in gathers])
     assert all(r["tc"] == "none" for r in gathers)
+
+
+# --- the untimed forms (FUSED_CONTRASTIVE_MAXSIM_FWD=overlap, FUSED_CONTRASTIVE_MAXSIM_DD=regs) -----------------
+
+FORMS = {"fwd-overlap": dict(MAXSIM_FWD="overlap"), "dd-regs": dict(MAXSIM_DD="regs")}
+
+
+def _both(q, d, w, dv, G):
+    S, idx, lse = TMS.maxsim_forward(_nan_view(q), _nan_view(d), w, dv, 1.3, EMPTY)
+    dq, dd = TMS.maxsim_backward(_nan_view(q), _nan_view(d), w, idx, G, dv)
+    return S, idx, lse, dq, dd
+
+
+@pytest.mark.parametrize("ld", [24, 70, 150])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_untimed_forms_against_the_oracle_and_bitwise_the_default(form, dtype, ld):
+    """Each form through the switchboard: every output against the float64 oracle (``_run_and_check``), and
+    bitwise the default form's (the same products, maxima and sums in the same order). Ld = 24: one chunk per
+    document (the overlap form pads it to a pair with an empty chunk); 70: an odd number of chunks (bf16: 3 of 32;
+    fp32: 2 of 64); 150: NaN padding tokens over several pairs. Ragged masks, an empty document, padded query
+    tokens, several query groups and document splits."""
+    from fused_contrastive import routes
+
+    q, d, w, dv = _problem(12, 11, 8, ld, 32, dtype, 40 + ld, p_valid=0.6, empty=(4,), pad_q=2, nan_pad=ld == 150)
+    G = torch.randn(12, 11, generator=torch.Generator().manual_seed(41))
+    G[:, 4] = 0.0
+    want = _both(q, d, w, dv, G)
+    with routes.override(**FORMS[form]):
+        assert TMS.fwd_overlap() == (form == "fwd-overlap") and TMS.dd_p_regs() == (form == "dd-regs")
+        _run_and_check(q, d, w, dv, 1.3, seed=42)
+        got = _both(q, d, w, dv, G)
+    for name, a, b in zip(("S", "idx", "lse", "dq", "dd"), got, want, strict=True):
+        assert torch.equal(a, b), f"{form}: {name} differs from the default form"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_overlap_form_ties_within_a_pair_of_chunks(dtype):
+    """Exact ties between the two chunks of one merged pair (token 5 and the same position of the next chunk,
+    5 + BLOCK_T), across pairs (tokens 5 and 5 + 2 BLOCK_T) and with an invalid lower duplicate: the lowest valid
+    index wins, as in the default form."""
+    from fused_contrastive import routes
+
+    bt = TMS.FWD_32.block_t if dtype == torch.float32 else TMS.FWD_16.block_t
+    g = torch.Generator().manual_seed(43)
+    n, m, lq, ld, dim = 3, 4, 6, 5 + 2 * bt + 3, 16
+    d = (torch.randint(-4, 5, (m, ld, dim), generator=g) / 4).to(dtype)
+    dv = torch.rand(m, ld, generator=g) < 0.8
+    for j in range(m):  # token 1: an invalid duplicate; 5 the first valid one
+        for b in (5 + bt, 5 + 2 * bt, 1):
+            d[j, b] = d[j, 5]
+        dv[j, [5, 5 + bt, 5 + 2 * bt]] = True
+        dv[j, 1] = False
+    q = torch.stack([torch.stack([d[(i + a) % m, 5] * 2 for a in range(lq)]) for i in range(n)])
+    w = torch.ones(n, lq)
+    with routes.override(MAXSIM_FWD="overlap"):
+        o, idx = _run_and_check(q, d, w, dv, 1.0, exact_idx=True)
+    sims = o["sims"].permute(0, 2, 1, 3)
+    tie = (sims[..., 5] == sims.amax(-1)) & (sims[..., 5 + bt] == sims[..., 5])
+    assert tie.sum() >= n * lq // 2 and (idx.long()[tie] == 5).all()
+
+
+def test_the_switchboard_selects_the_forms_per_call(monkeypatch):
+    """FUSED_CONTRASTIVE_MAXSIM_FWD / _DD reach the launches (recorded on the meta device), read per call; unset,
+    the defaults; an invalid value is an error naming the variable."""
+    from fused_contrastive.tools import compile_survey
+
+    def launched():
+        meta = torch.device("meta")
+        q, d = torch.empty(8, 4, 32, device=meta), torch.empty(8, 24, 32, device=meta)
+        w, dv = torch.empty(8, 4, device=meta), torch.empty(8, 24, dtype=torch.bool, device=meta)
+        with compile_survey.recording("sm90") as launches:
+            s, idx, lse = TMS.maxsim_forward(q, d, w, dv, 1.0, EMPTY)
+            TMS.maxsim_backward(q, d, w, idx, torch.empty(8, 8, device=meta), dv)
+        c = {x.name: x.constexprs for x in launches}
+        return c["maxsim_fwd"]["OVERLAP"], c["maxsim_fwd"]["FLAT"], c["maxsim_bwd_doc"]["P_REGS"]
+
+    monkeypatch.delenv("FUSED_CONTRASTIVE_MAXSIM_FWD", raising=False)
+    monkeypatch.delenv("FUSED_CONTRASTIVE_MAXSIM_DD", raising=False)
+    assert launched() == (False, True, False)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_MAXSIM_FWD", "overlap")
+    assert launched() == (True, True, False)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_MAXSIM_DD", "regs")
+    monkeypatch.setattr(TMS, "FWD_FLAT", False)  # the overlap form is a flat loop whatever FWD_FLAT says
+    assert launched() == (True, True, True)
+    monkeypatch.setenv("FUSED_CONTRASTIVE_MAXSIM_FWD", "pairs")
+    with pytest.raises(ValueError, match="FUSED_CONTRASTIVE_MAXSIM_FWD must be one of 'flat', 'overlap'"):
+        launched()

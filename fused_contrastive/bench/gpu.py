@@ -155,6 +155,12 @@ FORMS: tuple[Form, ...] = (
     Form("epi=hoist", "the epilogue GEMM's per-row loads issued before its D loop (EPI_HOIST; default after it)",
          lambda loss, n, d: loss in ("info_nce", "simcse", "clip", "matryoshka5") and n in (16384, 65536)
          and d == 768, _env("EPI_HOIST", "1")),
+    Form("maxsim=overlap", "MaxSim's forward over pairs of token chunks, the next chunk's matmul in flight during "
+         "the pair's max / argmax (default: the flat loop, one chunk per step)",
+         lambda loss, n, d: loss == "maxsim", _env("MAXSIM_FWD", "overlap")),
+    Form("maxsim=dd-regs", "MaxSim's dd with its one-hot operand built in the accumulator's layout (no shared-memory "
+         "round trip on sm_90; default: through shared memory)",
+         lambda loss, n, d: loss == "maxsim", _env("MAXSIM_DD", "regs")),
     Form("one_pass=128x256w16+hoist", "the 128 x 256 one pass (16 warps, 3 stages) with its loads hoisted",
          lambda loss, n, d: loss == "info_nce" and n >= 16384 and d == 768, _env("EPI_HOIST", "1"),
          patch=_config("one_pass", (128, 256, 64, 16, 3))),

@@ -53,6 +53,9 @@ Registers below: bf16, D = 128, triton 3.9's ptxas (sm_80 / sm_90):
   slower (143 ms against 110; 128 rows per step:
   255 / 249). fp32: 64 x 64 x 32-wide D chunks, one chunk per program, 4 warps (several chunks
   spilled 120 to 3600 bytes).
+* untimed options (:data:`FWD_OVERLAP`, :data:`DD_P_REGS`; ``FUSED_CONTRASTIVE_MAXSIM_FWD`` /
+  ``FUSED_CONTRASTIVE_MAXSIM_DD``): the forward's overlap form at the default tile, 210 / 223 registers (sm_90 /
+  sm_80); dd's one-hot in the accumulator's layout, 128 / 168 (docs/maxsim.md, ``bench/maxsim_forms_compile.py``).
 """
 
 from __future__ import annotations
@@ -65,12 +68,13 @@ import torch
 import triton
 from torch import Tensor
 
+from ... import routes
 from ...kernels import maxsim as KMS
 from ..triton_shared import launch as TL
 from ..triton_shared.configs import DTYPE_NAMES, d_pad
 
-__all__ = ["DQ_GATHER", "FWD_FLAT", "FWD_Q_REGS", "FWD_SPLITS", "IDX_T", "maxsim_backward", "maxsim_forward",
-           "settings", "sweep_settings"]
+__all__ = ["DD_P_REGS", "DQ_GATHER", "FWD_FLAT", "FWD_OVERLAP", "FWD_Q_REGS", "FWD_SPLITS", "IDX_T", "dd_p_regs",
+           "fwd_overlap", "maxsim_backward", "maxsim_forward", "settings", "sweep_settings"]
 
 
 class MaxSimConfig(NamedTuple):
@@ -114,6 +118,16 @@ FWD_FLAT = True
 #: The forward's resident query rows as the similarity matmul's register operand (wgmma reads only the
 #: document tile from shared memory; more registers) instead of a shared-memory operand.
 FWD_Q_REGS = False
+#: The forward's overlap form (``FUSED_CONTRASTIVE_MAXSIM_FWD=overlap`` also selects it; untimed on a GPU, so off):
+#: the flat loop over pairs of token chunks, the next chunk's matmul issued before this pair's max / argmax
+#: reductions and document end (sm_90: an asynchronous wgmma in flight across them), the pair merged
+#: elementwise before one reduction (the kernel docstring).
+FWD_OVERLAP = False
+#: dd's overlap of nothing but its operand: the weighted one-hot P built in the matmul accumulator's layout
+#: (``FUSED_CONTRASTIVE_MAXSIM_DD=regs`` also selects it; untimed, so off), which the sm_90 wgmma reads as
+#: its register operand with no trip through shared memory (the default form stores P to shared memory
+#: and reads it back in the operand layout).
+DD_P_REGS = False
 #: The argmax stored document-major, ``[M, N * Lq]`` (returned as the ``[N, Lq, M]`` view
 #: ``permute(1, 2, 0)``), and dd reads ``G^T``: the forward's stores of a program's rows and the
 #: backward's loads of a block of rows for one document are contiguous (False: ``[N, Lq, M]``
@@ -125,9 +139,21 @@ IDX_T = True
 #: not quite that commit's: dd casts each row's coefficient once (a select per element, the same
 #: rounding) and loads the argmax block one step ahead.
 _BASELINE = dict(FWD_FLAT=False, IDX_T=False, FWD_Q_REGS=False, FWD_16=MaxSimConfig(128, 64, 0, 8, 3),
-                 BWD_D=MaxSimConfig(64, 64, 128, 4, 3, 1))
+                 BWD_D=MaxSimConfig(64, 64, 128, 4, 3, 1), FWD_OVERLAP=False, DD_P_REGS=False)
 
 _SMS = {"sm80": 108, "sm90": 132}  # recorded launches (meta tensors): A100, H100
+
+
+def fwd_overlap() -> bool:
+    """Whether the forward runs its overlap form: :data:`FWD_OVERLAP` or ``FUSED_CONTRASTIVE_MAXSIM_FWD=overlap``
+    (read per call)."""
+    return FWD_OVERLAP or routes.setting("MAXSIM_FWD") == "overlap"
+
+
+def dd_p_regs() -> bool:
+    """Whether dd builds its one-hot operand in the accumulator's layout: :data:`DD_P_REGS` or
+    ``FUSED_CONTRASTIVE_MAXSIM_DD=regs`` (read per call)."""
+    return DD_P_REGS or routes.setting("MAXSIM_DD") == "regs"
 
 
 def _kernel_dtype(q: Tensor, d: Tensor) -> torch.dtype:
@@ -217,6 +243,7 @@ def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty
         return s, idx, torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
     lq_pad = max(1, 1 << max(lq - 1, 0).bit_length())
     cfg, g, block_d, resident = _fwd_config(dt, lq_pad, dim)
+    overlap = fwd_overlap()
     n_groups = triton.cdiv(n, g)
     splits = _splits(n_groups, m, dev)
     per = triton.cdiv(m, splits)
@@ -227,8 +254,9 @@ def maxsim_forward(q: Tensor, d: Tensor, w: Tensor, dvalid: Tensor, scale, empty
         dict(Q=q, DOC=d, W=w, DV=dv, SCALE=TL._scale32(scale, dev), S=s, IDX=idx, LSE_PART=part,
              N=n, M=m, LQ=lq, LD=ld, D=dim, docs_per_split=per, stride_qn=q.stride(0), stride_qa=q.stride(1),
              stride_dm=d.stride(0), stride_dt=d.stride(1), empty_score=float(empty_score)),
-        dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident, FLAT=FWD_FLAT,
-             IDX_T=IDX_T, Q_REGS=FWD_Q_REGS, UPCAST=TL._upcast(dt), DOT_PREC=TL._dot_prec(dt)),
+        dict(G=g, LQ_PAD=lq_pad, BLOCK_T=cfg.block_t, BLOCK_D=block_d, RESIDENT=resident,
+             FLAT=FWD_FLAT or overlap, IDX_T=IDX_T, Q_REGS=FWD_Q_REGS, UPCAST=TL._upcast(dt),
+             DOT_PREC=TL._dot_prec(dt), OVERLAP=overlap),
         cfg.num_warps, cfg.num_stages))
     lse = part[0] if splits == 1 else torch.logsumexp(part, dim=0)
     return s, idx, lse
@@ -288,7 +316,7 @@ def maxsim_backward(q: Tensor, d: Tensor, w: Tensor, idx: Tensor, G: Tensor, dva
         dict(Q=q, W=w, IDX=idx, G=gt, GSCALE=gs, DD=dd, N=n, M=m, LQ=lq, LD=ld, D=dim, stride_qn=q.stride(0),
              stride_qa=q.stride(1)),
         dict(ROWS=cfg.rows, BLOCK_T=cfg.block_t, BLOCK_D=block_d, NT=nt, IDX_T=idx_t, UPCAST=upcast, DOT_PREC=prec,
-             PRESCALE=TL.prescale(dt)),
+             PRESCALE=TL.prescale(dt), P_REGS=dd_p_regs()),
         cfg.num_warps, cfg.num_stages))
     return dq, dd
 
@@ -307,10 +335,12 @@ def sweep_settings() -> list[tuple[str, dict[str, object]]]:
       rows x 32 tokens, idx [M, N*Lq], dd as the baseline): 247 ms against the baseline's 267 in one run;
     * ``fwd-nested``, ``idx-nlm``: ``default`` with the nested forward loops / the old idx layout;
     * ``fwd-r128t64``: 128 rows x 64 tokens (the flat loop measured 178 ms there, the nested 117-122);
-    * ``dd-chunks3``: dd's programs take 3 token chunks of a document at 8 warps (143 ms; 110 with one).
+    * ``dd-chunks3``: dd's programs take 3 token chunks of a document at 8 warps (143 ms; 110 with one);
+    * ``fwd-overlap``, ``dd-regs``: ``default`` with the forward's overlap form / dd's one-hot operand in the
+      accumulator's layout (:data:`FWD_OVERLAP`, :data:`DD_P_REGS`; untimed, compile figures in docs/maxsim.md).
     """
     best = dict(FWD_FLAT=True, IDX_T=True, FWD_Q_REGS=False, FWD_16=MaxSimConfig(256, 32, 0, 8, 3),
-                BWD_D=MaxSimConfig(64, 64, 128, 4, 3, 1))
+                BWD_D=MaxSimConfig(64, 64, 128, 4, 3, 1), FWD_OVERLAP=False, DD_P_REGS=False)
     return [
         ("baseline", dict(_BASELINE)),
         ("default", dict(best)),
@@ -318,6 +348,8 @@ def sweep_settings() -> list[tuple[str, dict[str, object]]]:
         ("idx-nlm", dict(best, IDX_T=False)),
         ("fwd-r128t64", dict(best, FWD_16=MaxSimConfig(128, 64, 0, 8, 3))),
         ("dd-chunks3", dict(best, BWD_D=MaxSimConfig(64, 64, 128, 8, 3, 4))),
+        ("fwd-overlap", dict(best, FWD_OVERLAP=True)),
+        ("dd-regs", dict(best, DD_P_REGS=True)),
     ]
 
 
