@@ -64,6 +64,9 @@ _PROFILE = (sys.executable, "bench/gpu_profile.py")
 LEVERS = ("epi=hoist", "one_pass=128x256w16+hoist", "gemm=fp16pass", "siglip=lean", "siglip=lean128",
           "siglip=lean128+tiles", "siglip=fp16pass")
 
+#: MaxSim's untimed forms: a step of their own, at MaxSim's sizes (the levers step's N would be 16384 and 65536)
+MAXSIM_LEVERS = ("maxsim=overlap", "maxsim=dd-regs")
+
 STEPS: tuple[Step, ...] = (
     Step("levers", (sys.executable, "-m", "fused_contrastive", "bench-gpu", "--losses",
                     "info_nce,simcse,clip,siglip,matryoshka5", "--sizes", "16384,65536", "--dims", "768", "--forms",
@@ -77,6 +80,11 @@ STEPS: tuple[Step, ...] = (
     Step("validate", (sys.executable, "-m", "fused_contrastive", "check", "--gpu-validate", "--jobs", "8"),
          "the verdict: parity of every kernel family against float64, reruns, fp16, timings beside the model",
          budget_flag="--budget", budget_cap=240.0),
+    Step("maxsim_levers", (sys.executable, "-m", "fused_contrastive", "bench-gpu", "--losses", "maxsim", "--forms",
+                           ",".join(MAXSIM_LEVERS), "--no-peers", "--no-compile", "--out", "{out}/maxsim_levers"),
+         "MaxSim's untimed forms (the overlapped forward, dd's one-hot in registers) beside its default at its own "
+         "sizes (N = M = 1024 and 4096)",
+         budget_flag="--budget", budget_cap=90.0),
     Step("configs", (*_PROFILE, "--n", "65536", "--losses", "", "--no-profile", "--configs", "one_pass,stats"),
          "the one pass's and the statistics forward's launch configurations"),
     Step("siglip", (*_PROFILE, "--n", "65536", "--losses", "siglip", "--siglip-forms", "--configs", "siglip_eager"),

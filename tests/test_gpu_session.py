@@ -95,6 +95,11 @@ def test_every_step_parses_with_its_own_script(gs):
                 from fused_contrastive.bench.gpu import FORM_BY_NAME
                 assert args.forms.split(",") == list(gs.LEVERS) and set(gs.LEVERS) <= set(FORM_BY_NAME)
                 assert args.no_peers and args.no_compile
+            if step.name == "maxsim_levers":  # MaxSim's forms, at MaxSim's own sizes
+                from fused_contrastive.bench.gpu import FORM_BY_NAME
+                assert args.losses == "maxsim" and args.forms.split(",") == list(gs.MAXSIM_LEVERS)
+                assert all(FORM_BY_NAME[f].applies("maxsim", 4096, 128) for f in gs.MAXSIM_LEVERS)
+                assert args.no_peers and args.no_compile and args.sizes is None
         elif argv[1:3] == ["-m", "fused_contrastive"]:
             args = parser.parse_args(argv[3:])
             assert args.gpu_validate and args.budget == 240.0 and args.jobs == 8, step
