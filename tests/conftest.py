@@ -53,6 +53,33 @@ def launches(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def gpu_rounding(monkeypatch):
+    """The Triton interpreter's fp32 -> bf16 casts rounded to nearest, ties to even, for the test's duration: as
+    Triton defines ``x.to(tl.bfloat16)`` (``fp_downcast_rounding`` defaults to "rtne") and the GPU runs it
+    (``cvt.rn.bf16.f32``). The interpreter of the installed Triton (3.9, ``InterpreterBuilder.cast_impl``)
+    drops the low 16 bits instead (toward zero: up to 1 unit in the last place, every error of the same sign
+    as its value), so a kernel's bf16 output or 16-bit gradient tile measured there carries up to twice the
+    GPU's rounding error, biased; a path whose last rounding is PyTorch's (an fp32 kernel output cast by
+    ``Tensor.to``) does not. The cast here is PyTorch's (round to nearest even, NaN and infinities kept);
+    other casts are the interpreter's own (fp32 -> fp16 already rounds to nearest through numpy).
+    tests/test_interpreter_rounding.py checks it bit for bit."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    orig = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interpreter.TensorHandle(bits.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+        return orig(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+
+
 def set_path(monkeypatch, path: str, tile: int = 300) -> None:
     if path == "dense":
         monkeypatch.setenv("FUSED_CONTRASTIVE_DENSE", "1")
