@@ -184,15 +184,27 @@ def lse_fwd_kernel(
     program pid the row block t P + pid (t even) or t P + P - 1 - pid (t odd), which balances the
     triangle's unequal rows; blocks past the last row have no columns.
 
-    SPLIT_T (no positives; with TRI, or without a column term): each row's target entry ``(i, TGT[i])`` is left
+    SPLIT_T (no positives): each row's target entry ``(i, TGT[i])`` is left
     out of its row sums, so LSE (and with TRI the column statistics of the rows of the columns, where the entry
     is ``(TGT[j], j)``) hold ``LSEx_i``, the log-sum-exp over every column but the target (the running max may
     be the target's: a shift only), and ``LT[i]`` gets the target's logit, from the row's fp32 dot with its
     target row after the column loop (-inf where a mask takes the entry out: its own excluded column, padding).
+    With WANT_COL (CLIP) column j's partial statistics leave out the entry ``(j, j)`` where ``TGT[j] == j`` (the
+    column's target is the row whose target it is: CLIP's pairs; any other column keeps every entry), so they
+    merge to ``LSEcolx_j`` and the column's target logit is ``LT[j]``.
     The host forms ``LSE_i = logaddexp(LSEx_i, LT_i)`` and the loss ``LSE_i - l_it = softplus(LSEx_i - LT_i)``
-    without the cancellation of two values of ``~|s|`` (the saturated regime: a row loss of ``~1e-4``). The
+    (the column's likewise) without the cancellation of two values of ``~|s|`` (the saturated regime: a row
+    loss of ``~1e-4``). The
     target's logit from the dot rather than captured from the tile: capturing it cost registers in the loop
     (sm_90 bf16 D = 768 compiles: 84-92 bytes of spills against 8-16 this way, 0 without SPLIT_T).
+    Without TRI, ``LT`` has 2N entries: ``LT[N + i]`` gets the row's running max ``m_i`` over every logit of its
+    tiles, the target's among them: where the target is the row's largest logit (the saturated regime) that is
+    the tile's own rounding of ``l_it``, bit for bit. The backward recomputes the tiles and weights the target
+    entry by ``exp(l_it - LSE_i)``; with ``p_t ~ 1`` its fp32 weight meets the target term's ``-1``, so ``LSE_i``
+    must agree with the tile's ``l_it`` to well below an ulp of ``|s|``, which the dot's (another summation
+    order) does not: the host forms the backward's ``LSE_i`` (and CLIP's ``LSEcol_j``) from ``m_i`` where the
+    dot's ``l_it`` is within rounding of it (``triton_fused.TILE_TARGET_TOL``). Capturing the tile's target
+    exponential instead (a second masked sum per tile) spilled 32-52 bytes in the sm_90 D = 768 tiles.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -257,10 +269,12 @@ def lse_fwd_kernel(
                 if TRI and SPLIT_T:  # column j's row: its target entry (TGT[j], j) kept apart likewise
                     tgt_c = tl.load(TGT + cols, mask=cmask, other=-1).to(tl.int32)
                     hit_c = rows[:, None] == tgt_c[None, :]
+                elif SPLIT_T:  # WANT_COL: column j's target entry (j, j) where row j's target is j (CLIP's pairs)
+                    hit_c = (rows[:, None] == cols[None, :]) & (tgt_r == rows)[:, None]
                 cmax = tl.max(l_col, axis=0)
                 cms = tl.where(cmax == NEG_INF, 0.0, cmax)
                 e_col = tl.exp(l_col - cms[None, :])
-                if TRI and SPLIT_T:
+                if SPLIT_T:
                     e_col = tl.where(hit_c, 0.0, e_col)
                 tile_lse = cms + _log0(tl.sum(e_col, axis=0))
                 cp = COL_PART + pid.to(tl.int64) * M + cols
@@ -294,6 +308,8 @@ def lse_fwd_kernel(
             if EXCLUDE_SELF:
                 l_t = tl.where(tgt_r == rows + offset, NEG_INF, l_t)
             tl.store(LT + rows, tl.where(tmask, l_t, NEG_INF), mask=rmask)
+            if not TRI:  # 9. the row's max over the tile's logits, the target's among them
+                tl.store(LT + N + rows, m_i, mask=rmask)
         if POS_KIND != 0:
             tl.store(LSE_POS + rows, mp_i + _log0(zp_i), mask=rmask)
 

@@ -170,12 +170,17 @@ def test_sm90_forward_tiles(monkeypatch, name, key, dtype):
     assert c.ok, c
     cfg = CONFIGS[(key, "sm90", DTYPE_NAMES[dtype], "big")]
     fwd = [l for l in seen if l.name == "lse_fwd"]
-    # (with the target split, SPLIT_T, at most SPLIT_FWD_MAX_WARPS warps: its 16-warp tile spilled)
-    from fused_contrastive.core.lse.triton_fused import SPLIT_FWD_MAX_WARPS
+    # (with the target split, SPLIT_T, at most SPLIT_FWD_MAX_WARPS warps: its 16-warp tile spilled; with the
+    # column term too, at most SPLIT_COL_MAX_BLOCK_N_SM90 columns: its 128 x 128 tile spilled)
+    from fused_contrastive.core.lse.triton_fused import SPLIT_COL_MAX_BLOCK_N_SM90, SPLIT_FWD_MAX_WARPS
 
-    assert fwd and all((l.constexprs["BLOCK_M"], l.constexprs["BLOCK_N"], l.num_warps)
-                       == (cfg.block_m, cfg.block_n, min(cfg.num_warps, SPLIT_FWD_MAX_WARPS)
-                           if l.constexprs["SPLIT_T"] else cfg.num_warps) for l in fwd)
+    def want(l):
+        if not l.constexprs["SPLIT_T"]:
+            return cfg.block_m, cfg.block_n, cfg.num_warps
+        bn = min(cfg.block_n, SPLIT_COL_MAX_BLOCK_N_SM90) if l.constexprs["WANT_COL"] else cfg.block_n
+        return cfg.block_m, bn, min(cfg.num_warps, SPLIT_FWD_MAX_WARPS)
+
+    assert fwd and all((l.constexprs["BLOCK_M"], l.constexprs["BLOCK_N"], l.num_warps) == want(l) for l in fwd)
     if key == "fwd_wide":  # the wide tile is what this test is for
         assert all(l.constexprs["BLOCK_N"] == 256 for l in fwd)
 

@@ -49,11 +49,11 @@ class TritonCoreFn(torch.autograd.Function):
         # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term; no loss
         # combines one with a softmax over positives, whose symmetric kernel would then spill)
         ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
-        # and, without a column term, each row's loss less its target logit formed without the cancellation
-        # (triton_fused._lse_fwd's target split; core.forward_parts takes c_i l_it out of the target term's value)
+        # and each row's loss less its target logit formed without the cancellation (triton_fused._lse_fwd's
+        # target split; with a column term, CLIP, the column's too; core.forward_parts takes c_i l_it out of the
+        # target term's value)
         minus: dict = {}
-        split16 = (ctx.split is not None and coef.col is None and coef.lse is not None
-                   and dt in (torch.float16, torch.bfloat16))
+        split16 = ctx.split is not None and coef.lse is not None and dt in (torch.float16, torch.bfloat16)
         lse, lse_col, lse_pos, p = triton_fused._lse_fwd(ak, bk, scale, spec, data, coef.col is not None,
                                                          coef.pos is not None, target=ctx.split if split16 else None,
                                                          minus_target=minus)
@@ -71,10 +71,8 @@ class TritonCoreFn(torch.autograd.Function):
         ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                               None if same else p.b, p.sa, None if same else p.sb)
         if minus:
-            c = coef.lse
-            c = c.to(device=lse.device, dtype=torch.float32) if isinstance(c, Tensor) else float(c)
-            ctx.minus_target = c * minus["fold"]
-            return combine(coef.to(torch.float32), reduce, minus["loss"], lse_col, lse_pos)
+            ctx.minus_target = minus_coefficients(coef, minus, n)
+            return combine(coef.to(torch.float32), reduce, minus["loss"], minus.get("col_loss", lse_col), lse_pos)
         return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
 
     @staticmethod
@@ -123,6 +121,25 @@ class TritonCoreFn(torch.autograd.Function):
         gb = db.to(bdt) if need_b and not same and db is not None else None
         gs = ds.to(sdt).reshape(sshape) if need_s and ds is not None else None
         return ga, gb, gs, None, None, None, None
+
+
+def minus_coefficients(coef: Coeffs, minus: dict, n: int) -> Tensor:
+    """``c_i`` [N] fp32, the coefficient at which the piece's value took row i's target logit ``l_it`` out:
+    ``c.lse_i`` where the row's loss is the difference (``minus["fold"]``), plus ``c.col_i`` where column i's is
+    (``minus["col_fold"]``, CLIP: column i's target is row i's, ``l_ii``), what ``core.forward_parts`` takes out
+    of the target term's value."""
+    fold = minus["fold"]
+
+    def cf(c):
+        return c.to(device=fold.device, dtype=torch.float32) if isinstance(c, Tensor) else float(c)
+
+    out = cf(coef.lse) * fold
+    if "col_fold" in minus:
+        col = minus["col_fold"] * cf(coef.col)
+        k = min(n, col.shape[0])
+        out = out.clone()
+        out[:k] += col[:k]
+    return out
 
 
 def core(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,

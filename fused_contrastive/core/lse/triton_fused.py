@@ -46,6 +46,12 @@ from ..triton_shared.configs import LaunchConfig, config_for, fwd_kernel
 SPLIT_FWD_MAX_WARPS = 8
 #: the 16-bit triangular forward with the target split (the larger tiles spilled)
 SPLIT_TRI_CONFIG = LaunchConfig(64, 64, 64, 4, 3)
+#: columns per tile of the split forward with a column term (CLIP) on sm_90: its 128 x 128 tile spilled
+SPLIT_COL_MAX_BLOCK_N_SM90 = 64
+#: how far (relative to ``max(1, |m_i|)``) the split forward's fp32 dot of a row's target logit may lie below the
+#: row's largest tile logit and still be taken for it (:func:`tile_target`): 2^-14, 512 fp32 ulps, far above the
+#: two sums' difference in rounding (``~sqrt(D)`` ulps) and far below any gap the saturated regime has
+TILE_TARGET_TOL = 2.0 ** -14
 
 
 def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, want_col: bool,
@@ -57,13 +63,18 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     forward, half the tiles (``lse_fwd_kernel``'s TRI: the row LSEs over the upper triangle merged
     with its column LSEs).
 
-    ``target`` [N] (int64; no column term, no positives) with a dict ``minus_target``: the kernel keeps each
+    ``target`` [N] (int64; no positives) with a dict ``minus_target``: the kernel keeps each
     row's target logit out of its sums (SPLIT_T; ``l_it`` from the row's fp32 dot with its target row),
     ``lse`` is ``logaddexp(LSEx_i, l_it)`` of the two, and
     the dict receives ``"loss"`` [N] fp32, each row's ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)`` (no
     cancellation; ``LSE_i`` on a row whose target entry is masked out, e.g. its own excluded column), and
     ``"fold"`` [N] fp32, 1 where the row's entry is the difference and 0 where it is ``LSE_i`` (what
-    ``triton_panel.sweep``'s one pass reports under the same names).
+    ``triton_panel.sweep``'s one pass reports under the same names). With ``want_col`` (CLIP) column j's
+    statistics keep its target entry ``(j, j)`` apart too where ``target[j] == j`` (the column's target is
+    the row whose target it is; other columns keep every entry): ``lse_col`` is the merged
+    ``LSEcol_j = logaddexp(LSEcolx_j, l_jj)`` and the dict also receives ``"col_loss"`` [M],
+    ``softplus(LSEcolx_j - l_jj)`` (``LSEcol_j`` where the column is not split), and ``"col_fold"`` [M] fp32,
+    1 where it is the difference.
     """
     dev = a.device
     n, d = a.shape
@@ -76,8 +87,8 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     key = fwd_kernel(bool(p.pos_kind), want_col, tri, p.bias_col is not None)
     cfg, block_d, _ = config_for(key, TL._arch(dev), p.a.dtype, d)
     split = target is not None and minus_target is not None
-    if split and (want_col or p.pos_kind):
-        raise ValueError("core: the forward's target split needs no column term and no positives")
+    if split and p.pos_kind:
+        raise ValueError("core: the forward's target split needs no positives")
     if split and tri and p.a.dtype != torch.float32:
         # the split's per-row and per-column target state spilled in the 128 x 128 16-bit triangular tile (16 warps:
         # 4-16 bytes a thread on sm_90 / sm_80; 8 warps: 24 + 36 on sm_90), so the split triangular forward takes
@@ -86,9 +97,14 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     elif split and cfg.num_warps > SPLIT_FWD_MAX_WARPS:
         # (16 warps: 128 registers a thread, where the split's target state spilled; 8 warps compile without)
         cfg = dataclasses.replace(cfg, num_warps=SPLIT_FWD_MAX_WARPS)
+    if split and want_col and TL._arch(dev) == "sm90" and cfg.block_n > SPLIT_COL_MAX_BLOCK_N_SM90:
+        # the column statistics' target mask beside the rows' in the 128 x 128 sm_90 tile at 8 warps spilled 12-44
+        # bytes (D > 128, bf16 / fp16); 128 x 64 compiles without (tests/test_split_fwd_compile.py). Untimed on a GPU
+        cfg = dataclasses.replace(cfg, block_n=SPLIT_COL_MAX_BLOCK_N_SM90)
     lse = TL._alloc((n,), torch.float32, dev)
     lse_pos = TL._alloc((n,), torch.float32, dev) if p.pos_kind else None
-    lt = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev) if split else None
+    # (without tri, LT[n:] receives each row's largest tile logit: the backward's LSE is formed from it)
+    lt = torch.full((n if tri else 2 * n,), float("-inf"), dtype=torch.float32, device=dev) if split else None
     n_rb = triton.cdiv(n, cfg.block_m)
     progs, col_part, n_loop = n_rb, p.dummy, n_rb
     if want_col:
@@ -113,12 +129,39 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     if tri:
         lse = torch.logaddexp(lse, torch.logsumexp(col_part, dim=0))
     if split:  # lse is LSEx here: the target's logit lt apart
+        # (the loss from the dot's l_it; the backward's LSE from the tile's own, which its recomputed tiles match)
+        lt, lt_tile = (lt, lt) if tri else (lt[:n], tile_target(lt[:n], lt[n:]))
         fold = lt > float("-inf")
-        x = lse - lt  # softplus(x) = log(1 + e^x), accurate on both sides
-        loss = torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
-        lse = torch.logaddexp(lse, lt)
-        minus_target.update(loss=torch.where(fold, loss, lse), fold=fold.to(torch.float32))
+        loss = _softplus(lse - lt)
+        lse_x, lse = lse, torch.logaddexp(lse, lt_tile)
+        minus_target.update(loss=torch.where(fold, loss, torch.logaddexp(lse_x, lt)), fold=fold.to(torch.float32))
+        if want_col:  # lse_col is LSEcolx here: column j's target entry (j, j) apart where target[j] == j
+            k = min(n, m)
+            diag = target[:k] == torch.arange(k, device=dev)
+            ct = torch.full((m,), float("-inf"), dtype=torch.float32, device=dev)
+            ct_tile = ct.clone()
+            ct[:k] = torch.where(diag, lt[:k], float("-inf"))
+            ct_tile[:k] = torch.where(diag, lt_tile[:k], float("-inf"))
+            cfold = ct > float("-inf")
+            col_loss = _softplus(lse_col - ct)
+            lse_col_x, lse_col = lse_col, torch.logaddexp(lse_col, ct_tile)
+            minus_target.update(col_loss=torch.where(cfold, col_loss, torch.logaddexp(lse_col_x, ct)),
+                                col_fold=cfold.to(torch.float32))
     return lse, lse_col, lse_pos, p
+
+
+def tile_target(lt: Tensor, row_max: Tensor) -> Tensor:
+    """The target logit as the tiles round it, for the backward's LSE: the row's largest tile logit ``row_max``
+    where the dot's ``lt`` lies within :data:`TILE_TARGET_TOL` of it (the target is the row's max: the saturated
+    regime, where the backward's fp32 target weight ``exp(l_it - LSE_i)`` meets the target term's -1 and an ulp of
+    ``|s|`` between the dot and the tile would be the whole error), else ``lt`` (``p_t <= 1/2`` there, or the
+    dot is within the tolerance of the tile's value anyway)."""
+    return torch.where(lt >= row_max - TILE_TARGET_TOL * row_max.abs().clamp(min=1.0), row_max, lt)
+
+
+def _softplus(x: Tensor) -> Tensor:
+    """``log(1 + e^x)``, accurate on both sides of 0."""
+    return torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
 
 
 def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor | None,
