@@ -26,8 +26,9 @@ Structure (Hopper warp specialisation, ``gl.warp_specialize``): one CTA per SM w
 * ``CONSUMERS`` consumer warpgroups (4 warps each; 2: ping-pong) take the program's tiles in turn (consumer c the
   program's tiles c, c + CONSUMERS, ...): wgmma over the ring's slots (asynchronous, one group in flight, the slot
   released when the next group has been issued and the previous one retired), then the per-row epilogue on the
-  accumulator in registers. The ring is filled in tile order, so one consumer's MMAs run while the other's
-  epilogue runs: the epilogue is overlapped with the tensor cores instead of following them. The first consumer is
+  accumulator in registers. A pair of "turn" mbarriers makes the consumers take the MMA loop in turn (each hands
+  it over when its tile's MMAs are done): one consumer's MMAs run while the other's epilogue runs, so the
+  epilogue is overlapped with the tensor cores instead of following them. The first consumer is
   the default partition (``num_warps`` = 4: its registers are what ``maxnreg`` leaves), the second a worker with
   ``CONSUMER_REGS``.
 
@@ -96,10 +97,14 @@ if AVAILABLE:
                 c += 1
 
     @gluon.jit
-    def _consumer(xs, ys, ready, empty, MXP, ZP, CM, CZ, RSP, RB, SCALE, P, M, D, r0, offset, stride_zp,
+    def _consumer(xs, ys, ready, empty, turn, MXP, ZP, CM, CZ, RSP, RB, SCALE, P, M, D, r0, offset, stride_zp,
                   CI: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
                   NORMALIZE: gl.constexpr, EXCLUDE_SELF: gl.constexpr, WANT_COL: gl.constexpr, TRI: gl.constexpr):
-        """Consumer warpgroup ``CI``: the products of its tiles by wgmma from the ring, then the row statistics."""
+        """Consumer warpgroup ``CI``: the products of its tiles by wgmma from the ring, then the statistics. With two
+        consumers, ``turn`` orders their MMA loops: consumer CI starts its i-th tile's after the other consumer has
+        finished the MMAs of the tile before it in the program's order (then every wait on a ring slot's "ready"
+        barrier is for the phase after the last one waited: an mbarrier wait names its phase by parity only, so a
+        consumer that waited two phases ahead would pass on an old phase and read another tile's operands)."""
         BLOCK_M: gl.constexpr = xs.type.shape[1]
         BLOCK_K: gl.constexpr = xs.type.shape[2]
         STAGES: gl.constexpr = xs.type.shape[0]
@@ -116,6 +121,8 @@ if AVAILABLE:
             pid_m, pid_n = _tile_of(t, n_pm, n_pn, GROUP_M)
             c = (i * CONSUMERS + CI) * n_k  # the ring position of the tile's first slot (the loader's count)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            if CONSUMERS == 2:  # the first consumer's first wait passes (an mbarrier starts with phase -1 complete)
+                mbarrier.wait(turn.index(CI), (i & 1) ^ (1 - CI))
             for k in range(n_k):
                 st = c % STAGES
                 mbarrier.wait(ready.index(st), (c // STAGES) & 1)
@@ -126,6 +133,8 @@ if AVAILABLE:
                 c += 1
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+            if CONSUMERS == 2:  # the other consumer's MMAs may start: they run during this epilogue
+                mbarrier.arrive(turn.index(1 - CI))
 
             # the epilogue: kernels/panel.py _logits_rb / _logits, then MODE 3's row statistics
             loc = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -183,29 +192,34 @@ if AVAILABLE:
         ys = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
             mbarrier.init(empty.index(st), count=1)
+        for ci in gl.static_range(2):
+            mbarrier.init(turn.index(ci), count=1)
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         load_args = (x_desc, y_desc, xs, ys, ready, empty, P, M, D, GROUP_M)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (xs, ys, ready, empty, MXP, ZP, CM, CZ, RSP, RB, SCALE, P, M, D, r0, offset,
+                (_consumer, (xs, ys, ready, empty, turn, MXP, ZP, CM, CZ, RSP, RB, SCALE, P, M, D, r0, offset,
                              stride_zp, FIRST, CONSUMERS, BLOCK_N, GROUP_M, NORMALIZE, EXCLUDE_SELF, WANT_COL, TRI)),
-                (_consumer, (xs, ys, ready, empty, MXP, ZP, CM, CZ, RSP, RB, SCALE, P, M, D, r0, offset,
+                (_consumer, (xs, ys, ready, empty, turn, MXP, ZP, CM, CZ, RSP, RB, SCALE, P, M, D, r0, offset,
                              stride_zp, SECOND, CONSUMERS, BLOCK_N, GROUP_M, NORMALIZE, EXCLUDE_SELF, WANT_COL, TRI)),
                 (_loader, load_args),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (xs, ys, ready, empty, MXP, ZP, CM, CZ, RSP, RB, SCALE, P, M, D, r0, offset,
+                (_consumer, (xs, ys, ready, empty, turn, MXP, ZP, CM, CZ, RSP, RB, SCALE, P, M, D, r0, offset,
                              stride_zp, FIRST, CONSUMERS, BLOCK_N, GROUP_M, NORMALIZE, EXCLUDE_SELF, WANT_COL, TRI)),
                 (_loader, load_args),
             ], [1], [LOADER_REGS])
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(empty.index(st))
+        for ci in gl.static_range(2):
+            mbarrier.invalidate(turn.index(ci))
 
 else:  # pragma: no cover - exercised by tests that hide gluon
     epi_stats_ws_kernel = None

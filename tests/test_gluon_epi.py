@@ -56,10 +56,23 @@ def _stats(launches, name):
 
 _SCRIPT = textwrap.dedent(
     """
-    import dataclasses, json, re, sys
+    import dataclasses, json, os, re, subprocess, sys, tempfile
     sys.path.insert(0, ".")
     from tests.test_gluon_epi import record
     from fused_contrastive.tools import compile_survey as CS
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    def sass(cubin):  # static SASS opcode counts (nvdisasm bundled with Triton)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            nvdisasm = os.path.join(os.path.dirname(get_ptxas(90).path), "nvdisasm")
+            text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
+        return dict(sass=len(ops), hgmma=sum(o.startswith("HGMMA") for o in ops),
+                    usetmaxreg=sum(o.startswith("USETMAXREG") for o in ops),
+                    utmaldg=sum(o.startswith("UTMALDG") for o in ops))
 
     out = []
     for label, loss in (("cols", "clip"), ("tri", "simcse")):
@@ -76,6 +89,7 @@ _SCRIPT = textwrap.dedent(
             regs = re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)
             r.update(label=lab, setmaxnreg=sorted({int(v) for v in regs}),
                      ex2=ptx.count("ex2.approx"), consumers=lz.constexprs["CONSUMERS"],
+                     **sass(keep["kernel"].asm["cubin"]),
                      constexprs={k: v for k, v in lz.constexprs.items() if isinstance(v, (bool, int))})
             out.append(r)
     print(json.dumps(out))
@@ -99,7 +113,8 @@ def test_the_gluon_kernel_compiles_for_sm90(compiled):
     assert [r["label"] for r in compiled] == ["cols", "rows", "rows 1 consumer", "tri"]
     for r in compiled:
         print(json.dumps({k: r[k] for k in ("label", "consumers", "regs", "spill_stores", "spill_loads", "shared",
-                                            "n_wgmma", "tma", "setmaxnreg", "ex2")}))
+                                            "n_wgmma", "tma", "setmaxnreg", "ex2", "sass", "hgmma", "usetmaxreg",
+                                            "utmaldg")}))
     for r in compiled:
         assert r["cc"] == 90 and r["tc"] == "wgmma" and r["n_mma"] == 0, r
         assert r["n_wgmma"] == 4 * r["consumers"], r
@@ -108,6 +123,7 @@ def test_the_gluon_kernel_compiles_for_sm90(compiled):
         assert r["shared"] <= SMEM_LIMIT[90], r
         assert HG.STAGES * (HG.BLOCK_M + HG.BLOCK_N) * HG.BLOCK_K * 2 <= r["shared"], r  # the ring is in it
         assert KG.LOADER_REGS in r["setmaxnreg"], r
+        assert r["hgmma"] >= r["n_wgmma"] and r["usetmaxreg"] >= 2 and r["utmaldg"] >= 2, r  # in the SASS too
         if r["consumers"] == 2:
             assert r["regs"] == KG.MAXNREG and KG.CONSUMER_REGS in r["setmaxnreg"], r
     by = {r["label"]: r for r in compiled}
@@ -126,7 +142,8 @@ def _meta(rows: int, d: int, dtype=torch.bfloat16):
 
 def test_the_gate_takes_sm90_with_a_tested_triton_only(monkeypatch):
     """On sm_90 (the recorder's arch) with a tested Triton the kernel may run; the sm_80 recording, CPU tensors, an
-    untested Triton version, fp32 operands, a bias column or margin and rows TMA cannot copy each give a reason."""
+    untested Triton version, fp32 operands, a bias column or margin, rows TMA cannot copy and a traced host each give
+    a reason."""
     x, y = _meta(256, 768), _meta(300, 768)
     ok = dict(HAS_BIAS=False, BIAS_COS=False, POS_KIND=0)
     with CS.recording("sm90"):
@@ -135,6 +152,9 @@ def test_the_gate_takes_sm90_with_a_tested_triton_only(monkeypatch):
         assert "bias" in HG.fallback_reason(x, y, dict(ok, HAS_BIAS=True))
         assert "margin" in HG.fallback_reason(x, y, dict(ok, BIAS_COS=True))
         assert "16-byte" in HG.fallback_reason(_meta(256, 100), _meta(300, 100), ok)  # 200-byte rows
+        monkeypatch.setattr(HG.TL, "tensors_are_traced", lambda: True)
+        assert "traced" in HG.fallback_reason(x, y, ok)
+        monkeypatch.undo()
         monkeypatch.setattr(HG, "TESTED_TRITON", frozenset({"0.0.0"}))
         assert "not a version the Gluon kernel was tested with" in HG.fallback_reason(x, y, ok)
     monkeypatch.undo()
@@ -300,3 +320,116 @@ def test_where_the_gate_refuses_the_row_is_not_run(capsys):
         GV.check_gluon_stats(rep, GV.Plan(gluon_cases=_CASES[:1]), "cpu")
     assert rep.not_run == 1 and [r.ok for r in rep.results] == [None], rep.results
     assert "not run: the Gluon kernel did not launch (cpu tensors" in rep.results[0].detail
+
+
+# --- the barrier protocol, modelled (no GPU runs the kernel) -------------------------------------------------------
+
+
+class _Barrier:
+    """An mbarrier of arrival count 1: ``k`` phases completed; a wait for parity ``p`` passes when the current
+    (incomplete) phase's parity is not ``p`` (PTX ``mbarrier.try_wait.parity``: it names the phase by parity only)."""
+
+    def __init__(self):
+        self.k = 0
+
+    def arrive(self):
+        self.k += 1
+
+    def passes(self, parity: int) -> bool:
+        return (self.k & 1) != parity
+
+
+def _run_protocol(n_tiles: int, n_k: int, stages: int, consumers: int, turn: bool, seed: int) -> str | None:
+    """One program of ``epi_stats_ws_kernel`` as a model: its loader, its consumers and the TMA copies as agents with
+    the kernel's index arithmetic and waits (``_loader``, ``_consumer``), interleaved at random (each copy lands at a
+    random later time). Returns the first violation (a consumer reading a slot that holds another position, a copy
+    overwriting a slot not yet released, a deadlock), or None."""
+    import random
+
+    rnd = random.Random(seed)
+    ready = [_Barrier() for _ in range(stages)]
+    empty = [_Barrier() for _ in range(stages)]
+    trn = [_Barrier() for _ in range(2)]
+    content = [None] * stages
+    released = [-1] * stages  # the last position released per slot
+    copies: list[tuple[int, int]] = []
+    errors: list[str] = []
+
+    def loader():
+        c = 0
+        for _t in range(n_tiles):
+            for _k in range(n_k):
+                s = c % stages
+                yield lambda s=s, c=c: empty[s].passes(((c // stages) & 1) ^ 1)
+                copies.append((s, c))
+                c += 1
+
+    def consumer(ci):
+        for i, _t in enumerate(range(ci, n_tiles, consumers)):
+            c = (i * consumers + ci) * n_k
+            if turn and consumers == 2:
+                yield lambda i=i: trn[ci].passes((i & 1) ^ (1 - ci))
+            inflight = []
+            for k in range(n_k):
+                s = c % stages
+                yield lambda s=s, c=c: ready[s].passes((c // stages) & 1)
+                if content[s] != c:
+                    errors.append(f"consumer {ci} read slot {s} for position {c}: it holds {content[s]}")
+                inflight.append((s, c))
+                while len(inflight) > 1:  # warpgroup_mma_wait(1): the previous group retires (reads its slot)
+                    s0, c0 = inflight.pop(0)
+                    if content[s0] != c0:
+                        errors.append(f"consumer {ci}'s MMA of position {c0} saw slot {s0} overwritten")
+                if k > 0:
+                    prev = (c + stages - 1) % stages
+                    released[prev] = c - 1
+                    empty[prev].arrive()
+                c += 1
+            for s0, c0 in inflight:  # warpgroup_mma_wait(0)
+                if content[s0] != c0:
+                    errors.append(f"consumer {ci}'s MMA of position {c0} saw slot {s0} overwritten")
+            prev = (c + stages - 1) % stages
+            released[prev] = c - 1
+            empty[prev].arrive()
+            if turn and consumers == 2:
+                trn[1 - ci].arrive()
+            yield lambda: True  # (the epilogue)
+
+    agents = {"loader": loader(), **{f"consumer {ci}": consumer(ci) for ci in range(consumers)}}
+    waiting = {name: (lambda: True) for name in agents}
+    while agents or copies:
+        runnable = [n for n in agents if waiting[n]()]
+        if copies and (not runnable or rnd.random() < 0.4):  # a copy lands (any pending one: TMA does not order them)
+            s, c = copies.pop(rnd.randrange(len(copies)))
+            if c >= stages and released[s] != c - stages:
+                errors.append(f"the copy of position {c} overwrote slot {s} before position {c - stages} was released")
+            content[s] = c
+            ready[s].arrive()
+        elif runnable:
+            name = rnd.choice(runnable)
+            try:
+                waiting[name] = next(agents[name])
+            except StopIteration:
+                del agents[name], waiting[name]
+        else:
+            return f"deadlock: {sorted(agents)} wait"
+        if errors:
+            return errors[0]
+    return None
+
+
+@pytest.mark.parametrize("n_tiles,n_k,stages", [(5, 12, 4), (7, 3, 4), (4, 1, 2), (6, 5, 3), (9, 2, 4), (1, 12, 4)])
+def test_the_ring_protocol_reads_each_slot_at_its_position(n_tiles, n_k, stages):
+    """The kernel's barrier protocol (ring slots' ready / empty mbarriers, the consumers' turn), modelled with the
+    kernel's index arithmetic under random interleavings and copy latencies: every consumer reads each slot when it
+    holds the position it waited for, no copy overwrites an unreleased slot, and every agent finishes."""
+    for consumers in (1, 2):
+        for seed in range(150):
+            assert _run_protocol(n_tiles, n_k, stages, consumers, True, seed) is None, (consumers, seed)
+
+
+def test_without_the_turn_barriers_a_consumer_reads_another_tiles_operands():
+    """The planted defect the turn barriers prevent: without them the second consumer waits on a ring slot's phase
+    two or more ahead, passes on an old phase of the same parity and reads the first consumer's operands."""
+    found = [_run_protocol(5, 12, 4, 2, False, seed) for seed in range(100)]
+    assert any(f is not None and "read slot" in f for f in found), found[:3]

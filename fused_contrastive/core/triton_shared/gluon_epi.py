@@ -62,12 +62,16 @@ def fallback_reason(x: Tensor, y: Tensor, const: dict) -> str | None:
     if triton.__version__ not in TESTED_TRITON:
         return (f"triton {triton.__version__} is not a version the Gluon kernel was tested with "
                 f"({', '.join(sorted(TESTED_TRITON))})")
+    if TL.tensors_are_traced():
+        return "a traced host (a tensor descriptor is not a tensor to torch.compile)"
     dev = x.device
     if dev.type == "meta":
         if TL._arch(dev) != "sm90":
             return f"the recorded arch is {TL._arch(dev)}, not sm_90"
     elif dev.type != "cuda":
         return f"{dev.type} tensors (Gluon has no interpreter; it needs an sm_90 CUDA device)"
+    elif not torch.cuda.is_available():
+        return "no CUDA device is available"
     else:
         cc = torch.cuda.get_device_capability(dev)
         if tuple(cc) != (9, 0):
@@ -76,8 +80,6 @@ def fallback_reason(x: Tensor, y: Tensor, const: dict) -> str | None:
         return f"{x.dtype} / {y.dtype} operands (16-bit only)"
     if const.get("HAS_BIAS") or const.get("BIAS_COS") or const.get("POS_KIND", 0) != 0:
         return "a bias column, a margin or positives (not in the Gluon kernel)"
-    if TL.tensors_are_traced():
-        return "a traced host (a tensor descriptor is not a tensor to torch.compile)"
     for name, t in (("x", x), ("y", y)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or (dev.type != "meta" and t.data_ptr() % 16):
             return f"{name}'s rows are not 16-byte aligned (TMA)"
