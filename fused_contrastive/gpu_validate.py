@@ -20,8 +20,10 @@ Everything the Triton kernels need a GPU to confirm, in one command, with a pass
 * **the Gluon statistics kernel** (``kernels/gluon_epi.py``, the option ``FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws``:
   sm_90 with a tested Triton, ``core/triton_shared/gluon_epi.py``): the epilogue GEMM's statistics forward
   (``stats_forward``: row LSEs, with the column LSEs, and the triangular frame) through it, against the float64
-  log-sum-exps of the same bf16 inputs, with its outputs NaN-filled; where the gate refuses it (another arch or
-  Triton version) the row says why and counts as not run: it proves nothing there;
+  log-sum-exps of the same bf16 inputs, with its outputs NaN-filled, each row in a child process with a time
+  limit (no GPU has run the kernel: a hang is a FAIL row, not the end of the run), after the fp16 rows and before
+  the timings; where the gate refuses it (another arch or Triton version) the row says why and counts as not run:
+  it proves nothing there;
 * **cuBLAS fp32-output GEMMs**: which route ``core/triton_shared/panels.gemm_routes`` chose per 16-bit dtype
   (its probe of ``torch.mm`` / ``torch.addmm`` with ``out_dtype``, or the fallback: information);
 * **determinism**: 10 forward + backward runs bitwise identical per family and path (bf16, D = 768);
@@ -532,37 +534,69 @@ def gluon_stats_case(n: int, m: int | None, d: int, scale: float, want_col: bool
     return {"got": (lse, lse_col), "want": want, "kernels": seen, "why": gluon_epi.last_reason}
 
 
-def check_gluon_stats(report: Report, plan: Plan, device: str) -> None:
-    """The Gluon statistics kernel's rows (:data:`GLUON_CASES`, :func:`gluon_stats_case`): PASS when it ran and
-    every LSE is within ``1e-5 |LSE| + 4 |s| D 2^-24`` of the float64 value (the fp32 accumulation over D of exact
-    bf16 products of unit rows: at most ``D 2^-24`` per cosine, times the scale; 4 for the norms and the exps);
-    where the gate refused it, a row saying why, counted as not run."""
+#: Seconds one Gluon validation row may take on CUDA, in a child process (its first compile included): a kernel that
+#: never finishes (a barrier protocol that deadlocks on the GPU) is then a FAIL row instead of the end of the run.
+GLUON_ROW_TIMEOUT_S = 180.0
+
+
+def gluon_row(case: tuple, device: str) -> tuple[bool | None, str]:
+    """``(ok, detail)`` of one Gluon validation row (:data:`GLUON_CASES`, :func:`gluon_stats_case`): PASS when the
+    kernel ran and every LSE is within ``1e-5 |LSE| + 4 |s| D 2^-24`` of the float64 value (the fp32 accumulation
+    over D of exact bf16 products of unit rows: at most ``D 2^-24`` per cosine, times the scale; 4 for the norms
+    and the exps); ``(None, "not run: ...")`` where the gate refused it, with its reason."""
     from .core.triton_shared import gluon_epi
 
-    for label, n, m, d, scale, want_col, rows in plan.gluon_cases:
+    _label, n, m, d, scale, want_col, rows = case
+    r = gluon_stats_case(n, m, d, scale, want_col, rows, device)
+    if gluon_epi.NAME not in r["kernels"]:
+        return None, f"not run: the Gluon kernel did not launch ({r['why'] or 'no reason given'})"
+    tol_abs = 4 * abs(scale) * d * 2.0 ** -24
+    worst, what = 0.0, ""
+    for name, got, want in (("LSE", r["got"][0], r["want"][0]), ("LSEcol", r["got"][1], r["want"][1])):
+        if want is None:
+            continue
+        tol = 1e-5 * want.abs() + tol_abs
+        err = (got.double() - want).abs()
+        err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+        ratio = float((err / tol).max())
+        if ratio >= worst:
+            worst, what = ratio, f"{name} max err {float(err.max()):.3g}"
+    return worst <= 1.0, f"err/tol {worst:.3f} ({what}); kernels {sorted(set(r['kernels']))}"
+
+
+def gluon_row_child(case: tuple, device: str) -> tuple[bool | None, str]:
+    """:func:`gluon_row` in a child process (``python -m fused_contrastive.gpu_validate --gluon-child``), killed
+    after :data:`GLUON_ROW_TIMEOUT_S` seconds: no GPU has run the kernel, and a hang must not stop the run."""
+    import json
+
+    cmd = [sys.executable, "-m", "fused_contrastive.gpu_validate", "--gluon-child", json.dumps(list(case)), device]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=GLUON_ROW_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return False, f"no result within {GLUON_ROW_TIMEOUT_S:.0f} s (child killed: a hang?)"
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        return False, f"child exited {r.returncode}: {(r.stderr or r.stdout)[-300:]!r}"
+    ok, detail = json.loads(lines[-1])
+    return ok, detail
+
+
+def check_gluon_stats(report: Report, plan: Plan, device: str) -> None:
+    """The Gluon statistics kernel's rows (:func:`gluon_row`; on CUDA each in a child process with a time limit,
+    :func:`gluon_row_child`); a row whose kernel the gate refused is counted as not run."""
+    for case in plan.gluon_cases:
+        label, n, m, d, scale = case[:5]
         check = f"gluon-ws statistics {label} N={n} M={m or n} D={d} s={scale:g}"
         if report.over_budget(check):
             continue
         try:
-            r = gluon_stats_case(n, m, d, scale, want_col, rows, device)
-            if gluon_epi.NAME not in r["kernels"]:
-                report.not_run += 1
-                report.add(check, None, f"not run: the Gluon kernel did not launch ({r['why'] or 'no reason given'})")
-                continue
-            tol_abs = 4 * abs(scale) * d * 2.0 ** -24
-            worst, what = 0.0, ""
-            for name, got, want in (("LSE", r["got"][0], r["want"][0]), ("LSEcol", r["got"][1], r["want"][1])):
-                if want is None:
-                    continue
-                tol = 1e-5 * want.abs() + tol_abs
-                err = (got.double() - want).abs()
-                err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
-                ratio = float((err / tol).max())
-                if ratio >= worst:
-                    worst, what = ratio, f"{name} max err {float(err.max()):.3g}"
-            report.add(check, worst <= 1.0, f"err/tol {worst:.3f} ({what}); kernels {sorted(set(r['kernels']))}")
+            ok, detail = (gluon_row_child if torch.device(device).type == "cuda" else gluon_row)(case, device)
         except Exception as e:  # noqa: BLE001 - a FAIL row, and on to the next
             report.add(check, False, f"raised {_err(e)}")
+            continue
+        if ok is None and detail.startswith("not run"):
+            report.not_run += 1
+        report.add(check, ok, detail)
 
 
 def check_gemm_routes(report: Report, plan: Plan, device: str) -> None:
@@ -1063,10 +1097,10 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
     steps = [("parity", lambda: check_parity(report, plan, device, oracle), bool(plan.parity_shapes)),
              ("sentence-transformers", lambda: check_st_cached(report, plan, device),
               plan.st_cached and bool(plan.parity_shapes)),
-             ("gluon statistics", lambda: check_gluon_stats(report, plan, device), bool(plan.gluon_cases)),
              ("cuBLAS GEMM routes", lambda: check_gemm_routes(report, plan, device), True),
              ("determinism", lambda: check_determinism(report, plan, device), plan.determinism_runs > 1),
              ("fp16 vs fp32", lambda: check_fp16_large_m(report, plan, device), plan.fp16_shape is not None),
+             ("gluon statistics", lambda: check_gluon_stats(report, plan, device), bool(plan.gluon_cases)),
              ("timings", lambda: check_timings(report, plan, device), bool(plan.timing_sizes)),
              ("ncu", lambda: check_ncu(report, plan, device), plan.ncu)]
     for what, step, wanted in steps:
@@ -1113,6 +1147,11 @@ def main(device: str, aot_lib: str | None = None, budget_s: float | None = 420.0
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--gluon-child":
+        import json
+
+        print(json.dumps(gluon_row(tuple(json.loads(sys.argv[2])), sys.argv[3])))
+        sys.exit(0)
     if len(sys.argv) == 5 and sys.argv[1] == "--ncu-child":
         ncu_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         sys.exit(0)

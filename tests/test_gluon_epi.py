@@ -433,3 +433,30 @@ def test_without_the_turn_barriers_a_consumer_reads_another_tiles_operands():
     two or more ahead, passes on an old phase of the same parity and reads the first consumer's operands."""
     found = [_run_protocol(5, 12, 4, 2, False, seed) for seed in range(100)]
     assert any(f is not None and "read slot" in f for f in found), found[:3]
+
+
+def test_on_cuda_a_row_runs_in_a_child_process_with_a_time_limit(monkeypatch):
+    """The row's child process (what a CUDA run takes, so a kernel that hangs is a FAIL row, not the end of the run):
+    run here on the CPU it reports the gate's refusal as the in-process row does; past its time limit it is killed
+    and the row fails saying so."""
+    case = _CASES[0]
+    ok, detail = GV.gluon_row_child(case, "cpu")
+    assert ok is None and detail.startswith("not run: the Gluon kernel did not launch (cpu tensors"), detail
+    monkeypatch.setattr(GV, "GLUON_ROW_TIMEOUT_S", 0.01)
+    ok, detail = GV.gluon_row_child(case, "cpu")
+    assert ok is False and "no result within 0 s (child killed" in detail, detail
+    calls = []
+    monkeypatch.setattr(GV, "gluon_row_child", lambda c, d: calls.append(d) or (True, "stand-in"))
+    rep = GV.Report("cuda")
+    GV.check_gluon_stats(rep, GV.Plan(gluon_cases=_CASES[:2]), "cuda")
+    assert calls == ["cuda", "cuda"] and [r.ok for r in rep.results] == [True, True]
+
+
+def test_the_default_validation_rows_are_ones_the_gate_takes_on_sm90():
+    """``check --gpu-validate`` runs :data:`GLUON_CASES` by default, and on sm_90 with this Triton the gate would
+    take each of them (16-byte rows: D a multiple of 8), so a GPU run proves the kernel instead of skipping it."""
+    assert GV.Plan().gluon_cases == GV.GLUON_CASES and len(GV.GLUON_CASES) >= 3
+    assert {c[0] for c in GV.GLUON_CASES} == {"rows", "cols", "tri"}
+    with CS.recording("sm90"):
+        for _label, n, m, d, *_ in GV.GLUON_CASES:
+            assert HG.fallback_reason(_meta(n, d), _meta(m or n, d), {}) is None, (n, m, d)
