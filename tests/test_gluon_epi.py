@@ -222,6 +222,14 @@ def test_import_without_gluon_does_not_fail():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "has no usable Gluon (ModuleNotFoundError" in r.stdout, r.stdout
+    # a Gluon whose frontend refuses the kernel's definitions (another version's): the same
+    refused = code.replace('sys.modules["triton.experimental.gluon"] = None  # an import of it raises ImportError',
+                           "from triton.experimental import gluon\n"
+                           "def _no(*a, **k):\n    raise TypeError('this gluon refuses it')\n"
+                           "gluon.jit = _no")
+    r = subprocess.run([sys.executable, "-c", refused], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "has no usable Gluon (TypeError: this gluon refuses it)" in r.stdout, r.stdout
 
 
 # --- the launch's plumbing against the Triton launch it replaces -------------------------------------------------
