@@ -17,6 +17,13 @@ Everything the Triton kernels need a GPU to confirm, in one command, with a pass
   forced panel height (``Plan.multi_panel_rows``, default 1000: 5 panels at N = 4099); in fp32, where the rule
   grants PyTorch's error against the oracle whole, the oracle must agree with the fp32 reference to
   ``ORACLE_SANITY`` x the slack;
+* **the Gluon statistics kernel** (``kernels/gluon_epi.py``, the option ``FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws``:
+  sm_90 with a tested Triton, ``core/triton_shared/gluon_epi.py``): the epilogue GEMM's statistics forward
+  (``stats_forward``: row LSEs, with the column LSEs, and the triangular frame) through it, against the float64
+  log-sum-exps of the same bf16 inputs, with its outputs NaN-filled, each row in a child process with a time
+  limit (no GPU has run the kernel: a hang is a FAIL row, not the end of the run), after the fp16 rows and before
+  the timings; where the gate refuses it (another arch or Triton version) the row says why and counts as not run:
+  it proves nothing there;
 * **cuBLAS fp32-output GEMMs**: which route ``core/triton_shared/panels.gemm_routes`` chose per 16-bit dtype
   (its probe of ``torch.mm`` / ``torch.addmm`` with ``out_dtype``, or the fallback: information);
 * **determinism**: 10 forward + backward runs bitwise identical per family and path (bf16, D = 768);
@@ -80,6 +87,11 @@ OPTION_LOSSES = ("gist_smoothed", "qwen3", "info_nce_debiased", "info_nce_rowneg
 #: Option rows whose kernels must launch with a compile-time flag set: ``{case: (kernel, flag)}`` (the guided
 #: forward's SMOOTH: label smoothing's kept-column count and sum)
 OPTION_FLAGS = {"gist_smoothed": ("guided_fwd", "SMOOTH")}
+#: The Gluon statistics kernel's rows (:func:`check_gluon_stats`): (label, N, M or None for B = A (the triangular
+#: frame, the self column excluded), D, scale, the column statistics, forced panel height). 16-byte aligned rows
+#: (D a multiple of 8: TMA); D = 72 is ragged against the kernel's 64 columns per step (TMA's zero fill).
+GLUON_CASES = (("rows", 4099, 5000, 768, 20.0, False, 1000), ("cols", 4099, 5000, 768, 100.0, True, None),
+               ("tri", 4099, None, 768, 20.0, False, 1000), ("rows", 4099, 3001, 72, 20.0, False, None))
 #: Per-row cost ESTIMATES for the printed plan estimate and the timings' reserve, not measured per row: the
 #: committed H100 run bench/results/h100-epilogue/gpu_validate.txt (--budget 326 --jobs 8) ran 191 correctness
 #: rows (parity, determinism, fp16; first compiles included) in its workers' 196 s, 8.2 worker-seconds a row, and
@@ -100,7 +112,8 @@ NCU_KERNELS = {"lse_fwd_kernel": "fused", "lse_bwd_rows_kernel": "fused", "lse_b
 #: launcher zeroes queue rows before the launch).
 _OUTPUTS = {"row_norm": ("XS", "NORM", "RNORM", "RS"), "lse_fwd": ("LSE", "LSE_POS", "COL_PART"),
             "lse_bwd_rows": ("DA", "ACC", "DS_PART"), "lse_bwd_cols": ("DB", "ACC"),
-            "panel_dl": ("DL", "DS_PART"), "epi_gemm": ("DL",), "epi_gemm_stats": ("ZP", "MXP", "CZ", "CM")}
+            "panel_dl": ("DL", "DS_PART"), "epi_gemm": ("DL",), "epi_gemm_stats": ("ZP", "MXP", "CZ", "CM"),
+            "epi_stats_gluon": ("ZP", "MXP", "CZ", "CM")}
 # (panel_dl's LSE_OUT is [N]: each panel writes its own rows only; the triangular forward's COL_PART is
 # pre-filled with -inf by the launcher, its programs write only the columns their rows reach)
 #: The two paths of the triton backend (``core/lse/triton_panel.py``; env FUSED_CONTRASTIVE_TRITON_PATH) and
@@ -174,6 +187,8 @@ class Plan:
     #: the panel path's parity once more with this many rows per panel (None: skip), so several panels
     #: meet the oracle (the switchboard's hook ``PANEL_ROWS``)
     multi_panel_rows: int | None = 1000
+    #: rows of the Gluon statistics kernel (:data:`GLUON_CASES`; (): skip)
+    gluon_cases: tuple[tuple[str, int, int | None, int, float, bool, int | None], ...] = GLUON_CASES
     #: a built libfused_contrastive_torch.so: the checks also run on its operators (paths "aot/fused",
     #: "aot/panel"); a problem the library does not cover is reported as such (information)
     aot_lib: str | None = None
@@ -483,6 +498,105 @@ def _parity_one(report: Report, check: str, case, fam: str, tensors, kwargs, tru
             worst_ratio, worst = ratio, str(w)
     ok = not problems and worst_ratio <= 1.0
     report.add(check, ok, "; ".join(problems) or f"err/tol {worst_ratio:.3f} ({worst})")
+
+
+def gluon_stats_case(n: int, m: int | None, d: int, scale: float, want_col: bool, panel_rows: int | None,
+                     device: str, seed: int = 7) -> dict:
+    """One problem of the epilogue GEMM's statistics forward (``core/lse/triton_panel.py`` ``stats_forward``) with
+    the Gluon kernel asked for (``EPI_GEMM=gluon-ws``) and its outputs NaN-filled: bf16 rows ``a`` [N, D] and ``b``
+    [M, D] (None: B is A, the triangular frame with the self column excluded), normalised, at ``scale``; with
+    ``panel_rows`` that panel height. Returns ``{"got": (lse, lse_col), "want": the float64 log-sum-exps of the
+    same bf16 values (rows; columns with ``want_col``), "kernels": the launches' names, "why": the gate's reason
+    when the Gluon kernel was refused (else None)}``."""
+    from .core.lse import triton_panel
+    from .core.spec import CoreData, CoreSpec
+    from .core.triton_shared import gluon_epi
+    from .core.triton_shared import launch as TL
+
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, d, generator=g).to(torch.bfloat16).to(device)
+    b = None if m is None else torch.randn(m, d, generator=g).to(torch.bfloat16).to(device)
+    tri = b is None
+    spec = CoreSpec(normalize=True, exclude_self=tri)
+    seen: list[str] = []
+    gluon_epi.last_reason = None
+    with routes.override(EPI_GEMM=gluon_epi.GLUON_WS, PANEL_ROWS=panel_rows), poisoned_launches(seen), \
+            torch.no_grad():
+        prep = TL._prepare_data(a, b, spec, CoreData(), False)
+        lse, lse_col = triton_panel.stats_forward(TL._launch, prep, prep.a, prep.b, TL._scale32(scale, a.device), spec,
+                                                  want_col, tri=tri)
+    an = torch.nn.functional.normalize(a.double(), dim=1)
+    bn = an if tri else torch.nn.functional.normalize(b.double(), dim=1)
+    lg = scale * an @ bn.T
+    if tri:
+        lg.fill_diagonal_(float("-inf"))
+    want = (torch.logsumexp(lg, dim=1), torch.logsumexp(lg, dim=0) if want_col else None)
+    return {"got": (lse, lse_col), "want": want, "kernels": seen, "why": gluon_epi.last_reason}
+
+
+#: Seconds one Gluon validation row may take on CUDA, in a child process (its first compile included): a kernel that
+#: never finishes (a barrier protocol that deadlocks on the GPU) is then a FAIL row instead of the end of the run.
+GLUON_ROW_TIMEOUT_S = 180.0
+
+
+def gluon_row(case: tuple, device: str) -> tuple[bool | None, str]:
+    """``(ok, detail)`` of one Gluon validation row (:data:`GLUON_CASES`, :func:`gluon_stats_case`): PASS when the
+    kernel ran and every LSE is within ``1e-5 |LSE| + 4 |s| D 2^-24`` of the float64 value (the fp32 accumulation
+    over D of exact bf16 products of unit rows: at most ``D 2^-24`` per cosine, times the scale; 4 for the norms
+    and the exps); ``(None, "not run: ...")`` where the gate refused it, with its reason."""
+    from .core.triton_shared import gluon_epi
+
+    _label, n, m, d, scale, want_col, rows = case
+    r = gluon_stats_case(n, m, d, scale, want_col, rows, device)
+    if gluon_epi.NAME not in r["kernels"]:
+        return None, f"not run: the Gluon kernel did not launch ({r['why'] or 'no reason given'})"
+    tol_abs = 4 * abs(scale) * d * 2.0 ** -24
+    worst, what = 0.0, ""
+    for name, got, want in (("LSE", r["got"][0], r["want"][0]), ("LSEcol", r["got"][1], r["want"][1])):
+        if want is None:
+            continue
+        tol = 1e-5 * want.abs() + tol_abs
+        err = (got.double() - want).abs()
+        err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+        ratio = float((err / tol).max())
+        if ratio >= worst:
+            worst, what = ratio, f"{name} max err {float(err.max()):.3g}"
+    return worst <= 1.0, f"err/tol {worst:.3f} ({what}); kernels {sorted(set(r['kernels']))}"
+
+
+def gluon_row_child(case: tuple, device: str) -> tuple[bool | None, str]:
+    """:func:`gluon_row` in a child process (``python -m fused_contrastive.gpu_validate --gluon-child``), killed
+    after :data:`GLUON_ROW_TIMEOUT_S` seconds: no GPU has run the kernel, and a hang must not stop the run."""
+    import json
+
+    cmd = [sys.executable, "-m", "fused_contrastive.gpu_validate", "--gluon-child", json.dumps(list(case)), device]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=GLUON_ROW_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return False, f"no result within {GLUON_ROW_TIMEOUT_S:.0f} s (child killed: a hang?)"
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        return False, f"child exited {r.returncode}: {(r.stderr or r.stdout)[-300:]!r}"
+    ok, detail = json.loads(lines[-1])
+    return ok, detail
+
+
+def check_gluon_stats(report: Report, plan: Plan, device: str) -> None:
+    """The Gluon statistics kernel's rows (:func:`gluon_row`; on CUDA each in a child process with a time limit,
+    :func:`gluon_row_child`); a row whose kernel the gate refused is counted as not run."""
+    for case in plan.gluon_cases:
+        label, n, m, d, scale = case[:5]
+        check = f"gluon-ws statistics {label} N={n} M={m or n} D={d} s={scale:g}"
+        if report.over_budget(check):
+            continue
+        try:
+            ok, detail = (gluon_row_child if torch.device(device).type == "cuda" else gluon_row)(case, device)
+        except Exception as e:  # noqa: BLE001 - a FAIL row, and on to the next
+            report.add(check, False, f"raised {_err(e)}")
+            continue
+        if ok is None and detail.startswith("not run"):
+            report.not_run += 1
+        report.add(check, ok, detail)
 
 
 def check_gemm_routes(report: Report, plan: Plan, device: str) -> None:
@@ -826,7 +940,8 @@ def _worker_plans(plan: Plan, until: float | None) -> list[Plan]:
     each parity unit of :func:`parity_units` (the option rows with the first shape's), the sentence-transformers
     rows."""
     base = dataclasses.replace(plan, timing_sizes=(), ncu=False, budget_s=None, until=until, jobs=1,
-                               parity_shapes=(), determinism_runs=0, fp16_shape=None, st_cached=False)
+                               parity_shapes=(), determinism_runs=0, fp16_shape=None, st_cached=False,
+                               gluon_cases=())
     # one task per unit, the long ones first, handed to whichever worker is free: determinism, fp16,
     # then parity per (shape, regime, dtype) in the plan's order of priority
     plans = []
@@ -837,6 +952,8 @@ def _worker_plans(plan: Plan, until: float | None) -> list[Plan]:
     plans += [dataclasses.replace(base, parity_shapes=((n, d),), regimes=(regime,), dtypes=(dt,),
                                   option_losses=plan.option_losses if primary else ())
               for n, d, regime, dt, primary in parity_units(plan)]
+    if plan.gluon_cases:  # the Gluon statistics kernel's rows, one unit
+        plans.append(dataclasses.replace(base, gluon_cases=plan.gluon_cases))
     if plan.st_cached and plan.parity_shapes:  # the sentence-transformers rows: every dtype, the first shape
         plans.append(dataclasses.replace(base, parity_shapes=plan.parity_shapes[:1], losses=(), option_losses=(),
                                          st_cached=True))
@@ -853,7 +970,9 @@ def estimate(plan: Plan) -> dict[str, tuple[int, float]]:
     n_det = sum(len(_parity_paths(plan, lo)) for lo in plan.losses) if plan.determinism_runs > 1 else 0
     n_fp16 = len(plan.paths) if plan.fp16_shape is not None else 0
     n_tim = len(plan.losses) * len(plan.timing_sizes)
+    n_gl = len(plan.gluon_cases)
     return {"parity": (n_par, n_par * EST_S["row"]), "sentence-transformers": (n_st, n_st * EST_S["row"]),
+            "gluon": (n_gl, n_gl * EST_S["row"]),
             "determinism": (n_det, n_det * EST_S["row"]), "fp16": (n_fp16, n_fp16 * EST_S["row"]),
             "timing": (n_tim, n_tim * EST_S["timing_row"] * (1 + plan.timing_repeats) / 6)}
 
@@ -970,7 +1089,8 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
         t0 = time.monotonic()
         _checks_in_workers(report, plan, device, oracle, reserve=est["timing"][1] * 2 / (1 + plan.timing_repeats))
         walls["correctness (workers)"] = time.monotonic() - t0
-        plan = dataclasses.replace(plan, parity_shapes=(), determinism_runs=0, fp16_shape=None, st_cached=False)
+        plan = dataclasses.replace(plan, parity_shapes=(), determinism_runs=0, fp16_shape=None, st_cached=False,
+                                   gluon_cases=())
     # in order (the time budget stops the run in this order): every correctness row, parity first (cheap
     # shapes first), then determinism and fp16 at large M; the timings last, their repeats bounded by the
     # time left
@@ -980,6 +1100,7 @@ def validate(device: str = "cuda", plan: Plan | None = None, oracle: Oracle = fl
              ("cuBLAS GEMM routes", lambda: check_gemm_routes(report, plan, device), True),
              ("determinism", lambda: check_determinism(report, plan, device), plan.determinism_runs > 1),
              ("fp16 vs fp32", lambda: check_fp16_large_m(report, plan, device), plan.fp16_shape is not None),
+             ("gluon statistics", lambda: check_gluon_stats(report, plan, device), bool(plan.gluon_cases)),
              ("timings", lambda: check_timings(report, plan, device), bool(plan.timing_sizes)),
              ("ncu", lambda: check_ncu(report, plan, device), plan.ncu)]
     for what, step, wanted in steps:
@@ -1026,6 +1147,11 @@ def main(device: str, aot_lib: str | None = None, budget_s: float | None = 420.0
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--gluon-child":
+        import json
+
+        print(json.dumps(gluon_row(tuple(json.loads(sys.argv[2])), sys.argv[3])))
+        sys.exit(0)
     if len(sys.argv) == 5 and sys.argv[1] == "--ncu-child":
         ncu_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         sys.exit(0)

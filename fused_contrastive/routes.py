@@ -108,6 +108,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "core.triton_shared.panels.epi_form", ("tiles", "persistent", "tma")),
     Setting("EPI_HOIST", "flag", False, "'1' issues the epilogue GEMM's per-row loads before its products' loop "
             "(MODE 0 / 1 / 2; same results; untimed, off by default)", "core.triton_shared.panels._epi_panel"),
+    Setting("EPI_GEMM", "choice", "triton", "the kernel of the epilogue GEMM's statistics forward (MODE 3): triton "
+            "(kernels/panel.py) or gluon-ws (kernels/gluon_epi.py: persistent, warp-specialised, sm_90 and a tested "
+            "Triton only, elsewhere the Triton kernel with a warning; untimed, no GPU has run it)",
+            "core.triton_shared.gluon_epi.requested", ("triton", "gluon-ws")),
     Setting("MATRYOSHKA_ROUTE", "choice", "auto", "the Matryoshka route on the triton backend",
             "core.matryoshka.triton_levels.route", ("auto", "calls", "kernels", "suffix")),
     Setting("TRITON_POISON", "flag", False, "fill every kernel output with NaN before its launch (read at import)",
@@ -309,6 +313,12 @@ ROUTES: tuple[Route, ...] = (
           "pass)", "core.triton_shared.logit_pass.use_fp16_pass",
           unmeasured="no GPU has timed the two side by side: the default is the form every measurement ran, the fp16 "
                      "pass is new (bench-gpu form gemm=fp16pass)"),
+    Route("core", "the statistics forward's kernel (MODE 3)", "the Triton epilogue GEMM (kernels/panel.py)",
+          "16-bit statistics forwards on the epilogue GEMM (FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws: the Gluon kernel "
+          "where sm_90 and a tested Triton allow it)", "core.triton_shared.gluon_epi.TESTED_TRITON",
+          unmeasured="no GPU has run the Gluon kernel: compiled for sm_90 only (tests/test_gluon_epi.py); "
+                     "check --gpu-validate's gluon-ws rows prove it against float64, the bench-gpu form "
+                     "epi=gluon-ws times it"),
     Route("siglip", "the per-logit math of the epilogue", "exact (libdevice log, IEEE divisions)",
           "SigLIP's sweeps on the epilogue GEMM (FUSED_CONTRASTIVE_SIGLIP_EPILOGUE=lean|lean128)",
           "core.siglip.triton_sweep.epilogue",

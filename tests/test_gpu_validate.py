@@ -34,7 +34,7 @@ def _plan(**kw) -> GV.Plan:
     base = dict(losses=CORE, parity_shapes=SHAPES, dtypes=(torch.bfloat16,), regimes=("flat",),
                 determinism_shape=(37, 20), determinism_runs=2, fp16_shape=(8, 300, 24), timing_sizes=(40,),
                 timing_d=16, timing_repeats=1, ncu=False, multi_panel_rows=MULTI, budget_s=None, jobs=1,
-                option_losses=(), st_cached=False, secondary_regimes=None, secondary_dtypes=None)
+                option_losses=(), st_cached=False, secondary_regimes=None, secondary_dtypes=None, gluon_cases=())
     base.update(kw)
     return GV.Plan(**base)
 

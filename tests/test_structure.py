@@ -132,9 +132,10 @@ def test_core_imports_nothing_above_it():
 CORE_FAMILIES = ("lse", "matryoshka", "guided", "siglip", "cosent", "maxsim")
 #: ``kernels/`` mirrors them: each family's device code in one file; ``common.py`` (shared jit helpers),
 #: ``panel.py`` (the panel kernels and the epilogue GEMM every panel route launches), ``target.py`` (the linear
-#: terms' row kernels) and ``logit_pass.py`` (the one pass's in-place pass over cuBLAS's fp16 cosines) are shared.
+#: terms' row kernels), ``logit_pass.py`` (the one pass's in-place pass over cuBLAS's fp16 cosines) and ``gluon_epi.py``
+#: (the Gluon form of the epilogue GEMM's statistics mode, sm_90) are shared.
 KERNEL_FAMILIES = CORE_FAMILIES
-KERNELS_SHARED = ("common", "panel", "target", "logit_pass")
+KERNELS_SHARED = ("common", "panel", "target", "logit_pass", "gluon_epi")
 
 
 def _core_family(mod: str) -> str | None:

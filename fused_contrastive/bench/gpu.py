@@ -152,6 +152,13 @@ FORMS: tuple[Form, ...] = (
          "20 bytes there, 116-176 in the default TMA loop)",
          lambda loss, n, d: loss == "siglip" and n in (16384, 65536) and d == 768,
          {**_env("SIGLIP_EPILOGUE", "lean128"), **_env("EPI_FORM", "tiles")}),
+    # (the statistics forward runs the epilogue GEMM by default on sm_90 where these rows do: CLIP's column term
+    # and SimCSE's triangular sweep at N = 65536, EPILOGUE_MIN_ELEMENTS)
+    Form("epi=gluon-ws", "the statistics forward by the persistent warp-specialised Gluon kernel "
+         "(kernels/gluon_epi.py: a TMA loader warp, two ping-pong wgmma consumer warpgroups; sm_90 and a tested "
+         "Triton, else the Triton kernel with a warning)",
+         lambda loss, n, d: loss in ("clip", "simcse") and n == 65536 and d == 768,
+         _env("EPI_GEMM", "gluon-ws")),
     Form("epi=hoist", "the epilogue GEMM's per-row loads issued before its D loop (EPI_HOIST; default after it)",
          lambda loss, n, d: loss in ("info_nce", "simcse", "clip", "matryoshka5") and n in (16384, 65536)
          and d == 768, _env("EPI_HOIST", "1")),

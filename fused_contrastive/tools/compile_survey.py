@@ -303,6 +303,8 @@ def _sig_type(v) -> str:
     if isinstance(v, Tensor):
         return "*" + _DTYPES[v.dtype]
     if hasattr(v, "block_shape") and isinstance(getattr(v, "base", None), Tensor):  # a host TensorDescriptor
+        if hasattr(v, "layout"):  # Gluon's: its shared-memory layout is part of the type
+            return v.__mangle__()
         return f"tensordesc<{_DTYPES[v.base.dtype]}{list(v.block_shape)}>"
     if isinstance(v, bool):
         return "i1"
@@ -315,7 +317,8 @@ def _sig_type(v) -> str:
 
 def source(launch: TL.Launch):
     """An ASTSource for ``launch`` (pointer args 16-byte aligned and ints divisible by 16 marked as
-    such, as the JIT specialises a real launch on aligned tensors)."""
+    such, as the JIT specialises a real launch on aligned tensors); a Gluon kernel's (``kernels/gluon_epi.py``) is a
+    ``GluonASTSource``."""
     from triton.compiler import ASTSource
 
     fn = launch.fn
@@ -324,6 +327,10 @@ def source(launch: TL.Launch):
     for k, v in launch.args.items():
         if isinstance(v, Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0 and v != 0):
             attrs[(fn.arg_names.index(k),)] = [["tt.divisibility", 16]]
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource(fn, sig, dict(launch.constexprs), attrs)
     return ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
 
 

@@ -110,8 +110,8 @@ from torch import Tensor
 
 from ...kernels import panel as KP
 from ..spec import Coeffs, combine
+from ..triton_shared import gluon_epi, logit_pass, panels
 from ..triton_shared import launch as TL
-from ..triton_shared import logit_pass, panels
 from ..triton_shared.configs import (
     EPI_GEMM,
     EPI_GROUP_M,
@@ -154,7 +154,9 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
     Replaces the fused forward kernel (``lse_fwd``) for 16-bit panels without a softmax over positives.
     ``b`` is A itself when B is A. ``tri`` (the triangular sweep: B is A, symmetric logits, row LSE
     only): panel ``[r0, r1)`` against rows ``[r0, N)`` only (half a unit over the sweep), its row
-    statistics for its rows and its column statistics for the rows past it, merged per row."""
+    statistics for its rows and its column statistics for the rows past it, merged per row. With the option
+    ``FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws`` (sm_90 and a tested Triton: ``triton_shared.gluon_epi``) the partials come
+    from the persistent warp-specialised Gluon kernel instead (the same rows' layout; the columns' per 64 rows)."""
     n, d = a.shape
     m = b.shape[0]
     dev, dt = a.device, a.dtype
@@ -177,17 +179,23 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
         c0 = r0 if tri else 0  # the triangular frame: columns [r0, N) of B = A, indices from 0
         y, mc = b[c0:], m - c0
         n_pm, n_pn = triton.cdiv(pp, bm), triton.cdiv(mc, bn)
+        # (the option FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws, sm_90 only: the Gluon kernel, whose column partials are per
+        # row tile of its own height)
+        gluon = gluon_epi.use_gluon(x, y, const)
+        n_cp = triton.cdiv(pp, gluon_epi.BLOCK_M) if gluon else n_pm
         rm = _alloc((pp, n_pn), torch.float32, dev)
         rz = _alloc((pp, n_pn), torch.float32, dev)
-        cm = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
-        cz = _alloc((n_pm, mc), torch.float32, dev) if want_col or tri else dm
-        panels._epi_launch(launch, "epi_gemm_stats",
-                    dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm, LBIAS=dm,
-                         RSP=rs.contiguous(), RB=pr.rb[c0:] if pr.rb is not None else dm, SCALE=scale_t,
-                         GSCALE=dm, **_problem_args(prep), LSE=dm, G=dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
-                         TGT=dm, TV=dm, P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0),
-                         stride_y=y.stride(0), stride_dl=0, stride_zp=n_pn, **_mask_args(prep, spec)),
-                    const, "stats", n_pm * n_pn)
+        cm = _alloc((n_cp, mc), torch.float32, dev) if want_col or tri else dm
+        cz = _alloc((n_cp, mc), torch.float32, dev) if want_col or tri else dm
+        args = dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm, LBIAS=dm,
+                    RSP=rs.contiguous(), RB=pr.rb[c0:] if pr.rb is not None else dm, SCALE=scale_t,
+                    GSCALE=dm, **_problem_args(prep), LSE=dm, G=dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
+                    TGT=dm, TV=dm, P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0),
+                    stride_y=y.stride(0), stride_dl=0, stride_zp=n_pn, **_mask_args(prep, spec))
+        if gluon:
+            gluon_epi.stats_launch(launch, gluon_epi.NAME, args, const, n_cp * n_pn, panels.persistent_programs(dev))
+        else:
+            panels._epi_launch(launch, "epi_gemm_stats", args, const, "stats", n_pm * n_pn)
         del x
         # the partials merged by stats_merge_kernel: the rows' over their column tiles, the columns' over the
         # panel's row tiles and into their statistics so far
@@ -197,7 +205,7 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
                       dict(BLOCK_O=bo, BLOCK_P=bp, ACC=False), 4, 1))
         if want_col or tri:
             launch(Launch("stats_merge", KP.stats_merge_kernel, (triton.cdiv(mc, bo),),
-                          dict(MX=cm, Z=cz, OUT=lse_col[c0:], n_out=mc, n_part=n_pm, stride_o=1, stride_p=mc),
+                          dict(MX=cm, Z=cz, OUT=lse_col[c0:], n_out=mc, n_part=n_cp, stride_o=1, stride_p=mc),
                           dict(BLOCK_O=bo, BLOCK_P=bp, ACC=True), 4, 1))
     if tri:  # every row: its panel's row statistics and the column statistics of the panels above it
         return torch.logaddexp(lse, lse_col), None
