@@ -40,7 +40,11 @@ dense-mask kernels are not compiled): normalised rows, no bias, no positive term
   on each row's target logit, ``l_it = s (c_it - margin)`` (``CoreSpec.margin`` with
   ``CoreData.target``; AM-softmax / LaBSE): the kernels with ``HAS_BIAS`` and ``BIAS_COS`` (the margin
   rides on the bias column, ``bias = -margin`` at column ``target_i``). The C API selects them when
-  ``fc_problem.margin != 0``; the margin and the targets are runtime arguments.
+  ``fc_problem.margin != 0``; the margin and the targets are runtime arguments;
+* ``info_nce_split`` / ``clip_split``: ``info_nce`` / ``clip`` with the target split (SPLIT_T: each row's target
+  entry, and CLIP's ``(j, j)`` where ``target[j] == j``, kept out of the statistics and the 16-bit gradient
+  tiles; ``triton_fused._lse_fwd`` with ``minus_target``, ``_lse_bwd`` with ``target``), recorded with an int64
+  target vector [n]. ``fc_forward_split`` / ``fc_backward_split`` select them (fused path only: no panel path).
 
 The backward always computes dA and the scale gradient partials (NEED_DX, NEED_DS), dB when asked
 (``info_nce``/``clip``). Triton must be imported with ``TRITON_INTERPRET=0`` (the ``main`` entry
@@ -58,13 +62,15 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-#: mode -> (B given, column LSE, exclude_self, target margin); see the module docstring.
-MODES: dict[str, tuple[bool, bool, bool, bool]] = {
-    "info_nce": (True, False, False, False),
-    "clip": (True, True, False, False),
-    "self": (False, False, True, False),
-    "info_nce_margin": (True, False, False, True),
-    "clip_margin": (True, True, False, True),
+#: mode -> (B given, column LSE, exclude_self, target margin, target split); see the module docstring.
+MODES: dict[str, tuple[bool, bool, bool, bool, bool]] = {
+    "info_nce": (True, False, False, False, False),
+    "clip": (True, True, False, False, False),
+    "self": (False, False, True, False, False),
+    "info_nce_margin": (True, False, False, True, False),
+    "clip_margin": (True, True, False, True, False),
+    "info_nce_split": (True, False, False, False, True),
+    "clip_split": (True, True, False, False, True),
 }
 
 #: The margin the margin modes are recorded with (a runtime argument: any value runs the same cubins;
@@ -74,8 +80,9 @@ REC_MARGIN = 0.25
 
 def base_mode(mode: str) -> str:
     """The C API's mode of a feature set: ``"info_nce_margin"`` -> ``"info_nce"`` (FC_MODE_INFO_NCE with
-    ``fc_problem.margin != 0``)."""
-    return mode.removesuffix("_margin")
+    ``fc_problem.margin != 0``), ``"clip_split"`` -> ``"clip"`` (FC_MODE_CLIP through ``fc_forward_split`` /
+    ``fc_backward_split``)."""
+    return mode.removesuffix("_margin").removesuffix("_split")
 
 #: D classes: a padded D of a resident config ("16" .. "128": its own BLOCK_D) or "big" (D_PAD > 128,
 #: streamed in fixed chunks). Recorded at these D (the largest of each class).
@@ -131,14 +138,17 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
     """The launches of one forward + backward of ``mode`` through the Python launcher (meta tensors).
     ``sms``: the device's SM count (the column-LSE forward uses 2 x SMs programs on a GPU). ``path``:
     "fused" (the fused kernels) or "panel" (:func:`record_panel`; ``programs``, ``roots`` are its).
-    The margin modes are recorded with ``margin = REC_MARGIN`` and an int64 target vector [n]."""
+    The margin modes are recorded with ``margin = REC_MARGIN`` and an int64 target vector [n]; the split modes
+    with an int64 target vector [n] passed to the forward and the backward (``record_core``'s
+    ``split_fwd``: the target split of ``triton_fused._lse_fwd`` / ``_lse_bwd``, SPLIT_T), on the fused
+    path only (the torch operators' panel path does not split: a split mode records its base mode's)."""
     import torch
 
     from . import routes
     from .core.spec import CoreData, CoreSpec
     from .tools.compile_survey import record_core
 
-    has_b, want_col, excl, margin = MODES[mode]
+    has_b, want_col, excl, margin, split = MODES[mode]
     spec = CoreSpec(eps=eps, exclude_self=excl, offset=offset, grad_cols=grad_cols,
                     margin=REC_MARGIN if margin else 0.0)
     data = CoreData(target=torch.empty(n, dtype=torch.int64, device="meta") if margin else None)
@@ -148,7 +158,7 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
         raise ValueError(f"path must be 'fused' or 'panel', got {path!r}")
     with routes.override(**({"COL_PARTIAL_PROGRAMS": 2 * sms} if sms else {})):
         return record_core(spec, data, has_b, want_col, False, _torch_dtype(dtype), n, m if has_b else n, d,
-                           arch, need_a=True, need_b=need_b and has_b, need_s=True)
+                           arch, need_a=True, need_b=need_b and has_b, need_s=True, split=split, split_fwd=split)
 
 
 def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec, need_b: bool, sms: int | None,
@@ -285,15 +295,18 @@ def variant_key(launch) -> str:
 
 
 def _flag_key(launch, mode: str, dclass: str) -> dict:
-    has_b, want_col, excl, margin = MODES[mode]
+    has_b, want_col, excl, margin, split = MODES[mode]
     return dict(kernel=launch.name, dclass=dclass, sym=not has_b, want_col=want_col, exclude_self=excl,
-                margin=margin)
+                margin=margin, split=split)
 
 
 def _recordings(mode: str, dt: str, dc: str, fam: str):
     """The recordings of one (mode, dtype, D class): the fused path, then the panel path once per
-    :data:`PANEL_PROGRAMS_REC` grid; each as ``((path, programs), launches)``."""
+    :data:`PANEL_PROGRAMS_REC` grid; each as ``((path, programs), launches)``. A split mode has no panel
+    path of its own (its base mode's is recorded under that mode)."""
     yield ("fused", None), record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam)
+    if MODES[mode][4]:
+        return
     for progs in PANEL_PROGRAMS_REC:
         yield ("panel", progs), record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam, path="panel", programs=progs)
 
@@ -318,12 +331,13 @@ def plan(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[s
                             # fused launcher must not pick): by constexpr key only
                             if launch.name in PANEL_KERNELS or launch.constexprs.get("TRI"):
                                 fk = dict(cc=cc, dtype=dt, kernel=launch.name, dclass="-", sym=-1, want_col=-1,
-                                          exclude_self=-1, margin=-1)
+                                          exclude_self=-1, margin=-1, split=-1)
                             else:
                                 fk = dict(cc=cc, dtype=dt, **_flag_key(launch, mode, dc))
                                 if launch.name == "row_norm":
                                     # flags do not apply
-                                    fk.update(sym=False, want_col=False, exclude_self=False, margin=False)
+                                    fk.update(sym=False, want_col=False, exclude_self=False, margin=False,
+                                              split=False)
                             ident = tuple(sorted(dict(fk, ckey=ck).items()))
                             if ident in seen:
                                 continue
@@ -420,9 +434,9 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
     h += ["typedef enum {"] + [f"  FC_K_{k}," for k in kernels] + ["  FC_K_COUNT", "} fc_kernel;", ""]
     h += ["typedef struct { fc_argname name; fc_argtype type; int div16; } fc_param;",
           "typedef struct { int n; const fc_param *params; } fc_layout;",
-          "/* fused-path kernels are chosen by (dpad, sym, want_col, exclude_self, margin); the panel kernels",
-          "   (-1 there) by ckey, their constexprs as NAME=value sorted by name (fc_launch_kernel) */",
-          "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self, margin;",
+          "/* fused-path kernels are chosen by (dpad, sym, want_col, exclude_self, margin, split); the panel",
+          "   kernels (-1 there) by ckey, their constexprs as NAME=value sorted by name (fc_launch_kernel) */",
+          "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self, margin, split;",
           "  const char *ckey, *variant, *symbol; int num_warps, shared;",
           "  const unsigned char *cubin; size_t cubin_size;",
           "} fc_variant;",
@@ -463,7 +477,8 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
         dpad = -1 if v["dclass"] == "-" else 0 if v["dclass"] == "big" else int(v["dclass"])
         sym = f"fc_cubin_sm{v['cc']}_{_c_ident(v['variant'])}"
         rows.append(f"  {{{v['cc']}, {dt_idx[v['dtype']]}, FC_K_{v['kernel']}, {dpad}, {int(v['sym'])}, "
-                    f"{int(v['want_col'])}, {int(v['exclude_self'])}, {int(v['margin'])}, \"{v['ckey']}\", "
+                    f"{int(v['want_col'])}, {int(v['exclude_self'])}, {int(v['margin'])}, {int(v['split'])}, "
+                    f"\"{v['ckey']}\", "
                     f"\"{v['variant']}\", "
                     f"\"{v['symbol']}\", "
                     f"{v['num_warps']}, {v['shared']}, {sym}, sizeof({sym})}},")
@@ -541,7 +556,9 @@ def check_scenario(sc: dict, man: dict, gen: str, fc_run: str, mock: str, work: 
         return [f"{' '.join(cmd[1:])}: fc_run failed: {r.stderr.strip()}"], []
     with open(logf) as f:
         calls = [json.loads(x) for x in f]
-    return compare_calls(sc, man, calls, 0, json.loads(r.stdout))
+    info = json.loads(r.stdout)
+    # the split modes: the forward's LSEx and the backward's LSE are two caller buffers under one parameter name
+    return compare_calls(sc, man, calls, 0, info, internal=tuple(info.get("internal", ())))
 
 
 def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict,
@@ -775,7 +792,9 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
     torch.ops.load_library(lib)
     op = torch.ops.fused_contrastive_aot
     errs = []
-    scen = _scenarios(man) + _panel_scenarios(man)
+    # (the operators do not take the target split: its feature sets are the C API's alone)
+    fused = [sc for sc in _scenarios(man) if not MODES[sc["mode"]][4]]
+    scen = fused + _panel_scenarios(man)
     fresh: dict = {}  # (cc, panel kernel) -> (cc, launch, module image file), one fresh compile each
     start = 0  # calls of the earlier problems in the log
     for sc in scen:
@@ -821,7 +840,7 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
             if ln.name in PANEL_KERNELS or ln.constexprs.get("TRI"):
                 fresh.setdefault((sc["cc"], ln.name), (sc["cc"], ln, mfile))
     print(f"fused_contrastive.c_library check-torch: {len(scen)} problems compared with the Python launcher "
-          f"({len(scen) - len(_scenarios(man))} on the panel path)")
+          f"({len(scen) - len(fused)} on the panel path)")
     errs += _fresh_compiles(fresh.values())
     print(f"fused_contrastive.c_library check-torch: {len(fresh)} launched panel-kernel cubins recompiled from scratch")
     return errs
@@ -853,8 +872,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    modes = args.mode or list(MODES)
+    for mode in modes:  # fc_workspace_size, fc_col_partials, fc_ds_rows of a split mode check its base mode
+        if MODES[mode][4] and base_mode(mode) not in modes:
+            ap.error(f"--mode {mode} needs its base mode {base_mode(mode)} too")
     man = generate(args.arch or [80, 90], args.dtype or list(_DTYPES), args.dclass or list(D_CLASSES),
-                   args.mode or list(MODES), args.out, args.jobs)
+                   modes, args.out, args.jobs)
     n = len({(v["cc"], v["variant"]) for v in man["variants"]})
     print(f"fused_contrastive.c_library: {n} kernels compiled in {man['total_seconds']} s -> {args.out}")
     return 0
