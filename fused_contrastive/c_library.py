@@ -792,8 +792,8 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
     torch.ops.load_library(lib)
     op = torch.ops.fused_contrastive_aot
     errs = []
-    # (the operators do not take the target split: its feature sets are the C API's alone)
-    fused = [sc for sc in _scenarios(man) if not MODES[sc["mode"]][4]]
+    # (the split modes run lse_split / lse_backward_split: the fused kernels only)
+    fused = _scenarios(man)
     scen = fused + _panel_scenarios(man)
     fresh: dict = {}  # (cc, panel kernel) -> (cc, launch, module image file), one fresh compile each
     start = 0  # calls of the earlier problems in the log
@@ -807,15 +807,22 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
         b = None if sc["mode"] == "self" else torch.empty(m, d, dtype=dt)
         scale = torch.tensor(20.0)
         mode, margin = base_mode(sc["mode"]), (REC_MARGIN if MODES[sc["mode"]][3] else 0.0)
-        target = torch.arange(n) % m if margin else None
+        split = MODES[sc["mode"]][4]
+        target = torch.arange(n) % m if margin or split else None
         clip = mode == "clip"
         gcols = None if sc["grad_cols"] < 0 else sc["grad_cols"]
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof_c:
-            lse, lse_col, ws = op.lse(a, b, scale, mode, 1e-12, margin, target)
             g = torch.ones(n)
             g_col = torch.ones(m) if clip else None
-            da, db, _ = op.lse_backward(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
-                                        g_col, sc["db"], gcols, margin, target)
+            if split:  # the backward's LSE is the caller's merge of LSEx and LT (values do not matter here)
+                lse_x, lse_col, lt, ws = op.lse_split(a, b, scale, mode, 1e-12, target)
+                lse = torch.empty(n)
+                da, db, _, _ = op.lse_backward_split(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
+                                                     g_col, sc["db"], gcols, target)
+            else:
+                lse, lse_col, ws = op.lse(a, b, scale, mode, 1e-12, margin, target)
+                da, db, _ = op.lse_backward(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
+                                            g_col, sc["db"], gcols, margin, target)
         if sc.get("path") == "panel":  # the GEMMs between the kernels: same order and shapes as Python's
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof_py:
                 record(sc["mode"], sc["dtype"], n, m, d, _ARCH_FAMILY[sc["cc"]], need_b=sc["db"], grad_cols=gcols,
@@ -826,14 +833,17 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
         with open(logf) as f:
             calls = [json.loads(x) for x in f]
         wsp = (ws.data_ptr() + 255) // 256 * 256
-        ptrs = dict(A=a.data_ptr(), B=b.data_ptr() if b is not None else 0, LSE=lse.data_ptr(),
+        # (split: LSE names the operator's LSEx and the caller's merged LSE, checked by identity; TV is the operator's)
+        ptrs = dict(A=a.data_ptr(), B=b.data_ptr() if b is not None else 0, LSE=0 if split else lse.data_ptr(),
                     LSE_COL=lse_col.data_ptr() if clip else 0, G=g.data_ptr(),
                     G_COL=g_col.data_ptr() if clip else 0, DA=da.data_ptr(),
                     DB=db.data_ptr() if db.numel() else 0, TARGET=target.data_ptr() if margin else 0,
-                    BIAS_COL=target.data_ptr() if margin else 0)
+                    BIAS_COL=target.data_ptr() if margin else 0, TGT=target.data_ptr() if split else 0,
+                    LT=lt.data_ptr() if split else 0)
         info = dict(ptrs=ptrs, workspace=wsp, workspace_bytes=max(0, ws.numel() - 256),
                     roots={k: v for k, v in ptrs.items() if v})
-        e, pairs = compare_calls(sc, man, calls, start, info, internal=("GSCALE", "DS_PART", "SCALE"))
+        e, pairs = compare_calls(sc, man, calls, start, info,
+                                 internal=("GSCALE", "DS_PART", "SCALE") + (("LSE", "TV") if split else ()))
         errs += [f"torch op: {x}" for x in e]
         start = len(calls)
         for ln, mfile in pairs:  # the panel kernels only reach the library through these operators
