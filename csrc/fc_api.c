@@ -407,9 +407,6 @@ static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P
   if ((unsigned)p->dtype > FC_BFLOAT16) return fail(FC_ERR_UNSUPPORTED_DTYPE, "dtype %d is not a fc_dtype", (int)p->dtype);
   static const char *mode_names[] = {"info_nce", "clip", "self"};
   if (split) { /* the target split: its own kernel variants (SPLIT_T), feature set "<mode>_split" */
-    if (p->mode == FC_MODE_SELF)
-      return fail(FC_ERR_UNSUPPORTED_MODE, "the target split: not supported in FC_MODE_SELF (FC_MODE_INFO_NCE and "
-                  "FC_MODE_CLIP take it)");
     if (p->margin != 0.0f)
       return fail(FC_ERR_UNSUPPORTED_MODE, "the target split: not built with a target margin (margin must be 0)");
     char want[32];

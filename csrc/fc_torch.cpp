@@ -11,14 +11,14 @@
 //                Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, float margin=0.,
 //                Tensor? target=None)
 //       -> (Tensor da, Tensor db, Tensor ds)
-//   lse_split(Tensor a, Tensor b, Tensor scale, str mode, float eps, Tensor target)
+//   lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target)
 //       -> (Tensor lse_x, Tensor lse_col_x, Tensor lt, Tensor ws)
-//   lse_backward_split(Tensor a, Tensor b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, Tensor? lse_col,
+//   lse_backward_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, Tensor? lse_col,
 //                      Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target)
 //       -> (Tensor da, Tensor db, Tensor ds, Tensor tw)
 //   build_info() -> str    (fc_build_info(): the archs, dtypes, D classes and modes built)
 //
-// The split ops are fc_forward_split / fc_backward_split ("info_nce" / "clip", no margin; the fused kernels at every
+// The split ops are fc_forward_split / fc_backward_split ("info_nce" / "clip" / "self", no margin; the fused kernels at every
 // size, never the panel path): lse_x, lse_col_x (the merged column partials) and lt [2n] as the header says; lse /
 // lse_col of the backward are the caller's merged ones (core/lse/triton_fused.py merge_split); tw [n] = gscale * tv,
 // the LSE terms' fp32 weight at each row's target logit (triton_fused._lse_bwd's fourth result).
@@ -669,8 +669,6 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward(const Tensor &a, const std::opti
 }
 
 Tensor split_target(const Problem &P, const Tensor &target) {
-  TORCH_CHECK_VALUE(P.p.mode != FC_MODE_SELF, "fused_contrastive_aot: the target split is in modes \"info_nce\" and "
-                    "\"clip\", not \"self\"");
   TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == P.p.n, "fused_contrastive_aot: target must have shape [n] = [",
                     P.p.n, "], got ", target.sizes());
   TORCH_CHECK_TYPE(!at::isFloatingType(target.scalar_type()) && !at::isComplexType(target.scalar_type()) &&
@@ -682,7 +680,7 @@ Tensor split_target(const Problem &P, const Tensor &target) {
   return t;
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split(const Tensor &a, const Tensor &b, const Tensor &scale,
+std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split(const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale,
                                                      std::string mode, double eps, const Tensor &target) {
 #ifdef FC_TORCH_CUDA
   c10::cuda::OptionalCUDAGuard guard;
@@ -710,7 +708,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split(const Tensor &a, const Tens
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
-    const Tensor &a, const Tensor &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
+    const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
     const Tensor &lse_, const std::optional<Tensor> &lse_col, const Tensor &g, const std::optional<Tensor> &g_col,
     bool need_b, std::optional<c10::SymInt> grad_cols, const Tensor &target) {
 #ifdef FC_TORCH_CUDA
@@ -746,7 +744,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
   args.stride_da = da.stride(0);
   Tensor db = at::empty({0}, P.a.options());
   int64_t m = P.p.m;
-  if (need_b) {
+  if (need_b && P.p.mode != FC_MODE_SELF) {
     db = at::empty({m, P.p.d}, P.a.options());
     int64_t gcols = grad_cols ? std::min<int64_t>(m, grad_cols->guard_int(__FILE__, __LINE__)) : m;
     if (gcols < m) db.narrow(0, gcols, m - gcols).zero_();  // queue columns get no gradient
@@ -776,9 +774,9 @@ TORCH_LIBRARY(fused_contrastive_aot, m) {
   m.def("lse_backward(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
         "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, float margin=0., "
         "Tensor? target=None) -> (Tensor, Tensor, Tensor)");
-  m.def("lse_split(Tensor a, Tensor b, Tensor scale, str mode, float eps, Tensor target) -> "
+  m.def("lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
-  m.def("lse_backward_split(Tensor a, Tensor b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
+  m.def("lse_backward_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
         "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
 }
@@ -809,14 +807,14 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward_cpu(const Tensor &a, const std::
   return lse_backward(a, b, scale, std::move(mode), eps, ws, l, lc, g, gc, need_b, std::move(grad_cols), margin,
                       target);
 }
-std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split_cpu(const Tensor &a, const Tensor &b, const Tensor &scale,
+std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split_cpu(const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale,
                                                          std::string mode, double eps, const Tensor &target) {
   const bool fake = std::getenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU") != nullptr;
   TORCH_CHECK(fake, "fused_contrastive_aot::lse_split runs on CUDA tensors (the kernels are GPU code)");
   return lse_split(a, b, scale, std::move(mode), eps, target);
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split_cpu(
-    const Tensor &a, const Tensor &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
+    const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
     const Tensor &l, const std::optional<Tensor> &lc, const Tensor &g, const std::optional<Tensor> &gc, bool need_b,
     std::optional<c10::SymInt> grad_cols, const Tensor &target) {
   const bool fake = std::getenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU") != nullptr;

@@ -41,10 +41,11 @@ dense-mask kernels are not compiled): normalised rows, no bias, no positive term
   ``CoreData.target``; AM-softmax / LaBSE): the kernels with ``HAS_BIAS`` and ``BIAS_COS`` (the margin
   rides on the bias column, ``bias = -margin`` at column ``target_i``). The C API selects them when
   ``fc_problem.margin != 0``; the margin and the targets are runtime arguments;
-* ``info_nce_split`` / ``clip_split``: ``info_nce`` / ``clip`` with the target split (SPLIT_T: each row's target
-  entry, and CLIP's ``(j, j)`` where ``target[j] == j``, kept out of the statistics and the 16-bit gradient
-  tiles; ``triton_fused._lse_fwd`` with ``minus_target``, ``_lse_bwd`` with ``target``), recorded with an int64
-  target vector [n]. ``fc_forward_split`` / ``fc_backward_split`` select them (fused path only: no panel path).
+* ``info_nce_split`` / ``clip_split`` / ``self_split``: ``info_nce`` / ``clip`` / ``self`` with the target split
+  (SPLIT_T: each row's target entry, and CLIP's ``(j, j)`` where ``target[j] == j``, kept out of the statistics
+  and the 16-bit gradient tiles; ``triton_fused._lse_fwd`` with ``minus_target``, ``_lse_bwd`` with ``target``),
+  recorded with an int64 target vector [n]. ``fc_forward_split`` / ``fc_backward_split`` select them (fused path
+  only: no panel path).
 
 The backward always computes dA and the scale gradient partials (NEED_DX, NEED_DS), dB when asked
 (``info_nce``/``clip``). Triton must be imported with ``TRITON_INTERPRET=0`` (the ``main`` entry
@@ -71,6 +72,7 @@ MODES: dict[str, tuple[bool, bool, bool, bool, bool]] = {
     "clip_margin": (True, True, False, True, False),
     "info_nce_split": (True, False, False, False, True),
     "clip_split": (True, True, False, False, True),
+    "self_split": (False, False, True, False, True),
 }
 
 #: The margin the margin modes are recorded with (a runtime argument: any value runs the same cubins;
@@ -512,7 +514,7 @@ def _scenarios(man: dict) -> list[dict]:
                     # -> 6 programs cap -> 4 programs of 2 row blocks (the persistent loop)
                     n, m, sms = (1000, 200, 3) if base_mode(mode) == "clip" else (300, 200, 132)
                     out.append(dict(cc=cc, dtype=dt, mode=mode, n=n, m=m, d=CHECK_D[dc], grad_cols=-1,
-                                    db=mode != "self", sms=sms))
+                                    db=MODES[mode][0], sms=sms))
         if "info_nce" in man["modes"]:
             d = CHECK_D[man["dclasses"][-1]]
             dt = man["dtypes"][0]
@@ -802,9 +804,10 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
                           FUSED_CONTRASTIVE_TRITON_PATH=sc.get("path", "fused"),
                           FUSED_CONTRASTIVE_PANEL_BUDGET=sc.get("budget", str(700_000_000)))
         dt = _torch_dtype(sc["dtype"])
-        n, m, d = sc["n"], (sc["n"] if sc["mode"] == "self" else sc["m"]), sc["d"]
+        has_b = MODES[sc["mode"]][0]
+        n, m, d = sc["n"], (sc["m"] if has_b else sc["n"]), sc["d"]
         a = torch.empty(n, d, dtype=dt)
-        b = None if sc["mode"] == "self" else torch.empty(m, d, dtype=dt)
+        b = torch.empty(m, d, dtype=dt) if has_b else None
         scale = torch.tensor(20.0)
         mode, margin = base_mode(sc["mode"]), (REC_MARGIN if MODES[sc["mode"]][3] else 0.0)
         split = MODES[sc["mode"]][4]

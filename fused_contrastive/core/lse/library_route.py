@@ -17,7 +17,7 @@ Covered (everything else takes the JIT route as before, with the same results):
   and its symmetric form as "clip") where the library was built with the feature set
   "info_nce_margin" / "clip_margin" (``build_info()["modes"]``);
 * the target split (``core.PiecesFn`` with a target term asks, ``ctx.split_target``): in fp16 / bf16 without a
-  margin, modes "info_nce" / "clip", where the library was built with "info_nce_split" / "clip_split" and the
+  margin, modes "info_nce" / "clip" / "self", where the library was built with "<mode>_split" and the
   operators take the fused kernels (not the panel path), the split operators ``lse_split`` /
   ``lse_backward_split`` run as the JIT's fused route does (``triton_fused.merge_split``: the loss as
   ``softplus(LSEx - l_t)``, ``ctx.minus_target``; the target's fp32 weight to ``ctx.moved_target``). Elsewhere the
@@ -173,9 +173,10 @@ def _split_target(ctx, a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreDa
     library has the "<mode>_split" kernels and its operators take the fused kernels; else None."""
     if not getattr(ctx, "split_target", False) or data.target is None or coef.pos is not None or coef.lse is None:
         return None
-    if a.dtype not in (torch.float16, torch.bfloat16) or spec.margin != 0.0 or mode not in ("info_nce", "clip"):
+    if a.dtype not in (torch.float16, torch.bfloat16) or spec.margin != 0.0:
         return None
-    if mode + "_split" not in build_info(setting("AOT_LIB"))["modes"] or panels.use_panel(a, a.shape[0], b.shape[0]):
+    m = a.shape[0] if b is None else b.shape[0]
+    if mode + "_split" not in build_info(setting("AOT_LIB"))["modes"] or panels.use_panel(a, a.shape[0], m):
         return None
     return data.target
 
@@ -200,7 +201,7 @@ def forward(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, dat
     return combine(coef.to(torch.float32), reduce, lse, lse_col if clip else None)
 
 
-def _forward_split(ctx, a: Tensor, b: Tensor, dtypes, scale, spec: CoreSpec, coef: Coeffs, reduce: bool,
+def _forward_split(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, coef: Coeffs, reduce: bool,
                    mode: str) -> Tensor:
     """:func:`forward` with the target split: the operators' ``LSEx``, ``LSEcolx`` and ``LT``, merged on the host as
     the JIT's ``triton_fused._lse_fwd`` does."""
@@ -230,8 +231,8 @@ def backward(ctx, go: Tensor):
     g_col = coef_grad(ctx.coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
     if getattr(ctx, "split", None) is not None:
         da, db, ds, ctx.moved_target = torch.ops.fused_contrastive_aot.lse_backward_split(
-            a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b), ctx.spec.grad_cols,
-            ctx.split)  # moved_target: what core.PiecesFn applies with the target term
+            a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
+            ctx.spec.grad_cols, ctx.split)  # moved_target: what core.PiecesFn applies with the target term
     else:
         da, db, ds = torch.ops.fused_contrastive_aot.lse_backward(
             a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
