@@ -268,12 +268,13 @@ static fc_status config_for(fc_kernel k, int cc, fc_dtype dt, int64_t d, int wid
 }
 
 static const fc_variant *find_variant(fc_kernel k, int cc, fc_dtype dt, int64_t d, int sym, int want_col,
-                                      int exclude_self, int margin) {
+                                      int exclude_self, int margin, int split) {
   int dpad = d_pad(d) > FC_RESIDENT_MAX_D ? 0 : (int)d_pad(d);
   for (int i = 0; i < FC_N_VARIANTS; ++i) {
     const fc_variant *v = &fc_variants[i];
     if (v->kernel == k && v->cc == cc && v->dtype == (int)dt && v->dpad == dpad && v->sym == sym &&
-        v->want_col == want_col && v->exclude_self == exclude_self && v->margin == margin)
+        v->want_col == want_col && v->exclude_self == exclude_self && v->margin == margin &&
+        v->split == split)
       return v;
   }
   return NULL;
@@ -296,6 +297,7 @@ static int in_list(const char *list, const char *name) {
 typedef struct {
   fc_kernel kernel;
   int sym, want_col, exclude_self, margin; /* margin: the HAS_BIAS + BIAS_COS variants (fc_problem.margin) */
+  int split;                               /* the SPLIT_T variants (fc_forward_split / fc_backward_split) */
   int64_t grid;
   fc_args args;
 } fc_launch;
@@ -307,13 +309,13 @@ static fc_status launch_variant(const fc_device *dev, const fc_variant *v, const
 static fc_status launch(const fc_device *dev, const fc_problem *p, const fc_launch *L, CUstream stream,
                         int check_only) {
   const fc_variant *v =
-      find_variant(L->kernel, dev->cc, p->dtype, p->d, L->sym, L->want_col, L->exclude_self, L->margin);
+      find_variant(L->kernel, dev->cc, p->dtype, p->d, L->sym, L->want_col, L->exclude_self, L->margin, L->split);
   if (!v)
     return fail(FC_ERR_UNSUPPORTED_SHAPE,
                 "no %s kernel built for sm_%d, dtype %d, D = %lld (D_PAD %lld) with sym=%d want_col=%d "
-                "exclude_self=%d margin=%d (built: %s)",
+                "exclude_self=%d margin=%d split=%d (built: %s)",
                 fc_kernel_names[L->kernel], dev->cc, (int)p->dtype, (long long)p->d, (long long)d_pad(p->d), L->sym,
-                L->want_col, L->exclude_self, L->margin, fc_build_info());
+                L->want_col, L->exclude_self, L->margin, L->split, fc_build_info());
   return launch_variant(dev, v, L, stream, check_only);
 }
 
@@ -385,7 +387,7 @@ static fc_status launch_variant(const fc_device *dev, const fc_variant *v, const
 
 typedef struct {
   int64_t n, m, d, elsize;
-  int same, want_col, excl, margin;
+  int same, want_col, excl, margin, split;
   int64_t col_progs, fwd_rb;
   fc_choice fwd, rows, cols;
   /* workspace offsets (bytes) */
@@ -398,13 +400,20 @@ static size_t take(size_t *cur, size_t bytes) {
   return at;
 }
 
-static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P) {
+static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P, int split) {
   if (!p) return fail(FC_ERR_INVALID_ARGUMENT, "problem is NULL");
   memset(P, 0, sizeof *P);
   if ((unsigned)p->mode > FC_MODE_SELF) return fail(FC_ERR_UNSUPPORTED_MODE, "mode %d is not a fc_mode", (int)p->mode);
   if ((unsigned)p->dtype > FC_BFLOAT16) return fail(FC_ERR_UNSUPPORTED_DTYPE, "dtype %d is not a fc_dtype", (int)p->dtype);
   static const char *mode_names[] = {"info_nce", "clip", "self"};
-  if (p->margin == 0.0f) {
+  if (split) { /* the target split: its own kernel variants (SPLIT_T), feature set "<mode>_split" */
+    if (p->margin != 0.0f)
+      return fail(FC_ERR_UNSUPPORTED_MODE, "the target split: not built with a target margin (margin must be 0)");
+    char want[32];
+    snprintf(want, sizeof want, "%s_split", mode_names[p->mode]);
+    if (!in_list(FC_MODES_BUILT, want))
+      return fail(FC_ERR_UNSUPPORTED_MODE, "the target split: mode %s not built (modes: %s)", want, FC_MODES_BUILT);
+  } else if (p->margin == 0.0f) {
     if (!in_list(FC_MODES_BUILT, mode_names[p->mode]))
       return fail(FC_ERR_UNSUPPORTED_MODE, "mode %s not built (modes: %s)", mode_names[p->mode], FC_MODES_BUILT);
   } else { /* the target margin: its own kernel variants (HAS_BIAS, BIAS_COS), feature set "<mode>_margin" */
@@ -427,6 +436,7 @@ static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P
   P->want_col = p->mode == FC_MODE_CLIP;
   P->excl = p->mode == FC_MODE_SELF;
   P->margin = p->margin != 0.0f;
+  P->split = split;
   P->n = p->n;
   P->m = P->same ? p->n : p->m;
   P->d = p->d;
@@ -474,11 +484,13 @@ static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P
   return FC_OK;
 }
 
-static fc_status begin(const fc_problem *p, fc_device *dev, fc_plan *P) {
+static fc_status begin_as(const fc_problem *p, fc_device *dev, fc_plan *P, int split) {
   fc_status st = current_device(dev);
   if (st != FC_OK) return st;
-  return make_plan(p, dev, P);
+  return make_plan(p, dev, P, split);
 }
+
+static fc_status begin(const fc_problem *p, fc_device *dev, fc_plan *P) { return begin_as(p, dev, P, 0); }
 
 static void *at(void *ws, size_t off) { return (char *)ws + off; }
 
@@ -556,13 +568,18 @@ static fc_status run_all(const fc_device *dev, const fc_problem *p, fc_launch *L
   return FC_OK;
 }
 
-fc_status fc_forward(const fc_problem *p, void *ws, size_t ws_bytes, float *lse, void *stream) {
+/* fc_forward, and with `split` fc_forward_split (_lse_fwd with target and minus_target: SPLIT_T, TGT, LT) */
+static fc_status forward_impl(const fc_problem *p, const int64_t *target, void *ws, size_t ws_bytes, float *lse,
+                              float *lt, void *stream, int split) {
   fc_device dev;
   fc_plan P;
-  fc_status st = begin(p, &dev, &P);
+  fc_status st = begin_as(p, &dev, &P, split);
   if (st != FC_OK) return st;
   if ((st = check_ws(&P, ws, ws_bytes)) != FC_OK) return st;
-  if (!lse) return fail(FC_ERR_INVALID_ARGUMENT, "lse is NULL");
+  if (!lse) return fail(FC_ERR_INVALID_ARGUMENT, split ? "lse_x is NULL" : "lse is NULL");
+  if (split && !target) return fail(FC_ERR_INVALID_ARGUMENT, "target is NULL (the split needs each row's target)");
+  if (split && (uintptr_t)target % 16) return fail(FC_ERR_MISALIGNED, "target is not 16-byte aligned");
+  if (split && !lt) return fail(FC_ERR_INVALID_ARGUMENT, "lt is NULL (the split writes [2n] floats there)");
   fc_launch L[3];
   int k = 0;
   row_norm_launch(&P, p, &L[k++], p->a, p->stride_a, P.n, at(ws, P.o_sa), at(ws, P.o_na), at(ws, P.o_ra),
@@ -577,15 +594,25 @@ fc_status fc_forward(const fc_problem *p, void *ws, size_t ws_bytes, float *lse,
   F->want_col = P.want_col;
   F->exclude_self = P.excl;
   F->margin = P.margin;
+  F->split = split;
   F->grid = P.col_progs;
   common_args(&P, p, ws, &F->args);
   set_p(&F->args, FC_ARG_LSE, lse);
   set_p(&F->args, FC_ARG_LSE_POS, at(ws, P.o_dummy));
   set_p(&F->args, FC_ARG_COL_PART, at(ws, P.want_col ? P.o_col : P.o_dummy));
   set_i(&F->args, FC_ARG_n_row_blocks, P.fwd_rb);
-  set_p(&F->args, FC_ARG_TGT, at(ws, P.o_dummy));  /* SPLIT_T is off in every compiled variant */
-  set_p(&F->args, FC_ARG_LT, at(ws, P.o_dummy));
+  set_p(&F->args, FC_ARG_TGT, split ? (const void *)target : at(ws, P.o_dummy));
+  set_p(&F->args, FC_ARG_LT, split ? (void *)lt : at(ws, P.o_dummy));
   return run_all(&dev, p, L, k, stream);
+}
+
+fc_status fc_forward(const fc_problem *p, void *ws, size_t ws_bytes, float *lse, void *stream) {
+  return forward_impl(p, NULL, ws, ws_bytes, lse, NULL, stream, 0);
+}
+
+fc_status fc_forward_split(const fc_problem *p, const int64_t *target, void *ws, size_t ws_bytes, float *lse_x,
+                           float *lt, void *stream) {
+  return forward_impl(p, target, ws, ws_bytes, lse_x, lt, stream, 1);
 }
 
 fc_status fc_col_partials(const fc_problem *p, void *ws, float **part, int64_t *rows) {
@@ -627,13 +654,18 @@ static void bwd_common(const fc_plan *P, const fc_problem *p, const fc_backward_
   set_f(a, FC_ARG_eps, p->eps);
 }
 
-fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, size_t ws_bytes, void *stream) {
+/* fc_backward, and with `split` fc_backward_split (_lse_bwd with target: SPLIT_T, TGT, TV) */
+static fc_status backward_impl(const fc_problem *p, const fc_backward_args *g, const int64_t *target, float *tv,
+                               void *ws, size_t ws_bytes, void *stream, int split) {
   fc_device dev;
   fc_plan P;
-  fc_status st = begin(p, &dev, &P);
+  fc_status st = begin_as(p, &dev, &P, split);
   if (st != FC_OK) return st;
   if ((st = check_ws(&P, ws, ws_bytes)) != FC_OK) return st;
   if (!g) return fail(FC_ERR_INVALID_ARGUMENT, "args is NULL");
+  if (split && !target) return fail(FC_ERR_INVALID_ARGUMENT, "target is NULL (the split needs each row's target)");
+  if (split && (uintptr_t)target % 16) return fail(FC_ERR_MISALIGNED, "target is not 16-byte aligned");
+  if (split && !tv) return fail(FC_ERR_INVALID_ARGUMENT, "tv is NULL (the split writes [n] floats there)");
   if (!g->lse || !g->g || !g->gscale || !g->da || !g->ds_part)
     return fail(FC_ERR_INVALID_ARGUMENT, "args: lse, g, gscale, da and ds_part are required");
   if (P.want_col && (!g->lse_col || !g->g_col))
@@ -651,6 +683,7 @@ fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, 
   R->want_col = P.want_col;
   R->exclude_self = P.excl;
   R->margin = P.margin;
+  R->split = split;
   R->grid = cdiv(P.n, P.rows.cfg->block_m);
   bwd_common(&P, p, g, ws, &R->args);
   set_p(&R->args, FC_ARG_A, p->a);
@@ -659,8 +692,8 @@ fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, 
   set_p(&R->args, FC_ARG_DA, g->da);
   set_p(&R->args, FC_ARG_ACC, at(ws, P.rows.resident ? P.o_dummy : P.o_acc_rows));
   set_p(&R->args, FC_ARG_DS_PART, g->ds_part);
-  set_p(&R->args, FC_ARG_TGT, at(ws, P.o_dummy));  /* SPLIT_T is off in every compiled variant */
-  set_p(&R->args, FC_ARG_TV, at(ws, P.o_dummy));
+  set_p(&R->args, FC_ARG_TGT, split ? (const void *)target : at(ws, P.o_dummy));
+  set_p(&R->args, FC_ARG_TV, split ? (void *)tv : at(ws, P.o_dummy));
   set_i(&R->args, FC_ARG_stride_a, p->stride_a);
   set_i(&R->args, FC_ARG_stride_da, g->stride_da);
   if (g->db) {
@@ -672,6 +705,7 @@ fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, 
     C->want_col = P.want_col;
     C->exclude_self = P.excl;
     C->margin = P.margin;
+    C->split = split;
     C->grid = cdiv(gcols, P.cols.cfg->block_n);
     bwd_common(&P, p, g, ws, &C->args);
     set_p(&C->args, FC_ARG_B, p->b);
@@ -679,12 +713,21 @@ fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, 
     set_p(&C->args, FC_ARG_NB, at(ws, P.o_nb));
     set_p(&C->args, FC_ARG_DB, g->db);
     set_p(&C->args, FC_ARG_ACC, at(ws, P.cols.resident ? P.o_dummy : P.o_acc_cols));
-    set_p(&C->args, FC_ARG_TGT, at(ws, P.o_dummy));
+    set_p(&C->args, FC_ARG_TGT, split ? (const void *)target : at(ws, P.o_dummy));
     set_i(&C->args, FC_ARG_stride_b, p->stride_b);
     set_i(&C->args, FC_ARG_stride_db, g->stride_db);
     set_i(&C->args, FC_ARG_grad_cols, gcols);
   }
   return run_all(&dev, p, L, k, stream);
+}
+
+fc_status fc_backward(const fc_problem *p, const fc_backward_args *g, void *ws, size_t ws_bytes, void *stream) {
+  return backward_impl(p, g, NULL, NULL, ws, ws_bytes, stream, 0);
+}
+
+fc_status fc_backward_split(const fc_problem *p, const fc_backward_args *args, const int64_t *target, float *tv,
+                            void *ws, size_t ws_bytes, void *stream) {
+  return backward_impl(p, args, target, tv, ws, ws_bytes, stream, 1);
 }
 
 /* ------------------------------------------------------------------------------------------------ */

@@ -4,9 +4,10 @@
  *   fc_run MODE DTYPE N M D GRAD_COLS WANT_DB [expect STATUS]
  *
  * MODE info_nce|clip|self, optionally suffixed _margin (the generator's margin feature sets: margin 0.25,
- * fused_contrastive.c_library.REC_MARGIN, with a target vector), DTYPE fp32|fp16|bf16, GRAD_COLS -1 for all
+ * fused_contrastive.c_library.REC_MARGIN, with a target vector) or _split (the target split: fc_forward_split /
+ * fc_backward_split with a target vector, LT and TV buffers, and a backward LSE apart from the forward's LSEx), DTYPE fp32|fp16|bf16, GRAD_COLS -1 for all
  * columns, WANT_DB 0|1. FC_RUN_TARGET=null|misaligned (error tests) passes a NULL / misaligned target
- * with the margin. Prints one JSON object: the pointers it passed (so the checker can name every launch
+ * with the margin or the split. Prints one JSON object: the pointers it passed (so the checker can name every launch
  * argument) and the sizes the API reported. With `expect STATUS` the first failing call must fail with
  * that status (exit 0 if so).
  */
@@ -24,12 +25,14 @@ int main(int argc, char **argv) {
     return 2;
   }
   const char *modes[] = {"info_nce", "clip", "self"}, *dts[] = {"fp32", "fp16", "bf16"};
-  int mode = -1, dt = -1, margin = 0;
+  int mode = -1, dt = -1, margin = 0, split = 0;
   for (int i = 0; i < 3; ++i) {
     size_t k = strlen(modes[i]);
-    if (!strncmp(argv[1], modes[i], k) && (!argv[1][k] || !strcmp(argv[1] + k, "_margin"))) {
+    if (!strncmp(argv[1], modes[i], k) &&
+        (!argv[1][k] || !strcmp(argv[1] + k, "_margin") || !strcmp(argv[1] + k, "_split"))) {
       mode = i;
-      margin = argv[1][k] != 0;
+      margin = !strcmp(argv[1] + k, "_margin");
+      split = !strcmp(argv[1] + k, "_split");
     }
     if (!strcmp(argv[2], dts[i])) dt = i;
   }
@@ -52,14 +55,16 @@ int main(int argc, char **argv) {
   p.scale = P(0x30000000);
   p.eps = 1e-12f;
   p.offset = 0;
+  const char *t = getenv("FC_RUN_TARGET");
+  const int64_t *target = (t && !strcmp(t, "null")) ? NULL : P(0x37000000 + ((t && !strcmp(t, "misaligned")) ? 8 : 0));
   if (margin) {
-    const char *t = getenv("FC_RUN_TARGET");
     p.margin = 0.25f;
-    p.target = (t && !strcmp(t, "null")) ? NULL : P(0x37000000 + ((t && !strcmp(t, "misaligned")) ? 8 : 0));
+    p.target = target;
   }
+  float *lse_x = P(0x31000000), *lt = split ? P(0x39000000) : NULL, *tv = split ? P(0x3a000000) : NULL;
   fc_backward_args g;
   memset(&g, 0, sizeof g);
-  g.lse = P(0x31000000);
+  g.lse = split ? P(0x38000000) : P(0x31000000); /* the split: the backward's LSE is the caller's, from LSEx, LT */
   g.lse_col = mode == FC_MODE_CLIP ? P(0x32000000) : NULL;
   g.g = P(0x33000000);
   g.g_col = mode == FC_MODE_CLIP ? P(0x34000000) : NULL;
@@ -79,7 +84,7 @@ int main(int argc, char **argv) {
   const char *where = "fc_workspace_size";
   if (st == FC_OK) {
     where = "fc_forward";
-    st = fc_forward(&p, ws, bytes, (float *)g.lse, NULL);
+    st = split ? fc_forward_split(&p, target, ws, bytes, lse_x, lt, NULL) : fc_forward(&p, ws, bytes, lse_x, NULL);
   }
   if (st == FC_OK && mode == FC_MODE_CLIP) {
     where = "fc_col_partials";
@@ -91,7 +96,7 @@ int main(int argc, char **argv) {
   }
   if (st == FC_OK) {
     where = "fc_backward";
-    st = fc_backward(&p, &g, ws, bytes, NULL);
+    st = split ? fc_backward_split(&p, &g, target, tv, ws, bytes, NULL) : fc_backward(&p, &g, ws, bytes, NULL);
   }
   if (expect) {
     if (st == FC_OK) {
@@ -116,14 +121,16 @@ int main(int argc, char **argv) {
   printf("{\"build\": \"%s\", \"workspace\": %llu, \"workspace_bytes\": %zu, \"col_part\": %llu, \"col_rows\": %lld, "
          "\"ds_rows\": %lld, \"ptrs\": {\"A\": %llu, \"B\": %llu, \"SCALE\": %llu, \"LSE\": %llu, \"LSE_COL\": %llu, "
          "\"G\": %llu, \"G_COL\": %llu, \"GSCALE\": %llu, \"DA\": %llu, \"DB\": %llu, \"DS_PART\": %llu, "
-         "\"BIAS_COL\": %llu}}\n",
+         "\"BIAS_COL\": %llu, \"TGT\": %llu, \"LT\": %llu, \"TV\": %llu}%s}\n",
          fc_build_info(), (unsigned long long)(uintptr_t)ws, bytes, (unsigned long long)(uintptr_t)part,
          (long long)col_rows, (long long)ds_rows, (unsigned long long)(uintptr_t)p.a,
          (unsigned long long)(uintptr_t)p.b, (unsigned long long)(uintptr_t)p.scale,
-         (unsigned long long)(uintptr_t)g.lse, (unsigned long long)(uintptr_t)g.lse_col,
+         /* the split: LSE names two caller buffers (LSEx, the backward's LSE), checked by identity */
+         (unsigned long long)(split ? 0 : (uintptr_t)g.lse), (unsigned long long)(uintptr_t)g.lse_col,
          (unsigned long long)(uintptr_t)g.g, (unsigned long long)(uintptr_t)g.g_col,
          (unsigned long long)(uintptr_t)g.gscale, (unsigned long long)(uintptr_t)g.da,
          (unsigned long long)(uintptr_t)g.db, (unsigned long long)(uintptr_t)g.ds_part,
-         (unsigned long long)(uintptr_t)p.target);
+         (unsigned long long)(uintptr_t)p.target, (unsigned long long)(split ? (uintptr_t)target : 0),
+         (unsigned long long)(uintptr_t)lt, (unsigned long long)(uintptr_t)tv, split ? ", \"internal\": [\"LSE\"]" : "");
   return 0;
 }

@@ -11,7 +11,17 @@
 //                Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, float margin=0.,
 //                Tensor? target=None)
 //       -> (Tensor da, Tensor db, Tensor ds)
+//   lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target)
+//       -> (Tensor lse_x, Tensor lse_col_x, Tensor lt, Tensor ws)
+//   lse_backward_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, Tensor? lse_col,
+//                      Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target)
+//       -> (Tensor da, Tensor db, Tensor ds, Tensor tw)
 //   build_info() -> str    (fc_build_info(): the archs, dtypes, D classes and modes built)
+//
+// The split ops are fc_forward_split / fc_backward_split ("info_nce" / "clip" / "self", no margin; the fused kernels at every
+// size, never the panel path): lse_x, lse_col_x (the merged column partials) and lt [2n] as the header says; lse /
+// lse_col of the backward are the caller's merged ones (core/lse/triton_fused.py merge_split); tw [n] = gscale * tv,
+// the LSE terms' fp32 weight at each row's target logit (triton_fused._lse_bwd's fourth result).
 //
 // Large problems take the panel path, as the Python backend does (core/lse/triton_panel.py): on CUDA tensors
 // with N * M >= 2^24, or where FUSED_CONTRASTIVE_TRITON_PATH says "panel" ("fused": never). Its GEMMs
@@ -658,6 +668,101 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward(const Tensor &a, const std::opti
   return {da, db, ds_part.sum() * gs.reshape({})};
 }
 
+Tensor split_target(const Problem &P, const Tensor &target) {
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == P.p.n, "fused_contrastive_aot: target must have shape [n] = [",
+                    P.p.n, "], got ", target.sizes());
+  TORCH_CHECK_TYPE(!at::isFloatingType(target.scalar_type()) && !at::isComplexType(target.scalar_type()) &&
+                       target.scalar_type() != at::kBool,
+                   "fused_contrastive_aot: target must be an integer tensor, got ", target.scalar_type());
+  TORCH_CHECK_VALUE(target.device() == P.a.device(), "fused_contrastive_aot: target must be on a's device");
+  Tensor t = target.to(at::kLong).contiguous();
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) t = t.clone();  // a fresh allocation
+  return t;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split(const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale,
+                                                     std::string mode, double eps, const Tensor &target) {
+#ifdef FC_TORCH_CUDA
+  c10::cuda::OptionalCUDAGuard guard;
+  if (a.is_cuda()) guard.set_device(a.device());
+#endif
+  Problem P = make_problem(a, b, scale, mode, eps, 0.0, std::nullopt);
+  Tensor t = split_target(P, target);
+  size_t bytes = 0;
+  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
+  Tensor ws = at::empty({static_cast<int64_t>(bytes) + 256}, P.a.options().dtype(at::kByte));
+  Tensor out = at::empty({P.p.n}, P.a.options().dtype(at::kFloat));
+  Tensor lt = at::full({2 * P.p.n}, -std::numeric_limits<float>::infinity(), out.options());
+  check(fc_forward_split(&P.p, t.data_ptr<int64_t>(), ws_ptr(ws), bytes, out.data_ptr<float>(), lt.data_ptr<float>(),
+                         stream_of(P.a)),
+        "fc_forward_split");
+  Tensor col = at::empty({0}, out.options());
+  if (P.p.mode == FC_MODE_CLIP) {
+    float *part = nullptr;
+    int64_t rows = 0;
+    check(fc_col_partials(&P.p, ws_ptr(ws), &part, &rows), "fc_col_partials");
+    auto off = reinterpret_cast<char *>(part) - reinterpret_cast<char *>(ws.data_ptr());
+    col = at::logsumexp(ws.narrow(0, off, rows * P.p.m * 4).view(at::kFloat).view({rows, P.p.m}), {0});
+  }
+  return {out, col, lt, ws};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
+    const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
+    const Tensor &lse_, const std::optional<Tensor> &lse_col, const Tensor &g, const std::optional<Tensor> &g_col,
+    bool need_b, std::optional<c10::SymInt> grad_cols, const Tensor &target) {
+#ifdef FC_TORCH_CUDA
+  c10::cuda::OptionalCUDAGuard guard;
+  if (a.is_cuda()) guard.set_device(a.device());
+#endif
+  Problem P = make_problem(a, b, scale, mode, eps, 0.0, std::nullopt);
+  Tensor t = split_target(P, target);
+  auto f32 = [&](const Tensor &x) { return x.to(P.a.device(), at::kFloat).contiguous(); };
+  const bool clip = P.p.mode == FC_MODE_CLIP;
+  TORCH_CHECK_VALUE(clip == (lse_col.has_value() && g_col.has_value()),
+                    "fused_contrastive_aot: lse_col and g_col are given exactly in mode \"clip\"");
+  TORCH_CHECK_VALUE(lse_.dim() == 1 && lse_.size(0) == P.p.n && g.dim() == 1 && g.size(0) == P.p.n,
+                    "fused_contrastive_aot: lse and g must have shape [n] = [", P.p.n, "]");
+  size_t bytes = 0;
+  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
+  TORCH_CHECK_VALUE(ws.scalar_type() == at::kByte && static_cast<size_t>(ws.numel()) >= bytes + 256,
+                    "fused_contrastive_aot: ws is not the workspace lse_split() returned for this problem");
+  Tensor l = f32(lse_), gg = f32(g), lc, gc;
+  if (clip) {
+    lc = f32(*lse_col);
+    gc = f32(*g_col);
+  }
+  Tensor gs = gscale({&gg, clip ? &gc : nullptr}).contiguous();
+  fc_backward_args args{};
+  args.lse = l.data_ptr<float>();
+  args.g = gg.data_ptr<float>();
+  args.lse_col = clip ? lc.data_ptr<float>() : nullptr;
+  args.g_col = clip ? gc.data_ptr<float>() : nullptr;
+  args.gscale = gs.data_ptr<float>();
+  Tensor da = at::empty(P.a.sizes(), P.a.options());
+  args.da = da.data_ptr();
+  args.stride_da = da.stride(0);
+  Tensor db = at::empty({0}, P.a.options());
+  int64_t m = P.p.m;
+  if (need_b && P.p.mode != FC_MODE_SELF) {
+    db = at::empty({m, P.p.d}, P.a.options());
+    int64_t gcols = grad_cols ? std::min<int64_t>(m, grad_cols->guard_int(__FILE__, __LINE__)) : m;
+    if (gcols < m) db.narrow(0, gcols, m - gcols).zero_();  // queue columns get no gradient
+    args.db = db.data_ptr();
+    args.stride_db = db.stride(0);
+    args.grad_cols = gcols;
+  }
+  int64_t rows = 0;
+  check(fc_ds_rows(&P.p, &rows), "fc_ds_rows");
+  Tensor ds_part = at::empty({rows}, l.options());
+  args.ds_part = ds_part.data_ptr<float>();
+  Tensor tv = at::empty({P.p.n}, l.options());
+  check(fc_backward_split(&P.p, &args, t.data_ptr<int64_t>(), tv.data_ptr<float>(), ws_ptr(ws), bytes,
+                          stream_of(P.a)),
+        "fc_backward_split");
+  return {da, db, ds_part.sum() * gs.reshape({}), tv * gs.reshape({})};
+}
+
 }  // namespace
 
 static std::string build_info() { return fc_build_info(); }  // "archs=80;90 dtypes=... dclasses=... modes=..."
@@ -669,11 +774,18 @@ TORCH_LIBRARY(fused_contrastive_aot, m) {
   m.def("lse_backward(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
         "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, float margin=0., "
         "Tensor? target=None) -> (Tensor, Tensor, Tensor)");
+  m.def("lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("lse_backward_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
+        "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fused_contrastive_aot, CUDA, m) {
   m.impl("lse", &lse);
   m.impl("lse_backward", &lse_backward);
+  m.impl("lse_split", &lse_split);
+  m.impl("lse_backward_split", &lse_backward_split);
 }
 
 namespace {
@@ -695,9 +807,26 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward_cpu(const Tensor &a, const std::
   return lse_backward(a, b, scale, std::move(mode), eps, ws, l, lc, g, gc, need_b, std::move(grad_cols), margin,
                       target);
 }
+std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split_cpu(const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale,
+                                                         std::string mode, double eps, const Tensor &target) {
+  const bool fake = std::getenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU") != nullptr;
+  TORCH_CHECK(fake, "fused_contrastive_aot::lse_split runs on CUDA tensors (the kernels are GPU code)");
+  return lse_split(a, b, scale, std::move(mode), eps, target);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split_cpu(
+    const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
+    const Tensor &l, const std::optional<Tensor> &lc, const Tensor &g, const std::optional<Tensor> &gc, bool need_b,
+    std::optional<c10::SymInt> grad_cols, const Tensor &target) {
+  const bool fake = std::getenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU") != nullptr;
+  TORCH_CHECK(fake, "fused_contrastive_aot::lse_backward_split runs on CUDA tensors (the kernels are GPU code)");
+  return lse_backward_split(a, b, scale, std::move(mode), eps, ws, l, lc, g, gc, need_b, std::move(grad_cols),
+                            target);
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_contrastive_aot, CPU, m) {
   m.impl("lse", &lse_cpu);
   m.impl("lse_backward", &lse_backward_cpu);
+  m.impl("lse_split", &lse_split_cpu);
+  m.impl("lse_backward_split", &lse_backward_split_cpu);
 }

@@ -40,7 +40,12 @@ dense-mask kernels are not compiled): normalised rows, no bias, no positive term
   on each row's target logit, ``l_it = s (c_it - margin)`` (``CoreSpec.margin`` with
   ``CoreData.target``; AM-softmax / LaBSE): the kernels with ``HAS_BIAS`` and ``BIAS_COS`` (the margin
   rides on the bias column, ``bias = -margin`` at column ``target_i``). The C API selects them when
-  ``fc_problem.margin != 0``; the margin and the targets are runtime arguments.
+  ``fc_problem.margin != 0``; the margin and the targets are runtime arguments;
+* ``info_nce_split`` / ``clip_split`` / ``self_split``: ``info_nce`` / ``clip`` / ``self`` with the target split
+  (SPLIT_T: each row's target entry, and CLIP's ``(j, j)`` where ``target[j] == j``, kept out of the statistics
+  and the 16-bit gradient tiles; ``triton_fused._lse_fwd`` with ``minus_target``, ``_lse_bwd`` with ``target``),
+  recorded with an int64 target vector [n]. ``fc_forward_split`` / ``fc_backward_split`` select them (fused path
+  only: no panel path).
 
 The backward always computes dA and the scale gradient partials (NEED_DX, NEED_DS), dB when asked
 (``info_nce``/``clip``). Triton must be imported with ``TRITON_INTERPRET=0`` (the ``main`` entry
@@ -58,13 +63,16 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-#: mode -> (B given, column LSE, exclude_self, target margin); see the module docstring.
-MODES: dict[str, tuple[bool, bool, bool, bool]] = {
-    "info_nce": (True, False, False, False),
-    "clip": (True, True, False, False),
-    "self": (False, False, True, False),
-    "info_nce_margin": (True, False, False, True),
-    "clip_margin": (True, True, False, True),
+#: mode -> (B given, column LSE, exclude_self, target margin, target split); see the module docstring.
+MODES: dict[str, tuple[bool, bool, bool, bool, bool]] = {
+    "info_nce": (True, False, False, False, False),
+    "clip": (True, True, False, False, False),
+    "self": (False, False, True, False, False),
+    "info_nce_margin": (True, False, False, True, False),
+    "clip_margin": (True, True, False, True, False),
+    "info_nce_split": (True, False, False, False, True),
+    "clip_split": (True, True, False, False, True),
+    "self_split": (False, False, True, False, True),
 }
 
 #: The margin the margin modes are recorded with (a runtime argument: any value runs the same cubins;
@@ -74,8 +82,9 @@ REC_MARGIN = 0.25
 
 def base_mode(mode: str) -> str:
     """The C API's mode of a feature set: ``"info_nce_margin"`` -> ``"info_nce"`` (FC_MODE_INFO_NCE with
-    ``fc_problem.margin != 0``)."""
-    return mode.removesuffix("_margin")
+    ``fc_problem.margin != 0``), ``"clip_split"`` -> ``"clip"`` (FC_MODE_CLIP through ``fc_forward_split`` /
+    ``fc_backward_split``)."""
+    return mode.removesuffix("_margin").removesuffix("_split")
 
 #: D classes: a padded D of a resident config ("16" .. "128": its own BLOCK_D) or "big" (D_PAD > 128,
 #: streamed in fixed chunks). Recorded at these D (the largest of each class).
@@ -131,14 +140,17 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
     """The launches of one forward + backward of ``mode`` through the Python launcher (meta tensors).
     ``sms``: the device's SM count (the column-LSE forward uses 2 x SMs programs on a GPU). ``path``:
     "fused" (the fused kernels) or "panel" (:func:`record_panel`; ``programs``, ``roots`` are its).
-    The margin modes are recorded with ``margin = REC_MARGIN`` and an int64 target vector [n]."""
+    The margin modes are recorded with ``margin = REC_MARGIN`` and an int64 target vector [n]; the split modes
+    with an int64 target vector [n] passed to the forward and the backward (``record_core``'s
+    ``split_fwd``: the target split of ``triton_fused._lse_fwd`` / ``_lse_bwd``, SPLIT_T), on the fused
+    path only (the torch operators' panel path does not split: a split mode records its base mode's)."""
     import torch
 
     from . import routes
     from .core.spec import CoreData, CoreSpec
     from .tools.compile_survey import record_core
 
-    has_b, want_col, excl, margin = MODES[mode]
+    has_b, want_col, excl, margin, split = MODES[mode]
     spec = CoreSpec(eps=eps, exclude_self=excl, offset=offset, grad_cols=grad_cols,
                     margin=REC_MARGIN if margin else 0.0)
     data = CoreData(target=torch.empty(n, dtype=torch.int64, device="meta") if margin else None)
@@ -148,7 +160,7 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
         raise ValueError(f"path must be 'fused' or 'panel', got {path!r}")
     with routes.override(**({"COL_PARTIAL_PROGRAMS": 2 * sms} if sms else {})):
         return record_core(spec, data, has_b, want_col, False, _torch_dtype(dtype), n, m if has_b else n, d,
-                           arch, need_a=True, need_b=need_b and has_b, need_s=True)
+                           arch, need_a=True, need_b=need_b and has_b, need_s=True, split=split, split_fwd=split)
 
 
 def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec, need_b: bool, sms: int | None,
@@ -285,15 +297,18 @@ def variant_key(launch) -> str:
 
 
 def _flag_key(launch, mode: str, dclass: str) -> dict:
-    has_b, want_col, excl, margin = MODES[mode]
+    has_b, want_col, excl, margin, split = MODES[mode]
     return dict(kernel=launch.name, dclass=dclass, sym=not has_b, want_col=want_col, exclude_self=excl,
-                margin=margin)
+                margin=margin, split=split)
 
 
 def _recordings(mode: str, dt: str, dc: str, fam: str):
     """The recordings of one (mode, dtype, D class): the fused path, then the panel path once per
-    :data:`PANEL_PROGRAMS_REC` grid; each as ``((path, programs), launches)``."""
+    :data:`PANEL_PROGRAMS_REC` grid; each as ``((path, programs), launches)``. A split mode has no panel
+    path of its own (its base mode's is recorded under that mode)."""
     yield ("fused", None), record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam)
+    if MODES[mode][4]:
+        return
     for progs in PANEL_PROGRAMS_REC:
         yield ("panel", progs), record(mode, dt, REC_N, REC_M, D_CLASSES[dc], fam, path="panel", programs=progs)
 
@@ -318,12 +333,13 @@ def plan(archs: list[int], dtypes: list[str], dclasses: list[str], modes: list[s
                             # fused launcher must not pick): by constexpr key only
                             if launch.name in PANEL_KERNELS or launch.constexprs.get("TRI"):
                                 fk = dict(cc=cc, dtype=dt, kernel=launch.name, dclass="-", sym=-1, want_col=-1,
-                                          exclude_self=-1, margin=-1)
+                                          exclude_self=-1, margin=-1, split=-1)
                             else:
                                 fk = dict(cc=cc, dtype=dt, **_flag_key(launch, mode, dc))
                                 if launch.name == "row_norm":
                                     # flags do not apply
-                                    fk.update(sym=False, want_col=False, exclude_self=False, margin=False)
+                                    fk.update(sym=False, want_col=False, exclude_self=False, margin=False,
+                                              split=False)
                             ident = tuple(sorted(dict(fk, ckey=ck).items()))
                             if ident in seen:
                                 continue
@@ -420,9 +436,9 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
     h += ["typedef enum {"] + [f"  FC_K_{k}," for k in kernels] + ["  FC_K_COUNT", "} fc_kernel;", ""]
     h += ["typedef struct { fc_argname name; fc_argtype type; int div16; } fc_param;",
           "typedef struct { int n; const fc_param *params; } fc_layout;",
-          "/* fused-path kernels are chosen by (dpad, sym, want_col, exclude_self, margin); the panel kernels",
-          "   (-1 there) by ckey, their constexprs as NAME=value sorted by name (fc_launch_kernel) */",
-          "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self, margin;",
+          "/* fused-path kernels are chosen by (dpad, sym, want_col, exclude_self, margin, split); the panel",
+          "   kernels (-1 there) by ckey, their constexprs as NAME=value sorted by name (fc_launch_kernel) */",
+          "typedef struct { int cc, dtype; fc_kernel kernel; int dpad; int sym, want_col, exclude_self, margin, split;",
           "  const char *ckey, *variant, *symbol; int num_warps, shared;",
           "  const unsigned char *cubin; size_t cubin_size;",
           "} fc_variant;",
@@ -463,7 +479,8 @@ def _write_c(man: dict, compiled: dict, out: str) -> None:
         dpad = -1 if v["dclass"] == "-" else 0 if v["dclass"] == "big" else int(v["dclass"])
         sym = f"fc_cubin_sm{v['cc']}_{_c_ident(v['variant'])}"
         rows.append(f"  {{{v['cc']}, {dt_idx[v['dtype']]}, FC_K_{v['kernel']}, {dpad}, {int(v['sym'])}, "
-                    f"{int(v['want_col'])}, {int(v['exclude_self'])}, {int(v['margin'])}, \"{v['ckey']}\", "
+                    f"{int(v['want_col'])}, {int(v['exclude_self'])}, {int(v['margin'])}, {int(v['split'])}, "
+                    f"\"{v['ckey']}\", "
                     f"\"{v['variant']}\", "
                     f"\"{v['symbol']}\", "
                     f"{v['num_warps']}, {v['shared']}, {sym}, sizeof({sym})}},")
@@ -497,7 +514,7 @@ def _scenarios(man: dict) -> list[dict]:
                     # -> 6 programs cap -> 4 programs of 2 row blocks (the persistent loop)
                     n, m, sms = (1000, 200, 3) if base_mode(mode) == "clip" else (300, 200, 132)
                     out.append(dict(cc=cc, dtype=dt, mode=mode, n=n, m=m, d=CHECK_D[dc], grad_cols=-1,
-                                    db=mode != "self", sms=sms))
+                                    db=MODES[mode][0], sms=sms))
         if "info_nce" in man["modes"]:
             d = CHECK_D[man["dclasses"][-1]]
             dt = man["dtypes"][0]
@@ -541,7 +558,9 @@ def check_scenario(sc: dict, man: dict, gen: str, fc_run: str, mock: str, work: 
         return [f"{' '.join(cmd[1:])}: fc_run failed: {r.stderr.strip()}"], []
     with open(logf) as f:
         calls = [json.loads(x) for x in f]
-    return compare_calls(sc, man, calls, 0, json.loads(r.stdout))
+    info = json.loads(r.stdout)
+    # the split modes: the forward's LSEx and the backward's LSE are two caller buffers under one parameter name
+    return compare_calls(sc, man, calls, 0, info, internal=tuple(info.get("internal", ())))
 
 
 def compare_calls(sc: dict, man: dict, calls: list[dict], start: int, info: dict,
@@ -775,7 +794,9 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
     torch.ops.load_library(lib)
     op = torch.ops.fused_contrastive_aot
     errs = []
-    scen = _scenarios(man) + _panel_scenarios(man)
+    # (the split modes run lse_split / lse_backward_split: the fused kernels only)
+    fused = _scenarios(man)
+    scen = fused + _panel_scenarios(man)
     fresh: dict = {}  # (cc, panel kernel) -> (cc, launch, module image file), one fresh compile each
     start = 0  # calls of the earlier problems in the log
     for sc in scen:
@@ -783,20 +804,28 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
                           FUSED_CONTRASTIVE_TRITON_PATH=sc.get("path", "fused"),
                           FUSED_CONTRASTIVE_PANEL_BUDGET=sc.get("budget", str(700_000_000)))
         dt = _torch_dtype(sc["dtype"])
-        n, m, d = sc["n"], (sc["n"] if sc["mode"] == "self" else sc["m"]), sc["d"]
+        has_b = MODES[sc["mode"]][0]
+        n, m, d = sc["n"], (sc["m"] if has_b else sc["n"]), sc["d"]
         a = torch.empty(n, d, dtype=dt)
-        b = None if sc["mode"] == "self" else torch.empty(m, d, dtype=dt)
+        b = torch.empty(m, d, dtype=dt) if has_b else None
         scale = torch.tensor(20.0)
         mode, margin = base_mode(sc["mode"]), (REC_MARGIN if MODES[sc["mode"]][3] else 0.0)
-        target = torch.arange(n) % m if margin else None
+        split = MODES[sc["mode"]][4]
+        target = torch.arange(n) % m if margin or split else None
         clip = mode == "clip"
         gcols = None if sc["grad_cols"] < 0 else sc["grad_cols"]
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof_c:
-            lse, lse_col, ws = op.lse(a, b, scale, mode, 1e-12, margin, target)
             g = torch.ones(n)
             g_col = torch.ones(m) if clip else None
-            da, db, _ = op.lse_backward(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
-                                        g_col, sc["db"], gcols, margin, target)
+            if split:  # the backward's LSE is the caller's merge of LSEx and LT (values do not matter here)
+                lse_x, lse_col, lt, ws = op.lse_split(a, b, scale, mode, 1e-12, target)
+                lse = torch.empty(n)
+                da, db, _, _ = op.lse_backward_split(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
+                                                     g_col, sc["db"], gcols, target)
+            else:
+                lse, lse_col, ws = op.lse(a, b, scale, mode, 1e-12, margin, target)
+                da, db, _ = op.lse_backward(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
+                                            g_col, sc["db"], gcols, margin, target)
         if sc.get("path") == "panel":  # the GEMMs between the kernels: same order and shapes as Python's
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof_py:
                 record(sc["mode"], sc["dtype"], n, m, d, _ARCH_FAMILY[sc["cc"]], need_b=sc["db"], grad_cols=gcols,
@@ -807,21 +836,24 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
         with open(logf) as f:
             calls = [json.loads(x) for x in f]
         wsp = (ws.data_ptr() + 255) // 256 * 256
-        ptrs = dict(A=a.data_ptr(), B=b.data_ptr() if b is not None else 0, LSE=lse.data_ptr(),
+        # (split: LSE names the operator's LSEx and the caller's merged LSE, checked by identity; TV is the operator's)
+        ptrs = dict(A=a.data_ptr(), B=b.data_ptr() if b is not None else 0, LSE=0 if split else lse.data_ptr(),
                     LSE_COL=lse_col.data_ptr() if clip else 0, G=g.data_ptr(),
                     G_COL=g_col.data_ptr() if clip else 0, DA=da.data_ptr(),
                     DB=db.data_ptr() if db.numel() else 0, TARGET=target.data_ptr() if margin else 0,
-                    BIAS_COL=target.data_ptr() if margin else 0)
+                    BIAS_COL=target.data_ptr() if margin else 0, TGT=target.data_ptr() if split else 0,
+                    LT=lt.data_ptr() if split else 0)
         info = dict(ptrs=ptrs, workspace=wsp, workspace_bytes=max(0, ws.numel() - 256),
                     roots={k: v for k, v in ptrs.items() if v})
-        e, pairs = compare_calls(sc, man, calls, start, info, internal=("GSCALE", "DS_PART", "SCALE"))
+        e, pairs = compare_calls(sc, man, calls, start, info,
+                                 internal=("GSCALE", "DS_PART", "SCALE") + (("LSE", "TV") if split else ()))
         errs += [f"torch op: {x}" for x in e]
         start = len(calls)
         for ln, mfile in pairs:  # the panel kernels only reach the library through these operators
             if ln.name in PANEL_KERNELS or ln.constexprs.get("TRI"):
                 fresh.setdefault((sc["cc"], ln.name), (sc["cc"], ln, mfile))
     print(f"fused_contrastive.c_library check-torch: {len(scen)} problems compared with the Python launcher "
-          f"({len(scen) - len(_scenarios(man))} on the panel path)")
+          f"({len(scen) - len(fused)} on the panel path)")
     errs += _fresh_compiles(fresh.values())
     print(f"fused_contrastive.c_library check-torch: {len(fresh)} launched panel-kernel cubins recompiled from scratch")
     return errs
@@ -853,8 +885,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    modes = args.mode or list(MODES)
+    for mode in modes:  # fc_workspace_size, fc_col_partials, fc_ds_rows of a split mode check its base mode
+        if MODES[mode][4] and base_mode(mode) not in modes:
+            ap.error(f"--mode {mode} needs its base mode {base_mode(mode)} too")
     man = generate(args.arch or [80, 90], args.dtype or list(_DTYPES), args.dclass or list(D_CLASSES),
-                   args.mode or list(MODES), args.out, args.jobs)
+                   modes, args.out, args.jobs)
     n = len({(v["cc"], v["variant"]) for v in man["variants"]})
     print(f"fused_contrastive.c_library: {n} kernels compiled in {man['total_seconds']} s -> {args.out}")
     return 0

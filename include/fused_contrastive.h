@@ -127,6 +127,37 @@ FC_API fc_status fc_ds_rows(const fc_problem *p, int64_t *rows);
 FC_API fc_status fc_backward(const fc_problem *p, const fc_backward_args *args, void *workspace,
                              size_t workspace_bytes, void *stream);
 
+/* ---- the target split: the loss of a saturated softmax --------------------------------------------------
+ * In fp16 / bf16 with a peaked softmax (p_t ~ 0.9999) the loss LSE_i - l_it cancels in fp32 (a row loss of ~1e-4
+ * against logits of ~|s|), and the backward rounds the target's weight p_it g_i into the 16-bit gradient tile,
+ * where it meets the target term's -g_i. The split calls keep each row's target entry apart (the SPLIT_T kernels
+ * of the feature sets "info_nce_split" / "clip_split" / "self_split"; margin == 0 only: FC_ERR_UNSUPPORTED_MODE
+ * otherwise, or when the mode's split kernels were not built). In FC_MODE_SELF (B is A) t_i is row i's partner
+ * (never i itself, which is excluded: that row then gets lt[i] = -inf), and row t_i of dA takes the B role below. `target`: [n] int64 on the device, 16-byte aligned, row i's target column
+ * t_i (not range-checked). They use the workspace, fc_col_partials and fc_ds_rows of the plain calls.
+ *
+ * fc_forward_split writes
+ *   lse_x [n]   LSEx_i = log sum_{j != t_i} exp(l_ij)          (the row LSE without its target entry)
+ *   lt   [2n]   lt[i] = l_it, from the row's fp32 dot with its target row; lt[n + i] = the row's largest tile logit.
+ *               The caller fills lt with -inf first (a row whose target matches no column keeps lt[i] = -inf).
+ * and in FC_MODE_CLIP column j's partials keep the entry (j, j) apart where target[j] == j (LSEcolx_j; the other
+ * columns keep every entry). The caller forms, in fp32 (as fused_contrastive/core/lse/triton_fused.py _lse_fwd):
+ *   row loss   LSE_i - l_it = softplus(LSEx_i - lt[i])          where lt[i] > -inf, else LSEx_i
+ *   column     LSEcol_j - l_jj = softplus(LSEcolx_j - lt[j])    where target[j] == j (j < n), else LSEcolx_j
+ *   the backward's LSE   lse_i = logaddexp(LSEx_i, tt_i),  tt_i = lt[n + i] if lt[i] >= lt[n + i] - 2^-14 max(1,
+ *              |lt[n + i]|) else lt[i] (the target logit as the tiles round it); lse_col_j likewise with tt_j
+ *              where target[j] == j.
+ * fc_backward_split takes that lse (and lse_col) in args and leaves each row's target entry (i, t_i) out of dA and
+ * dB (ds_part still counts it); it writes tv [n], the fp32 weight of the LSE terms at l_it (the row's and, in
+ * FC_MODE_CLIP, the column's) divided by args->gscale. The caller applies w_i = gscale tv_i together with its
+ * target term's coefficient c_i (e.g. -g_i for the loss LSE_i - l_it) in fp32: dA_i += (w_i + c_i) dl_it/dA_i,
+ * dB_t += (w_i + c_i) dl_it/dB_t, and dL/ds += c_i <a_i, b_t> (the LSE terms' part is in ds_part), where
+ * l_it = s <a_i, b_t>, a_i = A_i / max(||A_i||, eps) (python: fused_contrastive/core/linear_terms.py). */
+FC_API fc_status fc_forward_split(const fc_problem *p, const int64_t *target, void *workspace, size_t workspace_bytes,
+                                  float *lse_x, float *lt, void *stream);
+FC_API fc_status fc_backward_split(const fc_problem *p, const fc_backward_args *args, const int64_t *target, float *tv,
+                                   void *workspace, size_t workspace_bytes, void *stream);
+
 /* ---- kernel level: the panel path's kernels --------------------------------------------------------
  * For large problems the Python package's Triton backend takes a "panel path" (core/lse/triton_panel.py):
  * cuBLAS GEMMs over row panels with small Triton kernels between them. This library has no GEMM, so it

@@ -85,22 +85,28 @@ def variant_problem(variant: str, n: int, m: int, device="meta") -> tuple[CoreSp
 
 def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, want_pos: bool,
                 dtype: torch.dtype, n: int, m: int, d: int, arch: str, need_a: bool = True, need_b: bool = True,
-                need_s: bool = True, split: bool = False) -> list[TL.Launch]:
+                need_s: bool = True, split: bool = False, split_fwd: bool = False) -> list[TL.Launch]:
     """The launches of one forward + backward of the core op's kernels, recorded on the meta device:
     exactly the argument lists of the runtime launches. The backward gets an upstream gradient for
     every statistic the forward produces. ``split``: the backward leaves each row's target column out
-    of its tiles (``core.PiecesFn`` with a target term; the JIT only, the C API's kernels never do)."""
+    of its tiles (``core.PiecesFn`` with a target term). ``split_fwd`` (with ``split``): the forward keeps
+    the target entries out of its statistics too (``_lse_fwd``'s ``minus_target``, the fp16 / bf16 fused
+    route of ``triton_function``; the C API's ``fc_forward_split``), one target vector for both."""
     meta = torch.device("meta")
     a = torch.empty((n, d), dtype=dtype, device=meta)
     b = torch.empty((m, d), dtype=dtype, device=meta) if has_b else None
     scale = torch.empty((), dtype=torch.float32, device=meta)
+    if split_fwd and not split:
+        raise ValueError("record_core: split_fwd needs split (the split forward's backward splits too)")
+    target = torch.empty(n, dtype=torch.int64, device=meta) if split else None
     with recording(arch) as launches:
-        lse, lse_col, lse_pos, p = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
+        lse, lse_col, lse_pos, p = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos,
+                                                         target=target if split_fwd else None,
+                                                         minus_target={} if split_fwd else None)
         g = torch.empty(n, device=meta)
         g_col = None if lse_col is None else torch.empty(lse_col.shape, device=meta)
         triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
-                    need_a, need_b and has_b, need_s, target=torch.empty(n, dtype=torch.int64, device=meta) if split
-                    else None)
+                    need_a, need_b and has_b, need_s, target=target)
     return launches
 
 

@@ -16,6 +16,12 @@ Covered (everything else takes the JIT route as before, with the same results):
 * a target margin (``CoreSpec.margin`` at ``CoreData.target``: AM-softmax, its row form as "info_nce"
   and its symmetric form as "clip") where the library was built with the feature set
   "info_nce_margin" / "clip_margin" (``build_info()["modes"]``);
+* the target split (``core.PiecesFn`` with a target term asks, ``ctx.split_target``): in fp16 / bf16 without a
+  margin, modes "info_nce" / "clip" / "self", where the library was built with "<mode>_split" and the
+  operators take the fused kernels (not the panel path), the split operators ``lse_split`` /
+  ``lse_backward_split`` run as the JIT's fused route does (``triton_fused.merge_split``: the loss as
+  ``softplus(LSEx - l_t)``, ``ctx.minus_target``; the target's fp32 weight to ``ctx.moved_target``). Elsewhere the
+  call runs without the split, as before;
 * CUDA tensors whose arch (sm_80 for 8.x, sm_90 for 9.0), dtype and D class the library was built for
   (``build_info()``); D and the row strides multiples of 16, 16-byte aligned rows, N, M < 2^31;
 * eager mode (under ``torch.compile`` the registered Triton op runs).
@@ -34,7 +40,9 @@ from torch import Tensor
 
 from ...routes import setting
 from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
+from ..triton_shared import panels
 from ..triton_shared.configs import DTYPE_NAMES, d_pad
+from . import triton_fused
 
 __all__ = ["CALLS", "ENV", "backward", "build_info", "forward", "route"]
 
@@ -79,8 +87,9 @@ FIELDS = {
                                "_mode does not route",
     "CoreSpec.margin": "passed to the library (fc_problem.margin) in modes info_nce / clip, where route finds the "
                        "'<mode>_margin' kernels built; _mode does not route it with B is A",
-    "CoreData.target": "passed to the library as the margin's columns (fc_problem.target) when margin != 0 (the "
-                       "target term is linear_terms.py's, in PyTorch)",
+    "CoreData.target": "passed to the library as the margin's columns (fc_problem.target) when margin != 0, and as "
+                       "the split's targets where _split_target takes the split (the target term is linear_terms.py's, "
+                       "in PyTorch)",
     "CoreData.bias_col": "_mode requires None",
     "CoreData.row_labels": "read only for coefficient pos, which _mode requires None",
     "CoreData.col_labels": "read only for coefficient pos, which _mode requires None",
@@ -157,12 +166,30 @@ def _margin_args(spec: CoreSpec, data: CoreData) -> tuple[float, Tensor | None]:
     return float(spec.margin), data.target
 
 
+def _split_target(ctx, a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData, coef: Coeffs,
+                  mode: str) -> Tensor | None:
+    """The targets to keep out of the statistics and the 16-bit tiles (the JIT's fused split, ``triton_function``:
+    ``core.PiecesFn`` asks with a target term, no softmax over positives, a row LSE term, fp16 / bf16), where the
+    library has the "<mode>_split" kernels and its operators take the fused kernels; else None."""
+    if not getattr(ctx, "split_target", False) or data.target is None or coef.pos is not None or coef.lse is None:
+        return None
+    if a.dtype not in (torch.float16, torch.bfloat16) or spec.margin != 0.0:
+        return None
+    m = a.shape[0] if b is None else b.shape[0]
+    if mode + "_split" not in build_info(setting("AOT_LIB"))["modes"] or panels.use_panel(a, a.shape[0], m):
+        return None
+    return data.target
+
+
 def forward(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
             reduce: bool, mode: str) -> Tensor:
     """TritonCoreFn.forward on the library's operators (``a``, ``b`` in the kernel dtype; ``data``: the
-    margin's targets, when ``spec.margin != 0``)."""
+    margin's targets, when ``spec.margin != 0``, and the split's, see :func:`_split_target`)."""
     global CALLS
     CALLS += 1
+    ctx.split = _split_target(ctx, a, b, spec, data, coef, mode)
+    if ctx.split is not None:
+        return _forward_split(ctx, a, b, dtypes, scale, spec, coef, reduce, mode)
     margin, target = _margin_args(spec, data)
     lse, lse_col, ws = torch.ops.fused_contrastive_aot.lse(a, b, _scale_tensor(scale), mode, float(spec.eps), margin,
                                                            target)
@@ -172,6 +199,23 @@ def forward(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, dat
     ctx.scale = None if isinstance(scale, Tensor) else scale
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col if clip else None, a, b, ws)
     return combine(coef.to(torch.float32), reduce, lse, lse_col if clip else None)
+
+
+def _forward_split(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSpec, coef: Coeffs, reduce: bool,
+                   mode: str) -> Tensor:
+    """:func:`forward` with the target split: the operators' ``LSEx``, ``LSEcolx`` and ``LT``, merged on the host as
+    the JIT's ``triton_fused._lse_fwd`` does."""
+    clip = mode == "clip"
+    lse_x, lse_col_x, lt, ws = torch.ops.fused_contrastive_aot.lse_split(a, b, _scale_tensor(scale), mode,
+                                                                         float(spec.eps), ctx.split)
+    minus: dict = {}
+    lse, lse_col = triton_fused.merge_split(lse_x, lse_col_x if clip else None, lt, ctx.split, False, minus)
+    ctx.path, ctx.mode, ctx.spec, ctx.coef, ctx.dtypes = "aot", mode, spec, coef, dtypes
+    ctx.margin, ctx.target = 0.0, None
+    ctx.scale = None if isinstance(scale, Tensor) else scale
+    ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, a, b, ws)
+    ctx.minus_target = triton_fused.minus_coefficients(coef, minus, a.shape[0])
+    return combine(coef.to(torch.float32), reduce, minus["loss"], minus.get("col_loss", lse_col))
 
 
 def backward(ctx, go: Tensor):
@@ -185,9 +229,14 @@ def backward(ctx, go: Tensor):
     if g is None:
         g = torch.zeros(n, dtype=torch.float32, device=lse.device)
     g_col = coef_grad(ctx.coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
-    da, db, ds = torch.ops.fused_contrastive_aot.lse_backward(
-        a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
-        ctx.spec.grad_cols, ctx.margin, ctx.target)
+    if getattr(ctx, "split", None) is not None:
+        da, db, ds, ctx.moved_target = torch.ops.fused_contrastive_aot.lse_backward_split(
+            a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
+            ctx.spec.grad_cols, ctx.split)  # moved_target: what core.PiecesFn applies with the target term
+    else:
+        da, db, ds = torch.ops.fused_contrastive_aot.lse_backward(
+            a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
+            ctx.spec.grad_cols, ctx.margin, ctx.target)
     adt, bdt, sdt, sshape = ctx.dtypes
     return (da.to(adt) if need_a else None,
             db.to(bdt) if need_b and b is not None and db.numel() else None,

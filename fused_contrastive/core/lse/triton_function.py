@@ -16,6 +16,7 @@ from ..spec import Coeffs, CoreData, CoreSpec, combine
 from ..triton_shared import launch as TL
 from ..triton_shared import panels
 from . import library_route, triton_fused, triton_panel
+from .triton_fused import minus_coefficients
 
 __all__ = ["TritonCoreFn", "core"]
 
@@ -121,25 +122,6 @@ class TritonCoreFn(torch.autograd.Function):
         gb = db.to(bdt) if need_b and not same and db is not None else None
         gs = ds.to(sdt).reshape(sshape) if need_s and ds is not None else None
         return ga, gb, gs, None, None, None, None
-
-
-def minus_coefficients(coef: Coeffs, minus: dict, n: int) -> Tensor:
-    """``c_i`` [N] fp32, the coefficient at which the piece's value took row i's target logit ``l_it`` out:
-    ``c.lse_i`` where the row's loss is the difference (``minus["fold"]``), plus ``c.col_i`` where column i's is
-    (``minus["col_fold"]``, CLIP: column i's target is row i's, ``l_ii``), what ``core.forward_parts`` takes out
-    of the target term's value."""
-    fold = minus["fold"]
-
-    def cf(c):
-        return c.to(device=fold.device, dtype=torch.float32) if isinstance(c, Tensor) else float(c)
-
-    out = cf(coef.lse) * fold
-    if "col_fold" in minus:
-        col = minus["col_fold"] * cf(coef.col)
-        k = min(n, col.shape[0])
-        out = out.clone()
-        out[:k] += col[:k]
-    return out
 
 
 def core(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,

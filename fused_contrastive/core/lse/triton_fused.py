@@ -38,7 +38,7 @@ import triton
 from torch import Tensor
 
 from ...kernels import lse as KL
-from ..spec import CoreData, CoreSpec
+from ..spec import Coeffs, CoreData, CoreSpec
 from ..triton_shared import launch as TL
 from ..triton_shared.configs import LaunchConfig, config_for, fwd_kernel
 
@@ -129,25 +129,57 @@ def _lse_fwd(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
     if tri:
         lse = torch.logaddexp(lse, torch.logsumexp(col_part, dim=0))
     if split:  # lse is LSEx here: the target's logit lt apart
-        # (the loss from the dot's l_it; the backward's LSE from the tile's own, which its recomputed tiles match)
-        lt, lt_tile = (lt, lt) if tri else (lt[:n], tile_target(lt[:n], lt[n:]))
-        fold = lt > float("-inf")
-        loss = _softplus(lse - lt)
-        lse_x, lse = lse, torch.logaddexp(lse, lt_tile)
-        minus_target.update(loss=torch.where(fold, loss, torch.logaddexp(lse_x, lt)), fold=fold.to(torch.float32))
-        if want_col:  # lse_col is LSEcolx here: column j's target entry (j, j) apart where target[j] == j
-            k = min(n, m)
-            diag = target[:k] == torch.arange(k, device=dev)
-            ct = torch.full((m,), float("-inf"), dtype=torch.float32, device=dev)
-            ct_tile = ct.clone()
-            ct[:k] = torch.where(diag, lt[:k], float("-inf"))
-            ct_tile[:k] = torch.where(diag, lt_tile[:k], float("-inf"))
-            cfold = ct > float("-inf")
-            col_loss = _softplus(lse_col - ct)
-            lse_col_x, lse_col = lse_col, torch.logaddexp(lse_col, ct_tile)
-            minus_target.update(col_loss=torch.where(cfold, col_loss, torch.logaddexp(lse_col_x, ct)),
-                                col_fold=cfold.to(torch.float32))
+        lse, lse_col = merge_split(lse, lse_col, lt, target, tri, minus_target)
     return lse, lse_col, lse_pos, p
+
+
+def merge_split(lse_x: Tensor, lse_col_x: Tensor | None, lt: Tensor, target: Tensor, tri: bool,
+                minus_target: dict) -> tuple[Tensor, Tensor | None]:
+    """The split forward's host step (also the ahead-of-time library route's, ``library_route``): from the kernel's
+    ``LSEx`` [N], CLIP's merged ``LSEcolx`` [M] (or None), ``lt`` (``LT``: [2N], the dot's target logits then each
+    row's largest tile logit; [N] with ``tri``) and ``target`` [N], fill ``minus_target`` (see :func:`_lse_fwd`)
+    and return the backward's ``(lse, lse_col)``: the merged LSEs, the target logit as the tiles round it."""
+    n, dev = lse_x.shape[0], lse_x.device
+    # (the loss from the dot's l_it; the backward's LSE from the tile's own, which its recomputed tiles match)
+    lt, lt_tile = (lt, lt) if tri else (lt[:n], tile_target(lt[:n], lt[n:]))
+    fold = lt > float("-inf")
+    loss = _softplus(lse_x - lt)
+    lse = torch.logaddexp(lse_x, lt_tile)
+    minus_target.update(loss=torch.where(fold, loss, torch.logaddexp(lse_x, lt)), fold=fold.to(torch.float32))
+    lse_col = None
+    if lse_col_x is not None:  # column j's target entry (j, j) apart where target[j] == j
+        m = lse_col_x.shape[0]
+        k = min(n, m)
+        diag = target[:k] == torch.arange(k, device=dev)
+        ct = torch.full((m,), float("-inf"), dtype=torch.float32, device=dev)
+        ct_tile = ct.clone()
+        ct[:k] = torch.where(diag, lt[:k], float("-inf"))
+        ct_tile[:k] = torch.where(diag, lt_tile[:k], float("-inf"))
+        cfold = ct > float("-inf")
+        col_loss = _softplus(lse_col_x - ct)
+        lse_col = torch.logaddexp(lse_col_x, ct_tile)
+        minus_target.update(col_loss=torch.where(cfold, col_loss, torch.logaddexp(lse_col_x, ct)),
+                            col_fold=cfold.to(torch.float32))
+    return lse, lse_col
+
+
+def minus_coefficients(coef: Coeffs, minus: dict, n: int) -> Tensor:
+    """``c_i`` [N] fp32, the coefficient at which the piece's value took row i's target logit ``l_it`` out:
+    ``c.lse_i`` where the row's loss is the difference (``minus["fold"]``), plus ``c.col_i`` where column i's is
+    (``minus["col_fold"]``, CLIP: column i's target is row i's, ``l_ii``), what ``core.forward_parts`` takes out
+    of the target term's value."""
+    fold = minus["fold"]
+
+    def cf(c):
+        return c.to(device=fold.device, dtype=torch.float32) if isinstance(c, Tensor) else float(c)
+
+    out = cf(coef.lse) * fold
+    if "col_fold" in minus:
+        col = minus["col_fold"] * cf(coef.col)
+        k = min(n, col.shape[0])
+        out = out.clone()
+        out[:k] += col[:k]
+    return out
 
 
 def tile_target(lt: Tensor, row_max: Tensor) -> Tensor:
