@@ -7,6 +7,8 @@ the lean forms of the last two (one exp, a polynomial log1p and one approximate 
 ``_softplus_lean``, ``_dz_lean``; the epilogue GEMM's LEAN option). A family's kernel file imports this module
 and ``panel.py`` / ``target.py``, never another family's file."""
 
+import inspect
+
 import triton
 import triton.language as tl
 
@@ -411,6 +413,12 @@ def _softplus_lean(w):
     return tl.maximum(w, 0.0) + _log1p_unit(e)
 
 
+#: ``tl.fdiv(..., approx=True)`` (``div.approx.f32``) exists from Triton 3.7 on; Triton 3.6 (the one PyTorch 2.11's
+#: CUDA wheels bring, which the lent GPUs ran) has no such argument, and :func:`_dz_lean` then takes its plain
+#: ``tl.fdiv``. Chosen once, at import, by the installed Triton's signature.
+FDIV_APPROX = tl.constexpr("approx" in inspect.signature(tl.fdiv).parameters)
+
+
 @triton.jit
 def _dz_lean(w, valid, pos, g_r):
     """:func:`_dz` of the flipped logits ``w`` (with :func:`_flipped`'s masks): ``g_i sign_ij sigmoid(w_ij)``,
@@ -418,7 +426,10 @@ def _dz_lean(w, valid, pos, g_r):
     per logit for both) and one approximate reciprocal ``r = 1 / (1 + e)`` (``div.approx.f32`` on NVIDIA, at
     most 2 ulp; the interpreter divides exactly): ``r`` for w >= 0, ``e r`` below."""
     e = tl.exp2(tl.abs(w) * _NEG_LOG2E)
-    r = tl.fdiv(1.0, 1.0 + e, approx=True)
+    if FDIV_APPROX:
+        r = tl.fdiv(1.0, 1.0 + e, approx=True)
+    else:  # a Triton without approx (3.6, which PyTorch's CUDA wheels bring): its plain fast division
+        r = tl.fdiv(1.0, 1.0 + e)
     p = tl.where(w >= 0, r, e * r)
     p = tl.where(pos, -p, p) * g_r[:, None]
     return tl.where(valid, p, 0.0)
