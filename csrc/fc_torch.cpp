@@ -444,6 +444,7 @@ Kernel dl_kernel(const Panel &C, int64_t grid, int64_t block_r, int64_t block_c,
       .c("SPLIT_T", 0).c("SPLIT_SET", 0);
   k.p("TGT", C.dummy).p("TV", C.dummy).p("BIAS_COL", margin ? C.target : C.dummy).p("ROW_LAB", C.dummy).p("COL_LAB", C.dummy).p("POS_MASK", C.dummy)
       .p("LSE_POS", C.dummy).p("G_POS", C.dummy).p("LSE_OUT", C.dummy).p("LSE_POS_OUT", C.dummy)
+      .p("LOSS", C.dummy).p("FOLD", C.dummy)  /* the one pass's loss outputs: ONE_PASS is off here */
       .i("offset", 0).f("bias", margin ? -C.margin : 0.0).i("n0", 1).i("m0", 1).i("stride_pm", 1).i("pm_shift", 0);
   return k;
 }

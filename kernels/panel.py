@@ -163,22 +163,30 @@ def _one_pass_shift(s, bias, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr):
 
 @triton.jit
 def _exp_chunk(cos, l, rb, sh, cols, tgt_r, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr, NEED_MAX: tl.constexpr,
-               SPLIT_T: tl.constexpr):
+               SPLIT_T: tl.constexpr, SPLIT_Z: tl.constexpr = False):
     """The one-pass per-logit epilogue (shared by the panel kernel and the epilogue GEMM): with the
     rows' shifts ``sh`` [R], ``e_ij = exp(l_ij - sh_i)``; returns ``(out, z, t, mx, tv)``: the tile to
     store (``e`` times ``rb_j`` when folding), the rows' partial sums ``z_i = sum_j e_ij`` and
     ``t_i = sum_j e_ij cos_ij`` (zeros without NEED_DS), (NEED_MAX) the rows' largest logit, and
     (SPLIT_T) ``e`` at each row's target column ``tgt_r`` if it is in the chunk (else 0), which is then
-    left out of the tile (not out of z or t)."""
+    left out of the tile (not out of t; out of z only with SPLIT_Z: ``z`` is then ``zx_i``, every column but
+    the target, the sum the saturated row's loss ``log1p(zx_i / e_it)`` is formed from)."""
     e = tl.exp(l - sh[:, None])
-    z = tl.sum(e, axis=1)
+    if SPLIT_Z:
+        ex, tv = _split_target(e, cols, tgt_r, SPLIT_T)
+        z = tl.sum(ex, axis=1)
+    else:
+        z = tl.sum(e, axis=1)
     t = tl.zeros_like(z)
     if NEED_DS:
         t = tl.sum(e * cos, axis=1)
     mx = z
     if NEED_MAX:
         mx = tl.max(l, axis=1)
-    e, tv = _split_target(e, cols, tgt_r, SPLIT_T)
+    if SPLIT_Z:
+        e = ex
+    else:
+        e, tv = _split_target(e, cols, tgt_r, SPLIT_T)
     out = e
     if FOLD_RB:
         out = out * rb[None, :]
@@ -294,7 +302,8 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
               SPLIT_SET: tl.constexpr = False, pm_shift=0):
     """The exact sweep of a block of rows: the statistics (EAGER: a first loop; else the forward's),
     then DL chunk by chunk. Returns the block's per-row temperature-gradient sums and (SPLIT_T) the
-    rows' ``dl`` at their target columns, left out of DL."""
+    rows' ``dl`` at their target columns, left out of DL, and (EAGER) the rows' LSE it wrote to ``LSE_OUT``
+    (else the known one, 0 for -inf)."""
     # 1. row statistics: from the forward, or (EAGER) from a first loop over this panel's full rows
     if EAGER:
         m_i = tl.full([BLOCK_R], NEG_INF, dtype=tl.float32)
@@ -328,9 +337,11 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
             gp_r = tl.where(lsep_full == NEG_INF, 0.0, tl.load(G_POS + rows, mask=lmask, other=0.0) * inv_gs)
         lsec_r = lse_r  # (no column term in an eager sweep)
         gc_r = g_r
+        lse_ret = lse_full
     else:
         lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r = _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, lmask,
                                                             inv_gs, HAS_G, HAS_GPOS, SYM and HAS_GCOL)
+        lse_ret = lse_r
 
     # 2. the gradient tile, chunk by chunk
     ds_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -351,13 +362,13 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
         if SPLIT_T and TRI:  # the columns past the panel: their own target weight, at this block's row
             tl.store(TV + cols, tvc, mask=cmask & (cols >= n_end) & (tvc != 0.0))
         tl.store(dl_base + cols[None, :], dl_out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
-    return ds_acc, tv_acc
+    return ds_acc, tv_acc, lse_ret
 
 
 @triton.jit
 def panel_dl_kernel(
     L, DL, W_OUT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART, TGT, TV,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART, TGT, TV, LOSS, FOLD,
     M, r0, P, stride_l, stride_dl, offset, bias, n0, m0, stride_pm,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
@@ -376,7 +387,12 @@ def panel_dl_kernel(
     row on, L holds the columns from that row on), see ``triton_panel.tri_backward``. SPLIT_T (as
     :func:`epi_gemm_kernel`'s, SYM and TRI included): each row's target column ``TGT[r0 + i]`` is left
     out of DL and its fp32 value (in DL's units before PRESCALE and the folded norm; the true weight is
-    ``W_OUT[i] gscale TV[i]``) goes to ``TV[i]`` (:func:`_split_target`). SPLIT_SET (not with ONE_PASS, whose
+    ``W_OUT[i] gscale TV[i]``) goes to ``TV[i]`` (:func:`_split_target`). ONE_PASS with SPLIT_T: the target's
+    ``e_it`` is also kept out of the row's sum (``zx_i``, every other column; ``z_i = zx_i + e_it``), and
+    ``LOSS[r0 + i]`` gets the row's loss less its target logit, ``log1p(zx_i / e_it)`` (``LSE_i - l_it`` without
+    its cancellation in the saturated regime, :func:`_loss_less_target`) with ``FOLD[r0 + i] = 1``, or ``LSE_i``
+    with ``FOLD = 0`` where that form is not taken (a tiny ``e_it``, a huge ratio, or a row block redone in two
+    passes); LOSS / FOLD are not read otherwise. SPLIT_SET (not with ONE_PASS, whose
     ``e_ij`` tile is stored before the row's sum is known): ``G_POS`` holds the SET term's coefficients (with
     EAGER the coefficients, as G) and the tile takes ``-c.set_i w_ij`` in fp32 (:func:`_dl_chunk`; ``pm_shift``
     the dense mask's index shift, TRI's first row, else 0).
@@ -416,31 +432,43 @@ def panel_dl_kernel(
             cmask = cols < M
             cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
                                        offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
+            # (SPLIT_T: z_c sums every column but the target, e_it apart in tv_c)
             out, z_c, t_c, _, tv_c = _exp_chunk(cos, l, rb, c + tl.zeros([BLOCK_R], dtype=tl.float32), cols, tgt_r,
-                                                NEED_DS, FOLD_RB, False, SPLIT_T)
+                                                NEED_DS, FOLD_RB, False, SPLIT_T, SPLIT_T)
             z_i += z_c
             t_i += t_c
             tv_acc += tv_c
             tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
+        zx_i = z_i
+        if SPLIT_T:  # the row's whole sum: every other column and the target's e_it
+            z_i = zx_i + tv_acc
         ok = (z_i >= ONE_PASS_MIN_Z) | (loc >= P)
-        tl.store(LSE_OUT + rows, c + _log0(z_i), mask=lmask)  # c is the shifted bound m here
+        lse_i = c + _log0(z_i)  # c is the shifted bound m here
+        tl.store(LSE_OUT + rows, lse_i, mask=lmask)
         z_safe = tl.where(ok & lmask, z_i, 1.0)
         w_r = tl.where(lmask, tl.load(G + rows, mask=lmask, other=0.0) * inv_gs / z_safe, 0.0)
         ds_acc = w_r * t_i
+        loss_r, fold_r = _loss_less_target(zx_i, tv_acc, lse_i)
         # a row whose logits all sit far below the bound (possible only for |s| + bias > 50): its
         # small e_ij lost precision, so the block is redone exactly in two passes below
         redo = tl.min(ok.to(tl.int32), axis=0) == 0
         if redo:
-            ds_acc, tv_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT,
-                                       LSE_POS_OUT, COL_LAB, POS_MASK, TGT, TV, loc, lmask, rows, n_end, rsp, s, inv_gs,
-                                       bias_c, bias, lab_r, M, stride_l, offset, n0, m0, stride_pm, tgt_r,
-                                       BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G,
-                                       HAS_GCOL, HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, False, SPLIT_T)
+            ds_acc, tv_acc, lse_rd = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT,
+                                               LSE_POS_OUT, COL_LAB, POS_MASK, TGT, TV, loc, lmask, rows, n_end, rsp, s,
+                                               inv_gs, bias_c, bias, lab_r, M, stride_l, offset, n0, m0, stride_pm,
+                                               tgt_r, BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS,
+                                               POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB,
+                                               PRESCALE, False, SPLIT_T)
             w_r = tl.full([BLOCK_R], 1.0, tl.float32)
+            loss_r = lse_rd  # (the two passes keep e_it in the row's sum: LSE_i - l_it as before)
+            fold_r = tl.zeros_like(fold_r)
         tl.store(W_OUT + loc, w_r, mask=lmask)
+        if SPLIT_T:
+            tl.store(LOSS + rows, loss_r, mask=lmask)
+            tl.store(FOLD + rows, fold_r, mask=lmask)
     else:
         tl.store(W_OUT + loc, tl.full([BLOCK_R], 1.0, tl.float32), mask=lmask)
-        ds_acc, tv_acc = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT,
+        ds_acc, tv_acc, _ = _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT,
                                    COL_LAB, POS_MASK, TGT, TV, loc, lmask, rows, n_end, rsp, s, inv_gs, bias_c, bias,
                                    lab_r, M, stride_l, offset, n0, m0, stride_pm, tgt_r,
                                    BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G,
@@ -535,6 +563,24 @@ ONE_PASS_MIN_TE = tl.constexpr(1e-30)
 
 
 @triton.jit
+def _loss_less_target(zx, et, lse):
+    """``(loss, fold)`` [R] of rows whose sums keep the target apart (``zx`` every column but the target, ``et`` the
+    target's ``e_it``, the same shift; ``lse`` the rows' ``LSE_i``): the row's loss less its target logit,
+    ``log1p(zx / et)`` (``LSE_i - l_it`` without its cancellation: a few ulps of the loss however close ``p_t`` is to
+    1) with ``fold = 1.0``, or where ``et <= ONE_PASS_MIN_TE`` or the ratio exceeds ``1 / ONE_PASS_MIN_TE``,
+    ``LSE_i`` with ``fold = 0.0`` (the target logit is then subtracted by the target term)."""
+    big = et > ONE_PASS_MIN_TE
+    x = zx / tl.where(big, et, 1.0)
+    fold = big & (x <= 1.0 / ONE_PASS_MIN_TE)
+    x = tl.where(fold, x, 0.0)
+    # log1p(x) = log(u) x / (u - 1), u = 1 + x: a few ulps for any x >= 0 (x itself where u rounds to 1)
+    u = 1.0 + x
+    du = u - 1.0
+    ratio = tl.where(du == 0.0, x, tl.log(u) * (x / tl.where(du == 0.0, 1.0, du)))
+    return tl.where(fold, ratio, lse), fold.to(tl.float32)
+
+
+@triton.jit
 def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW, TV, TW, LOSS, FOLD,
                     P, n_pn, r0, stride_zp,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FINISH: tl.constexpr, NEED_DS: tl.constexpr,
@@ -580,16 +626,9 @@ def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW
                      mask=rmask)
         if SPLIT_T:
             tl.store(TW + rows, et * w * gs, mask=rmask)
-            big = et > ONE_PASS_MIN_TE
-            x = zx / tl.where(big, et, 1.0)
-            fold = big & (x <= 1.0 / ONE_PASS_MIN_TE)
-            x = tl.where(fold, x, 0.0)
-            # log1p(x) = log(u) x / (u - 1), u = 1 + x: a few ulps for any x >= 0 (x itself where u rounds to 1)
-            u = 1.0 + x
-            du = u - 1.0
-            ratio = tl.where(du == 0.0, x, tl.log(u) * (x / tl.where(du == 0.0, 1.0, du)))
-            tl.store(LOSS + rows, tl.where(fold, ratio, lse), mask=rmask)
-            tl.store(FOLD + rows, fold.to(tl.float32), mask=rmask)
+            loss, fold = _loss_less_target(zx, et, lse)
+            tl.store(LOSS + rows, loss, mask=rmask)
+            tl.store(FOLD + rows, fold, mask=rmask)
 
 
 @triton.jit
@@ -832,9 +871,14 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
             tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
     elif MODE == 3:
         # statistics only: the tile's row (and column) maxima and sums of exp(l - max), exact (no fixed
-        # shift: no redo), merged by the host; nothing of size P x M is written
-        rm = tl.max(l, axis=1)
-        rz = tl.sum(tl.exp(l - tl.where(rm == NEG_INF, 0.0, rm)[:, None]), axis=1)
+        # shift: no redo), merged by the host; nothing of size P x M is written. SPLIT_T (with TRI): each row's
+        # target entry (i, TGT[i]) is left out of its row's statistics, and (TGT[j], j) out of column j's
+        # (row j's target entry, by symmetry), so the merged statistics are LSEx over every other column
+        lr = l
+        if SPLIT_T:
+            lr = tl.where(cols[None, :] == tgt_r[:, None], NEG_INF, l)
+        rm = tl.max(lr, axis=1)
+        rz = tl.sum(tl.exp(lr - tl.where(rm == NEG_INF, 0.0, rm)[:, None]), axis=1)
         part = loc.to(tl.int64) * stride_zp + pid_n
         tl.store(MXP + part, rm, mask=lmask)
         tl.store(ZP + part, rz, mask=lmask)
@@ -842,6 +886,9 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
             lc = l
             if TRI:  # the triangular sweep's frame: only the columns past the panel (rows of later panels)
                 lc = tl.where(cols[None, :] >= n_end, l, NEG_INF)
+                if SPLIT_T:
+                    tgt_c = tl.load(TGT + cols, mask=cmask, other=-1).to(tl.int32)
+                    lc = tl.where(rows[:, None] == tgt_c[None, :], NEG_INF, lc)
             cm = tl.max(lc, axis=0)
             cz = tl.sum(tl.exp(lc - tl.where(cm == NEG_INF, 0.0, cm)[None, :]), axis=0)
             cpart = pid_m.to(tl.int64) * M + cols
@@ -916,6 +963,9 @@ def epi_gemm_kernel(
     (two exps per logit), merged by the host into LSE_i and LSEcol_j. With TRI (B is A; the panel's frame:
     rows [r0, r0 + P) against rows [r0, N), r0 = 0 passed) the column statistics cover only the columns
     past the panel: the row LSE of a later row j gathers them (its logits against this panel's rows).
+    SPLIT_T with TRI (TGT in the frame): each row's target entry ``(i, TGT[i])`` is left out of its row
+    statistics and ``(TGT[j], j)`` out of column j's, so the merged statistics are ``LSEx_i`` over every column
+    but the target (the host adds the target's logit back, ``triton_panel.stats_forward``).
     MODE 4 (SigLIP's sigmoid loss, ``kernels/siglip.py``'s math): per row and column tile the loss sum
     ``ZP`` or, with HAS_G (the upstream gradients in G), the gradient tile ``DL`` and the sums for the
     scale's (``TP``) and the bias's (``MXP``) gradients (NEED_DS); LBIAS[0] is the logit bias.
@@ -930,7 +980,7 @@ def epi_gemm_kernel(
     ``BAD`` row returns at once, the others walk every column tile and store ``e_ij = exp(l_ij - SHIFT_i)``
     (``SHIFT_i`` the row's largest logit: ``e <= 1``, ``z_i >= 1``, exact) and the partials, for
     the BAD rows only.
-    SPLIT_T (MODE 0 / 1 / 2): each row's target column ``TGT[r0 + i]`` is left out of DL; its fp32 value,
+    SPLIT_T (MODE 0 / 1 / 2; MODE 3 above): each row's target column ``TGT[r0 + i]`` is left out of DL; its fp32 value,
     in DL's units before PRESCALE and the folded norm (``e_ij`` in MODE 1 / 2), goes to ``TV[i]`` from
     the one column tile that holds it (:func:`_split_target`). MODE 1 / 2 form ``e_it`` from the raw product
     read off the accumulator (:func:`_row_logit`: bitwise the tile's value) and leave the target out of the

@@ -60,7 +60,11 @@ def _peaks(text: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r"- (\w+): sm_\d+, \d+ SMs, .*? bf16 ([\d.]+) /", text)}
 
 
-def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None:
+def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool, tri_target: bool = True) -> None:
+    """The independent checks of a model output. ``tri_target``: the output was made since the triangular
+    statistics forward on the epilogue GEMM takes each row's target logit from the target term's row kernel
+    (``triton_panel.stats_forward`` with the target split: one more ``target_rows`` launch in SimCSE's forward
+    where that form runs); the committed output predates it."""
     assert "MODEL - not a measurement" in text
     recs = _records(text)
     peaks = _peaks(text)
@@ -162,8 +166,10 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool) -> None
                 # per-row bookkeeping (epi_rows) before and after it
                 assert launches.get("epi_gemm_redo", 0) == (panels if r["loss"] == "info_nce" else 0), launches
                 assert launches.get("epi_rows", 0) == (2 * panels if r["loss"] == "info_nce" else 0), launches
-        # the target term (each of these losses has one): its row kernel's forward and backward, on every path
-        assert launches["target_rows"] == 2, launches
+        # the target term (each of these losses has one): its row kernel's forward and backward, on every path,
+        # and (tri_target) the triangular statistics forward's target logits on the epilogue GEMM
+        extra = tri_target and r["loss"] == "simcse" and r["panel_form_taken"] == "epilogue"
+        assert launches["target_rows"] == 2 + extra, launches
         # which panel form "auto" takes is decided by measurements (fused_contrastive/routes.py and its test),
         # not by the model: it prints the form it would prefer, and what it prices is the form taken
         assert r["panel_ms"] == (r["panel_epilogue_ms"] if r["panel_form_taken"] == "epilogue" else
@@ -198,7 +204,7 @@ def test_fresh_output_passes_the_independent_checks(fresh):
 def test_committed_output_passes_the_independent_checks():
     text = COMMITTED.read_text()
     assert text.startswith("$ python bench/gpu_model.py")  # the command that produced it
-    _check(text, {"A100", "H100", "H200"}, {16384, 65536}, with_torch=True)
+    _check(text, {"A100", "H100", "H200"}, {16384, 65536}, with_torch=True, tri_target=False)
 
 
 def test_streaming_backward_l2_bytes_follow_the_loop_structure(fresh):

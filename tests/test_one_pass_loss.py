@@ -1,5 +1,6 @@
-"""The one-pass epilogue GEMM's loss in the saturated regime (``kernels/panel.py`` MODE 1 / 2 with SPLIT_T,
-``epi_rows_kernel``; host ``core/triton_shared/panels.py`` ``_epi_panel`` and ``core/lse/triton_panel.py``).
+"""The one pass's loss in the saturated regime: the epilogue GEMM's (``kernels/panel.py`` MODE 1 / 2 with SPLIT_T,
+``epi_rows_kernel``; host ``core/triton_shared/panels.py`` ``_epi_panel`` and ``core/lse/triton_panel.py``) and the
+cuBLAS form's (``panel_dl_kernel`` with ONE_PASS and SPLIT_T after an fp32 GEMM; host ``triton_panel.sweep``).
 
 With the softmax concentrated on the target (``p_t ~ 0.9999``, ``testing.cases.REGIMES["saturated"]``, the
 regime in which ``gpu_validate``'s parity rows of InfoNCE failed on an H200), a row's loss is ``~1e-4`` while
@@ -10,7 +11,7 @@ column but the target, ``e_it`` the target's), as the guided route does. Under t
 in bf16, the loss against float64 on the same rounded inputs to a relative ``REL_TOL`` (the old form missed it
 by 45x and 600x here: relative errors 4.6e-3 and 5.9e-2 at margins 9 and 13,
 against 3e-7 now), with and without a learned temperature, with label smoothing (its linear terms come
-from ``core/linear_terms.py`` unchanged), and with a margin of 13 (loss ~1e-6 per row)."""
+from ``core/linear_terms.py`` unchanged), and with a margin of 13 (loss ~1e-6 per row), on both forms."""
 
 from __future__ import annotations
 
@@ -67,9 +68,12 @@ def _losses(tensors: dict, kwargs: dict, learn: bool):
     return out
 
 
+@pytest.mark.parametrize("gemm", ["epilogue", "cublas"])
 @pytest.mark.parametrize("variant", ["plain", "learned-temperature", "label-smoothing", "margin-13"])
-def test_saturated_loss_against_float64(variant, monkeypatch, launches):
+def test_saturated_loss_against_float64(variant, gemm, monkeypatch, route, launches):
     n, d = 256, 64
+    if gemm == "cublas":
+        route(PANEL_GEMM="cublas")
     if variant == "margin-13":
         monkeypatch.setitem(C.REGIME_MARGIN, "saturated", 13.0)
     tensors, kwargs = make_inputs(CASE_BY_NAME["info_nce"], n, d, seed=3, regime="saturated")
@@ -77,9 +81,14 @@ def test_saturated_loss_against_float64(variant, monkeypatch, launches):
         kwargs = dict(kwargs, label_smoothing=0.1)
     seen = launches
     (got, ggot), (want, gwant) = _losses(tensors, kwargs, variant == "learned-temperature")
-    # the route under test: the one pass (MODE 1) with the target column split out
+    # the route under test: the one pass (the epilogue GEMM's MODE 1, or panel_dl's ONE_PASS) with the target
+    # column split out
     modes = {(x.constexprs["MODE"], x.constexprs["SPLIT_T"]) for x in seen if x.name.startswith("epi_gemm")}
-    assert (1, True) in modes, modes
+    one = {(x.constexprs["ONE_PASS"], x.constexprs["SPLIT_T"]) for x in seen if x.name == "panel_dl"}
+    if gemm == "epilogue":
+        assert (1, True) in modes and not one, (modes, one)
+    else:
+        assert one == {(True, True)} and not modes, (modes, one)
     if variant != "label-smoothing":
         assert float(want) < (3e-4 if variant != "margin-13" else 5e-5), float(want)  # the regime: p_t ~ 0.9999
     rel = abs(float(got) - float(want)) / abs(float(want))

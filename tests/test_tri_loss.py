@@ -1,13 +1,15 @@
 """SimCSE's loss in the saturated regime on the triangular sweep (``kernels/lse.py`` ``lse_fwd_kernel`` with TRI and
-SPLIT_T; host ``core/lse/triton_fused.py`` ``_lse_fwd`` and ``core/lse/triton_panel.py`` ``forward``) and on the
-fused kernels (the same forward kernel without TRI).
+SPLIT_T; host ``core/lse/triton_fused.py`` ``_lse_fwd`` and ``core/lse/triton_panel.py`` ``forward``), on its
+statistics forward on the epilogue GEMM (``kernels/panel.py`` ``epi_gemm_kernel`` MODE 3 with TRI and SPLIT_T; host
+``triton_panel.stats_forward``: SimCSE's large-N route) and on the fused kernels (the same forward kernel without TRI).
 
 Unsupervised SimCSE (one batch of interleaved views, B is A, each row's target its paired view) in the saturated
 regime (``testing.cases.REGIMES["saturated"]``: ``p_t ~ 0.9999``, a row loss of ``~1e-4`` against logits of
 ``~|s|``) formed as ``LSE_i - l_it`` in fp32 keeps few correct digits (an H200's parity row at N = 4099, D = 768
 bf16 missed its bound by 1.6x). The forward kernel instead forms each row's log-sum-exp over every column
 but its target, ``LSEx_i``, and the target's logit (an fp32 dot of the row with its target row), and the row's
-loss is ``softplus(LSEx_i - l_it)``; the target term's value leaves ``c_i l_it`` out for those rows
+loss is ``softplus(LSEx_i - l_it)`` (the epilogue GEMM's statistics likewise, ``l_it`` from the row's fp32 cosine
+with its target row); the target term's value leaves ``c_i l_it`` out for those rows
 (``core.forward_parts``, as for the one pass of ``tests/test_one_pass_loss.py``). Under the CPU interpreter at
 256 rows in bf16, against float64 on the same rounded inputs: relative error <= ``REL_TOL`` (measured 3e-8 to
 3e-7 summed, 4e-6 per row; the old form missed it on every case but label smoothing, whose loss ~1.75 does not
@@ -51,10 +53,11 @@ def _losses(case: str, tensors: dict, kwargs: dict, dtype=torch.bfloat16):
     return out
 
 
-@pytest.mark.parametrize("path", ["panel", "fused"])
+@pytest.mark.parametrize("path", ["panel", "panel-epilogue", "fused"])
 @pytest.mark.parametrize("variant", ["plain", "label-smoothing", "per-row", "margin-13"])
 def test_saturated_simcse_against_float64(path, variant, monkeypatch, route, launches):
-    route(DENSE="0", TRITON_PATH=path)
+    route(DENSE="0", TRITON_PATH=path.split("-")[0], PANEL_GEMM="epilogue" if path == "panel-epilogue" else None,
+          PANEL_ROWS=96 if path == "panel-epilogue" else None)
     if variant == "margin-13":
         monkeypatch.setitem(C.REGIME_MARGIN, "saturated", 13.0)
     case = "simcse_smoothed" if variant == "label-smoothing" else "simcse"
@@ -64,9 +67,14 @@ def test_saturated_simcse_against_float64(path, variant, monkeypatch, route, lau
     seen = launches
     (got, ggot), (want, gwant) = _losses(case, tensors, kwargs)
     fwd = [x for x in seen if x.name == "lse_fwd"]
-    # the route under test: the triangular forward on the panel path, the plain one on the fused kernels, both
-    # with the target split out
-    assert [(x.constexprs["TRI"], x.constexprs["SPLIT_T"]) for x in fwd] == [(path == "panel", True)], seen
+    stats = [(x.constexprs["TRI"], x.constexprs["SPLIT_T"]) for x in seen if x.name == "epi_gemm_stats"]
+    # the route under test: the triangular forward on the panel path (the fused forward kernel's, or the epilogue
+    # GEMM's statistics in 96-row panels), the plain one on the fused kernels, all with the target split out
+    if path == "panel-epilogue":
+        assert not fwd and stats == [(True, True)] * 3, seen
+    else:
+        assert [(x.constexprs["TRI"], x.constexprs["SPLIT_T"]) for x in fwd] == [(path == "panel", True)], seen
+        assert not stats, seen
     if variant != "label-smoothing":
         assert float(want.mean()) < (3e-4 if variant != "margin-13" else 5e-5), float(want.mean())  # p_t ~ 0.9999
     if variant == "per-row":

@@ -1112,8 +1112,10 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
     assert sorted(r["mode"] for r in epi if r["variant"] == "siglip") == [4] * 8 + [5] * 4
     assert {r["variant"] for r in epi if r["tri"]} == {"tri"}
     # the gradient tiles' modes with each row's target column split out, as a loss with a target runs them
-    # (not beside a softmax over positives: "col" and "sym" carry one)
-    assert all(r.get("split", False) == (r["mode"] in (0, 1, 2) and r["variant"] not in ("col", "sym"))
+    # (not beside a softmax over positives: "col" and "sym" carry one), and the triangular statistics forward
+    # (MODE 3 with TRI: the target entry out of the row and column statistics)
+    assert all(r.get("split", False) == ((r["mode"] in (0, 1, 2) or (r["mode"], r["variant"]) == (3, "tri"))
+                                         and r["variant"] not in ("col", "sym"))
                for r in epi), epi
     bad = [r for r in epi if r["spill_stores"] or r["spill_loads"]]
     assert not bad, bad

@@ -127,6 +127,7 @@ from ..triton_shared.launch import (
     _problem_args,
     _upcast,
 )
+from ..triton_shared.target import target_cos
 from . import triton_fused
 
 # The fp32-output GEMM of 16-bit operands. ``torch.mm(x, y, out_dtype=torch.float32)`` and
@@ -145,8 +146,8 @@ from . import triton_fused
 # with stand-ins for the native calls (:data:`GEMM_PROBE_DEVICES`, :data:`NATIVE_GEMMS`).
 
 
-def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, want_col: bool, tri: bool = False
-                  ) -> tuple[Tensor, Tensor | None]:
+def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, want_col: bool, tri: bool = False,
+                  target: Tensor | None = None, minus_target: dict | None = None) -> tuple[Tensor, Tensor | None]:
     """``(LSE [N], LSEcol [M] or None)`` by the epilogue GEMM's statistics mode (MODE 3, one matmul unit,
     two exps per logit, nothing of size P x M written): per panel of rows the tiles' row maxima and
     sums, and with ``want_col`` their column maxima and sums, merged in a fixed order (``logsumexp`` over
@@ -154,9 +155,22 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
     Replaces the fused forward kernel (``lse_fwd``) for 16-bit panels without a softmax over positives.
     ``b`` is A itself when B is A. ``tri`` (the triangular sweep: B is A, symmetric logits, row LSE
     only): panel ``[r0, r1)`` against rows ``[r0, N)`` only (half a unit over the sweep), its row
-    statistics for its rows and its column statistics for the rows past it, merged per row. With the option
-    ``FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws`` (sm_90 and a tested Triton: ``triton_shared.gluon_epi``) the partials come
-    from the persistent warp-specialised Gluon kernel instead (the same rows' layout; the columns' per 64 rows)."""
+    statistics for its rows and its column statistics for the rows past it, merged per row.
+
+    ``target`` [N] (int64; with ``tri`` only) with a dict ``minus_target``: the tiles leave each row's target
+    entry out of its statistics (SPLIT_T: ``(i, t_i)`` out of row i's, ``(t_j, j)`` out of column j's), so the
+    merge gives ``LSEx_i`` over every other column; the target's logit ``l_it = s c_i`` comes from the row's fp32
+    cosine with its target row (``triton_shared.target.target_cos``, -inf where the target is out of range or the
+    row's own excluded column), the returned LSE is ``logaddexp(LSEx_i, l_it)``, and the dict receives ``"loss"``
+    [N] fp32, each row's ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)`` (no cancellation in the saturated
+    regime; ``LSE_i`` where ``l_it`` is -inf) and ``"fold"`` [N] fp32, 1 where the row's entry is the difference
+    and 0 where it is ``LSE_i``, as ``triton_fused._lse_fwd``'s split forward reports them.
+    With the option ``FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws`` (sm_90 and a tested Triton: ``triton_shared.gluon_epi``)
+    the partials come from the persistent warp-specialised Gluon kernel instead (the same rows' layout; the columns'
+    per 64 rows), but not with the target split, which the Gluon kernel does not have."""
+    split = target is not None and minus_target is not None
+    if split and not tri:
+        raise ValueError("stats_forward: target: the statistics forward splits the target out only with tri")
     n, d = a.shape
     m = b.shape[0]
     dev, dt = a.device, a.dtype
@@ -171,7 +185,7 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
                  MODE=3, NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
                  HAS_BIAS=prep.bias_col is not None, BIAS_COS=spec.margin != 0.0, POS_KIND=0, HAS_G=False,
                  HAS_GCOL=False, HAS_GPOS=False, SYM=False, NEED_DS=False, FOLD_RB=False, PRESCALE=1.0, TRI=bool(tri),
-                 WANT_COL=bool(want_col or tri), SPLIT_T=False, LEAN=False)
+                 WANT_COL=bool(want_col or tri), SPLIT_T=split, LEAN=False)
     for r0 in range(0, n, p_rows):
         r1 = min(n, r0 + p_rows)
         pp = r1 - r0
@@ -190,8 +204,9 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
         args = dict(X=x, Y=y, DL=dm, ZP=rz, TP=dm, MXP=rm, CZ=cz, CM=cm, DS_PART=dm, BAD=dm, SHIFT=dm, LBIAS=dm,
                     RSP=rs.contiguous(), RB=pr.rb[c0:] if pr.rb is not None else dm, SCALE=scale_t,
                     GSCALE=dm, **_problem_args(prep), LSE=dm, G=dm, LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
-                    TGT=dm, TV=dm, P=pp, M=mc, D=d, r0=0 if tri else r0, stride_x=x.stride(0),
-                    stride_y=y.stride(0), stride_dl=0, stride_zp=n_pn, **_mask_args(prep, spec))
+                    TGT=(target[c0:] - c0).contiguous() if split else dm, TV=dm, P=pp, M=mc, D=d,
+                    r0=0 if tri else r0, stride_x=x.stride(0), stride_y=y.stride(0), stride_dl=0, stride_zp=n_pn,
+                    **_mask_args(prep, spec))
         if gluon:
             gluon_epi.stats_launch(launch, gluon_epi.NAME, args, const, n_cp * n_pn, panels.persistent_programs(dev))
         else:
@@ -208,8 +223,29 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
                           dict(MX=cm, Z=cz, OUT=lse_col[c0:], n_out=mc, n_part=n_cp, stride_o=1, stride_p=mc),
                           dict(BLOCK_O=bo, BLOCK_P=bp, ACC=True), 4, 1))
     if tri:  # every row: its panel's row statistics and the column statistics of the panels above it
-        return torch.logaddexp(lse, lse_col), None
+        lse = torch.logaddexp(lse, lse_col)
+        if split:  # lse is LSEx here: the target's logit apart
+            lse = _add_target(lse, a, target, scale_t, spec, minus_target)
+        return lse, None
     return lse, lse_col
+
+
+def _add_target(lsex: Tensor, a: Tensor, target: Tensor, scale_t: Tensor, spec, minus_target: dict) -> Tensor:
+    """``LSE_i = logaddexp(LSEx_i, l_it)`` of the triangular statistics forward with the target split out (B is A,
+    no bias: ``l_it = s c_i``, ``c_i`` the fp32 cosine of row i with row ``t_i``; -inf for a target out of range
+    or at the row's own excluded column), and ``minus_target``'s ``"loss"`` / ``"fold"`` (:func:`stats_forward`)."""
+    n = a.shape[0]
+    idx = torch.arange(n, device=a.device)
+    valid = (target >= 0) & (target < n)
+    if spec.exclude_self:
+        valid = valid & (target != idx + int(spec.offset))
+    cos = target_cos(a, a, torch.where(valid, target, idx), spec.eps, spec.normalize)
+    lt = torch.where(valid, cos * scale_t.reshape(()), float("-inf"))
+    x = lsex - lt  # softplus(x) = log(1 + e^x), accurate on both sides
+    loss = torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
+    lse = torch.logaddexp(lsex, lt)
+    minus_target.update(loss=torch.where(valid, loss, lse), fold=valid.to(torch.float32))
+    return lse
 
 
 def _one_pass_shift(scale_t: Tensor, spec, has_bias: bool, bias: float) -> Tensor:
@@ -239,11 +275,12 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     ``g_set`` [N] fp32 (``g_pos`` None, ``prep`` with the positives, not the one pass: :func:`takes_one_pass`): the SET
     term's upstream coefficients (with ``eager`` its coefficients), whose gradient ``-g_set_i w_ij`` the tiles
     form in fp32 before their 16-bit cast (``SPLIT_SET``): dA, dB and ds then hold it.
-    ``minus_target`` (a dict, with ``target``): where the sweep is the epilogue GEMM's one pass it receives
-    ``"loss"`` [N] fp32, each row's ``LSE_i - l_it`` formed without the cancellation (``log1p(zx_i / e_it)`` from
-    the tile's exponentials, ``kernels/panel.py`` ``epi_rows_kernel``; ``LSE_i`` on a row where that form is not
-    taken) and ``"fold"`` [N] fp32, 1 where the row's entry is the difference and 0 where it is ``LSE_i``;
-    other sweeps leave it empty.
+    ``minus_target`` (a dict, with ``target``): where the sweep is the one pass (the epilogue GEMM's, or the
+    cuBLAS form's ``panel_dl_kernel`` with ONE_PASS) it receives ``"loss"`` [N] fp32, each row's ``LSE_i - l_it``
+    formed without the cancellation (``log1p(zx_i / e_it)`` from the tile's exponentials, the target's kept out of
+    the row's sum; ``kernels/panel.py`` ``_loss_less_target``; ``LSE_i`` on a row where that form is not taken)
+    and ``"fold"`` [N] fp32, 1 where the row's entry is the difference and 0 where it is ``LSE_i``; other sweeps
+    leave it empty.
 
     ``prep`` is the fused path's ``_Prepared`` (labels, mask, bias columns, dummy); ``launch`` is
     ``triton_shared/launch.py`` ``_launch`` (so the AOT recorder sees these launches). With ``eager``, ``g`` /
@@ -275,7 +312,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     lsep_out = torch.empty(n, dtype=torch.float32, device=dev) if eager and g_pos is not None else None
     split = target is not None
     tw = torch.empty(n, dtype=torch.float32, device=dev) if split else None
-    rows_minus = split and epi and one_pass  # (the row kernel writes them; reported when asked)
+    rows_minus = split and one_pass  # (the row kernel, or panel_dl_kernel, writes them; reported when asked)
     loss_rows = torch.empty(n, dtype=torch.float32, device=dev) if rows_minus else None
     fold_rows = torch.empty(n, dtype=torch.float32, device=dev) if rows_minus else None
     da = _alloc((n, d), torch.float32 if wide else dt, dev) if need_a else None
@@ -316,7 +353,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
             ds_part = _alloc((n_prog,), torch.float32, dev) if need_s else dm
             launch(Launch(
                 "panel_dl", KP.panel_dl_kernel, (n_prog,),
-                dict(L=lraw, DL=dl, W_OUT=w, RSP=rs.contiguous(), **common, TV=tv, DS_PART=ds_part, M=m, r0=r0, P=pp,
+                dict(L=lraw, DL=dl, W_OUT=w, RSP=rs.contiguous(), **common, TV=tv, DS_PART=ds_part,
+                     LOSS=loss_rows if rows_minus else dm, FOLD=fold_rows if rows_minus else dm, M=m, r0=r0, P=pp,
                      stride_l=lraw.stride(0), stride_dl=dl.stride(0), **margs, pm_shift=0),
                 dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
             del lraw
@@ -427,7 +465,8 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
                 "panel_dl", KP.panel_dl_kernel, (n_prog,),
                 dict(L=lraw, DL=h, W_OUT=_alloc((pp,), torch.float32, dev), RSP=rs.contiguous(),
                      **{"pm_shift": 0, **common},
-                     LSE_OUT=dm, LSE_POS_OUT=dm, DS_PART=ds_part, M=c, r0=0, P=pp, stride_l=lraw.stride(0),
+                     LSE_OUT=dm, LSE_POS_OUT=dm, DS_PART=ds_part, LOSS=dm, FOLD=dm, M=c, r0=0, P=pp,
+                     stride_l=lraw.stride(0),
                      stride_dl=h.stride(0), **_mask_args(prep, spec)),
                 dict(BLOCK_R=block_r, BLOCK_C=block_c, **flags), PANEL_WARPS, 1))
         del lraw, x
@@ -512,12 +551,13 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         ctx.eager = None
         lse_col, lse_pos = None, None
         minus = {}
+        # 16-bit tiles with a target term: each row's loss less its target logit without the cancellation
+        # (the epilogue GEMM's statistics with SPLIT_T, stats_forward; the fused forward's, triton_fused._lse_fwd)
+        split16 = ctx.split is not None and coef.lse is not None and a.dtype in (torch.float16, torch.bfloat16)
         if panels.use_epilogue(dev, a.dtype, "tri", n * n):
-            lse = stats_forward(TL._launch, p, p.a, p.a, scale_t, spec, False, tri=True)[0]
+            lse = stats_forward(TL._launch, p, p.a, p.a, scale_t, spec, False, tri=True,
+                                target=ctx.split if split16 else None, minus_target=minus)[0]
         else:
-            # 16-bit tiles with a target term: each row's loss less its target logit without the cancellation
-            # (the forward's SPLIT_T, triton_fused._lse_fwd)
-            split16 = ctx.split is not None and coef.lse is not None and a.dtype in (torch.float16, torch.bfloat16)
             lse = triton_fused._lse_fwd(a, None, scale, spec, data, False, False, tri=True,
                                         target=ctx.split if split16 else None, minus_target=minus)[0]
     elif panels.use_epilogue(dev, a.dtype, "known", n * bb.shape[0]) and not want_pos:

@@ -80,6 +80,8 @@ def fallback_reason(x: Tensor, y: Tensor, const: dict) -> str | None:
         return f"{x.dtype} / {y.dtype} operands (16-bit only)"
     if const.get("HAS_BIAS") or const.get("BIAS_COS") or const.get("POS_KIND", 0) != 0:
         return "a bias column, a margin or positives (not in the Gluon kernel)"
+    if const.get("SPLIT_T"):
+        return "the target split (SPLIT_T: the triangular sweep's saturated loss; not in the Gluon kernel)"
     for name, t in (("x", x), ("y", y)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or (dev.type != "meta" and t.data_ptr() % 16):
             return f"{name}'s rows are not 16-byte aligned (TMA)"
