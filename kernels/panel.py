@@ -876,7 +876,14 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
         # (row j's target entry, by symmetry), so the merged statistics are LSEx over every other column
         lr = l
         if SPLIT_T:
-            lr = tl.where(cols[None, :] == tgt_r[:, None], NEG_INF, l)
+            # the tile holding a row's target stores its logit as the tiles round it (TV): the backward's LSE is
+            # formed from it, so its fp32 weight exp(l_t - LSE) against the target term's -1 sees no ulp of |s|
+            # between this rounding and the dot's (the panel's rows, frame columns; a target before the frame is
+            # not in this panel's tiles and keeps the dot's value)
+            hit_t = cols[None, :] == tgt_r[:, None]
+            lr = tl.where(hit_t, NEG_INF, l)
+            t_in = lmask & (tgt_r >= pid_n * BLOCK_N) & (tgt_r < pid_n * BLOCK_N + BLOCK_N)
+            tl.store(TV + loc, tl.sum(tl.where(hit_t, l, 0.0), axis=1), mask=t_in)
         rm = tl.max(lr, axis=1)
         rz = tl.sum(tl.exp(lr - tl.where(rm == NEG_INF, 0.0, rm)[:, None]), axis=1)
         part = loc.to(tl.int64) * stride_zp + pid_n

@@ -84,3 +84,21 @@ def test_saturated_simcse_against_float64(path, variant, monkeypatch, route, lau
     assert rel <= REL_TOL, f"{path} {variant}: loss {got.tolist()!s:.200} vs float64, rel err {rel:.3g}"
     # the gradients as before (the accuracy of the 16-bit tiles, not the loss form)
     assert float((ggot - gwant).abs().max()) <= 2e-2 * float(gwant.abs().max()) + 1e-12
+
+
+def test_the_statistics_forward_takes_the_tiles_target_logit(monkeypatch, route, launches):
+    """The epilogue GEMM's triangular statistics forward with the target split gives the backward an LSE formed from
+    the target logit as its tiles round it (MODE 3's TV), not the fp32 dot's: the backward weighs the target entry
+    by ``exp(l_it - LSE_i)`` from its own tile against the target term's -1, which at a margin of 13 nearly cancel,
+    and an ulp of ``|s|`` between the two roundings was the whole error there. Measured under the interpreter
+    (bf16, 256 rows, max |err| / max |grad| against float64): 3.1e-3 with the tiles' value, 1.2e-2 with the dot's
+    (planted: ``_add_target`` given an all-NaN ``lt_tile``), 6.3e-3 before the split."""
+    route(DENSE="0", TRITON_PATH="panel", PANEL_GEMM="epilogue", PANEL_ROWS=96)
+    monkeypatch.setitem(C.REGIME_MARGIN, "saturated", 13.0)
+    tensors, kwargs = make_inputs(CASE_BY_NAME["simcse"], 256, 64, seed=3, regime="saturated")
+    (got, ggot), (want, gwant) = _losses("simcse", tensors, kwargs)
+    stores = [x for x in launches if x.name == "epi_gemm_stats"]
+    assert stores and all(x.constexprs["SPLIT_T"] for x in stores), launches
+    assert abs(float(got) - float(want)) <= REL_TOL * abs(float(want))
+    err = float((ggot - gwant).abs().max() / gwant.abs().max())
+    assert err <= 5e-3, err
