@@ -274,7 +274,8 @@ from fused_contrastive import gpu_validate as GV
 
 plan = GV.Plan(losses=("info_nce", "simcse"), paths=("aot/fused", "aot/panel"), parity_shapes=((64, 784), (64, 100)),
                dtypes=(torch.bfloat16,), regimes=("flat",), determinism_runs=0, fp16_shape=None, timing_sizes=(),
-               ncu=False, aot_lib=sys.argv[1], option_losses=(), st_cached=False)  # (the library's rows alone)
+               ncu=False, aot_lib=sys.argv[1], option_losses=(), st_cached=False,
+               gluon_cases=())  # (the library's rows alone)
 rep = GV.validate("cpu", plan, allow_cpu=True)
 print(json.dumps([[r.check, r.ok, r.detail] for r in rep.results]))
 """
