@@ -22,6 +22,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -37,12 +38,22 @@ from tests._compiles import SMEM_LIMIT, run_compile_script
 triton = pytest.importorskip("triton")
 
 
-def record(loss: str, n: int, d: int, gemm: str, arch: str = "sm90", dtype=torch.bfloat16):
+def record(loss: str, n: int, d: int, gemm: str, arch: str = "sm90", dtype=torch.bfloat16, split: bool = True):
     """The forward's launches of ``loss`` at N = ``n`` on the panel path's epilogue GEMM, recorded on the meta
-    device for ``arch`` with ``EPI_GEMM=gemm``."""
+    device for ``arch`` with ``EPI_GEMM=gemm``. ``split=False``: the triangular statistics forward without the
+    target split (SimCSE's saturated loss, which the Gluon kernel does not have: with it the Triton kernel runs),
+    the frame the Gluon kernel's triangular form computes."""
+    from fused_contrastive.core.lse import triton_panel as TP
+
     a, b, scale, spec, data, coef, reduce = CS.core_call(loss, n, d, dtype)
+    orig = TP.stats_forward
+
+    def unsplit(*args, target=None, minus_target=None, **kw):
+        return orig(*args, **kw)
+
     with routes.override(DENSE=False, TRITON_PATH="panel", PANEL_GEMM="epilogue", EPI_GEMM=gemm), \
-            CS.recording(arch) as launches, warnings.catch_warnings():
+            CS.recording(arch) as launches, warnings.catch_warnings(), \
+            mock.patch.object(TP, "stats_forward", orig if split else unsplit):
         warnings.simplefilter("ignore", RuntimeWarning)
         core.run("triton", a, b, scale, spec, data, coef, reduce)
     return list(launches)
@@ -76,7 +87,7 @@ _SCRIPT = textwrap.dedent(
 
     out = []
     for label, loss in (("cols", "clip"), ("tri", "simcse")):
-        (g,) = [x for x in record(loss, 4096, 768, "gluon-ws") if x.name == "epi_stats_gluon"]
+        (g,) = [x for x in record(loss, 4096, 768, "gluon-ws", split=False) if x.name == "epi_stats_gluon"]
         variants = [(label, g)]
         if label == "cols":  # the rows alone (a per-row output's forward), with two and with one consumer
             rows = g._replace(constexprs=dict(g.constexprs, WANT_COL=False))
@@ -243,8 +254,8 @@ def test_the_launch_matches_the_triton_mode3_launch(loss, n):
     128, and the columns' merge takes that many partials) and reads the same operands (as TMA
     descriptors of X and Y with the kernel's block shapes), scalars and flags, on a grid of at most one program per
     SM; the merge launches that read its partials are unchanged."""
-    tri_ls = record(loss, n, 768, "triton")
-    gl_ls = record(loss, n, 768, "gluon-ws")
+    tri_ls = record(loss, n, 768, "triton", split=False)
+    gl_ls = record(loss, n, 768, "gluon-ws", split=False)
     assert [x.name for x in tri_ls if x.name != "epi_gemm_stats"] == [x.name for x in gl_ls if x.name != HG.NAME]
     merges = [(x.args["n_out"], x.args["stride_o"]) for x in _stats(tri_ls, "stats_merge")]
     assert merges == [(x.args["n_out"], x.args["stride_o"]) for x in _stats(gl_ls, "stats_merge")]
@@ -274,6 +285,22 @@ def test_the_launch_matches_the_triton_mode3_launch(loss, n):
         assert (g.num_warps, g.maxnreg) == (4, KG.MAXNREG)
         assert g.constexprs["CONSUMERS"] == 2 and g.constexprs["STAGES"] == HG.STAGES
     assert gw[0].constexprs["TRI"] == (loss == "simcse")
+
+
+def test_simcse_with_the_target_split_keeps_the_triton_kernel():
+    """SimCSE's triangular statistics forward splits its target out (its saturated loss), which the Gluon kernel does
+    not: with ``EPI_GEMM=gluon-ws`` it runs the Triton kernel, with SPLIT_T, and the gate says why."""
+    HG._WARNED.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        a, b, scale, spec, data, coef, reduce = CS.core_call("simcse", 4096, 768, torch.bfloat16)
+        with routes.override(DENSE=False, TRITON_PATH="panel", PANEL_GEMM="epilogue", EPI_GEMM="gluon-ws"), \
+                CS.recording("sm90") as launches:
+            core.run("triton", a, b, scale, spec, data, coef, reduce)
+    stats = _stats(launches, "epi_gemm_stats")
+    assert stats and all(x.constexprs["SPLIT_T"] and x.constexprs["TRI"] for x in stats), launches
+    assert not _stats(launches, HG.NAME)
+    assert any("target split" in str(w.message) for w in seen), [str(w.message) for w in seen]
 
 
 def test_stats_launch_refuses_another_layout_or_mode():
