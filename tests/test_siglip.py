@@ -44,6 +44,29 @@ def _truth(image, text, s, b, normalize=True, reduction="mean", offset=0):
     return {"none": per, "sum": per.sum(), "mean": per.sum() / n}[reduction]
 
 
+def triton_against_truth(x64, y64, dtype, s0, b0, learn, reduction, seed):
+    """``(got, want, got_grads, want_grads)``: the triton backend's SigLIP loss of the ``dtype`` copies of the
+    float64 rows ``x64`` / ``y64`` (already rounded to ``dtype``) against :func:`_truth` on the float64 ones, at scale
+    ``s0`` and bias ``b0`` (learnable leaves with ``learn``); the gradients of a weighted sum (per-row losses: each
+    row's upstream gradient its own, weights drawn from ``seed + 1``)."""
+    leaves64 = [x64.requires_grad_(), y64.requires_grad_()]
+    leaves = [x64.detach().to(dtype).requires_grad_(), y64.detach().to(dtype).requires_grad_()]
+    if learn:
+        leaves64 += [torch.tensor(s0, dtype=torch.float64, requires_grad=True),
+                     torch.tensor(b0, dtype=torch.float64, requires_grad=True)]
+        leaves += [torch.tensor(s0, requires_grad=True), torch.tensor(b0, requires_grad=True)]
+        s64, b64, s, b = leaves64[2], leaves64[3], leaves[2], leaves[3]
+    else:
+        s64 = s = s0
+        b64 = b = b0
+    want = _truth(leaves64[0], leaves64[1], s64, b64, reduction=reduction)
+    got = fc.siglip_loss(leaves[0], leaves[1], s, b, reduction=reduction, backend="triton")
+    wts = torch.rand(got.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    want_g = torch.autograd.grad((want * wts).sum(), leaves64)
+    got_g = torch.autograd.grad((got * wts.float()).sum(), leaves)
+    return got, want, got_g, want_g
+
+
 def _leaves(n, d, seed=0, dtype=torch.float64, scale=10.0, bias=-10.0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g, dtype=dtype).requires_grad_()

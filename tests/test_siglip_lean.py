@@ -24,9 +24,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from test_siglip import _truth  # tests/ is on sys.path (rootdir-relative imports, no package)
+from test_siglip import _truth, triton_against_truth  # tests/ is on sys.path (rootdir-relative imports, no package)
 
-import fused_contrastive as fc
 from fused_contrastive import routes
 from fused_contrastive.testing import assert_close
 
@@ -192,23 +191,7 @@ def _bf16_case(regime, reduction, seed=3, n=97, d=40, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     x64 = torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype).double()
     y64 = torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype).double()
-    leaves64 = [x64.requires_grad_(), y64.requires_grad_()]
-    leaves = [x64.detach().to(dtype).requires_grad_(), y64.detach().to(dtype).requires_grad_()]
-    if learn:
-        leaves64 += [torch.tensor(s0, dtype=torch.float64, requires_grad=True),
-                     torch.tensor(b0, dtype=torch.float64, requires_grad=True)]
-        leaves += [torch.tensor(s0, requires_grad=True), torch.tensor(b0, requires_grad=True)]
-        s64, b64, s, b = leaves64[2], leaves64[3], leaves[2], leaves[3]
-    else:
-        s64 = s = s0
-        b64 = b = b0
-    want = _truth(leaves64[0], leaves64[1], s64, b64, reduction=reduction)
-    got = fc.siglip_loss(leaves[0], leaves[1], s, b, reduction=reduction, backend="triton")
-    # per-row losses: gradients of a weighted sum (each row's upstream gradient its own)
-    wts = torch.rand(got.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
-    want_g = torch.autograd.grad((want * wts).sum(), leaves64)
-    got_g = torch.autograd.grad((got * wts.float()).sum(), leaves)
-    return got, want, got_g, want_g
+    return triton_against_truth(x64, y64, dtype, s0, b0, learn, reduction, seed)
 
 
 def _check_bf16(got, want, got_g, want_g, what=""):
