@@ -331,7 +331,7 @@ def lse_bwd_rows_kernel(
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, RESIDENT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr, SPLIT_T: tl.constexpr,
-    SPLIT_SET: tl.constexpr,
+    SPLIT_SET: tl.constexpr, EXACT_T: tl.constexpr,
 ):
     """dA for one block of rows (grid: cdiv(N, BLOCK_M)), plus its share of dL/ds.
 
@@ -347,7 +347,11 @@ def lse_bwd_rows_kernel(
     goes to ``TV[i]`` instead (with SYM, also column j's transposed term where ``TGT[j]`` is this row:
     row j reports it): the caller applies it in fp32 with the target term (``core.PiecesFn``), where it
     nearly cancels for a peaked softmax; rounded into the 16-bit H it would leave ``~2^-9`` of the
-    target's row.
+    target's row. EXACT_T (with SPLIT_T): ``TV`` holds, on entry, each row's log-sum-exp weight at its target
+    column already combined with the target term's (over gscale, formed by the host from the split forward's
+    statistics without the cancellation of ``p_t - 1``: ``triton_fused.exact_weights``); the tile takes it in
+    place of step 2's value there, so the temperature gradient and ``TV`` (read once, then overwritten)
+    carry it.
 
     SPLIT_SET (no softmax over positives: HAS_GPOS False): ``G_POS`` holds the SET term's upstream
     coefficients ``c.set_i g`` and step 2 subtracts ``c.set_i w_ij`` (over gscale) in fp32
@@ -379,8 +383,11 @@ def lse_bwd_rows_kernel(
     ds_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     tv_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     tgt_r = rows
+    wx_r = ds_acc
     if SPLIT_T:
         tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32)
+        if EXACT_T:  # the host's combined weight at the target (read before this program overwrites TV)
+            wx_r = tl.load(TV + rows, mask=rmask, other=0.0)
     gset_r = g_r
     if SPLIT_SET:
         gset_r = tl.load(G_POS + rows, mask=rmask, other=0.0) * inv_gs
@@ -405,6 +412,8 @@ def lse_bwd_rows_kernel(
             gc_c = _grad_vec(G_COL, LSE_COL, cols, cmask, inv_gs, False)
         # 2. dl of this tile (SPLIT_SET: the SET term's -c.set_i w_ij too, in fp32)
         dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+        if SPLIT_T and EXACT_T:
+            dl = tl.where(cols[None, :] == tgt_r[:, None], wx_r[:, None], dl)
         if SPLIT_SET:
             dl = _sub_set(dl, gset_r, rows, cols, N, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
                           EXCLUDE_SELF, False)

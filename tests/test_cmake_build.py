@@ -455,6 +455,7 @@ import ctypes, json, os, sys
 sys.path.insert(0, sys.argv[3])
 import torch
 import _aot_exec
+from fused_contrastive.core.lse import triton_fused
 from fused_contrastive.testing import CASE_BY_NAME
 from fused_contrastive.testing import cases as C
 from fused_contrastive.testing.accuracy import make_inputs
@@ -555,6 +556,11 @@ def reference(a, b, s, clip):  # float64 from the definition, on the same bf16 r
     return per.detach(), list(grads)
 
 
+# the JIT's fused route without its exact target weights (triton_fused.exact_weights; the library's split has none):
+# the library's kernels and host steps
+triton_fused.exact_weights = lambda *args, **kw: None
+
+
 def jit(case, a, b, kwargs):  # the JIT's fused route on the same rows: the Python launcher's split (interpreted)
     xs = [a.clone().requires_grad_(), b.clone().requires_grad_()]
     loss = CASE_BY_NAME[case].fn(*xs, backend="triton", **kwargs)
@@ -587,10 +593,11 @@ def test_the_library_splits_the_target(build, tmp_path):
     formed as the header says (``softplus(LSEx - l_t)``) per row within 1e-4 relative (measured 3e-6 to 5e-6),
     where the old form ``LSE - l_t`` in fp32 is off by 2e-2 to 1; at a margin of 9 the gradients of both embeddings
     and the scale, with the caller's fp32 target term (``tv``), within 1.5e-2 of the largest (measured 7e-5 to
-    5.8e-3; tests/test_clip_loss.py's bound for the JIT's split). At a margin of 13 on these 64 rows the JIT's
-    split itself is 0.30 to 0.41 off float64 in the embeddings' gradients (the true gradient is ~1e-6 of the
-    rows): there the library's embedding gradients must match the JIT's fused route (the Python launcher's
-    split, interpreted) within 1e-2 of the largest."""
+    5.8e-3; tests/test_clip_loss.py's bound for the JIT's split). At a margin of 13 on these 64 rows the split
+    without exact target weights is 0.30 to 0.41 off float64 in the embeddings' gradients (the true gradient is ~1e-6
+    of the rows; the JIT's fused route forms the target's weight from the split's statistics, 5e-3 to 7e-3 there:
+    tests/test_exact_target.py; the library does not yet): there the library's embedding gradients must match the
+    JIT's fused route without those weights (the Python launcher's split, interpreted) within 1e-2 of the largest."""
     env = dict(os.environ, TRITON_INTERPRET="1", FUSED_CONTRASTIVE_LIBCUDA=str(build / "libfc_mock_cuda.so"),
                FC_MOCK_DIR=str(tmp_path), FC_MOCK_CC="90", FC_MOCK_SMS="2", FUSED_CONTRASTIVE_DENSE="0",
                FUSED_CONTRASTIVE_TRITON_PATH="fused")
@@ -618,13 +625,15 @@ import json, os, sys
 sys.path.insert(0, sys.argv[3])
 import torch
 import _aot_exec
-from fused_contrastive.core.lse import library_route
+from fused_contrastive.core.lse import library_route, triton_fused
 from fused_contrastive.testing import CASE_BY_NAME
 from fused_contrastive.testing import cases as C
 from fused_contrastive.testing.accuracy import make_inputs
 
 ex = _aot_exec.install(sys.argv[1], sys.argv[2])
 lib = os.environ[library_route.ENV]
+# the JIT's fused route without its exact target weights (triton_fused.exact_weights; the library's split has none)
+triton_fused.exact_weights = lambda *args, **kw: None
 
 
 def on_triton(case, rows, kwargs, aot):
@@ -673,7 +682,8 @@ def test_the_library_route_splits_the_target(build, tmp_path):
     The call reaches the library (``library_route.CALLS``),
     which launches the split forward and backward (``lse_split`` / ``lse_backward_split``); the loss per row is
     within 1e-4 of float64 (the old form is off by 2e-2 to 1 on these rows, ``test_the_library_splits_the_target``)
-    and matches the JIT's fused route to fp32 rounding, the gradients match the JIT's within 1e-2 of the largest
+    and matches the JIT's fused route to fp32 rounding, the gradients match the JIT's (without its exact target
+    weights, which the library's split does not form yet: tests/test_exact_target.py) within 1e-2 of the largest
     and, at a margin of 9, float64 within 1.5e-2."""
     lib = build / "libfused_contrastive_torch.so"
     if not lib.exists():

@@ -157,17 +157,22 @@ def backward_parts(subs, go: Tensor, dtypes) -> list[Tensor | None]:
     :func:`forward_parts` ran (newest first, as autograd would), summed in fp32 and cast once to
     ``dtypes`` (a's and b's; the scale's comes in its own dtype)."""
     grads: list[Tensor | None] = [None, None, None]
-    moved = None
+    moved = less = None
     took_set = False
     for fn, ctx, sign in reversed(subs):
         if fn is linear_terms.LinearTermsFn:
             ctx.target_extra = moved  # added to its target coefficient: the two meet in fp32
+            # the coefficients c_i whose share of the target's weight is in ``moved`` already (formed from the split
+            # statistics, exactly: triton_fused.exact_weights); the target term leaves them out, as its value does
+            ctx.target_less = less
             ctx.grads_in = grads  # fp32 gradients of the pieces before it, which it may add to in place
             ctx.set_taken = took_set  # its SET gradient already formed in the log-sum-exp piece's tiles
         gs = fn.backward(ctx, go if sign > 0 else -go)
         if getattr(ctx, "moved_target", None) is not None:
             moved = ctx.moved_target if moved is None else moved + ctx.moved_target
             ctx.moved_target = None
+            if getattr(ctx, "moved_less", None) is not None:
+                less = ctx.moved_less if less is None else less + ctx.moved_less
         if getattr(ctx, "took_set", False):
             took_set = True
             ctx.took_set = False

@@ -240,7 +240,8 @@ class LinearTermsFn(torch.autograd.Function):
         ds = torch.zeros((), dtype=dt, device=a.device) if need_s else None
         if coef.tgt is not None:
             t = data.target
-            h = _target_h(g, coef, spec, data, n, dt)  # (0 for a target on the excluded own column)
+            # (0 for a target on the excluded own column)
+            h = _target_h(g, coef, spec, data, n, dt, getattr(ctx, "target_less", None))
             bt = bh[t]
             if need_s:  # d TGT / ds = c - margin
                 ds += torch.linalg.vecdot(ah, bt, dim=1).sub_(spec.margin).mul_(h).sum()
@@ -293,10 +294,15 @@ def value_less_target(ctx, c: Tensor, reduce: bool) -> Tensor:
     return rows.sum() if reduce else rows
 
 
-def _target_h(g: Tensor, coef, spec: CoreSpec, data: CoreData, n: int, dt: torch.dtype) -> Tensor:
+def _target_h(g: Tensor, coef, spec: CoreSpec, data: CoreData, n: int, dt: torch.dtype, less=None) -> Tensor:
     """The target term's coefficient times the upstream gradient per row, 0 where the target is the
-    row's excluded own column (its logit is -inf: no gradient)."""
-    h = _weighted(coef.tgt, g.to(dt).expand(n), dt)
+    row's excluded own column (its logit is -inf: no gradient). ``less`` [N] (``ctx.target_less``, or None): the
+    coefficients whose share the log-sum-exp piece's weight on the target logit holds already (``core.backward_parts``),
+    left out: ``(c.tgt_i - less_i) g_i``, exactly 0 where they are equal."""
+    c = coef.tgt
+    if less is not None:
+        c = (c.to(device=less.device, dtype=torch.float32) if isinstance(c, Tensor) else float(c)) - less
+    h = _weighted(c, g.to(dt).expand(n), dt)
     if spec.exclude_self:
         t = data.target
         h = torch.where(t == torch.arange(n, device=t.device) + spec.offset, 0.0, h)
@@ -310,7 +316,7 @@ def _target_backward_kernel(ctx, a: Tensor, b: Tensor | None, s, g: Tensor, need
 
     spec, data, coef, dt = ctx.spec, ctx.data, ctx.coef, ctx.dt
     n, t = a.shape[0], data.target
-    h = _target_h(g, coef, spec, data, n, dt)
+    h = _target_h(g, coef, spec, data, n, dt, getattr(ctx, "target_less", None))
     hk = h
     extra = getattr(ctx, "target_extra", None)
     if extra is not None:  # the log-sum-exp terms' weight on the target logit (core.PiecesFn), in fp32

@@ -85,28 +85,35 @@ def variant_problem(variant: str, n: int, m: int, device="meta") -> tuple[CoreSp
 
 def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, want_pos: bool,
                 dtype: torch.dtype, n: int, m: int, d: int, arch: str, need_a: bool = True, need_b: bool = True,
-                need_s: bool = True, split: bool = False, split_fwd: bool = False) -> list[TL.Launch]:
+                need_s: bool = True, split: bool = False, split_fwd: bool = False,
+                exact: bool = False) -> list[TL.Launch]:
     """The launches of one forward + backward of the core op's kernels, recorded on the meta device:
     exactly the argument lists of the runtime launches. The backward gets an upstream gradient for
     every statistic the forward produces. ``split``: the backward leaves each row's target column out
     of its tiles (``core.PiecesFn`` with a target term). ``split_fwd`` (with ``split``): the forward keeps
     the target entries out of its statistics too (``_lse_fwd``'s ``minus_target``, the fp16 / bf16 fused
-    route of ``triton_function``; the C API's ``fc_forward_split``), one target vector for both."""
+    route of ``triton_function``; the C API's ``fc_forward_split``), one target vector for both. ``exact`` (with
+    ``split_fwd``): the backward takes the target weights formed from the split's statistics (EXACT_T,
+    ``triton_fused.exact_weights``), as ``triton_function`` does (the C library's split does not)."""
     meta = torch.device("meta")
     a = torch.empty((n, d), dtype=dtype, device=meta)
     b = torch.empty((m, d), dtype=dtype, device=meta) if has_b else None
     scale = torch.empty((), dtype=torch.float32, device=meta)
     if split_fwd and not split:
         raise ValueError("record_core: split_fwd needs split (the split forward's backward splits too)")
+    if exact and not split_fwd:
+        raise ValueError("record_core: exact needs split_fwd (its weights come from the split forward's statistics)")
     target = torch.empty(n, dtype=torch.int64, device=meta) if split else None
     with recording(arch) as launches:
+        minus: dict = {}
         lse, lse_col, lse_pos, p = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos,
                                                          target=target if split_fwd else None,
-                                                         minus_target={} if split_fwd else None)
+                                                         minus_target=minus if split_fwd else None)
         g = torch.empty(n, device=meta)
         g_col = None if lse_col is None else torch.empty(lse_col.shape, device=meta)
+        w = triton_fused.exact_weights(minus, target, g, g_col, lse_col) if exact else None
         triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
-                    need_a, need_b and has_b, need_s, target=target)
+                    need_a, need_b and has_b, need_s, target=target, exact=w)
     return launches
 
 
@@ -196,8 +203,11 @@ def record_variant(variant: str, dtype: torch.dtype, n: int, m: int, d: int, arc
     target column split out of the backward's tiles, as the JIT runs a loss with a target term (never
     beside a softmax over positives: ``triton_function``)."""
     spec, data, has_b, want_col, want_pos = variant_problem(variant, n, m)
+    split = variant in ("split", "sym_split")
+    # (16-bit: the split forward too, and the backward with its exact target weights, as triton_function runs it)
+    sixteen = split and dtype in (torch.float16, torch.bfloat16)
     return record_core(spec, data, has_b, want_col, want_pos, dtype, n, m if has_b else n, d, arch,
-                       split=variant in ("split", "sym_split"))
+                       split=split, split_fwd=sixteen, exact=sixteen)
 
 
 def record_cosent(dtype: torch.dtype, b: int, d: int, arch: str) -> list[TL.Launch]:

@@ -71,8 +71,12 @@ class TritonCoreFn(torch.autograd.Function):
         same = b is None
         ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                               None if same else p.b, p.sa, None if same else p.sb)
+        # the split's statistics for the backward's exact target weights (triton_fused.exact_weights: O(N + M)),
+        # except for B is A with a column term
+        ctx.exact = minus if minus and not (p.sym and coef.col is not None) else None
         if minus:
             ctx.minus_target = minus_coefficients(coef, minus, n)
+            ctx.exact_less = ctx.minus_target if ctx.exact is not None else None
             return combine(coef.to(torch.float32), reduce, minus["loss"], minus.get("col_loss", lse_col), lse_pos)
         return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
 
@@ -104,16 +108,21 @@ class TritonCoreFn(torch.autograd.Function):
             # column's fp32 weight, which fp32 tiles (tf32x3 dots) do not need apart: the column kernel
             # takes the target column as it is, and nothing recomputes the tiles for A
             split = None
+        # each row's weight at its target combined with the target term's, without the cancellation of p_t - 1
+        exact = (triton_fused.exact_weights(ctx.exact, split, g, g_col, lse_col)
+                 if split is not None and getattr(ctx, "exact", None) is not None else None)
         if same and not p.sym:
             # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
             out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s,
-                                        wide, split, g_set)
+                                        wide, split, g_set, exact)
         else:
             out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos,
-                              need_a, need_b and not same, need_s, wide, split, g_set)
+                              need_a, need_b and not same, need_s, wide, split, g_set, exact)
         da, db, ds = out[:3]
         if split is not None:
             ctx.moved_target = out[3]  # what core.PiecesFn applies with the target term
+            # (the target term's coefficients already in it: core.backward_parts has the target term leave them out)
+            ctx.moved_less = ctx.exact_less if exact is not None else None
         ctx.took_set = g_set is not None  # the SET term's gradient is in these (core.PiecesFn drops its own)
         if same and not p.sym:
             da = None if da is None else da + db

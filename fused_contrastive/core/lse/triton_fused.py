@@ -145,7 +145,9 @@ def merge_split(lse_x: Tensor, lse_col_x: Tensor | None, lt: Tensor, target: Ten
     fold = lt > float("-inf")
     loss = _softplus(lse_x - lt)
     lse = torch.logaddexp(lse_x, lt_tile)
-    minus_target.update(loss=torch.where(fold, loss, torch.logaddexp(lse_x, lt)), fold=fold.to(torch.float32))
+    # 1 - p_t as the backward's LSE makes it, exp(LSEx_i - LSE_i), without the cancellation (exact_weights)
+    minus_target.update(loss=torch.where(fold, loss, torch.logaddexp(lse_x, lt)), fold=fold.to(torch.float32),
+                        rest=torch.where(fold, torch.exp(lse_x - lse), 0.0), lt_tile=lt_tile)
     lse_col = None
     if lse_col_x is not None:  # column j's target entry (j, j) apart where target[j] == j
         m = lse_col_x.shape[0]
@@ -159,8 +161,33 @@ def merge_split(lse_x: Tensor, lse_col_x: Tensor | None, lt: Tensor, target: Ten
         col_loss = _softplus(lse_col_x - ct)
         lse_col = torch.logaddexp(lse_col_x, ct_tile)
         minus_target.update(col_loss=torch.where(cfold, col_loss, torch.logaddexp(lse_col_x, ct)),
-                            col_fold=cfold.to(torch.float32))
+                            col_fold=cfold.to(torch.float32),
+                            col_rest=torch.where(cfold, torch.exp(lse_col_x - lse_col), 0.0))
     return lse, lse_col
+
+
+def exact_weights(minus: dict, target: Tensor, g: Tensor, g_col: Tensor | None, lse_col: Tensor | None) -> Tensor:
+    """Each row's log-sum-exp weight at its target entry ``(i, t_i)`` combined with the target term's share that the
+    split forward took out (the coefficients :func:`minus_coefficients` gives), fp32 [N], from the split's statistics
+    (``minus``, filled by :func:`merge_split`) and the upstream gradients ``g`` [N], ``g_col`` [M] (CLIP) or None:
+
+        row part       g_i (p_t - 1) = -g_i exp(LSEx_i - LSE_i)               where the row's loss is the difference
+        column part    gc_i (pc_ii - 1) = -gc_i exp(LSEcolx_i - LSEcol_i)      where column i's is (t_i = i)
+                       gc_{t_i} exp(l_it - LSEcol_{t_i})                        elsewhere (nothing to combine with)
+
+    In the saturated regime ``1 - p_t`` is ~1e-6 and below: ``p_t - 1`` formed in fp32 (the kernel's ``p_t``, then the
+    target term's ``-1``) keeps none of it where ``LSE_i`` and ``l_it`` round alike, while ``exp(LSEx_i - LSE_i)`` keeps
+    its relative accuracy. The backward's row kernel takes it at the target entry (``kernels/lse.py`` EXACT_T), and
+    the target term then leaves those coefficients out (``core.backward_parts``, ``linear_terms``). Not for B is A
+    with a column term (the symmetric tile's column part of ``(i, t_i)`` belongs to another row's target)."""
+    w = -g * minus["rest"]
+    if g_col is not None:
+        n = g.shape[0]
+        t = target[:n]
+        own = (t == torch.arange(n, device=t.device)) & (minus["col_fold"][:n] > 0)
+        gct = g_col[t]
+        w = w + torch.where(own, -gct * minus["col_rest"][:n], gct * torch.exp(minus["lt_tile"] - lse_col[t]))
+    return w
 
 
 def minus_coefficients(coef: Coeffs, minus: dict, n: int) -> Tensor:
@@ -199,12 +226,14 @@ def _softplus(x: Tensor) -> Tensor:
 def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tensor | None,
              lse_pos: Tensor | None, g: Tensor | None, g_col: Tensor | None,
              g_pos: Tensor | None, need_a: bool, need_b: bool, need_s: bool, wide: bool = False,
-             target: Tensor | None = None, g_set: Tensor | None = None):
+             target: Tensor | None = None, g_set: Tensor | None = None, exact: Tensor | None = None):
     """Backward launcher: ``(dA, dB, ds)`` (None where not needed); dA, dB in the kernels' input dtype
     (fp32 with ``wide``: the core op sums its pieces' gradients before one rounding, ``core.PiecesFn``).
     With ``target`` [N] (int64) each row's target column is left out of dA and dB
     and ``(dA, dB, ds, tw)`` comes back, ``tw`` [N] fp32 the gradient of the LSE terms with respect to
-    the target logit ``l[i, target[i]]`` (what the caller applies with the target term).
+    the target logit ``l[i, target[i]]`` (what the caller applies with the target term); with ``exact`` [N] fp32
+    (:func:`exact_weights`) the tiles take it at each row's target entry, so ``tw`` is that weight (plus the SET
+    term's share with ``g_set``).
     With ``g_set`` [N] fp32 (the SET term's upstream coefficients ``c.set_i g``; ``g_pos`` None, ``p`` prepared
     with its positives) the tiles take the SET term's gradient ``-g_set_i w_ij`` in fp32 before their 16-bit
     cast (kernels/lse.py ``SPLIT_SET``): dA, dB and ds then hold the SET term's gradient too.
@@ -225,7 +254,10 @@ def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tenso
         out = TL._no_grads(a, b, need_a, need_b, need_s)
         return out if target is None else (*out, torch.zeros(n, dtype=torch.float32, device=dev))
     split = target is not None
-    tv = torch.empty(n, dtype=torch.float32, device=dev) if split else None
+    if exact is not None and not split:
+        raise ValueError("core: the exact target weights need the target split (target)")
+    # (EXACT_T: the row kernel reads its rows' combined weights from TV, over gscale, then writes TV)
+    tv = (exact / gs if exact is not None else torch.empty(n, dtype=torch.float32, device=dev)) if split else None
     tgt = target.contiguous() if split else None
     na, ra, nb, rb, rsa, rsb = p.norms
     dm = p.dummy
@@ -252,7 +284,7 @@ def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tenso
                  stride_da=da.stride(0) if need_a else 0,
                  **TL._mask_args(p, spec), eps=float(spec.eps)),
             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **flags, SYM=p.sym,
-                 NEED_DX=bool(need_a), NEED_DS=bool(need_s), RESIDENT=resident),
+                 NEED_DX=bool(need_a), NEED_DS=bool(need_s), RESIDENT=resident, EXACT_T=exact is not None),
             cfg.num_warps, cfg.num_stages))
         ds = ds_part.sum() * gs.reshape(()) if need_s else None
         da = da if need_a else None

@@ -1,0 +1,122 @@
+"""The target's gradient weight in the saturated regime on the fused kernels: ``p_t - 1`` formed without its
+cancellation (``core/lse/triton_fused.py`` ``exact_weights``, ``kernels/lse.py`` ``lse_bwd_rows_kernel`` EXACT_T,
+``core.backward_parts`` and ``core/linear_terms.py``'s ``target_less``).
+
+With ``1 - p_t`` near 1e-7 (``testing.cases.REGIMES["saturated"]`` at a margin of 13, D = 112: the embeddings'
+gradients are ~3e-8) the log-sum-exp piece's fp32 ``p_t = exp(l_t - LSE_t)`` meets the target term's ``-1`` with
+nothing left: ``LSE_i`` and ``l_it`` round alike at ``|s| ~ 20``, whose unit in the last place is ~2e-6. The old form
+was 0.19 to 0.41 of the largest gradient off float64 (fp32 ``F.cross_entropy`` is 0.012 to 0.019 off there). The split
+forward's statistics give ``1 - p_t = exp(LSEx_i - LSE_i)`` to its relative accuracy; the backward's tile takes the
+combined weight at the target, and the target term leaves its coefficient out. Measured under the CPU interpreter,
+N = 64 and 128, D = 112, against float64 on the same rounded rows (InfoNCE, CLIP, SimCSE in bf16): the embeddings'
+gradients 4.5e-3 to 8.9e-3 of the largest (the old form 0.19 to 0.41), the scale's 6e-8 to 6e-7 (the old form 0.025 to
+0.083). fp16 gradients this small are subnormal, so fp16's bound adds fp16's own rounding of the float64 gradient."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - the test extra installs triton
+    pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
+
+from fused_contrastive.core.lse import triton_fused
+from fused_contrastive.testing import CASE_BY_NAME
+from fused_contrastive.testing import cases as C
+from fused_contrastive.testing.accuracy import make_inputs
+
+#: The gradients' largest error over the largest true gradient (bf16 rounds each gradient entry by up to 2^-9 itself).
+GRAD_TOL = 1.5e-2
+#: What the old form (the kernel's fp32 ``p_t`` beside the target term's -1) must miss on these inputs by.
+OLD_FORM_MISSES = 0.1
+
+#: (case, the name of its scale argument)
+CASES = {"info_nce": "temperature", "clip": "logit_scale", "simcse": "temperature"}
+
+
+@pytest.fixture(autouse=True)
+def _fused(route):
+    route(DENSE="0", TRITON_PATH="fused")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def own_rounding(w: torch.Tensor, dtype) -> float:
+    """The largest error of ``dtype``'s own rounding of the float64 gradient ``w``, over its largest entry: the floor
+    of any gradient returned in ``dtype``."""
+    return float((w.to(dtype).double() - w).abs().max() / w.abs().max())
+
+
+def errors(case: str, n: int, d: int, dtype, reduction: str | None = None, seed: int = 3) -> list[tuple[float, float]]:
+    """``(error, dtype's own rounding)`` of each gradient (the embeddings', then the scale's) of the Triton route
+    against float64 on the same rounded rows, at a margin of 13, the scale a tensor that requires grad."""
+    C.REGIME_MARGIN["saturated"] = 13.0
+    tensors, kwargs = make_inputs(CASE_BY_NAME[case], n, d, seed=seed, regime="saturated")
+    if reduction is not None:
+        kwargs = dict(kwargs, reduction=reduction)
+    key = CASES[case]
+    out = []
+    for backend, dt in (("triton", dtype), ("reference", torch.float64)):
+        xs = [v.to(dtype).to(dt).requires_grad_() for v in tensors.values()]
+        sc = torch.tensor(float(kwargs[key]), dtype=torch.float32 if dt != torch.float64 else dt, requires_grad=True)
+        loss = CASE_BY_NAME[case].fn(*xs, backend=backend, **dict(kwargs, **{key: sc}))
+        out.append([g.double() for g in torch.autograd.grad(loss.sum(), [*xs, sc])])
+    got, want = out
+    # saturated: 1 - p_t ~ 1e-7, the gradients with it (the mean's; n times that for the rows' sum)
+    assert float(want[0].abs().max()) < 3e-6 * (1 if reduction is None else n)
+    return [(float((g - w).abs().max() / w.abs().max()), own_rounding(w, dtype) if w.dim() else 0.0)
+            for g, w in zip(got, want, strict=True)]
+
+
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_saturated_gradients_against_float64(case, n, launches):
+    errs = errors(case, n, 112, torch.bfloat16)
+    rows = [x for x in launches if x.name == "lse_bwd_rows"]
+    assert rows and all(x.constexprs["SPLIT_T"] and x.constexprs["EXACT_T"] for x in rows), rows
+    for i, (err, _) in enumerate(errs):
+        assert err <= GRAD_TOL, f"{case} N={n}: gradient {i} off float64 by {err:.3g} of its largest entry"
+
+
+@pytest.mark.parametrize("case", ["info_nce", "clip"])
+def test_fp16_gradients_within_fp16s_own_rounding(case):
+    # per-row losses summed: gradients of ~1e-6, below fp16's smallest normal (6.1e-5)
+    for i, (err, floor) in enumerate(errors(case, 128, 112, torch.float16, "none")):
+        assert err <= GRAD_TOL + floor, f"{case}: gradient {i} off by {err:.3g}, fp16's own rounding {floor:.3g}"
+
+
+@pytest.mark.parametrize("case", ["info_nce", "clip"])
+def test_the_old_form_misses(case, monkeypatch):
+    # the inputs discriminate: without the exact weights (the kernel's p_t, then the target term's -1) the
+    # embeddings' gradients miss float64 by far more than the bound
+    monkeypatch.setattr(triton_fused, "exact_weights", lambda *a, **k: None)
+    errs = errors(case, 64, 112, torch.bfloat16)
+    assert max(e for e, _ in errs[:-1]) > OLD_FORM_MISSES, errs
+
+
+def test_the_weight_without_the_target_terms_share(launches):
+    # exact_weights by hand on a small unsaturated problem: the row's -g_i (1 - p_t) and, for CLIP's pairs, the
+    # column's -gc_i (1 - pc_ii), against float64 softmaxes of the same logits
+    torch.manual_seed(0)
+    n, s = 8, 5.0
+    cos = torch.nn.functional.normalize(torch.randn(n, 16, dtype=torch.float64), dim=1)
+    cos = cos @ cos.T
+    logits = s * cos
+    target = torch.arange(n)
+    lt = logits.diagonal()
+    off = logits.masked_fill(torch.eye(n, dtype=torch.bool), float("-inf"))
+    lse_x, lse_col_x = off.logsumexp(1), off.logsumexp(0)
+    minus: dict = {}
+    lse, lse_col = triton_fused.merge_split(lse_x.float(), lse_col_x.float(), torch.cat([lt, lt]).float(), target,
+                                            False, minus)
+    g, gc = torch.rand(n, dtype=torch.float64), torch.rand(n, dtype=torch.float64)
+    w = triton_fused.exact_weights(minus, target, g.float(), gc.float(), lse_col)
+    p_t = logits.softmax(1).diagonal()
+    pc_t = logits.softmax(0).diagonal()
+    want = g * (p_t - 1) + gc * (pc_t - 1)
+    assert torch.allclose(w.double(), want, rtol=1e-5, atol=0), (w, want)
