@@ -18,8 +18,6 @@ gradient (0.11 / 0.10 for a and b, which the kernels' error equals; tests/test_e
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -28,7 +26,8 @@ try:
 except ImportError:  # pragma: no cover - the test extra installs triton
     pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
-from test_exact_target import own_rounding  # tests/ is on sys.path (rootdir-relative imports, no package)
+# (_fused: the fused kernels, not the dense one-tile path, quiet numpy; tests/ is on sys.path: rootdir-relative imports)
+from test_exact_target import _fused, own_rounding  # noqa: F401
 
 from fused_contrastive.testing import CASE_BY_NAME
 from fused_contrastive.testing import cases as C
@@ -39,15 +38,6 @@ REL_TOL = 1e-4
 #: The gradients' largest error over the largest true gradient (plus the gradient dtype's own rounding of the float64
 #: gradient, which exceeds it only where the gradients are subnormal: fp16's mean loss at a margin of 13).
 GRAD_TOL = 1.5e-2
-
-
-@pytest.fixture(autouse=True)
-def _fused(route):
-    """The fused kernels (not the dense one-tile path), quiet numpy."""
-    route(DENSE="0", TRITON_PATH="fused")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
 
 
 def _losses(case: str, tensors: dict, kwargs: dict, dtype):

@@ -40,6 +40,7 @@ CASES = {"info_nce": "temperature", "clip": "logit_scale", "simcse": "temperatur
 
 @pytest.fixture(autouse=True)
 def _fused(route):
+    """The fused kernels (not the dense one-tile path), quiet numpy."""
     route(DENSE="0", TRITON_PATH="fused")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
