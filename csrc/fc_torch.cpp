@@ -14,14 +14,15 @@
 //   lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target)
 //       -> (Tensor lse_x, Tensor lse_col_x, Tensor lt, Tensor ws)
 //   lse_backward_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, Tensor? lse_col,
-//                      Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target)
+//                      Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target, Tensor w)
 //       -> (Tensor da, Tensor db, Tensor ds, Tensor tw)
 //   build_info() -> str    (fc_build_info(): the archs, dtypes, D classes and modes built)
 //
 // The split ops are fc_forward_split / fc_backward_split ("info_nce" / "clip" / "self", no margin; the fused kernels at every
 // size, never the panel path): lse_x, lse_col_x (the merged column partials) and lt [2n] as the header says; lse /
-// lse_col of the backward are the caller's merged ones (core/lse/triton_fused.py merge_split); tw [n] = gscale * tv,
-// the LSE terms' fp32 weight at each row's target logit (triton_fused._lse_bwd's fourth result).
+// lse_col of the backward are the caller's merged ones (core/lse/triton_fused.py merge_split); w [n] the combined weights
+// at each row's target logit (the header's W_i: triton_fused.exact_weights), passed as tv = w / gscale; tw [n] =
+// gscale * tv (triton_fused._lse_bwd's fourth result).
 //
 // Large problems take the panel path, as the Python backend does (core/lse/triton_panel.py): on CUDA tensors
 // with N * M >= 2^24, or where FUSED_CONTRASTIVE_TRITON_PATH says "panel" ("fused": never). Its GEMMs
@@ -711,7 +712,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split(const Tensor &a, const std:
 std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
     const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
     const Tensor &lse_, const std::optional<Tensor> &lse_col, const Tensor &g, const std::optional<Tensor> &g_col,
-    bool need_b, std::optional<c10::SymInt> grad_cols, const Tensor &target) {
+    bool need_b, std::optional<c10::SymInt> grad_cols, const Tensor &target, const Tensor &w) {
 #ifdef FC_TORCH_CUDA
   c10::cuda::OptionalCUDAGuard guard;
   if (a.is_cuda()) guard.set_device(a.device());
@@ -724,6 +725,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
                     "fused_contrastive_aot: lse_col and g_col are given exactly in mode \"clip\"");
   TORCH_CHECK_VALUE(lse_.dim() == 1 && lse_.size(0) == P.p.n && g.dim() == 1 && g.size(0) == P.p.n,
                     "fused_contrastive_aot: lse and g must have shape [n] = [", P.p.n, "]");
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == P.p.n, "fused_contrastive_aot: w must have shape [n] = [", P.p.n,
+                    "]");
   size_t bytes = 0;
   check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
   TORCH_CHECK_VALUE(ws.scalar_type() == at::kByte && static_cast<size_t>(ws.numel()) >= bytes + 256,
@@ -757,7 +760,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
   check(fc_ds_rows(&P.p, &rows), "fc_ds_rows");
   Tensor ds_part = at::empty({rows}, l.options());
   args.ds_part = ds_part.data_ptr<float>();
-  Tensor tv = at::empty({P.p.n}, l.options());
+  Tensor tv = (f32(w) / gs).contiguous();  // read, then written, by the row kernel
   check(fc_backward_split(&P.p, &args, t.data_ptr<int64_t>(), tv.data_ptr<float>(), ws_ptr(ws), bytes,
                           stream_of(P.a)),
         "fc_backward_split");
@@ -778,7 +781,7 @@ TORCH_LIBRARY(fused_contrastive_aot, m) {
   m.def("lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
   m.def("lse_backward_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
-        "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target) -> "
+        "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target, Tensor w) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
 }
 
@@ -817,11 +820,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split_cpu(const Tensor &a, const 
 std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split_cpu(
     const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
     const Tensor &l, const std::optional<Tensor> &lc, const Tensor &g, const std::optional<Tensor> &gc, bool need_b,
-    std::optional<c10::SymInt> grad_cols, const Tensor &target) {
+    std::optional<c10::SymInt> grad_cols, const Tensor &target, const Tensor &w) {
   const bool fake = std::getenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU") != nullptr;
   TORCH_CHECK(fake, "fused_contrastive_aot::lse_backward_split runs on CUDA tensors (the kernels are GPU code)");
   return lse_backward_split(a, b, scale, std::move(mode), eps, ws, l, lc, g, gc, need_b, std::move(grad_cols),
-                            target);
+                            target, w);
 }
 }  // namespace
 

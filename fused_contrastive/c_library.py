@@ -142,7 +142,8 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
     "fused" (the fused kernels) or "panel" (:func:`record_panel`; ``programs``, ``roots`` are its).
     The margin modes are recorded with ``margin = REC_MARGIN`` and an int64 target vector [n]; the split modes
     with an int64 target vector [n] passed to the forward and the backward (``record_core``'s
-    ``split_fwd``: the target split of ``triton_fused._lse_fwd`` / ``_lse_bwd``, SPLIT_T), on the fused
+    ``split_fwd``: the target split of ``triton_fused._lse_fwd`` / ``_lse_bwd``, SPLIT_T; the backward with the
+    caller's exact target weights, EXACT_T, ``exact``), on the fused
     path only (the torch operators' panel path does not split: a split mode records its base mode's)."""
     import torch
 
@@ -160,7 +161,8 @@ def record(mode: str, dtype: str, n: int, m: int, d: int, arch: str, eps: float 
         raise ValueError(f"path must be 'fused' or 'panel', got {path!r}")
     with routes.override(**({"COL_PARTIAL_PROGRAMS": 2 * sms} if sms else {})):
         return record_core(spec, data, has_b, want_col, False, _torch_dtype(dtype), n, m if has_b else n, d,
-                           arch, need_a=True, need_b=need_b and has_b, need_s=True, split=split, split_fwd=split)
+                           arch, need_a=True, need_b=need_b and has_b, need_s=True, split=split, split_fwd=split,
+                           exact=split)
 
 
 def record_panel(mode: str, dtype: str, n: int, m: int, d: int, arch: str, spec, need_b: bool, sms: int | None,
@@ -821,7 +823,7 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
                 lse_x, lse_col, lt, ws = op.lse_split(a, b, scale, mode, 1e-12, target)
                 lse = torch.empty(n)
                 da, db, _, _ = op.lse_backward_split(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
-                                                     g_col, sc["db"], gcols, target)
+                                                     g_col, sc["db"], gcols, target, torch.zeros(n))
             else:
                 lse, lse_col, ws = op.lse(a, b, scale, mode, 1e-12, margin, target)
                 da, db, _ = op.lse_backward(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,

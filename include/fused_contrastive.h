@@ -148,11 +148,18 @@ FC_API fc_status fc_backward(const fc_problem *p, const fc_backward_args *args, 
  *              |lt[n + i]|) else lt[i] (the target logit as the tiles round it); lse_col_j likewise with tt_j
  *              where target[j] == j.
  * fc_backward_split takes that lse (and lse_col) in args and leaves each row's target entry (i, t_i) out of dA and
- * dB (ds_part still counts it); it writes tv [n], the fp32 weight of the LSE terms at l_it (the row's and, in
- * FC_MODE_CLIP, the column's) divided by args->gscale. The caller applies w_i = gscale tv_i together with its
- * target term's coefficient c_i (e.g. -g_i for the loss LSE_i - l_it) in fp32: dA_i += (w_i + c_i) dl_it/dA_i,
- * dB_t += (w_i + c_i) dl_it/dB_t, and dL/ds += c_i <a_i, b_t> (the LSE terms' part is in ds_part), where
- * l_it = s <a_i, b_t>, a_i = A_i / max(||A_i||, eps) (python: fused_contrastive/core/linear_terms.py). */
+ * dB. tv [n] is read and written: on entry it holds, divided by args->gscale, each row's weight at l_it of the LSE
+ * terms combined with the target term's share that the loss above took out (formed without the cancellation of
+ * p_t - 1, which in fp32 keeps nothing where 1 - p_t is below an ulp of |s|; python: core/lse/triton_fused.py
+ * exact_weights), with g_i = dL/dLSE_i, gc_j = dL/dLSEcol_j:
+ *   W_i = -g_i exp(LSEx_i - lse_i)                               where lt[i] > -inf (else 0)
+ *       + FC_MODE_CLIP: -gc_i exp(LSEcolx_i - lse_col_i)         where target[i] == i and lt[i] > -inf
+ *                       gc_t exp(tt_i - lse_col_t), t = target[i]  elsewhere
+ * The kernel takes W_i at the target entry (ds_part counts it) and writes it back. The caller applies w_i = gscale
+ * tv_i together with what is left of its target term's coefficient c_i (0 for the loss LSE_i - l_it on a row with
+ * lt[i] > -inf: W_i holds its -g_i) in fp32: dA_i += (w_i + c_i) dl_it/dA_i, dB_t += (w_i + c_i) dl_it/dB_t, and
+ * dL/ds += c_i <a_i, b_t> (W_i's part is in ds_part), where l_it = s <a_i, b_t>, a_i = A_i / max(||A_i||, eps)
+ * (python: fused_contrastive/core/linear_terms.py). */
 FC_API fc_status fc_forward_split(const fc_problem *p, const int64_t *target, void *workspace, size_t workspace_bytes,
                                   float *lse_x, float *lt, void *stream);
 FC_API fc_status fc_backward_split(const fc_problem *p, const fc_backward_args *args, const int64_t *target, float *tv,

@@ -100,24 +100,32 @@ def test_the_old_form_misses(case, monkeypatch):
     assert max(e for e, _ in errs[:-1]) > OLD_FORM_MISSES, errs
 
 
-def test_the_weight_without_the_target_terms_share(launches):
-    # exact_weights by hand on a small unsaturated problem: the row's -g_i (1 - p_t) and, for CLIP's pairs, the
-    # column's -gc_i (1 - pc_ii), against float64 softmaxes of the same logits
+@pytest.mark.parametrize("n,m", [(8, 8), (8, 5), (5, 8)])
+def test_the_weight_without_the_target_terms_share(n, m):
+    # exact_weights by hand on a small unsaturated problem: the row's -g_i (1 - p_t) and, where column i's target is
+    # row i (t_i = i), the column's -gc_i (1 - pc_ii); elsewhere the column's plain weight gc_t pc_it. Against float64
+    # softmaxes of the same logits, with M != N both ways (rows past the columns have targets i mod M)
     torch.manual_seed(0)
-    n, s = 8, 5.0
-    cos = torch.nn.functional.normalize(torch.randn(n, 16, dtype=torch.float64), dim=1)
-    cos = cos @ cos.T
-    logits = s * cos
-    target = torch.arange(n)
-    lt = logits.diagonal()
-    off = logits.masked_fill(torch.eye(n, dtype=torch.bool), float("-inf"))
-    lse_x, lse_col_x = off.logsumexp(1), off.logsumexp(0)
+    s = 5.0
+    a = torch.nn.functional.normalize(torch.randn(n, 16, dtype=torch.float64), dim=1)
+    b = torch.nn.functional.normalize(torch.randn(m, 16, dtype=torch.float64), dim=1)
+    logits = s * a @ b.T
+    target = torch.arange(n) % m
+    hit = torch.zeros(n, m, dtype=torch.bool)
+    hit[torch.arange(n), target] = True
+    lt = logits[torch.arange(n), target]
+    lse_x = logits.masked_fill(hit, float("-inf")).logsumexp(1)
+    diag = torch.zeros(n, m, dtype=torch.bool)  # column j's target entry (j, j), where target[j] == j
+    k = min(n, m)
+    diag[torch.arange(k), torch.arange(k)] = target[:k] == torch.arange(k)
+    lse_col_x = logits.masked_fill(diag, float("-inf")).logsumexp(0)
     minus: dict = {}
     lse, lse_col = triton_fused.merge_split(lse_x.float(), lse_col_x.float(), torch.cat([lt, lt]).float(), target,
                                             False, minus)
-    g, gc = torch.rand(n, dtype=torch.float64), torch.rand(n, dtype=torch.float64)
+    g, gc = torch.rand(n, dtype=torch.float64), torch.rand(m, dtype=torch.float64)
     w = triton_fused.exact_weights(minus, target, g.float(), gc.float(), lse_col)
-    p_t = logits.softmax(1).diagonal()
-    pc_t = logits.softmax(0).diagonal()
-    want = g * (p_t - 1) + gc * (pc_t - 1)
+    p_t = logits.softmax(1)[torch.arange(n), target]
+    pc_t = logits.softmax(0)[torch.arange(n), target]
+    own = diag[torch.arange(n), target]
+    want = g * (p_t - 1) + gc[target] * (pc_t - own.double())
     assert torch.allclose(w.double(), want, rtol=1e-5, atol=0), (w, want)

@@ -183,10 +183,14 @@ def exact_weights(minus: dict, target: Tensor, g: Tensor, g_col: Tensor | None, 
     w = -g * minus["rest"]
     if g_col is not None:
         n = g.shape[0]
+        k = min(n, g_col.shape[0])  # (columns past the rows have no row whose target they are with t_i = i)
         t = target[:n]
-        own = (t == torch.arange(n, device=t.device)) & (minus["col_fold"][:n] > 0)
+        own = torch.zeros(n, dtype=torch.bool, device=t.device)
+        own[:k] = (t[:k] == torch.arange(k, device=t.device)) & (minus["col_fold"][:k] > 0)
+        rest = torch.zeros(n, dtype=torch.float32, device=t.device)
+        rest[:k] = minus["col_rest"][:k]
         gct = g_col[t]
-        w = w + torch.where(own, -gct * minus["col_rest"][:n], gct * torch.exp(minus["lt_tile"] - lse_col[t]))
+        w = w + torch.where(own, -gct * rest, gct * torch.exp(minus["lt_tile"] - lse_col[t]))
     return w
 
 
