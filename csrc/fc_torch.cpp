@@ -442,8 +442,8 @@ Kernel dl_kernel(const Panel &C, int64_t grid, int64_t block_r, int64_t block_c,
   k.c("BLOCK_R", block_r).c("BLOCK_C", block_c).c("NORMALIZE", 1).c("EXCLUDE_SELF", excl).c("HAS_BIAS", margin)
       .c("BIAS_COS", margin).c("POS_KIND", 0).c("HAS_G", 1).c("HAS_GCOL", has_gcol).c("HAS_GPOS", 0).c("SYM", tri)
       .c("EAGER", 0).c("ONE_PASS", 0).c("NEED_DS", 1).c("FOLD_RB", C.fold).cf("PRESCALE", C.prescale).c("TRI", tri)
-      .c("SPLIT_T", 0).c("SPLIT_SET", 0);
-  k.p("TGT", C.dummy).p("TV", C.dummy).p("BIAS_COL", margin ? C.target : C.dummy).p("ROW_LAB", C.dummy).p("COL_LAB", C.dummy).p("POS_MASK", C.dummy)
+      .c("SPLIT_T", 0).c("SPLIT_SET", 0).c("EXACT_T", 0);
+  k.p("TGT", C.dummy).p("TV", C.dummy).p("WX", C.dummy).p("BIAS_COL", margin ? C.target : C.dummy).p("ROW_LAB", C.dummy).p("COL_LAB", C.dummy).p("POS_MASK", C.dummy)
       .p("LSE_POS", C.dummy).p("G_POS", C.dummy).p("LSE_OUT", C.dummy).p("LSE_POS_OUT", C.dummy)
       .p("LOSS", C.dummy).p("FOLD", C.dummy)  /* the one pass's loss outputs: ONE_PASS is off here */
       .i("offset", 0).f("bias", margin ? -C.margin : 0.0).i("n0", 1).i("m0", 1).i("stride_pm", 1).i("pm_shift", 0);

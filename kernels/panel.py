@@ -213,7 +213,8 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
               NORMALIZE: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr,
               HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
               PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr, EXCLUDE_SELF: tl.constexpr = False,
-              offset=0, SPLIT_SET: tl.constexpr = False, pm_shift=0):
+              offset=0, SPLIT_SET: tl.constexpr = False, pm_shift=0, WX=None, wx_r=None,
+              EXACT_T: tl.constexpr = False):
     """The gradient tile of one chunk of logits from known statistics (the per-logit epilogue shared by
     the panel kernel's second loop and the epilogue GEMM): ``(out, ds, tv, tvc)`` with ``out`` the
     fp32 tile to cast and store (DL of the module docstring: pre-scaled, the inverse norms folded),
@@ -226,7 +227,12 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
     the SET term's coefficients and ``dl`` takes ``-c.set_i w_ij`` in fp32 before anything else reads it
     (with SYM also ``-c.set_j w_ji`` in the transposed term; :func:`_sub_set`, the own column ``offset + i``
     excluded with EXCLUDE_SELF; a dense mask indexed at ``rows + pm_shift``, ``cols + pm_shift``): the SET term's
-    whole gradient is then this tile's."""
+    whole gradient is then this tile's. EXACT_T (with SPLIT_T): the log-sum-exp weight at each row's target entry is
+    the host's, already combined with the target term's share (``wx_r`` [R], over gscale,
+    ``triton_fused.exact_weights``,
+    formed without the cancellation of ``p_t - 1``), in place of ``dl``'s own there (before the SET term, the
+    temperature gradient and the split read it); with SYM also the transposed term of column j at the row ``TGT[j]``
+    takes column j's, ``WX[j]``."""
     ds = tl.sum(tl.zeros_like(l), axis=1)
     lab_c = cols
     if POS_KIND == 1:
@@ -241,6 +247,8 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
         lsec_c = _stat(LSE_COL, cols, cmask)
         gc_c = _grad_vec(G_COL, LSE_COL, cols, cmask, inv_gs, False)
     dl = _dlogits(l, lp, lse_r, g_r, lsec_c, gc_c, lsep_r, gp_r, HAS_G, HAS_GCOL, HAS_GPOS)
+    if SPLIT_T and EXACT_T:
+        dl = tl.where(cols[None, :] == tgt_r[:, None], wx_r[:, None], dl)
     if SPLIT_SET:
         gset_r = tl.load(G_POS + rows, mask=lmask, other=0.0) * inv_gs
         dl = _sub_set(dl, gset_r, rows, cols, n_end, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
@@ -267,6 +275,9 @@ def _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r,
             lpt = _pos_logits(l, rows, cols, n_end, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
                               POS_KIND, True)
             dlt += gp_c[None, :] * tl.exp(lpt - lsep_c[None, :])
+        if SPLIT_T and EXACT_T:  # column j's own target entry (j, TGT[j]) at this row: the host's weight of row j
+            tgt_x = tl.load(TGT + cols, mask=cmask, other=-1).to(tl.int32)
+            dlt = tl.where(tgt_x[None, :] == rows[:, None], tl.load(WX + cols, mask=cmask, other=0.0)[None, :], dlt)
         if SPLIT_SET:
             gset_c = tl.load(G_POS + cols, mask=cmask, other=0.0) * inv_gs
             dlt = _sub_set(dlt, gset_c, rows, cols, n_end, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
@@ -299,7 +310,7 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, EAGER: tl.constexpr,
               NEED_DS: tl.constexpr,
               FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr,
-              SPLIT_SET: tl.constexpr = False, pm_shift=0):
+              SPLIT_SET: tl.constexpr = False, pm_shift=0, WX=None, EXACT_T: tl.constexpr = False):
     """The exact sweep of a block of rows: the statistics (EAGER: a first loop; else the forward's),
     then DL chunk by chunk. Returns the block's per-row temperature-gradient sums and (SPLIT_T) the
     rows' ``dl`` at their target columns, left out of DL, and (EAGER) the rows' LSE it wrote to ``LSE_OUT``
@@ -346,6 +357,9 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
     # 2. the gradient tile, chunk by chunk
     ds_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     tv_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    wx_r = tv_acc
+    if EXACT_T:  # (the host's combined target weights, indexed as the rows)
+        wx_r = tl.load(WX + rows, mask=lmask, other=0.0)
     for j0 in range(0, M, BLOCK_C):
         cols = j0 + tl.arange(0, BLOCK_C)
         cmask = cols < M
@@ -355,7 +369,8 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
                                                 lsec_r, gc_r, lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS,
                                                 G_POS, COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT, NORMALIZE,
                                                 POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE,
-                                                TRI, SPLIT_T, EXCLUDE_SELF, offset, SPLIT_SET, pm_shift)
+                                                TRI, SPLIT_T, EXCLUDE_SELF, offset, SPLIT_SET, pm_shift, WX, wx_r,
+                                                EXACT_T)
         if NEED_DS:
             ds_acc += ds_c
         tv_acc += tv_c
@@ -368,13 +383,14 @@ def _two_pass(L, DL, dl_base, RB, G, LSE, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OU
 @triton.jit
 def panel_dl_kernel(
     L, DL, W_OUT, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART, TGT, TV, LOSS, FOLD,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, LSE_OUT, LSE_POS_OUT, DS_PART, TGT, TV, LOSS, FOLD, WX,
     M, r0, P, stride_l, stride_dl, offset, bias, n0, m0, stride_pm,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr,
     POS_KIND: tl.constexpr, HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr,
     EAGER: tl.constexpr, ONE_PASS: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
     PRESCALE: tl.constexpr, TRI: tl.constexpr, SPLIT_T: tl.constexpr, SPLIT_SET: tl.constexpr, pm_shift,
+    EXACT_T: tl.constexpr,
 ):
     """DL (the gradient tile of panel rows [r0, r0 + P), operand dtype) and the row weights W_OUT [P]
     from the raw products L [P, M]: the true gradient tile is ``diag(W_OUT) DL`` (W_OUT = 1 except on
@@ -395,7 +411,9 @@ def panel_dl_kernel(
     passes); LOSS / FOLD are not read otherwise. SPLIT_SET (not with ONE_PASS, whose
     ``e_ij`` tile is stored before the row's sum is known): ``G_POS`` holds the SET term's coefficients (with
     EAGER the coefficients, as G) and the tile takes ``-c.set_i w_ij`` in fp32 (:func:`_dl_chunk`; ``pm_shift``
-    the dense mask's index shift, TRI's first row, else 0).
+    the dense mask's index shift, TRI's first row, else 0). EXACT_T (SPLIT_T, known statistics: not EAGER or
+    ONE_PASS): ``WX`` [N] (indexed as the rows; TRI: in the frame) holds each row's combined target weight over
+    gscale, which the tile takes at the target entry (:func:`_dl_chunk`), so ``TV`` reports it.
     """
     pid = tl.program_id(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -473,7 +491,7 @@ def panel_dl_kernel(
                                    lab_r, M, stride_l, offset, n0, m0, stride_pm, tgt_r,
                                    BLOCK_R, BLOCK_C, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS, POS_KIND, HAS_G,
                                    HAS_GCOL, HAS_GPOS, SYM, EAGER, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T, SPLIT_SET,
-                                   pm_shift)
+                                   pm_shift, WX, EXACT_T)
     if NEED_DS:
         tl.store(DS_PART + pid, tl.sum(ds_acc, axis=0))
     if SPLIT_T:  # (a target before the triangular frame, < 0 there, is reported by its own panel)
@@ -750,7 +768,7 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
               HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, SYM: tl.constexpr, NEED_DS: tl.constexpr,
               FOLD_RB: tl.constexpr, PRESCALE: tl.constexpr, TRI: tl.constexpr, WANT_COL: tl.constexpr,
               SPLIT_T: tl.constexpr, TMA: tl.constexpr, LEAN: tl.constexpr, HOIST: tl.constexpr,
-              SPLIT_SET: tl.constexpr = False, pm_shift=0):
+              SPLIT_SET: tl.constexpr = False, pm_shift=0, WX=None, EXACT_T: tl.constexpr = False):
     """One output tile of :func:`epi_gemm_kernel` (its docstring): the products, then the epilogue. HOIST (MODE 0 /
     1 / 2): the per-row loads (:func:`_row_loads`; MODE 0 also the rows' statistics and labels) and the columns'
     inverse norms are issued before the products' loop, once; else after it, as the epilogue reaches them.
@@ -829,11 +847,14 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
                 lab_r = tl.load(ROW_LAB + rows, mask=lmask, other=0)
             lse_r, g_r, lsep_r, gp_r, lsec_r, gc_r = _row_stats(LSE, G, LSE_POS, G_POS, LSE_COL, G_COL, rows, lmask,
                                                                 inv_gs, HAS_G, HAS_GPOS, SYM and HAS_GCOL)
+        wx_r = lse_r
+        if SPLIT_T and EXACT_T:  # (the host's combined target weights, indexed as the rows)
+            wx_r = tl.load(WX + rows, mask=lmask, other=0.0)
         out, ds, tv, tvc = _dl_chunk(cos, l, rb, rows, cols, cmask, lmask, n_end, M, lab_r, lse_r, g_r, lsec_r,
                                          gc_r, lsep_r, gp_r, inv_gs, RB, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
                                          COL_LAB, POS_MASK, n0, m0, stride_pm, tgt_r, TGT, NORMALIZE, POS_KIND, HAS_G,
                                          HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, SPLIT_T,
-                                         EXCLUDE_SELF, offset, SPLIT_SET, pm_shift)
+                                         EXCLUDE_SELF, offset, SPLIT_SET, pm_shift, WX, wx_r, EXACT_T)
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
         if SPLIT_T:
             tl.store(TV + loc, tv, mask=t_here)
@@ -871,9 +892,10 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
             tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
     elif MODE == 3:
         # statistics only: the tile's row (and column) maxima and sums of exp(l - max), exact (no fixed
-        # shift: no redo), merged by the host; nothing of size P x M is written. SPLIT_T (with TRI): each row's
-        # target entry (i, TGT[i]) is left out of its row's statistics, and (TGT[j], j) out of column j's
-        # (row j's target entry, by symmetry), so the merged statistics are LSEx over every other column
+        # shift: no redo), merged by the host; nothing of size P x M is written. SPLIT_T: each row's target entry
+        # (i, TGT[i]) is left out of its row's statistics, and with TRI (TGT[j], j) out of column j's (row j's
+        # target entry, by symmetry), else (WANT_COL, CLIP) (j, j) out of column j's where TGT[j] == j, so the
+        # merged statistics are LSEx over every other column
         lr = l
         if SPLIT_T:
             # the tile holding a row's target stores its logit as the tiles round it (TV): the backward's LSE is
@@ -896,6 +918,8 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
                 if SPLIT_T:
                     tgt_c = tl.load(TGT + cols, mask=cmask, other=-1).to(tl.int32)
                     lc = tl.where(rows[:, None] == tgt_c[None, :], NEG_INF, lc)
+            elif SPLIT_T:  # column j's target entry (j, j) where row j's target is j (CLIP's pairs), as lse_fwd's
+                lc = tl.where((rows[:, None] == cols[None, :]) & (tgt_r[:, None] == cols[None, :]), NEG_INF, lc)
             cm = tl.max(lc, axis=0)
             cz = tl.sum(tl.exp(lc - tl.where(cm == NEG_INF, 0.0, cm)[None, :]), axis=0)
             cpart = pid_m.to(tl.int64) * M + cols
@@ -940,7 +964,7 @@ def _grouped_tile(t, P, n_pn, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
 def epi_gemm_kernel(
     X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB,
     POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV, WX,
     P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
@@ -951,6 +975,7 @@ def epi_gemm_kernel(
     LEAN: tl.constexpr,
     HOIST: tl.constexpr,
     SPLIT_SET: tl.constexpr, pm_shift,
+    EXACT_T: tl.constexpr,
 ):
     """The epilogue GEMM: [BLOCK_M, BLOCK_N] tiles of the panel's raw products ``X @ Y^T`` (X the panel's
     rows [P, D] scaled by powers of two, Y the raw B [M, D]; fp32 accumulation in registers), turned
@@ -999,7 +1024,9 @@ def epi_gemm_kernel(
     the other vectors).
     SPLIT_SET (MODE 0 only): ``G_POS`` holds the SET term's coefficients and the tile takes
     ``-c.set_i w_ij`` in fp32 before its cast (:func:`_dl_chunk`); ``pm_shift`` shifts the dense mask's indices
-    (the triangular frame's first row; 0 elsewhere).
+    (the triangular frame's first row; 0 elsewhere). EXACT_T (MODE 0 with SPLIT_T): ``WX`` (indexed as the rows,
+    ``r0 + i``; TRI: in the frame) holds each row's combined target weight over gscale, which the tile takes at
+    the target entry (:func:`_dl_chunk`).
 
     Grid: MODE 0 / 1 / 3 / 4 / 5 ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, in groups of GROUP_M row tiles that sweep
     the columns together (Y's column tiles stay in L2 across a group); MODE 2 ``cdiv(P, BLOCK_M)``.
@@ -1031,7 +1058,7 @@ def epi_gemm_kernel(
                           TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
                           stride_pm, bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF,
                           HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI,
-                          WANT_COL, SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift)
+                          WANT_COL, SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift, WX, EXACT_T)
     elif PERSIST:
         # one program per SM (or per resident CTA): the programs walk the tiles in steps of the grid, in the
         # same grouped order; flatten lets the software pipeline issue the next tile's operand copies while
@@ -1045,7 +1072,7 @@ def epi_gemm_kernel(
                       TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                       loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                       BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                      SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift)
+                      SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift, WX, EXACT_T)
     else:
         pid_m, pid_n = _grouped_tile(pid, P, n_pn, BLOCK_M, GROUP_M)
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1054,4 +1081,4 @@ def epi_gemm_kernel(
                   TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                   BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                  SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift)
+                  SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift, WX, EXACT_T)

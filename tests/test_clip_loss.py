@@ -18,6 +18,8 @@ gradient (0.11 / 0.10 for a and b, which the kernels' error equals; tests/test_e
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -89,3 +91,45 @@ def test_clip_forms_with_target_terms(case, monkeypatch, launches):
     # LaBSE's symmetric additive margin (the margin's bias column, in the column statistics and the target logit)
     # and label smoothing (its SET term beside the target term: core.forward_parts takes only c_i l_it out)
     _check(case, torch.bfloat16, 9.0, None, monkeypatch, launches, saturated=False)
+
+
+@pytest.mark.parametrize("margin", [9.0, 13.0])
+@pytest.mark.parametrize("gemm", ["cublas", "epilogue"])
+@pytest.mark.parametrize("case,reduction", [("clip", None), ("clip", "none"), ("info_nce", "none")])
+def test_saturated_losses_on_the_panel_path(case, reduction, gemm, margin, monkeypatch, route, launches):
+    # the panel path's statistics forward with the target split: the fused forward kernel's (cuBLAS form) or the
+    # epilogue GEMM's MODE 3 in 96-row panels (CLIP's column (j, j) out of column j's statistics too); per-row
+    # InfoNCE takes it as well (its summed form takes the one pass, tests/test_one_pass_loss.py). The old form was
+    # 0.13 to 0.51 off per pair / row at these margins
+    route(TRITON_PATH="panel", PANEL_GEMM=gemm, PANEL_ROWS=96)
+    monkeypatch.setitem(C.REGIME_MARGIN, "saturated", margin)
+    tensors, kwargs = make_inputs(CASE_BY_NAME[case], 256, 64, seed=3, regime="saturated")
+    if reduction is not None:
+        kwargs = dict(kwargs, reduction=reduction)
+    (got, ggot), (want, gwant) = _losses(case, tensors, kwargs, torch.bfloat16)
+    col = case == "clip"
+    if gemm == "epilogue":
+        stats = [(x.constexprs["WANT_COL"], x.constexprs["SPLIT_T"]) for x in launches if x.name == "epi_gemm_stats"]
+        assert stats == [(col, True)] * 3, launches  # (256 rows: three panels)
+    else:
+        fwd = [(x.constexprs["WANT_COL"], x.constexprs["SPLIT_T"]) for x in launches if x.name == "lse_fwd"]
+        assert fwd == [(col, True)], launches
+    assert any(x.name in ("panel_dl", "epi_gemm") for x in launches), launches  # the panel sweep's backward
+    rel = float(((got - want).abs() / want.abs()).max())
+    assert rel <= REL_TOL, f"{case} {gemm} margin {margin}: loss rel err {rel:.3g}"
+    for g, w in zip(ggot, gwant, strict=True):
+        err = float((g - w).abs().max()) / float(w.abs().max())
+        assert err <= GRAD_TOL, f"{case} {gemm} margin {margin}: gradient rel err {err:.3g}"
+
+
+def test_the_gluon_option_keeps_the_statistics_forward_unsplit(route, launches):
+    # FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws asks for the Gluon statistics forward, which has no target split: CLIP's
+    # statistics then run without it (the option's documented trade: the old loss form), so that a GPU with the
+    # Gluon kernel takes it (here, on the CPU, the gate refuses it and the Triton kernel runs the same launch)
+    route(TRITON_PATH="panel", PANEL_GEMM="epilogue", PANEL_ROWS=96, EPI_GEMM="gluon-ws")
+    tensors, kwargs = make_inputs(CASE_BY_NAME["clip"], 128, 64, seed=3, regime="saturated")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _losses("clip", tensors, kwargs, torch.bfloat16)
+    stats = [x.constexprs["SPLIT_T"] for x in launches if x.name == "epi_gemm_stats"]
+    assert stats == [False, False], launches

@@ -10,7 +10,11 @@ forward's statistics give ``1 - p_t = exp(LSEx_i - LSE_i)`` to its relative accu
 combined weight at the target, and the target term leaves its coefficient out. Measured under the CPU interpreter,
 N = 64 and 128, D = 112, against float64 on the same rounded rows (InfoNCE, CLIP, SimCSE in bf16): the embeddings'
 gradients 4.5e-3 to 8.9e-3 of the largest (the old form 0.19 to 0.41), the scale's 6e-8 to 6e-7 (the old form 0.025 to
-0.083). fp16 gradients this small are subnormal, so fp16's bound adds fp16's own rounding of the float64 gradient."""
+0.083). fp16 gradients this small are subnormal, so fp16's bound adds fp16's own rounding of the float64 gradient.
+The panel path's recomputing backward after a split statistics forward (``kernels/panel.py`` ``_dl_chunk`` EXACT_T:
+CLIP, per-row InfoNCE, and SimCSE's triangular sweep with its transposed target entries) does the same, in 48-row
+panels on both GEMM forms: 3.6e-3 to 8.9e-3 (the old form 0.044 to 0.33). Not yet: the one pass (a summed InfoNCE on
+the panel path), whose weight is the kernel's ``e_it / z_i``."""
 
 from __future__ import annotations
 
@@ -84,6 +88,22 @@ def test_saturated_gradients_against_float64(case, n, launches):
         assert err <= GRAD_TOL, f"{case} N={n}: gradient {i} off float64 by {err:.3g} of its largest entry"
 
 
+@pytest.mark.parametrize("gemm", ["cublas", "epilogue"])
+@pytest.mark.parametrize("case,reduction", [("clip", None), ("info_nce", "none"), ("simcse", None)])
+def test_the_panel_paths_recomputing_backward(case, reduction, gemm, route, launches):
+    # the panel path in 48-row panels after a split statistics forward: the recomputing sweep (panel_dl_kernel's
+    # second loop, or the epilogue GEMM's MODE 0) for CLIP and per-row InfoNCE, the triangular sweep for SimCSE (its
+    # transposed target entries in other panels included); the old form was 0.044 to 0.33 off there
+    route(TRITON_PATH="panel", PANEL_GEMM=gemm, PANEL_ROWS=48)
+    errs = errors(case, 128, 112, torch.bfloat16, reduction)
+    name = "panel_dl" if gemm == "cublas" else "epi_gemm"
+    tiles = [x for x in launches if x.name == name]
+    assert tiles and all(x.constexprs["SPLIT_T"] and x.constexprs["EXACT_T"] for x in tiles), tiles
+    assert all(x.constexprs["TRI"] == (case == "simcse") for x in tiles), tiles
+    for i, (err, _) in enumerate(errs):
+        assert err <= GRAD_TOL, f"{case} {gemm}: gradient {i} off float64 by {err:.3g} of its largest entry"
+
+
 @pytest.mark.parametrize("case", ["info_nce", "clip"])
 def test_fp16_gradients_within_fp16s_own_rounding(case):
     # per-row losses summed: gradients of ~1e-6, below fp16's smallest normal (6.1e-5)
@@ -92,11 +112,14 @@ def test_fp16_gradients_within_fp16s_own_rounding(case):
 
 
 @pytest.mark.parametrize("case", ["info_nce", "clip"])
-def test_the_old_form_misses(case, monkeypatch):
+def test_the_old_form_misses(case, monkeypatch, route):
     # the inputs discriminate: without the exact weights (the kernel's p_t, then the target term's -1) the
-    # embeddings' gradients miss float64 by far more than the bound
+    # embeddings' gradients miss float64 by far more than the bound, on the fused kernels and the panel path
     monkeypatch.setattr(triton_fused, "exact_weights", lambda *a, **k: None)
     errs = errors(case, 64, 112, torch.bfloat16)
+    assert max(e for e, _ in errs[:-1]) > OLD_FORM_MISSES, errs
+    route(TRITON_PATH="panel", PANEL_GEMM="cublas", PANEL_ROWS=48)
+    errs = errors(case, 128, 112, torch.bfloat16, "none")
     assert max(e for e, _ in errs[:-1]) > OLD_FORM_MISSES, errs
 
 

@@ -972,6 +972,9 @@ _COMPILE = textwrap.dedent(
         elif variant == "stats":  # the column term without positives: the epilogue GEMM's statistics forward
             spec = CoreSpec(exclude_self=True, offset=3, bias=0.5)
             data, coef = CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=meta)), Coeffs(1.0, col=1.0)
+        elif variant in ("clip", "rows"):  # CLIP, and InfoNCE's per-row losses: the statistics forward with SPLIT_T
+            spec, data = CoreSpec(), CoreData()
+            coef = Coeffs(0.5, col=0.5) if variant == "clip" else Coeffs(1.0)
         elif variant.startswith("onepass"):  # every term the one-pass sweep takes
             spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
             data, coef = CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=meta)), Coeffs(1.0)
@@ -984,7 +987,7 @@ _COMPILE = textwrap.dedent(
         data = dataclasses.replace(data, target=torch.empty(n, dtype=torch.int64, device=meta))
         coef = dataclasses.replace(coef, tgt=1.0)
         with compile_survey.recording(arch) as launches:
-            core.run("triton", a, b, s, spec, data, coef, True).backward()
+            core.run("triton", a, b, s, spec, data, coef, variant != "rows").sum().backward()
         return launches
 
     out = []
@@ -1013,7 +1016,8 @@ _COMPILE = textwrap.dedent(
     os.environ["FUSED_CONTRASTIVE_PANEL_GEMM"] = "epilogue"
     for cc, arch in compile_survey.TARGETS:
         for variant, dtypes in (("onepass", (torch.bfloat16,)), ("col", (torch.bfloat16, torch.float16)),
-                                ("stats", (torch.bfloat16, torch.float16)),
+                                ("stats", (torch.bfloat16, torch.float16)), ("clip", (torch.bfloat16, torch.float16)),
+                                ("rows", (torch.bfloat16, torch.float16)),
                                 ("sym", (torch.bfloat16, torch.float16)), ("tri", (torch.bfloat16, torch.float16))):
             hook(PANEL_ROWS=1024 if variant == "tri" else None)
             for dt in dtypes:
@@ -1096,6 +1100,8 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
     want = {(cc, v, dt) for cc in (80, 90) for v, dts in (("onepass", ("torch.bfloat16",)),
                                                           ("col", ("torch.bfloat16", "torch.float16")),
                                                           ("stats", ("torch.bfloat16", "torch.float16")),
+                                                          ("clip", ("torch.bfloat16", "torch.float16")),
+                                                          ("rows", ("torch.bfloat16", "torch.float16")),
                                                           ("sym", ("torch.bfloat16", "torch.float16")),
                                                           ("tri", ("torch.bfloat16", "torch.float16")),
                                                           ("siglip", ("torch.bfloat16", "torch.float16")))
@@ -1105,16 +1111,17 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
     # triangular sweep), 4 SigLIP, 5 its one pass; the symmetric variant's softmax over positives keeps the
     # fused forward
     assert {(r["variant"], r["mode"]) for r in epi} == {("onepass", 1), ("onepass", 2), ("col", 0), ("stats", 0),
-                                                       ("stats", 3), ("sym", 0), ("tri", 0), ("tri", 3),
+                                                       ("stats", 3), ("clip", 0), ("clip", 3), ("rows", 0),
+                                                       ("rows", 3), ("sym", 0), ("tri", 0), ("tri", 3),
                                                        ("siglip", 4), ("siglip", 5)}
     # SigLIP's forward (losses only) and backward (the gradient tile) are two compiles of MODE 4, its one
     # pass (both) one of MODE 5, per arch and dtype
     assert sorted(r["mode"] for r in epi if r["variant"] == "siglip") == [4] * 8 + [5] * 4
     assert {r["variant"] for r in epi if r["tri"]} == {"tri"}
     # the gradient tiles' modes with each row's target column split out, as a loss with a target runs them
-    # (not beside a softmax over positives: "col" and "sym" carry one), and the triangular statistics forward
-    # (MODE 3 with TRI: the target entry out of the row and column statistics)
-    assert all(r.get("split", False) == ((r["mode"] in (0, 1, 2) or (r["mode"], r["variant"]) == (3, "tri"))
+    # (not beside a softmax over positives: "col" and "sym" carry one), and the statistics forward with a target term
+    # and no bias column (MODE 3: the target entry out of the row and column statistics; "stats" has a bias column)
+    assert all(r.get("split", False) == ((r["mode"] in (0, 1, 2) or (r["mode"] == 3 and r["variant"] != "stats"))
                                          and r["variant"] not in ("col", "sym"))
                for r in epi), epi
     bad = [r for r in epi if r["spill_stores"] or r["spill_loads"]]

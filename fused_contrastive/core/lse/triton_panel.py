@@ -157,20 +157,22 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
     only): panel ``[r0, r1)`` against rows ``[r0, N)`` only (half a unit over the sweep), its row
     statistics for its rows and its column statistics for the rows past it, merged per row.
 
-    ``target`` [N] (int64; with ``tri`` only) with a dict ``minus_target``: the tiles leave each row's target
-    entry out of its statistics (SPLIT_T: ``(i, t_i)`` out of row i's, ``(t_j, j)`` out of column j's), so the
-    merge gives ``LSEx_i`` over every other column; the target's logit ``l_it = s c_i`` comes from the row's fp32
-    cosine with its target row (``triton_shared.target.target_cos``, -inf where the target is out of range or the
-    row's own excluded column), the returned LSE is ``logaddexp(LSEx_i, l_it)``, and the dict receives ``"loss"``
-    [N] fp32, each row's ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)`` (no cancellation in the saturated
-    regime; ``LSE_i`` where ``l_it`` is -inf) and ``"fold"`` [N] fp32, 1 where the row's entry is the difference
-    and 0 where it is ``LSE_i``, as ``triton_fused._lse_fwd``'s split forward reports them.
+    ``target`` [N] (int64) with a dict ``minus_target``: the tiles leave each row's target entry out of its
+    statistics (SPLIT_T: ``(i, t_i)`` out of row i's; with ``tri`` ``(t_j, j)`` out of column j's, else with
+    ``want_col`` ``(j, j)`` out of column j's where ``t_j = j``, CLIP's pairs), so the merge gives ``LSEx_i`` over
+    every other column; the target's logit ``l_it = s c_i`` comes from the row's fp32 cosine with its target row
+    (``triton_shared.target.target_cos``, -inf where the target is out of range or the row's own excluded column),
+    the returned LSE is ``logaddexp(LSEx_i, l_it)`` (``l_it`` as the tile rounds it), and the dict receives
+    ``"loss"`` [N] fp32, each row's ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)`` (no cancellation in the
+    saturated regime; ``LSE_i`` where ``l_it`` is -inf) and ``"fold"`` [N] fp32, 1 where the row's entry is the
+    difference and 0 where it is ``LSE_i``, as ``triton_fused._lse_fwd``'s split forward reports them (without
+    ``tri``: ``triton_fused.merge_split``, the columns' too). No bias column or margin with the split.
     With the option ``FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws`` (sm_90 and a tested Triton: ``triton_shared.gluon_epi``)
     the partials come from the persistent warp-specialised Gluon kernel instead (the same rows' layout; the columns'
     per 64 rows), but not with the target split, which the Gluon kernel does not have."""
     split = target is not None and minus_target is not None
-    if split and not tri:
-        raise ValueError("stats_forward: target: the statistics forward splits the target out only with tri")
+    if split and prep.bias_col is not None:
+        raise ValueError("stats_forward: target: the statistics forward's split takes no bias column or margin")
     n, d = a.shape
     m = b.shape[0]
     dev, dt = a.device, a.dtype
@@ -229,7 +231,26 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
         if split:  # lse is LSEx here: the target's logit apart
             lse = _add_target(lse, a, target, scale_t, spec, minus_target, lt_tile)
         return lse, None
+    if split:  # LSEx and LSEcolx: the dot's target logit for the losses, the tile's for the backward's LSEs
+        # (merge_split's second half is each row's largest tile logit, which it takes where the dot's value lies
+        # within TILE_TARGET_TOL of it: the tile's own target logit always does)
+        lt = _target_logit(a, b, target, scale_t, spec)
+        return triton_fused.merge_split(lse, lse_col, torch.cat([lt, lt_tile]), target, False, minus_target)
     return lse, lse_col
+
+
+def _target_logit(a: Tensor, b: Tensor, target: Tensor, scale_t: Tensor, spec, with_valid: bool = False):
+    """``l_it = s c_i`` [N] fp32, ``c_i`` the fp32 cosine of row i of ``a`` with row ``t_i`` of ``b`` (one O(N D) row
+    kernel, ``target_cos``), -inf where the target is out of range or the row's own excluded column; with
+    ``with_valid`` ``(valid, l_it)``."""
+    n = a.shape[0]
+    idx = torch.arange(n, device=a.device)
+    valid = (target >= 0) & (target < b.shape[0])
+    if spec.exclude_self:
+        valid = valid & (target != idx + int(spec.offset))
+    cos = target_cos(a, b, torch.where(valid, target, torch.zeros_like(target)), spec.eps, spec.normalize)
+    lt = torch.where(valid, cos * scale_t.reshape(()), float("-inf"))
+    return (valid, lt) if with_valid else lt
 
 
 def _add_target(lsex: Tensor, a: Tensor, target: Tensor, scale_t: Tensor, spec, minus_target: dict,
@@ -242,17 +263,13 @@ def _add_target(lsex: Tensor, a: Tensor, target: Tensor, scale_t: Tensor, spec, 
     ``exp(l_it - LSE_i)`` from its own tile against the target term's -1, and in the saturated regime an ulp of
     ``|s|`` between the dot's rounding and the tile's was the whole error of that difference (SimCSE bf16 at a
     margin of 13: 1.2e-2 of the largest gradient with the dot's value, 6.3e-3 without the split)."""
-    n = a.shape[0]
-    idx = torch.arange(n, device=a.device)
-    valid = (target >= 0) & (target < n)
-    if spec.exclude_self:
-        valid = valid & (target != idx + int(spec.offset))
-    cos = target_cos(a, a, torch.where(valid, target, idx), spec.eps, spec.normalize)
-    lt = torch.where(valid, cos * scale_t.reshape(()), float("-inf"))
+    valid, lt = _target_logit(a, a, target, scale_t, spec, True)
     x = lsex - lt  # softplus(x) = log(1 + e^x), accurate on both sides
     loss = torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
     lse = torch.logaddexp(lsex, torch.where(valid & ~torch.isnan(lt_tile), lt_tile, lt))
-    minus_target.update(loss=torch.where(valid, loss, lse), fold=valid.to(torch.float32))
+    # (1 - p_t as the backward's LSE makes it: triton_fused.exact_weights)
+    minus_target.update(loss=torch.where(valid, loss, lse), fold=valid.to(torch.float32),
+                        rest=torch.where(valid, torch.exp(lsex - lse), 0.0))
     return lse
 
 
@@ -271,7 +288,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
           lse: Tensor | None, lse_col: Tensor | None, lse_pos: Tensor | None,
           g: Tensor | None, g_col: Tensor | None, g_pos: Tensor | None,
           need_a: bool, need_b: bool, need_s: bool, eager: bool, wide: bool = False,
-          target: Tensor | None = None, minus_target: dict | None = None, g_set: Tensor | None = None):
+          target: Tensor | None = None, minus_target: dict | None = None, g_set: Tensor | None = None,
+          exact: Tensor | None = None):
     """One panel sweep: ``(dA, dB, ds, LSE, LSEpos, tw)`` (dA / dB in the operand dtype, fp32 with ``wide``;
     ds 0-dim fp32; LSE / LSEpos only with ``eager``, else None; None where not asked).
 
@@ -289,6 +307,10 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     the row's sum; ``kernels/panel.py`` ``_loss_less_target``; ``LSE_i`` on a row where that form is not taken)
     and ``"fold"`` [N] fp32, 1 where the row's entry is the difference and 0 where it is ``LSE_i``; other sweeps
     leave it empty.
+
+    ``exact`` [N] fp32 (with ``target``, known statistics: not ``eager``): each row's log-sum-exp weight at its
+    target combined with the target term's share (``triton_fused.exact_weights``), which the tiles take at the
+    target entry (EXACT_T): ``tw`` is then that weight.
 
     ``prep`` is the fused path's ``_Prepared`` (labels, mask, bias columns, dummy); ``launch`` is
     ``triton_shared/launch.py`` ``_launch`` (so the AOT recorder sees these launches). With ``eager``, ``g`` /
@@ -319,6 +341,8 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     lse_out = torch.empty(n, dtype=torch.float32, device=dev) if eager else None
     lsep_out = torch.empty(n, dtype=torch.float32, device=dev) if eager and g_pos is not None else None
     split = target is not None
+    if exact is not None and (not split or eager):
+        raise ValueError("core: the exact target weights need the target split and known statistics")
     tw = torch.empty(n, dtype=torch.float32, device=dev) if split else None
     rows_minus = split and one_pass  # (the row kernel, or panel_dl_kernel, writes them; reported when asked)
     loss_rows = torch.empty(n, dtype=torch.float32, device=dev) if rows_minus else None
@@ -332,13 +356,14 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
                   LSE_POS=lse_pos if lse_pos is not None else dm,
                   G_POS=g_pos if g_pos is not None else (g_set if g_set is not None else dm),
                   LSE_OUT=lse_out if lse_out is not None else dm,
-                  LSE_POS_OUT=lsep_out if lsep_out is not None else dm, TGT=target.contiguous() if split else dm)
+                  LSE_POS_OUT=lsep_out if lsep_out is not None else dm, TGT=target.contiguous() if split else dm,
+                  WX=(exact / gs).contiguous() if exact is not None else dm)
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self),
                  HAS_BIAS=prep.bias_col is not None, BIAS_COS=spec.margin != 0.0, POS_KIND=prep.pos_kind,
                  HAS_G=g is not None,
                  HAS_GCOL=g_col is not None, HAS_GPOS=g_pos is not None, SYM=bool(sym), EAGER=bool(eager),
                  ONE_PASS=one_pass, NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale,
-                 TRI=False, SPLIT_T=split, SPLIT_SET=g_set is not None)
+                 TRI=False, SPLIT_T=split, SPLIT_SET=g_set is not None, EXACT_T=exact is not None)
     bt = b.T
     margs = _mask_args(prep, spec)
     shift = _one_pass_shift(scale_t, spec, prep.bias_col is not None, margs["bias"]) if epi and one_pass else None
@@ -414,8 +439,8 @@ def _tri_panels(pr: panels._Problem, a: Tensor, p_rows: int, epilogue: bool):
 
 
 def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g: Tensor, need_a: bool,
-                 need_s: bool, wide: bool = False, target: Tensor | None = None, g_set: Tensor | None = None
-                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+                 need_s: bool, wide: bool = False, target: Tensor | None = None, g_set: Tensor | None = None,
+                 exact: Tensor | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward of the triangular sweep: ``(dA, ds)`` of B-is-A logits from the upper triangle only.
 
     The gradient of symmetric logits is ``dA_hat = s (G + G^T) A_hat`` with ``G_ij = g_i p_ij``. Per panel
@@ -434,7 +459,11 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
 
     ``g_set`` [N] fp32 (``prep`` with the positives): the SET term's upstream coefficients, its gradient
     ``-g_set_i w_ij`` (and ``-g_set_j w_ji`` in the transposed term) formed in fp32 inside H (``SPLIT_SET``),
-    the labels (or the mask's indices, shifted by the panel's first row) in the panel's frame."""
+    the labels (or the mask's indices, shifted by the panel's first row) in the panel's frame.
+
+    ``exact`` [N] fp32 (with ``target``): each row's combined target weight (``triton_fused.exact_weights``), which
+    H takes at ``(i, t_i)`` and, transposed, at ``(t_i, i)`` in whichever panel holds the pair (EXACT_T, in the
+    frame): ``tw`` is then that weight."""
     n, d = a.shape
     dev, dt = a.device, a.dtype
     epi = panels.use_epilogue(dev, dt, "tri", n * n)
@@ -446,12 +475,15 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     acc = torch.zeros((n, d), dtype=torch.float32, device=dev) if need_a else None
     ds_parts = []
     split = target is not None
+    if exact is not None and not split:
+        raise ValueError("core: the exact target weights need the target split (target)")
     tv = torch.zeros(n, dtype=torch.float32, device=dev) if split else None
+    wx = (exact / gs).contiguous() if exact is not None else None
     flags = dict(NORMALIZE=bool(spec.normalize), EXCLUDE_SELF=bool(spec.exclude_self), HAS_BIAS=False, BIAS_COS=False,
                  POS_KIND=0,
                  HAS_G=True, HAS_GCOL=False, HAS_GPOS=False, SYM=True, EAGER=False, ONE_PASS=False,
                  NEED_DS=bool(need_s), FOLD_RB=bool(pr.fold), PRESCALE=pr.prescale, TRI=True, SPLIT_T=split,
-                 SPLIT_SET=g_set is not None)
+                 SPLIT_SET=g_set is not None, EXACT_T=exact is not None)
     if g_set is not None:
         flags["POS_KIND"] = prep.pos_kind
     a_op = pr.b_op  # raw A (folded norms, or no normalisation) or the normalised fp16 copy
@@ -460,7 +492,8 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
         h = _alloc((pp, c), dt, dev)
         common = dict(RB=pr.rb[r0:] if pr.rb is not None else dm, SCALE=scale_t, GSCALE=gs, **_problem_args(prep),
                       LSE=lse[r0:], G=g[r0:], LSE_COL=dm, G_COL=dm, LSE_POS=dm, G_POS=dm,
-                      TGT=(target[r0:] - r0).contiguous() if split else dm, TV=tv[r0:] if split else dm)
+                      TGT=(target[r0:] - r0).contiguous() if split else dm, TV=tv[r0:] if split else dm,
+                      WX=wx[r0:] if wx is not None else dm)
         if g_set is not None:  # the positives in the panel's frame (row r0 is row 0)
             common.update(G_POS=g_set[r0:], **_framed_positives(prep, r0))
         if epi:
@@ -568,24 +601,47 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         else:
             lse = triton_fused._lse_fwd(a, None, scale, spec, data, False, False, tri=True,
                                         target=ctx.split if split16 else None, minus_target=minus)[0]
-    elif panels.use_epilogue(dev, a.dtype, "known", n * bb.shape[0]) and not want_pos:
-        ctx.eager = None
-        lse, lse_col = stats_forward(TL._launch, p, p.a, bb, scale_t, spec, want_col)
-        lse_pos = None
     else:
         ctx.eager = None
-        lse, lse_col, lse_pos, _ = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos)
+        minus = {}
+        # 16-bit tiles with a target term (CLIP, per-row InfoNCE): each row's loss less its target logit, and CLIP's
+        # column's, without the cancellation (the fused forward's split, or the epilogue GEMM's statistics with
+        # SPLIT_T); not with a bias column (a margin), and not where FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws asks for the
+        # Gluon statistics forward, which has no split (that option keeps the old loss: docs/panel-path.md)
+        split16 = (ctx.split is not None and coef.lse is not None and a.dtype in (torch.float16, torch.bfloat16)
+                   and p.bias_col is None and not want_pos)
+        if panels.use_epilogue(dev, a.dtype, "known", n * bb.shape[0]) and not want_pos:
+            split16 = split16 and not gluon_epi.requested()
+            lse, lse_col = stats_forward(TL._launch, p, p.a, bb, scale_t, spec, want_col,
+                                         target=ctx.split if split16 else None, minus_target=minus)
+            lse_pos = None
+        else:
+            lse, lse_col, lse_pos, _ = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos,
+                                                             target=ctx.split if split16 else None, minus_target=minus)
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                           None if same else p.b)
-    if (eager or ctx.tri) and minus:
-        # the one pass (or the triangular forward) formed each row's LSE_i - l_it without its cancellation (the
+    if minus:
+        # the one pass (or a split statistics forward) formed each row's LSE_i - l_it without its cancellation (the
         # saturated regime's loss of ~1e-4 against logits of ~|s|): this piece's value takes the target logit out
         # at the coefficient
-        # ctx.minus_target [N] (c.lse where the row's entry is the difference, else 0), which core.forward_parts
-        # takes out of the target term's value in turn (the gradients are unchanged)
-        ctx.minus_target = (g if eager else _vec(coef.lse, n, dev)) * minus["fold"]
-        return combine(coef.to(torch.float32), reduce, minus["loss"], lse_col, lse_pos)
+        # ctx.minus_target [N] (c.lse where the row's entry is the difference, else 0; CLIP's column coefficient
+        # where column i's is), which core.forward_parts takes out of the target term's value in turn (the
+        # gradients are unchanged)
+        ctx.minus_target = g * minus["fold"] if eager else triton_fused.minus_coefficients(coef, minus, n)
+        # the split's statistics for the backward's exact target weights (not the one pass, whose backward ran
+        # already; not B is A with a column term: triton_fused.exact_weights)
+        if not eager and not (p.sym and want_col):
+            ctx.exact, ctx.exact_less = minus, ctx.minus_target
+        return combine(coef.to(torch.float32), reduce, minus["loss"], minus.get("col_loss", lse_col), lse_pos)
     return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
+
+
+def _exact(ctx, g: Tensor, g_col: Tensor | None, lse_col: Tensor | None) -> Tensor | None:
+    """The backward's combined target weights (``triton_fused.exact_weights``) where the forward split the target
+    (``ctx.exact``) and the backward splits it too; else None."""
+    if ctx.split is None or getattr(ctx, "exact", None) is None:
+        return None
+    return triton_fused.exact_weights(ctx.exact, ctx.split, g, g_col, lse_col)
 
 
 def backward(ctx, go: Tensor):
@@ -623,22 +679,26 @@ def backward(ctx, go: Tensor):
         need_s = need_s and isinstance(scale, Tensor)
         if g is None:
             g = torch.zeros(n, dtype=torch.float32, device=a.device)
+        exact = _exact(ctx, g, None, None)
         da, ds, tw = tri_backward(TL._launch, p, a, spec, TL._scale32(scale, a.device), lse, g, need_a, need_s,
-                                  getattr(ctx, "wide", False), ctx.split, g_set=g_set)
+                                  getattr(ctx, "wide", False), ctx.split, g_set=g_set, exact=exact)
         if tw is not None:
             ctx.moved_target = tw  # what core.PiecesFn applies with the target term
+            ctx.moved_less = ctx.exact_less if exact is not None else None  # (its coefficients, left out there)
         return out(da, None, ds)
     g_col = TL._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
     g_pos = TL._coef_grad(coef.pos, go, n, lse_pos)
     bb = a if same else b
     sym = p.sym
     need_s = need_s and isinstance(scale, Tensor)
+    exact = _exact(ctx, g, g_col, lse_col)
     da, db, ds, _, _, tw = sweep(TL._launch, p, a, bb, sym, TL._scale32(scale, a.device), spec, lse, lse_col,
                                  lse_pos, g, g_col, g_pos, need_a,
                                  (need_b and not same) or (same and not sym and need_a), need_s, False,
-                                 getattr(ctx, "wide", False), ctx.split, g_set=g_set)
+                                 getattr(ctx, "wide", False), ctx.split, g_set=g_set, exact=exact)
     if tw is not None:
         ctx.moved_target = tw  # what core.PiecesFn applies with the target term
+        ctx.moved_less = ctx.exact_less if exact is not None else None  # (its coefficients, left out there)
     if same and not sym and da is not None:
         da = da + db
         db = None

@@ -172,8 +172,9 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
     ``EPI_PERSIST_STAGES`` in the persistent forms; a config without one keeps the tiles form): ``args`` /
     ``const`` those of the one-tile-per-program form (X and Y tensors)."""
     cfg = EPI_GEMM[config]
-    # (the SET term's split: MODE 0's, whose callers name it; pm_shift its mask's index shift)
-    const, args = {"SPLIT_SET": False, **const}, {"pm_shift": 0, **args}
+    # (the SET term's split and the exact target weights: MODE 0's, whose callers name them; pm_shift the mask's
+    # index shift; WX never read without EXACT_T)
+    const, args = {"SPLIT_SET": False, "EXACT_T": False, **const}, {"pm_shift": 0, "WX": args["TV"], **args}
     const = dict(const, HOIST=bool(const.get("HOIST", False)))  # (set by _epi_panel for MODE 0 / 1 / 2)
     dev = args["X"].device
     arch = TL._arch(dev)
@@ -459,7 +460,7 @@ _PANEL_ONLY_FLAGS = ("EAGER", "ONE_PASS")
 
 #: The statistics' and problem's pointer arguments the epilogue GEMM shares with ``panel_dl_kernel``.
 _EPI_POINTERS = ("RB", "SCALE", "GSCALE", "BIAS_COL", "ROW_LAB", "COL_LAB", "POS_MASK", "LSE", "G", "LSE_COL", "G_COL",
-                 "LSE_POS", "G_POS", "TGT", "TV")
+                 "LSE_POS", "G_POS", "TGT", "TV", "WX")
 
 
 def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dict, flags: dict, margs: dict, r0: int,
