@@ -38,7 +38,7 @@ from .panel import _one_pass_shift, _row_logit
 
 
 @triton.jit
-def logit_pass_kernel(T, DL, ZP, TP, MXP, TV, CT, RB, SCALE, BIAS_COL, TGT,
+def logit_pass_kernel(T, DL, ZP, TP, MXP, TV, CT, CTO, RB, SCALE, BIAS_COL, TGT,
                       P, M, r0, stride_t, stride_zp, offset, bias,
                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BIAS_COS: tl.constexpr, NEED_DS: tl.constexpr, FOLD_RB: tl.constexpr,
@@ -53,10 +53,11 @@ def logit_pass_kernel(T, DL, ZP, TP, MXP, TV, CT, RB, SCALE, BIAS_COL, TGT,
 
     SPLIT_T: row i's target column ``TGT[r0 + i]`` takes its logit from ``CT[i]`` (the fp32 cosine of the
     row and its target row) by ``_row_logit``'s operations, so ``e_it``, ``TV[i] = e_it`` (written by the tile
-    that holds the column), its ``e_it cos_it`` in TP and its logit in MXP carry no fp16 rounding; as in MODE 1
-    the target is left out of the tile (its entry written 0) and of ZP (``zx_i``: ``epi_rows_kernel`` adds
-    ``e_it`` and forms the row's loss as ``log1p(zx_i / e_it)``). Each element is read and written by the same
-    program, once: the in-place update has no race."""
+    that holds the column), its cosine ``CTO[i]`` (NEED_DS; bias-shifted as the tile's) and its logit in MXP carry
+    no fp16 rounding; as in MODE 1 the target is left out of the tile (its entry written 0), of ZP (``zx_i``:
+    ``epi_rows_kernel`` adds ``e_it`` and forms the row's loss as ``log1p(zx_i / e_it)``) and of TP (which
+    ``epi_rows_kernel`` completes with the target's weight times ``CTO[i]``). Each element is read and written by the
+    same program, once: the in-place update has no race."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     loc = pid_m * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -96,6 +97,8 @@ def logit_pass_kernel(T, DL, ZP, TP, MXP, TV, CT, RB, SCALE, BIAS_COL, TGT,
             cos = tl.where(hit, ctb[:, None], cos)
         here = lmask & (tgt >= pid_n * BLOCK_N) & (tgt < pid_n * BLOCK_N + BLOCK_N)
         tl.store(TV + loc, et, mask=here)
+        if NEED_DS:  # the target's cosine apart: epi_rows_kernel adds it to the temperature's sum with its weight
+            tl.store(CTO + loc, ctb, mask=here)
     out = e_tile
     if FOLD_RB:
         out = e_tile * _inv_norms(RB, cols, cmask, True)[None, :]
@@ -103,7 +106,7 @@ def logit_pass_kernel(T, DL, ZP, TP, MXP, TV, CT, RB, SCALE, BIAS_COL, TGT,
     part = loc.to(tl.int64) * stride_zp + pid_n
     tl.store(ZP + part, tl.sum(e_tile, axis=1), mask=lmask)
     if NEED_DS:
-        tl.store(TP + part, tl.sum(e * cos, axis=1), mask=lmask)
+        tl.store(TP + part, tl.sum(e_tile * cos, axis=1), mask=lmask)
     tl.store(MXP + part, tl.max(l, axis=1), mask=lmask)
 
 

@@ -169,8 +169,9 @@ def _exp_chunk(cos, l, rb, sh, cols, tgt_r, NEED_DS: tl.constexpr, FOLD_RB: tl.c
     store (``e`` times ``rb_j`` when folding), the rows' partial sums ``z_i = sum_j e_ij`` and
     ``t_i = sum_j e_ij cos_ij`` (zeros without NEED_DS), (NEED_MAX) the rows' largest logit, and
     (SPLIT_T) ``e`` at each row's target column ``tgt_r`` if it is in the chunk (else 0), which is then
-    left out of the tile (not out of t; out of z only with SPLIT_Z: ``z`` is then ``zx_i``, every column but
-    the target, the sum the saturated row's loss ``log1p(zx_i / e_it)`` is formed from)."""
+    left out of the tile (not out of t; out of z and t with SPLIT_Z: ``z`` is then ``zx_i``, every column but
+    the target, the sum the saturated row's loss ``log1p(zx_i / e_it)`` is formed from, and the caller adds the
+    target's share of ``t`` with its weight, :func:`_target_weight`)."""
     e = tl.exp(l - sh[:, None])
     if SPLIT_Z:
         ex, tv = _split_target(e, cols, tgt_r, SPLIT_T)
@@ -179,7 +180,10 @@ def _exp_chunk(cos, l, rb, sh, cols, tgt_r, NEED_DS: tl.constexpr, FOLD_RB: tl.c
         z = tl.sum(e, axis=1)
     t = tl.zeros_like(z)
     if NEED_DS:
-        t = tl.sum(e * cos, axis=1)
+        if SPLIT_Z:
+            t = tl.sum(ex * cos, axis=1)
+        else:
+            t = tl.sum(e * cos, axis=1)
     mx = z
     if NEED_MAX:
         mx = tl.max(l, axis=1)
@@ -404,7 +408,9 @@ def panel_dl_kernel(
     :func:`epi_gemm_kernel`'s, SYM and TRI included): each row's target column ``TGT[r0 + i]`` is left
     out of DL and its fp32 value (in DL's units before PRESCALE and the folded norm; the true weight is
     ``W_OUT[i] gscale TV[i]``) goes to ``TV[i]`` (:func:`_split_target`). ONE_PASS with SPLIT_T: the target's
-    ``e_it`` is also kept out of the row's sum (``zx_i``, every other column; ``z_i = zx_i + e_it``), and
+    ``e_it`` is also kept out of the row's sum (``zx_i``, every other column; ``z_i = zx_i + e_it``) and of the
+    temperature's (to which it returns with its weight), ``TV[i]`` is :func:`_target_weight` (``-zx_i``, the target
+    term's share in it, where FOLD is 1), and
     ``LOSS[r0 + i]`` gets the row's loss less its target logit, ``log1p(zx_i / e_it)`` (``LSE_i - l_it`` without
     its cancellation in the saturated regime, :func:`_loss_less_target`) with ``FOLD[r0 + i] = 1``, or ``LSE_i``
     with ``FOLD = 0`` where that form is not taken (a tiny ``e_it``, a huge ratio, or a row block redone in two
@@ -445,17 +451,20 @@ def panel_dl_kernel(
         c = _one_pass_shift(s, bias, HAS_BIAS, BIAS_COS)
         z_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         t_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        ct_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for j0 in range(0, M, BLOCK_C):
             cols = j0 + tl.arange(0, BLOCK_C)
             cmask = cols < M
             cos, l, rb = _panel_logits(L, loc, lmask, rows, cols, cmask, rsp, RB, s, n_end, M, stride_l,
                                        offset, bias_c, bias, NORMALIZE, EXCLUDE_SELF, HAS_BIAS, BIAS_COS)
-            # (SPLIT_T: z_c sums every column but the target, e_it apart in tv_c)
+            # (SPLIT_T: z_c and t_c sum every column but the target, e_it apart in tv_c, its cosine in ct_acc)
             out, z_c, t_c, _, tv_c = _exp_chunk(cos, l, rb, c + tl.zeros([BLOCK_R], dtype=tl.float32), cols, tgt_r,
                                                 NEED_DS, FOLD_RB, False, SPLIT_T, SPLIT_T)
             z_i += z_c
             t_i += t_c
             tv_acc += tv_c
+            if SPLIT_T and NEED_DS:
+                ct_acc += tl.sum(tl.where(cols[None, :] == tgt_r[:, None], cos, 0.0), axis=1)
             tl.store(dl_base + cols[None, :], out.to(DL.dtype.element_ty), mask=lmask[:, None] & cmask[None, :])
         zx_i = z_i
         if SPLIT_T:  # the row's whole sum: every other column and the target's e_it
@@ -465,8 +474,11 @@ def panel_dl_kernel(
         tl.store(LSE_OUT + rows, lse_i, mask=lmask)
         z_safe = tl.where(ok & lmask, z_i, 1.0)
         w_r = tl.where(lmask, tl.load(G + rows, mask=lmask, other=0.0) * inv_gs / z_safe, 0.0)
-        ds_acc = w_r * t_i
         loss_r, fold_r = _loss_less_target(zx_i, tv_acc, lse_i)
+        if SPLIT_T:  # the target's weight (combined with the target term's where the loss folds) and its t share
+            tv_acc = _target_weight(zx_i, tv_acc, fold_r)
+            t_i += tv_acc * ct_acc
+        ds_acc = w_r * t_i
         # a row whose logits all sit far below the bound (possible only for |s| + bias > 50): its
         # small e_ij lost precision, so the block is redone exactly in two passes below
         redo = tl.min(ok.to(tl.int32), axis=0) == 0
@@ -599,7 +611,17 @@ def _loss_less_target(zx, et, lse):
 
 
 @triton.jit
-def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW, TV, TW, LOSS, FOLD,
+def _target_weight(zx, et, fold):
+    """The one pass's target weight in the units of ``e`` (the row weight ``W_i gscale`` times it is the weight on
+    ``l_it``): where the row's loss is ``log1p(zx_i / e_it)`` (``fold``, whose target term leaves its coefficient
+    out: ``core.backward_parts``) the log-sum-exp weight ``e_it`` combined with the target term's ``-z_i``, i.e.
+    ``-zx_i``, formed without the cancellation of ``p_t - 1`` (``e_it / z_i - 1`` keeps nothing in fp32 where
+    ``1 - p_t`` is below its ulp); elsewhere ``e_it`` as before."""
+    return tl.where(fold > 0.0, -zx, et)
+
+
+@triton.jit
+def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW, TV, TW, LOSS, FOLD, CT,
                     P, n_pn, r0, stride_zp,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FINISH: tl.constexpr, NEED_DS: tl.constexpr,
                     SPLIT_T: tl.constexpr):
@@ -613,8 +635,10 @@ def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW
       ``max_k MXP[i, k]`` where BAD (and finite), else the fixed shift ``SHIFT0[0]``;
     * FINISH on (after the redo rewrote the partials of the BAD rows): ``LSE_OUT[r0 + i] = SH_i + log z_i``,
       the row weight ``W_OUT_i = G[r0 + i] / (GSCALE z_i)`` (0 for ``z_i = 0``: a row without any column),
-      with NEED_DS ``DSW_i = W_i sum_k TP[i, k]`` (the temperature gradient's part, summed by the host),
-      with SPLIT_T the target logit's weight ``TW_i = TV_i W_i GSCALE``, the row's loss less its target logit
+      with NEED_DS ``DSW_i = W_i sum_k TP[i, k]`` (the temperature gradient's part, summed by the host; with
+      SPLIT_T plus ``w_t CT_i``, the target's cosine, which the partials leave out),
+      with SPLIT_T the target logit's weight ``TW_i = w_t W_i GSCALE``, ``w_t`` :func:`_target_weight` (``-zx_i``,
+      the target term's share in it, where FOLD is 1; ``e_it = TV_i`` elsewhere), the row's loss less its target logit
       ``LOSS_i = log1p(zx_i / e_it)`` (``LSE_i - l_it`` without its cancellation: a few ulps of the loss
       however close ``p_t`` is to 1) with ``FOLD_i = 1``, or where ``e_it <= ONE_PASS_MIN_TE`` or the ratio
       exceeds ``1 / ONE_PASS_MIN_TE``, ``LOSS_i = LSE_i`` with ``FOLD_i = 0`` (the target logit is then
@@ -639,14 +663,18 @@ def epi_rows_kernel(ZP, MXP, TP, SHIFT0, BAD, SH, LSE_OUT, G, GSCALE, W_OUT, DSW
         g = tl.load(G + r0 + rows, mask=rmask, other=0.0)
         w = tl.where(z > 0, g / (gs * z), 0.0)
         tl.store(W_OUT + rows, w, mask=rmask)
-        if NEED_DS:
-            tl.store(DSW + rows, w * _row_partials(TP, r64, rmask, n_pn, stride_zp, BLOCK_R, BLOCK_C, False),
-                     mask=rmask)
+        wt = et
         if SPLIT_T:
-            tl.store(TW + rows, et * w * gs, mask=rmask)
             loss, fold = _loss_less_target(zx, et, lse)
+            wt = _target_weight(zx, et, fold)
+            tl.store(TW + rows, wt * w * gs, mask=rmask)
             tl.store(LOSS + rows, loss, mask=rmask)
             tl.store(FOLD + rows, fold, mask=rmask)
+        if NEED_DS:
+            t = _row_partials(TP, r64, rmask, n_pn, stride_zp, BLOCK_R, BLOCK_C, False)
+            if SPLIT_T:  # the target's cosine with its weight (the partials leave it out)
+                t += wt * tl.load(CT + rows, mask=rmask, other=0.0)
+            tl.store(DSW + rows, w * t, mask=rmask)
 
 
 @triton.jit
@@ -760,7 +788,7 @@ def _row_loads(SCALE, RSP, BIAS_COL, TGT, RB, loc, lmask, rows, M, NORMALIZE: tl
 
 @triton.jit
 def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
-              BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV,
+              BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV, CT,
               P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm, bad,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
               UPCAST: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
@@ -935,9 +963,10 @@ def _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SH
         if SPLIT_T:  # the target column leaves the tile and the partials (its e_t went to TV above)
             l = tl.where(cols[None, :] == tgt_r[:, None], NEG_INF, l)
         out, z, t, mx, _ = _exp_chunk(cos, l, rb, sh, cols, tgt_r, NEED_DS, FOLD_RB, MODE == 1, False)
-        if SPLIT_T:  # the target's own terms, from the tile that holds it
+        if SPLIT_T:  # the target's own terms, from the tile that holds it (its cosine to CT: epi_rows_kernel adds
+            # its share of the temperature's sum with its weight, _target_weight)
             if NEED_DS:
-                t += tl.where(here0, et * ct, 0.0)
+                tl.store(CT + loc, ct, mask=here0)
             if MODE == 1:
                 mx = tl.maximum(mx, tl.where(here0, lt, NEG_INF))
         tl.store(dl_ptr, out.to(DL.dtype.element_ty), mask=smask)
@@ -964,7 +993,7 @@ def _grouped_tile(t, P, n_pn, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
 def epi_gemm_kernel(
     X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB,
     POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV, WX,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TV, WX, CT,
     P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
@@ -1016,9 +1045,10 @@ def epi_gemm_kernel(
     in DL's units before PRESCALE and the folded norm (``e_ij`` in MODE 1 / 2), goes to ``TV[i]`` from
     the one column tile that holds it (:func:`_split_target`). MODE 1 / 2 form ``e_it`` from the raw product
     read off the accumulator (:func:`_row_logit`: bitwise the tile's value) and leave the target out of the
-    tile by a -inf logit there, so ``ZP`` sums every other column (``zx_i``: ``epi_rows_kernel`` forms the
-    row's loss as ``log1p(zx_i / e_it)``, without the cancellation of ``LSE_i - l_it``), while the tile
-    holding the target adds ``e_it cos_it`` to its ``TP`` and ``l_it`` to its ``MXP``. With SYM, column
+    tile by a -inf logit there, so ``ZP`` and ``TP`` sum every other column (``zx_i``: ``epi_rows_kernel`` forms
+    the row's loss as ``log1p(zx_i / e_it)``, without the cancellation of ``LSE_i - l_it``, and the target's weight
+    and its share of the temperature's sum, :func:`_target_weight`), while the tile holding the target stores
+    ``cos_it`` to ``CT[i]`` (NEED_DS) and adds ``l_it`` to its ``MXP``. With SYM, column
     j's transposed term at the row ``TGT[j]`` is left out too (row j reports it; with TRI, for the
     columns past the panel, this tile stores it in ``TV[j]``: TGT and TV then in the panel's frame, as
     the other vectors).
@@ -1055,7 +1085,7 @@ def epi_gemm_kernel(
             for pid_n in range(0, n_pn):
                 _epi_tile(pid, pid, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE,
                           GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
-                          TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
+                          TGT, TV, CT, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
                           stride_pm, bad, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF,
                           HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI,
                           WANT_COL, SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift, WX, EXACT_T)
@@ -1069,16 +1099,16 @@ def epi_gemm_kernel(
             loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             _epi_tile(t, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE,
                       GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
-                      TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
-                      loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
-                      BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
-                      SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift, WX, EXACT_T)
+                      TGT, TV, CT, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0,
+                      stride_pm, loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF,
+                      HAS_BIAS, BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI,
+                      WANT_COL, SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift, WX, EXACT_T)
     else:
         pid_m, pid_n = _grouped_tile(pid, P, n_pn, BLOCK_M, GROUP_M)
         loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _epi_tile(pid, pid_m, pid_n, X, Y, DL, ZP, TP, MXP, CZ, CM, DS_PART, BAD, SHIFT, LBIAS, RSP, RB, SCALE, GSCALE,
                   BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS,
-                  TGT, TV, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
+                  TGT, TV, CT, P, M, D, r0, stride_x, stride_y, stride_dl, stride_zp, offset, bias, n0, m0, stride_pm,
                   loc < P, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, MODE, NORMALIZE, EXCLUDE_SELF, HAS_BIAS,
                   BIAS_COS, POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, SYM, NEED_DS, FOLD_RB, PRESCALE, TRI, WANT_COL,
                   SPLIT_T, TMA, LEAN, HOIST, SPLIT_SET, pm_shift, WX, EXACT_T)

@@ -102,7 +102,11 @@ def test_forms_equal_the_tiles_form_bitwise(loss, monkeypatch):
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), (loss, form, float((a.float() - b.float()).abs().max()))
         persistent = [x for x in launches if x.constexprs["PERSIST"]]
-        assert {x.constexprs["MODE"] for x in persistent} == LOSSES[loss], [x.name for x in launches]
+        # (CLIP's split statistics forward keeps the tiles form where TMA is asked: its TMA compile spilled on sm_90,
+        # configs.EPI_PERSIST_STAGES["stats_split"])
+        kept = {("epi_gemm_stats", 3, False)} if (loss, form) == ("clip", "tma") else set()
+        assert {x.constexprs["MODE"] for x in persistent} == LOSSES[loss] - {m for _, m, _ in kept}, [
+            x.name for x in launches]
         assert all(x.grid[0] <= 3 and x.constexprs["TMA"] == (form == "tma") for x in persistent)
         assert max(x.grid[0] for x in persistent) == 3  # EPI_PROGRAMS on the interpreter (a panel may have fewer)
         assert all(isinstance(x.args["X"], TensorDescriptor) == (form == "tma") for x in persistent)
@@ -110,7 +114,8 @@ def test_forms_equal_the_tiles_form_bitwise(loss, monkeypatch):
         # losses) and for the one pass's redo (MODE 2)
         rest = {(x.name, x.constexprs["MODE"], x.constexprs["HAS_G"]) for x in launches
                 if not x.constexprs["PERSIST"]}
-        assert rest <= {("epi_gemm_redo", 2, False), ("epi_gemm_redo", 2, True), ("epi_gemm_siglip", 4, True)}, rest
+        tiles_kept = {("epi_gemm_redo", 2, False), ("epi_gemm_redo", 2, True), ("epi_gemm_siglip", 4, True)}
+        assert rest <= tiles_kept | kept, rest
         assert all(x.constexprs["TMA"] is False for x in launches if not x.constexprs["PERSIST"])
 
 

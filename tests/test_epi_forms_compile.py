@@ -132,10 +132,14 @@ def test_persistent_forms_compile_without_spills(compiled):
         assert r["tma_flag"] == tma, r
         assert (r["tma"] > 0 and r["cp_async"] == 0) if tma else (r["tma"] == 0 and r["cp_async"] > 0), r
         assert r["num_stages"] >= 2, r
-    # the launches that keep the tiles form: the one pass's redo, and SigLIP's gradient sweep of per-row
-    # losses, whose persistent compile spilled at every depth (EPI_PERSIST_STAGES)
-    assert {(r["mode"], r["has_g"]) for r in compiled if not r["persist"]} == {(2, True), (4, True)}
+    # the launches that keep the tiles form: the one pass's redo, SigLIP's gradient sweep of per-row losses, whose
+    # persistent compile spilled at every depth, and CLIP's split statistics forward where TMA is asked on sm_90
+    # (32 + 56 bytes spilled; EPI_PERSIST_STAGES)
+    assert {(r["mode"], r["has_g"]) for r in compiled if not r["persist"]} == {(2, True), (4, True), (3, False)}
+    assert {(r["form"], r["cc"], r["loss"]) for r in compiled if not r["persist"] and r["mode"] == 3} == {
+        ("tma", 90, "clip")}
     assert all(v is None for (name, _, _), v in EPI_PERSIST_STAGES.items() if name == "siglip_bwd")
+    assert EPI_PERSIST_STAGES[("stats_split", "sm90", True)] is None
 
 
 def test_guided_persistent_form_compiles_without_spills(compiled):

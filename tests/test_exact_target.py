@@ -13,8 +13,10 @@ gradients 4.5e-3 to 8.9e-3 of the largest (the old form 0.19 to 0.41), the scale
 0.083). fp16 gradients this small are subnormal, so fp16's bound adds fp16's own rounding of the float64 gradient.
 The panel path's recomputing backward after a split statistics forward (``kernels/panel.py`` ``_dl_chunk`` EXACT_T:
 CLIP, per-row InfoNCE, and SimCSE's triangular sweep with its transposed target entries) does the same, in 48-row
-panels on both GEMM forms: 3.6e-3 to 8.9e-3 (the old form 0.044 to 0.33). Not yet: the one pass (a summed InfoNCE on
-the panel path), whose weight is the kernel's ``e_it / z_i``."""
+panels on both GEMM forms: 3.6e-3 to 8.9e-3 (the old form 0.044 to 0.33). The one pass (a summed InfoNCE on the panel
+path) weighs the target by ``-zx_i`` where the row's loss folds (``kernels/panel.py`` ``_target_weight``) and takes the
+target's cosine back into the temperature's sum with it: the temperature's gradient 2.6e-7 to 1.8e-5 where it was
+6.2e-3 to 1.2e-2."""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from fused_contrastive.testing.accuracy import make_inputs
 GRAD_TOL = 1.5e-2
 #: What the old form (the kernel's fp32 ``p_t`` beside the target term's -1) must miss on these inputs by.
 OLD_FORM_MISSES = 0.1
+#: The temperature's gradient (one number; measured 3e-8 to 1.8e-5, where the old forms were 0.0056 to 0.083).
+SCALE_TOL = 1e-4
 
 #: (case, the name of its scale argument)
 CASES = {"info_nce": "temperature", "clip": "logit_scale", "simcse": "temperature"}
@@ -86,6 +90,7 @@ def test_saturated_gradients_against_float64(case, n, launches):
     assert rows and all(x.constexprs["SPLIT_T"] and x.constexprs["EXACT_T"] for x in rows), rows
     for i, (err, _) in enumerate(errs):
         assert err <= GRAD_TOL, f"{case} N={n}: gradient {i} off float64 by {err:.3g} of its largest entry"
+    assert errs[-1][0] <= SCALE_TOL, f"{case} N={n}: the temperature's gradient off by {errs[-1][0]:.3g}"
 
 
 @pytest.mark.parametrize("gemm", ["cublas", "epilogue"])
@@ -102,6 +107,23 @@ def test_the_panel_paths_recomputing_backward(case, reduction, gemm, route, laun
     assert all(x.constexprs["TRI"] == (case == "simcse") for x in tiles), tiles
     for i, (err, _) in enumerate(errs):
         assert err <= GRAD_TOL, f"{case} {gemm}: gradient {i} off float64 by {err:.3g} of its largest entry"
+    assert errs[-1][0] <= SCALE_TOL, f"{case} {gemm}: the temperature's gradient off by {errs[-1][0]:.3g}"
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "epilogue", "fp16pass"])
+def test_the_panel_paths_one_pass(gemm, route, launches):
+    # a summed InfoNCE on the panel path: the one pass (panel_dl_kernel's ONE_PASS, the epilogue GEMM's MODE 1 or the
+    # fp16 pass, then epi_rows_kernel), whose target weight is -zx_i where the row's loss folds (_target_weight) and
+    # whose temperature partials leave the target out and take it back with that weight; the old form's temperature
+    # gradient was 6.2e-3 to 1.2e-2 off here (its embeddings' 4.9e-3 to 9.3e-3)
+    route(TRITON_PATH="panel", PANEL_GEMM=gemm, PANEL_ROWS=48)
+    errs = errors("info_nce", 128, 112, torch.bfloat16)
+    names = {x.name for x in launches}
+    assert {"cublas": "panel_dl", "epilogue": "epi_rows", "fp16pass": "logit_pass"}[gemm] in names, names
+    assert all(x.constexprs.get("ONE_PASS", True) for x in launches if x.name == "panel_dl"), launches
+    for i, (err, _) in enumerate(errs):
+        assert err <= GRAD_TOL, f"{gemm}: gradient {i} off float64 by {err:.3g} of its largest entry"
+    assert errs[-1][0] <= SCALE_TOL, f"{gemm}: the temperature's gradient off by {errs[-1][0]:.3g}"
 
 
 @pytest.mark.parametrize("case", ["info_nce", "clip"])

@@ -61,10 +61,10 @@ def _peaks(text: str) -> dict[str, float]:
 
 
 def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool, tri_target: bool = True) -> None:
-    """The independent checks of a model output. ``tri_target``: the output was made since the triangular
-    statistics forward on the epilogue GEMM takes each row's target logit from the target term's row kernel
-    (``triton_panel.stats_forward`` with the target split: one more ``target_rows`` launch in SimCSE's forward
-    where that form runs); the committed output predates it."""
+    """The independent checks of a model output. ``tri_target``: the output was made since the statistics forward
+    on the epilogue GEMM takes each row's target logit from the target term's row kernel (``triton_panel.stats_forward``
+    with the target split: one more ``target_rows`` launch in SimCSE's forward, and in CLIP's, where that form runs);
+    the committed output predates it."""
     assert "MODEL - not a measurement" in text
     recs = _records(text)
     peaks = _peaks(text)
@@ -167,8 +167,8 @@ def _check(text: str, gpus: set[str], sizes: set[int], with_torch: bool, tri_tar
                 assert launches.get("epi_gemm_redo", 0) == (panels if r["loss"] == "info_nce" else 0), launches
                 assert launches.get("epi_rows", 0) == (2 * panels if r["loss"] == "info_nce" else 0), launches
         # the target term (each of these losses has one): its row kernel's forward and backward, on every path,
-        # and (tri_target) the triangular statistics forward's target logits on the epilogue GEMM
-        extra = tri_target and r["loss"] == "simcse" and r["panel_form_taken"] == "epilogue"
+        # and (tri_target) the split statistics forward's target logits on the epilogue GEMM (SimCSE's triangle, CLIP)
+        extra = tri_target and r["loss"] in ("simcse", "clip") and r["panel_form_taken"] == "epilogue"
         assert launches["target_rows"] == 2 + extra, launches
         # which panel form "auto" takes is decided by measurements (fused_contrastive/routes.py and its test),
         # not by the model: it prints the form it would prefer, and what it prices is the form taken

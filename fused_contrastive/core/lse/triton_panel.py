@@ -176,7 +176,8 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
     n, d = a.shape
     m = b.shape[0]
     dev, dt = a.device, a.dtype
-    cfg = EPI_GEMM["stats"]
+    config = "stats_split" if split and not tri else "stats"  # (their persistent forms differ: configs.py)
+    cfg = EPI_GEMM[config]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_d
     pr = panels._Problem(a, b, spec, need_op=False)
     p_rows = panels.panel_rows(n, m, d, dt, False, True)
@@ -214,7 +215,7 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
         if gluon:
             gluon_epi.stats_launch(launch, gluon_epi.NAME, args, const, n_cp * n_pn, panels.persistent_programs(dev))
         else:
-            panels._epi_launch(launch, "epi_gemm_stats", args, const, "stats", n_pm * n_pn)
+            panels._epi_launch(launch, "epi_gemm_stats", args, const, config, n_pm * n_pn)
         del x
         # the partials merged by stats_merge_kernel: the rows' over their column tiles, the columns' over the
         # panel's row tiles and into their statistics so far
@@ -632,6 +633,8 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         # already; not B is A with a column term: triton_fused.exact_weights)
         if not eager and not (p.sym and want_col):
             ctx.exact, ctx.exact_less = minus, ctx.minus_target
+        elif eager:  # the one pass's target weights hold these coefficients' share (kernels/panel.py _target_weight)
+            ctx.exact_less = ctx.minus_target
         return combine(coef.to(torch.float32), reduce, minus["loss"], minus.get("col_loss", lse_col), lse_pos)
     return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
 
@@ -662,6 +665,7 @@ def backward(ctx, go: Tensor):
         ctx.eager = None  # a second backward (retain_graph) recomputes from the saved statistics
         if tw is not None:
             ctx.moved_target = tw * go  # what core.PiecesFn applies with the target term
+            ctx.moved_less = getattr(ctx, "exact_less", None)  # (its coefficients, which the target term leaves out)
         ctx.took_set = ctx.set_c is not None  # the SET term's gradient is in these (core.PiecesFn drops its own)
         return out(da.mul_(go.to(da.dtype)) if da is not None else None,
                    db.mul_(go.to(db.dtype)) if db is not None else None,

@@ -109,7 +109,8 @@ class Fp16Pass:
         ct = target_cos(self.a[r0:r0 + pp], self.b, self.target[r0:r0 + pp], self.eps, True) if split else zp
         launch(Launch(
             "logit_pass", KLP.logit_pass_kernel, (triton.cdiv(pp, LOGIT_PASS_BLOCK_R), triton.cdiv(m, block_n)),
-            dict(T=t16, DL=dl, ZP=zp, TP=tp, MXP=mxp, TV=common["TV"], CT=ct, RB=common["RB"], SCALE=common["SCALE"],
+            dict(T=t16, DL=dl, ZP=zp, TP=tp, MXP=mxp, TV=common["TV"], CT=ct, CTO=common["CT"], RB=common["RB"],
+                 SCALE=common["SCALE"],
                  BIAS_COL=common["BIAS_COL"], TGT=common["TGT"], P=pp, M=m, r0=r0, stride_t=t16.stride(0),
                  stride_zp=zp.stride(0), offset=margs["offset"], bias=margs["bias"]),
             dict(BLOCK_R=LOGIT_PASS_BLOCK_R, BLOCK_N=block_n, EXCLUDE_SELF=flags["EXCLUDE_SELF"],

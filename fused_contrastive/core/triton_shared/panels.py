@@ -174,7 +174,8 @@ def _epi_launch(launch, name: str, args: dict, const: dict, config: str, n_tiles
     cfg = EPI_GEMM[config]
     # (the SET term's split and the exact target weights: MODE 0's, whose callers name them; pm_shift the mask's
     # index shift; WX never read without EXACT_T)
-    const, args = {"SPLIT_SET": False, "EXACT_T": False, **const}, {"pm_shift": 0, "WX": args["TV"], **args}
+    const, args = {"SPLIT_SET": False, "EXACT_T": False, **const}, {"pm_shift": 0, "WX": args["TV"], "CT": args["TV"],
+                                                                     **args}
     const = dict(const, HOIST=bool(const.get("HOIST", False)))  # (set by _epi_panel for MODE 0 / 1 / 2)
     dev = args["X"].device
     arch = TL._arch(dev)
@@ -509,21 +510,23 @@ def _epi_panel(launch, x: Tensor, y: Tensor, dl: Tensor, rs: Tensor, common: dic
     zp = _alloc((pp, n_pn), torch.float32, dev)
     tp = _alloc((pp, n_pn), torch.float32, dev) if need_s else dm
     mxp = _alloc((pp, n_pn), torch.float32, dev)
-    part = dict(args, ZP=zp, TP=tp, MXP=mxp, DS_PART=dm, stride_zp=n_pn)
+    split = bool(flags["SPLIT_T"])  # MODE 1 / 2 left each row's target column out of the tile and ZP, e_t in TV
+    # (split, NEED_DS) each row's target cosine, from the tile that holds it (0 for a target no tile holds)
+    ct = torch.zeros((pp,), dtype=torch.float32, device=dev) if split and need_s else dm
+    part = dict(args, ZP=zp, TP=tp, MXP=mxp, DS_PART=dm, stride_zp=n_pn, CT=ct)
     if producer is None:
         _epi_launch(launch, "epi_gemm", dict(part, BAD=dm, SHIFT=dm), dict(const, MODE=1), "one_pass", n_pm * n_pn)
     else:
-        producer(launch, x, rs, dl, zp, tp, mxp, common, flags, margs, r0, bn)
+        producer(launch, x, rs, dl, zp, tp, mxp, dict(common, CT=ct), flags, margs, r0, bn)
     bad = torch.empty((pp,), dtype=torch.int8, device=dev)  # (the poisoned outputs of _alloc are NaN: float only)
     sh = _alloc((pp,), torch.float32, dev)
     w = _alloc((pp,), torch.float32, dev)
     dsw = _alloc((pp,), torch.float32, dev) if need_s else dm
-    split = bool(flags["SPLIT_T"])  # MODE 1 / 2 left each row's target column out of the tile and ZP, e_t in TV
     if split and (loss_out is None or fold_out is None or tw is None):
         raise ValueError("_epi_panel: a one pass with SPLIT_T needs tw, loss_out and fold_out")
     rows_args = dict(ZP=zp, MXP=mxp, TP=tp, SHIFT0=shift, BAD=bad, SH=sh, LSE_OUT=lse_out, G=g, GSCALE=gs, W_OUT=w,
                      DSW=dsw, TV=common["TV"], TW=tw if split else dm, LOSS=loss_out if split else dm,
-                     FOLD=fold_out if split else dm, P=pp, n_pn=n_pn, r0=r0, stride_zp=n_pn)
+                     FOLD=fold_out if split else dm, CT=ct, P=pp, n_pn=n_pn, r0=r0, stride_zp=n_pn)
     rows_const = dict(BLOCK_R=EPI_ROWS_BLOCK_R, BLOCK_C=EPI_ROWS_BLOCK_C, NEED_DS=need_s, SPLIT_T=split)
     rows_grid = (triton.cdiv(pp, EPI_ROWS_BLOCK_R),)
     launch(Launch("epi_rows", KP.epi_rows_kernel, rows_grid, rows_args, dict(rows_const, FINISH=False), 4, 1))
