@@ -406,13 +406,20 @@ static fc_status make_plan(const fc_problem *p, const fc_device *dev, fc_plan *P
   if ((unsigned)p->mode > FC_MODE_SELF) return fail(FC_ERR_UNSUPPORTED_MODE, "mode %d is not a fc_mode", (int)p->mode);
   if ((unsigned)p->dtype > FC_BFLOAT16) return fail(FC_ERR_UNSUPPORTED_DTYPE, "dtype %d is not a fc_dtype", (int)p->dtype);
   static const char *mode_names[] = {"info_nce", "clip", "self"};
-  if (split) { /* the target split: its own kernel variants (SPLIT_T), feature set "<mode>_split" */
-    if (p->margin != 0.0f)
-      return fail(FC_ERR_UNSUPPORTED_MODE, "the target split: not built with a target margin (margin must be 0)");
-    char want[32];
-    snprintf(want, sizeof want, "%s_split", mode_names[p->mode]);
+  if (split) { /* the target split: its own kernel variants (SPLIT_T), feature set "<mode>_split" (with a target
+                 margin "<mode>_margin_split": HAS_BIAS, BIAS_COS and SPLIT_T; the margin's target is the split's) */
+    if (!isfinite(p->margin))
+      return fail(FC_ERR_INVALID_ARGUMENT, "margin = %g: must be finite", (double)p->margin);
+    if (p->margin != 0.0f && p->mode == FC_MODE_SELF)
+      return fail(FC_ERR_UNSUPPORTED_MODE, "margin: not supported in FC_MODE_SELF (FC_MODE_INFO_NCE and "
+                  "FC_MODE_CLIP take a target margin)");
+    char want[40];
+    snprintf(want, sizeof want, "%s%s_split", mode_names[p->mode], p->margin != 0.0f ? "_margin" : "");
     if (!in_list(FC_MODES_BUILT, want))
       return fail(FC_ERR_UNSUPPORTED_MODE, "the target split: mode %s not built (modes: %s)", want, FC_MODES_BUILT);
+    if (p->margin != 0.0f && !p->target)
+      return fail(FC_ERR_INVALID_ARGUMENT, "target is NULL (required when margin != 0: the margin's columns)");
+    if (p->margin != 0.0f && (uintptr_t)p->target % 16) return fail(FC_ERR_MISALIGNED, "target is not 16-byte aligned");
   } else if (p->margin == 0.0f) {
     if (!in_list(FC_MODES_BUILT, mode_names[p->mode]))
       return fail(FC_ERR_UNSUPPORTED_MODE, "mode %s not built (modes: %s)", mode_names[p->mode], FC_MODES_BUILT);

@@ -4,8 +4,9 @@
  *   fc_run MODE DTYPE N M D GRAD_COLS WANT_DB [expect STATUS]
  *
  * MODE info_nce|clip|self, optionally suffixed _margin (the generator's margin feature sets: margin 0.25,
- * fused_contrastive.c_library.REC_MARGIN, with a target vector) or _split (the target split: fc_forward_split /
- * fc_backward_split with a target vector, LT and TV buffers, and a backward LSE apart from the forward's LSEx), DTYPE fp32|fp16|bf16, GRAD_COLS -1 for all
+ * fused_contrastive.c_library.REC_MARGIN, with a target vector), _split (the target split: fc_forward_split /
+ * fc_backward_split with a target vector, LT and TV buffers, and a backward LSE apart from the forward's LSEx) or
+ * _margin_split (both, one target vector), DTYPE fp32|fp16|bf16, GRAD_COLS -1 for all
  * columns, WANT_DB 0|1. FC_RUN_TARGET=null|misaligned (error tests) passes a NULL / misaligned target
  * with the margin or the split. Prints one JSON object: the pointers it passed (so the checker can name every launch
  * argument) and the sizes the API reported. With `expect STATUS` the first failing call must fail with
@@ -29,10 +30,11 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 3; ++i) {
     size_t k = strlen(modes[i]);
     if (!strncmp(argv[1], modes[i], k) &&
-        (!argv[1][k] || !strcmp(argv[1] + k, "_margin") || !strcmp(argv[1] + k, "_split"))) {
+        (!argv[1][k] || !strcmp(argv[1] + k, "_margin") || !strcmp(argv[1] + k, "_split") ||
+         !strcmp(argv[1] + k, "_margin_split"))) {
       mode = i;
-      margin = !strcmp(argv[1] + k, "_margin");
-      split = !strcmp(argv[1] + k, "_split");
+      margin = !strncmp(argv[1] + k, "_margin", 7);
+      split = !strcmp(argv[1] + k, "_split") || !strcmp(argv[1] + k, "_margin_split");
     }
     if (!strcmp(argv[2], dts[i])) dt = i;
   }

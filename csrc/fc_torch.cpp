@@ -11,14 +11,15 @@
 //                Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, float margin=0.,
 //                Tensor? target=None)
 //       -> (Tensor da, Tensor db, Tensor ds)
-//   lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target)
+//   lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target, float margin=0.)
 //       -> (Tensor lse_x, Tensor lse_col_x, Tensor lt, Tensor ws)
 //   lse_backward_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, Tensor? lse_col,
-//                      Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target, Tensor w)
-//       -> (Tensor da, Tensor db, Tensor ds, Tensor tw)
+//                      Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target, Tensor w,
+//                      float margin=0.) -> (Tensor da, Tensor db, Tensor ds, Tensor tw)
 //   build_info() -> str    (fc_build_info(): the archs, dtypes, D classes and modes built)
 //
-// The split ops are fc_forward_split / fc_backward_split ("info_nce" / "clip" / "self", no margin; the fused kernels at every
+// The split ops are fc_forward_split / fc_backward_split ("info_nce" / "clip" / "self"; a margin, whose target is the
+// split's, in "info_nce" / "clip" where the "_margin_split" feature sets are built; the fused kernels at every
 // size, never the panel path): lse_x, lse_col_x (the merged column partials) and lt [2n] as the header says; lse /
 // lse_col of the backward are the caller's merged ones (core/lse/triton_fused.py merge_split); w [n] the combined weights
 // at each row's target logit (the header's W_i: triton_fused.exact_weights), passed as tv = w / gscale; tw [n] =
@@ -683,12 +684,12 @@ Tensor split_target(const Problem &P, const Tensor &target) {
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split(const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale,
-                                                     std::string mode, double eps, const Tensor &target) {
+                                                     std::string mode, double eps, const Tensor &target, double margin) {
 #ifdef FC_TORCH_CUDA
   c10::cuda::OptionalCUDAGuard guard;
   if (a.is_cuda()) guard.set_device(a.device());
 #endif
-  Problem P = make_problem(a, b, scale, mode, eps, 0.0, std::nullopt);
+  Problem P = make_problem(a, b, scale, mode, eps, margin, margin != 0.0 ? std::optional<Tensor>(target) : std::nullopt);
   Tensor t = split_target(P, target);
   size_t bytes = 0;
   check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
@@ -712,12 +713,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split(const Tensor &a, const std:
 std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
     const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
     const Tensor &lse_, const std::optional<Tensor> &lse_col, const Tensor &g, const std::optional<Tensor> &g_col,
-    bool need_b, std::optional<c10::SymInt> grad_cols, const Tensor &target, const Tensor &w) {
+    bool need_b, std::optional<c10::SymInt> grad_cols, const Tensor &target, const Tensor &w, double margin) {
 #ifdef FC_TORCH_CUDA
   c10::cuda::OptionalCUDAGuard guard;
   if (a.is_cuda()) guard.set_device(a.device());
 #endif
-  Problem P = make_problem(a, b, scale, mode, eps, 0.0, std::nullopt);
+  Problem P = make_problem(a, b, scale, mode, eps, margin, margin != 0.0 ? std::optional<Tensor>(target) : std::nullopt);
   Tensor t = split_target(P, target);
   auto f32 = [&](const Tensor &x) { return x.to(P.a.device(), at::kFloat).contiguous(); };
   const bool clip = P.p.mode == FC_MODE_CLIP;
@@ -778,11 +779,11 @@ TORCH_LIBRARY(fused_contrastive_aot, m) {
   m.def("lse_backward(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
         "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, float margin=0., "
         "Tensor? target=None) -> (Tensor, Tensor, Tensor)");
-  m.def("lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target) -> "
+  m.def("lse_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor target, float margin=0.) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
   m.def("lse_backward_split(Tensor a, Tensor? b, Tensor scale, str mode, float eps, Tensor ws, Tensor lse, "
-        "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target, Tensor w) -> "
-        "(Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? lse_col, Tensor g, Tensor? g_col, bool need_b, SymInt? grad_cols, Tensor target, Tensor w, "
+        "float margin=0.) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fused_contrastive_aot, CUDA, m) {
@@ -812,19 +813,20 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward_cpu(const Tensor &a, const std::
                       target);
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split_cpu(const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale,
-                                                         std::string mode, double eps, const Tensor &target) {
+                                                         std::string mode, double eps, const Tensor &target,
+                                                         double margin) {
   const bool fake = std::getenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU") != nullptr;
   TORCH_CHECK(fake, "fused_contrastive_aot::lse_split runs on CUDA tensors (the kernels are GPU code)");
-  return lse_split(a, b, scale, std::move(mode), eps, target);
+  return lse_split(a, b, scale, std::move(mode), eps, target, margin);
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split_cpu(
     const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale, std::string mode, double eps, const Tensor &ws,
     const Tensor &l, const std::optional<Tensor> &lc, const Tensor &g, const std::optional<Tensor> &gc, bool need_b,
-    std::optional<c10::SymInt> grad_cols, const Tensor &target, const Tensor &w) {
+    std::optional<c10::SymInt> grad_cols, const Tensor &target, const Tensor &w, double margin) {
   const bool fake = std::getenv("FUSED_CONTRASTIVE_AOT_FAKE_CPU") != nullptr;
   TORCH_CHECK(fake, "fused_contrastive_aot::lse_backward_split runs on CUDA tensors (the kernels are GPU code)");
   return lse_backward_split(a, b, scale, std::move(mode), eps, ws, l, lc, g, gc, need_b, std::move(grad_cols),
-                            target, w);
+                            target, w, margin);
 }
 }  // namespace
 

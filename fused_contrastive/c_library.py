@@ -45,7 +45,9 @@ dense-mask kernels are not compiled): normalised rows, no bias, no positive term
   (SPLIT_T: each row's target entry, and CLIP's ``(j, j)`` where ``target[j] == j``, kept out of the statistics
   and the 16-bit gradient tiles; ``triton_fused._lse_fwd`` with ``minus_target``, ``_lse_bwd`` with ``target``),
   recorded with an int64 target vector [n]. ``fc_forward_split`` / ``fc_backward_split`` select them (fused path
-  only: no panel path).
+  only: no panel path);
+* ``info_nce_margin_split`` / ``clip_margin_split``: the margin feature sets with the target split (the split's target
+  vector is the margin's), selected by the split calls when ``fc_problem.margin != 0``.
 
 The backward always computes dA and the scale gradient partials (NEED_DX, NEED_DS), dB when asked
 (``info_nce``/``clip``). Triton must be imported with ``TRITON_INTERPRET=0`` (the ``main`` entry
@@ -73,6 +75,8 @@ MODES: dict[str, tuple[bool, bool, bool, bool, bool]] = {
     "info_nce_split": (True, False, False, False, True),
     "clip_split": (True, True, False, False, True),
     "self_split": (False, False, True, False, True),
+    "info_nce_margin_split": (True, False, False, True, True),
+    "clip_margin_split": (True, True, False, True, True),
 }
 
 #: The margin the margin modes are recorded with (a runtime argument: any value runs the same cubins;
@@ -84,7 +88,7 @@ def base_mode(mode: str) -> str:
     """The C API's mode of a feature set: ``"info_nce_margin"`` -> ``"info_nce"`` (FC_MODE_INFO_NCE with
     ``fc_problem.margin != 0``), ``"clip_split"`` -> ``"clip"`` (FC_MODE_CLIP through ``fc_forward_split`` /
     ``fc_backward_split``)."""
-    return mode.removesuffix("_margin").removesuffix("_split")
+    return mode.removesuffix("_split").removesuffix("_margin")
 
 #: D classes: a padded D of a resident config ("16" .. "128": its own BLOCK_D) or "big" (D_PAD > 128,
 #: streamed in fixed chunks). Recorded at these D (the largest of each class).
@@ -820,10 +824,10 @@ def check_torch(gen: str, lib: str, mock: str, work: str) -> list[str]:
             g = torch.ones(n)
             g_col = torch.ones(m) if clip else None
             if split:  # the backward's LSE is the caller's merge of LSEx and LT (values do not matter here)
-                lse_x, lse_col, lt, ws = op.lse_split(a, b, scale, mode, 1e-12, target)
+                lse_x, lse_col, lt, ws = op.lse_split(a, b, scale, mode, 1e-12, target, margin)
                 lse = torch.empty(n)
                 da, db, _, _ = op.lse_backward_split(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
-                                                     g_col, sc["db"], gcols, target, torch.zeros(n))
+                                                     g_col, sc["db"], gcols, target, torch.zeros(n), margin)
             else:
                 lse, lse_col, ws = op.lse(a, b, scale, mode, 1e-12, margin, target)
                 da, db, _ = op.lse_backward(a, b, scale, mode, 1e-12, ws, lse, lse_col if clip else None, g,
@@ -888,9 +892,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     modes = args.mode or list(MODES)
-    for mode in modes:  # fc_workspace_size, fc_col_partials, fc_ds_rows of a split mode check its base mode
-        if MODES[mode][4] and base_mode(mode) not in modes:
-            ap.error(f"--mode {mode} needs its base mode {base_mode(mode)} too")
+    for mode in modes:  # fc_workspace_size, fc_col_partials, fc_ds_rows of a split mode check its unsplit mode
+        if MODES[mode][4] and mode.removesuffix("_split") not in modes:
+            ap.error(f"--mode {mode} needs its unsplit mode {mode.removesuffix('_split')} too")
     man = generate(args.arch or [80, 90], args.dtype or list(_DTYPES), args.dclass or list(D_CLASSES),
                    modes, args.out, args.jobs)
     n = len({(v["cc"], v["variant"]) for v in man["variants"]})

@@ -131,8 +131,10 @@ FC_API fc_status fc_backward(const fc_problem *p, const fc_backward_args *args, 
  * In fp16 / bf16 with a peaked softmax (p_t ~ 0.9999) the loss LSE_i - l_it cancels in fp32 (a row loss of ~1e-4
  * against logits of ~|s|), and the backward rounds the target's weight p_it g_i into the 16-bit gradient tile,
  * where it meets the target term's -g_i. The split calls keep each row's target entry apart (the SPLIT_T kernels
- * of the feature sets "info_nce_split" / "clip_split" / "self_split"; margin == 0 only: FC_ERR_UNSUPPORTED_MODE
- * otherwise, or when the mode's split kernels were not built). In FC_MODE_SELF (B is A) t_i is row i's partner
+ * of the feature sets "info_nce_split" / "clip_split" / "self_split", and with a target margin (fc_problem.margin
+ * != 0, its target the same vector as the split's) "info_nce_margin_split" / "clip_margin_split"; the logits l_it
+ * below then carry the margin, s (cos - margin); FC_ERR_UNSUPPORTED_MODE when the feature set was not built).
+ * In FC_MODE_SELF (B is A) t_i is row i's partner
  * (never i itself, which is excluded: that row then gets lt[i] = -inf), and row t_i of dA takes the B role below. `target`: [n] int64 on the device, 16-byte aligned, row i's target column
  * t_i (not range-checked). They use the workspace, fc_col_partials and fc_ds_rows of the plain calls.
  *

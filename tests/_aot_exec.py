@@ -59,8 +59,8 @@ def _kernel_fn(name: str):
 
 
 class Executor:
-    """The hook's state: ``launches`` counts the launches run, ``errors`` collects failures (a failing
-    launch also fails in the library with CUDA_ERROR_LAUNCH_FAILED)."""
+    """The hook's state: ``launches`` names the launches run (``ckeys`` their variants' constexpr keys), ``errors``
+    collects failures (a failing launch also fails in the library with CUDA_ERROR_LAUNCH_FAILED)."""
 
     def __init__(self, manifest: dict):
         self.by_sha: dict[str, dict] = {}
@@ -68,6 +68,7 @@ class Executor:
             self.by_sha.setdefault(v["sha256"], v)
         self.layouts = manifest["layouts"]
         self.launches: list[str] = []
+        self.ckeys: list[str] = []  # (each launch's constexpr key, beside its name)
         self.errors: list[str] = []
 
     def __call__(self, image, size, name, grid_x, nparams, sizes, params) -> int:
@@ -93,6 +94,7 @@ class Executor:
                 cx["UPCAST"] = True
             _kernel_fn(v["kernel"])[(grid_x,)](**args, **cx)
             self.launches.append(v["kernel"])
+            self.ckeys.append(v["ckey"])
             return 0
         except Exception:  # reported through the library (the launch fails) and in self.errors
             self.errors.append(traceback.format_exc())

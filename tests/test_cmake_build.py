@@ -61,6 +61,7 @@ def test_ctest_passes(build):
     for name in ("fc_no_driver", "fc_no_device", "fc_no_context", "fc_arch_75", "fc_d_not_16",
                  "fc_dtype_fp32_not_built", "fc_margin_self",
                  "fc_split_no_target", "fc_split_misaligned_target", "fc_margin_no_target",
+                 "fc_margin_split_self", "fc_margin_split_no_target",
                  "fc_margin_misaligned_target",
                  "fc_python_parity", "fc_torch_parity", "fc_consumer_run"):
         assert f" {name} " in out, name
@@ -657,15 +658,18 @@ def errs(got, want):  # the loss per row relative to itself, each gradient relat
 
 
 out = []
-for case in ("info_nce", "clip", "simcse"):
+for case in ("info_nce", "clip", "simcse", "am_softmax"):
     for margin in (9.0, 13.0):
         C.REGIME_MARGIN["saturated"] = margin
         tensors, kwargs = make_inputs(CASE_BY_NAME[case], 64, 112, seed=3, regime="saturated")
         rows = [v.to(torch.bfloat16) for v in tensors.values()]
+        keys = len(ex.ckeys)
         got, calls, kernels = on_triton(case, rows, kwargs, True)
+        lse = [k for k, name in zip(ex.ckeys[keys:], kernels, strict=True) if name.startswith("lse_")]
         jit, jit_calls, _ = on_triton(case, rows, kwargs, False)
         want = reference(case, rows, kwargs)
         out.append(dict(case=case, margin=margin, calls=calls, jit_calls=jit_calls, kernels=kernels,
+                        split=[("SPLIT_T=1" in k, "BIAS_COS=1" in k) for k in lse],
                         err=errs(got, want), err_jit=errs(got, jit), jit_ref=errs(jit, want)))
 print(json.dumps(dict(cases=out, errors=ex.errors)))
 """
@@ -673,8 +677,10 @@ print(json.dumps(dict(cases=out, errors=ex.errors)))
 
 def test_the_library_route_splits_the_target(build, tmp_path):
     """``backend="triton"`` on the library's operators (FUSED_CONTRASTIVE_AOT_LIB) takes the target split where the
-    JIT's fused route does: saturated InfoNCE, CLIP and SimCSE (B is A, FC_MODE_SELF) in bf16 (margins 9 and 13),
-    N = 64, D = 112, with values (the mock driver hands each launch to tests/_aot_exec.py).
+    JIT's fused route does: saturated InfoNCE, CLIP, SimCSE (B is A, FC_MODE_SELF) and the symmetric additive-margin
+    softmax (LaBSE's AM-softmax: FC_MODE_CLIP with a target margin, the "clip_margin_split" kernels) in bf16 (the
+    regime's margins 9 and 13), N = 64, D = 112, with values (the mock driver hands each launch to
+    tests/_aot_exec.py).
     The call reaches the library (``library_route.CALLS``),
     which launches the split forward and backward (``lse_split`` / ``lse_backward_split``); the loss per row is
     within 1e-4 of float64 (the old form is off by 2e-2 to 1 on these rows, ``test_the_library_splits_the_target``)
@@ -693,13 +699,15 @@ def test_the_library_route_splits_the_target(build, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert not res["errors"], res["errors"][0]
-    assert len(res["cases"]) == 6
+    assert len(res["cases"]) == 8
     for c in res["cases"]:
         case = (c["case"], c["margin"])
         assert (c["calls"], c["jit_calls"]) == (1, 0), case
         want = (["row_norm", "lse_fwd", "lse_bwd_rows"] if c["case"] == "simcse"
                 else ["row_norm", "row_norm", "lse_fwd", "lse_bwd_rows", "lse_bwd_cols"])
         assert c["kernels"] == want, (case, c["kernels"])
+        # the split variants (SPLIT_T), with the margin's (HAS_BIAS, BIAS_COS) for AM-softmax
+        assert c["split"] == [[True, c["case"] == "am_softmax"]] * (len(want) - want.count("row_norm")), (case, c)
         loss, *grads = c["err"]
         assert loss <= 1e-4, (case, c["err"])
         assert c["err_jit"][0] < 1e-5 and max(c["err_jit"][1:]) <= 1e-2, (case, c["err_jit"])

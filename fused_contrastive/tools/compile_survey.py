@@ -103,7 +103,9 @@ def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, wan
         raise ValueError("record_core: split_fwd needs split (the split forward's backward splits too)")
     if exact and not split_fwd:
         raise ValueError("record_core: exact needs split_fwd (its weights come from the split forward's statistics)")
-    target = torch.empty(n, dtype=torch.int64, device=meta) if split else None
+    # (one target vector: a margin's columns, when ``data`` has them, are the split's targets, as the C API takes them)
+    target = (data.target if data.target is not None else torch.empty(n, dtype=torch.int64, device=meta)) if split \
+        else None
     with recording(arch) as launches:
         minus: dict = {}
         lse, lse_col, lse_pos, p = triton_fused._lse_fwd(a, b, scale, spec, data, want_col, want_pos,

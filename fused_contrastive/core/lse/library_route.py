@@ -16,12 +16,13 @@ Covered (everything else takes the JIT route as before, with the same results):
 * a target margin (``CoreSpec.margin`` at ``CoreData.target``: AM-softmax, its row form as "info_nce"
   and its symmetric form as "clip") where the library was built with the feature set
   "info_nce_margin" / "clip_margin" (``build_info()["modes"]``);
-* the target split (``core.PiecesFn`` with a target term asks, ``ctx.split_target``): in fp16 / bf16 without a
-  margin, modes "info_nce" / "clip" / "self", where the library was built with "<mode>_split" and the
-  operators take the fused kernels (not the panel path), the split operators ``lse_split`` /
-  ``lse_backward_split`` run as the JIT's fused route does (``triton_fused.merge_split``: the loss as
-  ``softplus(LSEx - l_t)``, ``ctx.minus_target``; the target's fp32 weight to ``ctx.moved_target``). Elsewhere the
-  call runs without the split, as before;
+* the target split (``core.PiecesFn`` with a target term asks, ``ctx.split_target``): in fp16 / bf16, modes
+  "info_nce" / "clip" / "self", where the library was built with "<mode>_split" (with a target margin
+  "<mode>_margin_split", "info_nce" / "clip" only) and the operators take the fused kernels (not the panel path),
+  the split operators ``lse_split`` / ``lse_backward_split`` run as the JIT's fused route does
+  (``triton_fused.merge_split``: the loss as ``softplus(LSEx - l_t)``, ``ctx.minus_target``; the exact target
+  weights ``triton_fused.exact_weights`` in, ``ctx.moved_target`` / ``ctx.moved_less`` out). Elsewhere the call
+  runs without the split, as before;
 * CUDA tensors whose arch (sm_80 for 8.x, sm_90 for 9.0), dtype and D class the library was built for
   (``build_info()``); D and the row strides multiples of 16, 16-byte aligned rows, N, M < 2^31;
 * eager mode (under ``torch.compile`` the registered Triton op runs).
@@ -86,7 +87,8 @@ FIELDS = {
     "CoreSpec.exclude_target": "turned into a -inf bias column before the Triton Function (core.pieces), which "
                                "_mode does not route",
     "CoreSpec.margin": "passed to the library (fc_problem.margin) in modes info_nce / clip, where route finds the "
-                       "'<mode>_margin' kernels built; _mode does not route it with B is A",
+                       "'<mode>_margin' kernels built (with the split, '<mode>_margin_split'); _mode does not route "
+                       "it with B is A",
     "CoreData.target": "passed to the library as the margin's columns (fc_problem.target) when margin != 0, and as "
                        "the split's targets where _split_target takes the split (the target term is linear_terms.py's, "
                        "in PyTorch)",
@@ -170,13 +172,15 @@ def _split_target(ctx, a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreDa
                   mode: str) -> Tensor | None:
     """The targets to keep out of the statistics and the 16-bit tiles (the JIT's fused split, ``triton_function``:
     ``core.PiecesFn`` asks with a target term, no softmax over positives, a row LSE term, fp16 / bf16), where the
-    library has the "<mode>_split" kernels and its operators take the fused kernels; else None."""
+    library has the "<mode>_split" kernels (with a target margin "<mode>_margin_split": the margin's targets are the
+    split's) and its operators take the fused kernels; else None."""
     if not getattr(ctx, "split_target", False) or data.target is None or coef.pos is not None or coef.lse is None:
         return None
-    if a.dtype not in (torch.float16, torch.bfloat16) or spec.margin != 0.0:
+    if a.dtype not in (torch.float16, torch.bfloat16):
         return None
     m = a.shape[0] if b is None else b.shape[0]
-    if mode + "_split" not in build_info(setting("AOT_LIB"))["modes"] or panels.use_panel(a, a.shape[0], m):
+    want = mode + ("_margin_split" if spec.margin != 0.0 else "_split")
+    if want not in build_info(setting("AOT_LIB"))["modes"] or panels.use_panel(a, a.shape[0], m):
         return None
     return data.target
 
@@ -207,11 +211,11 @@ def _forward_split(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSp
     the JIT's ``triton_fused._lse_fwd`` does."""
     clip = mode == "clip"
     lse_x, lse_col_x, lt, ws = torch.ops.fused_contrastive_aot.lse_split(a, b, _scale_tensor(scale), mode,
-                                                                         float(spec.eps), ctx.split)
+                                                                         float(spec.eps), ctx.split, float(spec.margin))
     minus: dict = {}
     lse, lse_col = triton_fused.merge_split(lse_x, lse_col_x if clip else None, lt, ctx.split, False, minus)
     ctx.path, ctx.mode, ctx.spec, ctx.coef, ctx.dtypes = "aot", mode, spec, coef, dtypes
-    ctx.margin, ctx.target = 0.0, None
+    ctx.margin, ctx.target = float(spec.margin), None  # (a margin's targets are the split's, ctx.split)
     ctx.scale = None if isinstance(scale, Tensor) else scale
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, a, b, ws)
     ctx.minus_target = triton_fused.minus_coefficients(coef, minus, a.shape[0])
@@ -236,7 +240,7 @@ def backward(ctx, go: Tensor):
         w = triton_fused.exact_weights(ctx.exact, ctx.split, g, g_col, lse_col)
         da, db, ds, ctx.moved_target = torch.ops.fused_contrastive_aot.lse_backward_split(
             a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
-            ctx.spec.grad_cols, ctx.split, w)  # moved_target: what core.PiecesFn applies with the target term
+            ctx.spec.grad_cols, ctx.split, w, ctx.margin)  # moved_target: what core.PiecesFn applies with the target
         ctx.moved_less = ctx.exact_less  # (the target term leaves these coefficients out: core.backward_parts)
     else:
         da, db, ds = torch.ops.fused_contrastive_aot.lse_backward(
