@@ -568,6 +568,90 @@ void *ws_ptr(const Tensor &ws) {
   return reinterpret_cast<void *>((p + 255) & ~uintptr_t(255));
 }
 
+// The fused kernels' forward (fc_forward, or with the split's targets `t` fc_forward_split): (LSE or LSEx [n], the merged
+// column LSE [m] in FC_MODE_CLIP (else empty), LT [2n] with the split (else empty), the workspace)
+std::tuple<Tensor, Tensor, Tensor, Tensor> fused_forward(const Problem &P, const Tensor *t) {
+  size_t bytes = 0;
+  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
+  Tensor ws = at::empty({static_cast<int64_t>(bytes) + 256}, P.a.options().dtype(at::kByte));
+  Tensor out = at::empty({P.p.n}, P.a.options().dtype(at::kFloat));
+  Tensor lt = at::empty({0}, out.options());
+  if (t) {
+    lt = at::full({2 * P.p.n}, -std::numeric_limits<float>::infinity(), out.options());
+    check(fc_forward_split(&P.p, t->data_ptr<int64_t>(), ws_ptr(ws), bytes, out.data_ptr<float>(),
+                           lt.data_ptr<float>(), stream_of(P.a)),
+          "fc_forward_split");
+  } else {
+    check(fc_forward(&P.p, ws_ptr(ws), bytes, out.data_ptr<float>(), stream_of(P.a)), "fc_forward");
+  }
+  Tensor col = at::empty({0}, out.options());
+  if (P.p.mode == FC_MODE_CLIP) {
+    float *part = nullptr;
+    int64_t rows = 0;
+    check(fc_col_partials(&P.p, ws_ptr(ws), &part, &rows), "fc_col_partials");
+    // the deterministic merge of the per-program partials (the Python launcher's logsumexp(dim=0))
+    auto off = reinterpret_cast<char *>(part) - reinterpret_cast<char *>(ws.data_ptr());
+    col = at::logsumexp(ws.narrow(0, off, rows * P.p.m * 4).view(at::kFloat).view({rows, P.p.m}), {0});
+  }
+  return {out, col, lt, ws};
+}
+
+// The fused kernels' backward (fc_backward, or with the split's targets `t` and combined target weights `w`
+// fc_backward_split): (dA, dB or empty, dL/dscale, with the split tw = gscale * tv, else empty). The shapes of lse,
+// g (and lse_col, g_col in FC_MODE_CLIP) are the caller's checks; `fwd` names the forward operator that made `ws`.
+std::tuple<Tensor, Tensor, Tensor, Tensor> fused_backward(const Problem &P, const Tensor &ws, const Tensor &lse_,
+                                                          const std::optional<Tensor> &lse_col, const Tensor &g,
+                                                          const std::optional<Tensor> &g_col, bool need_b,
+                                                          const std::optional<c10::SymInt> &grad_cols,
+                                                          const Tensor *t, const Tensor *w, const char *fwd) {
+  auto f32 = [&](const Tensor &x) { return x.to(P.a.device(), at::kFloat).contiguous(); };
+  const bool clip = P.p.mode == FC_MODE_CLIP;
+  size_t bytes = 0;
+  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
+  TORCH_CHECK_VALUE(ws.scalar_type() == at::kByte && static_cast<size_t>(ws.numel()) >= bytes + 256,
+                    "fused_contrastive_aot: ws is not the workspace ", fwd, "() returned for this problem");
+  Tensor l = f32(lse_), gg = f32(g), lc, gc;
+  if (clip) {
+    lc = f32(*lse_col);
+    gc = f32(*g_col);
+  }
+  // one global scale of the upstream gradients (the Python launcher's gscale): the 16-bit gradient tile
+  // cannot underflow; 1 where every gradient is 0
+  Tensor gs = gscale({&gg, clip ? &gc : nullptr}).contiguous();
+  fc_backward_args args{};
+  args.lse = l.data_ptr<float>();
+  args.g = gg.data_ptr<float>();
+  args.lse_col = clip ? lc.data_ptr<float>() : nullptr;
+  args.g_col = clip ? gc.data_ptr<float>() : nullptr;
+  args.gscale = gs.data_ptr<float>();
+  Tensor da = at::empty(P.a.sizes(), P.a.options());
+  args.da = da.data_ptr();
+  args.stride_da = da.stride(0);
+  Tensor db = at::empty({0}, P.a.options());
+  int64_t m = P.p.m;
+  if (need_b && P.p.mode != FC_MODE_SELF) {
+    db = at::empty({m, P.p.d}, P.a.options());
+    int64_t gcols = grad_cols ? std::min<int64_t>(m, grad_cols->guard_int(__FILE__, __LINE__)) : m;
+    if (gcols < m) db.narrow(0, gcols, m - gcols).zero_();  // queue columns get no gradient
+    args.db = db.data_ptr();
+    args.stride_db = db.stride(0);
+    args.grad_cols = gcols;
+  }
+  int64_t rows = 0;
+  check(fc_ds_rows(&P.p, &rows), "fc_ds_rows");
+  Tensor ds_part = at::empty({rows}, l.options());
+  args.ds_part = ds_part.data_ptr<float>();
+  if (!t) {
+    check(fc_backward(&P.p, &args, ws_ptr(ws), bytes, stream_of(P.a)), "fc_backward");
+    return {da, db, ds_part.sum() * gs.reshape({}), at::empty({0}, l.options())};
+  }
+  Tensor tv = (f32(*w) / gs).contiguous();  // read, then written, by the row kernel
+  check(fc_backward_split(&P.p, &args, t->data_ptr<int64_t>(), tv.data_ptr<float>(), ws_ptr(ws), bytes,
+                          stream_of(P.a)),
+        "fc_backward_split");
+  return {da, db, ds_part.sum() * gs.reshape({}), tv * gs.reshape({})};
+}
+
 std::tuple<Tensor, Tensor, Tensor> lse(const Tensor &a, const std::optional<Tensor> &b, const Tensor &scale,
                                        std::string mode, double eps, double margin,
                                        const std::optional<Tensor> &target) {
@@ -580,20 +664,7 @@ std::tuple<Tensor, Tensor, Tensor> lse(const Tensor &a, const std::optional<Tens
     Tensor l = tri_lse(make_panel(P));
     return {l, at::empty({0}, l.options()), at::empty({0}, P.a.options().dtype(at::kByte))};
   }
-  size_t bytes = 0;
-  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
-  Tensor ws = at::empty({static_cast<int64_t>(bytes) + 256}, P.a.options().dtype(at::kByte));
-  Tensor out = at::empty({P.p.n}, P.a.options().dtype(at::kFloat));
-  check(fc_forward(&P.p, ws_ptr(ws), bytes, out.data_ptr<float>(), stream_of(P.a)), "fc_forward");
-  Tensor col = at::empty({0}, out.options());
-  if (P.p.mode == FC_MODE_CLIP) {
-    float *part = nullptr;
-    int64_t rows = 0;
-    check(fc_col_partials(&P.p, ws_ptr(ws), &part, &rows), "fc_col_partials");
-    // the deterministic merge of the per-program partials (the Python launcher's logsumexp(dim=0))
-    auto off = reinterpret_cast<char *>(part) - reinterpret_cast<char *>(ws.data_ptr());
-    col = at::logsumexp(ws.narrow(0, off, rows * P.p.m * 4).view(at::kFloat).view({rows, P.p.m}), {0});
-  }
+  auto [out, col, lt, ws] = fused_forward(P, nullptr);
   return {out, col, ws};
 }
 
@@ -632,43 +703,8 @@ std::tuple<Tensor, Tensor, Tensor> lse_backward(const Tensor &a, const std::opti
     const int64_t gcols = grad_cols ? std::max<int64_t>(0, std::min<int64_t>(m, grad_cols->guard_int(__FILE__, __LINE__))) : m;
     return panel_backward(C, l, clip ? &lc : nullptr, gg, clip ? &gc : nullptr, need_b, gcols);
   }
-  size_t bytes = 0;
-  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
-  TORCH_CHECK_VALUE(ws.scalar_type() == at::kByte && static_cast<size_t>(ws.numel()) >= bytes + 256,
-                    "fused_contrastive_aot: ws is not the workspace lse() returned for this problem");
-  Tensor l = f32(lse_), gg = f32(g), lc, gc;
-  if (clip) {
-    lc = f32(*lse_col);
-    gc = f32(*g_col);
-  }
-  // one global scale of the upstream gradients (the Python launcher's gscale): the 16-bit gradient tile
-  // cannot underflow; 1 where every gradient is 0
-  Tensor gs = gscale({&gg, clip ? &gc : nullptr}).contiguous();
-  fc_backward_args args{};
-  args.lse = l.data_ptr<float>();
-  args.g = gg.data_ptr<float>();
-  args.lse_col = clip ? lc.data_ptr<float>() : nullptr;
-  args.g_col = clip ? gc.data_ptr<float>() : nullptr;
-  args.gscale = gs.data_ptr<float>();
-  Tensor da = at::empty(P.a.sizes(), P.a.options());
-  args.da = da.data_ptr();
-  args.stride_da = da.stride(0);
-  Tensor db = at::empty({0}, P.a.options());
-  int64_t m = P.p.m;
-  if (need_b && P.p.mode != FC_MODE_SELF) {
-    db = at::empty({m, P.p.d}, P.a.options());
-    int64_t gcols = grad_cols ? std::min<int64_t>(m, grad_cols->guard_int(__FILE__, __LINE__)) : m;
-    if (gcols < m) db.narrow(0, gcols, m - gcols).zero_();  // queue columns get no gradient
-    args.db = db.data_ptr();
-    args.stride_db = db.stride(0);
-    args.grad_cols = gcols;
-  }
-  int64_t rows = 0;
-  check(fc_ds_rows(&P.p, &rows), "fc_ds_rows");
-  Tensor ds_part = at::empty({rows}, l.options());
-  args.ds_part = ds_part.data_ptr<float>();
-  check(fc_backward(&P.p, &args, ws_ptr(ws), bytes, stream_of(P.a)), "fc_backward");
-  return {da, db, ds_part.sum() * gs.reshape({})};
+  auto [da, db, ds, tw] = fused_backward(P, ws, lse_, lse_col, g, g_col, need_b, grad_cols, nullptr, nullptr, "lse");
+  return {da, db, ds};
 }
 
 Tensor split_target(const Problem &P, const Tensor &target) {
@@ -691,23 +727,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_split(const Tensor &a, const std:
 #endif
   Problem P = make_problem(a, b, scale, mode, eps, margin, margin != 0.0 ? std::optional<Tensor>(target) : std::nullopt);
   Tensor t = split_target(P, target);
-  size_t bytes = 0;
-  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
-  Tensor ws = at::empty({static_cast<int64_t>(bytes) + 256}, P.a.options().dtype(at::kByte));
-  Tensor out = at::empty({P.p.n}, P.a.options().dtype(at::kFloat));
-  Tensor lt = at::full({2 * P.p.n}, -std::numeric_limits<float>::infinity(), out.options());
-  check(fc_forward_split(&P.p, t.data_ptr<int64_t>(), ws_ptr(ws), bytes, out.data_ptr<float>(), lt.data_ptr<float>(),
-                         stream_of(P.a)),
-        "fc_forward_split");
-  Tensor col = at::empty({0}, out.options());
-  if (P.p.mode == FC_MODE_CLIP) {
-    float *part = nullptr;
-    int64_t rows = 0;
-    check(fc_col_partials(&P.p, ws_ptr(ws), &part, &rows), "fc_col_partials");
-    auto off = reinterpret_cast<char *>(part) - reinterpret_cast<char *>(ws.data_ptr());
-    col = at::logsumexp(ws.narrow(0, off, rows * P.p.m * 4).view(at::kFloat).view({rows, P.p.m}), {0});
-  }
-  return {out, col, lt, ws};
+  return fused_forward(P, &t);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
@@ -720,7 +740,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
 #endif
   Problem P = make_problem(a, b, scale, mode, eps, margin, margin != 0.0 ? std::optional<Tensor>(target) : std::nullopt);
   Tensor t = split_target(P, target);
-  auto f32 = [&](const Tensor &x) { return x.to(P.a.device(), at::kFloat).contiguous(); };
   const bool clip = P.p.mode == FC_MODE_CLIP;
   TORCH_CHECK_VALUE(clip == (lse_col.has_value() && g_col.has_value()),
                     "fused_contrastive_aot: lse_col and g_col are given exactly in mode \"clip\"");
@@ -728,44 +747,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lse_backward_split(
                     "fused_contrastive_aot: lse and g must have shape [n] = [", P.p.n, "]");
   TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == P.p.n, "fused_contrastive_aot: w must have shape [n] = [", P.p.n,
                     "]");
-  size_t bytes = 0;
-  check(fc_workspace_size(&P.p, &bytes), "fc_workspace_size");
-  TORCH_CHECK_VALUE(ws.scalar_type() == at::kByte && static_cast<size_t>(ws.numel()) >= bytes + 256,
-                    "fused_contrastive_aot: ws is not the workspace lse_split() returned for this problem");
-  Tensor l = f32(lse_), gg = f32(g), lc, gc;
-  if (clip) {
-    lc = f32(*lse_col);
-    gc = f32(*g_col);
-  }
-  Tensor gs = gscale({&gg, clip ? &gc : nullptr}).contiguous();
-  fc_backward_args args{};
-  args.lse = l.data_ptr<float>();
-  args.g = gg.data_ptr<float>();
-  args.lse_col = clip ? lc.data_ptr<float>() : nullptr;
-  args.g_col = clip ? gc.data_ptr<float>() : nullptr;
-  args.gscale = gs.data_ptr<float>();
-  Tensor da = at::empty(P.a.sizes(), P.a.options());
-  args.da = da.data_ptr();
-  args.stride_da = da.stride(0);
-  Tensor db = at::empty({0}, P.a.options());
-  int64_t m = P.p.m;
-  if (need_b && P.p.mode != FC_MODE_SELF) {
-    db = at::empty({m, P.p.d}, P.a.options());
-    int64_t gcols = grad_cols ? std::min<int64_t>(m, grad_cols->guard_int(__FILE__, __LINE__)) : m;
-    if (gcols < m) db.narrow(0, gcols, m - gcols).zero_();  // queue columns get no gradient
-    args.db = db.data_ptr();
-    args.stride_db = db.stride(0);
-    args.grad_cols = gcols;
-  }
-  int64_t rows = 0;
-  check(fc_ds_rows(&P.p, &rows), "fc_ds_rows");
-  Tensor ds_part = at::empty({rows}, l.options());
-  args.ds_part = ds_part.data_ptr<float>();
-  Tensor tv = (f32(w) / gs).contiguous();  // read, then written, by the row kernel
-  check(fc_backward_split(&P.p, &args, t.data_ptr<int64_t>(), tv.data_ptr<float>(), ws_ptr(ws), bytes,
-                          stream_of(P.a)),
-        "fc_backward_split");
-  return {da, db, ds_part.sum() * gs.reshape({}), tv * gs.reshape({})};
+  return fused_backward(P, ws, lse_, lse_col, g, g_col, need_b, grad_cols, &t, &w, "lse_split");
 }
 
 }  // namespace

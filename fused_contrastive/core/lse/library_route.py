@@ -219,8 +219,9 @@ def _forward_split(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSp
     ctx.scale = None if isinstance(scale, Tensor) else scale
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, a, b, ws)
     ctx.minus_target = triton_fused.minus_coefficients(coef, minus, a.shape[0])
-    # the statistics of the backward's exact target weights (triton_fused.exact_weights) and their coefficients
-    ctx.exact, ctx.exact_less = minus, ctx.minus_target
+    # the statistics of the backward's exact target weights and their coefficients (no library mode is B is A with
+    # a column term)
+    triton_fused.keep_exact(ctx, minus, ctx.minus_target, False, False)
     return combine(coef.to(torch.float32), reduce, minus["loss"], minus.get("col_loss", lse_col))
 
 
@@ -237,7 +238,7 @@ def backward(ctx, go: Tensor):
     g_col = coef_grad(ctx.coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
     if getattr(ctx, "split", None) is not None:
         # each row's weight at its target combined with the target term's share (without the cancellation of p_t - 1)
-        w = triton_fused.exact_weights(ctx.exact, ctx.split, g, g_col, lse_col)
+        w = triton_fused.backward_exact(ctx, ctx.split, g, g_col, lse_col)
         da, db, ds, ctx.moved_target = torch.ops.fused_contrastive_aot.lse_backward_split(
             a, b, scale, ctx.mode, float(ctx.spec.eps), ws, lse, lse_col, g, g_col, bool(need_b and b is not None),
             ctx.spec.grad_cols, ctx.split, w, ctx.margin)  # moved_target: what core.PiecesFn applies with the target

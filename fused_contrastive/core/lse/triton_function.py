@@ -54,7 +54,7 @@ class TritonCoreFn(torch.autograd.Function):
         # target split; with a column term, CLIP, the column's too; core.forward_parts takes c_i l_it out of the
         # target term's value)
         minus: dict = {}
-        split16 = ctx.split is not None and coef.lse is not None and dt in (torch.float16, torch.bfloat16)
+        split16 = triton_fused.splits_forward(ctx, coef, dt)
         lse, lse_col, lse_pos, p = triton_fused._lse_fwd(ak, bk, scale, spec, data, coef.col is not None,
                                                          coef.pos is not None, target=ctx.split if split16 else None,
                                                          minus_target=minus)
@@ -71,12 +71,10 @@ class TritonCoreFn(torch.autograd.Function):
         same = b is None
         ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, lse_pos, p.a,
                               None if same else p.b, p.sa, None if same else p.sb)
-        # the split's statistics for the backward's exact target weights (triton_fused.exact_weights: O(N + M)),
-        # except for B is A with a column term
-        ctx.exact = minus if minus and not (p.sym and coef.col is not None) else None
         if minus:
             ctx.minus_target = minus_coefficients(coef, minus, n)
-            ctx.exact_less = ctx.minus_target if ctx.exact is not None else None
+            # the split's statistics for the backward's exact target weights (O(N + M))
+            triton_fused.keep_exact(ctx, minus, ctx.minus_target, p.sym, coef.col is not None)
             return combine(coef.to(torch.float32), reduce, minus["loss"], minus.get("col_loss", lse_col), lse_pos)
         return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
 
@@ -109,8 +107,7 @@ class TritonCoreFn(torch.autograd.Function):
             # takes the target column as it is, and nothing recomputes the tiles for A
             split = None
         # each row's weight at its target combined with the target term's, without the cancellation of p_t - 1
-        exact = (triton_fused.exact_weights(ctx.exact, split, g, g_col, lse_col)
-                 if split is not None and getattr(ctx, "exact", None) is not None else None)
+        exact = triton_fused.backward_exact(ctx, split, g, g_col, lse_col)
         if same and not p.sym:
             # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
             out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s,

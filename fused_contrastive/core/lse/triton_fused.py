@@ -166,6 +166,29 @@ def merge_split(lse_x: Tensor, lse_col_x: Tensor | None, lt: Tensor, target: Ten
     return lse, lse_col
 
 
+def splits_forward(ctx, coef, dt: torch.dtype) -> bool:
+    """Whether a log-sum-exp piece's forward keeps each row's target entry out of its statistics: a target split
+    asked (``ctx.split``), a row LSE term, 16-bit operands (fp32 tiles do not round ``p``)."""
+    return ctx.split is not None and coef.lse is not None and dt in (torch.float16, torch.bfloat16)
+
+
+def keep_exact(ctx, minus: dict, less: Tensor, sym: bool, want_col: bool) -> None:
+    """Keep, on ``ctx``, the split forward's statistics ``minus`` for the backward's :func:`exact_weights`
+    (``ctx.exact``) and the target term's coefficients those weights hold (``ctx.exact_less``, ``less``), except for
+    B is A with a column term (``sym`` and ``want_col``: the symmetric tile's column part of ``(i, t_i)`` belongs to
+    another row's target), where both are None."""
+    ok = bool(minus) and not (sym and want_col)
+    ctx.exact, ctx.exact_less = (minus, less) if ok else (None, None)
+
+
+def backward_exact(ctx, split: Tensor | None, g: Tensor, g_col: Tensor | None, lse_col: Tensor | None):
+    """The backward's combined target weights (:func:`exact_weights`) where the forward kept the statistics
+    (:func:`keep_exact`) and the backward splits the target (``split``); else None."""
+    if split is None or getattr(ctx, "exact", None) is None:
+        return None
+    return exact_weights(ctx.exact, split, g, g_col, lse_col)
+
+
 def exact_weights(minus: dict, target: Tensor, g: Tensor, g_col: Tensor | None, lse_col: Tensor | None) -> Tensor:
     """Each row's log-sum-exp weight at its target entry ``(i, t_i)`` combined with the target term's share that the
     split forward took out (the coefficients :func:`minus_coefficients` gives), fp32 [N], from the split's statistics

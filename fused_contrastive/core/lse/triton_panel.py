@@ -595,7 +595,7 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         minus = {}
         # 16-bit tiles with a target term: each row's loss less its target logit without the cancellation
         # (the epilogue GEMM's statistics with SPLIT_T, stats_forward; the fused forward's, triton_fused._lse_fwd)
-        split16 = ctx.split is not None and coef.lse is not None and a.dtype in (torch.float16, torch.bfloat16)
+        split16 = triton_fused.splits_forward(ctx, coef, a.dtype)
         if panels.use_epilogue(dev, a.dtype, "tri", n * n):
             lse = stats_forward(TL._launch, p, p.a, p.a, scale_t, spec, False, tri=True,
                                 target=ctx.split if split16 else None, minus_target=minus)[0]
@@ -609,8 +609,7 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         # column's, without the cancellation (the fused forward's split, or the epilogue GEMM's statistics with
         # SPLIT_T); not with a bias column (a margin), and not where FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws asks for the
         # Gluon statistics forward, which has no split (that option keeps the old loss: docs/panel-path.md)
-        split16 = (ctx.split is not None and coef.lse is not None and a.dtype in (torch.float16, torch.bfloat16)
-                   and p.bias_col is None and not want_pos)
+        split16 = triton_fused.splits_forward(ctx, coef, a.dtype) and p.bias_col is None and not want_pos
         if panels.use_epilogue(dev, a.dtype, "known", n * bb.shape[0]) and not want_pos:
             split16 = split16 and not gluon_epi.requested()
             lse, lse_col = stats_forward(TL._launch, p, p.a, bb, scale_t, spec, want_col,
@@ -629,22 +628,13 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         # where column i's is), which core.forward_parts takes out of the target term's value in turn (the
         # gradients are unchanged)
         ctx.minus_target = g * minus["fold"] if eager else triton_fused.minus_coefficients(coef, minus, n)
-        # the split's statistics for the backward's exact target weights (not the one pass, whose backward ran
-        # already; not B is A with a column term: triton_fused.exact_weights)
-        if not eager and not (p.sym and want_col):
-            ctx.exact, ctx.exact_less = minus, ctx.minus_target
-        elif eager:  # the one pass's target weights hold these coefficients' share (kernels/panel.py _target_weight)
+        # the split's statistics for the backward's exact target weights; the one pass's backward ran already, its
+        # target weights holding these coefficients' share (kernels/panel.py _target_weight)
+        triton_fused.keep_exact(ctx, {} if eager else minus, ctx.minus_target, p.sym, want_col)
+        if eager:
             ctx.exact_less = ctx.minus_target
         return combine(coef.to(torch.float32), reduce, minus["loss"], minus.get("col_loss", lse_col), lse_pos)
     return combine(coef.to(torch.float32), reduce, lse, lse_col, lse_pos)
-
-
-def _exact(ctx, g: Tensor, g_col: Tensor | None, lse_col: Tensor | None) -> Tensor | None:
-    """The backward's combined target weights (``triton_fused.exact_weights``) where the forward split the target
-    (``ctx.exact``) and the backward splits it too; else None."""
-    if ctx.split is None or getattr(ctx, "exact", None) is None:
-        return None
-    return triton_fused.exact_weights(ctx.exact, ctx.split, g, g_col, lse_col)
 
 
 def backward(ctx, go: Tensor):
@@ -683,7 +673,7 @@ def backward(ctx, go: Tensor):
         need_s = need_s and isinstance(scale, Tensor)
         if g is None:
             g = torch.zeros(n, dtype=torch.float32, device=a.device)
-        exact = _exact(ctx, g, None, None)
+        exact = triton_fused.backward_exact(ctx, ctx.split, g, None, None)
         da, ds, tw = tri_backward(TL._launch, p, a, spec, TL._scale32(scale, a.device), lse, g, need_a, need_s,
                                   getattr(ctx, "wide", False), ctx.split, g_set=g_set, exact=exact)
         if tw is not None:
@@ -695,7 +685,7 @@ def backward(ctx, go: Tensor):
     bb = a if same else b
     sym = p.sym
     need_s = need_s and isinstance(scale, Tensor)
-    exact = _exact(ctx, g, g_col, lse_col)
+    exact = triton_fused.backward_exact(ctx, ctx.split, g, g_col, lse_col)
     da, db, ds, _, _, tw = sweep(TL._launch, p, a, bb, sym, TL._scale32(scale, a.device), spec, lse, lse_col,
                                  lse_pos, g, g_col, g_pos, need_a,
                                  (need_b and not same) or (same and not sym and need_a), need_s, False,
