@@ -24,7 +24,8 @@ Kernels:
   partial column LSE (``COL_PART`` [P, K, M]). **1 unit** of matmul for every level together. The level
   loop is a loop, not unrolled, and the running maxima / sums live in memory ([K, N] rows of the outputs
   and the ``Z_RUN`` scratch, read and written once per tile and level between CTA barriers), so nothing
-  per level stays live across the levels: the registers do not grow with K.
+  per level stays live across the levels: the registers do not grow with K. SPLIT_T: each row's target
+  entry stays out of every level's sums (the host forms the loss as ``softplus(LSEx - l_t)``).
 * ``mat_bwd_kernel``: dA over row blocks (or, ``COLS``, dB over column blocks < grad_cols),
   deterministic and atomic-free like the fused kernels. Per tile, from the top level down: a walk over
   [0, d_k) rebuilds level k's raw products, its gradient tile ``G^k = dl^k FA[k, i] FB[k, j]`` (dl^k /
@@ -110,15 +111,22 @@ def _col(x, kk, k):
 
 
 @triton.jit
-def _online_level(M_RUN, Z_RUN, idx, mask, first, l):
+def _online_level(M_RUN, Z_RUN, idx, mask, first, l, hit, SPLIT: tl.constexpr):
     """One online LSE step of one level over a tile, its running max / sum kept in memory (M_RUN, Z_RUN
-    rows ``idx``; the first tile starts from -inf / 0): every level's statistics cost no registers."""
+    rows ``idx``; the first tile starts from -inf / 0): every level's statistics cost no registers. SPLIT: the
+    entries ``hit`` [BLOCK_M, BLOCK_N] stay out of the sum (the running max may be theirs: a shift only)."""
     m_i = tl.load(M_RUN + idx, mask=mask & (first > 0), other=NEG_INF)
     z_i = tl.load(Z_RUN + idx, mask=mask & (first > 0), other=0.0)
     # a row's value is held by several threads (and warps): all of them read before any of them writes,
     # and all writes land before the next read
     tl.debug_barrier()
-    m_i, z_i = _online_rows(m_i, z_i, l)
+    if SPLIT:
+        m_new = tl.maximum(m_i, tl.max(l, axis=1))
+        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # guard exp(-inf - -inf)
+        z_i = z_i * tl.exp(m_i - m_safe) + tl.sum(tl.where(hit, 0.0, tl.exp(l - m_safe[:, None])), axis=1)
+        m_i = m_new
+    else:
+        m_i, z_i = _online_rows(m_i, z_i, l)
     tl.store(M_RUN + idx, m_i, mask=mask)
     tl.store(Z_RUN + idx, z_i, mask=mask)
     tl.debug_barrier()
@@ -127,15 +135,21 @@ def _online_level(M_RUN, Z_RUN, idx, mask, first, l):
 @triton.jit
 def mat_fwd_kernel(
     SA, SB, RSA, RSB, DIMS, SCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
-    LSE, LSE_POS, Z_RUN, ZP_RUN, COL_PART,
+    LSE, LSE_POS, Z_RUN, ZP_RUN, COL_PART, TGT, RMAX,
     N, M, stride_sa, stride_sb, offset, bias, n0, m0, stride_pm, n_row_blocks,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, WANT_COL: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, ALIGNED: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_T: tl.constexpr,
 ):
     """LSE [K, N] (+ LSE_POS [K, N], + this program's partial column LSEs COL_PART[pid] [K, M]) for row
     blocks pid, pid + P, ... (grid (P,); without WANT_COL P = n_row_blocks). The running maxima live in
-    LSE / LSE_POS and the running sums in the scratch Z_RUN / ZP_RUN [K, N] until the row block ends."""
+    LSE / LSE_POS and the running sums in the scratch Z_RUN / ZP_RUN [K, N] until the row block ends.
+
+    SPLIT_T (no positives; ``kernels/lse.py``'s split at every level): each row's target entry ``(i, TGT[i])`` stays
+    out of every level's row sum, so LSE holds ``LSEx^k_i`` (the running max may be the target's: a shift only), and
+    RMAX [K, N] receives each row's largest tile logit per level (the backward's LSE is formed from it where the target
+    is the row's max: ``core/lse/triton_fused.py`` ``tile_target``); with WANT_COL column j's statistics leave
+    ``(j, j)`` out where ``TGT[j] == j`` (CLIP's pairs). The target logits themselves come from the host, in fp32."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     s = tl.load(SCALE).to(tl.float32)
@@ -149,6 +163,9 @@ def mat_fwd_kernel(
         lab_r = rows
         if POS_KIND == 1:
             lab_r = tl.load(ROW_LAB + rows, mask=rmask, other=0)
+        tgt_r = rows
+        if SPLIT_T:
+            tgt_r = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int32)
         for j0 in range(0, M, BLOCK_N):
             cols = j0 + tl.arange(0, BLOCK_N)
             cmask = cols < M
@@ -165,26 +182,33 @@ def mat_fwd_kernel(
                 rsb = tl.load(RSB + k * M + cols, mask=cmask, other=0.0)
                 l = _logits(acc * rsa[:, None] * rsb[None, :], s, rows, cols, N, M, offset, bias_c, bias,
                             EXCLUDE_SELF, HAS_BIAS, False)
-                # 2. level k's online row statistics
-                _online_level(LSE + k * N, Z_RUN + k * N, rows, rmask, j0, l)
+                # 2. level k's online row statistics (SPLIT_T: the target entry out of the sum)
+                hit = cols[None, :] == tgt_r[:, None]
+                _online_level(LSE + k * N, Z_RUN + k * N, rows, rmask, j0, l, hit, SPLIT_T)
                 if POS_KIND != 0:
                     lp = _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm,
                                      POS_KIND, False)
-                    _online_level(LSE_POS + k * N, ZP_RUN + k * N, rows, rmask, j0, lp)
+                    _online_level(LSE_POS + k * N, ZP_RUN + k * N, rows, rmask, j0, lp, hit, False)
                 # 3. level k's column statistics, merged into this program's partial row
                 if WANT_COL:
                     cmax = tl.max(l, axis=0)
                     cms = tl.where(cmax == NEG_INF, 0.0, cmax)
-                    tile_lse = cms + _log0(tl.sum(tl.exp(l - cms[None, :]), axis=0))
+                    e_col = tl.exp(l - cms[None, :])
+                    if SPLIT_T:  # column j's target entry (j, j) apart where row j's target is j
+                        e_col = tl.where((rows[:, None] == cols[None, :]) & (tgt_r == rows)[:, None], 0.0, e_col)
+                    tile_lse = cms + _log0(tl.sum(e_col, axis=0))
                     cp = COL_PART + (pid * K + k).to(tl.int64) * M + cols
                     keep = tl.full([BLOCK_N], rblk, tl.int32) > pid  # the program's first block starts at -inf
                     old = tl.load(cp, mask=cmask & keep, other=NEG_INF)
                     tl.store(cp, _lse_add(old, tile_lse), mask=cmask)
                     tl.debug_barrier()
-        # 4. LSE = m + log z per level (-inf for a row whose columns are all excluded)
+        # 4. LSE = m + log z per level (-inf for a row whose columns are all excluded; SPLIT_T: RMAX = m)
         for k in tl.static_range(K):
-            tl.store(LSE + k * N + rows, tl.load(LSE + k * N + rows, mask=rmask, other=0.0)
-                     + _log0(tl.load(Z_RUN + k * N + rows, mask=rmask, other=1.0)), mask=rmask)
+            m_k = tl.load(LSE + k * N + rows, mask=rmask, other=0.0)
+            if SPLIT_T:
+                tl.store(RMAX + k * N + rows, m_k, mask=rmask)
+            tl.store(LSE + k * N + rows, m_k + _log0(tl.load(Z_RUN + k * N + rows, mask=rmask, other=1.0)),
+                     mask=rmask)
             if POS_KIND != 0:
                 tl.store(LSE_POS + k * N + rows, tl.load(LSE_POS + k * N + rows, mask=rmask, other=0.0)
                          + _log0(tl.load(ZP_RUN + k * N + rows, mask=rmask, other=1.0)), mask=rmask)

@@ -25,6 +25,18 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
+@pytest.fixture(autouse=True)
+def _regime_margins():
+    """``testing.cases.REGIME_MARGIN`` as it was before the test: tests that set the saturated regime's margin
+    (13 in the accuracy probes) leave the next test in the worker its default."""
+    from fused_contrastive.testing import cases
+
+    saved = dict(cases.REGIME_MARGIN)
+    yield
+    cases.REGIME_MARGIN.clear()
+    cases.REGIME_MARGIN.update(saved)
+
+
 @pytest.fixture
 def route():
     """The switchboard for the test's duration: ``route(TRITON_PATH="panel", PANEL_GEMM="epilogue")`` is

@@ -131,3 +131,75 @@ def test_rows_sharing_a_target_and_key_gradients_alone(kernels):
     assert max(errs.values()) <= 2e-4, errs
     errs = _errors(q0, k0, torch.float32, target=target, need=("k",))
     assert errs["k"] <= 2e-4, errs
+
+
+# ------------------------------------------------------------------------------------------------
+# the forward: every level's loss without the cancellation of LSE_i - l_it
+# ------------------------------------------------------------------------------------------------
+
+#: The levels' loss, |error| / |float64| per entry (summed or per row; measured 1.5e-7 to 4.3e-6 at margins 9 and 13).
+LOSS_TOL = 1e-4
+
+
+def _saturated_losses(case: str, reduction: str | None, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the Triton route's bf16 loss, float64's on the same rounded rows) of ``case`` with levels 112 / 64 / 32 in the
+    saturated regime (``testing.cases.REGIMES``) at ``margin``, N = 64, D = 112."""
+    from fused_contrastive.testing import CASE_BY_NAME
+    from fused_contrastive.testing import cases as C
+    from fused_contrastive.testing.accuracy import make_inputs
+
+    C.REGIME_MARGIN["saturated"] = margin
+    tensors, kwargs = make_inputs(CASE_BY_NAME[case], 64, 112, seed=3, regime="saturated")
+    if reduction is not None:
+        kwargs = dict(kwargs, reduction=reduction)
+    out = []
+    for backend, dt in (("triton", torch.bfloat16), ("reference", torch.float64)):
+        xs = [v.to(torch.bfloat16).to(dt) for v in tensors.values()]
+        if backend == "triton":
+            out.append(CASE_BY_NAME[case].fn(*xs, backend=backend, matryoshka_dims=[112, 64, 32], **kwargs).double())
+        else:  # the definition: the plain loss of each level's re-normalised prefix, summed
+            out.append(sum(CASE_BY_NAME[case].fn(*[F.normalize(x[:, :d], dim=-1) for x in xs], backend=backend,
+                                                 **kwargs) for d in (112, 64, 32)))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("margin", [9.0, 13.0])
+@pytest.mark.parametrize("case,reduction", [("info_nce", None), ("info_nce", "none"), ("clip", None)])
+def test_saturated_level_losses_against_float64(kernels, launches, case, reduction, margin):
+    """``mat_fwd_kernel``'s SPLIT_T: each level's ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)``. Without it (the row
+    sums with their target entry, the fp32 target logit subtracted after) the summed loss was 8.6e-5 / 8.1e-5 (InfoNCE
+    / CLIP) off float64 at margin 9 and 6.8e-3 / 1.3e-2 at margin 13, a row's 2.9e-2 and 0.53."""
+    got, want = _saturated_losses(case, reduction, margin)
+    fwd = [x for x in launches if x.name == "mat_fwd"]
+    assert fwd and all(x.constexprs["SPLIT_T"] for x in fwd), fwd
+    err = float(((got - want).abs() / want.abs()).max())
+    assert err <= LOSS_TOL, f"{case} {reduction} margin {margin}: the loss off float64 by {err:.3g}"
+
+
+@pytest.mark.parametrize("case,reduction,misses", [("info_nce", None, 1e-3), ("info_nce", "none", 0.1),
+                                                   ("clip", None, 1e-3)])
+def test_the_unsplit_forward_misses(kernels, monkeypatch, case, reduction, misses):
+    """Planted: the levels' forward without the split (``TritonLevelsFn``'s ``may_split`` False, the old form) misses
+    the bound at margin 13 by far."""
+    orig = TM.TritonLevelsFn.apply
+    monkeypatch.setattr(TM.TritonLevelsFn, "apply", lambda *args: orig(*args[:-1], False))
+    got, want = _saturated_losses(case, reduction, 13.0)
+    assert float(((got - want).abs() / want.abs()).max()) > misses
+
+
+@pytest.mark.parametrize("case", ["info_nce", "info_nce_ignore", "info_nce_self", "info_nce_symmetric", "clip",
+                                  "simcse_2view", "simcse_interleaved", "simcse_sup"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_every_target_loss_takes_the_split_in_16_bits(kernels, launches, case, reduction):
+    """The split on every loss with a target term in bf16 (an ignored row, a target at the excluded own column's
+    neighbour, B is A, CLIP's column term, hard negatives; ragged levels off every tile edge): loss and every gradient
+    against the float64 definition (``tests/test_triton_matryoshka.py``'s bf16 bounds)."""
+    from test_triton_matryoshka import _check, _run
+
+    got, g_got = _run(case, reduction, "triton", torch.bfloat16)
+    want, g_want = _run(case, reduction, "def", torch.bfloat16)
+    assert [x.constexprs["SPLIT_T"] for x in launches if x.name == "mat_fwd"] == [True], launches
+    _check(got, want, torch.bfloat16, "loss")
+    assert len(g_got) == len(g_want) > 0
+    for i, (a, b) in enumerate(zip(g_got, g_want, strict=True)):
+        _check(a, b, torch.bfloat16, f"grad {i}")

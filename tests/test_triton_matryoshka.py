@@ -255,7 +255,10 @@ _SCRIPT = textwrap.dedent(
         s = torch.empty((), device=meta)
         with compile_survey.recording(fam) as launches:
             lv = TM._Levels(a, b, spec, data, coef.pos is not None, DIMS[k])
-            lse, lc, lp = TM._fwd(lv, s, spec, coef.col is not None)
+            # 16-bit rows with a target take the target split's forward (SPLIT_T), as TritonLevelsFn runs them
+            split = coef.pos is None and dt != torch.float32
+            lse, lc, lp = TM._fwd(lv, s, spec, coef.col is not None, data.target if split else None,
+                                  torch.empty(k, n, device=meta) if split else None)
             g = torch.empty(k, n, device=meta)
             TM._bwd(lv, s, spec, lse, lc, lp, g, g if lc is not None else None, g if lp is not None else None,
                     True, True, True)

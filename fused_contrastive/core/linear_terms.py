@@ -147,14 +147,14 @@ def _positive_sums_by_column(x: Tensor, m: int, spec: CoreSpec, data: CoreData) 
     return sums
 
 
-def _target_logits(ah: Tensor, bh: Tensor, s, spec: CoreSpec, data: CoreData) -> Tensor:
+def target_logits(ah: Tensor, bh: Tensor, s, spec: CoreSpec, data: CoreData) -> Tensor:
     """``TGT`` per row: ``s (<a_i, b_{t_i}> - margin) + bias [t_i == bias_col_i]``, -inf at an excluded own
     column."""
     return _target_from_cos(torch.linalg.vecdot(ah, bh[data.target], dim=1), ah.shape[0], s, spec, data)
 
 
 def _target_from_cos(cos: Tensor, n: int, s, spec: CoreSpec, data: CoreData) -> Tensor:
-    """``TGT`` per row from ``cos_i = <a_i, b_{t_i}>`` (see :func:`_target_logits`)."""
+    """``TGT`` per row from ``cos_i = <a_i, b_{t_i}>`` (see :func:`target_logits`)."""
     t = data.target
     tgt = (cos - spec.margin if spec.margin != 0.0 else cos) * s
     if data.bias_col is not None and spec.bias != 0.0:
@@ -196,7 +196,7 @@ class LinearTermsFn(torch.autograd.Function):
             ah, _ = normalize_rows(a, spec.eps, dt, spec.normalize)
             bh = ah if b is None else normalize_rows(b, spec.eps, dt, spec.normalize)[0]
             if coef.tgt is not None:
-                tgt_logits = _target_logits(ah, bh, s, spec, data)
+                tgt_logits = target_logits(ah, bh, s, spec, data)
                 out = _weighted(coef.tgt, tgt_logits, dt)
         if coef.set is not None:
             set_ = torch.linalg.vecdot(ah, _positive_sums(ah, bh, spec, data), dim=1) * s
@@ -285,13 +285,23 @@ def value_less_target(ctx, c: Tensor, reduce: bool) -> Tensor:
     tgt_w, tgt_logits, set_w = ctx.rows
     if tgt_logits is None:
         raise ValueError("linear_terms.value_less_target: the piece has no target term to take c_i TGT_i from")
-    dt = tgt_w.dtype
-    coef = ctx.coef.tgt.to(dt) if isinstance(ctx.coef.tgt, Tensor) else float(ctx.coef.tgt)
-    c = c.to(dt)
-    rows = torch.where(c != 0, (coef - c) * torch.where(c != 0, tgt_logits, 0.0), tgt_w)
+    rows = target_rows_less(ctx.coef.tgt, c, tgt_logits, tgt_w)
     if set_w is not None:
         rows = rows + set_w
     return rows.sum() if reduce else rows
+
+
+def target_rows_less(coef, c: Tensor, tgt_logits: Tensor, tgt_w: Tensor | None = None) -> Tensor:
+    """The target term's rows ``(c.tgt_i - c_i) TGT_i`` with ``c_i TGT_i`` taken out (``coef`` = ``c.tgt``, a number or
+    [N]; ``c`` [N]; ``tgt_logits`` [N], whose dtype the rows take), and ``c.tgt_i TGT_i`` (``tgt_w``, or
+    :func:`drop_zero`'s product) where ``c_i = 0``: exactly 0 where ``c.tgt_i = c_i``, and a row whose target logit is
+    -inf (its excluded own column) never meets a nonzero coefficient times -inf."""
+    dt = tgt_logits.dtype
+    coef = coef.to(dt) if isinstance(coef, Tensor) else float(coef)
+    c = c.to(dt)
+    if tgt_w is None:
+        tgt_w = _weighted(coef, tgt_logits, dt)
+    return torch.where(c != 0, (coef - c) * torch.where(c != 0, tgt_logits, 0.0), tgt_w)
 
 
 def _target_h(g: Tensor, coef, spec: CoreSpec, data: CoreData, n: int, dt: torch.dtype, less=None) -> Tensor:

@@ -5,9 +5,11 @@ Work in units of one N x M x D matmul, for every level together: forward 1; back
 dB kernel of ``(sum_k d_k + d_K) / D`` each (every level's prefix rebuilt, one gradient GEMM per segment:
 3.25 for 768/512/256/128/64), 7.5 in all against one loss's 5 and K per-level calls' 11.25. B is A runs
 as two inputs (the plain kernels' symmetric single-kernel backward is not used). The linear positive terms
-(TGT, SET) are O(K N D) and run per level in PyTorch (``linear_terms.LinearTermsFn`` on the truncated, re-normalised
-rows); the target term's gradient is added inside the kernels' gradient tiles (HAS_TGT), before any 16-bit
-rounding, where ``p_it - 1`` cancels in a peaked softmax.
+(TGT, SET) are O(K N D) and run per level in PyTorch on the truncated, re-normalised rows: the target logits
+without a graph (:func:`level_target_logits`), their value in :class:`TritonLevelsFn` (in 16 bits the forward
+splits each level's target out: ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)``, :func:`_merge_levels`), their
+gradient inside the kernels' gradient tiles (HAS_TGT), before any 16-bit rounding, where ``p_it - 1`` cancels in a
+peaked softmax; the positive-set term by ``linear_terms.LinearTermsFn``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..._first_order import first_order
 from ...kernels import matryoshka as KM
 from ...routes import setting
 from .. import linear_terms
+from ..lse.triton_fused import merge_split, minus_coefficients
 from ..norms import prefix_rows
 from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
 from ..triton_shared import launch as TL
@@ -89,7 +92,12 @@ def _flags(L: _Levels, spec: CoreSpec) -> dict[str, object]:
     return dict(**f, K=L.k, ALIGNED=all(d % 16 == 0 for d in L.dims))
 
 
-def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool, target: Tensor | None = None,
+         rmax: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(LSE [K, N], LSEcol [K, M] or None, LSEpos [K, N] or None)``, fp32. With ``target`` [N] (no positives) and
+    ``rmax`` [K, N] fp32: the target split (``mat_fwd_kernel``'s SPLIT_T): the statistics leave each row's target
+    entry out (column j's ``(j, j)`` where ``target[j] == j``) and ``rmax`` receives each row's largest tile logit per
+    level."""
     p = L.p
     dev = p.a.device
     n, d = p.a.shape
@@ -109,8 +117,10 @@ def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool) -> tuple[Tensor, Ten
              Z_RUN=torch.empty((L.k, n), dtype=torch.float32, device=dev),
              ZP_RUN=torch.empty((L.k, n), dtype=torch.float32, device=dev) if p.pos_kind else p.dummy,
              COL_PART=col_part, N=n, M=m, stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0),
-             **TL._mask_args(p, spec), n_row_blocks=n_rb),
-        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(L, spec), WANT_COL=bool(want_col)),
+             **TL._mask_args(p, spec), n_row_blocks=n_rb,
+             TGT=target.contiguous() if target is not None else p.dummy, RMAX=rmax if target is not None else p.dummy),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, **_flags(L, spec), WANT_COL=bool(want_col),
+             SPLIT_T=target is not None),
         cfg.num_warps, cfg.num_stages, MAXNREG))
     lse_col = torch.logsumexp(col_part, dim=0) if want_col else None
     return lse, lse_col, lse_pos
@@ -370,8 +380,10 @@ def prescale(dtype: torch.dtype) -> float:
 
 
 class TritonLevelsFn(torch.autograd.Function):
-    """``c.lse LSE^k + c.col LSEcol^k + c.pos LSEpos^k`` at every level: [K, N] per row or [K] summed,
-    float32, on the Matryoshka kernels. Every level re-normalises its prefix (``spec.normalize`` does not
+    """``c.lse LSE^k + c.col LSEcol^k + c.pos LSEpos^k - c.tgt l^k_t`` at every level: [K, N] per row or [K]
+    summed, float32, on the Matryoshka kernels (``lt`` [K, N]: the target logits, :func:`level_target_logits`;
+    None without a target term). ``may_split``: the forward may split the target out in 16 bits (not where the
+    target is out of the softmax already). Every level re-normalises its prefix (``spec.normalize`` does not
     apply). Saved: the inputs, the scaled copies, O(K (N + M)) norms and statistics; the backward
     recomputes the tiles."""
 
@@ -379,10 +391,22 @@ class TritonLevelsFn(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
-                reduce: bool, dims: tuple[int, ...]):
+                reduce: bool, dims: tuple[int, ...], lt: Tensor | None = None, may_split: bool = False):
         dt = TL.kernel_dtype(a, b)
         L = _Levels(a.to(dt), None if b is None else b.to(dt), spec, data, coef.pos is not None, dims)
-        lse, lse_col, lse_pos = _fwd(L, scale, spec, coef.col is not None)
+        want_col = coef.col is not None
+        if lt is not None and may_split and coef.pos is None and dt in (torch.float16, torch.bfloat16):
+            # the target split at every level: each level's LSE_i - l_it as softplus(LSEx_i - l_it), without the
+            # cancellation of two nearly equal fp32 numbers in a saturated softmax (as the plain kernels' split)
+            rmax = TL._alloc((L.k, L.p.a.shape[0]), torch.float32, a.device)
+            lse, lse_col, lse_pos = _fwd(L, scale, spec, want_col, data.target, rmax)
+            lse, lse_col, value = _merge_levels(lse, lse_col, rmax, lt, data.target, coef, reduce)
+        else:
+            lse, lse_col, lse_pos = _fwd(L, scale, spec, want_col)
+            c32 = coef.to(torch.float32) if lt is not None else dataclasses.replace(coef.to(torch.float32), tgt=None)
+            value = torch.stack([combine(c32, reduce, lse[k], None if lse_col is None else lse_col[k],
+                                         None if lse_pos is None else lse_pos[k], None if lt is None else lt[k])
+                                 for k in range(L.k)])
         ctx.spec, ctx.coef, ctx.reduce = spec, coef, reduce
         ctx.scale = None if isinstance(scale, Tensor) else scale
         ctx.dtypes = (a.dtype, None if b is None else b.dtype, scale.dtype if isinstance(scale, Tensor) else None,
@@ -396,9 +420,7 @@ class TritonLevelsFn(torch.autograd.Function):
         ctx.levels = L
         ctx.suffix = use_suffix(a.device, dt, L.k, p.a.shape[0] * (p.a if same else p.b).shape[0])
         ctx.target = data.target if coef.tgt is not None else None
-        c32 = dataclasses.replace(coef.to(torch.float32), tgt=None)  # the target term's value: run()
-        return torch.stack([combine(c32, reduce, lse[k], None if lse_col is None else lse_col[k],
-                                    None if lse_pos is None else lse_pos[k]) for k in range(L.k)])
+        return value
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
@@ -443,7 +465,43 @@ class TritonLevelsFn(torch.autograd.Function):
         ga = da.to(adt) if need_a and da is not None else None
         gb = db.to(bdt) if need_b and not same and db is not None else None
         gs = ds.to(sdt).reshape(sshape) if need_s and ds is not None else None
-        return ga, gb, gs, None, None, None, None, None
+        return ga, gb, gs, None, None, None, None, None, None, None
+
+
+def _merge_levels(lse_x: Tensor, lse_col_x: Tensor | None, rmax: Tensor, lt: Tensor, target: Tensor, coef: Coeffs,
+                  reduce: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The split forward's host step at every level (``triton_fused.merge_split`` per level): from the kernel's
+    ``LSEx`` [K, N], CLIP's ``LSEcolx`` [K, M] (or None), the rows' largest tile logits ``rmax`` [K, N] and the fp32
+    target logits ``lt`` [K, N], the backward's merged ``(LSE [K, N], LSEcol [K, M] or None)`` and each level's
+    value [K] (summed) or [K, N], the target term's included: ``c_i l_it`` taken out of it where the level's loss is
+    the difference (``minus_coefficients``)."""
+    n = lse_x.shape[1]
+    c32 = dataclasses.replace(coef.to(torch.float32), tgt=None)
+    lse, lse_col, value = [], [], []
+    for k in range(lse_x.shape[0]):
+        minus: dict = {}
+        lk, ck = merge_split(lse_x[k], None if lse_col_x is None else lse_col_x[k], torch.cat([lt[k], rmax[k]]),
+                             target, False, minus)
+        v = combine(c32, reduce, minus["loss"], minus.get("col_loss"))
+        rows = linear_terms.target_rows_less(coef.tgt, minus_coefficients(coef, minus, n), lt[k])
+        lse.append(lk)
+        lse_col.append(ck)
+        value.append(v - (rows.sum() if reduce else rows))
+    return torch.stack(lse), None if lse_col_x is None else torch.stack(lse_col), torch.stack(value)
+
+
+def level_target_logits(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
+                        dims: tuple[int, ...]) -> Tensor:
+    """Each level's target logits ``l^k_it`` [K, N] fp32, without a graph, on the truncated rows re-normalised in
+    float32 (the kernels' prefix norms are exact; normalising 16-bit rows in their own dtype put the target logit
+    2e-4 off the LSE's): ``linear_terms``'s target logits per level."""
+    plain = dataclasses.replace(spec, normalize=False)
+    with torch.no_grad():
+        a32 = a.detach().to(torch.float32)
+        b32 = a32 if b is None else b.detach().to(torch.float32)
+        s = scale.detach().to(torch.float32) if isinstance(scale, Tensor) else float(scale)
+        return torch.stack([linear_terms.target_logits(prefix_rows(a32, d, spec.eps), prefix_rows(b32, d, spec.eps),
+                                                       s, plain, data) for d in dims])
 
 
 def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs, reduce: bool,
@@ -457,25 +515,17 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
     if spec.exclude_target:  # the target column leaves the softmax as a -inf bias on it, as core.pieces does
         lspec = dataclasses.replace(spec, exclude_target=False, bias=float("-inf"))
         ldata = dataclasses.replace(data, bias_col=data.target)
-    out = TritonLevelsFn.apply(a, b, scale, lspec, ldata, lse_terms, reduce, tuple(dims))
-    if coef.tgt is None and coef.set is None:
+    # the target term's value rides with the kernels' (its logits per level, without a graph), so that in a 16-bit
+    # softmax the levels' losses can split the target out (not where it is out of the softmax already)
+    lt = None if coef.tgt is None else level_target_logits(a, b, scale, spec, data, tuple(dims))
+    out = TritonLevelsFn.apply(a, b, scale, lspec, ldata, lse_terms, reduce, tuple(dims), lt, not spec.exclude_target)
+    if coef.set is None:
         return out
-    # the O(N*D) linear terms per level, on the truncated rows re-normalised in float32 (the kernels' prefix
-    # norms are exact; normalising 16-bit rows in their own dtype put the target logit 2e-4 off the LSE's)
+    # the O(N*D) positive-set term per level, on the truncated rows re-normalised in float32
     plain = dataclasses.replace(spec, normalize=False)
     a32, b32 = a.to(torch.float32), None if b is None else b.to(torch.float32)
-
-    def linear(c: Coeffs, x: Tensor, y: Tensor | None, s) -> Tensor:
-        return torch.stack([
-            linear_terms.LinearTermsFn.apply(prefix_rows(x, d, spec.eps),
-                                          None if y is None else prefix_rows(y, d, spec.eps), s, plain, data, c,
-                                          reduce, torch.float32, False)
-            for d in dims])
-    if coef.tgt is not None:
-        with torch.no_grad():
-            tgt = linear(Coeffs(lse=coef.lse, tgt=coef.tgt), a32.detach(), None if b32 is None else b32.detach(),
-                         scale.detach() if isinstance(scale, Tensor) else scale)
-        out = out - tgt
-    if coef.set is not None:
-        out = out - linear(Coeffs(lse=coef.lse, set=coef.set), a32, b32, scale)
-    return out
+    return out - torch.stack([
+        linear_terms.LinearTermsFn.apply(prefix_rows(a32, d, spec.eps),
+                                      None if b32 is None else prefix_rows(b32, d, spec.eps), scale, plain, data,
+                                      Coeffs(lse=coef.lse, set=coef.set), reduce, torch.float32, False)
+        for d in dims])
