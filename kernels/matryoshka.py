@@ -67,7 +67,7 @@ single-kernel backward (B is A runs as two inputs), the triangular forward, floa
 import triton
 import triton.language as tl
 
-from .common import NEG_INF, _dlogits, _grad_vec, _log0, _logits, _lse_add, _online_rows, _pos_logits, _stat
+from .common import NEG_INF, _dlogits, _grad_vec, _log0, _logits, _lse_add, _online_rows, _pos_logits, _stat, _sub_set
 from .panel import _grouped_tile
 
 
@@ -222,14 +222,19 @@ def mat_fwd_kernel(
 @triton.jit
 def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
                 EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
-                HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr, HAS_TGT: tl.constexpr):
+                HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr, HAS_TGT: tl.constexpr,
+                HAS_SET: tl.constexpr):
     """Level k's gradient tile from its raw prefix products ``acc``: ``(G^k = dl^k FA[k, i] FB[k, j], this
     program's scalars sum_j dl^k cos^k per row, or sum_i per column with COLS, the tile dl^k cos^k)``, dl^k
     from the saved statistics (/ gscale) exactly as ``kernels/lse.py`` forms it. ``PTRS`` / ``MASKS`` are the kernel's
     pointer and mask arguments. HAS_TGT: the target logit's term joins the tile, ``TW[k, i]`` (its
     upstream gradient / gscale, signed) at column ``TGT[i]``, in fp32 before anything is rounded: in a
-    peaked softmax ``p_it - 1`` cancels, and formed from a 16-bit ``p_it`` it lost ~2e-2 of the gradient."""
-    RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW = PTRS
+    peaked softmax ``p_it - 1`` cancels, and formed from a 16-bit ``p_it`` it lost ~2e-2 of the gradient.
+    HAS_SET: the positive-set term's ``-G_SET[k, i] w_ij`` (``c.set_i`` times the level's upstream gradient, / gscale;
+    ``w_ij`` the positives' weights, ``kernels/common.py`` ``_sub_set``) joins the tile likewise: in a softmax
+    concentrated on the positives ``p_ij`` and ``c.set_i w_ij`` nearly cancel."""
+    RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW, G_SET = \
+        PTRS
     offset, bias, n0, m0, stride_pm = MASKS
     rmask = rows < N
     cmask = cols < M
@@ -247,12 +252,12 @@ def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
     lp = l
     lsep_r = lse_r
     gp_r = g_r
+    lab_r = rows
+    lab_c = cols
+    if POS_KIND == 1:
+        lab_r = tl.load(ROW_LAB + rows, mask=rmask, other=0)
+        lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
     if HAS_GPOS:
-        lab_r = rows
-        lab_c = cols
-        if POS_KIND == 1:
-            lab_r = tl.load(ROW_LAB + rows, mask=rmask, other=0)
-            lab_c = tl.load(COL_LAB + cols, mask=cmask, other=0)
         lp = _pos_logits(l, rows, cols, N, M, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND, False)
         lsep_r = _stat(LSE_POS + k * N, rows, rmask)
         gp_r = _grad_vec(G_POS + k * N, LSE_POS + k * N, rows, rmask, inv_gs, True)
@@ -266,6 +271,10 @@ def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
         tgt_r = tl.load(TGT + rows, mask=rmask, other=-1)
         tw_r = tl.load(TW + k * N + rows, mask=rmask, other=0.0) * inv_gs
         dl += tl.where(cols[None, :] == tgt_r[:, None], tw_r[:, None], 0.0)
+    if HAS_SET:
+        gset_r = tl.load(G_SET + k * N + rows, mask=rmask, other=0.0) * inv_gs
+        dl = _sub_set(dl, gset_r, rows, cols, N, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
+                      EXCLUDE_SELF, False)
     dc = dl * cos
     fa = tl.load(FA + k * N + rows, mask=rmask, other=0.0)
     fb = tl.load(FB + k * M + cols, mask=cmask, other=0.0)
@@ -321,7 +330,7 @@ def _mat_epilogue(X, OUT, ACC, NX, nx_stride, DIMS, rho, kk, rows, n_out, D, str
 @triton.jit
 def mat_bwd_kernel(
     X, SA, SB, RSA, RSB, FA, FB, NX, DIMS, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW, G_SET,
     DX, ACC, DS_PART, TG,
     N, M, D, n_out, stride_x, stride_sa, stride_sb, stride_dx, offset, bias, n0, m0, stride_pm, eps,
     K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -329,7 +338,7 @@ def mat_bwd_kernel(
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     PRESCALE: tl.constexpr, HAS_TGT: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_T: tl.constexpr,
-    FOLD_NORM: tl.constexpr,
+    FOLD_NORM: tl.constexpr, HAS_SET: tl.constexpr,
 ):
     """dA for one block of rows (grid cdiv(N, BLOCK_M); X = A, NX = NA, n_out = N) and its share of dL/ds,
     or with COLS dB for one block of columns < n_out (grid cdiv(n_out, BLOCK_N); X = B, NX = NB).
@@ -360,7 +369,8 @@ def mat_bwd_kernel(
     gs = tl.load(GSCALE)
     inv_gs = 1.0 / gs
     kk = tl.arange(0, KP)
-    PTRS = (RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW)
+    PTRS = (RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW,
+            G_SET)
     MASKS = (offset, bias, n0, m0, stride_pm)
     if COLS:
         own = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -404,7 +414,7 @@ def mat_bwd_kernel(
             acc = _seg_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_base, b_base, rmask, cmask, 0, hi,
                            BLOCK_D, UPCAST, DOT_PREC)
             g_k, v, _ = _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS, EXCLUDE_SELF, HAS_BIAS,
-                                    POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, COLS, HAS_TGT)
+                                    POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, COLS, HAS_TGT, HAS_SET)
             rho = tl.where(kk[None, :] == k, rho + v[:, None], rho)
             if SPLIT_T:  # the target entries leave the tile (the rows kernel keeps them in fp32)
                 if not COLS:
@@ -511,13 +521,14 @@ def _slot(k: tl.constexpr, p0, p1, p2, p3, p4, p5, p6):
 @triton.jit
 def mat_epi_kernel(
     SA, SB, RSA, RSB, FA, FB, DIMS, SCALE, GSCALE, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK,
-    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW,
+    LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW, G_SET,
     H, RHO_R, RHO_C,
     N, M, P, r0, stride_sa, stride_sb, offset, bias, n0, m0, stride_pm,
     K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_M: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, HAS_TGT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_SET: tl.constexpr,
 ):
     """The suffix sums of one panel, rows ``r0 .. r0 + P`` against every column: one output tile per program
     (grid ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, groups of GROUP_M row tiles sweep the columns together).
@@ -548,7 +559,8 @@ def mat_epi_kernel(
     smask = lmask[:, None] & cmask[None, :]
     s = tl.load(SCALE).to(tl.float32)
     inv_gs = 1.0 / tl.load(GSCALE)
-    PTRS = (RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW)
+    PTRS = (RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW,
+            G_SET)
     MASKS = (offset, bias, n0, m0, stride_pm)
     a_base = SA + rows.to(tl.int64)[:, None] * stride_sa
     b_base = SB + cols.to(tl.int64)[:, None] * stride_sb
@@ -564,7 +576,7 @@ def mat_epi_kernel(
         acc = _seg_dot(acc, a_base, b_base, lmask, cmask, _bound(DIMS, k, ALIGNED), _bound(DIMS, k + 1, ALIGNED),
                        BLOCK_D, UPCAST, DOT_PREC)
         g, _, dc = _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS, EXCLUDE_SELF, HAS_BIAS, POS_KIND,
-                               HAS_G, HAS_GCOL, HAS_GPOS, False, HAS_TGT)
+                               HAS_G, HAS_GCOL, HAS_GPOS, False, HAS_TGT, HAS_SET)
         dc = tl.where(smask, dc, 0.0)
         tl.store(rr + k, tl.sum(dc, axis=1), mask=lmask)
         tl.store(rc + k * M, tl.sum(dc, axis=0), mask=cmask)

@@ -178,6 +178,7 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
+    from fused_contrastive.core.lse import triton_fused as TF
     from fused_contrastive.core.matryoshka import triton_levels as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import compile_survey
@@ -189,16 +190,18 @@ _SCRIPT = textwrap.dedent(
         data, coef, tgt = CoreData(), Coeffs(lse=1.0), None
         if variant == "tgt":  # InfoNCE: the target term in the tiles
             tgt = (torch.empty(n, **i64), torch.empty(len(dims), n, device=meta))
-        if variant == "pos":  # SupCon in: the positives' softmax beside the LSE's
-            data, coef = CoreData(row_labels=torch.empty(n, **i64), col_labels=torch.empty(n, **i64)), \\
-                Coeffs(lse=1.0, pos=-1.0)
+        if variant in ("pos", "set"):  # SupCon in: the positives' softmax beside the LSE's; out: the SET term
+            data = CoreData(row_labels=torch.empty(n, **i64), col_labels=torch.empty(n, **i64))
+            coef = Coeffs(lse=1.0, pos=-1.0) if variant == "pos" else Coeffs(lse=1.0, set=-1.0)
         s = torch.empty((), device=meta)
         with compile_survey.recording(fam) as launches:
             lv = TM._Levels(a, b, CoreSpec(), data, coef.pos is not None, dims)
             lse, lc, lp = TM._fwd(lv, s, CoreSpec(), False)
             g = torch.empty(len(dims), n, device=meta)
+            if variant == "set":  # the SET term's weights in the tiles (HAS_SET), its positives' fields
+                lv.p = TF.with_positives(lv.p, lv.p.a, lv.p.b, CoreSpec(), data)
             TM._bwd_suffix(lv, s, CoreSpec(), lse, lc, lp, g, None, g if lp is not None else None, True, True, True,
-                           tgt)
+                           tgt, g_set=g if variant == "set" else None)
         (x,) = {x.name: x for x in launches if x.name == "mat_epi"}.values()
         return x
 
@@ -209,6 +212,11 @@ _SCRIPT = textwrap.dedent(
                                                ("pos", "tgt"), strict=True):
         r = compile_survey.compile_launch(record(fam, dt, variant), cc)
         r.update(dtype=dname, variant=variant)
+        out.append(r)
+    # SupCon out's SET weights in the tiles (HAS_SET), bf16, on both
+    for cc, fam in compile_survey.TARGETS:
+        r = compile_survey.compile_launch(record(fam, torch.bfloat16, "set"), cc)
+        r.update(dtype="bf16", variant="set")
         out.append(r)
     print(json.dumps(out))
     """
@@ -221,7 +229,8 @@ def compiled():
 
 
 def test_the_suffix_kernel_compiles_without_spills(compiled):
-    assert {(r["cc"], r["dtype"], r["variant"]) for r in compiled} == {(80, "bf16", "pos"), (90, "fp16", "tgt")}
+    assert {(r["cc"], r["dtype"], r["variant"]) for r in compiled} == {(80, "bf16", "pos"), (90, "fp16", "tgt"),
+                                                                       (80, "bf16", "set"), (90, "bf16", "set")}
     assert_no_spills_within_smem(compiled)
     assert_tensor_cores(compiled)
     for r in compiled:

@@ -182,7 +182,8 @@ def test_the_unsplit_forward_misses(kernels, monkeypatch, case, reduction, misse
     """Planted: the levels' forward without the split (``TritonLevelsFn``'s ``may_split`` False, the old form) misses
     the bound at margin 13 by far."""
     orig = TM.TritonLevelsFn.apply
-    monkeypatch.setattr(TM.TritonLevelsFn, "apply", lambda *args: orig(*args[:-1], False))
+    # (a, b, scale, spec, data, coef, reduce, dims, lt, may_split, set_term)
+    monkeypatch.setattr(TM.TritonLevelsFn, "apply", lambda *args: orig(*args[:9], False, *args[10:]))
     got, want = _saturated_losses(case, reduction, 13.0)
     assert float(((got - want).abs() / want.abs()).max()) > misses
 

@@ -234,6 +234,7 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
+    from fused_contrastive.core.lse import triton_fused as TF
     from fused_contrastive.core.matryoshka import triton_levels as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import compile_survey
@@ -249,9 +250,9 @@ _SCRIPT = textwrap.dedent(
         spec = CoreSpec(exclude_self=variant == "self")
         if variant == "col":
             coef = Coeffs(lse=1.0, col=1.0)
-        if variant == "pos":
-            data, coef = CoreData(row_labels=torch.empty(n, **i64), col_labels=torch.empty(n, **i64)), \\
-                Coeffs(lse=1.0, pos=-1.0)
+        if variant in ("pos", "set"):  # SupCon in (the positives' softmax) / out (the positive-set term)
+            data = CoreData(row_labels=torch.empty(n, **i64), col_labels=torch.empty(n, **i64))
+            coef = Coeffs(lse=1.0, pos=-1.0) if variant == "pos" else Coeffs(lse=1.0, set=-1.0)
         s = torch.empty((), device=meta)
         with compile_survey.recording(fam) as launches:
             lv = TM._Levels(a, b, spec, data, coef.pos is not None, DIMS[k])
@@ -260,8 +261,10 @@ _SCRIPT = textwrap.dedent(
             lse, lc, lp = TM._fwd(lv, s, spec, coef.col is not None, data.target if split else None,
                                   torch.empty(k, n, device=meta) if split else None)
             g = torch.empty(k, n, device=meta)
+            if variant == "set":  # the SET term's weights in the gradient tiles (HAS_SET), its positives' fields
+                lv.p = TF.with_positives(lv.p, lv.p.a, lv.p.b, spec, data)
             TM._bwd(lv, s, spec, lse, lc, lp, g, g if lc is not None else None, g if lp is not None else None,
-                    True, True, True)
+                    True, True, True, g_set=g if variant == "set" else None)
         return [x for x in launches if x.name.startswith("mat_")]
 
     def job(args):
@@ -276,7 +279,7 @@ _SCRIPT = textwrap.dedent(
         jobs = [(cc, fam, dn, k, "ce", i) for cc, fam in compile_survey.TARGETS for dn in DT for k in DIMS
                 for i in range(3)]
         jobs += [(cc, fam, dn, 8, v, i) for cc, fam in compile_survey.TARGETS for dn in DT
-                 for v in ("col", "pos", "self")
+                 for v in ("col", "pos", "self", "set")
                  for i in range(3)]
         with ProcessPoolExecutor(max_workers=2) as ex:
             print(json.dumps(list(ex.map(job, jobs))))
@@ -290,7 +293,7 @@ def compiled():
 
 def test_every_matryoshka_kernel_compiles_without_spills(compiled):
     kinds = {(r["kernel"], r["cc"], r["dtype"], r["k"], r["variant"]) for r in compiled}
-    assert len(kinds) == 2 * 2 * (3 + 3) * 3, len(kinds)
+    assert len(kinds) == 2 * 2 * (3 + 4) * 3, len(kinds)
     assert_no_spills_within_smem(compiled)
 
 

@@ -26,9 +26,9 @@ from ..._first_order import first_order
 from ...kernels import matryoshka as KM
 from ...routes import setting
 from .. import linear_terms
-from ..lse.triton_fused import merge_split, minus_coefficients
+from ..lse.triton_fused import merge_split, minus_coefficients, set_grad, with_positives
 from ..norms import prefix_rows
-from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine, drop_zero
+from ..spec import Coeffs, CoreData, CoreSpec, DirectCtx, coef_grad, combine, drop_zero
 from ..triton_shared import launch as TL
 from ..triton_shared import panels
 from ..triton_shared.configs import (
@@ -127,7 +127,7 @@ def _fwd(L: _Levels, scale, spec: CoreSpec, want_col: bool, target: Tensor | Non
 
 
 def _grad_args(L: _Levels, s32: Tensor, spec: CoreSpec, gs: Tensor, lse, lse_col, lse_pos, g, g_col, g_pos,
-               tgt) -> dict[str, object]:
+               tgt, g_set=None) -> dict[str, object]:
     """The arguments both backwards' kernels take (``_level_grad``'s pointers, the sizes and masks)."""
     p = L.p
     dm = p.dummy
@@ -136,40 +136,45 @@ def _grad_args(L: _Levels, s32: Tensor, spec: CoreSpec, gs: Tensor, lse, lse_col
                 LSE_COL=lse_col if lse_col is not None else dm, G_COL=g_col if g_col is not None else dm,
                 LSE_POS=lse_pos if lse_pos is not None else dm, G_POS=g_pos if g_pos is not None else dm,
                 TGT=tgt[0] if tgt is not None else dm, TW=tgt[1] if tgt is not None else dm,
+                G_SET=g_set if g_set is not None else dm,
                 N=p.a.shape[0], M=p.b.shape[0], stride_sa=p.sa.stride(0), stride_sb=p.sb.stride(0),
                 **TL._mask_args(p, spec))
 
 
-def _grad_flags(L: _Levels, spec: CoreSpec, g, g_col, g_pos, tgt) -> dict[str, object]:
+def _grad_flags(L: _Levels, spec: CoreSpec, g, g_col, g_pos, tgt, g_set=None) -> dict[str, object]:
     """The compile-time flags both backwards' kernels take."""
     return dict(**_flags(L, spec), KP=triton.next_power_of_2(L.k), HAS_G=g is not None, HAS_GCOL=g_col is not None,
-                HAS_GPOS=g_pos is not None, PRESCALE=prescale(L.p.a.dtype), HAS_TGT=tgt is not None)
+                HAS_GPOS=g_pos is not None, PRESCALE=prescale(L.p.a.dtype), HAS_TGT=tgt is not None,
+                HAS_SET=g_set is not None)
 
 
 def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a: bool, need_b: bool,
-         need_s: bool, tgt: tuple[Tensor, Tensor] | None = None):
+         need_s: bool, tgt: tuple[Tensor, Tensor] | None = None, wide: bool = False, g_set: Tensor | None = None):
     """``(dA, dB, ds)`` of the level statistics' upstream gradients ``g*`` ([K, N] / [K, M] fp32 or None)
     and, with ``tgt = (target columns [N], signed weights [K, N] fp32)``, of the target logits' terms,
     which the kernels add inside each gradient tile. With a target the kernels split it out (SPLIT_T): each
     row's target entry of every level's gradient tile stays out of the 16-bit tiles and is applied in fp32
     (the rows kernel in its epilogue; the columns kernel from its scratch, which :func:`_target_cols` fills
-    from the rows kernel's entries ``TG``), where in a peaked softmax ``p_it - 1`` nearly cancels."""
+    from the rows kernel's entries ``TG``), where in a peaked softmax ``p_it - 1`` nearly cancels. ``wide``: dA and dB
+    in fp32 (the kernels' epilogues store their fp32 values unrounded), for a caller that adds more to them first.
+    ``g_set`` [K, N] fp32 (``L.p`` with the positives' fields): the positive-set term's upstream coefficients
+    ``c.set_i go_k``, its ``-w_ij`` weights formed inside the gradient tiles (HAS_SET)."""
     p = L.p
     a, b = p.a, p.b
     dev = a.device
     n, d = a.shape
     m = b.shape[0]
-    gs = TL._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
+    gs = TL._gscale(g, g_col, g_pos, None if tgt is None else tgt[1], g_set)
     if gs is None:
         return TL._no_grads(a, b, need_a, need_b, need_s)
     dm = p.dummy
-    common = dict(_grad_args(L, TL._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt),
+    common = dict(_grad_args(L, TL._scale32(scale, dev), spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt, g_set),
                   D=d, eps=float(spec.eps))
     # FOLD_NORM (bf16): the gradient GEMM reads the exact scaled rows, the inverse norms in the tile
     # the target split where the rows kernel runs anyway (its TG feeds the columns kernel): with frozen queries
     # (no dA, no temperature gradient) only the columns kernel runs, with the target inside its tiles as before
     split = tgt is not None and (need_a or need_s)
-    flags = dict(_grad_flags(L, spec, g, g_col, g_pos, tgt), SPLIT_T=split, FOLD_NORM=a.dtype == torch.bfloat16)
+    flags = dict(_grad_flags(L, spec, g, g_col, g_pos, tgt, g_set), SPLIT_T=split, FOLD_NORM=a.dtype == torch.bfloat16)
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
     split_cols = split and need_b and gcols > 0  # the columns kernel needs the rows kernel's TG
     tg = TL._alloc((L.k, n), torch.float32, dev) if split else dm
@@ -177,7 +182,7 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     if need_a or need_s or split_cols:
         cfg, block_d = matryoshka_config("bwd_rows", TL._arch(dev), a.dtype, d)
         n_rb = triton.cdiv(n, cfg.block_m)
-        da = TL._alloc((n, d), a.dtype, dev) if need_a else dm
+        da = TL._alloc((n, d), torch.float32 if wide else a.dtype, dev) if need_a else dm
         acc = torch.empty((n, d), dtype=torch.float32, device=dev) if need_a else dm
         ds_part = TL._alloc((n_rb,), torch.float32, dev) if need_s else dm
         TL._launch(TL.Launch(
@@ -190,7 +195,7 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
         ds = ds_part.sum() * gs.reshape(()) if need_s else None
         da = da if need_a else None
     if need_b:
-        db = TL._alloc((m, d), b.dtype, dev)
+        db = TL._alloc((m, d), torch.float32 if wide else b.dtype, dev)
         if gcols < m:
             db[gcols:].zero_()  # queue columns get no gradient
         if gcols > 0:
@@ -290,7 +295,7 @@ def suffix_rows(n: int, m: int, d: int, k: int, dtype: torch.dtype, need_b: bool
 
 
 def _finish(x: Tensor, acc: list[Tensor], nx: Tensor, rho: Tensor, bounds: list[int], eps: float, mult: Tensor,
-            pre: float) -> Tensor:
+            pre: float, dtype: torch.dtype) -> Tensor:
     """The normalisation backward of one side from its segment products ``acc[r]`` ([R, |S_r|] fp32, the
     suffix sums times the other side's top-level unit rows, pre-scaled by ``pre``): ``out_ic = mult
     (acc_ic / (pre n^K_i) - x_ic sum_{k >= r, n^k_i > eps} rho^k_i / (n^k_i)^2)`` for c in segment r, 0 past
@@ -298,17 +303,18 @@ def _finish(x: Tensor, acc: list[Tensor], nx: Tensor, rho: Tensor, bounds: list[
     k = nx.shape[0]
     c = torch.where(nx > eps, rho.T / (nx * nx), 0.0)
     tail = c.flip(0).cumsum(0).flip(0)  # tail[r] = sum_{k >= r} c_k
-    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.zeros(x.shape, dtype=dtype, device=x.device)
     n_top = nx[k - 1][:, None]
     for r in range(k):
         lo, hi = bounds[r], bounds[r + 1]
         seg = acc[r] / (pre * n_top) - x[:, lo:hi].to(torch.float32) * tail[r][:, None]
-        out[:, lo:hi] = (seg * mult).to(x.dtype)
+        out[:, lo:hi] = (seg * mult).to(dtype)
     return out
 
 
 def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a: bool,
-                need_b: bool, need_s: bool, tgt: tuple[Tensor, Tensor] | None = None):
+                need_b: bool, need_s: bool, tgt: tuple[Tensor, Tensor] | None = None, wide: bool = False,
+                g_set: Tensor | None = None):
     """:func:`_bwd`'s gradients by suffix sums: per panel of rows, ``kernels/matryoshka.py``
     ``mat_epi_kernel`` writes ``H^r = sum_{k >= r} G^k`` (16-bit, [K, P, M]: 1 unit of matmul work for
     every level, one walk along D per tile) and the levels' row and column scalars; then cuBLAS multiplies
@@ -322,7 +328,7 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     dev = a.device
     n, d = a.shape
     m = b.shape[0]
-    gs = TL._gscale(g, g_col, g_pos, None if tgt is None else tgt[1])
+    gs = TL._gscale(g, g_col, g_pos, None if tgt is None else tgt[1], g_set)
     if gs is None:
         return TL._no_grads(a, b, need_a, need_b, need_s)
     dt, k = a.dtype, L.k
@@ -341,9 +347,9 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     acc_b = [torch.zeros((gcols, hi - lo), dtype=torch.float32, device=dev) for lo, hi in segs] if need_cols else None
     rho_a = torch.empty((n, k), dtype=torch.float32, device=dev)
     rho_b = torch.zeros((m, k), dtype=torch.float32, device=dev)
-    args = _grad_args(L, s32, spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt)
+    args = _grad_args(L, s32, spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt, g_set)
     const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=min(cfg.block_d, d_pad(d)), GROUP_M=EPI_GROUP_M,
-                 **_grad_flags(L, spec, g, g_col, g_pos, tgt))
+                 **_grad_flags(L, spec, g, g_col, g_pos, tgt, g_set))
     rows = suffix_rows(n, m, d, k, dt, need_cols)
     for r0 in range(0, n, rows):
         pr = min(rows, n - r0)
@@ -363,13 +369,15 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
                 panels._addmm32_(acc_b[r], h[r][:, :gcols].T, xhat[r0:r0 + pr, lo:hi])
     mult = s32.reshape(()) * gs.reshape(())
     ds = rho_a.sum() * gs.reshape(()) if need_s else None
-    da = _finish(a, acc_a, L.ra[2], rho_a, bounds, float(spec.eps), mult, pre) if need_a else None
+    da = _finish(a, acc_a, L.ra[2], rho_a, bounds, float(spec.eps), mult, pre,
+                 torch.float32 if wide else a.dtype) if need_a else None
     db = None
     if need_b:
-        db = torch.zeros((m, d), dtype=b.dtype, device=dev)  # queue columns past grad_cols get no gradient
+        # (queue columns past grad_cols get no gradient)
+        db = torch.zeros((m, d), dtype=torch.float32 if wide else b.dtype, device=dev)
         if need_cols:
             db[:gcols] = _finish(b[:gcols], acc_b, L.rb[2][:, :gcols], rho_b[:gcols], bounds, float(spec.eps), mult,
-                                 pre)
+                                 pre, torch.float32 if wide else b.dtype)
     return da, db, ds
 
 
@@ -391,7 +399,8 @@ class TritonLevelsFn(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     @autocast_off
     def forward(ctx, a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef: Coeffs,
-                reduce: bool, dims: tuple[int, ...], lt: Tensor | None = None, may_split: bool = False):
+                reduce: bool, dims: tuple[int, ...], lt: Tensor | None = None, may_split: bool = False,
+                set_term: tuple[CoreSpec, CoreData, Coeffs] | None = None):
         dt = TL.kernel_dtype(a, b)
         L = _Levels(a.to(dt), None if b is None else b.to(dt), spec, data, coef.pos is not None, dims)
         want_col = coef.col is not None
@@ -420,6 +429,10 @@ class TritonLevelsFn(torch.autograd.Function):
         ctx.levels = L
         ctx.suffix = use_suffix(a.device, dt, L.k, p.a.shape[0] * (p.a if same else p.b).shape[0])
         ctx.target = data.target if coef.tgt is not None else None
+        ctx.set_coef = ctx.data = None
+        if set_term is not None:  # its value here; its gradient inside the kernels' tiles (HAS_SET)
+            value = value - _set_value(a, b, scale, set_term, reduce, dims)
+            ctx.set_coef, ctx.data = set_term[2].set, data
         return value
 
     @staticmethod
@@ -456,16 +469,39 @@ class TritonLevelsFn(torch.autograd.Function):
             if spec.exclude_self:
                 tw = torch.where(t == torch.arange(n, device=t.device) + spec.offset, 0.0, tw)
             tgt = (t, tw.contiguous())
+        g_set = None
+        if ctx.set_coef is not None:
+            # the positive-set term's -c.set_i go_k w_ij joins every level's tile in fp32 (its positives' fields
+            # prepared here: the forward ran without them)
+            g_set = torch.stack([set_grad(ctx.set_coef, go[i], n) for i in range(k)]).contiguous()
+            L.p = with_positives(L.p, L.p.a, None if same else L.p.b, ctx.spec, ctx.data)
+        # B is A: the two roles' gradients summed in fp32 before the one rounding
         da, db, ds = (_bwd_suffix if ctx.suffix else _bwd)(L, scale, ctx.spec, lse, lse_col, lse_pos, g, g_col, g_pos,
                                                          need_a, (need_b and not same) or (same and need_a), need_s,
-                                                         tgt)
+                                                         tgt, same, g_set)
         if same and da is not None:
             da = da + db
         adt, bdt, sdt, sshape = ctx.dtypes
         ga = da.to(adt) if need_a and da is not None else None
         gb = db.to(bdt) if need_b and not same and db is not None else None
         gs = ds.to(sdt).reshape(sshape) if need_s and ds is not None else None
-        return ga, gb, gs, None, None, None, None, None, None, None
+        return ga, gb, gs, None, None, None, None, None, None, None, None
+
+
+def _set_value(a: Tensor, b: Tensor | None, scale, set_term: tuple[CoreSpec, CoreData, Coeffs], reduce: bool,
+               dims: tuple[int, ...]) -> Tensor:
+    """The positive-set term ``c.set SET^k`` [K] or [K, N] of every level on its re-normalised fp32 prefix, without
+    a graph (``linear_terms.LinearTermsFn``'s forward called directly); its gradient is formed inside the kernels'
+    gradient tiles (HAS_SET), where in a softmax concentrated on the positives it nearly cancels against ``p_ij``."""
+    spec, data, coef = set_term
+    spec = dataclasses.replace(spec, normalize=True)  # each level's prefix normalised (eps-clamped, as F.normalize)
+    with torch.no_grad():
+        a32 = a.detach().to(torch.float32)
+        b32 = None if b is None else b.detach().to(torch.float32)
+        sc = scale.detach() if isinstance(scale, Tensor) else scale
+        return torch.stack([linear_terms.LinearTermsFn.forward(DirectCtx((False,) * 9), a32[:, :d],
+                                                               None if b32 is None else b32[:, :d], sc, spec, data,
+                                                               coef, reduce, torch.float32, False) for d in dims])
 
 
 def _merge_levels(lse_x: Tensor, lse_col_x: Tensor | None, rmax: Tensor, lt: Tensor, target: Tensor, coef: Coeffs,
@@ -518,14 +554,7 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
     # the target term's value rides with the kernels' (its logits per level, without a graph), so that in a 16-bit
     # softmax the levels' losses can split the target out (not where it is out of the softmax already)
     lt = None if coef.tgt is None else level_target_logits(a, b, scale, spec, data, tuple(dims))
-    out = TritonLevelsFn.apply(a, b, scale, lspec, ldata, lse_terms, reduce, tuple(dims), lt, not spec.exclude_target)
-    if coef.set is None:
-        return out
-    # the O(N*D) positive-set term per level, on the truncated rows re-normalised in float32
-    plain = dataclasses.replace(spec, normalize=False)
-    a32, b32 = a.to(torch.float32), None if b is None else b.to(torch.float32)
-    return out - torch.stack([
-        linear_terms.LinearTermsFn.apply(prefix_rows(a32, d, spec.eps),
-                                      None if b32 is None else prefix_rows(b32, d, spec.eps), scale, plain, data,
-                                      Coeffs(lse=coef.lse, set=coef.set), reduce, torch.float32, False)
-        for d in dims])
+    # the O(N*D) positive-set term per level rides with them too (its value there, its gradient in their tiles)
+    set_term = None if coef.set is None else (spec, data, Coeffs(lse=coef.lse, set=coef.set))
+    return TritonLevelsFn.apply(a, b, scale, lspec, ldata, lse_terms, reduce, tuple(dims), lt, not spec.exclude_target,
+                                set_term)

@@ -1,0 +1,125 @@
+"""The training-step matrix (tests/test_training_matrix.py) on the Triton routes a GPU takes, forced here: every cell's
+one optimizer-free step of the tiny offline encoder with the triton backend (the CPU interpreter) on the fused kernels,
+on the panel path in 4-row panels, and for the Matryoshka cells with the suffix backward; fp32 and autocast bf16 in
+one process, autocast bf16 under 2-rank gloo DDP. The matrix's default route on a CPU is the torch backend, so without
+these the kernels' autograd plumbing (autocast's casts, the fp32 sums of their pieces, DDP's gathered batches, the
+drop-ins' parameters) would only ever meet a real model on a GPU.
+
+Truth and tolerance as in the matrix: the float64 textbook step on the global batch, THE accuracy rule against the
+textbook's own error in the cell's precision. Each test also checks which kernels ran, so that a route that silently
+fell back to another fails."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_mod
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the test extra installs triton (pip install -e '.[test]')")
+
+from _training_matrix import BY_NAME, CELLS, fresh, global_data, step, truth_and_same  # noqa: E402
+from test_training_matrix import _assert_grads  # noqa: E402
+
+from fused_contrastive import routes  # noqa: E402
+
+#: The switchboard of each forced route (FUSED_CONTRASTIVE_<name> in a child process).
+ROUTES = {
+    "fused": {"BACKEND": "triton", "DENSE": "0", "TRITON_PATH": "fused"},
+    "panel": {"BACKEND": "triton", "DENSE": "0", "TRITON_PATH": "panel", "PANEL_ROWS": "4"},
+    "suffix": {"BACKEND": "triton", "DENSE": "0", "TRITON_PATH": "fused", "MATRYOSHKA_ROUTE": "suffix"},
+}
+CELL_IDS = [c.name for c in CELLS]
+MATRYOSHKA_CELLS = [c for c in CELL_IDS if "matryoshka" in c]
+ONE_PROCESS = [(c, r) for r in ("fused", "panel") for c in CELL_IDS] + [(c, "suffix") for c in MATRYOSHKA_CELLS]
+
+
+def _route_ran(route: str, names: set[str], cell: str, bf16: bool) -> None:
+    """The kernels that ran are the forced route's: some Triton launch; none of the panel path's on the fused route;
+    no fused log-sum-exp or Matryoshka backward on the panel path; the suffix kernel on the suffix route in 16 bits
+    (fp32 takes the kernels' own backward there)."""
+    assert names, f"{cell}/{route}: no Triton kernel ran"
+    if route in ("fused", "suffix"):
+        assert not {n for n in names if n.startswith(("panel_", "epi_"))}, (cell, route, names)
+    if route == "panel":
+        assert not {n for n in names if n.startswith(("lse_bwd", "mat_"))}, (cell, route, names)
+    if route == "suffix":
+        assert ("mat_epi" if bf16 else "mat_bwd_rows") in names, (cell, route, names)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name,route", ONE_PROCESS, ids=[f"{c}-{r}" for c, r in ONE_PROCESS])
+def test_one_process(name, route, precision, launches):
+    cell, bf16 = BY_NAME[name], precision == "bf16"
+    truth, same = truth_and_same(cell, bf16)
+    model, mod = fresh(cell)
+    launches.clear()
+    with routes.override(**ROUTES[route]):
+        got = step(cell, model, mod, global_data(cell), textbook=False, bf16=bf16)
+    _route_ran(route, {x.name for x in launches}, name, bf16)
+    _assert_grads(got, truth, same, bf16, f"{name}/{precision}/{route}")
+
+
+def _spawn_route(route: str, store) -> dict[str, dict]:
+    """{cell: {"grads": (rank 0's, rank 1's), "textbook": (...)} or {"error": text}}: every cell in one spawn of the
+    matrix's DDP worker (bf16, plain encoding), the route forced through the environment its ranks inherit."""
+    from _training_matrix import ddp_worker
+
+    env = {f"FUSED_CONTRASTIVE_{k}": v for k, v in ROUTES[route].items()}
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with mock.patch.dict(os.environ, env):
+        procs = [ctx.Process(target=ddp_worker, args=(r, 2, f"file://{store}", CELL_IDS, False, True, out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+    results = []
+    try:
+        for _ in range(2):
+            results.append(torch.load(io.BytesIO(out.get(timeout=300))))
+    except queue_mod.Empty:
+        return {c: {"error": "a rank did not report within 300 s"} for c in CELL_IDS}
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    cells: dict[str, dict] = {}
+    for name in CELL_IDS:
+        if all(name in r["grads"] for r in results):
+            ranks = sorted(results, key=lambda r: r["rank"])
+            cells[name] = {"grads": tuple(r["grads"][name] for r in ranks),
+                           "textbook": tuple(r["textbook"][name] for r in ranks)}
+        else:  # the worker stops at the first failing cell: that one's traceback, the rest not run
+            errs = [f"rank {r['rank']} failed at {r['error'][0]}:\n{r['error'][1]}" for r in results if r["error"]]
+            cells[name] = {"error": "\n".join(errs) or "not reported"}
+    return cells
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    cache: dict[str, dict] = {}
+
+    def get(route: str) -> dict[str, dict]:
+        if route not in cache:
+            cache[route] = _spawn_route(route, tmp_path_factory.mktemp(f"ddp_{route}") / "store")
+        return cache[route]
+    return get
+
+
+@pytest.mark.parametrize("route", ["fused", "panel"])
+@pytest.mark.parametrize("name", CELL_IDS)
+def test_ddp_two_ranks_bf16(name, route, ddp_runs):
+    res = ddp_runs(route)[name]
+    if "error" in res:
+        pytest.fail(f"{name}/{route}/ddp: {res['error']}")
+    truth, _ = truth_and_same(BY_NAME[name], True)
+    g0, g1 = res["grads"]
+    assert set(g0) == set(g1)
+    for k in g0:  # DDP leaves identical gradients on every rank
+        assert torch.equal(g0[k], g1[k]), f"{name}/{route}: grad {k} differs between the ranks"
+    _assert_grads(g0, truth, res["textbook"][0], True, f"{name}/bf16/{route}/ddp")
