@@ -1,6 +1,7 @@
 """The training-step matrix (tests/test_training_matrix.py) on the Triton routes a GPU takes, forced here: every cell's
 one optimizer-free step of the tiny offline encoder with the triton backend (the CPU interpreter) on the fused kernels,
-on the panel path in 4-row panels, and for the Matryoshka cells with the suffix backward; fp32 and autocast bf16 in
+on the panel path in 4-row panels (cuBLAS tiles, and the epilogue GEMM's), and for the Matryoshka cells with the suffix
+backward; fp32 and autocast bf16 in
 one process, autocast bf16 under 2-rank gloo DDP. The matrix's default route on a CPU is the torch backend, so without
 these the kernels' autograd plumbing (autocast's casts, the fp32 sums of their pieces, DDP's gathered batches, the
 drop-ins' parameters) would only ever meet a real model on a GPU.
@@ -31,22 +32,28 @@ from fused_contrastive import routes  # noqa: E402
 ROUTES = {
     "fused": {"BACKEND": "triton", "DENSE": "0", "TRITON_PATH": "fused"},
     "panel": {"BACKEND": "triton", "DENSE": "0", "TRITON_PATH": "panel", "PANEL_ROWS": "4"},
+    "epilogue": {"BACKEND": "triton", "DENSE": "0", "TRITON_PATH": "panel", "PANEL_ROWS": "4",
+                 "PANEL_GEMM": "epilogue"},
     "suffix": {"BACKEND": "triton", "DENSE": "0", "TRITON_PATH": "fused", "MATRYOSHKA_ROUTE": "suffix"},
 }
 CELL_IDS = [c.name for c in CELLS]
 MATRYOSHKA_CELLS = [c for c in CELL_IDS if "matryoshka" in c]
-ONE_PROCESS = [(c, r) for r in ("fused", "panel") for c in CELL_IDS] + [(c, "suffix") for c in MATRYOSHKA_CELLS]
+ONE_PROCESS = [(c, r) for r in ("fused", "panel", "epilogue") for c in CELL_IDS]
+ONE_PROCESS += [(c, "suffix") for c in MATRYOSHKA_CELLS]
 
 
 def _route_ran(route: str, names: set[str], cell: str, bf16: bool) -> None:
     """The kernels that ran are the forced route's: some Triton launch; none of the panel path's on the fused route;
-    no fused log-sum-exp or Matryoshka backward on the panel path; the suffix kernel on the suffix route in 16 bits
-    (fp32 takes the kernels' own backward there)."""
+    no fused log-sum-exp or Matryoshka backward on the panel path, and the epilogue GEMM on its route in 16 bits; the
+    suffix kernel on the suffix route in 16 bits (fp32 takes the kernels' own backward there)."""
     assert names, f"{cell}/{route}: no Triton kernel ran"
     if route in ("fused", "suffix"):
         assert not {n for n in names if n.startswith(("panel_", "epi_"))}, (cell, route, names)
-    if route == "panel":
+    if route in ("panel", "epilogue"):
         assert not {n for n in names if n.startswith(("lse_bwd", "mat_"))}, (cell, route, names)
+    if route == "epilogue" and bf16 and "panel_rows" in names:
+        # (the epilogue GEMM takes 16-bit operands, fp32 panels keep cuBLAS's tiles; SigLIP's and GIST's own forms)
+        assert names & {"epi_gemm", "epi_gemm_siglip", "guided_epi"} and "panel_dl" not in names, (cell, route, names)
     if route == "suffix":
         assert ("mat_epi" if bf16 else "mat_bwd_rows") in names, (cell, route, names)
 
