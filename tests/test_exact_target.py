@@ -16,7 +16,8 @@ CLIP, per-row InfoNCE, and SimCSE's triangular sweep with its transposed target 
 panels on both GEMM forms: 3.6e-3 to 8.9e-3 (the old form 0.044 to 0.33). The one pass (a summed InfoNCE on the panel
 path) weighs the target by ``-zx_i`` where the row's loss folds (``kernels/panel.py`` ``_target_weight``) and takes the
 target's cosine back into the temperature's sum with it: the temperature's gradient 2.6e-7 to 1.8e-5 where it was
-6.2e-3 to 1.2e-2."""
+6.2e-3 to 1.2e-2. A summed InfoNCE off the one pass (fp16, raw dot products) takes the split statistics forward and
+the recomputing backward instead of the two-pass eager sweep: its loss 0.46-0.51 off at margin 13 before, 4e-7 now."""
 
 from __future__ import annotations
 
@@ -174,3 +175,52 @@ def test_the_weight_without_the_target_terms_share(n, m):
     own = diag[torch.arange(n), target]
     want = g * (p_t - 1) + gc[target] * (pc_t - own.double())
     assert torch.allclose(w.double(), want, rtol=1e-5, atol=0), (w, want)
+
+
+def _summed_info_nce(dtype, normalize: bool, margin: float) -> tuple[float, float]:
+    """(the loss's, the temperature gradient's) relative error of a summed InfoNCE on the panel path (48-row panels)
+    against float64 on the same rounded rows, N = 128, D = 112, the saturated regime at ``margin``; with ``normalize``
+    False the rows are unit rows given as raw dot products."""
+    C.REGIME_MARGIN["saturated"] = margin
+    tensors, kwargs = make_inputs(CASE_BY_NAME["info_nce"], 128, 112, seed=3, regime="saturated")
+    if not normalize:
+        kwargs = dict(kwargs, normalize=False)
+        tensors = {k: torch.nn.functional.normalize(v, dim=-1) for k, v in tensors.items()}
+    out = []
+    for backend, dt in (("triton", dtype), ("reference", torch.float64)):
+        xs = [v.to(dtype).to(dt).requires_grad_() for v in tensors.values()]
+        sc = torch.tensor(float(kwargs["temperature"]), dtype=torch.float32 if dt != torch.float64 else dt,
+                          requires_grad=True)
+        loss = CASE_BY_NAME["info_nce"].fn(*xs, backend=backend, **dict(kwargs, temperature=sc))
+        out.append((loss.detach().double(), torch.autograd.grad(loss, sc)[0].double()))
+    (got, gs), (want, ws) = out
+    return float((got - want).abs() / want.abs()), float((gs - ws).abs() / ws.abs())
+
+
+#: a summed InfoNCE's loss on the panel path where the one pass does not apply (measured 3e-8 to 4e-7)
+SUMMED_LOSS_TOL = 1e-5
+#: (dtype, normalize): fp16's range keeps it off the one pass; raw dot products (normalize=False) too
+OFF_THE_ONE_PASS = [(torch.float16, True), (torch.float16, False), (torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("margin", [9.0, 13.0])
+@pytest.mark.parametrize("dtype,normalize", OFF_THE_ONE_PASS, ids=["fp16", "fp16-raw", "bf16-raw"])
+def test_summed_info_nce_off_the_one_pass(dtype, normalize, margin, route, launches):
+    # the split statistics forward and the recomputing backward with the exact weights (as per-row losses), where the
+    # two-pass eager sweep kept the target in its statistics: there the loss was 7.5e-3 (fp16) and 2.2e-3 (bf16 raw)
+    # off float64 at margin 9, 2.3e-2 / 0.51 / 0.46 at margin 13, the temperature's gradient up to 1.2e-2; now the loss
+    # 3e-8 to 2e-7 and the temperature's gradient 6e-8 to 1.3e-7
+    route(TRITON_PATH="panel", PANEL_GEMM="cublas", PANEL_ROWS=48)
+    loss_err, scale_err = _summed_info_nce(dtype, normalize, margin)
+    tiles = [x for x in launches if x.name == "panel_dl"]
+    assert tiles and all(not x.constexprs["EAGER"] and x.constexprs["EXACT_T"] for x in tiles), tiles
+    assert loss_err <= SUMMED_LOSS_TOL, f"the loss off float64 by {loss_err:.3g}"
+    assert scale_err <= SCALE_TOL, f"the temperature's gradient off by {scale_err:.3g}"
+
+
+def test_the_eager_sweep_misses(monkeypatch, route):
+    # planted: no split on the panel path (the two-pass eager sweep, its statistics with the target in) misses both
+    route(TRITON_PATH="panel", PANEL_GEMM="cublas", PANEL_ROWS=48)
+    monkeypatch.setattr(triton_fused, "splits_forward", lambda *a, **k: False)
+    loss_err, scale_err = _summed_info_nce(torch.float16, False, 13.0)
+    assert loss_err > 0.1 and scale_err > SCALE_TOL, (loss_err, scale_err)

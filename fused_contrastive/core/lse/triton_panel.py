@@ -37,7 +37,9 @@ gradient tile ``g_i p_ij = W_i e_ij`` needs no second read of the fp32 panel. A 
 ``z_i < 2^-64`` (all its logits below ``c - 104.4``: possible only for ``|s| + bias > 52``; at
 ``|s| = 100`` a row whose every cosine is below -0.004; its small ``e_ij`` would lose precision) is
 redone exactly in two passes (``W = 1`` there). Otherwise
-(positives' softmax, fp16, raw dot products) the eager sweep reads the panel twice.
+(positives' softmax, fp16, raw dot products) the eager sweep reads the panel twice; with a target term split out
+of 16-bit tiles (no bias column, no positives' softmax) those take the split statistics forward and the recomputing
+backward instead, whose exact target weights the eager sweep's statistics cannot give.
 
 Units (one unit = one N x M x D matmul = 2 N M D FLOPs), by case:
 
@@ -567,6 +569,14 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term)
     ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
     eager = reduce and not want_col and not ctx.tri and (need_a or need_b or need_s)
+    if eager and not takes_one_pass(eager, want_pos, spec, a.dtype) and p.bias_col is None and not want_pos \
+            and triton_fused.splits_forward(ctx, coef, a.dtype):
+        # 16-bit tiles with a target term where the one pass does not apply (fp16's range, raw dot products): the
+        # split statistics forward and the recomputing backward with the exact target weights, as per-row losses
+        # take, instead of the two-pass eager sweep, whose statistics keep the target in (the loss's LSE_i - l_it
+        # and the target's p_t - 1 then cancel in a saturated softmax). The same matmul work: 1 unit forward and 2
+        # backward against the eager sweep's 3 in forward.
+        eager = False
     # the SET term's gradient formed inside the 16-bit tiles (core.PiecesFn hands over its coefficients), except
     # on the one-pass sweep: its e_ij tile is stored before the row's sum is known, so p_ij - c.set_i w_ij cannot
     # be formed there (that route keeps SET's gradient in core/linear_terms.py, rounded apart from p_ij)
