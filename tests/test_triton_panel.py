@@ -977,6 +977,8 @@ _COMPILE = textwrap.dedent(
         elif variant in ("clip", "rows"):  # CLIP, and InfoNCE's per-row losses: the statistics forward with SPLIT_T
             spec, data = CoreSpec(), CoreData()
             coef = Coeffs(0.5, col=0.5) if variant == "clip" else Coeffs(1.0)
+        elif variant == "margin":  # LaBSE's symmetric additive margin: SPLIT_T with the margin's bias column
+            spec, data, coef = CoreSpec(margin=0.35), CoreData(), Coeffs(0.5, col=0.5)
         elif variant.startswith("onepass"):  # every term the one-pass sweep takes
             spec = CoreSpec(exclude_self=True, offset=3, bias=0.5, grad_cols=m // 2)
             data, coef = CoreData(bias_col=torch.empty(n, dtype=torch.int64, device=meta)), Coeffs(1.0)
@@ -1019,7 +1021,7 @@ _COMPILE = textwrap.dedent(
     for cc, arch in compile_survey.TARGETS:
         for variant, dtypes in (("onepass", (torch.bfloat16,)), ("col", (torch.bfloat16, torch.float16)),
                                 ("stats", (torch.bfloat16, torch.float16)), ("clip", (torch.bfloat16, torch.float16)),
-                                ("rows", (torch.bfloat16, torch.float16)),
+                                ("rows", (torch.bfloat16, torch.float16)), ("margin", (torch.bfloat16, torch.float16)),
                                 ("sym", (torch.bfloat16, torch.float16)), ("tri", (torch.bfloat16, torch.float16))):
             hook(PANEL_ROWS=1024 if variant == "tri" else None)
             for dt in dtypes:
@@ -1104,6 +1106,7 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
                                                           ("stats", ("torch.bfloat16", "torch.float16")),
                                                           ("clip", ("torch.bfloat16", "torch.float16")),
                                                           ("rows", ("torch.bfloat16", "torch.float16")),
+                                                          ("margin", ("torch.bfloat16", "torch.float16")),
                                                           ("sym", ("torch.bfloat16", "torch.float16")),
                                                           ("tri", ("torch.bfloat16", "torch.float16")),
                                                           ("siglip", ("torch.bfloat16", "torch.float16")))
@@ -1114,7 +1117,8 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
     # fused forward
     assert {(r["variant"], r["mode"]) for r in epi} == {("onepass", 1), ("onepass", 2), ("col", 0), ("stats", 0),
                                                        ("stats", 3), ("clip", 0), ("clip", 3), ("rows", 0),
-                                                       ("rows", 3), ("sym", 0), ("tri", 0), ("tri", 3),
+                                                       ("rows", 3), ("margin", 0), ("margin", 3), ("sym", 0),
+                                                       ("tri", 0), ("tri", 3),
                                                        ("siglip", 4), ("siglip", 5)}
     # SigLIP's forward (losses only) and backward (the gradient tile) are two compiles of MODE 4, its one
     # pass (both) one of MODE 5, per arch and dtype
@@ -1122,10 +1126,9 @@ def test_epilogue_gemm_compiles_pipelined_on_tensor_cores_without_spills(compile
     assert {r["variant"] for r in epi if r["tri"]} == {"tri"}
     # the gradient tiles' modes with each row's target column split out, as a loss with a target runs them
     # (not beside a softmax over positives: "col" and "sym" carry one), and the statistics forward with a target term
-    # and no bias column (MODE 3: the target entry out of the row and column statistics; "stats" has a bias column)
-    assert all(r.get("split", False) == ((r["mode"] in (0, 1, 2) or (r["mode"] == 3 and r["variant"] != "stats"))
-                                         and r["variant"] not in ("col", "sym"))
-               for r in epi), epi
+    # (MODE 3: the target entry out of the row and column statistics; with a bias column, "stats", or a margin's)
+    assert all(r.get("split", False) == (r["mode"] in (0, 1, 2, 3) and r["variant"] not in ("col", "sym"))
+               for r in epi if r["variant"] != "siglip"), epi
     bad = [r for r in epi if r["spill_stores"] or r["spill_loads"]]
     assert not bad, bad
     # tensor cores (wgmma on sm_90, mma.sync on sm_80) fed by cp.async (the software pipeline), in the

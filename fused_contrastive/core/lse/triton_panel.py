@@ -168,13 +168,14 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
     ``"loss"`` [N] fp32, each row's ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)`` (no cancellation in the
     saturated regime; ``LSE_i`` where ``l_it`` is -inf) and ``"fold"`` [N] fp32, 1 where the row's entry is the
     difference and 0 where it is ``LSE_i``, as ``triton_fused._lse_fwd``'s split forward reports them (without
-    ``tri``: ``triton_fused.merge_split``, the columns' too). No bias column or margin with the split.
+    ``tri``: ``triton_fused.merge_split``, the columns' too). A bias column (a margin: AM-softmax, LaBSE) adds its
+    bias to ``l_it`` where ``t_i`` is the row's bias column, as the tiles do. No bias column with ``tri``.
     With the option ``FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws`` (sm_90 and a tested Triton: ``triton_shared.gluon_epi``)
     the partials come from the persistent warp-specialised Gluon kernel instead (the same rows' layout; the columns'
     per 64 rows), but not with the target split, which the Gluon kernel does not have."""
     split = target is not None and minus_target is not None
-    if split and prep.bias_col is not None:
-        raise ValueError("stats_forward: target: the statistics forward's split takes no bias column or margin")
+    if split and tri and prep.bias_col is not None:
+        raise ValueError("stats_forward: target: the triangular statistics forward's split takes no bias column")
     n, d = a.shape
     m = b.shape[0]
     dev, dt = a.device, a.dtype
@@ -237,22 +238,29 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
     if split:  # LSEx and LSEcolx: the dot's target logit for the losses, the tile's for the backward's LSEs
         # (merge_split's second half is each row's largest tile logit, which it takes where the dot's value lies
         # within TILE_TARGET_TOL of it: the tile's own target logit always does)
-        lt = _target_logit(a, b, target, scale_t, spec)
+        lt = _target_logit(a, b, target, scale_t, spec, bias_col=prep.bias_col)
         return triton_fused.merge_split(lse, lse_col, torch.cat([lt, lt_tile]), target, False, minus_target)
     return lse, lse_col
 
 
-def _target_logit(a: Tensor, b: Tensor, target: Tensor, scale_t: Tensor, spec, with_valid: bool = False):
+def _target_logit(a: Tensor, b: Tensor, target: Tensor, scale_t: Tensor, spec, with_valid: bool = False,
+                  bias_col: Tensor | None = None):
     """``l_it = s c_i`` [N] fp32, ``c_i`` the fp32 cosine of row i of ``a`` with row ``t_i`` of ``b`` (one O(N D) row
     kernel, ``target_cos``), -inf where the target is out of range or the row's own excluded column; with
-    ``with_valid`` ``(valid, l_it)``."""
+    ``with_valid`` ``(valid, l_it)``. ``bias_col`` [N] (the prepared bias column, or None): where ``t_i`` is it, the
+    tiles' bias, ``s (c_i - margin)`` for a margin (the kernels' BIAS_COS), else ``s c_i + bias``."""
     n = a.shape[0]
     idx = torch.arange(n, device=a.device)
     valid = (target >= 0) & (target < b.shape[0])
     if spec.exclude_self:
         valid = valid & (target != idx + int(spec.offset))
     cos = target_cos(a, b, torch.where(valid, target, torch.zeros_like(target)), spec.eps, spec.normalize)
-    lt = torch.where(valid, cos * scale_t.reshape(()), float("-inf"))
+    s = scale_t.reshape(())
+    lt = cos * s
+    if bias_col is not None:
+        hit = target == bias_col
+        lt = torch.where(hit, (cos - spec.margin) * s if spec.margin != 0.0 else lt + spec.bias, lt)
+    lt = torch.where(valid, lt, float("-inf"))
     return (valid, lt) if with_valid else lt
 
 
@@ -569,7 +577,7 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     # the target column left out of the 16-bit tiles (core.PiecesFn asks, with a target term)
     ctx.split = data.target if getattr(ctx, "split_target", False) and coef.pos is None else None
     eager = reduce and not want_col and not ctx.tri and (need_a or need_b or need_s)
-    if eager and not takes_one_pass(eager, want_pos, spec, a.dtype) and p.bias_col is None and not want_pos \
+    if eager and not takes_one_pass(eager, want_pos, spec, a.dtype) and not want_pos \
             and triton_fused.splits_forward(ctx, coef, a.dtype):
         # 16-bit tiles with a target term where the one pass does not apply (fp16's range, raw dot products): the
         # split statistics forward and the recomputing backward with the exact target weights, as per-row losses
@@ -615,11 +623,11 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     else:
         ctx.eager = None
         minus = {}
-        # 16-bit tiles with a target term (CLIP, per-row InfoNCE): each row's loss less its target logit, and CLIP's
-        # column's, without the cancellation (the fused forward's split, or the epilogue GEMM's statistics with
-        # SPLIT_T); not with a bias column (a margin), and not where FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws asks for the
-        # Gluon statistics forward, which has no split (that option keeps the old loss: docs/panel-path.md)
-        split16 = triton_fused.splits_forward(ctx, coef, a.dtype) and p.bias_col is None and not want_pos
+        # 16-bit tiles with a target term (CLIP, per-row InfoNCE, AM-softmax's margin): each row's loss less its target
+        # logit, and CLIP's column's, without the cancellation (the fused forward's split, or the epilogue GEMM's
+        # statistics with SPLIT_T); not where FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws asks for the Gluon statistics
+        # forward, which has no split (that option keeps the old loss: docs/panel-path.md)
+        split16 = triton_fused.splits_forward(ctx, coef, a.dtype) and not want_pos
         if panels.use_epilogue(dev, a.dtype, "known", n * bb.shape[0]) and not want_pos:
             split16 = split16 and not gluon_epi.requested()
             lse, lse_col = stats_forward(TL._launch, p, p.a, bb, scale_t, spec, want_col,
