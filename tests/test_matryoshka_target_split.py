@@ -204,3 +204,33 @@ def test_every_target_loss_takes_the_split_in_16_bits(kernels, launches, case, r
     assert len(g_got) == len(g_want) > 0
     for i, (a, b) in enumerate(zip(g_got, g_want, strict=True)):
         _check(a, b, torch.bfloat16, f"grad {i}")
+
+
+@pytest.mark.parametrize("case", ["supcon_out", "supcon_one", "supcon_mask", "supcon_queue", "dscl", "supcon_simclr"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_the_positive_set_term_in_the_tiles(kernels, launches, case, reduction):
+    """The positive-set term's gradient inside every level's gradient tile (HAS_SET) on the losses that have one, in
+    bf16 (labels, a float mask, a queue, DSCL's target beside it, B is A and not): loss and every gradient against the
+    float64 definition (``tests/test_triton_matryoshka.py``'s bf16 bounds). Planted: without HAS_SET the SET term's
+    gradient is missing and the test fails (``test_the_set_weights_matter``)."""
+    from test_triton_matryoshka import _check, _run
+
+    got, g_got = _run(case, reduction, "triton", torch.bfloat16)
+    want, g_want = _run(case, reduction, "def", torch.bfloat16)
+    bwd = [x for x in launches if x.name.startswith("mat_bwd")]
+    assert bwd and all(x.constexprs["HAS_SET"] and x.constexprs["POS_KIND"] for x in bwd), bwd
+    _check(got, want, torch.bfloat16, "loss")
+    assert len(g_got) == len(g_want) > 0
+    for i, (a, b) in enumerate(zip(g_got, g_want, strict=True)):
+        _check(a, b, torch.bfloat16, f"grad {i}")
+
+
+def test_the_set_weights_matter(kernels, monkeypatch):
+    """Planted: the SET coefficients zeroed on their way into the tiles: the gradients miss the definition."""
+    from test_triton_matryoshka import _run
+
+    orig = TM.set_grad
+    monkeypatch.setattr(TM, "set_grad", lambda c, go, n: torch.zeros_like(orig(c, go, n)))
+    _, g_got = _run("supcon_out", "mean", "triton", torch.float32)
+    _, g_want = _run("supcon_out", "mean", "def", torch.float32)
+    assert max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(g_got, g_want, strict=True)) > 0.05

@@ -544,8 +544,8 @@ def run(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData, coef
         dims: tuple[int, ...]) -> Tensor:
     """The core op at every level on the Triton kernels: ``[K]`` sums or ``[K, N]`` per-row values
     (float32), level k in row k (``dims`` ascending)."""
-    # the target term's gradient is formed inside the kernels' tiles (TritonLevelsFn.backward), its value
-    # below without a graph; the positive-set term keeps its own O(N*D) backward
+    # the linear terms' gradients are formed inside the kernels' tiles (TritonLevelsFn.backward: the target's at its
+    # column, the positive set's at its positives), their values on the host without a graph
     lse_terms = Coeffs(lse=coef.lse, col=coef.col, pos=coef.pos, tgt=coef.tgt)
     lspec, ldata = spec, data
     if spec.exclude_target:  # the target column leaves the softmax as a -inf bias on it, as core.pieces does
