@@ -23,6 +23,7 @@ from torch import Tensor
 from ..._amp import autocast_off
 from ..._first_order import first_order
 from ..._tracing import tensors_are_traced
+from ..linear_terms import target_rows_less
 from ..norms import clamped_norms
 from ..spec import Coeffs, CoreData, CoreSpec, drop_zero
 
@@ -134,6 +135,35 @@ def _softmax(p: Tensor, dim: int, exact_sum: bool) -> Tensor:
     return p
 
 
+def _softplus(x: Tensor) -> Tensor:
+    """``log(1 + e^x)``, accurate on both sides of 0 (and 0 at -inf)."""
+    return torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
+
+
+def _split(lsm: Tensor, idx: Tensor, dim: int, keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The target split of a log-softmax tile ``lsm`` along ``dim`` (1: rows, 0: columns), the target entry of each
+    row (column) at ``idx`` [N, 1] ([1, M]) where ``keep`` (None: every one): ``(loss, fold, rest)``, fp [N] ([M]):
+    ``-lsm_t`` as ``softplus(log(1 - p_t) - log p_t)`` with ``log(1 - p_t)`` the log-sum-exp of the other entries
+    (no cancellation of ``LSE - l_t`` or ``1 - p_t`` in a saturated softmax: ``p_t`` within an ulp of 1), 1 where
+    the entry is split (kept, finite), and ``1 - p_t`` there (0 elsewhere)."""
+    at = lsm.gather(dim, idx)
+    lt = at.squeeze(dim)
+    fold = lt > _NEG_INF
+    if keep is not None:
+        fold = fold & keep
+    lsm.scatter_(dim, idx, _NEG_INF)  # (in place, then restored: no second tile)
+    rest_log = torch.logsumexp(lsm, dim=dim)
+    lsm.scatter_(dim, idx, at)
+    loss = torch.where(fold, _softplus(rest_log - lt), -lt)
+    return loss, fold, torch.where(fold, rest_log.exp(), 0.0)
+
+
+def _vector(c, g: Tensor, n: int) -> Tensor:
+    """``c * g`` as an [n] vector (``c`` a number or [n]; ``g`` 0-dim or [n])."""
+    x = c * g
+    return x.expand(n) if x.dim() == 0 else x
+
+
 class DenseCoreFn(torch.autograd.Function):
     """The core op (``spec.py``) on one materialised tile; returns the per-row loss [N] or its sum."""
 
@@ -174,17 +204,32 @@ class DenseCoreFn(torch.autograd.Function):
             lsm = torch.nan_to_num(lsm, nan=_NEG_INF)
         ce = _cross_entropy_form(coef) and not spec.exclude_target
         w = lsmc = lpp = None
+        # the target split (fp32 tiles, a target term, no softmax over positives): each row's LSE_i - l_it, and CLIP's
+        # column's, from the other entries' log-sum-exp (_split), and the backward's target weight from 1 - p_t formed
+        # the same way: in a saturated softmax (p_t within ~1e-7 of 1) LSE_i and l_it round alike in fp32, and so do
+        # p_t and 1, whatever the inputs' dtype (float64 tiles keep the plain form)
+        split = dt == torch.float32 and coef.tgt is not None and coef.pos is None and not spec.exclude_target \
+            and not empty
+        ctx.split = None
+        if split:
+            t_idx = data.target[:, None]
+            row_loss, fold, rest = _split(lsm, t_idx, 1)
         if ce:
             # loss_i = c_i (LSE_i - l_{i, t_i}) = -c_i log_softmax(l)_{i, t_i}
-            picked = lsm.gather(1, data.target[:, None])[:, 0]
+            picked = lsm.gather(1, data.target[:, None])[:, 0] if not split else -row_loss
             if reduce and not isinstance(coef.tgt, Tensor) and coef.tgt != 0:
                 out = picked.sum() * -coef.tgt  # one number for every row: sum, then scale
             else:
                 out = drop_zero(coef.tgt, picked, spec.exclude_self).neg_()
+            if split:
+                ctx.split = (fold, rest, None, None, fold.to(dt) * (coef.tgt if not isinstance(coef.tgt, Tensor)
+                                                                     else coef.tgt.to(dt)))
         else:
             # loss_i = c.lse LSE_i + c.col LSEcol_i + c.pos LSEpos_i - c.tgt TGT_i - c.set SET_i, with
             # LSE = max(l) - max(log_softmax(l)) and LSEpos = LSE + LPP, LPP = log sum_j w_ij softmax_ij
             lse = torch.logsumexp(l, dim=1) if empty else l.amax(dim=1) - lsm.amax(dim=1)
+            if split:  # the split rows' LSE_i - l_it in place of LSE_i; the target term leaves c.lse_i l_it out below
+                lse = torch.where(fold, row_loss, lse)
             c_lse = coef.lse
             if coef.pos is not None:
                 w = _positive_weights(data, spec, n, m, dt, a.device)
@@ -197,6 +242,13 @@ class DenseCoreFn(torch.autograd.Function):
                 if empty:
                     lsmc = torch.nan_to_num(lsmc, nan=_NEG_INF)
                 lse_col = torch.logsumexp(l, dim=0) if empty else l.amax(dim=0) - lsmc.amax(dim=0)
+                if split:  # column j's (j, j) apart where row j's target is j (CLIP's pairs)
+                    k = min(n, m)
+                    own = torch.zeros(m, dtype=torch.bool, device=l.device)
+                    own[:k] = data.target[:k] == torch.arange(k, device=l.device)
+                    cols = torch.arange(m, device=l.device).clamp(max=n - 1)[None, :]  # (columns past N: not kept)
+                    col_loss, col_fold, col_rest = _split(lsmc, cols, 0, own)
+                    lse_col = torch.where(col_fold, col_loss, lse_col)
                 col = drop_zero(coef.col, lse_col, empty)
                 out = out + col if not reduce else out  # a summed column term is added below
             uni = uniform_weight(data, coef)
@@ -204,7 +256,17 @@ class DenseCoreFn(torch.autograd.Function):
                 w = _positive_weights(data, spec, n, m, dt, a.device)
             if coef.tgt is not None:
                 picked = l.gather(1, data.target[:, None])[:, 0] if l_tgt is None else l_tgt
-                out = out - drop_zero(coef.tgt, picked, spec.exclude_self)
+                if split:  # the target term without the c_i l_it the split rows' and columns' losses hold
+                    less = drop_zero(coef.lse, fold.to(dt), False)
+                    less = less.expand(n).clone() if less.dim() == 0 else less.clone()
+                    if coef.col is not None:
+                        k = min(n, m)
+                        less[:k] += drop_zero(coef.col, col_fold.to(dt), False).expand(m)[:k]
+                    out = out - target_rows_less(coef.tgt, less, picked)
+                    ctx.split = (fold, rest, None if coef.col is None else col_fold,
+                                 None if coef.col is None else col_rest, less)
+                else:
+                    out = out - drop_zero(coef.tgt, picked, spec.exclude_self)
             if coef.set is not None and uni:  # one weight for every column but the excluded own one
                 w00 = data.pos_mask.reshape(()).to(dt)
                 rows = cos.sum(dim=1)
@@ -243,19 +305,54 @@ class DenseCoreFn(torch.autograd.Function):
         # pc = exp(log_softmax over columns), q = w exp(lsm - LPP) (the softmax restricted to positives)
         # with a scale gradient, each softmax is divided by its computed sum (see _softmax)
         dl = _softmax(lsm.exp(), 1, need_s).mul_(_per_row(coef.lse, g))
+        split = ctx.split
+        row_t = col_t = set_t = None
+        if split is not None:  # the tiles' own target entries, for the rows (columns) the split does not take
+            t_idx = data.target[:, None]
+            row_t = dl.gather(1, t_idx)[:, 0]
         if coef.col is not None:
-            dl.add_(_softmax(lsmc.exp(), 0, need_s).mul_(coef.col * g))
+            pcg = _softmax(lsmc.exp(), 0, need_s).mul_(coef.col * g)
+            if split is not None:
+                col_t = pcg.gather(1, t_idx)[:, 0]
+            dl.add_(pcg)
+            del pcg
         if coef.pos is not None:
             safe = torch.where(lpp == _NEG_INF, 0.0, lpp)  # a row without positives: exp(-inf) = 0 below
             q = _softmax((_positive_logits(lsm, w) - safe[:, None]).exp_(), 1, need_s)
             dl.add_(q.mul_(_per_row(coef.pos, g)))
         if coef.set is not None and w is None:  # one weight for every column (uniform_weight)
             dl.sub_(_per_row(coef.set, g) * data.pos_mask.reshape(()).to(dl.dtype))
+            if split is not None:
+                set_t = -_vector(coef.set, g, cos.shape[0]) * data.pos_mask.reshape(()).to(dl.dtype)
             if spec.exclude_self:
                 dl.diagonal(spec.offset).zero_()
         elif coef.set is not None:
             dl.sub_(w * _per_row(coef.set, g))
-        if coef.tgt is not None:
+            if split is not None:
+                set_t = -_vector(coef.set, g, cos.shape[0]) * w.gather(1, t_idx)[:, 0].to(dl.dtype)
+        if split is not None:
+            # each target entry from its parts, none formed as a difference of nearly equal numbers: the row's
+            # -g_i c.lse_i (1 - p_t) where split (else its tile value), CLIP's column -g_i c.col_i (1 - pc_ii) where
+            # column i's pair (i, i) is split (else the column tile's value), the SET term's value there, and the
+            # target term's coefficient less the share the split took (``less``)
+            fold, rest, col_fold, col_rest, less = split
+            n, m = cos.shape
+            v = torch.where(fold, -_vector(coef.lse, g, n) * rest, row_t)
+            if col_fold is not None:
+                k = min(n, m)
+                own = torch.zeros(n, dtype=torch.bool, device=dl.device)
+                own[:k] = col_fold[:k]
+                gc_rest = torch.zeros(n, dtype=dl.dtype, device=dl.device)
+                gc_rest[:k] = _vector(coef.col, g, m)[:k] * col_rest[:k]
+                v = v + torch.where(own, -gc_rest, col_t)
+            if set_t is not None:
+                v = v + set_t
+            tgt_c = coef.tgt.to(dl.dtype) if isinstance(coef.tgt, Tensor) else coef.tgt
+            v = v - (tgt_c - less) * _vector(1.0, g, n)
+            dl.scatter_(1, t_idx, v[:, None])
+            if spec.exclude_self:
+                dl.diagonal(spec.offset).zero_()  # a target on the excluded column carries no gradient
+        if coef.tgt is not None and split is None:
             dl.scatter_add_(1, data.target[:, None], _per_row(coef.tgt, g).neg().expand(cos.shape[0], 1))
             if spec.exclude_self:
                 dl.diagonal(spec.offset).zero_()  # a target on the excluded column carries no gradient

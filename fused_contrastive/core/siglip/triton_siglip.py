@@ -16,6 +16,7 @@ compiles of ``tools.compile_survey`` see exactly these argument lists, and ``wra
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,13 @@ from ..triton_shared.configs import config_for
 from . import triton_sweep
 
 __all__ = ["TritonSigLipFn", "use_panel_route"]
+
+#: The SigLIP forward's tile on sm_80 (16-bit, the shared "fwd" config's 128 x 128 at 16 warps otherwise): there, at
+#: 128 registers a thread, its softplus epilogue spilled 32 bytes under Triton 3.6 (the version PyTorch's CUDA wheels
+#: ship: bench/gpu_compiles.py), and 128 x 128 at 8 warps spilled 16 under Triton 3.9; 128 x 64 at 8 warps (the fused
+#: forward's tile with a softmax over positives) compiles without under both (180-182 registers). Untimed on a GPU
+#: (no A100 has been lent), as the 16 warps were.
+SIGLIP_FWD_SM80 = dict(block_n=64, num_warps=8)
 
 
 class _Prepared(NamedTuple):
@@ -70,7 +78,10 @@ def siglip_fwd(x: Tensor, y: Tensor, scale, bias, normalize: bool, eps: float, o
     dev = x.device
     n, d = x.shape
     p = _prepare(x, y, normalize, eps)
-    cfg, block_d, _ = config_for("fwd", TL._arch(dev), p.x.dtype, d)
+    arch = TL._arch(dev)
+    cfg, block_d, _ = config_for("fwd", arch, p.x.dtype, d)
+    if arch == "sm80" and p.x.dtype != torch.float32:
+        cfg = dataclasses.replace(cfg, **SIGLIP_FWD_SM80)
     loss = TL._alloc((n,), torch.float32, dev)
     rsx, rsy = p.norms[4:]
     TL._launch(TL.Launch(
