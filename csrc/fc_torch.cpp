@@ -22,7 +22,7 @@
 // split's, in "info_nce" / "clip" where the "_margin_split" feature sets are built; the fused kernels at every
 // size, never the panel path): lse_x, lse_col_x (the merged column partials) and lt [2n] as the header says; lse /
 // lse_col of the backward are the caller's merged ones (core/lse/triton_fused.py merge_split); w [n] the combined weights
-// at each row's target logit (the header's W_i: triton_fused.exact_weights), passed as tv = w / gscale; tw [n] =
+// at each row's target logit (the header's W_i: target_split.exact_weights), passed as tv = w / gscale; tw [n] =
 // gscale * tv (triton_fused._lse_bwd's fourth result).
 //
 // Large problems take the panel path, as the Python backend does (core/lse/triton_panel.py): on CUDA tensors

@@ -7,7 +7,7 @@ difference formed in fp32 keeps few correct digits. The forward kernel keeps eac
 statistics and, where column j's target is row j (CLIP's pairs), the entry ``(j, j)`` out of column j's, and writes
 the target's logit apart; the host forms both halves as ``softplus(LSEx - l_t)`` and the target term's value leaves
 ``c_i l_it`` out for those rows (``core.forward_parts``). The backward's LSEs are the merged ones, formed from the
-tile's own rounding of the target logit (the row's max where the target is it: ``triton_fused.tile_target``), so
+tile's own rounding of the target logit (the row's max where the target is it: ``target_split.tile_target``), so
 the gradients keep their accuracy. Under the CPU interpreter at 256 rows in bf16 and fp16, against float64 on the
 same rounded inputs: relative error <= ``REL_TOL`` summed and per pair (measured 3e-8 to 1.1e-7 summed, 4e-6 to
 6e-6 per pair; the old form: 3.8e-3 / 4.0e-3 summed at a margin of 9 in bf16 / fp16, 8.3e-3 / 7.4e-2 at 13, 0.14 /

@@ -31,6 +31,7 @@ try:
 except ImportError:  # pragma: no cover - the test extra installs triton
     pytest.skip("triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
+from fused_contrastive.core import target_split
 from fused_contrastive.core.lse import triton_fused
 from fused_contrastive.testing import CASE_BY_NAME
 from fused_contrastive.testing import cases as C
@@ -166,10 +167,10 @@ def test_the_weight_without_the_target_terms_share(n, m):
     diag[torch.arange(k), torch.arange(k)] = target[:k] == torch.arange(k)
     lse_col_x = logits.masked_fill(diag, float("-inf")).logsumexp(0)
     minus: dict = {}
-    lse, lse_col = triton_fused.merge_split(lse_x.float(), lse_col_x.float(), torch.cat([lt, lt]).float(), target,
+    lse, lse_col = target_split.merge_split(lse_x.float(), lse_col_x.float(), torch.cat([lt, lt]).float(), target,
                                             False, minus)
     g, gc = torch.rand(n, dtype=torch.float64), torch.rand(m, dtype=torch.float64)
-    w = triton_fused.exact_weights(minus, target, g.float(), gc.float(), lse_col)
+    w = target_split.exact_weights(minus, target, g.float(), gc.float(), lse_col)
     p_t = logits.softmax(1)[torch.arange(n), target]
     pc_t = logits.softmax(0)[torch.arange(n), target]
     own = diag[torch.arange(n), target]

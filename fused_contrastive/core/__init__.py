@@ -163,7 +163,7 @@ def backward_parts(subs, go: Tensor, dtypes) -> list[Tensor | None]:
         if fn is linear_terms.LinearTermsFn:
             ctx.target_extra = moved  # added to its target coefficient: the two meet in fp32
             # the coefficients c_i whose share of the target's weight is in ``moved`` already (formed from the split
-            # statistics, exactly: triton_fused.exact_weights); the target term leaves them out, as its value does
+            # statistics, exactly: target_split.exact_weights); the target term leaves them out, as its value does
             ctx.target_less = less
             ctx.grads_in = grads  # fp32 gradients of the pieces before it, which it may add to in place
             ctx.set_taken = took_set  # its SET gradient already formed in the log-sum-exp piece's tiles

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from ..core import target_split
 from ..core.lse import triton_fused
 from ..core.spec import CoreData, CoreSpec
 from ..core.triton_shared import launch as TL
@@ -94,7 +95,7 @@ def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, wan
     the target entries out of its statistics too (``_lse_fwd``'s ``minus_target``, the fp16 / bf16 fused
     route of ``triton_function``; the C API's ``fc_forward_split``), one target vector for both. ``exact`` (with
     ``split_fwd``): the backward takes the target weights formed from the split's statistics (EXACT_T,
-    ``triton_fused.exact_weights``), as ``triton_function`` does (the C library's split does not)."""
+    ``target_split.exact_weights``), as ``triton_function`` does (the C library's split does not)."""
     meta = torch.device("meta")
     a = torch.empty((n, d), dtype=dtype, device=meta)
     b = torch.empty((m, d), dtype=dtype, device=meta) if has_b else None
@@ -113,7 +114,7 @@ def record_core(spec: CoreSpec, data: CoreData, has_b: bool, want_col: bool, wan
                                                          minus_target=minus if split_fwd else None)
         g = torch.empty(n, device=meta)
         g_col = None if lse_col is None else torch.empty(lse_col.shape, device=meta)
-        w = triton_fused.exact_weights(minus, target, g, g_col, lse_col) if exact else None
+        w = target_split.exact_weights(minus, target, g, g_col, lse_col) if exact else None
         triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, None if lse_pos is None else g,
                     need_a, need_b and has_b, need_s, target=target, exact=w)
     return launches

@@ -20,8 +20,8 @@ Covered (everything else takes the JIT route as before, with the same results):
   "info_nce" / "clip" / "self", where the library was built with "<mode>_split" (with a target margin
   "<mode>_margin_split", "info_nce" / "clip" only) and the operators take the fused kernels (not the panel path),
   the split operators ``lse_split`` / ``lse_backward_split`` run as the JIT's fused route does
-  (``triton_fused.merge_split``: the loss as ``softplus(LSEx - l_t)``, ``ctx.minus_target``; the exact target
-  weights ``triton_fused.exact_weights`` in, ``ctx.moved_target`` / ``ctx.moved_less`` out). Elsewhere the call
+  (``target_split.merge_split``: the loss as ``softplus(LSEx - l_t)``, ``ctx.minus_target``; the exact target
+  weights ``target_split.exact_weights`` in, ``ctx.moved_target`` / ``ctx.moved_less`` out). Elsewhere the call
   runs without the split, as before;
 * CUDA tensors whose arch (sm_80 for 8.x, sm_90 for 9.0), dtype and D class the library was built for
   (``build_info()``); D and the row strides multiples of 16, 16-byte aligned rows, N, M < 2^31;
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ...routes import setting
+from .. import target_split
 from ..spec import Coeffs, CoreData, CoreSpec, coef_grad, combine
 from ..triton_shared import panels
 from ..triton_shared.configs import DTYPE_NAMES, d_pad
@@ -213,12 +214,12 @@ def _forward_split(ctx, a: Tensor, b: Tensor | None, dtypes, scale, spec: CoreSp
     lse_x, lse_col_x, lt, ws = torch.ops.fused_contrastive_aot.lse_split(a, b, _scale_tensor(scale), mode,
                                                                          float(spec.eps), ctx.split, float(spec.margin))
     minus: dict = {}
-    lse, lse_col = triton_fused.merge_split(lse_x, lse_col_x if clip else None, lt, ctx.split, False, minus)
+    lse, lse_col = target_split.merge_split(lse_x, lse_col_x if clip else None, lt, ctx.split, False, minus)
     ctx.path, ctx.mode, ctx.spec, ctx.coef, ctx.dtypes = "aot", mode, spec, coef, dtypes
     ctx.margin, ctx.target = float(spec.margin), None  # (a margin's targets are the split's, ctx.split)
     ctx.scale = None if isinstance(scale, Tensor) else scale
     ctx.save_for_backward(scale if isinstance(scale, Tensor) else None, lse, lse_col, a, b, ws)
-    ctx.minus_target = triton_fused.minus_coefficients(coef, minus, a.shape[0])
+    ctx.minus_target = target_split.minus_coefficients(coef, minus, a.shape[0])
     # the statistics of the backward's exact target weights and their coefficients (no library mode is B is A with
     # a column term)
     triton_fused.keep_exact(ctx, minus, ctx.minus_target, False, False)

@@ -26,6 +26,7 @@ from ..._tracing import tensors_are_traced
 from ..linear_terms import target_rows_less
 from ..norms import clamped_norms
 from ..spec import Coeffs, CoreData, CoreSpec, drop_zero
+from ..target_split import softplus
 
 _NEG_INF = float("-inf")
 
@@ -135,11 +136,6 @@ def _softmax(p: Tensor, dim: int, exact_sum: bool) -> Tensor:
     return p
 
 
-def _softplus(x: Tensor) -> Tensor:
-    """``log(1 + e^x)``, accurate on both sides of 0 (and 0 at -inf)."""
-    return torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
-
-
 def _split(lsm: Tensor, idx: Tensor, dim: int, keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The target split of a log-softmax tile ``lsm`` along ``dim`` (1: rows, 0: columns), the target entry of each
     row (column) at ``idx`` [N, 1] ([1, M]) where ``keep`` (None: every one): ``(loss, fold, rest)``, fp [N] ([M]):
@@ -154,7 +150,7 @@ def _split(lsm: Tensor, idx: Tensor, dim: int, keep: Tensor | None = None) -> tu
     lsm.scatter_(dim, idx, _NEG_INF)  # (in place, then restored: no second tile)
     rest_log = torch.logsumexp(lsm, dim=dim)
     lsm.scatter_(dim, idx, at)
-    loss = torch.where(fold, _softplus(rest_log - lt), -lt)
+    loss = torch.where(fold, softplus(rest_log - lt), -lt)
     return loss, fold, torch.where(fold, rest_log.exp(), 0.0)
 
 

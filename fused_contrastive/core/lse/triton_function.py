@@ -13,10 +13,10 @@ from torch import Tensor
 from ..._amp import autocast_off
 from ..._first_order import first_order
 from ..spec import Coeffs, CoreData, CoreSpec, combine
+from ..target_split import minus_coefficients
 from ..triton_shared import launch as TL
 from ..triton_shared import panels
 from . import library_route, triton_fused, triton_panel
-from .triton_fused import minus_coefficients
 
 __all__ = ["TritonCoreFn", "core"]
 

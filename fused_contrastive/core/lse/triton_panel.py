@@ -111,6 +111,7 @@ import triton
 from torch import Tensor
 
 from ...kernels import panel as KP
+from .. import target_split
 from ..spec import Coeffs, combine
 from ..triton_shared import gluon_epi, logit_pass, panels
 from ..triton_shared import launch as TL
@@ -168,7 +169,7 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
     ``"loss"`` [N] fp32, each row's ``LSE_i - l_it`` as ``softplus(LSEx_i - l_it)`` (no cancellation in the
     saturated regime; ``LSE_i`` where ``l_it`` is -inf) and ``"fold"`` [N] fp32, 1 where the row's entry is the
     difference and 0 where it is ``LSE_i``, as ``triton_fused._lse_fwd``'s split forward reports them (without
-    ``tri``: ``triton_fused.merge_split``, the columns' too). A bias column (a margin: AM-softmax, LaBSE) adds its
+    ``tri``: ``target_split.merge_split``, the columns' too). A bias column (a margin: AM-softmax, LaBSE) adds its
     bias to ``l_it`` where ``t_i`` is the row's bias column, as the tiles do. No bias column with ``tri``.
     With the option ``FUSED_CONTRASTIVE_EPI_GEMM=gluon-ws`` (sm_90 and a tested Triton: ``triton_shared.gluon_epi``)
     the partials come from the persistent warp-specialised Gluon kernel instead (the same rows' layout; the columns'
@@ -239,7 +240,7 @@ def stats_forward(launch, prep, a: Tensor, b: Tensor, scale_t: Tensor, spec, wan
         # (merge_split's second half is each row's largest tile logit, which it takes where the dot's value lies
         # within TILE_TARGET_TOL of it: the tile's own target logit always does)
         lt = _target_logit(a, b, target, scale_t, spec, bias_col=prep.bias_col)
-        return triton_fused.merge_split(lse, lse_col, torch.cat([lt, lt_tile]), target, False, minus_target)
+        return target_split.merge_split(lse, lse_col, torch.cat([lt, lt_tile]), target, False, minus_target)
     return lse, lse_col
 
 
@@ -278,7 +279,7 @@ def _add_target(lsex: Tensor, a: Tensor, target: Tensor, scale_t: Tensor, spec, 
     x = lsex - lt  # softplus(x) = log(1 + e^x), accurate on both sides
     loss = torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
     lse = torch.logaddexp(lsex, torch.where(valid & ~torch.isnan(lt_tile), lt_tile, lt))
-    # (1 - p_t as the backward's LSE makes it: triton_fused.exact_weights)
+    # (1 - p_t as the backward's LSE makes it: target_split.exact_weights)
     minus_target.update(loss=torch.where(valid, loss, lse), fold=valid.to(torch.float32),
                         rest=torch.where(valid, torch.exp(lsex - lse), 0.0))
     return lse
@@ -320,7 +321,7 @@ def sweep(launch, prep, a: Tensor, b: Tensor, sym: bool, scale_t: Tensor, spec,
     leave it empty.
 
     ``exact`` [N] fp32 (with ``target``, known statistics: not ``eager``): each row's log-sum-exp weight at its
-    target combined with the target term's share (``triton_fused.exact_weights``), which the tiles take at the
+    target combined with the target term's share (``target_split.exact_weights``), which the tiles take at the
     target entry (EXACT_T): ``tw`` is then that weight.
 
     ``prep`` is the fused path's ``_Prepared`` (labels, mask, bias columns, dummy); ``launch`` is
@@ -472,7 +473,7 @@ def tri_backward(launch, prep, a: Tensor, spec, scale_t: Tensor, lse: Tensor, g:
     ``-g_set_i w_ij`` (and ``-g_set_j w_ji`` in the transposed term) formed in fp32 inside H (``SPLIT_SET``),
     the labels (or the mask's indices, shifted by the panel's first row) in the panel's frame.
 
-    ``exact`` [N] fp32 (with ``target``): each row's combined target weight (``triton_fused.exact_weights``), which
+    ``exact`` [N] fp32 (with ``target``): each row's combined target weight (``target_split.exact_weights``), which
     H takes at ``(i, t_i)`` and, transposed, at ``(t_i, i)`` in whichever panel holds the pair (EXACT_T, in the
     frame): ``tw`` is then that weight."""
     n, d = a.shape
@@ -645,7 +646,7 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
         # ctx.minus_target [N] (c.lse where the row's entry is the difference, else 0; CLIP's column coefficient
         # where column i's is), which core.forward_parts takes out of the target term's value in turn (the
         # gradients are unchanged)
-        ctx.minus_target = g * minus["fold"] if eager else triton_fused.minus_coefficients(coef, minus, n)
+        ctx.minus_target = g * minus["fold"] if eager else target_split.minus_coefficients(coef, minus, n)
         # the split's statistics for the backward's exact target weights; the one pass's backward ran already, its
         # target weights holding these coefficients' share (kernels/panel.py _target_weight)
         triton_fused.keep_exact(ctx, {} if eager else minus, ctx.minus_target, p.sym, want_col)

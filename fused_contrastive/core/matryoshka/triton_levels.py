@@ -26,9 +26,10 @@ from ..._first_order import first_order
 from ...kernels import matryoshka as KM
 from ...routes import setting
 from .. import linear_terms
-from ..lse.triton_fused import merge_split, minus_coefficients, set_grad, with_positives
+from ..lse.triton_fused import set_grad, with_positives
 from ..norms import prefix_rows
 from ..spec import Coeffs, CoreData, CoreSpec, DirectCtx, coef_grad, combine, drop_zero
+from ..target_split import merge_split, minus_coefficients
 from ..triton_shared import launch as TL
 from ..triton_shared import panels
 from ..triton_shared.configs import (
@@ -506,7 +507,7 @@ def _set_value(a: Tensor, b: Tensor | None, scale, set_term: tuple[CoreSpec, Cor
 
 def _merge_levels(lse_x: Tensor, lse_col_x: Tensor | None, rmax: Tensor, lt: Tensor, target: Tensor, coef: Coeffs,
                   reduce: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The split forward's host step at every level (``triton_fused.merge_split`` per level): from the kernel's
+    """The split forward's host step at every level (``target_split.merge_split`` per level): from the kernel's
     ``LSEx`` [K, N], CLIP's ``LSEcolx`` [K, M] (or None), the rows' largest tile logits ``rmax`` [K, N] and the fp32
     target logits ``lt`` [K, N], the backward's merged ``(LSE [K, N], LSEcol [K, M] or None)`` and each level's
     value [K] (summed) or [K, N], the target term's included: ``c_i l_it`` taken out of it where the level's loss is
