@@ -8,7 +8,11 @@ without a column term, the batches most users train with) forms its tiles in fp3
 float64 at margin 13 and CLIP's 1.0 (0.047 at margin 9), CLIP's gradients 0.047 of the largest where bf16's own
 rounding of the float64 gradient is 0.003. The split (``_split``: the other entries' log-sum-exp of the log-softmax
 tile gives ``log(1 - p_t)``; the loss is ``softplus(log(1 - p_t) - log p_t)``, the target's weight ``-(1 - p_t)``)
-keeps both: the loss within 1.1e-5 of float64, the gradients within bf16's / fp16's own rounding of them."""
+keeps both: the loss within 1.1e-5 of float64, the gradients within bf16's / fp16's own rounding of them. The chunked
+path (``core/lse/torch_chunked.py``: the CPU's past 2^21 logits, O(N D) memory) splits the same way in its row chunks,
+its symmetric blocks (B is A: both roles of a block hold target entries) and CLIP's column statistics, and its
+backward takes ``target_split.exact_weights`` at the target entries: it was worse, per-row losses up to 4.3x off and
+gradients 0.06-0.1 of the largest at margin 13; now as the one-tile path. Tested in 16-row chunks (and blocks)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import warnings
 import pytest
 import torch
 
-from fused_contrastive.core.lse import torch_dense
+from fused_contrastive.core.lse import torch_chunked, torch_dense
 from fused_contrastive.testing import CASE_BY_NAME
 from fused_contrastive.testing import cases as C
 from fused_contrastive.testing.accuracy import make_inputs
@@ -34,9 +38,12 @@ CASES = {"info_nce": "temperature", "clip": "logit_scale", "simcse": "temperatur
          "clip_smoothed": "logit_scale"}
 
 
+#: the PyTorch paths: the one tile, and the chunked path in 16-row chunks of the 128-row problems
+PATHS = {"dense": dict(DENSE="1"), "chunked": dict(DENSE="0", TILE_ELEMENTS=str(16 * 128))}
+
+
 @pytest.fixture(autouse=True)
-def _dense(route):
-    route(DENSE="1")
+def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
@@ -72,8 +79,16 @@ def errors(case: str, dtype, margin: float, reduction: str | None, n: int = 128)
 @pytest.mark.parametrize("reduction", [None, "none"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_one_tile_path_against_float64(case, dtype, reduction, margin, launches):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_the_torch_paths_against_float64(path, case, dtype, reduction, margin, route, launches, monkeypatch):
+    route(**PATHS[path])
+    used = set()
+    for mod, fn in ((torch_dense, "DenseCoreFn"), (torch_chunked, "ChunkedCoreFn")):
+        cls = getattr(mod, fn)
+        monkeypatch.setattr(cls, "forward", staticmethod(
+            lambda *a, _f=cls.forward, _n=fn: (used.add(_n), _f(*a))[1]))
     loss_err, grad_errs = errors(case, dtype, margin, reduction)
+    assert used == {"DenseCoreFn" if path == "dense" else "ChunkedCoreFn"}, used
     assert not launches  # (the torch backend: no kernel ran)
     assert loss_err <= LOSS_TOL, f"{case} {dtype} margin {margin}: the loss off float64 by {loss_err:.3g}"
     for i, err in enumerate(grad_errs[:-1]):
@@ -82,7 +97,7 @@ def test_the_one_tile_path_against_float64(case, dtype, reduction, margin, launc
 
 
 @pytest.mark.parametrize("case,reduction", [("info_nce", "none"), ("clip", None)])
-def test_the_unsplit_form_misses(case, reduction, monkeypatch):
+def test_the_unsplit_form_misses(case, reduction, monkeypatch, route):
     """Planted: the split taking no row (the plain log-softmax tile's ``-lsm_t`` and ``p_t - 1``) misses the bounds at
     margin 13: the loss by more than 1e-2 (0.024 / 0.12), the embeddings' gradients (7.9e-3 beyond bf16's own rounding)
     and the temperature's (5e-3 to 9e-3)."""
@@ -92,16 +107,25 @@ def test_the_unsplit_form_misses(case, reduction, monkeypatch):
         return -lt, torch.zeros_like(lt, dtype=torch.bool), torch.zeros_like(lt)
 
     monkeypatch.setattr(torch_dense, "_split", unsplit)
+    route(**PATHS["dense"])
+    loss_err, grad_errs = errors(case, torch.bfloat16, 13.0, reduction)
+    assert loss_err > 1e-2 and max(grad_errs[:-1]) > GRAD_TOL and grad_errs[-1] > 10 * SCALE_TOL, (loss_err, grad_errs)
+    # the chunked path's, with its split off
+    monkeypatch.setattr(torch_chunked, "split_target", lambda *a: None)
+    route(**PATHS["chunked"])
     loss_err, grad_errs = errors(case, torch.bfloat16, 13.0, reduction)
     assert loss_err > 1e-2 and max(grad_errs[:-1]) > GRAD_TOL and grad_errs[-1] > 10 * SCALE_TOL, (loss_err, grad_errs)
 
 
-def test_a_column_term_with_more_columns_than_rows():
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_column_term_with_more_columns_than_rows(path, route):
     """The core op with CLIP's terms and M > N (columns past the rows have no pair; the first N columns' pairs split),
     bf16 rows at temperature 0.02 with positives at cosine ~0.999, against the definition written here in float64:
     ``sum_i c (LSE_i + LSEcol_i - 2 l_ii) + sum_{j >= N} c LSEcol_j``."""
     from fused_contrastive import core
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
+
+    route(**PATHS[path])
 
     g = torch.Generator().manual_seed(5)
     q = torch.nn.functional.normalize(torch.randn(24, 32, generator=g, dtype=torch.float64), dim=1)
