@@ -2,8 +2,8 @@
 SPLIT_T without TRI; tests/test_clip_loss.py and tests/test_tri_loss.py have its numerics on the interpreter): every
 launch that takes it, recorded as the losses' core-op calls make them on the fused route (InfoNCE: row statistics
 only; CLIP: the column statistics with their target entry apart too, A != B and B is A; the additive margin's
-bias column), in both 16-bit dtypes and every D bucket, compiles without spills, within shared memory and on
-tensor cores."""
+bias column), in both 16-bit dtypes and fp32 (whose tiles cancel as theirs do) and every D bucket, compiles without
+spills, within shared memory and on tensor cores."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ _COMPILE = textwrap.dedent(
     with routes.override(DENSE="0"):
         for cc, arch in compile_survey.TARGETS:
             seen = set()
-            for dt in (torch.bfloat16, torch.float16):
+            for dt in (torch.bfloat16, torch.float16, torch.float32):
                 for d in (64, 128, 768):
                     for form in ("info_nce", "clip", "clip_margin", "clip_self"):
                         for x in record(arch, dt, d, form):
@@ -74,7 +74,7 @@ def test_split_forward_launches_compile_without_spills(compiled):
     # every form, on both archs and in both 16-bit dtypes: row statistics alone and with the column term (the
     # margin's bias column, B is A)
     forms = {(r["cc"], r["dtype"], r["form"]) for r in compiled}
-    assert forms >= {(cc, dt, f) for cc in (80, 90) for dt in ("torch.bfloat16", "torch.float16")
+    assert forms >= {(cc, dt, f) for cc in (80, 90) for dt in ("torch.bfloat16", "torch.float16", "torch.float32")
                      for f in ("info_nce", "clip", "clip_margin")}, forms
     assert {(r["cc"], r["want_col"], r["has_bias"]) for r in compiled} == {
         (cc, col, bias) for cc in (80, 90) for col, bias in ((False, False), (True, False), (True, True))}

@@ -405,9 +405,10 @@ class TritonLevelsFn(torch.autograd.Function):
         dt = TL.kernel_dtype(a, b)
         L = _Levels(a.to(dt), None if b is None else b.to(dt), spec, data, coef.pos is not None, dims)
         want_col = coef.col is not None
-        if lt is not None and may_split and coef.pos is None and dt in (torch.float16, torch.bfloat16):
-            # the target split at every level: each level's LSE_i - l_it as softplus(LSEx_i - l_it), without the
-            # cancellation of two nearly equal fp32 numbers in a saturated softmax (as the plain kernels' split)
+        if lt is not None and may_split and coef.pos is None:
+            # the target split at every level (any operand dtype: the statistics are fp32 either way): each level's
+            # LSE_i - l_it as softplus(LSEx_i - l_it), without the cancellation of two nearly equal fp32 numbers in a
+            # saturated softmax (as the plain kernels' split)
             rmax = TL._alloc((L.k, L.p.a.shape[0]), torch.float32, a.device)
             lse, lse_col, lse_pos = _fwd(L, scale, spec, want_col, data.target, rmax)
             lse, lse_col, value = _merge_levels(lse, lse_col, rmax, lt, data.target, coef, reduce)
