@@ -223,16 +223,19 @@ def mat_fwd_kernel(
 def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
                 EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr, HAS_G: tl.constexpr,
                 HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr, HAS_TGT: tl.constexpr,
-                HAS_SET: tl.constexpr):
+                HAS_SET: tl.constexpr, EXACT_T: tl.constexpr):
     """Level k's gradient tile from its raw prefix products ``acc``: ``(G^k = dl^k FA[k, i] FB[k, j], this
     program's scalars sum_j dl^k cos^k per row, or sum_i per column with COLS, the tile dl^k cos^k)``, dl^k
     from the saved statistics (/ gscale) exactly as ``kernels/lse.py`` forms it. ``PTRS`` / ``MASKS`` are the kernel's
     pointer and mask arguments. HAS_TGT: the target logit's term joins the tile, ``TW[k, i]`` (its
     upstream gradient / gscale, signed) at column ``TGT[i]``, in fp32 before anything is rounded: in a
     peaked softmax ``p_it - 1`` cancels, and formed from a 16-bit ``p_it`` it lost ~2e-2 of the gradient.
-    HAS_SET: the positive-set term's ``-G_SET[k, i] w_ij`` (``c.set_i`` times the level's upstream gradient, / gscale;
-    ``w_ij`` the positives' weights, ``kernels/common.py`` ``_sub_set``) joins the tile likewise: in a softmax
-    concentrated on the positives ``p_ij`` and ``c.set_i w_ij`` nearly cancel."""
+    EXACT_T (with HAS_TGT): ``TW[k, i]`` is the whole entry at the target, the log-sum-exp terms' weight combined with
+    the target term's (``-g_i (1 - p_t)`` from the split forward's statistics, ``target_split.exact_weights``), which
+    replaces the tile's ``p_t``-based value instead of adding to it: in fp32 too ``p_t - 1`` keeps nothing of
+    ``1 - p_t`` below an ulp. HAS_SET: the positive-set term's ``-G_SET[k, i] w_ij`` (``c.set_i`` times the level's
+    upstream gradient, / gscale; ``w_ij`` the positives' weights, ``kernels/common.py`` ``_sub_set``) joins the tile
+    likewise: in a softmax concentrated on the positives ``p_ij`` and ``c.set_i w_ij`` nearly cancel."""
     RSA, RSB, FA, FB, BIAS_COL, ROW_LAB, COL_LAB, POS_MASK, LSE, G, LSE_COL, G_COL, LSE_POS, G_POS, TGT, TW, G_SET = \
         PTRS
     offset, bias, n0, m0, stride_pm = MASKS
@@ -270,7 +273,10 @@ def _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS,
     if HAS_TGT:
         tgt_r = tl.load(TGT + rows, mask=rmask, other=-1)
         tw_r = tl.load(TW + k * N + rows, mask=rmask, other=0.0) * inv_gs
-        dl += tl.where(cols[None, :] == tgt_r[:, None], tw_r[:, None], 0.0)
+        if EXACT_T:
+            dl = tl.where(cols[None, :] == tgt_r[:, None], tw_r[:, None], dl)
+        else:
+            dl += tl.where(cols[None, :] == tgt_r[:, None], tw_r[:, None], 0.0)
     if HAS_SET:
         gset_r = tl.load(G_SET + k * N + rows, mask=rmask, other=0.0) * inv_gs
         dl = _sub_set(dl, gset_r, rows, cols, N, M, offset, lab_r, lab_c, POS_MASK, n0, m0, stride_pm, POS_KIND,
@@ -338,7 +344,7 @@ def mat_bwd_kernel(
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, COLS: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     PRESCALE: tl.constexpr, HAS_TGT: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_T: tl.constexpr,
-    FOLD_NORM: tl.constexpr, HAS_SET: tl.constexpr,
+    FOLD_NORM: tl.constexpr, HAS_SET: tl.constexpr, EXACT_T: tl.constexpr,
 ):
     """dA for one block of rows (grid cdiv(N, BLOCK_M); X = A, NX = NA, n_out = N) and its share of dL/ds,
     or with COLS dB for one block of columns < n_out (grid cdiv(n_out, BLOCK_N); X = B, NX = NB).
@@ -414,7 +420,7 @@ def mat_bwd_kernel(
             acc = _seg_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_base, b_base, rmask, cmask, 0, hi,
                            BLOCK_D, UPCAST, DOT_PREC)
             g_k, v, _ = _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS, EXCLUDE_SELF, HAS_BIAS,
-                                    POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, COLS, HAS_TGT, HAS_SET)
+                                    POS_KIND, HAS_G, HAS_GCOL, HAS_GPOS, COLS, HAS_TGT, HAS_SET, EXACT_T)
             rho = tl.where(kk[None, :] == k, rho + v[:, None], rho)
             if SPLIT_T:  # the target entries leave the tile (the rows kernel keeps them in fp32)
                 if not COLS:
@@ -528,7 +534,7 @@ def mat_epi_kernel(
     GROUP_M: tl.constexpr, EXCLUDE_SELF: tl.constexpr, HAS_BIAS: tl.constexpr, POS_KIND: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GCOL: tl.constexpr, HAS_GPOS: tl.constexpr, HAS_TGT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PRESCALE: tl.constexpr, ALIGNED: tl.constexpr,
-    HAS_SET: tl.constexpr,
+    HAS_SET: tl.constexpr, EXACT_T: tl.constexpr,
 ):
     """The suffix sums of one panel, rows ``r0 .. r0 + P`` against every column: one output tile per program
     (grid ``cdiv(P, BLOCK_M) * cdiv(M, BLOCK_N)``, groups of GROUP_M row tiles sweep the columns together).
@@ -576,7 +582,7 @@ def mat_epi_kernel(
         acc = _seg_dot(acc, a_base, b_base, lmask, cmask, _bound(DIMS, k, ALIGNED), _bound(DIMS, k + 1, ALIGNED),
                        BLOCK_D, UPCAST, DOT_PREC)
         g, _, dc = _level_grad(acc, k, rows, cols, N, M, s, inv_gs, PTRS, MASKS, EXCLUDE_SELF, HAS_BIAS, POS_KIND,
-                               HAS_G, HAS_GCOL, HAS_GPOS, False, HAS_TGT, HAS_SET)
+                               HAS_G, HAS_GCOL, HAS_GPOS, False, HAS_TGT, HAS_SET, EXACT_T)
         dc = tl.where(smask, dc, 0.0)
         tl.store(rr + k, tl.sum(dc, axis=1), mask=lmask)
         tl.store(rc + k * M, tl.sum(dc, axis=0), mask=cmask)

@@ -201,7 +201,7 @@ _SCRIPT = textwrap.dedent(
             if variant == "set":  # the SET term's weights in the tiles (HAS_SET), its positives' fields
                 lv.p = TF.with_positives(lv.p, lv.p.a, lv.p.b, CoreSpec(), data)
             TM._bwd_suffix(lv, s, CoreSpec(), lse, lc, lp, g, None, g if lp is not None else None, True, True, True,
-                           tgt, g_set=g if variant == "set" else None)
+                           tgt, g_set=g if variant == "set" else None, exact=tgt is not None)
         (x,) = {x.name: x for x in launches if x.name == "mat_epi"}.values()
         return x
 

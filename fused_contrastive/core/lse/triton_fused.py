@@ -134,7 +134,8 @@ def splits_forward(ctx, coef, dt: torch.dtype) -> bool:
     """Whether a log-sum-exp piece's forward keeps each row's target entry out of its statistics: a target split
     asked (``ctx.split``), a row LSE term, and any operand dtype the kernels take: fp32 tiles cancel as 16-bit ones do,
     since ``LSE_i - l_it`` and ``p_t - 1`` are formed in fp32 either way (fp32 InfoNCE at margin 13 on the fused
-    kernels: a row's loss 1.85x off float64 and the gradients 0.30 of the largest before, tests/test_exact_target.py)."""
+    kernels: a row's loss 1.85x off float64 and the gradients 0.30 of the largest before:
+    tests/test_exact_target.py)."""
     return ctx.split is not None and coef.lse is not None and dt in (torch.float16, torch.bfloat16, torch.float32)
 
 

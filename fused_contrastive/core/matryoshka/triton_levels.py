@@ -29,7 +29,7 @@ from .. import linear_terms
 from ..lse.triton_fused import set_grad, with_positives
 from ..norms import prefix_rows
 from ..spec import Coeffs, CoreData, CoreSpec, DirectCtx, coef_grad, combine, drop_zero
-from ..target_split import merge_split, minus_coefficients
+from ..target_split import exact_weights, merge_split, minus_coefficients
 from ..triton_shared import launch as TL
 from ..triton_shared import panels
 from ..triton_shared.configs import (
@@ -142,15 +142,17 @@ def _grad_args(L: _Levels, s32: Tensor, spec: CoreSpec, gs: Tensor, lse, lse_col
                 **TL._mask_args(p, spec))
 
 
-def _grad_flags(L: _Levels, spec: CoreSpec, g, g_col, g_pos, tgt, g_set=None) -> dict[str, object]:
+def _grad_flags(L: _Levels, spec: CoreSpec, g, g_col, g_pos, tgt, g_set=None,
+                exact: bool = False) -> dict[str, object]:
     """The compile-time flags both backwards' kernels take."""
     return dict(**_flags(L, spec), KP=triton.next_power_of_2(L.k), HAS_G=g is not None, HAS_GCOL=g_col is not None,
                 HAS_GPOS=g_pos is not None, PRESCALE=prescale(L.p.a.dtype), HAS_TGT=tgt is not None,
-                HAS_SET=g_set is not None)
+                HAS_SET=g_set is not None, EXACT_T=bool(exact and tgt is not None))
 
 
 def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a: bool, need_b: bool,
-         need_s: bool, tgt: tuple[Tensor, Tensor] | None = None, wide: bool = False, g_set: Tensor | None = None):
+         need_s: bool, tgt: tuple[Tensor, Tensor] | None = None, wide: bool = False, g_set: Tensor | None = None,
+         exact: bool = False):
     """``(dA, dB, ds)`` of the level statistics' upstream gradients ``g*`` ([K, N] / [K, M] fp32 or None)
     and, with ``tgt = (target columns [N], signed weights [K, N] fp32)``, of the target logits' terms,
     which the kernels add inside each gradient tile. With a target the kernels split it out (SPLIT_T): each
@@ -159,7 +161,8 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     from the rows kernel's entries ``TG``), where in a peaked softmax ``p_it - 1`` nearly cancels. ``wide``: dA and dB
     in fp32 (the kernels' epilogues store their fp32 values unrounded), for a caller that adds more to them first.
     ``g_set`` [K, N] fp32 (``L.p`` with the positives' fields): the positive-set term's upstream coefficients
-    ``c.set_i go_k``, its ``-w_ij`` weights formed inside the gradient tiles (HAS_SET)."""
+    ``c.set_i go_k``, its ``-w_ij`` weights formed inside the gradient tiles (HAS_SET). ``exact``: ``tgt``'s weights are
+    the whole target entries (EXACT_T: :func:`level_exact_weights`), not the target term's share added to the tile."""
     p = L.p
     a, b = p.a, p.b
     dev = a.device
@@ -175,7 +178,8 @@ def _bwd(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_p
     # the target split where the rows kernel runs anyway (its TG feeds the columns kernel): with frozen queries
     # (no dA, no temperature gradient) only the columns kernel runs, with the target inside its tiles as before
     split = tgt is not None and (need_a or need_s)
-    flags = dict(_grad_flags(L, spec, g, g_col, g_pos, tgt, g_set), SPLIT_T=split, FOLD_NORM=a.dtype == torch.bfloat16)
+    flags = dict(_grad_flags(L, spec, g, g_col, g_pos, tgt, g_set, exact), SPLIT_T=split,
+                 FOLD_NORM=a.dtype == torch.bfloat16)
     gcols = m if spec.grad_cols is None else min(m, int(spec.grad_cols))
     split_cols = split and need_b and gcols > 0  # the columns kernel needs the rows kernel's TG
     tg = TL._alloc((L.k, n), torch.float32, dev) if split else dm
@@ -315,7 +319,7 @@ def _finish(x: Tensor, acc: list[Tensor], nx: Tensor, rho: Tensor, bounds: list[
 
 def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a: bool,
                 need_b: bool, need_s: bool, tgt: tuple[Tensor, Tensor] | None = None, wide: bool = False,
-                g_set: Tensor | None = None):
+                g_set: Tensor | None = None, exact: bool = False):
     """:func:`_bwd`'s gradients by suffix sums: per panel of rows, ``kernels/matryoshka.py``
     ``mat_epi_kernel`` writes ``H^r = sum_{k >= r} G^k`` (16-bit, [K, P, M]: 1 unit of matmul work for
     every level, one walk along D per tile) and the levels' row and column scalars; then cuBLAS multiplies
@@ -350,7 +354,7 @@ def _bwd_suffix(L: _Levels, scale, spec: CoreSpec, lse, lse_col, lse_pos, g, g_c
     rho_b = torch.zeros((m, k), dtype=torch.float32, device=dev)
     args = _grad_args(L, s32, spec, gs, lse, lse_col, lse_pos, g, g_col, g_pos, tgt, g_set)
     const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=min(cfg.block_d, d_pad(d)), GROUP_M=EPI_GROUP_M,
-                 **_grad_flags(L, spec, g, g_col, g_pos, tgt, g_set))
+                 **_grad_flags(L, spec, g, g_col, g_pos, tgt, g_set, exact))
     rows = suffix_rows(n, m, d, k, dt, need_cols)
     for r0 in range(0, n, rows):
         pr = min(rows, n - r0)
@@ -411,8 +415,9 @@ class TritonLevelsFn(torch.autograd.Function):
             # saturated softmax (as the plain kernels' split)
             rmax = TL._alloc((L.k, L.p.a.shape[0]), torch.float32, a.device)
             lse, lse_col, lse_pos = _fwd(L, scale, spec, want_col, data.target, rmax)
-            lse, lse_col, value = _merge_levels(lse, lse_col, rmax, lt, data.target, coef, reduce)
+            lse, lse_col, value, ctx.level_minus = _merge_levels(lse, lse_col, rmax, lt, data.target, coef, reduce)
         else:
+            ctx.level_minus = None
             lse, lse_col, lse_pos = _fwd(L, scale, spec, want_col)
             c32 = coef.to(torch.float32) if lt is not None else dataclasses.replace(coef.to(torch.float32), tgt=None)
             value = torch.stack([combine(c32, reduce, lse[k], None if lse_col is None else lse_col[k],
@@ -461,13 +466,16 @@ class TritonLevelsFn(torch.autograd.Function):
         g = per_level(coef.lse, n, lse)
         g_col = per_level(coef.col, m, lse_col)
         g_pos = per_level(coef.pos, n, lse_pos)
-        tgt = None
+        tgt, exact = None, False
         if coef.tgt is not None:
             # the target logits' term -c_i TGT^k_i: its weight -c_i go_k at column t_i of every level's tile,
             # none for a row whose target is its excluded own column (as linear_terms.LinearTermsFn)
             t, spec = ctx.target, ctx.spec
             c = coef.tgt.to(torch.float32) if isinstance(coef.tgt, Tensor) else float(coef.tgt)
             tw = -(drop_zero(c, go[:, None] if go.dim() == 1 else go).expand(k, n))
+            exact = ctx.level_minus is not None
+            if exact:  # the split forward's statistics: the whole target entry, without the cancellation of p_t - 1
+                tw = level_exact_weights(ctx.level_minus, coef, t, go, g, g_col, lse_col)
             if spec.exclude_self:
                 tw = torch.where(t == torch.arange(n, device=t.device) + spec.offset, 0.0, tw)
             tgt = (t, tw.contiguous())
@@ -480,7 +488,7 @@ class TritonLevelsFn(torch.autograd.Function):
         # B is A: the two roles' gradients summed in fp32 before the one rounding
         da, db, ds = (_bwd_suffix if ctx.suffix else _bwd)(L, scale, ctx.spec, lse, lse_col, lse_pos, g, g_col, g_pos,
                                                          need_a, (need_b and not same) or (same and need_a), need_s,
-                                                         tgt, same, g_set)
+                                                         tgt, same, g_set, exact)
         if same and da is not None:
             da = da + db
         adt, bdt, sdt, sshape = ctx.dtypes
@@ -507,15 +515,16 @@ def _set_value(a: Tensor, b: Tensor | None, scale, set_term: tuple[CoreSpec, Cor
 
 
 def _merge_levels(lse_x: Tensor, lse_col_x: Tensor | None, rmax: Tensor, lt: Tensor, target: Tensor, coef: Coeffs,
-                  reduce: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+                  reduce: bool) -> tuple[Tensor, Tensor | None, Tensor, list[dict]]:
     """The split forward's host step at every level (``target_split.merge_split`` per level): from the kernel's
     ``LSEx`` [K, N], CLIP's ``LSEcolx`` [K, M] (or None), the rows' largest tile logits ``rmax`` [K, N] and the fp32
     target logits ``lt`` [K, N], the backward's merged ``(LSE [K, N], LSEcol [K, M] or None)`` and each level's
     value [K] (summed) or [K, N], the target term's included: ``c_i l_it`` taken out of it where the level's loss is
-    the difference (``minus_coefficients``)."""
+    the difference (``minus_coefficients``), and each level's split statistics (``merge_split``'s dicts, for the
+    backward's :func:`level_exact_weights`)."""
     n = lse_x.shape[1]
     c32 = dataclasses.replace(coef.to(torch.float32), tgt=None)
-    lse, lse_col, value = [], [], []
+    lse, lse_col, value, minus_k = [], [], [], []
     for k in range(lse_x.shape[0]):
         minus: dict = {}
         lk, ck = merge_split(lse_x[k], None if lse_col_x is None else lse_col_x[k], torch.cat([lt[k], rmax[k]]),
@@ -525,7 +534,25 @@ def _merge_levels(lse_x: Tensor, lse_col_x: Tensor | None, rmax: Tensor, lt: Ten
         lse.append(lk)
         lse_col.append(ck)
         value.append(v - (rows.sum() if reduce else rows))
-    return torch.stack(lse), None if lse_col_x is None else torch.stack(lse_col), torch.stack(value)
+        minus_k.append(minus)
+    return torch.stack(lse), None if lse_col_x is None else torch.stack(lse_col), torch.stack(value), minus_k
+
+
+def level_exact_weights(level_minus: list[dict], coef: Coeffs, target: Tensor, go: Tensor, g: Tensor | None,
+                        g_col: Tensor | None, lse_col: Tensor | None) -> Tensor:
+    """Every level's whole target entry ``(i, t_i)`` of the gradient tile, [K, N] fp32 (the kernels' EXACT_T): the
+    log-sum-exp terms' weight combined with the share of the target term the split forward's loss holds
+    (``target_split.exact_weights`` from the level's statistics), plus the rest of the target term,
+    ``-(c.tgt_i - c_i) go_k`` (``c_i`` from ``minus_coefficients``: 0 where ``c.tgt = c.lse``)."""
+    n = target.shape[0]
+    c = coef.tgt.to(torch.float32) if isinstance(coef.tgt, Tensor) else float(coef.tgt)
+    out = []
+    for i, minus in enumerate(level_minus):
+        gk = g[i] if g is not None else torch.zeros(n, dtype=torch.float32, device=target.device)
+        w = exact_weights(minus, target, gk, None if g_col is None else g_col[i],
+                          None if lse_col is None else lse_col[i])
+        out.append(w - (c - minus_coefficients(coef, minus, n)) * go[i])  # (go [K] summed, [K, N] per row)
+    return torch.stack(out)
 
 
 def level_target_logits(a: Tensor, b: Tensor | None, scale, spec: CoreSpec, data: CoreData,
