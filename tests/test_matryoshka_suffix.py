@@ -178,7 +178,7 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core.lse import triton_fused as TF
+    from fused_contrastive.core.triton_shared import launch as TL
     from fused_contrastive.core.matryoshka import triton_levels as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import compile_survey
@@ -199,7 +199,7 @@ _SCRIPT = textwrap.dedent(
             lse, lc, lp = TM._fwd(lv, s, CoreSpec(), False)
             g = torch.empty(len(dims), n, device=meta)
             if variant == "set":  # the SET term's weights in the tiles (HAS_SET), its positives' fields
-                lv.p = TF.with_positives(lv.p, lv.p.a, lv.p.b, CoreSpec(), data)
+                lv.p = TL.with_positives(lv.p, lv.p.a, lv.p.b, CoreSpec(), data)
             TM._bwd_suffix(lv, s, CoreSpec(), lse, lc, lp, g, None, g if lp is not None else None, True, True, True,
                            tgt, g_set=g if variant == "set" else None, exact=tgt is not None)
         (x,) = {x.name: x for x in launches if x.name == "mat_epi"}.values()

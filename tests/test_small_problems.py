@@ -16,6 +16,9 @@ from fused_contrastive.testing import BENCH_CASES
 from fused_contrastive.testing.baselines import formula_of
 
 MATMULS = ("mm", "bmm", "addmm", "matmul", "baddbmm")
+#: in-place writes at an index (``self.scatter_(dim, index, src)``): their work is the index's size, not the tile's
+#: they return (one entry per row: a target's entry written into the tile is not a pass over it)
+INDEXED_WRITES = ("scatter_", "scatter_add_", "scatter_reduce_")
 
 
 class Passes(TorchDispatchMode):
@@ -28,6 +31,8 @@ class Passes(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         self.matmuls += name in MATMULS
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        if name in INDEXED_WRITES:
+            outs = (args[2],)  # (the index)
         if any(isinstance(t, torch.Tensor) and t.numel() >= self.tile for t in outs):
             self.tile_ops.append(name)
         return out

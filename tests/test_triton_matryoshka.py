@@ -234,7 +234,7 @@ _SCRIPT = textwrap.dedent(
 
     import torch
 
-    from fused_contrastive.core.lse import triton_fused as TF
+    from fused_contrastive.core.triton_shared import launch as TL
     from fused_contrastive.core.matryoshka import triton_levels as TM
     from fused_contrastive.core.spec import Coeffs, CoreData, CoreSpec
     from fused_contrastive.tools import compile_survey
@@ -262,7 +262,7 @@ _SCRIPT = textwrap.dedent(
                                   torch.empty(k, n, device=meta) if split else None)
             g = torch.empty(k, n, device=meta)
             if variant == "set":  # the SET term's weights in the gradient tiles (HAS_SET), its positives' fields
-                lv.p = TF.with_positives(lv.p, lv.p.a, lv.p.b, spec, data)
+                lv.p = TL.with_positives(lv.p, lv.p.a, lv.p.b, spec, data)
             TM._bwd(lv, s, spec, lse, lc, lp, g, g if lc is not None else None, g if lp is not None else None,
                     True, True, True, g_set=g if variant == "set" else None)
         return [x for x in launches if x.name.startswith("mat_")]

@@ -198,6 +198,12 @@ def coef_grad(c, go: Tensor, n: int, stat: Tensor | None) -> Tensor | None:
     return torch.where(stat == float("-inf"), 0.0, g).contiguous()
 
 
+def set_grad(c, go: Tensor, n: int) -> Tensor:
+    """The SET term's upstream coefficients ``c.set_i go`` as fp32 [n] (``c`` a number or an [n] tensor)."""
+    g = (c.to(device=go.device, dtype=torch.float32) if isinstance(c, Tensor) else float(c)) * go.to(torch.float32)
+    return (g.expand(n) if g.dim() == 0 else g).contiguous()
+
+
 def threshold_of(gpos: Tensor, margin_strategy: str, margin: float) -> Tensor:
     """GIST's ``theta_i``: ``gpos - margin`` ("absolute") or ``gpos - |gpos| * margin`` ("relative", the
     sign-independent rule of sentence-transformers 6.2), in ``gpos``'s dtype (here, the leaf both

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..._amp import autocast_off
 from ..._first_order import first_order
-from ..spec import Coeffs, CoreData, CoreSpec, combine
+from ..spec import Coeffs, CoreData, CoreSpec, combine, set_grad
 from ..target_split import minus_coefficients
 from ..triton_shared import launch as TL
 from ..triton_shared import panels
@@ -61,7 +61,7 @@ class TritonCoreFn(torch.autograd.Function):
         # the SET term's gradient formed inside the 16-bit tiles (core.PiecesFn hands over its coefficients)
         ctx.set_c = triton_fused.set_split(ctx, dt, spec, data, coef)
         if ctx.set_c is not None:
-            p = triton_fused.with_positives(p, ak, bk, spec, data)
+            p = TL.with_positives(p, ak, bk, spec, data)
         ctx.spec, ctx.coef = spec, coef
         # the tensors go through save_for_backward (in-place edits of the inputs are caught); the rest
         # of the prepared inputs (labels, masks, norms: O(N + M)) rides on ctx
@@ -99,7 +99,7 @@ class TritonCoreFn(torch.autograd.Function):
         g = TL._coef_grad(coef.lse, go, n, lse)
         g_col = TL._coef_grad(coef.col, go, lse_col.shape[0], lse_col) if lse_col is not None else None
         g_pos = TL._coef_grad(coef.pos, go, n, lse_pos)
-        g_set = None if ctx.set_c is None else triton_fused.set_grad(ctx.set_c, go, n)
+        g_set = None if ctx.set_c is None else set_grad(ctx.set_c, go, n)
         wide, split = getattr(ctx, "wide", False), ctx.split
         if split is not None and not need_a and not need_s and a.dtype == torch.float32:
             # a frozen A (LiT's locked image tower): the row kernel would run only to report the target

@@ -266,14 +266,3 @@ def set_split(ctx, dt: torch.dtype, spec: CoreSpec, data: CoreData, coef) -> obj
     return c
 
 
-def set_grad(c, go: Tensor, n: int) -> Tensor:
-    """The SET term's upstream coefficients ``c.set_i go`` as fp32 [n] (``c`` a number or an [n] tensor)."""
-    g = (c.to(device=go.device, dtype=torch.float32) if isinstance(c, Tensor) else float(c)) * go.to(torch.float32)
-    return (g.expand(n) if g.dim() == 0 else g).contiguous()
-
-
-def with_positives(p: TL._Prepared, a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData) -> TL._Prepared:
-    """``p`` with the positives' fields (labels or mask) prepared, for a backward that forms SET's weights
-    while its forward (no softmax over positives) ran without them."""
-    q = TL._prepare_data(a, b, spec, data, True)
-    return p._replace(pos_kind=q.pos_kind, row_lab=q.row_lab, col_lab=q.col_lab, pos_mask=q.pos_mask)

@@ -112,7 +112,7 @@ from torch import Tensor
 
 from ...kernels import panel as KP
 from .. import target_split
-from ..spec import Coeffs, combine
+from ..spec import Coeffs, combine, set_grad
 from ..triton_shared import gluon_epi, logit_pass, panels
 from ..triton_shared import launch as TL
 from ..triton_shared.configs import (
@@ -593,7 +593,7 @@ def forward(ctx, a: Tensor, b: Tensor | None, orig_dtypes, scale, spec, data, co
     if ctx.set_c is not None and takes_one_pass(eager, want_pos, spec, a.dtype):
         ctx.set_c = None
     if ctx.set_c is not None:
-        p = triton_fused.with_positives(p, a, b, spec, data)
+        p = TL.with_positives(p, a, b, spec, data)
         ctx.prep = p._replace(a=None, b=None, sa=None, sb=None)
     if eager:
         g = _vec(coef.lse, n, dev)
@@ -686,7 +686,7 @@ def backward(ctx, go: Tensor):
     p = ctx.prep
     n = lse.shape[0]
     g = TL._coef_grad(coef.lse, go, n, lse)
-    g_set = None if ctx.set_c is None else triton_fused.set_grad(ctx.set_c, go, n)
+    g_set = None if ctx.set_c is None else set_grad(ctx.set_c, go, n)
     ctx.took_set = g_set is not None  # the SET term's gradient is in these (core.PiecesFn drops its own)
     if ctx.tri:
         need_s = need_s and isinstance(scale, Tensor)

@@ -26,9 +26,8 @@ from ..._first_order import first_order
 from ...kernels import matryoshka as KM
 from ...routes import setting
 from .. import linear_terms
-from ..lse.triton_fused import set_grad, with_positives
 from ..norms import prefix_rows
-from ..spec import Coeffs, CoreData, CoreSpec, DirectCtx, coef_grad, combine, drop_zero
+from ..spec import Coeffs, CoreData, CoreSpec, DirectCtx, coef_grad, combine, drop_zero, set_grad
 from ..target_split import exact_weights, merge_split, minus_coefficients
 from ..triton_shared import launch as TL
 from ..triton_shared import panels
@@ -484,7 +483,7 @@ class TritonLevelsFn(torch.autograd.Function):
             # the positive-set term's -c.set_i go_k w_ij joins every level's tile in fp32 (its positives' fields
             # prepared here: the forward ran without them)
             g_set = torch.stack([set_grad(ctx.set_coef, go[i], n) for i in range(k)]).contiguous()
-            L.p = with_positives(L.p, L.p.a, None if same else L.p.b, ctx.spec, ctx.data)
+            L.p = TL.with_positives(L.p, L.p.a, None if same else L.p.b, ctx.spec, ctx.data)
         # B is A: the two roles' gradients summed in fp32 before the one rounding
         da, db, ds = (_bwd_suffix if ctx.suffix else _bwd)(L, scale, ctx.spec, lse, lse_col, lse_pos, g, g_col, g_pos,
                                                          need_a, (need_b and not same) or (same and need_a), need_s,

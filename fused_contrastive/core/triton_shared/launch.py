@@ -301,3 +301,10 @@ def _no_grads(a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_s: bool):
     """``(dA, dB, ds)`` of a backward without upstream gradients: zeros where needed."""
     return (torch.zeros_like(a) if need_a else None, torch.zeros_like(b) if need_b else None,
             torch.zeros((), device=a.device) if need_s else None)
+
+
+def with_positives(p: _Prepared, a: Tensor, b: Tensor | None, spec: CoreSpec, data: CoreData) -> _Prepared:
+    """``p`` with the positives' fields (labels or mask) prepared, for a backward that forms SET's weights
+    while its forward (no softmax over positives) ran without them."""
+    q = _prepare_data(a, b, spec, data, True)
+    return p._replace(pos_kind=q.pos_kind, row_lab=q.row_lab, col_lab=q.col_lab, pos_mask=q.pos_mask)
