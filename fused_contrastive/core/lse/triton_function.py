@@ -101,13 +101,14 @@ class TritonCoreFn(torch.autograd.Function):
         g_pos = TL._coef_grad(coef.pos, go, n, lse_pos)
         g_set = None if ctx.set_c is None else set_grad(ctx.set_c, go, n)
         wide, split = getattr(ctx, "wide", False), ctx.split
-        if split is not None and not need_a and not need_s and a.dtype == torch.float32:
-            # a frozen A (LiT's locked image tower): the row kernel would run only to report the target
-            # column's fp32 weight, which fp32 tiles (tf32x3 dots) do not need apart: the column kernel
-            # takes the target column as it is, and nothing recomputes the tiles for A
-            split = None
-        # each row's weight at its target combined with the target term's, without the cancellation of p_t - 1
+        # each row's weight at its target combined with the target term's, without the cancellation of p_t - 1 (with
+        # them a frozen A runs no row kernel: the target columns' weights are these)
         exact = triton_fused.backward_exact(ctx, split, g, g_col, lse_col)
+        if split is not None and exact is None and not need_a and not need_s and a.dtype == torch.float32:
+            # a frozen A (LiT's locked image tower) without the split statistics: the row kernel would run only to
+            # report the target column's fp32 weight, so the column kernel takes the target column as it is, and
+            # nothing recomputes the tiles for A
+            split = None
         if same and not p.sym:
             # B is A but with a bias (never used by the losses): dA + dB of the plain kernels
             out = triton_fused._lse_bwd(p, scale, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, need_a, need_s,

@@ -204,7 +204,9 @@ def _lse_bwd(p: TL._Prepared, scale, spec: CoreSpec, lse: Tensor, lse_col: Tenso
     arch = TL._arch(dev)
     da = db = ds = None
 
-    if need_a or need_s or split:  # (the row kernel also reports the target columns' weights)
+    # (the row kernel also reports the target columns' weights; known already where the exact weights are, but for the
+    # SET term's share)
+    if need_a or need_s or (split and (exact is None or g_set is not None)):
         cfg, block_d, resident = config_for("bwd_rows", arch, a.dtype, d)
         n_rb = triton.cdiv(n, cfg.block_m)
         da = TL._alloc((n, d), torch.float32 if wide else a.dtype, dev) if need_a else dm
