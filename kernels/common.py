@@ -153,6 +153,15 @@ def _online_rows(m_i, z_i, l):
     return m_new, z_i
 
 @triton.jit
+def _online_rows_split(m_i, z_i, l, hit):
+    """:func:`_online_rows` with the entries ``hit`` left out of the sum (a row's target, split out: the running max
+    may be theirs, a shift only)."""
+    m_new = tl.maximum(m_i, tl.max(l, axis=1))
+    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # guard exp(-inf - -inf)
+    z_i = z_i * tl.exp(m_i - m_safe) + tl.sum(tl.where(hit, 0.0, tl.exp(l - m_safe[:, None])), axis=1)
+    return m_new, z_i
+
+@triton.jit
 def _lse_add(x, y):
     """log(exp x + exp y) elementwise, -inf safe, NaN propagating."""
     mx = tl.maximum(x, y)

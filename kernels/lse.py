@@ -140,6 +140,7 @@ from .common import (
     _lse_add,
     _norm_bwd_epilogue,
     _online_rows,
+    _online_rows_split,
     _pos_logits,
     _row_stats,
     _stat,
@@ -246,11 +247,7 @@ def lse_fwd_kernel(
                 l = tl.where(cols[None, :] >= rows[:, None], l, NEG_INF)
             # 4. online row max / sum (SPLIT_T: the target's logit kept apart, out of the row's sum)
             if SPLIT_T:  # the running max may be the target's (a shift only); the sum leaves it out
-                hit = cols[None, :] == tgt_r[:, None]
-                m_new = tl.maximum(m_i, tl.max(l, axis=1))
-                m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # guard exp(-inf - -inf)
-                z_i = z_i * tl.exp(m_i - m_safe) + tl.sum(tl.where(hit, 0.0, tl.exp(l - m_safe[:, None])), axis=1)
-                m_i = m_new
+                m_i, z_i = _online_rows_split(m_i, z_i, l, cols[None, :] == tgt_r[:, None])
             else:
                 m_i, z_i = _online_rows(m_i, z_i, l)
             # 5. the same over positives only (SupCon L_in)

@@ -67,7 +67,19 @@ single-kernel backward (B is A runs as two inputs), the triangular forward, floa
 import triton
 import triton.language as tl
 
-from .common import NEG_INF, _dlogits, _grad_vec, _log0, _logits, _lse_add, _online_rows, _pos_logits, _stat, _sub_set
+from .common import (
+    NEG_INF,
+    _dlogits,
+    _grad_vec,
+    _log0,
+    _logits,
+    _lse_add,
+    _online_rows,
+    _online_rows_split,
+    _pos_logits,
+    _stat,
+    _sub_set,
+)
 from .panel import _grouped_tile
 
 
@@ -121,10 +133,7 @@ def _online_level(M_RUN, Z_RUN, idx, mask, first, l, hit, SPLIT: tl.constexpr):
     # and all writes land before the next read
     tl.debug_barrier()
     if SPLIT:
-        m_new = tl.maximum(m_i, tl.max(l, axis=1))
-        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # guard exp(-inf - -inf)
-        z_i = z_i * tl.exp(m_i - m_safe) + tl.sum(tl.where(hit, 0.0, tl.exp(l - m_safe[:, None])), axis=1)
-        m_i = m_new
+        m_i, z_i = _online_rows_split(m_i, z_i, l, hit)
     else:
         m_i, z_i = _online_rows(m_i, z_i, l)
     tl.store(M_RUN + idx, m_i, mask=mask)

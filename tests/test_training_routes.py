@@ -12,10 +12,7 @@ fell back to another fails."""
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
 import os
-import queue as queue_mod
 from unittest import mock
 
 import pytest
@@ -73,28 +70,13 @@ def test_one_process(name, route, precision, launches):
 
 def _spawn_route(route: str, store) -> dict[str, dict]:
     """{cell: {"grads": (rank 0's, rank 1's), "textbook": (...)} or {"error": text}}: every cell in one spawn of the
-    matrix's DDP worker (bf16, plain encoding), the route forced through the environment its ranks inherit."""
-    from _training_matrix import ddp_worker
+    matrix's DDP worker (bf16, plain encoding, ``test_training_matrix._spawn``), the route forced through the
+    environment its ranks inherit."""
+    from test_training_matrix import _spawn
 
     env = {f"FUSED_CONTRASTIVE_{k}": v for k, v in ROUTES[route].items()}
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     with mock.patch.dict(os.environ, env):
-        procs = [ctx.Process(target=ddp_worker, args=(r, 2, f"file://{store}", CELL_IDS, False, True, out))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-    results = []
-    try:
-        for _ in range(2):
-            results.append(torch.load(io.BytesIO(out.get(timeout=300))))
-    except queue_mod.Empty:
-        return {c: {"error": "a rank did not report within 300 s"} for c in CELL_IDS}
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        results = _spawn(CELL_IDS, "bf16", "plain", store)
     cells: dict[str, dict] = {}
     for name in CELL_IDS:
         if all(name in r["grads"] for r in results):
