@@ -106,6 +106,23 @@ def _spawn(names: list[str], precision: str, mode: str, store) -> list[dict]:
     return results
 
 
+def reported_cells(results: list[dict], names: list[str]) -> dict[str, dict]:
+    """{cell: {"grads": (rank 0's, rank 1's), "textbook": (...)}} for the cells of ``names`` both ranks reported."""
+    ranks = sorted(results, key=lambda r: r["rank"])
+    return {name: {"grads": tuple(r["grads"][name] for r in ranks),
+                   "textbook": tuple(r["textbook"][name] for r in ranks)}
+            for name in names if all(name in r["grads"] for r in results)}
+
+
+def ranks_agree(res: dict, what: str) -> dict:
+    """Rank 0's gradients of a DDP cell, after checking that DDP left identical ones on every rank."""
+    g0, g1 = res["grads"]
+    assert set(g0) == set(g1)
+    for k in g0:
+        assert torch.equal(g0[k], g1[k]), f"{what}: grad {k} differs between the ranks"
+    return g0
+
+
 def _ddp_group(precision: str, mode: str, tmp_path_factory) -> dict[str, dict]:
     """{cell: {"grads": (rank 0's, rank 1's)} or {"error": text}} for every cell of one (precision,
     mode) group, cached. One spawn runs the cells in order and stops at the first failure; after a
@@ -118,11 +135,7 @@ def _ddp_group(precision: str, mode: str, tmp_path_factory) -> dict[str, dict]:
     remaining = list(CELL_IDS)
     while remaining:
         results = _spawn(remaining, precision, mode, tmp_path_factory.mktemp(f"ddp_{precision}_{mode}") / "store")
-        for name in remaining:
-            if all(name in r["grads"] for r in results):
-                ranks = sorted(results, key=lambda r: r["rank"])
-                cells[name] = {"grads": tuple(r["grads"][name] for r in ranks),
-                               "textbook": tuple(r["textbook"][name] for r in ranks)}
+        cells.update(reported_cells(results, remaining))
         errors = [(r["rank"], *r["error"]) for r in results if r["error"] is not None]
         if not errors:
             break
@@ -148,10 +161,7 @@ def test_ddp_two_ranks(name, precision, mode, tmp_path_factory):
     if "error" in res:
         pytest.fail(f"{name}/{precision}/{mode}/ddp: {res['error']}")
     truth, same_one_process = truth_and_same(BY_NAME[name], bf16)
-    g0, g1 = res["grads"]
-    assert set(g0) == set(g1)
-    for k in g0:  # DDP leaves identical gradients on every rank
-        assert torch.equal(g0[k], g1[k]), f"{name}/{precision}/{mode}: grad {k} differs between the ranks"
+    g0 = ranks_agree(res, f"{name}/{precision}/{mode}")
     # the textbook's own error: the same DDP step (plain encoding) with the textbook loss on the
     # gathered global batch, in the cell's precision
     same = res["textbook"][0]

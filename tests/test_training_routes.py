@@ -16,12 +16,11 @@ import os
 from unittest import mock
 
 import pytest
-import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton (pip install -e '.[test]')")
 
 from _training_matrix import BY_NAME, CELLS, fresh, global_data, step, truth_and_same  # noqa: E402
-from test_training_matrix import _assert_grads  # noqa: E402
+from test_training_matrix import _assert_grads, ranks_agree, reported_cells  # noqa: E402
 
 from fused_contrastive import routes  # noqa: E402
 
@@ -77,16 +76,10 @@ def _spawn_route(route: str, store) -> dict[str, dict]:
     env = {f"FUSED_CONTRASTIVE_{k}": v for k, v in ROUTES[route].items()}
     with mock.patch.dict(os.environ, env):
         results = _spawn(CELL_IDS, "bf16", "plain", store)
-    cells: dict[str, dict] = {}
-    for name in CELL_IDS:
-        if all(name in r["grads"] for r in results):
-            ranks = sorted(results, key=lambda r: r["rank"])
-            cells[name] = {"grads": tuple(r["grads"][name] for r in ranks),
-                           "textbook": tuple(r["textbook"][name] for r in ranks)}
-        else:  # the worker stops at the first failing cell: that one's traceback, the rest not run
-            errs = [f"rank {r['rank']} failed at {r['error'][0]}:\n{r['error'][1]}" for r in results if r["error"]]
-            cells[name] = {"error": "\n".join(errs) or "not reported"}
-    return cells
+    cells = reported_cells(results, CELL_IDS)
+    # (the worker stops at the first failing cell: its traceback, for it and the cells not run after it)
+    errs = "\n".join(f"rank {r['rank']} failed at {r['error'][0]}:\n{r['error'][1]}" for r in results if r["error"])
+    return {name: cells.get(name, {"error": errs or "not reported"}) for name in CELL_IDS}
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +100,5 @@ def test_ddp_two_ranks_bf16(name, route, ddp_runs):
     if "error" in res:
         pytest.fail(f"{name}/{route}/ddp: {res['error']}")
     truth, _ = truth_and_same(BY_NAME[name], True)
-    g0, g1 = res["grads"]
-    assert set(g0) == set(g1)
-    for k in g0:  # DDP leaves identical gradients on every rank
-        assert torch.equal(g0[k], g1[k]), f"{name}/{route}: grad {k} differs between the ranks"
+    g0 = ranks_agree(res, f"{name}/{route}")
     _assert_grads(g0, truth, res["textbook"][0], True, f"{name}/bf16/{route}/ddp")

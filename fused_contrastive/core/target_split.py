@@ -21,6 +21,17 @@ from .spec import Coeffs
 TILE_TARGET_TOL = 2.0 ** -14
 
 
+def logsumexp_without(x: Tensor, idx: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """``(x at idx, the log-sum-exp of x along dim without those entries)``: each row (``dim`` 1, ``idx`` [R, 1]) or
+    column (``dim`` 0, ``idx`` [1, C]) leaves its one entry at ``idx`` out, ``x`` masked in place and then restored
+    (no second tile): the PyTorch paths' split statistics ``LSEx`` (or ``log(1 - p_t)`` from a log-softmax tile)."""
+    at = x.gather(dim, idx)
+    x.scatter_(dim, idx, float("-inf"))
+    out = torch.logsumexp(x, dim=dim)
+    x.scatter_(dim, idx, at)
+    return at.squeeze(dim), out
+
+
 def merge_split(lse_x: Tensor, lse_col_x: Tensor | None, lt: Tensor, target: Tensor, tri: bool,
                 minus_target: dict) -> tuple[Tensor, Tensor | None]:
     """The split forward's host step (also the ahead-of-time library route's, ``library_route``): from the kernel's

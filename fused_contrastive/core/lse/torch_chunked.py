@@ -29,7 +29,7 @@ from ..._amp import autocast_off
 from ..._first_order import first_order
 from ..norms import clamped_norms, normalize_backward_, normalize_rows
 from ..spec import Coeffs, CoreData, CoreSpec, combine, compute_dtype
-from ..target_split import exact_weights, merge_split, minus_coefficients, softplus
+from ..target_split import exact_weights, logsumexp_without, merge_split, minus_coefficients
 from ..tiles import _row_chunk, _safe, _ScaleGrad, _vec, tile_elements
 
 _NEG_INF = float("-inf")
@@ -130,13 +130,10 @@ def _stats_rows(tiles: _Tiles, n: int, want_col: bool, want_pos: bool, target: T
         _, l = tiles.logits(r0, r1, 0, m)
         if target is not None:
             t = target[r0:r1, None]
-            at = l.gather(1, t)
-            lt[r0:r1] = at[:, 0]
-            l.scatter_(1, t, _NEG_INF)
-            lse[r0:r1] = _lse_rows(l)
+            lt[r0:r1], lse[r0:r1] = logsumexp_without(l, t, 1)
             if lse_col is not None:  # the column sums keep every target entry but the pairs' (j, j)
                 own = t[:, 0] == torch.arange(r0, r1, device=dev)
-                l.scatter_(1, t, torch.where(own[:, None], _NEG_INF, at))
+                l.scatter_(1, t, torch.where(own, _NEG_INF, lt[r0:r1])[:, None])
                 lse_col = torch.logaddexp(lse_col, torch.logsumexp(l, dim=0))
             continue
         lse[r0:r1] = _lse_rows(l)
@@ -189,18 +186,11 @@ def _grads_rows(tiles, n, spec, lse, lse_col, lse_pos, g, g_col, g_pos, need_a, 
         c, l = tiles.logits(r0, r1, 0, m)
         lp = tiles.pos_logits(l, r0, r1, 0, m) if want_pos else None
         if eager_w is not None and splitting:  # the chunk's split statistics: LSEx, l_t, then the merged LSE
-            t = target[r0:r1, None]
-            at = l.gather(1, t)
-            lt = at[:, 0]
-            l.scatter_(1, t, _NEG_INF)
-            lse_x = _lse_rows(l)
-            l.scatter_(1, t, at)
-            lse_r = torch.logaddexp(lse_x, lt)
-            fold = lt > _NEG_INF
-            lse[r0:r1] = lse_r
-            split["loss"][r0:r1] = torch.where(fold, softplus(lse_x - lt), lse_r)
-            split["fold"][r0:r1] = fold.to(dt)
-            split["rest"][r0:r1] = torch.where(fold, torch.exp(lse_x - lse_r), 0.0)
+            lt, lse_x = logsumexp_without(l, target[r0:r1, None], 1)
+            chunk: dict = {}
+            lse[r0:r1] = merge_split(lse_x, None, torch.cat([lt, lt]), target[r0:r1], False, chunk)[0]
+            for key in ("loss", "fold", "rest"):
+                split[key][r0:r1] = chunk[key]
         elif eager_w is not None:
             lse[r0:r1] = _lse_rows(l)
             if lp is not None:

@@ -26,7 +26,7 @@ from ..._tracing import tensors_are_traced
 from ..linear_terms import target_rows_less
 from ..norms import clamped_norms
 from ..spec import Coeffs, CoreData, CoreSpec, drop_zero
-from ..target_split import softplus
+from ..target_split import exact_weights, logsumexp_without, minus_coefficients, softplus
 
 _NEG_INF = float("-inf")
 
@@ -142,14 +142,10 @@ def _split(lsm: Tensor, idx: Tensor, dim: int, keep: Tensor | None = None) -> tu
     ``-lsm_t`` as ``softplus(log(1 - p_t) - log p_t)`` with ``log(1 - p_t)`` the log-sum-exp of the other entries
     (no cancellation of ``LSE - l_t`` or ``1 - p_t`` in a saturated softmax: ``p_t`` within an ulp of 1), 1 where
     the entry is split (kept, finite), and ``1 - p_t`` there (0 elsewhere)."""
-    at = lsm.gather(dim, idx)
-    lt = at.squeeze(dim)
+    lt, rest_log = logsumexp_without(lsm, idx, dim)
     fold = lt > _NEG_INF
     if keep is not None:
         fold = fold & keep
-    lsm.scatter_(dim, idx, _NEG_INF)  # (in place, then restored: no second tile)
-    rest_log = torch.logsumexp(lsm, dim=dim)
-    lsm.scatter_(dim, idx, at)
     loss = torch.where(fold, softplus(rest_log - lt), -lt)
     return loss, fold, torch.where(fold, rest_log.exp(), 0.0)
 
@@ -217,9 +213,9 @@ class DenseCoreFn(torch.autograd.Function):
                 out = picked.sum() * -coef.tgt  # one number for every row: sum, then scale
             else:
                 out = drop_zero(coef.tgt, picked, spec.exclude_self).neg_()
-            if split:
-                ctx.split = (fold, rest, None, None, fold.to(dt) * (coef.tgt if not isinstance(coef.tgt, Tensor)
-                                                                     else coef.tgt.to(dt)))
+            if split:  # (the split statistics, merge_split's names: target_split.exact_weights reads them)
+                minus = dict(fold=fold.to(dt), rest=rest)
+                ctx.split = (minus, minus_coefficients(coef, minus, n), None)
         else:
             # loss_i = c.lse LSE_i + c.col LSEcol_i + c.pos LSEpos_i - c.tgt TGT_i - c.set SET_i, with
             # LSE = max(l) - max(log_softmax(l)) and LSEpos = LSE + LPP, LPP = log sum_j w_ij softmax_ij
@@ -244,6 +240,7 @@ class DenseCoreFn(torch.autograd.Function):
                     own[:k] = data.target[:k] == torch.arange(k, device=l.device)
                     cols = torch.arange(m, device=l.device).clamp(max=n - 1)[None, :]  # (columns past N: not kept)
                     col_loss, col_fold, col_rest = _split(lsmc, cols, 0, own)
+                    lse_col_all = lse_col  # (the backward's column weights of the entries it does not split)
                     lse_col = torch.where(col_fold, col_loss, lse_col)
                 col = drop_zero(coef.col, lse_col, empty)
                 out = out + col if not reduce else out  # a summed column term is added below
@@ -253,14 +250,12 @@ class DenseCoreFn(torch.autograd.Function):
             if coef.tgt is not None:
                 picked = l.gather(1, data.target[:, None])[:, 0] if l_tgt is None else l_tgt
                 if split:  # the target term without the c_i l_it the split rows' and columns' losses hold
-                    less = drop_zero(coef.lse, fold.to(dt), False)
-                    less = less.expand(n).clone() if less.dim() == 0 else less.clone()
+                    minus = dict(fold=fold.to(dt), rest=rest, lt_tile=picked)
                     if coef.col is not None:
-                        k = min(n, m)
-                        less[:k] += drop_zero(coef.col, col_fold.to(dt), False).expand(m)[:k]
+                        minus.update(col_fold=col_fold.to(dt), col_rest=col_rest)
+                    less = minus_coefficients(coef, minus, n)
                     out = out - target_rows_less(coef.tgt, less, picked)
-                    ctx.split = (fold, rest, None if coef.col is None else col_fold,
-                                 None if coef.col is None else col_rest, less)
+                    ctx.split = (minus, less, lse_col_all if coef.col is not None else None)
                 else:
                     out = out - drop_zero(coef.tgt, picked, spec.exclude_self)
             if coef.set is not None and uni:  # one weight for every column but the excluded own one
@@ -302,16 +297,11 @@ class DenseCoreFn(torch.autograd.Function):
         # with a scale gradient, each softmax is divided by its computed sum (see _softmax)
         dl = _softmax(lsm.exp(), 1, need_s).mul_(_per_row(coef.lse, g))
         split = ctx.split
-        row_t = col_t = set_t = None
-        if split is not None:  # the tiles' own target entries, for the rows (columns) the split does not take
+        set_t = None
+        if split is not None:
             t_idx = data.target[:, None]
-            row_t = dl.gather(1, t_idx)[:, 0]
         if coef.col is not None:
-            pcg = _softmax(lsmc.exp(), 0, need_s).mul_(coef.col * g)
-            if split is not None:
-                col_t = pcg.gather(1, t_idx)[:, 0]
-            dl.add_(pcg)
-            del pcg
+            dl.add_(_softmax(lsmc.exp(), 0, need_s).mul_(coef.col * g))
         if coef.pos is not None:
             safe = torch.where(lpp == _NEG_INF, 0.0, lpp)  # a row without positives: exp(-inf) = 0 below
             q = _softmax((_positive_logits(lsm, w) - safe[:, None]).exp_(), 1, need_s)
@@ -327,20 +317,14 @@ class DenseCoreFn(torch.autograd.Function):
             if split is not None:
                 set_t = -_vector(coef.set, g, cos.shape[0]) * w.gather(1, t_idx)[:, 0].to(dl.dtype)
         if split is not None:
-            # each target entry from its parts, none formed as a difference of nearly equal numbers: the row's
-            # -g_i c.lse_i (1 - p_t) where split (else its tile value), CLIP's column -g_i c.col_i (1 - pc_ii) where
-            # column i's pair (i, i) is split (else the column tile's value), the SET term's value there, and the
-            # target term's coefficient less the share the split took (``less``)
-            fold, rest, col_fold, col_rest, less = split
+            # each target entry from its parts, none formed as a difference of nearly equal numbers: the log-sum-exp
+            # terms' weight combined with the target term's share the split took (target_split.exact_weights: the
+            # row's -g_i c.lse_i (1 - p_t), CLIP's column pair's likewise), the SET term's value there, and the rest
+            # of the target term
+            minus, less, lse_col_all = split
             n, m = cos.shape
-            v = torch.where(fold, -_vector(coef.lse, g, n) * rest, row_t)
-            if col_fold is not None:
-                k = min(n, m)
-                own = torch.zeros(n, dtype=torch.bool, device=dl.device)
-                own[:k] = col_fold[:k]
-                gc_rest = torch.zeros(n, dtype=dl.dtype, device=dl.device)
-                gc_rest[:k] = _vector(coef.col, g, m)[:k] * col_rest[:k]
-                v = v + torch.where(own, -gc_rest, col_t)
+            v = exact_weights(minus, data.target, _vector(coef.lse, g, n),
+                              None if coef.col is None else _vector(coef.col, g, m), lse_col_all)
             if set_t is not None:
                 v = v + set_t
             tgt_c = coef.tgt.to(dl.dtype) if isinstance(coef.tgt, Tensor) else coef.tgt
